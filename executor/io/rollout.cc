@@ -1,0 +1,71 @@
+#include "executor/io/rollout.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace dta {
+namespace {
+
+template <typename T>
+absl::Status CheckLength(const char* field, const std::vector<T>& values, size_t tokens, bool optional) {
+  if (optional && values.empty()) return absl::OkStatus();
+  if (values.size() != tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("field '", field, "': ", values.size(), " values for ", tokens, " tokens"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(const char* field, const std::vector<float>& values) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("field '", field, "': value ", i, " is not finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateRollout(const Rollout& rollout, int64_t vocab_size) {
+  if (rollout.id.empty()) return absl::InvalidArgumentError("field 'id': empty");
+  const size_t n = rollout.tokens.size();
+  if (n == 0) return absl::InvalidArgumentError("field 'tokens': empty rollout");
+  for (size_t i = 0; i < n; ++i) {
+    const TokenId token = rollout.tokens[i];
+    if (token < 0 || (vocab_size > 0 && token >= vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("field 'tokens': token ", i, " = ", token,
+                                                     " is outside [0, ", vocab_size > 0 ? absl::StrCat(vocab_size) : "2^31", ")"));
+    }
+  }
+  for (const absl::Status& status :
+       {CheckLength("loss_mask", rollout.loss_mask, n, false), CheckLength("logprobs", rollout.logprobs, n, false),
+        CheckLength("versions", rollout.versions, n, true), CheckLength("advantages", rollout.advantages, n, true),
+        CheckLength("ref_logprobs", rollout.ref_logprobs, n, true), CheckFinite("logprobs", rollout.logprobs),
+        CheckFinite("advantages", rollout.advantages), CheckFinite("ref_logprobs", rollout.ref_logprobs)}) {
+    if (!status.ok()) return status;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (rollout.loss_mask[i] > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("field 'loss_mask': value ", i, " is ", rollout.loss_mask[i], ", not 0 or 1"));
+    }
+  }
+  if (rollout.loss_mask[0] != 0) {
+    return absl::InvalidArgumentError(
+        "field 'loss_mask': value 0 is 1, but the first token has no context to be predicted from");
+  }
+  for (size_t i = 0; i < rollout.versions.size(); ++i) {
+    if (rollout.versions[i] < -1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("field 'versions': value ", i, " is ", rollout.versions[i], " (must be >= -1)"));
+    }
+  }
+  if (rollout.reward && !std::isfinite(*rollout.reward)) {
+    return absl::InvalidArgumentError("field 'reward': not finite");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace dta

@@ -1,0 +1,112 @@
+// The push/pop schedule (AReaL-DTA Algorithm 3) as plain data, independent of any model.
+//
+// The executor keeps a stack holding the current root-to-leaf path: per position, the K/V of every
+// layer, the log-probability of the token, and gradient accumulators. A schedule is the exact list
+// of operations on that stack for one batch, planned once on the CPU before the first kernel runs.
+// Positions are offsets along the current path: a step with range [begin, end) on rollout r means
+// tokens begin..end-1 of rollout r, whose ancestors are positions 0..begin-1 of the same rollout.
+//
+// For each rollout r in the leaf order, with lcp = LCP(previous rollout, r):
+//   1. backward and pop the previous path down to lcp, right to left, in chunks of at most B
+//      tokens (a chunk whose graph is still alive is backpropagated directly, any other chunk is
+//      first recomputed with a graph on top of the stack's cached K/V);
+//   2. forward positions [lcp, |r|): the part the next pop will backpropagate first (at most B
+//      tokens) with a graph kept alive until then, the rest without a graph (a cache anchor);
+//   3. attach r's loss: its gradient with respect to each of its log-probabilities is added to the
+//      stack's per-token accumulators.
+// After the last rollout the stack is popped down to 0 the same way.
+//
+// Invariants (checked by the property tests): every tree token is forwarded once with or without
+// a graph and backpropagated exactly once; every step's ancestors are on the stack; the stack never
+// exceeds the longest rollout; no backward chunk exceeds B; at most one graph (of at most B
+// tokens) is alive at any time; every rollout's loss is attached exactly once.
+//
+// Room to grow (not yet used): a Forward step's graph may cover several future backward chunks when
+// a memory budget allows (the Backward steps then say reuses_graph for each), and a future
+// kForwardPacked step can forward several small complete subtrees at once, named by a range of the
+// leaf order, on top of their common prefix.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "executor/tree/prefix_tree.h"
+
+namespace dta {
+
+inline constexpr int64_t kUnboundedBlock = std::numeric_limits<int64_t>::max();
+
+struct ScheduleOptions {
+  // B: the most tokens one backward chunk may hold (and so the most tokens whose graph is alive).
+  // Must be at least 1. Default: unbounded, one chunk per pop.
+  int64_t block_size = kUnboundedBlock;
+  // false: a forward-only schedule (log-probabilities of every rollout, each unique token computed
+  // once): forwards without graphs, pops without backward, no losses. Default: training.
+  bool training = true;
+};
+
+enum class StepKind : uint8_t {
+  // Push positions [begin, end) of `rollout`'s path: compute their K/V and log-probabilities on
+  // top of the stack (whose height is `begin`). with_graph: keep the autograd graph for the
+  // matching Backward step.
+  kForward,
+  // Every position of `rollout` is on the stack: compute its loss from their log-probabilities
+  // and add d loss / d log-probability into the per-token accumulators.
+  kAttachLoss,
+  // Backpropagate positions [begin, end), the top of the stack: their accumulated loss gradients
+  // and dK/dV flow into the parameters and into the dK/dV accumulators of positions < begin.
+  // reuses_graph: the graph from a kForward step is still alive; otherwise recompute first.
+  kBackward,
+  // Drop positions [begin, end) from the top of the stack, freeing their K/V and accumulators.
+  kPop,
+};
+
+struct Step {
+  StepKind kind;
+  bool with_graph = false;    // kForward only
+  bool reuses_graph = false;  // kBackward only
+  RolloutIndex rollout = 0;   // the path the range lies on; for kAttachLoss the rollout itself
+  int64_t begin = 0;          // path positions [begin, end); for kAttachLoss [0, length)
+  int64_t end = 0;
+
+  int64_t size() const { return end - begin; }
+  friend bool operator==(const Step&, const Step&) = default;
+};
+
+struct Schedule {
+  std::vector<Step> steps;
+  std::vector<RolloutIndex> order;  // the leaf order it follows
+  int64_t block_size = kUnboundedBlock;
+  bool training = true;
+
+  // Summary, filled by BuildSchedule.
+  int64_t tree_tokens = 0;
+  int64_t forwarded_with_graph = 0;     // tokens in kForward steps with a graph
+  int64_t forwarded_without_graph = 0;  // tokens in kForward steps without a graph
+  int64_t recomputed = 0;               // tokens in kBackward steps that recompute
+  int64_t backpropagated = 0;           // tokens in kBackward steps
+  int64_t peak_stack = 0;               // the highest stack, in tokens
+  int64_t num_forward_steps = 0;
+  int64_t num_backward_steps = 0;
+  int64_t largest_backward = 0;  // the largest kBackward step, in tokens
+
+  // Tokens forwarded again for their backward / tree tokens (0 = nothing recomputed).
+  double recompute_overhead() const {
+    return tree_tokens == 0 ? 0.0 : static_cast<double>(recomputed) / tree_tokens;
+  }
+};
+
+// Plans the schedule for `tree` visiting rollouts in `order`, which must be a DFS leaf order (see
+// CheckDfsLeafOrder). INVALID_ARGUMENT if it is not, or if options.block_size < 1.
+// Time O(steps + nodes + rollouts).
+absl::StatusOr<Schedule> BuildSchedule(const PrefixTree& tree, absl::Span<const RolloutIndex> order,
+                                       const ScheduleOptions& options = {});
+
+// "forward r3 [0,128) graph", for logs and test failure messages.
+std::string StepToString(const Step& step);
+
+}  // namespace dta
