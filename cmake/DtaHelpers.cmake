@@ -4,6 +4,8 @@
 #   dta_cc_binary(NAME dta-tree SRCS main.cc DEPS dta::tree)
 #   dta_cc_test(NAME prefix_tree_test SRCS prefix_tree_test.cc DEPS dta::tree)
 
+include(GoogleTest)
+
 set(DTA_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare)
 
 function(dta_cc_library)
@@ -31,9 +33,9 @@ function(dta_cc_test)
   target_link_libraries(${DTA_NAME} PRIVATE ${DTA_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   target_compile_options(${DTA_NAME} PRIVATE ${DTA_WARNINGS})
   set_target_properties(${DTA_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
-  # One CTest entry per binary keeps the count honest and start-up cheap; gtest prints the cases.
-  add_test(NAME ${DTA_NAME} COMMAND ${DTA_NAME} WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-  if(DTA_LABELS)
-    set_tests_properties(${DTA_NAME} PROPERTIES LABELS "${DTA_LABELS}")
-  endif()
+  # One CTest entry per test case, so CTest's closing line counts the real cases.
+  gtest_discover_tests(${DTA_NAME}
+    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
+    DISCOVERY_MODE PRE_TEST
+    PROPERTIES LABELS "${DTA_LABELS}")
 endfunction()

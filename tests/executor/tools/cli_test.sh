@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# End-to-end checks of the command-line tools: dta-workload writes a file, dta-tree reads it
+# (tables and JSON), and bad input gets exit status 2 with a message naming file, line and field.
+# Usage: cli_test.sh BIN_DIR PYTHON
+set -uo pipefail
+bin="$1"
+python="$2"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+"$bin/dta-workload" --preset=tau2 --seed=3 --out="$work/tau2.jsonl" 2>"$work/gen.err" || fail "dta-workload exited $?"
+[[ -s "$work/tau2.jsonl" ]] || fail "dta-workload wrote nothing"
+
+"$bin/dta-tree" --block_size=2048 --partitions=4 "$work/tau2.jsonl" >"$work/table.txt" || fail "dta-tree exited $?"
+for expected in "compression C" "leaf-only C" "POR" "C_attn" "Push/pop schedule (B = 2,048" \
+                "dfs-contiguous (Algorithm 4)" "greedy by rollout tokens" "greedy by tree tokens"; do
+  grep -qF "$expected" "$work/table.txt" || fail "table lacks '$expected'"
+done
+
+"$bin/dta-tree" --json --partitions=4 --order=lexicographic "$work/tau2.jsonl" >"$work/out.json" || fail "dta-tree --json exited $?"
+"$python" - "$work/out.json" <<'PY' || fail "JSON output is wrong"
+import json, sys
+out = json.load(open(sys.argv[1]))
+tree, schedule, partition = out["tree"], out["schedule"], out["partition"]
+assert tree["rollouts"] > 0 and tree["tree_tokens"] <= tree["rollout_tokens"]
+assert abs(tree["compression"] - tree["rollout_tokens"] / tree["tree_tokens"]) < 1e-9
+assert schedule["order"] == "lexicographic" and schedule["largest_backward"] <= 2048
+assert partition["ranks"] == 4 and len(partition["dfs_contiguous"]["cost"]) == 4
+ours = partition["dfs_contiguous"]["max_cost"]
+assert ours <= partition["greedy_rollout_tokens"]["max_cost"], "Algorithm 4 lost to the rollout-token baseline"
+PY
+
+# Bad input: the second line's loss_mask is one value short.
+printf '%s\n%s\n' \
+  '{"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0, -1]}' \
+  '{"id": "b", "group": "g", "tokens": [1, 2], "loss_mask": [0], "logprobs": [0, -1]}' >"$work/bad.jsonl"
+"$bin/dta-tree" "$work/bad.jsonl" >/dev/null 2>"$work/bad.err"
+status=$?
+[[ $status -eq 2 ]] || fail "bad input exited $status, expected 2"
+grep -qF "$work/bad.jsonl:2: rollout 'b': field 'loss_mask'" "$work/bad.err" || fail "bad input message: $(cat "$work/bad.err")"
+
+"$bin/dta-tree" "$work/missing.jsonl" >/dev/null 2>&1
+[[ $? -eq 2 ]] || fail "a missing file must exit 2"
+"$bin/dta-tree" --order=random "$work/tau2.jsonl" >/dev/null 2>&1
+[[ $? -eq 2 ]] || fail "a bad --order must exit 2"
+"$bin/dta-workload" --preset=nope --out="$work/x.jsonl" >/dev/null 2>&1
+[[ $? -eq 2 ]] || fail "an unknown preset must exit 2"
+
+if ((failures)); then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all CLI checks passed"
