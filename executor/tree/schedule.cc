@@ -133,6 +133,7 @@ absl::StatusOr<Schedule> BuildSchedule(const PrefixTree& tree, absl::Span<const 
       planner.AttachLoss(rollout, length);
     } else {
       planner.Forward(rollout, lcp[i], length, /*with_graph=*/false);
+      planner.AttachLoss(rollout, length);
     }
   }
   if (num > 0) planner.PopTo(order[num - 1], 0);

@@ -45,7 +45,8 @@ struct ScheduleOptions {
   // Must be at least 1. Default: unbounded, one chunk per pop.
   int64_t block_size = kUnboundedBlock;
   // false: a forward-only schedule (log-probabilities of every rollout, each unique token computed
-  // once): forwards without graphs, pops without backward, no losses. Default: training.
+  // once): forwards without graphs, pops without backward; kAttachLoss steps only mark where each
+  // rollout's log-probabilities are complete. Default: training.
   bool training = true;
 };
 
@@ -54,8 +55,9 @@ enum class StepKind : uint8_t {
   // top of the stack (whose height is `begin`). with_graph: keep the autograd graph for the
   // matching Backward step.
   kForward,
-  // Every position of `rollout` is on the stack: compute its loss from their log-probabilities
-  // and add d loss / d log-probability into the per-token accumulators.
+  // Every position of `rollout` is on the stack: read its log-probabilities; when training,
+  // compute its loss from them and add d loss / d log-probability into the per-token
+  // accumulators.
   kAttachLoss,
   // Backpropagate positions [begin, end), the top of the stack: their accumulated loss gradients
   // and dK/dV flow into the parameters and into the dK/dV accumulators of positions < begin.

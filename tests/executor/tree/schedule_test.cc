@@ -103,7 +103,7 @@ std::string Violation(const PrefixTree& tree, const Schedule& s) {
     if (s.training && backpropagated[t] != 1) return absl::StrCat("tree token ", t, " backpropagated ", backpropagated[t], " times");
   }
   for (RolloutIndex r = 0; r < tree.num_rollouts(); ++r) {
-    if (s.training && attached[r] != 1) return absl::StrCat("rollout ", r, " loss attached ", attached[r], " times");
+    if (attached[r] != 1) return absl::StrCat("rollout ", r, " loss attached ", attached[r], " times");
   }
   // The summary agrees with the steps.
   if (s.forwarded_with_graph + s.forwarded_without_graph != n) return "summary: forwarded tokens";
