@@ -1,13 +1,6 @@
 # Finds LibTorch inside the Python venv's torch package (torch.utils.cmake_prefix_path), so the
 # C++ executor links exactly the torch the Python side uses. Sets DTA_HAVE_TORCH.
 set(DTA_HAVE_TORCH OFF)
-if(NOT DTA_PYTHON)
-  if(EXISTS ${PROJECT_SOURCE_DIR}/.venv/bin/python)
-    set(DTA_PYTHON ${PROJECT_SOURCE_DIR}/.venv/bin/python)
-  else()
-    find_program(DTA_PYTHON NAMES python3 python)
-  endif()
-endif()
 if(DTA_PYTHON)
   execute_process(
     COMMAND ${DTA_PYTHON} -c "import torch; print(torch.utils.cmake_prefix_path, end='')"

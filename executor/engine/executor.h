@@ -1,0 +1,67 @@
+// The three exact execution methods over one Qwen3Model and one loss:
+//
+//   kDense   every rollout on its own: the reference and the baseline.
+//   kPacked  Tree Training: the tree's unique tokens DFS-serialized into one forward with a tree
+//            attention mask and original position ids; each rollout's log-probabilities are
+//            gathered from the shared tokens, so autograd sums its gradient over the rollouts.
+//   kDta     AReaL-DTA: the push/pop schedule (executor/tree/schedule.h) over a stack holding the
+//            current root-to-leaf path (per-layer K/V, hidden states, log-probabilities and their
+//            gradient accumulators); backward right to left in chunks of at most B tokens.
+//
+// All three compute the same batch loss (a sum over rollouts, normalised as the loss options say)
+// and accumulate the same d loss / d parameter into every parameter's .grad (float64 runs agree to
+// rounding; tests/executor/engine checks 1e-9).
+//
+// Example:
+//   model.ZeroGrad();  // or set each parameter's grad to zero
+//   GradientResult r = ComputeGradients(model, rollouts, {.kind = LossKind::kPpo}, {.method = Method::kDta,
+//                                       .block_size = 2048});
+//
+// Thread safety: one call at a time per model (gradients accumulate into shared tensors).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "executor/io/rollout.h"
+#include "executor/loss/loss.h"
+#include "executor/model/qwen3_model.h"
+#include "executor/tree/schedule.h"
+
+namespace dta {
+
+enum class Method { kDense, kPacked, kDta };
+enum class LeafOrderKind { kBackwardDfs, kLexicographic };
+
+struct ExecutorOptions {
+  Method method = Method::kDta;
+  // kDta: the most tokens per backward chunk (B). Default: unbounded.
+  int64_t block_size = kUnboundedBlock;
+  // kDta: the order in which rollouts are visited. Default: AReaL-DTA Algorithm 1.
+  LeafOrderKind order = LeafOrderKind::kBackwardDfs;
+  // Rows of the [rows x vocabulary] logits slice computed at once for log-probabilities.
+  int64_t logprob_slice_rows = 1024;
+};
+
+struct GradientResult {
+  double loss = 0;                   // the batch loss: the sum of every rollout's (normalised) loss
+  std::vector<at::Tensor> logprobs;  // per rollout [L], current policy, detached; position 0 is 0
+  int64_t rollout_tokens = 0;        // all rollout tokens
+  int64_t forwarded_tokens = 0;      // tokens pushed through the model, recomputation included
+};
+
+// Computes the batch loss and adds d loss / d parameter into each parameter's .grad (callers zero
+// the gradients between steps). Rollouts must be valid (ValidateRollout) with token ids below the
+// model's vocabulary; TORCH_CHECK names the rollout otherwise.
+GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                                const LossOptions& loss, const ExecutorOptions& options = {});
+
+// Every rollout's per-token log-probabilities under the model, without gradients, each unique
+// token computed once for kPacked and kDta. Position 0 holds 0.
+std::vector<at::Tensor> ComputeLogprobs(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                                        const ExecutorOptions& options = {});
+
+}  // namespace dta

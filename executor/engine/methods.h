@@ -1,0 +1,52 @@
+// Internal to executor/engine: what the three methods share, and their entry points.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "executor/engine/executor.h"
+
+namespace dta::engine {
+
+// Everything about the loss that is fixed for the batch before execution: the normaliser, GRPO
+// advantages, whether entropy is needed, proximal log-probabilities for decoupled PPO.
+class LossPlan {
+ public:
+  LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
+           const ExecutorOptions& executor);
+
+  bool needs_entropy() const { return options_.entropy_coef != 0.0; }
+  // Rollout r's normalised loss as a differentiable function of its log-probabilities (and
+  // entropy, when needed; otherwise pass an undefined tensor).
+  at::Tensor Loss(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
+  // The same, with d loss / d logprobs (and d loss / d entropy) by autograd on the small vectors.
+  RolloutLossGrad LossAndGrad(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
+
+ private:
+  RolloutLossInputs Inputs(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
+
+  absl::Span<const Rollout> rollouts_;
+  LossOptions options_;
+  BatchLossContext batch_;
+  std::vector<std::vector<float>> advantages_;
+  std::vector<at::Tensor> proximal_;
+};
+
+// [L] int64 tensor of a rollout's tokens on the model's device.
+at::Tensor TokenTensor(const Rollout& rollout, const at::TensorOptions& model_options);
+
+// Checks token ids against the vocabulary, naming the rollout.
+void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts);
+
+// When `plan` is null, only log-probabilities are computed (no graph, no gradients).
+GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
+                        const ExecutorOptions& options);
+GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
+                         const ExecutorOptions& options);
+GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
+                      const ExecutorOptions& options);
+
+}  // namespace dta::engine

@@ -1,0 +1,157 @@
+// The training losses: pure functions of one rollout's per-token log-probabilities.
+//
+// An execution method (dense, packed tree, push/pop dta) computes, for each rollout r, a tensor
+// `logprobs` [L] of the current policy's log p(tokens[t] | tokens[<t]) (position 0 holds a dummy
+// value; loss_mask[0] = 0 so it never contributes), optionally the per-token `entropy` [L], and
+// calls RolloutLoss (or RolloutLossAndGrad) on it. It then adds d loss / d logprobs into the
+// accumulators of the rollout's tokens; it never needs to know which loss ran.
+//
+// The batch loss is the SUM over rollouts of RolloutLoss. Every normalisation is therefore fixed
+// before execution by a BatchLossContext (MakeBatchContext), so that a rollout's contribution
+// depends only on that rollout and the context.
+//
+// Notation for one rollout (all per-token quantities aligned with tokens, t = 0 .. L-1):
+//   m_t        loss_mask[t] (0/1); M = sum_t m_t, the rollout's loss tokens
+//   lp_t       current log-probability (the `logprobs` input, gradients flow into it)
+//   old_t      behaviour log-probability (Rollout::logprobs, constant)
+//   prox_t     proximal log-probability (`proximal_logprobs`, decoupled PPO only, constant)
+//   ref_t      reference log-probability (Rollout::ref_logprobs, constant)
+//   H_t        entropy (the `entropy` input, gradients flow into it)
+//   A_t        advantage (`advantages`, constant)
+//   N          batch.total_loss_tokens;  R = batch.num_rollouts
+//   clip(x)    min(max(x, 1 - eps_clip_low), 1 + eps_clip_high)
+//
+// Per-token policy losses l_t (only tokens with m_t = 1 are ever evaluated into the loss; masked
+// positions get exactly zero gradient even if their values are extreme):
+//   kSft:          l_t = -lp_t
+//   kPpo:          r_t = exp(lp_t - old_t)
+//                  l_t = max(-A_t r_t, -A_t clip(r_t))
+//                  dual clip (dual_clip = c > 1): if A_t < 0, l_t = min(l_t, -c A_t)
+//   kDecoupledPpo: (AReaL) r_t = exp(lp_t - prox_t), l_t as kPpo (same clip and dual clip), then
+//                  multiplied by the behaviour importance weight w_t = exp(prox_t - old_t) (a
+//                  constant, no gradient). With behave_imp_weight_cap = cap > 0, tokens with
+//                  w_t > cap contribute 0 (loss and gradient) but, as in AReaL, still count in
+//                  the normalisers (N, M), which are fixed from loss_mask.
+//   kGspo:         sequence level (see below).
+//
+// Regulariser per token (every kind, masked by m_t):
+//   g_t = -entropy_coef * H_t + kl_coef * k3_t,   k3_t = exp(ref_t - lp_t) - (ref_t - lp_t) - 1
+// (terms whose coefficient is 0 are skipped, so entropy / ref_logprobs are then not needed).
+//
+// Normalisation of token sums S = sum_t m_t (l_t + g_t):
+//   kTokenMean:    S / N
+//   kSequenceMean: (S / M) / R        (0 if M = 0)
+//   kSum:          S
+//
+// GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), standard sequence-level form:
+//   s   = exp((1/M) sum_t m_t (lp_t - old_t))           (length-normalised sequence ratio)
+//   A   = A_t of the first token with m_t = 1           (GSPO advantages are per sequence)
+//   L_s = max(-A s, -A min(max(s, 1 - gspo_eps_low), 1 + gspo_eps_high))
+// whose gradient is -A s (1/M) sum_t m_t d lp_t when unclipped, 0 when clipped (the paper's
+// GSPO gradient; the GSPO-token variant with stop-gradients is not implemented, it has the same
+// gradient when A is constant over the sequence). L_s is already a per-sequence mean, so the
+// rollout's policy term is L_s / R for kTokenMean and kSequenceMean, and L_s for kSum. The
+// regulariser g_t is added with the token normalisation above. eps_clip_*, dual_clip and
+// behave_imp_weight_cap do not apply to GSPO. A rollout with M = 0 contributes 0.
+//
+// Errors: c10::Error (TORCH_CHECK) whose message names the rollout id and the field, e.g.
+//   "rollout 'r7': field 'advantages': 5 values for 6 tokens".
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "executor/io/rollout.h"
+
+namespace dta {
+
+enum class LossKind {
+  kSft,           // supervised fine-tuning: negative log-likelihood
+  kPpo,           // PPO / GRPO token-level clipped surrogate against the behaviour policy
+  kDecoupledPpo,  // AReaL's decoupled PPO: clip against pi_prox, behaviour importance weight
+  kGspo,          // GSPO: clipped sequence-level (length-normalised) ratio
+};
+
+enum class Normalization {
+  kTokenMean,     // divide by the batch's total loss tokens
+  kSequenceMean,  // each rollout's masked token mean, divided by the number of rollouts
+  kSum,           // no normalisation
+};
+
+struct LossOptions {
+  LossKind kind = LossKind::kPpo;
+  Normalization normalization = Normalization::kTokenMean;
+  // PPO ratio clipped to [1 - eps_clip_low, 1 + eps_clip_high]; both >= 0.
+  double eps_clip_low = 0.2;
+  double eps_clip_high = 0.2;
+  // c > 1 enables dual clip (for negative advantages, the loss is capped at -c*A); 0 = off.
+  double dual_clip = 0.0;
+  // Decoupled PPO: tokens whose pi_prox / pi_behave exceeds this are masked out; 0 = no cap.
+  double behave_imp_weight_cap = 0.0;
+  // loss -= entropy_coef * entropy (needs the entropy input when nonzero).
+  double entropy_coef = 0.0;
+  // loss += kl_coef * k3 KL(pi || ref) per token (needs Rollout::ref_logprobs when nonzero).
+  double kl_coef = 0.0;
+  // GSPO sequence-ratio clip range [1 - gspo_eps_low, 1 + gspo_eps_high] (paper defaults).
+  double gspo_eps_low = 3e-4;
+  double gspo_eps_high = 4e-4;
+};
+
+// What the batch knows before execution. With data parallelism, both may be global (summed over
+// ranks) so that the sum of all ranks' losses is the global batch loss.
+struct BatchLossContext {
+  double total_loss_tokens = 0;  // N: sum over rollouts of sum(loss_mask)
+  int64_t num_rollouts = 0;      // R
+};
+
+// N = total number of tokens with loss_mask = 1, R = rollouts.size().
+BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts);
+
+// Per-token advantages for every rollout, aligned with its tokens.
+//
+// A rollout with per-token `advantages` keeps them (copied). Otherwise it must have a `reward`,
+// and gets the GRPO group advantage broadcast to every token:
+//   A = (reward - mean_g) / (std_g + 1e-6)     (normalize_std = true)
+//   A = reward - mean_g                         (normalize_std = false)
+// where mean_g and std_g (unbiased, n - 1 denominator, as torch.std) are over the rewards of all
+// rollouts of the batch with the same `group` string and a reward, wherever they sit in the batch
+// order. A group whose rewards are all equal (including a group of one) gets exactly 0.
+// TORCH_CHECK naming the rollout if a rollout has neither reward nor advantages, or advantages of
+// the wrong length.
+std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
+                                                  bool normalize_std = true);
+
+struct RolloutLossInputs {
+  const Rollout* rollout = nullptr;
+  at::Tensor logprobs{};  // [L] current policy, float32 or float64 (usually requires_grad)
+  at::Tensor entropy{};   // [L] or undefined; needed when entropy_coef != 0
+  // [L] or undefined; needed by kDecoupledPpo (pi_prox, treated as a constant).
+  at::Tensor proximal_logprobs{};
+  const std::vector<float>* advantages = nullptr;  // [L]; needed by all kinds but kSft
+};
+
+// The rollout's contribution to the batch loss: a 0-d tensor of logprobs' dtype and device,
+// already divided by the batch normaliser, with autograd history to `logprobs` (and `entropy` when
+// entropy_coef != 0) if they require grad. Always connected to `logprobs`, even when it is 0.
+// Checks (TORCH_CHECK, message names rollout id and field): logprobs/entropy/proximal_logprobs
+// 1-D float32/float64 of length L = tokens.size(); loss_mask, behaviour logprobs (kinds but
+// kSft), advantages and ref_logprobs (kl_coef != 0) of length L; the required inputs present;
+// option ranges; a positive normaliser when the rollout has loss tokens.
+at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& options,
+                       const BatchLossContext& batch);
+
+// The loss value and its gradients, computed with torch::autograd::grad on detached copies of the
+// inputs (the caller's tensors and graph are untouched; works under NoGradGuard).
+struct RolloutLossGrad {
+  double loss = 0;
+  at::Tensor dlogprobs{};  // [L], d loss / d logprobs, detached
+  // [L] d loss / d entropy when entropy was given (zeros if entropy_coef = 0), else undefined.
+  at::Tensor dentropy{};
+};
+RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOptions& options,
+                                   const BatchLossContext& batch);
+
+}  // namespace dta

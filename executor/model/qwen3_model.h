@@ -1,0 +1,97 @@
+// A Qwen3 decoder (RMSNorm, RoPE with explicit position ids, grouped-query attention with q/k
+// norm, SwiGLU MLP, optional tied embeddings) whose one core call is "forward a chunk of tokens on
+// top of a cached prefix". Every execution method (dense, packed tree, push/pop dta) is a schedule
+// over Forward() and Logprobs().
+//
+// Numerics follow Hugging Face's Qwen3: norms, RoPE tables and softmax run in at least float32
+// (float64 models stay float64 throughout, so float64 runs are exact references).
+//
+// Example:
+//   Qwen3Model model(config, at::TensorOptions().dtype(at::kDouble));
+//   model.InitRandom(/*seed=*/1);
+//   ChunkOutput out = model.Forward({.tokens = ids, .positions = at::arange(n, at::kLong)});
+//   at::Tensor logp = model.Logprobs(out.hidden.slice(0, 0, n - 1), ids.slice(0, 1, n));
+//
+// Thread safety: Forward and Logprobs are const and may run concurrently; mutating parameters
+// (an optimizer step) must not overlap them. Not copyable (parameters are shared tensors).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "executor/checkpoint/qwen3_config.h"
+
+namespace dta {
+
+// The tokens of one forward call and the context they sit on.
+struct ChunkInput {
+  at::Tensor tokens;     // [T] int64 token ids
+  at::Tensor positions;  // [T] int64 original position ids (offsets in their rollouts)
+  // Tree structure inside the chunk, tokens in DFS order: key j is visible to queries
+  // j .. key_end[j] - 1 (its subtree). [T] int64; undefined means a plain causal chain.
+  at::Tensor key_end;
+  // Per layer, K and V of the cached prefix that every chunk token attends to, [P, kv_heads,
+  // head_dim] each; empty vectors mean no prefix.
+  std::vector<at::Tensor> prefix_keys;
+  std::vector<at::Tensor> prefix_values;
+};
+
+struct ChunkOutput {
+  at::Tensor hidden;               // [T, hidden_size], after the final norm (the lm_head input)
+  std::vector<at::Tensor> keys;    // per layer [T, kv_heads, head_dim], after k-norm and RoPE
+  std::vector<at::Tensor> values;  // per layer [T, kv_heads, head_dim]
+};
+
+class Qwen3Model {
+ public:
+  // Parameters are allocated (zeros) with `options` (dtype, device) and require grad.
+  Qwen3Model(const Qwen3Config& config, at::TensorOptions options);
+  Qwen3Model(const Qwen3Model&) = delete;
+  Qwen3Model& operator=(const Qwen3Model&) = delete;
+  Qwen3Model(Qwen3Model&&) = default;
+  Qwen3Model& operator=(Qwen3Model&&) = default;
+
+  // Deterministic random weights: matrices ~ N(0, std), norm weights ~ 1 + N(0, std / 4).
+  void InitRandom(uint64_t seed, double std = 0.02);
+
+  const Qwen3Config& config() const { return config_; }
+  at::TensorOptions options() const { return options_; }
+  // Every parameter under its Hugging Face name ("model.layers.0.self_attn.q_proj.weight", ...),
+  // in a fixed order. lm_head.weight is absent when embeddings are tied.
+  const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
+  at::Tensor parameter(const std::string& name) const;
+
+  // Runs the decoder over a chunk. Builds an autograd graph iff grad mode is on and something
+  // requires grad. TORCH_CHECK on inconsistent shapes.
+  ChunkOutput Forward(const ChunkInput& input) const;
+
+  // log p(targets[i] | hidden[i]) per row, through lm_head and a log-softmax over the vocabulary
+  // computed `slice_rows` rows at a time: neither forward nor backward ever holds more than
+  // slice_rows x vocab logits. With `entropy`, also each row's entropy. Differentiable with
+  // respect to hidden and lm_head (or the tied embedding). hidden [N, hidden_size], targets [N].
+  at::Tensor Logprobs(const at::Tensor& hidden, const at::Tensor& targets, at::Tensor* entropy = nullptr,
+                      int64_t slice_rows = 1024) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj, up_proj,
+        down_proj;
+  };
+  at::Tensor Add(const std::string& name, at::IntArrayRef shape);
+  at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
+  // cos and sin tables [T, head_dim] for the given positions, in the compute dtype.
+  std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
+  at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_end,
+                       int64_t prefix) const;
+
+  Qwen3Config config_;
+  at::TensorOptions options_;
+  at::Tensor embed_, final_norm_, lm_head_;
+  std::vector<Layer> layers_;
+  std::vector<std::pair<std::string, at::Tensor>> named_;
+};
+
+}  // namespace dta

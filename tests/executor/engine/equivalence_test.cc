@@ -1,0 +1,208 @@
+// The contract: dense, packed tree and dta compute the same loss, the same log-probabilities and
+// the same gradient of every parameter (float64, relative error <= 1e-9), on random trees with
+// duplicates, prefix rollouts, one-token segments, a long chain and a wide branch, for every loss,
+// for B in {1, 3, 64, unbounded} and both leaf orders.
+#include "executor/engine/executor.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "tests/executor/tree/random_trees.h"
+
+namespace dta {
+namespace {
+
+constexpr double kTolerance = 1e-9;
+
+Qwen3Config TinyConfig(int64_t vocab = 19) {
+  Qwen3Config c;
+  c.vocab_size = vocab;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = false;
+  return c;
+}
+
+// Rollouts over the given token sequences with random masks, behaviour and reference
+// log-probabilities, rewards, two GRPO groups, and per-token advantages on some.
+std::vector<Rollout> MakeRollouts(const std::vector<std::vector<TokenId>>& sequences, uint64_t seed,
+                                  int64_t vocab = 19) {
+  const double center = -std::log(static_cast<double>(vocab));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<Rollout> rollouts;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    Rollout r;
+    r.id = "r" + std::to_string(i);
+    r.group = "g" + std::to_string(rng() % 2);
+    r.tokens = sequences[i];
+    const size_t n = r.tokens.size();
+    for (size_t t = 0; t < n; ++t) {
+      r.loss_mask.push_back(t > 0 && unit(rng) < 0.8);
+      // Around the tiny model's own log-probabilities (about -log vocab), so PPO ratios land on
+      // both sides of the clip range.
+      r.logprobs.push_back(static_cast<float>(center + 0.6 * (unit(rng) - 0.5)));
+      r.ref_logprobs.push_back(static_cast<float>(center + 0.6 * (unit(rng) - 0.5)));
+    }
+    r.reward = unit(rng);
+    if (i % 3 == 2) {
+      for (size_t t = 0; t < n; ++t) r.advantages.push_back(static_cast<float>(unit(rng) - 0.5));
+    }
+    rollouts.push_back(std::move(r));
+  }
+  return rollouts;
+}
+
+struct MethodRun {
+  GradientResult result;
+  std::vector<at::Tensor> grads;
+};
+
+MethodRun RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts, const LossOptions& loss,
+              const ExecutorOptions& options) {
+  for (const auto& [name, p] : model.named_parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  MethodRun run;
+  run.result = ComputeGradients(model, rollouts, loss, options);
+  for (const auto& [name, p] : model.named_parameters()) {
+    run.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+  }
+  return run;
+}
+
+double RelativeError(const at::Tensor& value, const at::Tensor& reference) {
+  const double scale = reference.norm().item<double>();
+  const double diff = (value - reference).norm().item<double>();
+  return scale > 0 ? diff / scale : diff;
+}
+
+void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& reference, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_NEAR(run.result.loss, reference.result.loss, kTolerance * std::max(1.0, std::abs(reference.result.loss)));
+  ASSERT_EQ(run.result.logprobs.size(), reference.result.logprobs.size());
+  for (size_t r = 0; r < run.result.logprobs.size(); ++r) {
+    EXPECT_LE(RelativeError(run.result.logprobs[r], reference.result.logprobs[r]), kTolerance) << "rollout " << r;
+  }
+  for (size_t i = 0; i < run.grads.size(); ++i) {
+    // A zero reference would make the comparison vacuous.
+    EXPECT_GT(reference.grads[i].norm().item<double>(), 0.0) << model.named_parameters()[i].first;
+    const double error = RelativeError(run.grads[i], reference.grads[i]);
+    EXPECT_LE(error, kTolerance) << model.named_parameters()[i].first;
+  }
+}
+
+std::vector<std::pair<std::string, LossOptions>> Losses() {
+  LossOptions sft{.kind = LossKind::kSft};
+  LossOptions ppo{.kind = LossKind::kPpo};
+  LossOptions dual{.kind = LossKind::kPpo, .normalization = Normalization::kSequenceMean, .eps_clip_low = 0.1,
+                   .eps_clip_high = 0.28, .dual_clip = 3.0};
+  LossOptions decoupled{.kind = LossKind::kDecoupledPpo, .behave_imp_weight_cap = 5.0};
+  LossOptions gspo{.kind = LossKind::kGspo};
+  LossOptions regularized{.kind = LossKind::kPpo, .normalization = Normalization::kSum, .entropy_coef = 0.01,
+                          .kl_coef = 0.05};
+  return {{"sft", sft}, {"ppo", ppo}, {"ppo_dual_clip_seq_mean", dual}, {"decoupled_ppo", decoupled},
+          {"gspo", gspo}, {"ppo_entropy_kl_sum", regularized}};
+}
+
+class Equivalence : public ::testing::Test {
+ protected:
+  explicit Equivalence(int64_t vocab = 19) : model_(TinyConfig(vocab), at::TensorOptions().dtype(at::kDouble)) {
+    model_.InitRandom(7, 0.3);
+  }
+
+  void CheckAllMethods(const std::vector<Rollout>& rollouts, const LossOptions& loss, const std::string& what,
+                       const std::vector<int64_t>& blocks = {1, 3, 64, kUnboundedBlock}) {
+    const MethodRun dense = RunMethod(model_, rollouts, loss, {.method = Method::kDense});
+    ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked}), dense, what + " packed");
+    for (int64_t block : blocks) {
+      for (LeafOrderKind order : {LeafOrderKind::kBackwardDfs, LeafOrderKind::kLexicographic}) {
+        const std::string name = what + " dta B=" + (block == kUnboundedBlock ? "inf" : std::to_string(block)) +
+                                 (order == LeafOrderKind::kLexicographic ? " lex" : " bdfs");
+        ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kDta, .block_size = block, .order = order}),
+                   dense, name);
+      }
+    }
+  }
+
+  Qwen3Model model_;
+};
+
+TEST_F(Equivalence, RandomTreesEveryLoss) {
+  const auto losses = Losses();
+  for (uint64_t seed = 0; seed < 12; ++seed) {
+    const auto sequences = testing::RandomRollouts(seed, {.max_rollouts = 10, .max_length = 12, .vocab = 4});
+    const auto& [name, loss] = losses[seed % losses.size()];
+    CheckAllMethods(MakeRollouts(sequences, seed), loss, "seed " + std::to_string(seed) + " " + name);
+  }
+}
+
+TEST_F(Equivalence, SharedPrefixWithDifferentAdvantagesAndMasks) {
+  // Three rollouts share 6 tokens but carry different masks and advantages on them.
+  std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6, 8, 9}, {1, 2, 3, 4, 5, 6}}, 3);
+  rollouts[0].loss_mask = {0, 1, 1, 1, 1, 1, 1};
+  rollouts[1].loss_mask = {0, 0, 0, 1, 0, 1, 1, 1};
+  rollouts[2].loss_mask = {0, 1, 0, 1, 0, 1};
+  rollouts[0].advantages = {0, 1, 1, 1, 1, 1, 1};
+  rollouts[1].advantages = {0, -2, -2, -2, -2, -2, -2, -2};
+  rollouts[2].advantages = {0, 0.5, 0.5, 0.5, 0.5, 0.5};
+  for (const auto& [name, loss] : Losses()) CheckAllMethods(rollouts, loss, name);
+}
+
+TEST_F(Equivalence, DuplicatesPrefixesAndOneTokenRollouts) {
+  const std::vector<Rollout> rollouts =
+      MakeRollouts({{5}, {5, 6}, {5, 6}, {5, 6, 7}, {5}, {4}, {5, 6, 7, 8, 9, 10}, {5, 6, 7}}, 11);
+  CheckAllMethods(rollouts, {.kind = LossKind::kPpo}, "ppo");
+  CheckAllMethods(rollouts, {.kind = LossKind::kSft}, "sft");
+}
+
+TEST_F(Equivalence, LongChain) {
+  std::vector<TokenId> chain(2000);
+  for (size_t i = 0; i < chain.size(); ++i) chain[i] = static_cast<TokenId>((i * 7) % 19);
+  std::vector<TokenId> branch(chain.begin(), chain.begin() + 1500);
+  branch.push_back(3);
+  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {64, 700, kUnboundedBlock});
+}
+
+class WideEquivalence : public Equivalence {
+ protected:
+  WideEquivalence() : Equivalence(/*vocab=*/530) {}
+};
+
+TEST_F(WideEquivalence, FiveHundredTwelveWayBranch) {
+  std::vector<std::vector<TokenId>> sequences;
+  for (TokenId i = 0; i < 512; ++i) sequences.push_back({1, 2, 3, 4, 5 + i, 7 + (i % 3)});
+  CheckAllMethods(MakeRollouts(sequences, 9, 530), {.kind = LossKind::kPpo}, "512-way", {3, kUnboundedBlock});
+}
+
+TEST_F(Equivalence, ForwardOnlyLogprobs) {
+  const auto rollouts = MakeRollouts(testing::RandomRollouts(42, {.vocab = 5}), 42);
+  const std::vector<at::Tensor> dense = ComputeLogprobs(model_, rollouts, {.method = Method::kDense});
+  for (Method method : {Method::kPacked, Method::kDta}) {
+    const std::vector<at::Tensor> other = ComputeLogprobs(model_, rollouts, {.method = method, .block_size = 2});
+    ASSERT_EQ(other.size(), dense.size());
+    for (size_t r = 0; r < dense.size(); ++r) EXPECT_LE(RelativeError(other[r], dense[r]), kTolerance);
+  }
+}
+
+TEST_F(Equivalence, RejectsTokensOutsideTheVocabulary) {
+  const auto rollouts = MakeRollouts({{1, 2, 40}}, 1);
+  try {
+    ComputeGradients(model_, rollouts, {.kind = LossKind::kSft});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rollout 'r0'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dta
