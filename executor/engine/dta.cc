@@ -12,9 +12,9 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include <optional>
 
 #include "executor/engine/methods.h"
+#include "executor/engine/packed_layout.h"
 #include "executor/tree/leaf_order.h"
 #include "executor/tree/prefix_tree.h"
 
@@ -147,6 +147,99 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
   if (stack.grad_entropy.defined()) stack.grad_entropy.slice(0, begin, end).zero_();
 }
 
+
+// A kPacked step: rollouts order[first, last) share the stack's positions [0, depth) and nothing
+// above it with anyone else. Their tokens above `depth` are forwarded at once with a tree mask on
+// top of the stack's K/V, their losses attached, and everything backpropagated; the stack's
+// accumulators below `depth` receive the gradients of its K/V, of the hidden state at depth - 1,
+// and of the log-probabilities (and entropies) the rollouts read from it.
+double RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const Rollout> rollouts,
+                     absl::Span<const RolloutIndex> group, int64_t depth, const LossPlan& plan, int64_t slice_rows,
+                     std::vector<at::Tensor>& logprobs_out) {
+  torch::autograd::AutoGradMode grad_mode(true);
+  // The group's suffixes above `depth` as their own little tree (rollouts ending at `depth` have
+  // no suffix).
+  PrefixTreeBuilder builder;
+  std::vector<RolloutIndex> suffix_index(group.size(), -1);
+  for (size_t k = 0; k < group.size(); ++k) {
+    const std::vector<TokenId>& tokens = rollouts[group[k]].tokens;
+    if (static_cast<int64_t>(tokens.size()) == depth) continue;
+    suffix_index[k] = builder.num_rollouts();
+    TORCH_CHECK(builder.AddRollout(absl::MakeConstSpan(tokens).subspan(depth)).ok(), rollouts[group[k]].id);
+  }
+  const PrefixTree suffixes = std::move(builder).Build();
+  const PackedLayout layout = MakePackedLayout(suffixes, depth);
+  const at::Device device = model.options().device();
+  auto as_tensor = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
+
+  // Anchors: the stack below `depth`, with version counters of their own (see ForwardChunk).
+  std::vector<at::Tensor> prefix_keys, prefix_values;
+  for (size_t l = 0; l < stack.keys.size() && depth > 0; ++l) {
+    prefix_keys.push_back(stack.keys[l].slice(0, 0, depth).variable_data().requires_grad_(true));
+    prefix_values.push_back(stack.values[l].slice(0, 0, depth).variable_data().requires_grad_(true));
+  }
+  const at::Tensor token_ids = as_tensor(layout.tokens);
+  const ChunkOutput out = model.Forward({.tokens = token_ids,
+                                         .positions = as_tensor(layout.positions),
+                                         .key_end = as_tensor(layout.key_end),
+                                         .prefix_keys = prefix_keys,
+                                         .prefix_values = prefix_values});
+  // Row 0 is the stack's hidden state at depth - 1; row t + 1 is packed token t's.
+  at::Tensor previous_hidden;
+  at::Tensor rows = out.hidden;
+  if (depth > 0) {
+    previous_hidden = stack.hidden.slice(0, depth - 1, depth).variable_data().requires_grad_(true);
+    rows = at::cat({previous_hidden, out.hidden});
+  }
+  std::vector<int64_t> predicted, predictor;
+  for (size_t t = 0; t < layout.tokens.size(); ++t) {
+    if (layout.previous[t] < 0 && depth == 0) continue;  // position 0: no prediction
+    predicted.push_back(static_cast<int64_t>(t));
+    predictor.push_back(depth > 0 ? layout.previous[t] + 1 : layout.previous[t]);
+  }
+  const at::Tensor predicted_ids = as_tensor(predicted);
+  const bool with_entropy = plan.needs_entropy();
+  at::Tensor entropy_values;
+  const at::Tensor values = model.Logprobs(rows.index_select(0, as_tensor(predictor)), token_ids.index_select(0, predicted_ids),
+                                           with_entropy ? &entropy_values : nullptr, slice_rows);
+  const int64_t n = static_cast<int64_t>(layout.tokens.size());
+  const at::Tensor zeros = at::zeros({n}, values.options());
+  const at::Tensor packed_logprobs = zeros.index_put({predicted_ids}, values);
+  const at::Tensor packed_entropy = with_entropy ? zeros.index_put({predicted_ids}, entropy_values) : at::Tensor();
+  // What the rollouts read from the stack below `depth`, as leaves whose gradients are collected.
+  const at::Tensor stack_logprobs = stack.logprobs.slice(0, 0, depth).clone().requires_grad_(true);
+  const at::Tensor stack_entropy =
+      with_entropy ? stack.entropy.slice(0, 0, depth).clone().requires_grad_(true) : at::Tensor();
+
+  at::Tensor total;
+  for (size_t k = 0; k < group.size(); ++k) {
+    at::Tensor logprobs = stack_logprobs;
+    at::Tensor entropy = stack_entropy;
+    if (suffix_index[k] >= 0) {
+      const at::Tensor path = as_tensor(layout.paths[suffix_index[k]]);
+      logprobs = at::cat({stack_logprobs, packed_logprobs.index_select(0, path)});
+      if (with_entropy) entropy = at::cat({stack_entropy, packed_entropy.index_select(0, path)});
+    }
+    logprobs_out[group[k]] = logprobs.detach().clone();
+    const at::Tensor loss = plan.Loss(group[k], logprobs, entropy);
+    total = total.defined() ? total + loss : loss;
+  }
+  total.backward();
+
+  torch::autograd::AutoGradMode no_grad(false);
+  auto collect = [](const at::Tensor& leaf, at::Tensor accumulator) {
+    if (leaf.defined() && leaf.grad().defined()) accumulator.add_(leaf.grad());
+  };
+  for (size_t l = 0; l < prefix_keys.size(); ++l) {
+    collect(prefix_keys[l], stack.grad_keys[l].slice(0, 0, depth));
+    collect(prefix_values[l], stack.grad_values[l].slice(0, 0, depth));
+  }
+  if (depth > 0) collect(previous_hidden, stack.grad_hidden.slice(0, depth - 1, depth));
+  collect(stack_logprobs, stack.grad_logprobs.slice(0, 0, depth));
+  if (with_entropy) collect(stack_entropy, stack.grad_entropy.slice(0, 0, depth));
+  return total.item<double>();
+}
+
 }  // namespace
 
 GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
@@ -159,7 +252,9 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   const std::vector<RolloutIndex> order =
       options.order == LeafOrderKind::kLexicographic ? LexicographicOrder(tree) : BackwardDfsOrder(tree);
   absl::StatusOr<Schedule> schedule =
-      BuildSchedule(tree, order, {.block_size = options.block_size, .training = training});
+      BuildSchedule(tree, order,
+                    {.block_size = options.block_size, .graph_budget = options.graph_budget, .pack = options.pack,
+                     .training = training});
   TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
 
   int64_t max_len = 0;
@@ -174,7 +269,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   GradientResult result;
   result.logprobs.resize(rollouts.size());
   for (const Rollout& rollout : rollouts) result.rollout_tokens += rollout.tokens.size();
-  std::optional<Chunk> kept;  // the one chunk whose graph is alive
+  std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
   for (const Step& step : schedule->steps) {
     switch (step.kind) {
       case StepKind::kForward: {
@@ -182,7 +277,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
                                    with_entropy, options.logprob_slice_rows);
         Push(stack, chunk);
         result.forwarded_tokens += step.size();
-        if (step.with_graph) kept = std::move(chunk);
+        if (step.with_graph) kept.push_back(std::move(chunk));
         break;
       }
       case StepKind::kAttachLoss: {
@@ -198,9 +293,10 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
       }
       case StepKind::kBackward: {
         if (step.reuses_graph) {
-          TORCH_CHECK(kept && kept->begin == step.begin && kept->end == step.end, "schedule: no graph to reuse");
-          Backward(stack, *kept);
-          kept.reset();
+          TORCH_CHECK(!kept.empty() && kept.back().begin == step.begin && kept.back().end == step.end,
+                      "schedule: no graph to reuse");
+          Backward(stack, kept.back());
+          kept.pop_back();
         } else {
           Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
                                      /*with_graph=*/true, with_entropy, options.logprob_slice_rows);
@@ -212,6 +308,14 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
       case StepKind::kPop:
         Pop(stack, step.begin, step.end);
         break;
+      case StepKind::kPacked: {
+        TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
+        result.loss += RunPackedStep(model, stack, rollouts,
+                                     absl::MakeConstSpan(schedule->order).subspan(step.first, step.last - step.first),
+                                     step.begin, *plan, options.logprob_slice_rows, result.logprobs);
+        result.forwarded_tokens += step.packed_tokens;
+        break;
+      }
     }
   }
   return result;

@@ -42,6 +42,12 @@ struct ExecutorOptions {
   int64_t block_size = kUnboundedBlock;
   // kDta: the order in which rollouts are visited. Default: AReaL-DTA Algorithm 1.
   LeafOrderKind order = LeafOrderKind::kBackwardDfs;
+  // kDta: tokens whose graphs may be kept alive instead of recomputed for their backward (see
+  // ScheduleOptions::graph_budget). Default 0: recompute, as the paper does.
+  int64_t graph_budget = 0;
+  // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
+  // mask on top of the stack (see StepKind::kPacked).
+  bool pack = false;
   // Rows of the [rows x vocabulary] logits slice computed at once for log-probabilities.
   int64_t logprob_slice_rows = 1024;
 };

@@ -7,24 +7,30 @@
 // tokens begin..end-1 of rollout r, whose ancestors are positions 0..begin-1 of the same rollout.
 //
 // For each rollout r in the leaf order, with lcp = LCP(previous rollout, r):
-//   1. backward and pop the previous path down to lcp, right to left, in chunks of at most B
-//      tokens (a chunk whose graph is still alive is backpropagated directly, any other chunk is
-//      first recomputed with a graph on top of the stack's cached K/V);
-//   2. forward positions [lcp, |r|): the part the next pop will backpropagate first (at most B
-//      tokens) with a graph kept alive until then, the rest without a graph (a cache anchor);
+//   1. backward and pop the previous path down to lcp, right to left, chunk by chunk (a chunk whose
+//      graph is still alive is backpropagated directly, any other chunk is first recomputed with a
+//      graph on top of the stack's cached K/V);
+//   2. forward positions [lcp, |r|) in chunks: the chunk the next pop backpropagates first keeps
+//      its graph until then, the others are forwarded without a graph (cache anchors) unless the
+//      graph budget lets them keep theirs;
 //   3. attach r's loss: its gradient with respect to each of its log-probabilities is added to the
 //      stack's per-token accumulators.
 // After the last rollout the stack is popped down to 0 the same way.
 //
-// Invariants (checked by the property tests): every tree token is forwarded once with or without
-// a graph and backpropagated exactly once; every step's ancestors are on the stack; the stack never
-// exceeds the longest rollout; no backward chunk exceeds B; at most one graph (of at most B
-// tokens) is alive at any time; every rollout's loss is attached exactly once.
+// Chunks are fixed when their tokens are forwarded: a forward range is cut at every later pop
+// target that falls inside it (so each pop removes whole chunks) and each piece is split evenly into
+// ceil(size / B) chunks of at most B tokens (Algorithm 3's evenly spaced boundaries).
 //
-// Room to grow (not yet used): a Forward step's graph may cover several future backward chunks when
-// a memory budget allows (the Backward steps then say reuses_graph for each), and a future
-// kForwardPacked step can forward several small complete subtrees at once, named by a range of the
-// leaf order, on top of their common prefix.
+// Packing (beyond the paper): consecutive rollouts whose unique tokens beyond their common prefix
+// d fit in B tokens, and which form complete subtrees below d, become one kPacked step that
+// forwards those tokens with a tree mask on top of the stack [0, d), attaches all their losses and
+// backpropagates at once, so thousands of short leaves do not become thousands of tiny steps.
+//
+// Invariants (checked by the property tests): every tree token is forwarded once (with or without
+// a graph) and backpropagated exactly once, after every loss through it and after all its
+// descendants; every step's ancestors are on the stack; the stack never exceeds the longest
+// rollout; no chunk or packed step exceeds B tokens; live graphs never exceed B + the graph budget
+// in tokens; every rollout's loss is attached exactly once.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +50,12 @@ struct ScheduleOptions {
   // B: the most tokens one backward chunk may hold (and so the most tokens whose graph is alive).
   // Must be at least 1. Default: unbounded, one chunk per pop.
   int64_t block_size = kUnboundedBlock;
+  // Tokens whose graphs may stay alive beyond the one chunk the next pop needs: a chunk forwarded
+  // while the live kept graphs plus its size fit in this budget keeps its graph instead of being
+  // recomputed for its backward. 0 (the default) recomputes everything else, as the paper does.
+  int64_t graph_budget = 0;
+  // Pack runs of small complete subtrees into kPacked steps of at most B tokens (training only).
+  bool pack = false;
   // false: a forward-only schedule (log-probabilities of every rollout, each unique token computed
   // once): forwards without graphs, pops without backward; kAttachLoss steps only mark where each
   // rollout's log-probabilities are complete. Default: training.
@@ -65,6 +77,13 @@ enum class StepKind : uint8_t {
   kBackward,
   // Drop positions [begin, end) from the top of the stack, freeing their K/V and accumulators.
   kPop,
+  // The rollouts order[first .. last) share the stack's positions [0, begin) (begin = end = the
+  // stack height) and their tokens beyond it, `packed_tokens` unique ones forming complete
+  // subtrees, are needed by no other rollout: forward those tokens in DFS order with a tree mask
+  // and a graph, attach the rollouts' losses (their log-probabilities below `begin` come from the
+  // stack, whose accumulators receive those gradients), backpropagate, and drop them. The stack
+  // height does not change.
+  kPacked,
 };
 
 struct Step {
@@ -74,8 +93,12 @@ struct Step {
   RolloutIndex rollout = 0;   // the path the range lies on; for kAttachLoss the rollout itself
   int64_t begin = 0;          // path positions [begin, end); for kAttachLoss [0, length)
   int64_t end = 0;
+  int32_t first = 0;          // kPacked: positions in the leaf order, [first, last)
+  int32_t last = 0;
+  int64_t packed_tokens = 0;  // kPacked: unique tokens above `begin`
 
-  int64_t size() const { return end - begin; }
+  // Tokens the step forwards or backpropagates.
+  int64_t size() const { return kind == StepKind::kPacked ? packed_tokens : end - begin; }
   friend bool operator==(const Step&, const Step&) = default;
 };
 
@@ -83,6 +106,7 @@ struct Schedule {
   std::vector<Step> steps;
   std::vector<RolloutIndex> order;  // the leaf order it follows
   int64_t block_size = kUnboundedBlock;
+  int64_t graph_budget = 0;
   bool training = true;
 
   // Summary, filled by BuildSchedule.
@@ -94,7 +118,10 @@ struct Schedule {
   int64_t peak_stack = 0;               // the highest stack, in tokens
   int64_t num_forward_steps = 0;
   int64_t num_backward_steps = 0;
-  int64_t largest_backward = 0;  // the largest kBackward step, in tokens
+  int64_t num_packed_steps = 0;
+  int64_t packed = 0;             // tokens in kPacked steps (forwarded with a graph, backpropagated)
+  int64_t largest_backward = 0;   // the largest kBackward or kPacked step, in tokens
+  int64_t peak_live_graphs = 0;   // the most tokens whose graphs were alive at once
 
   // Tokens forwarded again for their backward / tree tokens (0 = nothing recomputed).
   double recompute_overhead() const {

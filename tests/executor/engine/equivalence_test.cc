@@ -1,7 +1,7 @@
 // The contract: dense, packed tree and dta compute the same loss, the same log-probabilities and
 // the same gradient of every parameter (float64, relative error <= 1e-9), on random trees with
 // duplicates, prefix rollouts, one-token segments, a long chain and a wide branch, for every loss,
-// for B in {1, 3, 64, unbounded} and both leaf orders.
+// for B in {1, 3, 64, unbounded}, both leaf orders, with and without a graph budget and packing.
 #include "executor/engine/executor.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
@@ -124,11 +124,22 @@ class Equivalence : public ::testing::Test {
                        const std::vector<int64_t>& blocks = {1, 3, 64, kUnboundedBlock}) {
     const MethodRun dense = RunMethod(model_, rollouts, loss, {.method = Method::kDense});
     ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked}), dense, what + " packed");
+    struct Variant {
+      LeafOrderKind order;
+      int64_t budget;
+      bool pack;
+    };
+    const Variant variants[] = {{LeafOrderKind::kBackwardDfs, 0, false}, {LeafOrderKind::kLexicographic, 0, false},
+                                {LeafOrderKind::kBackwardDfs, 6, true}, {LeafOrderKind::kLexicographic, 1 << 20, true}};
     for (int64_t block : blocks) {
-      for (LeafOrderKind order : {LeafOrderKind::kBackwardDfs, LeafOrderKind::kLexicographic}) {
+      for (const Variant& v : variants) {
         const std::string name = what + " dta B=" + (block == kUnboundedBlock ? "inf" : std::to_string(block)) +
-                                 (order == LeafOrderKind::kLexicographic ? " lex" : " bdfs");
-        ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kDta, .block_size = block, .order = order}),
+                                 (v.order == LeafOrderKind::kLexicographic ? " lex" : " bdfs") +
+                                 " budget=" + std::to_string(v.budget) + (v.pack ? " packed" : "");
+        ExpectSame(model_,
+                   RunMethod(model_, rollouts, loss,
+                             {.method = Method::kDta, .block_size = block, .order = v.order, .graph_budget = v.budget,
+                              .pack = v.pack}),
                    dense, name);
       }
     }
@@ -170,7 +181,7 @@ TEST_F(Equivalence, LongChain) {
   for (size_t i = 0; i < chain.size(); ++i) chain[i] = static_cast<TokenId>((i * 7) % 19);
   std::vector<TokenId> branch(chain.begin(), chain.begin() + 1500);
   branch.push_back(3);
-  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {64, 700, kUnboundedBlock});
+  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {64, kUnboundedBlock});
 }
 
 class WideEquivalence : public Equivalence {
