@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs every test: installs what is missing, builds, then CTest (GoogleTest suites).
+# Runs every test: installs what is missing, builds, then CTest (GoogleTest suites) and pytest
+# (tests/python: parity with Hugging Face transformers, using the binaries in build/).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$repo/scripts/setup.sh"
 "$repo/scripts/build.sh"
 cd "$repo"
 ctest --test-dir build --output-on-failure -j"$(nproc)"
+DTA_BUILD_DIR="$repo/build" "$repo/.venv/bin/python" -m pytest -q "$repo/tests/python"

@@ -1,0 +1,194 @@
+#include "executor/model/qwen3_checkpoint.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <bit>
+#include <cstring>
+#include <set>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "executor/checkpoint/qwen3_config.h"
+#include "executor/checkpoint/safetensors.h"
+
+namespace dta {
+namespace {
+
+// Safetensors data is little-endian; tensors are copied byte for byte.
+static_assert(std::endian::native == std::endian::little, "checkpoints assume a little-endian host");
+
+// The safetensors dtype of a torch dtype, or nullopt if the format has none we support.
+std::optional<DType> ToDType(at::ScalarType type) {
+  switch (type) {
+    case at::kDouble: return DType::kF64;
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    case at::kFloat8_e4m3fn: return DType::kF8E4M3;
+    case at::kFloat8_e5m2: return DType::kF8E5M2;
+    case at::kLong: return DType::kI64;
+    case at::kInt: return DType::kI32;
+    case at::kShort: return DType::kI16;
+    case at::kChar: return DType::kI8;
+    case at::kByte: return DType::kU8;
+    case at::kBool: return DType::kBool;
+    default: return std::nullopt;
+  }
+}
+
+// The floating-point storage types a model checkpoint may use, with config.json's name for each.
+std::optional<at::ScalarType> WeightType(DType dtype) {
+  switch (dtype) {
+    case DType::kF64: return at::kDouble;
+    case DType::kF32: return at::kFloat;
+    case DType::kBF16: return at::kBFloat16;
+    case DType::kF16: return at::kHalf;
+    default: return std::nullopt;
+  }
+}
+
+const char* ConfigDTypeName(at::ScalarType type) {
+  switch (type) {
+    case at::kDouble: return "float64";
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return nullptr;
+  }
+}
+
+std::string FileOf(const SafetensorsCheckpoint& checkpoint, std::string_view name) {
+  const SafetensorsFile* file = checkpoint.FileOf(name);
+  return file != nullptr ? file->path() : std::string("?");
+}
+
+// A CPU tensor holding a copy of the stored bytes, in the stored dtype (copied rather than wrapped,
+// since the mapping only guarantees the alignment the file gives).
+at::Tensor ToTensor(const SafetensorsCheckpoint& checkpoint, const TensorView& view) {
+  const std::optional<at::ScalarType> type = WeightType(view.dtype);
+  TORCH_CHECK(type.has_value(), "LoadQwen3Model: ", FileOf(checkpoint, view.name), ": tensor '", view.name,
+              "' is stored as ", DTypeName(view.dtype), "; model weights must be BF16, F16, F32 or F64");
+  at::Tensor tensor = at::empty(view.shape, at::TensorOptions().dtype(*type));
+  if (view.nbytes() > 0) std::memcpy(tensor.data_ptr(), view.data.data(), view.data.size());
+  return tensor;
+}
+
+const TensorView* GetChecked(const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                             at::IntArrayRef shape) {
+  absl::StatusOr<const TensorView*> view =
+      checkpoint.Get(name, absl::Span<const int64_t>(shape.data(), shape.size()));
+  TORCH_CHECK(view.ok(), "LoadQwen3Model: ", view.status().message());
+  return *view;
+}
+
+// Describes a contiguous CPU tensor for the writer; `tensor` must outlive the write.
+TensorToWrite ToWrite(const std::string& name, DType dtype, const at::Tensor& tensor) {
+  return {.name = name,
+          .dtype = dtype,
+          .shape = std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end()),
+          .data = absl::Span<const uint8_t>(static_cast<const uint8_t*>(tensor.const_data_ptr()),
+                                            tensor.nbytes())};
+}
+
+}  // namespace
+
+Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options) {
+  absl::StatusOr<Qwen3Config> config = LoadQwen3Config(directory);
+  TORCH_CHECK(config.ok(), "LoadQwen3Model: ", config.status().message());
+  absl::StatusOr<SafetensorsCheckpoint> opened = SafetensorsCheckpoint::Open(directory);
+  TORCH_CHECK(opened.ok(), "LoadQwen3Model: ", opened.status().message());
+  const SafetensorsCheckpoint& checkpoint = *opened;
+
+  Qwen3Model model(*config, options);
+  std::set<std::string> expected;
+  for (const auto& [name, parameter] : model.named_parameters()) expected.insert(name);
+
+  // Names the model does not have: inv_freq buffers are recomputed from rope_theta; a tied head
+  // must be the embedding.
+  constexpr std::string_view kInvFreq = "inv_freq";
+  constexpr std::string_view kHead = "lm_head.weight";
+  std::vector<std::string> unexpected;
+  bool has_tied_head = false;
+  for (const std::string& name : checkpoint.names()) {
+    if (expected.count(name)) continue;
+    if (std::string_view(name).ends_with(kInvFreq)) continue;
+    if (name == kHead && config->tie_word_embeddings) {
+      has_tied_head = true;
+      continue;
+    }
+    unexpected.push_back(name);
+  }
+
+  at::NoGradGuard no_grad;
+  for (const auto& [name, parameter] : model.named_parameters()) {
+    const TensorView* view = GetChecked(checkpoint, name, parameter.sizes());
+    parameter.copy_(ToTensor(checkpoint, *view));
+  }
+
+  if (!unexpected.empty()) {
+    std::string list;
+    constexpr size_t kShown = 10;
+    for (size_t i = 0; i < unexpected.size() && i < kShown; ++i) {
+      list += (i ? ", '" : "'") + unexpected[i] + "' (in " + FileOf(checkpoint, unexpected[i]) + ")";
+    }
+    if (unexpected.size() > kShown) list += ", and " + std::to_string(unexpected.size() - kShown) + " more";
+    TORCH_CHECK(false, "LoadQwen3Model: ", directory, ": ", unexpected.size(),
+                " unexpected tensor(s) that the Qwen3 model does not have: ", list);
+  }
+
+  if (has_tied_head) {
+    const std::string embed_name = "model.embed_tokens.weight";
+    const at::Tensor embed = model.parameter(embed_name);
+    const TensorView* head_view = GetChecked(checkpoint, std::string(kHead), embed.sizes());
+    const TensorView* embed_view = checkpoint.Find(embed_name);
+    const at::Tensor head = ToTensor(checkpoint, *head_view).to(at::kDouble);
+    TORCH_CHECK(at::equal(head, ToTensor(checkpoint, *embed_view).to(at::kDouble)), "LoadQwen3Model: ",
+                FileOf(checkpoint, kHead), ": tensor 'lm_head.weight' differs from '", embed_name,
+                "' although config.json sets tie_word_embeddings (remove it, or untie the embeddings)");
+  }
+  return model;
+}
+
+void SaveQwen3Model(const Qwen3Model& model, const std::string& directory, std::optional<at::ScalarType> dtype,
+                    int64_t max_shard_bytes) {
+  const at::ScalarType type = dtype.value_or(model.options().dtype().toScalarType());
+  const char* type_name = ConfigDTypeName(type);
+  TORCH_CHECK(type_name != nullptr, "SaveQwen3Model: ", directory, ": cannot store weights as ", type,
+              " (bfloat16, float16, float32 or float64)");
+  Qwen3Config config = model.config();
+  config.torch_dtype = type_name;
+
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> owned;
+  std::vector<TensorToWrite> tensors;
+  owned.reserve(model.named_parameters().size());
+  for (const auto& [name, parameter] : model.named_parameters()) {
+    owned.push_back(parameter.detach().to(at::kCPU, type).contiguous());
+    tensors.push_back(ToWrite(name, *ToDType(type), owned.back()));
+  }
+  const absl::Status written = WriteSafetensorsCheckpoint(directory, tensors, max_shard_bytes);
+  TORCH_CHECK(written.ok(), "SaveQwen3Model: ", directory, ": ", written.message());
+  const absl::Status saved = SaveQwen3Config(config, directory);
+  TORCH_CHECK(saved.ok(), "SaveQwen3Model: ", directory, ": ", saved.message());
+}
+
+void SaveNamedTensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path) {
+  std::vector<at::Tensor> owned;
+  std::vector<TensorToWrite> to_write;
+  owned.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    TORCH_CHECK(tensor.defined(), "SaveNamedTensors: ", path, ": tensor '", name, "' is undefined");
+    const std::optional<DType> dtype = ToDType(tensor.scalar_type());
+    TORCH_CHECK(dtype.has_value(), "SaveNamedTensors: ", path, ": tensor '", name, "' has dtype ", tensor.scalar_type(),
+                ", which safetensors files cannot hold");
+    owned.push_back(tensor.detach().to(at::kCPU).contiguous());
+    to_write.push_back(ToWrite(name, *dtype, owned.back()));
+  }
+  const absl::Status written = WriteSafetensors(path, to_write, {{"format", "pt"}});
+  TORCH_CHECK(written.ok(), "SaveNamedTensors: ", written.message());
+}
+
+}  // namespace dta

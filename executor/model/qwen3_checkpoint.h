@@ -1,0 +1,64 @@
+// Qwen3 models as Hugging Face checkpoints: config.json plus model.safetensors, or shards named by
+// model.safetensors.index.json (executor/checkpoint/safetensors.h), under transformers' tensor
+// names. What SaveQwen3Model writes, transformers' Qwen3ForCausalLM.from_pretrained loads, and
+// what transformers' save_pretrained writes, LoadQwen3Model loads (tests/python/test_hf_parity.py
+// checks both directions and the log-probabilities against transformers').
+//
+// Example:
+//   Qwen3Model model = LoadQwen3Model("/ckpt/qwen3-0.6b", at::TensorOptions().dtype(at::kFloat));
+//   SaveQwen3Model(model, "/ckpt/step-100", at::kBFloat16);  // bf16 export, as Hugging Face ships
+//
+// Errors are TORCH_CHECK failures (c10::Error) whose message names the directory or file and the
+// tensor concerned.
+//
+// Thread safety: free functions; saving reads the parameters, so it must not overlap an optimizer
+// step on the same model.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "executor/model/qwen3_model.h"
+
+namespace dta {
+
+// Loads <directory>/config.json and the weights into a new model whose parameters have `options`
+// (dtype, device) and require grad. Rules:
+//   - every parameter of the model (Qwen3Model::named_parameters) must be in the checkpoint with
+//     exactly its shape: otherwise an error naming the tensor (and, for a shape, the file and both
+//     shapes);
+//   - stored dtypes BF16, F16, F32 and F64 are accepted and converted to the model's dtype (the
+//     usual rounding when narrowing); any other stored dtype is an error naming the tensor;
+//   - tensors the model does not have are an error naming them, except: rotary "inv_freq" buffers
+//     (names ending in "inv_freq", written by old transformers versions), which are ignored; and
+//     "lm_head.weight" when the config ties the embeddings, which transformers may store anyway:
+//     it must then have the embedding's shape and equal values (compared in float64), else an
+//     error, since a checkpoint whose head disagrees with the embedding it claims to be tied to
+//     is inconsistent (transformers would silently use the embedding).
+// A missing or invalid config.json, or a directory without model.safetensors or its index, is an
+// error naming the file.
+Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options);
+
+// Writes <directory>/config.json and the weights under their Hugging Face names (created if
+// missing; files of an earlier save are replaced, stale shards removed): one model.safetensors up
+// to max_shard_bytes of data, else shards plus model.safetensors.index.json. Tensors are stored in
+// `dtype` (kBFloat16, kHalf, kFloat or kDouble; default: the model's dtype) and config.json's
+// torch_dtype says which. lm_head.weight is not written when the embeddings are tied (as
+// transformers does). Parameters on any device are copied to the CPU first.
+void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
+                    std::optional<at::ScalarType> dtype = std::nullopt,
+                    int64_t max_shard_bytes = int64_t{5} << 30);
+
+// Writes named tensors (any device; float64/32/16, bfloat16, float8 e4m3fn/e5m2, int64/32/16/8,
+// uint8, bool) as one safetensors file at `path` with metadata {"format": "pt"}, each in its own
+// dtype and shape, e.g. gradients for inspection. Error naming the tensor for an unsupported dtype
+// or a repeated name, naming the file if it cannot be written.
+void SaveNamedTensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::string& path);
+
+}  // namespace dta
