@@ -158,19 +158,17 @@ std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) 
 at::Tensor Qwen3Model::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& key_end, int64_t prefix) const {
   const int64_t t = q.size(0);
-  const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
-  const at::Tensor keys = k.repeat_interleave(groups, 1);    // [P+T, H, D]
-  const at::Tensor values = v.repeat_interleave(groups, 1);  // [P+T, H, D]
-  const double scale = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
-  at::Tensor scores = at::einsum("thd,shd->hts", {q, keys}) * scale;  // [H, T, P+T]
-  // Query i sees the whole prefix and chunk key j iff j <= i < key_end[j].
+  // Query i sees the whole prefix and chunk key j iff j <= i < key_end[j]: O(T) integers become a
+  // [T, P + T] boolean mask for PyTorch's fused attention (the CUDA path uses kernels/ instead).
   const at::Tensor i = at::arange(t, key_end.options()).unsqueeze(1);
   const at::Tensor j = at::arange(t, key_end.options()).unsqueeze(0);
   const at::Tensor visible = (j <= i) & (i < key_end.unsqueeze(0));
-  const at::Tensor mask = at::cat({at::ones({t, prefix}, visible.options()), visible}, 1);
-  scores = scores.masked_fill(mask.logical_not().unsqueeze(0), -std::numeric_limits<double>::infinity());
-  const at::Tensor probs = at::softmax(scores, -1, ComputeType(q.scalar_type())).to(q.scalar_type());
-  return at::einsum("hts,shd->thd", {probs, values}).reshape({t, -1});
+  const at::Tensor mask = prefix > 0 ? at::cat({at::ones({t, prefix}, visible.options()), visible}, 1) : visible;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
+  const at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                                          v.transpose(0, 1).unsqueeze(0), mask, 0.0,
+                                                          /*is_causal=*/false, scale, /*enable_gqa=*/true);
+  return out.squeeze(0).transpose(0, 1).reshape({t, -1});  // [T, heads * head_dim]
 }
 
 ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {

@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -61,6 +62,7 @@ ABSL_FLAG(std::string, dump_grads, "", "write the first step's gradients to this
 ABSL_FLAG(std::string, save, "", "save the trained model (HF format) and optimizer state to this directory");
 ABSL_FLAG(std::string, resume, "", "load optimizer state (optimizer.safetensors) from this directory first");
 ABSL_FLAG(bool, json, false, "print one JSON object per step instead of a table");
+ABSL_FLAG(std::string, metrics, "", "also append one JSON object per step to this file");
 
 namespace dta {
 namespace {
@@ -201,6 +203,11 @@ int Run() {
                                  "rollout tok", "forwarded", "time s", "rollout tok/s", "peak GiB");
   }
   const at::Device device = options.device();
+  std::ofstream metrics;
+  if (!absl::GetFlag(FLAGS_metrics).empty()) {
+    metrics.open(absl::GetFlag(FLAGS_metrics), std::ios::app);
+    if (!metrics) throw BadInput{"cannot open --metrics file " + absl::GetFlag(FLAGS_metrics)};
+  }
   for (int32_t step = 1; step <= absl::GetFlag(FLAGS_steps); ++step) {
     optimizer.ZeroGrad();
     if (device.is_cuda()) {
@@ -219,14 +226,14 @@ int Run() {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double peak = PeakMemoryGiB(device);
     const double throughput = result.rollout_tokens / seconds;
-    if (json) {
-      std::cout << nlohmann::json({{"step", step}, {"method", absl::GetFlag(FLAGS_method)}, {"loss", result.loss},
+    const nlohmann::json record({{"step", step}, {"method", absl::GetFlag(FLAGS_method)}, {"loss", result.loss},
                                    {"grad_norm", step_stats.grad_norm}, {"rollout_tokens", result.rollout_tokens},
                                    {"tree_tokens", stats.tree_tokens}, {"forwarded_tokens", result.forwarded_tokens},
                                    {"compression", stats.compression}, {"seconds", seconds},
-                                   {"rollout_tokens_per_second", throughput}, {"peak_memory_gib", peak}})
-                       .dump()
-                << "\n";
+                                   {"rollout_tokens_per_second", throughput}, {"peak_memory_gib", peak}});
+    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
+    if (json) {
+      std::cout << record.dump() << "\n";
     } else {
       std::cout << absl::StrFormat("%5d %14.8g %10.4g %12d %12d %9.3f %14.0f %10.3f\n", step, result.loss,
                                    step_stats.grad_norm, result.rollout_tokens, result.forwarded_tokens, seconds,

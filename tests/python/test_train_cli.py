@@ -1,0 +1,108 @@
+"""dta-train end to end: the three methods dump the same float64 gradients, the optimizer state
+resumes, and bad input exits with status 2 and a message naming what is wrong."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "qwen3-tiny.json"
+
+
+def tool(name: str) -> Path:
+    path = Path(os.environ.get("DTA_BUILD_DIR", REPO / "build")) / "bin" / name
+    if not path.exists():
+        pytest.fail(f"{path} does not exist: build it with scripts/build.sh (or set DTA_BUILD_DIR)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory) -> Path:
+    """Twelve rollouts over a shared 40-token prompt with two levels of branching, a duplicate and a
+    rollout that is a prefix of others; random masks, behaviour log-probabilities and rewards."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(1024) for _ in range(40)]
+    turns = [prompt + [rng.randrange(1024) for _ in range(30)] for _ in range(3)]
+    sequences = [t + [rng.randrange(1024) for _ in range(rng.randrange(1, 60))] for t in turns for _ in range(3)]
+    sequences += [sequences[0], turns[1], prompt + [7]]
+    path = tmp_path_factory.mktemp("data") / "rollouts.jsonl"
+    with open(path, "w") as f:
+        for i, tokens in enumerate(sequences):
+            f.write(json.dumps({
+                "id": f"r{i}", "group": f"g{i % 2}", "tokens": tokens,
+                "loss_mask": [0] + [int(rng.random() < 0.7) for _ in tokens[1:]],
+                "logprobs": [-7.0 + rng.random() for _ in tokens], "reward": rng.random()}) + "\n")
+    return path
+
+
+def train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([tool("dta-train"), f"--config={CONFIG}", *args], capture_output=True, text=True)
+
+
+def test_methods_dump_identical_float64_gradients(rollouts, tmp_path):
+    grads = {}
+    for method, extra in [("dense", []), ("packed", []), ("dta", ["--block_size=64"]),
+                          ("dta", ["--block_size=64", "--pack", "--graph_budget=200"])]:
+        out = tmp_path / f"{method}{len(grads)}.safetensors"
+        run = train(f"--rollouts={rollouts}", f"--method={method}", "--dtype=float64", "--init_std=0.2",
+                    f"--dump_grads={out}", "--json", *extra)
+        assert run.returncode == 0, run.stderr
+        step = json.loads(run.stdout.splitlines()[-1])
+        assert step["rollout_tokens"] > step["tree_tokens"] > 0
+        grads[f"{method} {' '.join(extra)}"] = load_file(str(out))
+    reference = grads.pop("dense ")
+    assert len(reference) > 10
+    # A zero reference would make the comparison vacuous.
+    assert all(float((g ** 2).sum()) > 0 for g in reference.values())
+    for name, other in grads.items():
+        assert other.keys() == reference.keys()
+        for key, ref in reference.items():
+            scale = max(float((ref ** 2).sum()) ** 0.5, 1e-300)
+            error = float(((other[key] - ref) ** 2).sum()) ** 0.5 / scale
+            assert error <= 1e-9, f"{name}: {key} relative error {error}"
+
+
+def test_resume_continues_like_an_uninterrupted_run(rollouts, tmp_path):
+    common = [f"--rollouts={rollouts}", "--dtype=float64", "--lr=1e-3", "--json"]
+    straight = train(*common, "--steps=3")
+    assert straight.returncode == 0, straight.stderr
+    first = train(*common, "--steps=2", f"--save={tmp_path / 'ckpt'}")
+    assert first.returncode == 0, first.stderr
+    resumed = subprocess.run([tool("dta-train"), f"--model={tmp_path / 'ckpt'}", f"--resume={tmp_path / 'ckpt'}",
+                              *common, "--steps=1"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    expected = json.loads(straight.stdout.splitlines()[-1])["loss"]
+    got = json.loads(resumed.stdout.splitlines()[-1])["loss"]
+    assert abs(got - expected) <= 1e-12 * abs(expected)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method=sparse"], "--method must be dta, dense or packed"),
+    (["--dtype=float16"], "--dtype must be"),
+    (["--loss=dpo"], "--loss must be"),
+    (["--steps=0"], "--steps must be >= 1"),
+    (["--block_size=-3"], "--block_size must be >= 0"),
+])
+def test_bad_flags_exit_2(rollouts, args, message):
+    run = train(f"--rollouts={rollouts}", *args)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_bad_rollout_file_names_line_and_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "group": "g", "tokens": [1, 2000], "loss_mask": [0, 1], "logprobs": [0, -1]}\n')
+    run = train(f"--rollouts={bad}")
+    assert run.returncode == 2
+    assert f"{bad}:1: rollout 'a': field 'tokens'" in run.stderr, run.stderr
+
+
+def test_missing_checkpoint_exits_2(tmp_path, rollouts):
+    run = subprocess.run([tool("dta-train"), f"--model={tmp_path / 'nothing'}", f"--rollouts={rollouts}"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "nothing: no such file" in run.stderr, run.stderr
