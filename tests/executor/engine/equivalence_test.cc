@@ -4,6 +4,8 @@
 // for B in {1, 3, 64, unbounded}, both leaf orders, with and without a graph budget and packing.
 #include "executor/engine/executor.h"
 
+#include "executor/optim/adamw.h"
+
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cmath>
@@ -177,11 +179,11 @@ TEST_F(Equivalence, DuplicatesPrefixesAndOneTokenRollouts) {
 }
 
 TEST_F(Equivalence, LongChain) {
-  std::vector<TokenId> chain(2000);
+  std::vector<TokenId> chain(10000);
   for (size_t i = 0; i < chain.size(); ++i) chain[i] = static_cast<TokenId>((i * 7) % 19);
-  std::vector<TokenId> branch(chain.begin(), chain.begin() + 1500);
+  std::vector<TokenId> branch(chain.begin(), chain.begin() + 7000);
   branch.push_back(3);
-  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {64, kUnboundedBlock});
+  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {1024});
 }
 
 class WideEquivalence : public Equivalence {
@@ -193,6 +195,39 @@ TEST_F(WideEquivalence, FiveHundredTwelveWayBranch) {
   std::vector<std::vector<TokenId>> sequences;
   for (TokenId i = 0; i < 512; ++i) sequences.push_back({1, 2, 3, 4, 5 + i, 7 + (i % 3)});
   CheckAllMethods(MakeRollouts(sequences, 9, 530), {.kind = LossKind::kPpo}, "512-way", {3, kUnboundedBlock});
+}
+
+TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
+  const auto rollouts = MakeRollouts(testing::RandomRollouts(17, {.max_rollouts = 8, .vocab = 4}), 17);
+  const LossOptions loss{.kind = LossKind::kPpo};
+  const std::vector<ExecutorOptions> methods = {
+      {.method = Method::kDense}, {.method = Method::kPacked}, {.method = Method::kDta, .block_size = 3},
+      {.method = Method::kDta, .block_size = 5, .graph_budget = 8, .pack = true}};
+  std::vector<std::vector<at::Tensor>> finals;
+  for (const ExecutorOptions& options : methods) {
+    Qwen3Model model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
+    model.InitRandom(7, 0.3);
+    AdamW optimizer(model.named_parameters(), {.lr = 1e-2, .max_grad_norm = 0.5});
+    for (int step = 0; step < 4; ++step) {
+      optimizer.ZeroGrad();
+      ComputeGradients(model, rollouts, loss, options);
+      optimizer.Step();
+    }
+    std::vector<at::Tensor> params;
+    for (const auto& [name, p] : model.named_parameters()) params.push_back(p.detach().clone());
+    finals.push_back(std::move(params));
+  }
+  Qwen3Model initial(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
+  initial.InitRandom(7, 0.3);
+  for (size_t m = 1; m < finals.size(); ++m) {
+    for (size_t i = 0; i < finals[0].size(); ++i) {
+      const std::string& name = initial.named_parameters()[i].first;
+      // The parameters moved, and every method moved them the same way.
+      const at::Tensor moved = finals[0][i] - initial.named_parameters()[i].second;
+      EXPECT_GT(moved.norm().item<double>(), 0.0) << name;
+      EXPECT_LE(RelativeError(finals[m][i] - initial.named_parameters()[i].second, moved), 1e-9) << "method " << m << " " << name;
+    }
+  }
 }
 
 TEST_F(Equivalence, ForwardOnlyLogprobs) {
