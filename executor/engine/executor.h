@@ -48,6 +48,9 @@ struct ExecutorOptions {
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
   // mask on top of the stack (see StepKind::kPacked).
   bool pack = false;
+  // kDense: activation checkpointing: keep only each layer's input, recompute the layer in
+  // backward (the "Dense+CKPT" baseline of the papers).
+  bool checkpointing = false;
   // Rows of the [rows x vocabulary] logits slice computed at once for log-probabilities.
   int64_t logprob_slice_rows = 1024;
 };

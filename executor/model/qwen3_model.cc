@@ -171,7 +171,7 @@ at::Tensor Qwen3Model::Attention(const at::Tensor& q, const at::Tensor& k, const
   return out.squeeze(0).transpose(0, 1).reshape({t, -1});  // [T, heads * head_dim]
 }
 
-ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
+ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
   const int64_t t = input.tokens.size(0);
   TORCH_CHECK(input.tokens.dim() == 1 && input.positions.sizes() == input.tokens.sizes(),
               "tokens and positions must be [T] tensors of the same length");
@@ -179,36 +179,59 @@ ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
   const bool has_prefix = !input.prefix_keys.empty();
   TORCH_CHECK(!has_prefix || (input.prefix_keys.size() == num_layers && input.prefix_values.size() == num_layers),
               "prefix K/V must have one entry per layer");
-  const int64_t prefix = has_prefix ? input.prefix_keys[0].size(0) : 0;
-  const at::Tensor key_end =
+  ChunkContext context;
+  context.key_end =
       input.key_end.defined() ? input.key_end : at::full({t}, t, input.tokens.options().dtype(at::kLong));
+  const auto [cos, sin] = Rope(input.positions);
+  context.cos = cos.unsqueeze(1);
+  context.sin = sin.unsqueeze(1);
+  return context;
+}
+
+at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const { return embed_.index_select(0, tokens); }
+
+LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,
+                                     const at::Tensor& prefix_keys, const at::Tensor& prefix_values) const {
+  const int64_t t = h.size(0);
+  const Layer& layer = layers_[l];
   const int64_t heads = config_.num_attention_heads;
   const int64_t kv_heads = config_.num_key_value_heads;
   const int64_t dim = config_.head_dim;
-  const auto [cos, sin] = Rope(input.positions);
-  const at::Tensor cos3 = cos.unsqueeze(1);
-  const at::Tensor sin3 = sin.unsqueeze(1);
+  const at::Tensor x = RmsNorm(h, layer.input_norm);
+  at::Tensor q = RmsNorm(at::matmul(x, layer.q_proj.t()).view({t, heads, dim}), layer.q_norm);
+  at::Tensor k = RmsNorm(at::matmul(x, layer.k_proj.t()).view({t, kv_heads, dim}), layer.k_norm);
+  const at::Tensor v = at::matmul(x, layer.v_proj.t()).view({t, kv_heads, dim});
+  q = q * context.cos + RotateHalf(q) * context.sin;
+  k = k * context.cos + RotateHalf(k) * context.sin;
+  const bool has_prefix = prefix_keys.defined();
+  const at::Tensor keys = has_prefix ? at::cat({prefix_keys, k}, 0) : k;
+  const at::Tensor values = has_prefix ? at::cat({prefix_values, v}, 0) : v;
+  LayerOutput out;
+  out.hidden = h + at::matmul(Attention(q, keys, values, context.key_end, has_prefix ? prefix_keys.size(0) : 0),
+                              layer.o_proj.t());
+  const at::Tensor y = RmsNorm(out.hidden, layer.post_norm);
+  out.hidden = out.hidden + at::matmul(at::silu(at::matmul(y, layer.gate_proj.t())) * at::matmul(y, layer.up_proj.t()),
+                                       layer.down_proj.t());
+  out.keys = k;
+  out.values = v;
+  return out;
+}
 
+at::Tensor Qwen3Model::FinalNorm(const at::Tensor& h) const { return RmsNorm(h, final_norm_); }
+
+ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
+  const ChunkContext context = MakeContext(input);
+  const bool has_prefix = !input.prefix_keys.empty();
   ChunkOutput out;
-  at::Tensor h = embed_.index_select(0, input.tokens);
-  for (size_t l = 0; l < num_layers; ++l) {
-    const Layer& layer = layers_[l];
-    const at::Tensor x = RmsNorm(h, layer.input_norm);
-    at::Tensor q = RmsNorm(at::matmul(x, layer.q_proj.t()).view({t, heads, dim}), layer.q_norm);
-    at::Tensor k = RmsNorm(at::matmul(x, layer.k_proj.t()).view({t, kv_heads, dim}), layer.k_norm);
-    const at::Tensor v = at::matmul(x, layer.v_proj.t()).view({t, kv_heads, dim});
-    q = q * cos3 + RotateHalf(q) * sin3;
-    k = k * cos3 + RotateHalf(k) * sin3;
-    const at::Tensor keys = has_prefix ? at::cat({input.prefix_keys[l], k}, 0) : k;
-    const at::Tensor values = has_prefix ? at::cat({input.prefix_values[l], v}, 0) : v;
-    h = h + at::matmul(Attention(q, keys, values, key_end, prefix), layer.o_proj.t());
-    const at::Tensor y = RmsNorm(h, layer.post_norm);
-    h = h + at::matmul(at::silu(at::matmul(y, layer.gate_proj.t())) * at::matmul(y, layer.up_proj.t()),
-                       layer.down_proj.t());
-    out.keys.push_back(k);
-    out.values.push_back(v);
+  at::Tensor h = Embed(input.tokens);
+  for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
+    LayerOutput layer = ForwardLayer(l, h, context, has_prefix ? input.prefix_keys[l] : at::Tensor(),
+                                     has_prefix ? input.prefix_values[l] : at::Tensor());
+    h = std::move(layer.hidden);
+    out.keys.push_back(std::move(layer.keys));
+    out.values.push_back(std::move(layer.values));
   }
-  out.hidden = RmsNorm(h, final_norm_);
+  out.hidden = FinalNorm(h);
   return out;
 }
 

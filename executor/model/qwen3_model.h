@@ -45,6 +45,18 @@ struct ChunkOutput {
   std::vector<at::Tensor> values;  // per layer [T, kv_heads, head_dim]
 };
 
+// What every layer of one Forward call shares: RoPE tables and the chunk's tree mask.
+struct ChunkContext {
+  at::Tensor cos, sin;  // [T, 1, head_dim]
+  at::Tensor key_end;   // [T]
+};
+
+struct LayerOutput {
+  at::Tensor hidden;  // [T, hidden_size], the residual stream after the layer
+  at::Tensor keys;    // [T, kv_heads, head_dim]
+  at::Tensor values;  // [T, kv_heads, head_dim]
+};
+
 class Qwen3Model {
  public:
   // Parameters are allocated (zeros) with `options` (dtype, device) and require grad.
@@ -67,6 +79,15 @@ class Qwen3Model {
   // Runs the decoder over a chunk. Builds an autograd graph iff grad mode is on and something
   // requires grad. TORCH_CHECK on inconsistent shapes.
   ChunkOutput Forward(const ChunkInput& input) const;
+
+  // Forward() in pieces, for schedules that recompute layer by layer (activation checkpointing):
+  // Forward = FinalNorm(ForwardLayer(L-1, ... ForwardLayer(0, Embed(tokens)) ...)).
+  ChunkContext MakeContext(const ChunkInput& input) const;
+  at::Tensor Embed(const at::Tensor& tokens) const;
+  // prefix_keys / prefix_values: this layer's [P, kv_heads, head_dim] cache, or undefined.
+  LayerOutput ForwardLayer(int64_t layer, const at::Tensor& hidden, const ChunkContext& context,
+                           const at::Tensor& prefix_keys = {}, const at::Tensor& prefix_values = {}) const;
+  at::Tensor FinalNorm(const at::Tensor& hidden) const;
 
   // log p(targets[i] | hidden[i]) per row, through lm_head and a log-softmax over the vocabulary
   // computed `slice_rows` rows at a time: neither forward nor backward ever holds more than

@@ -126,6 +126,8 @@ class Equivalence : public ::testing::Test {
                        const std::vector<int64_t>& blocks = {1, 3, 64, kUnboundedBlock}) {
     const MethodRun dense = RunMethod(model_, rollouts, loss, {.method = Method::kDense});
     ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked}), dense, what + " packed");
+    ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kDense, .checkpointing = true}), dense,
+               what + " dense+ckpt");
     struct Variant {
       LeafOrderKind order;
       int64_t budget;
