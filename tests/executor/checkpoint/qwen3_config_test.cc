@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/executor/checkpoint/test_dir.h"
 #include "nlohmann/json.hpp"
 
 namespace dta {
@@ -16,14 +17,7 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::string TestDir() {
-  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(::testing::TempDir()) /
-                       absl::StrCat("qwen3_config_", info->test_suite_name(), "_", info->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
+std::string TestDir() { return testing::FreshTestDir("qwen3_config"); }
 
 void WriteFile(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;

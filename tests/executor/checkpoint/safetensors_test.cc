@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/executor/checkpoint/test_dir.h"
 #include "nlohmann/json.hpp"
 
 namespace dta {
@@ -21,15 +22,7 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// A fresh directory per test, so test cases may run in parallel.
-std::string TestDir() {
-  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(::testing::TempDir()) /
-                       absl::StrCat("safetensors_", info->test_suite_name(), "_", info->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
+std::string TestDir() { return testing::FreshTestDir("safetensors"); }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
