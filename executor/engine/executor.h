@@ -48,6 +48,9 @@ struct ExecutorOptions {
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
   // mask on top of the stack (see StepKind::kPacked).
   bool pack = false;
+  // kPacked: the most unique tokens in one packed forward; larger trees are split by Tree
+  // Training's greedy partitioning. 0 (the default): the whole tree at once.
+  int64_t token_capacity = 0;
   // kDense: activation checkpointing: keep only each layer's input, recompute the layer in
   // backward (the "Dense+CKPT" baseline of the papers).
   bool checkpointing = false;

@@ -20,6 +20,7 @@
 #include "executor/io/rollout_jsonl.h"
 #include "executor/tree/leaf_order.h"
 #include "executor/tree/schedule.h"
+#include "executor/tree/tree_partition.h"
 #include "executor/tree/tree_stats.h"
 #include "nlohmann/json.hpp"
 
@@ -27,6 +28,8 @@ ABSL_FLAG(int64_t, block_size, 2048, "B: the most tokens per backward chunk (0 =
 ABSL_FLAG(int32_t, partitions, 8, "K: number of trainer GPUs to split the batch across");
 ABSL_FLAG(std::string, order, "backward-dfs", "leaf order: backward-dfs (Algorithm 1) or lexicographic");
 ABSL_FLAG(int64_t, vocab_size, 0, "reject token ids >= this (0: no upper bound)");
+ABSL_FLAG(int64_t, token_capacity, 24576,
+          "packed tree (Tree Training): the most unique tokens per packed forward (0: skip this section)");
 ABSL_FLAG(bool, json, false, "print JSON instead of tables");
 
 namespace dta {
@@ -81,6 +84,12 @@ int Run(const std::string& path) {
   const Partition by_tokens = *PartitionGreedyByRolloutTokens(tree, k);
   const Partition by_tree = *PartitionGreedyByTreeTokens(tree, k);
 
+  // Tree Training's partitioning under a token capacity (capacities below the longest rollout
+  // cannot hold it: reported, not fatal).
+  const int64_t capacity = absl::GetFlag(FLAGS_token_capacity);
+  absl::StatusOr<TreePartition> packed = absl::FailedPreconditionError("skipped");
+  if (capacity > 0) packed = PartitionTreeGreedy(tree, capacity);
+
   if (absl::GetFlag(FLAGS_json)) {
     nlohmann::json out = {
         {"file", path},
@@ -104,6 +113,11 @@ int Run(const std::string& path) {
           {"greedy_rollout_tokens", PartitionJson(by_tokens)}, {"greedy_tree_tokens", PartitionJson(by_tree)}}},
         {"seconds", {{"read", read_seconds}, {"build_tree", build_seconds}}},
     };
+    if (packed.ok()) {
+      out["packed_tree"] = {{"token_capacity", capacity}, {"batches", packed->batches.size()},
+                            {"total_tokens", packed->total_tokens}, {"flattened_tokens", packed->flattened_tokens},
+                            {"effective_reuse_ratio", packed->effective_reuse_ratio}};
+    }
     std::cout << out.dump(2) << "\n";
     return 0;
   }
@@ -134,6 +148,20 @@ int Run(const std::string& path) {
                                Thousands(schedule.recomputed), 100 * schedule.recompute_overhead());
   std::cout << absl::StrFormat("  %-28s %s tokens\n", "peak stack", Thousands(schedule.peak_stack));
   std::cout << absl::StrFormat("  %-28s %s tokens\n", "largest backward chunk", Thousands(schedule.largest_backward));
+
+  if (capacity > 0) {
+    std::cout << absl::StrFormat("\nPacked tree under a %s-token capacity (Tree Training's partitioning)\n",
+                                 Thousands(capacity));
+    if (packed.ok()) {
+      std::cout << absl::StrFormat("  %-28s %s\n", "packed forwards", Thousands(packed->batches.size()));
+      std::cout << absl::StrFormat("  %-28s %s (tree %s, leaf paths %s)\n", "tokens computed",
+                                   Thousands(packed->total_tokens), Thousands(packed->tree_tokens),
+                                   Thousands(packed->flattened_tokens));
+      std::cout << absl::StrFormat("  %-28s %.1f%%\n", "ERR (redundancy removed)", 100 * packed->effective_reuse_ratio);
+    } else {
+      std::cout << "  " << packed.status().message() << "\n";
+    }
+  }
 
   std::cout << absl::StrFormat("\nPartition across %d ranks (cost = tree tokens per rank)\n", k);
   std::cout << absl::StrFormat("  %-30s %12s %10s %14s\n", "method", "max cost", "imbalance", "extra tokens");

@@ -52,6 +52,7 @@ ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda[:N]");
 ABSL_FLAG(int64_t, block_size, 2048, "dta: B, the most tokens per backward chunk (0 = unbounded)");
 ABSL_FLAG(int64_t, graph_budget, 0, "dta: tokens whose graphs may be kept instead of recomputed");
+ABSL_FLAG(int64_t, token_capacity, 0, "packed: the most unique tokens per packed forward (0 = the whole tree)");
 ABSL_FLAG(bool, checkpointing, false, "dense: activation checkpointing (recompute each layer in backward)");
 ABSL_FLAG(bool, pack, false, "dta: pack small complete subtrees into one forward");
 ABSL_FLAG(std::string, order, "backward-dfs", "dta: leaf order, backward-dfs or lexicographic");
@@ -126,6 +127,8 @@ ExecutorOptions ParseExecutor() {
   if (options.graph_budget < 0) throw BadInput{"--graph_budget must be >= 0"};
   options.pack = absl::GetFlag(FLAGS_pack);
   options.checkpointing = absl::GetFlag(FLAGS_checkpointing);
+  options.token_capacity = absl::GetFlag(FLAGS_token_capacity);
+  if (options.token_capacity < 0) throw BadInput{"--token_capacity must be >= 0"};
   const std::string order = absl::GetFlag(FLAGS_order);
   if (order == "backward-dfs") {
     options.order = LeafOrderKind::kBackwardDfs;

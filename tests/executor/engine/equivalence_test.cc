@@ -128,6 +128,11 @@ class Equivalence : public ::testing::Test {
     ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked}), dense, what + " packed");
     ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kDense, .checkpointing = true}), dense,
                what + " dense+ckpt");
+    // Packed under a capacity of the longest rollout: Tree Training's partitioning splits the tree.
+    int64_t longest = 0;
+    for (const Rollout& r : rollouts) longest = std::max<int64_t>(longest, r.tokens.size());
+    ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked, .token_capacity = longest}), dense,
+               what + " packed capacity " + std::to_string(longest));
     struct Variant {
       LeafOrderKind order;
       int64_t budget;

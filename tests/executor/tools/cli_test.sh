@@ -15,7 +15,8 @@ fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 
 "$bin/dta-tree" --block_size=2048 --partitions=4 "$work/tau2.jsonl" >"$work/table.txt" || fail "dta-tree exited $?"
 for expected in "compression C" "leaf-only C" "POR" "C_attn" "Push/pop schedule (B = 2,048" \
-                "dfs-contiguous (Algorithm 4)" "greedy by rollout tokens" "greedy by tree tokens"; do
+                "dfs-contiguous (Algorithm 4)" "greedy by rollout tokens" "greedy by tree tokens" \
+                "ERR (redundancy removed)"; do
   grep -qF "$expected" "$work/table.txt" || fail "table lacks '$expected'"
 done
 
@@ -30,6 +31,9 @@ assert schedule["order"] == "lexicographic" and schedule["largest_backward"] <= 
 assert partition["ranks"] == 4 and len(partition["dfs_contiguous"]["cost"]) == 4
 ours = partition["dfs_contiguous"]["max_cost"]
 assert ours <= partition["greedy_rollout_tokens"]["max_cost"], "Algorithm 4 lost to the rollout-token baseline"
+packed = out["packed_tree"]
+assert tree["tree_tokens"] <= packed["total_tokens"] <= packed["flattened_tokens"]
+assert 0 <= packed["effective_reuse_ratio"] <= 1
 PY
 
 # Bad input: the second line's loss_mask is one value short.
