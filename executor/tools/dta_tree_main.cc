@@ -43,8 +43,9 @@ double Seconds(std::chrono::steady_clock::time_point since) {
 
 std::string Thousands(int64_t value) {
   std::string digits = absl::StrCat(value < 0 ? -value : value);
-  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(i, ",");
-  return value < 0 ? "-" + digits : digits;
+  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(static_cast<size_t>(i), 1, ',');
+  if (value < 0) digits.insert(digits.begin(), '-');
+  return digits;
 }
 
 nlohmann::json PartitionJson(const Partition& p) {
