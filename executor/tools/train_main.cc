@@ -11,6 +11,7 @@
 // Exit status: 0 on success, 2 on bad input (flags, files, rollouts, checkpoints).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <sys/resource.h>
 
@@ -168,10 +169,15 @@ Qwen3Model MakeModel(const at::TensorOptions& options) {
   return model;
 }
 
+// "cuda" means the current device.
+c10::DeviceIndex CudaIndex(const at::Device& device) {
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
+
 // Peak memory of this step: allocated GPU memory on CUDA, the process's peak RSS on the CPU.
 double PeakMemoryGiB(const at::Device& device) {
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(CudaIndex(device));
     return static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
   }
   rusage usage{};
@@ -216,7 +222,7 @@ int Run() {
   for (int32_t step = 1; step <= absl::GetFlag(FLAGS_steps); ++step) {
     optimizer.ZeroGrad();
     if (device.is_cuda()) {
-      c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+      c10::cuda::CUDACachingAllocator::resetPeakStats(CudaIndex(device));
     }
     const auto start = std::chrono::steady_clock::now();
     const GradientResult result = ComputeGradients(model, *rollouts, loss, executor);
@@ -228,6 +234,7 @@ int Run() {
       SaveNamedTensors(grads, absl::GetFlag(FLAGS_dump_grads));
     }
     const StepStats step_stats = optimizer.Step();
+    if (device.is_cuda()) c10::cuda::device_synchronize();  // time the kernels, not their launches
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double peak = PeakMemoryGiB(device);
     const double throughput = result.rollout_tokens / seconds;

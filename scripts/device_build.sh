@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Builds dta on a GPU machine (Ubuntu, torch in /opt/torch/.venv, no Abseil or simdjson
+# packages): uses the libraries unpacked into .deps/ by scripts/device_deps.sh.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+python="${DTA_PYTHON:-$(command -v python3)}"
+export LD_LIBRARY_PATH="$repo/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$repo/.deps/usr;$repo/.deps/usr/lib/x86_64-linux-gnu/cmake" \
+  -DDTA_PYTHON="$python" -DDTA_BUILD_BENCH=OFF "$@"
+cmake --build build-device -j"$(nproc)"

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Prepares .deps/: the Debian packages the GPU machines lack (Abseil, simdjson), unpacked so the
+# device's build can point CMAKE_PREFIX_PATH at .deps/usr. Run here (it needs Debian's apt); carry
+# `.deps` to the device and build there with scripts/device_build.sh.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+deps="$repo/.deps"
+if [[ -f "$deps/.done" ]]; then exit 0; fi
+rm -rf "$deps"
+mkdir -p "$deps/debs"
+cd "$deps/debs"
+apt-get download libabsl-dev libabsl20220623 libsimdjson-dev libsimdjson14
+for deb in *.deb; do dpkg-deb -x "$deb" "$deps"; done
+rm -rf "$deps/debs"
+touch "$deps/.done"
