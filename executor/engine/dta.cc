@@ -169,43 +169,20 @@ double RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const
   }
   const PrefixTree suffixes = std::move(builder).Build();
   const PackedLayout layout = MakePackedLayout(suffixes, depth);
-  const at::Device device = model.options().device();
-  auto as_tensor = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
 
   // Anchors: the stack below `depth`, with version counters of their own (see ForwardChunk).
   std::vector<at::Tensor> prefix_keys, prefix_values;
-  for (size_t l = 0; l < stack.keys.size() && depth > 0; ++l) {
-    prefix_keys.push_back(stack.keys[l].slice(0, 0, depth).variable_data().requires_grad_(true));
-    prefix_values.push_back(stack.values[l].slice(0, 0, depth).variable_data().requires_grad_(true));
-  }
-  const at::Tensor token_ids = as_tensor(layout.tokens);
-  const ChunkOutput out = model.Forward({.tokens = token_ids,
-                                         .positions = as_tensor(layout.positions),
-                                         .key_end = as_tensor(layout.key_end),
-                                         .prefix_keys = prefix_keys,
-                                         .prefix_values = prefix_values});
-  // Row 0 is the stack's hidden state at depth - 1; row t + 1 is packed token t's.
   at::Tensor previous_hidden;
-  at::Tensor rows = out.hidden;
   if (depth > 0) {
+    for (size_t l = 0; l < stack.keys.size(); ++l) {
+      prefix_keys.push_back(stack.keys[l].slice(0, 0, depth).variable_data().requires_grad_(true));
+      prefix_values.push_back(stack.values[l].slice(0, 0, depth).variable_data().requires_grad_(true));
+    }
     previous_hidden = stack.hidden.slice(0, depth - 1, depth).variable_data().requires_grad_(true);
-    rows = at::cat({previous_hidden, out.hidden});
   }
-  std::vector<int64_t> predicted, predictor;
-  for (size_t t = 0; t < layout.tokens.size(); ++t) {
-    if (layout.previous[t] < 0 && depth == 0) continue;  // position 0: no prediction
-    predicted.push_back(static_cast<int64_t>(t));
-    predictor.push_back(depth > 0 ? layout.previous[t] + 1 : layout.previous[t]);
-  }
-  const at::Tensor predicted_ids = as_tensor(predicted);
   const bool with_entropy = plan.needs_entropy();
-  at::Tensor entropy_values;
-  const at::Tensor values = model.Logprobs(rows.index_select(0, as_tensor(predictor)), token_ids.index_select(0, predicted_ids),
-                                           with_entropy ? &entropy_values : nullptr, slice_rows);
-  const int64_t n = static_cast<int64_t>(layout.tokens.size());
-  const at::Tensor zeros = at::zeros({n}, values.options());
-  const at::Tensor packed_logprobs = zeros.index_put({predicted_ids}, values);
-  const at::Tensor packed_entropy = with_entropy ? zeros.index_put({predicted_ids}, entropy_values) : at::Tensor();
+  const PackedOutput packed =
+      ForwardPacked(model, layout, prefix_keys, prefix_values, previous_hidden, with_entropy, slice_rows);
   // What the rollouts read from the stack below `depth`, as leaves whose gradients are collected.
   const at::Tensor stack_logprobs = stack.logprobs.slice(0, 0, depth).clone().requires_grad_(true);
   const at::Tensor stack_entropy =
@@ -216,9 +193,9 @@ double RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const
     at::Tensor logprobs = stack_logprobs;
     at::Tensor entropy = stack_entropy;
     if (suffix_index[k] >= 0) {
-      const at::Tensor path = as_tensor(layout.paths[suffix_index[k]]);
-      logprobs = at::cat({stack_logprobs, packed_logprobs.index_select(0, path)});
-      if (with_entropy) entropy = at::cat({stack_entropy, packed_entropy.index_select(0, path)});
+      const at::Tensor path = IndexTensor(layout.paths[suffix_index[k]], model.options().device());
+      logprobs = at::cat({stack_logprobs, packed.logprobs.index_select(0, path)});
+      if (with_entropy) entropy = at::cat({stack_entropy, packed.entropy.index_select(0, path)});
     }
     logprobs_out[group[k]] = logprobs.detach().clone();
     const at::Tensor loss = plan.Loss(group[k], logprobs, entropy);
@@ -246,9 +223,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
                       const ExecutorOptions& options) {
   const bool training = plan != nullptr;
   const bool with_entropy = training && plan->needs_entropy();
-  PrefixTreeBuilder builder;
-  for (const Rollout& rollout : rollouts) TORCH_CHECK(builder.AddRollout(rollout.tokens).ok(), rollout.id);
-  const PrefixTree tree = std::move(builder).Build();
+  const PrefixTree tree = BuildTree(rollouts);
   const std::vector<RolloutIndex> order =
       options.order == LeafOrderKind::kLexicographic ? LexicographicOrder(tree) : BackwardDfsOrder(tree);
   absl::StatusOr<Schedule> schedule =

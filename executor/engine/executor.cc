@@ -13,6 +13,18 @@ at::Tensor TokenTensor(const Rollout& rollout, const at::TensorOptions& model_op
   return at::tensor(ids, at::TensorOptions().dtype(at::kLong)).to(model_options.device());
 }
 
+PrefixTree BuildTree(absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset) {
+  PrefixTreeBuilder builder;
+  for (RolloutIndex r : subset) TORCH_CHECK(builder.AddRollout(rollouts[r].tokens).ok(), "rollout '", rollouts[r].id, "'");
+  return std::move(builder).Build();
+}
+
+PrefixTree BuildTree(absl::Span<const Rollout> rollouts) {
+  PrefixTreeBuilder builder;
+  for (const Rollout& rollout : rollouts) TORCH_CHECK(builder.AddRollout(rollout.tokens).ok(), "rollout '", rollout.id, "'");
+  return std::move(builder).Build();
+}
+
 void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts) {
   for (const Rollout& rollout : rollouts) {
     const absl::Status status = ValidateRollout(rollout, model.config().vocab_size);

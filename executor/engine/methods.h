@@ -8,6 +8,7 @@
 
 #include "absl/types/span.h"
 #include "executor/engine/executor.h"
+#include "executor/tree/prefix_tree.h"
 
 namespace dta::engine {
 
@@ -37,6 +38,11 @@ class LossPlan {
 
 // [L] int64 tensor of a rollout's tokens on the model's device.
 at::Tensor TokenTensor(const Rollout& rollout, const at::TensorOptions& model_options);
+
+// The prefix tree of rollouts[subset[0]], rollouts[subset[1]], ... (local indices follow
+// `subset`), or of all rollouts.
+PrefixTree BuildTree(absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset);
+PrefixTree BuildTree(absl::Span<const Rollout> rollouts);
 
 // Checks token ids against the vocabulary, naming the rollout.
 void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts);

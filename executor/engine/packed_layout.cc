@@ -32,4 +32,39 @@ PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
   return layout;
 }
 
+at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& device) {
+  return at::tensor(values, at::kLong).to(device);
+}
+
+PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
+                           const std::vector<at::Tensor>& prefix_keys, const std::vector<at::Tensor>& prefix_values,
+                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows) {
+  const at::Device device = model.options().device();
+  PackedOutput result;
+  result.token_ids = IndexTensor(layout.tokens, device);
+  const ChunkOutput out = model.Forward({.tokens = result.token_ids,
+                                         .positions = IndexTensor(layout.positions, device),
+                                         .key_end = IndexTensor(layout.key_end, device),
+                                         .prefix_keys = prefix_keys,
+                                         .prefix_values = prefix_values});
+  // With a previous hidden state, row 0 is it and row t + 1 is packed token t's.
+  const bool has_previous = previous_hidden.defined();
+  const at::Tensor rows = has_previous ? at::cat({previous_hidden, out.hidden}) : out.hidden;
+  std::vector<int64_t> predicted, predictor;
+  for (size_t t = 0; t < layout.tokens.size(); ++t) {
+    if (layout.previous[t] < 0 && !has_previous) continue;  // position 0: no prediction
+    predicted.push_back(static_cast<int64_t>(t));
+    predictor.push_back(has_previous ? layout.previous[t] + 1 : layout.previous[t]);
+  }
+  const at::Tensor predicted_ids = IndexTensor(predicted, device);
+  at::Tensor entropy_values;
+  const at::Tensor values = model.Logprobs(rows.index_select(0, IndexTensor(predictor, device)),
+                                           result.token_ids.index_select(0, predicted_ids),
+                                           with_entropy ? &entropy_values : nullptr, slice_rows);
+  const at::Tensor zeros = at::zeros({static_cast<int64_t>(layout.tokens.size())}, values.options());
+  result.logprobs = zeros.index_put({predicted_ids}, values);
+  if (with_entropy) result.entropy = zeros.index_put({predicted_ids}, entropy_values);
+  return result;
+}
+
 }  // namespace dta::engine

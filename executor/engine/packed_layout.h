@@ -4,6 +4,9 @@
 #include <cstdint>
 #include <vector>
 
+#include <ATen/ATen.h>
+
+#include "executor/model/qwen3_model.h"
 #include "executor/tree/prefix_tree.h"
 
 namespace dta::engine {
@@ -23,5 +26,22 @@ struct PackedLayout {
 };
 
 PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset);
+
+// An int64 tensor of `values` on `device`.
+at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& device);
+
+struct PackedOutput {
+  at::Tensor token_ids;  // [n] the serialized tokens, on the model's device
+  at::Tensor logprobs;   // [n] per serialized token
+  at::Tensor entropy;    // [n] when asked for, else undefined
+};
+
+// One tree-masked forward of the layout's tokens on top of `prefix_keys`/`prefix_values` (one per
+// layer, or empty) and every token's log-probability: predicted by the previous packed token's
+// hidden state, or, for the first token of a root child, by `previous_hidden` ([1, hidden]).
+// With `previous_hidden` undefined the tree starts at position 0 and those tokens hold 0.
+PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
+                           const std::vector<at::Tensor>& prefix_keys, const std::vector<at::Tensor>& prefix_values,
+                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows);
 
 }  // namespace dta::engine

@@ -28,15 +28,15 @@ namespace dta {
 
 // The tokens of one forward call and the context they sit on.
 struct ChunkInput {
-  at::Tensor tokens;     // [T] int64 token ids
-  at::Tensor positions;  // [T] int64 original position ids (offsets in their rollouts)
+  at::Tensor tokens = {};     // [T] int64 token ids
+  at::Tensor positions = {};  // [T] int64 original position ids (offsets in their rollouts)
   // Tree structure inside the chunk, tokens in DFS order: key j is visible to queries
   // j .. key_end[j] - 1 (its subtree). [T] int64; undefined means a plain causal chain.
-  at::Tensor key_end;
+  at::Tensor key_end = {};
   // Per layer, K and V of the cached prefix that every chunk token attends to, [P, kv_heads,
   // head_dim] each; empty vectors mean no prefix.
-  std::vector<at::Tensor> prefix_keys;
-  std::vector<at::Tensor> prefix_values;
+  std::vector<at::Tensor> prefix_keys = {};
+  std::vector<at::Tensor> prefix_values = {};
 };
 
 struct ChunkOutput {
