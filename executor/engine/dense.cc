@@ -3,60 +3,28 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "executor/engine/checkpointing.h"
 #include "executor/engine/methods.h"
 
 namespace dta::engine {
-namespace {
-
-// Runs the decoder keeping only each layer's input; returns the final residual stream as a leaf
-// (requires grad) and the saved inputs. BackwardThroughLayers then replays each layer.
-struct Checkpointed {
-  std::vector<at::Tensor> layer_inputs;  // [num_layers] detached
-  at::Tensor last;                       // leaf: the residual stream after the last layer
-};
-
-Checkpointed ForwardCheckpointed(const Qwen3Model& model, const ChunkInput& input, const ChunkContext& context) {
-  torch::autograd::AutoGradMode no_grad(false);
-  Checkpointed saved;
-  at::Tensor h = model.Embed(input.tokens);
-  for (int64_t l = 0; l < model.config().num_hidden_layers; ++l) {
-    saved.layer_inputs.push_back(h);
-    h = model.ForwardLayer(l, h, context).hidden;
-  }
-  saved.last = h.detach().requires_grad_(true);
-  return saved;
-}
-
-void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input, const ChunkContext& context,
-                           const Checkpointed& saved) {
-  at::Tensor grad = saved.last.grad();
-  if (!grad.defined()) return;
-  for (int64_t l = model.config().num_hidden_layers - 1; l >= 0; --l) {
-    const at::Tensor x = saved.layer_inputs[l].detach().requires_grad_(true);
-    const at::Tensor out = model.ForwardLayer(l, x, context).hidden;
-    torch::autograd::backward({out}, {grad});
-    grad = x.grad();
-  }
-  torch::autograd::backward({model.Embed(input.tokens)}, {grad});
-}
-
-}  // namespace
 
 GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
                         const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   const bool checkpointing = plan != nullptr && options.checkpointing;
   GradientResult result;
+  const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
+  at::Tensor total_loss;  // a device scalar, read once at the end
   for (int32_t r = 0; r < static_cast<int32_t>(rollouts.size()); ++r) {
-    const at::Tensor tokens = TokenTensor(rollouts[r], model.options());
+    const at::Tensor& tokens = token_tensors[r];
     const int64_t length = tokens.size(0);
     const ChunkInput input{.tokens = tokens, .positions = at::arange(length, tokens.options())};
     ChunkContext context;
-    Checkpointed saved;
+    LayerCheckpoints saved;
     at::Tensor hidden;
     if (checkpointing) {
       context = model.MakeContext(input);
-      saved = ForwardCheckpointed(model, input, context);
+      saved = ForwardKeepingLayerInputs(model, input, context);
       hidden = model.FinalNorm(saved.last);
     } else {
       hidden = model.Forward(input).hidden;
@@ -75,9 +43,10 @@ GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollo
       const at::Tensor loss = plan->Loss(r, logprobs, entropy ? at::cat({zero, entropy_tail}) : at::Tensor());
       loss.backward();
       if (checkpointing) BackwardThroughLayers(model, input, context, saved);
-      result.loss += loss.item<double>();
+      total_loss = total_loss.defined() ? total_loss + loss.detach() : loss.detach();
     }
   }
+  if (total_loss.defined()) result.loss = total_loss.item<double>();
   return result;
 }
 

@@ -5,14 +5,21 @@
 // and their gradient accumulators dK and dV (filled by descendants' backward passes); the final
 // hidden state and its accumulator (the hidden state at p - 1 predicts token p, possibly in a
 // child chunk); the token's log-probability (and entropy) and d loss / d log-probability summed
-// over every rollout through it. A chunk's backward takes its ancestors' K/V and the previous
-// hidden state as leaves of its graph (KV-cache anchors): their gradients go into the
-// accumulators below the chunk, and its own outputs are seeded with the accumulators of its
-// positions. Live activations are bounded by one chunk; the stack by one root-to-leaf path.
+// over every rollout through it. Accumulators are float32 (float64 for float64 models) whatever
+// the model dtype. A chunk attends to its ancestors' K/V as views of the stack (never copied),
+// and its attention backward adds their gradients straight into the accumulators below the
+// chunk; the previous hidden state is a leaf of its graph (a KV-cache anchor). Its own outputs are
+// seeded with the accumulators of its positions. Live activations are bounded by one chunk; the
+// stack by one root-to-leaf path.
+//
+// Nothing in the loop reads a value back from the device: the schedule, the packed layouts and
+// the token ids are fixed on the host before the first kernel, and the loss stays a device scalar
+// until the end.
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 
+#include "executor/device/memory.h"
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
 #include "executor/tree/leaf_order.h"
@@ -33,12 +40,13 @@ struct PathStack {
     const at::TensorOptions o = model.options();
     const at::TensorOptions f = o.dtype(o.dtype() == at::kDouble ? at::kDouble : at::kFloat);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      for (auto* list : {&keys, &values, &grad_keys, &grad_values}) {
-        list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, o));
+      for (auto* list : {&keys, &values}) list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, o));
+      for (auto* list : {&grad_keys, &grad_values}) {
+        list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, f));
       }
     }
     hidden = at::zeros({max_len, c.hidden_size}, o);
-    grad_hidden = at::zeros({max_len, c.hidden_size}, o);
+    grad_hidden = at::zeros({max_len, c.hidden_size}, f);
     logprobs = at::zeros({max_len}, f);
     grad_logprobs = at::zeros({max_len}, f);
     if (with_entropy) {
@@ -48,11 +56,40 @@ struct PathStack {
   }
 };
 
+// Positions [0, depth) of the stack as a chunk's prefix; with their accumulators when the chunk
+// will be backpropagated.
+PrefixKv StackPrefix(const PathStack& stack, int64_t depth, bool with_grad) {
+  PrefixKv prefix;
+  if (depth == 0) return prefix;
+  for (size_t l = 0; l < stack.keys.size(); ++l) {
+    prefix.keys.push_back(stack.keys[l].slice(0, 0, depth));
+    prefix.values.push_back(stack.values[l].slice(0, 0, depth));
+    if (with_grad) {
+      prefix.grad_keys.push_back(stack.grad_keys[l].slice(0, 0, depth));
+      prefix.grad_values.push_back(stack.grad_values[l].slice(0, 0, depth));
+    }
+  }
+  return prefix;
+}
+
+// The hidden state at depth - 1 as a leaf of a new graph (it predicts the token at depth).
+// variable_data(): same storage, but a version counter of its own, so pushing later positions into
+// the stack (in place) does not invalidate the graph that saved it.
+at::Tensor HiddenAnchor(const PathStack& stack, int64_t depth, bool with_graph) {
+  if (depth == 0) return at::Tensor();
+  const at::Tensor row = stack.hidden.slice(0, depth - 1, depth);
+  return with_graph ? row.variable_data().requires_grad_(true) : row;
+}
+
+// Adds a leaf's gradient (if it got one) into an accumulator.
+void Collect(const at::Tensor& leaf, at::Tensor accumulator) {
+  if (leaf.defined() && leaf.grad().defined()) accumulator.add_(leaf.grad());
+}
+
 // One forward over path positions [begin, end), with its graph when built with grad mode on.
 struct Chunk {
   int64_t begin = 0, end = 0;
-  std::vector<at::Tensor> prefix_keys, prefix_values;  // leaves: views of the stack below begin
-  at::Tensor previous_hidden;                          // leaf [1, hidden] (begin > 0)
+  at::Tensor previous_hidden;  // leaf [1, hidden] (begin > 0)
   ChunkOutput out;
   at::Tensor logprobs, entropy;  // [end - begin]
 };
@@ -63,21 +100,11 @@ Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Te
   Chunk chunk;
   chunk.begin = begin;
   chunk.end = end;
-  // variable_data(): same storage, but a version counter of its own, so pushing later positions
-  // into the stack (in place) does not invalidate this graph's saved anchors.
-  auto anchor = [&](const at::Tensor& t) { return with_graph ? t.variable_data().requires_grad_(true) : t; };
-  if (begin > 0) {
-    for (size_t l = 0; l < stack.keys.size(); ++l) {
-      chunk.prefix_keys.push_back(anchor(stack.keys[l].slice(0, 0, begin)));
-      chunk.prefix_values.push_back(anchor(stack.values[l].slice(0, 0, begin)));
-    }
-    chunk.previous_hidden = anchor(stack.hidden.slice(0, begin - 1, begin));
-  }
+  chunk.previous_hidden = HiddenAnchor(stack, begin, with_graph);
   const at::Tensor ids = tokens.slice(0, begin, end);
   chunk.out = model.Forward({.tokens = ids,
                              .positions = at::arange(begin, end, ids.options()),
-                             .prefix_keys = chunk.prefix_keys,
-                             .prefix_values = chunk.prefix_values});
+                             .prefix = StackPrefix(stack, begin, with_graph)});
   // Token p is predicted by the hidden state at p - 1: the stack's for the chunk's first token.
   const int64_t t = end - begin;
   const at::Tensor rows = begin > 0 ? at::cat({chunk.previous_hidden, chunk.out.hidden.slice(0, 0, t - 1)})
@@ -107,33 +134,26 @@ void Push(PathStack& stack, const Chunk& chunk) {
   if (chunk.entropy.defined()) stack.entropy.slice(0, b, e).copy_(chunk.entropy);
 }
 
-// Backpropagates a chunk with its accumulated gradients, then moves the gradients of its anchors
-// into the accumulators below it.
+// Backpropagates a chunk with its accumulated gradients (its attention adds the prefix K/V
+// gradients into the accumulators below it), then moves the previous hidden state's gradient
+// into its accumulator.
 void Backward(PathStack& stack, Chunk& chunk) {
   const int64_t b = chunk.begin, e = chunk.end;
-  std::vector<at::Tensor> outputs = {chunk.logprobs, chunk.out.hidden};
-  std::vector<at::Tensor> grads = {stack.grad_logprobs.slice(0, b, e), stack.grad_hidden.slice(0, b, e)};
-  if (chunk.entropy.defined()) {
-    outputs.push_back(chunk.entropy);
-    grads.push_back(stack.grad_entropy.slice(0, b, e));
-  }
+  std::vector<at::Tensor> outputs, grads;
+  auto seed = [&](const at::Tensor& output, const at::Tensor& accumulator) {
+    outputs.push_back(output);
+    grads.push_back(accumulator.to(output.scalar_type()));
+  };
+  seed(chunk.logprobs, stack.grad_logprobs.slice(0, b, e));
+  seed(chunk.out.hidden, stack.grad_hidden.slice(0, b, e));
+  if (chunk.entropy.defined()) seed(chunk.entropy, stack.grad_entropy.slice(0, b, e));
   for (size_t l = 0; l < stack.keys.size(); ++l) {
-    outputs.push_back(chunk.out.keys[l]);
-    grads.push_back(stack.grad_keys[l].slice(0, b, e));
-    outputs.push_back(chunk.out.values[l]);
-    grads.push_back(stack.grad_values[l].slice(0, b, e));
+    seed(chunk.out.keys[l], stack.grad_keys[l].slice(0, b, e));
+    seed(chunk.out.values[l], stack.grad_values[l].slice(0, b, e));
   }
   torch::autograd::backward(outputs, grads);
   torch::autograd::AutoGradMode no_grad(false);
-  for (size_t l = 0; l < chunk.prefix_keys.size(); ++l) {
-    if (chunk.prefix_keys[l].grad().defined()) stack.grad_keys[l].slice(0, 0, b).add_(chunk.prefix_keys[l].grad());
-    if (chunk.prefix_values[l].grad().defined()) {
-      stack.grad_values[l].slice(0, 0, b).add_(chunk.prefix_values[l].grad());
-    }
-  }
-  if (chunk.previous_hidden.defined() && chunk.previous_hidden.grad().defined()) {
-    stack.grad_hidden.slice(0, b - 1, b).add_(chunk.previous_hidden.grad());
-  }
+  if (b > 0) Collect(chunk.previous_hidden, stack.grad_hidden.slice(0, b - 1, b));
 }
 
 void Pop(PathStack& stack, int64_t begin, int64_t end) {
@@ -153,7 +173,7 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
 // top of the stack's K/V, their losses attached, and everything backpropagated; the stack's
 // accumulators below `depth` receive the gradients of its K/V, of the hidden state at depth - 1,
 // and of the log-probabilities (and entropies) the rollouts read from it.
-double RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const Rollout> rollouts,
+at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const Rollout> rollouts,
                      absl::Span<const RolloutIndex> group, int64_t depth, const LossPlan& plan, int64_t slice_rows,
                      std::vector<at::Tensor>& logprobs_out) {
   torch::autograd::AutoGradMode grad_mode(true);
@@ -170,19 +190,10 @@ double RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const
   const PrefixTree suffixes = std::move(builder).Build();
   const PackedLayout layout = MakePackedLayout(suffixes, depth);
 
-  // Anchors: the stack below `depth`, with version counters of their own (see ForwardChunk).
-  std::vector<at::Tensor> prefix_keys, prefix_values;
-  at::Tensor previous_hidden;
-  if (depth > 0) {
-    for (size_t l = 0; l < stack.keys.size(); ++l) {
-      prefix_keys.push_back(stack.keys[l].slice(0, 0, depth).variable_data().requires_grad_(true));
-      prefix_values.push_back(stack.values[l].slice(0, 0, depth).variable_data().requires_grad_(true));
-    }
-    previous_hidden = stack.hidden.slice(0, depth - 1, depth).variable_data().requires_grad_(true);
-  }
+  const at::Tensor previous_hidden = HiddenAnchor(stack, depth, /*with_graph=*/true);
   const bool with_entropy = plan.needs_entropy();
-  const PackedOutput packed =
-      ForwardPacked(model, layout, prefix_keys, prefix_values, previous_hidden, with_entropy, slice_rows);
+  const PackedOutput packed = ForwardPacked(model, layout, StackPrefix(stack, depth, /*with_grad=*/true),
+                                            previous_hidden, with_entropy, slice_rows);
   // What the rollouts read from the stack below `depth`, as leaves whose gradients are collected.
   const at::Tensor stack_logprobs = stack.logprobs.slice(0, 0, depth).clone().requires_grad_(true);
   const at::Tensor stack_entropy =
@@ -204,17 +215,23 @@ double RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const
   total.backward();
 
   torch::autograd::AutoGradMode no_grad(false);
-  auto collect = [](const at::Tensor& leaf, at::Tensor accumulator) {
-    if (leaf.defined() && leaf.grad().defined()) accumulator.add_(leaf.grad());
-  };
-  for (size_t l = 0; l < prefix_keys.size(); ++l) {
-    collect(prefix_keys[l], stack.grad_keys[l].slice(0, 0, depth));
-    collect(prefix_values[l], stack.grad_values[l].slice(0, 0, depth));
+  if (depth > 0) Collect(previous_hidden, stack.grad_hidden.slice(0, depth - 1, depth));
+  Collect(stack_logprobs, stack.grad_logprobs.slice(0, 0, depth));
+  if (with_entropy) Collect(stack_entropy, stack.grad_entropy.slice(0, 0, depth));
+  return total.detach();
+}
+
+// The graph budget in tokens: the option, or what fits in the free device memory.
+int64_t ResolveGraphBudget(const Qwen3Model& model, int64_t requested) {
+  if (requested != kAutoGraphBudget) {
+    TORCH_CHECK(requested >= 0, "graph_budget must be >= 0 or kAutoGraphBudget, got ", requested);
+    return requested;
   }
-  if (depth > 0) collect(previous_hidden, stack.grad_hidden.slice(0, depth - 1, depth));
-  collect(stack_logprobs, stack.grad_logprobs.slice(0, 0, depth));
-  if (with_entropy) collect(stack_entropy, stack.grad_entropy.slice(0, 0, depth));
-  return total.item<double>();
+  const at::Device device = model.options().device();
+  if (!device.is_cuda()) return 0;
+  const int64_t free_bytes = FreeDeviceMemory(device);
+  const int64_t per_token = GraphBytesPerToken(model.config(), model.options().dtype().toScalarType());
+  return static_cast<int64_t>(0.8 * static_cast<double>(free_bytes)) / per_token;
 }
 
 }  // namespace
@@ -224,22 +241,21 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   const bool training = plan != nullptr;
   const bool with_entropy = training && plan->needs_entropy();
   const PrefixTree tree = BuildTree(rollouts);
+  int64_t max_len = 0;
+  for (const Rollout& rollout : rollouts) max_len = std::max<int64_t>(max_len, rollout.tokens.size());
+  PathStack stack(model, max_len, with_entropy);
+  const int64_t graph_budget = training ? ResolveGraphBudget(model, options.graph_budget) : 0;
   const std::vector<RolloutIndex> order =
       options.order == LeafOrderKind::kLexicographic ? LexicographicOrder(tree) : BackwardDfsOrder(tree);
   absl::StatusOr<Schedule> schedule =
       BuildSchedule(tree, order,
-                    {.block_size = options.block_size, .graph_budget = options.graph_budget, .pack = options.pack,
+                    {.block_size = options.block_size, .graph_budget = graph_budget, .pack = options.pack,
                      .training = training});
   TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
 
-  int64_t max_len = 0;
-  for (const Rollout& rollout : rollouts) max_len = std::max<int64_t>(max_len, rollout.tokens.size());
-  PathStack stack(model, max_len, with_entropy);
-  std::vector<at::Tensor> token_tensors(rollouts.size());
-  auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& {
-    if (!token_tensors[r].defined()) token_tensors[r] = TokenTensor(rollouts[r], model.options());
-    return token_tensors[r];
-  };
+  const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
+  auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& { return token_tensors[r]; };
+  at::Tensor loss = at::zeros({}, stack.logprobs.options());
 
   GradientResult result;
   result.logprobs.resize(rollouts.size());
@@ -263,7 +279,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         const RolloutLossGrad g = plan->LossAndGrad(step.rollout, result.logprobs[step.rollout], entropy);
         stack.grad_logprobs.slice(0, 0, length).add_(g.dlogprobs);
         if (with_entropy) stack.grad_entropy.slice(0, 0, length).add_(g.dentropy);
-        result.loss += g.loss;
+        loss += g.loss;
         break;
       }
       case StepKind::kBackward: {
@@ -285,7 +301,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         break;
       case StepKind::kPacked: {
         TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
-        result.loss += RunPackedStep(model, stack, rollouts,
+        loss += RunPackedStep(model, stack, rollouts,
                                      absl::MakeConstSpan(schedule->order).subspan(step.first, step.last - step.first),
                                      step.begin, *plan, options.logprob_slice_rows, result.logprobs);
         result.forwarded_tokens += step.packed_tokens;
@@ -293,6 +309,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
       }
     }
   }
+  result.loss = loss.item<double>();  // the one read-back, after the last kernel is queued
   return result;
 }
 

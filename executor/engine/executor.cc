@@ -3,14 +3,24 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
+#include "executor/device/host_to_device.h"
 #include "executor/engine/methods.h"
 
 namespace dta {
 namespace engine {
 
-at::Tensor TokenTensor(const Rollout& rollout, const at::TensorOptions& model_options) {
-  std::vector<int64_t> ids(rollout.tokens.begin(), rollout.tokens.end());
-  return at::tensor(ids, at::TensorOptions().dtype(at::kLong)).to(model_options.device());
+std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts, const at::TensorOptions& model_options) {
+  std::vector<int64_t> ids;
+  for (const Rollout& rollout : rollouts) ids.insert(ids.end(), rollout.tokens.begin(), rollout.tokens.end());
+  const at::Tensor all = CopyToDevice(absl::MakeConstSpan(ids), at::TensorOptions().device(model_options.device()));
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (const Rollout& rollout : rollouts) {
+    const int64_t length = static_cast<int64_t>(rollout.tokens.size());
+    out.push_back(all.slice(0, offset, offset + length));
+    offset += length;
+  }
+  return out;
 }
 
 PrefixTree BuildTree(absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset) {
@@ -62,6 +72,20 @@ at::Tensor LossPlan::Loss(int32_t r, const at::Tensor& logprobs, const at::Tenso
 RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const {
   return RolloutLossAndGrad(Inputs(r, logprobs, entropy), options_, batch_);
 }
+
+}  // namespace engine
+
+int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype) {
+  // Per layer, what autograd saves for one token: the two norm inputs and their outputs (the
+  // projections' inputs), q and k before their norms and after RoPE, v, the attention output, and
+  // the MLP's gate, up, activation and product.
+  const int64_t q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  const int64_t per_layer = 4 * c.hidden_size + 3 * q + 3 * kv + 4 * c.intermediate_size;
+  return c.num_hidden_layers * per_layer * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+namespace engine {
 
 GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
                    const ExecutorOptions& options) {

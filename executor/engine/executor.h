@@ -34,6 +34,9 @@
 namespace dta {
 
 enum class Method { kDense, kPacked, kDta };
+
+// ExecutorOptions::graph_budget: size the budget from the memory the GPU has free.
+inline constexpr int64_t kAutoGraphBudget = -1;
 enum class LeafOrderKind { kBackwardDfs, kLexicographic };
 
 struct ExecutorOptions {
@@ -43,16 +46,19 @@ struct ExecutorOptions {
   // kDta: the order in which rollouts are visited. Default: AReaL-DTA Algorithm 1.
   LeafOrderKind order = LeafOrderKind::kBackwardDfs;
   // kDta: tokens whose graphs may be kept alive instead of recomputed for their backward (see
-  // ScheduleOptions::graph_budget). Default 0: recompute, as the paper does.
-  int64_t graph_budget = 0;
+  // ScheduleOptions::graph_budget); 0 recomputes every graph, as the paper does. The default,
+  // kAutoGraphBudget, keeps as many tokens' graphs as fit in 80% of the device memory free when
+  // the step starts (after the path stack is allocated), at the model's per-token graph size
+  // (GraphBytesPerToken); on the CPU it means 0.
+  int64_t graph_budget = kAutoGraphBudget;
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
   // mask on top of the stack (see StepKind::kPacked).
   bool pack = false;
   // kPacked: the most unique tokens in one packed forward; larger trees are split by Tree
   // Training's greedy partitioning. 0 (the default): the whole tree at once.
   int64_t token_capacity = 0;
-  // kDense: activation checkpointing: keep only each layer's input, recompute the layer in
-  // backward (the "Dense+CKPT" baseline of the papers).
+  // kDense and kPacked: activation checkpointing: keep only each layer's input, recompute the
+  // layer in backward (the "Dense+CKPT" and "Tree+CKPT" baselines of the papers).
   bool checkpointing = false;
   // Rows of the [rows x vocabulary] logits slice computed at once for log-probabilities.
   int64_t logprob_slice_rows = 1024;
@@ -64,6 +70,10 @@ struct GradientResult {
   int64_t rollout_tokens = 0;        // all rollout tokens
   int64_t forwarded_tokens = 0;      // tokens pushed through the model, recomputation included
 };
+
+// Bytes of autograd state one token's forward graph keeps alive (saved activations of every
+// layer), the unit in which the automatic graph budget is sized. An estimate from the shapes.
+int64_t GraphBytesPerToken(const Qwen3Config& config, at::ScalarType dtype);
 
 // Computes the batch loss and adds d loss / d parameter into each parameter's .grad (callers zero
 // the gradients between steps). Rollouts must be valid (ValidateRollout) with token ids below the

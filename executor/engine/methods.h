@@ -36,8 +36,9 @@ class LossPlan {
   std::vector<at::Tensor> proximal_;
 };
 
-// [L] int64 tensor of a rollout's tokens on the model's device.
-at::Tensor TokenTensor(const Rollout& rollout, const at::TensorOptions& model_options);
+// Every rollout's tokens as an [L] int64 tensor on the model's device: views of one buffer,
+// uploaded in one asynchronous copy.
+std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts, const at::TensorOptions& model_options);
 
 // The prefix tree of rollouts[subset[0]], rollouts[subset[1]], ... (local indices follow
 // `subset`), or of all rollouts.

@@ -12,16 +12,20 @@ namespace dta::engine {
 
 namespace {
 
-// One packed forward (and backward) over the rollouts `subset`; their results go to `result`.
+// One packed forward (and backward) over the rollouts `subset`; their results go to `result`, the
+// loss (a device scalar) to `total_loss`.
 void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset,
-                    const LossPlan* plan, const ExecutorOptions& options, GradientResult& result) {
+                    const LossPlan* plan, const ExecutorOptions& options, GradientResult& result,
+                    at::Tensor& total_loss) {
   const PrefixTree tree = BuildTree(rollouts, subset);
   const PackedLayout layout = MakePackedLayout(tree, 0);
   const int64_t n = tree.num_tree_tokens();
   const bool entropy = plan && plan->needs_entropy();
-  const PackedOutput packed = ForwardPacked(model, layout, {}, {}, at::Tensor(), entropy, options.logprob_slice_rows);
+  const bool checkpointing = plan != nullptr && options.checkpointing;
+  const PackedOutput packed =
+      ForwardPacked(model, layout, {}, at::Tensor(), entropy, options.logprob_slice_rows, checkpointing);
 
-  result.forwarded_tokens += n;
+  result.forwarded_tokens += checkpointing ? 2 * n : n;
   at::Tensor total;
   for (RolloutIndex local = 0; local < tree.num_rollouts(); ++local) {
     const RolloutIndex r = subset[local];
@@ -36,7 +40,8 @@ void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
   }
   if (plan && total.defined()) {
     total.backward();
-    result.loss += total.item<double>();
+    if (checkpointing) BackwardThroughLayers(model, *packed.input, packed.context, packed.checkpoints);
+    total_loss = total_loss.defined() ? total_loss + total.detach() : total.detach();
   }
 }
 
@@ -49,16 +54,20 @@ GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> roll
   result.logprobs.resize(rollouts.size());
   std::vector<RolloutIndex> all(rollouts.size());
   for (size_t r = 0; r < rollouts.size(); ++r) all[r] = static_cast<RolloutIndex>(r);
+  at::Tensor total_loss;
   if (options.token_capacity <= 0) {
-    RunPackedBatch(model, rollouts, all, plan, options, result);
-    return result;
+    RunPackedBatch(model, rollouts, all, plan, options, result, total_loss);
+  } else {
+    // Tree Training's partitioning: subtrees of at most token_capacity unique tokens, one packed
+    // forward each (shared prefixes across batches are computed again: see the partition's ERR).
+    const PrefixTree tree = BuildTree(rollouts);
+    absl::StatusOr<TreePartition> partition = PartitionTreeGreedy(tree, options.token_capacity);
+    TORCH_CHECK(partition.ok(), "packed: ", std::string(partition.status().message()));
+    for (const TreeBatch& batch : partition->batches) {
+      RunPackedBatch(model, rollouts, batch.rollouts, plan, options, result, total_loss);
+    }
   }
-  // Tree Training's partitioning: subtrees of at most token_capacity unique tokens, one packed
-  // forward each (shared prefixes across batches are computed again: see the partition's ERR).
-  const PrefixTree tree = BuildTree(rollouts);
-  absl::StatusOr<TreePartition> partition = PartitionTreeGreedy(tree, options.token_capacity);
-  TORCH_CHECK(partition.ok(), "packed: ", std::string(partition.status().message()));
-  for (const TreeBatch& batch : partition->batches) RunPackedBatch(model, rollouts, batch.rollouts, plan, options, result);
+  if (total_loss.defined()) result.loss = total_loss.item<double>();
   return result;
 }
 

@@ -1,5 +1,7 @@
 #include "executor/engine/packed_layout.h"
 
+#include "executor/device/host_to_device.h"
+
 namespace dta::engine {
 
 PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
@@ -33,23 +35,31 @@ PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
 }
 
 at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& device) {
-  return at::tensor(values, at::kLong).to(device);
+  return CopyToDevice(absl::MakeConstSpan(values), at::TensorOptions().device(device));
 }
 
-PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
-                           const std::vector<at::Tensor>& prefix_keys, const std::vector<at::Tensor>& prefix_values,
-                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows) {
+PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout, const PrefixKv& prefix,
+                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows,
+                           bool checkpointing) {
   const at::Device device = model.options().device();
   PackedOutput result;
   result.token_ids = IndexTensor(layout.tokens, device);
-  const ChunkOutput out = model.Forward({.tokens = result.token_ids,
-                                         .positions = IndexTensor(layout.positions, device),
-                                         .key_end = IndexTensor(layout.key_end, device),
-                                         .prefix_keys = prefix_keys,
-                                         .prefix_values = prefix_values});
+  const ChunkInput input{.tokens = result.token_ids,
+                         .positions = IndexTensor(layout.positions, device),
+                         .key_end = IndexTensor(layout.key_end, device),
+                         .prefix = prefix};
+  at::Tensor hidden;
+  if (checkpointing) {
+    result.input = input;
+    result.context = model.MakeContext(input);
+    result.checkpoints = ForwardKeepingLayerInputs(model, input, result.context);
+    hidden = model.FinalNorm(result.checkpoints.last);
+  } else {
+    hidden = model.Forward(input).hidden;
+  }
   // With a previous hidden state, row 0 is it and row t + 1 is packed token t's.
   const bool has_previous = previous_hidden.defined();
-  const at::Tensor rows = has_previous ? at::cat({previous_hidden, out.hidden}) : out.hidden;
+  const at::Tensor rows = has_previous ? at::cat({previous_hidden, hidden}) : hidden;
   std::vector<int64_t> predicted, predictor;
   for (size_t t = 0; t < layout.tokens.size(); ++t) {
     if (layout.previous[t] < 0 && !has_previous) continue;  // position 0: no prediction

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "executor/engine/checkpointing.h"
 #include "executor/model/qwen3_model.h"
 #include "executor/tree/prefix_tree.h"
 
@@ -27,21 +29,27 @@ struct PackedLayout {
 
 PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset);
 
-// An int64 tensor of `values` on `device`.
+// An int64 tensor of `values` on `device`, uploaded without a host synchronisation.
 at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& device);
 
 struct PackedOutput {
   at::Tensor token_ids;  // [n] the serialized tokens, on the model's device
   at::Tensor logprobs;   // [n] per serialized token
   at::Tensor entropy;    // [n] when asked for, else undefined
+  // With checkpointing: what BackwardThroughLayers needs once the loss has been backpropagated.
+  std::optional<ChunkInput> input;
+  ChunkContext context;
+  LayerCheckpoints checkpoints;
 };
 
-// One tree-masked forward of the layout's tokens on top of `prefix_keys`/`prefix_values` (one per
-// layer, or empty) and every token's log-probability: predicted by the previous packed token's
+// One tree-masked forward of the layout's tokens on top of `prefix` (or none) and every token's log-probability: predicted by the previous packed token's
 // hidden state, or, for the first token of a root child, by `previous_hidden` ([1, hidden]).
 // With `previous_hidden` undefined the tree starts at position 0 and those tokens hold 0.
-PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
-                           const std::vector<at::Tensor>& prefix_keys, const std::vector<at::Tensor>& prefix_values,
-                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows);
+// With `checkpointing` (no prefix), the decoder keeps only its layer inputs (see checkpointing.h):
+// after backpropagating the loss, call BackwardThroughLayers(model, *out.input, out.context,
+// out.checkpoints).
+PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout, const PrefixKv& prefix,
+                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows,
+                           bool checkpointing = false);
 
 }  // namespace dta::engine

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "executor/device/host_to_device.h"
 
 namespace dta {
 namespace {
@@ -26,11 +27,10 @@ const char* KindName(LossKind kind) {
   return "unknown";
 }
 
-// A copy (never an alias: autograd may save it past the vector's lifetime) of a float vector.
+// A copy (never an alias: autograd may save it past the vector's lifetime) of a float vector,
+// uploaded without a host synchronisation.
 at::Tensor ToTensor(const std::vector<float>& values, const at::TensorOptions& options) {
-  return at::from_blob(const_cast<float*>(values.data()),
-                       {static_cast<int64_t>(values.size())}, at::kFloat)
-      .to(options, /*non_blocking=*/false, /*copy=*/true);
+  return CopyToDevice(absl::MakeConstSpan(values), options);
 }
 
 void CheckVectorLength(const Rollout& r, const char* field, size_t size) {
@@ -207,10 +207,9 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
     if (first_loss_token < 0) first_loss_token = static_cast<int64_t>(t);
     ++loss_tokens;
   }
-  const at::Tensor mask =
-      at::from_blob(const_cast<uint8_t*>(r.loss_mask.data()),
-                    {static_cast<int64_t>(r.loss_mask.size())}, at::kByte)
-          .to(opts.dtype(at::kBool), /*non_blocking=*/false, /*copy=*/true);
+  const at::Tensor mask = CopyToDevice(
+      at::from_blob(const_cast<uint8_t*>(r.loss_mask.data()), {static_cast<int64_t>(r.loss_mask.size())}, at::kByte),
+      opts.dtype(at::kBool));
   // Masked positions are replaced by 0 before any nonlinearity, so that extreme values there
   // (the dummy position 0, say) never produce inf or NaN in the loss or its gradient.
   auto masked = [&mask](const at::Tensor& x) { return at::where(mask, x, 0); };
@@ -297,7 +296,7 @@ RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOption
     if (!grads[i].defined()) grads[i] = at::zeros_like(inputs[i]);
   }
   RolloutLossGrad out;
-  out.loss = loss.item<double>();
+  out.loss = loss.detach();
   out.dlogprobs = grads[0].detach();
   if (in.entropy.defined()) out.dentropy = grads[1].detach();
   return out;

@@ -146,7 +146,7 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& options,
 // The loss value and its gradients, computed with torch::autograd::grad on detached copies of the
 // inputs (the caller's tensors and graph are untouched; works under NoGradGuard).
 struct RolloutLossGrad {
-  double loss = 0;
+  at::Tensor loss{};       // 0-d, detached: reading it (.item()) is the caller's choice of sync
   at::Tensor dlogprobs{};  // [L], d loss / d logprobs, detached
   // [L] d loss / d entropy when entropy was given (zeros if entropy_coef = 0), else undefined.
   at::Tensor dentropy{};

@@ -7,6 +7,8 @@
 
 #include <cmath>
 
+#include "kernels/tree_attention.h"
+
 namespace dta {
 namespace {
 
@@ -15,25 +17,171 @@ at::ScalarType ComputeType(at::ScalarType dtype) {
   return dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// Gradients accumulate in float32 (float64 for float64 parameters).
+at::ScalarType AccumulatorType(at::ScalarType dtype) { return ComputeType(dtype); }
+
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
+// Every parameter's gradient is accumulated by the autograd functions below straight into its
+// .grad tensor (float32 for low-precision parameters, the parameter's dtype otherwise), as
+// Megatron's fused weight-gradient accumulation does: a chunk's backward never materializes a
+// fresh full-size weight gradient that autograd would then add, and many chunk backwards into one
+// step's gradient do not round to bfloat16 each time. The parameters still require grad (so the
+// functions are recorded), but autograd never accumulates into them itself.
+at::Tensor& GradAccumulator(const at::Tensor& parameter) {
+  at::Tensor& grad = const_cast<at::Tensor&>(parameter).mutable_grad();
+  if (!grad.defined()) grad = at::zeros(parameter.sizes(), parameter.options().dtype(AccumulatorType(parameter.scalar_type())));
+  return grad;
+}
+
+// accumulator += a @ b, with a and b in the compute dtype and the product accumulated in the
+// accumulator's precision (cuBLAS with a float32 C on CUDA).
+void AddMatmul(at::Tensor& accumulator, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == accumulator.scalar_type()) {
+    accumulator.addmm_(a, b);
+  } else if (accumulator.is_cuda()) {
+    at::addmm_out(accumulator, accumulator, a, b, accumulator.scalar_type());
+  } else {
+    accumulator.addmm_(a.to(accumulator.scalar_type()), b.to(accumulator.scalar_type()));
+  }
+}
+
+// a @ b with the result in `dtype` (float32 logits from bfloat16 inputs without a rounding step).
+at::Tensor MatmulTo(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype) {
+  if (a.scalar_type() == dtype) return at::mm(a, b);
+  if (a.is_cuda()) return at::mm(a, b, dtype);
+  return at::mm(a, b).to(dtype);
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// y = x @ weight^T over the last dimension of x.
+class Linear : public torch::autograd::Function<Linear> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    ctx->save_for_backward({x, weight});
+    return at::matmul(x, weight.t());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor dy = grads[0].reshape({-1, weight.size(0)});
+    AddMatmul(GradAccumulator(weight), dy.t(), x.reshape({-1, weight.size(1)}));
+    return {at::matmul(grads[0], weight), at::Tensor()};
+  }
+};
+
+// Rows of the embedding table.
+class Embedding : public torch::autograd::Function<Embedding> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& ids) {
+    ctx->save_for_backward({table, ids});
+    return table.index_select(0, ids);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor& accumulator = GradAccumulator(saved[0]);
+    accumulator.index_add_(0, saved[1], grads[0].to(accumulator.scalar_type()));
+    return {at::Tensor(), at::Tensor()};
+  }
+};
+
+// Hugging Face's Qwen3RMSNorm: weight * (x / rms(x)) with the normalisation in at least float32
+// and the product in the input dtype. Backward in the compute dtype.
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+    const at::Tensor xc = x.to(ComputeType(x.scalar_type()));
+    const at::Tensor rstd = at::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    ctx->save_for_backward({x, weight, rstd});
+    return weight * (xc * rstd).to(x.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& rstd = saved[2];
+    const at::ScalarType ct = rstd.scalar_type();
+    const at::Tensor normed = x.to(ct) * rstd;
+    const at::Tensor dy = grads[0].to(ct);
+    at::Tensor& accumulator = GradAccumulator(weight);
+    const int64_t n = weight.size(0);
+    accumulator.add_((dy * normed.to(x.scalar_type()).to(ct)).reshape({-1, n}).sum(0).to(accumulator.scalar_type()));
+    // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
+    const at::Tensor dnormed = dy * weight.to(ct);
+    const at::Tensor dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, /*keepdim=*/true));
+    return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Tree attention of a chunk on a cached prefix (kernels/tree_attention.h). Returns [T, heads,
+// head_dim]. The prefix is a constant of the graph (a non-tensor argument, so autograd neither
+// tracks nor version-checks it: it is a view of a stack that later chunks write above, never
+// into, while this graph lives); with accumulators, backward adds the prefix's K/V gradients into
+// them in place.
+class TreeAttention : public torch::autograd::Function<TreeAttention> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& key_end, const LayerPrefix& prefix, double scale) {
+    kernels::TreeAttentionOutput result =
+        kernels::TreeAttentionForward(q, k, v, prefix.keys, prefix.values, key_end, scale);
+    ctx->save_for_backward({q, k, v, key_end, result.out, result.lse});
+    ctx->saved_data["prefix_k"] = prefix.keys;
+    ctx->saved_data["prefix_v"] = prefix.values;
+    ctx->saved_data["grad_prefix_k"] = prefix.grad_keys;
+    ctx->saved_data["grad_prefix_v"] = prefix.grad_values;
+    ctx->saved_data["scale"] = scale;
+    return result.out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor prefix_k = ctx->saved_data["prefix_k"].toTensor();
+    const at::Tensor prefix_v = ctx->saved_data["prefix_v"].toTensor();
+    at::Tensor grad_prefix_k = ctx->saved_data["grad_prefix_k"].toTensor();
+    at::Tensor grad_prefix_v = ctx->saved_data["grad_prefix_v"].toTensor();
+    if (prefix_k.defined() && !grad_prefix_k.defined()) {
+      // Nobody collects the prefix's gradient: let the kernel add it into scratch.
+      const at::TensorOptions o = prefix_k.options().dtype(AccumulatorType(prefix_k.scalar_type()));
+      grad_prefix_k = at::zeros(prefix_k.sizes(), o);
+      grad_prefix_v = at::zeros(prefix_v.sizes(), o);
+    }
+    kernels::TreeAttentionGrads g =
+        kernels::TreeAttentionBackward(grads[0].contiguous(), saved[0], saved[1], saved[2], prefix_k, prefix_v, saved[3],
+                                       saved[4], saved[5], ctx->saved_data["scale"].toDouble(), grad_prefix_k,
+                                       grad_prefix_v);
+    return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+LayerPrefix PrefixOfLayer(const PrefixKv& prefix, int64_t l) {
+  if (prefix.empty()) return {};
+  LayerPrefix layer{.keys = prefix.keys[l], .values = prefix.values[l], .grad_keys = {}, .grad_values = {}};
+  if (!prefix.grad_keys.empty()) {
+    layer.grad_keys = prefix.grad_keys[l];
+    layer.grad_values = prefix.grad_values[l];
+  }
+  return layer;
+}
+
 // log p(target) (and entropy) of each row of hidden @ weight^T, over the vocabulary. Neither pass
-// keeps a [rows x vocab] tensor beyond one slice: backward recomputes each slice's logits.
+// keeps a [rows x vocab] tensor beyond one slice: backward recomputes each slice's logits. Logits
+// are formed in float32 (float64 for float64 models) directly from the matmul.
 class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
  public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                                                const at::Tensor& weight, const at::Tensor& targets,
-                                                int64_t slice_rows, bool want_entropy) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& targets, int64_t slice_rows, bool want_entropy) {
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
     const int64_t rows = hidden.size(0);
     at::Tensor logprobs = at::empty({rows}, hidden.options().dtype(ct));
     at::Tensor entropy = at::zeros({rows}, hidden.options().dtype(ct));
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
-      const at::Tensor logits = at::matmul(hidden.slice(0, begin, end), weight.t()).to(ct);
+      const at::Tensor logits = MatmulTo(hidden.slice(0, begin, end), weight.t(), ct);
       const at::Tensor lse = at::logsumexp(logits, -1);
       logprobs.slice(0, begin, end).copy_(logits.gather(1, targets.slice(0, begin, end).unsqueeze(1)).squeeze(1) - lse);
       if (want_entropy) {
@@ -47,8 +195,7 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     return {logprobs, entropy};
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& hidden = saved[0];
     const at::Tensor& weight = saved[1];
@@ -56,13 +203,13 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     const int64_t slice_rows = ctx->saved_data["slice_rows"].toInt();
     const bool want_entropy = ctx->saved_data["want_entropy"].toBool();
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
-    at::Tensor grad_hidden = at::zeros_like(hidden);
-    at::Tensor grad_weight = at::zeros(weight.sizes(), weight.options().dtype(ct));
+    at::Tensor& grad_weight = GradAccumulator(weight);
+    at::Tensor grad_hidden = at::empty_like(hidden);
     const int64_t rows = hidden.size(0);
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor h = hidden.slice(0, begin, end);
-      const at::Tensor logits = at::matmul(h, weight.t()).to(ct);
+      const at::Tensor logits = MatmulTo(h, weight.t(), ct);
       const at::Tensor probs = at::softmax(logits, -1);
       // d logp(y) / d z = onehot(y) - p;  d entropy / d z = -p (z - E_p[z]).
       const at::Tensor g_logprob = grads[0].slice(0, begin, end).to(ct);
@@ -73,10 +220,12 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
         const at::Tensor mean_logit = (probs * logits).sum(-1, /*keepdim=*/true);
         grad_logits -= probs * (logits - mean_logit) * g_entropy.unsqueeze(1);
       }
-      grad_hidden.slice(0, begin, end).copy_(at::matmul(grad_logits, weight.to(ct)).to(hidden.scalar_type()));
-      grad_weight.add_(at::matmul(grad_logits.t(), h.to(ct)));
+      // The two matmuls run in the model dtype (bfloat16 tensor cores on the GPU).
+      const at::Tensor g = grad_logits.to(hidden.scalar_type());
+      grad_hidden.slice(0, begin, end).copy_(at::mm(g, weight));
+      AddMatmul(grad_weight, g.t(), h);
     }
-    return {grad_hidden, grad_weight.to(weight.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_hidden, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -139,9 +288,7 @@ void Qwen3Model::InitRandom(uint64_t seed, double std) {
 }
 
 at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
-  const at::Tensor xc = x.to(ComputeType(x.scalar_type()));
-  const at::Tensor normed = xc * at::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps);
-  return weight * normed.to(x.scalar_type());
+  return RmsNormFunction::apply(x, weight, config_.rms_norm_eps);
 }
 
 std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) const {
@@ -155,30 +302,17 @@ std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) 
   return {angles.cos().to(dtype), angles.sin().to(dtype)};
 }
 
-at::Tensor Qwen3Model::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& key_end, int64_t prefix) const {
-  const int64_t t = q.size(0);
-  // Query i sees the whole prefix and chunk key j iff j <= i < key_end[j]: O(T) integers become a
-  // [T, P + T] boolean mask for PyTorch's fused attention (the CUDA path uses kernels/ instead).
-  const at::Tensor i = at::arange(t, key_end.options()).unsqueeze(1);
-  const at::Tensor j = at::arange(t, key_end.options()).unsqueeze(0);
-  const at::Tensor visible = (j <= i) & (i < key_end.unsqueeze(0));
-  const at::Tensor mask = prefix > 0 ? at::cat({at::ones({t, prefix}, visible.options()), visible}, 1) : visible;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
-  const at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                                          v.transpose(0, 1).unsqueeze(0), mask, 0.0,
-                                                          /*is_causal=*/false, scale, /*enable_gqa=*/true);
-  return out.squeeze(0).transpose(0, 1).reshape({t, -1});  // [T, heads * head_dim]
-}
-
 ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
   const int64_t t = input.tokens.size(0);
   TORCH_CHECK(input.tokens.dim() == 1 && input.positions.sizes() == input.tokens.sizes(),
               "tokens and positions must be [T] tensors of the same length");
   const size_t num_layers = layers_.size();
-  const bool has_prefix = !input.prefix_keys.empty();
-  TORCH_CHECK(!has_prefix || (input.prefix_keys.size() == num_layers && input.prefix_values.size() == num_layers),
+  const PrefixKv& prefix = input.prefix;
+  TORCH_CHECK(prefix.empty() || (prefix.keys.size() == num_layers && prefix.values.size() == num_layers),
               "prefix K/V must have one entry per layer");
+  TORCH_CHECK(prefix.grad_keys.size() == prefix.grad_values.size() &&
+                  (prefix.grad_keys.empty() || prefix.grad_keys.size() == num_layers),
+              "prefix gradient accumulators must have one entry per layer, or none");
   ChunkContext context;
   context.key_end =
       input.key_end.defined() ? input.key_end : at::full({t}, t, input.tokens.options().dtype(at::kLong));
@@ -188,30 +322,29 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
   return context;
 }
 
-at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const { return embed_.index_select(0, tokens); }
+at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const { return Embedding::apply(embed_, tokens); }
 
 LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,
-                                     const at::Tensor& prefix_keys, const at::Tensor& prefix_values) const {
+                                     const LayerPrefix& prefix) const {
   const int64_t t = h.size(0);
   const Layer& layer = layers_[l];
   const int64_t heads = config_.num_attention_heads;
   const int64_t kv_heads = config_.num_key_value_heads;
   const int64_t dim = config_.head_dim;
   const at::Tensor x = RmsNorm(h, layer.input_norm);
-  at::Tensor q = RmsNorm(at::matmul(x, layer.q_proj.t()).view({t, heads, dim}), layer.q_norm);
-  at::Tensor k = RmsNorm(at::matmul(x, layer.k_proj.t()).view({t, kv_heads, dim}), layer.k_norm);
-  const at::Tensor v = at::matmul(x, layer.v_proj.t()).view({t, kv_heads, dim});
+  at::Tensor q = RmsNorm(Linear::apply(x, layer.q_proj).view({t, heads, dim}), layer.q_norm);
+  at::Tensor k = RmsNorm(Linear::apply(x, layer.k_proj).view({t, kv_heads, dim}), layer.k_norm);
+  const at::Tensor v = Linear::apply(x, layer.v_proj).view({t, kv_heads, dim});
   q = q * context.cos + RotateHalf(q) * context.sin;
   k = k * context.cos + RotateHalf(k) * context.sin;
-  const bool has_prefix = prefix_keys.defined();
-  const at::Tensor keys = has_prefix ? at::cat({prefix_keys, k}, 0) : k;
-  const at::Tensor values = has_prefix ? at::cat({prefix_values, v}, 0) : v;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  const at::Tensor attention =
+      TreeAttention::apply(q, k, v, context.key_end, prefix, scale);
   LayerOutput out;
-  out.hidden = h + at::matmul(Attention(q, keys, values, context.key_end, has_prefix ? prefix_keys.size(0) : 0),
-                              layer.o_proj.t());
+  out.hidden = h + Linear::apply(attention.reshape({t, heads * dim}), layer.o_proj);
   const at::Tensor y = RmsNorm(out.hidden, layer.post_norm);
-  out.hidden = out.hidden + at::matmul(at::silu(at::matmul(y, layer.gate_proj.t())) * at::matmul(y, layer.up_proj.t()),
-                                       layer.down_proj.t());
+  out.hidden =
+      out.hidden + Linear::apply(at::silu(Linear::apply(y, layer.gate_proj)) * Linear::apply(y, layer.up_proj), layer.down_proj);
   out.keys = k;
   out.values = v;
   return out;
@@ -221,12 +354,10 @@ at::Tensor Qwen3Model::FinalNorm(const at::Tensor& h) const { return RmsNorm(h, 
 
 ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
   const ChunkContext context = MakeContext(input);
-  const bool has_prefix = !input.prefix_keys.empty();
   ChunkOutput out;
   at::Tensor h = Embed(input.tokens);
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
-    LayerOutput layer = ForwardLayer(l, h, context, has_prefix ? input.prefix_keys[l] : at::Tensor(),
-                                     has_prefix ? input.prefix_values[l] : at::Tensor());
+    LayerOutput layer = ForwardLayer(l, h, context, PrefixOfLayer(input.prefix, l));
     h = std::move(layer.hidden);
     out.keys.push_back(std::move(layer.keys));
     out.values.push_back(std::move(layer.values));

@@ -6,6 +6,12 @@
 // Numerics follow Hugging Face's Qwen3: norms, RoPE tables and softmax run in at least float32
 // (float64 models stay float64 throughout, so float64 runs are exact references).
 //
+// Gradients: backward adds each parameter's gradient straight into its .grad, which is float32 for
+// bfloat16/float16 parameters (and the parameter's dtype otherwise): many chunk backwards into one
+// step's gradient neither round to bfloat16 each time nor allocate full-size gradients per call.
+// Attention runs kernels/tree_attention (FlashAttention-style tree-masked kernels on the GPU, an
+// exact ATen reference elsewhere).
+//
 // Example:
 //   Qwen3Model model(config, at::TensorOptions().dtype(at::kDouble));
 //   model.InitRandom(/*seed=*/1);
@@ -26,6 +32,26 @@
 
 namespace dta {
 
+// The cached prefix one forward call attends to, per layer.
+struct PrefixKv {
+  // K and V of the prefix, [P, kv_heads, head_dim] each (typically views of a preallocated
+  // path-length buffer: never copied or concatenated).
+  std::vector<at::Tensor> keys = {};
+  std::vector<at::Tensor> values = {};
+  // Gradient accumulators of the same shape (float32; float64 for float64 models), or empty.
+  // The prefix tensors are constants of the graph: backward adds d loss / d prefix K and V into
+  // these accumulators in place, or drops them when there are none.
+  std::vector<at::Tensor> grad_keys = {};
+  std::vector<at::Tensor> grad_values = {};
+
+  bool empty() const { return keys.empty(); }
+};
+
+// One layer's slice of a PrefixKv (undefined tensors when there is no prefix).
+struct LayerPrefix {
+  at::Tensor keys, values, grad_keys, grad_values;
+};
+
 // The tokens of one forward call and the context they sit on.
 struct ChunkInput {
   at::Tensor tokens = {};     // [T] int64 token ids
@@ -33,10 +59,8 @@ struct ChunkInput {
   // Tree structure inside the chunk, tokens in DFS order: key j is visible to queries
   // j .. key_end[j] - 1 (its subtree). [T] int64; undefined means a plain causal chain.
   at::Tensor key_end = {};
-  // Per layer, K and V of the cached prefix that every chunk token attends to, [P, kv_heads,
-  // head_dim] each; empty vectors mean no prefix.
-  std::vector<at::Tensor> prefix_keys = {};
-  std::vector<at::Tensor> prefix_values = {};
+  // The cached prefix every chunk token attends to; empty means none.
+  PrefixKv prefix = {};
 };
 
 struct ChunkOutput {
@@ -84,9 +108,8 @@ class Qwen3Model {
   // Forward = FinalNorm(ForwardLayer(L-1, ... ForwardLayer(0, Embed(tokens)) ...)).
   ChunkContext MakeContext(const ChunkInput& input) const;
   at::Tensor Embed(const at::Tensor& tokens) const;
-  // prefix_keys / prefix_values: this layer's [P, kv_heads, head_dim] cache, or undefined.
   LayerOutput ForwardLayer(int64_t layer, const at::Tensor& hidden, const ChunkContext& context,
-                           const at::Tensor& prefix_keys = {}, const at::Tensor& prefix_values = {}) const;
+                           const LayerPrefix& prefix = {}) const;
   at::Tensor FinalNorm(const at::Tensor& hidden) const;
 
   // log p(targets[i] | hidden[i]) per row, through lm_head and a log-softmax over the vocabulary
@@ -105,8 +128,6 @@ class Qwen3Model {
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
   // cos and sin tables [T, head_dim] for the given positions, in the compute dtype.
   std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
-  at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_end,
-                       int64_t prefix) const;
 
   Qwen3Config config_;
   at::TensorOptions options_;

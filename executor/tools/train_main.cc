@@ -52,9 +52,11 @@ ABSL_FLAG(double, kl_coef, 0.0, "KL-to-reference coefficient (needs ref_logprobs
 ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda[:N]");
 ABSL_FLAG(int64_t, block_size, 2048, "dta: B, the most tokens per backward chunk (0 = unbounded)");
-ABSL_FLAG(int64_t, graph_budget, 0, "dta: tokens whose graphs may be kept instead of recomputed");
+ABSL_FLAG(int64_t, graph_budget, -1,
+          "dta: tokens whose graphs may be kept instead of recomputed; -1: as many as fit in 80% of the GPU's free "
+          "memory (0 on the CPU)");
 ABSL_FLAG(int64_t, token_capacity, 0, "packed: the most unique tokens per packed forward (0 = the whole tree)");
-ABSL_FLAG(bool, checkpointing, false, "dense: activation checkpointing (recompute each layer in backward)");
+ABSL_FLAG(bool, checkpointing, false, "dense and packed: activation checkpointing (recompute each layer in backward)");
 ABSL_FLAG(bool, pack, false, "dta: pack small complete subtrees into one forward");
 ABSL_FLAG(std::string, order, "backward-dfs", "dta: leaf order, backward-dfs or lexicographic");
 ABSL_FLAG(int32_t, steps, 1, "optimizer steps over the batch");
@@ -125,7 +127,7 @@ ExecutorOptions ParseExecutor() {
   if (block < 0) throw BadInput{"--block_size must be >= 0"};
   options.block_size = block == 0 ? kUnboundedBlock : block;
   options.graph_budget = absl::GetFlag(FLAGS_graph_budget);
-  if (options.graph_budget < 0) throw BadInput{"--graph_budget must be >= 0"};
+  if (options.graph_budget < kAutoGraphBudget) throw BadInput{"--graph_budget must be >= 0, or -1 for automatic"};
   options.pack = absl::GetFlag(FLAGS_pack);
   options.checkpointing = absl::GetFlag(FLAGS_checkpointing);
   options.token_capacity = absl::GetFlag(FLAGS_token_capacity);

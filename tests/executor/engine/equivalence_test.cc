@@ -133,6 +133,10 @@ class Equivalence : public ::testing::Test {
     for (const Rollout& r : rollouts) longest = std::max<int64_t>(longest, r.tokens.size());
     ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked, .token_capacity = longest}), dense,
                what + " packed capacity " + std::to_string(longest));
+    ExpectSame(model_,
+               RunMethod(model_, rollouts, loss,
+                         {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}),
+               dense, what + " packed+ckpt capacity " + std::to_string(longest));
     struct Variant {
       LeafOrderKind order;
       int64_t budget;

@@ -166,8 +166,8 @@ void ExpectGradNear(const Vec& got, const Vec& want, const std::string& what) {
 RolloutLossGrad CheckCase(const RefCase& c, const LossOptions& o, const BatchLossContext& b,
                           const std::string& what) {
   RolloutLossGrad g = RolloutLossAndGrad(Inputs(c), o, b);
-  EXPECT_NEAR(g.loss, RefLoss(c, o, b), 1e-12) << what;
-  EXPECT_NEAR(LossValue(Inputs(c), o, b), g.loss, 1e-15) << what;
+  EXPECT_NEAR(g.loss.item<double>(), RefLoss(c, o, b), 1e-12) << what;
+  EXPECT_NEAR(LossValue(Inputs(c), o, b), g.loss.item<double>(), 1e-15) << what;
   ExpectGradNear(V(g.dlogprobs), FiniteDifferences(c, false, o, b), what + " dlogprobs");
   if (!c.ent.empty()) {
     ExpectGradNear(V(g.dentropy), FiniteDifferences(c, true, o, b), what + " dentropy");
@@ -225,7 +225,7 @@ TEST(LossTest, SftMatchesReferenceAndAnalyticGradient) {
     RolloutLossInputs in = Inputs(f.c);
     in.advantages = nullptr;  // SFT needs none
     RolloutLossGrad g = RolloutLossAndGrad(in, o, b);
-    EXPECT_NEAR(g.loss, RefLoss(f.c, o, b), 1e-12);
+    EXPECT_NEAR(g.loss.item<double>(), RefLoss(f.c, o, b), 1e-12);
     const double normaliser = norm == Normalization::kTokenMean      ? 17.0
                               : norm == Normalization::kSequenceMean ? 7.0 * 3
                                                                      : 1.0;
@@ -346,7 +346,7 @@ TEST(LossTest, DecoupledPpoWithProximalEqualBehaviourIsPpo) {
   decoupled.kind = LossKind::kDecoupledPpo;
   RolloutLossGrad a = RolloutLossAndGrad(Inputs(c), ppo, b);
   RolloutLossGrad d = RolloutLossAndGrad(Inputs(c), decoupled, b);
-  EXPECT_NEAR(a.loss, d.loss, 1e-14);
+  EXPECT_NEAR(a.loss.item<double>(), d.loss.item<double>(), 1e-14);
   ExpectGradNear(V(d.dlogprobs), V(a.dlogprobs), "decoupled == ppo");
 }
 
@@ -433,13 +433,13 @@ TEST(LossTest, TokenMeanSumOverRolloutsEqualsTokenMeanOfConcatenation) {
     for (size_t i = 0; i < rollouts.size(); ++i) {
       RolloutLossGrad g = RolloutLossAndGrad(
           {.rollout = &rollouts[i], .logprobs = T(lps[i]), .advantages = &advs[i]}, o, b);
-      sum += g.loss;
+      sum += g.loss.item<double>();
       for (double v : V(g.dlogprobs)) grads.push_back(v);
     }
     RolloutLossGrad whole =
         RolloutLossAndGrad({.rollout = &all, .logprobs = T(all_lp), .advantages = &all_adv}, o,
                            b_all);
-    EXPECT_NEAR(sum, whole.loss, 1e-12);
+    EXPECT_NEAR(sum, whole.loss.item<double>(), 1e-12);
     ExpectGradNear(grads, V(whole.dlogprobs), "concatenation");
   }
 }
@@ -462,7 +462,7 @@ TEST(LossTest, RolloutWithoutLossTokensContributesZero) {
       EXPECT_TRUE(loss.requires_grad());
       EXPECT_EQ(loss.item<double>(), 0.0);
       RolloutLossGrad g = RolloutLossAndGrad(in, o, empty_batch);
-      EXPECT_EQ(g.loss, 0.0);
+      EXPECT_EQ(g.loss.item<double>(), 0.0);
       EXPECT_EQ(at::count_nonzero(g.dlogprobs).item<int64_t>(), 0);
       EXPECT_EQ(at::count_nonzero(g.dentropy).item<int64_t>(), 0);
     }
@@ -483,7 +483,7 @@ TEST(LossTest, RolloutLossBackwardMatchesRolloutLossAndGrad) {
     at::NoGradGuard no_grad;  // RolloutLossAndGrad works under no-grad too
     g = RolloutLossAndGrad(in, o, b);
   }
-  EXPECT_NEAR(loss.item<double>(), g.loss, 1e-15);
+  EXPECT_NEAR(loss.item<double>(), g.loss.item<double>(), 1e-15);
   ExpectGradNear(V(in.logprobs.grad()), V(g.dlogprobs), "backward logprobs");
   ExpectGradNear(V(in.entropy.grad()), V(g.dentropy), "backward entropy");
 }
@@ -499,7 +499,7 @@ TEST(LossTest, Float32WithExtremeMaskedValuesStaysFinite) {
     RolloutLossGrad g = RolloutLossAndGrad(Inputs(c, at::kFloat), o, b);
     EXPECT_EQ(g.dlogprobs.scalar_type(), at::kFloat);
     const double want = RefLoss(c, o, b);
-    EXPECT_NEAR(g.loss, want, 1e-5 * std::max(1.0, std::abs(want)));
+    EXPECT_NEAR(g.loss.item<double>(), want, 1e-5 * std::max(1.0, std::abs(want)));
     EXPECT_TRUE(at::isfinite(g.dlogprobs).all().item<bool>());
     const Vec d = V(g.dlogprobs);
     const Vec d64 = V(RolloutLossAndGrad(Inputs(c), o, b).dlogprobs);

@@ -1,0 +1,30 @@
+// Internal to executor/engine: activation checkpointing by layer replay, the papers' "+CKPT"
+// baselines (dense and packed tree). The forward keeps only each decoder layer's input; after the
+// loss has been backpropagated to the last layer's output, each layer is recomputed from its input
+// and backpropagated, top to bottom, so at most one layer's activations are alive at a time.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "executor/model/qwen3_model.h"
+
+namespace dta::engine {
+
+struct LayerCheckpoints {
+  std::vector<at::Tensor> layer_inputs;  // [num_layers], no graph
+  at::Tensor last;                       // leaf: the residual stream after the last layer
+};
+
+// The decoder without a graph (no prefix), keeping each layer's input. The caller continues from
+// FinalNorm(checkpoints.last), backpropagates, then calls BackwardThroughLayers.
+LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkInput& input,
+                                           const ChunkContext& context);
+
+// Replays and backpropagates every layer (and the embedding) with the gradient that reached
+// checkpoints.last. Nothing happens if no gradient reached it.
+void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input, const ChunkContext& context,
+                           const LayerCheckpoints& checkpoints);
+
+}  // namespace dta::engine

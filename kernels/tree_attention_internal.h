@@ -1,0 +1,50 @@
+// Shared by the reference and the CUDA path: input checks and the CUDA entry points. Not part of
+// the public API; include kernels/tree_attention.h instead.
+#ifndef DTA_KERNELS_TREE_ATTENTION_INTERNAL_H_
+#define DTA_KERNELS_TREE_ATTENTION_INTERNAL_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "kernels/tree_attention.h"
+
+namespace dta::kernels::internal {
+
+struct TreeAttentionShape {
+  int64_t tokens = 0;    // T: chunk rows
+  int64_t prefix = 0;    // P: cached prefix rows
+  int64_t q_heads = 0;   // Hq
+  int64_t kv_heads = 0;  // Hkv
+  int64_t head_dim = 0;  // D
+};
+
+// True when prefix_k holds rows (defined and non-empty).
+bool HasPrefix(const at::Tensor& prefix_k);
+
+// TORCH_CHECKs every forward requirement of kernels/tree_attention.h; returns the sizes.
+TreeAttentionShape CheckForwardInputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& prefix_k, const at::Tensor& prefix_v,
+                                      const at::Tensor& key_end);
+
+// TORCH_CHECKs the backward's extra tensors against the forward's sizes.
+void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
+                         const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                         const at::Tensor& grad_prefix_k, const at::Tensor& grad_prefix_v);
+
+// The CUDA path (kernels/tree_attention.cu). Inputs are already checked. Defined only when the
+// library is built with nvcc (DTA_KERNELS_HAVE_CUDA).
+TreeAttentionOutput ForwardCuda(const TreeAttentionShape& shape, const at::Tensor& q,
+                                const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& prefix_k, const at::Tensor& prefix_v,
+                                const at::Tensor& key_end, double scale);
+TreeAttentionGrads BackwardCuda(const TreeAttentionShape& shape, const at::Tensor& grad_out,
+                                const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& prefix_k, const at::Tensor& prefix_v,
+                                const at::Tensor& key_end, const at::Tensor& out,
+                                const at::Tensor& lse, double scale, at::Tensor& grad_prefix_k,
+                                at::Tensor& grad_prefix_v);
+
+}  // namespace dta::kernels::internal
+
+#endif  // DTA_KERNELS_TREE_ATTENTION_INTERNAL_H_

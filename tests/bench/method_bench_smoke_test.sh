@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Smoke test of dta-bench on the CPU: a tiny Qwen3 in float32 on three generated rollouts, two
+# methods (dense and dta); results.md and results.json must exist and name both methods, the
+# agreement check must agree to float32 rounding, bad input must exit 2 naming what is wrong, and
+# bench/plot_bench.py must draw the results when matplotlib is there.
+# Usage: method_bench_smoke_test.sh BIN_DIR PYTHON SOURCE_DIR
+set -uo pipefail
+bin="$1"
+python="$2"
+src="$3"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# One thread: the test is tiny and CTest runs others beside it.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+# Three rollouts of one modified-prefix task (about 6K rollout tokens; two share a task prompt).
+"$bin/dta-workload" --preset=modified-prefix --seed=1 --scale=0.01 --vocab_size=1024 --out="$work/all.jsonl" \
+  2>/dev/null || fail "dta-workload exited $?"
+head -n 3 "$work/all.jsonl" >"$work/small.jsonl"
+
+tiny="$src/examples/configs/qwen3-tiny.json"
+"$bin/dta-bench" --rollouts="$work/small.jsonl" --config="$tiny" --check_config="$tiny" --device=cpu \
+  --dtype=float32 --methods=dense,dta-b2048 --warmup=1 --repeats=1 --check_rollouts=2 \
+  --out_dir="$work/out" >"$work/stdout.txt" 2>"$work/stderr.txt"
+status=$?
+[[ $status -eq 0 ]] || fail "dta-bench exited $status: $(tail -5 "$work/stderr.txt")"
+for file in results.md results.json; do
+  [[ -s "$work/out/$file" ]] || fail "$file is missing or empty"
+done
+for method in dense dta-b2048; do
+  grep -qF "| $method |" "$work/out/results.md" || fail "results.md has no row for $method"
+done
+grep -qF "## Agreement check" "$work/out/results.md" || fail "results.md has no agreement check"
+grep -qF "step 1/1" "$work/stderr.txt" || fail "no progress lines on stderr"
+
+"$python" - "$work/out/results.json" <<'PY' || fail "results.json is wrong"
+import json, sys
+out = json.load(open(sys.argv[1]))
+methods = {m["name"]: m for m in out["methods"]}
+assert set(methods) == {"dense", "dta-b2048"}, methods.keys()
+w = out["workload"]
+assert w["rollouts"] == 3 and w["unique_tokens"] < w["rollout_tokens"], w
+assert abs(w["compression"] - w["rollout_tokens"] / w["unique_tokens"]) < 1e-9
+for name, m in methods.items():
+    assert m["status"] == "ok", (name, m["status"], m["note"])
+    assert len(m["step_seconds"]) == 1 and len(m["warmup_seconds"]) == 1
+    assert m["rollout_tokens_per_second"] > 0 and m["peak_memory_gib"] > 0
+    assert m["mfu"] is None  # no MFU on the CPU
+    # Same loss for every method (float32 rounding).
+    assert abs(m["loss"] - methods["dense"]["loss"]) <= 1e-4 * abs(methods["dense"]["loss"]), name
+assert methods["dense"]["speedup_vs_dense"] == 1.0
+assert out["flops"]["ideal_speedup_vs_dense"] > 1
+assert out["dtype"] == "float32" and out["torch_version"] and "dta-bench" in out["command"]
+check = out["check"]
+rows = {r["method"]: r for r in check["rows"]}
+assert set(rows) == {"dense", "dta-b2048"}, rows.keys()
+for name, r in rows.items():
+    assert r["status"] == "ok", (name, r)
+    # float32 against the float32 reference: rounding only.
+    assert r["vs_reference"]["median_param_rel_err"] < 1e-4, (name, r)
+    assert r["vs_reference"]["grad_rel_err"] < 1e-4, (name, r)
+PY
+
+# Bad input: exit status 2 and a message naming the problem.
+expect_bad() {
+  local what="$1" pattern="$2"
+  shift 2
+  "$bin/dta-bench" "$@" --device=cpu --dtype=float32 --out_dir="$work/bad" >/dev/null 2>"$work/bad.err"
+  local s=$?
+  [[ $s -eq 2 ]] || fail "$what exited $s, expected 2"
+  grep -qF -- "$pattern" "$work/bad.err" || fail "$what: message lacks '$pattern': $(cat "$work/bad.err")"
+}
+printf '%s\n' '{"id": "a", "group": "g", "tokens": [1, 5000], "loss_mask": [0, 1], "logprobs": [0, -1], "reward": 1}' \
+  >"$work/big_token.jsonl"
+expect_bad "a missing file" "missing.jsonl" --rollouts="$work/missing.jsonl" --config="$tiny"
+expect_bad "an unknown method" "unknown method 'nope'" --rollouts="$work/small.jsonl" --config="$tiny" --methods=dense,nope
+expect_bad "a bad dta variant" "dta-bx" --rollouts="$work/small.jsonl" --config="$tiny" --methods=dta-bx
+expect_bad "a bad config" "--config=qwen3-nope" --rollouts="$work/small.jsonl" --config=qwen3-nope
+expect_bad "a token beyond the vocabulary" "big_token.jsonl:1" --rollouts="$work/big_token.jsonl" --config="$tiny"
+
+if "$python" -c "import matplotlib" 2>/dev/null; then
+  "$python" "$src/bench/plot_bench.py" --out "$work/plots" "$work/out/results.json" >"$work/plots.txt" 2>&1 ||
+    fail "plot_bench.py exited $?: $(tail -3 "$work/plots.txt")"
+  ls "$work/plots"/throughput_small.png "$work/plots"/memory_small.png >/dev/null 2>&1 || fail "plot_bench.py drew no PNGs"
+fi
+
+if ((failures)); then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all dta-bench checks passed"

@@ -1,0 +1,108 @@
+// Trees, masks and error measures shared by the tree attention tests.
+#ifndef DTA_TESTS_KERNELS_TREE_ATTENTION_TESTING_H_
+#define DTA_TESTS_KERNELS_TREE_ATTENTION_TESTING_H_
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace dta::kernels::testing {
+
+enum class TreeKind { kChain, kRandom, kBranches };
+
+inline std::string TreeKindName(TreeKind kind) {
+  switch (kind) {
+    case TreeKind::kChain:
+      return "chain";
+    case TreeKind::kRandom:
+      return "random";
+    case TreeKind::kBranches:
+      return "branches";
+  }
+  return "?";
+}
+
+// key_end from parent pointers in DFS order (parent[j] < j, or -1 for a root).
+inline std::vector<int64_t> KeyEndFromParents(const std::vector<int64_t>& parent) {
+  const int64_t n = static_cast<int64_t>(parent.size());
+  std::vector<int64_t> end(n);
+  for (int64_t j = 0; j < n; ++j) end[j] = j + 1;
+  for (int64_t j = n - 1; j >= 0; --j) {
+    if (parent[j] >= 0) end[parent[j]] = std::max(end[parent[j]], end[j]);
+  }
+  return end;
+}
+
+// A random forest in DFS order: each token continues the current path, or hangs off one of its
+// ancestors, or (rarely) starts a new root.
+inline std::vector<int64_t> RandomTreeKeyEnd(int64_t tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> parent(tokens, -1);
+  std::vector<int64_t> path;
+  for (int64_t j = 0; j < tokens; ++j) {
+    if (!path.empty() && rng() % 10 >= 6) path.resize(rng() % (path.size() + 1));
+    parent[j] = path.empty() ? -1 : path.back();
+    path.push_back(j);
+  }
+  return KeyEndFromParents(parent);
+}
+
+// A trunk of about a quarter of the tokens, then `leaves` chains hanging off its last token.
+inline std::vector<int64_t> BranchesKeyEnd(int64_t tokens, int64_t leaves) {
+  const int64_t trunk = std::max<int64_t>(1, tokens / 4);
+  std::vector<int64_t> parent(tokens, -1);
+  for (int64_t j = 1; j < trunk; ++j) parent[j] = j - 1;
+  const int64_t rest = tokens - trunk;
+  const int64_t branches = std::max<int64_t>(1, std::min(leaves, rest));
+  int64_t j = trunk;
+  for (int64_t b = 0; b < branches && j < tokens; ++b) {
+    const int64_t len = rest / branches + (b < rest % branches ? 1 : 0);
+    for (int64_t x = 0; x < len; ++x, ++j) parent[j] = x == 0 ? trunk - 1 : j - 1;
+  }
+  return KeyEndFromParents(parent);
+}
+
+inline std::vector<int64_t> MakeKeyEnd(TreeKind kind, int64_t tokens, uint64_t seed) {
+  switch (kind) {
+    case TreeKind::kChain:
+      return std::vector<int64_t>(tokens, tokens);
+    case TreeKind::kRandom:
+      return RandomTreeKeyEnd(tokens, seed);
+    case TreeKind::kBranches:
+      return BranchesKeyEnd(tokens, 64);
+  }
+  return {};
+}
+
+inline at::Tensor KeyEndTensor(const std::vector<int64_t>& key_end) {
+  return at::tensor(key_end, at::TensorOptions().dtype(at::kLong));
+}
+
+// [T, P + T] bool by the definition, one entry at a time.
+inline at::Tensor NaiveMask(const std::vector<int64_t>& key_end, int64_t prefix_len) {
+  const int64_t tokens = static_cast<int64_t>(key_end.size());
+  at::Tensor mask = at::zeros({tokens, prefix_len + tokens}, at::TensorOptions().dtype(at::kBool));
+  auto m = mask.accessor<bool, 2>();
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t l = 0; l < prefix_len; ++l) m[i][l] = true;
+    for (int64_t j = 0; j <= i; ++j) m[i][prefix_len + j] = i < key_end[j];
+  }
+  return mask;
+}
+
+// max |a - b| / max |b| in float64 (absolute when b is all zeros).
+inline double RelativeError(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.to(at::kDouble).cpu();
+  const at::Tensor y = b.to(at::kDouble).cpu();
+  const double diff = (x - y).abs().max().item<double>();
+  const double ref = y.abs().max().item<double>();
+  return ref > 0 ? diff / ref : diff;
+}
+
+}  // namespace dta::kernels::testing
+
+#endif  // DTA_TESTS_KERNELS_TREE_ATTENTION_TESTING_H_
