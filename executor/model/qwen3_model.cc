@@ -53,35 +53,67 @@ void AddMatmul(at::Tensor& accumulator, const at::Tensor& a, const at::Tensor& b
 at::Tensor MatmulTo(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype) {
   if (a.scalar_type() == dtype) return at::mm(a, b);
   if (a.is_cuda()) return at::mm(a, b, dtype);
-  return at::mm(a, b).to(dtype);
+  return at::mm(a.to(dtype), b.to(dtype));  // the CPU has no mixed-precision mm
 }
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// y = x @ weight^T over the last dimension of x.
-class Linear : public torch::autograd::Function<Linear> {
+// y_i = x @ weights_i^T for one input x [T, in] and one or more weights [out_i, in]. x may be
+// wider than the weights (the float32 output of a residual-stream norm): it is rounded once to the
+// weights' dtype, and that copy is what backward keeps, shared by every projection. Backward sums
+// the projections' dx in the compute dtype and returns it in x's dtype, so the residual stream's
+// gradient is never rounded to bfloat16. With wide_output, y is formed in the compute dtype
+// straight from the matmul (o_proj and down_proj, which feed the float32 residual stream).
+class Projections : public torch::autograd::Function<Projections> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-    ctx->save_for_backward({x, weight});
-    return at::matmul(x, weight.t());
+  template <typename... Weights>
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, bool wide_output, const Weights&... weights) {
+    const std::vector<at::Tensor> w = {weights...};
+    const at::ScalarType type = w[0].scalar_type();
+    const at::Tensor xb = x.to(type);
+    std::vector<at::Tensor> saved = {xb};
+    saved.insert(saved.end(), w.begin(), w.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+    variable_list out;
+    for (const at::Tensor& weight : w) {
+      out.push_back(wide_output ? MatmulTo(xb, weight.t(), ComputeType(type)) : at::mm(xb, weight.t()));
+    }
+    return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor dy = grads[0].reshape({-1, weight.size(0)});
-    AddMatmul(GradAccumulator(weight), dy.t(), x.reshape({-1, weight.size(1)}));
-    return {at::matmul(grads[0], weight), at::Tensor()};
+    const at::Tensor& xb = saved[0];
+    const auto x_type = static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt());
+    at::Tensor dx;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const at::Tensor& weight = saved[i + 1];
+      const at::Tensor dy = grads[i].to(weight.scalar_type());
+      AddMatmul(GradAccumulator(weight), dy.t(), xb);
+      if (!dx.defined()) {
+        dx = MatmulTo(dy, weight, x_type);
+      } else {
+        AddMatmul(dx, dy, weight);
+      }
+    }
+    variable_list result = {dx, at::Tensor()};
+    result.resize(grads.size() + 2);  // no gradient for the weights: accumulated above
+    return result;
   }
 };
 
-// Rows of the embedding table.
+at::Tensor Project(const at::Tensor& x, const at::Tensor& weight, bool wide_output = false) {
+  return Projections::apply(x, wide_output, weight)[0];
+}
+
+// Rows of the embedding table, in the compute dtype (the residual stream's: float32 for bfloat16
+// models), so backward receives the residual gradient unrounded.
 class Embedding : public torch::autograd::Function<Embedding> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& ids) {
     ctx->save_for_backward({table, ids});
-    return table.index_select(0, ids);
+    return table.index_select(0, ids).to(ComputeType(table.scalar_type()));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -91,15 +123,19 @@ class Embedding : public torch::autograd::Function<Embedding> {
   }
 };
 
-// Hugging Face's Qwen3RMSNorm: weight * (x / rms(x)) with the normalisation in at least float32
-// and the product in the input dtype. Backward in the compute dtype.
+// Qwen3RMSNorm, weight * (x / rms(x)), computed in at least float32 and rounded once to out_type
+// (the weight's dtype, or the compute dtype where a projection rounds it) (Hugging Face rounds the normalised x to the input dtype first, then multiplies:
+// identical for float32/float64 models, one rounding fewer in bfloat16). The input may be wider
+// than the weight (the float32 residual stream of a bfloat16 model). Backward in the compute dtype.
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
-    const at::Tensor xc = x.to(ComputeType(x.scalar_type()));
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
+                            at::ScalarType out_type) {
+    const at::ScalarType ct = ComputeType(weight.scalar_type());
+    const at::Tensor xc = x.to(ct);
     const at::Tensor rstd = at::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + eps);
     ctx->save_for_backward({x, weight, rstd});
-    return weight * (xc * rstd).to(x.scalar_type());
+    return (weight.to(ct) * (xc * rstd)).to(out_type);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -111,11 +147,56 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const at::Tensor dy = grads[0].to(ct);
     at::Tensor& accumulator = GradAccumulator(weight);
     const int64_t n = weight.size(0);
-    accumulator.add_((dy * normed.to(x.scalar_type()).to(ct)).reshape({-1, n}).sum(0).to(accumulator.scalar_type()));
+    accumulator.add_((dy * normed).reshape({-1, n}).sum(0).to(accumulator.scalar_type()));
     // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
     const at::Tensor dnormed = dy * weight.to(ct);
     const at::Tensor dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, /*keepdim=*/true));
-    return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor()};
+    return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Rotary embedding y = x * cos + rotate_half(x) * sin over the last dimension, computed in the
+// tables' dtype (at least float32) and rounded once to x's dtype; keeps nothing but the tables.
+class RopeFunction : public torch::autograd::Function<RopeFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    const at::Tensor xc = x.to(cos.scalar_type());
+    return (xc * cos + RotateHalf(xc) * sin).to(x.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor cos = ctx->saved_data["cos"].toTensor();
+    const at::Tensor sin = ctx->saved_data["sin"].toTensor();
+    const at::Tensor g = grads[0].to(cos.scalar_type());
+    // rotate_half is x -> [-x2, x1]; its transpose is z -> [z2, -z1].
+    const at::Tensor gs = g * sin;
+    const int64_t half = gs.size(-1) / 2;
+    const at::Tensor dx = g * cos + at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1);
+    return {dx.to(grads[0].scalar_type()), at::Tensor(), at::Tensor()};
+  }
+};
+
+// SwiGLU silu(gate) * up, computed in at least float32 and rounded once; keeps gate and up only
+// (eager autograd would also keep silu(gate), a third [T, intermediate] tensor).
+class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    const at::ScalarType ct = ComputeType(gate.scalar_type());
+    return (at::silu(gate.to(ct)) * up.to(ct)).to(gate.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::ScalarType ct = ComputeType(saved[0].scalar_type());
+    const at::Tensor gate = saved[0].to(ct);
+    const at::Tensor up = saved[1].to(ct);
+    const at::Tensor g = grads[0].to(ct);
+    const at::Tensor sigmoid = at::sigmoid(gate);
+    const at::Tensor silu = gate * sigmoid;
+    // d silu / d gate = sigmoid * (1 + gate * (1 - sigmoid)).
+    const at::Tensor dgate = g * up * sigmoid * (1 + gate * (1 - sigmoid));
+    return {dgate.to(saved[0].scalar_type()), (g * silu).to(saved[1].scalar_type())};
   }
 };
 
@@ -287,8 +368,8 @@ void Qwen3Model::InitRandom(uint64_t seed, double std) {
   }
 }
 
-at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
-  return RmsNormFunction::apply(x, weight, config_.rms_norm_eps);
+at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight, std::optional<at::ScalarType> out_type) const {
+  return RmsNormFunction::apply(x, weight, config_.rms_norm_eps, out_type.value_or(weight.scalar_type()));
 }
 
 std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) const {
@@ -298,8 +379,7 @@ std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) 
   const at::Tensor inv_freq = 1.0 / at::pow(config_.rope_theta, exponents);
   const at::Tensor freqs = positions.to(ct).unsqueeze(1) * inv_freq.unsqueeze(0);
   const at::Tensor angles = at::cat({freqs, freqs}, -1);
-  const at::ScalarType dtype = options_.dtype().toScalarType();
-  return {angles.cos().to(dtype), angles.sin().to(dtype)};
+  return {angles.cos(), angles.sin()};
 }
 
 ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
@@ -322,7 +402,9 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
   return context;
 }
 
-at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const { return Embedding::apply(embed_, tokens); }
+at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const {
+  return Embedding::apply(embed_, tokens);
+}
 
 LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,
                                      const LayerPrefix& prefix) const {
@@ -331,20 +413,21 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   const int64_t heads = config_.num_attention_heads;
   const int64_t kv_heads = config_.num_key_value_heads;
   const int64_t dim = config_.head_dim;
-  const at::Tensor x = RmsNorm(h, layer.input_norm);
-  at::Tensor q = RmsNorm(Linear::apply(x, layer.q_proj).view({t, heads, dim}), layer.q_norm);
-  at::Tensor k = RmsNorm(Linear::apply(x, layer.k_proj).view({t, kv_heads, dim}), layer.k_norm);
-  const at::Tensor v = Linear::apply(x, layer.v_proj).view({t, kv_heads, dim});
-  q = q * context.cos + RotateHalf(q) * context.sin;
-  k = k * context.cos + RotateHalf(k) * context.sin;
+  const at::ScalarType wide = ComputeType(options_.dtype().toScalarType());
+  const variable_list qkv =
+      Projections::apply(RmsNorm(h, layer.input_norm, wide), false, layer.q_proj, layer.k_proj, layer.v_proj);
+  at::Tensor q = RmsNorm(qkv[0].view({t, heads, dim}), layer.q_norm);
+  at::Tensor k = RmsNorm(qkv[1].view({t, kv_heads, dim}), layer.k_norm);
+  const at::Tensor v = qkv[2].view({t, kv_heads, dim});
+  q = RopeFunction::apply(q, context.cos, context.sin);
+  k = RopeFunction::apply(k, context.cos, context.sin);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  const at::Tensor attention =
-      TreeAttention::apply(q, k, v, context.key_end, prefix, scale);
+  const at::Tensor attention = TreeAttention::apply(q, k, v, context.key_end, prefix, scale);
   LayerOutput out;
-  out.hidden = h + Linear::apply(attention.reshape({t, heads * dim}), layer.o_proj);
-  const at::Tensor y = RmsNorm(out.hidden, layer.post_norm);
-  out.hidden =
-      out.hidden + Linear::apply(at::silu(Linear::apply(y, layer.gate_proj)) * Linear::apply(y, layer.up_proj), layer.down_proj);
+  out.hidden = h + Project(attention.reshape({t, heads * dim}), layer.o_proj, /*wide_output=*/true);
+  const variable_list gate_up =
+      Projections::apply(RmsNorm(out.hidden, layer.post_norm, wide), false, layer.gate_proj, layer.up_proj);
+  out.hidden = out.hidden + Project(SwiGluFunction::apply(gate_up[0], gate_up[1]), layer.down_proj, /*wide_output=*/true);
   out.keys = k;
   out.values = v;
   return out;

@@ -3,8 +3,12 @@
 // top of a cached prefix". Every execution method (dense, packed tree, push/pop dta) is a schedule
 // over Forward() and Logprobs().
 //
-// Numerics follow Hugging Face's Qwen3: norms, RoPE tables and softmax run in at least float32
-// (float64 models stay float64 throughout, so float64 runs are exact references).
+// Numerics follow Hugging Face's Qwen3 (norms, RoPE and softmax in at least float32; float64
+// models stay float64 throughout, so float64 runs are exact references), with fewer roundings in
+// bfloat16: the residual stream between layers and its gradient are float32 (Megatron's fp32
+// residual connection: the norms read it unrounded, o_proj and down_proj write into it from float32
+// matmul outputs, the projections' input gradients are summed in float32), and RMSNorm, RoPE and
+// SwiGLU compute in float32 and round once. Matmul operands and saved activations stay bfloat16.
 //
 // Gradients: backward adds each parameter's gradient straight into its .grad, which is float32 for
 // bfloat16/float16 parameters (and the parameter's dtype otherwise): many chunk backwards into one
@@ -24,6 +28,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -125,7 +130,9 @@ class Qwen3Model {
         down_proj;
   };
   at::Tensor Add(const std::string& name, at::IntArrayRef shape);
-  at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
+  // out_type: the result's dtype; default the weight's.
+  at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight,
+                     std::optional<at::ScalarType> out_type = std::nullopt) const;
   // cos and sin tables [T, head_dim] for the given positions, in the compute dtype.
   std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
 

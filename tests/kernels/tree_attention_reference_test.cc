@@ -24,6 +24,9 @@ using testing::RelativeError;
 using testing::TreeKind;
 
 constexpr double kTolerance = 1e-12;
+// The log-sum-exp goes through exp and log, whose float64 CPU kernels differ between machines
+// (9e-11 relative was seen on the GPU machines' CPUs, 1e-16 here): a looser, still float64 bound.
+constexpr double kLseTolerance = 1e-9;
 
 struct Case {
   int64_t tokens, prefix, q_heads, kv_heads, head_dim;
@@ -84,7 +87,7 @@ void CheckCase(const Case& c, uint64_t seed) {
   const at::Tensor pvd = p > 0 ? pv.detach() : at::Tensor();
   const TreeAttentionOutput ref = ReferenceTreeAttentionForward(qd, kd, vd, pkd, pvd, ends, scale);
   EXPECT_LE(RelativeError(ref.out, out.detach()), kTolerance);
-  EXPECT_LE(RelativeError(ref.lse, lse.detach()), kTolerance);
+  EXPECT_LE(RelativeError(ref.lse, lse.detach()), kLseTolerance);
   EXPECT_EQ(ref.lse.scalar_type(), at::kDouble);
 
   // Accumulators start nonzero: the prefix gradients must be added.

@@ -30,7 +30,8 @@ Qwen3Config SmallConfig() {
 }
 
 // A tau2-like batch (shared system prompt, multi-turn prefixes, branches) of at most `limit`
-// rollouts, cut to at most `max_len` tokens so the test stays quick.
+// rollouts, cut to at most `max_len` tokens (<= 600: the packed capacity below) so the test stays
+// quick.
 std::vector<Rollout> Batch(size_t limit, size_t max_len) {
   absl::StatusOr<std::vector<Rollout>> all =
       GenerateWorkload({.preset = WorkloadPreset::kTau2, .seed = 3, .scale = 0.02, .vocab_size = 512});
@@ -94,7 +95,7 @@ const std::vector<std::pair<std::string, ExecutorOptions>>& Methods() {
       {"dense", {.method = Method::kDense}},
       {"dense+ckpt", {.method = Method::kDense, .checkpointing = true}},
       {"packed", {.method = Method::kPacked}},
-      {"packed+ckpt capacity 512", {.method = Method::kPacked, .token_capacity = 512, .checkpointing = true}},
+      {"packed+ckpt capacity 700", {.method = Method::kPacked, .token_capacity = 700, .checkpointing = true}},
       {"dta B=64", {.method = Method::kDta, .block_size = 64, .graph_budget = 0}},
       {"dta B=256 auto budget", {.method = Method::kDta, .block_size = 256}},
       {"dta B=256 pack", {.method = Method::kDta, .block_size = 256, .graph_budget = 512, .pack = true}},
