@@ -13,11 +13,13 @@
 //                  turns out not to checkpoint: its first step forwards no replayed tokens)
 //   dta-b<B>[-g<G>][-pack][-lex]
 //                  AReaL-DTA's push/pop schedule with backward chunks of at most B tokens
-//                  ("binf": unbounded), a graph budget of G tokens ("gauto": -1, the executor's
+//                  ("binf": unbounded; "bauto": the executor's default, the longest rollout if its
+//                  graph fits in the free memory, else what fits), a graph budget of G tokens ("gauto": -1, the executor's
 //                  automatic budget where it has one; without -g: 0, the paper's recomputation),
 //                  packing of small complete subtrees (-pack without -g takes --graph_budget),
 //                  lexicographic instead of backward-DFS leaf order; e.g. dta-b2048, dta-b4096,
-//                  dta-b4096-pack, dta-b4096-gauto-pack
+//                  dta-b4096-pack, dta-b4096-gauto-pack, dta-bauto-gauto-pack (the executor's
+//                  defaults, packing on)
 //
 // Each timed step zeroes the gradients and calls ComputeGradients once (GRPO: PPO clip with group
 // advantages, token-mean; LossOptions' defaults, as dta-train). --warmup steps are run and
@@ -151,8 +153,9 @@ MethodSpec ParseMethod(const std::string& name) {
     bool has_block = false, has_budget = false;
     for (absl::string_view part : absl::StrSplit(name.substr(4), '-')) {
       int64_t value = 0;
-      if (absl::ConsumePrefix(&part, "b") && (part == "inf" || (absl::SimpleAtoi(part, &value) && value > 0))) {
-        spec.options.block_size = part == "inf" ? kUnboundedBlock : value;
+      if (absl::ConsumePrefix(&part, "b") &&
+          (part == "inf" || part == "auto" || (absl::SimpleAtoi(part, &value) && value > 0))) {
+        spec.options.block_size = part == "inf" ? kUnboundedBlock : part == "auto" ? kAutoBlockSize : value;
         has_block = true;
       } else if (absl::ConsumePrefix(&part, "g") && (part == "auto" || (absl::SimpleAtoi(part, &value) && value >= 0))) {
         spec.options.graph_budget = part == "auto" ? -1 : value;
@@ -163,7 +166,7 @@ MethodSpec ParseMethod(const std::string& name) {
         spec.options.order = LeafOrderKind::kLexicographic;
       } else {
         throw BadInput{"--methods: cannot read '" + name + "': dta variants are dta-b<B>[-g<G>][-pack][-lex], e.g. "
-                       "dta-b2048, dta-b4096-pack, dta-binf-g8192, dta-b4096-gauto-pack"};
+                       "dta-b2048, dta-b4096-pack, dta-binf-g8192, dta-b4096-gauto-pack, dta-bauto-gauto-pack"};
       }
     }
     if (!has_block) throw BadInput{"--methods: '" + name + "' needs a block size, e.g. dta-b2048"};
@@ -200,7 +203,9 @@ nlohmann::json OptionsJson(const ExecutorOptions& o) {
       break;
     case Method::kDta:
       j = {{"method", "dta"},
-           {"block_size", o.block_size == kUnboundedBlock ? nlohmann::json(nullptr) : nlohmann::json(o.block_size)},
+           {"block_size", o.block_size == kUnboundedBlock  ? nlohmann::json(nullptr)
+                          : o.block_size == kAutoBlockSize ? nlohmann::json("auto")
+                                                           : nlohmann::json(o.block_size)},
            {"graph_budget", o.graph_budget < 0 ? nlohmann::json("auto") : nlohmann::json(o.graph_budget)},
            {"pack", o.pack},
            {"order", o.order == LeafOrderKind::kBackwardDfs ? "backward-dfs" : "lexicographic"}};
@@ -454,6 +459,7 @@ struct Comparison {
   double max_param_rel = 0;
   std::string max_param;
   double loss_rel = 0;
+  std::vector<std::pair<std::string, double>> per_param;  // every parameter's relative error
 };
 
 Comparison Compare(const std::vector<at::Tensor>& grads, double loss, const std::vector<at::Tensor>& ref,
@@ -469,6 +475,7 @@ Comparison Compare(const std::vector<at::Tensor>& grads, double loss, const std:
     ref2 += n * n;
     if (n == 0) continue;  // a parameter without gradient in the reference (no defined ratio)
     per_param.push_back(d / n);
+    c.per_param.emplace_back(model.named_parameters()[i].first, d / n);
     if (d / n >= c.max_param_rel) {
       c.max_param_rel = d / n;
       c.max_param = model.named_parameters()[i].first;
@@ -485,7 +492,8 @@ nlohmann::json ComparisonJson(const Comparison& c) {
           {"median_param_rel_err", c.median_param_rel},
           {"max_param_rel_err", c.max_param_rel},
           {"max_param", c.max_param},
-          {"loss_rel_err", c.loss_rel}};
+          {"loss_rel_err", c.loss_rel},
+          {"param_rel_err", nlohmann::json(c.per_param)}};
 }
 
 struct CheckRow {

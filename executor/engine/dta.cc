@@ -31,7 +31,7 @@ namespace {
 // The path state, preallocated for the longest rollout and written in place.
 struct PathStack {
   std::vector<at::Tensor> keys, values, grad_keys, grad_values;  // per layer [max_len, kv_heads, head_dim]
-  at::Tensor hidden, grad_hidden;                                // [max_len, hidden_size]
+  at::Tensor hidden, grad_hidden;                                // [max_len, hidden_size], float32
   at::Tensor logprobs, grad_logprobs;                            // [max_len]
   at::Tensor entropy, grad_entropy;                              // [max_len] when the loss needs entropy
 
@@ -45,7 +45,7 @@ struct PathStack {
         list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, f));
       }
     }
-    hidden = at::zeros({max_len, c.hidden_size}, o);
+    hidden = at::zeros({max_len, c.hidden_size}, f);  // FinalNorm's output, in the compute dtype
     grad_hidden = at::zeros({max_len, c.hidden_size}, f);
     logprobs = at::zeros({max_len}, f);
     grad_logprobs = at::zeros({max_len}, f);
@@ -221,17 +221,39 @@ at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<c
   return total.detach();
 }
 
-// The graph budget in tokens: the option, or what fits in the free device memory.
-int64_t ResolveGraphBudget(const Qwen3Model& model, int64_t requested) {
-  if (requested != kAutoGraphBudget) {
-    TORCH_CHECK(requested >= 0, "graph_budget must be >= 0 or kAutoGraphBudget, got ", requested);
-    return requested;
-  }
+// B and the graph budget in tokens: the options, with the automatic ones resolved from the device
+// memory free now (see ExecutorOptions::block_size and graph_budget).
+struct ChunkPlan {
+  int64_t block_size = 0;
+  int64_t graph_budget = 0;
+};
+
+ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& options, int64_t longest, bool training) {
+  const bool auto_block = options.block_size == kAutoBlockSize;
+  const bool auto_budget = options.graph_budget == kAutoGraphBudget;
+  TORCH_CHECK(auto_block || options.block_size >= 1, "block_size must be >= 1 or kAutoBlockSize, got ",
+              options.block_size);
+  TORCH_CHECK(auto_budget || options.graph_budget >= 0, "graph_budget must be >= 0 or kAutoGraphBudget, got ",
+              options.graph_budget);
+  ChunkPlan plan{.block_size = options.block_size, .graph_budget = auto_budget ? 0 : options.graph_budget};
+  if (!training) plan.graph_budget = 0;
   const at::Device device = model.options().device();
-  if (!device.is_cuda()) return 0;
-  const int64_t free_bytes = FreeDeviceMemory(device);
+  if (!device.is_cuda() || !training) {
+    if (auto_block) plan.block_size = std::max<int64_t>(longest, 1);
+    return plan;
+  }
+  if (!auto_block && !auto_budget) return plan;
   const int64_t per_token = GraphBytesPerToken(model.config(), model.options().dtype().toScalarType());
-  return static_cast<int64_t>(0.8 * static_cast<double>(free_bytes)) / per_token;
+  const int64_t fit = static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
+  if (auto_block) {
+    // At least kMinAutoBlock tokens: below that, chunks are too small to run efficiently, and a
+    // device that cannot hold them will say so.
+    constexpr int64_t kMinAutoBlock = 256;
+    plan.block_size =
+        std::clamp<int64_t>(fit - plan.graph_budget, std::min(kMinAutoBlock, longest), std::max<int64_t>(longest, 1));
+  }
+  if (auto_budget) plan.graph_budget = std::max<int64_t>(0, fit - std::min(plan.block_size, longest));
+  return plan;
 }
 
 }  // namespace
@@ -244,12 +266,12 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   int64_t max_len = 0;
   for (const Rollout& rollout : rollouts) max_len = std::max<int64_t>(max_len, rollout.tokens.size());
   PathStack stack(model, max_len, with_entropy);
-  const int64_t graph_budget = training ? ResolveGraphBudget(model, options.graph_budget) : 0;
+  const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
   const std::vector<RolloutIndex> order =
       options.order == LeafOrderKind::kLexicographic ? LexicographicOrder(tree) : BackwardDfsOrder(tree);
   absl::StatusOr<Schedule> schedule =
       BuildSchedule(tree, order,
-                    {.block_size = options.block_size, .graph_budget = graph_budget, .pack = options.pack,
+                    {.block_size = chunks.block_size, .graph_budget = chunks.graph_budget, .pack = options.pack,
                      .training = training});
   TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
 

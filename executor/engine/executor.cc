@@ -78,15 +78,15 @@ RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs, con
 }  // namespace engine
 
 int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype) {
-  // Per layer, what autograd saves for one token: the two norm inputs (the residual stream, at
-  // least float32) and their outputs (the projections' inputs), q and k before their norms and
-  // after RoPE, v, the attention output, and the MLP's gate, up and product.
+  // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
+  // inputs (the residual stream, at least float32), q and k before their norms and after RoPE, v,
+  // the attention output, and the MLP's gate and up.
   const int64_t q = c.num_attention_heads * c.head_dim;
   const int64_t kv = c.num_key_value_heads * c.head_dim;
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t residual = std::max<int64_t>(element, 4);
   const int64_t per_layer =
-      2 * c.hidden_size * residual + (2 * c.hidden_size + 3 * q + 3 * kv + 3 * c.intermediate_size) * element;
+      2 * c.hidden_size * residual + (3 * q + 3 * kv + 2 * c.intermediate_size) * element;
   return c.num_hidden_layers * per_layer;
 }
 

@@ -37,19 +37,27 @@ enum class Method { kDense, kPacked, kDta };
 
 // ExecutorOptions::graph_budget: size the budget from the memory the GPU has free.
 inline constexpr int64_t kAutoGraphBudget = -1;
+// ExecutorOptions::block_size: the longest rollout if its graph fits in the memory the GPU has
+// free, else what fits.
+inline constexpr int64_t kAutoBlockSize = -1;
 enum class LeafOrderKind { kBackwardDfs, kLexicographic };
 
 struct ExecutorOptions {
   Method method = Method::kDta;
-  // kDta: the most tokens per backward chunk (B). Default: unbounded.
-  int64_t block_size = kUnboundedBlock;
+  // kDta: the most tokens per backward chunk (B), or kUnboundedBlock. The default,
+  // kAutoBlockSize, sizes it from memory: with the graphs of B + graph_budget tokens in 80% of the
+  // device memory free when the step starts (after the path stack), B is the longest rollout if
+  // that fits (a rollout then runs in one chunk, as dense runs it: nothing shared costs nothing
+  // extra), else what fits beside an explicit graph budget; an automatic graph budget then takes
+  // what B leaves. On the CPU it means the longest rollout.
+  int64_t block_size = kAutoBlockSize;
   // kDta: the order in which rollouts are visited. Default: AReaL-DTA Algorithm 1.
   LeafOrderKind order = LeafOrderKind::kBackwardDfs;
   // kDta: tokens whose graphs may be kept alive instead of recomputed for their backward (see
   // ScheduleOptions::graph_budget); 0 recomputes every graph, as the paper does. The default,
-  // kAutoGraphBudget, keeps as many tokens' graphs as fit in 80% of the device memory free when
-  // the step starts (after the path stack is allocated), at the model's per-token graph size
-  // (GraphBytesPerToken); on the CPU it means 0.
+  // kAutoGraphBudget, keeps as many tokens' graphs as fit beside one chunk of B in 80% of the
+  // device memory free when the step starts (after the path stack is allocated), at the model's
+  // per-token graph size (GraphBytesPerToken); on the CPU it means 0.
   int64_t graph_budget = kAutoGraphBudget;
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
   // mask on top of the stack (see StepKind::kPacked).
@@ -60,8 +68,10 @@ struct ExecutorOptions {
   // kDense and kPacked: activation checkpointing: keep only each layer's input, recompute the
   // layer in backward (the "Dense+CKPT" and "Tree+CKPT" baselines of the papers).
   bool checkpointing = false;
-  // Rows of the [rows x vocabulary] logits slice computed at once for log-probabilities.
-  int64_t logprob_slice_rows = 1024;
+  // Rows of the [rows x vocabulary] logits slice computed at once for log-probabilities; the
+  // log-probability pass holds at most two float32 slices (2 x 512 x 151,936 x 4 B = 0.6 GB for
+  // Qwen3), and 512-row matmuls against the vocabulary still run near peak.
+  int64_t logprob_slice_rows = 512;
 };
 
 struct GradientResult {

@@ -59,20 +59,48 @@ at::Tensor MatmulTo(const at::Tensor& a, const at::Tensor& b, at::ScalarType dty
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// y_i = x @ weights_i^T for one input x [T, in] and one or more weights [out_i, in]. x may be
-// wider than the weights (the float32 output of a residual-stream norm): it is rounded once to the
-// weights' dtype, and that copy is what backward keeps, shared by every projection. Backward sums
-// the projections' dx in the compute dtype and returns it in x's dtype, so the residual stream's
+// RMSNorm's pieces, in the compute dtype, shared by the norm and the norm-then-project function.
+at::Tensor InverseRms(const at::Tensor& x, double eps) { return at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps); }
+
+// Backward of y = weight * normed, normed = x * rstd, given dy: adds d weight into its accumulator
+// and returns dx, all in dy's (the compute) dtype.
+at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& normed, const at::Tensor& weight,
+                           const at::Tensor& rstd) {
+  at::Tensor& accumulator = GradAccumulator(weight);
+  accumulator.add_((dy * normed).reshape({-1, weight.size(0)}).sum(0).to(accumulator.scalar_type()));
+  // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
+  const at::Tensor dnormed = dy * weight.to(dy.scalar_type());
+  return rstd * (dnormed - normed * (dnormed * normed).mean(-1, /*keepdim=*/true));
+}
+
+// y_i = n(x) @ weights_i^T for one input x [T, in] and one or more weights [out_i, in], where n is
+// an RMSNorm with `norm_weight` (Qwen3's input and post-attention norms) or, without it, a rounding
+// of x to the weights' dtype. x may be wider than the weights (the float32 residual stream): the
+// norm is computed in the compute dtype and rounded once. Backward keeps x (which the residual
+// stream holds anyway) and the norm's rstd, not the rounded n(x): it recomputes n(x), bitwise the
+// same, saving a [T, in] activation per norm. The projections' dx are summed, and the norm
+// backpropagated, in the compute dtype; dx is returned in x's dtype, so the residual stream's
 // gradient is never rounded to bfloat16. With wide_output, y is formed in the compute dtype
-// straight from the matmul (o_proj and down_proj, which feed the float32 residual stream).
+// straight from the matmul (o_proj, which feeds the float32 residual stream).
 class Projections : public torch::autograd::Function<Projections> {
  public:
   template <typename... Weights>
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, bool wide_output, const Weights&... weights) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& norm,
+                               double eps, bool wide_output, const Weights&... weights) {
+    const at::Tensor norm_weight = norm.value_or(at::Tensor());
     const std::vector<at::Tensor> w = {weights...};
     const at::ScalarType type = w[0].scalar_type();
-    const at::Tensor xb = x.to(type);
-    std::vector<at::Tensor> saved = {xb};
+    std::vector<at::Tensor> saved;
+    at::Tensor xb;
+    if (norm_weight.defined()) {
+      const at::Tensor xc = x.to(ComputeType(type));
+      const at::Tensor rstd = InverseRms(xc, eps);
+      xb = (norm_weight.to(xc.scalar_type()) * (xc * rstd)).to(type);
+      saved = {x, norm_weight, rstd};
+    } else {
+      xb = x.to(type);
+      saved = {xb, at::Tensor(), at::Tensor()};
+    }
     saved.insert(saved.end(), w.begin(), w.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
@@ -84,27 +112,36 @@ class Projections : public torch::autograd::Function<Projections> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& xb = saved[0];
+    const at::Tensor& norm_weight = saved[1];
+    const at::Tensor& rstd = saved[2];
+    const at::ScalarType type = saved[3].scalar_type();
     const auto x_type = static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt());
+    at::Tensor xb = saved[0], normed;
+    if (norm_weight.defined()) {
+      normed = saved[0].to(rstd.scalar_type()) * rstd;
+      xb = (norm_weight.to(normed.scalar_type()) * normed).to(type);
+    }
     at::Tensor dx;
     for (size_t i = 0; i < grads.size(); ++i) {
-      const at::Tensor& weight = saved[i + 1];
-      const at::Tensor dy = grads[i].to(weight.scalar_type());
+      const at::Tensor& weight = saved[i + 3];
+      const at::Tensor dy = grads[i].to(type);
       AddMatmul(GradAccumulator(weight), dy.t(), xb);
       if (!dx.defined()) {
-        dx = MatmulTo(dy, weight, x_type);
+        dx = MatmulTo(dy, weight, normed.defined() ? normed.scalar_type() : x_type);
       } else {
         AddMatmul(dx, dy, weight);
       }
     }
-    variable_list result = {dx, at::Tensor()};
-    result.resize(grads.size() + 2);  // no gradient for the weights: accumulated above
+    if (normed.defined()) dx = RmsNormBackward(dx, normed, norm_weight, rstd).to(x_type);
+    variable_list result = {dx};
+    result.resize(grads.size() + 4);  // no gradient for the weights: accumulated above
     return result;
   }
 };
 
-at::Tensor Project(const at::Tensor& x, const at::Tensor& weight, bool wide_output = false) {
-  return Projections::apply(x, wide_output, weight)[0];
+// x @ weight^T in the compute dtype (o_proj: it feeds the float32 residual stream).
+at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight) {
+  return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, weight)[0];
 }
 
 // Rows of the embedding table, in the compute dtype (the residual stream's: float32 for bfloat16
@@ -124,33 +161,25 @@ class Embedding : public torch::autograd::Function<Embedding> {
 };
 
 // Qwen3RMSNorm, weight * (x / rms(x)), computed in at least float32 and rounded once to out_type
-// (the weight's dtype, or the compute dtype where a projection rounds it) (Hugging Face rounds the normalised x to the input dtype first, then multiplies:
-// identical for float32/float64 models, one rounding fewer in bfloat16). The input may be wider
-// than the weight (the float32 residual stream of a bfloat16 model). Backward in the compute dtype.
+// (the weight's dtype for q/k norms, the compute dtype for the final norm, which Logprobs rounds).
+// Hugging Face rounds the normalised x to the input dtype first, then multiplies: identical for
+// float32/float64 models, one rounding fewer in bfloat16. The input may be wider than the weight
+// (the float32 residual stream of a bfloat16 model). Backward in the compute dtype.
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
                             at::ScalarType out_type) {
-    const at::ScalarType ct = ComputeType(weight.scalar_type());
-    const at::Tensor xc = x.to(ct);
-    const at::Tensor rstd = at::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    const at::Tensor xc = x.to(ComputeType(weight.scalar_type()));
+    const at::Tensor rstd = InverseRms(xc, eps);
     ctx->save_for_backward({x, weight, rstd});
-    return (weight.to(ct) * (xc * rstd)).to(out_type);
+    return (weight.to(xc.scalar_type()) * (xc * rstd)).to(out_type);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
-    const at::Tensor& weight = saved[1];
     const at::Tensor& rstd = saved[2];
-    const at::ScalarType ct = rstd.scalar_type();
-    const at::Tensor normed = x.to(ct) * rstd;
-    const at::Tensor dy = grads[0].to(ct);
-    at::Tensor& accumulator = GradAccumulator(weight);
-    const int64_t n = weight.size(0);
-    accumulator.add_((dy * normed).reshape({-1, n}).sum(0).to(accumulator.scalar_type()));
-    // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
-    const at::Tensor dnormed = dy * weight.to(ct);
-    const at::Tensor dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, /*keepdim=*/true));
+    const at::Tensor normed = x.to(rstd.scalar_type()) * rstd;
+    const at::Tensor dx = RmsNormBackward(grads[0].to(rstd.scalar_type()), normed, saved[1], rstd);
     return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -177,26 +206,37 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
   }
 };
 
-// SwiGLU silu(gate) * up, computed in at least float32 and rounded once; keeps gate and up only
-// (eager autograd would also keep silu(gate), a third [T, intermediate] tensor).
-class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
+// silu(gate) * up, computed in at least float32 and rounded once to gate's dtype.
+at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) {
+  const at::ScalarType ct = ComputeType(gate.scalar_type());
+  return (at::silu(gate.to(ct)) * up.to(ct)).to(gate.scalar_type());
+}
+
+// The MLP's second half, y = SwiGlu(gate, up) @ down^T, formed in the compute dtype (it feeds the
+// float32 residual stream). Backward keeps gate and up only and recomputes the product (bitwise the
+// same) for down's weight gradient: eager autograd would keep silu(gate) and the product as well,
+// two more [T, intermediate] tensors, the largest activations of the layer. d product is not
+// rounded before the SwiGLU backward.
+class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    ctx->save_for_backward({gate, up});
-    const at::ScalarType ct = ComputeType(gate.scalar_type());
-    return (at::silu(gate.to(ct)) * up.to(ct)).to(gate.scalar_type());
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            const at::Tensor& down) {
+    ctx->save_for_backward({gate, up, down});
+    return MatmulTo(SwiGlu(gate, up), down.t(), ComputeType(down.scalar_type()));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::ScalarType ct = ComputeType(saved[0].scalar_type());
+    const at::Tensor& down = saved[2];
+    const at::ScalarType ct = ComputeType(down.scalar_type());
+    const at::Tensor dy = grads[0].to(down.scalar_type());
+    AddMatmul(GradAccumulator(down), dy.t(), SwiGlu(saved[0], saved[1]));
+    const at::Tensor g = MatmulTo(dy, down, ct);
     const at::Tensor gate = saved[0].to(ct);
     const at::Tensor up = saved[1].to(ct);
-    const at::Tensor g = grads[0].to(ct);
     const at::Tensor sigmoid = at::sigmoid(gate);
-    const at::Tensor silu = gate * sigmoid;
     // d silu / d gate = sigmoid * (1 + gate * (1 - sigmoid)).
     const at::Tensor dgate = g * up * sigmoid * (1 + gate * (1 - sigmoid));
-    return {dgate.to(saved[0].scalar_type()), (g * silu).to(saved[1].scalar_type())};
+    return {dgate.to(saved[0].scalar_type()), (g * gate * sigmoid).to(saved[1].scalar_type()), at::Tensor()};
   }
 };
 
@@ -249,28 +289,41 @@ LayerPrefix PrefixOfLayer(const PrefixKv& prefix, int64_t l) {
   return layer;
 }
 
+// Row-wise dot products of two [rows, n] tensors as a batched matrix product, without the [rows, n]
+// elementwise product.
+at::Tensor RowDot(const at::Tensor& a, const at::Tensor& b) {
+  return at::bmm(a.unsqueeze(1), b.unsqueeze(2)).view({a.size(0)});
+}
+
 // log p(target) (and entropy) of each row of hidden @ weight^T, over the vocabulary. Neither pass
 // keeps a [rows x vocab] tensor beyond one slice: backward recomputes each slice's logits. Logits
-// are formed in float32 (float64 for float64 models) directly from the matmul.
+// are formed in float32 (float64 for float64 models) directly from the matmul. hidden may be wider
+// than the weight (the final norm's float32 output): it is rounded once to the weight's dtype, that
+// copy is what backward keeps, and the gradient comes back in hidden's dtype, so a row that
+// predicts several children in a packed tree sums their gradients without rounding each.
 class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& wide_hidden, const at::Tensor& weight,
                                const at::Tensor& targets, int64_t slice_rows, bool want_entropy) {
+    const at::Tensor hidden = wide_hidden.to(weight.scalar_type());
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
     const int64_t rows = hidden.size(0);
     at::Tensor logprobs = at::empty({rows}, hidden.options().dtype(ct));
     at::Tensor entropy = at::zeros({rows}, hidden.options().dtype(ct));
+    // At most two [slice, vocab] tensors at a time: the logits and, for the entropy, the softmax.
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor logits = MatmulTo(hidden.slice(0, begin, end), weight.t(), ct);
       const at::Tensor lse = at::logsumexp(logits, -1);
       logprobs.slice(0, begin, end).copy_(logits.gather(1, targets.slice(0, begin, end).unsqueeze(1)).squeeze(1) - lse);
       if (want_entropy) {
-        const at::Tensor probs = at::exp(logits - lse.unsqueeze(1));
-        entropy.slice(0, begin, end).copy_(lse - (probs * logits).sum(-1));
+        // H = lse - E_p[z], the expectation a batched row dot product (no third [slice, vocab] tensor).
+        const at::Tensor probs = at::softmax(logits, -1);
+        entropy.slice(0, begin, end).copy_(lse - RowDot(probs, logits));
       }
     }
     ctx->save_for_backward({hidden, weight, targets});
+    ctx->saved_data["hidden_type"] = static_cast<int64_t>(wide_hidden.scalar_type());
     ctx->saved_data["slice_rows"] = slice_rows;
     ctx->saved_data["want_entropy"] = want_entropy;
     return {logprobs, entropy};
@@ -285,25 +338,33 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     const bool want_entropy = ctx->saved_data["want_entropy"].toBool();
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
     at::Tensor& grad_weight = GradAccumulator(weight);
-    at::Tensor grad_hidden = at::empty_like(hidden);
+    const auto hidden_type = static_cast<at::ScalarType>(ctx->saved_data["hidden_type"].toInt());
+    at::Tensor grad_hidden = at::empty(hidden.sizes(), hidden.options().dtype(hidden_type));
     const int64_t rows = hidden.size(0);
+    // In place on two [slice, vocab] float32 tensors (the logits and the softmax, which becomes
+    // the logits' gradient) and one in the model dtype.
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor h = hidden.slice(0, begin, end);
-      const at::Tensor logits = MatmulTo(h, weight.t(), ct);
-      const at::Tensor probs = at::softmax(logits, -1);
-      // d logp(y) / d z = onehot(y) - p;  d entropy / d z = -p (z - E_p[z]).
-      const at::Tensor g_logprob = grads[0].slice(0, begin, end).to(ct);
-      at::Tensor grad_logits = -probs * g_logprob.unsqueeze(1);
-      grad_logits.scatter_add_(1, targets.slice(0, begin, end).unsqueeze(1), g_logprob.unsqueeze(1));
+      at::Tensor logits = MatmulTo(h, weight.t(), ct);
+      at::Tensor grad_logits = at::softmax(logits, -1);  // p, for now
+      // d logp(y) / d z = onehot(y) - p;  d entropy / d z = -p (z - E_p[z]). Together:
+      // d/dz = onehot(y) g_logp - p (g_logp + (z - E_p[z]) g_entropy).
+      const at::Tensor g_logprob = grads[0].slice(0, begin, end).to(ct).unsqueeze(1);
       if (want_entropy && grads[1].defined()) {
-        const at::Tensor g_entropy = grads[1].slice(0, begin, end).to(ct);
-        const at::Tensor mean_logit = (probs * logits).sum(-1, /*keepdim=*/true);
-        grad_logits -= probs * (logits - mean_logit) * g_entropy.unsqueeze(1);
+        const at::Tensor g_entropy = grads[1].slice(0, begin, end).to(ct).unsqueeze(1);
+        logits.sub_(RowDot(grad_logits, logits).unsqueeze(1)).mul_(g_entropy).add_(g_logprob);
+        grad_logits.mul_(logits).neg_();
+      } else {
+        grad_logits.mul_(g_logprob).neg_();
       }
-      // The two matmuls run in the model dtype (bfloat16 tensor cores on the GPU).
+      logits.reset();
+      grad_logits.scatter_add_(1, targets.slice(0, begin, end).unsqueeze(1), g_logprob);
+      // The two matmuls run in the model dtype (bfloat16 tensor cores on the GPU), d hidden comes
+      // out in hidden's dtype.
       const at::Tensor g = grad_logits.to(hidden.scalar_type());
-      grad_hidden.slice(0, begin, end).copy_(at::mm(g, weight));
+      grad_logits.reset();
+      grad_hidden.slice(0, begin, end).copy_(MatmulTo(g, weight, hidden_type));
       AddMatmul(grad_weight, g.t(), h);
     }
     return {grad_hidden, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -413,9 +474,9 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   const int64_t heads = config_.num_attention_heads;
   const int64_t kv_heads = config_.num_key_value_heads;
   const int64_t dim = config_.head_dim;
-  const at::ScalarType wide = ComputeType(options_.dtype().toScalarType());
+  const double eps = config_.rms_norm_eps;
   const variable_list qkv =
-      Projections::apply(RmsNorm(h, layer.input_norm, wide), false, layer.q_proj, layer.k_proj, layer.v_proj);
+      Projections::apply(h, std::optional<at::Tensor>(layer.input_norm), eps, /*wide_output=*/false, layer.q_proj, layer.k_proj, layer.v_proj);
   at::Tensor q = RmsNorm(qkv[0].view({t, heads, dim}), layer.q_norm);
   at::Tensor k = RmsNorm(qkv[1].view({t, kv_heads, dim}), layer.k_norm);
   const at::Tensor v = qkv[2].view({t, kv_heads, dim});
@@ -424,16 +485,19 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   const at::Tensor attention = TreeAttention::apply(q, k, v, context.key_end, prefix, scale);
   LayerOutput out;
-  out.hidden = h + Project(attention.reshape({t, heads * dim}), layer.o_proj, /*wide_output=*/true);
+  out.hidden = h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj);
   const variable_list gate_up =
-      Projections::apply(RmsNorm(out.hidden, layer.post_norm, wide), false, layer.gate_proj, layer.up_proj);
-  out.hidden = out.hidden + Project(SwiGluFunction::apply(gate_up[0], gate_up[1]), layer.down_proj, /*wide_output=*/true);
+      Projections::apply(out.hidden, std::optional<at::Tensor>(layer.post_norm), eps, /*wide_output=*/false, layer.gate_proj, layer.up_proj);
+  out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj);
   out.keys = k;
   out.values = v;
   return out;
 }
 
-at::Tensor Qwen3Model::FinalNorm(const at::Tensor& h) const { return RmsNorm(h, final_norm_); }
+// In the compute dtype: Logprobs rounds it once to lm_head's dtype, and its gradient stays wide.
+at::Tensor Qwen3Model::FinalNorm(const at::Tensor& h) const {
+  return RmsNorm(h, final_norm_, ComputeType(options_.dtype().toScalarType()));
+}
 
 ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
   const ChunkContext context = MakeContext(input);

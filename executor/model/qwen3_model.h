@@ -9,6 +9,10 @@
 // residual connection: the norms read it unrounded, o_proj and down_proj write into it from float32
 // matmul outputs, the projections' input gradients are summed in float32), and RMSNorm, RoPE and
 // SwiGLU compute in float32 and round once. Matmul operands and saved activations stay bfloat16.
+// Backward recomputes the cheap elementwise results it needs (the two residual norms' rounded
+// outputs, the SwiGLU product) instead of keeping them: per layer and token a graph holds the two
+// residual-stream inputs, q and k before their norms and after RoPE, v, the attention output, and
+// the MLP's gate and up (GraphBytesPerToken in executor/engine/executor.h counts exactly these).
 //
 // Gradients: backward adds each parameter's gradient straight into its .grad, which is float32 for
 // bfloat16/float16 parameters (and the parameter's dtype otherwise): many chunk backwards into one
@@ -69,7 +73,7 @@ struct ChunkInput {
 };
 
 struct ChunkOutput {
-  at::Tensor hidden;               // [T, hidden_size], after the final norm (the lm_head input)
+  at::Tensor hidden;               // [T, hidden_size], after the final norm, in the compute dtype
   std::vector<at::Tensor> keys;    // per layer [T, kv_heads, head_dim], after k-norm and RoPE
   std::vector<at::Tensor> values;  // per layer [T, kv_heads, head_dim]
 };
@@ -115,14 +119,17 @@ class Qwen3Model {
   at::Tensor Embed(const at::Tensor& tokens) const;
   LayerOutput ForwardLayer(int64_t layer, const at::Tensor& hidden, const ChunkContext& context,
                            const LayerPrefix& prefix = {}) const;
+  // The final RMSNorm, in the compute dtype (float32 for bfloat16 models; see Logprobs).
   at::Tensor FinalNorm(const at::Tensor& hidden) const;
 
   // log p(targets[i] | hidden[i]) per row, through lm_head and a log-softmax over the vocabulary
   // computed `slice_rows` rows at a time: neither forward nor backward ever holds more than
   // slice_rows x vocab logits. With `entropy`, also each row's entropy. Differentiable with
   // respect to hidden and lm_head (or the tied embedding). hidden [N, hidden_size], targets [N].
+  // hidden may be wider than lm_head (FinalNorm's float32 output): it is rounded once to lm_head's
+  // dtype for the matmuls, and its gradient is returned in its own dtype.
   at::Tensor Logprobs(const at::Tensor& hidden, const at::Tensor& targets, at::Tensor* entropy = nullptr,
-                      int64_t slice_rows = 1024) const;
+                      int64_t slice_rows = 512) const;
 
  private:
   struct Layer {

@@ -51,7 +51,9 @@ ABSL_FLAG(double, entropy_coef, 0.0, "entropy bonus coefficient");
 ABSL_FLAG(double, kl_coef, 0.0, "KL-to-reference coefficient (needs ref_logprobs)");
 ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda[:N]");
-ABSL_FLAG(int64_t, block_size, 2048, "dta: B, the most tokens per backward chunk (0 = unbounded)");
+ABSL_FLAG(int64_t, block_size, 2048,
+          "dta: B, the most tokens per backward chunk (0 = unbounded, -1 = automatic: the longest rollout if "
+          "its graph fits in the free GPU memory, else what fits)");
 ABSL_FLAG(int64_t, graph_budget, -1,
           "dta: tokens whose graphs may be kept instead of recomputed; -1: as many as fit in 80% of the GPU's free "
           "memory (0 on the CPU)");
@@ -124,7 +126,7 @@ ExecutorOptions ParseExecutor() {
     throw BadInput{"--method must be dta, dense or packed, got '" + method + "'"};
   }
   const int64_t block = absl::GetFlag(FLAGS_block_size);
-  if (block < 0) throw BadInput{"--block_size must be >= 0"};
+  if (block < kAutoBlockSize) throw BadInput{"--block_size must be >= 0, or -1 for automatic"};
   options.block_size = block == 0 ? kUnboundedBlock : block;
   options.graph_budget = absl::GetFlag(FLAGS_graph_budget);
   if (options.graph_budget < kAutoGraphBudget) throw BadInput{"--graph_budget must be >= 0, or -1 for automatic"};

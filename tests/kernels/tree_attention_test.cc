@@ -2,8 +2,10 @@
 // gradients within 1e-2 of the reference's largest magnitude, lse within 1e-3; the backward is
 // bitwise deterministic; prefix gradients are added into strided views of larger accumulators
 // without touching the rows around them. Chains, random forests and 64-leaf trees; T in
-// {1, 3, 7, 19, 200, 733, 2100}; P in {0, 37, 700, 1000, 3000, 3001}; D in {64, 128}; Hq:Hkv 8:8,
-// 16:8, 32:8.
+// {1, 3, 7, 19, 200, 733, 2100} and whole packed trees of 6007 to 16001 tokens (the float64
+// reference then runs on the GPU); P in {0, 37, 700, 1000, 1200, 2500, 3000, 3001}; D in {64, 128};
+// Hq:Hkv 8:8, 16:8, 32:8, 4:2, 2:1, 8:2; diffuse and peaked softmax rows. With q = 0 the forward's
+// lse must count exactly the keys each query sees (an exact test of the mask and tile skipping).
 // Skipped without a CUDA device or without nvcc at build time.
 #include "kernels/tree_attention.h"
 
@@ -32,11 +34,14 @@ struct Case {
   int64_t tokens, prefix, q_heads, kv_heads, head_dim;
   TreeKind kind;
   bool int32_key_end = false;
+  // Standard deviation of q: 1 gives diffuse softmax rows; 4 gives rows dominated by a few keys,
+  // so that a key wrongly skipped or wrongly seen moves the output by much more than rounding.
+  double q_std = 1;
   std::string Name() const {
     return "T=" + std::to_string(tokens) + " P=" + std::to_string(prefix) +
            " Hq=" + std::to_string(q_heads) + " Hkv=" + std::to_string(kv_heads) +
            " D=" + std::to_string(head_dim) + " " + testing::TreeKindName(kind) +
-           (int32_key_end ? " int32" : "");
+           (int32_key_end ? " int32" : "") + (q_std != 1 ? " peaky" : "");
   }
 };
 
@@ -68,21 +73,24 @@ void CheckCase(const Case& c, uint64_t seed) {
   const at::TensorOptions cuda = at::TensorOptions(at::kCUDA);
   const at::Tensor ends = testing::KeyEndTensor(MakeKeyEnd(c.kind, t, seed));
 
-  const at::Tensor q = RandnBf16({t, c.q_heads, d}, gen);
+  const at::Tensor q = (RandnBf16({t, c.q_heads, d}, gen).to(at::kFloat) * c.q_std).to(at::kBFloat16);
   const at::Tensor k = RandnBf16({t, hkv, d}, gen);
   const at::Tensor v = RandnBf16({t, hkv, d}, gen);
   const at::Tensor grad_out = RandnBf16({t, c.q_heads, d}, gen);
   const at::Tensor pk = p > 0 ? RandnBf16({p, hkv, d}, gen) : at::Tensor();
   const at::Tensor pv = p > 0 ? RandnBf16({p, hkv, d}, gen) : at::Tensor();
 
-  // The float64 reference on the same bf16 values.
-  auto f64 = [](const at::Tensor& x) { return x.defined() ? x.to(at::kDouble) : x; };
+  // The float64 reference on the same bf16 values; on the GPU for long chunks (its [Hq, T, P + T]
+  // scores would take the CPU minutes).
+  const at::Device ref_device = t * (t + p) * c.q_heads > (int64_t{1} << 26) ? at::kCUDA : at::kCPU;
+  auto f64 = [&](const at::Tensor& x) { return x.defined() ? x.to(ref_device, at::kDouble) : x; };
+  const at::TensorOptions ref_options = at::TensorOptions(ref_device).dtype(at::kDouble);
   const TreeAttentionOutput ref =
-      ReferenceTreeAttentionForward(f64(q), f64(k), f64(v), f64(pk), f64(pv), ends, scale);
-  at::Tensor ref_gpk = p > 0 ? at::zeros({p, hkv, d}, at::kDouble) : at::Tensor();
-  at::Tensor ref_gpv = p > 0 ? at::zeros({p, hkv, d}, at::kDouble) : at::Tensor();
+      ReferenceTreeAttentionForward(f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device), scale);
+  at::Tensor ref_gpk = p > 0 ? at::zeros({p, hkv, d}, ref_options) : at::Tensor();
+  at::Tensor ref_gpv = p > 0 ? at::zeros({p, hkv, d}, ref_options) : at::Tensor();
   const TreeAttentionGrads ref_grads =
-      ReferenceTreeAttentionBackward(f64(grad_out), f64(q), f64(k), f64(v), f64(pk), f64(pv), ends,
+      ReferenceTreeAttentionBackward(f64(grad_out), f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device),
                                      ref.out, ref.lse, scale, ref_gpk, ref_gpv);
 
   // GPU operands as the executor lays them out: k and v are head slices of one [T, 2 Hkv, D]
@@ -192,6 +200,42 @@ TEST_F(TreeAttentionCuda, LongChunks) {
   CheckCase({2100, 700, 16, 8, 128, TreeKind::kRandom}, 51);
   CheckCase({2100, 0, 16, 8, 64, TreeKind::kBranches}, 52);
   CheckCase({2100, 0, 32, 8, 128, TreeKind::kChain, true}, 53);
+}
+
+// The sizes of whole packed trees (Tree Training's micro-batches, dta's packed subtrees): tens of
+// thousands of DFS-ordered tokens in one chunk.
+TEST_F(TreeAttentionCuda, PackedTreeSizes) {
+  CheckCase({12289, 0, 4, 2, 64, TreeKind::kBranches}, 61);
+  CheckCase({16001, 0, 2, 1, 128, TreeKind::kRandom}, 62);
+  CheckCase({9001, 2500, 4, 2, 64, TreeKind::kRandom, true}, 63);
+  CheckCase({12289, 0, 4, 2, 64, TreeKind::kBranches, false, 4.0}, 64);
+  CheckCase({6007, 1200, 8, 2, 128, TreeKind::kRandom, false, 4.0}, 65);
+}
+
+// With q = 0 every visible key scores 0, so lse_i = log(P + keys visible to i in the chunk) in
+// float32: one key wrongly skipped or wrongly seen among thousands moves it by far more than
+// float32 rounding. Exact mask coverage of the forward's tile skipping at every size.
+TEST_F(TreeAttentionCuda, LseCountsExactlyTheVisibleKeys) {
+  for (const Case& c : {Case{733, 0, 4, 2, 64, TreeKind::kRandom}, Case{2100, 700, 16, 8, 128, TreeKind::kBranches},
+                        Case{12289, 0, 4, 2, 64, TreeKind::kBranches}, Case{16001, 3000, 2, 1, 128, TreeKind::kRandom},
+                        Case{5000, 0, 32, 8, 128, TreeKind::kRandom}}) {
+    SCOPED_TRACE(c.Name());
+    const std::vector<int64_t> key_end = MakeKeyEnd(c.kind, c.tokens, 70);
+    std::vector<double> visible(c.tokens, static_cast<double>(c.prefix));
+    for (int64_t j = 0; j < c.tokens; ++j) {
+      for (int64_t i = j; i < key_end[j]; ++i) visible[i] += 1;
+    }
+    const at::TensorOptions cuda = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+    at::Generator gen = at::detail::createCPUGenerator(71);
+    const at::Tensor q = at::zeros({c.tokens, c.q_heads, c.head_dim}, cuda);
+    const at::Tensor k = RandnBf16({c.tokens, c.kv_heads, c.head_dim}, gen).to(at::kCUDA);
+    const at::Tensor pk = c.prefix > 0 ? RandnBf16({c.prefix, c.kv_heads, c.head_dim}, gen).to(at::kCUDA) : at::Tensor();
+    const TreeAttentionOutput fwd = TreeAttentionForward(q, k, k, pk, pk, testing::KeyEndTensor(key_end).to(at::kCUDA),
+                                                         1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+    const at::Tensor expected = at::log(at::tensor(visible, at::TensorOptions().dtype(at::kDouble)));
+    const double err = (fwd.lse.cpu().to(at::kDouble) - expected.unsqueeze(0)).abs().max().item<double>();
+    EXPECT_LE(err, 1e-5) << "a key was skipped or seen wrongly";
+  }
 }
 
 TEST_F(TreeAttentionCuda, UnsupportedInputsFallBackToTheReference) {

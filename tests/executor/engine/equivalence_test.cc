@@ -213,7 +213,8 @@ TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
   const LossOptions loss{.kind = LossKind::kPpo};
   const std::vector<ExecutorOptions> methods = {
       {.method = Method::kDense}, {.method = Method::kPacked}, {.method = Method::kDta, .block_size = 3},
-      {.method = Method::kDta, .block_size = 5, .graph_budget = 8, .pack = true}};
+      {.method = Method::kDta, .block_size = 5, .graph_budget = 8, .pack = true},
+      {.method = Method::kDta, .pack = true}};  // automatic B and graph budget
   std::vector<std::vector<at::Tensor>> finals;
   for (const ExecutorOptions& options : methods) {
     Qwen3Model model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));

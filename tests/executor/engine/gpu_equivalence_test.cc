@@ -110,6 +110,7 @@ std::vector<std::pair<std::string, ExecutorOptions>> Methods(const std::vector<R
       {"dta B=64", {.method = Method::kDta, .block_size = 64, .graph_budget = 0}},
       {"dta B=256 auto budget", {.method = Method::kDta, .block_size = 256}},
       {"dta B=256 pack", {.method = Method::kDta, .block_size = 256, .graph_budget = 512, .pack = true}},
+      {"dta auto B, auto budget, pack", {.method = Method::kDta, .pack = true}},
   };
 }
 
