@@ -247,12 +247,14 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
   const int64_t fit = static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
   if (auto_block) {
     // At least kMinAutoBlock tokens: below that, chunks are too small to run efficiently, and a
-    // device that cannot hold them will say so.
+    // device that cannot hold them will say so. At most the longest rollout, or kPackedBlock if
+    // that is more: B also bounds packed steps, which run best at several thousand tokens.
     constexpr int64_t kMinAutoBlock = 256;
-    plan.block_size =
-        std::clamp<int64_t>(fit - plan.graph_budget, std::min(kMinAutoBlock, longest), std::max<int64_t>(longest, 1));
+    constexpr int64_t kPackedBlock = 8192;
+    const int64_t most = std::max(longest, options.pack ? kPackedBlock : int64_t{1});
+    plan.block_size = std::clamp<int64_t>(fit - plan.graph_budget, std::min(kMinAutoBlock, longest), most);
   }
-  if (auto_budget) plan.graph_budget = std::max<int64_t>(0, fit - std::min(plan.block_size, longest));
+  if (auto_budget) plan.graph_budget = std::max<int64_t>(0, fit - plan.block_size);
   return plan;
 }
 

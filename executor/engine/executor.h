@@ -48,8 +48,9 @@ struct ExecutorOptions {
   // kAutoBlockSize, sizes it from memory: with the graphs of B + graph_budget tokens in 80% of the
   // device memory free when the step starts (after the path stack), B is the longest rollout if
   // that fits (a rollout then runs in one chunk, as dense runs it: nothing shared costs nothing
-  // extra), else what fits beside an explicit graph budget; an automatic graph budget then takes
-  // what B leaves. On the CPU it means the longest rollout.
+  // extra; with `pack`, at least 8192 tokens, so that packed steps are large), else what fits
+  // beside an explicit graph budget; an automatic graph budget then takes what B leaves. On the
+  // CPU it means the longest rollout.
   int64_t block_size = kAutoBlockSize;
   // kDta: the order in which rollouts are visited. Default: AReaL-DTA Algorithm 1.
   LeafOrderKind order = LeafOrderKind::kBackwardDfs;
