@@ -45,8 +45,8 @@ void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts) 
 }
 
 LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
-                   const ExecutorOptions& executor)
-    : rollouts_(rollouts), options_(options), batch_(MakeBatchContext(rollouts)) {
+                   const ExecutorOptions& executor, const BatchLossContext& batch)
+    : rollouts_(rollouts), options_(options), batch_(batch) {
   if (options.kind != LossKind::kSft) advantages_ = ComputeAdvantages(rollouts);
   if (options.kind == LossKind::kDecoupledPpo) {
     // The proximal policy is the current one before this step: its log-probabilities come from a
@@ -110,8 +110,14 @@ GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts, 
 
 GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                                 const LossOptions& loss, const ExecutorOptions& options) {
+  return ComputeGradients(model, rollouts, loss, options, MakeBatchContext(rollouts));
+}
+
+GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                                const LossOptions& loss, const ExecutorOptions& options,
+                                const BatchLossContext& batch) {
   engine::CheckRollouts(model, rollouts);
-  const engine::LossPlan plan(model, rollouts, loss, options);
+  const engine::LossPlan plan(model, rollouts, loss, options, batch);
   return engine::Run(model, rollouts, &plan, options);
 }
 

@@ -92,6 +92,15 @@ int64_t GraphBytesPerToken(const Qwen3Config& config, at::ScalarType dtype);
 GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                                 const LossOptions& loss, const ExecutorOptions& options = {});
 
+// The same with the batch's normalisers given instead of computed from `rollouts`. With data
+// parallelism each rank passes the global context (MakeBatchContext over every rank's rollouts), so
+// that the ranks' gradients sum to the single-process gradient; a rank's rollouts then carry
+// per-token advantages computed over the whole batch (GroupAdvantages), as the dispatcher sends
+// them, because group advantages computed here would see only this rank's part of each group.
+GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                                const LossOptions& loss, const ExecutorOptions& options,
+                                const BatchLossContext& batch);
+
 // Every rollout's per-token log-probabilities under the model, without gradients, each unique
 // token computed once for kPacked and kDta. Position 0 holds 0.
 std::vector<at::Tensor> ComputeLogprobs(const Qwen3Model& model, absl::Span<const Rollout> rollouts,

@@ -17,7 +17,7 @@ namespace dta::engine {
 class LossPlan {
  public:
   LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
-           const ExecutorOptions& executor);
+           const ExecutorOptions& executor, const BatchLossContext& batch);
 
   bool needs_entropy() const { return options_.entropy_coef != 0.0; }
   // Rollout r's normalised loss as a differentiable function of its log-probabilities (and

@@ -33,8 +33,8 @@ struct Rollout {
 // skips the upper bound), per-token fields of the same length as tokens, loss_mask values 0/1
 // with loss_mask[0] = 0, finite logprobs, advantages, ref_logprobs and reward, versions >= -1,
 // a non-empty id. Otherwise
-// INVALID_ARGUMENT whose message names the field and the offending position, e.g.
-// "field 'loss_mask': 5 values for 6 tokens".
+// INVALID_ARGUMENT whose message starts with "field '<name>': " and gives the offending position,
+// e.g. "field 'loss_mask': 5 values for 6 tokens" (the dispatcher reports the field separately).
 absl::Status ValidateRollout(const Rollout& rollout, int64_t vocab_size = 0);
 
 }  // namespace dta

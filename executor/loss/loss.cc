@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "executor/device/host_to_device.h"
 
 namespace dta {
@@ -133,64 +132,11 @@ at::Tensor NormalizeSequenceLoss(const at::Tensor& seq, int64_t loss_tokens, con
 
 }  // namespace
 
-BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts) {
-  BatchLossContext context;
-  for (const Rollout& r : rollouts) {
-    for (uint8_t m : r.loss_mask) context.total_loss_tokens += m != 0 ? 1 : 0;
-  }
-  context.num_rollouts = static_cast<int64_t>(rollouts.size());
-  return context;
-}
-
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
                                                   bool normalize_std) {
-  struct GroupStats {
-    std::vector<double> rewards;
-    double mean = 0;
-    double std = 0;
-  };
-  absl::flat_hash_map<std::string, GroupStats> groups;
-  for (const Rollout& r : rollouts) {
-    if (!r.advantages.empty()) {
-      CheckVectorLength(r, "advantages", r.advantages.size());
-    } else {
-      TORCH_CHECK(r.reward.has_value(), "rollout '", r.id,
-                  "': has neither field 'reward' nor field 'advantages'");
-    }
-    if (r.reward.has_value()) {
-      TORCH_CHECK(std::isfinite(*r.reward), "rollout '", r.id, "': field 'reward' is ",
-                  *r.reward);
-      groups[r.group].rewards.push_back(*r.reward);
-    }
-  }
-  for (auto& [name, g] : groups) {
-    const std::vector<double>& x = g.rewards;
-    const auto [lo, hi] = std::minmax_element(x.begin(), x.end());
-    if (*lo == *hi) {  // all equal (or one): exact mean, std 0, advantages exactly 0
-      g.mean = *lo;
-      g.std = 0;
-      continue;
-    }
-    double sum = 0;
-    for (double v : x) sum += v;
-    g.mean = sum / static_cast<double>(x.size());
-    double sq = 0;
-    for (double v : x) sq += (v - g.mean) * (v - g.mean);
-    g.std = std::sqrt(sq / static_cast<double>(x.size() - 1));
-  }
-  std::vector<std::vector<float>> out;
-  out.reserve(rollouts.size());
-  for (const Rollout& r : rollouts) {
-    if (!r.advantages.empty()) {
-      out.push_back(r.advantages);
-      continue;
-    }
-    const GroupStats& g = groups.at(r.group);
-    double a = *r.reward - g.mean;
-    if (normalize_std) a /= g.std + 1e-6;
-    out.emplace_back(r.tokens.size(), static_cast<float>(a));
-  }
-  return out;
+  absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts, normalize_std);
+  TORCH_CHECK(advantages.ok(), std::string(advantages.status().message()));
+  return *std::move(advantages);
 }
 
 at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,

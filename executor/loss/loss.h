@@ -65,6 +65,7 @@
 
 #include "absl/types/span.h"
 #include "executor/io/rollout.h"
+#include "executor/loss/batch_context.h"
 
 namespace dta {
 
@@ -100,27 +101,7 @@ struct LossOptions {
   double gspo_eps_high = 4e-4;
 };
 
-// What the batch knows before execution. With data parallelism, both may be global (summed over
-// ranks) so that the sum of all ranks' losses is the global batch loss.
-struct BatchLossContext {
-  double total_loss_tokens = 0;  // N: sum over rollouts of sum(loss_mask)
-  int64_t num_rollouts = 0;      // R
-};
-
-// N = total number of tokens with loss_mask = 1, R = rollouts.size().
-BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts);
-
-// Per-token advantages for every rollout, aligned with its tokens.
-//
-// A rollout with per-token `advantages` keeps them (copied). Otherwise it must have a `reward`,
-// and gets the GRPO group advantage broadcast to every token:
-//   A = (reward - mean_g) / (std_g + 1e-6)     (normalize_std = true)
-//   A = reward - mean_g                         (normalize_std = false)
-// where mean_g and std_g (unbiased, n - 1 denominator, as torch.std) are over the rewards of all
-// rollouts of the batch with the same `group` string and a reward, wherever they sit in the batch
-// order. A group whose rewards are all equal (including a group of one) gets exactly 0.
-// TORCH_CHECK naming the rollout if a rollout has neither reward nor advantages, or advantages of
-// the wrong length.
+// GroupAdvantages (executor/loss/batch_context.h), with TORCH_CHECK naming the rollout on error.
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
                                                   bool normalize_std = true);
 

@@ -242,6 +242,43 @@ TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
   }
 }
 
+// Data parallelism's contract on one process: the batch cut into contiguous parts, each part's
+// rollouts carrying the whole batch's group advantages and each part run with the whole batch's
+// normalisers, give gradients that sum to the whole batch's gradient, for every loss.
+TEST_F(Equivalence, PartsWithTheBatchContextSumToTheWholeBatch) {
+  const auto losses = Losses();
+  for (uint64_t seed = 0; seed < losses.size(); ++seed) {
+    const auto& [name, loss] = losses[seed];
+    SCOPED_TRACE(name);
+    const std::vector<Rollout> rollouts =
+        MakeRollouts(testing::RandomRollouts(100 + seed, {.max_rollouts = 9, .max_length = 10, .vocab = 4}), seed);
+    const MethodRun whole = RunMethod(model_, rollouts, loss, {.method = Method::kDense});
+    const BatchLossContext batch = MakeBatchContext(rollouts);
+    absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts);
+    ASSERT_TRUE(advantages.ok()) << advantages.status();
+    std::vector<Rollout> with_advantages = rollouts;
+    for (size_t r = 0; r < rollouts.size(); ++r) with_advantages[r].advantages = (*advantages)[r];
+    const size_t cut[] = {0, with_advantages.size() / 3, with_advantages.size() / 2, with_advantages.size()};
+    for (const auto& [name, p] : model_.named_parameters()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    double loss_sum = 0;
+    for (int part = 0; part < 3; ++part) {
+      const auto first = with_advantages.begin();
+      const std::vector<Rollout> rollouts_of_part(first + cut[part], first + cut[part + 1]);
+      loss_sum += ComputeGradients(model_, rollouts_of_part, loss, {.method = Method::kDta, .block_size = 3},
+                                   batch)
+                      .loss;
+    }
+    EXPECT_NEAR(loss_sum, whole.result.loss, kTolerance * std::max(1.0, std::abs(whole.result.loss)));
+    for (size_t i = 0; i < whole.grads.size(); ++i) {
+      const at::Tensor& grad = model_.named_parameters()[i].second.grad();
+      EXPECT_GT(whole.grads[i].norm().item<double>(), 0.0) << model_.named_parameters()[i].first;
+      EXPECT_LE(RelativeError(grad, whole.grads[i]), kTolerance) << model_.named_parameters()[i].first;
+    }
+  }
+}
+
 TEST_F(Equivalence, ForwardOnlyLogprobs) {
   const auto rollouts = MakeRollouts(testing::RandomRollouts(42, {.vocab = 5}), 42);
   const std::vector<at::Tensor> dense = ComputeLogprobs(model_, rollouts, {.method = Method::kDense});

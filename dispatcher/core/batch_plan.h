@@ -1,0 +1,71 @@
+// What the dispatcher decides for one training step, as pure functions of the pending
+// trajectories (so that a restarted dispatcher, replaying its log, decides the same):
+//
+//   SelectBatch    which pending trajectories form the step's batch, oldest first, and which are
+//                  too stale to train (AReaL's max staleness: policy version lag).
+//   PlanPartitions what needs the whole batch, then the split: GRPO group advantages and the loss
+//                  normalisers over the whole batch; the lexicographic, DFS-contiguous, load-balanced
+//                  split across trainers (AReaL-DTA Algorithm 4, dispatcher/partition).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "dispatcher/partition/partition.h"
+#include "executor/io/rollout.h"
+#include "executor/loss/batch_context.h"
+
+namespace dta {
+
+struct BatchOptions {
+  // A batch is this many rollouts; 0 sizes batches by `tokens` instead. Exactly one of the two
+  // must be positive.
+  int64_t rollouts = 0;
+  // A batch is the oldest rollouts whose tokens reach at least this many (the rollout that crosses
+  // the threshold is included).
+  int64_t tokens = 0;
+  // Trajectories whose oldest generated token (versions >= 0) lags the current policy version by
+  // more than this are dropped, counted and logged; -1 (the default) keeps everything. Trajectories
+  // without versions are never stale.
+  int64_t max_staleness = -1;
+  // GRPO advantages divided by the group's standard deviation (true) or only centred.
+  bool normalize_std = true;
+};
+
+// INVALID_ARGUMENT naming the field if the options are inconsistent.
+absl::Status ValidateBatchOptions(const BatchOptions& options);
+
+// Policy version lag of a trajectory: policy_version minus its oldest generated token's version,
+// or 0 without versions.
+int64_t Staleness(const Rollout& rollout, int64_t policy_version);
+
+struct BatchSelection {
+  bool ready = false;            // enough fresh trajectories for a batch
+  std::vector<int64_t> batch;    // ready: positions in `pending` of the batch, in pending order
+  std::vector<int64_t> stale;    // ready: positions of the stale trajectories met on the way
+  int64_t fresh_rollouts = 0;    // what is there (the progress towards a batch when not ready)
+  int64_t fresh_tokens = 0;
+};
+
+// Scans `pending` (oldest first) and takes a batch as BatchOptions says; the stale trajectories
+// before the batch's last member are reported for dropping. Nothing is decided when not ready.
+BatchSelection SelectBatch(absl::Span<const Rollout* const> pending, int64_t policy_version,
+                           const BatchOptions& options);
+
+struct PartitionPlan {
+  // ranks[k]: positions in the batch of rank k's rollouts, in lexicographic order.
+  std::vector<std::vector<int64_t>> ranks;
+  // advantages[i]: rollout i's per-token advantages over the whole batch (empty when not needed).
+  std::vector<std::vector<float>> advantages;
+  BatchLossContext context;  // the whole batch's normalisers
+  Partition partition;       // costs, imbalance and extra tokens of the split
+};
+
+// Advantages (when `with_advantages`), normalisers and the split into `world_size` groups.
+// INVALID_ARGUMENT naming the rollout if advantages cannot be computed; world_size >= 1.
+absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
+                                             bool with_advantages, bool normalize_std);
+
+}  // namespace dta

@@ -1,0 +1,544 @@
+#include "dispatcher/core/dispatcher_core.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string_view>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+
+namespace dta {
+namespace {
+
+// Log record types. Never renumber: logs outlive the code that wrote them.
+enum RecordType : uint8_t {
+  kOpenRecord = 1,        // a dispatcher started on this log (empty payload)
+  kTrajectoryRecord = 2,  // v1::Trajectory
+  kPlanRecord = 3,        // v1::StepPlanRecord
+  kCommitRecord = 4,      // v1::StepCommitRecord
+  kCheckpointRecord = 5,  // v1::CheckpointRecord
+};
+
+// Generations are incarnation * 2^32 + a counter, so that a restarted dispatcher never hands out
+// a generation an earlier incarnation used.
+constexpr int kGenerationBits = 32;
+
+// Deterministic bytes (map fields sorted), so equal trajectories get equal bytes.
+std::string DeterministicBytes(const google::protobuf::Message& message) {
+  std::string bytes;
+  google::protobuf::io::StringOutputStream raw(&bytes);
+  google::protobuf::io::CodedOutputStream out(&raw);
+  out.SetSerializationDeterministic(true);
+  message.SerializeToCodedStream(&out);
+  out.Trim();
+  return bytes;
+}
+
+uint64_t Fingerprint(std::string_view bytes) { return std::hash<std::string_view>{}(bytes); }
+
+absl::Status Corrupt(const std::string& path, const char* what) {
+  return absl::DataLossError(absl::StrCat(path, ": a ", what, " record does not parse"));
+}
+
+v1::IngestResponse Rejected(const std::string& id, const std::string& field, const std::string& reason) {
+  v1::IngestResponse response;
+  response.set_id(id);
+  response.set_outcome(v1::IngestResponse::REJECTED);
+  response.set_field(field);
+  response.set_reason(reason);
+  return response;
+}
+
+std::string HumanCount(double n) {
+  if (n >= 1e9) return absl::StrFormat("%.2fG", n / 1e9);
+  if (n >= 1e6) return absl::StrFormat("%.2fM", n / 1e6);
+  if (n >= 1e4) return absl::StrFormat("%.1fK", n / 1e3);
+  return absl::StrFormat("%.0f", n);
+}
+
+}  // namespace
+
+DispatcherCore::DispatcherCore(DispatcherOptions options) : options_(std::move(options)) {}
+
+DispatcherCore::~DispatcherCore() = default;
+
+absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherOptions options) {
+  if (options.wal_path.empty()) return absl::InvalidArgumentError("dispatcher: 'wal_path' is required");
+  if (absl::Status status = ValidateBatchOptions(options.batch); !status.ok()) return status;
+  if (options.max_pending_trajectories < 1) {
+    return absl::InvalidArgumentError("dispatcher: 'max_pending_trajectories' must be >= 1");
+  }
+  std::unique_ptr<DispatcherCore> core(new DispatcherCore(std::move(options)));
+  absl::MutexLock lock(&core->mu_);
+  absl::StatusOr<std::unique_ptr<WriteAheadLog>> wal = WriteAheadLog::Open(
+      {.path = core->options_.wal_path, .sync = core->options_.wal_sync},
+      [&core](const WalRecord& record) ABSL_NO_THREAD_SAFETY_ANALYSIS { return core->Replay(record); });
+  if (!wal.ok()) return wal.status();
+  core->wal_ = *std::move(wal);
+  if (absl::Status status = core->wal_->Append(kOpenRecord, ""); !status.ok()) return status;
+  core->incarnation_ += 1;
+  core->generation_ = core->incarnation_ << kGenerationBits;
+  core->Log(absl::StrFormat(
+      "dispatcher: log %s: %d records replayed (%d torn bytes dropped); %d steps committed, %d trajectories "
+      "pending, start #%d",
+      core->options_.wal_path, core->wal_->records_replayed(), core->wal_->truncated_tail_bytes(),
+      core->committed_, core->pending_.size(), core->incarnation_));
+  return core;
+}
+
+absl::Status DispatcherCore::Replay(const WalRecord& record) {
+  const std::string& path = options_.wal_path;
+  switch (record.type) {
+    case kOpenRecord:
+      incarnation_ += 1;
+      return absl::OkStatus();
+    case kTrajectoryRecord: {
+      v1::Trajectory trajectory;
+      if (!trajectory.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
+        return Corrupt(path, "trajectory");
+      }
+      std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
+      const std::string id = trajectory.id();
+      AddPending(id, RolloutFromTrajectory(trajectory), std::move(metadata), Fingerprint(record.payload));
+      return absl::OkStatus();
+    }
+    case kPlanRecord: {
+      v1::StepPlanRecord plan;
+      if (!plan.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
+        return Corrupt(path, "step plan");
+      }
+      return ApplyPlan(plan);
+    }
+    case kCommitRecord: {
+      v1::StepCommitRecord commit;
+      if (!commit.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
+        return Corrupt(path, "step commit");
+      }
+      if (commit.step() != committed_ || !plans_.contains(commit.step())) {
+        return absl::DataLossError(absl::StrCat(path, ": commit of step ", commit.step(), " after ", committed_,
+                                                " committed steps"));
+      }
+      ApplyCommit(commit);
+      return absl::OkStatus();
+    }
+    case kCheckpointRecord: {
+      v1::CheckpointRecord checkpoint;
+      if (!checkpoint.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
+        return Corrupt(path, "checkpoint");
+      }
+      ApplyCheckpoint(checkpoint.step());
+      return absl::OkStatus();
+    }
+    default:
+      return absl::DataLossError(absl::StrCat(path, ": unknown record type ", record.type));
+  }
+}
+
+void DispatcherCore::AddPending(const std::string& id, Rollout rollout, std::map<std::string, std::string> metadata,
+                                uint64_t fingerprint) {
+  Stored& stored = trajectories_[id];
+  stored.state = State::kPending;
+  stored.fingerprint = fingerprint;
+  stored.sequence = next_sequence_++;
+  stored.rollout = std::move(rollout);
+  stored.metadata = std::move(metadata);
+  pending_.emplace(stored.sequence, id);
+  statistics_.set_accepted(statistics_.accepted() + 1);
+  Changed();
+}
+
+absl::Status DispatcherCore::ApplyPlan(const v1::StepPlanRecord& record) {
+  Plan plan;
+  plan.record = record;
+  auto take = [&](const std::string& id, State state) -> absl::Status {
+    auto it = trajectories_.find(id);
+    if (it == trajectories_.end() || it->second.state != State::kPending) {
+      return absl::DataLossError(absl::StrCat(options_.wal_path, ": step ", record.step(), " plans trajectory '",
+                                              id, "', which is not pending"));
+    }
+    it->second.state = state;
+    pending_.erase(it->second.sequence);
+    if (state == State::kPlanned) plan.rollout_tokens += static_cast<int64_t>(it->second.rollout->tokens.size());
+    return absl::OkStatus();
+  };
+  for (const std::string& id : record.ids()) {
+    if (absl::Status status = take(id, State::kPlanned); !status.ok()) return status;
+  }
+  for (const std::string& id : record.stale_ids()) {
+    if (absl::Status status = take(id, State::kDropped); !status.ok()) return status;
+    trajectories_[id].rollout.reset();
+  }
+  statistics_.set_dropped_stale(statistics_.dropped_stale() + record.stale_ids_size());
+  plans_[record.step()] = std::move(plan);
+  Changed();
+  return absl::OkStatus();
+}
+
+void DispatcherCore::ApplyCommit(const v1::StepCommitRecord& record) {
+  const Plan& plan = plans_.at(record.step());
+  for (const std::string& id : plan.record.ids()) trajectories_[id].state = State::kTrained;
+  committed_ = record.step() + 1;
+  prepared_.clear();
+  statistics_.set_committed_steps(committed_);
+  statistics_.set_trained_rollouts(statistics_.trained_rollouts() + plan.record.ids_size());
+  *statistics_.add_recent_steps() = record.statistics();
+  if (statistics_.recent_steps_size() > options_.recent_steps) {
+    statistics_.mutable_recent_steps()->DeleteSubrange(0, statistics_.recent_steps_size() - options_.recent_steps);
+  }
+  Changed();
+}
+
+void DispatcherCore::ApplyCheckpoint(int64_t step) {
+  // Rollouts of steps before `step` are in every trainer's checkpoint: they are never served again.
+  for (auto it = plans_.begin(); it != plans_.end() && it->first < step; ++it) {
+    for (const std::string& id : it->second.record.ids()) trajectories_[id].rollout.reset();
+  }
+  released_before_ = std::max(released_before_, step);
+}
+
+absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& trajectory) {
+  const std::string& id = trajectory.id();
+  absl::StatusOr<Rollout> rollout = CheckTrajectory(trajectory, options_.limits);
+  if (!rollout.ok()) {
+    absl::MutexLock lock(&mu_);
+    const std::string field = FieldOfError(rollout.status());
+    statistics_.set_rejected(statistics_.rejected() + 1);
+    (*statistics_.mutable_rejected_by_field())[field] += 1;
+    return Rejected(id, field, std::string(rollout.status().message()));
+  }
+  const std::string bytes = DeterministicBytes(trajectory);
+  const uint64_t fingerprint = Fingerprint(bytes);
+  {
+    absl::MutexLock lock(&mu_);
+    // The same id on another stream is being stored: wait for its outcome.
+    auto settled = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = trajectories_.find(id);
+      return it == trajectories_.end() || it->second.state != State::kAppending;
+    };
+    mu_.Await(absl::Condition(&settled));
+    auto it = trajectories_.find(id);
+    if (it != trajectories_.end()) {
+      if (it->second.fingerprint != fingerprint) {
+        statistics_.set_rejected(statistics_.rejected() + 1);
+        (*statistics_.mutable_rejected_by_field())["id"] += 1;
+        return Rejected(id, "id", absl::StrCat("field 'id': '", id, "' was accepted before with other content"));
+      }
+      statistics_.set_already_accepted(statistics_.already_accepted() + 1);
+      v1::IngestResponse response;
+      response.set_id(id);
+      response.set_outcome(v1::IngestResponse::ACCEPTED);
+      response.set_already_accepted(true);
+      return response;
+    }
+    trajectories_[id].state = State::kAppending;  // reserve the id while the log syncs
+  }
+  // Concurrent ingests share the log's sync (group commit): the state lock is not held here.
+  const absl::Status stored = wal_->Append(kTrajectoryRecord, bytes);
+  absl::MutexLock lock(&mu_);
+  if (!stored.ok()) {
+    trajectories_.erase(id);
+    return absl::UnavailableError(absl::StrCat("trajectory '", id, "' not stored: ", stored.message()));
+  }
+  std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
+  AddPending(id, *std::move(rollout), std::move(metadata), fingerprint);
+  v1::IngestResponse response;
+  response.set_id(id);
+  response.set_outcome(v1::IngestResponse::ACCEPTED);
+  return response;
+}
+
+bool DispatcherCore::HasRoom() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(pending_.size()) < options_.max_pending_trajectories;
+}
+
+bool DispatcherCore::AwaitRoom(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return static_cast<int64_t>(pending_.size()) < options_.max_pending_trajectories;
+  };
+  return mu_.AwaitWithDeadline(absl::Condition(&room), deadline);
+}
+
+uint64_t DispatcherCore::change_count() const {
+  absl::MutexLock lock(&mu_);
+  return change_count_;
+}
+
+void DispatcherCore::AwaitChange(uint64_t seen, absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return change_count_ != seen; };
+  mu_.AwaitWithDeadline(absl::Condition(&changed), deadline);
+}
+
+void DispatcherCore::NewGeneration(const std::string& why) {
+  generation_ += 1;
+  members_.clear();
+  prepared_.clear();
+  Log(absl::StrFormat("dispatcher: generation %d: %s", generation_ & ((int64_t{1} << kGenerationBits) - 1), why));
+  Changed();
+}
+
+bool DispatcherCore::GenerationComplete() const {
+  return world_size_ > 0 && static_cast<int32_t>(members_.size()) == world_size_;
+}
+
+absl::StatusOr<v1::RegisterTrainerResponse> DispatcherCore::RegisterTrainer(
+    const v1::RegisterTrainerRequest& request) {
+  if (request.world_size() < 1 || request.rank() < 0 || request.rank() >= request.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", request.rank(), " is outside world size ", request.world_size()));
+  }
+  if (request.trainer_id().empty()) return absl::InvalidArgumentError("field 'trainer_id': empty");
+  absl::MutexLock lock(&mu_);
+  if (request.resume_step() < 0 || request.resume_step() > committed_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "trainer '", request.trainer_id(), "' resumes after ", request.resume_step(), " steps, but ", committed_,
+        " are committed"));
+  }
+  if (request.world_size() != world_size_) {
+    NewGeneration(absl::StrCat("world size ", world_size_, " -> ", request.world_size()));
+    world_size_ = request.world_size();
+  } else {
+    auto member = members_.find(request.rank());
+    if (member != members_.end() && member->second != request.trainer_id()) {
+      NewGeneration(absl::StrCat("rank ", request.rank(), " is now trainer '", request.trainer_id(), "'"));
+    }
+  }
+  members_[request.rank()] = request.trainer_id();
+  if (GenerationComplete()) {
+    Log(absl::StrFormat("dispatcher: generation %d complete: %d trainers",
+                        generation_ & ((int64_t{1} << kGenerationBits) - 1), world_size_));
+  }
+  Changed();
+  v1::RegisterTrainerResponse response;
+  response.set_generation(generation_);
+  response.set_next_step(request.resume_step());
+  response.set_committed_steps(committed_);
+  response.set_policy_version(options_.initial_policy_version + committed_);
+  return response;
+}
+
+absl::Status DispatcherCore::EnsurePlan(int64_t step) {
+  if (plans_.contains(step)) return absl::OkStatus();
+  std::vector<const Rollout*> pending;
+  std::vector<const std::string*> ids;
+  pending.reserve(pending_.size());
+  for (const auto& [sequence, id] : pending_) {
+    pending.push_back(&*trajectories_.at(id).rollout);
+    ids.push_back(&id);
+  }
+  const int64_t policy_version = options_.initial_policy_version + step;
+  const BatchSelection selection = SelectBatch(pending, policy_version, options_.batch);
+  if (!selection.ready) {
+    return absl::UnavailableError(absl::StrCat(
+        "step ", step, ": waiting for trajectories (", selection.fresh_rollouts, " rollouts, ", selection.fresh_tokens,
+        " tokens pending; a batch is ",
+        options_.batch.rollouts > 0 ? absl::StrCat(options_.batch.rollouts, " rollouts")
+                                    : absl::StrCat(options_.batch.tokens, " tokens"),
+        ")"));
+  }
+  v1::StepPlanRecord record;
+  record.set_step(step);
+  record.set_policy_version(policy_version);
+  for (int64_t i : selection.batch) record.add_ids(*ids[i]);
+  for (int64_t i : selection.stale) record.add_stale_ids(*ids[i]);
+  // Logged before any trainer sees it: the batch of a step never changes.
+  if (absl::Status status = wal_->Append(kPlanRecord, DeterministicBytes(record)); !status.ok()) {
+    return absl::UnavailableError(absl::StrCat("step ", step, ": plan not stored: ", status.message()));
+  }
+  if (!selection.stale.empty()) {
+    Log(absl::StrFormat("dispatcher: step %d: dropped %d trajectories older than %d versions (e.g. '%s')", step,
+                        selection.stale.size(), options_.batch.max_staleness, *ids[selection.stale.front()]));
+  }
+  return ApplyPlan(record);
+}
+
+absl::StatusOr<const PartitionPlan*> DispatcherCore::Split(int64_t step) {
+  const auto key = std::make_pair(step, world_size_);
+  auto cached = splits_.find(key);
+  if (cached != splits_.end()) return &cached->second;
+  std::vector<const Rollout*> batch;
+  for (const std::string& id : plans_.at(step).record.ids()) batch.push_back(&*trajectories_.at(id).rollout);
+  absl::StatusOr<PartitionPlan> plan = PlanPartitions(batch, world_size_, options_.limits.require_reward_or_advantages,
+                                                      options_.batch.normalize_std);
+  if (!plan.ok()) return plan.status();
+  // Only the splits of steps that may still be served are kept.
+  splits_.erase(splits_.begin(), splits_.lower_bound(std::make_pair(released_before_, 0)));
+  return &splits_.emplace(key, *std::move(plan)).first->second;
+}
+
+absl::StatusOr<v1::Partition> DispatcherCore::FetchPartition(const v1::FetchPartitionRequest& request) {
+  absl::MutexLock lock(&mu_);
+  const int64_t step = request.step();
+  if (request.generation() != generation_) {
+    return absl::AbortedError(absl::StrCat("generation ", request.generation(), " is over (now ", generation_,
+                                           "): register again"));
+  }
+  if (!GenerationComplete()) {
+    return absl::UnavailableError(
+        absl::StrCat("waiting for trainers: ", members_.size(), " of ", world_size_, " registered"));
+  }
+  if (request.rank() < 0 || request.rank() >= world_size_ || !members_.contains(request.rank())) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", request.rank(), " is not in the generation"));
+  }
+  if (step > committed_ || step < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is not next: ", committed_, " steps are committed"));
+  }
+  if (step < released_before_) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was released after a checkpoint at step ",
+                                                      released_before_, ": resume from a checkpoint at or after it"));
+  }
+  if (absl::Status status = EnsurePlan(step); !status.ok()) return status;
+  absl::StatusOr<const PartitionPlan*> split = Split(step);
+  if (!split.ok()) return split.status();
+  const PartitionPlan& plan = **split;
+  const Plan& batch = plans_.at(step);
+  v1::Partition partition;
+  partition.set_step(step);
+  partition.set_rank(request.rank());
+  partition.set_world_size(world_size_);
+  partition.set_generation(generation_);
+  partition.set_total_loss_tokens(plan.context.total_loss_tokens);
+  partition.set_num_rollouts(plan.context.num_rollouts);
+  partition.set_policy_version(batch.record.policy_version());
+  partition.set_replay(step < committed_);
+  partition.set_tree_tokens(plan.partition.cost[request.rank()]);
+  int64_t rollout_tokens = 0;
+  for (int64_t i : plan.ranks[request.rank()]) {
+    const Stored& stored = trajectories_.at(batch.record.ids(static_cast<int>(i)));
+    v1::Trajectory* trajectory = partition.add_trajectories();
+    *trajectory = TrajectoryFromRollout(*stored.rollout);
+    if (!plan.advantages.empty()) {
+      trajectory->mutable_advantages()->Assign(plan.advantages[i].begin(), plan.advantages[i].end());
+    }
+    trajectory->mutable_metadata()->insert(stored.metadata.begin(), stored.metadata.end());
+    rollout_tokens += trajectory->tokens_size();
+  }
+  partition.set_rollout_tokens(rollout_tokens);
+  return partition;
+}
+
+absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::StepReport& report) {
+  absl::MutexLock lock(&mu_);
+  v1::ReportStepResponse response;
+  const int64_t step = report.step();
+  if (report.phase() == v1::StepReport::PHASE_UNSPECIFIED) {
+    return absl::InvalidArgumentError("field 'phase': unspecified");
+  }
+  if (report.generation() != generation_) {
+    response.set_decision(v1::ReportStepResponse::ABORT);
+    return response;
+  }
+  if (report.phase() == v1::StepReport::FAILED) {
+    statistics_.set_aborted_steps(statistics_.aborted_steps() + 1);
+    NewGeneration(absl::StrCat("step ", step, " abandoned: rank ", report.rank(), " failed: ", report.error()));
+    response.set_decision(v1::ReportStepResponse::ABORT);
+    return response;
+  }
+  if (step < committed_) {  // already durable (a replay, or a rank asking again after the commit)
+    response.set_decision(v1::ReportStepResponse::COMMIT);
+    response.set_policy_version(options_.initial_policy_version + step + 1);
+    return response;
+  }
+  if (step > committed_ || !plans_.contains(step) || !splits_.contains(std::make_pair(step, world_size_))) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", report.rank(), " reports step ", step,
+                                                      ", which it has not fetched (", committed_,
+                                                      " steps are committed)"));
+  }
+  if (!members_.contains(report.rank())) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", report.rank(), " is not in the generation"));
+  }
+  prepared_[report.rank()] = report;
+  checkpoints_[report.rank()] = report.checkpoint_step();
+  if (static_cast<int32_t>(prepared_.size()) < world_size_) {
+    response.set_decision(v1::ReportStepResponse::PENDING);
+    return response;
+  }
+  // Every rank prepared: commit durably, then tell them.
+  const PartitionPlan& split = splits_.at(std::make_pair(step, world_size_));
+  const Plan& plan = plans_.at(step);
+  v1::StepCommitRecord commit;
+  commit.set_step(step);
+  commit.set_generation(generation_);
+  v1::StepStatistics* stats = commit.mutable_statistics();
+  stats->set_step(step);
+  stats->set_rollouts(plan.record.ids_size());
+  stats->set_rollout_tokens(plan.rollout_tokens);
+  stats->set_tree_tokens(split.partition.combined_tree_tokens);
+  stats->set_compression(split.partition.combined_tree_tokens > 0
+                             ? static_cast<double>(plan.rollout_tokens) / split.partition.combined_tree_tokens
+                             : 0);
+  stats->set_imbalance(split.partition.imbalance);
+  stats->set_extra_tokens(split.partition.extra_tokens);
+  stats->set_dropped_stale(plan.record.stale_ids_size());
+  double seconds = 0;
+  double loss = 0;
+  for (const auto& [rank, prepared] : prepared_) {
+    seconds = std::max(seconds, prepared.seconds());
+    loss += prepared.loss();
+  }
+  stats->set_seconds(seconds);
+  stats->set_loss(loss);
+  stats->set_tokens_per_second(seconds > 0 ? plan.rollout_tokens / seconds : 0);
+  if (absl::Status status = wal_->Append(kCommitRecord, DeterministicBytes(commit)); !status.ok()) {
+    return absl::UnavailableError(absl::StrCat("step ", step, ": commit not stored: ", status.message()));
+  }
+  ApplyCommit(commit);
+  Log(absl::StrFormat("step %d: %d rollouts, %s tokens, C=%.2f, imbalance %.3f, extra %s tokens, %.2f s, %s tokens/s, "
+                      "loss %.6g%s",
+                      step, stats->rollouts(), HumanCount(stats->rollout_tokens()), stats->compression(),
+                      stats->imbalance(), HumanCount(stats->extra_tokens()), stats->seconds(),
+                      HumanCount(stats->tokens_per_second()), stats->loss(),
+                      stats->dropped_stale() > 0 ? absl::StrCat(", ", stats->dropped_stale(), " stale dropped") : ""));
+  // Trajectories every rank's checkpoint holds are not needed for replay any more.
+  int64_t checkpoint = committed_;
+  for (int32_t rank = 0; rank < world_size_; ++rank) {
+    auto it = checkpoints_.find(rank);
+    checkpoint = std::min(checkpoint, it == checkpoints_.end() ? 0 : it->second);
+  }
+  if (checkpoint > released_before_) {
+    v1::CheckpointRecord record;
+    record.set_step(checkpoint);
+    if (wal_->Append(kCheckpointRecord, DeterministicBytes(record)).ok()) ApplyCheckpoint(checkpoint);
+  }
+  response.set_decision(v1::ReportStepResponse::COMMIT);
+  response.set_policy_version(options_.initial_policy_version + committed_);
+  return response;
+}
+
+v1::GetStatusResponse DispatcherCore::GetStatus() const {
+  absl::MutexLock lock(&mu_);
+  v1::GetStatusResponse status;
+  status.set_serving(true);
+  status.set_committed_steps(committed_);
+  status.set_policy_version(options_.initial_policy_version + committed_);
+  status.set_generation(generation_);
+  status.set_registered_trainers(static_cast<int32_t>(members_.size()));
+  status.set_world_size(world_size_);
+  status.set_pending_trajectories(static_cast<int64_t>(pending_.size()));
+  return status;
+}
+
+v1::GetStatisticsResponse DispatcherCore::GetStatistics() const {
+  absl::MutexLock lock(&mu_);
+  v1::GetStatisticsResponse statistics = statistics_;
+  statistics.set_wal_bytes(wal_->file_bytes());
+  statistics.set_wal_syncs(wal_->syncs_performed());
+  return statistics;
+}
+
+void DispatcherCore::Log(const std::string& line) const {
+  if (options_.log) {
+    options_.log(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+}
+
+}  // namespace dta

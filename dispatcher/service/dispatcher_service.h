@@ -1,0 +1,105 @@
+// The dispatcher's gRPC service (dta.v1.Dispatcher) over a DispatcherCore, with the callback API.
+//
+// Reactions never block: everything that may wait (the log's sync on ingestion, long polls for a
+// batch or a commit decision, waiting for room in the pending pool) runs on the service's own
+// worker threads. One Ingest stream has at most one read and one write in flight, and reads the
+// next trajectory only after answering the last one and only while the pending pool has room:
+// when it is full the dispatcher stops reading, and HTTP/2 flow control pushes back on the client.
+//
+// Security: when `token` is set every call must carry the metadata "authorization: Bearer
+// <token>" (UNAUTHENTICATED otherwise). dta-dispatcher refuses a non-loopback address without TLS
+// and a token.
+//
+// Thread safety: thread-safe; owned by the server's lifetime (destroy after the server shut down).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "dispatcher/core/dispatcher_core.h"
+#include "proto/dta/v1/dispatcher.grpc.pb.h"
+
+namespace dta {
+
+struct DispatcherServiceOptions {
+  // Threads for blocking work (ingestion syncs, long polls). Concurrent ingestion streams beyond
+  // this wait their turn; more threads let more of them share one log sync.
+  int worker_threads = 32;
+  // The longest a FetchPartition or ReportStep call waits for a batch or a decision before it
+  // answers UNAVAILABLE / PENDING (or the client's deadline, if sooner).
+  absl::Duration long_poll = absl::Seconds(2);
+  // Shared secret every call must present; empty: no check (loopback only).
+  std::string token;
+};
+
+// A fixed pool of threads running queued tasks; the destructor finishes the queue and joins.
+class WorkerPool {
+ public:
+  explicit WorkerPool(int threads);
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+  ~WorkerPool();
+  void Submit(std::function<void()> task);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+class DispatcherService final : public v1::Dispatcher::CallbackService {
+ public:
+  DispatcherService(DispatcherCore* core, DispatcherServiceOptions options);
+  ~DispatcherService() override;
+
+  grpc::ServerBidiReactor<v1::IngestRequest, v1::IngestResponse>* Ingest(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* RegisterTrainer(grpc::CallbackServerContext* context,
+                                            const v1::RegisterTrainerRequest* request,
+                                            v1::RegisterTrainerResponse* response) override;
+  grpc::ServerUnaryReactor* FetchPartition(grpc::CallbackServerContext* context,
+                                           const v1::FetchPartitionRequest* request,
+                                           v1::FetchPartitionResponse* response) override;
+  grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* context, const v1::ReportStepRequest* request,
+                                       v1::ReportStepResponse* response) override;
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context, const v1::GetStatusRequest* request,
+                                      v1::GetStatusResponse* response) override;
+  grpc::ServerUnaryReactor* GetStatistics(grpc::CallbackServerContext* context,
+                                          const v1::GetStatisticsRequest* request,
+                                          v1::GetStatisticsResponse* response) override;
+
+ private:
+  class IngestReactor;
+  bool Authorized(grpc::CallbackServerContext* context) const;
+  // Finishes the call with UNAUTHENTICATED and returns true when the token is wrong.
+  bool RefuseUnauthorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor) const;
+  // On a worker: calls `attempt` until its answer is `final`, the poll is over or the call is
+  // cancelled, waiting for a change of the dispatcher's state in between; then `deliver`s an OK
+  // answer into the response and finishes the call with the answer's status.
+  template <typename Answer>
+  void LongPoll(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                std::function<absl::StatusOr<Answer>()> attempt,
+                std::function<bool(const absl::StatusOr<Answer>&)> final, std::function<void(Answer)> deliver);
+  // The time a long poll of this call may wait until.
+  absl::Time PollDeadline(grpc::CallbackServerContext* context) const;
+
+  DispatcherCore* const core_;
+  const DispatcherServiceOptions options_;
+  WorkerPool workers_;
+};
+
+// absl::Status -> grpc::Status (the codes are numerically the same).
+grpc::Status ToGrpc(const absl::Status& status);
+
+}  // namespace dta

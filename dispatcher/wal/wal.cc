@@ -1,0 +1,530 @@
+#include "dispatcher/wal/wal.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace dta {
+namespace {
+
+// Debian's Abseil is built with its own string_view type, so std::string_view needs converting.
+absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// A group commit stops growing past this many bytes, so one large batch does not hold many small
+// appenders behind a long write (the leader's own records always go in).
+constexpr size_t kMaxGroupBytes = 4u << 20;
+// Open reads the file through a window of at least this size.
+constexpr size_t kReadChunk = 1u << 20;
+
+// Code chosen by what the caller can do: fix the path, fix permissions, or retry later.
+absl::Status ErrnoError(int err, std::string_view path, std::string_view what) {
+  std::string message = absl::StrCat("wal ", AsAbsl(path), ": ", AsAbsl(what), ": ", strerror(err));
+  switch (err) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(message);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(message);
+    default:
+      return absl::UnavailableError(message);
+  }
+}
+
+// Closes the descriptor unless released; Open's error paths rely on it.
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd = -1) : fd_(fd) {}
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  ~ScopedFd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+void PutU32(char* out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+uint32_t GetU32(const char* in) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<unsigned char>(in[i])} << (8 * i);
+  return v;
+}
+
+// CRC-32 over the type byte, the little-endian length and then the payload, possibly fed in
+// pieces: RecordCrcStart, then RecordCrcExtend for each piece of the payload.
+uLong RecordCrcStart(uint8_t type, uint32_t length) {
+  char length_le[4];
+  PutU32(length_le, length);
+  const Bytef type_byte = type;
+  uLong crc = crc32(0L, Z_NULL, 0);
+  crc = crc32(crc, &type_byte, 1);
+  return crc32(crc, reinterpret_cast<const Bytef*>(length_le), 4);
+}
+
+uLong RecordCrcExtend(uLong crc, std::string_view piece) {
+  return crc32(crc, reinterpret_cast<const Bytef*>(piece.data()), static_cast<uInt>(piece.size()));
+}
+
+uint32_t RecordCrc(uint8_t type, std::string_view payload) {
+  return static_cast<uint32_t>(
+      RecordCrcExtend(RecordCrcStart(type, static_cast<uint32_t>(payload.size())), payload));
+}
+
+size_t EncodedSize(absl::Span<const WalRecord> records) {
+  size_t bytes = 0;
+  for (const WalRecord& r : records) bytes += kWalHeaderBytes + r.payload.size();
+  return bytes;
+}
+
+void EncodeRecord(const WalRecord& record, std::string& out) {
+  char header[kWalHeaderBytes];
+  PutU32(header, kWalMagic);
+  PutU32(header + 4, static_cast<uint32_t>(record.payload.size()));
+  header[8] = static_cast<char>(record.type);
+  PutU32(header + 9, RecordCrc(record.type, record.payload));
+  out.append(header, kWalHeaderBytes);
+  out.append(record.payload.data(), record.payload.size());
+}
+
+absl::Status CheckSizes(absl::Span<const WalRecord> records, const WalOptions& options) {
+  for (size_t i = 0; i < records.size(); ++i) {
+    if (records[i].payload.size() > options.max_record_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("wal ", options.path, ": record ", i, " has ", records[i].payload.size(),
+                       " bytes, more than max_record_bytes = ", options.max_record_bytes));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteAll(int fd, std::string_view bytes, int64_t offset, std::string_view path) {
+  while (!bytes.empty()) {
+    ssize_t n = pwrite(fd, bytes.data(), bytes.size(), offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, path, "write");
+    }
+    bytes.remove_prefix(n);
+    offset += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SyncDirectoryOf(const std::string& path) {
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  ScopedFd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int err = errno;
+    return ErrnoError(err, path, absl::StrCat("open directory ", dir));
+  }
+  if (fsync(fd.get()) != 0) {
+    const int err = errno;
+    return ErrnoError(err, path, absl::StrCat("fsync directory ", dir));
+  }
+  return absl::OkStatus();
+}
+
+// Reads the file through a buffer: Get returns views into it, valid until the next Get.
+class FileWindow {
+ public:
+  FileWindow(int fd, int64_t file_size, std::string_view path)
+      : fd_(fd), file_size_(file_size), path_(path) {}
+
+  // [offset, offset + n) must lie within the file.
+  absl::StatusOr<std::string_view> Get(int64_t offset, size_t n) {
+    if (offset < start_ ||
+        offset + static_cast<int64_t>(n) > start_ + static_cast<int64_t>(buf_.size())) {
+      size_t want = std::min<int64_t>(std::max(n, kReadChunk), file_size_ - offset);
+      buf_.resize(want);
+      size_t got = 0;
+      while (got < want) {
+        ssize_t r = pread(fd_, buf_.data() + got, want - got, offset + got);
+        if (r < 0) {
+          if (errno == EINTR) continue;
+          return ErrnoError(errno, path_, "read");
+        }
+        if (r == 0) {
+          return absl::UnavailableError(
+              absl::StrCat("wal ", AsAbsl(path_), ": file shrank while being read"));
+        }
+        got += r;
+      }
+      start_ = offset;
+    }
+    return std::string_view(buf_.data() + (offset - start_), n);
+  }
+
+ private:
+  int fd_;
+  int64_t file_size_;
+  std::string_view path_;
+  std::string buf_;
+  int64_t start_ = 0;
+};
+
+struct ParsedRecord {
+  std::string error;  // empty if the record is valid
+  WalRecord record;   // valid only until the window is read again
+  int64_t next = 0;   // offset of the following record
+};
+
+absl::StatusOr<ParsedRecord> ParseAt(FileWindow& window, int64_t offset, int64_t file_size,
+                                     uint32_t max_record_bytes, std::string_view path) {
+  ParsedRecord parsed;
+  const int64_t left = file_size - offset;
+  if (left < kWalHeaderBytes) {
+    parsed.error = absl::StrCat("incomplete header (", left, " bytes left)");
+    return parsed;
+  }
+  absl::StatusOr<std::string_view> header = window.Get(offset, kWalHeaderBytes);
+  if (!header.ok()) return header.status();
+  const uint32_t magic = GetU32(header->data());
+  const uint32_t length = GetU32(header->data() + 4);
+  const uint8_t type = static_cast<uint8_t>((*header)[8]);
+  const uint32_t crc = GetU32(header->data() + 9);
+  if (magic != kWalMagic) {
+    parsed.error = "bad magic";
+    return parsed;
+  }
+  if (length > max_record_bytes) {
+    // Usually a corrupt length field; but an intact record means the limit was lowered since it
+    // was written, and cutting it off as a torn tail would drop acknowledged data.
+    if (kWalHeaderBytes + int64_t{length} <= left) {
+      uLong streamed = RecordCrcStart(type, length);
+      for (int64_t done = 0; done < length;) {
+        const size_t n = std::min<int64_t>(kReadChunk, length - done);
+        absl::StatusOr<std::string_view> piece = window.Get(offset + kWalHeaderBytes + done, n);
+        if (!piece.ok()) return piece.status();
+        streamed = RecordCrcExtend(streamed, *piece);
+        done += n;
+      }
+      if (static_cast<uint32_t>(streamed) == crc) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("wal ", AsAbsl(path), ": the record at byte offset ", offset, " has ",
+                         length, " bytes, more than max_record_bytes = ", max_record_bytes,
+                         "; open the log with a larger max_record_bytes"));
+      }
+    }
+    parsed.error = absl::StrCat("length ", length, " exceeds max_record_bytes ", max_record_bytes);
+    return parsed;
+  }
+  if (kWalHeaderBytes + int64_t{length} > left) {
+    parsed.error = absl::StrCat("incomplete record (", kWalHeaderBytes + int64_t{length},
+                                " bytes, ", left, " left in the file)");
+    return parsed;
+  }
+  absl::StatusOr<std::string_view> whole = window.Get(offset, kWalHeaderBytes + length);
+  if (!whole.ok()) return whole.status();
+  std::string_view payload = whole->substr(kWalHeaderBytes);
+  if (RecordCrc(type, payload) != crc) {
+    parsed.error = "checksum mismatch";
+    return parsed;
+  }
+  parsed.record = WalRecord{type, payload};
+  parsed.next = offset + kWalHeaderBytes + length;
+  return parsed;
+}
+
+// The offset of the first valid record starting after `from`, or -1 if there is none.
+absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_size,
+                                             uint32_t max_record_bytes, std::string_view path) {
+  char magic[4];
+  PutU32(magic, kWalMagic);
+  const std::string_view needle(magic, 4);
+  FileWindow scan(fd, file_size, path);
+  FileWindow verify(fd, file_size, path);
+  int64_t pos = from + 1;
+  while (file_size - pos >= kWalHeaderBytes) {
+    const size_t n = std::min<int64_t>(kReadChunk, file_size - pos);
+    absl::StatusOr<std::string_view> chunk = scan.Get(pos, n);
+    if (!chunk.ok()) return chunk.status();
+    for (size_t hit = chunk->find(needle); hit != std::string_view::npos;
+         hit = chunk->find(needle, hit + 1)) {
+      absl::StatusOr<ParsedRecord> parsed =
+          ParseAt(verify, pos + static_cast<int64_t>(hit), file_size, max_record_bytes, path);
+      if (!parsed.ok()) return parsed.status();
+      if (parsed->error.empty()) return pos + static_cast<int64_t>(hit);
+    }
+    if (n < needle.size()) break;
+    pos += n - (needle.size() - 1);  // a magic straddling two chunks is seen by the next one
+  }
+  return -1;
+}
+
+}  // namespace
+
+struct WriteAheadLog::Writer {
+  Writer(absl::Span<const WalRecord> records, bool rewrite)
+      : records(records), bytes(EncodedSize(records)), rewrite(rewrite) {}
+
+  absl::Span<const WalRecord> records;
+  size_t bytes;
+  bool rewrite;  // a Rewrite runs alone, never in a group
+  bool done = false;
+  absl::Status status;
+  absl::CondVar cv;
+};
+
+absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOptions& options,
+                                                                   const ReplayFn& replay) {
+  const std::string& path = options.path;
+  if (path.empty()) return absl::InvalidArgumentError("wal: options.path is empty");
+  if (!replay)
+    return absl::InvalidArgumentError(absl::StrCat("wal ", path, ": no replay function"));
+
+  ScopedFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return ErrnoError(errno, path, "open");
+  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("wal ", path, ": already open by another WriteAheadLog (flock held)"));
+    }
+    return ErrnoError(errno, path, "flock");
+  }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoError(errno, path, "fstat");
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("wal ", path, ": not a regular file"));
+  }
+  // A crash during Rewrite leaves the temp file; the log itself is intact (old or new).
+  const std::string tmp = path + ".tmp";
+  if (unlink(tmp.c_str()) != 0 && errno != ENOENT) return ErrnoError(errno, tmp, "unlink");
+  // The file may have just been created, or the previous creator crashed before its directory
+  // entry was durable.
+  if (options.sync) {
+    absl::Status s = SyncDirectoryOf(path);
+    if (!s.ok()) return s;
+  }
+
+  const int64_t file_size = st.st_size;
+  FileWindow window(fd.get(), file_size, path);
+  int64_t offset = 0;
+  int64_t replayed = 0;
+  std::string corruption;
+  while (offset < file_size) {
+    absl::StatusOr<ParsedRecord> parsed =
+        ParseAt(window, offset, file_size, options.max_record_bytes, path);
+    if (!parsed.ok()) return parsed.status();
+    if (!parsed->error.empty()) {
+      corruption = std::move(parsed->error);
+      break;
+    }
+    absl::Status s = replay(parsed->record);
+    if (!s.ok()) return s;
+    ++replayed;
+    offset = parsed->next;
+  }
+
+  int64_t truncated = 0;
+  if (offset < file_size) {
+    absl::StatusOr<int64_t> valid =
+        FindValidRecordAfter(fd.get(), offset, file_size, options.max_record_bytes, path);
+    if (!valid.ok()) return valid.status();
+    if (*valid >= 0) {
+      return absl::DataLossError(
+          absl::StrCat("wal ", path, ": corrupt record at byte offset ", offset, " (", corruption,
+                       ") followed by a valid record at byte offset ", *valid,
+                       "; not truncating acknowledged data, repair or restore the log"));
+    }
+    // A torn tail: never acknowledged, so it is safe to cut.
+    if (ftruncate(fd.get(), offset) != 0) return ErrnoError(errno, path, "ftruncate");
+    if (options.sync && fsync(fd.get()) != 0) return ErrnoError(errno, path, "fsync");
+    truncated = file_size - offset;
+  }
+  return std::unique_ptr<WriteAheadLog>(
+      new WriteAheadLog(options, fd.release(), offset, replayed, truncated));
+}
+
+WriteAheadLog::WriteAheadLog(const WalOptions& options, int fd, int64_t size,
+                             int64_t records_replayed, int64_t truncated_tail_bytes)
+    : options_(options),
+      fd_(fd),
+      size_(size),
+      records_replayed_(records_replayed),
+      truncated_tail_bytes_(truncated_tail_bytes),
+      file_bytes_(size) {}
+
+WriteAheadLog::~WriteAheadLog() {
+  // Nothing to report to: every acknowledged record is already durable.
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::Status WriteAheadLog::Append(uint8_t type, std::string_view payload) {
+  const WalRecord record{type, payload};
+  return AppendBatch(absl::MakeConstSpan(&record, 1));
+}
+
+absl::Status WriteAheadLog::AppendBatch(absl::Span<const WalRecord> records) {
+  if (records.empty()) return absl::OkStatus();
+  absl::Status s = CheckSizes(records, options_);
+  if (!s.ok()) return s;
+  Writer writer(records, /*rewrite=*/false);
+  return Commit(writer);
+}
+
+absl::Status WriteAheadLog::Rewrite(absl::Span<const WalRecord> live) {
+  absl::Status s = CheckSizes(live, options_);
+  if (!s.ok()) return s;
+  Writer writer(live, /*rewrite=*/true);
+  return Commit(writer);
+}
+
+// LevelDB's writer queue: the writer at the front leads, does the I/O for itself and the appends
+// queued behind it with mu_ released (others keep queueing meanwhile and form the next group),
+// then completes them and hands the lead to the next in line.
+absl::Status WriteAheadLog::Commit(Writer& writer) {
+  absl::MutexLock lock(&mu_);
+  writers_.push_back(&writer);
+  while (!writer.done && &writer != writers_.front()) writer.cv.Wait(&mu_);
+  if (writer.done) return writer.status;
+
+  Writer* last = &writer;
+  int64_t group_records = 0;
+  absl::Status status = failed_;
+  if (status.ok() && writer.rewrite) {
+    bool failed = false;
+    mu_.Unlock();
+    status = RewriteFile(writer.records, failed);
+    mu_.Lock();
+    file_bytes_ = size_;  // the old file's size unless the rename happened
+    if (failed) failed_ = status;
+  } else if (status.ok()) {
+    size_t bytes = writer.bytes;
+    for (size_t i = 1; i < writers_.size(); ++i) {
+      Writer* next = writers_[i];
+      if (next->rewrite || bytes + next->bytes > kMaxGroupBytes) break;
+      bytes += next->bytes;
+      last = next;
+    }
+    scratch_.clear();
+    scratch_.reserve(bytes);
+    for (Writer* w : writers_) {
+      for (const WalRecord& r : w->records) {
+        EncodeRecord(r, scratch_);
+        ++group_records;
+      }
+      if (w == last) break;
+    }
+    bool synced = false;
+    mu_.Unlock();
+    status = WriteAndSync(scratch_, synced);
+    mu_.Lock();
+    if (synced) ++syncs_performed_;
+    if (status.ok()) {
+      file_bytes_ = size_;
+      records_appended_ += group_records;
+    } else {
+      failed_ = status;
+    }
+    // Do not keep a large group's buffer for the life of the log.
+    if (scratch_.capacity() > kMaxGroupBytes) std::string().swap(scratch_);
+  }
+
+  while (true) {
+    Writer* done = writers_.front();
+    writers_.pop_front();
+    if (done != &writer) {
+      done->status = status;
+      done->done = true;
+      done->cv.Signal();
+    }
+    if (done == last) break;
+  }
+  if (!writers_.empty()) writers_.front()->cv.Signal();
+  return status;
+}
+
+absl::Status WriteAheadLog::WriteAndSync(std::string_view bytes, bool& synced) {
+  const int64_t offset = size_;
+  absl::Status s = WriteAll(fd_, bytes, offset, options_.path);
+  if (!s.ok()) return s;  // UNAVAILABLE: the record was not (fully) written
+  size_ = offset + static_cast<int64_t>(bytes.size());
+  if (options_.sync) {
+    synced = true;
+    // After a failed fdatasync the kernel may have dropped the dirty pages and a retry would
+    // wrongly succeed, so the failure is final (the log enters the failed state).
+    if (fdatasync(fd_) != 0) {
+      return absl::DataLossError(absl::StrCat("wal ", options_.path, ": fdatasync: ",
+                                              strerror(errno), "; the log is unusable, reopen it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteAheadLog::RewriteFile(absl::Span<const WalRecord> live, bool& failed) {
+  const std::string tmp = options_.path + ".tmp";
+  ScopedFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return ErrnoError(errno, tmp, "open");
+  // Until the rename, the old log is untouched: on failure drop the temp file and carry on.
+  auto abandon = [&](absl::Status s) {
+    unlink(tmp.c_str());
+    return s;
+  };
+  int64_t size = 0;
+  std::string buffer;
+  for (size_t i = 0; i < live.size(); ++i) {
+    EncodeRecord(live[i], buffer);
+    if (buffer.size() >= kMaxGroupBytes || i + 1 == live.size()) {
+      absl::Status s = WriteAll(fd.get(), buffer, size, tmp);
+      if (!s.ok()) return abandon(s);
+      size += buffer.size();
+      buffer.clear();
+    }
+  }
+  if (options_.sync && fsync(fd.get()) != 0) return abandon(ErrnoError(errno, tmp, "fsync"));
+  // Lock the new file before it takes the log's name, so no other opener can slip in.
+  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return abandon(ErrnoError(errno, tmp, "flock"));
+  if (rename(tmp.c_str(), options_.path.c_str()) != 0) {
+    const int err = errno;
+    return abandon(ErrnoError(err, options_.path, absl::StrCat("rename from ", tmp)));
+  }
+  // The new file is the log now, whatever happens next.
+  close(fd_);
+  fd_ = fd.release();
+  size_ = size;
+  if (options_.sync) {
+    absl::Status s = SyncDirectoryOf(options_.path);
+    if (!s.ok()) {
+      // The rename may not survive a crash, and later appends would go to a file that does not.
+      failed = true;
+      return absl::DataLossError(absl::StrCat(s.message(), "; the log is unusable, reopen it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int64_t WriteAheadLog::file_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return file_bytes_;
+}
+
+int64_t WriteAheadLog::records_appended() const {
+  absl::MutexLock lock(&mu_);
+  return records_appended_;
+}
+
+int64_t WriteAheadLog::syncs_performed() const {
+  absl::MutexLock lock(&mu_);
+  return syncs_performed_;
+}
+
+}  // namespace dta

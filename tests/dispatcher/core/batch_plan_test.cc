@@ -1,0 +1,110 @@
+#include "dispatcher/core/batch_plan.h"
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace dta {
+namespace {
+
+Rollout Make(const std::string& id, const std::string& group, std::vector<TokenId> tokens, double reward,
+             std::vector<int32_t> versions = {}) {
+  Rollout r;
+  r.id = id;
+  r.group = group;
+  r.tokens = std::move(tokens);
+  r.loss_mask.assign(r.tokens.size(), 1);
+  r.loss_mask[0] = 0;
+  r.logprobs.assign(r.tokens.size(), -1.0f);
+  r.versions = std::move(versions);
+  r.reward = reward;
+  return r;
+}
+
+std::vector<const Rollout*> Pointers(const std::vector<Rollout>& rollouts) {
+  std::vector<const Rollout*> out;
+  for (const Rollout& r : rollouts) out.push_back(&r);
+  return out;
+}
+
+TEST(BatchPlan, OptionsNeedExactlyOneSize) {
+  EXPECT_FALSE(ValidateBatchOptions({}).ok());
+  EXPECT_FALSE(ValidateBatchOptions({.rollouts = 2, .tokens = 5}).ok());
+  EXPECT_FALSE(ValidateBatchOptions({.rollouts = 2, .max_staleness = -2}).ok());
+  EXPECT_TRUE(ValidateBatchOptions({.tokens = 5}).ok());
+}
+
+TEST(BatchPlan, SelectsTheOldestByCountOrTokens) {
+  const std::vector<Rollout> pending = {Make("a", "g", {1, 2, 3}, 0), Make("b", "g", {1, 2}, 1),
+                                        Make("c", "g", {4, 5, 6, 7}, 0)};
+  BatchSelection two = SelectBatch(Pointers(pending), 0, {.rollouts = 2});
+  ASSERT_TRUE(two.ready);
+  EXPECT_EQ(two.batch, (std::vector<int64_t>{0, 1}));
+  BatchSelection four = SelectBatch(Pointers(pending), 0, {.rollouts = 4});
+  EXPECT_FALSE(four.ready);
+  EXPECT_TRUE(four.batch.empty());
+  EXPECT_EQ(four.fresh_rollouts, 3);
+  EXPECT_EQ(four.fresh_tokens, 9);
+  // 3 + 2 = 5 tokens reach 4: the batch closes at the rollout that crosses the threshold.
+  BatchSelection tokens = SelectBatch(Pointers(pending), 0, {.tokens = 4});
+  ASSERT_TRUE(tokens.ready);
+  EXPECT_EQ(tokens.batch, (std::vector<int64_t>{0, 1}));
+}
+
+TEST(BatchPlan, DropsStaleTrajectoriesMetOnTheWay) {
+  const std::vector<Rollout> pending = {Make("old", "g", {1, 2}, 0, {-1, 2}), Make("new", "g", {1, 3}, 0, {-1, 5}),
+                                        Make("prompt-only", "g", {1, 4}, 0, {-1, -1}),
+                                        Make("old2", "g", {1, 5}, 0, {-1, 1})};
+  EXPECT_EQ(Staleness(pending[0], 5), 3);
+  EXPECT_EQ(Staleness(pending[2], 5), 0);
+  BatchSelection selection = SelectBatch(Pointers(pending), 5, {.rollouts = 2, .max_staleness = 2});
+  ASSERT_TRUE(selection.ready);
+  EXPECT_EQ(selection.batch, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(selection.stale, (std::vector<int64_t>{0}));  // old2 comes after the batch: not judged yet
+  BatchSelection unlimited = SelectBatch(Pointers(pending), 5, {.rollouts = 2});
+  EXPECT_EQ(unlimited.batch, (std::vector<int64_t>{0, 1}));
+  EXPECT_TRUE(unlimited.stale.empty());
+}
+
+// Group advantages and normalisers come from the whole batch, whatever the split.
+TEST(BatchPlan, AdvantagesAndNormalisersCoverTheWholeBatch) {
+  std::vector<Rollout> batch;
+  for (int i = 0; i < 7; ++i) {
+    // Groups interleave with the lexicographic order, so a group spans ranks.
+    batch.push_back(Make("r" + std::to_string(i), i % 2 ? "odd" : "even", {1, 2, i % 3 + 3, i + 10}, 0.3 * i));
+  }
+  absl::StatusOr<std::vector<std::vector<float>>> whole = GroupAdvantages(batch);
+  ASSERT_TRUE(whole.ok());
+  for (int world : {1, 2, 3, 7, 9}) {
+    SCOPED_TRACE(world);
+    absl::StatusOr<PartitionPlan> plan = PlanPartitions(Pointers(batch), world, true, true);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->advantages, *whole);
+    EXPECT_EQ(plan->context, MakeBatchContext(batch));
+    ASSERT_EQ(plan->ranks.size(), static_cast<size_t>(world));
+    std::multiset<int64_t> seen;
+    for (const auto& rank : plan->ranks) {
+      seen.insert(rank.begin(), rank.end());
+      // Lexicographic within a rank.
+      for (size_t j = 1; j < rank.size(); ++j) EXPECT_LE(batch[rank[j - 1]].tokens, batch[rank[j]].tokens);
+    }
+    EXPECT_EQ(seen, (std::multiset<int64_t>{0, 1, 2, 3, 4, 5, 6}));
+    EXPECT_GE(plan->partition.imbalance, 1.0);
+  }
+}
+
+TEST(BatchPlan, PlanErrorsNameTheRollout) {
+  std::vector<Rollout> batch = {Make("ok", "g", {1, 2}, 1)};
+  batch.push_back(Make("bad", "g", {1, 3}, 0));
+  batch.back().reward.reset();
+  absl::StatusOr<PartitionPlan> plan = PlanPartitions(Pointers(batch), 2, true, true);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("'bad'"), absl::string_view::npos);
+  EXPECT_TRUE(PlanPartitions(Pointers(batch), 2, /*with_advantages=*/false, true).ok());
+  EXPECT_FALSE(PlanPartitions(Pointers(batch), 0, false, true).ok());
+}
+
+}  // namespace
+}  // namespace dta

@@ -1,0 +1,373 @@
+#include "dispatcher/core/dispatcher_core.h"
+
+#include <atomic>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dta {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::Trajectory Make(int i, int32_t version = -1) {
+  v1::Trajectory t;
+  t.set_id("t" + std::to_string(i));
+  t.set_group_id("g" + std::to_string(i % 3));
+  // A shared prompt and a few branches, so the split has something to share.
+  for (int32_t token : {1, 2, 3, 4 + i % 4, 10 + i}) t.add_tokens(token);
+  for (int k = 0; k < 5; ++k) t.add_loss_mask(k >= 3);
+  for (int k = 0; k < 5; ++k) t.add_logprobs(-0.5f * k);
+  for (int k = 0; k < 5; ++k) t.add_versions(k >= 3 ? version : -1);
+  t.set_reward(0.1 * i);
+  (*t.mutable_metadata())["source"] = "test";
+  return t;
+}
+
+class DispatcherCoreTest : public ::testing::Test {
+ protected:
+  DispatcherCoreTest() {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           (std::string("dispatcher_core_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  ~DispatcherCoreTest() override { std::filesystem::remove_all(dir_); }
+
+  DispatcherOptions Options(int64_t batch = 4) {
+    DispatcherOptions options;
+    options.wal_path = (dir_ / "log.wal").string();
+    options.wal_sync = false;
+    options.limits.vocab_size = 100;
+    options.batch = {.rollouts = batch};
+    options.log = [this](const std::string& line) { log_.push_back(line); };
+    return options;
+  }
+
+  std::unique_ptr<DispatcherCore> Open(const DispatcherOptions& options) {
+    absl::StatusOr<std::unique_ptr<DispatcherCore>> core = DispatcherCore::Open(options);
+    EXPECT_TRUE(core.ok()) << core.status();
+    return core.ok() ? *std::move(core) : nullptr;
+  }
+
+  static void Accept(DispatcherCore& core, const v1::Trajectory& t) {
+    absl::StatusOr<v1::IngestResponse> response = core.Ingest(t);
+    ASSERT_TRUE(response.ok()) << response.status();
+    ASSERT_EQ(response->outcome(), v1::IngestResponse::ACCEPTED) << response->reason();
+  }
+
+  static int64_t Register(DispatcherCore& core, int rank, int world, const std::string& id, int64_t resume = 0) {
+    v1::RegisterTrainerRequest request;
+    request.set_rank(rank);
+    request.set_world_size(world);
+    request.set_trainer_id(id);
+    request.set_resume_step(resume);
+    absl::StatusOr<v1::RegisterTrainerResponse> response = core.RegisterTrainer(request);
+    EXPECT_TRUE(response.ok()) << response.status();
+    return response.ok() ? response->generation() : -1;
+  }
+
+  static absl::StatusOr<v1::Partition> Fetch(DispatcherCore& core, int rank, int64_t step, int64_t generation) {
+    v1::FetchPartitionRequest request;
+    request.set_rank(rank);
+    request.set_step(step);
+    request.set_generation(generation);
+    return core.FetchPartition(request);
+  }
+
+  static v1::ReportStepResponse::Decision Report(DispatcherCore& core, int rank, int64_t step, int64_t generation,
+                                                 v1::StepReport::Phase phase = v1::StepReport::PREPARED,
+                                                 int64_t checkpoint = 0) {
+    v1::StepReport report;
+    report.set_rank(rank);
+    report.set_step(step);
+    report.set_generation(generation);
+    report.set_phase(phase);
+    report.set_loss(0.25);
+    report.set_seconds(0.5);
+    report.set_checkpoint_step(checkpoint);
+    absl::StatusOr<v1::ReportStepResponse> response = core.ReportStep(report);
+    EXPECT_TRUE(response.ok()) << response.status();
+    return response.ok() ? response->decision() : v1::ReportStepResponse::DECISION_UNSPECIFIED;
+  }
+
+  // The ids of every rank's partition of `step`, in rank order.
+  static std::vector<std::string> FetchAll(DispatcherCore& core, int world, int64_t step, int64_t generation,
+                                           bool* replay = nullptr) {
+    std::vector<std::string> ids;
+    for (int rank = 0; rank < world; ++rank) {
+      absl::StatusOr<v1::Partition> partition = Fetch(core, rank, step, generation);
+      EXPECT_TRUE(partition.ok()) << partition.status();
+      if (!partition.ok()) return ids;
+      if (replay != nullptr) *replay = partition->replay();
+      for (const v1::Trajectory& t : partition->trajectories()) ids.push_back(t.id());
+    }
+    return ids;
+  }
+
+  static void CommitStep(DispatcherCore& core, int world, int64_t step, int64_t generation) {
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_EQ(Report(core, rank, step, generation),
+                rank + 1 < world ? v1::ReportStepResponse::PENDING : v1::ReportStepResponse::COMMIT);
+    }
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_EQ(Report(core, rank, step, generation), v1::ReportStepResponse::COMMIT);
+    }
+  }
+
+  std::filesystem::path dir_;
+  std::vector<std::string> log_;
+};
+
+TEST_F(DispatcherCoreTest, AcceptsRejectsAndDeduplicates) {
+  auto core = Open(Options());
+  Accept(*core, Make(0));
+  absl::StatusOr<v1::IngestResponse> again = core->Ingest(Make(0));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->outcome(), v1::IngestResponse::ACCEPTED);
+  EXPECT_TRUE(again->already_accepted());
+  v1::Trajectory other = Make(0);
+  other.set_reward(7);
+  absl::StatusOr<v1::IngestResponse> conflict = core->Ingest(other);
+  ASSERT_TRUE(conflict.ok());
+  EXPECT_EQ(conflict->outcome(), v1::IngestResponse::REJECTED);
+  EXPECT_EQ(conflict->field(), "id");
+  v1::Trajectory bad = Make(1);
+  bad.set_tokens(4, 100);
+  absl::StatusOr<v1::IngestResponse> rejected = core->Ingest(bad);
+  ASSERT_TRUE(rejected.ok());
+  EXPECT_EQ(rejected->outcome(), v1::IngestResponse::REJECTED);
+  EXPECT_EQ(rejected->field(), "tokens");
+  EXPECT_THAT(rejected->reason(), HasSubstr("token 4 = 100"));
+  const v1::GetStatisticsResponse stats = core->GetStatistics();
+  EXPECT_EQ(stats.accepted(), 1);
+  EXPECT_EQ(stats.already_accepted(), 1);
+  EXPECT_EQ(stats.rejected(), 2);
+  EXPECT_EQ(stats.rejected_by_field().at("tokens"), 1);
+  EXPECT_EQ(stats.rejected_by_field().at("id"), 1);
+  EXPECT_EQ(core->GetStatus().pending_trajectories(), 1);
+}
+
+TEST_F(DispatcherCoreTest, TwoRanksTrainEachBatchOnceWithWholeBatchAdvantages) {
+  auto core = Open(Options(/*batch=*/5));
+  for (int i = 0; i < 12; ++i) Accept(*core, Make(i));
+  const int64_t generation = Register(*core, 0, 2, "a");
+  // Incomplete generation: wait.
+  EXPECT_EQ(Fetch(*core, 0, 0, generation).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Register(*core, 1, 2, "b"), generation);
+  std::set<std::string> trained;
+  for (int64_t step = 0; step < 2; ++step) {
+    absl::StatusOr<v1::Partition> p0 = Fetch(*core, 0, step, generation);
+    absl::StatusOr<v1::Partition> p1 = Fetch(*core, 1, step, generation);
+    ASSERT_TRUE(p0.ok() && p1.ok());
+    EXPECT_EQ(p0->num_rollouts(), 5);
+    EXPECT_EQ(p0->total_loss_tokens(), 10);  // 2 trained tokens x 5
+    EXPECT_EQ(p0->policy_version(), step);
+    EXPECT_EQ(p0->trajectories_size() + p1->trajectories_size(), 5);
+    for (const v1::Partition* p : {&*p0, &*p1}) {
+      for (const v1::Trajectory& t : p->trajectories()) {
+        EXPECT_TRUE(trained.insert(t.id()).second) << t.id() << " trained twice";
+        EXPECT_EQ(t.advantages_size(), t.tokens_size());  // computed over the whole batch
+        EXPECT_EQ(t.metadata().at("source"), "test");
+      }
+    }
+    CommitStep(*core, 2, step, generation);
+  }
+  // Two steps took the 10 oldest; 2 wait; the third batch is not ready.
+  EXPECT_EQ(trained.size(), 10u);
+  EXPECT_FALSE(trained.contains("t10"));
+  EXPECT_THAT(std::string(Fetch(*core, 0, 2, generation).status().message()), HasSubstr("waiting for trajectories"));
+  EXPECT_EQ(core->GetStatus().committed_steps(), 2);
+  EXPECT_EQ(core->GetStatus().policy_version(), 2);
+  const v1::GetStatisticsResponse stats = core->GetStatistics();
+  EXPECT_EQ(stats.trained_rollouts(), 10);
+  ASSERT_EQ(stats.recent_steps_size(), 2);
+  EXPECT_EQ(stats.recent_steps(1).rollouts(), 5);
+  EXPECT_DOUBLE_EQ(stats.recent_steps(1).loss(), 0.5);
+  EXPECT_GT(stats.recent_steps(1).compression(), 1.0);
+  EXPECT_THAT(log_.back(), HasSubstr("step 1: 5 rollouts"));
+}
+
+// The dispatcher dies with a step fetched but not committed: after a restart the step has the
+// same batch, the acknowledged trajectories are all there, and the old generation is refused.
+TEST_F(DispatcherCoreTest, RestartKeepsEveryAcknowledgedTrajectoryAndThePlannedBatch) {
+  std::vector<std::string> first_batch;
+  int64_t old_generation = 0;
+  {
+    auto core = Open(Options(3));
+    for (int i = 0; i < 7; ++i) Accept(*core, Make(i));
+    old_generation = Register(*core, 0, 1, "a");
+    FetchAll(*core, 1, 0, old_generation);
+    CommitStep(*core, 1, 0, old_generation);
+    first_batch = FetchAll(*core, 1, 1, old_generation);  // step 1 planned, never committed
+  }
+  auto core = Open(Options(3));
+  EXPECT_EQ(core->GetStatus().committed_steps(), 1);
+  EXPECT_EQ(core->GetStatus().pending_trajectories(), 1);  // 7 - 3 committed - 3 planned
+  EXPECT_EQ(Report(*core, 0, 1, old_generation), v1::ReportStepResponse::ABORT);
+  EXPECT_EQ(Fetch(*core, 0, 1, old_generation).status().code(), absl::StatusCode::kAborted);
+  const int64_t generation = Register(*core, 0, 1, "a2", /*resume=*/1);
+  EXPECT_NE(generation, old_generation);
+  EXPECT_EQ(FetchAll(*core, 1, 1, generation), first_batch);
+  CommitStep(*core, 1, 1, generation);
+  // Identical resends are acknowledged without being stored twice, also after training.
+  absl::StatusOr<v1::IngestResponse> resend = core->Ingest(Make(0));
+  ASSERT_TRUE(resend.ok());
+  EXPECT_TRUE(resend->already_accepted());
+  EXPECT_EQ(core->GetStatistics().trained_rollouts(), 6);
+}
+
+// A rank fails mid-step: every rank is told ABORT, and the step is served again, re-split over the
+// trainers present (here one), with exactly the same batch.
+TEST_F(DispatcherCoreTest, FailedRankAbandonsTheStepEverywhereAndItIsResplit) {
+  auto core = Open(Options(6));
+  for (int i = 0; i < 6; ++i) Accept(*core, Make(i));
+  const int64_t g2 = Register(*core, 0, 2, "a");
+  Register(*core, 1, 2, "b");
+  std::vector<std::string> batch = FetchAll(*core, 2, 0, g2);
+  EXPECT_EQ(Report(*core, 0, 0, g2), v1::ReportStepResponse::PENDING);
+  EXPECT_EQ(Report(*core, 1, 0, g2, v1::StepReport::FAILED), v1::ReportStepResponse::ABORT);
+  EXPECT_EQ(Report(*core, 0, 0, g2), v1::ReportStepResponse::ABORT);  // rank 0 must not step
+  EXPECT_EQ(core->GetStatus().committed_steps(), 0);
+  const int64_t g1 = Register(*core, 0, 1, "a");
+  EXPECT_NE(g1, g2);
+  std::vector<std::string> again = FetchAll(*core, 1, 0, g1);
+  std::sort(batch.begin(), batch.end());
+  std::sort(again.begin(), again.end());
+  EXPECT_EQ(again, batch);
+  CommitStep(*core, 1, 0, g1);
+  EXPECT_EQ(core->GetStatistics().aborted_steps(), 1);
+}
+
+// A trainer group restarted from a checkpoint replays the committed steps in order, then goes on.
+TEST_F(DispatcherCoreTest, TrainersResumingFromACheckpointReplayCommittedSteps) {
+  auto core = Open(Options(2));
+  for (int i = 0; i < 6; ++i) Accept(*core, Make(i));
+  int64_t generation = Register(*core, 0, 1, "a");
+  std::vector<std::vector<std::string>> batches;
+  for (int64_t step = 0; step < 2; ++step) {
+    batches.push_back(FetchAll(*core, 1, step, generation));
+    CommitStep(*core, 1, step, generation);
+  }
+  generation = Register(*core, 0, 1, "a-restarted", /*resume=*/0);
+  for (int64_t step = 0; step < 2; ++step) {
+    bool replay = false;
+    EXPECT_EQ(FetchAll(*core, 1, step, generation, &replay), batches[step]);
+    EXPECT_TRUE(replay);
+    EXPECT_EQ(Report(*core, 0, step, generation), v1::ReportStepResponse::COMMIT);
+  }
+  bool replay = true;
+  EXPECT_EQ(FetchAll(*core, 1, 2, generation, &replay).size(), 2u);
+  EXPECT_FALSE(replay);
+  EXPECT_EQ(core->GetStatus().committed_steps(), 2);
+  // Resuming past the committed steps is impossible.
+  v1::RegisterTrainerRequest ahead;
+  ahead.set_world_size(1);
+  ahead.set_trainer_id("x");
+  ahead.set_resume_step(5);
+  EXPECT_EQ(core->RegisterTrainer(ahead).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(DispatcherCoreTest, CheckpointsReleaseStepsForReplay) {
+  auto core = Open(Options(2));
+  for (int i = 0; i < 6; ++i) Accept(*core, Make(i));
+  const int64_t generation = Register(*core, 0, 1, "a");
+  FetchAll(*core, 1, 0, generation);
+  CommitStep(*core, 1, 0, generation);
+  FetchAll(*core, 1, 1, generation);
+  EXPECT_EQ(Report(*core, 0, 1, generation, v1::StepReport::PREPARED, /*checkpoint=*/1),
+            v1::ReportStepResponse::COMMIT);
+  EXPECT_EQ(Fetch(*core, 0, 0, generation).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Fetch(*core, 0, 1, generation).ok());
+  // The release is durable.
+  core.reset();
+  core = Open(Options(2));
+  const int64_t g = Register(*core, 0, 1, "b", 1);
+  EXPECT_EQ(Fetch(*core, 0, 0, g).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(FetchAll(*core, 1, 1, g).size(), 2u);
+}
+
+TEST_F(DispatcherCoreTest, StaleTrajectoriesAreDroppedAndCounted) {
+  DispatcherOptions options = Options(2);
+  options.batch.max_staleness = 1;
+  options.initial_policy_version = 5;
+  auto core = Open(options);
+  Accept(*core, Make(0, /*version=*/3));  // lag 2 at version 5: stale
+  Accept(*core, Make(1, 4));
+  Accept(*core, Make(2, 5));
+  const int64_t generation = Register(*core, 0, 1, "a");
+  std::vector<std::string> batch = FetchAll(*core, 1, 0, generation);
+  EXPECT_EQ(batch, (std::vector<std::string>{"t1", "t2"}));
+  EXPECT_EQ(core->GetStatistics().dropped_stale(), 1);
+  EXPECT_THAT(log_.back(), HasSubstr("dropped 1 trajectories"));
+  CommitStep(*core, 1, 0, generation);
+  EXPECT_EQ(core->GetStatistics().recent_steps(0).dropped_stale(), 1);
+}
+
+TEST_F(DispatcherCoreTest, BackpressureBoundsPendingTrajectories) {
+  DispatcherOptions options = Options(2);
+  options.max_pending_trajectories = 3;
+  auto core = Open(options);
+  for (int i = 0; i < 3; ++i) Accept(*core, Make(i));
+  EXPECT_FALSE(core->HasRoom());
+  EXPECT_FALSE(core->AwaitRoom(absl::Now() + absl::Milliseconds(10)));
+  std::atomic<bool> room{false};
+  std::thread waiter([&] { room = core->AwaitRoom(absl::Now() + absl::Seconds(30)); });
+  const int64_t generation = Register(*core, 0, 1, "a");
+  FetchAll(*core, 1, 0, generation);  // planning takes 2 out of the pending pool
+  waiter.join();
+  EXPECT_TRUE(room);
+  EXPECT_TRUE(core->HasRoom());
+}
+
+TEST_F(DispatcherCoreTest, ConcurrentIngestionOfTheSameIdsStoresEachOnce) {
+  DispatcherOptions options = Options(1000);
+  options.wal_sync = true;
+  auto core = Open(options);
+  std::vector<std::thread> threads;
+  std::atomic<int> fresh{0};
+  for (int thread = 0; thread < 8; ++thread) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 25; ++i) {
+        absl::StatusOr<v1::IngestResponse> response = core->Ingest(Make(i));
+        ASSERT_TRUE(response.ok());
+        ASSERT_EQ(response->outcome(), v1::IngestResponse::ACCEPTED);
+        if (!response->already_accepted()) ++fresh;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(fresh, 25);
+  EXPECT_EQ(core->GetStatus().pending_trajectories(), 25);
+  core.reset();
+  EXPECT_EQ(Open(Options(1000))->GetStatus().pending_trajectories(), 25);
+}
+
+TEST_F(DispatcherCoreTest, ErrorsForBadCalls) {
+  EXPECT_EQ(DispatcherCore::Open({}).status().code(), absl::StatusCode::kInvalidArgument);
+  DispatcherOptions no_batch = Options();
+  no_batch.batch = {};
+  EXPECT_EQ(DispatcherCore::Open(no_batch).status().code(), absl::StatusCode::kInvalidArgument);
+  auto core = Open(Options());
+  v1::RegisterTrainerRequest outside;
+  outside.set_rank(2);
+  outside.set_world_size(2);
+  outside.set_trainer_id("x");
+  EXPECT_EQ(core->RegisterTrainer(outside).status().code(), absl::StatusCode::kInvalidArgument);
+  const int64_t generation = Register(*core, 0, 1, "a");
+  EXPECT_EQ(Fetch(*core, 0, 3, generation).status().code(), absl::StatusCode::kFailedPrecondition);
+  v1::StepReport unfetched;
+  unfetched.set_generation(generation);
+  unfetched.set_phase(v1::StepReport::PREPARED);
+  EXPECT_EQ(core->ReportStep(unfetched).status().code(), absl::StatusCode::kFailedPrecondition);
+  unfetched.set_phase(v1::StepReport::PHASE_UNSPECIFIED);
+  EXPECT_EQ(core->ReportStep(unfetched).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace dta

@@ -1,0 +1,411 @@
+// The dispatcher over gRPC on loopback: ingestion streams (bad input, load, backpressure), trainers
+// fetching and committing steps, authorization, and kill -9 of the dta-dispatcher process between
+// acknowledgements.
+#include "dispatcher/service/dispatcher_service.h"
+
+#include <grpcpp/grpcpp.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dta {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::Trajectory Make(const std::string& id, int i) {
+  v1::Trajectory t;
+  t.set_id(id);
+  t.set_group_id("g" + std::to_string(i % 4));
+  for (int32_t token : {1, 2, 3, 4 + i % 5, 10 + i % 50}) t.add_tokens(token);
+  for (int k = 0; k < 5; ++k) t.add_loss_mask(k >= 3);
+  for (int k = 0; k < 5; ++k) t.add_logprobs(-0.5f * k);
+  t.set_reward(0.1 * (i % 7));
+  return t;
+}
+
+std::chrono::system_clock::time_point In(int seconds) {
+  return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
+}
+
+class DispatcherServiceTest : public ::testing::Test {
+ protected:
+  DispatcherServiceTest() {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           (std::string("dispatcher_service_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  ~DispatcherServiceTest() override {
+    if (server_) server_->Shutdown(In(1));
+    server_.reset();
+    service_.reset();
+    core_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  void Start(int64_t batch = 8, int64_t max_pending = 1 << 16, const std::string& token = "") {
+    DispatcherOptions options;
+    options.wal_path = (dir_ / "log.wal").string();
+    options.limits.vocab_size = 100;
+    options.batch = {.rollouts = batch};
+    options.max_pending_trajectories = max_pending;
+    options.log = [](const std::string&) {};
+    absl::StatusOr<std::unique_ptr<DispatcherCore>> core = DispatcherCore::Open(options);
+    ASSERT_TRUE(core.ok()) << core.status();
+    core_ = *std::move(core);
+    service_ = std::make_unique<DispatcherService>(core_.get(), DispatcherServiceOptions{.token = token});
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(port, 0);
+    address_ = "127.0.0.1:" + std::to_string(port);
+  }
+
+  std::unique_ptr<v1::Dispatcher::Stub> Stub() {
+    return v1::Dispatcher::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  }
+
+  std::filesystem::path dir_;
+  std::unique_ptr<DispatcherCore> core_;
+  std::unique_ptr<DispatcherService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+// Sends every trajectory on one stream and returns the answers in order (the status in `status`).
+std::vector<v1::IngestResponse> SendAll(v1::Dispatcher::Stub& stub, const std::vector<v1::Trajectory>& trajectories,
+                                        grpc::Status* status = nullptr, int deadline_seconds = 60) {
+  grpc::ClientContext context;
+  context.set_deadline(In(deadline_seconds));
+  auto stream = stub.Ingest(&context);
+  std::vector<v1::IngestResponse> answers;
+  for (const v1::Trajectory& t : trajectories) {
+    v1::IngestRequest request;
+    *request.mutable_trajectory() = t;
+    if (!stream->Write(request)) break;
+    v1::IngestResponse answer;
+    if (!stream->Read(&answer)) break;
+    answers.push_back(answer);
+  }
+  stream->WritesDone();
+  grpc::Status finish = stream->Finish();
+  if (status != nullptr) *status = finish;
+  return answers;
+}
+
+TEST_F(DispatcherServiceTest, BadTrajectoriesAreRejectedWhileTheStreamGoesOn) {
+  Start();
+  std::vector<v1::Trajectory> batch;
+  for (int i = 0; i < 6; ++i) batch.push_back(Make("ok" + std::to_string(i), i));
+  batch[1].set_tokens(0, 1000);                // outside the vocabulary
+  batch[3].mutable_loss_mask()->RemoveLast();  // inconsistent lengths
+  batch[4].set_id("ok0");                      // an id taken by other content
+  auto stub = Stub();
+  grpc::Status status;
+  std::vector<v1::IngestResponse> answers = SendAll(*stub, batch, &status);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answers.size(), 6u);
+  const char* fields[] = {"", "tokens", "", "loss_mask", "id", ""};
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(answers[i].id(), batch[i].id());
+    EXPECT_EQ(answers[i].outcome(), *fields[i] ? v1::IngestResponse::REJECTED : v1::IngestResponse::ACCEPTED);
+    EXPECT_EQ(answers[i].field(), fields[i]);
+  }
+  // The server is still up and counted everything.
+  grpc::ClientContext context;
+  context.set_deadline(In(10));
+  v1::GetStatisticsResponse stats;
+  ASSERT_TRUE(stub->GetStatistics(&context, {}, &stats).ok());
+  EXPECT_EQ(stats.accepted(), 3);
+  EXPECT_EQ(stats.rejected(), 3);
+}
+
+TEST_F(DispatcherServiceTest, TrainersLongPollForTheBatchAndCommitTogether) {
+  Start(/*batch=*/6);
+  std::atomic<int> trained{0};
+  std::vector<std::set<std::string>> seen(2);
+  std::vector<std::thread> trainers;
+  for (int rank = 0; rank < 2; ++rank) {
+    trainers.emplace_back([&, rank] {
+      auto stub = Stub();
+      v1::RegisterTrainerRequest registration;
+      registration.set_rank(rank);
+      registration.set_world_size(2);
+      registration.set_trainer_id("trainer-" + std::to_string(rank));
+      v1::RegisterTrainerResponse registered;
+      grpc::ClientContext register_context;
+      register_context.set_deadline(In(10));
+      ASSERT_TRUE(stub->RegisterTrainer(&register_context, registration, &registered).ok());
+      for (int64_t step = 0; step < 2; ++step) {
+        v1::FetchPartitionResponse fetched;
+        while (true) {  // the batch is not there yet: the call waits, then says UNAVAILABLE
+          grpc::ClientContext context;
+          context.set_deadline(In(5));
+          v1::FetchPartitionRequest request;
+          request.set_rank(rank);
+          request.set_step(step);
+          request.set_generation(registered.generation());
+          grpc::Status status = stub->FetchPartition(&context, request, &fetched);
+          if (status.ok()) break;
+          ASSERT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+        }
+        for (const v1::Trajectory& t : fetched.partition().trajectories()) seen[rank].insert(t.id());
+        trained += fetched.partition().trajectories_size();
+        v1::ReportStepRequest report;
+        report.mutable_report()->set_rank(rank);
+        report.mutable_report()->set_step(step);
+        report.mutable_report()->set_generation(registered.generation());
+        report.mutable_report()->set_phase(v1::StepReport::PREPARED);
+        v1::ReportStepResponse decision;
+        do {
+          grpc::ClientContext context;
+          context.set_deadline(In(5));
+          ASSERT_TRUE(stub->ReportStep(&context, report, &decision).ok());
+        } while (decision.decision() == v1::ReportStepResponse::PENDING);
+        ASSERT_EQ(decision.decision(), v1::ReportStepResponse::COMMIT);
+        EXPECT_EQ(decision.policy_version(), step + 1);
+      }
+    });
+  }
+  // The rollouts arrive after the trainers started waiting.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::vector<v1::Trajectory> rollouts;
+  for (int i = 0; i < 12; ++i) rollouts.push_back(Make("r" + std::to_string(i), i));
+  auto stub = Stub();
+  EXPECT_EQ(SendAll(*stub, rollouts).size(), 12u);
+  for (std::thread& t : trainers) t.join();
+  EXPECT_EQ(trained, 12);
+  for (const std::string& id : seen[0]) EXPECT_FALSE(seen[1].contains(id)) << id << " on both ranks";
+  EXPECT_EQ(core_->GetStatus().committed_steps(), 2);
+}
+
+TEST_F(DispatcherServiceTest, SixtyFourConcurrentStreamsLoseNothing) {
+  Start(/*batch=*/8);
+  constexpr int kStreams = 64;
+  constexpr int kPerStream = 40;
+  std::atomic<int> accepted{0};
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> clients;
+  for (int s = 0; s < kStreams; ++s) {
+    clients.emplace_back([&, s] {
+      auto stub = Stub();
+      std::vector<v1::Trajectory> mine;
+      for (int i = 0; i < kPerStream; ++i) mine.push_back(Make("s" + std::to_string(s) + "-" + std::to_string(i), i));
+      grpc::Status status;
+      for (const v1::IngestResponse& answer : SendAll(*stub, mine, &status, 120)) {
+        if (answer.outcome() == v1::IngestResponse::ACCEPTED && !answer.already_accepted()) ++accepted;
+      }
+      EXPECT_TRUE(status.ok()) << status.error_message();
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(accepted, kStreams * kPerStream);
+  EXPECT_EQ(core_->GetStatus().pending_trajectories(), kStreams * kPerStream);
+  const v1::GetStatisticsResponse stats = core_->GetStatistics();
+  EXPECT_LT(stats.wal_syncs(), stats.accepted());  // concurrent streams shared log syncs
+  std::printf("ingestion: %d trajectories on %d streams in %.2f s: %.0f trajectories/s, %lld log syncs\n",
+              kStreams * kPerStream, kStreams, seconds, kStreams * kPerStream / seconds,
+              static_cast<long long>(stats.wal_syncs()));
+}
+
+TEST_F(DispatcherServiceTest, AFullPendingPoolPausesIngestionUntilABatchIsTaken) {
+  Start(/*batch=*/5, /*max_pending=*/5);
+  std::vector<v1::Trajectory> rollouts;
+  for (int i = 0; i < 12; ++i) rollouts.push_back(Make("p" + std::to_string(i), i));
+  std::atomic<int> answered{0};
+  std::thread client([&] {
+    auto stub = Stub();
+    grpc::ClientContext context;
+    context.set_deadline(In(60));
+    auto stream = stub->Ingest(&context);
+    for (const v1::Trajectory& t : rollouts) {
+      v1::IngestRequest request;
+      *request.mutable_trajectory() = t;
+      ASSERT_TRUE(stream->Write(request));
+      v1::IngestResponse answer;
+      ASSERT_TRUE(stream->Read(&answer));
+      ++answered;
+    }
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(answered, 5);  // the pool is full: the sixth is not read
+  v1::RegisterTrainerRequest registration;
+  registration.set_world_size(1);
+  registration.set_trainer_id("t");
+  const int64_t generation = core_->RegisterTrainer(registration)->generation();
+  v1::FetchPartitionRequest fetch;
+  fetch.set_generation(generation);
+  ASSERT_TRUE(core_->FetchPartition(fetch).ok());  // takes 5 out of the pool
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(answered, 10);
+  v1::StepReport report;
+  report.set_generation(generation);
+  report.set_phase(v1::StepReport::PREPARED);
+  ASSERT_EQ(core_->ReportStep(report)->decision(), v1::ReportStepResponse::COMMIT);
+  fetch.set_step(1);
+  ASSERT_TRUE(core_->FetchPartition(fetch).ok());
+  client.join();
+  EXPECT_EQ(answered, 12);
+}
+
+TEST_F(DispatcherServiceTest, CallsWithoutTheTokenAreRefused) {
+  Start(8, 1 << 16, "s3cret");
+  auto stub = Stub();
+  grpc::Status status;
+  SendAll(*stub, {Make("a", 0)}, &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  grpc::ClientContext bad;
+  bad.set_deadline(In(10));
+  v1::GetStatusResponse response;
+  EXPECT_EQ(stub->GetStatus(&bad, {}, &response).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  grpc::ClientContext good;
+  good.set_deadline(In(10));
+  good.AddMetadata("authorization", "Bearer s3cret");
+  EXPECT_TRUE(stub->GetStatus(&good, {}, &response).ok());
+}
+
+// The dta-dispatcher binary, next to the tests (build/bin and build/tests).
+std::string DispatcherBinary() {
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path().parent_path() / "bin" / "dta-dispatcher")
+      .string();
+}
+
+pid_t Spawn(const std::vector<std::string>& args) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// A port nobody listens on now (bound to 0, read back, released).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
+// kill -9 of the dispatcher between acknowledgements: the client resends what was not
+// acknowledged (and, not knowing, some that were); after the restart every trajectory is stored
+// exactly once, and training takes each exactly once.
+TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesNothing) {
+  const std::string binary = DispatcherBinary();
+  ASSERT_TRUE(std::filesystem::exists(binary)) << binary;
+  const int port = FreePort();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  const std::vector<std::string> args = {binary, "--wal=" + (dir_ / "log.wal").string(), "--listen=" + address,
+                                         "--batch_rollouts=10", "--vocab_size=100"};
+  constexpr int kTotal = 60;
+  std::vector<v1::Trajectory> rollouts;
+  for (int i = 0; i < kTotal; ++i) rollouts.push_back(Make("k" + std::to_string(i), i));
+  std::set<std::string> acknowledged;
+  int next = 0;  // the first trajectory not acknowledged yet
+  for (int kill_after : {17, 23, 1000}) {
+    const pid_t pid = Spawn(args);
+    auto stub = v1::Dispatcher::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(In(60));
+    context.set_wait_for_ready(true);  // the process is starting
+    auto stream = stub->Ingest(&context);
+    int sent_here = 0;
+    while (next < kTotal) {
+      if (sent_here == kill_after) {
+        // Sent, not yet acknowledged, when the process dies.
+        v1::IngestRequest request;
+        *request.mutable_trajectory() = rollouts[next];
+        stream->Write(request);
+        kill(pid, SIGKILL);
+        break;
+      }
+      v1::IngestRequest request;
+      *request.mutable_trajectory() = rollouts[next];
+      ASSERT_TRUE(stream->Write(request));
+      v1::IngestResponse answer;
+      ASSERT_TRUE(stream->Read(&answer));
+      ASSERT_EQ(answer.outcome(), v1::IngestResponse::ACCEPTED) << answer.reason();
+      acknowledged.insert(answer.id());
+      ++next;
+      ++sent_here;
+    }
+    if (next == kTotal) {
+      stream->WritesDone();
+      EXPECT_TRUE(stream->Finish().ok());
+      // Train everything through a trainer on the last incarnation.
+      grpc::ClientContext register_context;
+      register_context.set_deadline(In(10));
+      v1::RegisterTrainerRequest registration;
+      registration.set_world_size(1);
+      registration.set_trainer_id("trainer");
+      v1::RegisterTrainerResponse registered;
+      ASSERT_TRUE(stub->RegisterTrainer(&register_context, registration, &registered).ok());
+      std::multiset<std::string> trained;
+      for (int64_t step = 0; step < kTotal / 10; ++step) {
+        grpc::ClientContext fetch_context;
+        fetch_context.set_deadline(In(10));
+        v1::FetchPartitionRequest fetch;
+        fetch.set_step(step);
+        fetch.set_generation(registered.generation());
+        v1::FetchPartitionResponse fetched;
+        ASSERT_TRUE(stub->FetchPartition(&fetch_context, fetch, &fetched).ok());
+        for (const v1::Trajectory& t : fetched.partition().trajectories()) trained.insert(t.id());
+        grpc::ClientContext report_context;
+        report_context.set_deadline(In(10));
+        v1::ReportStepRequest report;
+        report.mutable_report()->set_step(step);
+        report.mutable_report()->set_generation(registered.generation());
+        report.mutable_report()->set_phase(v1::StepReport::PREPARED);
+        v1::ReportStepResponse decision;
+        ASSERT_TRUE(stub->ReportStep(&report_context, report, &decision).ok());
+        EXPECT_EQ(decision.decision(), v1::ReportStepResponse::COMMIT);
+      }
+      EXPECT_EQ(trained.size(), static_cast<size_t>(kTotal));
+      EXPECT_EQ(std::set<std::string>(trained.begin(), trained.end()), acknowledged);
+      grpc::ClientContext stats_context;
+      stats_context.set_deadline(In(10));
+      v1::GetStatisticsResponse stats;
+      ASSERT_TRUE(stub->GetStatistics(&stats_context, {}, &stats).ok());
+      EXPECT_EQ(stats.accepted(), kTotal);  // nothing stored twice
+      kill(pid, SIGTERM);
+    } else {
+      context.TryCancel();
+    }
+    int wstatus = 0;
+    waitpid(pid, &wstatus, 0);
+  }
+  EXPECT_EQ(acknowledged.size(), static_cast<size_t>(kTotal));
+}
+
+}  // namespace
+}  // namespace dta
