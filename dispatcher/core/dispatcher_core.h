@@ -43,7 +43,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "dispatcher/core/batch_plan.h"
+#include "dispatcher/batch/batch_plan.h"
 #include "dispatcher/core/trajectory.h"
 #include "dispatcher/wal/wal.h"
 #include "proto/dta/v1/dispatcher.pb.h"

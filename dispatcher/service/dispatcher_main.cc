@@ -13,8 +13,6 @@
 
 #include <csignal>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 
@@ -23,7 +21,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
+#include "dispatcher/client/client_options.h"
 #include "dispatcher/core/dispatcher_core.h"
 #include "dispatcher/service/dispatcher_service.h"
 
@@ -50,15 +48,6 @@ namespace dta {
 namespace {
 
 constexpr int kBadFlags = 2;
-
-bool ReadFile(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  out = buffer.str();
-  return true;
-}
 
 bool IsLoopback(const std::string& address) {
   return absl::StartsWith(address, "127.") || absl::StartsWith(address, "localhost:") ||
@@ -96,9 +85,9 @@ int Run() {
   DispatcherServiceOptions service_options;
   service_options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   if (!token_path.empty()) {
-    if (!ReadFile(token_path, service_options.token)) return Fail(kBadFlags, "cannot read --token_file " + token_path);
-    service_options.token = std::string(absl::StripAsciiWhitespace(service_options.token));
-    if (service_options.token.empty()) return Fail(kBadFlags, "--token_file " + token_path + " is empty");
+    absl::StatusOr<std::string> token = ReadCredentialFile(token_path, /*trim=*/true);
+    if (!token.ok()) return Fail(kBadFlags, absl::StrCat("--token_file: ", token.status().message()));
+    service_options.token = *std::move(token);
   }
   if (!IsLoopback(address) && (cert_path.empty() || service_options.token.empty()) &&
       !absl::GetFlag(FLAGS_insecure_remote)) {
@@ -108,8 +97,12 @@ int Run() {
   if (!cert_path.empty()) {
     grpc::SslServerCredentialsOptions ssl;
     grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-    if (!ReadFile(key_path, pair.private_key)) return Fail(kBadFlags, "cannot read --tls_key " + key_path);
-    if (!ReadFile(cert_path, pair.cert_chain)) return Fail(kBadFlags, "cannot read --tls_cert " + cert_path);
+    absl::StatusOr<std::string> key = ReadCredentialFile(key_path, /*trim=*/false);
+    if (!key.ok()) return Fail(kBadFlags, absl::StrCat("--tls_key: ", key.status().message()));
+    absl::StatusOr<std::string> cert = ReadCredentialFile(cert_path, /*trim=*/false);
+    if (!cert.ok()) return Fail(kBadFlags, absl::StrCat("--tls_cert: ", cert.status().message()));
+    pair.private_key = *std::move(key);
+    pair.cert_chain = *std::move(cert);
     ssl.pem_key_cert_pairs.push_back(std::move(pair));
     credentials = grpc::SslServerCredentials(ssl);
   }

@@ -4,10 +4,7 @@
 #include "dispatcher/service/dispatcher_service.h"
 
 #include <grpcpp/grpcpp.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +18,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/free_port.h"
 
 namespace dta {
 namespace {
@@ -303,27 +301,13 @@ pid_t Spawn(const std::vector<std::string>& args) {
   return pid;
 }
 
-// A port nobody listens on now (bound to 0, read back, released).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  socklen_t length = sizeof(address);
-  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  close(fd);
-  return ntohs(address.sin_port);
-}
-
 // kill -9 of the dispatcher between acknowledgements: the client resends what was not
 // acknowledged (and, not knowing, some that were); after the restart every trajectory is stored
 // exactly once, and training takes each exactly once.
 TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesNothing) {
   const std::string binary = DispatcherBinary();
   ASSERT_TRUE(std::filesystem::exists(binary)) << binary;
-  const int port = FreePort();
+  const int port = dta::testing::FreeLoopbackPort();
   const std::string address = "127.0.0.1:" + std::to_string(port);
   const std::vector<std::string> args = {binary, "--wal=" + (dir_ / "log.wal").string(), "--listen=" + address,
                                          "--batch_rollouts=10", "--vocab_size=100"};

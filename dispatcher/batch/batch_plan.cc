@@ -1,4 +1,4 @@
-#include "dispatcher/core/batch_plan.h"
+#include "dispatcher/batch/batch_plan.h"
 
 #include <algorithm>
 

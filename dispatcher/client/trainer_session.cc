@@ -1,0 +1,91 @@
+#include "dispatcher/client/trainer_session.h"
+
+#include "dispatcher/client/dispatcher_client.h"
+#include "dispatcher/core/trajectory.h"
+
+namespace dta {
+namespace {
+
+class GrpcTrainerSession final : public TrainerSession {
+ public:
+  GrpcTrainerSession(const ClientOptions& options, const TrainerIdentity& identity)
+      : client_(options), identity_(identity) {}
+
+  absl::Status Register() {
+    v1::RegisterTrainerRequest request;
+    request.set_rank(identity_.rank);
+    request.set_world_size(identity_.world_size);
+    request.set_device(identity_.device);
+    request.set_resume_step(identity_.resume_step);
+    request.set_trainer_id(identity_.trainer_id);
+    absl::StatusOr<v1::RegisterTrainerResponse> response = client_.Register(request);
+    if (!response.ok()) return response.status();
+    registered_ = *std::move(response);
+    return absl::OkStatus();
+  }
+
+  int64_t generation() const override { return registered_.generation(); }
+  int64_t committed_steps() const override { return registered_.committed_steps(); }
+
+  absl::StatusOr<StepPartition> Fetch(int64_t step) override {
+    absl::StatusOr<v1::Partition> partition = client_.Fetch(identity_.rank, step, generation());
+    if (!partition.ok()) return partition.status();
+    StepPartition out;
+    out.step = partition->step();
+    out.replay = partition->replay();
+    out.policy_version = partition->policy_version();
+    out.total_loss_tokens = partition->total_loss_tokens();
+    out.num_rollouts = partition->num_rollouts();
+    out.tree_tokens = partition->tree_tokens();
+    out.rollouts.reserve(partition->trajectories_size());
+    for (const v1::Trajectory& t : partition->trajectories()) out.rollouts.push_back(RolloutFromTrajectory(t));
+    return out;
+  }
+
+  absl::StatusOr<StepDecision> Prepared(const PreparedStep& step, int64_t* policy_version) override {
+    v1::StepReport report = Base(step.step);
+    report.set_phase(v1::StepReport::PREPARED);
+    report.set_loss(step.loss);
+    report.set_rollout_tokens(step.rollout_tokens);
+    report.set_forwarded_tokens(step.forwarded_tokens);
+    report.set_tree_tokens(step.tree_tokens);
+    report.set_seconds(step.seconds);
+    report.set_peak_memory_bytes(step.peak_memory_bytes);
+    report.set_checkpoint_step(step.checkpoint_step);
+    absl::StatusOr<v1::ReportStepResponse> decision = client_.Report(report);
+    if (!decision.ok()) return decision.status();
+    if (policy_version != nullptr) *policy_version = decision->policy_version();
+    return decision->decision() == v1::ReportStepResponse::COMMIT ? StepDecision::kCommit : StepDecision::kAbort;
+  }
+
+  void Failed(int64_t step, const std::string& error) override {
+    v1::StepReport report = Base(step);
+    report.set_phase(v1::StepReport::FAILED);
+    report.set_error(error);
+    (void)client_.Report(report);
+  }
+
+ private:
+  v1::StepReport Base(int64_t step) const {
+    v1::StepReport report;
+    report.set_step(step);
+    report.set_rank(identity_.rank);
+    report.set_generation(generation());
+    return report;
+  }
+
+  TrainerClient client_;
+  const TrainerIdentity identity_;
+  v1::RegisterTrainerResponse registered_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TrainerSession>> TrainerSession::Register(const ClientOptions& options,
+                                                                         const TrainerIdentity& identity) {
+  auto session = std::make_unique<GrpcTrainerSession>(options, identity);
+  if (absl::Status status = session->Register(); !status.ok()) return status;
+  return session;
+}
+
+}  // namespace dta
