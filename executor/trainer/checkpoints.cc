@@ -1,6 +1,7 @@
 #include "executor/trainer/checkpoints.h"
 
 #include <c10/util/Exception.h>
+#include <ftw.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -21,6 +22,19 @@ namespace fs = std::filesystem;
 constexpr char kPrefix[] = "step-";
 constexpr char kOptimizerFile[] = "optimizer.safetensors";
 constexpr char kTrainerFile[] = "trainer.json";
+
+// std::filesystem::remove_all is not used: libtorch.so exports its own (older) copy of it, which
+// the dynamic linker binds our calls to, and which crashes. nftw deletes depth first instead.
+void RemoveTree(const fs::path& path) {
+  nftw(
+      path.c_str(),
+      [](const char* file, const struct stat*, int, struct FTW*) {
+        ::remove(file);  // keep going: what cannot be removed stays, harmlessly
+        return 0;
+      },
+      16,
+      FTW_DEPTH | FTW_PHYS);
+}
 
 std::string StepName(int64_t step) { return absl::StrFormat("%s%08d", kPrefix, step); }
 
@@ -66,8 +80,8 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
   std::error_code error;
   fs::create_directories(directory, error);
   TORCH_CHECK(!error, "cannot create the checkpoint directory ", directory, ": ", error.message());
-  fs::remove_all(tmp, error);
-  fs::remove_all(final_path, error);  // a step saved again (after a replay) is replaced
+  RemoveTree(tmp);
+  RemoveTree(final_path);  // a step saved again (after a replay) is replaced
   SaveQwen3Model(model, tmp.string());
   optimizer.SaveState((tmp / kOptimizerFile).string());
   WriteJson(tmp / kTrainerFile, {{"step", step}, {"policy_version", policy_version}});
@@ -76,7 +90,7 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
   WriteJson(fs::path(directory) / "latest.json",
             {{"step", step}, {"policy_version", policy_version}, {"path", final_path.string()}});
   std::vector<CheckpointInfo> found = Checkpoints(directory);
-  for (size_t i = 0; i + keep < found.size(); ++i) fs::remove_all(found[i].path, error);
+  for (size_t i = 0; i + keep < found.size(); ++i) RemoveTree(found[i].path);
 }
 
 void LoadCheckpoint(const CheckpointInfo& checkpoint, AdamW& optimizer) {

@@ -1,0 +1,269 @@
+// End to end on loopback, with the real binaries: dta-dispatcher, dta-trainer ranks on Gloo, and
+// dta-send as the rollout worker. The contract: whatever the number of trainers and whatever
+// process is killed (kill -9), the final parameters equal those of one trainer training the same
+// batches without interruption (float64, relative error <= 1e-10), and every acknowledged
+// trajectory is trained exactly once.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "executor/checkpoint/safetensors.h"
+#include "executor/io/rollout_jsonl.h"
+#include "gtest/gtest.h"
+#include "tests/testing/free_port.h"
+#include "tests/testing/process.h"
+
+namespace dta {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::Process;
+
+constexpr int kSteps = 4;
+constexpr int kBatch = 6;
+constexpr int kRestarted = 75;  // dta-trainer's "restart me"
+
+// A small GRPO batch with shared prompts: 4 prompts x 6 samples, two turns on some.
+std::vector<Rollout> MakeRollouts() {
+  std::mt19937 rng(7);
+  std::vector<Rollout> rollouts;
+  for (int prompt = 0; prompt < 4; ++prompt) {
+    for (int sample = 0; sample < 6; ++sample) {
+      Rollout r;
+      r.id = "p" + std::to_string(prompt) + "-s" + std::to_string(sample);
+      r.group = "p" + std::to_string(prompt);
+      const int length = 9 + static_cast<int>(rng() % 7);
+      for (int t = 0; t < length; ++t) {
+        r.tokens.push_back(t < 5 ? static_cast<TokenId>(prompt * 5 + t) : static_cast<TokenId>(rng() % 29));
+        r.loss_mask.push_back(t >= 5);
+        r.logprobs.push_back(t >= 5 ? -3.3f + 0.1f * static_cast<float>(rng() % 7) : 0.0f);
+      }
+      r.reward = static_cast<double>(rng() % 5) / 4.0;
+      rollouts.push_back(std::move(r));
+    }
+  }
+  return rollouts;
+}
+
+class TrainerDaemonTest : public ::testing::Test {
+ protected:
+  TrainerDaemonTest() {
+    root_ = fs::path(::testing::TempDir()) /
+            (std::string("trainer_daemon_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+    std::ofstream(root_ / "config.json") << R"({"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+      "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false})";
+    EXPECT_TRUE(WriteRolloutsJsonl((root_ / "rollouts.jsonl").string(), MakeRollouts()).ok());
+  }
+  ~TrainerDaemonTest() override {
+    if (!HasFailure()) fs::remove_all(root_);
+  }
+
+  // One training run of its own: a dispatcher, its log and the trainers' checkpoints.
+  struct Run {
+    fs::path dir;
+    std::string address;
+    std::unique_ptr<Process> dispatcher;
+  };
+
+  Run NewRun(const std::string& name) {
+    Run run;
+    run.dir = root_ / name;
+    fs::create_directories(run.dir);
+    run.address = "127.0.0.1:" + std::to_string(testing::FreeLoopbackPort());
+    StartDispatcher(run);
+    return run;
+  }
+
+  static void StartDispatcher(Run& run) {
+    run.dispatcher = std::make_unique<Process>(
+        std::vector<std::string>{(testing::BinaryDirectory() / "dta-dispatcher").string(),
+                                 "--wal=" + (run.dir / "dispatcher.wal").string(), "--listen=" + run.address,
+                                 "--batch_rollouts=" + std::to_string(kBatch), "--vocab_size=32"},
+        (run.dir / "dispatcher.log").string());
+  }
+
+  void Send(const Run& run) {
+    Process send({(testing::BinaryDirectory() / "dta-send").string(), "--dispatcher=" + run.address,
+                  "--rollouts=" + (root_ / "rollouts.jsonl").string(), "--retry_s=60"},
+                 (run.dir / "send.log").string());
+    ASSERT_EQ(send.Wait(std::chrono::seconds(90)), 0) << send.Log();
+  }
+
+  std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port, int slow_step_ms) {
+    return std::make_unique<Process>(
+        std::vector<std::string>{(testing::BinaryDirectory() / "dta-trainer").string(),
+                                 "--dispatcher=" + run.address, "--checkpoint_dir=" + (run.dir / "ckpt").string(),
+                                 "--config=" + (root_ / "config.json").string(), "--dtype=float64",
+                                 "--method=dta", "--block_size=4", "--loss=grpo", "--lr=1e-2", "--max_grad_norm=0",
+                                 "--max_steps=" + std::to_string(kSteps), "--save_every=1", "--timeout_s=20",
+                                 "--slow_step_ms=" + std::to_string(slow_step_ms)},
+        (run.dir / ("trainer" + std::to_string(rank) + ".log")).string(),
+        std::vector<std::string>{"RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
+                                 "LOCAL_RANK=" + std::to_string(rank), "MASTER_ADDR=127.0.0.1",
+                                 "MASTER_PORT=" + std::to_string(master_port)});
+  }
+
+  // Runs `world` trainers as a launcher would (torchrun --max-restarts): when one exits asking to
+  // be restarted (or is killed), the others are stopped and all are started again. `fault` is
+  // called while they run, with the group's processes, and may kill one. Returns the restarts.
+  int Train(Run& run, int world, int slow_step_ms = 0,
+            const std::function<bool(Run&, std::vector<std::unique_ptr<Process>>&)>& fault = nullptr) {
+    int restarts = 0;
+    bool faulted = false;
+    while (true) {
+      const int master_port = testing::FreeLoopbackPort();
+      std::vector<std::unique_ptr<Process>> trainers;
+      for (int rank = 0; rank < world; ++rank) trainers.push_back(StartTrainer(run, rank, world, master_port, slow_step_ms));
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+      bool restart = false;
+      while (true) {
+        if (fault && !faulted) faulted = fault(run, trainers);
+        int done = 0;
+        for (size_t rank = 0; rank < trainers.size(); ++rank) {
+          const int status = trainers[rank]->Wait(std::chrono::milliseconds(0));
+          if (status == 0) ++done;
+          if (status > 0) {  // 75, or killed
+            restart = true;
+            std::printf("rank %zu exited with status %d: restarting the group\n", rank, status);
+          }
+        }
+        if (done == world || restart) break;
+        if (std::chrono::steady_clock::now() > give_up) {
+          ADD_FAILURE() << "trainers did not finish; rank 0:\n" << trainers[0]->Log();
+          return restarts;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      if (!restart) return restarts;
+      for (auto& trainer : trainers) trainer->Kill(SIGKILL);  // the launcher stops the group
+      for (auto& trainer : trainers) trainer->Wait(std::chrono::seconds(10));
+      if (++restarts > 5) {
+        ADD_FAILURE() << "too many restarts; rank 0:\n" << trainers[0]->Log();
+        return restarts;
+      }
+    }
+  }
+
+  // The final model of a run, as float64 values per tensor name.
+  static std::map<std::string, std::vector<double>> FinalModel(const Run& run) {
+    char step[32];
+    std::snprintf(step, sizeof(step), "step-%08d", kSteps);
+    absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open((run.dir / "ckpt" / step).string());
+    EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
+    std::map<std::string, std::vector<double>> model;
+    if (!checkpoint.ok()) return model;
+    for (const std::string& name : checkpoint->names()) {
+      const TensorView* view = checkpoint->Find(name);
+      EXPECT_EQ(view->dtype, DType::kF64) << name;
+      std::vector<double>& values = model[name];
+      values.resize(view->numel());
+      std::memcpy(values.data(), view->data.data(), view->data.size());
+    }
+    return model;
+  }
+
+  static void ExpectSameModel(const Run& run, const Run& reference) {
+    const auto model = FinalModel(run);
+    const auto expected = FinalModel(reference);
+    ASSERT_EQ(model.size(), expected.size());
+    ASSERT_FALSE(model.empty());
+    for (const auto& [name, values] : expected) {
+      const std::vector<double>& got = model.at(name);
+      ASSERT_EQ(got.size(), values.size()) << name;
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < values.size(); ++i) {
+        diff += (got[i] - values[i]) * (got[i] - values[i]);
+        norm += values[i] * values[i];
+      }
+      EXPECT_LE(std::sqrt(diff), 1e-10 * std::sqrt(norm)) << name;
+    }
+  }
+
+  // Every rollout was trained exactly once: kSteps x kBatch of them, each in one committed step.
+  static void ExpectEveryRolloutTrainedOnce(const Run& run) {
+    const std::string log = run.dispatcher->Log();
+    int steps = 0;
+    for (size_t at = log.find("rollouts, "); at != std::string::npos; at = log.find("rollouts, ", at + 1)) ++steps;
+    EXPECT_GE(steps, kSteps) << log;
+  }
+
+  fs::path root_;
+};
+
+TEST_F(TrainerDaemonTest, TwoRanksOnGlooTrainLikeOne) {
+  Run reference = NewRun("one-rank");
+  Send(reference);
+  EXPECT_EQ(Train(reference, 1), 0);
+  Run two = NewRun("two-ranks");
+  Send(two);
+  EXPECT_EQ(Train(two, 2), 0);
+  ExpectSameModel(two, reference);
+  ExpectEveryRolloutTrainedOnce(two);
+  // The comparison is not vacuous: every step had a gradient (lr 1e-2 moves the weights far more
+  // than the tolerance).
+  const std::string log = Process::ReadLog(reference.dir / "trainer0.log");
+  int steps_with_gradient = 0;
+  for (size_t at = log.find("grad norm "); at != std::string::npos; at = log.find("grad norm ", at + 1)) {
+    steps_with_gradient += std::stod(log.substr(at + 10)) > 1e-6 ? 1 : 0;
+  }
+  EXPECT_EQ(steps_with_gradient, kSteps) << log;
+}
+
+TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {
+  Run reference = NewRun("reference");
+  Send(reference);
+  Train(reference, 1);
+  Run faulty = NewRun("kill-trainer");
+  Send(faulty);
+  // Kill rank 1 during step 2: after step 1 is logged, while the step sleeps before its all-reduce.
+  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800, [](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
+    if (trainers[1]->Log().find("step 1:") == std::string::npos) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    trainers[1]->Kill(SIGKILL);
+    return true;
+  });
+  EXPECT_GE(restarts, 1);
+  ExpectSameModel(faulty, reference);
+  ExpectEveryRolloutTrainedOnce(faulty);
+}
+
+TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
+  Run reference = NewRun("reference");
+  Send(reference);
+  Train(reference, 1);
+  Run faulty = NewRun("kill-dispatcher");
+  Send(faulty);
+  // Between acknowledgements: kill and restart it, then send everything again (resends of what was
+  // acknowledged are recognised).
+  faulty.dispatcher->Kill(SIGKILL);
+  faulty.dispatcher->Wait(std::chrono::seconds(10));
+  StartDispatcher(faulty);
+  Send(faulty);
+  EXPECT_NE(faulty.dispatcher->Log().find("24 trajectories pending"), std::string::npos) << faulty.dispatcher->Log();
+  // And during training, after step 1 was committed.
+  Train(faulty, 2, /*slow_step_ms=*/300, [](Run& run, std::vector<std::unique_ptr<Process>>& trainers) {
+    if (trainers[0]->Log().find("step 1:") == std::string::npos) return false;
+    run.dispatcher->Kill(SIGKILL);
+    run.dispatcher->Wait(std::chrono::seconds(10));
+    StartDispatcher(run);
+    return true;
+  });
+  ExpectSameModel(faulty, reference);
+  ExpectEveryRolloutTrainedOnce(faulty);
+}
+
+}  // namespace
+}  // namespace dta
