@@ -63,7 +63,7 @@ GradientSynchronizer::GradientSynchronizer(
   std::vector<std::vector<size_t>> members;
   for (size_t i = 0; i < named_.size(); ++i) {
     const at::Tensor& param = named_[i].second;
-    const std::pair<at::Device, at::ScalarType> key(param.device(), param.scalar_type());
+    const std::pair<at::Device, at::ScalarType> key(param.device(), GradType(param));
     size_t k = 0;
     while (k < keys.size() && keys[k] != key) ++k;
     if (k == keys.size()) {
@@ -140,6 +140,12 @@ void GradientSynchronizer::VerifyLayout() {
               named_.size(), " parameters in ", buckets_.size(), " buckets)");
 }
 
+at::ScalarType GradientSynchronizer::GradType(const at::Tensor& param) const {
+  const at::ScalarType dtype = param.scalar_type();
+  const bool low_precision = dtype == at::kBFloat16 || dtype == at::kHalf;
+  return options_.float32_grads && low_precision ? at::kFloat : dtype;
+}
+
 void GradientSynchronizer::SyncGradients() {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
@@ -147,7 +153,7 @@ void GradientSynchronizer::SyncGradients() {
   for (auto& [name, param] : named_) {
     const at::Tensor& grad = param.grad();
     TORCH_CHECK(!grad.defined() || (grad.sizes() == param.sizes() &&
-                                    grad.scalar_type() == param.scalar_type() &&
+                                    grad.scalar_type() == GradType(param) &&
                                     grad.device() == param.device()),
                 "GradientSynchronizer: rank ", group_.rank(), ": the grad of parameter '", name,
                 "' is ", grad.scalar_type(), grad.sizes(), " on ", grad.device().str(),
@@ -156,7 +162,7 @@ void GradientSynchronizer::SyncGradients() {
   }
   for (auto& [name, param] : named_) {
     at::Tensor& grad = param.mutable_grad();
-    if (!grad.defined()) grad = at::zeros_like(param);
+    if (!grad.defined()) grad = at::zeros_like(param, param.options().dtype(GradType(param)));
     grads.push_back(grad);
   }
   if (group_.size() == 1) {
@@ -207,7 +213,9 @@ void GradientSynchronizer::BroadcastParameters(int root) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (is_root) {
       std::vector<at::Tensor> pieces;
-      for (size_t i : buckets_[b].parameters) pieces.push_back(Flat(named_[i].second.detach()));
+      for (size_t i : buckets_[b].parameters) {
+        pieces.push_back(Flat(named_[i].second.detach().to(buckets_[b].dtype)));
+      }
       at::cat_out(flat_[b], pieces, 0);
     }
     std::vector<at::Tensor> tensors = {flat_[b]};

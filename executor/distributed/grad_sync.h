@@ -64,6 +64,9 @@ struct GradientSynchronizerOptions {
   // (same names, shapes, dtypes, device types and bucket size). Off only for groups that must not
   // communicate at construction.
   bool verify_layout = true;
+  // Grads of bfloat16 and float16 parameters are float32 (Qwen3Model accumulates them so, the
+  // buckets then sum in float32); false: every grad has its parameter's dtype.
+  bool float32_grads = true;
 };
 
 // One bucket of the plan, for introspection.
@@ -107,6 +110,8 @@ class GradientSynchronizer {
   // E.g. "bucket 3 of 7 (Float on cpu, 12 parameters 'layers.0.wq' .. 'layers.1.wo', 4096 bytes)".
   std::string DescribeBucket(size_t b) const;
   void VerifyLayout();
+  // The dtype of the parameter's grad (see GradientSynchronizerOptions::float32_grads).
+  at::ScalarType GradType(const at::Tensor& param) const;
 
   ProcessGroup& group_;
   std::vector<std::pair<std::string, at::Tensor>> named_;

@@ -106,3 +106,48 @@ def test_missing_checkpoint_exits_2(tmp_path, rollouts):
     run = subprocess.run([tool("dta-train"), f"--model={tmp_path / 'nothing'}", f"--rollouts={rollouts}"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "nothing: no such file" in run.stderr, run.stderr
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_ranks_sum_to_one_process_gradient(rollouts, tmp_path, world):
+    """dta-train --distributed on Gloo: each rank trains its part of the split under the whole
+    batch's advantages and normalisers; the all-reduced gradient equals one process's (float64), and
+    so do the weights after two optimizer steps."""
+    common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
+              "--method=dta", "--block_size=64", "--json"]
+    single = train(*common, f"--dump_grads={tmp_path / 'one.safetensors'}", f"--save={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr
+    port = free_port()
+    ranks = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        ranks.append(subprocess.Popen(
+            [tool("dta-train"), f"--config={CONFIG}", *common, "--distributed", "--timeout_s=60",
+             f"--dump_grads={tmp_path / 'many.safetensors'}", f"--save={tmp_path / 'many'}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=300) for p in ranks]
+    for p, (out, err) in zip(ranks, outputs):
+        assert p.returncode == 0, err
+    assert "DFS-contiguous" in outputs[0][0] and "greedy by tree tokens" in outputs[0][0]
+    steps = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    reference_steps = [json.loads(line) for line in single.stdout.splitlines() if line.startswith("{")]
+    assert [s["rollout_tokens"] for s in steps] == [s["rollout_tokens"] for s in reference_steps]
+    for s, r in zip(steps, reference_steps):
+        assert abs(s["loss"] - r["loss"]) <= 1e-10 * max(1.0, abs(r["loss"]))
+    for name in ["one.safetensors", "one/model.safetensors"]:
+        reference = load_file(str(tmp_path / name))
+        other = load_file(str(tmp_path / name.replace("one", "many")))
+        assert reference.keys() == other.keys() and len(reference) > 10
+        for key, ref in reference.items():
+            scale = max(float((ref ** 2).sum()) ** 0.5, 1e-300)
+            assert scale > 0
+            error = float(((other[key] - ref) ** 2).sum()) ** 0.5 / scale
+            assert error <= 1e-10, f"{name} {key}: relative error {error}"

@@ -204,6 +204,22 @@ TEST(GradientSynchronizer, DividesTheSum) {
   }
 }
 
+// bfloat16 parameters keep float32 grads (as Qwen3Model accumulates them): the buckets are float32
+// and the sums exact to float32 rounding.
+TEST(GradientSynchronizer, LowPrecisionParametersSumTheirFloat32Grads) {
+  RunRanks(2, [&](ProcessGroup& group) {
+    const at::Tensor param = at::zeros({7, 19}, at::TensorOptions().dtype(at::kBFloat16)).requires_grad_();
+    GradientSynchronizer sync(group, {{"w", param}});
+    ASSERT_EQ(sync.buckets().size(), 1u);
+    EXPECT_EQ(sync.buckets()[0].dtype, at::kFloat);
+    param.mutable_grad() = at::full({7, 19}, 0.1 * (group.rank() + 1), at::TensorOptions().dtype(at::kFloat));
+    sync.SyncGradients();
+    EXPECT_EQ(param.grad().scalar_type(), at::kFloat);
+    EXPECT_NEAR(param.grad().max().item<double>(), 0.1f + 0.2f, 1e-7);
+    EXPECT_NEAR(param.grad().min().item<double>(), 0.1f + 0.2f, 1e-7);
+  });
+}
+
 TEST(GradientSynchronizer, DefaultBucketsHoldEveryParameterOfADtype) {
   RunRanks(1, [&](ProcessGroup& group) {
     GradientSynchronizer sync(group, MakeParams(0));

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Fuzzes trajectory validation and tree building (tests/fuzz/trajectory_fuzzer.cc) with libFuzzer,
+# ASan and UBSan for the given seconds (default 20; 0 only replays the corpus).
+#
+#   scripts/fuzz.sh          # the short run of the test command
+#   scripts/fuzz.sh 3600     # a longer run, on demand
+#
+# libFuzzer is clang's, and the whole project must be compiled by one compiler, so everything is
+# built in its own directory, build-fuzz/, with clang and instrumented for coverage and the
+# sanitizers (configured once; then Ninja and ccache make a rebuild a no-op when nothing changed).
+# Only the fuzzer and what it links are built. The corpus, build-fuzz/fuzz/corpus, starts from the
+# seeds the fuzzer writes and keeps what every run adds. Exits non-zero, naming the input, if
+# libFuzzer finds a crash, a sanitizer error, a leak, a timeout or an out-of-memory.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+seconds="${1:-20}"
+if [[ ! "$seconds" =~ ^[0-9]+$ ]]; then
+  echo "usage: scripts/fuzz.sh [seconds]   (default 20; 0 replays the corpus only)" >&2
+  exit 2
+fi
+build="$repo/build-fuzz"
+work="$build/fuzz"
+fuzzer="$build/bin/trajectory_fuzzer"
+
+for tool in clang clang++ cmake ninja; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "fuzz: $tool not found (scripts/setup.sh installs clang and libclang-rt-14-dev)" >&2
+    exit 1
+  fi
+done
+
+if [[ ! -f "$build/build.ninja" ]]; then
+  # -fsanitize=fuzzer-no-link instruments the libraries for coverage without linking libFuzzer's
+  # main into them; the fuzzer target itself adds -fsanitize=fuzzer (tests/fuzz/CMakeLists.txt).
+  flags="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined"
+  echo "fuzz: configuring $build (clang, $flags)"
+  cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" -DDTA_BUILD_TORCH=OFF -DDTA_BUILD_CUDA=OFF \
+    -DDTA_BUILD_BENCH=OFF -DDTA_BUILD_FUZZERS=ON >/dev/null
+fi
+if ! ninja -C "$build" -t targets all | grep -q '^trajectory_fuzzer:'; then
+  echo "fuzz: $build has no trajectory_fuzzer target: is tests/fuzz added in tests/CMakeLists.txt" \
+       "(with DTA_BUILD_FUZZERS and gRPC found)?" >&2
+  exit 1
+fi
+cmake --build "$build" --target trajectory_fuzzer
+
+rm -rf "$work/seeds"
+mkdir -p "$work/seeds" "$work/corpus" "$work/crashes"
+"$fuzzer" --write-seeds="$work/seeds" >/dev/null
+cp "$work/seeds"/* "$work/corpus"/
+
+log="$work/last-run.log"
+args=(-rss_limit_mb=2048 -timeout=10 -max_len=16384 -print_final_stats=1
+      -dict="$repo/tests/fuzz/trajectory_fuzzer.dict" -artifact_prefix="$work/crashes/")
+if ((seconds > 0)); then
+  args+=(-max_total_time="$seconds")
+else
+  args+=(-runs=0)
+fi
+echo "fuzz: running trajectory_fuzzer for ${seconds} s on $work/corpus (log: $log)"
+status=0
+"$fuzzer" "${args[@]}" "$work/corpus" >"$log" 2>&1 || status=$?
+
+final_stat() { sed -n "s/^stat::$1: *//p" "$log" | tail -n 1; }
+last="$(grep -E '^#[0-9]+.*cov: ' "$log" | tail -n 1 || true)"
+cov="$(sed -n 's/.*cov: \([0-9]*\).*/\1/p' <<<"$last")"
+ft="$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")"
+corp="$(sed -n 's/.* corp: \([0-9]*\).*/\1/p' <<<"$last")"
+if ((status != 0)); then
+  crash="$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log" | tail -n 1)"
+  tail -n 60 "$log" >&2
+  echo "fuzz: FAILED (libFuzzer exit status $status) after $(final_stat number_of_executed_units) inputs" >&2
+  if [[ -n "$crash" ]]; then
+    echo "fuzz: the input: $crash" >&2
+    echo "fuzz: reproduce: $fuzzer $crash" >&2
+  fi
+  echo "fuzz: full log: $log" >&2
+  exit 1
+fi
+echo "fuzz: OK, no crash: $(final_stat number_of_executed_units) inputs in ${seconds} s" \
+     "($(final_stat average_exec_per_sec)/s), coverage ${cov:-?} edges, ${ft:-?} features," \
+     "corpus ${corp:-?} inputs ($(final_stat new_units_added) new), peak RSS $(final_stat peak_rss_mb) MB"
