@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job, on CPU: generate tau2-bench-like rollouts, show their prefix tree, schedule and
 # split across 8 GPUs, then train a small random Qwen3 with GRPO for a few steps with dense and
-# with dta on the same data, and compare loss, throughput and memory.
+# with dta on the same data, and compare loss, throughput and memory; finally the services: a
+# dispatcher fed by a rollout worker, and two data-parallel trainer ranks training two steps from it.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$repo/scripts/setup.sh"
@@ -27,3 +28,31 @@ done
 
 echo; echo "== 4. dta against dense"
 .venv/bin/python examples/compare_methods.py "$out/dense.metrics.jsonl" "$out/dta.metrics.jsonl"
+
+echo; echo "== 5. The services: a dispatcher, two trainer ranks (Gloo on CPU) and a rollout worker"
+if [[ -x build/bin/dta-dispatcher && -x build/bin/dta-trainer ]]; then
+  services="$out/services"
+  rm -rf "$services" && mkdir -p "$services"
+  port=$((50100 + RANDOM % 800))
+  master=$((29100 + RANDOM % 800))
+  build/bin/dta-dispatcher --wal="$services/dispatcher.wal" --listen="127.0.0.1:$port" --batch_rollouts=4 \
+    --vocab_size=1024 2>"$services/dispatcher.log" &
+  dispatcher=$!
+  trap 'kill $dispatcher 2>/dev/null || true' EXIT
+  trainers=()
+  for rank in 0 1; do
+    RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=$master \
+      build/bin/dta-trainer --dispatcher="127.0.0.1:$port" --checkpoint_dir="$services/checkpoints" \
+      --config=examples/configs/qwen3-tiny.json --loss=grpo --lr=1e-4 --block_size=2048 --max_steps=2 \
+      2>"$services/trainer$rank.log" &
+    trainers+=($!)
+  done
+  build/bin/dta-send --dispatcher="127.0.0.1:$port" --rollouts="$out/tau2.jsonl"
+  for pid in "${trainers[@]}"; do wait "$pid"; done
+  kill -TERM "$dispatcher"; wait "$dispatcher" || true
+  trap - EXIT
+  grep -E "^step " "$services/dispatcher.log"
+  echo "checkpoints (Hugging Face format, what rollout workers reload):"; ls "$services/checkpoints"
+else
+  echo "(skipped: built without gRPC)"
+fi

@@ -55,10 +55,11 @@ args=(-rss_limit_mb=2048 -timeout=10 -max_len=16384 -print_final_stats=1
       -dict="$repo/tests/fuzz/trajectory_fuzzer.dict" -artifact_prefix="$work/crashes/")
 if ((seconds > 0)); then
   args+=(-max_total_time="$seconds")
+  echo "fuzz: running trajectory_fuzzer for $seconds s on $work/corpus (log: $log)"
 else
   args+=(-runs=0)
+  echo "fuzz: replaying $work/corpus (log: $log)"
 fi
-echo "fuzz: running trajectory_fuzzer for ${seconds} s on $work/corpus (log: $log)"
 status=0
 "$fuzzer" "${args[@]}" "$work/corpus" >"$log" 2>&1 || status=$?
 
@@ -78,6 +79,6 @@ if ((status != 0)); then
   echo "fuzz: full log: $log" >&2
   exit 1
 fi
-echo "fuzz: OK, no crash: $(final_stat number_of_executed_units) inputs in ${seconds} s" \
-     "($(final_stat average_exec_per_sec)/s), coverage ${cov:-?} edges, ${ft:-?} features," \
-     "corpus ${corp:-?} inputs ($(final_stat new_units_added) new), peak RSS $(final_stat peak_rss_mb) MB"
+echo "fuzz: OK, no crash: $(final_stat number_of_executed_units) inputs in $seconds s" \
+     "($(final_stat average_exec_per_sec)/s); coverage ${cov:-?} edges, ${ft:-?} features;" \
+     "corpus ${corp:-?} inputs; peak RSS $(final_stat peak_rss_mb) MB"

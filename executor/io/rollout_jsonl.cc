@@ -6,6 +6,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -154,14 +155,26 @@ absl::Status ParseWithParser(simdjson::dom::parser& parser, const char* data, si
   return ParseObject(doc, options, rollout);
 }
 
+// A number in its shortest exact form. A floating-point value whose shortest form is a long
+// integer (to_chars prefers fixed notation when it is no longer, e.g. -2^70 as
+// -1180591620717411303424) gets ".0", so that JSON readers do not take it for an integer literal,
+// which they may refuse beyond 64 bits.
+template <typename T>
+void AppendNumber(std::string& out, T value) {
+  char buffer[48];
+  const auto [end, ec] = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  out.append(buffer, end);
+  if constexpr (std::is_floating_point_v<T>) {
+    if (std::string_view(buffer, end - buffer).find_first_of(".e") == std::string_view::npos) out.append(".0");
+  }
+}
+
 template <typename T>
 void AppendArray(std::string& out, std::string_view key, const std::vector<T>& values) {
   absl::StrAppend(&out, ",\"", AsAbsl(key), "\":[");
-  char buffer[32];
   for (size_t i = 0; i < values.size(); ++i) {
     if (i) out.push_back(',');
-    const auto [end, ec] = std::to_chars(buffer, buffer + sizeof(buffer), values[i]);
-    out.append(buffer, end);
+    AppendNumber(out, values[i]);
   }
   out.push_back(']');
 }
@@ -235,9 +248,8 @@ std::string RolloutToJson(const Rollout& rollout) {
   AppendArray(out, "logprobs", rollout.logprobs);
   if (!rollout.versions.empty()) AppendArray(out, "versions", rollout.versions);
   if (rollout.reward) {
-    char buffer[32];
-    const auto [end, ec] = std::to_chars(buffer, buffer + sizeof(buffer), *rollout.reward);
-    absl::StrAppend(&out, ",\"reward\":", absl::string_view(buffer, end - buffer));
+    out.append(",\"reward\":");
+    AppendNumber(out, *rollout.reward);
   }
   if (!rollout.advantages.empty()) AppendArray(out, "advantages", rollout.advantages);
   if (!rollout.ref_logprobs.empty()) AppendArray(out, "ref_logprobs", rollout.ref_logprobs);

@@ -71,6 +71,12 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const
     const GroupStats& g = groups.at(r.group);
     double a = *r.reward - g.mean;
     if (normalize_std) a /= g.std + 1e-6;
+    // Rewards near the limits of double (or beyond float) give no usable advantage.
+    if (!std::isfinite(static_cast<float>(a))) {
+      return absl::InvalidArgumentError(absl::StrCat("rollout '", r.id, "': group '", r.group,
+                                                     "': the advantage of reward ", *r.reward, " is ", a,
+                                                     ", outside float's range"));
+    }
     out.emplace_back(r.tokens.size(), static_cast<float>(a));
   }
   return out;

@@ -35,7 +35,8 @@ BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts);
 // rollouts of the batch with the same `group` string and a reward, wherever they sit in the batch
 // order. A group whose rewards are all equal (including a group of one) gets exactly 0.
 // INVALID_ARGUMENT naming the rollout if a rollout has neither reward nor advantages, advantages of
-// the wrong length, or a non-finite reward.
+// the wrong length, a non-finite reward, or an advantage that is not finite in float (rewards
+// near the limits of double).
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout> rollouts,
                                                                 bool normalize_std = true);
 

@@ -103,6 +103,12 @@ TEST(BatchPlan, PlanErrorsNameTheRollout) {
   ASSERT_FALSE(plan.ok());
   EXPECT_NE(plan.status().message().find("'bad'"), absl::string_view::npos);
   EXPECT_TRUE(PlanPartitions(Pointers(batch), 2, /*with_advantages=*/false, true).ok());
+  // Rewards whose advantages leave float's range are refused, not turned into infinities (a
+  // finding of the fuzzer).
+  std::vector<Rollout> huge = {Make("big", "h", {1, 2}, 1e39), Make("small", "h", {1, 3}, -1e39 - 1)};
+  absl::StatusOr<PartitionPlan> refused = PlanPartitions(Pointers(huge), 1, true, /*normalize_std=*/false);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("outside float's range"), absl::string_view::npos);
   EXPECT_FALSE(PlanPartitions(Pointers(batch), 0, false, true).ok());
 }
 

@@ -52,6 +52,18 @@ TEST(RolloutJsonl, RoundTripIsBitExact) {
   EXPECT_EQ(*back, rollouts);
 }
 
+// Doubles whose shortest form is a long integer (to_chars writes -2^70 in fixed notation) come back
+// too: written with ".0", they are not read as integers beyond 64 bits (a finding of the fuzzer).
+TEST(RolloutJsonl, HugeIntegralRewardsRoundTrip) {
+  for (double reward : {-std::ldexp(1.0, 70), std::ldexp(1.0, 64), 1e22, 123.0, -0.0}) {
+    Rollout r = Example();
+    r.reward = reward;
+    const absl::StatusOr<Rollout> back = ParseRolloutJson(RolloutToJson(r));
+    ASSERT_TRUE(back.ok()) << reward << ": " << back.status();
+    EXPECT_EQ(*back, r) << reward;
+  }
+}
+
 TEST(RolloutJsonl, AcceptsIntegerIdsBooleanMasksBlankLinesAndCrlf) {
   const std::string path = TempPath("lenient.jsonl");
   WriteFile(path,
