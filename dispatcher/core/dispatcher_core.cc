@@ -69,8 +69,11 @@ DispatcherCore::~DispatcherCore() = default;
 absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherOptions options) {
   if (options.wal_path.empty()) return absl::InvalidArgumentError("dispatcher: 'wal_path' is required");
   if (absl::Status status = ValidateBatchOptions(options.batch); !status.ok()) return status;
-  if (options.max_pending_trajectories < 1) {
-    return absl::InvalidArgumentError("dispatcher: 'max_pending_trajectories' must be >= 1");
+  if (options.max_pending_trajectories < 1 || options.max_pending_trajectories < options.batch.rollouts) {
+    return absl::InvalidArgumentError(absl::StrCat("dispatcher: 'max_pending_trajectories' (",
+                                                   options.max_pending_trajectories,
+                                                   ") must be >= 1 and hold a batch of 'rollouts' (",
+                                                   options.batch.rollouts, ")"));
   }
   std::unique_ptr<DispatcherCore> core(new DispatcherCore(std::move(options)));
   absl::MutexLock lock(&core->mu_);
@@ -147,6 +150,7 @@ void DispatcherCore::AddPending(const std::string& id, Rollout rollout, std::map
   stored.rollout = std::move(rollout);
   stored.metadata = std::move(metadata);
   pending_.emplace(stored.sequence, id);
+  pending_count_.store(static_cast<int64_t>(pending_.size()), std::memory_order_relaxed);
   statistics_.set_accepted(statistics_.accepted() + 1);
   Changed();
 }
@@ -162,6 +166,7 @@ absl::Status DispatcherCore::ApplyPlan(const v1::StepPlanRecord& record) {
     }
     it->second.state = state;
     pending_.erase(it->second.sequence);
+    pending_count_.store(static_cast<int64_t>(pending_.size()), std::memory_order_relaxed);
     if (state == State::kPlanned) plan.rollout_tokens += static_cast<int64_t>(it->second.rollout->tokens.size());
     return absl::OkStatus();
   };
@@ -252,8 +257,7 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
 }
 
 bool DispatcherCore::HasRoom() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int64_t>(pending_.size()) < options_.max_pending_trajectories;
+  return pending_count_.load(std::memory_order_relaxed) < options_.max_pending_trajectories;
 }
 
 bool DispatcherCore::AwaitRoom(absl::Time deadline) const {
@@ -341,6 +345,15 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
         options_.batch.rollouts > 0 ? absl::StrCat(options_.batch.rollouts, " rollouts")
                                     : absl::StrCat(options_.batch.tokens, " tokens"),
         ")"));
+  }
+  // A logged plan is served until it commits: check first that it can be split, so that nothing
+  // untrainable is ever made durable (the trajectory checks should make this impossible).
+  std::vector<const Rollout*> batch;
+  for (int64_t i : selection.batch) batch.push_back(pending[i]);
+  if (absl::StatusOr<PartitionPlan> trial = PlanPartitions(batch, 1, options_.limits.require_reward_or_advantages,
+                                                           options_.batch.normalize_std);
+      !trial.ok()) {
+    return absl::InternalError(absl::StrCat("step ", step, ": the batch cannot be trained: ", trial.status().message()));
   }
   v1::StepPlanRecord record;
   record.set_step(step);

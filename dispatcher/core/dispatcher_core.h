@@ -30,6 +30,7 @@
 // step is planned or committed (once per step).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -87,7 +88,7 @@ class DispatcherCore {
   // dispatcher could not store it (the log failed: UNAVAILABLE); nothing was acknowledged.
   absl::StatusOr<v1::IngestResponse> Ingest(const v1::Trajectory& trajectory);
 
-  // False while max_pending_trajectories are waiting for a batch.
+  // False while max_pending_trajectories are waiting for a batch. Never blocks (no lock).
   bool HasRoom() const;
   // Blocks until HasRoom() or the deadline; returns HasRoom().
   bool AwaitRoom(absl::Time deadline) const;
@@ -148,6 +149,7 @@ class DispatcherCore {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Stored> trajectories_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::string> pending_ ABSL_GUARDED_BY(mu_);  // sequence -> id, oldest first
+  std::atomic<int64_t> pending_count_{0};  // pending_.size(), for HasRoom without the lock
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<int64_t, Plan> plans_ ABSL_GUARDED_BY(mu_);  // step -> its batch
   int64_t committed_ ABSL_GUARDED_BY(mu_) = 0;          // committed steps

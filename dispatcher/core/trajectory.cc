@@ -1,5 +1,7 @@
 #include "dispatcher/core/trajectory.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 
 namespace dta {
@@ -59,6 +61,9 @@ absl::StatusOr<Rollout> CheckTrajectory(const v1::Trajectory& t, const Trajector
   }
   Rollout rollout = RolloutFromTrajectory(t);
   if (absl::Status status = ValidateRollout(rollout, limits.vocab_size); !status.ok()) return status;
+  if (rollout.reward.has_value() && std::abs(*rollout.reward) > limits.max_abs_reward) {
+    return FieldError("reward", absl::StrCat(*rollout.reward, " is beyond the limit of +-", limits.max_abs_reward));
+  }
   if (limits.require_reward_or_advantages && !rollout.reward.has_value() && rollout.advantages.empty()) {
     return FieldError("reward", "missing: a trajectory needs a reward or per-token advantages");
   }

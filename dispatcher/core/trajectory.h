@@ -29,6 +29,9 @@ struct TrajectoryLimits {
   int64_t max_metadata_bytes = 1 << 16;
   // Every trajectory needs a reward or per-token advantages (the RL losses); off for SFT.
   bool require_reward_or_advantages = true;
+  // The largest |reward|: beyond it group advantages could leave float's range (or a group's sum
+  // overflow), which would make a whole batch untrainable after it was acknowledged.
+  double max_abs_reward = 1e30;
 };
 
 // The Rollout a valid trajectory describes, or INVALID_ARGUMENT whose message starts with

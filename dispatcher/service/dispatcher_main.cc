@@ -1,8 +1,8 @@
 // dta-dispatcher: receives rollouts from rollout workers and serves balanced partitions of each
 // step's batch to the trainers (see proto/dta/v1/dispatcher.proto and docs/usage.md).
 //
-//   dta-dispatcher --wal=/var/lib/dta/dispatcher.wal --batch_rollouts=256 [--listen=127.0.0.1:50051]
-//                  [--max_staleness=4] [--vocab_size=151936] [--tls_cert=F --tls_key=F --token_file=F]
+//   dta-dispatcher --wal=/var/lib/dta/dispatcher.wal --batch_rollouts=256 --vocab_size=151936
+//                  [--listen=127.0.0.1:50051] [--max_staleness=4] [--tls_cert=F --tls_key=F --token_file=F]
 //
 // Every accepted trajectory is in the write-ahead log before it is acknowledged; restarting with the
 // same --wal resumes where the last process stopped, whatever killed it. SIGINT / SIGTERM stop it
@@ -32,7 +32,7 @@ ABSL_FLAG(int64_t, batch_tokens, 0, "rollout tokens per step (the batch closes a
 ABSL_FLAG(int64_t, max_staleness, -1, "drop trajectories whose policy version lags by more than this (-1: keep all)");
 ABSL_FLAG(bool, normalize_std, true, "GRPO advantages divided by the group's standard deviation");
 ABSL_FLAG(bool, sft, false, "supervised data: trajectories need no reward or advantages");
-ABSL_FLAG(int64_t, vocab_size, 0, "token ids must be below this (0: no upper bound)");
+ABSL_FLAG(int64_t, vocab_size, 0, "token ids must be below this (the model's vocabulary); required");
 ABSL_FLAG(int64_t, max_tokens, 1 << 17, "the most tokens in one trajectory");
 ABSL_FLAG(int64_t, max_pending, 1 << 16, "accepted trajectories waiting for a batch before ingestion pauses");
 ABSL_FLAG(int64_t, initial_policy_version, 0, "policy version of the weights before the first step");
@@ -60,6 +60,13 @@ int Fail(int code, const std::string& message) {
 }
 
 int Run() {
+  // SIGINT and SIGTERM are blocked before any thread starts (threads inherit the mask), and a
+  // watcher thread waits for them: Shutdown is not async-signal-safe.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   DispatcherOptions options;
   options.wal_path = absl::GetFlag(FLAGS_wal);
   if (options.wal_path.empty()) return Fail(kBadFlags, "--wal is required");
@@ -72,6 +79,9 @@ int Run() {
     return Fail(kBadFlags, "give exactly one of --batch_rollouts and --batch_tokens (positive)");
   }
   options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  if (options.limits.vocab_size <= 0) {
+    return Fail(kBadFlags, "--vocab_size is required: token ids must be checked before they are acknowledged");
+  }
   options.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.limits.require_reward_or_advantages = !absl::GetFlag(FLAGS_sft);
   options.max_pending_trajectories = absl::GetFlag(FLAGS_max_pending);
@@ -121,12 +131,6 @@ int Run() {
   if (server == nullptr || port == 0) return Fail(1, "cannot listen on " + address);
   std::fprintf(stderr, "dta-dispatcher: listening on %s (port %d)\n", address.c_str(), port);
 
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  // Signal handlers may not call Shutdown (not async-signal-safe): a thread waits for the signal.
   std::thread watcher([&signals, &server] {
     int signal = 0;
     sigwait(&signals, &signal);

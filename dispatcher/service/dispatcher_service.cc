@@ -71,7 +71,7 @@ class DispatcherService::IngestReactor final
       Finish(grpc::Status::OK);
       return;
     }
-    service_->workers_.Submit([this] {
+    service_->ingest_workers_.Submit([this] {
       absl::StatusOr<v1::IngestResponse> response = service_->core_->Ingest(request_.trajectory());
       if (!response.ok()) {  // not stored, not acknowledged: the client resends elsewhere or later
         Finish(ToGrpc(response.status()));
@@ -92,7 +92,7 @@ class DispatcherService::IngestReactor final
       return;
     }
     // Backpressure: stop reading until the pending pool has room, or the call is cancelled.
-    service_->workers_.Submit([this] {
+    service_->ingest_workers_.Submit([this] {
       while (!service_->core_->AwaitRoom(absl::Now() + absl::Milliseconds(200))) {
         if (context_->IsCancelled()) {
           Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for room"));
@@ -113,7 +113,10 @@ class DispatcherService::IngestReactor final
 };
 
 DispatcherService::DispatcherService(DispatcherCore* core, DispatcherServiceOptions options)
-    : core_(core), options_(std::move(options)), workers_(options_.worker_threads) {}
+    : core_(core),
+      options_(std::move(options)),
+      ingest_workers_(options_.worker_threads),
+      trainer_workers_(options_.trainer_threads) {}
 
 DispatcherService::~DispatcherService() = default;
 
@@ -129,7 +132,7 @@ void DispatcherService::LongPoll(grpc::CallbackServerContext* context, grpc::Ser
                                  std::function<absl::StatusOr<Answer>()> attempt,
                                  std::function<bool(const absl::StatusOr<Answer>&)> final,
                                  std::function<void(Answer)> deliver) {
-  workers_.Submit([this, context, reactor, attempt = std::move(attempt), final = std::move(final),
+  trainer_workers_.Submit([this, context, reactor, attempt = std::move(attempt), final = std::move(final),
                    deliver = std::move(deliver)] {
     const absl::Time deadline = PollDeadline(context);
     while (true) {
@@ -169,9 +172,11 @@ grpc::ServerUnaryReactor* DispatcherService::RegisterTrainer(grpc::CallbackServe
                                                              v1::RegisterTrainerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseUnauthorized(context, reactor)) return reactor;
-  absl::StatusOr<v1::RegisterTrainerResponse> result = core_->RegisterTrainer(*request);
-  if (result.ok()) *response = *std::move(result);
-  reactor->Finish(ToGrpc(result.status()));
+  trainer_workers_.Submit([this, request, response, reactor] {
+    absl::StatusOr<v1::RegisterTrainerResponse> result = core_->RegisterTrainer(*request);
+    if (result.ok()) *response = *std::move(result);
+    reactor->Finish(ToGrpc(result.status()));
+  });
   return reactor;
 }
 
@@ -209,8 +214,10 @@ grpc::ServerUnaryReactor* DispatcherService::GetStatus(grpc::CallbackServerConte
                                                        v1::GetStatusResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseUnauthorized(context, reactor)) return reactor;
-  *response = core_->GetStatus();
-  reactor->Finish(grpc::Status::OK);
+  trainer_workers_.Submit([this, response, reactor] {
+    *response = core_->GetStatus();
+    reactor->Finish(grpc::Status::OK);
+  });
   return reactor;
 }
 
@@ -219,8 +226,10 @@ grpc::ServerUnaryReactor* DispatcherService::GetStatistics(grpc::CallbackServerC
                                                            v1::GetStatisticsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseUnauthorized(context, reactor)) return reactor;
-  *response = core_->GetStatistics();
-  reactor->Finish(grpc::Status::OK);
+  trainer_workers_.Submit([this, response, reactor] {
+    *response = core_->GetStatistics();
+    reactor->Finish(grpc::Status::OK);
+  });
   return reactor;
 }
 

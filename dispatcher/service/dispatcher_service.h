@@ -1,8 +1,8 @@
 // The dispatcher's gRPC service (dta.v1.Dispatcher) over a DispatcherCore, with the callback API.
 //
-// Reactions never block: everything that may wait (the log's sync on ingestion, long polls for a
-// batch or a commit decision, waiting for room in the pending pool) runs on the service's own
-// worker threads. One Ingest stream has at most one read and one write in flight, and reads the
+// Reactions never block: everything that may wait or take the dispatcher's lock (the log's sync on
+// ingestion, long polls for a batch or a commit decision, waiting for room in the pending pool)
+// runs on the service's own worker threads, ingestion and trainers on separate pools. One Ingest stream has at most one read and one write in flight, and reads the
 // next trajectory only after answering the last one and only while the pending pool has room:
 // when it is full the dispatcher stops reading, and HTTP/2 flow control pushes back on the client.
 //
@@ -31,9 +31,13 @@
 namespace dta {
 
 struct DispatcherServiceOptions {
-  // Threads for blocking work (ingestion syncs, long polls). Concurrent ingestion streams beyond
-  // this wait their turn; more threads let more of them share one log sync.
+  // Threads for ingestion (log syncs, waiting for room). Concurrent streams beyond this wait their
+  // turn; more threads let more of them share one log sync.
   int worker_threads = 32;
+  // Threads for the trainers' calls (long polls for batches and decisions, registration,
+  // statistics): a pool of their own, so that streams paused by backpressure can never keep the
+  // trainers from taking the batch that would make room.
+  int trainer_threads = 64;
   // The longest a FetchPartition or ReportStep call waits for a batch or a decision before it
   // answers UNAVAILABLE / PENDING (or the client's deadline, if sooner).
   absl::Duration long_poll = absl::Seconds(2);
@@ -96,7 +100,8 @@ class DispatcherService final : public v1::Dispatcher::CallbackService {
 
   DispatcherCore* const core_;
   const DispatcherServiceOptions options_;
-  WorkerPool workers_;
+  WorkerPool ingest_workers_;
+  WorkerPool trainer_workers_;
 };
 
 // absl::Status -> grpc::Status (the codes are numerically the same).

@@ -1,7 +1,9 @@
 #include "executor/trainer/checkpoints.h"
 
 #include <c10/util/Exception.h>
+#include <fcntl.h>
 #include <ftw.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -34,6 +36,16 @@ void RemoveTree(const fs::path& path) {
       },
       16,
       FTW_DEPTH | FTW_PHYS);
+}
+
+// Flushes the file system holding `path` (every file written into the checkpoint, and the
+// directory entries).
+void SyncFileSystem(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+  TORCH_CHECK(fd >= 0, "cannot open ", path.string(), " to sync it");
+  const int result = ::syncfs(fd);
+  ::close(fd);
+  TORCH_CHECK(result == 0, "cannot sync ", path.string());
 }
 
 std::string StepName(int64_t step) { return absl::StrFormat("%s%08d", kPrefix, step); }
@@ -85,8 +97,12 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
   SaveQwen3Model(model, tmp.string());
   optimizer.SaveState((tmp / kOptimizerFile).string());
   WriteJson(tmp / kTrainerFile, {{"step", step}, {"policy_version", policy_version}});
+  // On disk before it is renamed into place: the dispatcher releases the replay data of the steps a
+  // checkpoint holds once trainers report it, so a checkpoint must survive a host crash.
+  SyncFileSystem(tmp);
   fs::rename(tmp, final_path, error);
   TORCH_CHECK(!error, "cannot rename ", tmp.string(), " to ", final_path.string(), ": ", error.message());
+  SyncFileSystem(directory);
   WriteJson(fs::path(directory) / "latest.json",
             {{"step", step}, {"policy_version", policy_version}, {"path", final_path.string()}});
   std::vector<CheckpointInfo> found = Checkpoints(directory);

@@ -51,6 +51,7 @@ ABSL_FLAG(int32_t, keep_checkpoints, 2, "checkpoints kept");
 ABSL_FLAG(int64_t, max_steps, 0, "stop after this many committed steps in all (0: run until stopped)");
 ABSL_FLAG(int32_t, timeout_s, 600, "timeout of collectives and of the process group's rendezvous, seconds");
 ABSL_FLAG(int64_t, bucket_mb, 25, "gradient all-reduce bucket size, MiB");
+ABSL_FLAG(int32_t, wait_s, 86400, "how long to wait for a batch, or for an unreachable dispatcher, seconds");
 ABSL_FLAG(int32_t, slow_step_ms, 0, "testing: sleep this long before the all-reduce (fault-injection tests)");
 
 namespace dta {
@@ -112,6 +113,8 @@ int Run() {
 
   ClientOptions client_options;
   client_options.address = absl::GetFlag(FLAGS_dispatcher);
+  // Waiting for rollouts is normal (generation may be slower than training): retry for long.
+  client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
   client_options.token = CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
   client_options.tls_root_certificates = CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
   absl::StatusOr<std::unique_ptr<TrainerSession>> session =
@@ -128,6 +131,17 @@ int Run() {
   absl::StatusOr<std::unique_ptr<ProcessGroup>> group = ProcessGroup::Create(
       *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), {.timeout = timeout});
   if (!group.ok()) throw Restart{absl::StrCat("process group: ", group.status().message())};
+  // Every rank must resume from the same checkpoint (a rank may see a shared directory late). The
+  // sums of the steps and of their squares equal world x step and world x step^2 on some rank only
+  // if all steps are equal (Cauchy-Schwarz), so every rank reaches the same verdict. Exact: the
+  // sums are integers far below 2^53.
+  const std::vector<double> sums =
+      (*group)->AllReduceScalars({static_cast<double>(step), static_cast<double>(step) * static_cast<double>(step)});
+  if (static_cast<int64_t>(sums[0]) != env->world_size * step ||
+      static_cast<int64_t>(sums[1]) != env->world_size * step * step) {
+    throw Restart{absl::StrFormat("the ranks resumed from different checkpoints (this one from step %d, mean %.2f)",
+                                  step, sums[0] / env->world_size)};
+  }
   GradientSynchronizer sync(**group, model.named_parameters(),
                             {.bucket_bytes = absl::GetFlag(FLAGS_bucket_mb) << 20});
 

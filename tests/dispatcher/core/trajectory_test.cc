@@ -71,6 +71,7 @@ TEST(Trajectory, EveryRuleNamesItsField) {
       {"short ref_logprobs", [](v1::Trajectory& t) { t.add_ref_logprobs(-1); }, "ref_logprobs", "1 values"},
       {"NaN reward", [](v1::Trajectory& t) { t.set_reward(std::nan("")); }, "reward", "not finite"},
       {"no reward nor advantages", [](v1::Trajectory& t) { t.clear_reward(); }, "reward", "missing"},
+      {"huge reward", [](v1::Trajectory& t) { t.set_reward(-1e31); }, "reward", "beyond the limit"},
       {"large metadata", [](v1::Trajectory& t) { (*t.mutable_metadata())["k"] = std::string(100, 'v'); }, "metadata",
        "101 bytes"},
   };

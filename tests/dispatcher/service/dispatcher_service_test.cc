@@ -56,7 +56,8 @@ class DispatcherServiceTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
-  void Start(int64_t batch = 8, int64_t max_pending = 1 << 16, const std::string& token = "") {
+  void Start(int64_t batch = 8, int64_t max_pending = 1 << 16, const std::string& token = "",
+             int ingest_threads = 32) {
     DispatcherOptions options;
     options.wal_path = (dir_ / "log.wal").string();
     options.limits.vocab_size = 100;
@@ -66,7 +67,8 @@ class DispatcherServiceTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<DispatcherCore>> core = DispatcherCore::Open(options);
     ASSERT_TRUE(core.ok()) << core.status();
     core_ = *std::move(core);
-    service_ = std::make_unique<DispatcherService>(core_.get(), DispatcherServiceOptions{.token = token});
+    service_ = std::make_unique<DispatcherService>(
+        core_.get(), DispatcherServiceOptions{.worker_threads = ingest_threads, .token = token});
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -265,6 +267,57 @@ TEST_F(DispatcherServiceTest, AFullPendingPoolPausesIngestionUntilABatchIsTaken)
   ASSERT_TRUE(core_->FetchPartition(fetch).ok());
   client.join();
   EXPECT_EQ(answered, 12);
+}
+
+// More streams paused by backpressure than ingestion has threads: the trainers' calls still get
+// through (they have their own threads) and take the batches that make room, until all is trained.
+TEST_F(DispatcherServiceTest, StreamsPausedByBackpressureNeverStarveTheTrainers) {
+  Start(/*batch=*/5, /*max_pending=*/5, "", /*ingest_threads=*/2);
+  constexpr int kStreams = 4;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kStreams; ++c) {
+    clients.emplace_back([&, c] {
+      std::vector<v1::Trajectory> mine;
+      for (int i = 0; i < 5; ++i) mine.push_back(Make("c" + std::to_string(c) + "-" + std::to_string(i), i));
+      auto stub = Stub();
+      EXPECT_EQ(SendAll(*stub, mine).size(), 5u);
+    });
+  }
+  auto stub = Stub();
+  v1::RegisterTrainerRequest registration;
+  registration.set_world_size(1);
+  registration.set_trainer_id("t");
+  v1::RegisterTrainerResponse registered;
+  grpc::ClientContext register_context;
+  register_context.set_deadline(In(10));
+  ASSERT_TRUE(stub->RegisterTrainer(&register_context, registration, &registered).ok());
+  int trained = 0;
+  for (int64_t step = 0; step < kStreams; ++step) {
+    v1::FetchPartitionRequest fetch;
+    fetch.set_step(step);
+    fetch.set_generation(registered.generation());
+    v1::FetchPartitionResponse fetched;
+    grpc::Status status;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    do {
+      grpc::ClientContext context;
+      context.set_deadline(In(5));
+      status = stub->FetchPartition(&context, fetch, &fetched);
+    } while (status.error_code() == grpc::StatusCode::UNAVAILABLE && std::chrono::steady_clock::now() < give_up);
+    ASSERT_TRUE(status.ok()) << "step " << step << ": " << status.error_message();
+    trained += fetched.partition().trajectories_size();
+    v1::ReportStepRequest report;
+    report.mutable_report()->set_step(step);
+    report.mutable_report()->set_generation(registered.generation());
+    report.mutable_report()->set_phase(v1::StepReport::PREPARED);
+    v1::ReportStepResponse decision;
+    grpc::ClientContext report_context;
+    report_context.set_deadline(In(10));
+    ASSERT_TRUE(stub->ReportStep(&report_context, report, &decision).ok());
+    ASSERT_EQ(decision.decision(), v1::ReportStepResponse::COMMIT);
+  }
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(trained, kStreams * 5);
 }
 
 TEST_F(DispatcherServiceTest, CallsWithoutTheTokenAreRefused) {

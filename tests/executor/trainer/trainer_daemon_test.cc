@@ -102,10 +102,11 @@ class TrainerDaemonTest : public ::testing::Test {
     ASSERT_EQ(send.Wait(std::chrono::seconds(90)), 0) << send.Log();
   }
 
-  std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port, int slow_step_ms) {
+  std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port, int slow_step_ms,
+                                        const std::string& checkpoints = "ckpt") {
     return std::make_unique<Process>(
         std::vector<std::string>{(testing::BinaryDirectory() / "dta-trainer").string(),
-                                 "--dispatcher=" + run.address, "--checkpoint_dir=" + (run.dir / "ckpt").string(),
+                                 "--dispatcher=" + run.address, "--checkpoint_dir=" + (run.dir / checkpoints).string(),
                                  "--config=" + (root_ / "config.json").string(), "--dtype=float64",
                                  "--method=dta", "--block_size=4", "--loss=grpo", "--lr=1e-2", "--max_grad_norm=0",
                                  "--max_steps=" + std::to_string(kSteps), "--save_every=1", "--timeout_s=20",
@@ -263,6 +264,21 @@ TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
   });
   ExpectSameModel(faulty, reference);
   ExpectEveryRolloutTrainedOnce(faulty);
+}
+
+// Ranks that load different checkpoints (one sees a shared directory late) must not train together:
+// both notice and ask to be restarted, before any step.
+TEST_F(TrainerDaemonTest, RanksResumingFromDifferentCheckpointsRestart) {
+  Run run = NewRun("mismatch");
+  Send(run);
+  EXPECT_EQ(Train(run, 1), 0);  // leaves checkpoints of steps 3 and 4 in ckpt/
+  fs::create_directories(run.dir / "empty");
+  const int master_port = testing::FreeLoopbackPort();
+  std::unique_ptr<Process> ahead = StartTrainer(run, 0, 2, master_port, 0, "ckpt");
+  std::unique_ptr<Process> behind = StartTrainer(run, 1, 2, master_port, 0, "empty");
+  EXPECT_EQ(ahead->Wait(std::chrono::seconds(60)), kRestarted) << ahead->Log();
+  EXPECT_EQ(behind->Wait(std::chrono::seconds(60)), kRestarted) << behind->Log();
+  EXPECT_NE(ahead->Log().find("resumed from different checkpoints"), std::string::npos) << ahead->Log();
 }
 
 }  // namespace
