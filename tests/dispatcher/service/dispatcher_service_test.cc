@@ -5,20 +5,23 @@
 
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "dispatcher/client/dispatcher_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/free_port.h"
+#include "tests/testing/process.h"
 
 namespace dta {
 namespace {
@@ -336,23 +339,7 @@ TEST_F(DispatcherServiceTest, CallsWithoutTheTokenAreRefused) {
   EXPECT_TRUE(stub->GetStatus(&good, {}, &response).ok());
 }
 
-// The dta-dispatcher binary, next to the tests (build/bin and build/tests).
-std::string DispatcherBinary() {
-  return (std::filesystem::read_symlink("/proc/self/exe").parent_path().parent_path() / "bin" / "dta-dispatcher")
-      .string();
-}
-
-pid_t Spawn(const std::vector<std::string>& args) {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    std::vector<char*> argv;
-    for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  return pid;
-}
+std::string DispatcherBinary() { return (testing::BinaryDirectory() / "dta-dispatcher").string(); }
 
 // kill -9 of the dispatcher between acknowledgements: the client resends what was not
 // acknowledged (and, not knowing, some that were); after the restart every trajectory is stored
@@ -370,7 +357,7 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
   std::set<std::string> acknowledged;
   int next = 0;  // the first trajectory not acknowledged yet
   for (int kill_after : {17, 23, 1000}) {
-    const pid_t pid = Spawn(args);
+    testing::Process dispatcher(args, (dir_ / "dispatcher.log").string());
     auto stub = v1::Dispatcher::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     context.set_deadline(In(60));
@@ -383,7 +370,7 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
         v1::IngestRequest request;
         *request.mutable_trajectory() = rollouts[next];
         stream->Write(request);
-        kill(pid, SIGKILL);
+        dispatcher.Kill(SIGKILL);
         break;
       }
       v1::IngestRequest request;
@@ -434,14 +421,48 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
       v1::GetStatisticsResponse stats;
       ASSERT_TRUE(stub->GetStatistics(&stats_context, {}, &stats).ok());
       EXPECT_EQ(stats.accepted(), kTotal);  // nothing stored twice
-      kill(pid, SIGTERM);
+      dispatcher.Kill(SIGTERM);
     } else {
       context.TryCancel();
     }
-    int wstatus = 0;
-    waitpid(pid, &wstatus, 0);
+    dispatcher.Wait(std::chrono::seconds(30));
   }
   EXPECT_EQ(acknowledged.size(), static_cast<size_t>(kTotal));
+}
+
+// Anything but loopback needs TLS and a token: without them dta-dispatcher refuses to start; with
+// them a client that trusts the certificate and presents the token gets in, one without the token
+// does not.
+TEST_F(DispatcherServiceTest, RemoteAddressesNeedTlsAndAToken) {
+  const std::string binary = DispatcherBinary();
+  const std::string port = std::to_string(testing::FreeLoopbackPort());
+  const std::vector<std::string> common = {binary, "--wal=" + (dir_ / "log.wal").string(), "--listen=0.0.0.0:" + port,
+                                           "--batch_rollouts=4", "--vocab_size=100"};
+  testing::Process refused(common, (dir_ / "refused.log").string());
+  EXPECT_EQ(refused.Wait(std::chrono::seconds(30)), 2);
+  EXPECT_THAT(refused.Log(), HasSubstr("is not loopback"));
+
+  const std::string key = (dir_ / "key.pem").string(), cert = (dir_ / "cert.pem").string();
+  const std::string make_certificate =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
+      "subjectAltName=IP:127.0.0.1 -keyout " + key + " -out " + cert + " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(make_certificate.c_str()), 0);
+  std::ofstream(dir_ / "token") << "s3cret\n";
+  std::vector<std::string> secure = common;
+  secure.insert(secure.end(), {"--tls_cert=" + cert, "--tls_key=" + key, "--token_file=" + (dir_ / "token").string()});
+  testing::Process server(secure, (dir_ / "server.log").string());
+  absl::StatusOr<std::string> roots = ReadCredentialFile(cert, /*trim=*/false);
+  ASSERT_TRUE(roots.ok());
+  ClientOptions options{.address = "127.0.0.1:" + port, .token = "s3cret", .tls_root_certificates = *roots,
+                        .retry_for = absl::Seconds(20)};
+  TrainerClient with_token(options);
+  absl::StatusOr<v1::GetStatusResponse> status = with_token.Status();
+  EXPECT_TRUE(status.ok()) << status.status() << "\n" << server.Log();
+  options.token = "";
+  TrainerClient without_token(options);
+  EXPECT_EQ(without_token.Status().status().code(), absl::StatusCode::kUnauthenticated);
+  server.Kill(SIGTERM);
+  EXPECT_EQ(server.Wait(std::chrono::seconds(30)), 0) << server.Log();
 }
 
 }  // namespace
