@@ -245,6 +245,7 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
   const absl::Status stored = wal_->Append(kTrajectoryRecord, bytes);
   absl::MutexLock lock(&mu_);
   if (!stored.ok()) {
+    NoteLogFailure(stored);
     trajectories_.erase(id);
     return absl::UnavailableError(absl::StrCat("trajectory '", id, "' not stored: ", stored.message()));
   }
@@ -362,6 +363,7 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
   for (int64_t i : selection.stale) record.add_stale_ids(*ids[i]);
   // Logged before any trainer sees it: the batch of a step never changes.
   if (absl::Status status = wal_->Append(kPlanRecord, DeterministicBytes(record)); !status.ok()) {
+    NoteLogFailure(status);
     return absl::UnavailableError(absl::StrCat("step ", step, ": plan not stored: ", status.message()));
   }
   if (!selection.stale.empty()) {
@@ -500,6 +502,7 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   stats->set_loss(loss);
   stats->set_tokens_per_second(seconds > 0 ? plan.rollout_tokens / seconds : 0);
   if (absl::Status status = wal_->Append(kCommitRecord, DeterministicBytes(commit)); !status.ok()) {
+    NoteLogFailure(status);
     return absl::UnavailableError(absl::StrCat("step ", step, ": commit not stored: ", status.message()));
   }
   ApplyCommit(commit);
@@ -518,17 +521,33 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   if (checkpoint > released_before_) {
     v1::CheckpointRecord record;
     record.set_step(checkpoint);
-    if (wal_->Append(kCheckpointRecord, DeterministicBytes(record)).ok()) ApplyCheckpoint(checkpoint);
+    if (absl::Status status = wal_->Append(kCheckpointRecord, DeterministicBytes(record)); status.ok()) {
+      ApplyCheckpoint(checkpoint);
+    } else {
+      NoteLogFailure(status);
+    }
   }
   response.set_decision(v1::ReportStepResponse::COMMIT);
   response.set_policy_version(options_.initial_policy_version + committed_);
   return response;
 }
 
+void DispatcherCore::NoteLogFailure(const absl::Status& status) {
+  if (status.ok() || status.code() == absl::StatusCode::kInvalidArgument || !log_failure_.ok()) return;
+  log_failure_ = status;
+  Log(absl::StrCat("dispatcher: the write-ahead log failed, nothing more can be acknowledged: ", status.ToString()));
+  Changed();
+}
+
+absl::Status DispatcherCore::Health() const {
+  absl::MutexLock lock(&mu_);
+  return log_failure_;
+}
+
 v1::GetStatusResponse DispatcherCore::GetStatus() const {
   absl::MutexLock lock(&mu_);
   v1::GetStatusResponse status;
-  status.set_serving(true);
+  status.set_serving(log_failure_.ok());
   status.set_committed_steps(committed_);
   status.set_policy_version(options_.initial_policy_version + committed_);
   status.set_generation(generation_);

@@ -111,6 +111,11 @@ class DispatcherCore {
   // fetched or is ahead; INVALID_ARGUMENT for a report without a phase.
   absl::StatusOr<v1::ReportStepResponse> ReportStep(const v1::StepReport& report);
 
+  // OK, or the log's first write or sync failure: from then on nothing can be acknowledged,
+  // planned or committed, and the process should exit so that its supervisor restarts it (the
+  // next start truncates what was never acknowledged). GetStatus reports serving = false.
+  absl::Status Health() const;
+
   v1::GetStatusResponse GetStatus() const;
   v1::GetStatisticsResponse GetStatistics() const;
 
@@ -141,6 +146,8 @@ class DispatcherCore {
   void NewGeneration(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool GenerationComplete() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Changed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++change_count_; }
+  // Remembers the first failure of the log (a bad record size is the caller's error, not the log's).
+  void NoteLogFailure(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Log(const std::string& line) const;
 
   const DispatcherOptions options_;
@@ -155,6 +162,7 @@ class DispatcherCore {
   int64_t committed_ ABSL_GUARDED_BY(mu_) = 0;          // committed steps
   int64_t released_before_ ABSL_GUARDED_BY(mu_) = 0;    // steps whose rollouts were released
   uint64_t change_count_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status log_failure_ ABSL_GUARDED_BY(mu_);
 
   // The current generation and the split of the step in flight for it.
   int64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;

@@ -6,8 +6,8 @@
 //
 // Every accepted trajectory is in the write-ahead log before it is acknowledged; restarting with the
 // same --wal resumes where the last process stopped, whatever killed it. SIGINT / SIGTERM stop it
-// gracefully. Exit status: 0 after a clean stop, 2 on bad flags, 1 if the log cannot be opened or
-// the address bound.
+// gracefully. Exit status: 0 after a clean stop, 2 on bad flags, 1 if the log cannot be opened, the
+// address bound, or the log fails while serving (restart it: the log recovers what was acknowledged).
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
 
@@ -131,16 +131,29 @@ int Run() {
   if (server == nullptr || port == 0) return Fail(1, "cannot listen on " + address);
   std::fprintf(stderr, "dta-dispatcher: listening on %s (port %d)\n", address.c_str(), port);
 
-  std::thread watcher([&signals, &server] {
-    int signal = 0;
-    sigwait(&signals, &signal);
-    std::fprintf(stderr, "dta-dispatcher: signal %d, stopping\n", signal);
+  // Stops on SIGINT / SIGTERM (status 0), or when the log has failed (status 1: nothing more can be
+  // acknowledged, and a restart recovers what was).
+  int exit_code = 0;
+  std::thread watcher([&] {
+    const timespec second{1, 0};
+    while (true) {
+      const int signal = sigtimedwait(&signals, nullptr, &second);
+      if (signal > 0) {
+        std::fprintf(stderr, "dta-dispatcher: signal %d, stopping\n", signal);
+        break;
+      }
+      if (absl::Status health = (*core)->Health(); !health.ok()) {
+        std::fprintf(stderr, "dta-dispatcher: stopping, restart me: %s\n", health.ToString().c_str());
+        exit_code = 1;
+        break;
+      }
+    }
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   });
   server->Wait();
   watcher.join();
   std::fprintf(stderr, "dta-dispatcher: stopped\n");
-  return 0;
+  return exit_code;
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 #include "dispatcher/core/dispatcher_core.h"
 
+#include <signal.h>
+#include <sys/resource.h>
+
 #include <atomic>
 #include <filesystem>
 #include <set>
@@ -346,6 +349,34 @@ TEST_F(DispatcherCoreTest, ConcurrentIngestionOfTheSameIdsStoresEachOnce) {
   EXPECT_EQ(core->GetStatus().pending_trajectories(), 25);
   core.reset();
   EXPECT_EQ(Open(Options(1000))->GetStatus().pending_trajectories(), 25);
+}
+
+// The log fails (here: the file may not grow): the trajectory is not acknowledged, the dispatcher
+// says it is unhealthy (its binary then exits for its supervisor), and a restart has every
+// trajectory that was acknowledged.
+TEST_F(DispatcherCoreTest, ALogFailureIsReportedAndNothingUnstoredIsAcknowledged) {
+  {
+    auto core = Open(Options());
+    Accept(*core, Make(0));
+    rlimit old_limit;
+    ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+    rlimit limit = old_limit;
+    limit.rlim_cur = std::filesystem::file_size(dir_ / "log.wal") + 10;
+    sighandler_t old_handler = signal(SIGXFSZ, SIG_IGN);
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+    absl::StatusOr<v1::IngestResponse> refused = core->Ingest(Make(1));
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+    signal(SIGXFSZ, old_handler);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_FALSE(core->Health().ok());
+    EXPECT_FALSE(core->GetStatus().serving());
+    EXPECT_EQ(core->Ingest(Make(2)).status().code(), absl::StatusCode::kUnavailable);  // stays failed
+    EXPECT_THAT(log_.back(), HasSubstr("the write-ahead log failed"));
+  }
+  auto core = Open(Options());
+  EXPECT_TRUE(core->Health().ok());
+  EXPECT_EQ(core->GetStatus().pending_trajectories(), 1);
+  Accept(*core, Make(1));  // the refused one can be sent again
 }
 
 TEST_F(DispatcherCoreTest, ErrorsForBadCalls) {
