@@ -61,6 +61,9 @@ absl::StatusOr<Rollout> CheckTrajectory(const v1::Trajectory& t, const Trajector
   }
   Rollout rollout = RolloutFromTrajectory(t);
   if (absl::Status status = ValidateRollout(rollout, limits.vocab_size); !status.ok()) return status;
+  if (limits.require_ref_logprobs && rollout.ref_logprobs.empty()) {
+    return FieldError("ref_logprobs", "missing: the trainers' loss has a KL penalty");
+  }
   if (rollout.reward.has_value() && std::abs(*rollout.reward) > limits.max_abs_reward) {
     return FieldError("reward", absl::StrCat(*rollout.reward, " is beyond the limit of +-", limits.max_abs_reward));
   }

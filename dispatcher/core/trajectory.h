@@ -29,6 +29,8 @@ struct TrajectoryLimits {
   int64_t max_metadata_bytes = 1 << 16;
   // Every trajectory needs a reward or per-token advantages (the RL losses); off for SFT.
   bool require_reward_or_advantages = true;
+  // Every trajectory needs reference log-probabilities (trainers with a KL penalty need them).
+  bool require_ref_logprobs = false;
   // The largest |reward|: beyond it group advantages could leave float's range (or a group's sum
   // overflow), which would make a whole batch untrainable after it was acknowledged.
   double max_abs_reward = 1e30;

@@ -32,6 +32,7 @@ ABSL_FLAG(int64_t, batch_tokens, 0, "rollout tokens per step (the batch closes a
 ABSL_FLAG(int64_t, max_staleness, -1, "drop trajectories whose policy version lags by more than this (-1: keep all)");
 ABSL_FLAG(bool, normalize_std, true, "GRPO advantages divided by the group's standard deviation");
 ABSL_FLAG(bool, sft, false, "supervised data: trajectories need no reward or advantages");
+ABSL_FLAG(bool, require_ref_logprobs, false, "trajectories must carry ref_logprobs (trainers with --kl_coef)");
 ABSL_FLAG(int64_t, vocab_size, 0, "token ids must be below this (the model's vocabulary); required");
 ABSL_FLAG(int64_t, max_tokens, 1 << 17, "the most tokens in one trajectory");
 ABSL_FLAG(int64_t, max_pending, 1 << 16, "accepted trajectories waiting for a batch before ingestion pauses");
@@ -84,6 +85,7 @@ int Run() {
   }
   options.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.limits.require_reward_or_advantages = !absl::GetFlag(FLAGS_sft);
+  options.limits.require_ref_logprobs = absl::GetFlag(FLAGS_require_ref_logprobs);
   options.max_pending_trajectories = absl::GetFlag(FLAGS_max_pending);
   options.initial_policy_version = absl::GetFlag(FLAGS_initial_policy_version);
 

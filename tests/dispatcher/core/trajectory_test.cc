@@ -98,6 +98,15 @@ TEST(Trajectory, AdvantagesAloneSufficeAndSftNeedsNeither) {
   EXPECT_TRUE(CheckTrajectory(t, {.require_reward_or_advantages = false}).ok());
 }
 
+TEST(Trajectory, ReferenceLogprobsWhenTheLossNeedsThem) {
+  v1::Trajectory t = Valid();
+  absl::StatusOr<Rollout> missing = CheckTrajectory(t, {.require_ref_logprobs = true});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(FieldOfError(missing.status()), "ref_logprobs");
+  for (int i = 0; i < 4; ++i) t.add_ref_logprobs(-1.0f);
+  EXPECT_TRUE(CheckTrajectory(t, {.require_ref_logprobs = true}).ok());
+}
+
 TEST(Trajectory, FieldOfErrorNeedsTheFieldPrefix) {
   EXPECT_EQ(FieldOfError(absl::InvalidArgumentError("field 'tokens': empty")), "tokens");
   EXPECT_EQ(FieldOfError(absl::InvalidArgumentError("something else")), "");
