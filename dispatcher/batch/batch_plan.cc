@@ -55,8 +55,6 @@ BatchSelection SelectBatch(absl::Span<const Rollout* const> pending, int64_t pol
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
                                              bool with_advantages, bool normalize_std) {
   if (world_size < 1) return absl::InvalidArgumentError(absl::StrCat("world size ", world_size, " < 1"));
-  std::vector<Rollout> rollouts;
-  rollouts.reserve(batch.size());
   PrefixTreeBuilder builder;
   for (const Rollout* rollout : batch) {
     if (absl::StatusOr<int64_t> added = builder.AddRollout(rollout->tokens); !added.ok()) {
@@ -64,12 +62,9 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
     }
   }
   PartitionPlan plan;
-  // GroupAdvantages and MakeBatchContext take a span of rollouts: a copy of the batch (its
-  // size is that of the step's messages anyway).
-  for (const Rollout* rollout : batch) rollouts.push_back(*rollout);
-  plan.context = MakeBatchContext(rollouts);
+  plan.context = MakeBatchContext(batch);
   if (with_advantages) {
-    absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts, normalize_std);
+    absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(batch, normalize_std);
     if (!advantages.ok()) return advantages.status();
     plan.advantages = *std::move(advantages);
   }

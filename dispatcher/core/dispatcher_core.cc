@@ -44,6 +44,14 @@ absl::Status Corrupt(const std::string& path, const char* what) {
   return absl::DataLossError(absl::StrCat(path, ": a ", what, " record does not parse"));
 }
 
+v1::IngestResponse Accepted(const std::string& id, bool already_accepted) {
+  v1::IngestResponse response;
+  response.set_id(id);
+  response.set_outcome(v1::IngestResponse::ACCEPTED);
+  response.set_already_accepted(already_accepted);
+  return response;
+}
+
 v1::IngestResponse Rejected(const std::string& id, const std::string& field, const std::string& reason) {
   v1::IngestResponse response;
   response.set_id(id);
@@ -211,8 +219,7 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
   if (!rollout.ok()) {
     absl::MutexLock lock(&mu_);
     const std::string field = FieldOfError(rollout.status());
-    statistics_.set_rejected(statistics_.rejected() + 1);
-    (*statistics_.mutable_rejected_by_field())[field] += 1;
+    CountRejection(field);
     return Rejected(id, field, std::string(rollout.status().message()));
   }
   const std::string bytes = DeterministicBytes(trajectory);
@@ -228,16 +235,11 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
     auto it = trajectories_.find(id);
     if (it != trajectories_.end()) {
       if (it->second.fingerprint != fingerprint) {
-        statistics_.set_rejected(statistics_.rejected() + 1);
-        (*statistics_.mutable_rejected_by_field())["id"] += 1;
+        CountRejection("id");
         return Rejected(id, "id", absl::StrCat("field 'id': '", id, "' was accepted before with other content"));
       }
       statistics_.set_already_accepted(statistics_.already_accepted() + 1);
-      v1::IngestResponse response;
-      response.set_id(id);
-      response.set_outcome(v1::IngestResponse::ACCEPTED);
-      response.set_already_accepted(true);
-      return response;
+      return Accepted(id, /*already_accepted=*/true);
     }
     trajectories_[id].state = State::kAppending;  // reserve the id while the log syncs
   }
@@ -251,10 +253,12 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
   }
   std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
   AddPending(id, *std::move(rollout), std::move(metadata), fingerprint);
-  v1::IngestResponse response;
-  response.set_id(id);
-  response.set_outcome(v1::IngestResponse::ACCEPTED);
-  return response;
+  return Accepted(id, /*already_accepted=*/false);
+}
+
+void DispatcherCore::CountRejection(const std::string& field) {
+  statistics_.set_rejected(statistics_.rejected() + 1);
+  (*statistics_.mutable_rejected_by_field())[field] += 1;
 }
 
 bool DispatcherCore::HasRoom() const {
@@ -347,14 +351,18 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
                                     : absl::StrCat(options_.batch.tokens, " tokens"),
         ")"));
   }
-  // A logged plan is served until it commits: check first that it can be split, so that nothing
-  // untrainable is ever made durable (the trajectory checks should make this impossible).
+  // A logged plan is served until it commits: check first that its advantages can be computed,
+  // so that nothing untrainable is ever made durable (the trajectory checks should make this
+  // impossible).
   std::vector<const Rollout*> batch;
   for (int64_t i : selection.batch) batch.push_back(pending[i]);
-  if (absl::StatusOr<PartitionPlan> trial = PlanPartitions(batch, 1, options_.limits.require_reward_or_advantages,
-                                                           options_.batch.normalize_std);
-      !trial.ok()) {
-    return absl::InternalError(absl::StrCat("step ", step, ": the batch cannot be trained: ", trial.status().message()));
+  if (options_.limits.require_reward_or_advantages) {
+    if (absl::StatusOr<std::vector<std::vector<float>>> advantages =
+            GroupAdvantages(batch, options_.batch.normalize_std);
+        !advantages.ok()) {
+      return absl::InternalError(
+          absl::StrCat("step ", step, ": the batch cannot be trained: ", advantages.status().message()));
+    }
   }
   v1::StepPlanRecord record;
   record.set_step(step);

@@ -146,6 +146,7 @@ class DispatcherCore {
   void NewGeneration(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool GenerationComplete() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Changed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++change_count_; }
+  void CountRejection(const std::string& field) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Remembers the first failure of the log (a bad record size is the caller's error, not the log's).
   void NoteLogFailure(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Log(const std::string& line) const;

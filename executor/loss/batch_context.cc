@@ -10,10 +10,23 @@
 
 namespace dta {
 
-BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts) {
+namespace {
+
+std::vector<const Rollout*> Pointers(absl::Span<const Rollout> rollouts) {
+  std::vector<const Rollout*> pointers;
+  pointers.reserve(rollouts.size());
+  for (const Rollout& r : rollouts) pointers.push_back(&r);
+  return pointers;
+}
+
+}  // namespace
+
+BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts) { return MakeBatchContext(Pointers(rollouts)); }
+
+BatchLossContext MakeBatchContext(absl::Span<const Rollout* const> rollouts) {
   BatchLossContext context;
-  for (const Rollout& r : rollouts) {
-    for (uint8_t m : r.loss_mask) context.total_loss_tokens += m != 0 ? 1 : 0;
+  for (const Rollout* r : rollouts) {
+    for (uint8_t m : r->loss_mask) context.total_loss_tokens += m != 0 ? 1 : 0;
   }
   context.num_rollouts = static_cast<int64_t>(rollouts.size());
   return context;
@@ -21,13 +34,19 @@ BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts) {
 
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout> rollouts,
                                                                 bool normalize_std) {
+  return GroupAdvantages(Pointers(rollouts), normalize_std);
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout* const> rollouts,
+                                                                bool normalize_std) {
   struct GroupStats {
     std::vector<double> rewards;
     double mean = 0;
     double std = 0;
   };
   absl::flat_hash_map<std::string, GroupStats> groups;
-  for (const Rollout& r : rollouts) {
+  for (const Rollout* rollout : rollouts) {
+    const Rollout& r = *rollout;
     if (!r.advantages.empty()) {
       if (r.advantages.size() != r.tokens.size()) {
         return absl::InvalidArgumentError(absl::StrCat("rollout '", r.id, "': field 'advantages': ",
@@ -63,7 +82,8 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const
   }
   std::vector<std::vector<float>> out;
   out.reserve(rollouts.size());
-  for (const Rollout& r : rollouts) {
+  for (const Rollout* rollout : rollouts) {
+    const Rollout& r = *rollout;
     if (!r.advantages.empty()) {
       out.push_back(r.advantages);
       continue;

@@ -24,6 +24,8 @@ struct BatchLossContext {
 
 // N = total number of tokens with loss_mask = 1, R = rollouts.size().
 BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts);
+// The same over rollouts held elsewhere (the dispatcher's batch: no copy).
+BatchLossContext MakeBatchContext(absl::Span<const Rollout* const> rollouts);
 
 // Per-token advantages for every rollout, aligned with its tokens.
 //
@@ -38,6 +40,8 @@ BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts);
 // the wrong length, a non-finite reward, or an advantage that is not finite in float (rewards
 // near the limits of double).
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout> rollouts,
+                                                                bool normalize_std = true);
+absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout* const> rollouts,
                                                                 bool normalize_std = true);
 
 }  // namespace dta

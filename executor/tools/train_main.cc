@@ -60,10 +60,7 @@ namespace dta {
 namespace {
 
 // The split of the batch across ranks, with the paper's greedy baselines for comparison.
-void PrintSplit(const std::vector<Rollout>& rollouts, const PartitionPlan& plan, int world_size) {
-  std::vector<std::vector<TokenId>> sequences;
-  for (const Rollout& r : rollouts) sequences.push_back(r.tokens);
-  const PrefixTree tree = *PrefixTree::FromRollouts(sequences);
+void PrintSplit(const PrefixTree& tree, const PartitionPlan& plan, int world_size) {
   const Partition by_tokens = *PartitionGreedyByRolloutTokens(tree, world_size);
   const Partition by_tree = *PartitionGreedyByTreeTokens(tree, world_size);
   std::cout << absl::StrFormat(
@@ -96,7 +93,8 @@ int Run() {
   if (!rollouts.ok()) throw BadInput{std::string(rollouts.status().message())};
   std::vector<std::vector<TokenId>> sequences;
   for (const Rollout& r : *rollouts) sequences.push_back(r.tokens);
-  const TreeStats stats = ComputeTreeStats(*PrefixTree::FromRollouts(sequences));
+  const PrefixTree tree = *PrefixTree::FromRollouts(sequences);
+  const TreeStats stats = ComputeTreeStats(tree);
 
   // This process's rollouts and the batch's normalisers (all of them, on one process).
   BatchLossContext batch = MakeBatchContext(*rollouts);
@@ -114,7 +112,7 @@ int Run() {
       mine.push_back((*rollouts)[i]);
       if (!plan->advantages.empty()) mine.back().advantages = plan->advantages[i];
     }
-    if (leader) PrintSplit(*rollouts, *plan, env.world_size);
+    if (leader) PrintSplit(tree, *plan, env.world_size);
     absl::StatusOr<std::unique_ptr<ProcessGroup>> created = ProcessGroup::Create(
         env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU),
         {.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s))});
