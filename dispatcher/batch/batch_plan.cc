@@ -55,7 +55,9 @@ BatchSelection SelectBatch(absl::Span<const Rollout* const> pending, int64_t pol
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
                                              bool with_advantages, bool normalize_std) {
   if (world_size < 1) return absl::InvalidArgumentError(absl::StrCat("world size ", world_size, " < 1"));
-  PrefixTreeBuilder builder;
+  // The batch outlives the plan's computation, so the trie points into its tokens instead of
+  // copying them, and only the order and LCPs come out (the split needs nothing else).
+  PrefixTreeBuilder builder(TokenStorage::kBorrow);
   for (const Rollout* rollout : batch) {
     if (absl::StatusOr<int64_t> added = builder.AddRollout(rollout->tokens); !added.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("rollout '", rollout->id, "': ", added.status().message()));
@@ -64,12 +66,11 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
   PartitionPlan plan;
   plan.context = MakeBatchContext(batch);
   if (with_advantages) {
-    absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(batch, normalize_std);
+    absl::StatusOr<std::vector<float>> advantages = GroupRewardAdvantages(batch, normalize_std);
     if (!advantages.ok()) return advantages.status();
     plan.advantages = *std::move(advantages);
   }
-  const PrefixTree tree = std::move(builder).Build();
-  absl::StatusOr<Partition> partition = PartitionDfsContiguous(tree, world_size);
+  absl::StatusOr<Partition> partition = PartitionDfsContiguous(builder.SortRollouts(), world_size);
   if (!partition.ok()) return partition.status();
   plan.partition = *std::move(partition);
   plan.ranks.resize(world_size);
@@ -77,6 +78,12 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
     plan.ranks[k].assign(plan.partition.groups[k].begin(), plan.partition.groups[k].end());
   }
   return plan;
+}
+
+std::vector<float> PlannedAdvantages(const PartitionPlan& plan, int64_t i, const Rollout& rollout) {
+  if (plan.advantages.empty()) return {};
+  if (!rollout.advantages.empty()) return rollout.advantages;
+  return std::vector<float>(rollout.tokens.size(), plan.advantages[i]);
 }
 
 }  // namespace dta

@@ -57,8 +57,10 @@ BatchSelection SelectBatch(absl::Span<const Rollout* const> pending, int64_t pol
 struct PartitionPlan {
   // ranks[k]: positions in the batch of rank k's rollouts, in lexicographic order.
   std::vector<std::vector<int64_t>> ranks;
-  // advantages[i]: rollout i's per-token advantages over the whole batch (empty when not needed).
-  std::vector<std::vector<float>> advantages;
+  // advantages[i]: rollout i's GRPO group advantage over the whole batch, for every one of its
+  // tokens, unless it carries per-token advantages of its own (empty when not needed). See
+  // PlannedAdvantages.
+  std::vector<float> advantages;
   BatchLossContext context;  // the whole batch's normalisers
   Partition partition;       // costs, imbalance and extra tokens of the split
 };
@@ -67,5 +69,9 @@ struct PartitionPlan {
 // INVALID_ARGUMENT naming the rollout if advantages cannot be computed; world_size >= 1.
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
                                              bool with_advantages, bool normalize_std);
+
+// The per-token advantages batch rollout `i` (`rollout`) is trained with under `plan`: its own
+// when it has them, else its group advantage on every token; empty when the plan has none.
+std::vector<float> PlannedAdvantages(const PartitionPlan& plan, int64_t i, const Rollout& rollout);
 
 }  // namespace dta

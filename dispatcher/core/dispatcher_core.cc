@@ -357,8 +357,7 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
   std::vector<const Rollout*> batch;
   for (int64_t i : selection.batch) batch.push_back(pending[i]);
   if (options_.limits.require_reward_or_advantages) {
-    if (absl::StatusOr<std::vector<std::vector<float>>> advantages =
-            GroupAdvantages(batch, options_.batch.normalize_std);
+    if (absl::StatusOr<std::vector<float>> advantages = GroupRewardAdvantages(batch, options_.batch.normalize_std);
         !advantages.ok()) {
       return absl::InternalError(
           absl::StrCat("step ", step, ": the batch cannot be trained: ", advantages.status().message()));
@@ -437,8 +436,8 @@ absl::StatusOr<v1::Partition> DispatcherCore::FetchPartition(const v1::FetchPart
     const Stored& stored = trajectories_.at(batch.record.ids(static_cast<int>(i)));
     v1::Trajectory* trajectory = partition.add_trajectories();
     *trajectory = TrajectoryFromRollout(*stored.rollout);
-    if (!plan.advantages.empty()) {
-      trajectory->mutable_advantages()->Assign(plan.advantages[i].begin(), plan.advantages[i].end());
+    if (!plan.advantages.empty() && stored.rollout->advantages.empty()) {
+      trajectory->mutable_advantages()->Resize(static_cast<int>(stored.rollout->tokens.size()), plan.advantages[i]);
     }
     trajectory->mutable_metadata()->insert(stored.metadata.begin(), stored.metadata.end());
     rollout_tokens += trajectory->tokens_size();

@@ -157,11 +157,12 @@ Partition DescribePartition(const PrefixTree& tree, std::vector<std::vector<Roll
 }
 
 absl::StatusOr<Partition> PartitionDfsContiguous(const PrefixTree& tree, int num_groups) {
-  const std::vector<RolloutIndex> order = LexicographicOrder(tree);
-  std::vector<int64_t> lengths(order.size());
-  for (size_t i = 0; i < order.size(); ++i) lengths[i] = tree.rollout_length(order[i]);
-  const std::vector<int64_t> lcp = ConsecutiveLcps(tree, order);
-  absl::StatusOr<ContiguousCut> cut = CutContiguous(lengths, lcp, num_groups);
+  return PartitionDfsContiguous(SortRollouts(tree), num_groups);
+}
+
+absl::StatusOr<Partition> PartitionDfsContiguous(const SortedRollouts& sorted, int num_groups) {
+  const std::vector<RolloutIndex>& order = sorted.order;
+  absl::StatusOr<ContiguousCut> cut = CutContiguous(sorted.length, sorted.lcp, num_groups);
   if (!cut.ok()) return cut.status();
   std::vector<std::vector<RolloutIndex>> groups(num_groups);
   for (int k = 0; k < num_groups; ++k) {
@@ -170,7 +171,7 @@ absl::StatusOr<Partition> PartitionDfsContiguous(const PrefixTree& tree, int num
   Partition partition;
   partition.groups = std::move(groups);
   partition.cost = cut->cost;
-  partition.combined_tree_tokens = tree.num_tree_tokens();
+  partition.combined_tree_tokens = sorted.tree_tokens;
   const int64_t total = std::accumulate(cut->cost.begin(), cut->cost.end(), int64_t{0});
   partition.max_cost = *std::max_element(cut->cost.begin(), cut->cost.end());
   partition.extra_tokens = total - partition.combined_tree_tokens;

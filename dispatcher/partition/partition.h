@@ -54,6 +54,8 @@ absl::StatusOr<ContiguousCut> CutContiguous(absl::Span<const int64_t> lengths,
 
 // Algorithm 4 on a tree's rollouts. INVALID_ARGUMENT if num_groups < 1.
 absl::StatusOr<Partition> PartitionDfsContiguous(const PrefixTree& tree, int num_groups);
+// The same from the rollouts' order and LCPs alone (PrefixTreeBuilder::SortRollouts: no tree).
+absl::StatusOr<Partition> PartitionDfsContiguous(const SortedRollouts& sorted, int num_groups);
 
 // Baselines: least-loaded by rollout tokens, and least-loaded by the group tree's tokens (a
 // rollout adds only the tokens the group's tree does not hold yet). Ties go to the lower rank.

@@ -39,6 +39,23 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const
 
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout* const> rollouts,
                                                                 bool normalize_std) {
+  absl::StatusOr<std::vector<float>> per_rollout = GroupRewardAdvantages(rollouts, normalize_std);
+  if (!per_rollout.ok()) return per_rollout.status();
+  std::vector<std::vector<float>> out;
+  out.reserve(rollouts.size());
+  for (size_t i = 0; i < rollouts.size(); ++i) {
+    const Rollout& r = *rollouts[i];
+    if (r.advantages.empty()) {
+      out.emplace_back(r.tokens.size(), (*per_rollout)[i]);
+    } else {
+      out.push_back(r.advantages);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<float>> GroupRewardAdvantages(absl::Span<const Rollout* const> rollouts,
+                                                         bool normalize_std) {
   struct GroupStats {
     std::vector<double> rewards;
     double mean = 0;
@@ -80,12 +97,12 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const
     for (double v : x) sq += (v - g.mean) * (v - g.mean);
     g.std = std::sqrt(sq / static_cast<double>(x.size() - 1));
   }
-  std::vector<std::vector<float>> out;
+  std::vector<float> out;
   out.reserve(rollouts.size());
   for (const Rollout* rollout : rollouts) {
     const Rollout& r = *rollout;
     if (!r.advantages.empty()) {
-      out.push_back(r.advantages);
+      out.push_back(0);
       continue;
     }
     const GroupStats& g = groups.at(r.group);
@@ -97,7 +114,7 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const
                                                      "': the advantage of reward ", *r.reward, " is ", a,
                                                      ", outside float's range"));
     }
-    out.emplace_back(r.tokens.size(), static_cast<float>(a));
+    out.push_back(static_cast<float>(a));
   }
   return out;
 }

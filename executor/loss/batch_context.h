@@ -44,4 +44,11 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout* const> rollouts,
                                                                 bool normalize_std = true);
 
+// The same GRPO group advantages, one value per rollout instead of one per token (what the
+// dispatcher logs and sends: a batch of 16K-token rollouts would otherwise expand into hundreds of
+// megabytes of copies). A rollout with per-token `advantages` gets 0 here and keeps its own. Same
+// rules and errors as GroupAdvantages.
+absl::StatusOr<std::vector<float>> GroupRewardAdvantages(absl::Span<const Rollout* const> rollouts,
+                                                         bool normalize_std = true);
+
 }  // namespace dta

@@ -110,7 +110,7 @@ int Run() {
     batch = plan->context;
     for (int64_t i : plan->ranks[env.rank]) {
       mine.push_back((*rollouts)[i]);
-      if (!plan->advantages.empty()) mine.back().advantages = plan->advantages[i];
+      mine.back().advantages = PlannedAdvantages(*plan, i, mine.back());
     }
     if (leader) PrintSplit(tree, *plan, env.world_size);
     absl::StatusOr<std::unique_ptr<ProcessGroup>> created = ProcessGroup::Create(

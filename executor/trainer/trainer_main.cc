@@ -9,7 +9,9 @@
 // executor (dta by default) under the whole batch's normalisers, all-reduce them in buckets
 // (NCCL on GPUs, Gloo on CPUs), report PREPARED, and step the optimizer only when the dispatcher
 // answers COMMIT (every rank prepared, durably logged). Rank 0 saves a checkpoint every
-// --save_every committed steps (Hugging Face weights for rollout workers, plus the optimizer).
+// --save_every committed steps (Hugging Face weights for rollout workers, plus the optimizer), after
+// the last step, and on request: `kill -USR1 <rank 0's pid>` saves after the step in progress
+// commits.
 //
 // Faults: when a collective fails (another rank died) or the dispatcher answers ABORT, the trainer
 // reports the step FAILED and exits with status 75, asking its launcher to restart the group.
@@ -24,6 +26,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -57,6 +60,11 @@ ABSL_FLAG(int32_t, slow_step_ms, 0, "testing: sleep this long before the all-red
 namespace dta {
 namespace {
 
+// Set by SIGUSR1: save a checkpoint once the step in progress commits.
+volatile std::sig_atomic_t checkpoint_requested = 0;
+extern "C" void RequestCheckpoint(int) { checkpoint_requested = 1; }
+
+
 constexpr int kRestart = 75;  // EX_TEMPFAIL: the launcher should restart the group
 
 struct Restart {
@@ -88,6 +96,10 @@ T OrRestart(absl::StatusOr<T> result, const char* what) {
 }
 
 int Run() {
+  struct sigaction on_request = {};
+  on_request.sa_handler = RequestCheckpoint;
+  on_request.sa_flags = SA_RESTART;  // the signal must not fail a read or a collective in progress
+  sigaction(SIGUSR1, &on_request, nullptr);
   const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (checkpoint_dir.empty()) throw BadInput{"--checkpoint_dir is required"};
   if (absl::GetFlag(FLAGS_save_every) < 1) throw BadInput{"--save_every must be >= 1"};
@@ -187,10 +199,17 @@ int Run() {
     std::fprintf(stderr, "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s\n", prefix.c_str(),
                  static_cast<long long>(step - 1), partition.replay ? " (replay)" : "", static_cast<int>(rollouts.size()),
                  result.loss, stats.grad_norm, seconds);
-    if (step % absl::GetFlag(FLAGS_save_every) == 0 || step == max_steps) {
+    const bool requested = checkpoint_requested != 0;
+    if (requested) checkpoint_requested = 0;
+    if (step % absl::GetFlag(FLAGS_save_every) == 0 || step == max_steps || requested) {
       if (env->rank == 0) {
         SaveCheckpoint(checkpoint_dir, step, policy_version, model, optimizer,
                        absl::GetFlag(FLAGS_keep_checkpoints));
+        if (requested) std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix.c_str(),
+                                    static_cast<long long>(step - 1));
+      } else if (requested) {
+        std::fprintf(stderr, "%s: a checkpoint was requested: send SIGUSR1 to rank 0, which saves them\n",
+                     prefix.c_str());
       }
       checkpoint_step = step;
     }

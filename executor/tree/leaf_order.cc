@@ -99,4 +99,14 @@ std::vector<int64_t> ConsecutiveLcps(const PrefixTree& tree, absl::Span<const Ro
   return lcp;
 }
 
+SortedRollouts SortRollouts(const PrefixTree& tree) {
+  SortedRollouts sorted;
+  sorted.order = LexicographicOrder(tree);
+  sorted.lcp = ConsecutiveLcps(tree, sorted.order);
+  sorted.length.reserve(sorted.order.size());
+  for (RolloutIndex r : sorted.order) sorted.length.push_back(tree.rollout_length(r));
+  sorted.tree_tokens = tree.num_tree_tokens();
+  return sorted;
+}
+
 }  // namespace dta

@@ -31,4 +31,8 @@ absl::Status CheckDfsLeafOrder(const PrefixTree& tree, absl::Span<const RolloutI
 // cost is O(nodes + rollouts): consecutive rollouts' LCAs are found by walking up the tree.
 std::vector<int64_t> ConsecutiveLcps(const PrefixTree& tree, absl::Span<const RolloutIndex> order);
 
+// The lexicographic order with its lengths and consecutive LCPs (what
+// PrefixTreeBuilder::SortRollouts gives without building the tree). O(nodes + rollouts).
+SortedRollouts SortRollouts(const PrefixTree& tree);
+
 }  // namespace dta

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -133,11 +134,30 @@ class PrefixTree {
   int64_t num_rollout_tokens_ = 0;
 };
 
-// Grows a radix trie one rollout at a time, in time linear in the rollout's length (plus one hash
-// lookup per node it passes). Not thread-safe.
+// Rollouts in lexicographic order with each one's longest common prefix with the one before it:
+// all that the DFS-contiguous split (dispatcher/partition) needs to know about a tree.
+struct SortedRollouts {
+  std::vector<RolloutIndex> order;  // lexicographic; equal rollouts by index (= LexicographicOrder)
+  std::vector<int64_t> length;      // length[i]: the length of rollout order[i]
+  std::vector<int64_t> lcp;         // lcp[i]: LCP(order[i - 1], order[i]); lcp[0] = 0
+  int64_t tree_tokens = 0;          // unique tokens: sum of length - lcp
+};
+
+// Where a PrefixTreeBuilder keeps the tokens of the rollouts it is given.
+enum class TokenStorage {
+  // Copies every new segment: rollouts may be temporaries, as from a stream.
+  kCopy,
+  // Points into the caller's rollouts, copying nothing: the caller keeps every added rollout's
+  // tokens alive and unchanged until Build or SortRollouts returns. For the dispatcher, which
+  // holds a batch in memory and needs only its order and split.
+  kBorrow,
+};
+
+// Grows a radix trie one rollout at a time, in time linear in the tokens it shares with earlier
+// rollouts plus its new ones (plus one hash lookup per node it passes). Not thread-safe.
 class PrefixTreeBuilder {
  public:
-  PrefixTreeBuilder();
+  explicit PrefixTreeBuilder(TokenStorage storage = TokenStorage::kCopy);
   PrefixTreeBuilder(PrefixTreeBuilder&&) = default;
   PrefixTreeBuilder& operator=(PrefixTreeBuilder&&) = default;
   PrefixTreeBuilder(const PrefixTreeBuilder&) = delete;
@@ -151,7 +171,11 @@ class PrefixTreeBuilder {
 
   int32_t num_rollouts() const { return static_cast<int32_t>(rollout_end_.size()); }
   int64_t num_rollout_tokens() const { return num_rollout_tokens_; }
-  int64_t num_tree_tokens() const { return static_cast<int64_t>(arena_.size()); }
+  int64_t num_tree_tokens() const { return num_tree_tokens_; }
+
+  // The rollouts' lexicographic order and consecutive LCPs, without freezing the trie: time linear
+  // in nodes and rollouts plus n log n in each node's number of children; no token is copied.
+  SortedRollouts SortRollouts() const;
 
   // Freezes the trie into a PrefixTree (renumbering nodes in lexicographic DFS preorder). Time
   // linear in tree tokens plus n log n in each node's number of children.
@@ -159,24 +183,35 @@ class PrefixTreeBuilder {
 
  private:
   struct Node {
-    int64_t begin;   // first token in arena_
-    int64_t length;  // tokens in the segment
-    int64_t depth;   // offset of the first token along the path
+    const TokenId* tokens;  // the segment: in owned_ (kCopy) or in a caller's rollout (kBorrow)
+    int64_t length;         // tokens in the segment
+    int64_t depth;          // offset of the first token along the path
     NodeId parent;
     int32_t through;  // rollouts passing through
+  };
+  // Each node's children (CSR: children[offset[v]..offset[v + 1])), sorted by first token.
+  struct ChildLists {
+    std::vector<int32_t> offset;
+    std::vector<NodeId> children;
   };
   static uint64_t ChildKey(NodeId parent, TokenId first_token) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) |
            static_cast<uint32_t>(first_token);
   }
+  ChildLists SortedChildren() const;
+  // Nodes in lexicographic DFS preorder.
+  std::vector<NodeId> Preorder(const ChildLists& lists) const;
 
+  TokenStorage storage_;
   std::vector<Node> nodes_;
-  std::vector<TokenId> arena_;  // every unique token, each segment contiguous
+  // kCopy: one block per leaf segment (a split only moves pointers within a block).
+  std::vector<std::unique_ptr<TokenId[]>> owned_;
   // (parent, first token of the child's segment) -> child. Splitting a node keeps the lower half
   // under the old id, so its children's keys never change and a split costs O(1).
   absl::flat_hash_map<uint64_t, NodeId> child_of_;
   std::vector<NodeId> rollout_end_;
   int64_t num_rollout_tokens_ = 0;
+  int64_t num_tree_tokens_ = 0;
 };
 
 }  // namespace dta

@@ -102,15 +102,16 @@ class TrainerDaemonTest : public ::testing::Test {
     ASSERT_EQ(send.Wait(std::chrono::seconds(90)), 0) << send.Log();
   }
 
+  // `save_every`: checkpoints every this many steps (and after the last one).
   std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port, int slow_step_ms,
-                                        const std::string& checkpoints = "ckpt") {
+                                        const std::string& checkpoints = "ckpt", int save_every = 1) {
     return std::make_unique<Process>(
         std::vector<std::string>{(testing::BinaryDirectory() / "dta-trainer").string(),
                                  "--dispatcher=" + run.address, "--checkpoint_dir=" + (run.dir / checkpoints).string(),
                                  "--config=" + (root_ / "config.json").string(), "--dtype=float64",
                                  "--method=dta", "--block_size=4", "--loss=grpo", "--lr=1e-2", "--max_grad_norm=0",
-                                 "--max_steps=" + std::to_string(kSteps), "--save_every=1", "--timeout_s=20",
-                                 "--slow_step_ms=" + std::to_string(slow_step_ms)},
+                                 "--max_steps=" + std::to_string(kSteps), "--save_every=" + std::to_string(save_every),
+                                 "--timeout_s=20", "--slow_step_ms=" + std::to_string(slow_step_ms)},
         (run.dir / ("trainer" + std::to_string(rank) + ".log")).string(),
         std::vector<std::string>{"RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
                                  "LOCAL_RANK=" + std::to_string(rank), "MASTER_ADDR=127.0.0.1",
@@ -268,6 +269,31 @@ TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
 
 // Ranks that load different checkpoints (one sees a shared directory late) must not train together:
 // both notice and ask to be restarted, before any step.
+// SIGUSR1 asks rank 0 for a checkpoint between --save_every's: it saves one after the step in
+// progress commits, and trains on.
+TEST_F(TrainerDaemonTest, SigusrOneSavesACheckpointOnRequest) {
+  Run run = NewRun("on_request");
+  Send(run);
+  std::unique_ptr<Process> trainer =
+      StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), /*slow_step_ms=*/400, "ckpt", /*save_every=*/1000);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (trainer->Log().find("step 0:") == std::string::npos && std::chrono::steady_clock::now() < give_up) {
+    ASSERT_EQ(trainer->Wait(std::chrono::milliseconds(20)), -1) << trainer->Log();
+  }
+  trainer->Kill(SIGUSR1);
+  ASSERT_EQ(trainer->Wait(std::chrono::seconds(120)), 0) << trainer->Log();
+  EXPECT_NE(trainer->Log().find("as requested"), std::string::npos) << trainer->Log();
+  // The requested checkpoint (after step 1, 2 or 3, as the signal met the steps) and the last one.
+  std::vector<std::string> saved;
+  for (const auto& entry : fs::directory_iterator(run.dir / "ckpt")) {
+    if (entry.is_directory()) saved.push_back(entry.path().filename().string());
+  }
+  std::sort(saved.begin(), saved.end());
+  ASSERT_EQ(saved.size(), 2u) << trainer->Log();
+  EXPECT_LT(saved[0], "step-00000004");
+  EXPECT_EQ(saved[1], "step-00000004");
+}
+
 TEST_F(TrainerDaemonTest, RanksResumingFromDifferentCheckpointsRestart) {
   Run run = NewRun("mismatch");
   Send(run);

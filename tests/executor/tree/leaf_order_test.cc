@@ -43,6 +43,20 @@ TEST(LeafOrder, BothOrdersAreDfsLeafOrdersAndLcpsAreExact) {
   }
 }
 
+TEST(LeafOrder, SortRolloutsOfATreeEqualsTheBuildersWithoutATree) {
+  for (uint64_t seed = 0; seed < 300; ++seed) {
+    const auto rollouts = testing::RandomRollouts(seed);
+    PrefixTreeBuilder builder;
+    for (const auto& r : rollouts) ASSERT_TRUE(builder.AddRollout(r).ok());
+    const SortedRollouts from_builder = builder.SortRollouts();
+    const SortedRollouts from_tree = SortRollouts(std::move(builder).Build());
+    EXPECT_EQ(from_tree.order, from_builder.order) << "seed " << seed;
+    EXPECT_EQ(from_tree.length, from_builder.length) << "seed " << seed;
+    EXPECT_EQ(from_tree.lcp, from_builder.lcp) << "seed " << seed;
+    EXPECT_EQ(from_tree.tree_tokens, from_builder.tree_tokens) << "seed " << seed;
+  }
+}
+
 TEST(LeafOrder, BackwardDfsOrderFollowsAlgorithm1) {
   // Root -> A = {9,9} with children: leaf L1 (end depth 4), internal I = {5} with leaves
   // L2 (end depth 6) and L3 (end depth 5), and leaf L4 (end depth 3).

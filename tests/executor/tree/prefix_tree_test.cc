@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <set>
 
 #include "gmock/gmock.h"
@@ -74,8 +75,14 @@ TEST(PrefixTree, RejectsBadRolloutsAndStaysUnchanged) {
   const absl::StatusOr<int64_t> negative = builder.AddRollout({5, -3});
   EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(negative.status().message()), ::testing::HasSubstr("token 1"));
+  // A bad token after a shared part would have split {5, 6}: refused before anything changes.
+  const absl::StatusOr<int64_t> after_split = builder.AddRollout({5, 7, -2});
+  EXPECT_THAT(std::string(after_split.status().message()), ::testing::HasSubstr("token 2"));
   EXPECT_EQ(builder.num_rollouts(), 1);
   EXPECT_EQ(builder.num_tree_tokens(), 2);
+  const PrefixTree unchanged = std::move(builder).Build();
+  EXPECT_EQ(unchanged.num_nodes(), 2);
+  EXPECT_EQ(unchanged.num_rollouts_through(kRootNode), 1);
   const absl::StatusOr<PrefixTree> from = PrefixTree::FromRollouts(Rollouts{{1}, {}});
   EXPECT_THAT(std::string(from.status().message()), ::testing::HasSubstr("rollout 1"));
 }
@@ -154,6 +161,43 @@ TEST(PrefixTree, MatchesBruteForceOnRandomTrees) {
   for (uint64_t seed = 0; seed < 300; ++seed) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed);
     CheckAgainstBruteForce(testing::RandomRollouts(seed));
+  }
+}
+
+// Borrowing the caller's tokens builds the same tree as copying them, and SortRollouts gives the
+// sorted order, lengths and LCPs without building it.
+TEST(PrefixTree, BorrowedTokensAndSortRolloutsMatchBruteForce) {
+  for (uint64_t seed = 0; seed < 300; ++seed) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    const Rollouts rollouts = testing::RandomRollouts(seed);
+    PrefixTreeBuilder borrowing(TokenStorage::kBorrow);
+    for (const auto& r : rollouts) ASSERT_TRUE(borrowing.AddRollout(r).ok());
+    const SortedRollouts sorted = borrowing.SortRollouts();
+    std::vector<RolloutIndex> order(rollouts.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](RolloutIndex a, RolloutIndex b) { return rollouts[a] < rollouts[b]; });
+    EXPECT_EQ(sorted.order, order);
+    ASSERT_EQ(sorted.lcp.size(), order.size());
+    ASSERT_EQ(sorted.length.size(), order.size());
+    int64_t unique = 0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      EXPECT_EQ(sorted.length[i], static_cast<int64_t>(rollouts[order[i]].size()));
+      EXPECT_EQ(sorted.lcp[i], i == 0 ? 0 : BruteLcp(rollouts[order[i - 1]], rollouts[order[i]]));
+      unique += sorted.length[i] - sorted.lcp[i];
+    }
+    EXPECT_EQ(sorted.tree_tokens, unique);
+
+    const PrefixTree borrowed = std::move(borrowing).Build();
+    const PrefixTree copied = Build(rollouts);
+    EXPECT_EQ(sorted.tree_tokens, copied.num_tree_tokens());
+    ASSERT_EQ(borrowed.num_nodes(), copied.num_nodes());
+    EXPECT_TRUE(std::ranges::equal(borrowed.serialized_tokens(), copied.serialized_tokens()));
+    for (NodeId v = 0; v < copied.num_nodes(); ++v) {
+      EXPECT_EQ(borrowed.parent(v), copied.parent(v));
+      EXPECT_EQ(borrowed.length(v), copied.length(v));
+      EXPECT_EQ(borrowed.num_rollouts_through(v), copied.num_rollouts_through(v));
+    }
+    for (RolloutIndex r = 0; r < copied.num_rollouts(); ++r) EXPECT_EQ(borrowed.end_node(r), copied.end_node(r));
   }
 }
 
