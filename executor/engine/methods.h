@@ -19,7 +19,7 @@ class LossPlan {
   LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
            const ExecutorOptions& executor, const BatchLossContext& batch);
 
-  bool needs_entropy() const { return options_.entropy_coef != 0.0; }
+  bool needs_entropy() const { return options_.entropy_coef != 0.0 && !options_.custom; }
   // Rollout r's normalised loss as a differentiable function of its log-probabilities (and
   // entropy, when needed; otherwise pass an undefined tensor).
   at::Tensor Loss(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;

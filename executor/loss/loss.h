@@ -61,6 +61,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -82,6 +83,17 @@ enum class Normalization {
   kSum,           // no normalisation
 };
 
+struct RolloutLossInputs;
+
+// A loss defined outside the executor, e.g. a Python callable wrapped by bindings/python: rollout
+// r's contribution to the batch loss as a differentiable function of in.logprobs (a 0-d float
+// tensor on in.logprobs' device; the batch loss is the sum over rollouts, so it normalises itself,
+// e.g. by batch.total_loss_tokens). in.advantages is set when every rollout of the batch has a
+// reward or advantages (GRPO group advantages, as for kPpo), else null; entropy and proximal
+// log-probabilities are not computed for it. It may throw; the exception propagates out of
+// ComputeGradients. Called on the thread that called ComputeGradients, one rollout at a time.
+using CustomLoss = std::function<at::Tensor(const RolloutLossInputs& in, const BatchLossContext& batch)>;
+
 struct LossOptions {
   LossKind kind = LossKind::kPpo;
   Normalization normalization = Normalization::kTokenMean;
@@ -99,6 +111,8 @@ struct LossOptions {
   // GSPO sequence-ratio clip range [1 - gspo_eps_low, 1 + gspo_eps_high] (paper defaults).
   double gspo_eps_low = 3e-4;
   double gspo_eps_high = 4e-4;
+  // When set, replaces the built-in losses: kind, the clips and the regularisers are ignored.
+  CustomLoss custom = nullptr;
 };
 
 // GroupAdvantages (executor/loss/batch_context.h), with TORCH_CHECK naming the rollout on error.

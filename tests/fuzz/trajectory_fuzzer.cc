@@ -302,7 +302,7 @@ void CheckPlan(const std::vector<Rollout>& batch, const PrefixTree& tree) {
       }
       FUZZ_CHECK(static_cast<int64_t>(plan->advantages.size()) == n);
       for (int64_t i = 0; i < n; ++i) {
-        const std::vector<float>& a = plan->advantages[i];
+        const std::vector<float> a = PlannedAdvantages(*plan, i, batch[i]);
         FUZZ_CHECK(a.size() == batch[i].tokens.size());
         if (!batch[i].advantages.empty()) {
           FUZZ_CHECK(a == batch[i].advantages);

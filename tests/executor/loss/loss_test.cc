@@ -654,5 +654,40 @@ TEST(LossTest, InputErrorsNameTheRolloutAndField) {
               {"'ppo-1'", "total_loss_tokens"});
 }
 
+
+TEST(LossTest, CustomLossReplacesTheBuiltInOnes) {
+  PpoFixture f;
+  const BatchLossContext b{.total_loss_tokens = 10, .num_rollouts = 2};
+  const LossOptions ppo{.kind = LossKind::kPpo};
+  const RolloutLossInputs in = Inputs(f.c);
+  const RolloutLossGrad want = RolloutLossAndGrad(in, ppo, b);
+  // Twice PPO through the hook; kind = kSft shows that the built-in kind is ignored.
+  LossOptions custom{.kind = LossKind::kSft};
+  int calls = 0;
+  custom.custom = [&](const RolloutLossInputs& given, const BatchLossContext& batch) {
+    ++calls;
+    EXPECT_EQ(given.rollout, &f.rollout);
+    EXPECT_EQ(given.advantages, &f.c.adv);
+    EXPECT_EQ(batch, b);
+    return 2 * RolloutLoss(given, ppo, batch);
+  };
+  const RolloutLossGrad got = RolloutLossAndGrad(in, custom, b);
+  EXPECT_EQ(calls, 1);
+  EXPECT_NEAR(got.loss.item<double>(), 2 * want.loss.item<double>(), 1e-15);
+  ExpectGradNear(V(got.dlogprobs), V(2 * want.dlogprobs), "custom dlogprobs");
+
+  // A loss that ignores logprobs still reaches them (zero gradient), so backward works.
+  custom.custom = [](const RolloutLossInputs& given, const BatchLossContext&) {
+    return at::full({}, 3.0, given.logprobs.options().requires_grad(false));
+  };
+  const at::Tensor constant = RolloutLoss(in, custom, b);
+  EXPECT_TRUE(constant.requires_grad());
+  constant.backward();
+  EXPECT_EQ(constant.item<double>(), 3.0);
+  ExpectGradNear(V(in.logprobs.grad()), Vec(f.c.lp.size(), 0.0), "constant custom loss");
+
+  custom.custom = [](const RolloutLossInputs& given, const BatchLossContext&) { return given.logprobs * 2; };
+  ExpectError([&] { RolloutLoss(in, custom, b); }, {"'ppo-1'", "custom loss", "one floating-point value"});
+}
 }  // namespace
 }  // namespace dta

@@ -1,0 +1,473 @@
+"""Training a Qwen3 model on trajectories with the C++ executor (dense, packed tree or dta).
+
+Shaped after AReaL's ``TrainEngine.train_batch``: a batch of trajectories and a loss in, the
+gradients of the whole batch computed at once (shared prefixes once with ``method="dta"`` or
+``"packed"``), then one AdamW step::
+
+    trainer = dta.Trainer("/models/Qwen3-0.6B", dtype="bfloat16", device="cuda", lr=1e-6)
+    stats = trainer.train_batch(dta.read_jsonl("batch.jsonl"), loss="grpo", method="dta")
+    print(stats.loss, stats.rollout_tokens_per_second)
+    trainer.save("/ckpt/step-1")          # a Hugging Face checkpoint (+ optimizer.safetensors)
+
+A loss is a name with options (:class:`LossOptions`), or a callable on one rollout's
+log-probabilities (:data:`LossFn`). The batch loss is the sum over rollouts of each rollout's loss;
+the gradients equal those of running every rollout on its own (to rounding), whatever the method.
+
+Long calls release the GIL. One call at a time per trainer (calls from other threads wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _core
+from .trajectory import Trajectory
+
+__all__ = ["Trainer", "TrainStats", "LossOptions", "ExecutorOptions", "RolloutLossInput", "LossFn"]
+
+_LOSS_KINDS = {
+    "grpo": _core.LossKind.PPO,  # PPO clip with GRPO group advantages (from rewards) unless given
+    "ppo": _core.LossKind.PPO,
+    "sft": _core.LossKind.SFT,
+    "decoupled-ppo": _core.LossKind.DECOUPLED_PPO,
+    "gspo": _core.LossKind.GSPO,
+}
+_NORMALIZATIONS = {
+    "token-mean": _core.Normalization.TOKEN_MEAN,
+    "sequence-mean": _core.Normalization.SEQUENCE_MEAN,
+    "sum": _core.Normalization.SUM,
+}
+_METHODS = {"dta": _core.Method.DTA, "dense": _core.Method.DENSE, "packed": _core.Method.PACKED}
+_ORDERS = {"backward-dfs": _core.LeafOrder.BACKWARD_DFS, "lexicographic": _core.LeafOrder.LEXICOGRAPHIC}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def _choice(what: str, value: str, choices: dict[str, Any]) -> Any:
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+    return choices[value]
+
+
+def _dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, float64 or bfloat16, got {value}")
+        return value
+    return _choice("dtype", value, _DTYPES)
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Options of the named losses (executor/loss/loss.h says exactly what each does).
+
+    Attributes:
+        normalization: ``token-mean`` (divide by the batch's loss tokens), ``sequence-mean``
+            (each rollout's token mean, divided by the rollouts) or ``sum``.
+        eps_clip_low, eps_clip_high: PPO ratio clipped to [1 - low, 1 + high].
+        dual_clip: c > 1 caps the loss of negative advantages at -c A; 0 = off.
+        behave_imp_weight_cap: Decoupled PPO: tokens whose pi_prox / pi_behave exceeds it are
+            dropped; 0 = no cap.
+        entropy_coef: loss -= entropy_coef * entropy.
+        kl_coef: loss += kl_coef * k3 KL to the trajectories' ``ref_logprobs``.
+        gspo_eps_low, gspo_eps_high: GSPO's sequence-ratio clip range.
+    """
+
+    normalization: str = "token-mean"
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    dual_clip: float = 0.0
+    behave_imp_weight_cap: float = 0.0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+
+    def _to_core(self, kind: str) -> Any:
+        core = _core.LossOptions()
+        core.kind = _choice("loss", kind, _LOSS_KINDS)
+        core.normalization = _choice("normalization", self.normalization, _NORMALIZATIONS)
+        for f in dataclasses.fields(self):
+            if f.name != "normalization":
+                setattr(core, f.name, float(getattr(self, f.name)))
+        return core
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """How the batch is executed (executor/engine/executor.h).
+
+    Attributes:
+        block_size: dta: B, the most tokens per backward chunk; 0 = unbounded; -1 = automatic (the
+            longest rollout if its graph fits in the free GPU memory).
+        graph_budget: dta: tokens whose graphs are kept instead of recomputed; -1 = from the GPU's
+            free memory (0 on the CPU).
+        pack: dta: pack runs of small complete subtrees into one tree-masked forward.
+        order: dta: leaf order, ``backward-dfs`` (AReaL-DTA Algorithm 1) or ``lexicographic``.
+        token_capacity: packed: the most unique tokens per packed forward (0 = the whole tree).
+        checkpointing: dense and packed: activation checkpointing.
+    """
+
+    block_size: int = 2048
+    graph_budget: int = -1
+    pack: bool = False
+    order: str = "backward-dfs"
+    token_capacity: int = 0
+    checkpointing: bool = False
+
+    def _to_core(self, method: str) -> Any:
+        if self.block_size < -1 or self.graph_budget < -1 or self.token_capacity < 0:
+            raise ValueError("block_size and graph_budget must be >= -1, token_capacity >= 0")
+        core = _core.ExecutorOptions()
+        core.method = _choice("method", method, _METHODS)
+        core.block_size = _core.UNBOUNDED_BLOCK if self.block_size == 0 else int(self.block_size)
+        core.graph_budget = int(self.graph_budget)
+        core.pack = bool(self.pack)
+        core.order = _choice("order", self.order, _ORDERS)
+        core.token_capacity = int(self.token_capacity)
+        core.checkpointing = bool(self.checkpointing)
+        return core
+
+
+_LOSS_OPTION_NAMES = {f.name for f in dataclasses.fields(LossOptions)}
+_EXECUTOR_OPTION_NAMES = {f.name for f in dataclasses.fields(ExecutorOptions)}
+
+
+def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    loss, executor = {}, {}
+    for name, value in options.items():
+        if name in _LOSS_OPTION_NAMES:
+            loss[name] = value
+        elif name in _EXECUTOR_OPTION_NAMES:
+            executor[name] = value
+        else:
+            raise TypeError(f"unknown option {name!r} (loss options: {', '.join(sorted(_LOSS_OPTION_NAMES))}; "
+                            f"executor options: {', '.join(sorted(_EXECUTOR_OPTION_NAMES))})")
+    return loss, executor
+
+
+class RolloutLossInput:
+    """What a callable loss gets besides the log-probabilities: one rollout and the batch.
+
+    Per-token tensors are [L], on the log-probabilities' device and (floats) in their dtype, with
+    the values rounded to float32 first, as the executor stores them (so a callable that restates a
+    built-in loss computes exactly what it does).
+
+    Attributes:
+        trajectory: The rollout as given to ``train_batch``.
+        index: Its position in the batch.
+        advantages: GRPO group advantages over the batch (or the trajectory's own), when every
+            trajectory of the batch has a reward or advantages; else None.
+        total_loss_tokens: N, the batch's tokens with loss_mask 1 (for a token mean).
+        num_rollouts: R, the batch's rollouts.
+    """
+
+    def __init__(self, trajectory: Trajectory, index: int, advantages: torch.Tensor | None,
+                 total_loss_tokens: float, num_rollouts: int, logprobs: torch.Tensor) -> None:
+        self.trajectory = trajectory
+        self.index = index
+        self.advantages = advantages
+        self.total_loss_tokens = total_loss_tokens
+        self.num_rollouts = num_rollouts
+        self._options = {"dtype": logprobs.dtype, "device": logprobs.device}
+
+    @functools.cached_property
+    def loss_mask(self) -> torch.Tensor:
+        """bool [L]: the tokens to train."""
+        return torch.tensor(self.trajectory.loss_mask, dtype=torch.bool, device=self._options["device"])
+
+    def _floats(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(**self._options)
+
+    @functools.cached_property
+    def old_logprobs(self) -> torch.Tensor:
+        """The behaviour policy's log-probabilities (the trajectory's ``logprobs``)."""
+        return self._floats(self.trajectory.logprobs)
+
+    @functools.cached_property
+    def ref_logprobs(self) -> torch.Tensor | None:
+        """The reference policy's log-probabilities, or None when the trajectory has none."""
+        return self._floats(self.trajectory.ref_logprobs) if self.trajectory.ref_logprobs else None
+
+
+# A loss on one rollout: its current log-probabilities [L] (requiring grad; position 0 holds 0 and
+# has no prediction) and the rollout, to a scalar tensor. The batch loss is the sum over rollouts,
+# so normalise inside (e.g. divide by `rollout.total_loss_tokens` for a token mean). It must not
+# call back into the trainer.
+LossFn = Callable[[torch.Tensor, RolloutLossInput], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """One batch's statistics.
+
+    Attributes:
+        loss: The batch loss (the sum over rollouts of each rollout's normalised loss).
+        rollout_tokens: Every rollout's tokens.
+        tree_tokens: The batch's unique tokens (its prefix tree's).
+        forwarded_tokens: Tokens pushed through the model, recomputation included.
+        seconds: Wall time (gradients, plus the optimizer step for train_batch).
+        method: ``dta``, ``dense`` or ``packed``.
+        grad_norm: Global gradient norm before clipping (train_batch only, else None).
+        clip_coef: The clipping factor applied (train_batch only).
+        step: The optimizer's step count after the step (train_batch only).
+    """
+
+    loss: float
+    rollout_tokens: int
+    tree_tokens: int
+    forwarded_tokens: int
+    seconds: float
+    method: str
+    grad_norm: float | None = None
+    clip_coef: float | None = None
+    step: int | None = None
+
+    @property
+    def compression(self) -> float:
+        """C = rollout tokens / tree tokens."""
+        return self.rollout_tokens / self.tree_tokens if self.tree_tokens else 0.0
+
+    @property
+    def rollout_tokens_per_second(self) -> float:
+        return self.rollout_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Trainer:
+    """A Qwen3 model, its AdamW optimizer and the executor, in this process.
+
+    Not copyable; parameters and gradients are live torch tensors shared with the executor.
+    Errors in trajectories raise ValueError naming the trajectory and the field; errors from the
+    executor (a broken checkpoint, a GPU failure) raise RuntimeError.
+    """
+
+    def __init__(self, model: str | os.PathLike[str], *, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", lr: float = 1e-6, weight_decay: float = 0.01,
+                 max_grad_norm: float = 1.0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
+
+        Args:
+            model: The directory.
+            dtype: ``float32``, ``float64`` or ``bfloat16`` (or the torch dtype); stored weights
+                are converted.
+            device: ``cpu``, ``cuda``, ``cuda:N``.
+            lr, weight_decay, max_grad_norm, betas, eps: AdamW (decoupled weight decay; global
+                gradient-norm clip, <= 0 disables it).
+
+        Raises:
+            FileNotFoundError: No such directory.
+            RuntimeError: The checkpoint is invalid (naming the file and the tensor).
+        """
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"{model}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
+        self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a), dtype, device,
+                   lr, weight_decay, max_grad_norm, betas, eps)
+
+    @classmethod
+    def from_config(cls, config: str | os.PathLike[str], *, seed: int = 1, init_std: float = 0.02,
+                    dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", lr: float = 1e-6,
+                    weight_decay: float = 0.01, max_grad_norm: float = 1.0,
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Trainer:
+        """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
+        ``-4b``, ``-8b``) or a config.json; other arguments as the constructor's.
+
+        Raises:
+            RuntimeError: Neither a preset nor a valid config.json (naming it).
+        """
+        self = cls.__new__(cls)
+        self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a), dtype,
+                   device, lr, weight_decay, max_grad_norm, betas, eps)
+        return self
+
+    def _init(self, make: Callable[[torch.dtype, torch.device, Any], Any], dtype: str | torch.dtype,
+              device: str | torch.device, lr: float, weight_decay: float, max_grad_norm: float,
+              betas: tuple[float, float], eps: float) -> None:
+        adamw = _core.AdamWOptions()
+        adamw.lr, adamw.weight_decay, adamw.max_grad_norm = float(lr), float(weight_decay), float(max_grad_norm)
+        adamw.beta1, adamw.beta2 = (float(b) for b in betas)
+        adamw.eps = float(eps)
+        self._dtype = _dtype(dtype)
+        self._device = torch.device(device)
+        self._core = make(self._dtype, self._device, adamw)
+        self._config: dict[str, Any] = json.loads(self._core.config_json())
+
+    # --- training -----------------------------------------------------------------------------
+
+    def train_batch(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo", method: str = "dta",
+                    **options: Any) -> TrainStats:
+        """Zeroes the gradients, computes the batch's gradients and steps AdamW.
+
+        Args:
+            trajectories: The batch (validated against the model's vocabulary).
+            loss: ``grpo`` / ``ppo`` (clipped surrogate; advantages from group rewards unless the
+                trajectories carry them), ``sft``, ``decoupled-ppo``, ``gspo``; or a :data:`LossFn`.
+            method: ``dta`` (push/pop over the prefix tree), ``packed`` (Tree Training) or
+                ``dense`` (every rollout on its own).
+            **options: Fields of :class:`LossOptions` and :class:`ExecutorOptions`.
+
+        Returns:
+            The loss, token counts, time and the optimizer step's gradient norm.
+
+        Raises:
+            ValueError: A bad trajectory (``trajectory 3 ('r7'): field 'loss_mask': ...``), a bad
+                option value, or a grpo batch where a trajectory has neither reward nor advantages.
+            TypeError: An unknown option.
+            Whatever a callable loss raises.
+        """
+        start = time.perf_counter()
+        stats = self.compute_gradients(trajectories, loss, method, **options)
+        step = self._core.step()
+        self._synchronize()
+        return dataclasses.replace(stats, seconds=time.perf_counter() - start, **step)
+
+    def compute_gradients(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo",
+                          method: str = "dta", *, accumulate: bool = False, **options: Any) -> TrainStats:
+        """Like :meth:`train_batch` without the optimizer step; with ``accumulate`` the gradients
+        are added to the current ones instead of replacing them."""
+        batch = self._checked(trajectories)
+        loss_options, executor_options = _split_options(options)
+        executor = ExecutorOptions(**executor_options)._to_core(method)
+        custom = None
+        if callable(loss):
+            if loss_options:
+                raise TypeError(f"loss options {sorted(loss_options)} do not apply to a callable loss")
+            core_loss = _core.LossOptions()
+            custom = _python_loss(loss, batch)
+        else:
+            core_loss = LossOptions(**loss_options)._to_core(loss)
+            if loss != "sft":
+                for i, t in enumerate(batch):
+                    if t.reward is None and not t.advantages:
+                        raise ValueError(f"trajectory {i} ({t.id!r}): field 'reward': missing, and no "
+                                         f"'advantages' ({loss} needs one of them)")
+        start = time.perf_counter()
+        if not accumulate:
+            self._core.zero_grad()
+        result = self._core.compute_gradients(batch, core_loss, custom, executor)
+        self._synchronize()
+        return TrainStats(seconds=time.perf_counter() - start, method=method, **result)
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory], method: str = "dta",
+                         **options: Any) -> list[torch.Tensor]:
+        """Every trajectory's per-token log-probabilities under the current weights.
+
+        ``result[i][t]`` is log p(tokens[t] | tokens[:t]) for t >= 1, in the model's dtype on its
+        device; ``result[i][0]`` is 0. With ``dta`` and ``packed`` each unique token is computed
+        once. ``options``: fields of :class:`ExecutorOptions`.
+        """
+        batch = self._checked(trajectories)
+        _, executor_options = _split_options(options)
+        if set(options) - _EXECUTOR_OPTION_NAMES:
+            raise TypeError(f"compute_logprobs takes executor options only, got {sorted(options)}")
+        return self._core.compute_logprobs(batch, ExecutorOptions(**executor_options)._to_core(method))
+
+    def zero_grad(self) -> None:
+        """Sets every gradient to zero."""
+        self._core.zero_grad()
+
+    def step(self) -> dict[str, float]:
+        """One AdamW step on the current gradients: ``{"grad_norm", "clip_coef", "step"}``."""
+        return self._core.step()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str], *, dtype: str | torch.dtype | None = None,
+             optimizer: bool = True) -> None:
+        """Writes a Hugging Face checkpoint (config.json + safetensors, in ``dtype``, default the
+        model's) that transformers' ``from_pretrained`` loads, and with ``optimizer`` the AdamW state
+        as ``optimizer.safetensors`` (what dta-train --save writes)."""
+        self._core.save(str(directory), None if dtype is None else _dtype(dtype), optimizer)
+
+    def load_optimizer(self, path: str | os.PathLike[str]) -> None:
+        """Restores the AdamW state from ``optimizer.safetensors`` or a directory holding it."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "optimizer.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+        self._core.load_optimizer(str(path))
+
+    # --- the model ----------------------------------------------------------------------------
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its Hugging Face name, as live tensors (``.grad`` holds the
+        gradient). lm_head.weight is absent when the embeddings are tied."""
+        return dict(self._core.named_parameters())
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient (zeros where none was computed), as live tensors."""
+        return {name: p.grad if p.grad is not None else torch.zeros_like(p)
+                for name, p in self._core.named_parameters()}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The model's Qwen3 configuration (vocab_size, hidden_size, ...)."""
+        return dict(self._config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._config["vocab_size"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def lr(self) -> float:
+        return self._core.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._core.lr = float(value)
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (restored by load_optimizer)."""
+        return self._core.step_count
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _checked(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+        batch = list(trajectories)
+        for i, t in enumerate(batch):
+            if not isinstance(t, Trajectory):
+                raise TypeError(f"trajectory {i}: expected dta.Trajectory, got {type(t).__name__}")
+            try:
+                t.validate(self.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"trajectory {i} ({t.id!r}): {e}") from None
+        return batch
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+
+def _python_loss(fn: LossFn, batch: list[Trajectory]) -> Callable[..., torch.Tensor]:
+    """The adapter the extension calls for each rollout: builds the RolloutLossInput and checks
+    the callable's result."""
+
+    def adapter(index: int, logprobs: torch.Tensor, advantages: torch.Tensor | None, total_loss_tokens: float,
+                num_rollouts: int) -> torch.Tensor:
+        rollout = RolloutLossInput(batch[index], index, advantages, total_loss_tokens, num_rollouts, logprobs)
+        value = fn(logprobs, rollout)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"the loss returned {type(value).__name__} for trajectory {index} "
+                            f"({batch[index].id!r}), expected a scalar torch.Tensor")
+        return value
+
+    return adapter
+

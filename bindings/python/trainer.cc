@@ -1,0 +1,64 @@
+#include "bindings/python/trainer.h"
+
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "executor/checkpoint/qwen3_config.h"
+#include "executor/model/qwen3_checkpoint.h"
+#include "executor/tree/prefix_tree.h"
+
+namespace dta::python {
+
+Trainer::Trainer(Qwen3Model model, const AdamWOptions& adamw)
+    : model_(std::move(model)), optimizer_(model_.named_parameters(), adamw) {}
+
+std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory, at::TensorOptions options,
+                                                const AdamWOptions& adamw) {
+  return std::unique_ptr<Trainer>(new Trainer(LoadQwen3Model(directory, options), adamw));
+}
+
+std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t seed, double init_std,
+                                             at::TensorOptions options, const AdamWOptions& adamw) {
+  absl::StatusOr<Qwen3Config> parsed = Qwen3ConfigPreset(config);
+  if (!parsed.ok()) parsed = LoadQwen3Config(config);
+  TORCH_CHECK(parsed.ok(), std::string(parsed.status().message()));
+  Qwen3Model model(*parsed, options);
+  model.InitRandom(seed, init_std);
+  return std::unique_ptr<Trainer>(new Trainer(std::move(model), adamw));
+}
+
+GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, const LossOptions& loss,
+                                        const ExecutorOptions& executor) {
+  GradientStats stats;
+  if (rollouts.empty()) return stats;
+  const GradientResult result = dta::ComputeGradients(model_, rollouts, loss, executor);
+  stats.loss = result.loss;
+  stats.rollout_tokens = result.rollout_tokens;
+  stats.forwarded_tokens = result.forwarded_tokens;
+  PrefixTreeBuilder builder;
+  for (const Rollout& r : rollouts) TORCH_CHECK(builder.AddRollout(r.tokens).ok(), "rollout '", r.id, "'");
+  stats.tree_tokens = builder.num_tree_tokens();
+  return stats;
+}
+
+StepStats Trainer::Step() { return optimizer_.Step(); }
+
+void Trainer::ZeroGrad() { optimizer_.ZeroGrad(); }
+
+std::vector<at::Tensor> Trainer::ComputeLogprobs(absl::Span<const Rollout> rollouts,
+                                                 const ExecutorOptions& executor) {
+  if (rollouts.empty()) return {};
+  return dta::ComputeLogprobs(model_, rollouts, executor);
+}
+
+void Trainer::Save(const std::string& directory, std::optional<at::ScalarType> dtype, bool with_optimizer) const {
+  SaveQwen3Model(model_, directory, dtype);
+  if (with_optimizer) optimizer_.SaveState((std::filesystem::path(directory) / "optimizer.safetensors").string());
+}
+
+void Trainer::LoadOptimizer(const std::string& path) { optimizer_.LoadState(path); }
+
+}  // namespace dta::python

@@ -1,0 +1,244 @@
+// _core.Trainer: bindings/python/trainer.h for Python, with the options structs it takes. Long calls
+// release the GIL; a Python loss callable is called back with it re-acquired.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings/python/bindings.h"
+#include "bindings/python/trainer.h"
+#include "executor/checkpoint/qwen3_config.h"
+
+namespace py = pybind11;
+
+namespace dta::python {
+namespace {
+
+// One rollout from a dta.Trajectory (already validated by the Python side). Conversion failures
+// (a value outside int32, say) raise TypeError through pybind11.
+Rollout ToRollout(py::handle t) {
+  Rollout r;
+  r.id = t.attr("id").cast<std::string>();
+  r.group = t.attr("group").cast<std::string>();
+  r.tokens = t.attr("tokens").cast<std::vector<TokenId>>();
+  r.loss_mask = t.attr("loss_mask").cast<std::vector<uint8_t>>();
+  r.logprobs = t.attr("logprobs").cast<std::vector<float>>();
+  r.versions = t.attr("versions").cast<std::vector<int32_t>>();
+  r.reward = t.attr("reward").cast<std::optional<double>>();
+  r.advantages = t.attr("advantages").cast<std::vector<float>>();
+  r.ref_logprobs = t.attr("ref_logprobs").cast<std::vector<float>>();
+  return r;
+}
+
+std::vector<Rollout> ToRollouts(const py::sequence& trajectories) {
+  std::vector<Rollout> rollouts;
+  rollouts.reserve(trajectories.size());
+  for (py::handle t : trajectories) rollouts.push_back(ToRollout(t));
+  return rollouts;
+}
+
+// A Python loss behind LossOptions::custom. `fn(index, logprobs, advantages, total_loss_tokens,
+// num_rollouts)` is dta.trainer's adapter around the user's callable. Its Python exception is kept
+// (with the GIL) and re-raised by the binding once the executor has unwound, so the caller sees
+// the callable's own exception.
+struct PythonLoss {
+  py::function fn;
+  const Rollout* first = nullptr;
+  std::optional<py::error_already_set> error;
+
+  at::Tensor operator()(const RolloutLossInputs& in, const BatchLossContext& batch) {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object advantages = py::none();
+      if (in.advantages != nullptr) {
+        advantages = py::cast(at::tensor(*in.advantages).to(in.logprobs.options()));
+      }
+      return fn(in.rollout - first, in.logprobs, advantages, batch.total_loss_tokens, batch.num_rollouts)
+          .cast<at::Tensor>();
+    } catch (py::error_already_set& e) {
+      error = std::move(e);
+      throw std::runtime_error("the Python loss raised an exception");
+    }
+  }
+};
+
+// The C++ trainer and the lock that keeps its calls one at a time. The lock is taken after the
+// GIL is released, so a thread holding it can always re-acquire the GIL for a Python loss.
+struct BoundTrainer {
+  std::unique_ptr<Trainer> trainer;
+  std::mutex mu;
+};
+
+// Runs `call` on the trainer without the GIL, under the trainer's lock.
+template <typename Call>
+auto WithoutGil(BoundTrainer& self, Call&& call) {
+  py::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(self.mu);
+  return call(*self.trainer);
+}
+
+py::dict GradientStatsDict(const GradientStats& s) {
+  py::dict d;
+  d["loss"] = s.loss;
+  d["rollout_tokens"] = s.rollout_tokens;
+  d["tree_tokens"] = s.tree_tokens;
+  d["forwarded_tokens"] = s.forwarded_tokens;
+  return d;
+}
+
+py::dict ComputeGradientsBinding(BoundTrainer& self, const py::sequence& trajectories, LossOptions loss,
+                                 const std::optional<py::function>& custom, const ExecutorOptions& executor) {
+  const std::vector<Rollout> rollouts = ToRollouts(trajectories);
+  std::shared_ptr<PythonLoss> python_loss;
+  if (custom) {
+    python_loss = std::make_shared<PythonLoss>();
+    python_loss->fn = *custom;
+    python_loss->first = rollouts.data();
+    // A copy of the shared pointer per copy of the options: the executor copies them freely, and
+    // the callable is released with this function's locals, with the GIL held.
+    loss.custom = [python_loss](const RolloutLossInputs& in, const BatchLossContext& batch) {
+      return (*python_loss)(in, batch);
+    };
+  }
+  GradientStats stats;
+  std::exception_ptr failure;
+  WithoutGil(self, [&](Trainer& t) {
+    try {
+      stats = t.ComputeGradients(rollouts, loss, executor);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  if (python_loss && python_loss->error) throw std::move(*python_loss->error);
+  if (failure) std::rethrow_exception(failure);
+  return GradientStatsDict(stats);
+}
+
+void RegisterOptions(py::module_& m) {
+  py::enum_<LossKind>(m, "LossKind")
+      .value("SFT", LossKind::kSft)
+      .value("PPO", LossKind::kPpo)
+      .value("DECOUPLED_PPO", LossKind::kDecoupledPpo)
+      .value("GSPO", LossKind::kGspo);
+  py::enum_<Normalization>(m, "Normalization")
+      .value("TOKEN_MEAN", Normalization::kTokenMean)
+      .value("SEQUENCE_MEAN", Normalization::kSequenceMean)
+      .value("SUM", Normalization::kSum);
+  py::enum_<Method>(m, "Method").value("DENSE", Method::kDense).value("PACKED", Method::kPacked).value("DTA", Method::kDta);
+  py::enum_<LeafOrderKind>(m, "LeafOrder")
+      .value("BACKWARD_DFS", LeafOrderKind::kBackwardDfs)
+      .value("LEXICOGRAPHIC", LeafOrderKind::kLexicographic);
+  m.attr("UNBOUNDED_BLOCK") = kUnboundedBlock;
+
+  py::class_<LossOptions>(m, "LossOptions")
+      .def(py::init<>())
+      .def_readwrite("kind", &LossOptions::kind)
+      .def_readwrite("normalization", &LossOptions::normalization)
+      .def_readwrite("eps_clip_low", &LossOptions::eps_clip_low)
+      .def_readwrite("eps_clip_high", &LossOptions::eps_clip_high)
+      .def_readwrite("dual_clip", &LossOptions::dual_clip)
+      .def_readwrite("behave_imp_weight_cap", &LossOptions::behave_imp_weight_cap)
+      .def_readwrite("entropy_coef", &LossOptions::entropy_coef)
+      .def_readwrite("kl_coef", &LossOptions::kl_coef)
+      .def_readwrite("gspo_eps_low", &LossOptions::gspo_eps_low)
+      .def_readwrite("gspo_eps_high", &LossOptions::gspo_eps_high);
+  py::class_<ExecutorOptions>(m, "ExecutorOptions")
+      .def(py::init<>())
+      .def_readwrite("method", &ExecutorOptions::method)
+      .def_readwrite("block_size", &ExecutorOptions::block_size)
+      .def_readwrite("order", &ExecutorOptions::order)
+      .def_readwrite("graph_budget", &ExecutorOptions::graph_budget)
+      .def_readwrite("pack", &ExecutorOptions::pack)
+      .def_readwrite("token_capacity", &ExecutorOptions::token_capacity)
+      .def_readwrite("checkpointing", &ExecutorOptions::checkpointing)
+      .def_readwrite("logprob_slice_rows", &ExecutorOptions::logprob_slice_rows);
+  py::class_<AdamWOptions>(m, "AdamWOptions")
+      .def(py::init<>())
+      .def_readwrite("lr", &AdamWOptions::lr)
+      .def_readwrite("beta1", &AdamWOptions::beta1)
+      .def_readwrite("beta2", &AdamWOptions::beta2)
+      .def_readwrite("eps", &AdamWOptions::eps)
+      .def_readwrite("weight_decay", &AdamWOptions::weight_decay)
+      .def_readwrite("max_grad_norm", &AdamWOptions::max_grad_norm);
+}
+
+at::TensorOptions ModelOptions(at::ScalarType dtype, at::Device device) {
+  return at::TensorOptions().dtype(dtype).device(device);
+}
+
+}  // namespace
+
+void RegisterTrainer(py::module_& m) {
+  RegisterOptions(m);
+  py::class_<BoundTrainer>(m, "Trainer")
+      .def_static(
+          "from_directory",
+          [](const std::string& directory, at::ScalarType dtype, at::Device device, const AdamWOptions& adamw) {
+            auto bound = std::make_unique<BoundTrainer>();
+            py::gil_scoped_release release;
+            bound->trainer = Trainer::FromDirectory(directory, ModelOptions(dtype, device), adamw);
+            return bound;
+          },
+          py::arg("directory"), py::arg("dtype"), py::arg("device"), py::arg("adamw"))
+      .def_static(
+          "from_config",
+          [](const std::string& config, uint64_t seed, double init_std, at::ScalarType dtype, at::Device device,
+             const AdamWOptions& adamw) {
+            auto bound = std::make_unique<BoundTrainer>();
+            py::gil_scoped_release release;
+            bound->trainer = Trainer::FromConfig(config, seed, init_std, ModelOptions(dtype, device), adamw);
+            return bound;
+          },
+          py::arg("config"), py::arg("seed"), py::arg("init_std"), py::arg("dtype"), py::arg("device"),
+          py::arg("adamw"))
+      .def("compute_gradients", &ComputeGradientsBinding, py::arg("trajectories"), py::arg("loss"),
+           py::arg("custom"), py::arg("executor"))
+      .def("step",
+           [](BoundTrainer& self) {
+             const StepStats s = WithoutGil(self, [](Trainer& t) { return t.Step(); });
+             py::dict d;
+             d["grad_norm"] = s.grad_norm;
+             d["clip_coef"] = s.clip_coef;
+             d["step"] = s.step;
+             return d;
+           })
+      .def("zero_grad", [](BoundTrainer& self) { WithoutGil(self, [](Trainer& t) { t.ZeroGrad(); }); })
+      .def(
+          "compute_logprobs",
+          [](BoundTrainer& self, const py::sequence& trajectories, const ExecutorOptions& executor) {
+            const std::vector<Rollout> rollouts = ToRollouts(trajectories);
+            return WithoutGil(self, [&](Trainer& t) { return t.ComputeLogprobs(rollouts, executor); });
+          },
+          py::arg("trajectories"), py::arg("executor"))
+      .def(
+          "save",
+          [](BoundTrainer& self, const std::string& directory, std::optional<at::ScalarType> dtype,
+             bool with_optimizer) {
+            WithoutGil(self, [&](Trainer& t) { t.Save(directory, dtype, with_optimizer); });
+          },
+          py::arg("directory"), py::arg("dtype"), py::arg("with_optimizer"))
+      .def(
+          "load_optimizer",
+          [](BoundTrainer& self, const std::string& path) {
+            WithoutGil(self, [&](Trainer& t) { t.LoadOptimizer(path); });
+          },
+          py::arg("path"))
+      .def("named_parameters", [](BoundTrainer& self) { return self.trainer->model().named_parameters(); })
+      .def("config_json", [](BoundTrainer& self) { return Qwen3ConfigToJson(self.trainer->model().config()); })
+      .def_property(
+          "lr", [](BoundTrainer& self) { return self.trainer->optimizer().options().lr; },
+          [](BoundTrainer& self, double lr) { WithoutGil(self, [&](Trainer& t) { t.optimizer().set_lr(lr); }); })
+      .def_property_readonly("step_count", [](BoundTrainer& self) { return self.trainer->optimizer().step(); });
+}
+
+}  // namespace dta::python

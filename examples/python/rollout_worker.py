@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""An AReaL-style asynchronous rollout worker that streams its trajectories to dta-dispatcher.
+
+Each task is a GRPO group: ``--group_size`` episodes of it run concurrently (at most
+``--concurrency`` episodes in all), each a multi-turn, tool-calling conversation that may branch
+(two continuations sampled from the same prefix, as tree search or retries do). Generation is
+synthetic, random tokens from a seeded generator behind a short simulated latency, so nothing is
+downloaded; what it exercises is the shape of the data (a system prompt shared by everything, a task
+shared by its group, turns, tool calls, branches) and the asynchronous plumbing around it: every
+trajectory goes to the dispatcher through :class:`dta.AsyncRolloutClient` while more episodes run,
+and when the trainers commit a step (the policy version moves) the worker "reloads" its weights
+(logs it) and tags newer tokens with the new version.
+
+    build/bin/dta-dispatcher --wal=/tmp/d.wal --batch_rollouts=16 --vocab_size=1024 &
+    .venv/bin/python examples/python/rollout_worker.py --dispatcher=127.0.0.1:50051 \\
+        --groups=8 --group_size=4 --vocab_size=1024     # the venv has dta (scripts/build.sh)
+
+Exit status: 0 when every trajectory was answered (rejections are reported, not fatal), 1 when the
+dispatcher could not be reached or refused the worker, 2 on bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import dta
+from dta.client import Ack, DispatcherError
+
+PROMPT_VERSION = -1  # versions[] of tokens no policy generated (prompts, tool results)
+
+
+@dataclass
+class Policy:
+    """Stands in for the inference engine: its weights' version and a token sampler."""
+
+    vocab_size: int
+    latency_s: float
+    version: int = 0
+
+    async def generate(self, rng: random.Random, max_new_tokens: int) -> tuple[list[int], list[float], list[int]]:
+        """Samples a completion: tokens, their log-probabilities and the policy version of each."""
+        await asyncio.sleep(self.latency_s * rng.random())
+        n = rng.randint(1, max_new_tokens)
+        tokens = [rng.randrange(self.vocab_size) for _ in range(n)]
+        logprobs = [-rng.expovariate(2.0) for _ in range(n)]
+        return tokens, logprobs, [self.version] * n
+
+
+@dataclass
+class Conversation:
+    """The token stream of one conversation so far, with the per-token training data."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add_context(self, tokens: list[int]) -> None:
+        """Tokens the model reads but does not produce (prompts, tool results): not trained."""
+        self.tokens += tokens
+        self.loss_mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [PROMPT_VERSION] * len(tokens)
+
+    def add_generated(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
+        self.tokens += tokens
+        self.loss_mask += [1] * len(tokens)
+        self.logprobs += logprobs
+        self.versions += versions
+
+    def fork(self) -> "Conversation":
+        return Conversation(list(self.tokens), list(self.loss_mask), list(self.logprobs), list(self.versions))
+
+
+@dataclass
+class Task:
+    id: str
+    prompt: list[int]
+
+
+async def arun_episode(policy: Policy, system_prompt: list[int], task: Task, sample: int, seed: int,
+                       max_turns: int) -> list[dta.Trajectory]:
+    """One episode of ``task``, like AReaL's ``RolloutWorkflow.arun_episode``: assistant turns that
+    call a tool and read its result, until the assistant answers or ``max_turns``; at one turn the
+    episode may branch into two continuations. Returns one trajectory per branch, with a reward."""
+    rng = random.Random(f"{seed}/{task.id}/{sample}")
+    start = Conversation()
+    start.add_context(system_prompt + task.prompt)
+    branches = [start]
+    branch_turn = rng.randrange(max_turns) if rng.random() < 0.5 else -1
+    for turn in range(max_turns):
+        if turn == branch_turn:
+            branches = [c.fork() for c in branches for _ in range(2)]
+        for conversation in branches:
+            conversation.add_generated(*await policy.generate(rng, max_new_tokens=24))
+        if turn == max_turns - 1 or rng.random() < 0.3:
+            break  # the assistant answered
+        for conversation in branches:  # the tool call's result
+            conversation.add_context([rng.randrange(policy.vocab_size) for _ in range(rng.randint(2, 12))])
+    trajectories = []
+    for b, c in enumerate(branches):
+        reward = float(c.tokens[-1] % 2 == 0) + 0.1 * rng.random()  # a synthetic verifier
+        trajectories.append(dta.Trajectory(
+            id=f"{task.id}-s{sample}-b{b}", group=task.id, tokens=c.tokens, loss_mask=c.loss_mask,
+            logprobs=c.logprobs, versions=c.versions, reward=reward,
+            metadata={"task": task.id, "sample": str(sample), "branch": str(b)}))
+    return trajectories
+
+
+@dataclass
+class Progress:
+    episodes: int = 0
+    trajectories: int = 0
+    accepted: int = 0
+    already_accepted: int = 0
+    rejected: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def count(self, ack: Ack) -> None:
+        if not ack.accepted:
+            self.rejected += 1
+            print(f"rejected {ack.id}: {ack.reason}", flush=True)
+        elif ack.already_accepted:
+            self.already_accepted += 1
+        else:
+            self.accepted += 1
+
+    def line(self, policy: Policy) -> str:
+        return (f"episodes={self.episodes} trajectories={self.trajectories} accepted={self.accepted} "
+                f"already_accepted={self.already_accepted} rejected={self.rejected} "
+                f"policy_version={policy.version} seconds={time.monotonic() - self.started:.1f}")
+
+
+async def follow_policy(client: dta.AsyncRolloutClient, policy: Policy, poll_s: float) -> None:
+    """Reloads the weights whenever the trainers commit a step (here: logs it)."""
+    async for version in client.policy_versions(poll_interval=poll_s):
+        if version != policy.version:
+            print(f"policy version {policy.version} -> {version}: reloading weights (simulated)", flush=True)
+            policy.version = version
+
+
+async def run(args: argparse.Namespace) -> int:
+    token = open(args.token_file).read().strip() if args.token_file else None
+    roots = open(args.tls_roots, "rb").read() if args.tls_roots else None
+    rng = random.Random(args.seed)
+    system_prompt = [rng.randrange(args.vocab_size) for _ in range(args.system_tokens)]
+    tasks = [Task(f"task{g}", [rng.randrange(args.vocab_size) for _ in range(rng.randint(8, 64))])
+             for g in range(args.groups)]
+    policy = Policy(args.vocab_size, latency_s=args.latency_ms / 1000)
+    progress = Progress()
+    slots = asyncio.Semaphore(args.concurrency)  # AReaL's max_concurrent_rollouts
+
+    async with dta.AsyncRolloutClient(args.dispatcher, token=token, root_certificates=roots,
+                                      max_in_flight=args.max_in_flight, retry_for=args.retry_s) as client:
+        policy.version = await client.policy_version()
+        print(f"dispatcher {args.dispatcher}: policy version {policy.version}", flush=True)
+        follower = asyncio.create_task(follow_policy(client, policy, args.poll_s))
+
+        async def episode(task: Task, sample: int) -> None:
+            async with slots:
+                trajectories = await arun_episode(policy, system_prompt, task, sample, args.seed, args.max_turns)
+            # Submitted while the next episodes run; the answers are awaited here, per episode.
+            answers = [await client.submit(t) for t in trajectories]
+            for answer in await asyncio.gather(*answers):
+                progress.count(answer)
+            progress.episodes += 1
+            progress.trajectories += len(trajectories)
+
+        async def group(task: Task) -> None:
+            await asyncio.gather(*(episode(task, s) for s in range(args.group_size)))
+            print(f"{task.id} done: {progress.line(policy)}", flush=True)
+
+        try:
+            await asyncio.gather(*(group(task) for task in tasks))
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+    print(f"done: {progress.line(policy)}", flush=True)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dispatcher", default="127.0.0.1:50051", help="host:port of dta-dispatcher")
+    parser.add_argument("--token_file", help="file holding the dispatcher's shared token")
+    parser.add_argument("--tls_roots", help="PEM root certificates to trust (TLS)")
+    parser.add_argument("--groups", type=int, default=8, help="tasks, one GRPO group each")
+    parser.add_argument("--group_size", type=int, default=4, help="episodes per task")
+    parser.add_argument("--concurrency", type=int, default=16, help="episodes generating at once")
+    parser.add_argument("--vocab_size", type=int, default=1024, help="token ids are below this")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--max_turns", type=int, default=4, help="assistant turns per episode")
+    parser.add_argument("--system_tokens", type=int, default=200, help="length of the shared system prompt")
+    parser.add_argument("--latency_ms", type=float, default=20.0, help="simulated generation latency per turn")
+    parser.add_argument("--max_in_flight", type=int, default=64, help="unanswered trajectories at most")
+    parser.add_argument("--poll_s", type=float, default=1.0, help="how often to ask for the policy version")
+    parser.add_argument("--retry_s", type=float, default=600.0, help="give up after this long without an answer")
+    args = parser.parse_args()
+    if min(args.groups, args.group_size, args.concurrency, args.vocab_size, args.max_turns,
+           args.system_tokens, args.max_in_flight) < 1:
+        parser.error("counts and sizes must be positive")
+    try:
+        return asyncio.run(run(args))
+    except DispatcherError as error:
+        print(f"rollout_worker: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

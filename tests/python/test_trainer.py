@@ -1,0 +1,319 @@
+"""dta.Trainer against plain PyTorch + transformers.
+
+A tiny random Qwen3ForCausalLM (test_hf_parity's) is saved as a Hugging Face checkpoint and loaded
+by dta.Trainer in float64. The reference runs every rollout through transformers on its own (float64,
+with test_hf_parity's exact_float64 patches), computes the SFT or GRPO loss from its definition here,
+independently of dta, and backpropagates. Every parameter's gradient from every method (dense,
+packed, dta with small backward chunks) must match within 1e-9 relative error, with the named
+losses and with the same GRPO written as a Python callable. Also: log-probabilities against
+transformers, the AdamW step against torch.optim.AdamW, checkpoints transformers loads, the GIL
+released during long calls, and errors naming the trajectory and the field.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+import dta
+from test_hf_parity import VOCAB, exact_float64, make_rollouts, random_model
+
+RELATIVE = 1e-9
+TINY_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3-tiny.json")
+METHODS = [("dense", {}), ("packed", {}), ("dta", {"block_size": 7}), ("dta", {"block_size": 16, "pack": True})]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def checkpoint(request, tmp_path_factory) -> tuple[Qwen3ForCausalLM, str]:
+    model = random_model(request.param)
+    directory = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(directory, safe_serialization=True)
+    return model, str(directory)
+
+
+def hf_logprobs(model: Qwen3ForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[t] | tokens[:t]) for t >= 1, [L - 1], with autograd."""
+    ids = torch.tensor(tokens)
+    logits = model(input_ids=ids[None]).logits[0]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def trajectories(checkpoint) -> list[dta.Trajectory]:
+    """test_hf_parity's rollouts (shared prefixes, a prefix rollout, a duplicate, one token) with
+    random masks, rewards in mixed groups and behaviour log-probabilities around the model's own, so
+    that PPO ratios fall inside and outside the clip range."""
+    model, _ = checkpoint
+    rng = random.Random(11)
+    out = []
+    with exact_float64(), torch.no_grad():
+        model64 = copy.deepcopy(model).to(torch.float64)
+        for i, r in enumerate(make_rollouts()):
+            current = [0.0] + hf_logprobs(model64, r["tokens"]).tolist()
+            mask = [0] + [int(rng.random() < 0.8) for _ in r["tokens"][1:]]
+            out.append(dta.Trajectory(id=r["id"], group=r["group"], tokens=r["tokens"], loss_mask=mask,
+                                      logprobs=[lp + rng.uniform(-0.4, 0.4) for lp in current],
+                                      reward=float(rng.randrange(3))))
+    assert len({t.group for t in out}) < len(out)
+    return out
+
+
+# --- the reference --------------------------------------------------------------------------------
+
+
+def f32(values: list[float]) -> torch.Tensor:
+    """As dta stores per-token floats: float32, then used in float64."""
+    return torch.tensor(values, dtype=torch.float32).to(torch.float64)
+
+
+def group_advantages(trajectories: list[dta.Trajectory]) -> list[float]:
+    """GRPO: (reward - group mean) / (group std + 1e-6), unbiased std; 0 for equal rewards."""
+    by_group: dict[str, list[float]] = {}
+    for t in trajectories:
+        by_group.setdefault(t.group, []).append(t.reward)
+    out = []
+    for t in trajectories:
+        rewards = torch.tensor(by_group[t.group], dtype=torch.float64)
+        if (rewards == rewards[0]).all():
+            out.append(0.0)
+        else:
+            out.append(float((t.reward - rewards.mean()) / (rewards.std() + 1e-6)))
+    return out
+
+
+def sft_loss(lp: torch.Tensor, t: dta.Trajectory, advantage: float, n: float) -> torch.Tensor:
+    mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+    return -lp[mask].sum() / n
+
+
+def grpo_loss(lp: torch.Tensor, t: dta.Trajectory, advantage: float, n: float) -> torch.Tensor:
+    mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+    a = f32([advantage])[0]
+    ratio = torch.exp(lp - f32(t.logprobs)[1:])
+    surrogate = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
+    return surrogate[mask].sum() / n
+
+
+REFERENCE_LOSSES = {"sft": sft_loss, "grpo": grpo_loss}
+
+
+def reference(model: Qwen3ForCausalLM, trajectories: list[dta.Trajectory], loss: str):
+    """The batch loss and every parameter's gradient, one rollout at a time through transformers."""
+    model64 = copy.deepcopy(model).to(torch.float64)
+    n = float(sum(sum(t.loss_mask) for t in trajectories))
+    advantages = group_advantages(trajectories)
+    total = torch.zeros((), dtype=torch.float64)
+    with exact_float64():
+        for t, a in zip(trajectories, advantages):
+            if len(t.tokens) == 1:
+                continue  # nothing predicted, no loss
+            total = total + REFERENCE_LOSSES[loss](hf_logprobs(model64, t.tokens), t, a, n)
+    total.backward()
+    return total.item(), {name: p.grad for name, p in model64.named_parameters()}, model64
+
+
+def assert_gradients_match(trainer: dta.Trainer, want: dict[str, torch.Tensor], what: str) -> None:
+    got = trainer.gradients()
+    assert sorted(got) == sorted(want), what
+    for name, g in want.items():
+        assert g.norm() > 0, f"{what}: {name} has a zero reference gradient"
+        error = ((got[name] - g).norm() / g.norm()).item()
+        assert error <= RELATIVE, f"{what}: {name}: relative error {error:.3g}"
+
+
+# --- gradients ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", ["sft", "grpo"])
+def test_gradients_match_transformers(checkpoint, trajectories, loss):
+    model, directory = checkpoint
+    want_loss, want, _ = reference(model, trajectories, loss)
+    trainer = dta.Trainer(directory, dtype="float64")
+    for method, options in METHODS:
+        stats = trainer.compute_gradients(trajectories, loss, method, **options)
+        what = f"{loss} {method} {options}"
+        assert stats.loss == pytest.approx(want_loss, rel=RELATIVE, abs=1e-12), what
+        assert stats.rollout_tokens == sum(len(t.tokens) for t in trajectories)
+        assert stats.tree_tokens == dta.PrefixTree(trajectories).tree_tokens < stats.rollout_tokens
+        assert_gradients_match(trainer, want, what)
+
+
+def test_python_loss_matches_transformers(checkpoint, trajectories):
+    model, directory = checkpoint
+    want_loss, want, _ = reference(model, trajectories, "grpo")
+    want_advantages = group_advantages(trajectories)
+    seen = []
+
+    def grpo(logprobs: torch.Tensor, rollout: dta.trainer.RolloutLossInput) -> torch.Tensor:
+        assert logprobs.requires_grad and logprobs.dtype == torch.float64
+        assert rollout.trajectory is trajectories[rollout.index]
+        assert rollout.num_rollouts == len(trajectories)
+        assert torch.equal(rollout.advantages, f32([want_advantages[rollout.index]] * len(logprobs)))
+        seen.append(rollout.index)
+        ratio = torch.exp(logprobs - rollout.old_logprobs)
+        a = rollout.advantages
+        surrogate = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
+        return torch.where(rollout.loss_mask, surrogate, 0).sum() / rollout.total_loss_tokens
+
+    trainer = dta.Trainer(directory, dtype="float64")
+    for method, options in METHODS:
+        seen.clear()
+        stats = trainer.compute_gradients(trajectories, grpo, method, **options)
+        assert sorted(seen) == list(range(len(trajectories))), method
+        assert stats.loss == pytest.approx(want_loss, rel=RELATIVE, abs=1e-12)
+        assert_gradients_match(trainer, want, f"python loss {method} {options}")
+
+
+def test_python_loss_errors_propagate(checkpoint, trajectories):
+    trainer = dta.Trainer(checkpoint[1], dtype="float64")
+
+    class Boom(Exception):
+        pass
+
+    def raising(logprobs, rollout):
+        raise Boom(rollout.trajectory.id)
+
+    with pytest.raises(Boom):
+        trainer.compute_gradients(trajectories, raising, "dta")
+    with pytest.raises(TypeError, match="expected a scalar torch.Tensor"):
+        trainer.compute_gradients(trajectories, lambda lp, r: 1.0, "dense")
+    with pytest.raises(RuntimeError, match="one floating-point value"):
+        trainer.compute_gradients(trajectories, lambda lp, r: lp * 2, "packed")
+    with pytest.raises(TypeError, match="do not apply to a callable loss"):
+        trainer.compute_gradients(trajectories, lambda lp, r: lp.sum(), "dta", eps_clip_low=0.1)
+    # The trainer still works afterwards.
+    assert trainer.compute_gradients(trajectories, "sft", "dta").loss > 0
+
+
+# --- log-probabilities ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("float64", 1e-10)])
+def test_compute_logprobs_matches_transformers(checkpoint, trajectories, dtype, tolerance):
+    model, directory = checkpoint
+    trainer = dta.Trainer(directory, dtype=dtype)
+    with torch.no_grad():
+        if dtype == "float64":
+            with exact_float64():
+                model64 = copy.deepcopy(model).to(torch.float64)
+                want = [hf_logprobs(model64, t.tokens) for t in trajectories]
+        else:
+            want = [hf_logprobs(model, t.tokens) for t in trajectories]
+    for method, options in METHODS:
+        got = trainer.compute_logprobs(trajectories, method, **options)
+        assert len(got) == len(trajectories)
+        for t, g, w in zip(trajectories, got, want):
+            assert g.shape == (len(t.tokens),) and g.dtype == trainer.dtype and g[0].item() == 0.0
+            assert torch.allclose(g[1:].double(), w.double(), rtol=0, atol=tolerance), t.id
+
+
+# --- the optimizer and checkpoints ------------------------------------------------------------------
+
+
+def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, tmp_path):
+    model, directory = checkpoint
+    _, grads, model64 = reference(model, trajectories, "grpo")
+    before = {name: p.detach().clone() for name, p in model64.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(list(model64.parameters()), max_norm=0.5).item()
+    optimizer = torch.optim.AdamW(model64.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    optimizer.step()
+
+    trainer = dta.Trainer(directory, dtype="float64", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                          max_grad_norm=0.5)
+    stats = trainer.train_batch(trajectories, "grpo", "dta", block_size=7)
+    assert stats.step == 1 and trainer.step_count == 1
+    assert stats.grad_norm == pytest.approx(norm, rel=RELATIVE) and stats.clip_coef < 1  # clipping was exercised
+    assert stats.seconds > 0 and stats.rollout_tokens_per_second > 0
+    params = trainer.parameters()
+    for name, p in model64.named_parameters():
+        want_update = p.detach() - before[name]
+        got_update = params[name].detach() - before[name]
+        error = ((got_update - want_update).norm() / want_update.norm()).item()
+        assert error <= 1e-9, f"{name}: update differs by {error:.3g}"
+
+    saved = tmp_path / "step-1"
+    trainer.save(saved)
+    loaded = Qwen3ForCausalLM.from_pretrained(saved, dtype=torch.float64)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), params[name].detach()), name
+    resumed = dta.Trainer(saved, dtype="float64")
+    resumed.load_optimizer(saved)
+    assert resumed.step_count == 1 and resumed.lr == 1e-3
+
+
+def test_from_config_and_properties():
+    trainer = dta.Trainer.from_config(TINY_CONFIG, seed=3, dtype="float32")
+    assert trainer.vocab_size == 1024 and trainer.config["num_hidden_layers"] == 2
+    assert trainer.dtype == torch.float32 and trainer.device == torch.device("cpu")
+    again = dta.Trainer.from_config(TINY_CONFIG, seed=3)
+    other = dta.Trainer.from_config(TINY_CONFIG, seed=4)
+    name = "model.embed_tokens.weight"
+    assert torch.equal(trainer.parameters()[name], again.parameters()[name])
+    assert not torch.equal(trainer.parameters()[name], other.parameters()[name])
+    trainer.lr = 0.5
+    assert trainer.lr == 0.5
+
+
+# --- threads and errors -----------------------------------------------------------------------------
+
+
+def test_long_calls_release_the_gil():
+    trainer = dta.Trainer.from_config(TINY_CONFIG)
+    rng = random.Random(3)
+    batch = [dta.Trajectory(id=str(i), tokens=[rng.randrange(1024) for _ in range(600)], loss_mask=[0] * 600,
+                            logprobs=[0.0] * 600) for i in range(8)]
+    ticks = 0
+    done = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        start_ticks = ticks
+        start = time.perf_counter()
+        trainer.compute_logprobs(batch, "dense")
+        elapsed = time.perf_counter() - start
+        during = ticks - start_ticks
+    finally:
+        done.set()
+        thread.join()
+    # Holding the GIL for the whole call would leave the counter at (about) zero.
+    assert elapsed > 0.05 and during > 1000, (elapsed, during)
+
+
+def test_bad_input_names_the_trajectory_and_field(checkpoint, trajectories, tmp_path):
+    trainer = dta.Trainer(checkpoint[1], dtype="float64")
+    bad = dataclasses.replace(trajectories[2], tokens=[VOCAB] + trajectories[2].tokens[1:])
+    with pytest.raises(ValueError, match=rf"trajectory 1 \('{bad.id}'\): field 'tokens': token 0 = {VOCAB}"):
+        trainer.compute_gradients([trajectories[0], bad], "sft")
+    unrewarded = dataclasses.replace(trajectories[0], reward=None)
+    with pytest.raises(ValueError, match=r"trajectory 0 .*field 'reward': missing"):
+        trainer.train_batch([unrewarded], "grpo")
+    assert trainer.compute_gradients([unrewarded], "sft").loss > 0  # SFT needs no reward
+    with pytest.raises(TypeError, match="unknown option 'eps_clip'"):
+        trainer.compute_gradients(trajectories, "grpo", eps_clip=0.1)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        trainer.compute_gradients(trajectories, "dpo")
+    with pytest.raises(ValueError, match="method must be one of"):
+        trainer.compute_gradients(trajectories, "sft", "tree")
+    with pytest.raises(TypeError, match="expected dta.Trajectory"):
+        trainer.compute_gradients([{"id": "x"}], "sft")
+    with pytest.raises(FileNotFoundError):
+        dta.Trainer(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match="config.json"):
+        dta.Trainer(tmp_path / "empty")
+    with pytest.raises(ValueError, match="dtype must be"):
+        dta.Trainer(checkpoint[1], dtype="float16")

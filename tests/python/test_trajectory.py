@@ -1,0 +1,300 @@
+"""dta.Trajectory: validation (the C++ ValidateRollout's rules, errors naming the field), JSON Lines
+files (round trips, compatibility with the C++ reader and writer, errors naming file and line) and
+AReaL's tensor dicts in both of its conventions (aligned with the tokens, and shifted by PPOActor's
+torch.roll), including bad inputs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import dta
+from dta import Trajectory, from_areal, read_jsonl, to_areal, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tool(name: str) -> Path:
+    path = Path(os.environ.get("DTA_BUILD_DIR", REPO / "build")) / "bin" / name
+    if not path.exists():
+        pytest.fail(f"{path} does not exist: build it with scripts/build.sh (or set DTA_BUILD_DIR)")
+    return path
+
+
+def f32(x: float) -> float:
+    """x rounded to float32, as the C++ core and the wire store per-token floats."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def full(seed: int = 0, length: int = 9) -> Trajectory:
+    """A trajectory with every field set; floats exactly representable in float32."""
+    rng = random.Random(seed)
+    prompt = rng.randrange(1, length - 1)
+    return Trajectory(
+        id=f"t{seed}", group=f"g{seed % 2}",
+        tokens=[rng.randrange(1000) for _ in range(length)],
+        loss_mask=[0] * prompt + [int(rng.random() < 0.8) for _ in range(length - prompt)],
+        logprobs=[0.0] * prompt + [f32(-rng.random() * 5) for _ in range(length - prompt)],
+        versions=[-1] * prompt + [rng.randrange(4) for _ in range(length - prompt)],
+        reward=rng.choice([0.0, 1.0, 0.25]),
+        advantages=[f32(rng.gauss(0, 1)) for _ in range(length)],
+        ref_logprobs=[f32(-rng.random() * 5) for _ in range(length)],
+        metadata={"task": str(seed), "turn": "2"})
+
+
+# --- validation -------------------------------------------------------------------------------------
+
+
+def test_valid_trajectories_pass():
+    full(1).validate()
+    full(2).validate(vocab_size=1000)
+    Trajectory(id="one", tokens=[5], loss_mask=[0], logprobs=[0.0]).validate()
+    Trajectory(id="bools", tokens=[5, 6], loss_mask=[False, True], logprobs=[0, -1]).validate()
+
+
+BAD = [
+    # (change, field, words in the message)
+    ({"id": ""}, "id", "empty"),
+    ({"id": 7}, "id", "string"),
+    ({"group": None}, "group", "string"),
+    ({"tokens": [], "loss_mask": [], "logprobs": []}, "tokens", "empty"),
+    ({"tokens": [1, -2, 3, 4, 5, 6, 7, 8, 9]}, "tokens", "token 1 = -2"),
+    ({"tokens": [1, 2, 3, 2**31, 5, 6, 7, 8, 9]}, "tokens", "2^31"),
+    ({"tokens": [1, 2, 3, 4.0, 5, 6, 7, 8, 9]}, "tokens", "value 3 is not an integer"),
+    ({"loss_mask": [0, 1]}, "loss_mask", "2 values for 9 tokens"),
+    ({"logprobs": [0.0] * 10}, "logprobs", "10 values for 9 tokens"),
+    ({"versions": [0] * 3}, "versions", "3 values for 9 tokens"),
+    ({"advantages": [0.0] * 8}, "advantages", "8 values for 9 tokens"),
+    ({"ref_logprobs": [0.0]}, "ref_logprobs", "1 values for 9 tokens"),
+    ({"logprobs": [0.0] * 4 + [math.nan] + [0.0] * 4}, "logprobs", "value 4 is not finite"),
+    ({"advantages": [0.0] * 8 + [math.inf]}, "advantages", "value 8 is not finite"),
+    ({"ref_logprobs": [1e39] + [0.0] * 8}, "ref_logprobs", "value 0 is not finite"),  # inf in float32
+    ({"logprobs": ["x"] * 9}, "logprobs", "not a number"),
+    ({"loss_mask": [0, 1, 2, 1, 1, 1, 1, 1, 1]}, "loss_mask", "value 2 is 2, not 0 or 1"),
+    ({"loss_mask": [1] * 9}, "loss_mask", "first token has no context"),
+    ({"versions": [-1, -2] + [0] * 7}, "versions", "value 1 is -2 (must be >= -1)"),
+    ({"reward": math.nan}, "reward", "not finite"),
+    ({"reward": "1"}, "reward", "number"),
+    ({"metadata": {"a": 1}}, "metadata", "strings"),
+]
+
+
+@pytest.mark.parametrize("change,field,words", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_invalid_trajectories_name_the_field(change, field, words):
+    t = dataclasses.replace(full(3), **change)
+    with pytest.raises(ValueError) as e:
+        t.validate()
+    assert str(e.value).startswith(f"field '{field}': "), str(e.value)
+    assert words in str(e.value)
+
+
+def test_vocab_size_bounds_tokens():
+    t = full(4)
+    t.validate(vocab_size=max(t.tokens) + 1)
+    with pytest.raises(ValueError, match=rf"field 'tokens': token \d+ = {max(t.tokens)} is outside \[0, "
+                                         rf"{max(t.tokens)}\)"):
+        t.validate(vocab_size=max(t.tokens))
+
+
+# --- JSON Lines ---------------------------------------------------------------------------------
+
+
+def test_jsonl_round_trip(tmp_path):
+    trajectories = [full(i, length=5 + i) for i in range(6)]
+    trajectories.append(Trajectory(id="minimal", tokens=[3, 4], loss_mask=[0, 1], logprobs=[0.0, -0.5]))
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, trajectories)
+    assert read_jsonl(path) == trajectories
+    assert len(path.read_text().splitlines()) == len(trajectories)
+    # Optional fields are written only when set.
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert sorted(last) == ["group", "id", "logprobs", "loss_mask", "tokens"]
+
+
+def test_jsonl_accepts_what_the_cpp_reader_accepts(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": 17, "group": 3, "tokens": [1, 2], "loss_mask": [false, true], "logprobs": [0, -1],'
+                    ' "metadata": {"k": [1, 2], "s": "v"}}\n\n   \n'
+                    '{"group": "g", "tokens": [5], "loss_mask": [0], "logprobs": [0.5], "id": "b"}\n')
+    a, b = read_jsonl(path)
+    assert a == Trajectory(id="17", group="3", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0],
+                           metadata={"k": "[1, 2]", "s": "v"})
+    assert isinstance(a.logprobs[1], float)
+    assert b.id == "b" and b.group == "g"
+
+
+@pytest.mark.parametrize("line,words", [
+    ('{"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1]', ["malformed JSON"]),
+    ('{"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0, 0], "rewrd": 1}',
+     ["rollout 'a':", "field 'rewrd': unknown field"]),
+    ('{"id": "a", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0, 0]}', ["rollout 'a':", "field 'group': missing"]),
+    ('{"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1, 1], "logprobs": [0, 0]}',
+     ["rollout 'a':", "field 'loss_mask': 3 values for 2 tokens"]),
+    ('{"id": "a", "group": "g", "tokens": 5, "loss_mask": [0], "logprobs": [0]}', ["field 'tokens': must be an array"]),
+    ('{"id": 1.5, "group": "g", "tokens": [1], "loss_mask": [0], "logprobs": [0]}',
+     ["field 'id': must be a string or an integer"]),
+    ('[1, 2]', ["a rollout must be a JSON object"]),
+])
+def test_jsonl_errors_name_file_line_rollout_and_field(tmp_path, line, words):
+    path = tmp_path / "bad.jsonl"
+    good = '{"id": "ok", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0, -1]}'
+    path.write_text(good + "\n\n" + line + "\n")
+    with pytest.raises(ValueError) as e:
+        read_jsonl(path)
+    assert str(e.value).startswith(f"{path}:3:"), str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_jsonl_duplicate_ids_and_vocab(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    line = '{"id": "x", "group": "g", "tokens": [1, 900], "loss_mask": [0, 1], "logprobs": [0, -1]}\n'
+    path.write_text(line + line)
+    with pytest.raises(ValueError, match=r"dup.jsonl:2: rollout 'x': field 'id': duplicate of line 1"):
+        read_jsonl(path)
+    path.write_text(line)
+    with pytest.raises(ValueError, match=r":1: rollout 'x': field 'tokens': token 1 = 900"):
+        read_jsonl(path, vocab_size=900)
+    with pytest.raises(FileNotFoundError):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_write_jsonl_refuses_invalid_and_duplicates(tmp_path):
+    path = tmp_path / "out.jsonl"
+    bad = dataclasses.replace(full(1), loss_mask=[1] * 9)
+    with pytest.raises(ValueError, match=r"trajectory 1 \('t1'\): field 'loss_mask'"):
+        write_jsonl(path, [full(0), bad])
+    with pytest.raises(ValueError, match=r"trajectory 1 \('t0'\): field 'id': duplicate"):
+        write_jsonl(path, [full(0), full(0)])
+    assert not path.exists()
+
+
+def test_jsonl_is_the_cpp_tools_format(tmp_path):
+    """A file from dta-workload reads here; written back, dta-tree sees the same batch."""
+    generated = tmp_path / "workload.jsonl"
+    run = subprocess.run([tool("dta-workload"), "--preset=tau2", "--seed=3", "--scale=0.02", "--vocab_size=1024",
+                          f"--out={generated}"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    trajectories = read_jsonl(generated, vocab_size=1024)
+    assert len(trajectories) > 5
+    assert all(t.reward is not None and t.versions for t in trajectories)
+    rewritten = tmp_path / "rewritten.jsonl"
+    write_jsonl(rewritten, trajectories)
+    assert read_jsonl(rewritten) == trajectories
+
+    def tree_json(path: Path) -> dict:
+        out = subprocess.run([tool("dta-tree"), "--json", str(path)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["tree"]
+
+    assert tree_json(rewritten) == tree_json(generated)
+    # And dta.PrefixTree agrees with dta-tree.
+    stats = dta.PrefixTree(trajectories).stats()
+    tree = tree_json(generated)
+    assert (stats.rollout_tokens, stats.tree_tokens) == (tree["rollout_tokens"], tree["tree_tokens"])
+
+
+# --- AReaL ------------------------------------------------------------------------------------------
+
+
+def areal_rollout(t: Trajectory) -> dict[str, torch.Tensor]:
+    """What AReaL's RLVR workflow builds for one sample (areal/workflow/rlvr.py), independently."""
+    return {
+        "input_ids": torch.tensor(t.tokens).unsqueeze(0),
+        "loss_mask": torch.tensor(t.loss_mask).unsqueeze(0),
+        "logprobs": torch.tensor(t.logprobs).unsqueeze(0),
+        "versions": torch.tensor(t.versions).unsqueeze(0),
+        "attention_mask": torch.ones(len(t.tokens), dtype=torch.bool).unsqueeze(0),
+        "rewards": torch.tensor([float(t.reward)]),
+    }
+
+
+def areal_shift(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PPOActor.compute_advantages' shift of loss_mask and logprobs to the logits' positions."""
+    out = dict(d)
+    for key in ("loss_mask", "logprobs"):
+        out[key] = torch.roll(d[key], shifts=-1, dims=-1)
+    return out
+
+
+def without_extras(t: Trajectory) -> Trajectory:
+    return dataclasses.replace(t, advantages=[], ref_logprobs=[], metadata={})
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["aligned", "shifted"])
+def test_areal_round_trip(shifted):
+    for seed in range(5):
+        t = full(seed, length=3 + 4 * seed)
+        d = to_areal(t, shifted=shifted)
+        for key in ("input_ids", "loss_mask", "logprobs", "versions", "attention_mask", "advantages", "ref_logp"):
+            assert d[key].shape == (1, len(t.tokens)), key
+        assert d["rewards"].shape == (1,)
+        assert d["input_ids"].dtype == torch.int64 and d["logprobs"].dtype == torch.float32
+        assert from_areal(d, id=t.id, group=t.group, shifted=shifted) == dataclasses.replace(t, metadata={})
+
+
+def test_areal_conventions_match_areals_own_tensors():
+    t = without_extras(full(7, length=12))
+    workflow = areal_rollout(t)
+    for key, value in workflow.items():
+        assert torch.equal(to_areal(t, shifted=False)[key], value), key
+    actor = areal_shift(workflow)
+    ours = to_areal(t, shifted=True)
+    for key, value in actor.items():
+        assert torch.equal(ours[key], value), key
+    # Position p of the shifted frame is about token p + 1: the logits at p predict it.
+    assert ours["loss_mask"][0, :-1].tolist() == t.loss_mask[1:]
+    assert ours["logprobs"][0, :-1].tolist() == t.logprobs[1:]
+    assert from_areal(actor, id=t.id, group=t.group, shifted=True) == t
+    assert from_areal(workflow, id=t.id, group=t.group, shifted=False) == t
+
+
+def test_areal_padded_row():
+    """A row of a padded batch: AReaL rolls the whole padded row, so token 0's values wrap to the
+    padding's last position; from_areal undoes the roll before dropping the padding."""
+    t = without_extras(full(8, length=7))
+    pad = 4
+    workflow = {k: torch.cat([v, torch.zeros(1, pad, dtype=v.dtype)], dim=1) if v.dim() == 2 else v
+                for k, v in areal_rollout(t).items()}
+    t_wrapped = dataclasses.replace(t, logprobs=[-0.5] + t.logprobs[1:])  # a value that must come back
+    workflow["logprobs"][0, 0] = -0.5
+    assert from_areal(workflow, id=t.id, group=t.group, shifted=False) == t_wrapped
+    assert from_areal(areal_shift(workflow), id=t.id, group=t.group, shifted=True) == t_wrapped
+
+
+@pytest.mark.parametrize("change,field,words", [
+    (lambda d: d.pop("input_ids"), "input_ids", "missing"),
+    (lambda d: d.pop("logprobs"), "logprobs", "missing"),
+    (lambda d: d.update(input_ids=d["input_ids"][0]), "input_ids", "expected shape [1, L]"),
+    (lambda d: d.update(loss_mask=d["loss_mask"][:, :-1]), "loss_mask", "values for"),
+    (lambda d: d.update(input_ids=d["input_ids"].float()), "input_ids", "integers"),
+    (lambda d: d.update(logprobs=[0.0]), "logprobs", "torch.Tensor"),
+    (lambda d: d.update(rewards=torch.tensor([1.0, 2.0])), "rewards", "one value"),
+    (lambda d: d.update(attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]])), "attention_mask", "ones followed"),
+    (lambda d: d.update(versions=torch.full((1, 6), -3)), "versions", "must be >= -1"),
+    (lambda d: d.update(logprobs=torch.full((1, 6), math.nan)), "logprobs", "not finite"),
+])
+def test_areal_bad_inputs_name_the_field(change, field, words):
+    t = without_extras(full(9, length=6))
+    d = to_areal(t, shifted=False)
+    change(d)
+    with pytest.raises(ValueError) as e:
+        from_areal(d, id="x", shifted=False)
+    assert str(e.value).startswith(f"field '{field}': "), str(e.value)
+    assert words in str(e.value)
+
+
+def test_areal_shifted_dict_read_as_aligned_is_refused():
+    # The first generated token right after a one-token prompt: shifted, its mask sits at position 0.
+    t = Trajectory(id="s", tokens=[4, 5, 6], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -2.0])
+    with pytest.raises(ValueError, match="field 'loss_mask': value 0 is 1"):
+        from_areal(to_areal(t, shifted=True), id="s", shifted=False)
+    with pytest.raises(ValueError, match="field 'tokens'"):
+        from_areal(to_areal(t, shifted=False), id="s", shifted=False, vocab_size=6)
