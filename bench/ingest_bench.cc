@@ -88,6 +88,7 @@ StreamResult RunStream(v1::Dispatcher::Stub& stub, const std::string& token, int
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Clock::time_point> in_flight;  // scheduled send times of unanswered trajectories
+  bool reader_done = false;  // the stream ended: nothing will make room in the window any more
   bool writer_done = false;
   std::thread writer([&] {
     const std::string prefix = absl::StrCat(absl::GetFlag(FLAGS_id_prefix), "-", stream, "-");
@@ -102,7 +103,8 @@ StreamResult RunStream(v1::Dispatcher::Stub& stub, const std::string& token, int
       if (scheduled >= stop) break;
       {
         std::unique_lock lock(mu);
-        cv.wait(lock, [&] { return static_cast<int>(in_flight.size()) < window; });
+        cv.wait(lock, [&] { return reader_done || static_cast<int>(in_flight.size()) < window; });
+        if (reader_done) break;
         in_flight.push_back(scheduled);
       }
       request.mutable_trajectory()->set_id(absl::StrCat(prefix, n));
@@ -130,6 +132,15 @@ StreamResult RunStream(v1::Dispatcher::Stub& stub, const std::string& token, int
       if (result.error.empty()) result.error = answer.reason();
     }
   }
+  bool writer_running = false;
+  {
+    std::lock_guard lock(mu);
+    reader_done = true;
+    writer_running = !writer_done;
+  }
+  cv.notify_all();
+  // The stream ended before the writer did (the dispatcher went away): a Write blocked on it returns.
+  if (writer_running) context.TryCancel();
   writer.join();
   const grpc::Status status = call->Finish();
   if (!status.ok()) result.error = absl::StrCat("stream ", stream, ": ", status.error_message());

@@ -48,6 +48,7 @@ Rollout MakeRollout(const std::vector<std::vector<TokenId>>& turns, int task, in
   return r;
 }
 
+// levels <= 4: 2^levels branches must not outnumber a task's 16 rollouts.
 std::vector<Rollout> MakeBatch(int levels) {
   std::mt19937 rng(2026);
   std::vector<Rollout> batch;
@@ -76,7 +77,10 @@ void BM_PlanPartitions(benchmark::State& state) {
   double compression = 0;
   for (auto _ : state) {
     absl::StatusOr<PartitionPlan> plan = PlanPartitions(pointers, 8, /*with_advantages=*/true, true);
-    if (!plan.ok()) state.SkipWithError(std::string(plan.status().message()).c_str());
+    if (!plan.ok()) {
+      state.SkipWithError(std::string(plan.status().message()).c_str());
+      break;
+    }
     compression = static_cast<double>(int64_t{kTasks} * kRolloutsPerTask * kRolloutTokens) /
                   static_cast<double>(plan->partition.combined_tree_tokens);
     benchmark::DoNotOptimize(plan->ranks.data());

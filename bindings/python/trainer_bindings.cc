@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -73,17 +75,28 @@ struct PythonLoss {
 };
 
 // The C++ trainer and the lock that keeps its calls one at a time. The lock is taken after the
-// GIL is released, so a thread holding it can always re-acquire the GIL for a Python loss.
+// GIL is released, so a thread holding it can always re-acquire the GIL for a Python loss. `owner`
+// is the thread inside a call: a Python loss calling back into its own trainer (same thread, lock
+// held) gets an error instead of a deadlock.
 struct BoundTrainer {
   std::unique_ptr<Trainer> trainer;
   std::mutex mu;
+  std::atomic<std::thread::id> owner{};
 };
 
 // Runs `call` on the trainer without the GIL, under the trainer's lock.
 template <typename Call>
 auto WithoutGil(BoundTrainer& self, Call&& call) {
+  if (self.owner.load() == std::this_thread::get_id()) {
+    throw std::runtime_error("a loss callable must not call its trainer (the trainer is inside compute_gradients)");
+  }
   py::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(self.mu);
+  struct Owner {
+    std::atomic<std::thread::id>& owner;
+    explicit Owner(std::atomic<std::thread::id>& o) : owner(o) { owner.store(std::this_thread::get_id()); }
+    ~Owner() { owner.store(std::thread::id()); }
+  } owned(self.owner);
   return call(*self.trainer);
 }
 

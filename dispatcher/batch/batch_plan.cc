@@ -81,8 +81,8 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
 }
 
 std::vector<float> PlannedAdvantages(const PartitionPlan& plan, int64_t i, const Rollout& rollout) {
-  if (plan.advantages.empty()) return {};
   if (!rollout.advantages.empty()) return rollout.advantages;
+  if (plan.advantages.empty()) return {};
   return std::vector<float>(rollout.tokens.size(), plan.advantages[i]);
 }
 

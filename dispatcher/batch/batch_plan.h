@@ -71,7 +71,8 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
                                              bool with_advantages, bool normalize_std);
 
 // The per-token advantages batch rollout `i` (`rollout`) is trained with under `plan`: its own
-// when it has them, else its group advantage on every token; empty when the plan has none.
+// when it has them, else its group advantage on every token, else (a plan without advantages:
+// SFT) none.
 std::vector<float> PlannedAdvantages(const PartitionPlan& plan, int64_t i, const Rollout& rollout);
 
 }  // namespace dta

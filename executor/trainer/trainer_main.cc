@@ -25,6 +25,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -60,9 +61,11 @@ ABSL_FLAG(int32_t, slow_step_ms, 0, "testing: sleep this long before the all-red
 namespace dta {
 namespace {
 
-// Set by SIGUSR1: save a checkpoint once the step in progress commits.
-volatile std::sig_atomic_t checkpoint_requested = 0;
-extern "C" void RequestCheckpoint(int) { checkpoint_requested = 1; }
+// Set by SIGUSR1: save a checkpoint once the step in progress commits (lock-free, so the handler
+// may touch it; taken with one exchange, so a signal arriving meanwhile is never lost).
+std::atomic<bool> checkpoint_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+extern "C" void RequestCheckpoint(int) { checkpoint_requested.store(true); }
 
 
 constexpr int kRestart = 75;  // EX_TEMPFAIL: the launcher should restart the group
@@ -199,19 +202,18 @@ int Run() {
     std::fprintf(stderr, "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s\n", prefix.c_str(),
                  static_cast<long long>(step - 1), partition.replay ? " (replay)" : "", static_cast<int>(rollouts.size()),
                  result.loss, stats.grad_norm, seconds);
-    const bool requested = checkpoint_requested != 0;
-    if (requested) checkpoint_requested = 0;
-    if (step % absl::GetFlag(FLAGS_save_every) == 0 || step == max_steps || requested) {
+    const bool requested = checkpoint_requested.exchange(false);
+    if (step % absl::GetFlag(FLAGS_save_every) == 0 || step == max_steps || (requested && env->rank == 0)) {
       if (env->rank == 0) {
         SaveCheckpoint(checkpoint_dir, step, policy_version, model, optimizer,
                        absl::GetFlag(FLAGS_keep_checkpoints));
         if (requested) std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix.c_str(),
                                     static_cast<long long>(step - 1));
-      } else if (requested) {
-        std::fprintf(stderr, "%s: a checkpoint was requested: send SIGUSR1 to rank 0, which saves them\n",
-                     prefix.c_str());
       }
       checkpoint_step = step;
+    } else if (requested) {
+      std::fprintf(stderr, "%s: a checkpoint was requested: send SIGUSR1 to rank 0, which saves them\n",
+                   prefix.c_str());
     }
   }
   // Every rank leaves together, so rank 0's store outlives the others' last collective.

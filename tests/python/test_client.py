@@ -120,7 +120,7 @@ def test_wire_round_trip_and_fields_the_wire_cannot_carry():
     for field, value in [("tokens", [1, 2**31]), ("loss_mask", [0, 2]), ("logprobs", [0.0, "x"])]:
         bad = dta.Trajectory(id="bad", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0])
         setattr(bad, field, value)
-        with pytest.raises(ValueError, match=f"field '{field}'"):
+        with pytest.raises(ValueError, match=f"trajectory 'bad': field '{field}'"):
             _wire.to_proto(bad)
 
 
@@ -401,6 +401,37 @@ def test_policy_version_follows_committed_steps(dispatcher):
     with RolloutClient(d.address, **BOUNDED) as client:
         assert client.policy_version() == 7
         assert client.wait_for_policy_version(7, timeout=10).committed_steps == 2
+
+
+def test_close_ends_calls_other_threads_wait_in(dispatcher):
+    """A thread waiting for a policy version that never comes, and a batch with one trajectory the
+    wire cannot carry: close() ends the first (CANCELLED) instead of leaving it blocked, and
+    send_all refuses the second naming it before queueing any."""
+    d = dispatcher()
+    client = RolloutClient(d.address, **BOUNDED)
+    bad = make(2, prefix="c")
+    bad.tokens = [1, 2**31] + bad.tokens[2:]
+    with pytest.raises(ValueError, match=r"trajectory 1: trajectory 'c2': field 'tokens'"):
+        client.send_all([make(1, prefix="c"), bad])
+    assert client.status().pending_trajectories == 0
+    outcome = []
+
+    def wait() -> None:
+        try:
+            client.wait_for_policy_version(100, poll_interval=0.05)
+        except DispatcherError as error:
+            outcome.append(error.code)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    client.close(timeout=5)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert outcome == [grpc.StatusCode.CANCELLED]
+    with pytest.raises(DispatcherError):
+        client.status()
+    client.close()  # idempotent
 
 
 def test_rollout_worker_example_streams_episodes_and_reloads_weights(dispatcher):

@@ -188,8 +188,34 @@ def test_python_loss_errors_propagate(checkpoint, trajectories):
         trainer.compute_gradients(trajectories, lambda lp, r: lp * 2, "packed")
     with pytest.raises(TypeError, match="do not apply to a callable loss"):
         trainer.compute_gradients(trajectories, lambda lp, r: lp.sum(), "dta", eps_clip_low=0.1)
+    # A loss calling back into its own trainer gets an error, not a deadlock.
+    def reentrant(logprobs, rollout):
+        trainer.lr = 0.1
+        return logprobs.sum()
+
+    with pytest.raises(RuntimeError, match="must not call its trainer"):
+        trainer.compute_gradients(trajectories, reentrant, "dta")
     # The trainer still works afterwards.
     assert trainer.compute_gradients(trajectories, "sft", "dta").loss > 0
+
+
+def test_train_batch_is_one_unit_across_threads(checkpoint, trajectories):
+    """Two threads' train_batch calls on one trainer: each zeroes, computes and steps without the
+    other's calls in between, so the two steps equal two train_batch calls in a row."""
+    _, directory = checkpoint
+    together = dta.Trainer(directory, dtype="float64", lr=1e-2)
+    threads = [threading.Thread(target=together.train_batch, args=(trajectories,), kwargs={"loss": "sft"})
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    alone = dta.Trainer(directory, dtype="float64", lr=1e-2)
+    alone.train_batch(trajectories, loss="sft")
+    alone.train_batch(trajectories, loss="sft")
+    assert together.step_count == 2
+    for name, p in alone.parameters().items():
+        torch.testing.assert_close(together.parameters()[name], p, rtol=1e-12, atol=1e-14, msg=name)
 
 
 # --- log-probabilities ----------------------------------------------------------------------------

@@ -30,9 +30,15 @@ def _mask_bit(value: object) -> bool:
 
 
 def to_proto(trajectory: Trajectory) -> dispatcher_pb2.Trajectory:
-    """The wire message for ``trajectory``. Raises ``ValueError`` naming the field that the wire
-    cannot carry."""
-    t = trajectory
+    """The wire message for ``trajectory``. Raises ``ValueError`` naming the trajectory's id and
+    the field that the wire cannot carry."""
+    try:
+        return _to_proto(trajectory)
+    except ValueError as error:
+        raise ValueError(f"trajectory {getattr(trajectory, 'id', None)!r}: {error}") from error
+
+
+def _to_proto(t: Trajectory) -> dispatcher_pb2.Trajectory:
     message = dispatcher_pb2.Trajectory()
     _field("id", lambda: setattr(message, "id", t.id))
     _field("group", lambda: setattr(message, "group_id", t.group))

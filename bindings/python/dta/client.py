@@ -279,8 +279,16 @@ class AsyncRolloutClient:
         """Streams ``trajectories`` (up to ``max_in_flight`` unanswered at a time) and returns
         their answers in order. ``asyncio.TimeoutError`` after ``timeout`` seconds (whatever was
         submitted stays queued); :class:`DispatcherError` if the client gives up."""
+        # Converted first, so that a trajectory the wire cannot carry queues none of them.
+        messages = []
+        for i, t in enumerate(trajectories):
+            try:
+                messages.append(t if isinstance(t, dispatcher_pb2.Trajectory) else _wire.to_proto(t))
+            except ValueError as error:
+                raise ValueError(f"trajectory {i}: {error}") from error
+
         async def send_all() -> list[Ack]:
-            futures = [await self.submit(t) for t in trajectories]
+            futures = [await self.submit(m) for m in messages]
             return list(await asyncio.gather(*(asyncio.shield(f) for f in futures)))
 
         return await asyncio.wait_for(send_all(), timeout)
@@ -551,6 +559,8 @@ class RolloutClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dta-rollout-client", daemon=True)
         self._thread.start()
+        # Guards _closed against calls scheduling work while close() tears the loop down.
+        self._lock = threading.Lock()
         self._closed = False
 
     def __enter__(self) -> "RolloutClient":
@@ -560,10 +570,16 @@ class RolloutClient:
         self.close(timeout=0 if exc_type is not None else None)
 
     def _run(self, coroutine: Awaitable[_T]) -> _T:
-        if self._closed:
-            coroutine.close()
-            raise DispatcherError(grpc.StatusCode.CANCELLED, "the client was closed")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        with self._lock:
+            if self._closed:
+                coroutine.close()
+                raise DispatcherError(grpc.StatusCode.CANCELLED, "the client was closed")
+            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            # close() cancelled it (another thread's wait, a backoff): it ends, not hangs.
+            raise DispatcherError(grpc.StatusCode.CANCELLED, "the client was closed") from None
 
     def submit(self, trajectory: TrajectoryLike) -> concurrent.futures.Future[Ack]:
         """Queues ``trajectory``, blocking while ``max_in_flight`` are unanswered; returns a
@@ -616,13 +632,28 @@ class RolloutClient:
                                                               poll_interval=poll_interval))
 
     def close(self, *, timeout: Optional[float] = None) -> None:
-        """See :meth:`AsyncRolloutClient.close`; then stops the background thread. Idempotent."""
-        if self._closed:
-            return
+        """See :meth:`AsyncRolloutClient.close`; then cancels what other threads still wait for
+        (they raise :class:`DispatcherError` CANCELLED) and stops the background thread.
+        Idempotent."""
+        with self._lock:
+            if self._closed or getattr(self, "_closing", False):
+                return
+            self._closing = True
         try:
             self._run(self._client.close(timeout=timeout))
         finally:
-            self._closed = True
+            with self._lock:
+                self._closed = True
+            asyncio.run_coroutine_threadsafe(_cancel_other_tasks(), self._loop).result()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancels every task of the running loop but this one and waits for them to end."""
+    current = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not current]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,16 @@ def _dtype(value: str | torch.dtype) -> torch.dtype:
             raise ValueError(f"dtype must be float32, float64 or bfloat16, got {value}")
         return value
     return _choice("dtype", value, _DTYPES)
+
+
+def _serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """One call at a time per trainer: train_batch's zero-gradients, gradients and step are one
+    unit that another thread's call cannot interleave with."""
+    @functools.wraps(method)
+    def locked(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 @dataclass(frozen=True)
@@ -295,6 +306,7 @@ class Trainer:
         adamw.lr, adamw.weight_decay, adamw.max_grad_norm = float(lr), float(weight_decay), float(max_grad_norm)
         adamw.beta1, adamw.beta2 = (float(b) for b in betas)
         adamw.eps = float(eps)
+        self._lock = threading.RLock()
         self._dtype = _dtype(dtype)
         self._device = torch.device(device)
         self._core = make(self._dtype, self._device, adamw)
@@ -302,6 +314,7 @@ class Trainer:
 
     # --- training -----------------------------------------------------------------------------
 
+    @_serialized
     def train_batch(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo", method: str = "dta",
                     **options: Any) -> TrainStats:
         """Zeroes the gradients, computes the batch's gradients and steps AdamW.
@@ -329,6 +342,7 @@ class Trainer:
         self._synchronize()
         return dataclasses.replace(stats, seconds=time.perf_counter() - start, **step)
 
+    @_serialized
     def compute_gradients(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo",
                           method: str = "dta", *, accumulate: bool = False, **options: Any) -> TrainStats:
         """Like :meth:`train_batch` without the optimizer step; with ``accumulate`` the gradients
@@ -356,6 +370,7 @@ class Trainer:
         self._synchronize()
         return TrainStats(seconds=time.perf_counter() - start, method=method, **result)
 
+    @_serialized
     def compute_logprobs(self, trajectories: Sequence[Trajectory], method: str = "dta",
                          **options: Any) -> list[torch.Tensor]:
         """Every trajectory's per-token log-probabilities under the current weights.
@@ -370,16 +385,19 @@ class Trainer:
             raise TypeError(f"compute_logprobs takes executor options only, got {sorted(options)}")
         return self._core.compute_logprobs(batch, ExecutorOptions(**executor_options)._to_core(method))
 
+    @_serialized
     def zero_grad(self) -> None:
         """Sets every gradient to zero."""
         self._core.zero_grad()
 
+    @_serialized
     def step(self) -> dict[str, float]:
         """One AdamW step on the current gradients: ``{"grad_norm", "clip_coef", "step"}``."""
         return self._core.step()
 
     # --- checkpoints --------------------------------------------------------------------------
 
+    @_serialized
     def save(self, directory: str | os.PathLike[str], *, dtype: str | torch.dtype | None = None,
              optimizer: bool = True) -> None:
         """Writes a Hugging Face checkpoint (config.json + safetensors, in ``dtype``, default the
@@ -387,6 +405,7 @@ class Trainer:
         as ``optimizer.safetensors`` (what dta-train --save writes)."""
         self._core.save(str(directory), None if dtype is None else _dtype(dtype), optimizer)
 
+    @_serialized
     def load_optimizer(self, path: str | os.PathLike[str]) -> None:
         """Restores the AdamW state from ``optimizer.safetensors`` or a directory holding it."""
         path = Path(path)

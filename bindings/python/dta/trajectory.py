@@ -96,6 +96,10 @@ class Trajectory:
             raise _field_error("id", "empty")
         if not isinstance(self.group, str):
             raise _field_error("group", f"must be a string, got {type(self.group).__name__}")
+        for name in ("tokens", "loss_mask", "logprobs", "versions", "advantages", "ref_logprobs"):
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not (hasattr(values, "__len__") and hasattr(values, "__iter__")):
+                raise _field_error(name, f"must be a list, got {type(values).__name__}")
         n = len(self.tokens)
         if n == 0:
             raise _field_error("tokens", "empty rollout")
@@ -127,8 +131,10 @@ class Trajectory:
         for i, value in enumerate(self.versions):
             if not _is_int(value) or isinstance(value, bool):
                 raise _field_error("versions", f"value {i} is not an integer")
-            if value < -1 or value >= _TOKEN_LIMIT:
+            if value < -1:
                 raise _field_error("versions", f"value {i} is {value} (must be >= -1)")
+            if value >= _TOKEN_LIMIT:
+                raise _field_error("versions", f"value {i} is {value} (must be < 2^31)")
         if self.reward is not None:
             if not _is_number(self.reward):
                 raise _field_error("reward", "must be a number")
