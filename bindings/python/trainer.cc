@@ -38,7 +38,8 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
   stats.loss = result.loss;
   stats.rollout_tokens = result.rollout_tokens;
   stats.forwarded_tokens = result.forwarded_tokens;
-  PrefixTreeBuilder builder;
+  // Only the count: the trie points into the rollouts instead of copying their tokens again.
+  PrefixTreeBuilder builder(TokenStorage::kBorrow);
   for (const Rollout& r : rollouts) TORCH_CHECK(builder.AddRollout(r.tokens).ok(), "rollout '", r.id, "'");
   stats.tree_tokens = builder.num_tree_tokens();
   return stats;

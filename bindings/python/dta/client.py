@@ -561,6 +561,7 @@ class RolloutClient:
         self._thread.start()
         # Guards _closed against calls scheduling work while close() tears the loop down.
         self._lock = threading.Lock()
+        self._closing = False
         self._closed = False
 
     def __enter__(self) -> "RolloutClient":
@@ -636,7 +637,7 @@ class RolloutClient:
         (they raise :class:`DispatcherError` CANCELLED) and stops the background thread.
         Idempotent."""
         with self._lock:
-            if self._closed or getattr(self, "_closing", False):
+            if self._closing:
                 return
             self._closing = True
         try:
