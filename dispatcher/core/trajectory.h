@@ -31,9 +31,8 @@ struct TrajectoryLimits {
   bool require_reward_or_advantages = true;
   // Every trajectory needs reference log-probabilities (trainers with a KL penalty need them).
   bool require_ref_logprobs = false;
-  // The largest |reward|: beyond it group advantages could leave float's range (or a group's sum
-  // overflow), which would make a whole batch untrainable after it was acknowledged.
-  double max_abs_reward = 1e30;
+  // The largest |reward|; a rollout never carries more than kMaxAbsReward (see rollout.h).
+  double max_abs_reward = kMaxAbsReward;
 };
 
 // The Rollout a valid trajectory describes, or INVALID_ARGUMENT whose message starts with

@@ -65,6 +65,10 @@ absl::Status ValidateRollout(const Rollout& rollout, int64_t vocab_size) {
   if (rollout.reward && !std::isfinite(*rollout.reward)) {
     return absl::InvalidArgumentError("field 'reward': not finite");
   }
+  if (rollout.reward && std::abs(*rollout.reward) > kMaxAbsReward) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("field 'reward': ", *rollout.reward, " is beyond the limit of +-", kMaxAbsReward));
+  }
   return absl::OkStatus();
 }
 

@@ -29,9 +29,14 @@ struct Rollout {
   friend bool operator==(const Rollout&, const Rollout&) = default;
 };
 
+// The largest |reward| a rollout may carry: beyond it GRPO group advantages could leave float's
+// range (or a group's sum of squares overflow), which would make a whole batch untrainable.
+inline constexpr double kMaxAbsReward = 1e30;
+
 // OK if the rollout is well formed: non-empty tokens with ids in [0, vocab_size) (vocab_size <= 0
 // skips the upper bound), per-token fields of the same length as tokens, loss_mask values 0/1
-// with loss_mask[0] = 0, finite logprobs, advantages, ref_logprobs and reward, versions >= -1,
+// with loss_mask[0] = 0, finite logprobs, advantages and ref_logprobs, |reward| <= kMaxAbsReward,
+// versions >= -1,
 // a non-empty id. Otherwise
 // INVALID_ARGUMENT whose message starts with "field '<name>': " and gives the offending position,
 // e.g. "field 'loss_mask': 5 values for 6 tokens" (the dispatcher reports the field separately).

@@ -485,6 +485,10 @@ int WriteSeeds(const std::string& dir) {
                      R"({"metadata": {"turn": 2}, "id": 17, "group": 3, "tokens": [1, 2, 1, 3],)"
                      R"( "loss_mask": [false, true, 0, 1], "logprobs": [0, -1e-3, -2.5e-1, -7],)"
                      R"( "versions": [-1, 0, -1, 1], "reward": 2})");
+  // Finite, but beyond kMaxAbsReward: a rollout file refuses it as the dispatcher does.
+  seeds.emplace_back("huge-reward.json",
+                     R"({"id": "x", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1],)"
+                     R"( "logprobs": [0, -1], "reward": -1e308})");
   seeds.emplace_back("bad-field.json",
                      R"({"id": "x", "group": "g", "tokens": [1], "loss_mask": [0],)"
                      R"( "logprobs": [0], "rewards": 1})");

@@ -84,6 +84,7 @@ BAD = [
     ({"tokens": None}, "tokens", "must be a list, got NoneType"),
     ({"logprobs": 5}, "logprobs", "must be a list, got int"),
     ({"reward": math.nan}, "reward", "not finite"),
+    ({"reward": -1e308}, "reward", "-1e+308 is beyond the limit of +-1e+30"),
     ({"reward": "1"}, "reward", "number"),
     ({"metadata": {"a": 1}}, "metadata", "strings"),
 ]

@@ -28,6 +28,9 @@ _TOKEN_LIMIT = 2**31
 # The smallest magnitude that rounds to infinity in float32 (FLT_MAX plus half an ulp): per-token
 # floats are float32 in the C++ core and on the wire, so they must stay finite there.
 _FLOAT32_OVERFLOW = 3.4028235677973366e38
+# The largest |reward| (kMaxAbsReward in executor/io/rollout.h): beyond it GRPO group advantages
+# could overflow.
+MAX_ABS_REWARD = 1e30
 _FIELDS = ("id", "group", "tokens", "loss_mask", "logprobs", "versions", "reward", "advantages",
            "ref_logprobs", "metadata")
 
@@ -63,7 +66,8 @@ class Trajectory:
         group: Rollouts sampled from the same prompt (GRPO's group; advantages are computed
             over the rollouts of a batch with the same group).
         versions: Optional: policy version that produced each token (-1: prompt), >= -1.
-        reward: Optional: the trajectory's reward (GRPO advantages come from it); finite.
+        reward: Optional: the trajectory's reward (GRPO advantages come from it); finite,
+            at most MAX_ABS_REWARD in magnitude.
         advantages: Optional: per-token advantages, used as given instead of the reward's.
         ref_logprobs: Optional: reference-policy log-probabilities per token (KL penalty).
         metadata: Free-form strings carried along (ignored by training).
@@ -140,6 +144,8 @@ class Trajectory:
                 raise _field_error("reward", "must be a number")
             if not math.isfinite(self.reward):
                 raise _field_error("reward", "not finite")
+            if abs(self.reward) > MAX_ABS_REWARD:
+                raise _field_error("reward", f"{self.reward:g} is beyond the limit of +-{MAX_ABS_REWARD:g}")
         if not isinstance(self.metadata, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
             raise _field_error("metadata", "must map strings to strings")

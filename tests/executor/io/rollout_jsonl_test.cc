@@ -111,6 +111,8 @@ TEST(RolloutJsonl, BadInputNamesFileLineRolloutAndField) {
        "rollout 'a': field 'advantage': unknown field"},
       {"missing_group", R"({"id": "a", "tokens": [1], "loss_mask": [0], "logprobs": [0]})", "field 'group': missing"},
       {"bad_reward", absl::StrCat(R"({"id": "a", "reward": "high", )", good, "}"), "field 'reward': must be a number"},
+      {"huge_reward", absl::StrCat(R"({"id": "a", "reward": 1e308, )", good, "}"),
+       "rollout 'a': field 'reward': 1e+308 is beyond the limit of +-1e+30"},
       {"bad_versions", absl::StrCat(R"({"id": "a", "versions": [0, -2, 1], )", good, "}"), "field 'versions': value 1 = -2"},
       {"advantages_length", absl::StrCat(R"({"id": "a", "advantages": [0.5], )", good, "}"),
        "field 'advantages': 1 values for 3 tokens"},
