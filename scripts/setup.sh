@@ -8,7 +8,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 apt_packages=(
   build-essential cmake ninja-build ccache git pkg-config python3 python3-venv python3-dev
   libabsl-dev libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
-  libgtest-dev libgmock-dev libbenchmark-dev libsimdjson-dev nlohmann-json3-dev zlib1g-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libsimdjson-dev nlohmann-json3-dev zlib1g-dev libxxhash-dev
   clang libclang-rt-14-dev openssl
 )
 missing=()

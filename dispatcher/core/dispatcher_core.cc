@@ -11,6 +11,11 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
+// xxHash (Debian's libxxhash-dev), header-only: XXH3 is stable across versions and machines,
+// which the fingerprints a compacted log stores need.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace dta {
 namespace {
 
@@ -21,7 +26,14 @@ enum RecordType : uint8_t {
   kPlanRecord = 3,        // v1::StepPlanRecord
   kCommitRecord = 4,      // v1::StepCommitRecord
   kCheckpointRecord = 5,  // v1::CheckpointRecord
+  kSnapshotRecord = 6,    // v1::SnapshotRecord: the first record of a compacted log
+  kRetiredRecord = 7,     // v1::RetiredRecord
 };
+
+// Ids per retired record of a compacted log (a few MB each).
+constexpr int kRetiredIdsPerRecord = 1 << 16;
+// What a retired id costs a compacted log, about: the id, its fingerprint, a tag and a length.
+constexpr int64_t kRetiredIdOverhead = 12;
 
 // Generations are incarnation * 2^32 + a counter, so that a restarted dispatcher never hands out
 // a generation an earlier incarnation used.
@@ -38,9 +50,22 @@ std::string DeterministicBytes(const google::protobuf::Message& message) {
   return bytes;
 }
 
-uint64_t Fingerprint(std::string_view bytes) { return std::hash<std::string_view>{}(bytes); }
+uint64_t Fingerprint(std::string_view bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
 
-absl::Status Corrupt(const std::string& path, const char* what) {
+// What the log stores for a trajectory, and what its fingerprint is of: the fields a Rollout holds
+// and the metadata, serialized deterministically (unknown fields dropped), so that a compaction
+// writes the very bytes that were acknowledged.
+std::string CanonicalBytes(const Rollout& rollout, const std::map<std::string, std::string>& metadata) {
+  v1::Trajectory canonical = TrajectoryFromRollout(rollout);
+  canonical.mutable_metadata()->insert(metadata.begin(), metadata.end());
+  return DeterministicBytes(canonical);
+}
+
+template <typename Message>
+absl::Status ParseRecord(const WalRecord& record, const std::string& path, const char* what, Message& message) {
+  if (message.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
+    return absl::OkStatus();
+  }
   return absl::DataLossError(absl::StrCat(path, ": a ", what, " record does not parse"));
 }
 
@@ -98,6 +123,7 @@ absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherO
       "pending, start #%d",
       core->options_.wal_path, core->wal_->records_replayed(), core->wal_->truncated_tail_bytes(),
       core->committed_, core->pending_.size(), core->incarnation_));
+  core->MaybeCompact();
   return core;
 }
 
@@ -109,26 +135,24 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
       return absl::OkStatus();
     case kTrajectoryRecord: {
       v1::Trajectory trajectory;
-      if (!trajectory.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
-        return Corrupt(path, "trajectory");
+      if (absl::Status s = ParseRecord(record, path, "trajectory", trajectory); !s.ok()) return s;
+      if (trajectories_.contains(trajectory.id()) || retired_.contains(trajectory.id())) {
+        return absl::DataLossError(absl::StrCat(path, ": trajectory '", trajectory.id(), "' is stored twice"));
       }
       std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
       const std::string id = trajectory.id();
-      AddPending(id, RolloutFromTrajectory(trajectory), std::move(metadata), Fingerprint(record.payload));
+      AddPending(id, RolloutFromTrajectory(trajectory), std::move(metadata), Fingerprint(record.payload),
+                 static_cast<int64_t>(record.payload.size()));
       return absl::OkStatus();
     }
     case kPlanRecord: {
       v1::StepPlanRecord plan;
-      if (!plan.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
-        return Corrupt(path, "step plan");
-      }
+      if (absl::Status s = ParseRecord(record, path, "step plan", plan); !s.ok()) return s;
       return ApplyPlan(plan);
     }
     case kCommitRecord: {
       v1::StepCommitRecord commit;
-      if (!commit.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
-        return Corrupt(path, "step commit");
-      }
+      if (absl::Status s = ParseRecord(record, path, "step commit", commit); !s.ok()) return s;
       if (commit.step() != committed_ || !plans_.contains(commit.step())) {
         return absl::DataLossError(absl::StrCat(path, ": commit of step ", commit.step(), " after ", committed_,
                                                 " committed steps"));
@@ -138,10 +162,33 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
     }
     case kCheckpointRecord: {
       v1::CheckpointRecord checkpoint;
-      if (!checkpoint.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
-        return Corrupt(path, "checkpoint");
+      if (absl::Status s = ParseRecord(record, path, "checkpoint", checkpoint); !s.ok()) return s;
+      if (checkpoint.step() > committed_) {
+        return absl::DataLossError(absl::StrCat(path, ": checkpoint at step ", checkpoint.step(), " after ",
+                                                committed_, " committed steps"));
       }
       ApplyCheckpoint(checkpoint.step());
+      return absl::OkStatus();
+    }
+    case kSnapshotRecord: {
+      v1::SnapshotRecord snapshot;
+      if (absl::Status s = ParseRecord(record, path, "snapshot", snapshot); !s.ok()) return s;
+      return ApplySnapshot(snapshot);
+    }
+    case kRetiredRecord: {
+      v1::RetiredRecord retired;
+      if (absl::Status s = ParseRecord(record, path, "retired", retired); !s.ok()) return s;
+      if (retired.ids_size() != retired.fingerprints_size()) {
+        return absl::DataLossError(absl::StrCat(path, ": a retired record has ", retired.ids_size(), " ids and ",
+                                                retired.fingerprints_size(), " fingerprints"));
+      }
+      for (int i = 0; i < retired.ids_size(); ++i) {
+        const std::string& id = retired.ids(i);
+        if (trajectories_.contains(id) || !retired_.emplace(id, retired.fingerprints(i)).second) {
+          return absl::DataLossError(absl::StrCat(path, ": trajectory '", id, "' is stored twice"));
+        }
+        live_log_bytes_ += static_cast<int64_t>(id.size()) + kRetiredIdOverhead;
+      }
       return absl::OkStatus();
     }
     default:
@@ -149,21 +196,43 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
   }
 }
 
+absl::Status DispatcherCore::ApplySnapshot(const v1::SnapshotRecord& record) {
+  // Only a compaction writes one, as the log's first record.
+  if (incarnation_ != 0 || committed_ != 0 || !trajectories_.empty() || !retired_.empty() || !plans_.empty()) {
+    return absl::DataLossError(absl::StrCat(options_.wal_path, ": a snapshot record after other records"));
+  }
+  if (record.starts() < 0 || record.committed_steps() < 0) {
+    return absl::DataLossError(absl::StrCat(options_.wal_path, ": a snapshot record with negative counts"));
+  }
+  incarnation_ = record.starts();
+  committed_ = record.committed_steps();
+  released_before_ = record.committed_steps();
+  statistics_ = record.statistics();
+  statistics_.set_committed_steps(committed_);
+  return absl::OkStatus();
+}
+
 void DispatcherCore::AddPending(const std::string& id, Rollout rollout, std::map<std::string, std::string> metadata,
-                                uint64_t fingerprint) {
+                                uint64_t fingerprint, int64_t log_bytes) {
   Stored& stored = trajectories_[id];
   stored.state = State::kPending;
   stored.fingerprint = fingerprint;
   stored.sequence = next_sequence_++;
+  stored.log_bytes = log_bytes;
   stored.rollout = std::move(rollout);
   stored.metadata = std::move(metadata);
   pending_.emplace(stored.sequence, id);
   pending_count_.store(static_cast<int64_t>(pending_.size()), std::memory_order_relaxed);
+  live_log_bytes_ += kWalHeaderBytes + log_bytes;
   statistics_.set_accepted(statistics_.accepted() + 1);
   Changed();
 }
 
 absl::Status DispatcherCore::ApplyPlan(const v1::StepPlanRecord& record) {
+  if (record.step() != (plans_.empty() ? committed_ : plans_.rbegin()->first + 1)) {
+    return absl::DataLossError(absl::StrCat(options_.wal_path, ": plan of step ", record.step(), " after ",
+                                            committed_, " committed steps and ", plans_.size(), " plans"));
+  }
   Plan plan;
   plan.record = record;
   auto take = [&](const std::string& id, State state) -> absl::Status {
@@ -181,19 +250,22 @@ absl::Status DispatcherCore::ApplyPlan(const v1::StepPlanRecord& record) {
   for (const std::string& id : record.ids()) {
     if (absl::Status status = take(id, State::kPlanned); !status.ok()) return status;
   }
+  // A dropped trajectory is kept (not trained) until its step is released: a compaction rewrites
+  // the step's plan, which names it.
   for (const std::string& id : record.stale_ids()) {
     if (absl::Status status = take(id, State::kDropped); !status.ok()) return status;
-    trajectories_[id].rollout.reset();
   }
   statistics_.set_dropped_stale(statistics_.dropped_stale() + record.stale_ids_size());
+  live_log_bytes_ += kWalHeaderBytes + static_cast<int64_t>(record.ByteSizeLong());
   plans_[record.step()] = std::move(plan);
   Changed();
   return absl::OkStatus();
 }
 
 void DispatcherCore::ApplyCommit(const v1::StepCommitRecord& record) {
-  const Plan& plan = plans_.at(record.step());
+  Plan& plan = plans_.at(record.step());
   for (const std::string& id : plan.record.ids()) trajectories_[id].state = State::kTrained;
+  plan.commit = record;
   committed_ = record.step() + 1;
   prepared_.clear();
   statistics_.set_committed_steps(committed_);
@@ -202,14 +274,28 @@ void DispatcherCore::ApplyCommit(const v1::StepCommitRecord& record) {
   if (statistics_.recent_steps_size() > options_.recent_steps) {
     statistics_.mutable_recent_steps()->DeleteSubrange(0, statistics_.recent_steps_size() - options_.recent_steps);
   }
+  live_log_bytes_ += kWalHeaderBytes + static_cast<int64_t>(record.ByteSizeLong());
   Changed();
 }
 
 void DispatcherCore::ApplyCheckpoint(int64_t step) {
-  // Rollouts of steps before `step` are in every trainer's checkpoint: they are never served again.
-  for (auto it = plans_.begin(); it != plans_.end() && it->first < step; ++it) {
-    for (const std::string& id : it->second.record.ids()) trajectories_[id].rollout.reset();
+  // Steps before `step` are in every trainer's checkpoint: they are never served again, and of
+  // their trajectories only the ids and fingerprints are kept (to recognise resends).
+  auto retire = [this](const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = trajectories_.find(id);
+    live_log_bytes_ -= kWalHeaderBytes + it->second.log_bytes;
+    live_log_bytes_ += static_cast<int64_t>(id.size()) + kRetiredIdOverhead;
+    retired_.emplace(id, it->second.fingerprint);
+    trajectories_.erase(it);
+  };
+  auto it = plans_.begin();
+  for (; it != plans_.end() && it->first < step; ++it) {
+    for (const std::string& id : it->second.record.ids()) retire(id);
+    for (const std::string& id : it->second.record.stale_ids()) retire(id);
+    live_log_bytes_ -= 2 * kWalHeaderBytes + static_cast<int64_t>(it->second.record.ByteSizeLong()) +
+                       static_cast<int64_t>(it->second.commit->ByteSizeLong());
   }
+  plans_.erase(plans_.begin(), it);
   released_before_ = std::max(released_before_, step);
 }
 
@@ -222,19 +308,24 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
     CountRejection(field);
     return Rejected(id, field, std::string(rollout.status().message()));
   }
-  const std::string bytes = DeterministicBytes(trajectory);
+  std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
+  const std::string bytes = CanonicalBytes(*rollout, metadata);
   const uint64_t fingerprint = Fingerprint(bytes);
   {
     absl::MutexLock lock(&mu_);
-    // The same id on another stream is being stored: wait for its outcome.
+    // Wait while a compaction runs, and while the same id on another stream is being stored (for
+    // its outcome).
     auto settled = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (compacting_) return false;
       auto it = trajectories_.find(id);
       return it == trajectories_.end() || it->second.state != State::kAppending;
     };
     mu_.Await(absl::Condition(&settled));
-    auto it = trajectories_.find(id);
-    if (it != trajectories_.end()) {
-      if (it->second.fingerprint != fingerprint) {
+    std::optional<uint64_t> known;
+    if (auto it = trajectories_.find(id); it != trajectories_.end()) known = it->second.fingerprint;
+    if (auto it = retired_.find(id); it != retired_.end()) known = it->second;
+    if (known.has_value()) {
+      if (*known != fingerprint) {
         CountRejection("id");
         return Rejected(id, "id", absl::StrCat("field 'id': '", id, "' was accepted before with other content"));
       }
@@ -242,17 +333,18 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
       return Accepted(id, /*already_accepted=*/true);
     }
     trajectories_[id].state = State::kAppending;  // reserve the id while the log syncs
+    ++appending_;
   }
   // Concurrent ingests share the log's sync (group commit): the state lock is not held here.
   const absl::Status stored = wal_->Append(kTrajectoryRecord, bytes);
   absl::MutexLock lock(&mu_);
+  --appending_;
   if (!stored.ok()) {
     NoteLogFailure(stored);
     trajectories_.erase(id);
     return absl::UnavailableError(absl::StrCat("trajectory '", id, "' not stored: ", stored.message()));
   }
-  std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
-  AddPending(id, *std::move(rollout), std::move(metadata), fingerprint);
+  AddPending(id, *std::move(rollout), std::move(metadata), fingerprint, static_cast<int64_t>(bytes.size()));
   return Accepted(id, /*already_accepted=*/false);
 }
 
@@ -536,7 +628,129 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   }
   response.set_decision(v1::ReportStepResponse::COMMIT);
   response.set_policy_version(options_.initial_policy_version + committed_);
+  // Released steps may have left the log mostly dead. (The step is durable already: a failed
+  // compaction changes nothing for it.)
+  MaybeCompact();
   return response;
+}
+
+void DispatcherCore::MaybeCompact() {
+  if (options_.wal_compact_bytes <= 0 || compacting_ || !log_failure_.ok()) return;
+  const int64_t file_bytes = wal_->file_bytes();
+  if (file_bytes < options_.wal_compact_bytes || file_bytes < 2 * live_log_bytes_) return;
+  const absl::Time start = absl::Now();
+  const absl::Status status = Compact();
+  if (!status.ok()) {
+    // A failed rewrite leaves the old log in place and usable, unless it failed after the rename.
+    if (status.code() == absl::StatusCode::kDataLoss) NoteLogFailure(status);
+    Log(absl::StrCat("dispatcher: log compaction failed, the log is kept as it was: ", status.ToString()));
+    return;
+  }
+  Log(absl::StrFormat("dispatcher: log compacted: %s -> %s bytes (%d trajectories kept, %d retired ids) in %.2f s",
+                      HumanCount(file_bytes), HumanCount(wal_->file_bytes()), trajectories_.size(), retired_.size(),
+                      absl::ToDoubleSeconds(absl::Now() - start)));
+}
+
+absl::Status DispatcherCore::Compact() {
+  compacting_ = true;  // Ingest waits before reserving an id
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return appending_ == 0; };
+  mu_.Await(absl::Condition(&drained));
+  // From here until the rewrite is done nothing else appends: trajectory appends wait for
+  // compacting_, plans, commits and checkpoints for mu_. So the records below rebuild exactly the
+  // current state, and no acknowledged record can be appended to the old file and lost.
+
+  // Replaying the rewritten records counts them again: the snapshot carries the counters without
+  // their part.
+  std::vector<std::pair<int64_t, const Stored*>> kept;  // acceptance order
+  kept.reserve(trajectories_.size());
+  for (const auto& [id, stored] : trajectories_) kept.emplace_back(stored.sequence, &stored);
+  std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  v1::SnapshotRecord snapshot;
+  snapshot.set_starts(incarnation_);
+  snapshot.set_committed_steps(released_before_);
+  v1::GetStatisticsResponse& base = *snapshot.mutable_statistics();
+  int64_t dropped = 0;
+  int64_t trained = 0;
+  for (const auto& [step, plan] : plans_) {
+    dropped += plan.record.stale_ids_size();
+    if (plan.commit.has_value()) trained += plan.record.ids_size();
+  }
+  base.set_accepted(statistics_.accepted() - static_cast<int64_t>(kept.size()));
+  base.set_dropped_stale(statistics_.dropped_stale() - dropped);
+  base.set_trained_rollouts(statistics_.trained_rollouts() - trained);
+  for (const v1::StepStatistics& step : statistics_.recent_steps()) {
+    if (step.step() < released_before_) *base.add_recent_steps() = step;
+  }
+
+  // The records, produced one at a time: snapshot, retired ids, trajectories, plans, commits.
+  enum class Part { kSnapshot, kRetired, kTrajectories, kPlans, kCommits, kDone };
+  Part part = Part::kSnapshot;
+  auto retired = retired_.begin();
+  size_t trajectory = 0;
+  auto plan = plans_.begin();
+  auto next = [&](WalRecord& record, std::string& scratch) ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::StatusOr<bool> {
+    while (true) {
+      switch (part) {
+        case Part::kSnapshot:
+          scratch = DeterministicBytes(snapshot);
+          record = {kSnapshotRecord, scratch};
+          part = Part::kRetired;
+          return true;
+        case Part::kRetired:
+          if (retired != retired_.end()) {
+            v1::RetiredRecord chunk;
+            for (int i = 0; i < kRetiredIdsPerRecord && retired != retired_.end(); ++i, ++retired) {
+              chunk.add_ids(retired->first);
+              chunk.add_fingerprints(retired->second);
+            }
+            scratch = DeterministicBytes(chunk);
+            record = {kRetiredRecord, scratch};
+            return true;
+          }
+          part = Part::kTrajectories;
+          break;
+        case Part::kTrajectories:
+          if (trajectory < kept.size()) {
+            const Stored& stored = *kept[trajectory++].second;
+            scratch = CanonicalBytes(*stored.rollout, stored.metadata);
+            if (Fingerprint(scratch) != stored.fingerprint) {
+              // Only a log written before the canonical form (with unknown fields) could do this.
+              return absl::FailedPreconditionError(
+                  absl::StrCat("trajectory '", stored.rollout->id, "' would not be rewritten as it was acknowledged"));
+            }
+            record = {kTrajectoryRecord, scratch};
+            return true;
+          }
+          part = Part::kPlans;
+          plan = plans_.begin();
+          break;
+        case Part::kPlans:
+          if (plan != plans_.end()) {
+            scratch = DeterministicBytes((plan++)->second.record);
+            record = {kPlanRecord, scratch};
+            return true;
+          }
+          part = Part::kCommits;
+          plan = plans_.begin();
+          break;
+        case Part::kCommits:
+          if (plan != plans_.end() && plan->second.commit.has_value()) {
+            scratch = DeterministicBytes(*(plan++)->second.commit);
+            record = {kCommitRecord, scratch};
+            return true;
+          }
+          part = Part::kDone;
+          break;
+        case Part::kDone:
+          return false;
+      }
+    }
+  };
+  const absl::Status status = wal_->RewriteFrom(next);
+  compacting_ = false;
+  Changed();
+  if (status.ok()) ++compactions_;
+  return status;
 }
 
 void DispatcherCore::NoteLogFailure(const absl::Status& status) {
@@ -569,6 +783,8 @@ v1::GetStatisticsResponse DispatcherCore::GetStatistics() const {
   v1::GetStatisticsResponse statistics = statistics_;
   statistics.set_wal_bytes(wal_->file_bytes());
   statistics.set_wal_syncs(wal_->syncs_performed());
+  statistics.set_wal_compactions(compactions_);
+  statistics.set_retired_ids(static_cast<int64_t>(retired_.size()));
   return statistics;
 }
 

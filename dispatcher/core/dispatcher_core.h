@@ -25,6 +25,14 @@
 // before the committed count are served again from their PLAN records (`replay` set), so a trainer
 // group restarted from a checkpoint retrains exactly the committed batches, in order.
 //
+// Compaction: the log would grow forever, so once a checkpoint has released steps and the log is
+// mostly dead records (wal_compact_bytes), it is rewritten (atomically, by WriteAheadLog's
+// RewriteFrom) as a snapshot of the counters and committed steps, the ids and fingerprints of
+// released trajectories (so resends are still recognised), the unreleased trajectories in
+// acceptance order, and the plans and commits of unreleased steps: replaying it gives the same
+// state as replaying the whole log. Ingestion pauses while it runs. Ids are kept forever: a
+// trajectory is never trained twice, however late it is resent.
+//
 // Thread safety: every method may be called from any thread. Ingest blocks for the log's sync
 // (concurrent calls share one sync); the other calls log while holding the state lock only when a
 // step is planned or committed (once per step).
@@ -57,6 +65,10 @@ struct DispatcherOptions {
   std::string wal_path;
   // Sync the log before acknowledging (false only for tests and benchmarks).
   bool wal_sync = true;
+  // Compaction: once the log is at least this large and at least twice what it must keep (the
+  // trajectories not yet released by a checkpoint, the plans and commits of their steps, the ids
+  // of released ones), it is rewritten down to that (see "Compaction" above). 0: never.
+  int64_t wal_compact_bytes = int64_t{1} << 30;
   // What a trajectory must satisfy. With require_reward_or_advantages (the default), the dispatcher
   // computes GRPO advantages over each whole batch and sends them with every partition.
   TrajectoryLimits limits;
@@ -121,25 +133,34 @@ class DispatcherCore {
 
  private:
   enum class State { kAppending, kPending, kPlanned, kTrained, kDropped };
+  // A trajectory until a checkpoint releases its step; then only its fingerprint is kept (retired_).
   struct Stored {
     State state = State::kAppending;
-    uint64_t fingerprint = 0;  // of the deterministic serialization: equal content, equal print
+    uint64_t fingerprint = 0;  // of the canonical serialization: equal content, equal print
     int64_t sequence = 0;      // acceptance order
-    std::optional<Rollout> rollout;  // released once a checkpoint covers its step
+    int64_t log_bytes = 0;     // of its log record
+    std::optional<Rollout> rollout;  // set unless kAppending
     std::map<std::string, std::string> metadata;
   };
   struct Plan {
     v1::StepPlanRecord record;
     int64_t rollout_tokens = 0;
+    std::optional<v1::StepCommitRecord> commit;  // once committed
   };
 
   explicit DispatcherCore(DispatcherOptions options);
   absl::Status Replay(const WalRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddPending(const std::string& id, Rollout rollout, std::map<std::string, std::string> metadata,
-                  uint64_t fingerprint) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                  uint64_t fingerprint, int64_t log_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyPlan(const v1::StepPlanRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyCommit(const v1::StepCommitRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyCheckpoint(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplySnapshot(const v1::SnapshotRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Compacts the log if it is large and mostly dead (options_.wal_compact_bytes).
+  void MaybeCompact() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rewrites the log as the records that rebuild the current state; waits for ingests in flight
+  // (releasing mu_ meanwhile) and holds new ones back until done.
+  absl::Status Compact() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Plans step committed_ if it has no plan yet. UNAVAILABLE when the batch is not ready.
   absl::Status EnsurePlan(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<const PartitionPlan*> Split(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -156,6 +177,11 @@ class DispatcherCore {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Stored> trajectories_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint64_t> retired_ ABSL_GUARDED_BY(mu_);  // released id -> fingerprint
+  int64_t appending_ ABSL_GUARDED_BY(mu_) = 0;  // ingests between reserving an id and its log append
+  bool compacting_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t live_log_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // estimate of what a compacted log would hold
+  int64_t compactions_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<int64_t, std::string> pending_ ABSL_GUARDED_BY(mu_);  // sequence -> id, oldest first
   std::atomic<int64_t> pending_count_{0};  // pending_.size(), for HasRoom without the lock
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;

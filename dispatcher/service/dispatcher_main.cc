@@ -40,6 +40,8 @@ ABSL_FLAG(int64_t, initial_policy_version, 0, "policy version of the weights bef
 ABSL_FLAG(int32_t, max_message_mb, 256, "largest gRPC message, in MiB, either way");
 ABSL_FLAG(int32_t, worker_threads, 32, "threads for blocking work (log syncs, long polls)");
 ABSL_FLAG(bool, wal_sync, true, "fdatasync the log before acknowledging (off only for benchmarks)");
+ABSL_FLAG(double, wal_compact_mb, 1024,
+          "rewrite the log down to what it must keep once it is this large and at least twice that; 0: never");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 ABSL_FLAG(std::string, token_file, "", "file holding the shared token every client must present");
@@ -72,6 +74,9 @@ int Run() {
   options.wal_path = absl::GetFlag(FLAGS_wal);
   if (options.wal_path.empty()) return Fail(kBadFlags, "--wal is required");
   options.wal_sync = absl::GetFlag(FLAGS_wal_sync);
+  const double compact_mb = absl::GetFlag(FLAGS_wal_compact_mb);
+  if (!(compact_mb >= 0) || compact_mb > 1e9) return Fail(kBadFlags, "--wal_compact_mb must be in [0, 1e9]");
+  options.wal_compact_bytes = static_cast<int64_t>(compact_mb * (1 << 20));
   options.batch = {.rollouts = absl::GetFlag(FLAGS_batch_rollouts),
                    .tokens = absl::GetFlag(FLAGS_batch_tokens),
                    .max_staleness = absl::GetFlag(FLAGS_max_staleness),

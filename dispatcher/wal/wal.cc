@@ -104,13 +104,16 @@ void EncodeRecord(const WalRecord& record, std::string& out) {
   out.append(record.payload.data(), record.payload.size());
 }
 
+absl::Status CheckSize(const WalRecord& record, size_t index, const WalOptions& options) {
+  if (record.payload.size() <= options.max_record_bytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("wal ", options.path, ": record ", index, " has ",
+                                                 record.payload.size(), " bytes, more than max_record_bytes = ",
+                                                 options.max_record_bytes));
+}
+
 absl::Status CheckSizes(absl::Span<const WalRecord> records, const WalOptions& options) {
   for (size_t i = 0; i < records.size(); ++i) {
-    if (records[i].payload.size() > options.max_record_bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("wal ", options.path, ": record ", i, " has ", records[i].payload.size(),
-                       " bytes, more than max_record_bytes = ", options.max_record_bytes));
-    }
+    if (absl::Status s = CheckSize(records[i], i, options); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -273,12 +276,12 @@ absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_
 }  // namespace
 
 struct WriteAheadLog::Writer {
-  Writer(absl::Span<const WalRecord> records, bool rewrite)
-      : records(records), bytes(EncodedSize(records)), rewrite(rewrite) {}
+  explicit Writer(absl::Span<const WalRecord> records) : records(records), bytes(EncodedSize(records)) {}
+  explicit Writer(const RecordSource& source) : rewrite(&source) {}
 
-  absl::Span<const WalRecord> records;
-  size_t bytes;
-  bool rewrite;  // a Rewrite runs alone, never in a group
+  absl::Span<const WalRecord> records;  // an append's
+  size_t bytes = 0;
+  const RecordSource* rewrite = nullptr;  // a Rewrite's; it runs alone, never in a group
   bool done = false;
   absl::Status status;
   absl::CondVar cv;
@@ -377,14 +380,23 @@ absl::Status WriteAheadLog::AppendBatch(absl::Span<const WalRecord> records) {
   if (records.empty()) return absl::OkStatus();
   absl::Status s = CheckSizes(records, options_);
   if (!s.ok()) return s;
-  Writer writer(records, /*rewrite=*/false);
+  Writer writer(records);
   return Commit(writer);
 }
 
 absl::Status WriteAheadLog::Rewrite(absl::Span<const WalRecord> live) {
   absl::Status s = CheckSizes(live, options_);
   if (!s.ok()) return s;
-  Writer writer(live, /*rewrite=*/true);
+  size_t next = 0;
+  return RewriteFrom([&](WalRecord& record, std::string&) -> absl::StatusOr<bool> {
+    if (next == live.size()) return false;
+    record = live[next++];
+    return true;
+  });
+}
+
+absl::Status WriteAheadLog::RewriteFrom(const RecordSource& live) {
+  Writer writer(live);
   return Commit(writer);
 }
 
@@ -403,7 +415,7 @@ absl::Status WriteAheadLog::Commit(Writer& writer) {
   if (status.ok() && writer.rewrite) {
     bool failed = false;
     mu_.Unlock();
-    status = RewriteFile(writer.records, failed);
+    status = RewriteFile(*writer.rewrite, failed);
     mu_.Lock();
     file_bytes_ = size_;  // the old file's size unless the rename happened
     if (failed) failed_ = status;
@@ -470,7 +482,7 @@ absl::Status WriteAheadLog::WriteAndSync(std::string_view bytes, bool& synced) {
   return absl::OkStatus();
 }
 
-absl::Status WriteAheadLog::RewriteFile(absl::Span<const WalRecord> live, bool& failed) {
+absl::Status WriteAheadLog::RewriteFile(const RecordSource& live, bool& failed) {
   const std::string tmp = options_.path + ".tmp";
   ScopedFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return ErrnoError(errno, tmp, "open");
@@ -481,14 +493,25 @@ absl::Status WriteAheadLog::RewriteFile(absl::Span<const WalRecord> live, bool& 
   };
   int64_t size = 0;
   std::string buffer;
-  for (size_t i = 0; i < live.size(); ++i) {
-    EncodeRecord(live[i], buffer);
-    if (buffer.size() >= kMaxGroupBytes || i + 1 == live.size()) {
+  std::string scratch;
+  WalRecord record;
+  for (size_t i = 0;; ++i) {
+    absl::StatusOr<bool> more = live(record, scratch);
+    if (!more.ok()) return abandon(more.status());
+    if (!*more) break;
+    if (absl::Status s = CheckSize(record, i, options_); !s.ok()) return abandon(s);
+    EncodeRecord(record, buffer);
+    if (buffer.size() >= kMaxGroupBytes) {
       absl::Status s = WriteAll(fd.get(), buffer, size, tmp);
       if (!s.ok()) return abandon(s);
       size += buffer.size();
       buffer.clear();
     }
+  }
+  if (!buffer.empty()) {
+    absl::Status s = WriteAll(fd.get(), buffer, size, tmp);
+    if (!s.ok()) return abandon(s);
+    size += buffer.size();
   }
   if (options_.sync && fsync(fd.get()) != 0) return abandon(ErrnoError(errno, tmp, "fsync"));
   // Lock the new file before it takes the log's name, so no other opener can slip in.

@@ -129,6 +129,17 @@ class WriteAheadLog {
   // if the directory sync fails after the rename.
   absl::Status Rewrite(absl::Span<const WalRecord> live);
 
+  // Produces a Rewrite's records one at a time, in order: sets `record` and returns true, returns
+  // false when there are no more, or an error that abandons the rewrite. The payload may point
+  // into `scratch` (the same string on every call) and must stay valid until the next call.
+  using RecordSource = std::function<absl::StatusOr<bool>(WalRecord& record, std::string& scratch)>;
+
+  // Rewrite, from a source, so that a large log need not be held in memory twice: the records are
+  // encoded and written as they come (the source runs on the calling thread; appends wait). The
+  // same guarantees and errors; a too-large payload (INVALID_ARGUMENT) or an error of the source
+  // (returned unchanged) abandons the rewrite, and the old log stays in place and usable.
+  absl::Status RewriteFrom(const RecordSource& live);
+
   const std::string& path() const { return options_.path; }
 
   // Statistics. file_bytes: current size of the log file. records_appended: records written by
@@ -151,7 +162,7 @@ class WriteAheadLog {
   absl::Status Commit(Writer& writer) ABSL_LOCKS_EXCLUDED(mu_);
   // Run by the leader with mu_ released: the leader alone touches fd_ and size_.
   absl::Status WriteAndSync(std::string_view bytes, bool& synced);
-  absl::Status RewriteFile(absl::Span<const WalRecord> live, bool& failed);
+  absl::Status RewriteFile(const RecordSource& live, bool& failed);
 
   const WalOptions options_;
   // Owned by the writer at the front of writers_ (the leader), which uses them with mu_ released

@@ -352,6 +352,66 @@ TEST_F(WalTest, RewriteKeepsExactlyTheLiveRecords) {
   EXPECT_TRUE(replayed.empty());
 }
 
+TEST_F(WalTest, RewriteFromASourceWritesRecordsAsTheyCome) {
+  // More bytes than one write buffer (kMaxGroupBytes), each payload built in the shared scratch.
+  std::mt19937 rng(5);
+  std::vector<Record> live;
+  for (int i = 0; i < 40; ++i) live.emplace_back(i % 7, RandomBytes(rng() % (1 << 20), rng));
+  std::vector<Record> replayed;
+  {
+    auto wal = OpenCollect(Options(/*sync=*/false), replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    AppendAll(**wal, {{1, "consumed"}, {2, "consumed too"}});
+    size_t next = 0;
+    int64_t live_bytes = 0;
+    ASSERT_TRUE((*wal)
+                    ->RewriteFrom([&](WalRecord& record, std::string& scratch) -> absl::StatusOr<bool> {
+                      if (next == live.size()) return false;
+                      scratch = live[next].second;
+                      record = {static_cast<uint8_t>(live[next].first), scratch};
+                      live_bytes += RecordBytes(live[next++]);
+                      return true;
+                    })
+                    .ok());
+    EXPECT_EQ((*wal)->file_bytes(), live_bytes);
+  }
+  {
+    auto wal = OpenCollect(Options(/*sync=*/false), replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    EXPECT_THAT(replayed, ElementsAreArray(live));
+  }
+  // A record over the limit abandons the rewrite: the log keeps what it had and takes appends.
+  WalOptions small = Options(/*sync=*/false);
+  small.max_record_bytes = 1 << 20;
+  {
+    auto wal = OpenCollect(small, replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    int calls = 0;
+    const std::string big(small.max_record_bytes + 1, 'x');
+    const absl::Status status = (*wal)->RewriteFrom([&](WalRecord& record, std::string&) -> absl::StatusOr<bool> {
+      record = {9, ++calls == 3 ? std::string_view(big) : std::string_view("small")};
+      return calls <= 3;
+    });
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), HasSubstr("record 2 has"));
+    EXPECT_THAT(DirEntries(), ElementsAreArray({"log.wal"}));  // the temp file is gone
+    // So does an error of the source, unchanged.
+    calls = 0;
+    const absl::Status source_error = (*wal)->RewriteFrom([&](WalRecord& record, std::string&) -> absl::StatusOr<bool> {
+      if (++calls == 2) return absl::InternalError("the state changed");
+      record = {9, "small"};
+      return true;
+    });
+    EXPECT_EQ(source_error, absl::InternalError("the state changed"));
+    EXPECT_THAT(DirEntries(), ElementsAreArray({"log.wal"}));
+    ASSERT_TRUE((*wal)->Append(3, "after").ok());
+  }
+  live.emplace_back(3, "after");
+  auto wal = OpenCollect(small, replayed);
+  ASSERT_TRUE(wal.ok()) << wal.status();
+  EXPECT_THAT(replayed, ElementsAreArray(live));
+}
+
 TEST_F(WalTest, RewriteExcludesConcurrentAppends) {
   constexpr int kThreads = 4;
   constexpr int kAppends = 50;

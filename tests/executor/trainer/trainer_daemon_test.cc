@@ -75,11 +75,13 @@ class TrainerDaemonTest : public ::testing::Test {
   struct Run {
     fs::path dir;
     std::string address;
+    std::vector<std::string> dispatcher_flags;  // beyond the log, the address and the batch
     std::unique_ptr<Process> dispatcher;
   };
 
-  Run NewRun(const std::string& name) {
+  Run NewRun(const std::string& name, std::vector<std::string> dispatcher_flags = {}) {
     Run run;
+    run.dispatcher_flags = std::move(dispatcher_flags);
     run.dir = root_ / name;
     fs::create_directories(run.dir);
     run.address = "127.0.0.1:" + std::to_string(testing::FreeLoopbackPort());
@@ -88,11 +90,11 @@ class TrainerDaemonTest : public ::testing::Test {
   }
 
   static void StartDispatcher(Run& run) {
-    run.dispatcher = std::make_unique<Process>(
-        std::vector<std::string>{(testing::BinaryDirectory() / "dta-dispatcher").string(),
-                                 "--wal=" + (run.dir / "dispatcher.wal").string(), "--listen=" + run.address,
-                                 "--batch_rollouts=" + std::to_string(kBatch), "--vocab_size=32"},
-        (run.dir / "dispatcher.log").string());
+    std::vector<std::string> command = {(testing::BinaryDirectory() / "dta-dispatcher").string(),
+                                        "--wal=" + (run.dir / "dispatcher.wal").string(), "--listen=" + run.address,
+                                        "--batch_rollouts=" + std::to_string(kBatch), "--vocab_size=32"};
+    command.insert(command.end(), run.dispatcher_flags.begin(), run.dispatcher_flags.end());
+    run.dispatcher = std::make_unique<Process>(command, (run.dir / "dispatcher.log").string());
   }
 
   void Send(const Run& run) {
@@ -246,7 +248,9 @@ TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
   Run reference = NewRun("reference");
   Send(reference);
   Train(reference, 1);
-  Run faulty = NewRun("kill-dispatcher");
+  // Its log is compacted whenever half of it is dead (after every released step, and when it
+  // starts), so the restarts replay compacted logs.
+  Run faulty = NewRun("kill-dispatcher", {"--wal_compact_mb=1e-6"});
   Send(faulty);
   // Between acknowledgements: kill and restart it, then send everything again (resends of what was
   // acknowledged are recognised).
@@ -265,6 +269,7 @@ TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
   });
   ExpectSameModel(faulty, reference);
   ExpectEveryRolloutTrainedOnce(faulty);
+  EXPECT_NE(faulty.dispatcher->Log().find("log compacted"), std::string::npos) << faulty.dispatcher->Log();
 }
 
 // Ranks that load different checkpoints (one sees a shared directory late) must not train together:
