@@ -18,6 +18,9 @@ class GrpcTrainerSession final : public TrainerSession {
     request.set_device(identity_.device);
     request.set_resume_step(identity_.resume_step);
     request.set_trainer_id(identity_.trainer_id);
+    request.set_vocab_size(identity_.vocab_size);
+    request.set_needs_ref_logprobs(identity_.needs_ref_logprobs);
+    request.set_needs_advantages(identity_.needs_advantages);
     absl::StatusOr<v1::RegisterTrainerResponse> response = client_.Register(request);
     if (!response.ok()) return response.status();
     registered_ = *std::move(response);

@@ -22,6 +22,10 @@ struct TrainerIdentity {
   std::string device;        // e.g. "cuda:0"
   int64_t resume_step = 0;   // committed steps the trainer's weights include
   std::string trainer_id;    // unique per process, e.g. "host:pid:start"
+  // What every trajectory must satisfy for this trainer (see RegisterTrainerRequest).
+  int64_t vocab_size = 0;    // the model's vocabulary; 0: not checked
+  bool needs_ref_logprobs = false;
+  bool needs_advantages = false;
 };
 
 // One rank's part of a step (dta.v1.Partition).

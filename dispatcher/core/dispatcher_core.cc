@@ -86,6 +86,29 @@ v1::IngestResponse Rejected(const std::string& id, const std::string& field, con
   return response;
 }
 
+// A trainer that cannot train everything the dispatcher accepts would fail a planned batch on
+// every retry: it is refused at registration, with the flag that reconciles the two.
+absl::Status CheckTrainerNeeds(const v1::RegisterTrainerRequest& trainer, const TrajectoryLimits& limits) {
+  const std::string who = absl::StrCat("trainer '", trainer.trainer_id(), "' (rank ", trainer.rank(), ")");
+  if (trainer.vocab_size() > 0 && (limits.vocab_size <= 0 || limits.vocab_size > trainer.vocab_size())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": its model has a vocabulary of ", trainer.vocab_size(), " tokens, but the dispatcher accepts ",
+        limits.vocab_size <= 0 ? std::string("any token id") : absl::StrCat("token ids below ", limits.vocab_size),
+        ": start dta-dispatcher with --vocab_size=", trainer.vocab_size()));
+  }
+  if (trainer.needs_ref_logprobs() && !limits.require_ref_logprobs) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": its loss has a KL penalty (--kl_coef) and needs ref_logprobs, which the dispatcher does not "
+             "require: start dta-dispatcher with --require_ref_logprobs"));
+  }
+  if (trainer.needs_advantages() && !limits.require_reward_or_advantages) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": its loss needs a reward or advantages per trajectory, which the dispatcher does not require "
+             "(--sft): start dta-dispatcher without --sft, or train with --loss=sft"));
+  }
+  return absl::OkStatus();
+}
+
 std::string HumanCount(double n) {
   if (n >= 1e9) return absl::StrFormat("%.2fG", n / 1e9);
   if (n >= 1e6) return absl::StrFormat("%.2fM", n / 1e6);
@@ -395,6 +418,7 @@ absl::StatusOr<v1::RegisterTrainerResponse> DispatcherCore::RegisterTrainer(
         absl::StrCat("rank ", request.rank(), " is outside world size ", request.world_size()));
   }
   if (request.trainer_id().empty()) return absl::InvalidArgumentError("field 'trainer_id': empty");
+  if (absl::Status status = CheckTrainerNeeds(request, options_.limits); !status.ok()) return status;
   absl::MutexLock lock(&mu_);
   if (request.resume_step() < 0 || request.resume_step() > committed_) {
     return absl::FailedPreconditionError(absl::StrCat(

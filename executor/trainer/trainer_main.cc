@@ -137,8 +137,17 @@ int Run() {
                                                 .world_size = env->world_size,
                                                 .device = options.device().str(),
                                                 .resume_step = step,
-                                                .trainer_id = TrainerId()});
-  if (!session.ok()) throw std::runtime_error(absl::StrCat("register: ", session.status().ToString()));
+                                                .trainer_id = TrainerId(),
+                                                .vocab_size = model.config().vocab_size,
+                                                .needs_ref_logprobs = loss.kl_coef != 0,
+                                                .needs_advantages = loss.kind != LossKind::kSft});
+  if (!session.ok()) {
+    // A dispatcher that accepts what this trainer cannot train: restarting would not help.
+    if (session.status().code() == absl::StatusCode::kFailedPrecondition) {
+      throw BadInput{absl::StrCat("register: ", session.status().message())};
+    }
+    throw std::runtime_error(absl::StrCat("register: ", session.status().ToString()));
+  }
   std::fprintf(stderr, "%s: registered (%lld steps committed), next step %lld\n", prefix.c_str(),
                static_cast<long long>((*session)->committed_steps()), static_cast<long long>(step));
 
@@ -170,9 +179,18 @@ int Run() {
     ResetPeakMemory(options.device());
     GradientResult result;
     if (!rollouts.empty()) {  // a rank may get nothing when there are fewer rollouts than ranks
-      result = ComputeGradients(model, rollouts, loss, executor,
-                                {.total_loss_tokens = partition.total_loss_tokens,
-                                 .num_rollouts = partition.num_rollouts});
+      try {
+        result = ComputeGradients(model, rollouts, loss, executor,
+                                  {.total_loss_tokens = partition.total_loss_tokens,
+                                   .num_rollouts = partition.num_rollouts});
+      } catch (const std::exception& e) {
+        // Tell the dispatcher first, so that the other ranks abandon the step now instead of at
+        // their collective's timeout.
+        const c10::Error* error = dynamic_cast<const c10::Error*>(&e);
+        const std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
+        (*session)->Failed(step, what);
+        throw std::runtime_error(absl::StrCat("step ", step, ": ", what));
+      }
     }
     if (const int pause = absl::GetFlag(FLAGS_slow_step_ms); pause > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(pause));

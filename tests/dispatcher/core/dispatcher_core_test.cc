@@ -380,6 +380,49 @@ TEST_F(DispatcherCoreTest, ALogFailureIsReportedAndNothingUnstoredIsAcknowledged
   Accept(*core, Make(1));  // the refused one can be sent again
 }
 
+// A trainer that cannot train everything the dispatcher accepts is refused at registration, with
+// the flag that reconciles them, before it could be given a batch it fails on every retry.
+TEST_F(DispatcherCoreTest, TrainersThatCannotTrainWhatIsAcceptedAreRefused) {
+  DispatcherOptions options = Options();  // vocabulary 100, rewards required, no ref_logprobs
+  auto core = Open(options);
+  auto registration = [](int64_t vocab, bool ref, bool advantages) {
+    v1::RegisterTrainerRequest request;
+    request.set_world_size(1);
+    request.set_trainer_id("host:1");
+    request.set_vocab_size(vocab);
+    request.set_needs_ref_logprobs(ref);
+    request.set_needs_advantages(advantages);
+    return request;
+  };
+  struct Case {
+    v1::RegisterTrainerRequest request;
+    const char* words;
+  };
+  for (const Case& c : {Case{registration(64, false, true), "vocabulary of 64 tokens, but the dispatcher accepts "
+                                                            "token ids below 100: start dta-dispatcher with "
+                                                            "--vocab_size=64"},
+                        Case{registration(100, true, true), "needs ref_logprobs"},
+                        Case{registration(0, true, false), "--require_ref_logprobs"}}) {
+    const absl::StatusOr<v1::RegisterTrainerResponse> refused = core->RegisterTrainer(c.request);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << c.words;
+    EXPECT_THAT(refused.status().message(), HasSubstr(c.words));
+    EXPECT_THAT(refused.status().message(), HasSubstr("trainer 'host:1' (rank 0)"));
+  }
+  EXPECT_EQ(core->GetStatus().world_size(), 0);  // nothing registered
+  EXPECT_TRUE(core->RegisterTrainer(registration(100, false, true)).ok());
+  EXPECT_TRUE(core->RegisterTrainer(registration(151936, false, false)).ok());  // a larger model is fine
+  core.reset();
+
+  options.limits.require_reward_or_advantages = false;  // --sft
+  options.limits.require_ref_logprobs = true;
+  options.limits.vocab_size = 0;  // unchecked
+  core = Open(options);
+  EXPECT_THAT(core->RegisterTrainer(registration(0, true, true)).status().message(), HasSubstr("(--sft)"));
+  EXPECT_THAT(core->RegisterTrainer(registration(100, true, false)).status().message(),
+              HasSubstr("accepts any token id"));
+  EXPECT_TRUE(core->RegisterTrainer(registration(0, true, false)).ok());
+}
+
 // What a dispatcher's state looks like from outside: status, the counters a restart rebuilds, and
 // every rank's partition of the next step (trajectories, advantages, normalisers).
 std::string Digest(DispatcherCore& core, int world) {

@@ -106,15 +106,17 @@ class TrainerDaemonTest : public ::testing::Test {
 
   // `save_every`: checkpoints every this many steps (and after the last one).
   std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port, int slow_step_ms,
-                                        const std::string& checkpoints = "ckpt", int save_every = 1) {
+                                        const std::string& checkpoints = "ckpt", int save_every = 1,
+                                        const std::vector<std::string>& extra_flags = {}) {
+    std::vector<std::string> command = {
+        (testing::BinaryDirectory() / "dta-trainer").string(), "--dispatcher=" + run.address,
+        "--checkpoint_dir=" + (run.dir / checkpoints).string(), "--config=" + (root_ / "config.json").string(),
+        "--dtype=float64", "--method=dta", "--block_size=4", "--loss=grpo", "--lr=1e-2", "--max_grad_norm=0",
+        "--max_steps=" + std::to_string(kSteps), "--save_every=" + std::to_string(save_every), "--timeout_s=20",
+        "--slow_step_ms=" + std::to_string(slow_step_ms)};
+    command.insert(command.end(), extra_flags.begin(), extra_flags.end());
     return std::make_unique<Process>(
-        std::vector<std::string>{(testing::BinaryDirectory() / "dta-trainer").string(),
-                                 "--dispatcher=" + run.address, "--checkpoint_dir=" + (run.dir / checkpoints).string(),
-                                 "--config=" + (root_ / "config.json").string(), "--dtype=float64",
-                                 "--method=dta", "--block_size=4", "--loss=grpo", "--lr=1e-2", "--max_grad_norm=0",
-                                 "--max_steps=" + std::to_string(kSteps), "--save_every=" + std::to_string(save_every),
-                                 "--timeout_s=20", "--slow_step_ms=" + std::to_string(slow_step_ms)},
-        (run.dir / ("trainer" + std::to_string(rank) + ".log")).string(),
+        command, (run.dir / ("trainer" + std::to_string(rank) + ".log")).string(),
         std::vector<std::string>{"RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
                                  "LOCAL_RANK=" + std::to_string(rank), "MASTER_ADDR=127.0.0.1",
                                  "MASTER_PORT=" + std::to_string(master_port)});
@@ -270,6 +272,18 @@ TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
   ExpectSameModel(faulty, reference);
   ExpectEveryRolloutTrainedOnce(faulty);
   EXPECT_NE(faulty.dispatcher->Log().find("log compacted"), std::string::npos) << faulty.dispatcher->Log();
+}
+
+// A trainer whose loss needs what the dispatcher does not require (here reference log-probabilities
+// for a KL penalty) is refused when it registers and exits 2 naming the dispatcher flag, before any
+// batch could fail on every retry.
+TEST_F(TrainerDaemonTest, ATrainerThatCannotTrainWhatIsAcceptedIsRefused) {
+  Run run = NewRun("refused");
+  std::unique_ptr<Process> trainer =
+      StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0, "ckpt", 1, {"--kl_coef=0.1"});
+  EXPECT_EQ(trainer->Wait(std::chrono::seconds(60)), 2) << trainer->Log();
+  EXPECT_NE(trainer->Log().find("start dta-dispatcher with --require_ref_logprobs"), std::string::npos)
+      << trainer->Log();
 }
 
 // Ranks that load different checkpoints (one sees a shared directory late) must not train together:
