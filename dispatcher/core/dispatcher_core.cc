@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
@@ -592,9 +593,22 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   if (!members_.contains(report.rank())) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", report.rank(), " is not in the generation"));
   }
+  if (prepared_.empty()) first_prepared_ = absl::Now();  // a rank asking again does not restart it
   prepared_[report.rank()] = report;
   checkpoints_[report.rank()] = report.checkpoint_step();
   if (static_cast<int32_t>(prepared_.size()) < world_size_) {
+    if (absl::Now() - first_prepared_ >= options_.prepare_timeout) {
+      std::vector<int32_t> missing;
+      for (int32_t rank = 0; rank < world_size_; ++rank) {
+        if (!prepared_.contains(rank)) missing.push_back(rank);
+      }
+      statistics_.set_aborted_steps(statistics_.aborted_steps() + 1);
+      NewGeneration(absl::StrCat("step ", step, " abandoned: rank ", absl::StrJoin(missing, ", rank "),
+                                 " did not report within ", absl::FormatDuration(options_.prepare_timeout),
+                                 " of the first PREPARED"));
+      response.set_decision(v1::ReportStepResponse::ABORT);
+      return response;
+    }
     response.set_decision(v1::ReportStepResponse::PENDING);
     return response;
   }

@@ -77,6 +77,11 @@ struct DispatcherOptions {
   // Backpressure: accepted trajectories not yet in a batch, at most (the service stops reading
   // its streams while the count is reached; each stream may still have one in flight).
   int64_t max_pending_trajectories = 1 << 16;
+  // A step some ranks prepared is abandoned (every rank told ABORT, a new generation, the step
+  // served again) when another rank has not reported this long after the first did: it hung, died
+  // without its launcher restarting the group, or lost the dispatcher. The ranks prepare right
+  // after one all-reduce, so this only has to cover a report's round trip. Infinite: never.
+  absl::Duration prepare_timeout = absl::Minutes(5);
   // Policy version of the weights before the first step.
   int64_t initial_policy_version = 0;
   // Steps kept for GetStatistics.
@@ -198,6 +203,7 @@ class DispatcherCore {
   std::map<int32_t, std::string> members_ ABSL_GUARDED_BY(mu_);  // rank -> trainer_id
   std::map<std::pair<int64_t, int32_t>, PartitionPlan> splits_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, v1::StepReport> prepared_ ABSL_GUARDED_BY(mu_);  // for step committed_
+  absl::Time first_prepared_ ABSL_GUARDED_BY(mu_);                    // when prepared_ got its first
   std::map<int32_t, int64_t> checkpoints_ ABSL_GUARDED_BY(mu_);      // rank -> checkpoint step
 
   // Statistics.

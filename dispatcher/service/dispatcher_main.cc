@@ -39,6 +39,8 @@ ABSL_FLAG(int64_t, max_pending, 1 << 16, "accepted trajectories waiting for a ba
 ABSL_FLAG(int64_t, initial_policy_version, 0, "policy version of the weights before the first step");
 ABSL_FLAG(int32_t, max_message_mb, 256, "largest gRPC message, in MiB, either way");
 ABSL_FLAG(int32_t, worker_threads, 32, "threads for blocking work (log syncs, long polls)");
+ABSL_FLAG(double, prepare_timeout_s, 300,
+          "abandon a step when a rank has not reported this long after another prepared it (a hung rank)");
 ABSL_FLAG(bool, wal_sync, true, "fdatasync the log before acknowledging (off only for benchmarks)");
 ABSL_FLAG(double, wal_compact_mb, 1024,
           "rewrite the log down to what it must keep once it is this large and at least twice that; 0: never");
@@ -74,6 +76,9 @@ int Run() {
   options.wal_path = absl::GetFlag(FLAGS_wal);
   if (options.wal_path.empty()) return Fail(kBadFlags, "--wal is required");
   options.wal_sync = absl::GetFlag(FLAGS_wal_sync);
+  const double prepare_timeout_s = absl::GetFlag(FLAGS_prepare_timeout_s);
+  if (!(prepare_timeout_s > 0)) return Fail(kBadFlags, "--prepare_timeout_s must be positive");
+  options.prepare_timeout = absl::Seconds(prepare_timeout_s);
   const double compact_mb = absl::GetFlag(FLAGS_wal_compact_mb);
   if (!(compact_mb >= 0) || compact_mb > 1e9) return Fail(kBadFlags, "--wal_compact_mb must be in [0, 1e9]");
   options.wal_compact_bytes = static_cast<int64_t>(compact_mb * (1 << 20));

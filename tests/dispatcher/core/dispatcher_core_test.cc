@@ -248,6 +248,36 @@ TEST_F(DispatcherCoreTest, FailedRankAbandonsTheStepEverywhereAndItIsResplit) {
   EXPECT_EQ(core->GetStatistics().aborted_steps(), 1);
 }
 
+// A rank that neither prepares nor fails (hung, or cut off) while the others have prepared: after
+// prepare_timeout the step is abandoned for everyone and served again to the trainers that register.
+TEST_F(DispatcherCoreTest, ARankThatNeverReportsIsAbandonedAfterThePrepareTimeout) {
+  DispatcherOptions options = Options(6);
+  options.prepare_timeout = absl::Seconds(2);
+  auto core = Open(options);
+  for (int i = 0; i < 6; ++i) Accept(*core, Make(i));
+  const int64_t g2 = Register(*core, 0, 2, "a");
+  Register(*core, 1, 2, "b");
+  std::vector<std::string> batch = FetchAll(*core, 2, 0, g2);
+  const absl::Time first = absl::Now();
+  EXPECT_EQ(Report(*core, 0, 0, g2), v1::ReportStepResponse::PENDING);
+  // Asking again does not restart the clock.
+  while (absl::Now() - first < absl::Seconds(1)) {
+    EXPECT_EQ(Report(*core, 0, 0, g2), v1::ReportStepResponse::PENDING);
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  absl::SleepFor(first + absl::Milliseconds(2100) - absl::Now());
+  EXPECT_EQ(Report(*core, 0, 0, g2), v1::ReportStepResponse::ABORT);
+  EXPECT_THAT(log_, Contains(HasSubstr("step 0 abandoned: rank 1 did not report within 2s")));
+  EXPECT_EQ(Report(*core, 1, 0, g2), v1::ReportStepResponse::ABORT);  // the late rank must not step
+  EXPECT_EQ(core->GetStatistics().aborted_steps(), 1);
+  const int64_t g = Register(*core, 0, 2, "a2");
+  Register(*core, 1, 2, "b2");
+  std::vector<std::string> again = FetchAll(*core, 2, 0, g);
+  EXPECT_EQ(again, batch);
+  CommitStep(*core, 2, 0, g);
+  EXPECT_EQ(core->GetStatus().committed_steps(), 1);
+}
+
 // A trainer group restarted from a checkpoint replays the committed steps in order, then goes on.
 TEST_F(DispatcherCoreTest, TrainersResumingFromACheckpointReplayCommittedSteps) {
   auto core = Open(Options(2));
