@@ -94,14 +94,24 @@ size_t EncodedSize(absl::Span<const WalRecord> records) {
   return bytes;
 }
 
-void EncodeRecord(const WalRecord& record, std::string& out) {
+void EncodeWithMagic(uint32_t magic, const WalRecord& record, std::string& out) {
   char header[kWalHeaderBytes];
-  PutU32(header, kWalMagic);
+  PutU32(header, magic);
   PutU32(header + 4, static_cast<uint32_t>(record.payload.size()));
   header[8] = static_cast<char>(record.type);
   PutU32(header + 9, RecordCrc(record.type, record.payload));
   out.append(header, kWalHeaderBytes);
   out.append(record.payload.data(), record.payload.size());
+}
+
+void EncodeRecord(const WalRecord& record, std::string& out) { EncodeWithMagic(kWalMagic, record, out); }
+
+// The header of a group commit whose records take `bytes` bytes after it.
+void EncodeGroupHeader(uint64_t bytes, std::string& out) {
+  char count[8];
+  PutU32(count, static_cast<uint32_t>(bytes));
+  PutU32(count + 4, static_cast<uint32_t>(bytes >> 32));
+  EncodeWithMagic(kWalGroupMagic, WalRecord{0, std::string_view(count, 8)}, out);
 }
 
 absl::Status CheckSize(const WalRecord& record, size_t index, const WalOptions& options) {
@@ -188,6 +198,8 @@ struct ParsedRecord {
   std::string error;  // empty if the record is valid
   WalRecord record;   // valid only until the window is read again
   int64_t next = 0;   // offset of the following record
+  bool group_header = false;
+  uint64_t group_bytes = 0;  // a group header's: its records' bytes, from `next` on
 };
 
 absl::StatusOr<ParsedRecord> ParseAt(FileWindow& window, int64_t offset, int64_t file_size,
@@ -204,8 +216,13 @@ absl::StatusOr<ParsedRecord> ParseAt(FileWindow& window, int64_t offset, int64_t
   const uint32_t length = GetU32(header->data() + 4);
   const uint8_t type = static_cast<uint8_t>((*header)[8]);
   const uint32_t crc = GetU32(header->data() + 9);
-  if (magic != kWalMagic) {
+  if (magic != kWalMagic && magic != kWalGroupMagic) {
     parsed.error = "bad magic";
+    return parsed;
+  }
+  parsed.group_header = magic == kWalGroupMagic;
+  if (parsed.group_header && (type != 0 || length != 8)) {
+    parsed.error = "bad group header";
     return parsed;
   }
   if (length > max_record_bytes) {
@@ -244,15 +261,27 @@ absl::StatusOr<ParsedRecord> ParseAt(FileWindow& window, int64_t offset, int64_t
   }
   parsed.record = WalRecord{type, payload};
   parsed.next = offset + kWalHeaderBytes + length;
+  if (parsed.group_header) {
+    parsed.group_bytes = uint64_t{GetU32(payload.data())} | uint64_t{GetU32(payload.data() + 4)} << 32;
+  }
   return parsed;
 }
 
-// The offset of the first valid record starting after `from`, or -1 if there is none.
-absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_size,
+// The offset of the first valid record (or only group header) starting after `from`, or -1 if
+// there is none.
+absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_size, bool group_headers_only,
                                              uint32_t max_record_bytes, std::string_view path) {
-  char magic[4];
-  PutU32(magic, kWalMagic);
-  const std::string_view needle(magic, 4);
+  char magics[8];
+  PutU32(magics, kWalMagic);
+  PutU32(magics + 4, kWalGroupMagic);
+  const std::string_view record_magic(magics, 4);
+  const std::string_view group_magic(magics + 4, 4);
+  const std::string_view needle = group_magic;  // both magics are 4 bytes
+  // The next position of a magic looked for at or after `at`.
+  auto find = [&](std::string_view chunk, size_t at) {
+    const size_t group = chunk.find(group_magic, at);
+    return group_headers_only ? group : std::min(group, chunk.find(record_magic, at));
+  };
   FileWindow scan(fd, file_size, path);
   FileWindow verify(fd, file_size, path);
   int64_t pos = from + 1;
@@ -260,8 +289,7 @@ absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_
     const size_t n = std::min<int64_t>(kReadChunk, file_size - pos);
     absl::StatusOr<std::string_view> chunk = scan.Get(pos, n);
     if (!chunk.ok()) return chunk.status();
-    for (size_t hit = chunk->find(needle); hit != std::string_view::npos;
-         hit = chunk->find(needle, hit + 1)) {
+    for (size_t hit = find(*chunk, 0); hit != std::string_view::npos; hit = find(*chunk, hit + 1)) {
       absl::StatusOr<ParsedRecord> parsed =
           ParseAt(verify, pos + static_cast<int64_t>(hit), file_size, max_record_bytes, path);
       if (!parsed.ok()) return parsed.status();
@@ -320,31 +348,74 @@ absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOpti
 
   const int64_t file_size = st.st_size;
   FileWindow window(fd.get(), file_size, path);
-  int64_t offset = 0;
+  int64_t offset = 0;  // the end of what is replayed
   int64_t replayed = 0;
   std::string corruption;
+  int64_t damage = 0;       // where the first bad record starts
+  int64_t search_from = 0;  // a valid record beyond this one means acknowledged data is damaged
+  // From here on the log is made of groups (appends of this version, a rewrite), so only a valid
+  // group header proves that a later group was written, hence that a damaged one had been synced.
+  int64_t grouped_from = -1;
   while (offset < file_size) {
     absl::StatusOr<ParsedRecord> parsed =
         ParseAt(window, offset, file_size, options.max_record_bytes, path);
     if (!parsed.ok()) return parsed.status();
     if (!parsed->error.empty()) {
       corruption = std::move(parsed->error);
+      damage = search_from = offset;
       break;
     }
-    absl::Status s = replay(parsed->record);
-    if (!s.ok()) return s;
-    ++replayed;
-    offset = parsed->next;
+    if (!parsed->group_header) {  // a record of a rewrite (or of a log from before group headers)
+      absl::Status s = replay(parsed->record);
+      if (!s.ok()) return s;
+      ++replayed;
+      offset = parsed->next;
+      continue;
+    }
+    // A group commit: every record must check out before any is replayed.
+    if (grouped_from < 0) grouped_from = offset;
+    const int64_t first = parsed->next;
+    const int64_t end = parsed->group_bytes > static_cast<uint64_t>(file_size - first)
+                            ? file_size + 1  // runs past the end of the file
+                            : first + static_cast<int64_t>(parsed->group_bytes);
+    int64_t at = first;
+    while (at < end && at < file_size) {
+      absl::StatusOr<ParsedRecord> record = ParseAt(window, at, file_size, options.max_record_bytes, path);
+      if (!record.ok()) return record.status();
+      if (record->error.empty() && record->group_header) record->error = "a group header inside a group";
+      if (!record->error.empty()) {
+        corruption = std::move(record->error);
+        break;
+      }
+      at = record->next;
+    }
+    if (at != end) {  // torn: the whole group goes, from its header on
+      if (corruption.empty()) {
+        corruption = absl::StrCat("group of ", parsed->group_bytes, " bytes ends at byte offset ", at);
+      }
+      damage = at;
+      search_from = std::min(end, file_size) - 1;
+      break;
+    }
+    for (at = first; at < end;) {
+      absl::StatusOr<ParsedRecord> record = ParseAt(window, at, file_size, options.max_record_bytes, path);
+      if (!record.ok()) return record.status();
+      absl::Status s = replay(record->record);
+      if (!s.ok()) return s;
+      ++replayed;
+      at = record->next;
+    }
+    offset = end;
   }
 
   int64_t truncated = 0;
   if (offset < file_size) {
-    absl::StatusOr<int64_t> valid =
-        FindValidRecordAfter(fd.get(), offset, file_size, options.max_record_bytes, path);
+    absl::StatusOr<int64_t> valid = FindValidRecordAfter(fd.get(), search_from, file_size, grouped_from >= 0,
+                                                         options.max_record_bytes, path);
     if (!valid.ok()) return valid.status();
     if (*valid >= 0) {
       return absl::DataLossError(
-          absl::StrCat("wal ", path, ": corrupt record at byte offset ", offset, " (", corruption,
+          absl::StrCat("wal ", path, ": corrupt record at byte offset ", damage, " (", corruption,
                        ") followed by a valid record at byte offset ", *valid,
                        "; not truncating acknowledged data, repair or restore the log"));
     }
@@ -428,7 +499,8 @@ absl::Status WriteAheadLog::Commit(Writer& writer) {
       last = next;
     }
     scratch_.clear();
-    scratch_.reserve(bytes);
+    scratch_.reserve(kWalGroupHeaderBytes + bytes);
+    EncodeGroupHeader(bytes, scratch_);
     for (Writer* w : writers_) {
       for (const WalRecord& r : w->records) {
         EncodeRecord(r, scratch_);
@@ -491,7 +563,8 @@ absl::Status WriteAheadLog::RewriteFile(const RecordSource& live, bool& failed) 
     unlink(tmp.c_str());
     return s;
   };
-  int64_t size = 0;
+  // One group: its header (written last, once its count is known) and the records.
+  int64_t size = kWalGroupHeaderBytes;
   std::string buffer;
   std::string scratch;
   WalRecord record;
@@ -513,6 +586,9 @@ absl::Status WriteAheadLog::RewriteFile(const RecordSource& live, bool& failed) 
     if (!s.ok()) return abandon(s);
     size += buffer.size();
   }
+  buffer.clear();
+  EncodeGroupHeader(static_cast<uint64_t>(size - kWalGroupHeaderBytes), buffer);
+  if (absl::Status s = WriteAll(fd.get(), buffer, 0, tmp); !s.ok()) return abandon(s);
   if (options_.sync && fsync(fd.get()) != 0) return abandon(ErrnoError(errno, tmp, "fsync"));
   // Lock the new file before it takes the log's name, so no other opener can slip in.
   if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return abandon(ErrnoError(errno, tmp, "flock"));

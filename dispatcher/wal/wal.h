@@ -12,14 +12,22 @@
 //
 // where crc32 is zlib's CRC-32 over the type byte, the 4 length bytes and the payload.
 //
+// Every group commit (one write, one sync) starts with a group header: a record with magic
+// kWalGroupMagic, type 0 and an 8-byte payload, the u64 byte count of the group's records that
+// follow it. Rewrite's records (one atomic file) have none. Group headers are never replayed.
+//
 // Recovery. Open reads the file front to back. A record that is incomplete or fails its checks
 // (magic, length at most max_record_bytes, checksum) is the torn tail of a crash mid-write when no
 // valid record follows it: the bytes from its start on are truncated away and reported by
 // truncated_tail_bytes(). Such a record was never acknowledged, since Append returns only after
-// the whole record is on disk. When a valid record does follow (found by scanning forward for the
-// magic and a matching checksum), acknowledged data would be lost: Open fails with DATA_LOSS and
-// never skips it. A payload that itself contains a well-formed record can make a torn tail look
-// like that case; the log then refuses to open rather than guess.
+// the whole record is on disk. A group is replayed only once all of its records check out, and a
+// group that does not is torn as a whole: after a power loss the pages of its unsynced write may
+// have reached the disk in any order, so valid records inside its extent prove nothing; the group
+// is truncated from its header on (none of it was acknowledged: its sync never returned). When a
+// valid record follows the damage beyond that (found by scanning forward for either magic and a
+// matching checksum), acknowledged data would be lost: Open fails with DATA_LOSS and never skips
+// it. A payload that itself contains a well-formed record can make a torn tail look like that
+// case; the log then refuses to open rather than guess.
 //
 // Usage:
 //
@@ -53,6 +61,9 @@ namespace dta {
 inline constexpr uint32_t kWalMagic = 0x4C415744;
 // Bytes of a record's header: magic, length, type, checksum.
 inline constexpr int kWalHeaderBytes = 13;
+// The first four bytes of a group header ("DWAG"), and its size: a header and a u64.
+inline constexpr uint32_t kWalGroupMagic = 0x47415744;
+inline constexpr int kWalGroupHeaderBytes = kWalHeaderBytes + 8;
 
 struct WalOptions {
   // The log file. Created if missing; its directory must exist. A file `path + ".tmp"` in the same

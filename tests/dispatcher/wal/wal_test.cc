@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include <zlib.h>
+
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -46,6 +48,8 @@ void WriteFile(const std::string& path, std::string_view bytes) {
 }
 
 int64_t RecordBytes(const Record& r) { return kWalHeaderBytes + r.second.size(); }
+// What one Append of `r` adds to the file: a group header, then the record.
+int64_t AppendedBytes(const Record& r) { return kWalGroupHeaderBytes + RecordBytes(r); }
 
 class WalTest : public ::testing::Test {
  protected:
@@ -98,7 +102,7 @@ TEST_F(WalTest, RoundTripOddSizes) {
   for (int round = 0; round < 2; ++round) {
     for (size_t size : {0, 1, 3, 7, 19, 733, 100000}) {
       written.emplace_back(static_cast<int>(rng() % 256), RandomBytes(size, rng));
-      bytes += RecordBytes(written.back());
+      bytes += AppendedBytes(written.back());
     }
   }
   {
@@ -143,7 +147,8 @@ TEST_F(WalTest, TornTailAtEveryOffsetIsTruncated) {
     AppendAll(**wal, {last});
   }
   const std::string full = ReadFile(path_);
-  const int64_t last_start = static_cast<int64_t>(full.size()) - RecordBytes(last);
+  // The last Append's group, from its header on: a cut anywhere in it drops all of it.
+  const int64_t last_start = static_cast<int64_t>(full.size()) - AppendedBytes(last);
 
   for (int64_t cut = last_start + 1; cut < static_cast<int64_t>(full.size()); ++cut) {
     SCOPED_TRACE(absl::StrCat("cut at ", cut));
@@ -179,9 +184,12 @@ TEST_F(WalTest, FlippedByteInLastRecordIsTornTail) {
     AppendAll(**wal, records);
   }
   const std::string full = ReadFile(path_);
-  const int64_t last_start = RecordBytes(records[0]);
-  // A payload byte, the type byte, and the first magic byte of the last record.
-  for (int64_t at : {last_start + kWalHeaderBytes + 500, last_start + 8, last_start}) {
+  const int64_t last_start = AppendedBytes(records[0]);
+  const int64_t record_start = last_start + kWalGroupHeaderBytes;
+  // A payload byte, the type byte, and the first magic byte of the last record, and the group
+  // header's count and magic.
+  for (int64_t at : {record_start + kWalHeaderBytes + 500, record_start + 8, record_start,
+                     last_start + kWalHeaderBytes, last_start}) {
     SCOPED_TRACE(absl::StrCat("flip at ", at));
     std::string damaged = full;
     damaged[at] ^= 0x20;
@@ -190,7 +198,7 @@ TEST_F(WalTest, FlippedByteInLastRecordIsTornTail) {
     auto wal = OpenCollect(Options(), replayed);
     ASSERT_TRUE(wal.ok()) << wal.status();
     EXPECT_THAT(replayed, ElementsAreArray({records[0]}));
-    EXPECT_EQ((*wal)->truncated_tail_bytes(), RecordBytes(records[1]));
+    EXPECT_EQ((*wal)->truncated_tail_bytes(), AppendedBytes(records[1]));
   }
 }
 
@@ -205,7 +213,8 @@ TEST_F(WalTest, FlippedByteInMiddleRecordIsDataLoss) {
     AppendAll(**wal, records);
   }
   const std::string full = ReadFile(path_);
-  const int64_t bad = RecordBytes(records[0]) + RecordBytes(records[1]);  // the third record
+  // The third record, after its group header.
+  const int64_t bad = AppendedBytes(records[0]) + AppendedBytes(records[1]) + kWalGroupHeaderBytes;
   // A payload byte; the length's low byte (checksum mismatch); its third byte (the record now
   // runs past the end of the file); its top byte (beyond max_record_bytes).
   for (auto [at, mask] : {std::pair{bad + kWalHeaderBytes + 5, 0x01}, std::pair{bad + 4, 0x01},
@@ -222,6 +231,113 @@ TEST_F(WalTest, FlippedByteInMiddleRecordIsDataLoss) {
     EXPECT_THAT(std::string(wal.status().message()), HasSubstr(absl::StrCat("byte offset ", bad)));
     EXPECT_EQ(ReadFile(path_), damaged);  // nothing truncated
   }
+}
+
+// Power loss during a group's write: its pages may reach the disk in any order, so a later page
+// can survive an earlier one. The group was never acknowledged (its sync never returned): it goes
+// as a whole, and the records of earlier (synced) groups stay.
+TEST_F(WalTest, ATornGroupGoesWholeWhateverPagesSurvived) {
+  std::mt19937 rng(23);
+  const std::vector<Record> synced = {{1, RandomBytes(100, rng)}, {2, RandomBytes(5000, rng)}};
+  std::vector<Record> torn;
+  for (int i = 0; i < 5; ++i) torn.emplace_back(7, RandomBytes(3000, rng));
+  {
+    std::vector<Record> replayed;
+    auto wal = OpenCollect(Options(/*sync=*/false), replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    AppendAll(**wal, synced);
+    std::vector<WalRecord> batch;
+    for (const Record& r : torn) batch.push_back({static_cast<uint8_t>(r.first), r.second});
+    ASSERT_TRUE((*wal)->AppendBatch(batch).ok());
+  }
+  const std::string full = ReadFile(path_);
+  const int64_t group = AppendedBytes(synced[0]) + AppendedBytes(synced[1]);
+  const int64_t second = group + kWalGroupHeaderBytes + RecordBytes(torn[0]);
+  struct Loss {
+    const char* name;
+    int64_t from, bytes;
+  };
+  for (const Loss& loss : {Loss{"the group header", group, kWalGroupHeaderBytes},
+                           Loss{"the header's page", group, 4096},
+                           Loss{"a page in the middle", second + 100, 4096},
+                           Loss{"the second record's header", second, kWalHeaderBytes},
+                           Loss{"the group's end", static_cast<int64_t>(full.size()) - 10, 10}}) {
+    SCOPED_TRACE(loss.name);
+    std::string damaged = full;
+    std::fill(damaged.begin() + loss.from, damaged.begin() + loss.from + loss.bytes, '\0');
+    WriteFile(path_, damaged);
+    std::vector<Record> replayed;
+    {
+      auto wal = OpenCollect(Options(), replayed);
+      ASSERT_TRUE(wal.ok()) << wal.status();
+      EXPECT_THAT(replayed, ElementsAreArray(synced));
+      EXPECT_EQ((*wal)->truncated_tail_bytes(), static_cast<int64_t>(full.size()) - group);
+      EXPECT_EQ(static_cast<int64_t>(fs::file_size(path_)), group);
+      ASSERT_TRUE((*wal)->Append(9, "after").ok());
+    }
+    auto wal = OpenCollect(Options(), replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    std::vector<Record> expected = synced;
+    expected.emplace_back(9, "after");
+    EXPECT_THAT(replayed, ElementsAreArray(expected));
+  }
+  // The same damage to a group that a later group follows is acknowledged data: refused.
+  std::string damaged = full;
+  const int64_t first_group_record = kWalGroupHeaderBytes;
+  std::fill(damaged.begin() + first_group_record, damaged.begin() + first_group_record + 20, '\0');
+  WriteFile(path_, damaged);
+  std::vector<Record> replayed;
+  auto wal = OpenCollect(Options(), replayed);
+  EXPECT_EQ(wal.status().code(), absl::StatusCode::kDataLoss) << wal.status();
+  EXPECT_THAT(std::string(wal.status().message()),
+              HasSubstr(absl::StrCat("corrupt record at byte offset ", first_group_record)));
+  EXPECT_THAT(std::string(wal.status().message()), HasSubstr(absl::StrCat("valid record at byte offset ",
+                                                                          AppendedBytes(synced[0]))));
+  // And so is a damaged group header that a later group follows.
+  damaged = full;
+  std::fill(damaged.begin() + AppendedBytes(synced[0]), damaged.begin() + AppendedBytes(synced[0]) + 8, '\0');
+  WriteFile(path_, damaged);
+  EXPECT_EQ(OpenCollect(Options(), replayed).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ReadFile(path_), damaged);  // nothing truncated
+}
+
+// A log written before group headers (plain records back to back) still opens, takes appends,
+// and refuses to drop a damaged record that valid ones follow.
+TEST_F(WalTest, ALogWithoutGroupHeadersStillOpens) {
+  const std::vector<Record> old = {{1, "first"}, {2, std::string(300, 'x')}, {3, "third"}};
+  std::string bytes;
+  for (const Record& r : old) {
+    char header[kWalHeaderBytes];
+    const uint32_t fields[] = {kWalMagic, static_cast<uint32_t>(r.second.size())};
+    for (int i = 0; i < 8; ++i) header[i] = static_cast<char>(fields[i / 4] >> (8 * (i % 4)));
+    header[8] = static_cast<char>(r.first);
+    uLong crc = crc32(0L, Z_NULL, 0);
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(header + 8), 1);
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(header + 4), 4);
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(r.second.data()), static_cast<uInt>(r.second.size()));
+    for (int i = 0; i < 4; ++i) header[9 + i] = static_cast<char>(crc >> (8 * i));
+    bytes.append(header, kWalHeaderBytes);
+    bytes.append(r.second);
+  }
+  WriteFile(path_, bytes);
+  std::vector<Record> replayed;
+  {
+    auto wal = OpenCollect(Options(), replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    EXPECT_THAT(replayed, ElementsAreArray(old));
+    ASSERT_TRUE((*wal)->Append(4, "new").ok());
+  }
+  std::vector<Record> expected = old;
+  expected.emplace_back(4, "new");
+  {
+    auto wal = OpenCollect(Options(), replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    EXPECT_THAT(replayed, ElementsAreArray(expected));
+  }
+  std::string damaged = ReadFile(path_);
+  damaged[RecordBytes(old[0]) + kWalHeaderBytes + 10] ^= 1;
+  WriteFile(path_, damaged);
+  EXPECT_EQ(OpenCollect(Options(), replayed).status().code(), absl::StatusCode::kDataLoss);
 }
 
 TEST_F(WalTest, OversizedRecords) {
@@ -245,7 +361,7 @@ TEST_F(WalTest, OversizedRecords) {
   options.max_record_bytes = 50;
   auto wal = OpenCollect(options, replayed);
   EXPECT_EQ(wal.status().code(), absl::StatusCode::kFailedPrecondition) << wal.status();
-  EXPECT_EQ(static_cast<int64_t>(fs::file_size(path_)), kWalHeaderBytes + 100);
+  EXPECT_EQ(static_cast<int64_t>(fs::file_size(path_)), kWalGroupHeaderBytes + kWalHeaderBytes + 100);
   options.max_record_bytes = 100;
   wal = OpenCollect(options, replayed);
   ASSERT_TRUE(wal.ok()) << wal.status();
@@ -329,7 +445,7 @@ TEST_F(WalTest, RewriteKeepsExactlyTheLiveRecords) {
     ASSERT_TRUE(wal.ok()) << wal.status();
     AppendAll(**wal, all);
     std::vector<WalRecord> views;
-    int64_t live_bytes = 0;
+    int64_t live_bytes = kWalGroupHeaderBytes;  // a rewrite is one group
     for (const Record& r : live) {
       views.push_back({static_cast<uint8_t>(r.first), r.second});
       live_bytes += RecordBytes(r);
@@ -338,7 +454,7 @@ TEST_F(WalTest, RewriteKeepsExactlyTheLiveRecords) {
     EXPECT_EQ((*wal)->file_bytes(), live_bytes);
     EXPECT_THAT(DirEntries(), ElementsAreArray({"log.wal"}));  // no temp file left
     ASSERT_TRUE((*wal)->Append(42, "after rewrite").ok());
-    EXPECT_EQ((*wal)->file_bytes(), live_bytes + kWalHeaderBytes + 13);
+    EXPECT_EQ((*wal)->file_bytes(), live_bytes + kWalGroupHeaderBytes + kWalHeaderBytes + 13);
   }
   live.emplace_back(42, "after rewrite");
   {
@@ -363,7 +479,7 @@ TEST_F(WalTest, RewriteFromASourceWritesRecordsAsTheyCome) {
     ASSERT_TRUE(wal.ok()) << wal.status();
     AppendAll(**wal, {{1, "consumed"}, {2, "consumed too"}});
     size_t next = 0;
-    int64_t live_bytes = 0;
+    int64_t live_bytes = kWalGroupHeaderBytes;  // a rewrite is one group
     ASSERT_TRUE((*wal)
                     ->RewriteFrom([&](WalRecord& record, std::string& scratch) -> absl::StatusOr<bool> {
                       if (next == live.size()) return false;
