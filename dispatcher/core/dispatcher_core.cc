@@ -12,10 +12,12 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
-// xxHash (Debian's libxxhash-dev), header-only: XXH3 is stable across versions and machines,
-// which the fingerprints a compacted log stores need.
+// xxHash (Debian's libxxhash-dev), header-only: XXH3's output is stable across versions and
+// machines, which the fingerprints a compacted log stores need.
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#include <bit>
 
 namespace dta {
 namespace {
@@ -51,11 +53,56 @@ std::string DeterministicBytes(const google::protobuf::Message& message) {
   return bytes;
 }
 
-uint64_t Fingerprint(std::string_view bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
+// XXH3-64 over length-prefixed fields (so no two field sequences hash the same bytes).
+class FieldHasher {
+ public:
+  FieldHasher() : state_(XXH3_createState()) { XXH3_64bits_reset(state_); }
+  FieldHasher(const FieldHasher&) = delete;
+  FieldHasher& operator=(const FieldHasher&) = delete;
+  ~FieldHasher() { XXH3_freeState(state_); }
 
-// What the log stores for a trajectory, and what its fingerprint is of: the fields a Rollout holds
-// and the metadata, serialized deterministically (unknown fields dropped), so that a compaction
-// writes the very bytes that were acknowledged.
+  void Bytes(const void* data, size_t n) {
+    const uint64_t length = n;
+    XXH3_64bits_update(state_, &length, sizeof(length));
+    XXH3_64bits_update(state_, data, n);
+  }
+  template <typename T>
+  void Values(const std::vector<T>& values) {
+    Bytes(values.data(), values.size() * sizeof(T));
+  }
+  void Text(const std::string& text) { Bytes(text.data(), text.size()); }
+  uint64_t Digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  XXH3_state_t* state_;
+};
+
+// A trajectory's identity for resends: its fields in a fixed layout of our own (each field's
+// length, then its values as little-endian machine words), so that it depends neither on
+// protobuf's serializer nor on fields the dispatcher ignores (unknown ones), and a compacted log's
+// retired fingerprints stay valid across versions.
+uint64_t Fingerprint(const Rollout& rollout, const std::map<std::string, std::string>& metadata) {
+  static_assert(std::endian::native == std::endian::little, "the fingerprint layout is little-endian");
+  FieldHasher h;
+  h.Text(rollout.id);
+  h.Text(rollout.group);
+  h.Values(rollout.tokens);
+  h.Values(rollout.loss_mask);
+  h.Values(rollout.logprobs);
+  h.Values(rollout.versions);
+  const double reward = rollout.reward.value_or(0.0);
+  h.Bytes(&reward, rollout.reward.has_value() ? sizeof(reward) : 0);
+  h.Values(rollout.advantages);
+  h.Values(rollout.ref_logprobs);
+  for (const auto& [key, value] : metadata) {
+    h.Text(key);
+    h.Text(value);
+  }
+  return h.Digest();
+}
+
+// What the log stores for a trajectory: the fields a Rollout holds and the metadata, serialized
+// deterministically (unknown fields dropped).
 std::string CanonicalBytes(const Rollout& rollout, const std::map<std::string, std::string>& metadata) {
   v1::Trajectory canonical = TrajectoryFromRollout(rollout);
   canonical.mutable_metadata()->insert(metadata.begin(), metadata.end());
@@ -138,6 +185,7 @@ absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherO
       {.path = core->options_.wal_path, .sync = core->options_.wal_sync},
       [&core](const WalRecord& record) ABSL_NO_THREAD_SAFETY_ANALYSIS { return core->Replay(record); });
   if (!wal.ok()) return wal.status();
+  if (absl::Status status = core->CheckUnreleased(); !status.ok()) return status;
   core->wal_ = *std::move(wal);
   if (absl::Status status = core->wal_->Append(kOpenRecord, ""); !status.ok()) return status;
   core->incarnation_ += 1;
@@ -165,8 +213,9 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
       }
       std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
       const std::string id = trajectory.id();
-      AddPending(id, RolloutFromTrajectory(trajectory), std::move(metadata), Fingerprint(record.payload),
-                 static_cast<int64_t>(record.payload.size()));
+      Rollout rollout = RolloutFromTrajectory(trajectory);
+      const uint64_t fingerprint = Fingerprint(rollout, metadata);
+      AddPending(id, std::move(rollout), std::move(metadata), fingerprint, static_cast<int64_t>(record.payload.size()));
       return absl::OkStatus();
     }
     case kPlanRecord: {
@@ -334,7 +383,7 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
   }
   std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
   const std::string bytes = CanonicalBytes(*rollout, metadata);
-  const uint64_t fingerprint = Fingerprint(bytes);
+  const uint64_t fingerprint = Fingerprint(*rollout, metadata);
   {
     absl::MutexLock lock(&mu_);
     // Wait while a compaction runs, and while the same id on another stream is being stored (for
@@ -672,18 +721,46 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   return response;
 }
 
+absl::Status DispatcherCore::CheckUnreleased() const {
+  int64_t refused = 0;
+  std::pair<int64_t, std::string> first;  // the oldest refused: sequence, why
+  for (const auto& [id, stored] : trajectories_) {
+    if (stored.state == State::kDropped || !stored.rollout.has_value()) continue;  // never trained
+    v1::Trajectory trajectory = TrajectoryFromRollout(*stored.rollout);
+    trajectory.mutable_metadata()->insert(stored.metadata.begin(), stored.metadata.end());
+    const absl::StatusOr<Rollout> checked = CheckTrajectory(trajectory, options_.limits);
+    if (checked.ok()) continue;
+    if (refused++ == 0 || stored.sequence < first.first) {
+      first = {stored.sequence, absl::StrCat("'", id, "': ", checked.status().message())};
+    }
+  }
+  if (refused == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      options_.wal_path, ": ", refused, " trajectories that may still be trained (pending, or in steps no checkpoint "
+      "covers yet) were accepted under other limits and break these, e.g. ", first.second,
+      ": restart with the limits they were accepted under (--vocab_size, --max_tokens, --sft, "
+      "--require_ref_logprobs) until they are trained"));
+}
+
 void DispatcherCore::MaybeCompact() {
   if (options_.wal_compact_bytes <= 0 || compacting_ || !log_failure_.ok()) return;
   const int64_t file_bytes = wal_->file_bytes();
-  if (file_bytes < options_.wal_compact_bytes || file_bytes < 2 * live_log_bytes_) return;
+  if (file_bytes < std::max(options_.wal_compact_bytes, next_compaction_bytes_) ||
+      file_bytes < 2 * live_log_bytes_) {
+    return;
+  }
   const absl::Time start = absl::Now();
   const absl::Status status = Compact();
   if (!status.ok()) {
     // A failed rewrite leaves the old log in place and usable, unless it failed after the rename.
+    // Whatever failed (a full disk, say) would likely fail again: wait until the log doubles.
     if (status.code() == absl::StatusCode::kDataLoss) NoteLogFailure(status);
-    Log(absl::StrCat("dispatcher: log compaction failed, the log is kept as it was: ", status.ToString()));
+    next_compaction_bytes_ = 2 * file_bytes;
+    Log(absl::StrCat("dispatcher: log compaction failed, the log is kept as it was (next try at ",
+                     HumanCount(next_compaction_bytes_), " bytes): ", status.ToString()));
     return;
   }
+  next_compaction_bytes_ = 0;
   Log(absl::StrFormat("dispatcher: log compacted: %s -> %s bytes (%d trajectories kept, %d retired ids) in %.2f s",
                       HumanCount(file_bytes), HumanCount(wal_->file_bytes()), trajectories_.size(), retired_.size(),
                       absl::ToDoubleSeconds(absl::Now() - start)));
@@ -751,11 +828,6 @@ absl::Status DispatcherCore::Compact() {
           if (trajectory < kept.size()) {
             const Stored& stored = *kept[trajectory++].second;
             scratch = CanonicalBytes(*stored.rollout, stored.metadata);
-            if (Fingerprint(scratch) != stored.fingerprint) {
-              // Only a log written before the canonical form (with unknown fields) could do this.
-              return absl::FailedPreconditionError(
-                  absl::StrCat("trajectory '", stored.rollout->id, "' would not be rewritten as it was acknowledged"));
-            }
             record = {kTrajectoryRecord, scratch};
             return true;
           }

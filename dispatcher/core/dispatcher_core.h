@@ -161,6 +161,9 @@ class DispatcherCore {
   void ApplyCommit(const v1::StepCommitRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyCheckpoint(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplySnapshot(const v1::SnapshotRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK if every trajectory that may still be trained satisfies the current limits (they may have
+  // been looser when it was accepted); else FAILED_PRECONDITION naming one.
+  absl::Status CheckUnreleased() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Compacts the log if it is large and mostly dead (options_.wal_compact_bytes).
   void MaybeCompact() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Rewrites the log as the records that rebuild the current state; waits for ingests in flight
@@ -187,6 +190,7 @@ class DispatcherCore {
   bool compacting_ ABSL_GUARDED_BY(mu_) = false;
   int64_t live_log_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // estimate of what a compacted log would hold
   int64_t compactions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t next_compaction_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // after a failed one: not before this size
   std::map<int64_t, std::string> pending_ ABSL_GUARDED_BY(mu_);  // sequence -> id, oldest first
   std::atomic<int64_t> pending_count_{0};  // pending_.size(), for HasRoom without the lock
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;

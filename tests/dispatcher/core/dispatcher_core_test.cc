@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <set>
@@ -638,6 +639,103 @@ TEST_F(CompactionTest, TrajectoriesAcknowledgedDuringACompactionAreKept) {
   EXPECT_EQ(statistics.retired_ids(), 72);
   EXPECT_EQ(core->GetStatus().pending_trajectories(), 8);
   for (int i = 0; i < 80; ++i) EXPECT_TRUE(core->Ingest(Make(i))->already_accepted()) << i;
+}
+
+// A failed compaction (here its temp file cannot be created) leaves the log usable and is not
+// retried on every commit, only once the log has doubled.
+TEST_F(CompactionTest, AFailedCompactionWaitsForTheLogToDouble) {
+  DispatcherOptions options = CompactingOptions(1);
+  auto core = Open(options);
+  Run(*core, 0, 8);
+  const int64_t compactions = core->GetStatistics().wal_compactions();
+  std::filesystem::create_directory(options.wal_path + ".tmp");  // open(O_CREAT) of it fails
+  Run(*core, 8, 40);
+  auto failures = [this] {
+    return std::count_if(log_.begin(), log_.end(),
+                         [](const std::string& line) { return line.find("compaction failed") != std::string::npos; });
+  };
+  EXPECT_EQ(core->GetStatistics().wal_compactions(), compactions);
+  EXPECT_GE(failures(), 1);
+  EXPECT_LE(failures(), 2);  // the log doubles at most once in these steps
+  EXPECT_THAT(log_, Contains(HasSubstr("next try at")));
+  EXPECT_TRUE(core->Health().ok());
+  std::filesystem::remove(options.wal_path + ".tmp");
+  Run(*core, 40, 80);
+  EXPECT_GT(core->GetStatistics().wal_compactions(), compactions);
+  const std::string digest = Digest(*core, 2);
+  core.reset();
+  EXPECT_EQ(Digest(*Open(options), 2), digest);
+}
+
+// Resends are recognised by content, not by bytes: fields the dispatcher does not know (a newer
+// client's) neither break the identity nor survive into the log, before and after compaction, and
+// a log whose records still carry them (written before the canonical form) replays the same.
+TEST_F(CompactionTest, UnknownFieldsDoNotChangeATrajectorysIdentity) {
+  auto with_unknown = [](int i) {
+    v1::Trajectory t = Generated(i);
+    t.GetReflection()->MutableUnknownFields(&t)->AddVarint(99, 12345);
+    return t;
+  };
+  DispatcherOptions options = CompactingOptions(0);
+  {
+    // A log as an earlier version wrote it: the bytes as received.
+    absl::StatusOr<std::unique_ptr<WriteAheadLog>> wal =
+        WriteAheadLog::Open({.path = options.wal_path, .sync = false}, [](const WalRecord&) { return absl::OkStatus(); });
+    ASSERT_TRUE(wal.ok());
+    ASSERT_TRUE((*wal)->Append(2, with_unknown(0).SerializeAsString()).ok());
+  }
+  options.wal_compact_bytes = 1;
+  auto core = Open(options);
+  Accept(*core, with_unknown(1));
+  Accept(*core, Generated(2));
+  for (int i : {0, 1}) {
+    EXPECT_TRUE(core->Ingest(with_unknown(i))->already_accepted()) << i;
+    EXPECT_TRUE(core->Ingest(Generated(i))->already_accepted()) << i;
+  }
+  // Train the three and release them (a checkpoint after the step): the log is compacted down to
+  // their ids and fingerprints.
+  const int64_t generation = Register(*core, 0, 1, "a");
+  EXPECT_EQ(FetchAll(*core, 1, 0, generation).size(), 3u);
+  EXPECT_EQ(Report(*core, 0, 0, generation, v1::StepReport::PREPARED, /*checkpoint=*/1),
+            v1::ReportStepResponse::COMMIT);
+  EXPECT_GE(core->GetStatistics().wal_compactions(), 1);
+  EXPECT_EQ(core->GetStatistics().retired_ids(), 3);
+  core.reset();
+  core = Open(options);
+  EXPECT_EQ(core->GetStatistics().retired_ids(), 3);
+  for (int i : {0, 1, 2}) {
+    EXPECT_TRUE(core->Ingest(with_unknown(i))->already_accepted()) << i;
+    v1::Trajectory changed = Generated(i);
+    changed.mutable_logprobs()->Set(1, -9);
+    EXPECT_EQ(core->Ingest(changed)->outcome(), v1::IngestResponse::REJECTED) << i;
+  }
+}
+
+// A restart with stricter limits than some unreleased trajectories were accepted under (here RL
+// after SFT: no rewards) would plan batches no trainer can train: it is refused, naming one.
+TEST_F(CompactionTest, StricterLimitsThanUnreleasedTrajectoriesAreRefusedAtStart) {
+  DispatcherOptions options = CompactingOptions(0);
+  options.limits.require_reward_or_advantages = false;
+  {
+    auto core = Open(options);
+    for (int i = 0; i < 3; ++i) {
+      v1::Trajectory t = Generated(i);
+      if (i == 1) t.clear_reward();
+      Accept(*core, t);
+    }
+  }
+  options.limits.require_reward_or_advantages = true;
+  absl::StatusOr<std::unique_ptr<DispatcherCore>> refused = DispatcherCore::Open(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("1 trajectories that may still be trained"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("'t1': field 'reward': missing"));
+  options.limits.vocab_size = 8;  // and a smaller vocabulary: every one of them
+  refused = DispatcherCore::Open(options);
+  EXPECT_THAT(refused.status().message(), HasSubstr("3 trajectories"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("'t0': field 'tokens'"));  // the oldest
+  options.limits.vocab_size = 100;
+  options.limits.require_reward_or_advantages = false;
+  EXPECT_TRUE(DispatcherCore::Open(options).ok());
 }
 
 TEST_F(CompactionTest, ASnapshotAfterOtherRecordsIsDataLoss) {
