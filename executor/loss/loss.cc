@@ -141,9 +141,9 @@ at::Tensor CustomRolloutLoss(const RolloutLossInputs& in, const LossOptions& o, 
   CheckTensor(r, "logprobs", in.logprobs);
   at::Tensor loss = o.custom(in, batch);
   if (!loss.defined() || loss.numel() != 1 || loss.dim() > 1 || !loss.is_floating_point()) {
-    // The shape is formatted by absl, not streamed: streaming it (c10's operator<< for IntArrayRef)
-    // into this message crashed the Python extension built on the GPU machines (GCC 13, Python
-    // 3.12; not here). The cause is not understood; scripts/gpu_python.sh runs the check there.
+    // (Streaming a number into a c10 message once crashed the Python extension built on the GPU
+    // machines: their toolchain linked libstdc++ statically into it; see
+    // bindings/python/CMakeLists.txt. Formatting here does not depend on it either way.)
     TORCH_CHECK(false, "rollout '", r.id, "': the custom loss must return one floating-point value (a 0-d tensor), got ",
                 loss.defined() ? absl::StrCat(loss.toString(), " of shape [", absl::StrJoin(loss.sizes(), ", "), "]")
                                : std::string("an undefined tensor"));

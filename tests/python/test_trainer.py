@@ -199,6 +199,18 @@ def test_python_loss_errors_propagate(checkpoint, trajectories):
     assert trainer.compute_gradients(trajectories, "sft", "dta").loss > 0
 
 
+def test_cpp_errors_that_format_numbers_reach_python(checkpoint, trajectories):
+    """A C++ check whose message streams an integer (c10 formats it with an ostream) raises
+    RuntimeError with the number in it. On the GPU machines' toolchain, which links libstdc++
+    statically, the module carried a second copy of the locale machinery and this crashed the
+    process (bindings/python/CMakeLists.txt links the shared library instead)."""
+    trainer = dta.Trainer(checkpoint[1], dtype="float64")
+    executor = dta.trainer.ExecutorOptions()._to_core("dta")
+    executor.block_size = -5  # past the Python-side check, to reach the C++ one
+    with pytest.raises(RuntimeError, match="block_size must be >= 1 or kAutoBlockSize, got -5"):
+        trainer._core.compute_gradients(trainer._checked(trajectories), dta._core.LossOptions(), None, executor)
+
+
 def test_train_batch_is_one_unit_across_threads(checkpoint, trajectories):
     """Two threads' train_batch calls on one trainer: each zeroes, computes and steps without the
     other's calls in between, so the two steps equal two train_batch calls in a row."""
