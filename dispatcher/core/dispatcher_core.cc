@@ -101,12 +101,20 @@ uint64_t Fingerprint(const Rollout& rollout, const std::map<std::string, std::st
   return h.Digest();
 }
 
-// What the log stores for a trajectory: the fields a Rollout holds and the metadata, serialized
-// deterministically (unknown fields dropped).
-std::string CanonicalBytes(const Rollout& rollout, const std::map<std::string, std::string>& metadata) {
-  v1::Trajectory canonical = TrajectoryFromRollout(rollout);
-  canonical.mutable_metadata()->insert(metadata.begin(), metadata.end());
-  return DeterministicBytes(canonical);
+// What the log stores for a received trajectory: its deterministic serialization without fields
+// the dispatcher does not know (a newer client's). Copies the message only when it has some.
+std::string KnownFieldBytes(const v1::Trajectory& trajectory) {
+  if (trajectory.GetReflection()->GetUnknownFields(trajectory).empty()) return DeterministicBytes(trajectory);
+  v1::Trajectory known = trajectory;
+  known.DiscardUnknownFields();
+  return DeterministicBytes(known);
+}
+
+// The same for a stored one (a compaction rewrites it from what the dispatcher kept).
+std::string StoredBytes(const Rollout& rollout, const std::map<std::string, std::string>& metadata) {
+  v1::Trajectory trajectory = TrajectoryFromRollout(rollout);
+  trajectory.mutable_metadata()->insert(metadata.begin(), metadata.end());
+  return DeterministicBytes(trajectory);
 }
 
 template <typename Message>
@@ -382,7 +390,7 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
     return Rejected(id, field, std::string(rollout.status().message()));
   }
   std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
-  const std::string bytes = CanonicalBytes(*rollout, metadata);
+  const std::string bytes = KnownFieldBytes(trajectory);
   const uint64_t fingerprint = Fingerprint(*rollout, metadata);
   {
     absl::MutexLock lock(&mu_);
@@ -827,7 +835,7 @@ absl::Status DispatcherCore::Compact() {
         case Part::kTrajectories:
           if (trajectory < kept.size()) {
             const Stored& stored = *kept[trajectory++].second;
-            scratch = CanonicalBytes(*stored.rollout, stored.metadata);
+            scratch = StoredBytes(*stored.rollout, stored.metadata);
             record = {kTrajectoryRecord, scratch};
             return true;
           }

@@ -276,7 +276,6 @@ absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_
   PutU32(magics + 4, kWalGroupMagic);
   const std::string_view record_magic(magics, 4);
   const std::string_view group_magic(magics + 4, 4);
-  const std::string_view needle = group_magic;  // both magics are 4 bytes
   // The next position of a magic looked for at or after `at`.
   auto find = [&](std::string_view chunk, size_t at) {
     const size_t group = chunk.find(group_magic, at);
@@ -295,8 +294,9 @@ absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_
       if (!parsed.ok()) return parsed.status();
       if (parsed->error.empty()) return pos + static_cast<int64_t>(hit);
     }
-    if (n < needle.size()) break;
-    pos += n - (needle.size() - 1);  // a magic straddling two chunks is seen by the next one
+    constexpr size_t kMagicBytes = 4;  // both magics
+    if (n < kMagicBytes) break;
+    pos += n - (kMagicBytes - 1);  // a magic straddling two chunks is seen by the next one
   }
   return -1;
 }
