@@ -34,6 +34,8 @@
 #include "dispatcher/client/client_options.h"
 #include "dispatcher/client/dispatcher_client.h"
 #include "proto/dta/v1/dispatcher.grpc.pb.h"
+#include "core/base/exit_codes.h"
+#include "core/cli/usage.h"
 
 ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
 ABSL_FLAG(std::string, token_file, "", "file holding the dispatcher's shared token");
@@ -161,7 +163,7 @@ int Main() {
     absl::StatusOr<std::string> token = ReadCredentialFile(path, /*trim=*/true);
     if (!token.ok()) {
       std::fprintf(stderr, "dta-ingest-bench: --token_file: %s\n", std::string(token.status().message()).c_str());
-      return 2;
+      return dta::kExitBadInput;
     }
     options.token = *std::move(token);
   }
@@ -170,7 +172,7 @@ int Main() {
   const double rate = absl::GetFlag(FLAGS_rate);
   if (streams < 1 || tokens < 2 || absl::GetFlag(FLAGS_window) < 1 || rate < 0) {
     std::fprintf(stderr, "dta-ingest-bench: need --streams >= 1, --tokens >= 2, --window >= 1, --rate >= 0\n");
-    return 2;
+    return dta::kExitBadInput;
   }
   // Each stream its own channel, as separate rollout workers would have.
   std::vector<std::unique_ptr<v1::Dispatcher::Stub>> stubs;
@@ -223,7 +225,7 @@ int Main() {
 }  // namespace dta
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("dta-ingest-bench --dispatcher=HOST:PORT [--streams=N] [--rate=TOKENS_PER_S]");
+  dta::SetProgramUsage("dta-ingest-bench --dispatcher=HOST:PORT [--streams=N] [--rate=TOKENS_PER_S]");
   absl::ParseCommandLine(argc, argv);
   return dta::Main();
 }

@@ -8,7 +8,7 @@
 //   dense          every rollout on its own (the reference and the papers' "Dense" baseline)
 //   dense-ckpt     dense with activation checkpointing ("Dense+CKPT")
 //   packed         Tree Training: the tree's unique tokens in packed forwards with a tree mask, at
-//                  most --token_capacity unique tokens each (24K: the paper's budget)
+//                  most --token_capacity unique tokens each (scripts/gpu_bench.sh: 24K, the paper's budget)
 //   packed-ckpt    packed with activation checkpointing (n/a when the executor's packed method
 //                  turns out not to checkpoint: its first step forwards no replayed tokens)
 //   dta-b<B>[-g<G>][-pack][-lex]
@@ -70,15 +70,17 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "executor/checkpoint/qwen3_config.h"
+#include "core/checkpoint/qwen3_config.h"
 #include "executor/engine/executor.h"
-#include "executor/io/rollout_jsonl.h"
+#include "core/io/rollout_jsonl.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
-#include "executor/tree/prefix_tree.h"
-#include "executor/tree/tree_partition.h"
-#include "executor/tree/tree_stats.h"
+#include "core/tree/prefix_tree.h"
+#include "core/tree/tree_partition.h"
+#include "core/tree/tree_stats.h"
 #include "nlohmann/json.hpp"
+#include "core/base/exit_codes.h"
+#include "core/cli/usage.h"
 
 ABSL_FLAG(std::string, rollouts, "", "workload file (JSON Lines, e.g. from dta-workload); required");
 ABSL_FLAG(std::string, config, "qwen3-1.7b",
@@ -89,8 +91,11 @@ ABSL_FLAG(std::string, dtype, "bfloat16", "bfloat16, float32 or float64 (every m
 ABSL_FLAG(std::string, device, "cuda", "cuda[:N] or cpu");
 ABSL_FLAG(int32_t, warmup, 1, "steps per method run first and not timed");
 ABSL_FLAG(int32_t, repeats, 3, "timed steps per method; the median is reported");
-ABSL_FLAG(int64_t, token_capacity, 24576, "packed: the most unique tokens per packed forward (0 = the whole tree)");
-ABSL_FLAG(int64_t, graph_budget, 4096,
+// The defaults are the executor's (dta::ExecutorOptions), as in dta-train and dta.Trainer;
+// scripts/gpu_bench.sh passes the paper's budgets (--token_capacity=24576 --graph_budget=4096).
+ABSL_FLAG(int64_t, token_capacity, dta::ExecutorOptions{}.token_capacity,
+          "packed: the most unique tokens per packed forward (0 = the whole tree)");
+ABSL_FLAG(int64_t, graph_budget, dta::ExecutorOptions{}.graph_budget,
           "dta-...-pack variants without -g<G>: the graph budget in tokens (-1: the executor's automatic budget)");
 ABSL_FLAG(int64_t, max_rollouts, 0, "use only the first N rollouts of the file (0 = all)");
 ABSL_FLAG(double, peak_tflops, 989.0, "the device's peak dense bf16 TFLOP/s for MFU (989: H100/H200 SXM)");
@@ -110,7 +115,6 @@ ABSL_FLAG(std::string, label, "", "the workload's name in the outputs; default t
 namespace dta {
 namespace {
 
-constexpr int kBadInput = 2;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // The agreement check passes when every method's median per-parameter relative error is below this.
 constexpr double kCheckTarget = 0.01;
@@ -1126,21 +1130,21 @@ int Run(int argc, char** argv) {
 }  // namespace dta
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  dta::SetProgramUsage(
       "dta-bench --rollouts=FILE.jsonl --config=qwen3-1.7b [--methods=dense,dense-ckpt,packed,dta-b2048,...] "
       "[--device=cuda] [--dtype=bfloat16] [--out_dir=DIR]");
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "dta-bench: unexpected argument '" << rest[1] << "'\n";
-    return dta::kBadInput;
+    return dta::kExitBadInput;
   }
   try {
     return dta::Run(argc, argv);
   } catch (const dta::BadInput& e) {
     std::cerr << "dta-bench: " << e.message << "\n";
-    return dta::kBadInput;
+    return dta::kExitBadInput;
   } catch (const c10::Error& e) {
     std::cerr << "dta-bench: " << e.what_without_backtrace() << "\n";
-    return dta::kBadInput;
+    return dta::kExitBadInput;
   }
 }

@@ -6,10 +6,10 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "dispatcher/partition/partition.h"
-#include "executor/tree/leaf_order.h"
-#include "executor/tree/schedule.h"
-#include "executor/tree/tree_stats.h"
+#include "core/partition/partition.h"
+#include "core/tree/leaf_order.h"
+#include "core/tree/schedule.h"
+#include "core/tree/tree_stats.h"
 
 namespace dta {
 namespace {

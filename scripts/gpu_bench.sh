@@ -186,8 +186,10 @@ for model in "${model_list[@]}"; do
     mkdir -p "$run"
     echo "gpu_bench: qwen3-$model on $preset: scale $scale$subset: $rollouts rollouts, $tokens rollout tokens," \
          "C = $c (scale 1: $c_full); elapsed $((SECONDS - total_start)) s" >&2
+    # The papers' budgets: packed forwards of at most 24K unique tokens (Tree Training), 4K tokens
+    # of kept graphs for dta's packed variants (dta-bench's own defaults are the executor's).
     args=(--rollouts="$file" --config="qwen3-$model" --label="$preset" --out_dir="$run" --device=cuda
-          --dtype=bfloat16)
+          --dtype=bfloat16 --token_capacity=24576 --graph_budget=4096)
     [[ -z "$methods" ]] || args+=(--methods="$methods")
     # stdout repeats results.md; progress (stderr) goes to the terminal and to log.txt.
     set +e

@@ -6,9 +6,9 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
-#include "executor/checkpoint/qwen3_config.h"
+#include "core/checkpoint/qwen3_config.h"
 #include "executor/model/qwen3_checkpoint.h"
-#include "executor/tree/prefix_tree.h"
+#include "core/tree/prefix_tree.h"
 
 namespace dta::python {
 

@@ -23,7 +23,7 @@
 
 #include "absl/types/span.h"
 #include "executor/engine/executor.h"
-#include "executor/io/rollout.h"
+#include "core/io/rollout.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
 #include "executor/optim/adamw.h"

@@ -19,7 +19,7 @@
 
 #include "bindings/python/bindings.h"
 #include "bindings/python/trainer.h"
-#include "executor/checkpoint/qwen3_config.h"
+#include "core/checkpoint/qwen3_config.h"
 
 namespace py = pybind11;
 

@@ -1,4 +1,4 @@
-// _core.PrefixTree: the frozen prefix tree of a batch (executor/tree/prefix_tree.h) with its
+// _core.PrefixTree: the frozen prefix tree of a batch (core/tree/prefix_tree.h) with its
 // statistics (tree_stats.h). Node and rollout arguments are bounds-checked here (IndexError), since
 // the C++ accessors trust their callers.
 #include <pybind11/pybind11.h>
@@ -11,8 +11,8 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "bindings/python/bindings.h"
-#include "executor/tree/prefix_tree.h"
-#include "executor/tree/tree_stats.h"
+#include "core/tree/prefix_tree.h"
+#include "core/tree/tree_stats.h"
 
 namespace py = pybind11;
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "executor/tree/prefix_tree.h"
+#include "core/tree/prefix_tree.h"
 
 namespace dta {
 

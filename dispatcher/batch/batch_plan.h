@@ -5,7 +5,7 @@
 //                  too stale to train (AReaL's max staleness: policy version lag).
 //   PlanPartitions what needs the whole batch, then the split: GRPO group advantages and the loss
 //                  normalisers over the whole batch; the lexicographic, DFS-contiguous, load-balanced
-//                  split across trainers (AReaL-DTA Algorithm 4, dispatcher/partition).
+//                  split across trainers (AReaL-DTA Algorithm 4, core/partition).
 #pragma once
 
 #include <cstdint>
@@ -13,9 +13,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "dispatcher/partition/partition.h"
-#include "executor/io/rollout.h"
-#include "executor/loss/batch_context.h"
+#include "core/partition/partition.h"
+#include "core/io/rollout.h"
+#include "core/loss/batch_context.h"
 
 namespace dta {
 

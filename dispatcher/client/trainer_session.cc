@@ -1,7 +1,8 @@
 #include "dispatcher/client/trainer_session.h"
 
 #include "dispatcher/client/dispatcher_client.h"
-#include "dispatcher/core/trajectory.h"
+#include "dispatcher/wire/trajectory.h"
+#include "core/base/status_macros.h"
 
 namespace dta {
 namespace {
@@ -21,9 +22,7 @@ class GrpcTrainerSession final : public TrainerSession {
     request.set_vocab_size(identity_.vocab_size);
     request.set_needs_ref_logprobs(identity_.needs_ref_logprobs);
     request.set_needs_advantages(identity_.needs_advantages);
-    absl::StatusOr<v1::RegisterTrainerResponse> response = client_.Register(request);
-    if (!response.ok()) return response.status();
-    registered_ = *std::move(response);
+    ASSIGN_OR_RETURN(registered_, client_.Register(request));
     return absl::OkStatus();
   }
 
@@ -87,7 +86,7 @@ class GrpcTrainerSession final : public TrainerSession {
 absl::StatusOr<std::unique_ptr<TrainerSession>> TrainerSession::Register(const ClientOptions& options,
                                                                          const TrainerIdentity& identity) {
   auto session = std::make_unique<GrpcTrainerSession>(options, identity);
-  if (absl::Status status = session->Register(); !status.ok()) return status;
+  RETURN_IF_ERROR(session->Register());
   return session;
 }
 

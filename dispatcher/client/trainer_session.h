@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "dispatcher/client/client_options.h"
-#include "executor/io/rollout.h"
+#include "core/io/rollout.h"
 
 namespace dta {
 

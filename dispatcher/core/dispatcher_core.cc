@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "core/base/status_macros.h"
 
 // xxHash (Debian's libxxhash-dev), header-only: XXH3's output is stable across versions and
 // machines, which the fingerprints a compacted log stores need.
@@ -180,7 +181,7 @@ DispatcherCore::~DispatcherCore() = default;
 
 absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherOptions options) {
   if (options.wal_path.empty()) return absl::InvalidArgumentError("dispatcher: 'wal_path' is required");
-  if (absl::Status status = ValidateBatchOptions(options.batch); !status.ok()) return status;
+  RETURN_IF_ERROR(ValidateBatchOptions(options.batch));
   if (options.max_pending_trajectories < 1 || options.max_pending_trajectories < options.batch.rollouts) {
     return absl::InvalidArgumentError(absl::StrCat("dispatcher: 'max_pending_trajectories' (",
                                                    options.max_pending_trajectories,
@@ -193,9 +194,9 @@ absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherO
       {.path = core->options_.wal_path, .sync = core->options_.wal_sync},
       [&core](const WalRecord& record) ABSL_NO_THREAD_SAFETY_ANALYSIS { return core->Replay(record); });
   if (!wal.ok()) return wal.status();
-  if (absl::Status status = core->CheckUnreleased(); !status.ok()) return status;
+  RETURN_IF_ERROR(core->CheckUnreleased());
   core->wal_ = *std::move(wal);
-  if (absl::Status status = core->wal_->Append(kOpenRecord, ""); !status.ok()) return status;
+  RETURN_IF_ERROR(core->wal_->Append(kOpenRecord, ""));
   core->incarnation_ += 1;
   core->generation_ = core->incarnation_ << kGenerationBits;
   core->Log(absl::StrFormat(
@@ -215,7 +216,7 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
       return absl::OkStatus();
     case kTrajectoryRecord: {
       v1::Trajectory trajectory;
-      if (absl::Status s = ParseRecord(record, path, "trajectory", trajectory); !s.ok()) return s;
+      RETURN_IF_ERROR(ParseRecord(record, path, "trajectory", trajectory));
       if (trajectories_.contains(trajectory.id()) || retired_.contains(trajectory.id())) {
         return absl::DataLossError(absl::StrCat(path, ": trajectory '", trajectory.id(), "' is stored twice"));
       }
@@ -228,12 +229,12 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
     }
     case kPlanRecord: {
       v1::StepPlanRecord plan;
-      if (absl::Status s = ParseRecord(record, path, "step plan", plan); !s.ok()) return s;
+      RETURN_IF_ERROR(ParseRecord(record, path, "step plan", plan));
       return ApplyPlan(plan);
     }
     case kCommitRecord: {
       v1::StepCommitRecord commit;
-      if (absl::Status s = ParseRecord(record, path, "step commit", commit); !s.ok()) return s;
+      RETURN_IF_ERROR(ParseRecord(record, path, "step commit", commit));
       if (commit.step() != committed_ || !plans_.contains(commit.step())) {
         return absl::DataLossError(absl::StrCat(path, ": commit of step ", commit.step(), " after ", committed_,
                                                 " committed steps"));
@@ -243,7 +244,7 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
     }
     case kCheckpointRecord: {
       v1::CheckpointRecord checkpoint;
-      if (absl::Status s = ParseRecord(record, path, "checkpoint", checkpoint); !s.ok()) return s;
+      RETURN_IF_ERROR(ParseRecord(record, path, "checkpoint", checkpoint));
       if (checkpoint.step() > committed_) {
         return absl::DataLossError(absl::StrCat(path, ": checkpoint at step ", checkpoint.step(), " after ",
                                                 committed_, " committed steps"));
@@ -253,12 +254,12 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
     }
     case kSnapshotRecord: {
       v1::SnapshotRecord snapshot;
-      if (absl::Status s = ParseRecord(record, path, "snapshot", snapshot); !s.ok()) return s;
+      RETURN_IF_ERROR(ParseRecord(record, path, "snapshot", snapshot));
       return ApplySnapshot(snapshot);
     }
     case kRetiredRecord: {
       v1::RetiredRecord retired;
-      if (absl::Status s = ParseRecord(record, path, "retired", retired); !s.ok()) return s;
+      RETURN_IF_ERROR(ParseRecord(record, path, "retired", retired));
       if (retired.ids_size() != retired.fingerprints_size()) {
         return absl::DataLossError(absl::StrCat(path, ": a retired record has ", retired.ids_size(), " ids and ",
                                                 retired.fingerprints_size(), " fingerprints"));
@@ -316,7 +317,7 @@ absl::Status DispatcherCore::ApplyPlan(const v1::StepPlanRecord& record) {
   }
   Plan plan;
   plan.record = record;
-  auto take = [&](const std::string& id, State state) -> absl::Status {
+  auto take = [&](const std::string& id, State state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     auto it = trajectories_.find(id);
     if (it == trajectories_.end() || it->second.state != State::kPending) {
       return absl::DataLossError(absl::StrCat(options_.wal_path, ": step ", record.step(), " plans trajectory '",
@@ -329,12 +330,12 @@ absl::Status DispatcherCore::ApplyPlan(const v1::StepPlanRecord& record) {
     return absl::OkStatus();
   };
   for (const std::string& id : record.ids()) {
-    if (absl::Status status = take(id, State::kPlanned); !status.ok()) return status;
+    RETURN_IF_ERROR(take(id, State::kPlanned));
   }
   // A dropped trajectory is kept (not trained) until its step is released: a compaction rewrites
   // the step's plan, which names it.
   for (const std::string& id : record.stale_ids()) {
-    if (absl::Status status = take(id, State::kDropped); !status.ok()) return status;
+    RETURN_IF_ERROR(take(id, State::kDropped));
   }
   statistics_.set_dropped_stale(statistics_.dropped_stale() + record.stale_ids_size());
   live_log_bytes_ += kWalHeaderBytes + static_cast<int64_t>(record.ByteSizeLong());
@@ -476,7 +477,7 @@ absl::StatusOr<v1::RegisterTrainerResponse> DispatcherCore::RegisterTrainer(
         absl::StrCat("rank ", request.rank(), " is outside world size ", request.world_size()));
   }
   if (request.trainer_id().empty()) return absl::InvalidArgumentError("field 'trainer_id': empty");
-  if (absl::Status status = CheckTrainerNeeds(request, options_.limits); !status.ok()) return status;
+  RETURN_IF_ERROR(CheckTrainerNeeds(request, options_.limits));
   absl::MutexLock lock(&mu_);
   if (request.resume_step() < 0 || request.resume_step() > committed_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -590,7 +591,7 @@ absl::StatusOr<v1::Partition> DispatcherCore::FetchPartition(const v1::FetchPart
     return absl::FailedPreconditionError(absl::StrCat("step ", step, " was released after a checkpoint at step ",
                                                       released_before_, ": resume from a checkpoint at or after it"));
   }
-  if (absl::Status status = EnsurePlan(step); !status.ok()) return status;
+  RETURN_IF_ERROR(EnsurePlan(step));
   absl::StatusOr<const PartitionPlan*> split = Split(step);
   if (!split.ok()) return split.status();
   const PartitionPlan& plan = **split;

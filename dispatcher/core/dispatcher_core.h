@@ -53,7 +53,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "dispatcher/batch/batch_plan.h"
-#include "dispatcher/core/trajectory.h"
+#include "dispatcher/wire/trajectory.h"
 #include "dispatcher/wal/wal.h"
 #include "proto/dta/v1/dispatcher.pb.h"
 #include "proto/dta/v1/log.pb.h"

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/base/status_macros.h"
 
 namespace dta {
 namespace {
@@ -123,7 +124,7 @@ absl::Status CheckSize(const WalRecord& record, size_t index, const WalOptions& 
 
 absl::Status CheckSizes(absl::Span<const WalRecord> records, const WalOptions& options) {
   for (size_t i = 0; i < records.size(); ++i) {
-    if (absl::Status s = CheckSize(records[i], i, options); !s.ok()) return s;
+    RETURN_IF_ERROR(CheckSize(records[i], i, options));
   }
   return absl::OkStatus();
 }

@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "executor/distributed/c10d_backends.h"
+#include "core/base/status_macros.h"
 
 namespace dta {
 namespace {
@@ -108,8 +109,8 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(
     const LaunchEnvironment& env, at::Device device, const ProcessGroupOptions& options) {
-  if (absl::Status status = ValidateEnvironment(env); !status.ok()) return status;
-  if (absl::Status status = ValidateTimeout(options); !status.ok()) return status;
+  RETURN_IF_ERROR(ValidateEnvironment(env));
+  RETURN_IF_ERROR(ValidateTimeout(options));
   c10::intrusive_ptr<c10d::Store> store;
   if (env.world_size == 1) {
     // Nobody to meet, so no port to bind (MASTER_PORT may be taken by another job on this host).
@@ -141,7 +142,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::CreateWithStore(
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is out of range [0, ", size, ") (world size must be >= 1)"));
   }
-  if (absl::Status status = ValidateTimeout(options); !status.ok()) return status;
+  RETURN_IF_ERROR(ValidateTimeout(options));
   if (options.gloo_threads < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("gloo_threads must be >= 1, got ", options.gloo_threads));

@@ -1,4 +1,4 @@
-// AReaL-DTA push/pop execution: the schedule of executor/tree/schedule.h run over a stack that
+// AReaL-DTA push/pop execution: the schedule of core/tree/schedule.h run over a stack that
 // holds the current root-to-leaf path.
 //
 // Per path position the stack keeps, for every layer, K and V (the cache later chunks attend to)
@@ -22,8 +22,8 @@
 #include "executor/device/memory.h"
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
-#include "executor/tree/leaf_order.h"
-#include "executor/tree/prefix_tree.h"
+#include "core/tree/leaf_order.h"
+#include "core/tree/prefix_tree.h"
 
 namespace dta::engine {
 namespace {

@@ -85,6 +85,28 @@ RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs, con
 
 }  // namespace engine
 
+std::string_view MethodName(Method method) {
+  switch (method) {
+    case Method::kDense:
+      return "dense";
+    case Method::kPacked:
+      return "packed";
+    case Method::kDta:
+      return "dta";
+  }
+  TORCH_CHECK(false, "MethodName: unknown method ", static_cast<int>(method));
+}
+
+std::string_view LeafOrderName(LeafOrderKind order) {
+  switch (order) {
+    case LeafOrderKind::kBackwardDfs:
+      return "backward-dfs";
+    case LeafOrderKind::kLexicographic:
+      return "lexicographic";
+  }
+  TORCH_CHECK(false, "LeafOrderName: unknown order ", static_cast<int>(order));
+}
+
 int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype) {
   // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
   // inputs (the residual stream, at least float32), q and k before their norms and after RoPE, v,

@@ -4,7 +4,7 @@
 //   kPacked  Tree Training: the tree's unique tokens DFS-serialized into one forward with a tree
 //            attention mask and original position ids; each rollout's log-probabilities are
 //            gathered from the shared tokens, so autograd sums its gradient over the rollouts.
-//   kDta     AReaL-DTA: the push/pop schedule (executor/tree/schedule.h) over a stack holding the
+//   kDta     AReaL-DTA: the push/pop schedule (core/tree/schedule.h) over a stack holding the
 //            current root-to-leaf path (per-layer K/V, hidden states, log-probabilities and their
 //            gradient accumulators); backward right to left in chunks of at most B tokens.
 //
@@ -23,13 +23,14 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "absl/types/span.h"
-#include "executor/io/rollout.h"
+#include "core/io/rollout.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
-#include "executor/tree/schedule.h"
+#include "core/tree/schedule.h"
 
 namespace dta {
 
@@ -74,6 +75,11 @@ struct ExecutorOptions {
   // Qwen3), and 512-row matmuls against the vocabulary still run near peak.
   int64_t logprob_slice_rows = 512;
 };
+
+// The names the command line and Python give these: "dta", "dense", "packed"; "backward-dfs",
+// "lexicographic" (dta-train's flags take their defaults from ExecutorOptions through them).
+std::string_view MethodName(Method method);
+std::string_view LeafOrderName(LeafOrderKind order);
 
 struct GradientResult {
   double loss = 0;                   // the batch loss: the sum of every rollout's (normalised) loss

@@ -8,7 +8,7 @@
 
 #include "absl/types/span.h"
 #include "executor/engine/executor.h"
-#include "executor/tree/prefix_tree.h"
+#include "core/tree/prefix_tree.h"
 
 namespace dta::engine {
 

@@ -5,8 +5,8 @@
 
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
-#include "executor/tree/prefix_tree.h"
-#include "executor/tree/tree_partition.h"
+#include "core/tree/prefix_tree.h"
+#include "core/tree/tree_partition.h"
 
 namespace dta::engine {
 

@@ -9,7 +9,7 @@
 
 #include "executor/engine/checkpointing.h"
 #include "executor/model/qwen3_model.h"
-#include "executor/tree/prefix_tree.h"
+#include "core/tree/prefix_tree.h"
 
 namespace dta::engine {
 

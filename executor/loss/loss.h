@@ -65,8 +65,8 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "executor/io/rollout.h"
-#include "executor/loss/batch_context.h"
+#include "core/io/rollout.h"
+#include "core/loss/batch_context.h"
 
 namespace dta {
 
@@ -115,7 +115,7 @@ struct LossOptions {
   CustomLoss custom = nullptr;
 };
 
-// GroupAdvantages (executor/loss/batch_context.h), with TORCH_CHECK naming the rollout on error.
+// GroupAdvantages (core/loss/batch_context.h), with TORCH_CHECK naming the rollout on error.
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
                                                   bool normalize_std = true);
 

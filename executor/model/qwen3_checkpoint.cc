@@ -11,8 +11,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "executor/checkpoint/qwen3_config.h"
-#include "executor/checkpoint/safetensors.h"
+#include "core/checkpoint/qwen3_config.h"
+#include "core/checkpoint/safetensors.h"
 
 namespace dta {
 namespace {

@@ -1,5 +1,5 @@
 // Qwen3 models as Hugging Face checkpoints: config.json plus model.safetensors, or shards named by
-// model.safetensors.index.json (executor/checkpoint/safetensors.h), under transformers' tensor
+// model.safetensors.index.json (core/checkpoint/safetensors.h), under transformers' tensor
 // names. What SaveQwen3Model writes, transformers' Qwen3ForCausalLM.from_pretrained loads, and
 // what transformers' save_pretrained writes, LoadQwen3Model loads (tests/python/test_hf_parity.py
 // checks both directions and the log-probabilities against transformers').

@@ -37,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-#include "executor/checkpoint/qwen3_config.h"
+#include "core/checkpoint/qwen3_config.h"
 
 namespace dta {
 

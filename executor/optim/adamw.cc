@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "executor/checkpoint/safetensors.h"
+#include "core/checkpoint/safetensors.h"
 
 namespace dta {
 namespace {

@@ -2,8 +2,10 @@
 resumes, and bad input exits with status 2 and a message naming what is wrong."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import random
 import subprocess
 from pathlib import Path
@@ -151,3 +153,27 @@ def test_distributed_ranks_sum_to_one_process_gradient(rollouts, tmp_path, world
             assert scale > 0
             error = float(((other[key] - ref) ** 2).sum()) ** 0.5 / scale
             assert error <= 1e-10, f"{name} {key}: relative error {error}"
+
+
+def _help_defaults(binary: Path) -> dict[str, str]:
+    """Each flag's default as `BINARY --help` prints it: `--name (...); default: VALUE;`."""
+    text = subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
+    return dict(re.findall(r"--(\w+) \(.*?\);\s+default: (.*?);", text, flags=re.S))
+
+
+def test_executor_flags_default_to_the_python_options():
+    """dta-train, dta-trainer and dta-bench take the executor's defaults from dta::ExecutorOptions,
+    as dta.ExecutorOptions does: none can drift from the others."""
+    from dta import trainer
+
+    python = dataclasses.asdict(trainer.ExecutorOptions())
+    expected = {"block_size": str(python["block_size"]), "graph_budget": str(python["graph_budget"]),
+                "token_capacity": str(python["token_capacity"]), "pack": str(python["pack"]).lower(),
+                "checkpointing": str(python["checkpointing"]).lower(), "order": f'"{python["order"]}"',
+                "method": f'"{trainer.DEFAULT_METHOD}"'}
+    assert expected["block_size"] == "-1", "the executor's default block size is automatic"
+    for binary, flags in (("dta-train", expected), ("dta-trainer", expected),
+                          ("dta-bench", {k: expected[k] for k in ("token_capacity", "graph_budget")})):
+        defaults = _help_defaults(tool(binary))
+        for name, value in flags.items():
+            assert defaults.get(name) == value, f"{binary} --{name}: {defaults.get(name)} != {value}"

@@ -355,3 +355,16 @@ def test_bad_input_names_the_trajectory_and_field(checkpoint, trajectories, tmp_
         dta.Trainer(tmp_path / "empty")
     with pytest.raises(ValueError, match="dtype must be"):
         dta.Trainer(checkpoint[1], dtype="float16")
+
+
+
+def test_executor_defaults_are_the_cpp_structs():
+    """dta.ExecutorOptions takes its defaults from dta::ExecutorOptions (test_train_cli.py checks
+    the binaries' flags against it)."""
+    from dta import trainer
+
+    core = trainer._core.ExecutorOptions()
+    converted = trainer.ExecutorOptions()._to_core(trainer.DEFAULT_METHOD)
+    for name in ("method", "block_size", "graph_budget", "pack", "order", "token_capacity", "checkpointing",
+                 "logprob_slice_rows"):
+        assert getattr(converted, name) == getattr(core, name), name

@@ -49,6 +49,15 @@ _NORMALIZATIONS = {
 }
 _METHODS = {"dta": _core.Method.DTA, "dense": _core.Method.DENSE, "packed": _core.Method.PACKED}
 _ORDERS = {"backward-dfs": _core.LeafOrder.BACKWARD_DFS, "lexicographic": _core.LeafOrder.LEXICOGRAPHIC}
+
+
+def _name_of(names: dict[str, Any], value: Any) -> str:
+    return next(name for name, v in names.items() if v == value)
+
+
+# dta::ExecutorOptions as the C++ code default-constructs it: the source of every default below.
+_CORE_EXECUTOR = _core.ExecutorOptions()
+DEFAULT_METHOD = _name_of(_METHODS, _CORE_EXECUTOR.method)
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -118,7 +127,7 @@ class ExecutorOptions:
 
     Attributes:
         block_size: dta: B, the most tokens per backward chunk; 0 = unbounded; -1 = automatic (the
-            longest rollout if its graph fits in the free GPU memory).
+            default: the longest rollout if its graph fits in the free GPU memory, else what fits).
         graph_budget: dta: tokens whose graphs are kept instead of recomputed; -1 = from the GPU's
             free memory (0 on the CPU).
         pack: dta: pack runs of small complete subtrees into one tree-masked forward.
@@ -127,12 +136,14 @@ class ExecutorOptions:
         checkpointing: dense and packed: activation checkpointing.
     """
 
-    block_size: int = 2048
-    graph_budget: int = -1
-    pack: bool = False
-    order: str = "backward-dfs"
-    token_capacity: int = 0
-    checkpointing: bool = False
+    # The defaults are the C++ struct's (dta::ExecutorOptions), read from the extension, so that
+    # Python, dta-train and dta-bench cannot drift apart (tests/python/test_trainer.py checks).
+    block_size: int = 0 if _CORE_EXECUTOR.block_size == _core.UNBOUNDED_BLOCK else _CORE_EXECUTOR.block_size
+    graph_budget: int = _CORE_EXECUTOR.graph_budget
+    pack: bool = _CORE_EXECUTOR.pack
+    order: str = _name_of(_ORDERS, _CORE_EXECUTOR.order)
+    token_capacity: int = _CORE_EXECUTOR.token_capacity
+    checkpointing: bool = _CORE_EXECUTOR.checkpointing
 
     def _to_core(self, method: str) -> Any:
         if self.block_size < -1 or self.graph_budget < -1 or self.token_capacity < 0:
@@ -315,7 +326,7 @@ class Trainer:
     # --- training -----------------------------------------------------------------------------
 
     @_serialized
-    def train_batch(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo", method: str = "dta",
+    def train_batch(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo", method: str = DEFAULT_METHOD,
                     **options: Any) -> TrainStats:
         """Zeroes the gradients, computes the batch's gradients and steps AdamW.
 
@@ -344,7 +355,7 @@ class Trainer:
 
     @_serialized
     def compute_gradients(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo",
-                          method: str = "dta", *, accumulate: bool = False, **options: Any) -> TrainStats:
+                          method: str = DEFAULT_METHOD, *, accumulate: bool = False, **options: Any) -> TrainStats:
         """Like :meth:`train_batch` without the optimizer step; with ``accumulate`` the gradients
         are added to the current ones instead of replacing them."""
         batch = self._checked(trajectories)
@@ -371,7 +382,7 @@ class Trainer:
         return TrainStats(seconds=time.perf_counter() - start, method=method, **result)
 
     @_serialized
-    def compute_logprobs(self, trajectories: Sequence[Trajectory], method: str = "dta",
+    def compute_logprobs(self, trajectories: Sequence[Trajectory], method: str = DEFAULT_METHOD,
                          **options: Any) -> list[torch.Tensor]:
         """Every trajectory's per-token log-probabilities under the current weights.
 

@@ -1,6 +1,6 @@
 """One trajectory (rollout) as dta trains it, its validation, JSON Lines files and AReaL's tensors.
 
-A :class:`Trajectory` mirrors the C++ ``dta::Rollout`` (executor/io/rollout.h) and the wire
+A :class:`Trajectory` mirrors the C++ ``dta::Rollout`` (core/io/rollout.h) and the wire
 message ``dta.v1.Trajectory``. Per-token fields are aligned with ``tokens``:
 ``logprobs[t]`` is the behaviour policy's log p(tokens[t] | tokens[:t]) and ``loss_mask[t]`` says
 whether token t is trained, so the first token, which has no context, has ``loss_mask[0] == 0``.
@@ -28,7 +28,7 @@ _TOKEN_LIMIT = 2**31
 # The smallest magnitude that rounds to infinity in float32 (FLT_MAX plus half an ulp): per-token
 # floats are float32 in the C++ core and on the wire, so they must stay finite there.
 _FLOAT32_OVERFLOW = 3.4028235677973366e38
-# The largest |reward| (kMaxAbsReward in executor/io/rollout.h): beyond it GRPO group advantages
+# The largest |reward| (kMaxAbsReward in core/io/rollout.h): beyond it GRPO group advantages
 # could overflow.
 MAX_ABS_REWARD = 1e30
 _FIELDS = ("id", "group", "tokens", "loss_mask", "logprobs", "versions", "reward", "advantages",

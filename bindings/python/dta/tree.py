@@ -1,4 +1,4 @@
-"""The prefix tree of a batch of rollouts and its statistics (executor/tree over the extension).
+"""The prefix tree of a batch of rollouts and its statistics (core/tree over the extension).
 
 Example::
 
@@ -26,7 +26,7 @@ __all__ = ["PrefixTree", "TreeStats"]
 
 @dataclass(frozen=True)
 class TreeStats:
-    """How much a batch shares, in the papers' terms (executor/tree/tree_stats.h).
+    """How much a batch shares, in the papers' terms (core/tree/tree_stats.h).
 
     Attributes:
         num_rollouts: Rollouts in the batch.

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "tests/executor/tree/random_trees.h"
+#include "tests/core/tree/random_trees.h"
 
 namespace dta {
 namespace {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "executor/engine/executor.h"
-#include "tests/executor/tree/random_trees.h"
+#include "tests/core/tree/random_trees.h"
 #include "gtest/gtest.h"
 
 namespace dta {
@@ -29,7 +29,7 @@ Qwen3Config SmallConfig() {
 }
 
 // A random batch whose tree has the awkward shapes (duplicates, rollouts that are prefixes of
-// others, one-token segments, wide branches): tests/executor/tree/random_trees.h over a 4-token
+// others, one-token segments, wide branches): tests/core/tree/random_trees.h over a 4-token
 // alphabet, mapped injectively per position into the model's vocabulary so that the model sees
 // varied ids while the tree keeps its shape. Every token after the first is a loss token.
 std::vector<Rollout> Batch(uint64_t seed, int max_rollouts, int max_length) {

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "executor/engine/executor.h"
-#include "executor/io/rollout_jsonl.h"
+#include "core/io/rollout_jsonl.h"
 #include "executor/model/qwen3_checkpoint.h"
 #include "nlohmann/json.hpp"
 

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "executor/checkpoint/qwen3_config.h"
-#include "executor/checkpoint/safetensors.h"
+#include "core/checkpoint/qwen3_config.h"
+#include "core/checkpoint/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

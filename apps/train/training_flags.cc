@@ -1,0 +1,180 @@
+#include "apps/train/training_flags.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <sys/resource.h>
+
+#include "absl/flags/flag.h"
+#include "absl/status/statusor.h"
+#include "core/checkpoint/qwen3_config.h"
+#include "executor/model/qwen3_checkpoint.h"
+
+ABSL_FLAG(std::string, model, "", "Hugging Face Qwen3 directory to load (config.json + safetensors)");
+ABSL_FLAG(std::string, config, "", "instead of --model: a preset (qwen3-0.6b, -1.7b, -4b, -8b) or config.json, "
+                                   "with random weights");
+ABSL_FLAG(uint64_t, init_seed, 1, "seed of the random weights (--config)");
+ABSL_FLAG(double, init_std, 0.02, "standard deviation of the random weights (--config)");
+namespace {
+
+// dta::ExecutorOptions as default-constructed: the source of every executor flag's default, so
+// that dta-train, dta-trainer, dta-bench and dta.Trainer agree.
+constexpr dta::ExecutorOptions kExecutorDefaults{};
+
+// The flag's spelling of a block size: 0 for unbounded.
+constexpr int64_t BlockSizeFlag(int64_t block_size) {
+  return block_size == dta::kUnboundedBlock ? 0 : block_size;
+}
+
+}  // namespace
+
+ABSL_FLAG(std::string, method, std::string(dta::MethodName(kExecutorDefaults.method)),
+          "execution method: dta, dense or packed");
+ABSL_FLAG(std::string, loss, "grpo", "loss: grpo (PPO clip with group advantages), sft, decoupled-ppo, gspo");
+ABSL_FLAG(std::string, normalization, "token-mean", "loss normalisation: token-mean, sequence-mean, sum");
+ABSL_FLAG(double, eps_clip_low, 0.2, "PPO ratio clip below 1");
+ABSL_FLAG(double, eps_clip_high, 0.2, "PPO ratio clip above 1");
+ABSL_FLAG(double, dual_clip, 0.0, "dual clip c > 1 (0 = off)");
+ABSL_FLAG(double, behave_imp_weight_cap, 0.0, "decoupled PPO: cap on pi_prox / pi_behave (0 = none)");
+ABSL_FLAG(double, entropy_coef, 0.0, "entropy bonus coefficient");
+ABSL_FLAG(double, kl_coef, 0.0, "KL-to-reference coefficient (needs ref_logprobs)");
+ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda[:N]");
+ABSL_FLAG(int64_t, block_size, BlockSizeFlag(kExecutorDefaults.block_size),
+          "dta: B, the most tokens per backward chunk (0 = unbounded, -1 = automatic: the longest rollout if "
+          "its graph fits in the free GPU memory, else what fits)");
+ABSL_FLAG(int64_t, graph_budget, kExecutorDefaults.graph_budget,
+          "dta: tokens whose graphs may be kept instead of recomputed; -1: as many as fit in 80% of the GPU's free "
+          "memory (0 on the CPU)");
+ABSL_FLAG(int64_t, token_capacity, kExecutorDefaults.token_capacity, "packed: the most unique tokens per packed forward (0 = the whole tree)");
+ABSL_FLAG(bool, checkpointing, kExecutorDefaults.checkpointing, "dense and packed: activation checkpointing (recompute each layer in backward)");
+ABSL_FLAG(bool, pack, kExecutorDefaults.pack, "dta: pack small complete subtrees into one forward");
+ABSL_FLAG(std::string, order, std::string(dta::LeafOrderName(kExecutorDefaults.order)), "dta: leaf order, backward-dfs or lexicographic");
+ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate");
+ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
+ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient norm clip (<= 0: off)");
+
+namespace dta {
+
+LossOptions LossFromFlags() {
+  LossOptions loss;
+  const std::string name = absl::GetFlag(FLAGS_loss);
+  if (name == "grpo" || name == "ppo") {
+    loss.kind = LossKind::kPpo;
+  } else if (name == "sft") {
+    loss.kind = LossKind::kSft;
+  } else if (name == "decoupled-ppo") {
+    loss.kind = LossKind::kDecoupledPpo;
+  } else if (name == "gspo") {
+    loss.kind = LossKind::kGspo;
+  } else {
+    throw BadInput{"--loss must be grpo, ppo, sft, decoupled-ppo or gspo, got '" + name + "'"};
+  }
+  const std::string normalization = absl::GetFlag(FLAGS_normalization);
+  if (normalization == "token-mean") {
+    loss.normalization = Normalization::kTokenMean;
+  } else if (normalization == "sequence-mean") {
+    loss.normalization = Normalization::kSequenceMean;
+  } else if (normalization == "sum") {
+    loss.normalization = Normalization::kSum;
+  } else {
+    throw BadInput{"--normalization must be token-mean, sequence-mean or sum, got '" + normalization + "'"};
+  }
+  loss.eps_clip_low = absl::GetFlag(FLAGS_eps_clip_low);
+  loss.eps_clip_high = absl::GetFlag(FLAGS_eps_clip_high);
+  loss.dual_clip = absl::GetFlag(FLAGS_dual_clip);
+  loss.behave_imp_weight_cap = absl::GetFlag(FLAGS_behave_imp_weight_cap);
+  loss.entropy_coef = absl::GetFlag(FLAGS_entropy_coef);
+  loss.kl_coef = absl::GetFlag(FLAGS_kl_coef);
+  return loss;
+}
+
+ExecutorOptions ExecutorFromFlags() {
+  ExecutorOptions options;
+  const std::string method = absl::GetFlag(FLAGS_method);
+  if (method == "dta") {
+    options.method = Method::kDta;
+  } else if (method == "dense") {
+    options.method = Method::kDense;
+  } else if (method == "packed") {
+    options.method = Method::kPacked;
+  } else {
+    throw BadInput{"--method must be dta, dense or packed, got '" + method + "'"};
+  }
+  const int64_t block = absl::GetFlag(FLAGS_block_size);
+  if (block < kAutoBlockSize) throw BadInput{"--block_size must be >= 0, or -1 for automatic"};
+  options.block_size = block == 0 ? kUnboundedBlock : block;
+  options.graph_budget = absl::GetFlag(FLAGS_graph_budget);
+  if (options.graph_budget < kAutoGraphBudget) throw BadInput{"--graph_budget must be >= 0, or -1 for automatic"};
+  options.pack = absl::GetFlag(FLAGS_pack);
+  options.checkpointing = absl::GetFlag(FLAGS_checkpointing);
+  options.token_capacity = absl::GetFlag(FLAGS_token_capacity);
+  if (options.token_capacity < 0) throw BadInput{"--token_capacity must be >= 0"};
+  const std::string order = absl::GetFlag(FLAGS_order);
+  if (order == "backward-dfs") {
+    options.order = LeafOrderKind::kBackwardDfs;
+  } else if (order == "lexicographic") {
+    options.order = LeafOrderKind::kLexicographic;
+  } else {
+    throw BadInput{"--order must be backward-dfs or lexicographic, got '" + order + "'"};
+  }
+  return options;
+}
+
+at::TensorOptions TensorOptionsFromFlags() {
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  at::ScalarType type;
+  if (dtype == "float32") {
+    type = at::kFloat;
+  } else if (dtype == "float64") {
+    type = at::kDouble;
+  } else if (dtype == "bfloat16") {
+    type = at::kBFloat16;
+  } else {
+    throw BadInput{"--dtype must be float32, float64 or bfloat16, got '" + dtype + "'"};
+  }
+  return at::TensorOptions().dtype(type).device(at::Device(absl::GetFlag(FLAGS_device)));
+}
+
+Qwen3Model ModelFromFlags(const at::TensorOptions& options) {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  const std::string config_name = absl::GetFlag(FLAGS_config);
+  if (dir.empty() == config_name.empty()) throw BadInput{"give exactly one of --model and --config"};
+  if (!dir.empty()) return LoadQwen3Model(dir, options);
+  absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(config_name);
+  if (!config.ok()) config = LoadQwen3Config(config_name);
+  if (!config.ok()) throw BadInput{std::string(config.status().message())};
+  Qwen3Model model(*config, options);
+  model.InitRandom(absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
+  return model;
+}
+
+namespace {
+
+// "cuda" means the current device.
+c10::DeviceIndex CudaIndex(const at::Device& device) {
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
+
+}  // namespace
+
+double PeakMemoryGiB(const at::Device& device) {
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(CudaIndex(device));
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
+  }
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / (1 << 20);  // KiB -> GiB
+}
+
+void ResetPeakMemory(const at::Device& device) {
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(CudaIndex(device));
+}
+
+AdamWOptions AdamWFromFlags() {
+  return {.lr = absl::GetFlag(FLAGS_lr),
+          .weight_decay = absl::GetFlag(FLAGS_weight_decay),
+          .max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm)};
+}
+
+}  // namespace dta

@@ -1,0 +1,42 @@
+// The flags every training binary shares (model, loss, execution method, precision, optimizer),
+// and their conversion into options. dta-train and dta-trainer link this, so a flag means the same
+// in both.
+//
+// Errors: BadInput with a message naming the flag, e.g. "--method must be dta, dense or packed,
+// got 'x'"; the binaries print it and exit with status 2.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "executor/engine/executor.h"
+#include "executor/loss/loss.h"
+#include "executor/model/qwen3_model.h"
+#include "executor/optim/adamw.h"
+#include "core/base/exit_codes.h"
+
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(std::string, method);
+ABSL_DECLARE_FLAG(std::string, dtype);
+
+namespace dta {
+
+struct BadInput {
+  std::string message;
+};
+
+LossOptions LossFromFlags();
+ExecutorOptions ExecutorFromFlags();
+at::TensorOptions TensorOptionsFromFlags();
+AdamWOptions AdamWFromFlags();
+// --model (a Hugging Face directory) or --config (a preset or config.json, random weights).
+Qwen3Model ModelFromFlags(const at::TensorOptions& options);
+
+// Peak memory since the last reset: allocated GPU memory on CUDA, the process's peak RSS on the CPU.
+double PeakMemoryGiB(const at::Device& device);
+// Starts a new peak (GPU only: the CPU's peak RSS cannot be reset).
+void ResetPeakMemory(const at::Device& device);
+
+}  // namespace dta

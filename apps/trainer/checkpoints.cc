@@ -1,0 +1,118 @@
+#include "apps/trainer/checkpoints.h"
+
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "executor/model/qwen3_checkpoint.h"
+#include "nlohmann/json.hpp"
+
+namespace dta {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kPrefix[] = "step-";
+constexpr char kOptimizerFile[] = "optimizer.safetensors";
+constexpr char kTrainerFile[] = "trainer.json";
+
+// std::filesystem::remove_all is not used: libtorch.so exports its own (older) copy of it, which
+// the dynamic linker binds our calls to, and which crashes. nftw deletes depth first instead.
+void RemoveTree(const fs::path& path) {
+  nftw(
+      path.c_str(),
+      [](const char* file, const struct stat*, int, struct FTW*) {
+        ::remove(file);  // keep going: what cannot be removed stays, harmlessly
+        return 0;
+      },
+      16,
+      FTW_DEPTH | FTW_PHYS);
+}
+
+// Flushes the file system holding `path` (every file written into the checkpoint, and the
+// directory entries).
+void SyncFileSystem(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+  TORCH_CHECK(fd >= 0, "cannot open ", path.string(), " to sync it");
+  const int result = ::syncfs(fd);
+  ::close(fd);
+  TORCH_CHECK(result == 0, "cannot sync ", path.string());
+}
+
+std::string StepName(int64_t step) { return absl::StrFormat("%s%08d", kPrefix, step); }
+
+// Complete checkpoints (step-<N> with trainer.json), oldest first.
+std::vector<CheckpointInfo> Checkpoints(const std::string& directory) {
+  std::vector<CheckpointInfo> found;
+  std::error_code error;
+  if (!fs::is_directory(directory, error)) return found;
+  for (const fs::directory_entry& entry : fs::directory_iterator(directory, error)) {
+    const std::string name = entry.path().filename().string();
+    int64_t step = 0;
+    if (name.rfind(kPrefix, 0) != 0 || !absl::SimpleAtoi(name.substr(sizeof(kPrefix) - 1), &step)) continue;
+    if (!fs::exists(entry.path() / kTrainerFile)) continue;
+    found.push_back({.step = step, .path = entry.path().string()});
+  }
+  std::sort(found.begin(), found.end(), [](const CheckpointInfo& a, const CheckpointInfo& b) { return a.step < b.step; });
+  return found;
+}
+
+void WriteJson(const fs::path& path, const nlohmann::json& json) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << json.dump(2) << "\n";
+    TORCH_CHECK(out.good(), "cannot write ", tmp.string());
+  }
+  fs::rename(tmp, path);
+}
+
+}  // namespace
+
+std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
+  std::vector<CheckpointInfo> found = Checkpoints(directory);
+  if (found.empty()) return std::nullopt;
+  return found.back();
+}
+
+void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version, const Qwen3Model& model,
+                    const AdamW& optimizer, int keep) {
+  TORCH_CHECK(keep >= 1, "checkpoints to keep must be >= 1, got ", keep);
+  const fs::path final_path = fs::path(directory) / StepName(step);
+  const fs::path tmp = final_path.string() + ".tmp";
+  std::error_code error;
+  fs::create_directories(directory, error);
+  TORCH_CHECK(!error, "cannot create the checkpoint directory ", directory, ": ", error.message());
+  RemoveTree(tmp);
+  RemoveTree(final_path);  // a step saved again (after a replay) is replaced
+  SaveQwen3Model(model, tmp.string());
+  optimizer.SaveState((tmp / kOptimizerFile).string());
+  WriteJson(tmp / kTrainerFile, {{"step", step}, {"policy_version", policy_version}});
+  // On disk before it is renamed into place: the dispatcher releases the replay data of the steps a
+  // checkpoint holds once trainers report it, so a checkpoint must survive a host crash.
+  SyncFileSystem(tmp);
+  fs::rename(tmp, final_path, error);
+  TORCH_CHECK(!error, "cannot rename ", tmp.string(), " to ", final_path.string(), ": ", error.message());
+  SyncFileSystem(directory);
+  WriteJson(fs::path(directory) / "latest.json",
+            {{"step", step}, {"policy_version", policy_version}, {"path", final_path.string()}});
+  std::vector<CheckpointInfo> found = Checkpoints(directory);
+  for (size_t i = 0; i + keep < found.size(); ++i) RemoveTree(found[i].path);
+}
+
+void LoadCheckpoint(const CheckpointInfo& checkpoint, AdamW& optimizer) {
+  optimizer.LoadState((fs::path(checkpoint.path) / kOptimizerFile).string());
+  TORCH_CHECK(optimizer.step() == checkpoint.step, "checkpoint ", checkpoint.path, " holds an optimizer after ",
+              optimizer.step(), " steps, not ", checkpoint.step);
+}
+
+}  // namespace dta

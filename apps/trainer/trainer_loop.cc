@@ -1,0 +1,101 @@
+#include "apps/trainer/trainer_loop.h"
+
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "apps/train/training_flags.h"
+#include "apps/trainer/checkpoints.h"
+
+namespace dta {
+namespace {
+
+template <typename T>
+T OrRestart(absl::StatusOr<T> result, const char* what) {
+  if (result.ok()) return *std::move(result);
+  if (result.status().code() == absl::StatusCode::kAborted) {
+    throw TrainerRestart{absl::StrCat(what, ": ", result.status().message())};
+  }
+  throw std::runtime_error(absl::StrCat(what, ": ", result.status().ToString()));
+}
+
+}  // namespace
+
+int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optimizer,
+                        const SyncGradients& sync_gradients, int64_t step, const TrainerLoopOptions& options,
+                        std::atomic<bool>* checkpoint_requested) {
+  TORCH_CHECK(!options.checkpoint_dir.empty(), "RunTrainerSteps: checkpoint_dir is required");
+  TORCH_CHECK(options.save_every >= 1, "RunTrainerSteps: save_every must be >= 1");
+  const char* prefix = options.log_prefix.c_str();
+  const int64_t max_steps = options.max_steps;
+  int64_t checkpoint_step = step;
+  while (max_steps == 0 || step < max_steps) {
+    const auto start = std::chrono::steady_clock::now();
+    const StepPartition partition = OrRestart(session.Fetch(step), "fetch");
+    const std::vector<Rollout>& rollouts = partition.rollouts;
+    optimizer.ZeroGrad();
+    ResetPeakMemory(options.device);
+    GradientResult result;
+    if (!rollouts.empty()) {  // a rank may get nothing when there are fewer rollouts than ranks
+      try {
+        result = ComputeGradients(model, rollouts, options.loss, options.executor,
+                                  {.total_loss_tokens = partition.total_loss_tokens,
+                                   .num_rollouts = partition.num_rollouts});
+      } catch (const std::exception& e) {
+        // Tell the dispatcher first, so that the other ranks abandon the step now instead of at
+        // their collective's timeout.
+        const c10::Error* error = dynamic_cast<const c10::Error*>(&e);
+        const std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
+        session.Failed(step, what);
+        throw std::runtime_error(absl::StrCat("step ", step, ": ", what));
+      }
+    }
+    if (options.slow_step.count() > 0) std::this_thread::sleep_for(options.slow_step);
+    try {
+      sync_gradients();
+    } catch (const c10::Error& e) {
+      session.Failed(step, e.what_without_backtrace());  // abandons the step on every rank
+      throw TrainerRestart{absl::StrCat("step ", step, ": ", e.what_without_backtrace())};
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    int64_t policy_version = 0;
+    const StepDecision decision = OrRestart(
+        session.Prepared({.step = step,
+                          .loss = result.loss,
+                          .rollout_tokens = result.rollout_tokens,
+                          .forwarded_tokens = result.forwarded_tokens,
+                          .tree_tokens = partition.tree_tokens,
+                          .seconds = seconds,
+                          .peak_memory_bytes = static_cast<int64_t>(PeakMemoryGiB(options.device) * (1 << 30)),
+                          .checkpoint_step = checkpoint_step},
+                         &policy_version),
+        "report");
+    if (decision != StepDecision::kCommit) throw TrainerRestart{absl::StrCat("step ", step, " aborted")};
+    const StepStats stats = optimizer.Step();
+    ++step;
+    std::fprintf(stderr, "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s\n", prefix,
+                 static_cast<long long>(step - 1), partition.replay ? " (replay)" : "", static_cast<int>(rollouts.size()),
+                 result.loss, stats.grad_norm, seconds);
+    const bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
+    if (step % options.save_every == 0 || step == max_steps || (requested && options.rank == 0)) {
+      if (options.rank == 0) {
+        SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer, options.keep_checkpoints);
+        if (requested) {
+          std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix,
+                       static_cast<long long>(step - 1));
+        }
+      }
+      checkpoint_step = step;
+    } else if (requested) {
+      std::fprintf(stderr, "%s: a checkpoint was requested: send SIGUSR1 to rank 0, which saves them\n", prefix);
+    }
+  }
+  return step;
+}
+
+}  // namespace dta

@@ -1,0 +1,72 @@
+// The trainer daemon's step loop, apart from its process: fetch this rank's partition from a
+// TrainerSession, compute its gradients with the executor under the whole batch's normalisers,
+// synchronise them with the other ranks, report PREPARED and step the optimizer only on COMMIT;
+// save checkpoints on rank 0. dta-trainer (trainer_main.cc) builds the model, the optimizer, the
+// session and the process group, then calls RunTrainerSteps; tests drive it with a fake session.
+//
+//   std::atomic<bool> requested{false};
+//   RunTrainerSteps(*session, model, optimizer, [&] { sync.SyncGradients(); }, resume_step,
+//                   {.loss = loss, .executor = executor, .device = device,
+//                    .checkpoint_dir = dir, .max_steps = 100}, &requested);
+//
+// Errors (thrown; the caller maps them to exit statuses):
+//   TrainerRestart      the group must restart: the dispatcher answered ABORT or ABORTED (the
+//                       generation is over), or synchronising gradients failed (a peer died). The
+//                       step was reported FAILED when this rank could still say so.
+//   std::runtime_error  anything else: a failed fetch or report, a gradient computation that threw
+//                       (reported FAILED first, so the other ranks abandon the step at once).
+//
+// Thread safety: one call at a time; `checkpoint_requested` may be set from a signal handler.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "dispatcher/client/trainer_session.h"
+#include "executor/engine/executor.h"
+#include "executor/loss/loss.h"
+#include "executor/model/qwen3_model.h"
+#include "executor/optim/adamw.h"
+
+namespace dta {
+
+struct TrainerRestart {
+  std::string why;
+};
+
+struct TrainerLoopOptions {
+  LossOptions loss;
+  ExecutorOptions executor;
+  // Where the model lives: peak memory is reported for it.
+  at::Device device = at::kCPU;
+  // Checkpoints (apps/trainer/checkpoints.h), written by rank 0; required.
+  std::string checkpoint_dir;
+  // Save after every this many committed steps (>= 1), after the last step and on request.
+  int64_t save_every = 1;
+  int keep_checkpoints = 2;
+  // Stop once this many steps are committed in all; 0: run until stopped.
+  int64_t max_steps = 0;
+  int32_t rank = 0;
+  // Testing: sleep this long before synchronising gradients (fault-injection tests).
+  std::chrono::milliseconds slow_step{0};
+  // Starts every progress line on stderr.
+  std::string log_prefix = "dta-trainer";
+};
+
+// Synchronises (averages or sums) the gradients across ranks; throws c10::Error when a peer is
+// gone or a collective times out.
+using SyncGradients = std::function<void()>;
+
+// Runs steps from `step` (the committed steps the weights include) until options.max_steps;
+// returns the number of committed steps reached. `checkpoint_requested` (may be null): set it to
+// save after the step in progress commits (rank 0 saves; it is cleared on every rank).
+int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optimizer,
+                        const SyncGradients& sync_gradients, int64_t step, const TrainerLoopOptions& options,
+                        std::atomic<bool>* checkpoint_requested = nullptr);
+
+}  // namespace dta

@@ -1,0 +1,205 @@
+// dta-trainer: the trainer daemon. One process per GPU (or CPU rank), started by a launcher with
+// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun exports them):
+//
+//   torchrun --nproc_per_node=8 --max-restarts=100 --no-python dta-trainer
+//       --dispatcher=host:50051 --token_file=token --checkpoint_dir=/shared/ckpt \
+//       --model=/models/Qwen3-8B --dtype=bfloat16 --device=cuda --loss=grpo --lr=1e-6
+//
+// Each step: fetch this rank's partition from the dispatcher, compute its gradients with the
+// executor (dta by default) under the whole batch's normalisers, all-reduce them in buckets
+// (NCCL on GPUs, Gloo on CPUs), report PREPARED, and step the optimizer only when the dispatcher
+// answers COMMIT (every rank prepared, durably logged). Rank 0 saves a checkpoint every
+// --save_every committed steps (Hugging Face weights for rollout workers, plus the optimizer), after
+// the last step, and on request: `kill -USR1 <rank 0's pid>` saves after the step in progress
+// commits.
+//
+// Faults: when a collective fails (another rank died) or the dispatcher answers ABORT, the trainer
+// reports the step FAILED and exits with status 75, asking its launcher to restart the group.
+// A (re)started trainer loads the newest checkpoint and registers with its step: the dispatcher
+// serves the committed steps since then again, so the group retrains exactly the committed
+// batches, and no acknowledged trajectory is lost or trained twice.
+//
+// Exit status: 0 after --max_steps steps, 2 on bad input, 75 to be restarted, 1 on other errors.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "dispatcher/client/trainer_session.h"
+#include "executor/distributed/grad_sync.h"
+#include "executor/distributed/process_group.h"
+#include "executor/engine/executor.h"
+#include "apps/train/training_flags.h"
+#include "apps/trainer/checkpoints.h"
+#include "apps/trainer/trainer_loop.h"
+#include "core/base/exit_codes.h"
+#include "core/cli/usage.h"
+
+ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
+ABSL_FLAG(std::string, token_file, "", "file holding the dispatcher's shared token");
+ABSL_FLAG(std::string, tls_roots, "", "PEM root certificates to trust (TLS to the dispatcher)");
+ABSL_FLAG(std::string, checkpoint_dir, "", "checkpoints (shared by the ranks); required");
+ABSL_FLAG(int64_t, save_every, 1, "save a checkpoint every this many committed steps (rank 0)");
+ABSL_FLAG(int32_t, keep_checkpoints, 2, "checkpoints kept");
+ABSL_FLAG(int64_t, max_steps, 0, "stop after this many committed steps in all (0: run until stopped)");
+ABSL_FLAG(int32_t, timeout_s, 600, "timeout of collectives and of the process group's rendezvous, seconds");
+ABSL_FLAG(int64_t, bucket_mb, 25, "gradient all-reduce bucket size, MiB");
+ABSL_FLAG(int32_t, wait_s, 86400, "how long to wait for a batch, or for an unreachable dispatcher, seconds");
+ABSL_FLAG(int32_t, slow_step_ms, 0, "testing: sleep this long before the all-reduce (fault-injection tests)");
+
+namespace dta {
+namespace {
+
+// Set by SIGUSR1: save a checkpoint once the step in progress commits (lock-free, so the handler
+// may touch it; taken with one exchange, so a signal arriving meanwhile is never lost).
+std::atomic<bool> checkpoint_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+extern "C" void RequestCheckpoint(int) { checkpoint_requested.store(true); }
+
+
+
+// The contents of a credential flag's file, or "" when the flag is empty.
+std::string CredentialFromFlag(const std::string& path, const char* flag, bool trim) {
+  if (path.empty()) return "";
+  absl::StatusOr<std::string> contents = ReadCredentialFile(path, trim);
+  if (!contents.ok()) throw BadInput{absl::StrCat("--", flag, ": ", contents.status().message())};
+  return *std::move(contents);
+}
+
+std::string TrainerId() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return absl::StrCat(host, ":", getpid(), ":",
+                      std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count());
+}
+
+int Run() {
+  struct sigaction on_request = {};
+  on_request.sa_handler = RequestCheckpoint;
+  on_request.sa_flags = SA_RESTART;  // the signal must not fail a read or a collective in progress
+  sigaction(SIGUSR1, &on_request, nullptr);
+  const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (checkpoint_dir.empty()) throw BadInput{"--checkpoint_dir is required"};
+  if (absl::GetFlag(FLAGS_save_every) < 1) throw BadInput{"--save_every must be >= 1"};
+  absl::StatusOr<LaunchEnvironment> env = LaunchEnvironmentFromEnv();
+  if (!env.ok()) throw BadInput{std::string(env.status().message())};
+  const LossOptions loss = LossFromFlags();
+  const ExecutorOptions executor = ExecutorFromFlags();
+  at::TensorOptions options = TensorOptionsFromFlags();
+  if (options.device().is_cuda() && !options.device().has_index()) {
+    options = options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank)));
+  }
+  const std::string prefix = absl::StrFormat("dta-trainer rank %d/%d", env->rank, env->world_size);
+
+  Qwen3Model model = ModelFromFlags(options);
+  AdamW optimizer(model.named_parameters(), AdamWFromFlags());
+  int64_t step = 0;
+  if (std::optional<CheckpointInfo> latest = LatestCheckpoint(checkpoint_dir)) {
+    LoadCheckpoint(*latest, optimizer);
+    step = latest->step;
+    std::fprintf(stderr, "%s: resumed from %s (step %lld)\n", prefix.c_str(), latest->path.c_str(),
+                 static_cast<long long>(step));
+  }
+
+  ClientOptions client_options;
+  client_options.address = absl::GetFlag(FLAGS_dispatcher);
+  // Waiting for rollouts is normal (generation may be slower than training): retry for long.
+  client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
+  client_options.token = CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
+  client_options.tls_root_certificates = CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
+  absl::StatusOr<std::unique_ptr<TrainerSession>> session =
+      TrainerSession::Register(client_options, {.rank = env->rank,
+                                                .world_size = env->world_size,
+                                                .device = options.device().str(),
+                                                .resume_step = step,
+                                                .trainer_id = TrainerId(),
+                                                .vocab_size = model.config().vocab_size,
+                                                .needs_ref_logprobs = loss.kl_coef != 0,
+                                                .needs_advantages = loss.kind != LossKind::kSft});
+  if (!session.ok()) {
+    // A dispatcher that accepts what this trainer cannot train: restarting would not help.
+    if (session.status().code() == absl::StatusCode::kFailedPrecondition) {
+      throw BadInput{absl::StrCat("register: ", session.status().message())};
+    }
+    throw std::runtime_error(absl::StrCat("register: ", session.status().ToString()));
+  }
+  std::fprintf(stderr, "%s: registered (%lld steps committed), next step %lld\n", prefix.c_str(),
+               static_cast<long long>((*session)->committed_steps()), static_cast<long long>(step));
+
+  const std::chrono::milliseconds timeout(int64_t{1000} * absl::GetFlag(FLAGS_timeout_s));
+  absl::StatusOr<std::unique_ptr<ProcessGroup>> group = ProcessGroup::Create(
+      *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), {.timeout = timeout});
+  if (!group.ok()) throw TrainerRestart{absl::StrCat("process group: ", group.status().message())};
+  // Every rank must resume from the same checkpoint (a rank may see a shared directory late). The
+  // sums of the steps and of their squares equal world x step and world x step^2 on some rank only
+  // if all steps are equal (Cauchy-Schwarz), so every rank reaches the same verdict. Exact: the
+  // sums are integers far below 2^53.
+  const std::vector<double> sums =
+      (*group)->AllReduceScalars({static_cast<double>(step), static_cast<double>(step) * static_cast<double>(step)});
+  if (static_cast<int64_t>(sums[0]) != env->world_size * step ||
+      static_cast<int64_t>(sums[1]) != env->world_size * step * step) {
+    throw TrainerRestart{absl::StrFormat("the ranks resumed from different checkpoints (this one from step %d, mean %.2f)",
+                                  step, sums[0] / env->world_size)};
+  }
+  GradientSynchronizer sync(**group, model.named_parameters(),
+                            {.bucket_bytes = absl::GetFlag(FLAGS_bucket_mb) << 20});
+
+  RunTrainerSteps(**session, model, optimizer, [&sync] { sync.SyncGradients(); }, step,
+                  {.loss = loss,
+                   .executor = executor,
+                   .device = options.device(),
+                   .checkpoint_dir = checkpoint_dir,
+                   .save_every = absl::GetFlag(FLAGS_save_every),
+                   .keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints),
+                   .max_steps = absl::GetFlag(FLAGS_max_steps),
+                   .rank = env->rank,
+                   .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
+                   .log_prefix = prefix},
+                  &checkpoint_requested);
+  // Every rank leaves together, so rank 0's store outlives the others' last collective.
+  (*group)->Barrier();
+  return 0;
+}
+
+}  // namespace
+}  // namespace dta
+
+int main(int argc, char** argv) {
+  dta::SetProgramUsage("dta-trainer --dispatcher=HOST:PORT --checkpoint_dir=DIR --config=PRESET|--model=DIR ...");
+  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::cerr << "dta-trainer: unexpected argument '" << rest[1] << "'\n";
+    return dta::kExitBadInput;
+  }
+  try {
+    return dta::Run();
+  } catch (const dta::BadInput& e) {
+    std::cerr << "dta-trainer: " << e.message << "\n";
+    return dta::kExitBadInput;
+  } catch (const dta::TrainerRestart& e) {
+    std::cerr << "dta-trainer: restart needed: " << e.why << "\n";
+    return dta::kExitRestart;
+  } catch (const c10::Error& e) {
+    std::cerr << "dta-trainer: " << e.what_without_backtrace() << "\n";
+    return dta::kExitError;
+  } catch (const std::exception& e) {
+    std::cerr << "dta-trainer: " << e.what() << "\n";
+    return dta::kExitError;
+  }
+}

@@ -1,0 +1,330 @@
+// End to end on loopback, with the real binaries: dta-dispatcher, dta-trainer ranks on Gloo, and
+// dta-send as the rollout worker. The contract: whatever the number of trainers and whatever
+// process is killed (kill -9), the final parameters equal those of one trainer training the same
+// batches without interruption (float64, relative error <= 1e-10), and every acknowledged
+// trajectory is trained exactly once.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/checkpoint/safetensors.h"
+#include "core/io/rollout_jsonl.h"
+#include "gtest/gtest.h"
+#include "tests/testing/free_port.h"
+#include "tests/testing/process.h"
+
+namespace dta {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::Process;
+
+constexpr int kSteps = 4;
+constexpr int kBatch = 6;
+constexpr int kRestarted = 75;  // dta-trainer's "restart me"
+
+// A small GRPO batch with shared prompts: 4 prompts x 6 samples, two turns on some.
+std::vector<Rollout> MakeRollouts() {
+  std::mt19937 rng(7);
+  std::vector<Rollout> rollouts;
+  for (int prompt = 0; prompt < 4; ++prompt) {
+    for (int sample = 0; sample < 6; ++sample) {
+      Rollout r;
+      r.id = "p" + std::to_string(prompt) + "-s" + std::to_string(sample);
+      r.group = "p" + std::to_string(prompt);
+      const int length = 9 + static_cast<int>(rng() % 7);
+      for (int t = 0; t < length; ++t) {
+        r.tokens.push_back(t < 5 ? static_cast<TokenId>(prompt * 5 + t) : static_cast<TokenId>(rng() % 29));
+        r.loss_mask.push_back(t >= 5);
+        r.logprobs.push_back(t >= 5 ? -3.3f + 0.1f * static_cast<float>(rng() % 7) : 0.0f);
+      }
+      r.reward = static_cast<double>(rng() % 5) / 4.0;
+      rollouts.push_back(std::move(r));
+    }
+  }
+  return rollouts;
+}
+
+class TrainerDaemonTest : public ::testing::Test {
+ protected:
+  TrainerDaemonTest() {
+    root_ = fs::path(::testing::TempDir()) /
+            (std::string("trainer_daemon_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+    std::ofstream(root_ / "config.json") << R"({"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+      "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false})";
+    EXPECT_TRUE(WriteRolloutsJsonl((root_ / "rollouts.jsonl").string(), MakeRollouts()).ok());
+  }
+  ~TrainerDaemonTest() override {
+    if (!HasFailure()) fs::remove_all(root_);
+  }
+
+  // One training run of its own: a dispatcher, its log and the trainers' checkpoints.
+  struct Run {
+    fs::path dir;
+    std::string address;
+    std::vector<std::string> dispatcher_flags;  // beyond the log, the address and the batch
+    std::unique_ptr<Process> dispatcher;
+  };
+
+  Run NewRun(const std::string& name, std::vector<std::string> dispatcher_flags = {}) {
+    Run run;
+    run.dispatcher_flags = std::move(dispatcher_flags);
+    run.dir = root_ / name;
+    fs::create_directories(run.dir);
+    run.address = "127.0.0.1:" + std::to_string(testing::FreeLoopbackPort());
+    StartDispatcher(run);
+    return run;
+  }
+
+  static void StartDispatcher(Run& run) {
+    std::vector<std::string> command = {(testing::BinaryDirectory() / "dta-dispatcher").string(),
+                                        "--wal=" + (run.dir / "dispatcher.wal").string(), "--listen=" + run.address,
+                                        "--batch_rollouts=" + std::to_string(kBatch), "--vocab_size=32"};
+    command.insert(command.end(), run.dispatcher_flags.begin(), run.dispatcher_flags.end());
+    run.dispatcher = std::make_unique<Process>(command, (run.dir / "dispatcher.log").string());
+  }
+
+  void Send(const Run& run) {
+    Process send({(testing::BinaryDirectory() / "dta-send").string(), "--dispatcher=" + run.address,
+                  "--rollouts=" + (root_ / "rollouts.jsonl").string(), "--retry_s=60"},
+                 (run.dir / "send.log").string());
+    ASSERT_EQ(send.Wait(std::chrono::seconds(90)), 0) << send.Log();
+  }
+
+  // `save_every`: checkpoints every this many steps (and after the last one).
+  std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port, int slow_step_ms,
+                                        const std::string& checkpoints = "ckpt", int save_every = 1,
+                                        const std::vector<std::string>& extra_flags = {}) {
+    std::vector<std::string> command = {
+        (testing::BinaryDirectory() / "dta-trainer").string(), "--dispatcher=" + run.address,
+        "--checkpoint_dir=" + (run.dir / checkpoints).string(), "--config=" + (root_ / "config.json").string(),
+        "--dtype=float64", "--method=dta", "--block_size=4", "--loss=grpo", "--lr=1e-2", "--max_grad_norm=0",
+        "--max_steps=" + std::to_string(kSteps), "--save_every=" + std::to_string(save_every), "--timeout_s=20",
+        "--slow_step_ms=" + std::to_string(slow_step_ms)};
+    command.insert(command.end(), extra_flags.begin(), extra_flags.end());
+    return std::make_unique<Process>(
+        command, (run.dir / ("trainer" + std::to_string(rank) + ".log")).string(),
+        std::vector<std::string>{"RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
+                                 "LOCAL_RANK=" + std::to_string(rank), "MASTER_ADDR=127.0.0.1",
+                                 "MASTER_PORT=" + std::to_string(master_port)});
+  }
+
+  // Runs `world` trainers as a launcher would (torchrun --max-restarts): when one exits asking to
+  // be restarted (or is killed), the others are stopped and all are started again. `fault` is
+  // called while they run, with the group's processes, and may kill one. Returns the restarts.
+  int Train(Run& run, int world, int slow_step_ms = 0,
+            const std::function<bool(Run&, std::vector<std::unique_ptr<Process>>&)>& fault = nullptr) {
+    int restarts = 0;
+    bool faulted = false;
+    while (true) {
+      const int master_port = testing::FreeLoopbackPort();
+      std::vector<std::unique_ptr<Process>> trainers;
+      for (int rank = 0; rank < world; ++rank) trainers.push_back(StartTrainer(run, rank, world, master_port, slow_step_ms));
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+      bool restart = false;
+      while (true) {
+        if (fault && !faulted) faulted = fault(run, trainers);
+        int done = 0;
+        for (size_t rank = 0; rank < trainers.size(); ++rank) {
+          const int status = trainers[rank]->Wait(std::chrono::milliseconds(0));
+          if (status == 0) ++done;
+          if (status > 0) {  // 75, or killed
+            restart = true;
+            std::printf("rank %zu exited with status %d: restarting the group\n", rank, status);
+          }
+        }
+        if (done == world || restart) break;
+        if (std::chrono::steady_clock::now() > give_up) {
+          ADD_FAILURE() << "trainers did not finish; rank 0:\n" << trainers[0]->Log();
+          return restarts;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      if (!restart) return restarts;
+      for (auto& trainer : trainers) trainer->Kill(SIGKILL);  // the launcher stops the group
+      for (auto& trainer : trainers) trainer->Wait(std::chrono::seconds(10));
+      if (++restarts > 5) {
+        ADD_FAILURE() << "too many restarts; rank 0:\n" << trainers[0]->Log();
+        return restarts;
+      }
+    }
+  }
+
+  // The final model of a run, as float64 values per tensor name.
+  static std::map<std::string, std::vector<double>> FinalModel(const Run& run) {
+    char step[32];
+    std::snprintf(step, sizeof(step), "step-%08d", kSteps);
+    absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open((run.dir / "ckpt" / step).string());
+    EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
+    std::map<std::string, std::vector<double>> model;
+    if (!checkpoint.ok()) return model;
+    for (const std::string& name : checkpoint->names()) {
+      const TensorView* view = checkpoint->Find(name);
+      EXPECT_EQ(view->dtype, DType::kF64) << name;
+      std::vector<double>& values = model[name];
+      values.resize(view->numel());
+      std::memcpy(values.data(), view->data.data(), view->data.size());
+    }
+    return model;
+  }
+
+  static void ExpectSameModel(const Run& run, const Run& reference) {
+    const auto model = FinalModel(run);
+    const auto expected = FinalModel(reference);
+    ASSERT_EQ(model.size(), expected.size());
+    ASSERT_FALSE(model.empty());
+    for (const auto& [name, values] : expected) {
+      const std::vector<double>& got = model.at(name);
+      ASSERT_EQ(got.size(), values.size()) << name;
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < values.size(); ++i) {
+        diff += (got[i] - values[i]) * (got[i] - values[i]);
+        norm += values[i] * values[i];
+      }
+      EXPECT_LE(std::sqrt(diff), 1e-10 * std::sqrt(norm)) << name;
+    }
+  }
+
+  // Every rollout was trained exactly once: kSteps x kBatch of them, each in one committed step.
+  static void ExpectEveryRolloutTrainedOnce(const Run& run) {
+    const std::string log = run.dispatcher->Log();
+    int steps = 0;
+    for (size_t at = log.find("rollouts, "); at != std::string::npos; at = log.find("rollouts, ", at + 1)) ++steps;
+    EXPECT_GE(steps, kSteps) << log;
+  }
+
+  fs::path root_;
+};
+
+TEST_F(TrainerDaemonTest, TwoRanksOnGlooTrainLikeOne) {
+  Run reference = NewRun("one-rank");
+  Send(reference);
+  EXPECT_EQ(Train(reference, 1), 0);
+  Run two = NewRun("two-ranks");
+  Send(two);
+  EXPECT_EQ(Train(two, 2), 0);
+  ExpectSameModel(two, reference);
+  ExpectEveryRolloutTrainedOnce(two);
+  // The comparison is not vacuous: every step had a gradient (lr 1e-2 moves the weights far more
+  // than the tolerance).
+  const std::string log = Process::ReadLog(reference.dir / "trainer0.log");
+  int steps_with_gradient = 0;
+  for (size_t at = log.find("grad norm "); at != std::string::npos; at = log.find("grad norm ", at + 1)) {
+    steps_with_gradient += std::stod(log.substr(at + 10)) > 1e-6 ? 1 : 0;
+  }
+  EXPECT_EQ(steps_with_gradient, kSteps) << log;
+}
+
+TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {
+  Run reference = NewRun("reference");
+  Send(reference);
+  Train(reference, 1);
+  Run faulty = NewRun("kill-trainer");
+  Send(faulty);
+  // Kill rank 1 during step 2: after step 1 is logged, while the step sleeps before its all-reduce.
+  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800, [](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
+    if (trainers[1]->Log().find("step 1:") == std::string::npos) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    trainers[1]->Kill(SIGKILL);
+    return true;
+  });
+  EXPECT_GE(restarts, 1);
+  ExpectSameModel(faulty, reference);
+  ExpectEveryRolloutTrainedOnce(faulty);
+}
+
+TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
+  Run reference = NewRun("reference");
+  Send(reference);
+  Train(reference, 1);
+  // Its log is compacted whenever half of it is dead (after every released step, and when it
+  // starts), so the restarts replay compacted logs.
+  Run faulty = NewRun("kill-dispatcher", {"--wal_compact_mb=1e-6"});
+  Send(faulty);
+  // Between acknowledgements: kill and restart it, then send everything again (resends of what was
+  // acknowledged are recognised).
+  faulty.dispatcher->Kill(SIGKILL);
+  faulty.dispatcher->Wait(std::chrono::seconds(10));
+  StartDispatcher(faulty);
+  Send(faulty);
+  EXPECT_NE(faulty.dispatcher->Log().find("24 trajectories pending"), std::string::npos) << faulty.dispatcher->Log();
+  // And during training, after step 1 was committed.
+  Train(faulty, 2, /*slow_step_ms=*/300, [](Run& run, std::vector<std::unique_ptr<Process>>& trainers) {
+    if (trainers[0]->Log().find("step 1:") == std::string::npos) return false;
+    run.dispatcher->Kill(SIGKILL);
+    run.dispatcher->Wait(std::chrono::seconds(10));
+    StartDispatcher(run);
+    return true;
+  });
+  ExpectSameModel(faulty, reference);
+  ExpectEveryRolloutTrainedOnce(faulty);
+  EXPECT_NE(faulty.dispatcher->Log().find("log compacted"), std::string::npos) << faulty.dispatcher->Log();
+}
+
+// A trainer whose loss needs what the dispatcher does not require (here reference log-probabilities
+// for a KL penalty) is refused when it registers and exits 2 naming the dispatcher flag, before any
+// batch could fail on every retry.
+TEST_F(TrainerDaemonTest, ATrainerThatCannotTrainWhatIsAcceptedIsRefused) {
+  Run run = NewRun("refused");
+  std::unique_ptr<Process> trainer =
+      StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0, "ckpt", 1, {"--kl_coef=0.1"});
+  EXPECT_EQ(trainer->Wait(std::chrono::seconds(60)), 2) << trainer->Log();
+  EXPECT_NE(trainer->Log().find("start dta-dispatcher with --require_ref_logprobs"), std::string::npos)
+      << trainer->Log();
+}
+
+// Ranks that load different checkpoints (one sees a shared directory late) must not train together:
+// both notice and ask to be restarted, before any step.
+// SIGUSR1 asks rank 0 for a checkpoint between --save_every's: it saves one after the step in
+// progress commits, and trains on.
+TEST_F(TrainerDaemonTest, SigusrOneSavesACheckpointOnRequest) {
+  Run run = NewRun("on_request");
+  Send(run);
+  std::unique_ptr<Process> trainer =
+      StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), /*slow_step_ms=*/400, "ckpt", /*save_every=*/1000);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (trainer->Log().find("step 0:") == std::string::npos && std::chrono::steady_clock::now() < give_up) {
+    ASSERT_EQ(trainer->Wait(std::chrono::milliseconds(20)), -1) << trainer->Log();
+  }
+  trainer->Kill(SIGUSR1);
+  ASSERT_EQ(trainer->Wait(std::chrono::seconds(120)), 0) << trainer->Log();
+  EXPECT_NE(trainer->Log().find("as requested"), std::string::npos) << trainer->Log();
+  // The requested checkpoint (after step 1, 2 or 3, as the signal met the steps) and the last one.
+  std::vector<std::string> saved;
+  for (const auto& entry : fs::directory_iterator(run.dir / "ckpt")) {
+    if (entry.is_directory()) saved.push_back(entry.path().filename().string());
+  }
+  std::sort(saved.begin(), saved.end());
+  ASSERT_EQ(saved.size(), 2u) << trainer->Log();
+  EXPECT_LT(saved[0], "step-00000004");
+  EXPECT_EQ(saved[1], "step-00000004");
+}
+
+TEST_F(TrainerDaemonTest, RanksResumingFromDifferentCheckpointsRestart) {
+  Run run = NewRun("mismatch");
+  Send(run);
+  EXPECT_EQ(Train(run, 1), 0);  // leaves checkpoints of steps 3 and 4 in ckpt/
+  fs::create_directories(run.dir / "empty");
+  const int master_port = testing::FreeLoopbackPort();
+  std::unique_ptr<Process> ahead = StartTrainer(run, 0, 2, master_port, 0, "ckpt");
+  std::unique_ptr<Process> behind = StartTrainer(run, 1, 2, master_port, 0, "empty");
+  EXPECT_EQ(ahead->Wait(std::chrono::seconds(60)), kRestarted) << ahead->Log();
+  EXPECT_EQ(behind->Wait(std::chrono::seconds(60)), kRestarted) << behind->Log();
+  EXPECT_NE(ahead->Log().find("resumed from different checkpoints"), std::string::npos) << ahead->Log();
+}
+
+}  // namespace
+}  // namespace dta

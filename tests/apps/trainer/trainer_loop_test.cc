@@ -1,0 +1,345 @@
+// RunTrainerSteps against a scripted TrainerSession: committed steps train exactly like calling
+// the executor and the optimizer by hand (float64, bitwise), reports carry the right numbers, an
+// ABORT or an ABORTED fetch asks for a restart without stepping, failures are reported FAILED
+// before the loop gives up, and checkpoints follow save_every, max_steps and requests.
+#include "apps/trainer/trainer_loop.h"
+
+#include <c10/util/Exception.h>
+#include <ftw.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <deque>
+#include <filesystem>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "apps/trainer/checkpoints.h"
+#include "core/loss/batch_context.h"
+#include "gtest/gtest.h"
+
+namespace dta {
+namespace {
+
+Qwen3Config TinyConfig() {
+  Qwen3Config c;
+  c.vocab_size = 23;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = false;
+  return c;
+}
+
+Qwen3Model TinyModel() {
+  Qwen3Model model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
+  model.InitRandom(/*seed=*/7, /*std=*/0.2);
+  return model;
+}
+
+// A partition of `n` rollouts sharing a prefix, with per-token advantages (as the dispatcher
+// sends them) and the batch's normalisers over this partition alone (one rank).
+StepPartition MakePartition(int64_t step, int n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  StepPartition partition;
+  partition.step = step;
+  partition.policy_version = step;
+  std::vector<TokenId> prefix;
+  for (int t = 0; t < 5; ++t) prefix.push_back(static_cast<TokenId>(rng() % 23));
+  for (int i = 0; i < n; ++i) {
+    Rollout r;
+    r.id = "s" + std::to_string(step) + "-r" + std::to_string(i);
+    r.group = "g";
+    r.tokens = prefix;
+    const int suffix = 1 + static_cast<int>(rng() % 6);
+    for (int t = 0; t < suffix; ++t) r.tokens.push_back(static_cast<TokenId>(rng() % 23));
+    for (size_t t = 0; t < r.tokens.size(); ++t) {
+      r.loss_mask.push_back(t > 0 ? 1 : 0);
+      r.logprobs.push_back(-3.1f + 0.01f * static_cast<float>(rng() % 20));
+      r.advantages.push_back(0.1f * static_cast<float>(static_cast<int>(rng() % 11) - 5));
+    }
+    partition.rollouts.push_back(std::move(r));
+  }
+  const BatchLossContext context = MakeBatchContext(partition.rollouts);
+  partition.total_loss_tokens = context.total_loss_tokens;
+  partition.num_rollouts = context.num_rollouts;
+  return partition;
+}
+
+// Serves scripted partitions and decisions and records what the loop reports.
+class FakeSession : public TrainerSession {
+ public:
+  std::deque<absl::StatusOr<StepPartition>> partitions;
+  std::deque<absl::StatusOr<StepDecision>> decisions;
+  std::vector<int64_t> fetched;
+  std::vector<PreparedStep> prepared;
+  std::vector<std::pair<int64_t, std::string>> failed;
+
+  int64_t generation() const override { return 1; }
+  int64_t committed_steps() const override { return 0; }
+  absl::StatusOr<StepPartition> Fetch(int64_t step) override {
+    fetched.push_back(step);
+    if (partitions.empty()) return absl::DeadlineExceededError("the test ran out of partitions");
+    absl::StatusOr<StepPartition> next = std::move(partitions.front());
+    partitions.pop_front();
+    return next;
+  }
+  absl::StatusOr<StepDecision> Prepared(const PreparedStep& step, int64_t* policy_version) override {
+    prepared.push_back(step);
+    if (decisions.empty()) return StepDecision::kCommit;
+    absl::StatusOr<StepDecision> next = std::move(decisions.front());
+    decisions.pop_front();
+    if (next.ok() && policy_version != nullptr) *policy_version = 100 + step.step;
+    return next;
+  }
+  void Failed(int64_t step, const std::string& error) override { failed.emplace_back(step, error); }
+};
+
+// libtorch.so exports its own std::filesystem::remove_all, which crashes on a directory (see
+// apps/trainer/checkpoints.cc): trees are removed with nftw, depth first.
+void RemoveTree(const std::filesystem::path& path) {
+  nftw(
+      path.c_str(),
+      [](const char* file, const struct stat*, int, struct FTW*) {
+        ::remove(file);
+        return 0;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
+}
+
+class TrainerLoopTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (std::filesystem::path(::testing::TempDir()) / "dta_trainer_loop_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr) << pattern;
+    dir_ = pattern;
+  }
+  void TearDown() override { RemoveTree(dir_); }
+
+  TrainerLoopOptions Options(int64_t max_steps) const {
+    TrainerLoopOptions options;
+    options.executor.block_size = 3;  // several chunks per rollout
+    options.checkpoint_dir = dir_.string();
+    options.max_steps = max_steps;
+    options.log_prefix = "trainer_loop_test";
+    return options;
+  }
+
+  std::filesystem::path dir_;
+};
+
+std::vector<at::Tensor> Parameters(const Qwen3Model& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, p] : model.named_parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void ExpectSameParameters(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
+}
+
+// What the loop must do for each committed step, written out by hand.
+std::vector<at::Tensor> TrainByHand(const std::vector<StepPartition>& steps, const TrainerLoopOptions& options) {
+  Qwen3Model model = TinyModel();
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  for (const StepPartition& partition : steps) {
+    optimizer.ZeroGrad();
+    ComputeGradients(model, partition.rollouts, options.loss, options.executor,
+                     {.total_loss_tokens = partition.total_loss_tokens, .num_rollouts = partition.num_rollouts});
+    optimizer.Step();
+  }
+  return Parameters(model);
+}
+
+TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
+  const std::vector<StepPartition> steps = {MakePartition(0, 3, 1), MakePartition(1, 1, 2), MakePartition(2, 4, 3)};
+  FakeSession session;
+  for (const StepPartition& p : steps) session.partitions.push_back(p);
+  TrainerLoopOptions options = Options(/*max_steps=*/3);
+  options.save_every = 2;
+  Qwen3Model model = TinyModel();
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  int syncs = 0;
+  EXPECT_EQ(RunTrainerSteps(session, model, optimizer, [&] { ++syncs; }, 0, options), 3);
+
+  ExpectSameParameters(Parameters(model), TrainByHand(steps, options));
+  EXPECT_EQ(syncs, 3);
+  EXPECT_EQ(session.fetched, (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_TRUE(session.failed.empty());
+  ASSERT_EQ(session.prepared.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    const PreparedStep& report = session.prepared[i];
+    EXPECT_EQ(report.step, i);
+    int64_t tokens = 0;
+    for (const Rollout& r : steps[i].rollouts) tokens += static_cast<int64_t>(r.tokens.size());
+    EXPECT_EQ(report.rollout_tokens, tokens);
+    EXPECT_GT(report.forwarded_tokens, 0);
+    EXPECT_TRUE(std::isfinite(report.loss));
+    EXPECT_NE(report.loss, 0.0);
+  }
+  // Saved after step 2 (save_every) and after the last step: a report names the newest checkpoint
+  // the weights can be restored from.
+  EXPECT_EQ(session.prepared[0].checkpoint_step, 0);
+  EXPECT_EQ(session.prepared[1].checkpoint_step, 0);
+  EXPECT_EQ(session.prepared[2].checkpoint_step, 2);
+  const std::optional<CheckpointInfo> latest = LatestCheckpoint(dir_.string());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->step, 3);
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "step-00000002"));  // kept: keep_checkpoints = 2
+
+  // A restarted trainer resumes from the checkpoint with the same weights.
+  Qwen3Model restored = TinyModel();
+  AdamW restored_optimizer(restored.named_parameters(), AdamWOptions{.lr = 1e-2});
+  LoadCheckpoint(*latest, restored_optimizer);
+  ExpectSameParameters(Parameters(restored), Parameters(model));
+}
+
+TEST_F(TrainerLoopTest, ResumesFromItsStepAndStopsAtMaxSteps) {
+  FakeSession session;
+  session.partitions.push_back(MakePartition(5, 2, 4));
+  Qwen3Model model = TinyModel();
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  EXPECT_EQ(RunTrainerSteps(session, model, optimizer, [] {}, 5, Options(/*max_steps=*/6)), 6);
+  EXPECT_EQ(session.fetched, (std::vector<int64_t>{5}));
+  EXPECT_EQ(session.prepared.at(0).checkpoint_step, 5);
+  EXPECT_EQ(LatestCheckpoint(dir_.string())->step, 6);
+  // Already there: nothing is fetched.
+  EXPECT_EQ(RunTrainerSteps(session, model, optimizer, [] {}, 6, Options(/*max_steps=*/6)), 6);
+  EXPECT_EQ(session.fetched.size(), 1u);
+}
+
+TEST_F(TrainerLoopTest, AnEmptyPartitionStillSynchronisesAndReports) {
+  StepPartition empty;
+  empty.step = 0;
+  empty.num_rollouts = 4;  // the other ranks' rollouts
+  empty.total_loss_tokens = 20;
+  FakeSession session;
+  session.partitions.push_back(empty);
+  Qwen3Model model = TinyModel();
+  const std::vector<at::Tensor> before = Parameters(model);
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0});
+  int syncs = 0;
+  RunTrainerSteps(session, model, optimizer, [&] { ++syncs; }, 0, Options(1));
+  EXPECT_EQ(syncs, 1);
+  ASSERT_EQ(session.prepared.size(), 1u);
+  EXPECT_EQ(session.prepared[0].rollout_tokens, 0);
+  EXPECT_EQ(session.prepared[0].loss, 0.0);
+  ExpectSameParameters(Parameters(model), before);  // zero gradients, no weight decay
+}
+
+TEST_F(TrainerLoopTest, AnAbortedStepAsksForARestartWithoutStepping) {
+  const std::vector<StepPartition> steps = {MakePartition(0, 2, 5), MakePartition(1, 2, 6)};
+  FakeSession session;
+  for (const StepPartition& p : steps) session.partitions.push_back(p);
+  session.decisions.push_back(StepDecision::kCommit);
+  session.decisions.push_back(StepDecision::kAbort);
+  Qwen3Model model = TinyModel();
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  const TrainerLoopOptions options = Options(0);
+  try {
+    RunTrainerSteps(session, model, optimizer, [] {}, 0, options);
+    FAIL() << "an ABORT decision must ask for a restart";
+  } catch (const TrainerRestart& restart) {
+    EXPECT_NE(restart.why.find("step 1 aborted"), std::string::npos) << restart.why;
+  }
+  EXPECT_EQ(optimizer.step(), 1);
+  ExpectSameParameters(Parameters(model), TrainByHand({steps[0]}, options));
+}
+
+TEST_F(TrainerLoopTest, AnAbortedGenerationAsksForARestartAndOtherErrorsDoNot) {
+  Qwen3Model model = TinyModel();
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  FakeSession aborted;
+  aborted.partitions.push_back(absl::AbortedError("generation 1 is over"));
+  EXPECT_THROW(RunTrainerSteps(aborted, model, optimizer, [] {}, 0, Options(0)), TrainerRestart);
+
+  FakeSession unavailable;
+  unavailable.partitions.push_back(absl::UnavailableError("dispatcher gone"));
+  try {
+    RunTrainerSteps(unavailable, model, optimizer, [] {}, 0, Options(0));
+    FAIL() << "a failed fetch must throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fetch: UNAVAILABLE"), std::string::npos) << e.what();
+  }
+
+  FakeSession report_aborted;
+  report_aborted.partitions.push_back(MakePartition(0, 1, 7));
+  report_aborted.decisions.push_back(absl::AbortedError("a rank failed"));
+  EXPECT_THROW(RunTrainerSteps(report_aborted, model, optimizer, [] {}, 0, Options(0)), TrainerRestart);
+  EXPECT_EQ(optimizer.step(), 0);
+}
+
+TEST_F(TrainerLoopTest, AGradientFailureIsReportedFirst) {
+  StepPartition bad = MakePartition(0, 2, 8);
+  bad.rollouts[1].tokens[2] = 23;  // outside the vocabulary: the executor refuses it
+  FakeSession session;
+  session.partitions.push_back(bad);
+  Qwen3Model model = TinyModel();
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  int syncs = 0;
+  try {
+    RunTrainerSteps(session, model, optimizer, [&] { ++syncs; }, 0, Options(0));
+    FAIL() << "a token outside the vocabulary must fail the step";
+  } catch (const TrainerRestart&) {
+    FAIL() << "restarting cannot help a batch the executor refuses";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 0"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(session.failed.size(), 1u);
+  EXPECT_EQ(session.failed[0].first, 0);
+  EXPECT_FALSE(session.failed[0].second.empty());
+  EXPECT_EQ(syncs, 0);
+  EXPECT_TRUE(session.prepared.empty());
+}
+
+TEST_F(TrainerLoopTest, ASynchronisationFailureIsReportedAndAsksForARestart) {
+  FakeSession session;
+  session.partitions.push_back(MakePartition(0, 2, 9));
+  Qwen3Model model = TinyModel();
+  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  EXPECT_THROW(RunTrainerSteps(session, model, optimizer, [] { TORCH_CHECK(false, "peer 1 is gone"); }, 0,
+                               Options(0)),
+               TrainerRestart);
+  ASSERT_EQ(session.failed.size(), 1u);
+  EXPECT_NE(session.failed[0].second.find("peer 1 is gone"), std::string::npos);
+  EXPECT_TRUE(session.prepared.empty());
+  EXPECT_EQ(optimizer.step(), 0);
+}
+
+TEST_F(TrainerLoopTest, ARequestedCheckpointIsSavedByRankZeroOnly) {
+  for (const int32_t rank : {1, 0}) {
+    RemoveTree(dir_);
+    FakeSession session;
+    session.partitions.push_back(MakePartition(0, 2, 10));
+    session.partitions.push_back(MakePartition(1, 2, 11));
+    Qwen3Model model = TinyModel();
+    AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+    TrainerLoopOptions options = Options(/*max_steps=*/0);
+    options.save_every = 1000;
+    options.rank = rank;
+    std::atomic<bool> requested{true};
+    // Two steps, then the session runs out (DEADLINE_EXCEEDED ends the loop with an error).
+    EXPECT_THROW(RunTrainerSteps(session, model, optimizer, [] {}, 0, options, &requested), std::runtime_error);
+    EXPECT_FALSE(requested.load()) << "rank " << rank;
+    const std::optional<CheckpointInfo> latest = LatestCheckpoint(dir_.string());
+    if (rank == 0) {
+      ASSERT_TRUE(latest.has_value());
+      EXPECT_EQ(latest->step, 1);  // after the step in progress when asked
+      EXPECT_EQ(session.prepared.at(1).checkpoint_step, 1);
+    } else {
+      EXPECT_FALSE(latest.has_value());
+      EXPECT_EQ(session.prepared.at(1).checkpoint_step, 0);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dta
