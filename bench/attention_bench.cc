@@ -39,8 +39,9 @@ int32_t EnvInt(const char* name, int32_t fallback) {
 
 }  // namespace
 
-ABSL_FLAG(bool, quick, EnvIsOne("DTA_ATTENTION_BENCH_QUICK"),
-          "one case, one warm-up and three runs, for profilers (default: DTA_ATTENTION_BENCH_QUICK=1)");
+ABSL_FLAG(
+    bool, quick, EnvIsOne("DTA_ATTENTION_BENCH_QUICK"),
+    "one case, one warm-up and three runs, for profilers (default: DTA_ATTENTION_BENCH_QUICK=1)");
 ABSL_FLAG(bool, ours_only, EnvIsOne("DTA_ATTENTION_BENCH_OURS_ONLY"),
           "skip PyTorch's flash attention (default: DTA_ATTENTION_BENCH_OURS_ONLY=1)");
 ABSL_FLAG(int32_t, chain_case, EnvInt("DTA_ATTENTION_BENCH_CASE", -1),
@@ -263,7 +264,9 @@ int Main() {
 }  // namespace dta::kernels
 
 int main(int argc, char** argv) {
-  dta::SetProgramUsage("dta-attention-bench [--quick] [--ours_only]: tree-attention kernels against PyTorch's flash attention");
+  dta::SetProgramUsage(
+      "dta-attention-bench [--quick] [--ours_only]: tree-attention kernels against PyTorch's flash "
+      "attention");
   absl::ParseCommandLine(argc, argv);
   return dta::kernels::Main();
 }

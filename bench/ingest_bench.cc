@@ -5,13 +5,13 @@
 //   dta-ingest-bench --dispatcher=127.0.0.1:50051 --streams=16 --seconds=10 --tokens=4096
 //       [--rate=TOKENS_PER_S]
 //
-// Each stream sends trajectories of --tokens tokens shaped like an RL rollout (token ids, loss mask,
-// behaviour log-probabilities, per-token policy versions, a reward), keeping up to --window of them
-// unacknowledged. Without --rate the streams send as fast as acknowledgements allow (throughput);
-// with --rate they send on a fixed schedule adding up to that many tokens per second (latency at a
-// given load: a trajectory's latency runs from its scheduled send time to its acknowledgement, so
-// falling behind the schedule counts). Prints rollout tokens per second acknowledged and the
-// latency percentiles.
+// Each stream sends trajectories of --tokens tokens shaped like an RL rollout (token ids, loss
+// mask, behaviour log-probabilities, per-token policy versions, a reward), keeping up to --window
+// of them unacknowledged. Without --rate the streams send as fast as acknowledgements allow
+// (throughput); with --rate they send on a fixed schedule adding up to that many tokens per second
+// (latency at a given load: a trajectory's latency runs from its scheduled send time to its
+// acknowledgement, so falling behind the schedule counts). Prints rollout tokens per second
+// acknowledged and the latency percentiles.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -31,11 +31,11 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/base/exit_codes.h"
+#include "core/cli/usage.h"
 #include "dispatcher/client/client_options.h"
 #include "dispatcher/client/dispatcher_client.h"
 #include "proto/dta/v1/dispatcher.grpc.pb.h"
-#include "core/base/exit_codes.h"
-#include "core/cli/usage.h"
 
 ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
 ABSL_FLAG(std::string, token_file, "", "file holding the dispatcher's shared token");
@@ -43,9 +43,11 @@ ABSL_FLAG(int32_t, streams, 16, "concurrent Ingest streams");
 ABSL_FLAG(double, seconds, 10, "how long to send");
 ABSL_FLAG(int32_t, tokens, 4096, "tokens per trajectory");
 ABSL_FLAG(int32_t, window, 8, "unacknowledged trajectories per stream at most");
-ABSL_FLAG(double, rate, 0, "tokens per second over all streams on a fixed schedule; 0: as fast as possible");
+ABSL_FLAG(double, rate, 0,
+          "tokens per second over all streams on a fixed schedule; 0: as fast as possible");
 ABSL_FLAG(int32_t, vocab_size, 151936, "token ids are drawn below this");
-ABSL_FLAG(std::string, id_prefix, "bench", "trajectory ids are PREFIX-STREAM-N (use a fresh prefix per run)");
+ABSL_FLAG(std::string, id_prefix, "bench",
+          "trajectory ids are PREFIX-STREAM-N (use a fresh prefix per run)");
 
 namespace dta {
 namespace {
@@ -75,8 +77,8 @@ v1::Trajectory Template(int tokens, int vocab, std::mt19937& rng) {
 
 // One stream: a writer on the schedule (or as fast as the window allows) and this thread reading
 // the answers, which come in order.
-StreamResult RunStream(v1::Dispatcher::Stub& stub, const std::string& token, int stream, Clock::time_point start,
-                       Clock::time_point stop, double interval_s) {
+StreamResult RunStream(v1::Dispatcher::Stub& stub, const std::string& token, int stream,
+                       Clock::time_point start, Clock::time_point stop, double interval_s) {
   StreamResult result;
   std::mt19937 rng(stream + 1);
   v1::IngestRequest request;
@@ -141,7 +143,8 @@ StreamResult RunStream(v1::Dispatcher::Stub& stub, const std::string& token, int
     writer_running = !writer_done;
   }
   cv.notify_all();
-  // The stream ended before the writer did (the dispatcher went away): a Write blocked on it returns.
+  // The stream ended before the writer did (the dispatcher went away): a Write blocked on it
+  // returns.
   if (writer_running) context.TryCancel();
   writer.join();
   const grpc::Status status = call->Finish();
@@ -151,7 +154,8 @@ StreamResult RunStream(v1::Dispatcher::Stub& stub, const std::string& token, int
 
 double Percentile(std::vector<double>& values, double p) {
   if (values.empty()) return 0;
-  const size_t k = std::min(values.size() - 1, static_cast<size_t>(p * static_cast<double>(values.size())));
+  const size_t k =
+      std::min(values.size() - 1, static_cast<size_t>(p * static_cast<double>(values.size())));
   std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(k), values.end());
   return values[k];
 }
@@ -162,7 +166,8 @@ int Main() {
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
     absl::StatusOr<std::string> token = ReadCredentialFile(path, /*trim=*/true);
     if (!token.ok()) {
-      std::fprintf(stderr, "dta-ingest-bench: --token_file: %s\n", std::string(token.status().message()).c_str());
+      std::fprintf(stderr, "dta-ingest-bench: --token_file: %s\n",
+                   std::string(token.status().message()).c_str());
       return dta::kExitBadInput;
     }
     options.token = *std::move(token);
@@ -171,7 +176,9 @@ int Main() {
   const int tokens = absl::GetFlag(FLAGS_tokens);
   const double rate = absl::GetFlag(FLAGS_rate);
   if (streams < 1 || tokens < 2 || absl::GetFlag(FLAGS_window) < 1 || rate < 0) {
-    std::fprintf(stderr, "dta-ingest-bench: need --streams >= 1, --tokens >= 2, --window >= 1, --rate >= 0\n");
+    std::fprintf(
+        stderr,
+        "dta-ingest-bench: need --streams >= 1, --tokens >= 2, --window >= 1, --rate >= 0\n");
     return dta::kExitBadInput;
   }
   // Each stream its own channel, as separate rollout workers would have.
@@ -179,17 +186,19 @@ int Main() {
   for (int s = 0; s < streams; ++s) {
     grpc::ChannelArguments arguments;
     arguments.SetInt("grpc.channel_id", s);  // distinct channels, not one shared subchannel
-    stubs.push_back(v1::Dispatcher::NewStub(grpc::CreateCustomChannel(
-        options.address, grpc::InsecureChannelCredentials(), arguments)));
+    stubs.push_back(v1::Dispatcher::NewStub(
+        grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), arguments)));
   }
   const double interval_s = rate > 0 ? static_cast<double>(tokens) * streams / rate : 0;
   const Clock::time_point start = Clock::now() + std::chrono::milliseconds(100);
   const Clock::time_point stop =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(absl::GetFlag(FLAGS_seconds)));
+      start + std::chrono::duration_cast<Clock::duration>(
+                  std::chrono::duration<double>(absl::GetFlag(FLAGS_seconds)));
   std::vector<StreamResult> results(streams);
   std::vector<std::thread> threads;
   for (int s = 0; s < streams; ++s) {
-    threads.emplace_back([&, s] { results[s] = RunStream(*stubs[s], options.token, s, start, stop, interval_s); });
+    threads.emplace_back(
+        [&, s] { results[s] = RunStream(*stubs[s], options.token, s, start, stop, interval_s); });
   }
   for (std::thread& t : threads) t.join();
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
@@ -208,16 +217,20 @@ int Main() {
     }
   }
   const double token_rate = static_cast<double>(accepted) * tokens / elapsed;
-  std::printf("%s streams=%d tokens/trajectory=%d window=%d target=%s\n", options.address.c_str(), streams, tokens,
-              absl::GetFlag(FLAGS_window), rate > 0 ? absl::StrFormat("%.0f tokens/s", rate).c_str() : "max");
-  std::printf("acknowledged %lld trajectories (%lld rejected) in %.2f s: %.0f trajectories/s, %.3fM rollout tokens/s\n",
-              static_cast<long long>(accepted), static_cast<long long>(rejected), elapsed, accepted / elapsed,
-              token_rate / 1e6);
+  std::printf("%s streams=%d tokens/trajectory=%d window=%d target=%s\n", options.address.c_str(),
+              streams, tokens, absl::GetFlag(FLAGS_window),
+              rate > 0 ? absl::StrFormat("%.0f tokens/s", rate).c_str() : "max");
+  std::printf(
+      "acknowledged %lld trajectories (%lld rejected) in %.2f s: %.0f trajectories/s, %.3fM "
+      "rollout tokens/s\n",
+      static_cast<long long>(accepted), static_cast<long long>(rejected), elapsed,
+      accepted / elapsed, token_rate / 1e6);
   const double p50 = Percentile(latency, 0.50);
   const double p90 = Percentile(latency, 0.90);
   const double p99 = Percentile(latency, 0.99);
   const double max = latency.empty() ? 0 : *std::max_element(latency.begin(), latency.end());
-  std::printf("acknowledgement latency ms: p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", p50, p90, p99, max);
+  std::printf("acknowledgement latency ms: p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", p50, p90, p99,
+              max);
   return errors > 0 || rejected > 0 ? 1 : 0;
 }
 
@@ -225,7 +238,8 @@ int Main() {
 }  // namespace dta
 
 int main(int argc, char** argv) {
-  dta::SetProgramUsage("dta-ingest-bench --dispatcher=HOST:PORT [--streams=N] [--rate=TOKENS_PER_S]");
+  dta::SetProgramUsage(
+      "dta-ingest-bench --dispatcher=HOST:PORT [--streams=N] [--rate=TOKENS_PER_S]");
   absl::ParseCommandLine(argc, argv);
   return dta::Main();
 }

@@ -8,18 +8,19 @@
 //   dense          every rollout on its own (the reference and the papers' "Dense" baseline)
 //   dense-ckpt     dense with activation checkpointing ("Dense+CKPT")
 //   packed         Tree Training: the tree's unique tokens in packed forwards with a tree mask, at
-//                  most --token_capacity unique tokens each (scripts/gpu_bench.sh: 24K, the paper's budget)
+//                  most --token_capacity unique tokens each (scripts/gpu_bench.sh: 24K, the paper's
+//                  budget)
 //   packed-ckpt    packed with activation checkpointing (n/a when the executor's packed method
 //                  turns out not to checkpoint: its first step forwards no replayed tokens)
 //   dta-b<B>[-g<G>][-pack][-lex]
 //                  AReaL-DTA's push/pop schedule with backward chunks of at most B tokens
 //                  ("binf": unbounded; "bauto": the executor's default, the longest rollout if its
-//                  graph fits in the free memory, else what fits), a graph budget of G tokens ("gauto": -1, the executor's
-//                  automatic budget where it has one; without -g: 0, the paper's recomputation),
-//                  packing of small complete subtrees (-pack without -g takes --graph_budget),
-//                  lexicographic instead of backward-DFS leaf order; e.g. dta-b2048, dta-b4096,
-//                  dta-b4096-pack, dta-b4096-gauto-pack, dta-bauto-gauto-pack (the executor's
-//                  defaults, packing on)
+//                  graph fits in the free memory, else what fits), a graph budget of G tokens
+//                  ("gauto": -1, the executor's automatic budget where it has one; without -g: 0,
+//                  the paper's recomputation), packing of small complete subtrees (-pack without -g
+//                  takes --graph_budget), lexicographic instead of backward-DFS leaf order; e.g.
+//                  dta-b2048, dta-b4096, dta-b4096-pack, dta-b4096-gauto-pack, dta-bauto-gauto-pack
+//                  (the executor's defaults, packing on)
 //
 // Each timed step zeroes the gradients and calls ComputeGradients once (GRPO: PPO clip with group
 // advantages, token-mean; LossOptions' defaults, as dta-train). --warmup steps are run and
@@ -70,22 +71,24 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/base/exit_codes.h"
 #include "core/checkpoint/qwen3_config.h"
-#include "executor/engine/executor.h"
+#include "core/cli/usage.h"
 #include "core/io/rollout_jsonl.h"
-#include "executor/loss/loss.h"
-#include "executor/model/qwen3_model.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_partition.h"
 #include "core/tree/tree_stats.h"
+#include "executor/engine/executor.h"
+#include "executor/loss/loss.h"
+#include "executor/model/qwen3_model.h"
 #include "nlohmann/json.hpp"
-#include "core/base/exit_codes.h"
-#include "core/cli/usage.h"
 
-ABSL_FLAG(std::string, rollouts, "", "workload file (JSON Lines, e.g. from dta-workload); required");
+ABSL_FLAG(std::string, rollouts, "",
+          "workload file (JSON Lines, e.g. from dta-workload); required");
 ABSL_FLAG(std::string, config, "qwen3-1.7b",
           "model shape: a preset (qwen3-0.6b, -1.7b, -4b, -8b) or a config.json; random weights");
-ABSL_FLAG(std::string, methods, "dense,dense-ckpt,packed,packed-ckpt,dta-b2048,dta-b4096,dta-b4096-pack",
+ABSL_FLAG(std::string, methods,
+          "dense,dense-ckpt,packed,packed-ckpt,dta-b2048,dta-b4096,dta-b4096-pack",
           "comma-separated: dense, dense-ckpt, packed, packed-ckpt, dta-b<B>[-g<G>][-pack][-lex]");
 ABSL_FLAG(std::string, dtype, "bfloat16", "bfloat16, float32 or float64 (every method)");
 ABSL_FLAG(std::string, device, "cuda", "cuda[:N] or cpu");
@@ -96,21 +99,31 @@ ABSL_FLAG(int32_t, repeats, 3, "timed steps per method; the median is reported")
 ABSL_FLAG(int64_t, token_capacity, dta::ExecutorOptions{}.token_capacity,
           "packed: the most unique tokens per packed forward (0 = the whole tree)");
 ABSL_FLAG(int64_t, graph_budget, dta::ExecutorOptions{}.graph_budget,
-          "dta-...-pack variants without -g<G>: the graph budget in tokens (-1: the executor's automatic budget)");
+          "dta-...-pack variants without -g<G>: the graph budget in tokens (-1: the executor's "
+          "automatic budget)");
 ABSL_FLAG(int64_t, max_rollouts, 0, "use only the first N rollouts of the file (0 = all)");
-ABSL_FLAG(double, peak_tflops, 989.0, "the device's peak dense bf16 TFLOP/s for MFU (989: H100/H200 SXM)");
+ABSL_FLAG(double, peak_tflops, 989.0,
+          "the device's peak dense bf16 TFLOP/s for MFU (989: H100/H200 SXM)");
 ABSL_FLAG(uint64_t, init_seed, 1, "seed of the random weights");
-ABSL_FLAG(double, init_std, 0.02, "standard deviation of the random weights (norm weights: 1 + N(0, std/4))");
-ABSL_FLAG(bool, check, true, "compare every method's gradients with a float32 dense reference on a small shape");
+ABSL_FLAG(double, init_std, 0.02,
+          "standard deviation of the random weights (norm weights: 1 + N(0, std/4))");
+ABSL_FLAG(bool, check, true,
+          "compare every method's gradients with a float32 dense reference on a small shape");
 ABSL_FLAG(std::string, check_config, "",
-          "the check's model shape (preset or config.json); default hidden 256, 4 layers, 4 heads, 2 KV heads, "
+          "the check's model shape (preset or config.json); default hidden 256, 4 layers, 4 heads, "
+          "2 KV heads, "
           "head_dim 64, vocabulary = the largest token id + 1");
-ABSL_FLAG(int32_t, check_rollouts, 16, "the check uses the first N rollouts in lexicographic order (they share prefixes)");
+ABSL_FLAG(int32_t, check_rollouts, 16,
+          "the check uses the first N rollouts in lexicographic order (they share prefixes)");
 ABSL_FLAG(std::string, loss, "grpo",
-          "the benchmark's loss: grpo (PPO clip 0.2, token-mean, group advantages; dta-train's default) or sft");
-ABSL_FLAG(std::string, check_loss, "sft", "the check's loss: sft, or same (the benchmark's --loss)");
-ABSL_FLAG(std::string, out_dir, "", "where results.md and results.json go; default bench/results/<timestamp>");
-ABSL_FLAG(std::string, label, "", "the workload's name in the outputs; default the rollout file's stem");
+          "the benchmark's loss: grpo (PPO clip 0.2, token-mean, group advantages; dta-train's "
+          "default) or sft");
+ABSL_FLAG(std::string, check_loss, "sft",
+          "the check's loss: sft, or same (the benchmark's --loss)");
+ABSL_FLAG(std::string, out_dir, "",
+          "where results.md and results.json go; default bench/results/<timestamp>");
+ABSL_FLAG(std::string, label, "",
+          "the workload's name in the outputs; default the rollout file's stem");
 
 namespace dta {
 namespace {
@@ -159,9 +172,12 @@ MethodSpec ParseMethod(const std::string& name) {
       int64_t value = 0;
       if (absl::ConsumePrefix(&part, "b") &&
           (part == "inf" || part == "auto" || (absl::SimpleAtoi(part, &value) && value > 0))) {
-        spec.options.block_size = part == "inf" ? kUnboundedBlock : part == "auto" ? kAutoBlockSize : value;
+        spec.options.block_size = part == "inf"    ? kUnboundedBlock
+                                  : part == "auto" ? kAutoBlockSize
+                                                   : value;
         has_block = true;
-      } else if (absl::ConsumePrefix(&part, "g") && (part == "auto" || (absl::SimpleAtoi(part, &value) && value >= 0))) {
+      } else if (absl::ConsumePrefix(&part, "g") &&
+                 (part == "auto" || (absl::SimpleAtoi(part, &value) && value >= 0))) {
         spec.options.graph_budget = part == "auto" ? -1 : value;
         has_budget = true;
       } else if (part == "pack") {
@@ -169,23 +185,29 @@ MethodSpec ParseMethod(const std::string& name) {
       } else if (part == "lex") {
         spec.options.order = LeafOrderKind::kLexicographic;
       } else {
-        throw BadInput{"--methods: cannot read '" + name + "': dta variants are dta-b<B>[-g<G>][-pack][-lex], e.g. "
-                       "dta-b2048, dta-b4096-pack, dta-binf-g8192, dta-b4096-gauto-pack, dta-bauto-gauto-pack"};
+        throw BadInput{"--methods: cannot read '" + name +
+                       "': dta variants are dta-b<B>[-g<G>][-pack][-lex], e.g. "
+                       "dta-b2048, dta-b4096-pack, dta-binf-g8192, dta-b4096-gauto-pack, "
+                       "dta-bauto-gauto-pack"};
       }
     }
     if (!has_block) throw BadInput{"--methods: '" + name + "' needs a block size, e.g. dta-b2048"};
-    // Without -g<G>: the paper's schedule recomputes every graph; -pack keeps --graph_budget tokens.
-    if (!has_budget) spec.options.graph_budget = spec.options.pack ? absl::GetFlag(FLAGS_graph_budget) : 0;
+    // Without -g<G>: the paper's schedule recomputes every graph; -pack keeps --graph_budget
+    // tokens.
+    if (!has_budget)
+      spec.options.graph_budget = spec.options.pack ? absl::GetFlag(FLAGS_graph_budget) : 0;
   } else {
-    throw BadInput{"--methods: unknown method '" + name +
-                   "'; known: dense, dense-ckpt, packed, packed-ckpt, dta-b<B>[-g<G>][-pack][-lex]"};
+    throw BadInput{
+        "--methods: unknown method '" + name +
+        "'; known: dense, dense-ckpt, packed, packed-ckpt, dta-b<B>[-g<G>][-pack][-lex]"};
   }
   return spec;
 }
 
 std::vector<MethodSpec> ParseMethods() {
   std::vector<MethodSpec> methods;
-  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_methods), ',', absl::SkipWhitespace())) {
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_methods), ',', absl::SkipWhitespace())) {
     const std::string name(absl::StripAsciiWhitespace(part));
     for (const MethodSpec& m : methods) {
       if (m.name == name) throw BadInput{"--methods: '" + name + "' is listed twice"};
@@ -203,14 +225,17 @@ nlohmann::json OptionsJson(const ExecutorOptions& o) {
       j = {{"method", "dense"}, {"checkpointing", o.checkpointing}};
       break;
     case Method::kPacked:
-      j = {{"method", "packed"}, {"token_capacity", o.token_capacity}, {"checkpointing", o.checkpointing}};
+      j = {{"method", "packed"},
+           {"token_capacity", o.token_capacity},
+           {"checkpointing", o.checkpointing}};
       break;
     case Method::kDta:
       j = {{"method", "dta"},
            {"block_size", o.block_size == kUnboundedBlock  ? nlohmann::json(nullptr)
                           : o.block_size == kAutoBlockSize ? nlohmann::json("auto")
                                                            : nlohmann::json(o.block_size)},
-           {"graph_budget", o.graph_budget < 0 ? nlohmann::json("auto") : nlohmann::json(o.graph_budget)},
+           {"graph_budget",
+            o.graph_budget < 0 ? nlohmann::json("auto") : nlohmann::json(o.graph_budget)},
            {"pack", o.pack},
            {"order", o.order == LeafOrderKind::kBackwardDfs ? "backward-dfs" : "lexicographic"}};
       break;
@@ -298,8 +323,9 @@ Qwen3Config LoadConfig(const std::string& flag, const std::string& name) {
   absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(name);
   if (!config.ok()) config = LoadQwen3Config(name);
   if (!config.ok()) {
-    throw BadInput{absl::StrFormat("--%s=%s is neither a preset (%s) nor a readable config.json: %s", flag, name,
-                                   absl::StrJoin(Qwen3ConfigPresetNames(), ", "), config.status().message())};
+    throw BadInput{absl::StrFormat(
+        "--%s=%s is neither a preset (%s) nor a readable config.json: %s", flag, name,
+        absl::StrJoin(Qwen3ConfigPresetNames(), ", "), config.status().message())};
   }
   const absl::Status valid = ValidateQwen3Config(*config);
   if (!valid.ok()) throw BadInput{absl::StrFormat("--%s=%s: %s", flag, name, valid.message())};
@@ -389,9 +415,11 @@ class MemoryMeter {
     return PeakGiB();
   }
   std::string Kind() const {
-    if (device_.is_cuda()) return "CUDA caching allocator: peak allocated bytes, reset before each method";
-    return rss_reset_ ? "process peak RSS (VmHWM), reset before each method through /proc/self/clear_refs"
-                      : "process peak RSS since start (could not reset it)";
+    if (device_.is_cuda())
+      return "CUDA caching allocator: peak allocated bytes, reset before each method";
+    return rss_reset_
+               ? "process peak RSS (VmHWM), reset before each method through /proc/self/clear_refs"
+               : "process peak RSS since start (could not reset it)";
   }
 
  private:
@@ -440,7 +468,8 @@ struct FlopModel {
   double per_attention_pair = 0;
 
   explicit FlopModel(const Qwen3Config& c) {
-    const double h = c.hidden_size, q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+    const double h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                 kv = c.num_key_value_heads * c.head_dim;
     const double layer = h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size;
     matmul_parameters = c.num_hidden_layers * layer + static_cast<double>(c.vocab_size) * h;
     per_token = 6 * matmul_parameters;
@@ -466,8 +495,8 @@ struct Comparison {
   std::vector<std::pair<std::string, double>> per_param;  // every parameter's relative error
 };
 
-Comparison Compare(const std::vector<at::Tensor>& grads, double loss, const std::vector<at::Tensor>& ref,
-                   double ref_loss, const Qwen3Model& model) {
+Comparison Compare(const std::vector<at::Tensor>& grads, double loss,
+                   const std::vector<at::Tensor>& ref, double ref_loss, const Qwen3Model& model) {
   Comparison c;
   double diff2 = 0, ref2 = 0;
   std::vector<double> per_param;
@@ -487,17 +516,15 @@ Comparison Compare(const std::vector<at::Tensor>& grads, double loss, const std:
   }
   c.grad_rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::nan("");
   c.median_param_rel = Median(per_param);
-  c.loss_rel = ref_loss != 0 ? std::abs(loss - ref_loss) / std::abs(ref_loss) : std::abs(loss - ref_loss);
+  c.loss_rel =
+      ref_loss != 0 ? std::abs(loss - ref_loss) / std::abs(ref_loss) : std::abs(loss - ref_loss);
   return c;
 }
 
 nlohmann::json ComparisonJson(const Comparison& c) {
-  return {{"grad_rel_err", c.grad_rel},
-          {"median_param_rel_err", c.median_param_rel},
-          {"max_param_rel_err", c.max_param_rel},
-          {"max_param", c.max_param},
-          {"loss_rel_err", c.loss_rel},
-          {"param_rel_err", nlohmann::json(c.per_param)}};
+  return {{"grad_rel_err", c.grad_rel},           {"median_param_rel_err", c.median_param_rel},
+          {"max_param_rel_err", c.max_param_rel}, {"max_param", c.max_param},
+          {"loss_rel_err", c.loss_rel},           {"param_rel_err", nlohmann::json(c.per_param)}};
 }
 
 struct CheckRow {
@@ -545,7 +572,8 @@ struct MethodResult {
 };
 
 std::string Elapsed(std::chrono::steady_clock::time_point start) {
-  return absl::StrFormat("%.1fs", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return absl::StrFormat(
+      "%.1fs", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
 const auto kStart = std::chrono::steady_clock::now();
@@ -568,20 +596,23 @@ int64_t PackedTokens(absl::Span<const Rollout> rollouts, int64_t capacity) {
 // Throws Unsupported if the step did not do what the method asks: packed with checkpointing must
 // forward its tokens twice (the executor counts replayed layers' tokens in forwarded_tokens), so
 // an executor without packed checkpointing is reported as n/a instead of timed under that name.
-void CheckHonoured(const MethodSpec& spec, absl::Span<const Rollout> rollouts, const GradientResult& r) {
+void CheckHonoured(const MethodSpec& spec, absl::Span<const Rollout> rollouts,
+                   const GradientResult& r) {
   if (spec.options.method != Method::kPacked || !spec.options.checkpointing) return;
   const int64_t plain = PackedTokens(rollouts, spec.options.token_capacity);
   if (r.forwarded_tokens <= plain) {
-    throw Unsupported{absl::StrFormat("the executor's packed method does not checkpoint (a step forwarded %d tokens, "
-                                      "as packed without checkpointing does)",
-                                      r.forwarded_tokens)};
+    throw Unsupported{absl::StrFormat(
+        "the executor's packed method does not checkpoint (a step forwarded %d tokens, "
+        "as packed without checkpointing does)",
+        r.forwarded_tokens)};
   }
 }
 
 // Runs `f`, turning an out-of-memory error into status "OOM", Unsupported into "n/a" and any other
 // error into "error".
 template <typename F>
-void Guarded(const std::string& what, std::string& status, std::string& note, const at::Device& device, F&& f) {
+void Guarded(const std::string& what, std::string& status, std::string& note,
+             const at::Device& device, F&& f) {
   try {
     f();
     status = "ok";
@@ -606,7 +637,8 @@ void Guarded(const std::string& what, std::string& status, std::string& note, co
 }
 
 CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<MethodSpec>& methods,
-                     at::ScalarType dtype, const at::Device& device, const LossOptions& bench_loss) {
+                     at::ScalarType dtype, const at::Device& device,
+                     const LossOptions& bench_loss) {
   CheckResult check;
   check.ran = true;
   const std::string loss_name = absl::GetFlag(FLAGS_check_loss);
@@ -623,8 +655,10 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
   if (n < 1) throw BadInput{"--check_rollouts must be >= 1"};
   std::vector<size_t> order(rollouts.size());
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return rollouts[a].tokens < rollouts[b].tokens || (rollouts[a].tokens == rollouts[b].tokens && a < b); });
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return rollouts[a].tokens < rollouts[b].tokens ||
+           (rollouts[a].tokens == rollouts[b].tokens && a < b);
+  });
   std::vector<Rollout> subset;
   TokenId max_token = 1;
   for (size_t i = 0; i < order.size() && static_cast<int32_t>(subset.size()) < n; ++i) {
@@ -656,21 +690,24 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
     check.config_name = config_name;
     check.config = LoadConfig("check_config", config_name);
     if (check.config.vocab_size <= max_token) {
-      throw BadInput{absl::StrFormat("--check_config=%s: vocabulary %d, but the check's rollouts hold token %d",
-                                     config_name, check.config.vocab_size, max_token)};
+      throw BadInput{absl::StrFormat(
+          "--check_config=%s: vocabulary %d, but the check's rollouts hold token %d", config_name,
+          check.config.vocab_size, max_token)};
     }
   }
   const at::ScalarType reference_dtype = dtype == at::kDouble ? at::kDouble : at::kFloat;
   check.reference_dtype = DtypeName(reference_dtype);
   check.dtype = DtypeName(dtype);
-  Progress(absl::StrFormat("check: %d rollouts (%d rollout tokens, %d unique), %s dense reference", check.rollouts,
-                           check.rollout_tokens, check.tree_tokens, check.reference_dtype));
+  Progress(absl::StrFormat("check: %d rollouts (%d rollout tokens, %d unique), %s dense reference",
+                           check.rollouts, check.rollout_tokens, check.tree_tokens,
+                           check.reference_dtype));
 
   try {
     Qwen3Model reference(check.config, at::TensorOptions().dtype(reference_dtype).device(device));
     InitOnDevice(reference, absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
     ZeroGrads(reference);
-    const GradientResult ref = ComputeGradients(reference, subset, loss, {.method = Method::kDense});
+    const GradientResult ref =
+        ComputeGradients(reference, subset, loss, {.method = Method::kDense});
     check.reference_loss = ref.loss;
     const std::vector<at::Tensor> ref_grads = Grads(reference, reference_dtype);
 
@@ -705,13 +742,15 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
             dense_grads = grads;
             dense_loss = r.loss;
           }
-          if (!dense_grads.empty()) row.vs_same_dense = Compare(grads, r.loss, dense_grads, dense_loss, model);
+          if (!dense_grads.empty())
+            row.vs_same_dense = Compare(grads, r.loss, dense_grads, dense_loss, model);
         });
       }
       if (row.status == "ok") {
-        Progress(absl::StrFormat("check %s: grad rel err %.3g, median param %.3g, max param %.3g (%s), loss %.3g",
-                                 row.method, row.vs_reference.grad_rel, row.vs_reference.median_param_rel,
-                                 row.vs_reference.max_param_rel, row.vs_reference.max_param, row.vs_reference.loss_rel));
+        Progress(absl::StrFormat(
+            "check %s: grad rel err %.3g, median param %.3g, max param %.3g (%s), loss %.3g",
+            row.method, row.vs_reference.grad_rel, row.vs_reference.median_param_rel,
+            row.vs_reference.max_param_rel, row.vs_reference.max_param, row.vs_reference.loss_rel));
       }
       check.rows.push_back(std::move(row));
     }
@@ -723,8 +762,9 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
   return check;
 }
 
-MethodResult RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts, const LossOptions& loss,
-                       const MethodSpec& spec, int index, int count, MemoryMeter& memory, const at::Device& device) {
+MethodResult RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts,
+                       const LossOptions& loss, const MethodSpec& spec, int index, int count,
+                       MemoryMeter& memory, const at::Device& device) {
   MethodResult result;
   result.name = spec.name;
   result.options = OptionsJson(spec.options);
@@ -748,14 +788,16 @@ MethodResult RunMethod(const Qwen3Model& model, const std::vector<Rollout>& roll
       const GradientResult r = ComputeGradients(model, rollouts, loss, spec.options);
       Synchronize(device);
       if (step == 0) CheckHonoured(spec, rollouts, r);
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const bool warm = step < warmup;
       (warm ? result.warmup_seconds : result.step_seconds).push_back(seconds);
       result.loss = r.loss;
       result.forwarded_tokens = r.forwarded_tokens;
-      Progress(absl::StrFormat("%s: %s %d/%d: %.3f s, %.0f rollout tok/s, loss %.6g", tag, warm ? "warm-up" : "step",
-                               warm ? step + 1 : step - warmup + 1, warm ? warmup : repeats, seconds,
-                               r.rollout_tokens / seconds, r.loss));
+      Progress(absl::StrFormat("%s: %s %d/%d: %.3f s, %.0f rollout tok/s, loss %.6g", tag,
+                               warm ? "warm-up" : "step", warm ? step + 1 : step - warmup + 1,
+                               warm ? warmup : repeats, seconds, r.rollout_tokens / seconds,
+                               r.loss));
     }
   });
   result.peak_gib = memory.PeakGiB();
@@ -768,9 +810,13 @@ MethodResult RunMethod(const Qwen3Model& model, const std::vector<Rollout>& roll
 // ---------------------------------------------------------------------------------------------
 // Output
 
-std::optional<double> Opt(double v) { return std::isfinite(v) ? std::optional<double>(v) : std::nullopt; }
+std::optional<double> Opt(double v) {
+  return std::isfinite(v) ? std::optional<double>(v) : std::nullopt;
+}
 
-nlohmann::json J(std::optional<double> v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
+nlohmann::json J(std::optional<double> v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
 
 // "1.72B", "596M", "0.27M".
 std::string Count(double v) {
@@ -813,12 +859,14 @@ std::string ShellQuote(const std::string& arg) {
 
 int Run(int argc, char** argv) {
   const std::string path = absl::GetFlag(FLAGS_rollouts);
-  if (path.empty()) throw BadInput{"--rollouts is required (a JSON Lines file, e.g. from dta-workload)"};
+  if (path.empty())
+    throw BadInput{"--rollouts is required (a JSON Lines file, e.g. from dta-workload)"};
   if (!std::filesystem::exists(path)) throw BadInput{"--rollouts: no such file '" + path + "'"};
   if (absl::GetFlag(FLAGS_warmup) < 0) throw BadInput{"--warmup must be >= 0"};
   if (absl::GetFlag(FLAGS_repeats) < 1) throw BadInput{"--repeats must be >= 1"};
   if (absl::GetFlag(FLAGS_token_capacity) < 0) throw BadInput{"--token_capacity must be >= 0"};
-  if (absl::GetFlag(FLAGS_graph_budget) < -1) throw BadInput{"--graph_budget must be >= 0, or -1 (automatic)"};
+  if (absl::GetFlag(FLAGS_graph_budget) < -1)
+    throw BadInput{"--graph_budget must be >= 0, or -1 (automatic)"};
   if (absl::GetFlag(FLAGS_max_rollouts) < 0) throw BadInput{"--max_rollouts must be >= 0"};
   if (!(absl::GetFlag(FLAGS_peak_tflops) > 0)) throw BadInput{"--peak_tflops must be positive"};
   const std::vector<MethodSpec> methods = ParseMethods();
@@ -833,15 +881,18 @@ int Run(int argc, char** argv) {
   } else if (loss_flag != "grpo") {
     throw BadInput{"--loss must be grpo or sft, got '" + loss_flag + "'"};
   }
-  const std::string loss_name =
-      loss_flag == "sft" ? "sft (token-mean NLL)" : "grpo (PPO clip 0.2/0.2, token-mean, group advantages)";
+  const std::string loss_name = loss_flag == "sft"
+                                    ? "sft (token-mean NLL)"
+                                    : "grpo (PPO clip 0.2/0.2, token-mean, group advantages)";
 
-  absl::StatusOr<std::vector<Rollout>> read = ReadRolloutsJsonl(path, {.vocab_size = config.vocab_size});
+  absl::StatusOr<std::vector<Rollout>> read =
+      ReadRolloutsJsonl(path, {.vocab_size = config.vocab_size});
   if (!read.ok()) throw BadInput{std::string(read.status().message())};
   std::vector<Rollout> rollouts = *std::move(read);
   if (rollouts.empty()) throw BadInput{"--rollouts: '" + path + "' holds no rollouts"};
   const int64_t max_rollouts = absl::GetFlag(FLAGS_max_rollouts);
-  if (max_rollouts > 0 && static_cast<int64_t>(rollouts.size()) > max_rollouts) rollouts.resize(max_rollouts);
+  if (max_rollouts > 0 && static_cast<int64_t>(rollouts.size()) > max_rollouts)
+    rollouts.resize(max_rollouts);
   std::vector<std::vector<TokenId>> sequences;
   for (const Rollout& r : rollouts) sequences.push_back(r.tokens);
   const TreeStats stats = ComputeTreeStats(*PrefixTree::FromRollouts(sequences));
@@ -854,7 +905,9 @@ int Run(int argc, char** argv) {
       all_zero = all_zero && std::all_of(a.begin(), a.end(), [](float x) { return x == 0; });
     }
     if (all_zero) {
-      loss_warning = "every GRPO advantage is 0 (equal rewards within every group): the loss and the gradients are 0";
+      loss_warning =
+          "every GRPO advantage is 0 (equal rewards within every group): the loss and the "
+          "gradients are 0";
       Progress("WARNING: " + loss_warning);
     }
   }
@@ -873,19 +926,22 @@ int Run(int argc, char** argv) {
   const double tree_flops = flops.Flops(stats.tree_tokens, stats.tree_attention_work);
   const double ideal = dense_flops / tree_flops;
 
-  Progress(absl::StrFormat("device %s (%s), torch %s%s", device.name, device.device.str(), TORCH_VERSION,
+  Progress(absl::StrFormat("device %s (%s), torch %s%s", device.name, device.device.str(),
+                           TORCH_VERSION,
                            device.cuda_runtime.empty() ? "" : ", CUDA " + device.cuda_runtime));
-  Progress(absl::StrFormat("workload %s: %d rollouts, %d rollout tokens, %d unique (C = %.3f, C_attn = %.3f), "
-                           "longest %d; ideal speedup vs dense %.2fx",
-                           label, stats.num_rollouts, stats.rollout_tokens, stats.tree_tokens, stats.compression,
-                           stats.attention_compression, stats.longest_rollout, ideal));
+  Progress(absl::StrFormat(
+      "workload %s: %d rollouts, %d rollout tokens, %d unique (C = %.3f, C_attn = %.3f), "
+      "longest %d; ideal speedup vs dense %.2fx",
+      label, stats.num_rollouts, stats.rollout_tokens, stats.tree_tokens, stats.compression,
+      stats.attention_compression, stats.longest_rollout, ideal));
 
   CheckResult check;
   if (absl::GetFlag(FLAGS_check)) check = RunCheck(rollouts, methods, dtype, device.device, loss);
 
-  Progress(absl::StrFormat("model %s: %d layers, hidden %d, %s matmul parameters, %s on %s; random weights",
-                           config_name, config.num_hidden_layers, config.hidden_size,
-                           Count(flops.matmul_parameters), DtypeName(dtype), device.device.str()));
+  Progress(absl::StrFormat(
+      "model %s: %d layers, hidden %d, %s matmul parameters, %s on %s; random weights", config_name,
+      config.num_hidden_layers, config.hidden_size, Count(flops.matmul_parameters),
+      DtypeName(dtype), device.device.str()));
   MemoryMeter memory(device.device);
   std::vector<MethodResult> results;
   double weights_gib = 0;
@@ -914,7 +970,8 @@ int Run(int argc, char** argv) {
 
   nlohmann::json methods_json = nlohmann::json::array();
   std::string table =
-      "| Method | Step time (s) | Rollout tok/s | vs dense | vs dense-ckpt | Peak mem (GiB) | Mem vs dense | MFU | "
+      "| Method | Step time (s) | Rollout tok/s | vs dense | vs dense-ckpt | Peak mem (GiB) | Mem "
+      "vs dense | MFU | "
       "% of ideal | Grad rel err | Median param rel err | Loss rel err |\n"
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   for (const MethodResult& r : results) {
@@ -922,7 +979,8 @@ int Run(int argc, char** argv) {
     for (const CheckRow& c : check.rows) {
       if (c.method == r.name && c.status == "ok") row = &c;
     }
-    std::optional<double> seconds, throughput, vs_dense, vs_ckpt, mem_vs_dense, mfu, mfu_dense, of_ideal, peak_mem;
+    std::optional<double> seconds, throughput, vs_dense, vs_ckpt, mem_vs_dense, mfu, mfu_dense,
+        of_ideal, peak_mem;
     if (r.ok()) {
       seconds = r.median_seconds;
       throughput = stats.rollout_tokens / r.median_seconds;
@@ -937,32 +995,38 @@ int Run(int argc, char** argv) {
     if (r.ok() || r.status == "OOM") peak_mem = Opt(r.peak_gib);
     if (r.ok() && dense) mem_vs_dense = r.peak_gib / dense->peak_gib;
     const std::string shown_time = r.ok() ? F3(seconds) : r.status;
-    table += absl::StrFormat("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.name, shown_time,
-                             throughput ? Int(*throughput) : r.status, X2(vs_dense), X2(vs_ckpt),
-                             r.ok() ? F2(peak_mem) : r.status, X2(mem_vs_dense), Pct(mfu), Pct(of_ideal),
-                             row ? E2(row->vs_reference.grad_rel) : "n/a",
-                             row ? E2(row->vs_reference.median_param_rel) : "n/a",
-                             row ? E2(row->vs_reference.loss_rel) : "n/a");
-    nlohmann::json m = {{"name", r.name},
-                        {"options", r.options},
-                        {"status", r.status},
-                        {"note", r.note},
-                        {"warmup_seconds", r.warmup_seconds},
-                        {"step_seconds", r.step_seconds},
-                        {"median_step_seconds", J(seconds)},
-                        {"rollout_tokens_per_second", J(throughput)},
-                        {"unique_tokens_per_second", J(r.ok() ? Opt(stats.tree_tokens / r.median_seconds) : std::nullopt)},
-                        {"speedup_vs_dense", J(vs_dense)},
-                        {"speedup_vs_dense_ckpt", J(vs_ckpt)},
-                        {"peak_memory_gib", J(peak_mem)},
-                        {"peak_reserved_gib", J(r.ok() || r.status == "OOM" ? Opt(r.peak_reserved_gib) : std::nullopt)},
-                        {"memory_before_gib", r.status == "n/a" ? nlohmann::json(nullptr) : nlohmann::json(r.memory_before_gib)},
-                        {"memory_vs_dense", J(mem_vs_dense)},
-                        {"mfu", J(mfu)},
-                        {"mfu_dense_counted", J(mfu_dense)},
-                        {"fraction_of_ideal", J(of_ideal)},
-                        {"loss", J(r.ok() ? Opt(r.loss) : std::nullopt)},
-                        {"forwarded_tokens", r.ok() ? nlohmann::json(r.forwarded_tokens) : nlohmann::json(nullptr)}};
+    table +=
+        absl::StrFormat("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.name,
+                        shown_time, throughput ? Int(*throughput) : r.status, X2(vs_dense),
+                        X2(vs_ckpt), r.ok() ? F2(peak_mem) : r.status, X2(mem_vs_dense), Pct(mfu),
+                        Pct(of_ideal), row ? E2(row->vs_reference.grad_rel) : "n/a",
+                        row ? E2(row->vs_reference.median_param_rel) : "n/a",
+                        row ? E2(row->vs_reference.loss_rel) : "n/a");
+    nlohmann::json m = {
+        {"name", r.name},
+        {"options", r.options},
+        {"status", r.status},
+        {"note", r.note},
+        {"warmup_seconds", r.warmup_seconds},
+        {"step_seconds", r.step_seconds},
+        {"median_step_seconds", J(seconds)},
+        {"rollout_tokens_per_second", J(throughput)},
+        {"unique_tokens_per_second",
+         J(r.ok() ? Opt(stats.tree_tokens / r.median_seconds) : std::nullopt)},
+        {"speedup_vs_dense", J(vs_dense)},
+        {"speedup_vs_dense_ckpt", J(vs_ckpt)},
+        {"peak_memory_gib", J(peak_mem)},
+        {"peak_reserved_gib",
+         J(r.ok() || r.status == "OOM" ? Opt(r.peak_reserved_gib) : std::nullopt)},
+        {"memory_before_gib",
+         r.status == "n/a" ? nlohmann::json(nullptr) : nlohmann::json(r.memory_before_gib)},
+        {"memory_vs_dense", J(mem_vs_dense)},
+        {"mfu", J(mfu)},
+        {"mfu_dense_counted", J(mfu_dense)},
+        {"fraction_of_ideal", J(of_ideal)},
+        {"loss", J(r.ok() ? Opt(r.loss) : std::nullopt)},
+        {"forwarded_tokens",
+         r.ok() ? nlohmann::json(r.forwarded_tokens) : nlohmann::json(nullptr)}};
     m["check"] = row ? nlohmann::json({{"vs_reference", ComparisonJson(row->vs_reference)},
                                        {"vs_dense_same_dtype", ComparisonJson(row->vs_same_dense)}})
                      : nlohmann::json(nullptr);
@@ -981,8 +1045,10 @@ int Run(int argc, char** argv) {
                       {"status", c.status},
                       {"note", c.note},
                       {"loss", c.status == "ok" ? nlohmann::json(c.loss) : nlohmann::json(nullptr)},
-                      {"vs_reference", c.status == "ok" ? ComparisonJson(c.vs_reference) : nlohmann::json(nullptr)},
-                      {"vs_dense_same_dtype", c.status == "ok" ? ComparisonJson(c.vs_same_dense) : nlohmann::json(nullptr)}});
+                      {"vs_reference",
+                       c.status == "ok" ? ComparisonJson(c.vs_reference) : nlohmann::json(nullptr)},
+                      {"vs_dense_same_dtype", c.status == "ok" ? ComparisonJson(c.vs_same_dense)
+                                                               : nlohmann::json(nullptr)}});
     }
     check_json = {{"config_name", check.config_name},
                   {"passed", check.Passed()},
@@ -1006,11 +1072,18 @@ int Run(int argc, char** argv) {
       {"timestamp", Timestamp()},
       {"label", label},
       {"rollouts_file", path},
-      {"device", {{"name", device.name}, {"device", device.device.str()}, {"memory_gib", device.memory_gib},
-                  {"cuda_runtime", device.cuda_runtime}, {"cuda_driver", device.cuda_driver}}},
+      {"device",
+       {{"name", device.name},
+        {"device", device.device.str()},
+        {"memory_gib", device.memory_gib},
+        {"cuda_runtime", device.cuda_runtime},
+        {"cuda_driver", device.cuda_driver}}},
       {"torch_version", TORCH_VERSION},
-      {"model", {{"name", config_name}, {"config", nlohmann::json::parse(Qwen3ConfigToJson(config))},
-                 {"matmul_parameters", flops.matmul_parameters}, {"weights_gib", weights_gib}}},
+      {"model",
+       {{"name", config_name},
+        {"config", nlohmann::json::parse(Qwen3ConfigToJson(config))},
+        {"matmul_parameters", flops.matmul_parameters},
+        {"weights_gib", weights_gib}}},
       {"dtype", DtypeName(dtype)},
       {"loss", loss_name},
       {"loss_warning", loss_warning},
@@ -1019,89 +1092,121 @@ int Run(int argc, char** argv) {
       {"peak_tflops", absl::GetFlag(FLAGS_peak_tflops)},
       {"memory_measure", memory.Kind()},
       {"workload",
-       {{"label", label}, {"rollouts", stats.num_rollouts}, {"rollout_tokens", stats.rollout_tokens},
-        {"unique_tokens", stats.tree_tokens}, {"compression", stats.compression},
-        {"attention_compression", stats.attention_compression}, {"leaf_compression", stats.leaf_compression},
-        {"potential_overlap_ratio", stats.potential_overlap_ratio}, {"longest_rollout", stats.longest_rollout},
-        {"dense_attention_work", stats.dense_attention_work}, {"tree_attention_work", stats.tree_attention_work},
+       {{"label", label},
+        {"rollouts", stats.num_rollouts},
+        {"rollout_tokens", stats.rollout_tokens},
+        {"unique_tokens", stats.tree_tokens},
+        {"compression", stats.compression},
+        {"attention_compression", stats.attention_compression},
+        {"leaf_compression", stats.leaf_compression},
+        {"potential_overlap_ratio", stats.potential_overlap_ratio},
+        {"longest_rollout", stats.longest_rollout},
+        {"dense_attention_work", stats.dense_attention_work},
+        {"tree_attention_work", stats.tree_attention_work},
         {"packed_token_capacity", absl::GetFlag(FLAGS_token_capacity)},
         {"packed_tokens", packed_tokens}}},
       {"flops",
-       {{"per_token", flops.per_token}, {"per_attention_pair", flops.per_attention_pair},
-        {"dense", dense_flops}, {"tree", tree_flops},
-        {"ideal_speedup_vs_dense", ideal}, {"ideal_speedup_vs_dense_ckpt", ideal * kCheckpointingFactor},
+       {{"per_token", flops.per_token},
+        {"per_attention_pair", flops.per_attention_pair},
+        {"dense", dense_flops},
+        {"tree", tree_flops},
+        {"ideal_speedup_vs_dense", ideal},
+        {"ideal_speedup_vs_dense_ckpt", ideal * kCheckpointingFactor},
         {"definition",
-         "per step: 6 x matmul parameters (all linear layers and lm_head) x tokens + 12 x layers x heads x head_dim x "
-         "attention work (query-key pairs, TreeStats); dense = every rollout token on its own, tree = each unique "
-         "token once; ideal speedup vs dense = dense / tree; dense-ckpt does about 4/3 of dense's FLOPs; MFU = tree "
-         "FLOPs / step time / peak; mfu_dense_counted = dense FLOPs / step time / peak; fraction_of_ideal = speedup "
+         "per step: 6 x matmul parameters (all linear layers and lm_head) x tokens + 12 x layers x "
+         "heads x head_dim x "
+         "attention work (query-key pairs, TreeStats); dense = every rollout token on its own, "
+         "tree = each unique "
+         "token once; ideal speedup vs dense = dense / tree; dense-ckpt does about 4/3 of dense's "
+         "FLOPs; MFU = tree "
+         "FLOPs / step time / peak; mfu_dense_counted = dense FLOPs / step time / peak; "
+         "fraction_of_ideal = speedup "
          "vs dense / ideal speedup vs dense"}}},
       {"methods", methods_json},
       {"check", check_json},
   };
 
   std::string md = absl::StrFormat("# dta-bench: %s on %s\n\n", label, config_name);
-  md += absl::StrFormat("- Device: %s (%s), torch %s%s\n", device.name, device.device.str(), TORCH_VERSION,
-                        cuda ? absl::StrFormat(", CUDA runtime %s, driver %s", device.cuda_runtime, device.cuda_driver)
-                             : std::string());
   md += absl::StrFormat(
-      "- Model: %s (%d layers, hidden %d, %d heads / %d KV heads x %d, intermediate %d, vocabulary %d; %s matmul "
+      "- Device: %s (%s), torch %s%s\n", device.name, device.device.str(), TORCH_VERSION,
+      cuda
+          ? absl::StrFormat(", CUDA runtime %s, driver %s", device.cuda_runtime, device.cuda_driver)
+          : std::string());
+  md += absl::StrFormat(
+      "- Model: %s (%d layers, hidden %d, %d heads / %d KV heads x %d, intermediate %d, vocabulary "
+      "%d; %s matmul "
       "parameters), %s, random weights (seed %d)\n",
       config_name, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
       config.num_key_value_heads, config.head_dim, config.intermediate_size, config.vocab_size,
       Count(flops.matmul_parameters), DtypeName(dtype), absl::GetFlag(FLAGS_init_seed));
   md += absl::StrFormat(
-      "- Workload: `%s`: %s rollouts, %s rollout tokens, %s unique tokens, C = %.3f, C_attn = %.3f, longest rollout "
+      "- Workload: `%s`: %s rollouts, %s rollout tokens, %s unique tokens, C = %.3f, C_attn = "
+      "%.3f, longest rollout "
       "%s tokens; packed forwards %s tokens at a capacity of %s (Tree Training's partition)\n",
-      path, Int(stats.num_rollouts), Int(stats.rollout_tokens), Int(stats.tree_tokens), stats.compression,
-      stats.attention_compression, Int(stats.longest_rollout), Int(packed_tokens),
-      Int(absl::GetFlag(FLAGS_token_capacity)));
+      path, Int(stats.num_rollouts), Int(stats.rollout_tokens), Int(stats.tree_tokens),
+      stats.compression, stats.attention_compression, Int(stats.longest_rollout),
+      Int(packed_tokens), Int(absl::GetFlag(FLAGS_token_capacity)));
   md += absl::StrFormat(
-      "- Step: zero gradients + ComputeGradients, loss %s; %d warm-up step(s) discarded, median of %d timed steps, "
+      "- Step: zero gradients + ComputeGradients, loss %s; %d warm-up step(s) discarded, median of "
+      "%d timed steps, "
       "each between device synchronizations\n",
       loss_name, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats));
   if (!loss_warning.empty()) md += "- **Warning**: " + loss_warning + "\n";
-  md += absl::StrFormat("- Ideal speedup from the FLOP model: %.2fx vs dense, %.2fx vs dense-ckpt\n", ideal,
-                        ideal * kCheckpointingFactor);
+  md +=
+      absl::StrFormat("- Ideal speedup from the FLOP model: %.2fx vs dense, %.2fx vs dense-ckpt\n",
+                      ideal, ideal * kCheckpointingFactor);
   md += "- Command: `" + command + "`\n\n";
   md += table;
   md += absl::StrFormat(
-      "\nRollout tok/s counts every rollout token, shared or not (%s per step), for every method. Speedups are step-time "
-      "ratios against dense and dense-ckpt from this run. Peak memory: %s. MFU = tree FLOPs (each unique token once) / "
-      "step time / %.0f TFLOP/s, with FLOPs = 6 x matmul parameters (lm_head included) x tokens + 12 x layers x heads x "
-      "head_dim x attention work (query-key pairs); n/a on the CPU. Ideal speedup = dense FLOPs / tree FLOPs (same FLOP "
-      "model) = %.2fx; %% of ideal = speedup vs dense / ideal. Dense-ckpt replays the forward (about 4/3 of dense's "
-      "FLOPs), so the ideal vs dense-ckpt is %.2fx. Error columns: the agreement check below (vs a %s dense "
+      "\nRollout tok/s counts every rollout token, shared or not (%s per step), for every method. "
+      "Speedups are step-time "
+      "ratios against dense and dense-ckpt from this run. Peak memory: %s. MFU = tree FLOPs (each "
+      "unique token once) / "
+      "step time / %.0f TFLOP/s, with FLOPs = 6 x matmul parameters (lm_head included) x tokens + "
+      "12 x layers x heads x "
+      "head_dim x attention work (query-key pairs); n/a on the CPU. Ideal speedup = dense FLOPs / "
+      "tree FLOPs (same FLOP "
+      "model) = %.2fx; %% of ideal = speedup vs dense / ideal. Dense-ckpt replays the forward "
+      "(about 4/3 of dense's "
+      "FLOPs), so the ideal vs dense-ckpt is %.2fx. Error columns: the agreement check below (vs a "
+      "%s dense "
       "reference).\n",
-      Int(stats.rollout_tokens), memory.Kind(), absl::GetFlag(FLAGS_peak_tflops), ideal, ideal * kCheckpointingFactor,
-      check.ran ? check.reference_dtype : "float32");
+      Int(stats.rollout_tokens), memory.Kind(), absl::GetFlag(FLAGS_peak_tflops), ideal,
+      ideal * kCheckpointingFactor, check.ran ? check.reference_dtype : "float32");
   for (const MethodResult& r : results) {
     if (!r.ok()) md += absl::StrFormat("\n- %s: %s: %s", r.name, r.status, r.note);
   }
   md += "\n";
   if (check.ran) {
     md += absl::StrFormat(
-        "\n## Agreement check\n\nShape: %s (%d layers, hidden %d, %d heads / %d KV heads x %d, vocabulary %d); "
-        "the first %d rollouts in lexicographic order (%s rollout tokens, %s unique, C = %.2f); loss: %s. Reference: "
-        "%s dense; every method in %s with the same weights. Relative errors: the whole gradient flattened "
-        "(||g - g_ref|| / ||g_ref||), per parameter (median, max), the loss. Target: median per-parameter error "
+        "\n## Agreement check\n\nShape: %s (%d layers, hidden %d, %d heads / %d KV heads x %d, "
+        "vocabulary %d); "
+        "the first %d rollouts in lexicographic order (%s rollout tokens, %s unique, C = %.2f); "
+        "loss: %s. Reference: "
+        "%s dense; every method in %s with the same weights. Relative errors: the whole gradient "
+        "flattened "
+        "(||g - g_ref|| / ||g_ref||), per parameter (median, max), the loss. Target: median "
+        "per-parameter error "
         "under 1%%.\n\n",
-        check.config_name, check.config.num_hidden_layers, check.config.hidden_size, check.config.num_attention_heads,
-        check.config.num_key_value_heads, check.config.head_dim, check.config.vocab_size, check.rollouts,
-        Int(check.rollout_tokens), Int(check.tree_tokens), check.compression, check.loss, check.reference_dtype,
-        check.dtype);
+        check.config_name, check.config.num_hidden_layers, check.config.hidden_size,
+        check.config.num_attention_heads, check.config.num_key_value_heads, check.config.head_dim,
+        check.config.vocab_size, check.rollouts, Int(check.rollout_tokens), Int(check.tree_tokens),
+        check.compression, check.loss, check.reference_dtype, check.dtype);
     if (!check.error.empty()) md += "The check could not run: " + check.error + "\n\n";
     std::string floor;
     for (const CheckRow& c : check.rows) {
       if (c.method == "dense" && c.status == "ok") {
-        floor = absl::StrFormat("; dense in %s itself is at a median of %.2e", check.dtype, c.vs_reference.median_param_rel);
+        floor = absl::StrFormat("; dense in %s itself is at a median of %.2e", check.dtype,
+                                c.vs_reference.median_param_rel);
       }
     }
     md += absl::StrFormat("Verdict: %s%s.\n\n",
-                          check.Passed() ? "passed (every median per-parameter error under 1%)" : "FAILED (target 1%)",
+                          check.Passed() ? "passed (every median per-parameter error under 1%)"
+                                         : "FAILED (target 1%)",
                           floor);
     md += absl::StrFormat(
-        "| Method | Grad rel err | Median param rel err | Max param rel err | Worst parameter | Loss rel err | Grad rel "
+        "| Method | Grad rel err | Median param rel err | Max param rel err | Worst parameter | "
+        "Loss rel err | Grad rel "
         "err vs dense (%s) |\n| --- | --- | --- | --- | --- | --- | --- |\n",
         check.dtype);
     for (const CheckRow& c : check.rows) {
@@ -1109,9 +1214,10 @@ int Run(int argc, char** argv) {
         md += absl::StrFormat("| %s | %s | | | | | |\n", c.method, c.status);
         continue;
       }
-      md += absl::StrFormat("| %s | %s | %s | %s | %s | %s | %s |\n", c.method, E2(c.vs_reference.grad_rel),
-                            E2(c.vs_reference.median_param_rel), E2(c.vs_reference.max_param_rel),
-                            c.vs_reference.max_param, E2(c.vs_reference.loss_rel), E2(c.vs_same_dense.grad_rel));
+      md += absl::StrFormat("| %s | %s | %s | %s | %s | %s | %s |\n", c.method,
+                            E2(c.vs_reference.grad_rel), E2(c.vs_reference.median_param_rel),
+                            E2(c.vs_reference.max_param_rel), c.vs_reference.max_param,
+                            E2(c.vs_reference.loss_rel), E2(c.vs_same_dense.grad_rel));
     }
   }
 
@@ -1131,7 +1237,8 @@ int Run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
-      "dta-bench --rollouts=FILE.jsonl --config=qwen3-1.7b [--methods=dense,dense-ckpt,packed,dta-b2048,...] "
+      "dta-bench --rollouts=FILE.jsonl --config=qwen3-1.7b "
+      "[--methods=dense,dense-ckpt,packed,dta-b2048,...] "
       "[--device=cuda] [--dtype=bfloat16] [--out_dir=DIR]");
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

@@ -32,13 +32,15 @@ std::vector<TokenId> RandomTokens(std::mt19937& rng, int n) {
 
 // Rollout `s` of a task: the prompt, then `levels` turns where turn l is shared by the rollouts
 // that agree on the top l + 1 bits of s (levels = 0: the rest is the sample's own).
-Rollout MakeRollout(const std::vector<std::vector<TokenId>>& turns, int task, int sample, std::mt19937& rng) {
+Rollout MakeRollout(const std::vector<std::vector<TokenId>>& turns, int task, int sample,
+                    std::mt19937& rng) {
   Rollout r;
   r.id = absl::StrCat("t", task, "-s", sample);
   r.group = absl::StrCat("t", task);
   for (const auto& turn : turns) r.tokens.insert(r.tokens.end(), turn.begin(), turn.end());
   if (static_cast<int>(r.tokens.size()) < kRolloutTokens) {
-    const std::vector<TokenId> rest = RandomTokens(rng, kRolloutTokens - static_cast<int>(r.tokens.size()));
+    const std::vector<TokenId> rest =
+        RandomTokens(rng, kRolloutTokens - static_cast<int>(r.tokens.size()));
     r.tokens.insert(r.tokens.end(), rest.begin(), rest.end());
   }
   r.loss_mask.assign(r.tokens.size(), 1);
@@ -76,7 +78,8 @@ void BM_PlanPartitions(benchmark::State& state) {
   for (const Rollout& r : batch) pointers.push_back(&r);
   double compression = 0;
   for (auto _ : state) {
-    absl::StatusOr<PartitionPlan> plan = PlanPartitions(pointers, 8, /*with_advantages=*/true, true);
+    absl::StatusOr<PartitionPlan> plan =
+        PlanPartitions(pointers, 8, /*with_advantages=*/true, true);
     if (!plan.ok()) {
       state.SkipWithError(std::string(plan.status().message()).c_str());
       break;

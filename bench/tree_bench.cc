@@ -29,7 +29,8 @@ const std::vector<std::vector<TokenId>>& Rollouts() {
       for (int s = 0; s < kSamples; ++s) {
         std::vector<TokenId> r = prompt;
         r.resize(kRolloutTokens);
-        for (int i = kPromptTokens; i < kRolloutTokens; ++i) r[i] = static_cast<TokenId>(rng() % 151936);
+        for (int i = kPromptTokens; i < kRolloutTokens; ++i)
+          r[i] = static_cast<TokenId>(rng() % 151936);
         out->push_back(std::move(r));
       }
     }
@@ -80,13 +81,15 @@ BENCHMARK(BM_BackwardDfsOrder)->Unit(benchmark::kMicrosecond);
 
 void BM_Schedule(benchmark::State& state) {
   const std::vector<RolloutIndex> order = BackwardDfsOrder(Tree());
-  for (auto _ : state) benchmark::DoNotOptimize(BuildSchedule(Tree(), order, {.block_size = state.range(0)}));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(BuildSchedule(Tree(), order, {.block_size = state.range(0)}));
   SetTokens(state);
 }
 BENCHMARK(BM_Schedule)->Arg(2048)->Arg(4096)->Unit(benchmark::kMicrosecond);
 
 void BM_PartitionDfsContiguous(benchmark::State& state) {
-  for (auto _ : state) benchmark::DoNotOptimize(PartitionDfsContiguous(Tree(), static_cast<int>(state.range(0))));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(PartitionDfsContiguous(Tree(), static_cast<int>(state.range(0))));
   SetTokens(state);
 }
 BENCHMARK(BM_PartitionDfsContiguous)->Arg(8)->Unit(benchmark::kMicrosecond);

@@ -2,12 +2,14 @@
 // step's batch to the trainers (see proto/dta/v1/dispatcher.proto and docs/usage.md).
 //
 //   dta-dispatcher --wal=/var/lib/dta/dispatcher.wal --batch_rollouts=256 --vocab_size=151936
-//                  [--listen=127.0.0.1:50051] [--max_staleness=4] [--tls_cert=F --tls_key=F --token_file=F]
+//                  [--listen=127.0.0.1:50051] [--max_staleness=4] [--tls_cert=F --tls_key=F
+//                  --token_file=F]
 //
-// Every accepted trajectory is in the write-ahead log before it is acknowledged; restarting with the
-// same --wal resumes where the last process stopped, whatever killed it. SIGINT / SIGTERM stop it
-// gracefully. Exit status: 0 after a clean stop, 2 on bad flags, 1 if the log cannot be opened, the
-// address bound, or the log fails while serving (restart it: the log recovers what was acknowledged).
+// Every accepted trajectory is in the write-ahead log before it is acknowledged; restarting with
+// the same --wal resumes where the last process stopped, whatever killed it. SIGINT / SIGTERM stop
+// it gracefully. Exit status: 0 after a clean stop, 2 on bad flags, 1 if the log cannot be opened,
+// the address bound, or the log fails while serving (restart it: the log recovers what was
+// acknowledged).
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
 
@@ -21,39 +23,48 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/base/exit_codes.h"
+#include "core/cli/usage.h"
 #include "dispatcher/client/client_options.h"
 #include "dispatcher/core/dispatcher_core.h"
 #include "dispatcher/service/dispatcher_service.h"
-#include "core/base/exit_codes.h"
-#include "core/cli/usage.h"
 
-ABSL_FLAG(std::string, wal, "", "write-ahead log file (created if missing, replayed if present); required");
+ABSL_FLAG(std::string, wal, "",
+          "write-ahead log file (created if missing, replayed if present); required");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to listen on (host:port)");
 ABSL_FLAG(int64_t, batch_rollouts, 0, "rollouts per step (give this or --batch_tokens)");
-ABSL_FLAG(int64_t, batch_tokens, 0, "rollout tokens per step (the batch closes at the rollout that reaches it)");
-ABSL_FLAG(int64_t, max_staleness, -1, "drop trajectories whose policy version lags by more than this (-1: keep all)");
+ABSL_FLAG(int64_t, batch_tokens, 0,
+          "rollout tokens per step (the batch closes at the rollout that reaches it)");
+ABSL_FLAG(int64_t, max_staleness, -1,
+          "drop trajectories whose policy version lags by more than this (-1: keep all)");
 ABSL_FLAG(bool, normalize_std, true, "GRPO advantages divided by the group's standard deviation");
 ABSL_FLAG(bool, sft, false, "supervised data: trajectories need no reward or advantages");
-ABSL_FLAG(bool, require_ref_logprobs, false, "trajectories must carry ref_logprobs (trainers with --kl_coef)");
-ABSL_FLAG(int64_t, vocab_size, 0, "token ids must be below this (the model's vocabulary); required");
+ABSL_FLAG(bool, require_ref_logprobs, false,
+          "trajectories must carry ref_logprobs (trainers with --kl_coef)");
+ABSL_FLAG(int64_t, vocab_size, 0,
+          "token ids must be below this (the model's vocabulary); required");
 ABSL_FLAG(int64_t, max_tokens, 1 << 17, "the most tokens in one trajectory");
-ABSL_FLAG(int64_t, max_pending, 1 << 16, "accepted trajectories waiting for a batch before ingestion pauses");
-ABSL_FLAG(int64_t, initial_policy_version, 0, "policy version of the weights before the first step");
+ABSL_FLAG(int64_t, max_pending, 1 << 16,
+          "accepted trajectories waiting for a batch before ingestion pauses");
+ABSL_FLAG(int64_t, initial_policy_version, 0,
+          "policy version of the weights before the first step");
 ABSL_FLAG(int32_t, max_message_mb, 256, "largest gRPC message, in MiB, either way");
 ABSL_FLAG(int32_t, worker_threads, 32, "threads for blocking work (log syncs, long polls)");
 ABSL_FLAG(double, prepare_timeout_s, 300,
-          "abandon a step when a rank has not reported this long after another prepared it (a hung rank)");
+          "abandon a step when a rank has not reported this long after another prepared it (a hung "
+          "rank)");
 ABSL_FLAG(bool, wal_sync, true, "fdatasync the log before acknowledging (off only for benchmarks)");
 ABSL_FLAG(double, wal_compact_mb, 1024,
-          "rewrite the log down to what it must keep once it is this large and at least twice that; 0: never");
+          "rewrite the log down to what it must keep once it is this large and at least twice "
+          "that; 0: never");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 ABSL_FLAG(std::string, token_file, "", "file holding the shared token every client must present");
-ABSL_FLAG(bool, insecure_remote, false, "allow a non-loopback --listen without TLS and a token (testing only)");
+ABSL_FLAG(bool, insecure_remote, false,
+          "allow a non-loopback --listen without TLS and a token (testing only)");
 
 namespace dta {
 namespace {
-
 
 bool IsLoopback(const std::string& address) {
   return absl::StartsWith(address, "127.") || absl::StartsWith(address, "localhost:") ||
@@ -81,18 +92,21 @@ int Run() {
   if (!(prepare_timeout_s > 0)) return Fail(kExitBadInput, "--prepare_timeout_s must be positive");
   options.prepare_timeout = absl::Seconds(prepare_timeout_s);
   const double compact_mb = absl::GetFlag(FLAGS_wal_compact_mb);
-  if (!(compact_mb >= 0) || compact_mb > 1e9) return Fail(kExitBadInput, "--wal_compact_mb must be in [0, 1e9]");
+  if (!(compact_mb >= 0) || compact_mb > 1e9)
+    return Fail(kExitBadInput, "--wal_compact_mb must be in [0, 1e9]");
   options.wal_compact_bytes = static_cast<int64_t>(compact_mb * (1 << 20));
   options.batch = {.rollouts = absl::GetFlag(FLAGS_batch_rollouts),
                    .tokens = absl::GetFlag(FLAGS_batch_tokens),
                    .max_staleness = absl::GetFlag(FLAGS_max_staleness),
                    .normalize_std = absl::GetFlag(FLAGS_normalize_std)};
   if (absl::Status status = ValidateBatchOptions(options.batch); !status.ok()) {
-    return Fail(kExitBadInput, "give exactly one of --batch_rollouts and --batch_tokens (positive)");
+    return Fail(kExitBadInput,
+                "give exactly one of --batch_rollouts and --batch_tokens (positive)");
   }
   options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   if (options.limits.vocab_size <= 0) {
-    return Fail(kExitBadInput, "--vocab_size is required: token ids must be checked before they are acknowledged");
+    return Fail(kExitBadInput,
+                "--vocab_size is required: token ids must be checked before they are acknowledged");
   }
   options.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.limits.require_reward_or_advantages = !absl::GetFlag(FLAGS_sft);
@@ -104,17 +118,20 @@ int Run() {
   const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
   const std::string key_path = absl::GetFlag(FLAGS_tls_key);
   const std::string token_path = absl::GetFlag(FLAGS_token_file);
-  if (cert_path.empty() != key_path.empty()) return Fail(kExitBadInput, "--tls_cert and --tls_key go together");
+  if (cert_path.empty() != key_path.empty())
+    return Fail(kExitBadInput, "--tls_cert and --tls_key go together");
   DispatcherServiceOptions service_options;
   service_options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   if (!token_path.empty()) {
     absl::StatusOr<std::string> token = ReadCredentialFile(token_path, /*trim=*/true);
-    if (!token.ok()) return Fail(kExitBadInput, absl::StrCat("--token_file: ", token.status().message()));
+    if (!token.ok())
+      return Fail(kExitBadInput, absl::StrCat("--token_file: ", token.status().message()));
     service_options.token = *std::move(token);
   }
   if (!IsLoopback(address) && (cert_path.empty() || service_options.token.empty()) &&
       !absl::GetFlag(FLAGS_insecure_remote)) {
-    return Fail(kExitBadInput, "--listen=" + address + " is not loopback: give --tls_cert, --tls_key and --token_file");
+    return Fail(kExitBadInput, "--listen=" + address +
+                                   " is not loopback: give --tls_cert, --tls_key and --token_file");
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!cert_path.empty()) {
@@ -123,7 +140,8 @@ int Run() {
     absl::StatusOr<std::string> key = ReadCredentialFile(key_path, /*trim=*/false);
     if (!key.ok()) return Fail(kExitBadInput, absl::StrCat("--tls_key: ", key.status().message()));
     absl::StatusOr<std::string> cert = ReadCredentialFile(cert_path, /*trim=*/false);
-    if (!cert.ok()) return Fail(kExitBadInput, absl::StrCat("--tls_cert: ", cert.status().message()));
+    if (!cert.ok())
+      return Fail(kExitBadInput, absl::StrCat("--tls_cert: ", cert.status().message()));
     pair.private_key = *std::move(key);
     pair.cert_chain = *std::move(cert);
     ssl.pem_key_cert_pairs.push_back(std::move(pair));
@@ -156,7 +174,8 @@ int Run() {
         break;
       }
       if (absl::Status health = (*core)->Health(); !health.ok()) {
-        std::fprintf(stderr, "dta-dispatcher: stopping, restart me: %s\n", health.ToString().c_str());
+        std::fprintf(stderr, "dta-dispatcher: stopping, restart me: %s\n",
+                     health.ToString().c_str());
         exit_code = 1;
         break;
       }

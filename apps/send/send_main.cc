@@ -15,17 +15,19 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
-#include "dispatcher/client/dispatcher_client.h"
-#include "dispatcher/wire/trajectory.h"
-#include "core/io/rollout_jsonl.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
+#include "core/io/rollout_jsonl.h"
+#include "dispatcher/client/dispatcher_client.h"
+#include "dispatcher/wire/trajectory.h"
 
 ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
 ABSL_FLAG(std::string, rollouts, "", "rollout file (JSON Lines); required");
 ABSL_FLAG(std::string, token_file, "", "file holding the dispatcher's shared token");
-ABSL_FLAG(int32_t, streams, 1, "concurrent streams (each sends a contiguous share of the file, in order)");
-ABSL_FLAG(int32_t, retry_s, 600, "how long to keep retrying while the dispatcher is unreachable, seconds");
+ABSL_FLAG(int32_t, streams, 1,
+          "concurrent streams (each sends a contiguous share of the file, in order)");
+ABSL_FLAG(int32_t, retry_s, 600,
+          "how long to keep retrying while the dispatcher is unreachable, seconds");
 
 int main(int argc, char** argv) {
   dta::SetProgramUsage("dta-send --dispatcher=HOST:PORT --rollouts=FILE.jsonl");
@@ -47,7 +49,8 @@ int main(int argc, char** argv) {
   if (const std::string token_path = absl::GetFlag(FLAGS_token_file); !token_path.empty()) {
     absl::StatusOr<std::string> token = dta::ReadCredentialFile(token_path, /*trim=*/true);
     if (!token.ok()) {
-      std::fprintf(stderr, "dta-send: --token_file: %s\n", std::string(token.status().message()).c_str());
+      std::fprintf(stderr, "dta-send: --token_file: %s\n",
+                   std::string(token.status().message()).c_str());
       return dta::kExitBadInput;
     }
     options.token = *std::move(token);
@@ -85,8 +88,8 @@ int main(int argc, char** argv) {
     }
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  std::printf("%s: %lld accepted (%lld already), %lld rejected, %.2f s, %.0f trajectories/s\n", path.c_str(),
-              static_cast<long long>(accepted), static_cast<long long>(already), static_cast<long long>(rejected),
-              seconds, n / std::max(seconds, 1e-9));
+  std::printf("%s: %lld accepted (%lld already), %lld rejected, %.2f s, %.0f trajectories/s\n",
+              path.c_str(), static_cast<long long>(accepted), static_cast<long long>(already),
+              static_cast<long long>(rejected), seconds, n / std::max(seconds, 1e-9));
   return rejected > 0 ? 3 : 0;
 }

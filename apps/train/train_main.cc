@@ -1,19 +1,20 @@
 // dta-train: training steps on a rollout file with one execution method.
 //
 //   dta-train --config=qwen3-0.6b | --config=DIR/config.json | --model=HF_DIR
-//             --rollouts=FILE.jsonl [--method=dta|dense|packed] [--loss=grpo|sft|decoupled-ppo|gspo]
+//             --rollouts=FILE.jsonl [--method=dta|dense|packed]
+//             [--loss=grpo|sft|decoupled-ppo|gspo]
 //             [--dtype=float32] [--device=cpu] [--block_size=2048] [--steps=1] [--lr=1e-6]
 //             [--dump_grads=FILE.safetensors] [--save=DIR] [--json]
 //
 // Prints per step: loss, gradient norm, rollout tokens, tokens forwarded, compression, time,
 // rollout tokens per second and peak memory. --dump_grads writes the first step's gradients under
 // the Hugging Face parameter names, so methods (or other frameworks) can be compared bit by bit.
-// With --distributed, run one process per GPU under a launcher (torchrun --no-python dta-train ...):
-// every rank reads the whole file, takes its part of the DFS-contiguous split (AReaL-DTA Algorithm
-// 4) with GRPO advantages and loss normalisers computed over the whole batch, and the gradients are
-// summed across ranks before every optimizer step, so the ranks train exactly what one process
-// would. Rank 0 prints, dumps and saves. This is the data-parallel path for machines without gRPC;
-// dta-trainer is the one fed by the dispatcher.
+// With --distributed, run one process per GPU under a launcher (torchrun --no-python dta-train
+// ...): every rank reads the whole file, takes its part of the DFS-contiguous split (AReaL-DTA
+// Algorithm 4) with GRPO advantages and loss normalisers computed over the whole batch, and the
+// gradients are summed across ranks before every optimizer step, so the ranks train exactly what
+// one process would. Rank 0 prints, dumps and saves. This is the data-parallel path for machines
+// without gRPC; dta-trainer is the one fed by the dispatcher.
 //
 // Exit status: 0 on success, 2 on bad input (flags, files, rollouts, checkpoints).
 #include <ATen/ATen.h>
@@ -31,32 +32,38 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
-#include "dispatcher/batch/batch_plan.h"
+#include "apps/train/training_flags.h"
+#include "core/base/exit_codes.h"
+#include "core/cli/usage.h"
+#include "core/io/rollout_jsonl.h"
 #include "core/partition/partition.h"
+#include "core/tree/tree_stats.h"
+#include "dispatcher/batch/batch_plan.h"
 #include "executor/distributed/grad_sync.h"
 #include "executor/distributed/process_group.h"
 #include "executor/engine/executor.h"
-#include "core/io/rollout_jsonl.h"
 #include "executor/model/qwen3_checkpoint.h"
 #include "executor/optim/adamw.h"
-#include "apps/train/training_flags.h"
-#include "core/tree/tree_stats.h"
 #include "nlohmann/json.hpp"
-#include "core/base/exit_codes.h"
-#include "core/cli/usage.h"
 
 ABSL_FLAG(std::string, rollouts, "", "rollout file (JSON Lines); required");
 ABSL_FLAG(int32_t, steps, 1, "optimizer steps over the batch");
 ABSL_FLAG(std::string, dump_grads, "", "write the first step's gradients to this safetensors file");
-ABSL_FLAG(std::string, save, "", "save the trained model (HF format) and optimizer state to this directory");
-ABSL_FLAG(std::string, resume, "", "load optimizer state (optimizer.safetensors) from this directory first");
+ABSL_FLAG(std::string, save, "",
+          "save the trained model (HF format) and optimizer state to this directory");
+ABSL_FLAG(std::string, resume, "",
+          "load optimizer state (optimizer.safetensors) from this directory first");
 ABSL_FLAG(bool, json, false, "print one JSON object per step instead of a table");
 ABSL_FLAG(std::string, metrics, "", "also append one JSON object per step to this file");
 ABSL_FLAG(bool, distributed, false,
-          "data parallel without a dispatcher: one process per rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
-          "MASTER_PORT from the launcher); each rank trains its DFS-contiguous part of the file under the whole "
-          "batch's advantages and normalisers, gradients all-reduced in buckets (NCCL on GPUs, Gloo on CPUs)");
-ABSL_FLAG(int32_t, timeout_s, 600, "--distributed: timeout of the process group's rendezvous and collectives, seconds");
+          "data parallel without a dispatcher: one process per rank (RANK, WORLD_SIZE, LOCAL_RANK, "
+          "MASTER_ADDR, "
+          "MASTER_PORT from the launcher); each rank trains its DFS-contiguous part of the file "
+          "under the whole "
+          "batch's advantages and normalisers, gradients all-reduced in buckets (NCCL on GPUs, "
+          "Gloo on CPUs)");
+ABSL_FLAG(int32_t, timeout_s, 600,
+          "--distributed: timeout of the process group's rendezvous and collectives, seconds");
 
 namespace dta {
 namespace {
@@ -66,10 +73,13 @@ void PrintSplit(const PrefixTree& tree, const PartitionPlan& plan, int world_siz
   const Partition by_tokens = *PartitionGreedyByRolloutTokens(tree, world_size);
   const Partition by_tree = *PartitionGreedyByTreeTokens(tree, world_size);
   std::cout << absl::StrFormat(
-      "split over %d ranks: DFS-contiguous max %d tree tokens (imbalance %.3f, %d extra); greedy by rollout tokens "
-      "max %d (imbalance %.3f, %d extra); greedy by tree tokens max %d (imbalance %.3f, %d extra)\n",
-      world_size, plan.partition.max_cost, plan.partition.imbalance, plan.partition.extra_tokens, by_tokens.max_cost,
-      by_tokens.imbalance, by_tokens.extra_tokens, by_tree.max_cost, by_tree.imbalance, by_tree.extra_tokens);
+      "split over %d ranks: DFS-contiguous max %d tree tokens (imbalance %.3f, %d extra); greedy "
+      "by rollout tokens "
+      "max %d (imbalance %.3f, %d extra); greedy by tree tokens max %d (imbalance %.3f, %d "
+      "extra)\n",
+      world_size, plan.partition.max_cost, plan.partition.imbalance, plan.partition.extra_tokens,
+      by_tokens.max_cost, by_tokens.imbalance, by_tokens.extra_tokens, by_tree.max_cost,
+      by_tree.imbalance, by_tree.extra_tokens);
 }
 
 int Run() {
@@ -86,12 +96,14 @@ int Run() {
     if (!from_env.ok()) throw BadInput{std::string(from_env.status().message())};
     env = *from_env;
     if (options.device().is_cuda() && !options.device().has_index()) {
-      options = options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)));
+      options =
+          options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)));
     }
   }
   const bool leader = env.rank == 0;  // prints, dumps and saves
   Qwen3Model model = ModelFromFlags(options);
-  absl::StatusOr<std::vector<Rollout>> rollouts = ReadRolloutsJsonl(path, {.vocab_size = model.config().vocab_size});
+  absl::StatusOr<std::vector<Rollout>> rollouts =
+      ReadRolloutsJsonl(path, {.vocab_size = model.config().vocab_size});
   if (!rollouts.ok()) throw BadInput{std::string(rollouts.status().message())};
   std::vector<std::vector<TokenId>> sequences;
   for (const Rollout& r : *rollouts) sequences.push_back(r.tokens);
@@ -106,8 +118,8 @@ int Run() {
   if (distributed) {
     std::vector<const Rollout*> pointers;
     for (const Rollout& r : *rollouts) pointers.push_back(&r);
-    absl::StatusOr<PartitionPlan> plan =
-        PlanPartitions(pointers, env.world_size, /*with_advantages=*/loss.kind != LossKind::kSft, true);
+    absl::StatusOr<PartitionPlan> plan = PlanPartitions(
+        pointers, env.world_size, /*with_advantages=*/loss.kind != LossKind::kSft, true);
     if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
     batch = plan->context;
     for (int64_t i : plan->ranks[env.rank]) {
@@ -127,15 +139,18 @@ int Run() {
 
   AdamW optimizer(model.named_parameters(), AdamWFromFlags());
   if (!absl::GetFlag(FLAGS_resume).empty()) {
-    optimizer.LoadState((std::filesystem::path(absl::GetFlag(FLAGS_resume)) / "optimizer.safetensors").string());
+    optimizer.LoadState(
+        (std::filesystem::path(absl::GetFlag(FLAGS_resume)) / "optimizer.safetensors").string());
   }
   const bool json = absl::GetFlag(FLAGS_json);
   if (!json && leader) {
-    std::cout << absl::StrFormat("%s: %d rollouts, %d rollout tokens, %d tree tokens (C = %.2fx); method %s, %s on %s\n",
-                                 path, stats.num_rollouts, stats.rollout_tokens, stats.tree_tokens, stats.compression,
-                                 absl::GetFlag(FLAGS_method), absl::GetFlag(FLAGS_dtype), absl::GetFlag(FLAGS_device));
-    std::cout << absl::StrFormat("%5s %14s %10s %12s %12s %9s %14s %10s\n", "step", "loss", "grad norm",
-                                 "rollout tok", "forwarded", "time s", "rollout tok/s", "peak GiB");
+    std::cout << absl::StrFormat(
+        "%s: %d rollouts, %d rollout tokens, %d tree tokens (C = %.2fx); method %s, %s on %s\n",
+        path, stats.num_rollouts, stats.rollout_tokens, stats.tree_tokens, stats.compression,
+        absl::GetFlag(FLAGS_method), absl::GetFlag(FLAGS_dtype), absl::GetFlag(FLAGS_device));
+    std::cout << absl::StrFormat("%5s %14s %10s %12s %12s %9s %14s %10s\n", "step", "loss",
+                                 "grad norm", "rollout tok", "forwarded", "time s", "rollout tok/s",
+                                 "peak GiB");
   }
   const at::Device device = options.device();
   std::ofstream metrics;
@@ -152,8 +167,9 @@ int Run() {
     if (sync) {
       sync->SyncGradients();
       // The batch's loss and tokens: the sum over the ranks.
-      const std::vector<double> sums = group->AllReduceScalars(
-          {result.loss, static_cast<double>(result.rollout_tokens), static_cast<double>(result.forwarded_tokens)});
+      const std::vector<double> sums =
+          group->AllReduceScalars({result.loss, static_cast<double>(result.rollout_tokens),
+                                   static_cast<double>(result.forwarded_tokens)});
       result.loss = sums[0];
       result.rollout_tokens = static_cast<int64_t>(sums[1]);
       result.forwarded_tokens = static_cast<int64_t>(sums[2]);
@@ -167,22 +183,29 @@ int Run() {
     }
     const StepStats step_stats = optimizer.Step();
     if (device.is_cuda()) c10::cuda::device_synchronize();  // time the kernels, not their launches
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double peak = PeakMemoryGiB(device);
     const double throughput = result.rollout_tokens / seconds;
-    const nlohmann::json record({{"step", step}, {"method", absl::GetFlag(FLAGS_method)}, {"loss", result.loss},
-                                   {"grad_norm", step_stats.grad_norm}, {"rollout_tokens", result.rollout_tokens},
-                                   {"tree_tokens", stats.tree_tokens}, {"forwarded_tokens", result.forwarded_tokens},
-                                   {"compression", stats.compression}, {"seconds", seconds},
-                                   {"rollout_tokens_per_second", throughput}, {"peak_memory_gib", peak}});
+    const nlohmann::json record({{"step", step},
+                                 {"method", absl::GetFlag(FLAGS_method)},
+                                 {"loss", result.loss},
+                                 {"grad_norm", step_stats.grad_norm},
+                                 {"rollout_tokens", result.rollout_tokens},
+                                 {"tree_tokens", stats.tree_tokens},
+                                 {"forwarded_tokens", result.forwarded_tokens},
+                                 {"compression", stats.compression},
+                                 {"seconds", seconds},
+                                 {"rollout_tokens_per_second", throughput},
+                                 {"peak_memory_gib", peak}});
     if (!leader) continue;
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     if (json) {
       std::cout << record.dump() << "\n";
     } else {
-      std::cout << absl::StrFormat("%5d %14.8g %10.4g %12d %12d %9.3f %14.0f %10.3f\n", step, result.loss,
-                                   step_stats.grad_norm, result.rollout_tokens, result.forwarded_tokens, seconds,
-                                   throughput, peak);
+      std::cout << absl::StrFormat("%5d %14.8g %10.4g %12d %12d %9.3f %14.0f %10.3f\n", step,
+                                   result.loss, step_stats.grad_norm, result.rollout_tokens,
+                                   result.forwarded_tokens, seconds, throughput, peak);
     }
   }
   if (group) group->Barrier();  // rank 0's store outlives the others' last collective
@@ -198,7 +221,8 @@ int Run() {
 }  // namespace dta
 
 int main(int argc, char** argv) {
-  dta::SetProgramUsage("dta-train --config=PRESET|--model=DIR --rollouts=FILE.jsonl [--method=dta] ...");
+  dta::SetProgramUsage(
+      "dta-train --config=PRESET|--model=DIR --rollouts=FILE.jsonl [--method=dta] ...");
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "dta-train: unexpected argument '" << rest[1] << "'\n";

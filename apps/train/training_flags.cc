@@ -9,9 +9,11 @@
 #include "core/checkpoint/qwen3_config.h"
 #include "executor/model/qwen3_checkpoint.h"
 
-ABSL_FLAG(std::string, model, "", "Hugging Face Qwen3 directory to load (config.json + safetensors)");
-ABSL_FLAG(std::string, config, "", "instead of --model: a preset (qwen3-0.6b, -1.7b, -4b, -8b) or config.json, "
-                                   "with random weights");
+ABSL_FLAG(std::string, model, "",
+          "Hugging Face Qwen3 directory to load (config.json + safetensors)");
+ABSL_FLAG(std::string, config, "",
+          "instead of --model: a preset (qwen3-0.6b, -1.7b, -4b, -8b) or config.json, "
+          "with random weights");
 ABSL_FLAG(uint64_t, init_seed, 1, "seed of the random weights (--config)");
 ABSL_FLAG(double, init_std, 0.02, "standard deviation of the random weights (--config)");
 namespace {
@@ -29,26 +31,34 @@ constexpr int64_t BlockSizeFlag(int64_t block_size) {
 
 ABSL_FLAG(std::string, method, std::string(dta::MethodName(kExecutorDefaults.method)),
           "execution method: dta, dense or packed");
-ABSL_FLAG(std::string, loss, "grpo", "loss: grpo (PPO clip with group advantages), sft, decoupled-ppo, gspo");
-ABSL_FLAG(std::string, normalization, "token-mean", "loss normalisation: token-mean, sequence-mean, sum");
+ABSL_FLAG(std::string, loss, "grpo",
+          "loss: grpo (PPO clip with group advantages), sft, decoupled-ppo, gspo");
+ABSL_FLAG(std::string, normalization, "token-mean",
+          "loss normalisation: token-mean, sequence-mean, sum");
 ABSL_FLAG(double, eps_clip_low, 0.2, "PPO ratio clip below 1");
 ABSL_FLAG(double, eps_clip_high, 0.2, "PPO ratio clip above 1");
 ABSL_FLAG(double, dual_clip, 0.0, "dual clip c > 1 (0 = off)");
-ABSL_FLAG(double, behave_imp_weight_cap, 0.0, "decoupled PPO: cap on pi_prox / pi_behave (0 = none)");
+ABSL_FLAG(double, behave_imp_weight_cap, 0.0,
+          "decoupled PPO: cap on pi_prox / pi_behave (0 = none)");
 ABSL_FLAG(double, entropy_coef, 0.0, "entropy bonus coefficient");
 ABSL_FLAG(double, kl_coef, 0.0, "KL-to-reference coefficient (needs ref_logprobs)");
 ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda[:N]");
 ABSL_FLAG(int64_t, block_size, BlockSizeFlag(kExecutorDefaults.block_size),
-          "dta: B, the most tokens per backward chunk (0 = unbounded, -1 = automatic: the longest rollout if "
+          "dta: B, the most tokens per backward chunk (0 = unbounded, -1 = automatic: the longest "
+          "rollout if "
           "its graph fits in the free GPU memory, else what fits)");
 ABSL_FLAG(int64_t, graph_budget, kExecutorDefaults.graph_budget,
-          "dta: tokens whose graphs may be kept instead of recomputed; -1: as many as fit in 80% of the GPU's free "
+          "dta: tokens whose graphs may be kept instead of recomputed; -1: as many as fit in 80% "
+          "of the GPU's free "
           "memory (0 on the CPU)");
-ABSL_FLAG(int64_t, token_capacity, kExecutorDefaults.token_capacity, "packed: the most unique tokens per packed forward (0 = the whole tree)");
-ABSL_FLAG(bool, checkpointing, kExecutorDefaults.checkpointing, "dense and packed: activation checkpointing (recompute each layer in backward)");
+ABSL_FLAG(int64_t, token_capacity, kExecutorDefaults.token_capacity,
+          "packed: the most unique tokens per packed forward (0 = the whole tree)");
+ABSL_FLAG(bool, checkpointing, kExecutorDefaults.checkpointing,
+          "dense and packed: activation checkpointing (recompute each layer in backward)");
 ABSL_FLAG(bool, pack, kExecutorDefaults.pack, "dta: pack small complete subtrees into one forward");
-ABSL_FLAG(std::string, order, std::string(dta::LeafOrderName(kExecutorDefaults.order)), "dta: leaf order, backward-dfs or lexicographic");
+ABSL_FLAG(std::string, order, std::string(dta::LeafOrderName(kExecutorDefaults.order)),
+          "dta: leaf order, backward-dfs or lexicographic");
 ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
 ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient norm clip (<= 0: off)");
@@ -77,7 +87,8 @@ LossOptions LossFromFlags() {
   } else if (normalization == "sum") {
     loss.normalization = Normalization::kSum;
   } else {
-    throw BadInput{"--normalization must be token-mean, sequence-mean or sum, got '" + normalization + "'"};
+    throw BadInput{"--normalization must be token-mean, sequence-mean or sum, got '" +
+                   normalization + "'"};
   }
   loss.eps_clip_low = absl::GetFlag(FLAGS_eps_clip_low);
   loss.eps_clip_high = absl::GetFlag(FLAGS_eps_clip_high);
@@ -104,7 +115,8 @@ ExecutorOptions ExecutorFromFlags() {
   if (block < kAutoBlockSize) throw BadInput{"--block_size must be >= 0, or -1 for automatic"};
   options.block_size = block == 0 ? kUnboundedBlock : block;
   options.graph_budget = absl::GetFlag(FLAGS_graph_budget);
-  if (options.graph_budget < kAutoGraphBudget) throw BadInput{"--graph_budget must be >= 0, or -1 for automatic"};
+  if (options.graph_budget < kAutoGraphBudget)
+    throw BadInput{"--graph_budget must be >= 0, or -1 for automatic"};
   options.pack = absl::GetFlag(FLAGS_pack);
   options.checkpointing = absl::GetFlag(FLAGS_checkpointing);
   options.token_capacity = absl::GetFlag(FLAGS_token_capacity);
@@ -138,7 +150,8 @@ at::TensorOptions TensorOptionsFromFlags() {
 Qwen3Model ModelFromFlags(const at::TensorOptions& options) {
   const std::string dir = absl::GetFlag(FLAGS_model);
   const std::string config_name = absl::GetFlag(FLAGS_config);
-  if (dir.empty() == config_name.empty()) throw BadInput{"give exactly one of --model and --config"};
+  if (dir.empty() == config_name.empty())
+    throw BadInput{"give exactly one of --model and --config"};
   if (!dir.empty()) return LoadQwen3Model(dir, options);
   absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(config_name);
   if (!config.ok()) config = LoadQwen3Config(config_name);

@@ -11,11 +11,11 @@
 #include <string>
 
 #include "absl/flags/declare.h"
+#include "core/base/exit_codes.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
 #include "executor/optim/adamw.h"
-#include "core/base/exit_codes.h"
 
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(std::string, method);
@@ -34,7 +34,8 @@ AdamWOptions AdamWFromFlags();
 // --model (a Hugging Face directory) or --config (a preset or config.json, random weights).
 Qwen3Model ModelFromFlags(const at::TensorOptions& options);
 
-// Peak memory since the last reset: allocated GPU memory on CUDA, the process's peak RSS on the CPU.
+// Peak memory since the last reset: allocated GPU memory on CUDA, the process's peak RSS on the
+// CPU.
 double PeakMemoryGiB(const at::Device& device);
 // Starts a new peak (GPU only: the CPU's peak RSS cannot be reset).
 void ResetPeakMemory(const at::Device& device);

@@ -34,8 +34,7 @@ void RemoveTree(const fs::path& path) {
         ::remove(file);  // keep going: what cannot be removed stays, harmlessly
         return 0;
       },
-      16,
-      FTW_DEPTH | FTW_PHYS);
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 // Flushes the file system holding `path` (every file written into the checkpoint, and the
@@ -58,11 +57,13 @@ std::vector<CheckpointInfo> Checkpoints(const std::string& directory) {
   for (const fs::directory_entry& entry : fs::directory_iterator(directory, error)) {
     const std::string name = entry.path().filename().string();
     int64_t step = 0;
-    if (name.rfind(kPrefix, 0) != 0 || !absl::SimpleAtoi(name.substr(sizeof(kPrefix) - 1), &step)) continue;
+    if (name.rfind(kPrefix, 0) != 0 || !absl::SimpleAtoi(name.substr(sizeof(kPrefix) - 1), &step))
+      continue;
     if (!fs::exists(entry.path() / kTrainerFile)) continue;
     found.push_back({.step = step, .path = entry.path().string()});
   }
-  std::sort(found.begin(), found.end(), [](const CheckpointInfo& a, const CheckpointInfo& b) { return a.step < b.step; });
+  std::sort(found.begin(), found.end(),
+            [](const CheckpointInfo& a, const CheckpointInfo& b) { return a.step < b.step; });
   return found;
 }
 
@@ -84,8 +85,8 @@ std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
   return found.back();
 }
 
-void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version, const Qwen3Model& model,
-                    const AdamW& optimizer, int keep) {
+void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
+                    const Qwen3Model& model, const AdamW& optimizer, int keep) {
   TORCH_CHECK(keep >= 1, "checkpoints to keep must be >= 1, got ", keep);
   const fs::path final_path = fs::path(directory) / StepName(step);
   const fs::path tmp = final_path.string() + ".tmp";
@@ -101,7 +102,8 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
   // checkpoint holds once trainers report it, so a checkpoint must survive a host crash.
   SyncFileSystem(tmp);
   fs::rename(tmp, final_path, error);
-  TORCH_CHECK(!error, "cannot rename ", tmp.string(), " to ", final_path.string(), ": ", error.message());
+  TORCH_CHECK(!error, "cannot rename ", tmp.string(), " to ", final_path.string(), ": ",
+              error.message());
   SyncFileSystem(directory);
   WriteJson(fs::path(directory) / "latest.json",
             {{"step", step}, {"policy_version", policy_version}, {"path", final_path.string()}});
@@ -111,8 +113,8 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
 
 void LoadCheckpoint(const CheckpointInfo& checkpoint, AdamW& optimizer) {
   optimizer.LoadState((fs::path(checkpoint.path) / kOptimizerFile).string());
-  TORCH_CHECK(optimizer.step() == checkpoint.step, "checkpoint ", checkpoint.path, " holds an optimizer after ",
-              optimizer.step(), " steps, not ", checkpoint.step);
+  TORCH_CHECK(optimizer.step() == checkpoint.step, "checkpoint ", checkpoint.path,
+              " holds an optimizer after ", optimizer.step(), " steps, not ", checkpoint.step);
 }
 
 }  // namespace dta

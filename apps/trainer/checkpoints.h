@@ -25,13 +25,14 @@ struct CheckpointInfo {
   std::string path;  // the step-<N> directory
 };
 
-// The newest complete checkpoint under `directory`, or nothing (also when the directory is missing).
+// The newest complete checkpoint under `directory`, or nothing (also when the directory is
+// missing).
 std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory);
 
 // Writes the model and the optimizer after `step` committed steps, then removes all but the
 // newest `keep` checkpoints (keep >= 1) and points latest.json at this one.
-void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version, const Qwen3Model& model,
-                    const AdamW& optimizer, int keep = 2);
+void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
+                    const Qwen3Model& model, const AdamW& optimizer, int keep = 2);
 
 // Restores the optimizer's state and, through its master weights, the model's parameters.
 void LoadCheckpoint(const CheckpointInfo& checkpoint, AdamW& optimizer);

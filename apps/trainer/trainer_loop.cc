@@ -27,7 +27,8 @@ T OrRestart(absl::StatusOr<T> result, const char* what) {
 }  // namespace
 
 int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optimizer,
-                        const SyncGradients& sync_gradients, int64_t step, const TrainerLoopOptions& options,
+                        const SyncGradients& sync_gradients, int64_t step,
+                        const TrainerLoopOptions& options,
                         std::atomic<bool>* checkpoint_requested) {
   TORCH_CHECK(!options.checkpoint_dir.empty(), "RunTrainerSteps: checkpoint_dir is required");
   TORCH_CHECK(options.save_every >= 1, "RunTrainerSteps: save_every must be >= 1");
@@ -62,29 +63,33 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optim
       session.Failed(step, e.what_without_backtrace());  // abandons the step on every rank
       throw TrainerRestart{absl::StrCat("step ", step, ": ", e.what_without_backtrace())};
     }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     int64_t policy_version = 0;
     const StepDecision decision = OrRestart(
-        session.Prepared({.step = step,
-                          .loss = result.loss,
-                          .rollout_tokens = result.rollout_tokens,
-                          .forwarded_tokens = result.forwarded_tokens,
-                          .tree_tokens = partition.tree_tokens,
-                          .seconds = seconds,
-                          .peak_memory_bytes = static_cast<int64_t>(PeakMemoryGiB(options.device) * (1 << 30)),
-                          .checkpoint_step = checkpoint_step},
-                         &policy_version),
+        session.Prepared(
+            {.step = step,
+             .loss = result.loss,
+             .rollout_tokens = result.rollout_tokens,
+             .forwarded_tokens = result.forwarded_tokens,
+             .tree_tokens = partition.tree_tokens,
+             .seconds = seconds,
+             .peak_memory_bytes = static_cast<int64_t>(PeakMemoryGiB(options.device) * (1 << 30)),
+             .checkpoint_step = checkpoint_step},
+            &policy_version),
         "report");
-    if (decision != StepDecision::kCommit) throw TrainerRestart{absl::StrCat("step ", step, " aborted")};
+    if (decision != StepDecision::kCommit)
+      throw TrainerRestart{absl::StrCat("step ", step, " aborted")};
     const StepStats stats = optimizer.Step();
     ++step;
-    std::fprintf(stderr, "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s\n", prefix,
-                 static_cast<long long>(step - 1), partition.replay ? " (replay)" : "", static_cast<int>(rollouts.size()),
-                 result.loss, stats.grad_norm, seconds);
+    std::fprintf(stderr, "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s\n",
+                 prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
+                 static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, seconds);
     const bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
     if (step % options.save_every == 0 || step == max_steps || (requested && options.rank == 0)) {
       if (options.rank == 0) {
-        SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer, options.keep_checkpoints);
+        SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer,
+                       options.keep_checkpoints);
         if (requested) {
           std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix,
                        static_cast<long long>(step - 1));
@@ -92,7 +97,9 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optim
       }
       checkpoint_step = step;
     } else if (requested) {
-      std::fprintf(stderr, "%s: a checkpoint was requested: send SIGUSR1 to rank 0, which saves them\n", prefix);
+      std::fprintf(stderr,
+                   "%s: a checkpoint was requested: send SIGUSR1 to rank 0, which saves them\n",
+                   prefix);
     }
   }
   return step;

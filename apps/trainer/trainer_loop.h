@@ -66,7 +66,8 @@ using SyncGradients = std::function<void()>;
 // returns the number of committed steps reached. `checkpoint_requested` (may be null): set it to
 // save after the step in progress commits (rank 0 saves; it is cleared on every rank).
 int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optimizer,
-                        const SyncGradients& sync_gradients, int64_t step, const TrainerLoopOptions& options,
+                        const SyncGradients& sync_gradients, int64_t step,
+                        const TrainerLoopOptions& options,
                         std::atomic<bool>* checkpoint_requested = nullptr);
 
 }  // namespace dta

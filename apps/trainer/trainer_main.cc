@@ -9,8 +9,8 @@
 // executor (dta by default) under the whole batch's normalisers, all-reduce them in buckets
 // (NCCL on GPUs, Gloo on CPUs), report PREPARED, and step the optimizer only when the dispatcher
 // answers COMMIT (every rank prepared, durably logged). Rank 0 saves a checkpoint every
-// --save_every committed steps (Hugging Face weights for rollout workers, plus the optimizer), after
-// the last step, and on request: `kill -USR1 <rank 0's pid>` saves after the step in progress
+// --save_every committed steps (Hugging Face weights for rollout workers, plus the optimizer),
+// after the last step, and on request: `kill -USR1 <rank 0's pid>` saves after the step in progress
 // commits.
 //
 // Faults: when a collective fails (another rank died) or the dispatcher answers ABORT, the trainer
@@ -39,15 +39,15 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "dispatcher/client/trainer_session.h"
-#include "executor/distributed/grad_sync.h"
-#include "executor/distributed/process_group.h"
-#include "executor/engine/executor.h"
 #include "apps/train/training_flags.h"
 #include "apps/trainer/checkpoints.h"
 #include "apps/trainer/trainer_loop.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
+#include "dispatcher/client/trainer_session.h"
+#include "executor/distributed/grad_sync.h"
+#include "executor/distributed/process_group.h"
+#include "executor/engine/executor.h"
 
 ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
 ABSL_FLAG(std::string, token_file, "", "file holding the dispatcher's shared token");
@@ -55,11 +55,15 @@ ABSL_FLAG(std::string, tls_roots, "", "PEM root certificates to trust (TLS to th
 ABSL_FLAG(std::string, checkpoint_dir, "", "checkpoints (shared by the ranks); required");
 ABSL_FLAG(int64_t, save_every, 1, "save a checkpoint every this many committed steps (rank 0)");
 ABSL_FLAG(int32_t, keep_checkpoints, 2, "checkpoints kept");
-ABSL_FLAG(int64_t, max_steps, 0, "stop after this many committed steps in all (0: run until stopped)");
-ABSL_FLAG(int32_t, timeout_s, 600, "timeout of collectives and of the process group's rendezvous, seconds");
+ABSL_FLAG(int64_t, max_steps, 0,
+          "stop after this many committed steps in all (0: run until stopped)");
+ABSL_FLAG(int32_t, timeout_s, 600,
+          "timeout of collectives and of the process group's rendezvous, seconds");
 ABSL_FLAG(int64_t, bucket_mb, 25, "gradient all-reduce bucket size, MiB");
-ABSL_FLAG(int32_t, wait_s, 86400, "how long to wait for a batch, or for an unreachable dispatcher, seconds");
-ABSL_FLAG(int32_t, slow_step_ms, 0, "testing: sleep this long before the all-reduce (fault-injection tests)");
+ABSL_FLAG(int32_t, wait_s, 86400,
+          "how long to wait for a batch, or for an unreachable dispatcher, seconds");
+ABSL_FLAG(int32_t, slow_step_ms, 0,
+          "testing: sleep this long before the all-reduce (fault-injection tests)");
 
 namespace dta {
 namespace {
@@ -69,8 +73,6 @@ namespace {
 std::atomic<bool> checkpoint_requested{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
 extern "C" void RequestCheckpoint(int) { checkpoint_requested.store(true); }
-
-
 
 // The contents of a credential flag's file, or "" when the flag is empty.
 std::string CredentialFromFlag(const std::string& path, const char* flag, bool trim) {
@@ -121,8 +123,10 @@ int Run() {
   client_options.address = absl::GetFlag(FLAGS_dispatcher);
   // Waiting for rollouts is normal (generation may be slower than training): retry for long.
   client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
-  client_options.token = CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
-  client_options.tls_root_certificates = CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
+  client_options.token =
+      CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
+  client_options.tls_root_certificates =
+      CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
   absl::StatusOr<std::unique_ptr<TrainerSession>> session =
       TrainerSession::Register(client_options, {.rank = env->rank,
                                                 .world_size = env->world_size,
@@ -144,34 +148,37 @@ int Run() {
 
   const std::chrono::milliseconds timeout(int64_t{1000} * absl::GetFlag(FLAGS_timeout_s));
   absl::StatusOr<std::unique_ptr<ProcessGroup>> group = ProcessGroup::Create(
-      *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), {.timeout = timeout});
+      *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU),
+      {.timeout = timeout});
   if (!group.ok()) throw TrainerRestart{absl::StrCat("process group: ", group.status().message())};
   // Every rank must resume from the same checkpoint (a rank may see a shared directory late). The
   // sums of the steps and of their squares equal world x step and world x step^2 on some rank only
   // if all steps are equal (Cauchy-Schwarz), so every rank reaches the same verdict. Exact: the
   // sums are integers far below 2^53.
-  const std::vector<double> sums =
-      (*group)->AllReduceScalars({static_cast<double>(step), static_cast<double>(step) * static_cast<double>(step)});
+  const std::vector<double> sums = (*group)->AllReduceScalars(
+      {static_cast<double>(step), static_cast<double>(step) * static_cast<double>(step)});
   if (static_cast<int64_t>(sums[0]) != env->world_size * step ||
       static_cast<int64_t>(sums[1]) != env->world_size * step * step) {
-    throw TrainerRestart{absl::StrFormat("the ranks resumed from different checkpoints (this one from step %d, mean %.2f)",
-                                  step, sums[0] / env->world_size)};
+    throw TrainerRestart{absl::StrFormat(
+        "the ranks resumed from different checkpoints (this one from step %d, mean %.2f)", step,
+        sums[0] / env->world_size)};
   }
   GradientSynchronizer sync(**group, model.named_parameters(),
                             {.bucket_bytes = absl::GetFlag(FLAGS_bucket_mb) << 20});
 
-  RunTrainerSteps(**session, model, optimizer, [&sync] { sync.SyncGradients(); }, step,
-                  {.loss = loss,
-                   .executor = executor,
-                   .device = options.device(),
-                   .checkpoint_dir = checkpoint_dir,
-                   .save_every = absl::GetFlag(FLAGS_save_every),
-                   .keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints),
-                   .max_steps = absl::GetFlag(FLAGS_max_steps),
-                   .rank = env->rank,
-                   .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
-                   .log_prefix = prefix},
-                  &checkpoint_requested);
+  RunTrainerSteps(
+      **session, model, optimizer, [&sync] { sync.SyncGradients(); }, step,
+      {.loss = loss,
+       .executor = executor,
+       .device = options.device(),
+       .checkpoint_dir = checkpoint_dir,
+       .save_every = absl::GetFlag(FLAGS_save_every),
+       .keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints),
+       .max_steps = absl::GetFlag(FLAGS_max_steps),
+       .rank = env->rank,
+       .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
+       .log_prefix = prefix},
+      &checkpoint_requested);
   // Every rank leaves together, so rank 0's store outlives the others' last collective.
   (*group)->Barrier();
   return 0;
@@ -181,7 +188,8 @@ int Run() {
 }  // namespace dta
 
 int main(int argc, char** argv) {
-  dta::SetProgramUsage("dta-trainer --dispatcher=HOST:PORT --checkpoint_dir=DIR --config=PRESET|--model=DIR ...");
+  dta::SetProgramUsage(
+      "dta-trainer --dispatcher=HOST:PORT --checkpoint_dir=DIR --config=PRESET|--model=DIR ...");
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "dta-trainer: unexpected argument '" << rest[1] << "'\n";

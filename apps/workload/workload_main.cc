@@ -18,12 +18,12 @@
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "core/base/exit_codes.h"
+#include "core/cli/usage.h"
 #include "core/io/rollout_jsonl.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_stats.h"
 #include "core/workload/workload.h"
-#include "core/base/exit_codes.h"
-#include "core/cli/usage.h"
 
 ABSL_FLAG(std::string, preset, "tau2",
           "tau2, gsm8k, aime, modified-prefix, branch-low, branch-mid or branch-high");
@@ -35,7 +35,6 @@ ABSL_FLAG(std::string, out, "", "the JSON Lines file to write (required)");
 
 namespace dta {
 namespace {
-
 
 int Run() {
   const std::string out = absl::GetFlag(FLAGS_out);

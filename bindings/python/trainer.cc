@@ -7,21 +7,23 @@
 
 #include "absl/status/statusor.h"
 #include "core/checkpoint/qwen3_config.h"
-#include "executor/model/qwen3_checkpoint.h"
 #include "core/tree/prefix_tree.h"
+#include "executor/model/qwen3_checkpoint.h"
 
 namespace dta::python {
 
 Trainer::Trainer(Qwen3Model model, const AdamWOptions& adamw)
     : model_(std::move(model)), optimizer_(model_.named_parameters(), adamw) {}
 
-std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory, at::TensorOptions options,
+std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory,
+                                                at::TensorOptions options,
                                                 const AdamWOptions& adamw) {
   return std::unique_ptr<Trainer>(new Trainer(LoadQwen3Model(directory, options), adamw));
 }
 
-std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t seed, double init_std,
-                                             at::TensorOptions options, const AdamWOptions& adamw) {
+std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t seed,
+                                             double init_std, at::TensorOptions options,
+                                             const AdamWOptions& adamw) {
   absl::StatusOr<Qwen3Config> parsed = Qwen3ConfigPreset(config);
   if (!parsed.ok()) parsed = LoadQwen3Config(config);
   TORCH_CHECK(parsed.ok(), std::string(parsed.status().message()));
@@ -40,7 +42,8 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
   stats.forwarded_tokens = result.forwarded_tokens;
   // Only the count: the trie points into the rollouts instead of copying their tokens again.
   PrefixTreeBuilder builder(TokenStorage::kBorrow);
-  for (const Rollout& r : rollouts) TORCH_CHECK(builder.AddRollout(r.tokens).ok(), "rollout '", r.id, "'");
+  for (const Rollout& r : rollouts)
+    TORCH_CHECK(builder.AddRollout(r.tokens).ok(), "rollout '", r.id, "'");
   stats.tree_tokens = builder.num_tree_tokens();
   return stats;
 }
@@ -55,9 +58,11 @@ std::vector<at::Tensor> Trainer::ComputeLogprobs(absl::Span<const Rollout> rollo
   return dta::ComputeLogprobs(model_, rollouts, executor);
 }
 
-void Trainer::Save(const std::string& directory, std::optional<at::ScalarType> dtype, bool with_optimizer) const {
+void Trainer::Save(const std::string& directory, std::optional<at::ScalarType> dtype,
+                   bool with_optimizer) const {
   SaveQwen3Model(model_, directory, dtype);
-  if (with_optimizer) optimizer_.SaveState((std::filesystem::path(directory) / "optimizer.safetensors").string());
+  if (with_optimizer)
+    optimizer_.SaveState((std::filesystem::path(directory) / "optimizer.safetensors").string());
 }
 
 void Trainer::LoadOptimizer(const std::string& path) { optimizer_.LoadState(path); }

@@ -5,9 +5,9 @@
 // Example:
 //   std::unique_ptr<Trainer> t = Trainer::FromDirectory("/ckpt/qwen3", at::dtype(at::kFloat), {});
 //   t->ZeroGrad();
-//   GradientStats g = t->ComputeGradients(rollouts, {.kind = LossKind::kPpo}, {.method = Method::kDta});
-//   StepStats s = t->Step();
-//   t->Save("/ckpt/step-1", std::nullopt, /*with_optimizer=*/true);
+//   GradientStats g = t->ComputeGradients(rollouts, {.kind = LossKind::kPpo}, {.method =
+//   Method::kDta}); StepStats s = t->Step(); t->Save("/ckpt/step-1", std::nullopt,
+//   /*with_optimizer=*/true);
 //
 // Errors: c10::Error (TORCH_CHECK) naming the file, rollout or field, as the executor reports them.
 // Thread safety: none; one call at a time (the bindings hold a lock per trainer).
@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "executor/engine/executor.h"
 #include "core/io/rollout.h"
+#include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
 #include "executor/optim/adamw.h"
@@ -41,12 +41,14 @@ class Trainer {
  public:
   // Loads a Hugging Face Qwen3 directory (config.json + safetensors) with `options` (dtype,
   // device).
-  static std::unique_ptr<Trainer> FromDirectory(const std::string& directory, at::TensorOptions options,
+  static std::unique_ptr<Trainer> FromDirectory(const std::string& directory,
+                                                at::TensorOptions options,
                                                 const AdamWOptions& adamw);
   // A preset ("qwen3-0.6b", ...) or a config.json path, with deterministic random weights
   // (Qwen3Model::InitRandom). TORCH_CHECK naming the config when it is neither.
-  static std::unique_ptr<Trainer> FromConfig(const std::string& config, uint64_t seed, double init_std,
-                                             at::TensorOptions options, const AdamWOptions& adamw);
+  static std::unique_ptr<Trainer> FromConfig(const std::string& config, uint64_t seed,
+                                             double init_std, at::TensorOptions options,
+                                             const AdamWOptions& adamw);
 
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -60,10 +62,12 @@ class Trainer {
   StepStats Step();
   void ZeroGrad();
   // Every rollout's per-token log-probabilities [L] (position 0 holds 0), without gradients.
-  std::vector<at::Tensor> ComputeLogprobs(absl::Span<const Rollout> rollouts, const ExecutorOptions& executor);
+  std::vector<at::Tensor> ComputeLogprobs(absl::Span<const Rollout> rollouts,
+                                          const ExecutorOptions& executor);
   // Writes the model as a Hugging Face checkpoint (in `dtype`, default the model's) and, with
   // `with_optimizer`, <directory>/optimizer.safetensors.
-  void Save(const std::string& directory, std::optional<at::ScalarType> dtype, bool with_optimizer) const;
+  void Save(const std::string& directory, std::optional<at::ScalarType> dtype,
+            bool with_optimizer) const;
   // Restores the optimizer from a file written by Save (or dta-train --save).
   void LoadOptimizer(const std::string& path);
 

@@ -1,5 +1,5 @@
-// _core.Trainer: bindings/python/trainer.h for Python, with the options structs it takes. Long calls
-// release the GIL; a Python loss callable is called back with it re-acquired.
+// _core.Trainer: bindings/python/trainer.h for Python, with the options structs it takes. Long
+// calls release the GIL; a Python loss callable is called back with it re-acquired.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -65,7 +65,8 @@ struct PythonLoss {
       if (in.advantages != nullptr) {
         advantages = py::cast(at::tensor(*in.advantages).to(in.logprobs.options()));
       }
-      return fn(in.rollout - first, in.logprobs, advantages, batch.total_loss_tokens, batch.num_rollouts)
+      return fn(in.rollout - first, in.logprobs, advantages, batch.total_loss_tokens,
+                batch.num_rollouts)
           .cast<at::Tensor>();
     } catch (py::error_already_set& e) {
       error = std::move(e);
@@ -88,13 +89,16 @@ struct BoundTrainer {
 template <typename Call>
 auto WithoutGil(BoundTrainer& self, Call&& call) {
   if (self.owner.load() == std::this_thread::get_id()) {
-    throw std::runtime_error("a loss callable must not call its trainer (the trainer is inside compute_gradients)");
+    throw std::runtime_error(
+        "a loss callable must not call its trainer (the trainer is inside compute_gradients)");
   }
   py::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(self.mu);
   struct Owner {
     std::atomic<std::thread::id>& owner;
-    explicit Owner(std::atomic<std::thread::id>& o) : owner(o) { owner.store(std::this_thread::get_id()); }
+    explicit Owner(std::atomic<std::thread::id>& o) : owner(o) {
+      owner.store(std::this_thread::get_id());
+    }
     ~Owner() { owner.store(std::thread::id()); }
   } owned(self.owner);
   return call(*self.trainer);
@@ -109,8 +113,9 @@ py::dict GradientStatsDict(const GradientStats& s) {
   return d;
 }
 
-py::dict ComputeGradientsBinding(BoundTrainer& self, const py::sequence& trajectories, LossOptions loss,
-                                 const std::optional<py::function>& custom, const ExecutorOptions& executor) {
+py::dict ComputeGradientsBinding(BoundTrainer& self, const py::sequence& trajectories,
+                                 LossOptions loss, const std::optional<py::function>& custom,
+                                 const ExecutorOptions& executor) {
   const std::vector<Rollout> rollouts = ToRollouts(trajectories);
   std::shared_ptr<PythonLoss> python_loss;
   if (custom) {
@@ -147,7 +152,10 @@ void RegisterOptions(py::module_& m) {
       .value("TOKEN_MEAN", Normalization::kTokenMean)
       .value("SEQUENCE_MEAN", Normalization::kSequenceMean)
       .value("SUM", Normalization::kSum);
-  py::enum_<Method>(m, "Method").value("DENSE", Method::kDense).value("PACKED", Method::kPacked).value("DTA", Method::kDta);
+  py::enum_<Method>(m, "Method")
+      .value("DENSE", Method::kDense)
+      .value("PACKED", Method::kPacked)
+      .value("DTA", Method::kDta);
   py::enum_<LeafOrderKind>(m, "LeafOrder")
       .value("BACKWARD_DFS", LeafOrderKind::kBackwardDfs)
       .value("LEXICOGRAPHIC", LeafOrderKind::kLexicographic);
@@ -196,7 +204,8 @@ void RegisterTrainer(py::module_& m) {
   py::class_<BoundTrainer>(m, "Trainer")
       .def_static(
           "from_directory",
-          [](const std::string& directory, at::ScalarType dtype, at::Device device, const AdamWOptions& adamw) {
+          [](const std::string& directory, at::ScalarType dtype, at::Device device,
+             const AdamWOptions& adamw) {
             auto bound = std::make_unique<BoundTrainer>();
             py::gil_scoped_release release;
             bound->trainer = Trainer::FromDirectory(directory, ModelOptions(dtype, device), adamw);
@@ -205,15 +214,16 @@ void RegisterTrainer(py::module_& m) {
           py::arg("directory"), py::arg("dtype"), py::arg("device"), py::arg("adamw"))
       .def_static(
           "from_config",
-          [](const std::string& config, uint64_t seed, double init_std, at::ScalarType dtype, at::Device device,
-             const AdamWOptions& adamw) {
+          [](const std::string& config, uint64_t seed, double init_std, at::ScalarType dtype,
+             at::Device device, const AdamWOptions& adamw) {
             auto bound = std::make_unique<BoundTrainer>();
             py::gil_scoped_release release;
-            bound->trainer = Trainer::FromConfig(config, seed, init_std, ModelOptions(dtype, device), adamw);
+            bound->trainer =
+                Trainer::FromConfig(config, seed, init_std, ModelOptions(dtype, device), adamw);
             return bound;
           },
-          py::arg("config"), py::arg("seed"), py::arg("init_std"), py::arg("dtype"), py::arg("device"),
-          py::arg("adamw"))
+          py::arg("config"), py::arg("seed"), py::arg("init_std"), py::arg("dtype"),
+          py::arg("device"), py::arg("adamw"))
       .def("compute_gradients", &ComputeGradientsBinding, py::arg("trajectories"), py::arg("loss"),
            py::arg("custom"), py::arg("executor"))
       .def("step",
@@ -225,12 +235,15 @@ void RegisterTrainer(py::module_& m) {
              d["step"] = s.step;
              return d;
            })
-      .def("zero_grad", [](BoundTrainer& self) { WithoutGil(self, [](Trainer& t) { t.ZeroGrad(); }); })
+      .def("zero_grad",
+           [](BoundTrainer& self) { WithoutGil(self, [](Trainer& t) { t.ZeroGrad(); }); })
       .def(
           "compute_logprobs",
-          [](BoundTrainer& self, const py::sequence& trajectories, const ExecutorOptions& executor) {
+          [](BoundTrainer& self, const py::sequence& trajectories,
+             const ExecutorOptions& executor) {
             const std::vector<Rollout> rollouts = ToRollouts(trajectories);
-            return WithoutGil(self, [&](Trainer& t) { return t.ComputeLogprobs(rollouts, executor); });
+            return WithoutGil(self,
+                              [&](Trainer& t) { return t.ComputeLogprobs(rollouts, executor); });
           },
           py::arg("trajectories"), py::arg("executor"))
       .def(
@@ -246,12 +259,17 @@ void RegisterTrainer(py::module_& m) {
             WithoutGil(self, [&](Trainer& t) { t.LoadOptimizer(path); });
           },
           py::arg("path"))
-      .def("named_parameters", [](BoundTrainer& self) { return self.trainer->model().named_parameters(); })
-      .def("config_json", [](BoundTrainer& self) { return Qwen3ConfigToJson(self.trainer->model().config()); })
+      .def("named_parameters",
+           [](BoundTrainer& self) { return self.trainer->model().named_parameters(); })
+      .def("config_json",
+           [](BoundTrainer& self) { return Qwen3ConfigToJson(self.trainer->model().config()); })
       .def_property(
           "lr", [](BoundTrainer& self) { return self.trainer->optimizer().options().lr; },
-          [](BoundTrainer& self, double lr) { WithoutGil(self, [&](Trainer& t) { t.optimizer().set_lr(lr); }); })
-      .def_property_readonly("step_count", [](BoundTrainer& self) { return self.trainer->optimizer().step(); });
+          [](BoundTrainer& self, double lr) {
+            WithoutGil(self, [&](Trainer& t) { t.optimizer().set_lr(lr); });
+          })
+      .def_property_readonly("step_count",
+                             [](BoundTrainer& self) { return self.trainer->optimizer().step(); });
 }
 
 }  // namespace dta::python

@@ -21,15 +21,16 @@ namespace {
 
 NodeId CheckedNode(const PrefixTree& tree, NodeId node) {
   if (node < 0 || node >= tree.num_nodes()) {
-    throw py::index_error("node " + std::to_string(node) + " is outside [0, " + std::to_string(tree.num_nodes()) + ")");
+    throw py::index_error("node " + std::to_string(node) + " is outside [0, " +
+                          std::to_string(tree.num_nodes()) + ")");
   }
   return node;
 }
 
 RolloutIndex CheckedRollout(const PrefixTree& tree, RolloutIndex r) {
   if (r < 0 || r >= tree.num_rollouts()) {
-    throw py::index_error("rollout " + std::to_string(r) + " is outside [0, " + std::to_string(tree.num_rollouts()) +
-                          ")");
+    throw py::index_error("rollout " + std::to_string(r) + " is outside [0, " +
+                          std::to_string(tree.num_rollouts()) + ")");
   }
   return r;
 }
@@ -82,20 +83,27 @@ void RegisterTree(py::module_& m) {
       .def("depth", [](const PrefixTree& t, NodeId v) { return t.depth(CheckedNode(t, v)); })
       .def("length", [](const PrefixTree& t, NodeId v) { return t.length(CheckedNode(t, v)); })
       .def("level", [](const PrefixTree& t, NodeId v) { return t.level(CheckedNode(t, v)); })
-      .def("segment", [](const PrefixTree& t, NodeId v) { return ToVector(t.segment(CheckedNode(t, v))); })
-      .def("children", [](const PrefixTree& t, NodeId v) { return ToVector(t.children(CheckedNode(t, v))); })
+      .def("segment",
+           [](const PrefixTree& t, NodeId v) { return ToVector(t.segment(CheckedNode(t, v))); })
+      .def("children",
+           [](const PrefixTree& t, NodeId v) { return ToVector(t.children(CheckedNode(t, v))); })
       .def("is_leaf", [](const PrefixTree& t, NodeId v) { return t.is_leaf(CheckedNode(t, v)); })
-      .def("subtree_end", [](const PrefixTree& t, NodeId v) { return t.subtree_end(CheckedNode(t, v)); })
+      .def("subtree_end",
+           [](const PrefixTree& t, NodeId v) { return t.subtree_end(CheckedNode(t, v)); })
       .def("num_rollouts_through",
            [](const PrefixTree& t, NodeId v) { return t.num_rollouts_through(CheckedNode(t, v)); })
       .def("rollouts_ending_at",
-           [](const PrefixTree& t, NodeId v) { return ToVector(t.rollouts_ending_at(CheckedNode(t, v))); })
-      .def("end_node", [](const PrefixTree& t, RolloutIndex r) { return t.end_node(CheckedRollout(t, r)); })
-      .def("rollout_tokens", [](const PrefixTree& t, RolloutIndex r) { return t.RolloutTokens(CheckedRollout(t, r)); })
-      .def("lcp", [](const PrefixTree& t, RolloutIndex a, RolloutIndex b) {
-        return t.Lcp(CheckedRollout(t, a), CheckedRollout(t, b));
-      })
-      .def("serialized_tokens", [](const PrefixTree& t) { return ToVector(t.serialized_tokens()); });
+           [](const PrefixTree& t, NodeId v) {
+             return ToVector(t.rollouts_ending_at(CheckedNode(t, v)));
+           })
+      .def("end_node",
+           [](const PrefixTree& t, RolloutIndex r) { return t.end_node(CheckedRollout(t, r)); })
+      .def("rollout_tokens", [](const PrefixTree& t,
+                                RolloutIndex r) { return t.RolloutTokens(CheckedRollout(t, r)); })
+      .def("lcp", [](const PrefixTree& t, RolloutIndex a,
+                     RolloutIndex b) { return t.Lcp(CheckedRollout(t, a), CheckedRollout(t, b)); })
+      .def("serialized_tokens",
+           [](const PrefixTree& t) { return ToVector(t.serialized_tokens()); });
 }
 
 }  // namespace dta::python

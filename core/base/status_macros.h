@@ -11,11 +11,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-#define RETURN_IF_ERROR(expr)                                                \
-  do {                                                                       \
-    if (::absl::Status dta_status_ = (expr); !dta_status_.ok()) {            \
-      return dta_status_;                                                    \
-    }                                                                        \
+#define RETURN_IF_ERROR(expr)                                     \
+  do {                                                            \
+    if (::absl::Status dta_status_ = (expr); !dta_status_.ok()) { \
+      return dta_status_;                                         \
+    }                                                             \
   } while (false)
 
 #define DTA_STATUS_CONCAT_INNER_(a, b) a##b
@@ -24,7 +24,7 @@
 #define ASSIGN_OR_RETURN(lhs, expr) \
   DTA_ASSIGN_OR_RETURN_IMPL_(DTA_STATUS_CONCAT_(dta_statusor_, __LINE__), lhs, expr)
 
-#define DTA_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                               \
+#define DTA_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)    \
+  auto statusor = (expr);                                  \
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = *std::move(statusor)

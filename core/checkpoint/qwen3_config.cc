@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "nlohmann/json.hpp"
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
+#include "nlohmann/json.hpp"
 
 namespace dta {
 namespace {

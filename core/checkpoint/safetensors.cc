@@ -19,8 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "nlohmann/json.hpp"
 #include "core/base/status_macros.h"
+#include "nlohmann/json.hpp"
 
 namespace dta {
 namespace {

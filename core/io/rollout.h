@@ -24,7 +24,7 @@ struct Rollout {
   std::vector<int32_t> versions;   // optional: policy version that produced each token (-1: prompt)
   std::optional<double> reward;    // optional: the trajectory's reward
   std::vector<float> advantages;   // optional: per-token advantages
-  std::vector<float> ref_logprobs; // optional: reference policy, per token (for a KL penalty)
+  std::vector<float> ref_logprobs;  // optional: reference policy, per token (for a KL penalty)
 
   friend bool operator==(const Rollout&, const Rollout&) = default;
 };

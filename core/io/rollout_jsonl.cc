@@ -10,10 +10,10 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "nlohmann/json.hpp"
-#include "simdjson.h"
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "simdjson.h"
 
 namespace dta {
 namespace {
@@ -39,13 +39,15 @@ absl::StatusOr<std::string> ParseName(std::string_view field, element value) {
 
 absl::StatusOr<simdjson::dom::array> ParseArray(std::string_view field, element value) {
   simdjson::dom::array array;
-  if (value.get_array().get(array) != simdjson::SUCCESS) return FieldError(field, "must be an array");
+  if (value.get_array().get(array) != simdjson::SUCCESS)
+    return FieldError(field, "must be an array");
   return array;
 }
 
 // Integers within [lo, hi], as T.
 template <typename T>
-absl::Status ParseIntegers(std::string_view field, element value, int64_t lo, int64_t hi, std::vector<T>& out) {
+absl::Status ParseIntegers(std::string_view field, element value, int64_t lo, int64_t hi,
+                           std::vector<T>& out) {
   absl::StatusOr<simdjson::dom::array> array = ParseArray(field, value);
   if (!array.ok()) return array.status();
   out.reserve(array->size());
@@ -58,7 +60,8 @@ absl::Status ParseIntegers(std::string_view field, element value, int64_t lo, in
       return FieldError(field, absl::StrCat("value ", i, " is not an integer"));
     }
     if (number < lo || number > hi) {
-      return FieldError(field, absl::StrCat("value ", i, " = ", number, " is outside [", lo, ", ", hi, "]"));
+      return FieldError(
+          field, absl::StrCat("value ", i, " = ", number, " is outside [", lo, ", ", hi, "]"));
     }
     out.push_back(static_cast<T>(number));
     ++i;
@@ -78,7 +81,8 @@ absl::Status ParseFloats(std::string_view field, element value, std::vector<floa
     }
     const float narrow = static_cast<float>(number);
     if (!std::isfinite(narrow)) {
-      return FieldError(field, absl::StrCat("value ", i, " = ", number, " is not finite in float32"));
+      return FieldError(field,
+                        absl::StrCat("value ", i, " = ", number, " is not finite in float32"));
     }
     out.push_back(narrow);
     ++i;
@@ -125,13 +129,15 @@ absl::Status ParseObject(element doc, const RolloutReadOptions& options, Rollout
       status = ParseFloats(key, value, rollout.ref_logprobs);
     } else if (key == "reward") {
       double reward;
-      if (value.get_double().get(reward) != simdjson::SUCCESS) return FieldError(key, "must be a number");
+      if (value.get_double().get(reward) != simdjson::SUCCESS)
+        return FieldError(key, "must be a number");
       rollout.reward = reward;
     } else if (key == "metadata") {
       continue;
     } else {
-      return FieldError(key, "unknown field (expected id, group, tokens, loss_mask, logprobs, versions, "
-                             "reward, advantages, ref_logprobs, metadata)");
+      return FieldError(key,
+                        "unknown field (expected id, group, tokens, loss_mask, logprobs, versions, "
+                        "reward, advantages, ref_logprobs, metadata)");
     }
     if (!status.ok()) return status;
   }
@@ -146,7 +152,8 @@ absl::Status ParseWithParser(simdjson::dom::parser& parser, const char* data, si
                              bool padded, const RolloutReadOptions& options, Rollout& rollout) {
   element doc;
   if (auto error = parser.parse(data, size, /*realloc_if_needed=*/!padded).get(doc); error) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", simdjson::error_message(error)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed JSON: ", simdjson::error_message(error)));
   }
   return ParseObject(doc, options, rollout);
 }
@@ -161,7 +168,8 @@ void AppendNumber(std::string& out, T value) {
   const auto [end, ec] = std::to_chars(buffer, buffer + sizeof(buffer), value);
   out.append(buffer, end);
   if constexpr (std::is_floating_point_v<T>) {
-    if (std::string_view(buffer, end - buffer).find_first_of(".e") == std::string_view::npos) out.append(".0");
+    if (std::string_view(buffer, end - buffer).find_first_of(".e") == std::string_view::npos)
+      out.append(".0");
   }
 }
 
@@ -193,10 +201,12 @@ bool IsBlank(std::string_view line) {
 absl::StatusOr<Rollout> ParseRolloutJson(std::string_view json, const RolloutReadOptions& options) {
   simdjson::dom::parser parser;
   Rollout rollout;
-  absl::Status status = ParseWithParser(parser, json.data(), json.size(), /*padded=*/false, options, rollout);
+  absl::Status status =
+      ParseWithParser(parser, json.data(), json.size(), /*padded=*/false, options, rollout);
   if (!status.ok()) {
     if (rollout.id.empty()) return status;
-    return absl::InvalidArgumentError(absl::StrCat("rollout '", rollout.id, "': ", status.message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rollout '", rollout.id, "': ", status.message()));
   }
   return rollout;
 }
@@ -205,7 +215,8 @@ absl::StatusOr<std::vector<Rollout>> ReadRolloutsJsonl(const std::string& path,
                                                        const RolloutReadOptions& options) {
   simdjson::padded_string text;
   if (auto error = simdjson::padded_string::load(path).get(text); error) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot read (", simdjson::error_message(error), ")"));
+    return absl::NotFoundError(
+        absl::StrCat(path, ": cannot read (", simdjson::error_message(error), ")"));
   }
   const std::string_view view(text.data(), text.size());
   std::vector<Rollout> rollouts;
@@ -219,15 +230,19 @@ absl::StatusOr<std::vector<Rollout>> ReadRolloutsJsonl(const std::string& path,
     Rollout rollout;
     // The whole file is padded, so a line can be parsed in place: simdjson may read past its end
     // but stays inside the buffer.
-    absl::Status status = ParseWithParser(parser, line.data(), line.size(), /*padded=*/true, options, rollout);
+    absl::Status status =
+        ParseWithParser(parser, line.data(), line.size(), /*padded=*/true, options, rollout);
     if (!status.ok()) {
-      const std::string who = rollout.id.empty() ? "" : absl::StrCat(" rollout '", rollout.id, "':");
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_number, ":", who, " ", status.message()));
+      const std::string who =
+          rollout.id.empty() ? "" : absl::StrCat(" rollout '", rollout.id, "':");
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", line_number, ":", who, " ", status.message()));
     }
     auto [it, inserted] = line_of_id.emplace(rollout.id, line_number);
     if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_number, ": rollout '", rollout.id,
-                                                     "': field 'id': duplicate of line ", it->second));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", line_number, ": rollout '", rollout.id,
+                       "': field 'id': duplicate of line ", it->second));
     }
     rollouts.push_back(std::move(rollout));
   }
@@ -237,8 +252,8 @@ absl::StatusOr<std::vector<Rollout>> ReadRolloutsJsonl(const std::string& path,
 std::string RolloutToJson(const Rollout& rollout) {
   std::string out;
   out.reserve(rollout.tokens.size() * 24 + 64);
-  absl::StrAppend(&out, "{\"id\":", nlohmann::json(rollout.id).dump(), ",\"group\":",
-                  nlohmann::json(rollout.group).dump());
+  absl::StrAppend(&out, "{\"id\":", nlohmann::json(rollout.id).dump(),
+                  ",\"group\":", nlohmann::json(rollout.group).dump());
   AppendArray(out, "tokens", rollout.tokens);
   AppendArray(out, "loss_mask", rollout.loss_mask);
   AppendArray(out, "logprobs", rollout.logprobs);

@@ -34,7 +34,8 @@ absl::StatusOr<std::vector<Rollout>> ReadRolloutsJsonl(const std::string& path,
                                                        const RolloutReadOptions& options = {});
 
 // Parses and validates one JSON object (no location in the message: the caller adds it).
-absl::StatusOr<Rollout> ParseRolloutJson(std::string_view json, const RolloutReadOptions& options = {});
+absl::StatusOr<Rollout> ParseRolloutJson(std::string_view json,
+                                         const RolloutReadOptions& options = {});
 
 // One line of JSON (without the newline); floats are written in their shortest exact form, so
 // reading the line back gives the same rollout bit for bit.

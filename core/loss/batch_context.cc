@@ -21,7 +21,9 @@ std::vector<const Rollout*> Pointers(absl::Span<const Rollout> rollouts) {
 
 }  // namespace
 
-BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts) { return MakeBatchContext(Pointers(rollouts)); }
+BatchLossContext MakeBatchContext(absl::Span<const Rollout> rollouts) {
+  return MakeBatchContext(Pointers(rollouts));
+}
 
 BatchLossContext MakeBatchContext(absl::Span<const Rollout* const> rollouts) {
   BatchLossContext context;
@@ -37,8 +39,8 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const
   return GroupAdvantages(Pointers(rollouts), normalize_std);
 }
 
-absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout* const> rollouts,
-                                                                bool normalize_std) {
+absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(
+    absl::Span<const Rollout* const> rollouts, bool normalize_std) {
   absl::StatusOr<std::vector<float>> per_rollout = GroupRewardAdvantages(rollouts, normalize_std);
   if (!per_rollout.ok()) return per_rollout.status();
   std::vector<std::vector<float>> out;
@@ -66,9 +68,9 @@ absl::StatusOr<std::vector<float>> GroupRewardAdvantages(absl::Span<const Rollou
     const Rollout& r = *rollout;
     if (!r.advantages.empty()) {
       if (r.advantages.size() != r.tokens.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("rollout '", r.id, "': field 'advantages': ",
-                                                       r.advantages.size(), " values for ",
-                                                       r.tokens.size(), " tokens"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("rollout '", r.id, "': field 'advantages': ", r.advantages.size(),
+                         " values for ", r.tokens.size(), " tokens"));
       }
     } else if (!r.reward.has_value()) {
       return absl::InvalidArgumentError(
@@ -111,8 +113,8 @@ absl::StatusOr<std::vector<float>> GroupRewardAdvantages(absl::Span<const Rollou
     // Rewards near the limits of double (or beyond float) give no usable advantage.
     if (!std::isfinite(static_cast<float>(a))) {
       return absl::InvalidArgumentError(absl::StrCat("rollout '", r.id, "': group '", r.group,
-                                                     "': the advantage of reward ", *r.reward, " is ", a,
-                                                     ", outside float's range"));
+                                                     "': the advantage of reward ", *r.reward,
+                                                     " is ", a, ", outside float's range"));
     }
     out.push_back(static_cast<float>(a));
   }

@@ -41,8 +41,8 @@ BatchLossContext MakeBatchContext(absl::Span<const Rollout* const> rollouts);
 // near the limits of double).
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout> rollouts,
                                                                 bool normalize_std = true);
-absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout* const> rollouts,
-                                                                bool normalize_std = true);
+absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(
+    absl::Span<const Rollout* const> rollouts, bool normalize_std = true);
 
 // The same GRPO group advantages, one value per rollout instead of one per token (what the
 // dispatcher logs and sends: a batch of 16K-token rollouts would otherwise expand into hundreds of

@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/tree/leaf_order.h"
 #include "core/base/status_macros.h"
+#include "core/tree/leaf_order.h"
 
 namespace dta {
 namespace {
@@ -20,8 +20,8 @@ absl::Status CheckGroups(int num_groups) {
 
 // Number of groups the greedy scan needs when no group may cost more than `limit`; fills `bounds`
 // with the cut when it is not null.
-int64_t GreedyGroups(absl::Span<const int64_t> lengths, absl::Span<const int64_t> lcp, int64_t limit,
-                     std::vector<int64_t>* bounds) {
+int64_t GreedyGroups(absl::Span<const int64_t> lengths, absl::Span<const int64_t> lcp,
+                     int64_t limit, std::vector<int64_t>* bounds) {
   const int64_t n = static_cast<int64_t>(lengths.size());
   if (bounds) bounds->assign({0});
   int64_t groups = 1;
@@ -71,10 +71,12 @@ absl::StatusOr<ContiguousCut> CutContiguous(absl::Span<const int64_t> lengths,
   }
   const int64_t n = static_cast<int64_t>(lengths.size());
   for (int64_t i = 0; i < n; ++i) {
-    if (lengths[i] < 0) return absl::InvalidArgumentError(absl::StrCat("length ", i, " is negative"));
+    if (lengths[i] < 0)
+      return absl::InvalidArgumentError(absl::StrCat("length ", i, " is negative"));
     if (i > 0 && (lcp[i] < 0 || lcp[i] > std::min(lengths[i - 1], lengths[i]))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("lcp ", i, " = ", lcp[i], " is outside [0, min(", lengths[i - 1], ", ", lengths[i], ")]"));
+      return absl::InvalidArgumentError(absl::StrCat("lcp ", i, " = ", lcp[i],
+                                                     " is outside [0, min(", lengths[i - 1], ", ",
+                                                     lengths[i], ")]"));
     }
   }
 
@@ -142,7 +144,8 @@ Partition DescribePartition(const PrefixTree& tree, std::vector<std::vector<Roll
   int64_t total = 0;
   for (const auto& group : partition.groups) {
     std::vector<RolloutIndex> sorted = group;
-    std::sort(sorted.begin(), sorted.end(), [&](RolloutIndex a, RolloutIndex b) { return rank[a] < rank[b]; });
+    std::sort(sorted.begin(), sorted.end(),
+              [&](RolloutIndex a, RolloutIndex b) { return rank[a] < rank[b]; });
     int64_t cost = 0;
     for (size_t i = 0; i < sorted.size(); ++i) {
       cost += tree.rollout_length(sorted[i]) - (i > 0 ? tree.Lcp(sorted[i - 1], sorted[i]) : 0);

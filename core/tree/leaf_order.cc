@@ -66,7 +66,8 @@ absl::Status CheckDfsLeafOrder(const PrefixTree& tree, absl::Span<const RolloutI
   }
   std::vector<int32_t> seen(n, 0);
   for (RolloutIndex r : order) {
-    if (r < 0 || r >= n) return absl::InvalidArgumentError(absl::StrCat("rollout ", r, " is out of range"));
+    if (r < 0 || r >= n)
+      return absl::InvalidArgumentError(absl::StrCat("rollout ", r, " is out of range"));
     if (seen[r]++) return absl::InvalidArgumentError(absl::StrCat("rollout ", r, " appears twice"));
   }
   // Contiguity: the positions of the rollouts through node v span exactly through(v) slots. The

@@ -11,7 +11,8 @@
 namespace dta {
 
 PrefixTreeBuilder::PrefixTreeBuilder(TokenStorage storage) : storage_(storage) {
-  nodes_.push_back(Node{.tokens = nullptr, .length = 0, .depth = 0, .parent = kNoNode, .through = 0});
+  nodes_.push_back(
+      Node{.tokens = nullptr, .length = 0, .depth = 0, .parent = kNoNode, .through = 0});
 }
 
 absl::StatusOr<int64_t> PrefixTreeBuilder::AddRollout(absl::Span<const TokenId> tokens) {
@@ -34,7 +35,8 @@ absl::StatusOr<int64_t> PrefixTreeBuilder::AddRollout(absl::Span<const TokenId> 
     if (it == child_of_.end()) break;
     const Node& child = nodes_[it->second];
     const int64_t limit = std::min(child.length, n - pos);
-    const int64_t same = std::mismatch(child.tokens, child.tokens + limit, tokens.data() + pos).first - child.tokens;
+    const int64_t same =
+        std::mismatch(child.tokens, child.tokens + limit, tokens.data() + pos).first - child.tokens;
     if (same < child.length) {
       partial = it->second;
       matched = same;
@@ -80,7 +82,8 @@ absl::StatusOr<int64_t> PrefixTreeBuilder::AddRollout(absl::Span<const TokenId> 
       stored = owned_.back().get();
     }
     const NodeId leaf = static_cast<NodeId>(nodes_.size());
-    nodes_.push_back(Node{.tokens = stored, .length = n - shared, .depth = shared, .parent = node, .through = 0});
+    nodes_.push_back(Node{
+        .tokens = stored, .length = n - shared, .depth = shared, .parent = node, .through = 0});
     child_of_.emplace(ChildKey(node, tokens[shared]), leaf);
     node = leaf;
   }
@@ -103,7 +106,8 @@ PrefixTreeBuilder::ChildLists PrefixTreeBuilder::SortedChildren() const {
   std::vector<int32_t> fill(lists.offset.begin(), lists.offset.end() - 1);
   for (NodeId v = 1; v < num_nodes; ++v) lists.children[fill[nodes_[v].parent]++] = v;
   for (NodeId v = 0; v < num_nodes; ++v) {
-    std::sort(lists.children.begin() + lists.offset[v], lists.children.begin() + lists.offset[v + 1],
+    std::sort(lists.children.begin() + lists.offset[v],
+              lists.children.begin() + lists.offset[v + 1],
               [&](NodeId a, NodeId b) { return nodes_[a].tokens[0] < nodes_[b].tokens[0]; });
   }
   return lists;
@@ -118,7 +122,8 @@ std::vector<NodeId> PrefixTreeBuilder::Preorder(const ChildLists& lists) const {
     stack.pop_back();
     preorder.push_back(v);
     // Push in reverse so the smallest first token is visited first.
-    for (int32_t i = lists.offset[v + 1] - 1; i >= lists.offset[v]; --i) stack.push_back(lists.children[i]);
+    for (int32_t i = lists.offset[v + 1] - 1; i >= lists.offset[v]; --i)
+      stack.push_back(lists.children[i]);
   }
   return preorder;
 }
@@ -224,7 +229,8 @@ PrefixTree PrefixTreeBuilder::Build() && {
   return tree;
 }
 
-absl::StatusOr<PrefixTree> PrefixTree::FromRollouts(absl::Span<const std::vector<TokenId>> rollouts) {
+absl::StatusOr<PrefixTree> PrefixTree::FromRollouts(
+    absl::Span<const std::vector<TokenId>> rollouts) {
   PrefixTreeBuilder builder;
   for (size_t r = 0; r < rollouts.size(); ++r) {
     if (auto added = builder.AddRollout(rollouts[r]); !added.ok()) {

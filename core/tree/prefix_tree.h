@@ -36,7 +36,6 @@
 
 namespace dta {
 
-
 class PrefixTree {
  public:
   PrefixTree(PrefixTree&&) = default;
@@ -46,8 +45,7 @@ class PrefixTree {
 
   // Builds the tree of `rollouts` in one call. Fails like PrefixTreeBuilder::AddRollout, naming
   // the rollout's index.
-  static absl::StatusOr<PrefixTree> FromRollouts(
-      absl::Span<const std::vector<TokenId>> rollouts);
+  static absl::StatusOr<PrefixTree> FromRollouts(absl::Span<const std::vector<TokenId>> rollouts);
 
   // Nodes, the root included.
   int32_t num_nodes() const { return static_cast<int32_t>(parent_.size()); }
@@ -101,7 +99,9 @@ class PrefixTree {
   // Deepest common ancestor of two nodes. Cost: the number of levels walked up from `a`.
   NodeId Lca(NodeId a, NodeId b) const;
   // Length of the longest common prefix of two rollouts.
-  int64_t Lcp(RolloutIndex a, RolloutIndex b) const { return end_depth(Lca(end_node_[a], end_node_[b])); }
+  int64_t Lcp(RolloutIndex a, RolloutIndex b) const {
+    return end_depth(Lca(end_node_[a], end_node_[b]));
+  }
   // The node holding position `position` (0-based) of rollout `r`, found by walking up from its
   // end node. Requires 0 <= position < rollout_length(r). For tests and tools, not hot paths.
   NodeId NodeAt(RolloutIndex r, int64_t position) const;

@@ -3,8 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "core/tree/leaf_order.h"
 #include "core/base/status_macros.h"
+#include "core/tree/leaf_order.h"
 
 namespace dta {
 namespace {
@@ -13,7 +13,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 // What the traversal visits in turn: one rollout, or a packed run of rollouts.
 struct Unit {
-  int32_t first = 0;          // positions [first, last) of the leaf order
+  int32_t first = 0;  // positions [first, last) of the leaf order
   int32_t last = 0;
   int64_t lcp = 0;            // shared with the previous unit: where this unit's forward starts
   int64_t top = 0;            // stack height after the unit: its length, or the packed depth
@@ -23,8 +23,8 @@ struct Unit {
 // Groups the order into units. A run order[i..j] is packed when its common prefix d is at least
 // what the stack holds when it starts (lcp[i]) and at least what the next rollout shares with it
 // (so its tokens above d are complete subtrees), and its unique tokens above d fit in B.
-std::vector<Unit> MakeUnits(absl::Span<const int64_t> length, absl::Span<const int64_t> lcp, int64_t block,
-                            bool pack) {
+std::vector<Unit> MakeUnits(absl::Span<const int64_t> length, absl::Span<const int64_t> lcp,
+                            int64_t block, bool pack) {
   const int32_t n = static_cast<int32_t>(length.size());
   std::vector<Unit> units;
   for (int32_t i = 0; i < n;) {
@@ -44,7 +44,11 @@ std::vector<Unit> MakeUnits(absl::Span<const int64_t> length, absl::Span<const i
       }
     }
     if (best > i && best_tokens > 0) {
-      units.push_back({.first = i, .last = best + 1, .lcp = lcp[i], .top = best_depth, .packed_tokens = best_tokens});
+      units.push_back({.first = i,
+                       .last = best + 1,
+                       .lcp = lcp[i],
+                       .top = best_depth,
+                       .packed_tokens = best_tokens});
       i = best + 1;
     } else {
       units.push_back({.first = i, .last = i + 1, .lcp = lcp[i], .top = length[i]});
@@ -57,11 +61,15 @@ std::vector<Unit> MakeUnits(absl::Span<const int64_t> length, absl::Span<const i
 class Planner {
  public:
   Planner(const ScheduleOptions& options, Schedule& schedule)
-      : block_(options.block_size), budget_(options.graph_budget), training_(options.training), schedule_(schedule) {}
+      : block_(options.block_size),
+        budget_(options.graph_budget),
+        training_(options.training),
+        schedule_(schedule) {}
 
   // Pushes positions [begin, end) of `rollout`'s path. `cuts` are the later pop targets inside
   // (begin, end), decreasing; `auto_keep` keeps the topmost chunk's graph for the next pop.
-  void Forward(RolloutIndex rollout, int64_t begin, int64_t end, const std::vector<int64_t>& cuts, bool auto_keep) {
+  void Forward(RolloutIndex rollout, int64_t begin, int64_t end, const std::vector<int64_t>& cuts,
+               bool auto_keep) {
     if (begin == end) return;
     if (!training_) {
       Emit({.kind = StepKind::kForward, .rollout = rollout, .begin = begin, .end = end});
@@ -85,7 +93,8 @@ class Planner {
       }
       hi = lo;
     }
-    // Graphs: the first chunk the next pop needs, then whatever fits the budget, nearest pops first.
+    // Graphs: the first chunk the next pop needs, then whatever fits the budget, nearest pops
+    // first.
     for (size_t k = 0; k < chunks.size(); ++k) {
       Piece& chunk = chunks[k];
       if (k == 0 && auto_keep) {
@@ -99,11 +108,15 @@ class Planner {
     for (size_t k = chunks.size(); k-- > 0;) {
       const Piece& chunk = chunks[k];
       const bool merge = !chunk.kept && !schedule_.steps.empty() && pieces_open_ &&
-                         schedule_.steps.back().kind == StepKind::kForward && !schedule_.steps.back().with_graph;
+                         schedule_.steps.back().kind == StepKind::kForward &&
+                         !schedule_.steps.back().with_graph;
       if (merge) {
         schedule_.steps.back().end = chunk.end;
       } else {
-        Emit({.kind = StepKind::kForward, .with_graph = chunk.kept, .rollout = rollout, .begin = chunk.begin,
+        Emit({.kind = StepKind::kForward,
+              .with_graph = chunk.kept,
+              .rollout = rollout,
+              .begin = chunk.begin,
               .end = chunk.end});
       }
       pieces_open_ = true;
@@ -120,7 +133,12 @@ class Planner {
   }
 
   void Packed(RolloutIndex rollout, int32_t first, int32_t last, int64_t tokens) {
-    Emit({.kind = StepKind::kPacked, .rollout = rollout, .begin = top_, .end = top_, .first = first, .last = last,
+    Emit({.kind = StepKind::kPacked,
+          .rollout = rollout,
+          .begin = top_,
+          .end = top_,
+          .first = first,
+          .last = last,
           .packed_tokens = tokens});
     Peak(tokens);
   }
@@ -137,7 +155,10 @@ class Planner {
       const Piece chunk = pieces_.back();
       pieces_.pop_back();
       if (!chunk.kept) Peak(chunk.size());  // the recomputed graph lives during its backward
-      Emit({.kind = StepKind::kBackward, .reuses_graph = chunk.kept, .rollout = rollout, .begin = chunk.begin,
+      Emit({.kind = StepKind::kBackward,
+            .reuses_graph = chunk.kept,
+            .rollout = rollout,
+            .begin = chunk.begin,
             .end = chunk.end});
       Emit({.kind = StepKind::kPop, .rollout = rollout, .begin = chunk.begin, .end = chunk.end});
       if (chunk.kept) live_ -= chunk.size();
@@ -176,7 +197,8 @@ void Summarize(Schedule& schedule) {
     switch (step.kind) {
       case StepKind::kForward:
         schedule.num_forward_steps++;
-        (step.with_graph ? schedule.forwarded_with_graph : schedule.forwarded_without_graph) += step.size();
+        (step.with_graph ? schedule.forwarded_with_graph : schedule.forwarded_without_graph) +=
+            step.size();
         break;
       case StepKind::kBackward:
         schedule.num_backward_steps++;
@@ -201,10 +223,12 @@ void Summarize(Schedule& schedule) {
 absl::StatusOr<Schedule> BuildSchedule(const PrefixTree& tree, absl::Span<const RolloutIndex> order,
                                        const ScheduleOptions& options) {
   if (options.block_size < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("block_size must be >= 1, got ", options.block_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size must be >= 1, got ", options.block_size));
   }
   if (options.graph_budget < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("graph_budget must be >= 0, got ", options.graph_budget));
+    return absl::InvalidArgumentError(
+        absl::StrCat("graph_budget must be >= 0, got ", options.graph_budget));
   }
   RETURN_IF_ERROR(CheckDfsLeafOrder(tree, order));
 
@@ -217,7 +241,8 @@ absl::StatusOr<Schedule> BuildSchedule(const PrefixTree& tree, absl::Span<const 
   const std::vector<int64_t> lcp = ConsecutiveLcps(tree, order);
   std::vector<int64_t> length(order.size());
   for (size_t i = 0; i < order.size(); ++i) length[i] = tree.rollout_length(order[i]);
-  const std::vector<Unit> units = MakeUnits(length, lcp, options.block_size, options.pack && options.training);
+  const std::vector<Unit> units =
+      MakeUnits(length, lcp, options.block_size, options.pack && options.training);
 
   Planner planner(options, schedule);
   std::vector<int64_t> cuts;
@@ -262,8 +287,8 @@ std::string StepToString(const Step& step) {
     case StepKind::kPop:
       return absl::StrCat("pop r", step.rollout, " [", step.begin, ",", step.end, ")");
     case StepKind::kPacked:
-      return absl::StrCat("packed [", step.first, ",", step.last, ") above ", step.begin, ": ", step.packed_tokens,
-                          " tokens");
+      return absl::StrCat("packed [", step.first, ",", step.last, ") above ", step.begin, ": ",
+                          step.packed_tokens, " tokens");
   }
   return "?";
 }

@@ -18,8 +18,8 @@
 // After the last rollout the stack is popped down to 0 the same way.
 //
 // Chunks are fixed when their tokens are forwarded: a forward range is cut at every later pop
-// target that falls inside it (so each pop removes whole chunks) and each piece is split evenly into
-// ceil(size / B) chunks of at most B tokens (Algorithm 3's evenly spaced boundaries).
+// target that falls inside it (so each pop removes whole chunks) and each piece is split evenly
+// into ceil(size / B) chunks of at most B tokens (Algorithm 3's evenly spaced boundaries).
 //
 // Packing (beyond the paper): consecutive rollouts whose unique tokens beyond their common prefix
 // d fit in B tokens, and which form complete subtrees below d, become one kPacked step that
@@ -93,7 +93,7 @@ struct Step {
   RolloutIndex rollout = 0;   // the path the range lies on; for kAttachLoss the rollout itself
   int64_t begin = 0;          // path positions [begin, end); for kAttachLoss [0, length)
   int64_t end = 0;
-  int32_t first = 0;          // kPacked: positions in the leaf order, [first, last)
+  int32_t first = 0;  // kPacked: positions in the leaf order, [first, last)
   int32_t last = 0;
   int64_t packed_tokens = 0;  // kPacked: unique tokens above `begin`
 
@@ -119,9 +119,9 @@ struct Schedule {
   int64_t num_forward_steps = 0;
   int64_t num_backward_steps = 0;
   int64_t num_packed_steps = 0;
-  int64_t packed = 0;             // tokens in kPacked steps (forwarded with a graph, backpropagated)
-  int64_t largest_backward = 0;   // the largest kBackward or kPacked step, in tokens
-  int64_t peak_live_graphs = 0;   // the most tokens whose graphs were alive at once
+  int64_t packed = 0;            // tokens in kPacked steps (forwarded with a graph, backpropagated)
+  int64_t largest_backward = 0;  // the largest kBackward or kPacked step, in tokens
+  int64_t peak_live_graphs = 0;  // the most tokens whose graphs were alive at once
 
   // Tokens forwarded again for their backward / tree tokens (0 = nothing recomputed).
   double recompute_overhead() const {

@@ -28,15 +28,18 @@ std::vector<NodeId> LeafNodes(const PrefixTree& tree) {
   return leaves;
 }
 
-absl::Status CheckCapacity(const PrefixTree& tree, absl::Span<const NodeId> leaves, int64_t capacity) {
+absl::Status CheckCapacity(const PrefixTree& tree, absl::Span<const NodeId> leaves,
+                           int64_t capacity) {
   if (capacity < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("capacity must be at least 1 token, got ", capacity));
+    return absl::InvalidArgumentError(
+        absl::StrCat("capacity must be at least 1 token, got ", capacity));
   }
   int64_t longest = 0;
   for (NodeId leaf : leaves) longest = std::max(longest, tree.end_depth(leaf));
   if (capacity < longest) {
-    return absl::InvalidArgumentError(absl::StrCat("capacity ", capacity, " is below the longest rollout (",
-                                                   longest, " tokens), which then fits in no batch"));
+    return absl::InvalidArgumentError(absl::StrCat("capacity ", capacity,
+                                                   " is below the longest rollout (", longest,
+                                                   " tokens), which then fits in no batch"));
   }
   return absl::OkStatus();
 }
@@ -64,7 +67,8 @@ TreePartition BuildPartition(const PrefixTree& tree, absl::Span<const NodeId> le
     const auto ending = tree.rollouts_ending_at(v);
     if (ending.empty()) continue;
     const int32_t label = group_of[first_leaf[v]];
-    const auto [it, inserted] = batch_of_label.try_emplace(label, static_cast<int32_t>(partition.batches.size()));
+    const auto [it, inserted] =
+        batch_of_label.try_emplace(label, static_cast<int32_t>(partition.batches.size()));
     if (inserted) partition.batches.emplace_back();
     auto& rollouts = partition.batches[it->second].rollouts;
     rollouts.insert(rollouts.end(), ending.begin(), ending.end());
@@ -83,7 +87,9 @@ TreePartition BuildPartition(const PrefixTree& tree, absl::Span<const NodeId> le
   }
   const int64_t redundant = partition.flattened_tokens - partition.tree_tokens;
   partition.effective_reuse_ratio =
-      redundant > 0 ? static_cast<double>(partition.flattened_tokens - partition.total_tokens) / redundant : 1.0;
+      redundant > 0
+          ? static_cast<double>(partition.flattened_tokens - partition.total_tokens) / redundant
+          : 1.0;
   return partition;
 }
 
@@ -144,7 +150,8 @@ std::vector<int32_t> GroupBottomUp(const PrefixTree& tree, int64_t capacity) {
   }
   std::vector<int32_t> group_of(num_nodes, -1);
   for (const auto& [total, bin] : open[kRootNode]) {
-    for (NodeId leaf = bins[bin].head; leaf != kNoNode; leaf = next_leaf[leaf]) group_of[leaf] = bin;
+    for (NodeId leaf = bins[bin].head; leaf != kNoNode; leaf = next_leaf[leaf])
+      group_of[leaf] = bin;
   }
   return group_of;
 }
@@ -176,7 +183,8 @@ std::vector<int32_t> GroupContiguous(const PrefixTree& tree, int64_t capacity) {
     stack.insert(stack.end(), kids.rbegin(), kids.rend());
   }
   const int32_t n = static_cast<int32_t>(order.size());
-  // cost(i..j) = s[j + 1] - s[i] + lcp[i], with s the prefix sums of length - lcp with the previous.
+  // cost(i..j) = s[j + 1] - s[i] + lcp[i], with s the prefix sums of length - lcp with the
+  // previous.
   std::vector<int64_t> lcp(n, 0), s(n + 1, 0);
   for (int32_t i = 0; i < n; ++i) {
     if (i > 0) lcp[i] = tree.end_depth(tree.Lca(order[i - 1], order[i]));
@@ -223,8 +231,9 @@ absl::StatusOr<TreePartition> PartitionTreeExact(const PrefixTree& tree, int64_t
   RETURN_IF_ERROR(CheckCapacity(tree, leaves, capacity));
   const int n = static_cast<int>(leaves.size());
   if (n > kMaxExactLeaves) {
-    return absl::FailedPreconditionError(absl::StrCat("the exact partition handles at most ", kMaxExactLeaves,
-                                                      " distinct leaf sequences, the tree has ", n));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the exact partition handles at most ", kMaxExactLeaves,
+                     " distinct leaf sequences, the tree has ", n));
   }
   std::vector<std::vector<int64_t>> lcp(n, std::vector<int64_t>(n, 0));
   for (int a = 0; a < n; ++a) {
@@ -237,7 +246,8 @@ absl::StatusOr<TreePartition> PartitionTreeExact(const PrefixTree& tree, int64_t
   for (uint32_t mask = 1; mask <= full; ++mask) {
     const int high = std::bit_width(mask) - 1;
     const uint32_t rest = mask ^ (uint32_t{1} << high);
-    cost[mask] = cost[rest] + tree.end_depth(leaves[high]) - (rest ? lcp[std::bit_width(rest) - 1][high] : 0);
+    cost[mask] = cost[rest] + tree.end_depth(leaves[high]) -
+                 (rest ? lcp[std::bit_width(rest) - 1][high] : 0);
   }
   // best[mask]: the cheapest partition of the leaves in mask, as (tokens, batches); choice[mask]:
   // its batch holding the lowest leaf. A set that fits in one batch is best as one batch (a union

@@ -9,10 +9,10 @@
 // a partition can remove at best) and ERR (the share of it that the partition does remove).
 //
 // Only leaves (distinct leaf sequences) decide the cost: a rollout that ends at an internal node is
-// a prefix of every leaf below it and duplicates end at the same node, so both are placed, for free,
-// in a batch that holds a leaf below (or at) their end node. Partitioning the leaves is NP-hard in
-// general (it contains bin packing), hence a greedy for real trees and an exhaustive optimum for
-// small ones (ground truth for tests).
+// a prefix of every leaf below it and duplicates end at the same node, so both are placed, for
+// free, in a batch that holds a leaf below (or at) their end node. Partitioning the leaves is
+// NP-hard in general (it contains bin packing), hence a greedy for real trees and an exhaustive
+// optimum for small ones (ground truth for tests).
 //
 // Example (tokens abbreviated): A = 19 shared tokens, then two branches of 12 tokens, each with two
 // 10-token leaves; tree 83, flattened 164 (POR 0.49). With capacity 64 the partition is one batch
@@ -39,9 +39,10 @@ struct TreeBatch {
 struct TreePartition {
   // Ordered by their first rollout in lexicographic order. Never empty batches.
   std::vector<TreeBatch> batches;
-  int64_t total_tokens = 0;      // sum of batch tokens (what packed training computes)
-  int64_t tree_tokens = 0;       // the whole tree's unique tokens (the ideal)
-  int64_t flattened_tokens = 0;  // Tree Training's baseline: every leaf path (distinct leaf sequence) on its own
+  int64_t total_tokens = 0;  // sum of batch tokens (what packed training computes)
+  int64_t tree_tokens = 0;   // the whole tree's unique tokens (the ideal)
+  int64_t flattened_tokens =
+      0;  // Tree Training's baseline: every leaf path (distinct leaf sequence) on its own
   // ERR: the fraction of the redundant tokens (flattened - tree) that the partition eliminates,
   // (flattened - total) / (flattened - tree); 1 when nothing is redundant.
   double effective_reuse_ratio = 1;
@@ -51,11 +52,12 @@ struct TreePartition {
 // exact bin packing replaced by best-fit decreasing). Bottom-up, every node packs the partial
 // batches coming from its children: merging two partial batches at node v saves v's root path
 // (end_depth(v) tokens), so deep merges, which save the most, are made first; at each node the
-// largest partial batches (the deepest leaves) are placed first, each into the fullest partial batch
-// it still fits with (which groups leaves of similar depths), and a partial batch that fits nowhere
-// starts a new batch. The result is then compared with the best cut of a DFS leaf order (children
-// deepest first) into contiguous batches, the paper's "new traversal whenever the accumulated length
-// exceeds the capacity" made optimal by a linear DP, and the cheaper of the two is returned.
+// largest partial batches (the deepest leaves) are placed first, each into the fullest partial
+// batch it still fits with (which groups leaves of similar depths), and a partial batch that fits
+// nowhere starts a new batch. The result is then compared with the best cut of a DFS leaf order
+// (children deepest first) into contiguous batches, the paper's "new traversal whenever the
+// accumulated length exceeds the capacity" made optimal by a linear DP, and the cheaper of the two
+// is returned.
 //
 // Guarantees: every rollout is in exactly one batch; every batch's tokens are exact and within
 // capacity; total_tokens <= flattened_tokens (never worse than one leaf sequence per batch); one

@@ -32,7 +32,8 @@ TreeStats ComputeTreeStats(const PrefixTree& tree) {
     }
     if (!ending.empty()) stats.num_duplicate_rollouts += static_cast<int32_t>(ending.size()) - 1;
     stats.longest_rollout = std::max(stats.longest_rollout, tree.end_depth(v));
-    stats.max_children = std::max(stats.max_children, static_cast<int32_t>(tree.children(v).size()));
+    stats.max_children =
+        std::max(stats.max_children, static_cast<int32_t>(tree.children(v).size()));
     stats.max_level = std::max(stats.max_level, tree.level(v));
     stats.tree_attention_work += ContextSum(tree.depth(v), tree.end_depth(v));
   }
@@ -43,7 +44,8 @@ TreeStats ComputeTreeStats(const PrefixTree& tree) {
     stats.compression = static_cast<double>(stats.rollout_tokens) / stats.tree_tokens;
     stats.prefix_sharing = 1.0 - 1.0 / stats.compression;
     stats.leaf_compression = static_cast<double>(stats.leaf_tokens) / stats.tree_tokens;
-    stats.potential_overlap_ratio = 1.0 - static_cast<double>(stats.tree_tokens) / stats.leaf_tokens;
+    stats.potential_overlap_ratio =
+        1.0 - static_cast<double>(stats.tree_tokens) / stats.leaf_tokens;
     stats.attention_compression = stats.dense_attention_work / stats.tree_attention_work;
   }
   return stats;

@@ -8,9 +8,11 @@
 namespace dta {
 
 absl::Status ValidateBatchOptions(const BatchOptions& options) {
-  if (options.rollouts < 0 || options.tokens < 0 || (options.rollouts > 0) == (options.tokens > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("batch: exactly one of 'rollouts' (", options.rollouts,
-                                                   ") and 'tokens' (", options.tokens, ") must be positive"));
+  if (options.rollouts < 0 || options.tokens < 0 ||
+      (options.rollouts > 0) == (options.tokens > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("batch: exactly one of 'rollouts' (",
+                                                   options.rollouts, ") and 'tokens' (",
+                                                   options.tokens, ") must be positive"));
   }
   if (options.max_staleness < -1) {
     return absl::InvalidArgumentError(
@@ -54,13 +56,15 @@ BatchSelection SelectBatch(absl::Span<const Rollout* const> pending, int64_t pol
 
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
                                              bool with_advantages, bool normalize_std) {
-  if (world_size < 1) return absl::InvalidArgumentError(absl::StrCat("world size ", world_size, " < 1"));
+  if (world_size < 1)
+    return absl::InvalidArgumentError(absl::StrCat("world size ", world_size, " < 1"));
   // The batch outlives the plan's computation, so the trie points into its tokens instead of
   // copying them, and only the order and LCPs come out (the split needs nothing else).
   PrefixTreeBuilder builder(TokenStorage::kBorrow);
   for (const Rollout* rollout : batch) {
     if (absl::StatusOr<int64_t> added = builder.AddRollout(rollout->tokens); !added.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("rollout '", rollout->id, "': ", added.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rollout '", rollout->id, "': ", added.status().message()));
     }
   }
   PartitionPlan plan;

@@ -4,8 +4,8 @@
 //   SelectBatch    which pending trajectories form the step's batch, oldest first, and which are
 //                  too stale to train (AReaL's max staleness: policy version lag).
 //   PlanPartitions what needs the whole batch, then the split: GRPO group advantages and the loss
-//                  normalisers over the whole batch; the lexicographic, DFS-contiguous, load-balanced
-//                  split across trainers (AReaL-DTA Algorithm 4, core/partition).
+//                  normalisers over the whole batch; the lexicographic, DFS-contiguous,
+//                  load-balanced split across trainers (AReaL-DTA Algorithm 4, core/partition).
 #pragma once
 
 #include <cstdint>
@@ -13,9 +13,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "core/partition/partition.h"
 #include "core/io/rollout.h"
 #include "core/loss/batch_context.h"
+#include "core/partition/partition.h"
 
 namespace dta {
 
@@ -42,10 +42,10 @@ absl::Status ValidateBatchOptions(const BatchOptions& options);
 int64_t Staleness(const Rollout& rollout, int64_t policy_version);
 
 struct BatchSelection {
-  bool ready = false;            // enough fresh trajectories for a batch
-  std::vector<int64_t> batch;    // ready: positions in `pending` of the batch, in pending order
-  std::vector<int64_t> stale;    // ready: positions of the stale trajectories met on the way
-  int64_t fresh_rollouts = 0;    // what is there (the progress towards a batch when not ready)
+  bool ready = false;          // enough fresh trajectories for a batch
+  std::vector<int64_t> batch;  // ready: positions in `pending` of the batch, in pending order
+  std::vector<int64_t> stale;  // ready: positions of the stale trajectories met on the way
+  int64_t fresh_rollouts = 0;  // what is there (the progress towards a batch when not ready)
   int64_t fresh_tokens = 0;
 };
 

@@ -46,7 +46,8 @@ std::shared_ptr<grpc::Channel> DispatcherChannel(const ClientOptions& options) {
     credentials = grpc::SslCredentials(ssl);
   }
   grpc::ChannelArguments arguments;
-  arguments.SetMaxReceiveMessageSize(-1);  // partitions can be large; the server limits what it sends
+  arguments.SetMaxReceiveMessageSize(
+      -1);  // partitions can be large; the server limits what it sends
   return grpc::CreateCustomChannel(options.address, credentials, arguments);
 }
 
@@ -59,7 +60,8 @@ void TrainerClient::Prepare(grpc::ClientContext& context) const {
   if (!options_.token.empty()) context.AddMetadata("authorization", "Bearer " + options_.token);
 }
 
-absl::StatusOr<v1::RegisterTrainerResponse> TrainerClient::Register(const v1::RegisterTrainerRequest& request) {
+absl::StatusOr<v1::RegisterTrainerResponse> TrainerClient::Register(
+    const v1::RegisterTrainerRequest& request) {
   v1::RegisterTrainerResponse response;
   const grpc::Status status = WithRetries(options_, [&] {
     grpc::ClientContext context;
@@ -119,7 +121,8 @@ absl::StatusOr<v1::GetStatusResponse> TrainerClient::Status() {
 RolloutSender::RolloutSender(ClientOptions options)
     : options_(std::move(options)), stub_(v1::Dispatcher::NewStub(DispatcherChannel(options_))) {}
 
-absl::StatusOr<std::vector<v1::IngestResponse>> RolloutSender::Send(absl::Span<const v1::Trajectory> trajectories) {
+absl::StatusOr<std::vector<v1::IngestResponse>> RolloutSender::Send(
+    absl::Span<const v1::Trajectory> trajectories) {
   std::vector<v1::IngestResponse> answers;
   answers.reserve(trajectories.size());
   const absl::Time give_up = absl::Now() + options_.retry_for;
@@ -130,8 +133,10 @@ absl::StatusOr<std::vector<v1::IngestResponse>> RolloutSender::Send(absl::Span<c
     if (!options_.token.empty()) context.AddMetadata("authorization", "Bearer " + options_.token);
     // A stream lives as long as it makes progress; each answer must come within call_timeout.
     context.set_deadline(absl::ToChronoTime(
-        absl::Now() + options_.call_timeout * static_cast<double>(trajectories.size() - answers.size() + 1)));
-    std::unique_ptr<grpc::ClientReaderWriter<v1::IngestRequest, v1::IngestResponse>> stream = stub_->Ingest(&context);
+        absl::Now() +
+        options_.call_timeout * static_cast<double>(trajectories.size() - answers.size() + 1)));
+    std::unique_ptr<grpc::ClientReaderWriter<v1::IngestRequest, v1::IngestResponse>> stream =
+        stub_->Ingest(&context);
     const size_t before = answers.size();
     v1::IngestRequest request;
     v1::IngestResponse answer;
@@ -143,12 +148,14 @@ absl::StatusOr<std::vector<v1::IngestResponse>> RolloutSender::Send(absl::Span<c
     if (answers.size() == trajectories.size()) stream->WritesDone();
     const grpc::Status status = stream->Finish();
     if (answers.size() == trajectories.size()) break;
-    if (!status.ok() && !Retryable(status.error_code()) && status.error_code() != grpc::StatusCode::CANCELLED) {
+    if (!status.ok() && !Retryable(status.error_code()) &&
+        status.error_code() != grpc::StatusCode::CANCELLED) {
       return FromGrpc(status);
     }
     if (absl::Now() >= give_up) {
-      return absl::UnavailableError(absl::StrCat(trajectories.size() - answers.size(),
-                                                 " trajectories not acknowledged: ", status.error_message()));
+      return absl::UnavailableError(
+          absl::StrCat(trajectories.size() - answers.size(),
+                       " trajectories not acknowledged: ", status.error_message()));
     }
     if (answers.size() == before) {  // no progress: back off before reconnecting
       std::this_thread::sleep_for(absl::ToChronoNanoseconds(backoff));

@@ -58,7 +58,8 @@ class RolloutSender {
   // or REJECTED (with the field and reason). When the stream breaks, reconnects and resends from
   // the first unanswered trajectory. UNAVAILABLE if the dispatcher stays unreachable for
   // retry_for; UNAUTHENTICATED for a wrong token.
-  absl::StatusOr<std::vector<v1::IngestResponse>> Send(absl::Span<const v1::Trajectory> trajectories);
+  absl::StatusOr<std::vector<v1::IngestResponse>> Send(
+      absl::Span<const v1::Trajectory> trajectories);
 
  private:
   const ClientOptions options_;

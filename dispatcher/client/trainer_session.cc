@@ -1,8 +1,8 @@
 #include "dispatcher/client/trainer_session.h"
 
+#include "core/base/status_macros.h"
 #include "dispatcher/client/dispatcher_client.h"
 #include "dispatcher/wire/trajectory.h"
-#include "core/base/status_macros.h"
 
 namespace dta {
 namespace {
@@ -40,11 +40,13 @@ class GrpcTrainerSession final : public TrainerSession {
     out.num_rollouts = partition->num_rollouts();
     out.tree_tokens = partition->tree_tokens();
     out.rollouts.reserve(partition->trajectories_size());
-    for (const v1::Trajectory& t : partition->trajectories()) out.rollouts.push_back(RolloutFromTrajectory(t));
+    for (const v1::Trajectory& t : partition->trajectories())
+      out.rollouts.push_back(RolloutFromTrajectory(t));
     return out;
   }
 
-  absl::StatusOr<StepDecision> Prepared(const PreparedStep& step, int64_t* policy_version) override {
+  absl::StatusOr<StepDecision> Prepared(const PreparedStep& step,
+                                        int64_t* policy_version) override {
     v1::StepReport report = Base(step.step);
     report.set_phase(v1::StepReport::PREPARED);
     report.set_loss(step.loss);
@@ -57,7 +59,8 @@ class GrpcTrainerSession final : public TrainerSession {
     absl::StatusOr<v1::ReportStepResponse> decision = client_.Report(report);
     if (!decision.ok()) return decision.status();
     if (policy_version != nullptr) *policy_version = decision->policy_version();
-    return decision->decision() == v1::ReportStepResponse::COMMIT ? StepDecision::kCommit : StepDecision::kAbort;
+    return decision->decision() == v1::ReportStepResponse::COMMIT ? StepDecision::kCommit
+                                                                  : StepDecision::kAbort;
   }
 
   void Failed(int64_t step, const std::string& error) override {
@@ -83,8 +86,8 @@ class GrpcTrainerSession final : public TrainerSession {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<TrainerSession>> TrainerSession::Register(const ClientOptions& options,
-                                                                         const TrainerIdentity& identity) {
+absl::StatusOr<std::unique_ptr<TrainerSession>> TrainerSession::Register(
+    const ClientOptions& options, const TrainerIdentity& identity) {
   auto session = std::make_unique<GrpcTrainerSession>(options, identity);
   RETURN_IF_ERROR(session->Register());
   return session;

@@ -11,19 +11,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "dispatcher/client/client_options.h"
 #include "core/io/rollout.h"
+#include "dispatcher/client/client_options.h"
 
 namespace dta {
 
 struct TrainerIdentity {
   int32_t rank = 0;
   int32_t world_size = 1;
-  std::string device;        // e.g. "cuda:0"
-  int64_t resume_step = 0;   // committed steps the trainer's weights include
-  std::string trainer_id;    // unique per process, e.g. "host:pid:start"
+  std::string device;       // e.g. "cuda:0"
+  int64_t resume_step = 0;  // committed steps the trainer's weights include
+  std::string trainer_id;   // unique per process, e.g. "host:pid:start"
   // What every trajectory must satisfy for this trainer (see RegisterTrainerRequest).
-  int64_t vocab_size = 0;    // the model's vocabulary; 0: not checked
+  int64_t vocab_size = 0;  // the model's vocabulary; 0: not checked
   bool needs_ref_logprobs = false;
   bool needs_advantages = false;
 };
@@ -33,8 +33,8 @@ struct StepPartition {
   int64_t step = 0;
   bool replay = false;
   int64_t policy_version = 0;
-  std::vector<Rollout> rollouts;   // lexicographic order, advantages over the whole batch
-  double total_loss_tokens = 0;    // the whole batch's normalisers
+  std::vector<Rollout> rollouts;  // lexicographic order, advantages over the whole batch
+  double total_loss_tokens = 0;   // the whole batch's normalisers
   int64_t num_rollouts = 0;
   int64_t tree_tokens = 0;
 };
@@ -64,7 +64,8 @@ class TrainerSession {
   // The step's partition, waiting for it. ABORTED: the generation is over.
   virtual absl::StatusOr<StepPartition> Fetch(int64_t step) = 0;
   // PREPARED, then the decision (waiting for the other ranks).
-  virtual absl::StatusOr<StepDecision> Prepared(const PreparedStep& step, int64_t* policy_version) = 0;
+  virtual absl::StatusOr<StepDecision> Prepared(const PreparedStep& step,
+                                                int64_t* policy_version) = 0;
   // FAILED: the step is abandoned on every rank. Best effort.
   virtual void Failed(int64_t step, const std::string& error) = 0;
 };

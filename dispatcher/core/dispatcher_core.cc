@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/base/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
-#include "core/base/status_macros.h"
 
 // xxHash (Debian's libxxhash-dev), header-only: XXH3's output is stable across versions and
 // machines, which the fingerprints a compacted log stores need.
@@ -83,7 +83,8 @@ class FieldHasher {
 // protobuf's serializer nor on fields the dispatcher ignores (unknown ones), and a compacted log's
 // retired fingerprints stay valid across versions.
 uint64_t Fingerprint(const Rollout& rollout, const std::map<std::string, std::string>& metadata) {
-  static_assert(std::endian::native == std::endian::little, "the fingerprint layout is little-endian");
+  static_assert(std::endian::native == std::endian::little,
+                "the fingerprint layout is little-endian");
   FieldHasher h;
   h.Text(rollout.id);
   h.Text(rollout.group);
@@ -105,21 +106,24 @@ uint64_t Fingerprint(const Rollout& rollout, const std::map<std::string, std::st
 // What the log stores for a received trajectory: its deterministic serialization without fields
 // the dispatcher does not know (a newer client's). Copies the message only when it has some.
 std::string KnownFieldBytes(const v1::Trajectory& trajectory) {
-  if (trajectory.GetReflection()->GetUnknownFields(trajectory).empty()) return DeterministicBytes(trajectory);
+  if (trajectory.GetReflection()->GetUnknownFields(trajectory).empty())
+    return DeterministicBytes(trajectory);
   v1::Trajectory known = trajectory;
   known.DiscardUnknownFields();
   return DeterministicBytes(known);
 }
 
 // The same for a stored one (a compaction rewrites it from what the dispatcher kept).
-std::string StoredBytes(const Rollout& rollout, const std::map<std::string, std::string>& metadata) {
+std::string StoredBytes(const Rollout& rollout,
+                        const std::map<std::string, std::string>& metadata) {
   v1::Trajectory trajectory = TrajectoryFromRollout(rollout);
   trajectory.mutable_metadata()->insert(metadata.begin(), metadata.end());
   return DeterministicBytes(trajectory);
 }
 
 template <typename Message>
-absl::Status ParseRecord(const WalRecord& record, const std::string& path, const char* what, Message& message) {
+absl::Status ParseRecord(const WalRecord& record, const std::string& path, const char* what,
+                         Message& message) {
   if (message.ParseFromArray(record.payload.data(), static_cast<int>(record.payload.size()))) {
     return absl::OkStatus();
   }
@@ -134,7 +138,8 @@ v1::IngestResponse Accepted(const std::string& id, bool already_accepted) {
   return response;
 }
 
-v1::IngestResponse Rejected(const std::string& id, const std::string& field, const std::string& reason) {
+v1::IngestResponse Rejected(const std::string& id, const std::string& field,
+                            const std::string& reason) {
   v1::IngestResponse response;
   response.set_id(id);
   response.set_outcome(v1::IngestResponse::REJECTED);
@@ -145,23 +150,32 @@ v1::IngestResponse Rejected(const std::string& id, const std::string& field, con
 
 // A trainer that cannot train everything the dispatcher accepts would fail a planned batch on
 // every retry: it is refused at registration, with the flag that reconciles the two.
-absl::Status CheckTrainerNeeds(const v1::RegisterTrainerRequest& trainer, const TrajectoryLimits& limits) {
-  const std::string who = absl::StrCat("trainer '", trainer.trainer_id(), "' (rank ", trainer.rank(), ")");
-  if (trainer.vocab_size() > 0 && (limits.vocab_size <= 0 || limits.vocab_size > trainer.vocab_size())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, ": its model has a vocabulary of ", trainer.vocab_size(), " tokens, but the dispatcher accepts ",
-        limits.vocab_size <= 0 ? std::string("any token id") : absl::StrCat("token ids below ", limits.vocab_size),
-        ": start dta-dispatcher with --vocab_size=", trainer.vocab_size()));
+absl::Status CheckTrainerNeeds(const v1::RegisterTrainerRequest& trainer,
+                               const TrajectoryLimits& limits) {
+  const std::string who =
+      absl::StrCat("trainer '", trainer.trainer_id(), "' (rank ", trainer.rank(), ")");
+  if (trainer.vocab_size() > 0 &&
+      (limits.vocab_size <= 0 || limits.vocab_size > trainer.vocab_size())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": its model has a vocabulary of ", trainer.vocab_size(),
+                     " tokens, but the dispatcher accepts ",
+                     limits.vocab_size <= 0 ? std::string("any token id")
+                                            : absl::StrCat("token ids below ", limits.vocab_size),
+                     ": start dta-dispatcher with --vocab_size=", trainer.vocab_size()));
   }
   if (trainer.needs_ref_logprobs() && !limits.require_ref_logprobs) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, ": its loss has a KL penalty (--kl_coef) and needs ref_logprobs, which the dispatcher does not "
-             "require: start dta-dispatcher with --require_ref_logprobs"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(who,
+                     ": its loss has a KL penalty (--kl_coef) and needs ref_logprobs, which the "
+                     "dispatcher does not "
+                     "require: start dta-dispatcher with --require_ref_logprobs"));
   }
   if (trainer.needs_advantages() && !limits.require_reward_or_advantages) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, ": its loss needs a reward or advantages per trajectory, which the dispatcher does not require "
-             "(--sft): start dta-dispatcher without --sft, or train with --loss=sft"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(who,
+                     ": its loss needs a reward or advantages per trajectory, which the dispatcher "
+                     "does not require "
+                     "(--sft): start dta-dispatcher without --sft, or train with --loss=sft"));
   }
   return absl::OkStatus();
 }
@@ -180,19 +194,21 @@ DispatcherCore::DispatcherCore(DispatcherOptions options) : options_(std::move(o
 DispatcherCore::~DispatcherCore() = default;
 
 absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherOptions options) {
-  if (options.wal_path.empty()) return absl::InvalidArgumentError("dispatcher: 'wal_path' is required");
+  if (options.wal_path.empty())
+    return absl::InvalidArgumentError("dispatcher: 'wal_path' is required");
   RETURN_IF_ERROR(ValidateBatchOptions(options.batch));
-  if (options.max_pending_trajectories < 1 || options.max_pending_trajectories < options.batch.rollouts) {
-    return absl::InvalidArgumentError(absl::StrCat("dispatcher: 'max_pending_trajectories' (",
-                                                   options.max_pending_trajectories,
-                                                   ") must be >= 1 and hold a batch of 'rollouts' (",
-                                                   options.batch.rollouts, ")"));
+  if (options.max_pending_trajectories < 1 ||
+      options.max_pending_trajectories < options.batch.rollouts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dispatcher: 'max_pending_trajectories' (", options.max_pending_trajectories,
+        ") must be >= 1 and hold a batch of 'rollouts' (", options.batch.rollouts, ")"));
   }
   std::unique_ptr<DispatcherCore> core(new DispatcherCore(std::move(options)));
   absl::MutexLock lock(&core->mu_);
-  absl::StatusOr<std::unique_ptr<WriteAheadLog>> wal = WriteAheadLog::Open(
-      {.path = core->options_.wal_path, .sync = core->options_.wal_sync},
-      [&core](const WalRecord& record) ABSL_NO_THREAD_SAFETY_ANALYSIS { return core->Replay(record); });
+  absl::StatusOr<std::unique_ptr<WriteAheadLog>> wal =
+      WriteAheadLog::Open({.path = core->options_.wal_path, .sync = core->options_.wal_sync},
+                          [&core](const WalRecord& record)
+                              ABSL_NO_THREAD_SAFETY_ANALYSIS { return core->Replay(record); });
   if (!wal.ok()) return wal.status();
   RETURN_IF_ERROR(core->CheckUnreleased());
   core->wal_ = *std::move(wal);
@@ -200,7 +216,8 @@ absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherO
   core->incarnation_ += 1;
   core->generation_ = core->incarnation_ << kGenerationBits;
   core->Log(absl::StrFormat(
-      "dispatcher: log %s: %d records replayed (%d torn bytes dropped); %d steps committed, %d trajectories "
+      "dispatcher: log %s: %d records replayed (%d torn bytes dropped); %d steps committed, %d "
+      "trajectories "
       "pending, start #%d",
       core->options_.wal_path, core->wal_->records_replayed(), core->wal_->truncated_tail_bytes(),
       core->committed_, core->pending_.size(), core->incarnation_));
@@ -218,13 +235,16 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
       v1::Trajectory trajectory;
       RETURN_IF_ERROR(ParseRecord(record, path, "trajectory", trajectory));
       if (trajectories_.contains(trajectory.id()) || retired_.contains(trajectory.id())) {
-        return absl::DataLossError(absl::StrCat(path, ": trajectory '", trajectory.id(), "' is stored twice"));
+        return absl::DataLossError(
+            absl::StrCat(path, ": trajectory '", trajectory.id(), "' is stored twice"));
       }
-      std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
+      std::map<std::string, std::string> metadata(trajectory.metadata().begin(),
+                                                  trajectory.metadata().end());
       const std::string id = trajectory.id();
       Rollout rollout = RolloutFromTrajectory(trajectory);
       const uint64_t fingerprint = Fingerprint(rollout, metadata);
-      AddPending(id, std::move(rollout), std::move(metadata), fingerprint, static_cast<int64_t>(record.payload.size()));
+      AddPending(id, std::move(rollout), std::move(metadata), fingerprint,
+                 static_cast<int64_t>(record.payload.size()));
       return absl::OkStatus();
     }
     case kPlanRecord: {
@@ -236,8 +256,8 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
       v1::StepCommitRecord commit;
       RETURN_IF_ERROR(ParseRecord(record, path, "step commit", commit));
       if (commit.step() != committed_ || !plans_.contains(commit.step())) {
-        return absl::DataLossError(absl::StrCat(path, ": commit of step ", commit.step(), " after ", committed_,
-                                                " committed steps"));
+        return absl::DataLossError(absl::StrCat(path, ": commit of step ", commit.step(), " after ",
+                                                committed_, " committed steps"));
       }
       ApplyCommit(commit);
       return absl::OkStatus();
@@ -246,8 +266,8 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
       v1::CheckpointRecord checkpoint;
       RETURN_IF_ERROR(ParseRecord(record, path, "checkpoint", checkpoint));
       if (checkpoint.step() > committed_) {
-        return absl::DataLossError(absl::StrCat(path, ": checkpoint at step ", checkpoint.step(), " after ",
-                                                committed_, " committed steps"));
+        return absl::DataLossError(absl::StrCat(path, ": checkpoint at step ", checkpoint.step(),
+                                                " after ", committed_, " committed steps"));
       }
       ApplyCheckpoint(checkpoint.step());
       return absl::OkStatus();
@@ -261,8 +281,9 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
       v1::RetiredRecord retired;
       RETURN_IF_ERROR(ParseRecord(record, path, "retired", retired));
       if (retired.ids_size() != retired.fingerprints_size()) {
-        return absl::DataLossError(absl::StrCat(path, ": a retired record has ", retired.ids_size(), " ids and ",
-                                                retired.fingerprints_size(), " fingerprints"));
+        return absl::DataLossError(absl::StrCat(path, ": a retired record has ", retired.ids_size(),
+                                                " ids and ", retired.fingerprints_size(),
+                                                " fingerprints"));
       }
       for (int i = 0; i < retired.ids_size(); ++i) {
         const std::string& id = retired.ids(i);
@@ -280,11 +301,14 @@ absl::Status DispatcherCore::Replay(const WalRecord& record) {
 
 absl::Status DispatcherCore::ApplySnapshot(const v1::SnapshotRecord& record) {
   // Only a compaction writes one, as the log's first record.
-  if (incarnation_ != 0 || committed_ != 0 || !trajectories_.empty() || !retired_.empty() || !plans_.empty()) {
-    return absl::DataLossError(absl::StrCat(options_.wal_path, ": a snapshot record after other records"));
+  if (incarnation_ != 0 || committed_ != 0 || !trajectories_.empty() || !retired_.empty() ||
+      !plans_.empty()) {
+    return absl::DataLossError(
+        absl::StrCat(options_.wal_path, ": a snapshot record after other records"));
   }
   if (record.starts() < 0 || record.committed_steps() < 0) {
-    return absl::DataLossError(absl::StrCat(options_.wal_path, ": a snapshot record with negative counts"));
+    return absl::DataLossError(
+        absl::StrCat(options_.wal_path, ": a snapshot record with negative counts"));
   }
   incarnation_ = record.starts();
   committed_ = record.committed_steps();
@@ -294,8 +318,9 @@ absl::Status DispatcherCore::ApplySnapshot(const v1::SnapshotRecord& record) {
   return absl::OkStatus();
 }
 
-void DispatcherCore::AddPending(const std::string& id, Rollout rollout, std::map<std::string, std::string> metadata,
-                                uint64_t fingerprint, int64_t log_bytes) {
+void DispatcherCore::AddPending(const std::string& id, Rollout rollout,
+                                std::map<std::string, std::string> metadata, uint64_t fingerprint,
+                                int64_t log_bytes) {
   Stored& stored = trajectories_[id];
   stored.state = State::kPending;
   stored.fingerprint = fingerprint;
@@ -312,21 +337,25 @@ void DispatcherCore::AddPending(const std::string& id, Rollout rollout, std::map
 
 absl::Status DispatcherCore::ApplyPlan(const v1::StepPlanRecord& record) {
   if (record.step() != (plans_.empty() ? committed_ : plans_.rbegin()->first + 1)) {
-    return absl::DataLossError(absl::StrCat(options_.wal_path, ": plan of step ", record.step(), " after ",
-                                            committed_, " committed steps and ", plans_.size(), " plans"));
+    return absl::DataLossError(absl::StrCat(options_.wal_path, ": plan of step ", record.step(),
+                                            " after ", committed_, " committed steps and ",
+                                            plans_.size(), " plans"));
   }
   Plan plan;
   plan.record = record;
-  auto take = [&](const std::string& id, State state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+  auto take = [&](const std::string& id, State state)
+                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     auto it = trajectories_.find(id);
     if (it == trajectories_.end() || it->second.state != State::kPending) {
-      return absl::DataLossError(absl::StrCat(options_.wal_path, ": step ", record.step(), " plans trajectory '",
-                                              id, "', which is not pending"));
+      return absl::DataLossError(absl::StrCat(options_.wal_path, ": step ", record.step(),
+                                              " plans trajectory '", id,
+                                              "', which is not pending"));
     }
     it->second.state = state;
     pending_.erase(it->second.sequence);
     pending_count_.store(static_cast<int64_t>(pending_.size()), std::memory_order_relaxed);
-    if (state == State::kPlanned) plan.rollout_tokens += static_cast<int64_t>(it->second.rollout->tokens.size());
+    if (state == State::kPlanned)
+      plan.rollout_tokens += static_cast<int64_t>(it->second.rollout->tokens.size());
     return absl::OkStatus();
   };
   for (const std::string& id : record.ids()) {
@@ -354,7 +383,8 @@ void DispatcherCore::ApplyCommit(const v1::StepCommitRecord& record) {
   statistics_.set_trained_rollouts(statistics_.trained_rollouts() + plan.record.ids_size());
   *statistics_.add_recent_steps() = record.statistics();
   if (statistics_.recent_steps_size() > options_.recent_steps) {
-    statistics_.mutable_recent_steps()->DeleteSubrange(0, statistics_.recent_steps_size() - options_.recent_steps);
+    statistics_.mutable_recent_steps()->DeleteSubrange(
+        0, statistics_.recent_steps_size() - options_.recent_steps);
   }
   live_log_bytes_ += kWalHeaderBytes + static_cast<int64_t>(record.ByteSizeLong());
   Changed();
@@ -374,7 +404,8 @@ void DispatcherCore::ApplyCheckpoint(int64_t step) {
   for (; it != plans_.end() && it->first < step; ++it) {
     for (const std::string& id : it->second.record.ids()) retire(id);
     for (const std::string& id : it->second.record.stale_ids()) retire(id);
-    live_log_bytes_ -= 2 * kWalHeaderBytes + static_cast<int64_t>(it->second.record.ByteSizeLong()) +
+    live_log_bytes_ -= 2 * kWalHeaderBytes +
+                       static_cast<int64_t>(it->second.record.ByteSizeLong()) +
                        static_cast<int64_t>(it->second.commit->ByteSizeLong());
   }
   plans_.erase(plans_.begin(), it);
@@ -390,7 +421,8 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
     CountRejection(field);
     return Rejected(id, field, std::string(rollout.status().message()));
   }
-  std::map<std::string, std::string> metadata(trajectory.metadata().begin(), trajectory.metadata().end());
+  std::map<std::string, std::string> metadata(trajectory.metadata().begin(),
+                                              trajectory.metadata().end());
   const std::string bytes = KnownFieldBytes(trajectory);
   const uint64_t fingerprint = Fingerprint(*rollout, metadata);
   {
@@ -409,7 +441,9 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
     if (known.has_value()) {
       if (*known != fingerprint) {
         CountRejection("id");
-        return Rejected(id, "id", absl::StrCat("field 'id': '", id, "' was accepted before with other content"));
+        return Rejected(
+            id, "id",
+            absl::StrCat("field 'id': '", id, "' was accepted before with other content"));
       }
       statistics_.set_already_accepted(statistics_.already_accepted() + 1);
       return Accepted(id, /*already_accepted=*/true);
@@ -424,9 +458,11 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
   if (!stored.ok()) {
     NoteLogFailure(stored);
     trajectories_.erase(id);
-    return absl::UnavailableError(absl::StrCat("trajectory '", id, "' not stored: ", stored.message()));
+    return absl::UnavailableError(
+        absl::StrCat("trajectory '", id, "' not stored: ", stored.message()));
   }
-  AddPending(id, *std::move(rollout), std::move(metadata), fingerprint, static_cast<int64_t>(bytes.size()));
+  AddPending(id, *std::move(rollout), std::move(metadata), fingerprint,
+             static_cast<int64_t>(bytes.size()));
   return Accepted(id, /*already_accepted=*/false);
 }
 
@@ -454,7 +490,8 @@ uint64_t DispatcherCore::change_count() const {
 
 void DispatcherCore::AwaitChange(uint64_t seen, absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
-  auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return change_count_ != seen; };
+  auto changed = [this, seen]()
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return change_count_ != seen; };
   mu_.AwaitWithDeadline(absl::Condition(&changed), deadline);
 }
 
@@ -462,7 +499,8 @@ void DispatcherCore::NewGeneration(const std::string& why) {
   generation_ += 1;
   members_.clear();
   prepared_.clear();
-  Log(absl::StrFormat("dispatcher: generation %d: %s", generation_ & ((int64_t{1} << kGenerationBits) - 1), why));
+  Log(absl::StrFormat("dispatcher: generation %d: %s",
+                      generation_ & ((int64_t{1} << kGenerationBits) - 1), why));
   Changed();
 }
 
@@ -480,9 +518,9 @@ absl::StatusOr<v1::RegisterTrainerResponse> DispatcherCore::RegisterTrainer(
   RETURN_IF_ERROR(CheckTrainerNeeds(request, options_.limits));
   absl::MutexLock lock(&mu_);
   if (request.resume_step() < 0 || request.resume_step() > committed_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "trainer '", request.trainer_id(), "' resumes after ", request.resume_step(), " steps, but ", committed_,
-        " are committed"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("trainer '", request.trainer_id(), "' resumes after ", request.resume_step(),
+                     " steps, but ", committed_, " are committed"));
   }
   if (request.world_size() != world_size_) {
     NewGeneration(absl::StrCat("world size ", world_size_, " -> ", request.world_size()));
@@ -490,7 +528,8 @@ absl::StatusOr<v1::RegisterTrainerResponse> DispatcherCore::RegisterTrainer(
   } else {
     auto member = members_.find(request.rank());
     if (member != members_.end() && member->second != request.trainer_id()) {
-      NewGeneration(absl::StrCat("rank ", request.rank(), " is now trainer '", request.trainer_id(), "'"));
+      NewGeneration(
+          absl::StrCat("rank ", request.rank(), " is now trainer '", request.trainer_id(), "'"));
     }
   }
   members_[request.rank()] = request.trainer_id();
@@ -520,8 +559,8 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
   const BatchSelection selection = SelectBatch(pending, policy_version, options_.batch);
   if (!selection.ready) {
     return absl::UnavailableError(absl::StrCat(
-        "step ", step, ": waiting for trajectories (", selection.fresh_rollouts, " rollouts, ", selection.fresh_tokens,
-        " tokens pending; a batch is ",
+        "step ", step, ": waiting for trajectories (", selection.fresh_rollouts, " rollouts, ",
+        selection.fresh_tokens, " tokens pending; a batch is ",
         options_.batch.rollouts > 0 ? absl::StrCat(options_.batch.rollouts, " rollouts")
                                     : absl::StrCat(options_.batch.tokens, " tokens"),
         ")"));
@@ -532,10 +571,11 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
   std::vector<const Rollout*> batch;
   for (int64_t i : selection.batch) batch.push_back(pending[i]);
   if (options_.limits.require_reward_or_advantages) {
-    if (absl::StatusOr<std::vector<float>> advantages = GroupRewardAdvantages(batch, options_.batch.normalize_std);
+    if (absl::StatusOr<std::vector<float>> advantages =
+            GroupRewardAdvantages(batch, options_.batch.normalize_std);
         !advantages.ok()) {
-      return absl::InternalError(
-          absl::StrCat("step ", step, ": the batch cannot be trained: ", advantages.status().message()));
+      return absl::InternalError(absl::StrCat(
+          "step ", step, ": the batch cannot be trained: ", advantages.status().message()));
     }
   }
   v1::StepPlanRecord record;
@@ -546,11 +586,13 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
   // Logged before any trainer sees it: the batch of a step never changes.
   if (absl::Status status = wal_->Append(kPlanRecord, DeterministicBytes(record)); !status.ok()) {
     NoteLogFailure(status);
-    return absl::UnavailableError(absl::StrCat("step ", step, ": plan not stored: ", status.message()));
+    return absl::UnavailableError(
+        absl::StrCat("step ", step, ": plan not stored: ", status.message()));
   }
   if (!selection.stale.empty()) {
-    Log(absl::StrFormat("dispatcher: step %d: dropped %d trajectories older than %d versions (e.g. '%s')", step,
-                        selection.stale.size(), options_.batch.max_staleness, *ids[selection.stale.front()]));
+    Log(absl::StrFormat(
+        "dispatcher: step %d: dropped %d trajectories older than %d versions (e.g. '%s')", step,
+        selection.stale.size(), options_.batch.max_staleness, *ids[selection.stale.front()]));
   }
   return ApplyPlan(record);
 }
@@ -560,36 +602,41 @@ absl::StatusOr<const PartitionPlan*> DispatcherCore::Split(int64_t step) {
   auto cached = splits_.find(key);
   if (cached != splits_.end()) return &cached->second;
   std::vector<const Rollout*> batch;
-  for (const std::string& id : plans_.at(step).record.ids()) batch.push_back(&*trajectories_.at(id).rollout);
-  absl::StatusOr<PartitionPlan> plan = PlanPartitions(batch, world_size_, options_.limits.require_reward_or_advantages,
-                                                      options_.batch.normalize_std);
+  for (const std::string& id : plans_.at(step).record.ids())
+    batch.push_back(&*trajectories_.at(id).rollout);
+  absl::StatusOr<PartitionPlan> plan =
+      PlanPartitions(batch, world_size_, options_.limits.require_reward_or_advantages,
+                     options_.batch.normalize_std);
   if (!plan.ok()) return plan.status();
   // Only the splits of steps that may still be served are kept.
   splits_.erase(splits_.begin(), splits_.lower_bound(std::make_pair(released_before_, 0)));
   return &splits_.emplace(key, *std::move(plan)).first->second;
 }
 
-absl::StatusOr<v1::Partition> DispatcherCore::FetchPartition(const v1::FetchPartitionRequest& request) {
+absl::StatusOr<v1::Partition> DispatcherCore::FetchPartition(
+    const v1::FetchPartitionRequest& request) {
   absl::MutexLock lock(&mu_);
   const int64_t step = request.step();
   if (request.generation() != generation_) {
-    return absl::AbortedError(absl::StrCat("generation ", request.generation(), " is over (now ", generation_,
-                                           "): register again"));
+    return absl::AbortedError(absl::StrCat("generation ", request.generation(), " is over (now ",
+                                           generation_, "): register again"));
   }
   if (!GenerationComplete()) {
-    return absl::UnavailableError(
-        absl::StrCat("waiting for trainers: ", members_.size(), " of ", world_size_, " registered"));
+    return absl::UnavailableError(absl::StrCat("waiting for trainers: ", members_.size(), " of ",
+                                               world_size_, " registered"));
   }
   if (request.rank() < 0 || request.rank() >= world_size_ || !members_.contains(request.rank())) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", request.rank(), " is not in the generation"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", request.rank(), " is not in the generation"));
   }
   if (step > committed_ || step < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step, " is not next: ", committed_, " steps are committed"));
   }
   if (step < released_before_) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was released after a checkpoint at step ",
-                                                      released_before_, ": resume from a checkpoint at or after it"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " was released after a checkpoint at step ", released_before_,
+                     ": resume from a checkpoint at or after it"));
   }
   RETURN_IF_ERROR(EnsurePlan(step));
   absl::StatusOr<const PartitionPlan*> split = Split(step);
@@ -612,7 +659,8 @@ absl::StatusOr<v1::Partition> DispatcherCore::FetchPartition(const v1::FetchPart
     v1::Trajectory* trajectory = partition.add_trajectories();
     *trajectory = TrajectoryFromRollout(*stored.rollout);
     if (!plan.advantages.empty() && stored.rollout->advantages.empty()) {
-      trajectory->mutable_advantages()->Resize(static_cast<int>(stored.rollout->tokens.size()), plan.advantages[i]);
+      trajectory->mutable_advantages()->Resize(static_cast<int>(stored.rollout->tokens.size()),
+                                               plan.advantages[i]);
     }
     trajectory->mutable_metadata()->insert(stored.metadata.begin(), stored.metadata.end());
     rollout_tokens += trajectory->tokens_size();
@@ -634,7 +682,8 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   }
   if (report.phase() == v1::StepReport::FAILED) {
     statistics_.set_aborted_steps(statistics_.aborted_steps() + 1);
-    NewGeneration(absl::StrCat("step ", step, " abandoned: rank ", report.rank(), " failed: ", report.error()));
+    NewGeneration(absl::StrCat("step ", step, " abandoned: rank ", report.rank(),
+                               " failed: ", report.error()));
     response.set_decision(v1::ReportStepResponse::ABORT);
     return response;
   }
@@ -643,13 +692,15 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
     response.set_policy_version(options_.initial_policy_version + step + 1);
     return response;
   }
-  if (step > committed_ || !plans_.contains(step) || !splits_.contains(std::make_pair(step, world_size_))) {
-    return absl::FailedPreconditionError(absl::StrCat("rank ", report.rank(), " reports step ", step,
-                                                      ", which it has not fetched (", committed_,
-                                                      " steps are committed)"));
+  if (step > committed_ || !plans_.contains(step) ||
+      !splits_.contains(std::make_pair(step, world_size_))) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", report.rank(), " reports step ",
+                                                      step, ", which it has not fetched (",
+                                                      committed_, " steps are committed)"));
   }
   if (!members_.contains(report.rank())) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", report.rank(), " is not in the generation"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", report.rank(), " is not in the generation"));
   }
   if (prepared_.empty()) first_prepared_ = absl::Now();  // a rank asking again does not restart it
   prepared_[report.rank()] = report;
@@ -661,8 +712,9 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
         if (!prepared_.contains(rank)) missing.push_back(rank);
       }
       statistics_.set_aborted_steps(statistics_.aborted_steps() + 1);
-      NewGeneration(absl::StrCat("step ", step, " abandoned: rank ", absl::StrJoin(missing, ", rank "),
-                                 " did not report within ", absl::FormatDuration(options_.prepare_timeout),
+      NewGeneration(absl::StrCat("step ", step, " abandoned: rank ",
+                                 absl::StrJoin(missing, ", rank "), " did not report within ",
+                                 absl::FormatDuration(options_.prepare_timeout),
                                  " of the first PREPARED"));
       response.set_decision(v1::ReportStepResponse::ABORT);
       return response;
@@ -682,7 +734,8 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   stats->set_rollout_tokens(plan.rollout_tokens);
   stats->set_tree_tokens(split.partition.combined_tree_tokens);
   stats->set_compression(split.partition.combined_tree_tokens > 0
-                             ? static_cast<double>(plan.rollout_tokens) / split.partition.combined_tree_tokens
+                             ? static_cast<double>(plan.rollout_tokens) /
+                                   split.partition.combined_tree_tokens
                              : 0);
   stats->set_imbalance(split.partition.imbalance);
   stats->set_extra_tokens(split.partition.extra_tokens);
@@ -698,15 +751,19 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   stats->set_tokens_per_second(seconds > 0 ? plan.rollout_tokens / seconds : 0);
   if (absl::Status status = wal_->Append(kCommitRecord, DeterministicBytes(commit)); !status.ok()) {
     NoteLogFailure(status);
-    return absl::UnavailableError(absl::StrCat("step ", step, ": commit not stored: ", status.message()));
+    return absl::UnavailableError(
+        absl::StrCat("step ", step, ": commit not stored: ", status.message()));
   }
   ApplyCommit(commit);
-  Log(absl::StrFormat("step %d: %d rollouts, %s tokens, C=%.2f, imbalance %.3f, extra %s tokens, %.2f s, %s tokens/s, "
-                      "loss %.6g%s",
-                      step, stats->rollouts(), HumanCount(stats->rollout_tokens()), stats->compression(),
-                      stats->imbalance(), HumanCount(stats->extra_tokens()), stats->seconds(),
-                      HumanCount(stats->tokens_per_second()), stats->loss(),
-                      stats->dropped_stale() > 0 ? absl::StrCat(", ", stats->dropped_stale(), " stale dropped") : ""));
+  Log(absl::StrFormat(
+      "step %d: %d rollouts, %s tokens, C=%.2f, imbalance %.3f, extra %s tokens, %.2f s, %s "
+      "tokens/s, "
+      "loss %.6g%s",
+      step, stats->rollouts(), HumanCount(stats->rollout_tokens()), stats->compression(),
+      stats->imbalance(), HumanCount(stats->extra_tokens()), stats->seconds(),
+      HumanCount(stats->tokens_per_second()), stats->loss(),
+      stats->dropped_stale() > 0 ? absl::StrCat(", ", stats->dropped_stale(), " stale dropped")
+                                 : ""));
   // Trajectories every rank's checkpoint holds are not needed for replay any more.
   int64_t checkpoint = committed_;
   for (int32_t rank = 0; rank < world_size_; ++rank) {
@@ -716,7 +773,8 @@ absl::StatusOr<v1::ReportStepResponse> DispatcherCore::ReportStep(const v1::Step
   if (checkpoint > released_before_) {
     v1::CheckpointRecord record;
     record.set_step(checkpoint);
-    if (absl::Status status = wal_->Append(kCheckpointRecord, DeterministicBytes(record)); status.ok()) {
+    if (absl::Status status = wal_->Append(kCheckpointRecord, DeterministicBytes(record));
+        status.ok()) {
       ApplyCheckpoint(checkpoint);
     } else {
       NoteLogFailure(status);
@@ -745,8 +803,10 @@ absl::Status DispatcherCore::CheckUnreleased() const {
   }
   if (refused == 0) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      options_.wal_path, ": ", refused, " trajectories that may still be trained (pending, or in steps no checkpoint "
-      "covers yet) were accepted under other limits and break these, e.g. ", first.second,
+      options_.wal_path, ": ", refused,
+      " trajectories that may still be trained (pending, or in steps no checkpoint "
+      "covers yet) were accepted under other limits and break these, e.g. ",
+      first.second,
       ": restart with the limits they were accepted under (--vocab_size, --max_tokens, --sft, "
       "--require_ref_logprobs) until they are trained"));
 }
@@ -770,9 +830,10 @@ void DispatcherCore::MaybeCompact() {
     return;
   }
   next_compaction_bytes_ = 0;
-  Log(absl::StrFormat("dispatcher: log compacted: %s -> %s bytes (%d trajectories kept, %d retired ids) in %.2f s",
-                      HumanCount(file_bytes), HumanCount(wal_->file_bytes()), trajectories_.size(), retired_.size(),
-                      absl::ToDoubleSeconds(absl::Now() - start)));
+  Log(absl::StrFormat(
+      "dispatcher: log compacted: %s -> %s bytes (%d trajectories kept, %d retired ids) in %.2f s",
+      HumanCount(file_bytes), HumanCount(wal_->file_bytes()), trajectories_.size(), retired_.size(),
+      absl::ToDoubleSeconds(absl::Now() - start)));
 }
 
 absl::Status DispatcherCore::Compact() {
@@ -788,7 +849,8 @@ absl::Status DispatcherCore::Compact() {
   std::vector<std::pair<int64_t, const Stored*>> kept;  // acceptance order
   kept.reserve(trajectories_.size());
   for (const auto& [id, stored] : trajectories_) kept.emplace_back(stored.sequence, &stored);
-  std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(kept.begin(), kept.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
   v1::SnapshotRecord snapshot;
   snapshot.set_starts(incarnation_);
   snapshot.set_committed_steps(released_before_);
@@ -812,7 +874,8 @@ absl::Status DispatcherCore::Compact() {
   auto retired = retired_.begin();
   size_t trajectory = 0;
   auto plan = plans_.begin();
-  auto next = [&](WalRecord& record, std::string& scratch) ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::StatusOr<bool> {
+  auto next = [&](WalRecord& record, std::string& scratch)
+                  ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::StatusOr<bool> {
     while (true) {
       switch (part) {
         case Part::kSnapshot:
@@ -873,9 +936,11 @@ absl::Status DispatcherCore::Compact() {
 }
 
 void DispatcherCore::NoteLogFailure(const absl::Status& status) {
-  if (status.ok() || status.code() == absl::StatusCode::kInvalidArgument || !log_failure_.ok()) return;
+  if (status.ok() || status.code() == absl::StatusCode::kInvalidArgument || !log_failure_.ok())
+    return;
   log_failure_ = status;
-  Log(absl::StrCat("dispatcher: the write-ahead log failed, nothing more can be acknowledged: ", status.ToString()));
+  Log(absl::StrCat("dispatcher: the write-ahead log failed, nothing more can be acknowledged: ",
+                   status.ToString()));
   Changed();
 }
 

@@ -53,8 +53,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "dispatcher/batch/batch_plan.h"
-#include "dispatcher/wire/trajectory.h"
 #include "dispatcher/wal/wal.h"
+#include "dispatcher/wire/trajectory.h"
 #include "proto/dta/v1/dispatcher.pb.h"
 #include "proto/dta/v1/log.pb.h"
 
@@ -117,7 +117,8 @@ class DispatcherCore {
 
   // INVALID_ARGUMENT for a rank outside [0, world_size); FAILED_PRECONDITION if the trainer's
   // weights include more steps than are committed.
-  absl::StatusOr<v1::RegisterTrainerResponse> RegisterTrainer(const v1::RegisterTrainerRequest& request);
+  absl::StatusOr<v1::RegisterTrainerResponse> RegisterTrainer(
+      const v1::RegisterTrainerRequest& request);
 
   // This rank's part of the step. UNAVAILABLE while the generation is incomplete or the batch is
   // not ready (retry); ABORTED if the generation changed (register again); FAILED_PRECONDITION for
@@ -138,12 +139,13 @@ class DispatcherCore {
 
  private:
   enum class State { kAppending, kPending, kPlanned, kTrained, kDropped };
-  // A trajectory until a checkpoint releases its step; then only its fingerprint is kept (retired_).
+  // A trajectory until a checkpoint releases its step; then only its fingerprint is kept
+  // (retired_).
   struct Stored {
     State state = State::kAppending;
-    uint64_t fingerprint = 0;  // of the canonical serialization: equal content, equal print
-    int64_t sequence = 0;      // acceptance order
-    int64_t log_bytes = 0;     // of its log record
+    uint64_t fingerprint = 0;        // of the canonical serialization: equal content, equal print
+    int64_t sequence = 0;            // acceptance order
+    int64_t log_bytes = 0;           // of its log record
     std::optional<Rollout> rollout;  // set unless kAppending
     std::map<std::string, std::string> metadata;
   };
@@ -155,8 +157,9 @@ class DispatcherCore {
 
   explicit DispatcherCore(DispatcherOptions options);
   absl::Status Replay(const WalRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AddPending(const std::string& id, Rollout rollout, std::map<std::string, std::string> metadata,
-                  uint64_t fingerprint, int64_t log_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddPending(const std::string& id, Rollout rollout,
+                  std::map<std::string, std::string> metadata, uint64_t fingerprint,
+                  int64_t log_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyPlan(const v1::StepPlanRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyCommit(const v1::StepCommitRecord& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyCheckpoint(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -176,7 +179,8 @@ class DispatcherCore {
   bool GenerationComplete() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Changed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++change_count_; }
   void CountRejection(const std::string& field) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Remembers the first failure of the log (a bad record size is the caller's error, not the log's).
+  // Remembers the first failure of the log (a bad record size is the caller's error, not the
+  // log's).
   void NoteLogFailure(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Log(const std::string& line) const;
 
@@ -185,12 +189,15 @@ class DispatcherCore {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Stored> trajectories_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, uint64_t> retired_ ABSL_GUARDED_BY(mu_);  // released id -> fingerprint
-  int64_t appending_ ABSL_GUARDED_BY(mu_) = 0;  // ingests between reserving an id and its log append
+  absl::flat_hash_map<std::string, uint64_t> retired_
+      ABSL_GUARDED_BY(mu_);  // released id -> fingerprint
+  int64_t appending_ ABSL_GUARDED_BY(mu_) =
+      0;  // ingests between reserving an id and its log append
   bool compacting_ ABSL_GUARDED_BY(mu_) = false;
   int64_t live_log_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // estimate of what a compacted log would hold
   int64_t compactions_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t next_compaction_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // after a failed one: not before this size
+  int64_t next_compaction_bytes_ ABSL_GUARDED_BY(mu_) =
+      0;  // after a failed one: not before this size
   std::map<int64_t, std::string> pending_ ABSL_GUARDED_BY(mu_);  // sequence -> id, oldest first
   std::atomic<int64_t> pending_count_{0};  // pending_.size(), for HasRoom without the lock
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
@@ -207,7 +214,7 @@ class DispatcherCore {
   std::map<int32_t, std::string> members_ ABSL_GUARDED_BY(mu_);  // rank -> trainer_id
   std::map<std::pair<int64_t, int32_t>, PartitionPlan> splits_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, v1::StepReport> prepared_ ABSL_GUARDED_BY(mu_);  // for step committed_
-  absl::Time first_prepared_ ABSL_GUARDED_BY(mu_);                    // when prepared_ got its first
+  absl::Time first_prepared_ ABSL_GUARDED_BY(mu_);                   // when prepared_ got its first
   std::map<int32_t, int64_t> checkpoints_ ABSL_GUARDED_BY(mu_);      // rank -> checkpoint step
 
   // Statistics.

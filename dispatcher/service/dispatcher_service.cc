@@ -124,16 +124,18 @@ bool DispatcherService::Authorized(grpc::CallbackServerContext* context) const {
   if (options_.token.empty()) return true;
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
-  return it != metadata.end() && std::string(it->second.data(), it->second.size()) == "Bearer " + options_.token;
+  return it != metadata.end() &&
+         std::string(it->second.data(), it->second.size()) == "Bearer " + options_.token;
 }
 
 template <typename Answer>
-void DispatcherService::LongPoll(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+void DispatcherService::LongPoll(grpc::CallbackServerContext* context,
+                                 grpc::ServerUnaryReactor* reactor,
                                  std::function<absl::StatusOr<Answer>()> attempt,
                                  std::function<bool(const absl::StatusOr<Answer>&)> final,
                                  std::function<void(Answer)> deliver) {
-  trainer_workers_.Submit([this, context, reactor, attempt = std::move(attempt), final = std::move(final),
-                   deliver = std::move(deliver)] {
+  trainer_workers_.Submit([this, context, reactor, attempt = std::move(attempt),
+                           final = std::move(final), deliver = std::move(deliver)] {
     const absl::Time deadline = PollDeadline(context);
     while (true) {
       const uint64_t seen = core_->change_count();
@@ -167,9 +169,9 @@ grpc::ServerBidiReactor<v1::IngestRequest, v1::IngestResponse>* DispatcherServic
   return new IngestReactor(this, context);
 }
 
-grpc::ServerUnaryReactor* DispatcherService::RegisterTrainer(grpc::CallbackServerContext* context,
-                                                             const v1::RegisterTrainerRequest* request,
-                                                             v1::RegisterTrainerResponse* response) {
+grpc::ServerUnaryReactor* DispatcherService::RegisterTrainer(
+    grpc::CallbackServerContext* context, const v1::RegisterTrainerRequest* request,
+    v1::RegisterTrainerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseUnauthorized(context, reactor)) return reactor;
   trainer_workers_.Submit([this, request, response, reactor] {
@@ -180,15 +182,17 @@ grpc::ServerUnaryReactor* DispatcherService::RegisterTrainer(grpc::CallbackServe
   return reactor;
 }
 
-grpc::ServerUnaryReactor* DispatcherService::FetchPartition(grpc::CallbackServerContext* context,
-                                                            const v1::FetchPartitionRequest* request,
-                                                            v1::FetchPartitionResponse* response) {
+grpc::ServerUnaryReactor* DispatcherService::FetchPartition(
+    grpc::CallbackServerContext* context, const v1::FetchPartitionRequest* request,
+    v1::FetchPartitionResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (RefuseUnauthorized(context, reactor)) return reactor;
   // Not ready yet (UNAVAILABLE): wait for trajectories or trainers.
   LongPoll<v1::Partition>(
       context, reactor, [this, request] { return core_->FetchPartition(*request); },
-      [](const absl::StatusOr<v1::Partition>& p) { return p.status().code() != absl::StatusCode::kUnavailable; },
+      [](const absl::StatusOr<v1::Partition>& p) {
+        return p.status().code() != absl::StatusCode::kUnavailable;
+      },
       [response](v1::Partition p) { *response->mutable_partition() = std::move(p); });
   return reactor;
 }

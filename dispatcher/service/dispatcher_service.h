@@ -2,9 +2,10 @@
 //
 // Reactions never block: everything that may wait or take the dispatcher's lock (the log's sync on
 // ingestion, long polls for a batch or a commit decision, waiting for room in the pending pool)
-// runs on the service's own worker threads, ingestion and trainers on separate pools. One Ingest stream has at most one read and one write in flight, and reads the
-// next trajectory only after answering the last one and only while the pending pool has room:
-// when it is full the dispatcher stops reading, and HTTP/2 flow control pushes back on the client.
+// runs on the service's own worker threads, ingestion and trainers on separate pools. One Ingest
+// stream has at most one read and one write in flight, and reads the next trajectory only after
+// answering the last one and only while the pending pool has room: when it is full the dispatcher
+// stops reading, and HTTP/2 flow control pushes back on the client.
 //
 // Security: when `token` is set every call must carry the metadata "authorization: Bearer
 // <token>" (UNAUTHENTICATED otherwise). dta-dispatcher refuses a non-loopback address without TLS
@@ -75,9 +76,11 @@ class DispatcherService final : public v1::Dispatcher::CallbackService {
   grpc::ServerUnaryReactor* FetchPartition(grpc::CallbackServerContext* context,
                                            const v1::FetchPartitionRequest* request,
                                            v1::FetchPartitionResponse* response) override;
-  grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* context, const v1::ReportStepRequest* request,
+  grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* context,
+                                       const v1::ReportStepRequest* request,
                                        v1::ReportStepResponse* response) override;
-  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context, const v1::GetStatusRequest* request,
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
+                                      const v1::GetStatusRequest* request,
                                       v1::GetStatusResponse* response) override;
   grpc::ServerUnaryReactor* GetStatistics(grpc::CallbackServerContext* context,
                                           const v1::GetStatisticsRequest* request,
@@ -87,14 +90,16 @@ class DispatcherService final : public v1::Dispatcher::CallbackService {
   class IngestReactor;
   bool Authorized(grpc::CallbackServerContext* context) const;
   // Finishes the call with UNAUTHENTICATED and returns true when the token is wrong.
-  bool RefuseUnauthorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor) const;
+  bool RefuseUnauthorized(grpc::CallbackServerContext* context,
+                          grpc::ServerUnaryReactor* reactor) const;
   // On a worker: calls `attempt` until its answer is `final`, the poll is over or the call is
   // cancelled, waiting for a change of the dispatcher's state in between; then `deliver`s an OK
   // answer into the response and finishes the call with the answer's status.
   template <typename Answer>
   void LongPoll(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
                 std::function<absl::StatusOr<Answer>()> attempt,
-                std::function<bool(const absl::StatusOr<Answer>&)> final, std::function<void(Answer)> deliver);
+                std::function<bool(const absl::StatusOr<Answer>&)> final,
+                std::function<void(Answer)> deliver);
   // The time a long poll of this call may wait until.
   absl::Time PollDeadline(grpc::CallbackServerContext* context) const;
 

@@ -105,7 +105,9 @@ void EncodeWithMagic(uint32_t magic, const WalRecord& record, std::string& out) 
   out.append(record.payload.data(), record.payload.size());
 }
 
-void EncodeRecord(const WalRecord& record, std::string& out) { EncodeWithMagic(kWalMagic, record, out); }
+void EncodeRecord(const WalRecord& record, std::string& out) {
+  EncodeWithMagic(kWalMagic, record, out);
+}
 
 // The header of a group commit whose records take `bytes` bytes after it.
 void EncodeGroupHeader(uint64_t bytes, std::string& out) {
@@ -117,9 +119,9 @@ void EncodeGroupHeader(uint64_t bytes, std::string& out) {
 
 absl::Status CheckSize(const WalRecord& record, size_t index, const WalOptions& options) {
   if (record.payload.size() <= options.max_record_bytes) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("wal ", options.path, ": record ", index, " has ",
-                                                 record.payload.size(), " bytes, more than max_record_bytes = ",
-                                                 options.max_record_bytes));
+  return absl::InvalidArgumentError(
+      absl::StrCat("wal ", options.path, ": record ", index, " has ", record.payload.size(),
+                   " bytes, more than max_record_bytes = ", options.max_record_bytes));
 }
 
 absl::Status CheckSizes(absl::Span<const WalRecord> records, const WalOptions& options) {
@@ -263,15 +265,17 @@ absl::StatusOr<ParsedRecord> ParseAt(FileWindow& window, int64_t offset, int64_t
   parsed.record = WalRecord{type, payload};
   parsed.next = offset + kWalHeaderBytes + length;
   if (parsed.group_header) {
-    parsed.group_bytes = uint64_t{GetU32(payload.data())} | uint64_t{GetU32(payload.data() + 4)} << 32;
+    parsed.group_bytes = uint64_t{GetU32(payload.data())} | uint64_t{GetU32(payload.data() + 4)}
+                                                                << 32;
   }
   return parsed;
 }
 
 // The offset of the first valid record (or only group header) starting after `from`, or -1 if
 // there is none.
-absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_size, bool group_headers_only,
-                                             uint32_t max_record_bytes, std::string_view path) {
+absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_size,
+                                             bool group_headers_only, uint32_t max_record_bytes,
+                                             std::string_view path) {
   char magics[8];
   PutU32(magics, kWalMagic);
   PutU32(magics + 4, kWalGroupMagic);
@@ -305,7 +309,8 @@ absl::StatusOr<int64_t> FindValidRecordAfter(int fd, int64_t from, int64_t file_
 }  // namespace
 
 struct WriteAheadLog::Writer {
-  explicit Writer(absl::Span<const WalRecord> records) : records(records), bytes(EncodedSize(records)) {}
+  explicit Writer(absl::Span<const WalRecord> records)
+      : records(records), bytes(EncodedSize(records)) {}
   explicit Writer(const RecordSource& source) : rewrite(&source) {}
 
   absl::Span<const WalRecord> records;  // an append's
@@ -381,9 +386,11 @@ absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOpti
                             : first + static_cast<int64_t>(parsed->group_bytes);
     int64_t at = first;
     while (at < end && at < file_size) {
-      absl::StatusOr<ParsedRecord> record = ParseAt(window, at, file_size, options.max_record_bytes, path);
+      absl::StatusOr<ParsedRecord> record =
+          ParseAt(window, at, file_size, options.max_record_bytes, path);
       if (!record.ok()) return record.status();
-      if (record->error.empty() && record->group_header) record->error = "a group header inside a group";
+      if (record->error.empty() && record->group_header)
+        record->error = "a group header inside a group";
       if (!record->error.empty()) {
         corruption = std::move(record->error);
         break;
@@ -392,14 +399,16 @@ absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOpti
     }
     if (at != end) {  // torn: the whole group goes, from its header on
       if (corruption.empty()) {
-        corruption = absl::StrCat("group of ", parsed->group_bytes, " bytes ends at byte offset ", at);
+        corruption =
+            absl::StrCat("group of ", parsed->group_bytes, " bytes ends at byte offset ", at);
       }
       damage = at;
       search_from = std::min(end, file_size) - 1;
       break;
     }
     for (at = first; at < end;) {
-      absl::StatusOr<ParsedRecord> record = ParseAt(window, at, file_size, options.max_record_bytes, path);
+      absl::StatusOr<ParsedRecord> record =
+          ParseAt(window, at, file_size, options.max_record_bytes, path);
       if (!record.ok()) return record.status();
       absl::Status s = replay(record->record);
       if (!s.ok()) return s;
@@ -411,8 +420,8 @@ absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOpti
 
   int64_t truncated = 0;
   if (offset < file_size) {
-    absl::StatusOr<int64_t> valid = FindValidRecordAfter(fd.get(), search_from, file_size, grouped_from >= 0,
-                                                         options.max_record_bytes, path);
+    absl::StatusOr<int64_t> valid = FindValidRecordAfter(
+        fd.get(), search_from, file_size, grouped_from >= 0, options.max_record_bytes, path);
     if (!valid.ok()) return valid.status();
     if (*valid >= 0) {
       return absl::DataLossError(

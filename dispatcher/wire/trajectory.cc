@@ -39,20 +39,23 @@ v1::Trajectory TrajectoryFromRollout(const Rollout& r) {
 absl::StatusOr<Rollout> CheckTrajectory(const v1::Trajectory& t, const TrajectoryLimits& limits) {
   // Size limits first, so that an oversized message is refused before anything is copied.
   if (static_cast<int64_t>(t.id().size()) > limits.max_id_bytes) {
-    return FieldError("id", absl::StrCat(t.id().size(), " bytes, more than the limit of ", limits.max_id_bytes));
+    return FieldError(
+        "id", absl::StrCat(t.id().size(), " bytes, more than the limit of ", limits.max_id_bytes));
   }
   if (static_cast<int64_t>(t.group_id().size()) > limits.max_id_bytes) {
-    return FieldError("group_id",
-                      absl::StrCat(t.group_id().size(), " bytes, more than the limit of ", limits.max_id_bytes));
+    return FieldError(
+        "group_id",
+        absl::StrCat(t.group_id().size(), " bytes, more than the limit of ", limits.max_id_bytes));
   }
   if (t.tokens_size() > limits.max_tokens) {
-    return FieldError("tokens", absl::StrCat(t.tokens_size(), " tokens, more than the limit of ", limits.max_tokens));
+    return FieldError("tokens", absl::StrCat(t.tokens_size(), " tokens, more than the limit of ",
+                                             limits.max_tokens));
   }
   int64_t metadata_bytes = 0;
   for (const auto& [key, value] : t.metadata()) metadata_bytes += key.size() + value.size();
   if (metadata_bytes > limits.max_metadata_bytes) {
-    return FieldError("metadata",
-                      absl::StrCat(metadata_bytes, " bytes, more than the limit of ", limits.max_metadata_bytes));
+    return FieldError("metadata", absl::StrCat(metadata_bytes, " bytes, more than the limit of ",
+                                               limits.max_metadata_bytes));
   }
   Rollout rollout = RolloutFromTrajectory(t);
   RETURN_IF_ERROR(ValidateRollout(rollout, limits.vocab_size));
@@ -60,9 +63,11 @@ absl::StatusOr<Rollout> CheckTrajectory(const v1::Trajectory& t, const Trajector
     return FieldError("ref_logprobs", "missing: the trainers' loss has a KL penalty");
   }
   if (rollout.reward.has_value() && std::abs(*rollout.reward) > limits.max_abs_reward) {
-    return FieldError("reward", absl::StrCat(*rollout.reward, " is beyond the limit of +-", limits.max_abs_reward));
+    return FieldError("reward", absl::StrCat(*rollout.reward, " is beyond the limit of +-",
+                                             limits.max_abs_reward));
   }
-  if (limits.require_reward_or_advantages && !rollout.reward.has_value() && rollout.advantages.empty()) {
+  if (limits.require_reward_or_advantages && !rollout.reward.has_value() &&
+      rollout.advantages.empty()) {
     return FieldError("reward", "missing: a trajectory needs a reward or per-token advantages");
   }
   return rollout;

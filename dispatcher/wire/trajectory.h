@@ -38,7 +38,8 @@ struct TrajectoryLimits {
 
 // The Rollout a valid trajectory describes, or INVALID_ARGUMENT whose message starts with
 // "field '<name>': " (see FieldOfError), e.g. "field 'loss_mask': 5 values for 6 tokens".
-absl::StatusOr<Rollout> CheckTrajectory(const v1::Trajectory& trajectory, const TrajectoryLimits& limits);
+absl::StatusOr<Rollout> CheckTrajectory(const v1::Trajectory& trajectory,
+                                        const TrajectoryLimits& limits);
 
 // The rollout as a trajectory (metadata empty). RolloutFromTrajectory(TrajectoryFromRollout(r))
 // == r for every valid rollout.

@@ -11,14 +11,14 @@ at::Tensor CopyToDevice(const at::Tensor& host, const at::TensorOptions& options
 }
 
 at::Tensor CopyToDevice(absl::Span<const int64_t> values, const at::TensorOptions& options) {
-  const at::Tensor host =
-      at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong);
+  const at::Tensor host = at::from_blob(const_cast<int64_t*>(values.data()),
+                                        {static_cast<int64_t>(values.size())}, at::kLong);
   return CopyToDevice(host, options.dtype(at::kLong));
 }
 
 at::Tensor CopyToDevice(absl::Span<const float> values, const at::TensorOptions& options) {
-  const at::Tensor host =
-      at::from_blob(const_cast<float*>(values.data()), {static_cast<int64_t>(values.size())}, at::kFloat);
+  const at::Tensor host = at::from_blob(const_cast<float*>(values.data()),
+                                        {static_cast<int64_t>(values.size())}, at::kFloat);
   return CopyToDevice(host, options);
 }
 

@@ -1,13 +1,14 @@
 // Host-to-device copies that never synchronize the host with the GPU.
 //
-// A plain `tensor.to(cuda)` from pageable host memory waits for the copy (and so for all work queued
-// before it). The executor uploads small index and loss tensors inside its loop, where such a wait
-// would stall the CPU until the GPU drains; these helpers stage through pinned memory (PyTorch's
-// caching host allocator, which keeps the staging block alive until the copy has run) and copy
-// asynchronously on the current stream. On the CPU they are ordinary copies.
+// A plain `tensor.to(cuda)` from pageable host memory waits for the copy (and so for all work
+// queued before it). The executor uploads small index and loss tensors inside its loop, where such
+// a wait would stall the CPU until the GPU drains; these helpers stage through pinned memory
+// (PyTorch's caching host allocator, which keeps the staging block alive until the copy has run)
+// and copy asynchronously on the current stream. On the CPU they are ordinary copies.
 //
 // Example:
-//   at::Tensor ids = CopyToDevice(absl::MakeConstSpan(host_ids), at::TensorOptions().device(at::kCUDA));
+//   at::Tensor ids = CopyToDevice(absl::MakeConstSpan(host_ids),
+//   at::TensorOptions().device(at::kCUDA));
 #pragma once
 
 #include <ATen/ATen.h>

@@ -11,9 +11,11 @@ int64_t FreeDeviceMemory(const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   size_t free_bytes = 0, total_bytes = 0;
   C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(guard.current_device().index());
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(guard.current_device().index());
   const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  const int64_t cached = stats.reserved_bytes[aggregate].current - stats.allocated_bytes[aggregate].current;
+  const int64_t cached =
+      stats.reserved_bytes[aggregate].current - stats.allocated_bytes[aggregate].current;
   return static_cast<int64_t>(free_bytes) + cached;
 }
 

@@ -152,9 +152,9 @@ void GradientSynchronizer::SyncGradients() {
   grads.reserve(named_.size());
   for (auto& [name, param] : named_) {
     const at::Tensor& grad = param.grad();
-    TORCH_CHECK(!grad.defined() || (grad.sizes() == param.sizes() &&
-                                    grad.scalar_type() == GradType(param) &&
-                                    grad.device() == param.device()),
+    TORCH_CHECK(!grad.defined() ||
+                    (grad.sizes() == param.sizes() && grad.scalar_type() == GradType(param) &&
+                     grad.device() == param.device()),
                 "GradientSynchronizer: rank ", group_.rank(), ": the grad of parameter '", name,
                 "' is ", grad.scalar_type(), grad.sizes(), " on ", grad.device().str(),
                 ", the parameter ", param.scalar_type(), param.sizes(), " on ",
@@ -184,9 +184,8 @@ void GradientSynchronizer::SyncGradients() {
     at::cat_out(flat_[b], pieces, 0);
     std::vector<at::Tensor> tensors = {flat_[b]};
     // Every rank skips the same empty buckets (the plan is shared), so nobody is left waiting.
-    works.push_back(buckets_[b].numel == 0
-                        ? nullptr
-                        : group_.backend()->allreduce(tensors, allreduce_options));
+    works.push_back(
+        buckets_[b].numel == 0 ? nullptr : group_.backend()->allreduce(tensors, allreduce_options));
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (!works[b]) continue;
@@ -219,9 +218,8 @@ void GradientSynchronizer::BroadcastParameters(int root) {
       at::cat_out(flat_[b], pieces, 0);
     }
     std::vector<at::Tensor> tensors = {flat_[b]};
-    works.push_back(buckets_[b].numel == 0
-                        ? nullptr
-                        : group_.backend()->broadcast(tensors, broadcast_options));
+    works.push_back(
+        buckets_[b].numel == 0 ? nullptr : group_.backend()->broadcast(tensors, broadcast_options));
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (!works[b]) continue;

@@ -15,8 +15,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "executor/distributed/c10d_backends.h"
 #include "core/base/status_macros.h"
+#include "executor/distributed/c10d_backends.h"
 
 namespace dta {
 namespace {

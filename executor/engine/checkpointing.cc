@@ -7,7 +7,8 @@ namespace dta::engine {
 
 LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkInput& input,
                                            const ChunkContext& context) {
-  TORCH_CHECK(input.prefix.empty(), "activation checkpointing takes chunks without a cached prefix");
+  TORCH_CHECK(input.prefix.empty(),
+              "activation checkpointing takes chunks without a cached prefix");
   torch::autograd::AutoGradMode no_grad(false);
   LayerCheckpoints saved;
   at::Tensor h = model.Embed(input.tokens);
@@ -19,8 +20,8 @@ LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkI
   return saved;
 }
 
-void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input, const ChunkContext& context,
-                           const LayerCheckpoints& saved) {
+void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input,
+                           const ChunkContext& context, const LayerCheckpoints& saved) {
   torch::autograd::AutoGradMode grad_mode(true);
   at::Tensor grad = saved.last.grad();
   if (!grad.defined()) return;

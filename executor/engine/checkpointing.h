@@ -24,7 +24,7 @@ LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkI
 
 // Replays and backpropagates every layer (and the embedding) with the gradient that reached
 // checkpoints.last. Nothing happens if no gradient reached it.
-void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input, const ChunkContext& context,
-                           const LayerCheckpoints& checkpoints);
+void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input,
+                           const ChunkContext& context, const LayerCheckpoints& checkpoints);
 
 }  // namespace dta::engine

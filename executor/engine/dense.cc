@@ -8,8 +8,8 @@
 
 namespace dta::engine {
 
-GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                        const ExecutorOptions& options) {
+GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                        const LossPlan* plan, const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   const bool checkpointing = plan != nullptr && options.checkpointing;
   GradientResult result;
@@ -32,15 +32,17 @@ GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollo
     // Token t is predicted from position t - 1; token 0 has no prediction and holds 0.
     at::Tensor entropy_tail;
     const bool entropy = plan && plan->needs_entropy();
-    const at::Tensor tail = model.Logprobs(hidden.slice(0, 0, length - 1), tokens.slice(0, 1, length),
-                                           entropy ? &entropy_tail : nullptr, options.logprob_slice_rows);
+    const at::Tensor tail =
+        model.Logprobs(hidden.slice(0, 0, length - 1), tokens.slice(0, 1, length),
+                       entropy ? &entropy_tail : nullptr, options.logprob_slice_rows);
     const at::Tensor zero = at::zeros({1}, tail.options());
     const at::Tensor logprobs = at::cat({zero, tail});
     result.logprobs.push_back(logprobs.detach());
     result.rollout_tokens += length;
     result.forwarded_tokens += checkpointing ? 2 * length : length;
     if (plan) {
-      const at::Tensor loss = plan->Loss(r, logprobs, entropy ? at::cat({zero, entropy_tail}) : at::Tensor());
+      const at::Tensor loss =
+          plan->Loss(r, logprobs, entropy ? at::cat({zero, entropy_tail}) : at::Tensor());
       loss.backward();
       if (checkpointing) BackwardThroughLayers(model, input, context, saved);
       total_loss = total_loss.defined() ? total_loss + loss.detach() : loss.detach();

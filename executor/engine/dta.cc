@@ -18,29 +18,30 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-
+#include "core/tree/leaf_order.h"
+#include "core/tree/prefix_tree.h"
 #include "executor/device/memory.h"
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
-#include "core/tree/leaf_order.h"
-#include "core/tree/prefix_tree.h"
 
 namespace dta::engine {
 namespace {
 
 // The path state, preallocated for the longest rollout and written in place.
 struct PathStack {
-  std::vector<at::Tensor> keys, values, grad_keys, grad_values;  // per layer [max_len, kv_heads, head_dim]
-  at::Tensor hidden, grad_hidden;                                // [max_len, hidden_size], float32
-  at::Tensor logprobs, grad_logprobs;                            // [max_len]
-  at::Tensor entropy, grad_entropy;                              // [max_len] when the loss needs entropy
+  std::vector<at::Tensor> keys, values, grad_keys,
+      grad_values;                     // per layer [max_len, kv_heads, head_dim]
+  at::Tensor hidden, grad_hidden;      // [max_len, hidden_size], float32
+  at::Tensor logprobs, grad_logprobs;  // [max_len]
+  at::Tensor entropy, grad_entropy;    // [max_len] when the loss needs entropy
 
   PathStack(const Qwen3Model& model, int64_t max_len, bool with_entropy) {
     const Qwen3Config& c = model.config();
     const at::TensorOptions o = model.options();
     const at::TensorOptions f = o.dtype(o.dtype() == at::kDouble ? at::kDouble : at::kFloat);
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      for (auto* list : {&keys, &values}) list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, o));
+      for (auto* list : {&keys, &values})
+        list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, o));
       for (auto* list : {&grad_keys, &grad_values}) {
         list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, f));
       }
@@ -94,8 +95,9 @@ struct Chunk {
   at::Tensor logprobs, entropy;  // [end - begin]
 };
 
-Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Tensor& tokens, int64_t begin,
-                   int64_t end, bool with_graph, bool with_entropy, int64_t slice_rows) {
+Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Tensor& tokens,
+                   int64_t begin, int64_t end, bool with_graph, bool with_entropy,
+                   int64_t slice_rows) {
   torch::autograd::AutoGradMode grad_mode(with_graph);
   Chunk chunk;
   chunk.begin = begin;
@@ -107,8 +109,9 @@ Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Te
                              .prefix = StackPrefix(stack, begin, with_graph)});
   // Token p is predicted by the hidden state at p - 1: the stack's for the chunk's first token.
   const int64_t t = end - begin;
-  const at::Tensor rows = begin > 0 ? at::cat({chunk.previous_hidden, chunk.out.hidden.slice(0, 0, t - 1)})
-                                    : chunk.out.hidden.slice(0, 0, t - 1);
+  const at::Tensor rows =
+      begin > 0 ? at::cat({chunk.previous_hidden, chunk.out.hidden.slice(0, 0, t - 1)})
+                : chunk.out.hidden.slice(0, 0, t - 1);
   const at::Tensor targets = begin > 0 ? ids : ids.slice(0, 1, t);
   at::Tensor entropy;
   chunk.logprobs = model.Logprobs(rows, targets, with_entropy ? &entropy : nullptr, slice_rows);
@@ -167,15 +170,15 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
   if (stack.grad_entropy.defined()) stack.grad_entropy.slice(0, begin, end).zero_();
 }
 
-
 // A kPacked step: rollouts order[first, last) share the stack's positions [0, depth) and nothing
 // above it with anyone else. Their tokens above `depth` are forwarded at once with a tree mask on
 // top of the stack's K/V, their losses attached, and everything backpropagated; the stack's
 // accumulators below `depth` receive the gradients of its K/V, of the hidden state at depth - 1,
 // and of the log-probabilities (and entropies) the rollouts read from it.
-at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<const Rollout> rollouts,
-                     absl::Span<const RolloutIndex> group, int64_t depth, const LossPlan& plan, int64_t slice_rows,
-                     std::vector<at::Tensor>& logprobs_out) {
+at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack,
+                         absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> group,
+                         int64_t depth, const LossPlan& plan, int64_t slice_rows,
+                         std::vector<at::Tensor>& logprobs_out) {
   torch::autograd::AutoGradMode grad_mode(true);
   // The group's suffixes above `depth` as their own little tree (rollouts ending at `depth` have
   // no suffix).
@@ -185,15 +188,17 @@ at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack, absl::Span<c
     const std::vector<TokenId>& tokens = rollouts[group[k]].tokens;
     if (static_cast<int64_t>(tokens.size()) == depth) continue;
     suffix_index[k] = builder.num_rollouts();
-    TORCH_CHECK(builder.AddRollout(absl::MakeConstSpan(tokens).subspan(depth)).ok(), rollouts[group[k]].id);
+    TORCH_CHECK(builder.AddRollout(absl::MakeConstSpan(tokens).subspan(depth)).ok(),
+                rollouts[group[k]].id);
   }
   const PrefixTree suffixes = std::move(builder).Build();
   const PackedLayout layout = MakePackedLayout(suffixes, depth);
 
   const at::Tensor previous_hidden = HiddenAnchor(stack, depth, /*with_graph=*/true);
   const bool with_entropy = plan.needs_entropy();
-  const PackedOutput packed = ForwardPacked(model, layout, StackPrefix(stack, depth, /*with_grad=*/true),
-                                            previous_hidden, with_entropy, slice_rows);
+  const PackedOutput packed =
+      ForwardPacked(model, layout, StackPrefix(stack, depth, /*with_grad=*/true), previous_hidden,
+                    with_entropy, slice_rows);
   // What the rollouts read from the stack below `depth`, as leaves whose gradients are collected.
   const at::Tensor stack_logprobs = stack.logprobs.slice(0, 0, depth).clone().requires_grad_(true);
   const at::Tensor stack_entropy =
@@ -228,14 +233,16 @@ struct ChunkPlan {
   int64_t graph_budget = 0;
 };
 
-ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& options, int64_t longest, bool training) {
+ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& options, int64_t longest,
+                           bool training) {
   const bool auto_block = options.block_size == kAutoBlockSize;
   const bool auto_budget = options.graph_budget == kAutoGraphBudget;
-  TORCH_CHECK(auto_block || options.block_size >= 1, "block_size must be >= 1 or kAutoBlockSize, got ",
-              options.block_size);
-  TORCH_CHECK(auto_budget || options.graph_budget >= 0, "graph_budget must be >= 0 or kAutoGraphBudget, got ",
-              options.graph_budget);
-  ChunkPlan plan{.block_size = options.block_size, .graph_budget = auto_budget ? 0 : options.graph_budget};
+  TORCH_CHECK(auto_block || options.block_size >= 1,
+              "block_size must be >= 1 or kAutoBlockSize, got ", options.block_size);
+  TORCH_CHECK(auto_budget || options.graph_budget >= 0,
+              "graph_budget must be >= 0 or kAutoGraphBudget, got ", options.graph_budget);
+  ChunkPlan plan{.block_size = options.block_size,
+                 .graph_budget = auto_budget ? 0 : options.graph_budget};
   if (!training) plan.graph_budget = 0;
   const at::Device device = model.options().device();
   if (!device.is_cuda() || !training) {
@@ -243,8 +250,10 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
     return plan;
   }
   if (!auto_block && !auto_budget) return plan;
-  const int64_t per_token = GraphBytesPerToken(model.config(), model.options().dtype().toScalarType());
-  const int64_t fit = static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
+  const int64_t per_token =
+      GraphBytesPerToken(model.config(), model.options().dtype().toScalarType());
+  const int64_t fit =
+      static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
   if (auto_block) {
     // At least kMinAutoBlock tokens: below that, chunks are too small to run efficiently, and a
     // device that cannot hold them will say so. At most the longest rollout, or kPackedBlock if
@@ -252,7 +261,8 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
     constexpr int64_t kMinAutoBlock = 256;
     constexpr int64_t kPackedBlock = 8192;
     const int64_t most = std::max(longest, options.pack ? kPackedBlock : int64_t{1});
-    plan.block_size = std::clamp<int64_t>(fit - plan.graph_budget, std::min(kMinAutoBlock, longest), most);
+    plan.block_size =
+        std::clamp<int64_t>(fit - plan.graph_budget, std::min(kMinAutoBlock, longest), most);
   }
   if (auto_budget) plan.graph_budget = std::max<int64_t>(0, fit - plan.block_size);
   return plan;
@@ -260,21 +270,24 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
 
 }  // namespace
 
-GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                      const ExecutorOptions& options) {
+GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                      const LossPlan* plan, const ExecutorOptions& options) {
   const bool training = plan != nullptr;
   const bool with_entropy = training && plan->needs_entropy();
   const PrefixTree tree = BuildTree(rollouts);
   int64_t max_len = 0;
-  for (const Rollout& rollout : rollouts) max_len = std::max<int64_t>(max_len, rollout.tokens.size());
+  for (const Rollout& rollout : rollouts)
+    max_len = std::max<int64_t>(max_len, rollout.tokens.size());
   PathStack stack(model, max_len, with_entropy);
   const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
-  const std::vector<RolloutIndex> order =
-      options.order == LeafOrderKind::kLexicographic ? LexicographicOrder(tree) : BackwardDfsOrder(tree);
-  absl::StatusOr<Schedule> schedule =
-      BuildSchedule(tree, order,
-                    {.block_size = chunks.block_size, .graph_budget = chunks.graph_budget, .pack = options.pack,
-                     .training = training});
+  const std::vector<RolloutIndex> order = options.order == LeafOrderKind::kLexicographic
+                                              ? LexicographicOrder(tree)
+                                              : BackwardDfsOrder(tree);
+  absl::StatusOr<Schedule> schedule = BuildSchedule(tree, order,
+                                                    {.block_size = chunks.block_size,
+                                                     .graph_budget = chunks.graph_budget,
+                                                     .pack = options.pack,
+                                                     .training = training});
   TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
 
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
@@ -288,8 +301,8 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   for (const Step& step : schedule->steps) {
     switch (step.kind) {
       case StepKind::kForward: {
-        Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end, step.with_graph,
-                                   with_entropy, options.logprob_slice_rows);
+        Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
+                                   step.with_graph, with_entropy, options.logprob_slice_rows);
         Push(stack, chunk);
         result.forwarded_tokens += step.size();
         if (step.with_graph) kept.push_back(std::move(chunk));
@@ -299,8 +312,10 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         const int64_t length = step.end;
         result.logprobs[step.rollout] = stack.logprobs.slice(0, 0, length).clone();
         if (!training) break;
-        const at::Tensor entropy = with_entropy ? stack.entropy.slice(0, 0, length).clone() : at::Tensor();
-        const RolloutLossGrad g = plan->LossAndGrad(step.rollout, result.logprobs[step.rollout], entropy);
+        const at::Tensor entropy =
+            with_entropy ? stack.entropy.slice(0, 0, length).clone() : at::Tensor();
+        const RolloutLossGrad g =
+            plan->LossAndGrad(step.rollout, result.logprobs[step.rollout], entropy);
         stack.grad_logprobs.slice(0, 0, length).add_(g.dlogprobs);
         if (with_entropy) stack.grad_entropy.slice(0, 0, length).add_(g.dentropy);
         loss += g.loss;
@@ -308,8 +323,9 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
       }
       case StepKind::kBackward: {
         if (step.reuses_graph) {
-          TORCH_CHECK(!kept.empty() && kept.back().begin == step.begin && kept.back().end == step.end,
-                      "schedule: no graph to reuse");
+          TORCH_CHECK(
+              !kept.empty() && kept.back().begin == step.begin && kept.back().end == step.end,
+              "schedule: no graph to reuse");
           Backward(stack, kept.back());
           kept.pop_back();
         } else {
@@ -325,9 +341,10 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         break;
       case StepKind::kPacked: {
         TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
-        loss += RunPackedStep(model, stack, rollouts,
-                                     absl::MakeConstSpan(schedule->order).subspan(step.first, step.last - step.first),
-                                     step.begin, *plan, options.logprob_slice_rows, result.logprobs);
+        loss += RunPackedStep(
+            model, stack, rollouts,
+            absl::MakeConstSpan(schedule->order).subspan(step.first, step.last - step.first),
+            step.begin, *plan, options.logprob_slice_rows, result.logprobs);
         result.forwarded_tokens += step.packed_tokens;
         break;
       }

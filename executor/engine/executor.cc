@@ -11,10 +11,13 @@
 namespace dta {
 namespace engine {
 
-std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts, const at::TensorOptions& model_options) {
+std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts,
+                                     const at::TensorOptions& model_options) {
   std::vector<int64_t> ids;
-  for (const Rollout& rollout : rollouts) ids.insert(ids.end(), rollout.tokens.begin(), rollout.tokens.end());
-  const at::Tensor all = CopyToDevice(absl::MakeConstSpan(ids), at::TensorOptions().device(model_options.device()));
+  for (const Rollout& rollout : rollouts)
+    ids.insert(ids.end(), rollout.tokens.begin(), rollout.tokens.end());
+  const at::Tensor all =
+      CopyToDevice(absl::MakeConstSpan(ids), at::TensorOptions().device(model_options.device()));
   std::vector<at::Tensor> out;
   int64_t offset = 0;
   for (const Rollout& rollout : rollouts) {
@@ -27,13 +30,15 @@ std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts, const a
 
 PrefixTree BuildTree(absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset) {
   PrefixTreeBuilder builder;
-  for (RolloutIndex r : subset) TORCH_CHECK(builder.AddRollout(rollouts[r].tokens).ok(), "rollout '", rollouts[r].id, "'");
+  for (RolloutIndex r : subset)
+    TORCH_CHECK(builder.AddRollout(rollouts[r].tokens).ok(), "rollout '", rollouts[r].id, "'");
   return std::move(builder).Build();
 }
 
 PrefixTree BuildTree(absl::Span<const Rollout> rollouts) {
   PrefixTreeBuilder builder;
-  for (const Rollout& rollout : rollouts) TORCH_CHECK(builder.AddRollout(rollout.tokens).ok(), "rollout '", rollout.id, "'");
+  for (const Rollout& rollout : rollouts)
+    TORCH_CHECK(builder.AddRollout(rollout.tokens).ok(), "rollout '", rollout.id, "'");
   return std::move(builder).Build();
 }
 
@@ -44,8 +49,9 @@ void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts) 
   }
 }
 
-LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
-                   const ExecutorOptions& executor, const BatchLossContext& batch)
+LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                   const LossOptions& options, const ExecutorOptions& executor,
+                   const BatchLossContext& batch)
     : rollouts_(rollouts), options_(options), batch_(batch) {
   if (options.custom) {
     // A custom loss gets the group advantages when the batch has what they are computed from.
@@ -65,7 +71,8 @@ LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, 
   }
 }
 
-RolloutLossInputs LossPlan::Inputs(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const {
+RolloutLossInputs LossPlan::Inputs(int32_t r, const at::Tensor& logprobs,
+                                   const at::Tensor& entropy) const {
   RolloutLossInputs in;
   in.rollout = &rollouts_[r];
   in.logprobs = logprobs;
@@ -79,7 +86,8 @@ at::Tensor LossPlan::Loss(int32_t r, const at::Tensor& logprobs, const at::Tenso
   return RolloutLoss(Inputs(r, logprobs, entropy), options_, batch_);
 }
 
-RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const {
+RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs,
+                                      const at::Tensor& entropy) const {
   return RolloutLossAndGrad(Inputs(r, logprobs, entropy), options_, batch_);
 }
 
@@ -122,8 +130,8 @@ int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype) {
 
 namespace engine {
 
-GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                   const ExecutorOptions& options) {
+GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                   const LossPlan* plan, const ExecutorOptions& options) {
   TORCH_CHECK(options.logprob_slice_rows > 0, "logprob_slice_rows must be positive");
   switch (options.method) {
     case Method::kDense:

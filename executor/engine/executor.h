@@ -14,7 +14,8 @@
 //
 // Example:
 //   model.ZeroGrad();  // or set each parameter's grad to zero
-//   GradientResult r = ComputeGradients(model, rollouts, {.kind = LossKind::kPpo}, {.method = Method::kDta,
+//   GradientResult r = ComputeGradients(model, rollouts, {.kind = LossKind::kPpo}, {.method =
+//   Method::kDta,
 //                                       .block_size = 2048});
 //
 // Thread safety: one call at a time per model (gradients accumulate into shared tensors).
@@ -28,9 +29,9 @@
 
 #include "absl/types/span.h"
 #include "core/io/rollout.h"
+#include "core/tree/schedule.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
-#include "core/tree/schedule.h"
 
 namespace dta {
 

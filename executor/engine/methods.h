@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "executor/engine/executor.h"
 #include "core/tree/prefix_tree.h"
+#include "executor/engine/executor.h"
 
 namespace dta::engine {
 
@@ -24,7 +24,8 @@ class LossPlan {
   // entropy, when needed; otherwise pass an undefined tensor).
   at::Tensor Loss(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
   // The same, with d loss / d logprobs (and d loss / d entropy) by autograd on the small vectors.
-  RolloutLossGrad LossAndGrad(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
+  RolloutLossGrad LossAndGrad(int32_t r, const at::Tensor& logprobs,
+                              const at::Tensor& entropy) const;
 
  private:
   RolloutLossInputs Inputs(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
@@ -38,7 +39,8 @@ class LossPlan {
 
 // Every rollout's tokens as an [L] int64 tensor on the model's device: views of one buffer,
 // uploaded in one asynchronous copy.
-std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts, const at::TensorOptions& model_options);
+std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts,
+                                     const at::TensorOptions& model_options);
 
 // The prefix tree of rollouts[subset[0]], rollouts[subset[1]], ... (local indices follow
 // `subset`), or of all rollouts.
@@ -49,11 +51,11 @@ PrefixTree BuildTree(absl::Span<const Rollout> rollouts);
 void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts);
 
 // When `plan` is null, only log-probabilities are computed (no graph, no gradients).
-GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                        const ExecutorOptions& options);
-GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                         const ExecutorOptions& options);
-GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                      const ExecutorOptions& options);
+GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                        const LossPlan* plan, const ExecutorOptions& options);
+GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                         const LossPlan* plan, const ExecutorOptions& options);
+GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                      const LossPlan* plan, const ExecutorOptions& options);
 
 }  // namespace dta::engine

@@ -3,10 +3,10 @@
 // autograd sums every shared token's gradient over the rollouts through it.
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "executor/engine/methods.h"
-#include "executor/engine/packed_layout.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_partition.h"
+#include "executor/engine/methods.h"
+#include "executor/engine/packed_layout.h"
 
 namespace dta::engine {
 
@@ -14,16 +14,17 @@ namespace {
 
 // One packed forward (and backward) over the rollouts `subset`; their results go to `result`, the
 // loss (a device scalar) to `total_loss`.
-void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset,
-                    const LossPlan* plan, const ExecutorOptions& options, GradientResult& result,
+void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                    absl::Span<const RolloutIndex> subset, const LossPlan* plan,
+                    const ExecutorOptions& options, GradientResult& result,
                     at::Tensor& total_loss) {
   const PrefixTree tree = BuildTree(rollouts, subset);
   const PackedLayout layout = MakePackedLayout(tree, 0);
   const int64_t n = tree.num_tree_tokens();
   const bool entropy = plan && plan->needs_entropy();
   const bool checkpointing = plan != nullptr && options.checkpointing;
-  const PackedOutput packed =
-      ForwardPacked(model, layout, {}, at::Tensor(), entropy, options.logprob_slice_rows, checkpointing);
+  const PackedOutput packed = ForwardPacked(model, layout, {}, at::Tensor(), entropy,
+                                            options.logprob_slice_rows, checkpointing);
 
   result.forwarded_tokens += checkpointing ? 2 * n : n;
   at::Tensor total;
@@ -34,21 +35,23 @@ void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
     result.logprobs[r] = logprobs.detach();
     result.rollout_tokens += tree.rollout_length(local);
     if (plan) {
-      const at::Tensor loss = plan->Loss(r, logprobs, entropy ? packed.entropy.index_select(0, path) : at::Tensor());
+      const at::Tensor loss =
+          plan->Loss(r, logprobs, entropy ? packed.entropy.index_select(0, path) : at::Tensor());
       total = total.defined() ? total + loss : loss;
     }
   }
   if (plan && total.defined()) {
     total.backward();
-    if (checkpointing) BackwardThroughLayers(model, *packed.input, packed.context, packed.checkpoints);
+    if (checkpointing)
+      BackwardThroughLayers(model, *packed.input, packed.context, packed.checkpoints);
     total_loss = total_loss.defined() ? total_loss + total.detach() : total.detach();
   }
 }
 
 }  // namespace
 
-GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                         const ExecutorOptions& options) {
+GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+                         const LossPlan* plan, const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   GradientResult result;
   result.logprobs.resize(rollouts.size());

@@ -20,7 +20,8 @@ PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
       layout.positions[first + o] = offset + tree.depth(v) + o;
       layout.key_end[first + o] = subtree_end;
       layout.previous[first + o] =
-          o > 0 ? first + o - 1 : (parent == kRootNode ? -1 : tree.token_offset(parent) + tree.length(parent) - 1);
+          o > 0 ? first + o - 1
+                : (parent == kRootNode ? -1 : tree.token_offset(parent) + tree.length(parent) - 1);
     }
   }
   layout.paths.resize(tree.num_rollouts());
@@ -28,7 +29,8 @@ PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
     std::vector<int64_t>& path = layout.paths[r];
     path.resize(tree.rollout_length(r));
     for (NodeId v = tree.end_node(r); v != kRootNode; v = tree.parent(v)) {
-      for (int64_t o = 0; o < tree.length(v); ++o) path[tree.depth(v) + o] = tree.token_offset(v) + o;
+      for (int64_t o = 0; o < tree.length(v); ++o)
+        path[tree.depth(v) + o] = tree.token_offset(v) + o;
     }
   }
   return layout;
@@ -38,9 +40,9 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& dev
   return CopyToDevice(absl::MakeConstSpan(values), at::TensorOptions().device(device));
 }
 
-PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout, const PrefixKv& prefix,
-                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows,
-                           bool checkpointing) {
+PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
+                           const PrefixKv& prefix, const at::Tensor& previous_hidden,
+                           bool with_entropy, int64_t slice_rows, bool checkpointing) {
   const at::Device device = model.options().device();
   PackedOutput result;
   result.token_ids = IndexTensor(layout.tokens, device);
@@ -71,7 +73,8 @@ PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout, 
   const at::Tensor values = model.Logprobs(rows.index_select(0, IndexTensor(predictor, device)),
                                            result.token_ids.index_select(0, predicted_ids),
                                            with_entropy ? &entropy_values : nullptr, slice_rows);
-  const at::Tensor zeros = at::zeros({static_cast<int64_t>(layout.tokens.size())}, values.options());
+  const at::Tensor zeros =
+      at::zeros({static_cast<int64_t>(layout.tokens.size())}, values.options());
   result.logprobs = zeros.index_put({predicted_ids}, values);
   if (with_entropy) result.entropy = zeros.index_put({predicted_ids}, entropy_values);
   return result;

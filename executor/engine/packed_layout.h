@@ -7,9 +7,9 @@
 
 #include <ATen/ATen.h>
 
+#include "core/tree/prefix_tree.h"
 #include "executor/engine/checkpointing.h"
 #include "executor/model/qwen3_model.h"
-#include "core/tree/prefix_tree.h"
 
 namespace dta::engine {
 
@@ -42,14 +42,14 @@ struct PackedOutput {
   LayerCheckpoints checkpoints;
 };
 
-// One tree-masked forward of the layout's tokens on top of `prefix` (or none) and every token's log-probability: predicted by the previous packed token's
-// hidden state, or, for the first token of a root child, by `previous_hidden` ([1, hidden]).
-// With `previous_hidden` undefined the tree starts at position 0 and those tokens hold 0.
-// With `checkpointing` (no prefix), the decoder keeps only its layer inputs (see checkpointing.h):
-// after backpropagating the loss, call BackwardThroughLayers(model, *out.input, out.context,
-// out.checkpoints).
-PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout, const PrefixKv& prefix,
-                           const at::Tensor& previous_hidden, bool with_entropy, int64_t slice_rows,
-                           bool checkpointing = false);
+// One tree-masked forward of the layout's tokens on top of `prefix` (or none) and every token's
+// log-probability: predicted by the previous packed token's hidden state, or, for the first token
+// of a root child, by `previous_hidden` ([1, hidden]). With `previous_hidden` undefined the tree
+// starts at position 0 and those tokens hold 0. With `checkpointing` (no prefix), the decoder keeps
+// only its layer inputs (see checkpointing.h): after backpropagating the loss, call
+// BackwardThroughLayers(model, *out.input, out.context, out.checkpoints).
+PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
+                           const PrefixKv& prefix, const at::Tensor& previous_hidden,
+                           bool with_entropy, int64_t slice_rows, bool checkpointing = false);
 
 }  // namespace dta::engine

@@ -20,10 +20,14 @@ namespace {
 
 const char* KindName(LossKind kind) {
   switch (kind) {
-    case LossKind::kSft: return "kSft";
-    case LossKind::kPpo: return "kPpo";
-    case LossKind::kDecoupledPpo: return "kDecoupledPpo";
-    case LossKind::kGspo: return "kGspo";
+    case LossKind::kSft:
+      return "kSft";
+    case LossKind::kPpo:
+      return "kPpo";
+    case LossKind::kDecoupledPpo:
+      return "kDecoupledPpo";
+    case LossKind::kGspo:
+      return "kGspo";
   }
   return "unknown";
 }
@@ -44,15 +48,16 @@ void CheckTensor(const Rollout& r, const char* field, const at::Tensor& t) {
               "': field '", field, "': dtype ", t.scalar_type(), ", expected float32 or float64");
   TORCH_CHECK(t.dim() == 1, "rollout '", r.id, "': field '", field, "': ", t.dim(),
               "-D tensor, expected 1-D [", r.tokens.size(), "]");
-  TORCH_CHECK(t.size(0) == static_cast<int64_t>(r.tokens.size()), "rollout '", r.id,
-              "': field '", field, "': ", t.size(0), " values for ", r.tokens.size(), " tokens");
+  TORCH_CHECK(t.size(0) == static_cast<int64_t>(r.tokens.size()), "rollout '", r.id, "': field '",
+              field, "': ", t.size(0), " values for ", r.tokens.size(), " tokens");
 }
 
 // Every check on the inputs and options, before any tensor work.
 void CheckInputs(const RolloutLossInputs& in, const LossOptions& o) {
   TORCH_CHECK(in.rollout != nullptr, "RolloutLossInputs.rollout is null");
   const Rollout& r = *in.rollout;
-  TORCH_CHECK(in.logprobs.defined(), "rollout '", r.id, "': field 'logprobs' (current policy) is "
+  TORCH_CHECK(in.logprobs.defined(), "rollout '", r.id,
+              "': field 'logprobs' (current policy) is "
               "undefined");
   CheckTensor(r, "logprobs", in.logprobs);
   CheckVectorLength(r, "loss_mask", r.loss_mask.size());
@@ -134,25 +139,30 @@ at::Tensor NormalizeSequenceLoss(const at::Tensor& seq, int64_t loss_tokens, con
 
 // The custom loss's value, checked, and connected to logprobs even when it does not depend on them
 // (autograd needs every rollout's loss to reach its inputs).
-at::Tensor CustomRolloutLoss(const RolloutLossInputs& in, const LossOptions& o, const BatchLossContext& batch) {
+at::Tensor CustomRolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
+                             const BatchLossContext& batch) {
   TORCH_CHECK(in.rollout != nullptr, "RolloutLossInputs.rollout is null");
   const Rollout& r = *in.rollout;
-  TORCH_CHECK(in.logprobs.defined(), "rollout '", r.id, "': field 'logprobs' (current policy) is undefined");
+  TORCH_CHECK(in.logprobs.defined(), "rollout '", r.id,
+              "': field 'logprobs' (current policy) is undefined");
   CheckTensor(r, "logprobs", in.logprobs);
   at::Tensor loss = o.custom(in, batch);
   if (!loss.defined() || loss.numel() != 1 || loss.dim() > 1 || !loss.is_floating_point()) {
     // (Streaming a number into a c10 message once crashed the Python extension built on the GPU
     // machines: their toolchain linked libstdc++ statically into it; see
     // bindings/python/CMakeLists.txt. Formatting here does not depend on it either way.)
-    TORCH_CHECK(false, "rollout '", r.id, "': the custom loss must return one floating-point value (a 0-d tensor), got ",
-                loss.defined() ? absl::StrCat(loss.toString(), " of shape [", absl::StrJoin(loss.sizes(), ", "), "]")
+    TORCH_CHECK(false, "rollout '", r.id,
+                "': the custom loss must return one floating-point value (a 0-d tensor), got ",
+                loss.defined() ? absl::StrCat(loss.toString(), " of shape [",
+                                              absl::StrJoin(loss.sizes(), ", "), "]")
                                : std::string("an undefined tensor"));
   }
   TORCH_CHECK(loss.device() == in.logprobs.device(), "rollout '", r.id, "': the custom loss is on ",
               loss.device(), ", logprobs on ", in.logprobs.device());
   loss = loss.reshape({});
   // An empty slice's sum: exactly 0 whatever logprobs hold, with a zero gradient.
-  if (in.logprobs.requires_grad() && !loss.requires_grad()) loss = loss + in.logprobs.narrow(0, 0, 0).sum();
+  if (in.logprobs.requires_grad() && !loss.requires_grad())
+    loss = loss + in.logprobs.narrow(0, 0, 0).sum();
   return loss;
 }
 
@@ -160,7 +170,8 @@ at::Tensor CustomRolloutLoss(const RolloutLossInputs& in, const LossOptions& o, 
 
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
                                                   bool normalize_std) {
-  absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts, normalize_std);
+  absl::StatusOr<std::vector<std::vector<float>>> advantages =
+      GroupAdvantages(rollouts, normalize_std);
   TORCH_CHECK(advantages.ok(), std::string(advantages.status().message()));
   return *std::move(advantages);
 }
@@ -180,9 +191,10 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
     if (first_loss_token < 0) first_loss_token = static_cast<int64_t>(t);
     ++loss_tokens;
   }
-  const at::Tensor mask = CopyToDevice(
-      at::from_blob(const_cast<uint8_t*>(r.loss_mask.data()), {static_cast<int64_t>(r.loss_mask.size())}, at::kByte),
-      opts.dtype(at::kBool));
+  const at::Tensor mask =
+      CopyToDevice(at::from_blob(const_cast<uint8_t*>(r.loss_mask.data()),
+                                 {static_cast<int64_t>(r.loss_mask.size())}, at::kByte),
+                   opts.dtype(at::kBool));
   // Masked positions are replaced by 0 before any nonlinearity, so that extreme values there
   // (the dummy position 0, say) never produce inf or NaN in the loss or its gradient.
   auto masked = [&mask](const at::Tensor& x) { return at::where(mask, x, 0); };
@@ -218,8 +230,7 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
       }
       const at::Tensor old = ToTensor(r.logprobs, opts);
       const double adv = (*in.advantages)[first_loss_token];
-      const at::Tensor s =
-          at::exp(masked(lp - old).sum() / static_cast<double>(loss_tokens));
+      const at::Tensor s = at::exp(masked(lp - old).sum() / static_cast<double>(loss_tokens));
       const at::Tensor clipped = at::clamp(s, 1.0 - o.gspo_eps_low, 1.0 + o.gspo_eps_high);
       sequence_loss = at::maximum(-adv * s, -adv * clipped);
       break;

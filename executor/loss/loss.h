@@ -92,7 +92,8 @@ struct RolloutLossInputs;
 // reward or advantages (GRPO group advantages, as for kPpo), else null; entropy and proximal
 // log-probabilities are not computed for it. It may throw; the exception propagates out of
 // ComputeGradients. Called on the thread that called ComputeGradients, one rollout at a time.
-using CustomLoss = std::function<at::Tensor(const RolloutLossInputs& in, const BatchLossContext& batch)>;
+using CustomLoss =
+    std::function<at::Tensor(const RolloutLossInputs& in, const BatchLossContext& batch)>;
 
 struct LossOptions {
   LossKind kind = LossKind::kPpo;

@@ -18,45 +18,69 @@ namespace dta {
 namespace {
 
 // Safetensors data is little-endian; tensors are copied byte for byte.
-static_assert(std::endian::native == std::endian::little, "checkpoints assume a little-endian host");
+static_assert(std::endian::native == std::endian::little,
+              "checkpoints assume a little-endian host");
 
 // The safetensors dtype of a torch dtype, or nullopt if the format has none we support.
 std::optional<DType> ToDType(at::ScalarType type) {
   switch (type) {
-    case at::kDouble: return DType::kF64;
-    case at::kFloat: return DType::kF32;
-    case at::kBFloat16: return DType::kBF16;
-    case at::kHalf: return DType::kF16;
-    case at::kFloat8_e4m3fn: return DType::kF8E4M3;
-    case at::kFloat8_e5m2: return DType::kF8E5M2;
-    case at::kLong: return DType::kI64;
-    case at::kInt: return DType::kI32;
-    case at::kShort: return DType::kI16;
-    case at::kChar: return DType::kI8;
-    case at::kByte: return DType::kU8;
-    case at::kBool: return DType::kBool;
-    default: return std::nullopt;
+    case at::kDouble:
+      return DType::kF64;
+    case at::kFloat:
+      return DType::kF32;
+    case at::kBFloat16:
+      return DType::kBF16;
+    case at::kHalf:
+      return DType::kF16;
+    case at::kFloat8_e4m3fn:
+      return DType::kF8E4M3;
+    case at::kFloat8_e5m2:
+      return DType::kF8E5M2;
+    case at::kLong:
+      return DType::kI64;
+    case at::kInt:
+      return DType::kI32;
+    case at::kShort:
+      return DType::kI16;
+    case at::kChar:
+      return DType::kI8;
+    case at::kByte:
+      return DType::kU8;
+    case at::kBool:
+      return DType::kBool;
+    default:
+      return std::nullopt;
   }
 }
 
 // The floating-point storage types a model checkpoint may use, with config.json's name for each.
 std::optional<at::ScalarType> WeightType(DType dtype) {
   switch (dtype) {
-    case DType::kF64: return at::kDouble;
-    case DType::kF32: return at::kFloat;
-    case DType::kBF16: return at::kBFloat16;
-    case DType::kF16: return at::kHalf;
-    default: return std::nullopt;
+    case DType::kF64:
+      return at::kDouble;
+    case DType::kF32:
+      return at::kFloat;
+    case DType::kBF16:
+      return at::kBFloat16;
+    case DType::kF16:
+      return at::kHalf;
+    default:
+      return std::nullopt;
   }
 }
 
 const char* ConfigDTypeName(at::ScalarType type) {
   switch (type) {
-    case at::kDouble: return "float64";
-    case at::kFloat: return "float32";
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    default: return nullptr;
+    case at::kDouble:
+      return "float64";
+    case at::kFloat:
+      return "float32";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kHalf:
+      return "float16";
+    default:
+      return nullptr;
   }
 }
 
@@ -69,8 +93,9 @@ std::string FileOf(const SafetensorsCheckpoint& checkpoint, std::string_view nam
 // since the mapping only guarantees the alignment the file gives).
 at::Tensor ToTensor(const SafetensorsCheckpoint& checkpoint, const TensorView& view) {
   const std::optional<at::ScalarType> type = WeightType(view.dtype);
-  TORCH_CHECK(type.has_value(), "LoadQwen3Model: ", FileOf(checkpoint, view.name), ": tensor '", view.name,
-              "' is stored as ", DTypeName(view.dtype), "; model weights must be BF16, F16, F32 or F64");
+  TORCH_CHECK(type.has_value(), "LoadQwen3Model: ", FileOf(checkpoint, view.name), ": tensor '",
+              view.name, "' is stored as ", DTypeName(view.dtype),
+              "; model weights must be BF16, F16, F32 or F64");
   at::Tensor tensor = at::empty(view.shape, at::TensorOptions().dtype(*type));
   if (view.nbytes() > 0) std::memcpy(tensor.data_ptr(), view.data.data(), view.data.size());
   return tensor;
@@ -132,9 +157,11 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
     std::string list;
     constexpr size_t kShown = 10;
     for (size_t i = 0; i < unexpected.size() && i < kShown; ++i) {
-      list += (i ? ", '" : "'") + unexpected[i] + "' (in " + FileOf(checkpoint, unexpected[i]) + ")";
+      list +=
+          (i ? ", '" : "'") + unexpected[i] + "' (in " + FileOf(checkpoint, unexpected[i]) + ")";
     }
-    if (unexpected.size() > kShown) list += ", and " + std::to_string(unexpected.size() - kShown) + " more";
+    if (unexpected.size() > kShown)
+      list += ", and " + std::to_string(unexpected.size() - kShown) + " more";
     TORCH_CHECK(false, "LoadQwen3Model: ", directory, ": ", unexpected.size(),
                 " unexpected tensor(s) that the Qwen3 model does not have: ", list);
   }
@@ -145,19 +172,21 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
     const TensorView* head_view = GetChecked(checkpoint, std::string(kHead), embed.sizes());
     const TensorView* embed_view = checkpoint.Find(embed_name);
     const at::Tensor head = ToTensor(checkpoint, *head_view).to(at::kDouble);
-    TORCH_CHECK(at::equal(head, ToTensor(checkpoint, *embed_view).to(at::kDouble)), "LoadQwen3Model: ",
-                FileOf(checkpoint, kHead), ": tensor 'lm_head.weight' differs from '", embed_name,
-                "' although config.json sets tie_word_embeddings (remove it, or untie the embeddings)");
+    TORCH_CHECK(
+        at::equal(head, ToTensor(checkpoint, *embed_view).to(at::kDouble)),
+        "LoadQwen3Model: ", FileOf(checkpoint, kHead), ": tensor 'lm_head.weight' differs from '",
+        embed_name,
+        "' although config.json sets tie_word_embeddings (remove it, or untie the embeddings)");
   }
   return model;
 }
 
-void SaveQwen3Model(const Qwen3Model& model, const std::string& directory, std::optional<at::ScalarType> dtype,
-                    int64_t max_shard_bytes) {
+void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
+                    std::optional<at::ScalarType> dtype, int64_t max_shard_bytes) {
   const at::ScalarType type = dtype.value_or(model.options().dtype().toScalarType());
   const char* type_name = ConfigDTypeName(type);
-  TORCH_CHECK(type_name != nullptr, "SaveQwen3Model: ", directory, ": cannot store weights as ", type,
-              " (bfloat16, float16, float32 or float64)");
+  TORCH_CHECK(type_name != nullptr, "SaveQwen3Model: ", directory, ": cannot store weights as ",
+              type, " (bfloat16, float16, float32 or float64)");
   Qwen3Config config = model.config();
   config.torch_dtype = type_name;
 
@@ -175,15 +204,16 @@ void SaveQwen3Model(const Qwen3Model& model, const std::string& directory, std::
   TORCH_CHECK(saved.ok(), "SaveQwen3Model: ", directory, ": ", saved.message());
 }
 
-void SaveNamedTensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path) {
+void SaveNamedTensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::string& path) {
   std::vector<at::Tensor> owned;
   std::vector<TensorToWrite> to_write;
   owned.reserve(tensors.size());
   for (const auto& [name, tensor] : tensors) {
     TORCH_CHECK(tensor.defined(), "SaveNamedTensors: ", path, ": tensor '", name, "' is undefined");
     const std::optional<DType> dtype = ToDType(tensor.scalar_type());
-    TORCH_CHECK(dtype.has_value(), "SaveNamedTensors: ", path, ": tensor '", name, "' has dtype ", tensor.scalar_type(),
-                ", which safetensors files cannot hold");
+    TORCH_CHECK(dtype.has_value(), "SaveNamedTensors: ", path, ": tensor '", name, "' has dtype ",
+                tensor.scalar_type(), ", which safetensors files cannot hold");
     owned.push_back(tensor.detach().to(at::kCPU).contiguous());
     to_write.push_back(ToWrite(name, *dtype, owned.back()));
   }

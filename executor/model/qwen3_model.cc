@@ -33,7 +33,9 @@ at::Tensor RotateHalf(const at::Tensor& x) {
 // functions are recorded), but autograd never accumulates into them itself.
 at::Tensor& GradAccumulator(const at::Tensor& parameter) {
   at::Tensor& grad = const_cast<at::Tensor&>(parameter).mutable_grad();
-  if (!grad.defined()) grad = at::zeros(parameter.sizes(), parameter.options().dtype(AccumulatorType(parameter.scalar_type())));
+  if (!grad.defined())
+    grad = at::zeros(parameter.sizes(),
+                     parameter.options().dtype(AccumulatorType(parameter.scalar_type())));
   return grad;
 }
 
@@ -60,14 +62,17 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // RMSNorm's pieces, in the compute dtype, shared by the norm and the norm-then-project function.
-at::Tensor InverseRms(const at::Tensor& x, double eps) { return at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps); }
+at::Tensor InverseRms(const at::Tensor& x, double eps) {
+  return at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
+}
 
 // Backward of y = weight * normed, normed = x * rstd, given dy: adds d weight into its accumulator
 // and returns dx, all in dy's (the compute) dtype.
 at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& normed, const at::Tensor& weight,
                            const at::Tensor& rstd) {
   at::Tensor& accumulator = GradAccumulator(weight);
-  accumulator.add_((dy * normed).reshape({-1, weight.size(0)}).sum(0).to(accumulator.scalar_type()));
+  accumulator.add_(
+      (dy * normed).reshape({-1, weight.size(0)}).sum(0).to(accumulator.scalar_type()));
   // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
   const at::Tensor dnormed = dy * weight.to(dy.scalar_type());
   return rstd * (dnormed - normed * (dnormed * normed).mean(-1, /*keepdim=*/true));
@@ -85,8 +90,9 @@ at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& normed, const
 class Projections : public torch::autograd::Function<Projections> {
  public:
   template <typename... Weights>
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& norm,
-                               double eps, bool wide_output, const Weights&... weights) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               const std::optional<at::Tensor>& norm, double eps, bool wide_output,
+                               const Weights&... weights) {
     const at::Tensor norm_weight = norm.value_or(at::Tensor());
     const std::vector<at::Tensor> w = {weights...};
     const at::ScalarType type = w[0].scalar_type();
@@ -106,7 +112,8 @@ class Projections : public torch::autograd::Function<Projections> {
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     variable_list out;
     for (const at::Tensor& weight : w) {
-      out.push_back(wide_output ? MatmulTo(xb, weight.t(), ComputeType(type)) : at::mm(xb, weight.t()));
+      out.push_back(wide_output ? MatmulTo(xb, weight.t(), ComputeType(type))
+                                : at::mm(xb, weight.t()));
     }
     return out;
   }
@@ -167,8 +174,8 @@ class Embedding : public torch::autograd::Function<Embedding> {
 // (the float32 residual stream of a bfloat16 model). Backward in the compute dtype.
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
-                            at::ScalarType out_type) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps, at::ScalarType out_type) {
     const at::Tensor xc = x.to(ComputeType(weight.scalar_type()));
     const at::Tensor rstd = InverseRms(xc, eps);
     ctx->save_for_backward({x, weight, rstd});
@@ -188,7 +195,8 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 // tables' dtype (at least float32) and rounded once to x's dtype; keeps nothing but the tables.
 class RopeFunction : public torch::autograd::Function<RopeFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
     ctx->saved_data["cos"] = cos;
     ctx->saved_data["sin"] = sin;
     const at::Tensor xc = x.to(cos.scalar_type());
@@ -236,7 +244,8 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
     const at::Tensor sigmoid = at::sigmoid(gate);
     // d silu / d gate = sigmoid * (1 + gate * (1 - sigmoid)).
     const at::Tensor dgate = g * up * sigmoid * (1 + gate * (1 - sigmoid));
-    return {dgate.to(saved[0].scalar_type()), (g * gate * sigmoid).to(saved[1].scalar_type()), at::Tensor()};
+    return {dgate.to(saved[0].scalar_type()), (g * gate * sigmoid).to(saved[1].scalar_type()),
+            at::Tensor()};
   }
 };
 
@@ -247,8 +256,9 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
 // them in place.
 class TreeAttention : public torch::autograd::Function<TreeAttention> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& key_end, const LayerPrefix& prefix, double scale) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& key_end,
+                            const LayerPrefix& prefix, double scale) {
     kernels::TreeAttentionOutput result =
         kernels::TreeAttentionForward(q, k, v, prefix.keys, prefix.values, key_end, scale);
     ctx->save_for_backward({q, k, v, key_end, result.out, result.lse});
@@ -271,17 +281,17 @@ class TreeAttention : public torch::autograd::Function<TreeAttention> {
       grad_prefix_k = at::zeros(prefix_k.sizes(), o);
       grad_prefix_v = at::zeros(prefix_v.sizes(), o);
     }
-    kernels::TreeAttentionGrads g =
-        kernels::TreeAttentionBackward(grads[0].contiguous(), saved[0], saved[1], saved[2], prefix_k, prefix_v, saved[3],
-                                       saved[4], saved[5], ctx->saved_data["scale"].toDouble(), grad_prefix_k,
-                                       grad_prefix_v);
+    kernels::TreeAttentionGrads g = kernels::TreeAttentionBackward(
+        grads[0].contiguous(), saved[0], saved[1], saved[2], prefix_k, prefix_v, saved[3], saved[4],
+        saved[5], ctx->saved_data["scale"].toDouble(), grad_prefix_k, grad_prefix_v);
     return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 LayerPrefix PrefixOfLayer(const PrefixKv& prefix, int64_t l) {
   if (prefix.empty()) return {};
-  LayerPrefix layer{.keys = prefix.keys[l], .values = prefix.values[l], .grad_keys = {}, .grad_values = {}};
+  LayerPrefix layer{
+      .keys = prefix.keys[l], .values = prefix.values[l], .grad_keys = {}, .grad_values = {}};
   if (!prefix.grad_keys.empty()) {
     layer.grad_keys = prefix.grad_keys[l];
     layer.grad_values = prefix.grad_values[l];
@@ -303,8 +313,9 @@ at::Tensor RowDot(const at::Tensor& a, const at::Tensor& b) {
 // predicts several children in a packed tree sums their gradients without rounding each.
 class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& wide_hidden, const at::Tensor& weight,
-                               const at::Tensor& targets, int64_t slice_rows, bool want_entropy) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& wide_hidden,
+                               const at::Tensor& weight, const at::Tensor& targets,
+                               int64_t slice_rows, bool want_entropy) {
     const at::Tensor hidden = wide_hidden.to(weight.scalar_type());
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
     const int64_t rows = hidden.size(0);
@@ -315,9 +326,11 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor logits = MatmulTo(hidden.slice(0, begin, end), weight.t(), ct);
       const at::Tensor lse = at::logsumexp(logits, -1);
-      logprobs.slice(0, begin, end).copy_(logits.gather(1, targets.slice(0, begin, end).unsqueeze(1)).squeeze(1) - lse);
+      logprobs.slice(0, begin, end)
+          .copy_(logits.gather(1, targets.slice(0, begin, end).unsqueeze(1)).squeeze(1) - lse);
       if (want_entropy) {
-        // H = lse - E_p[z], the expectation a batched row dot product (no third [slice, vocab] tensor).
+        // H = lse - E_p[z], the expectation a batched row dot product (no third [slice, vocab]
+        // tensor).
         const at::Tensor probs = at::softmax(logits, -1);
         entropy.slice(0, begin, end).copy_(lse - RowDot(probs, logits));
       }
@@ -399,7 +412,8 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options)
     layers_.push_back(std::move(layer));
   }
   final_norm_ = Add("model.norm.weight", {hidden});
-  lm_head_ = config.tie_word_embeddings ? embed_ : Add("lm_head.weight", {config.vocab_size, hidden});
+  lm_head_ =
+      config.tie_word_embeddings ? embed_ : Add("lm_head.weight", {config.vocab_size, hidden});
 }
 
 at::Tensor Qwen3Model::Add(const std::string& name, at::IntArrayRef shape) {
@@ -429,14 +443,17 @@ void Qwen3Model::InitRandom(uint64_t seed, double std) {
   }
 }
 
-at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight, std::optional<at::ScalarType> out_type) const {
-  return RmsNormFunction::apply(x, weight, config_.rms_norm_eps, out_type.value_or(weight.scalar_type()));
+at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight,
+                               std::optional<at::ScalarType> out_type) const {
+  return RmsNormFunction::apply(x, weight, config_.rms_norm_eps,
+                                out_type.value_or(weight.scalar_type()));
 }
 
 std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) const {
   const at::ScalarType ct = ComputeType(options_.dtype().toScalarType());
   const at::TensorOptions o = positions.options().dtype(ct);
-  const at::Tensor exponents = at::arange(0, config_.head_dim, 2, o) / static_cast<double>(config_.head_dim);
+  const at::Tensor exponents =
+      at::arange(0, config_.head_dim, 2, o) / static_cast<double>(config_.head_dim);
   const at::Tensor inv_freq = 1.0 / at::pow(config_.rope_theta, exponents);
   const at::Tensor freqs = positions.to(ct).unsqueeze(1) * inv_freq.unsqueeze(0);
   const at::Tensor angles = at::cat({freqs, freqs}, -1);
@@ -449,14 +466,16 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
               "tokens and positions must be [T] tensors of the same length");
   const size_t num_layers = layers_.size();
   const PrefixKv& prefix = input.prefix;
-  TORCH_CHECK(prefix.empty() || (prefix.keys.size() == num_layers && prefix.values.size() == num_layers),
-              "prefix K/V must have one entry per layer");
+  TORCH_CHECK(
+      prefix.empty() || (prefix.keys.size() == num_layers && prefix.values.size() == num_layers),
+      "prefix K/V must have one entry per layer");
   TORCH_CHECK(prefix.grad_keys.size() == prefix.grad_values.size() &&
                   (prefix.grad_keys.empty() || prefix.grad_keys.size() == num_layers),
               "prefix gradient accumulators must have one entry per layer, or none");
   ChunkContext context;
-  context.key_end =
-      input.key_end.defined() ? input.key_end : at::full({t}, t, input.tokens.options().dtype(at::kLong));
+  context.key_end = input.key_end.defined()
+                        ? input.key_end
+                        : at::full({t}, t, input.tokens.options().dtype(at::kLong));
   const auto [cos, sin] = Rope(input.positions);
   context.cos = cos.unsqueeze(1);
   context.sin = sin.unsqueeze(1);
@@ -476,7 +495,8 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   const int64_t dim = config_.head_dim;
   const double eps = config_.rms_norm_eps;
   const variable_list qkv =
-      Projections::apply(h, std::optional<at::Tensor>(layer.input_norm), eps, /*wide_output=*/false, layer.q_proj, layer.k_proj, layer.v_proj);
+      Projections::apply(h, std::optional<at::Tensor>(layer.input_norm), eps, /*wide_output=*/false,
+                         layer.q_proj, layer.k_proj, layer.v_proj);
   at::Tensor q = RmsNorm(qkv[0].view({t, heads, dim}), layer.q_norm);
   at::Tensor k = RmsNorm(qkv[1].view({t, kv_heads, dim}), layer.k_norm);
   const at::Tensor v = qkv[2].view({t, kv_heads, dim});
@@ -487,7 +507,8 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   LayerOutput out;
   out.hidden = h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj);
   const variable_list gate_up =
-      Projections::apply(out.hidden, std::optional<at::Tensor>(layer.post_norm), eps, /*wide_output=*/false, layer.gate_proj, layer.up_proj);
+      Projections::apply(out.hidden, std::optional<at::Tensor>(layer.post_norm), eps,
+                         /*wide_output=*/false, layer.gate_proj, layer.up_proj);
   out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj);
   out.keys = k;
   out.values = v;
@@ -513,8 +534,8 @@ ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
   return out;
 }
 
-at::Tensor Qwen3Model::Logprobs(const at::Tensor& hidden, const at::Tensor& targets, at::Tensor* entropy,
-                                int64_t slice_rows) const {
+at::Tensor Qwen3Model::Logprobs(const at::Tensor& hidden, const at::Tensor& targets,
+                                at::Tensor* entropy, int64_t slice_rows) const {
   TORCH_CHECK(hidden.dim() == 2 && targets.dim() == 1 && hidden.size(0) == targets.size(0),
               "Logprobs takes hidden [N, hidden_size] and targets [N]");
   TORCH_CHECK(slice_rows > 0, "slice_rows must be positive");

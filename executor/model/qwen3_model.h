@@ -128,13 +128,13 @@ class Qwen3Model {
   // respect to hidden and lm_head (or the tied embedding). hidden [N, hidden_size], targets [N].
   // hidden may be wider than lm_head (FinalNorm's float32 output): it is rounded once to lm_head's
   // dtype for the matmuls, and its gradient is returned in its own dtype.
-  at::Tensor Logprobs(const at::Tensor& hidden, const at::Tensor& targets, at::Tensor* entropy = nullptr,
-                      int64_t slice_rows = 512) const;
+  at::Tensor Logprobs(const at::Tensor& hidden, const at::Tensor& targets,
+                      at::Tensor* entropy = nullptr, int64_t slice_rows = 512) const;
 
  private:
   struct Layer {
-    at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj, up_proj,
-        down_proj;
+    at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj,
+        up_proj, down_proj;
   };
   at::Tensor Add(const std::string& name, at::IntArrayRef shape);
   // out_type: the result's dtype; default the weight's.

@@ -31,12 +31,14 @@ absl::Span<const int64_t> Span(c10::IntArrayRef sizes) { return {sizes.data(), s
 
 void CheckOptions(const AdamWOptions& o, const std::string& context) {
   auto finite = [](double x) { return std::isfinite(x); };
-  TORCH_CHECK(finite(o.lr) && o.lr >= 0, context, "invalid lr ", o.lr, " (must be finite and >= 0)");
+  TORCH_CHECK(finite(o.lr) && o.lr >= 0, context, "invalid lr ", o.lr,
+              " (must be finite and >= 0)");
   TORCH_CHECK(finite(o.beta1) && o.beta1 >= 0 && o.beta1 < 1, context, "invalid beta1 ", o.beta1,
               " (must be in [0, 1))");
   TORCH_CHECK(finite(o.beta2) && o.beta2 >= 0 && o.beta2 < 1, context, "invalid beta2 ", o.beta2,
               " (must be in [0, 1))");
-  TORCH_CHECK(finite(o.eps) && o.eps >= 0, context, "invalid eps ", o.eps, " (must be finite and >= 0)");
+  TORCH_CHECK(finite(o.eps) && o.eps >= 0, context, "invalid eps ", o.eps,
+              " (must be finite and >= 0)");
   TORCH_CHECK(finite(o.weight_decay) && o.weight_decay >= 0, context, "invalid weight_decay ",
               o.weight_decay, " (must be finite and >= 0)");
   TORCH_CHECK(finite(o.max_grad_norm), context, "invalid max_grad_norm ", o.max_grad_norm,
@@ -64,7 +66,8 @@ GradNorms ComputeGradNorms(const std::vector<std::pair<std::string, at::Tensor>>
     const at::Tensor& grad = named[i].second.grad();
     if (!grad.defined()) continue;
     at::Tensor norm = at::linalg_vector_norm(grad.detach(), 2, std::nullopt, false, at::kDouble);
-    if (!norms.empty() && norm.device() != norms.front().device()) norm = norm.to(norms.front().device());
+    if (!norms.empty() && norm.device() != norms.front().device())
+      norm = norm.to(norms.front().device());
     norms.push_back(std::move(norm));
     out.index.push_back(i);
   }
@@ -88,9 +91,10 @@ AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters, A
     const auto& [name, param] = named_[i];
     TORCH_CHECK(param.defined(), "AdamW: parameter '", name, "' is an undefined tensor");
     const at::ScalarType dtype = param.scalar_type();
-    TORCH_CHECK(dtype == at::kDouble || dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "AdamW: parameter '", name, "' has dtype ", dtype,
-                "; expected Double, Float, BFloat16 or Half");
+    TORCH_CHECK(
+        dtype == at::kDouble || dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+        "AdamW: parameter '", name, "' has dtype ", dtype,
+        "; expected Double, Float, BFloat16 or Half");
     TORCH_CHECK(index_.emplace(name, i).second, "AdamW: parameter name '", name, "' appears twice");
     TORCH_CHECK(impls.insert(param.unsafeGetTensorImpl()).second, "AdamW: parameter '", name,
                 "' is the same tensor as an earlier parameter");
@@ -132,7 +136,9 @@ at::Tensor AdamW::master(std::string_view name) const {
 }
 
 at::Tensor AdamW::exp_avg(std::string_view name) const { return states_[IndexOf(name)].exp_avg; }
-at::Tensor AdamW::exp_avg_sq(std::string_view name) const { return states_[IndexOf(name)].exp_avg_sq; }
+at::Tensor AdamW::exp_avg_sq(std::string_view name) const {
+  return states_[IndexOf(name)].exp_avg_sq;
+}
 
 StepStats AdamW::Step() {
   at::NoGradGuard no_grad;
@@ -140,7 +146,8 @@ StepStats AdamW::Step() {
   if (!std::isfinite(norms.total)) {
     for (size_t i : norms.index) {
       const auto& [name, param] = named_[i];
-      TORCH_CHECK(at::isfinite(param.grad()).all().item<bool>(), "AdamW: the gradient of parameter '", name,
+      TORCH_CHECK(at::isfinite(param.grad()).all().item<bool>(),
+                  "AdamW: the gradient of parameter '", name,
                   "' is not finite (NaN or infinity); nothing was updated");
     }
     TORCH_CHECK(false, "AdamW: the global gradient norm (", norms.total,
@@ -170,7 +177,8 @@ StepStats AdamW::Step() {
     ParamState& s = states_[i];
     at::Tensor grad = param.grad().detach();
     if (grad.scalar_type() != s.dtype) grad = grad.to(s.dtype);
-    if (stats.clip_coef != 1.0) grad = grad.mul(stats.clip_coef);  // never in place: .grad is left alone
+    if (stats.clip_coef != 1.0)
+      grad = grad.mul(stats.clip_coef);  // never in place: .grad is left alone
 
     at::Tensor& w = MasterFor(i);
     if (options_.weight_decay != 0) w.mul_(1 - lr * options_.weight_decay);
@@ -248,8 +256,8 @@ void AdamW::LoadState(const std::string& path) {
     TORCH_CHECK(it != meta.end(), where, "metadata has no '", key, "' entry");
     return it->second;
   };
-  TORCH_CHECK(entry("format") == kFormat, where, "metadata format is '", entry("format"), "', expected '",
-              kFormat, "'");
+  TORCH_CHECK(entry("format") == kFormat, where, "metadata format is '", entry("format"),
+              "', expected '", kFormat, "'");
   int64_t step = 0;
   {
     const std::string& text = entry("step");
@@ -261,8 +269,8 @@ void AdamW::LoadState(const std::string& path) {
     const std::string& text = entry(key);
     double value = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    TORCH_CHECK(ec == std::errc() && end == text.data() + text.size(), where, "metadata '", key, "' is '",
-                text, "', not a number");
+    TORCH_CHECK(ec == std::errc() && end == text.data() + text.size(), where, "metadata '", key,
+                "' is '", text, "', not a number");
     return value;
   };
   AdamWOptions options;
@@ -282,13 +290,14 @@ void AdamW::LoadState(const std::string& path) {
     for (int k = 0; k < 3; ++k) {
       const std::string tensor = name + kSuffixes[k];
       const TensorView* view = file->Find(tensor);
-      TORCH_CHECK(view != nullptr, where, "missing tensor '", tensor, "' for parameter '", name, "'");
-      TORCH_CHECK(view->dtype == want, where, "tensor '", tensor, "' has dtype ", std::string(DTypeName(view->dtype)),
-                  ", expected ", std::string(DTypeName(want)), " for parameter '", name, "' (",
-                  param.scalar_type(), ")");
-      TORCH_CHECK(c10::IntArrayRef(view->shape) == param.sizes(), where, "tensor '", tensor, "' has shape ",
-                  ShapeToString(view->shape), " but parameter '", name, "' has shape ",
-                  ShapeToString(Span(param.sizes())));
+      TORCH_CHECK(view != nullptr, where, "missing tensor '", tensor, "' for parameter '", name,
+                  "'");
+      TORCH_CHECK(view->dtype == want, where, "tensor '", tensor, "' has dtype ",
+                  std::string(DTypeName(view->dtype)), ", expected ", std::string(DTypeName(want)),
+                  " for parameter '", name, "' (", param.scalar_type(), ")");
+      TORCH_CHECK(c10::IntArrayRef(view->shape) == param.sizes(), where, "tensor '", tensor,
+                  "' has shape ", ShapeToString(view->shape), " but parameter '", name,
+                  "' has shape ", ShapeToString(Span(param.sizes())));
       views[i][k] = view;
     }
   }
@@ -297,7 +306,8 @@ void AdamW::LoadState(const std::string& path) {
     bool known = false;
     for (const char* suffix : kSuffixes) {
       const std::string_view s(suffix);
-      if (view.name.size() > s.size() && view.name.compare(view.name.size() - s.size(), s.size(), s) == 0 &&
+      if (view.name.size() > s.size() &&
+          view.name.compare(view.name.size() - s.size(), s.size(), s) == 0 &&
           index_.count(std::string_view(view.name).substr(0, view.name.size() - s.size())) > 0) {
         known = true;
       }

@@ -87,7 +87,8 @@ class AdamW {
   // or float16, under distinct names and distinct tensors (the order is kept). TORCH_CHECK on a
   // violation, or on options outside lr >= 0, 0 <= beta1, beta2 < 1, eps >= 0,
   // weight_decay >= 0 (all finite).
-  AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters, AdamWOptions options = {});
+  AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
+        AdamWOptions options = {});
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
   AdamW(AdamW&&) = default;
@@ -132,7 +133,7 @@ class AdamW {
     at::ScalarType dtype;  // the state dtype: float64 or float32
     at::Tensor exp_avg;
     at::Tensor exp_avg_sq;
-    at::Tensor master;     // low-precision parameters only; undefined until the first Step / Load
+    at::Tensor master;  // low-precision parameters only; undefined until the first Step / Load
   };
 
   size_t IndexOf(std::string_view name) const;

@@ -73,7 +73,8 @@ void CheckCase(const Case& c, uint64_t seed) {
   const at::TensorOptions cuda = at::TensorOptions(at::kCUDA);
   const at::Tensor ends = testing::KeyEndTensor(MakeKeyEnd(c.kind, t, seed));
 
-  const at::Tensor q = (RandnBf16({t, c.q_heads, d}, gen).to(at::kFloat) * c.q_std).to(at::kBFloat16);
+  const at::Tensor q =
+      (RandnBf16({t, c.q_heads, d}, gen).to(at::kFloat) * c.q_std).to(at::kBFloat16);
   const at::Tensor k = RandnBf16({t, hkv, d}, gen);
   const at::Tensor v = RandnBf16({t, hkv, d}, gen);
   const at::Tensor grad_out = RandnBf16({t, c.q_heads, d}, gen);
@@ -85,13 +86,13 @@ void CheckCase(const Case& c, uint64_t seed) {
   const at::Device ref_device = t * (t + p) * c.q_heads > (int64_t{1} << 26) ? at::kCUDA : at::kCPU;
   auto f64 = [&](const at::Tensor& x) { return x.defined() ? x.to(ref_device, at::kDouble) : x; };
   const at::TensorOptions ref_options = at::TensorOptions(ref_device).dtype(at::kDouble);
-  const TreeAttentionOutput ref =
-      ReferenceTreeAttentionForward(f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device), scale);
+  const TreeAttentionOutput ref = ReferenceTreeAttentionForward(
+      f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device), scale);
   at::Tensor ref_gpk = p > 0 ? at::zeros({p, hkv, d}, ref_options) : at::Tensor();
   at::Tensor ref_gpv = p > 0 ? at::zeros({p, hkv, d}, ref_options) : at::Tensor();
-  const TreeAttentionGrads ref_grads =
-      ReferenceTreeAttentionBackward(f64(grad_out), f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device),
-                                     ref.out, ref.lse, scale, ref_gpk, ref_gpv);
+  const TreeAttentionGrads ref_grads = ReferenceTreeAttentionBackward(
+      f64(grad_out), f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device), ref.out,
+      ref.lse, scale, ref_gpk, ref_gpv);
 
   // GPU operands as the executor lays them out: k and v are head slices of one [T, 2 Hkv, D]
   // projection (row stride 2 Hkv D), the prefix is the head of a larger cache.
@@ -216,9 +217,11 @@ TEST_F(TreeAttentionCuda, PackedTreeSizes) {
 // float32: one key wrongly skipped or wrongly seen among thousands moves it by far more than
 // float32 rounding. Exact mask coverage of the forward's tile skipping at every size.
 TEST_F(TreeAttentionCuda, LseCountsExactlyTheVisibleKeys) {
-  for (const Case& c : {Case{733, 0, 4, 2, 64, TreeKind::kRandom}, Case{2100, 700, 16, 8, 128, TreeKind::kBranches},
-                        Case{12289, 0, 4, 2, 64, TreeKind::kBranches}, Case{16001, 3000, 2, 1, 128, TreeKind::kRandom},
-                        Case{5000, 0, 32, 8, 128, TreeKind::kRandom}}) {
+  for (const Case& c :
+       {Case{733, 0, 4, 2, 64, TreeKind::kRandom}, Case{2100, 700, 16, 8, 128, TreeKind::kBranches},
+        Case{12289, 0, 4, 2, 64, TreeKind::kBranches},
+        Case{16001, 3000, 2, 1, 128, TreeKind::kRandom},
+        Case{5000, 0, 32, 8, 128, TreeKind::kRandom}}) {
     SCOPED_TRACE(c.Name());
     const std::vector<int64_t> key_end = MakeKeyEnd(c.kind, c.tokens, 70);
     std::vector<double> visible(c.tokens, static_cast<double>(c.prefix));
@@ -229,11 +232,16 @@ TEST_F(TreeAttentionCuda, LseCountsExactlyTheVisibleKeys) {
     at::Generator gen = at::detail::createCPUGenerator(71);
     const at::Tensor q = at::zeros({c.tokens, c.q_heads, c.head_dim}, cuda);
     const at::Tensor k = RandnBf16({c.tokens, c.kv_heads, c.head_dim}, gen).to(at::kCUDA);
-    const at::Tensor pk = c.prefix > 0 ? RandnBf16({c.prefix, c.kv_heads, c.head_dim}, gen).to(at::kCUDA) : at::Tensor();
-    const TreeAttentionOutput fwd = TreeAttentionForward(q, k, k, pk, pk, testing::KeyEndTensor(key_end).to(at::kCUDA),
-                                                         1.0 / std::sqrt(static_cast<double>(c.head_dim)));
-    const at::Tensor expected = at::log(at::tensor(visible, at::TensorOptions().dtype(at::kDouble)));
-    const double err = (fwd.lse.cpu().to(at::kDouble) - expected.unsqueeze(0)).abs().max().item<double>();
+    const at::Tensor pk = c.prefix > 0
+                              ? RandnBf16({c.prefix, c.kv_heads, c.head_dim}, gen).to(at::kCUDA)
+                              : at::Tensor();
+    const TreeAttentionOutput fwd =
+        TreeAttentionForward(q, k, k, pk, pk, testing::KeyEndTensor(key_end).to(at::kCUDA),
+                             1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+    const at::Tensor expected =
+        at::log(at::tensor(visible, at::TensorOptions().dtype(at::kDouble)));
+    const double err =
+        (fwd.lse.cpu().to(at::kDouble) - expected.unsqueeze(0)).abs().max().item<double>();
     EXPECT_LE(err, 1e-5) << "a key was skipped or seen wrongly";
   }
 }

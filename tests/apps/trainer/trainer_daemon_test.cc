@@ -4,13 +4,13 @@
 // batches without interruption (float64, relative error <= 1e-10), and every acknowledged
 // trajectory is trained exactly once.
 #include <algorithm>
-#include <cstring>
-#include <map>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -44,7 +44,8 @@ std::vector<Rollout> MakeRollouts() {
       r.group = "p" + std::to_string(prompt);
       const int length = 9 + static_cast<int>(rng() % 7);
       for (int t = 0; t < length; ++t) {
-        r.tokens.push_back(t < 5 ? static_cast<TokenId>(prompt * 5 + t) : static_cast<TokenId>(rng() % 29));
+        r.tokens.push_back(t < 5 ? static_cast<TokenId>(prompt * 5 + t)
+                                 : static_cast<TokenId>(rng() % 29));
         r.loss_mask.push_back(t >= 5);
         r.logprobs.push_back(t >= 5 ? -3.3f + 0.1f * static_cast<float>(rng() % 7) : 0.0f);
       }
@@ -59,10 +60,12 @@ class TrainerDaemonTest : public ::testing::Test {
  protected:
   TrainerDaemonTest() {
     root_ = fs::path(::testing::TempDir()) /
-            (std::string("trainer_daemon_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+            (std::string("trainer_daemon_") +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(root_);
     fs::create_directories(root_);
-    std::ofstream(root_ / "config.json") << R"({"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+    std::ofstream(root_ / "config.json")
+        << R"({"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
       "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false})";
     EXPECT_TRUE(WriteRolloutsJsonl((root_ / "rollouts.jsonl").string(), MakeRollouts()).ok());
@@ -90,9 +93,10 @@ class TrainerDaemonTest : public ::testing::Test {
   }
 
   static void StartDispatcher(Run& run) {
-    std::vector<std::string> command = {(testing::BinaryDirectory() / "dta-dispatcher").string(),
-                                        "--wal=" + (run.dir / "dispatcher.wal").string(), "--listen=" + run.address,
-                                        "--batch_rollouts=" + std::to_string(kBatch), "--vocab_size=32"};
+    std::vector<std::string> command = {
+        (testing::BinaryDirectory() / "dta-dispatcher").string(),
+        "--wal=" + (run.dir / "dispatcher.wal").string(), "--listen=" + run.address,
+        "--batch_rollouts=" + std::to_string(kBatch), "--vocab_size=32"};
     command.insert(command.end(), run.dispatcher_flags.begin(), run.dispatcher_flags.end());
     run.dispatcher = std::make_unique<Process>(command, (run.dir / "dispatcher.log").string());
   }
@@ -105,19 +109,29 @@ class TrainerDaemonTest : public ::testing::Test {
   }
 
   // `save_every`: checkpoints every this many steps (and after the last one).
-  std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port, int slow_step_ms,
-                                        const std::string& checkpoints = "ckpt", int save_every = 1,
+  std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port,
+                                        int slow_step_ms, const std::string& checkpoints = "ckpt",
+                                        int save_every = 1,
                                         const std::vector<std::string>& extra_flags = {}) {
-    std::vector<std::string> command = {
-        (testing::BinaryDirectory() / "dta-trainer").string(), "--dispatcher=" + run.address,
-        "--checkpoint_dir=" + (run.dir / checkpoints).string(), "--config=" + (root_ / "config.json").string(),
-        "--dtype=float64", "--method=dta", "--block_size=4", "--loss=grpo", "--lr=1e-2", "--max_grad_norm=0",
-        "--max_steps=" + std::to_string(kSteps), "--save_every=" + std::to_string(save_every), "--timeout_s=20",
-        "--slow_step_ms=" + std::to_string(slow_step_ms)};
+    std::vector<std::string> command = {(testing::BinaryDirectory() / "dta-trainer").string(),
+                                        "--dispatcher=" + run.address,
+                                        "--checkpoint_dir=" + (run.dir / checkpoints).string(),
+                                        "--config=" + (root_ / "config.json").string(),
+                                        "--dtype=float64",
+                                        "--method=dta",
+                                        "--block_size=4",
+                                        "--loss=grpo",
+                                        "--lr=1e-2",
+                                        "--max_grad_norm=0",
+                                        "--max_steps=" + std::to_string(kSteps),
+                                        "--save_every=" + std::to_string(save_every),
+                                        "--timeout_s=20",
+                                        "--slow_step_ms=" + std::to_string(slow_step_ms)};
     command.insert(command.end(), extra_flags.begin(), extra_flags.end());
     return std::make_unique<Process>(
         command, (run.dir / ("trainer" + std::to_string(rank) + ".log")).string(),
-        std::vector<std::string>{"RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
+        std::vector<std::string>{"RANK=" + std::to_string(rank),
+                                 "WORLD_SIZE=" + std::to_string(world),
                                  "LOCAL_RANK=" + std::to_string(rank), "MASTER_ADDR=127.0.0.1",
                                  "MASTER_PORT=" + std::to_string(master_port)});
   }
@@ -125,14 +139,16 @@ class TrainerDaemonTest : public ::testing::Test {
   // Runs `world` trainers as a launcher would (torchrun --max-restarts): when one exits asking to
   // be restarted (or is killed), the others are stopped and all are started again. `fault` is
   // called while they run, with the group's processes, and may kill one. Returns the restarts.
-  int Train(Run& run, int world, int slow_step_ms = 0,
-            const std::function<bool(Run&, std::vector<std::unique_ptr<Process>>&)>& fault = nullptr) {
+  int Train(
+      Run& run, int world, int slow_step_ms = 0,
+      const std::function<bool(Run&, std::vector<std::unique_ptr<Process>>&)>& fault = nullptr) {
     int restarts = 0;
     bool faulted = false;
     while (true) {
       const int master_port = testing::FreeLoopbackPort();
       std::vector<std::unique_ptr<Process>> trainers;
-      for (int rank = 0; rank < world; ++rank) trainers.push_back(StartTrainer(run, rank, world, master_port, slow_step_ms));
+      for (int rank = 0; rank < world; ++rank)
+        trainers.push_back(StartTrainer(run, rank, world, master_port, slow_step_ms));
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(240);
       bool restart = false;
       while (true) {
@@ -167,7 +183,8 @@ class TrainerDaemonTest : public ::testing::Test {
   static std::map<std::string, std::vector<double>> FinalModel(const Run& run) {
     char step[32];
     std::snprintf(step, sizeof(step), "step-%08d", kSteps);
-    absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open((run.dir / "ckpt" / step).string());
+    absl::StatusOr<SafetensorsCheckpoint> checkpoint =
+        SafetensorsCheckpoint::Open((run.dir / "ckpt" / step).string());
     EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
     std::map<std::string, std::vector<double>> model;
     if (!checkpoint.ok()) return model;
@@ -202,7 +219,9 @@ class TrainerDaemonTest : public ::testing::Test {
   static void ExpectEveryRolloutTrainedOnce(const Run& run) {
     const std::string log = run.dispatcher->Log();
     int steps = 0;
-    for (size_t at = log.find("rollouts, "); at != std::string::npos; at = log.find("rollouts, ", at + 1)) ++steps;
+    for (size_t at = log.find("rollouts, "); at != std::string::npos;
+         at = log.find("rollouts, ", at + 1))
+      ++steps;
     EXPECT_GE(steps, kSteps) << log;
   }
 
@@ -222,7 +241,8 @@ TEST_F(TrainerDaemonTest, TwoRanksOnGlooTrainLikeOne) {
   // than the tolerance).
   const std::string log = Process::ReadLog(reference.dir / "trainer0.log");
   int steps_with_gradient = 0;
-  for (size_t at = log.find("grad norm "); at != std::string::npos; at = log.find("grad norm ", at + 1)) {
+  for (size_t at = log.find("grad norm "); at != std::string::npos;
+       at = log.find("grad norm ", at + 1)) {
     steps_with_gradient += std::stod(log.substr(at + 10)) > 1e-6 ? 1 : 0;
   }
   EXPECT_EQ(steps_with_gradient, kSteps) << log;
@@ -235,12 +255,14 @@ TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {
   Run faulty = NewRun("kill-trainer");
   Send(faulty);
   // Kill rank 1 during step 2: after step 1 is logged, while the step sleeps before its all-reduce.
-  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800, [](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
-    if (trainers[1]->Log().find("step 1:") == std::string::npos) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    trainers[1]->Kill(SIGKILL);
-    return true;
-  });
+  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800,
+                             [](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
+                               if (trainers[1]->Log().find("step 1:") == std::string::npos)
+                                 return false;
+                               std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                               trainers[1]->Kill(SIGKILL);
+                               return true;
+                             });
   EXPECT_GE(restarts, 1);
   ExpectSameModel(faulty, reference);
   ExpectEveryRolloutTrainedOnce(faulty);
@@ -260,18 +282,21 @@ TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
   faulty.dispatcher->Wait(std::chrono::seconds(10));
   StartDispatcher(faulty);
   Send(faulty);
-  EXPECT_NE(faulty.dispatcher->Log().find("24 trajectories pending"), std::string::npos) << faulty.dispatcher->Log();
+  EXPECT_NE(faulty.dispatcher->Log().find("24 trajectories pending"), std::string::npos)
+      << faulty.dispatcher->Log();
   // And during training, after step 1 was committed.
-  Train(faulty, 2, /*slow_step_ms=*/300, [](Run& run, std::vector<std::unique_ptr<Process>>& trainers) {
-    if (trainers[0]->Log().find("step 1:") == std::string::npos) return false;
-    run.dispatcher->Kill(SIGKILL);
-    run.dispatcher->Wait(std::chrono::seconds(10));
-    StartDispatcher(run);
-    return true;
-  });
+  Train(faulty, 2, /*slow_step_ms=*/300,
+        [](Run& run, std::vector<std::unique_ptr<Process>>& trainers) {
+          if (trainers[0]->Log().find("step 1:") == std::string::npos) return false;
+          run.dispatcher->Kill(SIGKILL);
+          run.dispatcher->Wait(std::chrono::seconds(10));
+          StartDispatcher(run);
+          return true;
+        });
   ExpectSameModel(faulty, reference);
   ExpectEveryRolloutTrainedOnce(faulty);
-  EXPECT_NE(faulty.dispatcher->Log().find("log compacted"), std::string::npos) << faulty.dispatcher->Log();
+  EXPECT_NE(faulty.dispatcher->Log().find("log compacted"), std::string::npos)
+      << faulty.dispatcher->Log();
 }
 
 // A trainer whose loss needs what the dispatcher does not require (here reference log-probabilities
@@ -282,7 +307,8 @@ TEST_F(TrainerDaemonTest, ATrainerThatCannotTrainWhatIsAcceptedIsRefused) {
   std::unique_ptr<Process> trainer =
       StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0, "ckpt", 1, {"--kl_coef=0.1"});
   EXPECT_EQ(trainer->Wait(std::chrono::seconds(60)), 2) << trainer->Log();
-  EXPECT_NE(trainer->Log().find("start dta-dispatcher with --require_ref_logprobs"), std::string::npos)
+  EXPECT_NE(trainer->Log().find("start dta-dispatcher with --require_ref_logprobs"),
+            std::string::npos)
       << trainer->Log();
 }
 
@@ -293,10 +319,11 @@ TEST_F(TrainerDaemonTest, ATrainerThatCannotTrainWhatIsAcceptedIsRefused) {
 TEST_F(TrainerDaemonTest, SigusrOneSavesACheckpointOnRequest) {
   Run run = NewRun("on_request");
   Send(run);
-  std::unique_ptr<Process> trainer =
-      StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), /*slow_step_ms=*/400, "ckpt", /*save_every=*/1000);
+  std::unique_ptr<Process> trainer = StartTrainer(
+      run, 0, 1, testing::FreeLoopbackPort(), /*slow_step_ms=*/400, "ckpt", /*save_every=*/1000);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (trainer->Log().find("step 0:") == std::string::npos && std::chrono::steady_clock::now() < give_up) {
+  while (trainer->Log().find("step 0:") == std::string::npos &&
+         std::chrono::steady_clock::now() < give_up) {
     ASSERT_EQ(trainer->Wait(std::chrono::milliseconds(20)), -1) << trainer->Log();
   }
   trainer->Kill(SIGUSR1);
@@ -323,7 +350,8 @@ TEST_F(TrainerDaemonTest, RanksResumingFromDifferentCheckpointsRestart) {
   std::unique_ptr<Process> behind = StartTrainer(run, 1, 2, master_port, 0, "empty");
   EXPECT_EQ(ahead->Wait(std::chrono::seconds(60)), kRestarted) << ahead->Log();
   EXPECT_EQ(behind->Wait(std::chrono::seconds(60)), kRestarted) << behind->Log();
-  EXPECT_NE(ahead->Log().find("resumed from different checkpoints"), std::string::npos) << ahead->Log();
+  EXPECT_NE(ahead->Log().find("resumed from different checkpoints"), std::string::npos)
+      << ahead->Log();
 }
 
 }  // namespace

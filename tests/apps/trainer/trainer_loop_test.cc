@@ -91,7 +91,8 @@ class FakeSession : public TrainerSession {
     partitions.pop_front();
     return next;
   }
-  absl::StatusOr<StepDecision> Prepared(const PreparedStep& step, int64_t* policy_version) override {
+  absl::StatusOr<StepDecision> Prepared(const PreparedStep& step,
+                                        int64_t* policy_version) override {
     prepared.push_back(step);
     if (decisions.empty()) return StepDecision::kCommit;
     absl::StatusOr<StepDecision> next = std::move(decisions.front());
@@ -117,7 +118,8 @@ void RemoveTree(const std::filesystem::path& path) {
 class TrainerLoopTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string pattern = (std::filesystem::path(::testing::TempDir()) / "dta_trainer_loop_XXXXXX").string();
+    std::string pattern =
+        (std::filesystem::path(::testing::TempDir()) / "dta_trainer_loop_XXXXXX").string();
     ASSERT_NE(::mkdtemp(pattern.data()), nullptr) << pattern;
     dir_ = pattern;
   }
@@ -147,20 +149,23 @@ void ExpectSameParameters(const std::vector<at::Tensor>& a, const std::vector<at
 }
 
 // What the loop must do for each committed step, written out by hand.
-std::vector<at::Tensor> TrainByHand(const std::vector<StepPartition>& steps, const TrainerLoopOptions& options) {
+std::vector<at::Tensor> TrainByHand(const std::vector<StepPartition>& steps,
+                                    const TrainerLoopOptions& options) {
   Qwen3Model model = TinyModel();
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
   for (const StepPartition& partition : steps) {
     optimizer.ZeroGrad();
-    ComputeGradients(model, partition.rollouts, options.loss, options.executor,
-                     {.total_loss_tokens = partition.total_loss_tokens, .num_rollouts = partition.num_rollouts});
+    ComputeGradients(
+        model, partition.rollouts, options.loss, options.executor,
+        {.total_loss_tokens = partition.total_loss_tokens, .num_rollouts = partition.num_rollouts});
     optimizer.Step();
   }
   return Parameters(model);
 }
 
 TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
-  const std::vector<StepPartition> steps = {MakePartition(0, 3, 1), MakePartition(1, 1, 2), MakePartition(2, 4, 3)};
+  const std::vector<StepPartition> steps = {MakePartition(0, 3, 1), MakePartition(1, 1, 2),
+                                            MakePartition(2, 4, 3)};
   FakeSession session;
   for (const StepPartition& p : steps) session.partitions.push_back(p);
   TrainerLoopOptions options = Options(/*max_steps=*/3);
@@ -168,7 +173,9 @@ TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
   Qwen3Model model = TinyModel();
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
   int syncs = 0;
-  EXPECT_EQ(RunTrainerSteps(session, model, optimizer, [&] { ++syncs; }, 0, options), 3);
+  EXPECT_EQ(RunTrainerSteps(
+                session, model, optimizer, [&] { ++syncs; }, 0, options),
+            3);
 
   ExpectSameParameters(Parameters(model), TrainByHand(steps, options));
   EXPECT_EQ(syncs, 3);
@@ -207,12 +214,16 @@ TEST_F(TrainerLoopTest, ResumesFromItsStepAndStopsAtMaxSteps) {
   session.partitions.push_back(MakePartition(5, 2, 4));
   Qwen3Model model = TinyModel();
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
-  EXPECT_EQ(RunTrainerSteps(session, model, optimizer, [] {}, 5, Options(/*max_steps=*/6)), 6);
+  EXPECT_EQ(RunTrainerSteps(
+                session, model, optimizer, [] {}, 5, Options(/*max_steps=*/6)),
+            6);
   EXPECT_EQ(session.fetched, (std::vector<int64_t>{5}));
   EXPECT_EQ(session.prepared.at(0).checkpoint_step, 5);
   EXPECT_EQ(LatestCheckpoint(dir_.string())->step, 6);
   // Already there: nothing is fetched.
-  EXPECT_EQ(RunTrainerSteps(session, model, optimizer, [] {}, 6, Options(/*max_steps=*/6)), 6);
+  EXPECT_EQ(RunTrainerSteps(
+                session, model, optimizer, [] {}, 6, Options(/*max_steps=*/6)),
+            6);
   EXPECT_EQ(session.fetched.size(), 1u);
 }
 
@@ -227,7 +238,8 @@ TEST_F(TrainerLoopTest, AnEmptyPartitionStillSynchronisesAndReports) {
   const std::vector<at::Tensor> before = Parameters(model);
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0});
   int syncs = 0;
-  RunTrainerSteps(session, model, optimizer, [&] { ++syncs; }, 0, Options(1));
+  RunTrainerSteps(
+      session, model, optimizer, [&] { ++syncs; }, 0, Options(1));
   EXPECT_EQ(syncs, 1);
   ASSERT_EQ(session.prepared.size(), 1u);
   EXPECT_EQ(session.prepared[0].rollout_tokens, 0);
@@ -245,7 +257,8 @@ TEST_F(TrainerLoopTest, AnAbortedStepAsksForARestartWithoutStepping) {
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
   const TrainerLoopOptions options = Options(0);
   try {
-    RunTrainerSteps(session, model, optimizer, [] {}, 0, options);
+    RunTrainerSteps(
+        session, model, optimizer, [] {}, 0, options);
     FAIL() << "an ABORT decision must ask for a restart";
   } catch (const TrainerRestart& restart) {
     EXPECT_NE(restart.why.find("step 1 aborted"), std::string::npos) << restart.why;
@@ -259,12 +272,15 @@ TEST_F(TrainerLoopTest, AnAbortedGenerationAsksForARestartAndOtherErrorsDoNot) {
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
   FakeSession aborted;
   aborted.partitions.push_back(absl::AbortedError("generation 1 is over"));
-  EXPECT_THROW(RunTrainerSteps(aborted, model, optimizer, [] {}, 0, Options(0)), TrainerRestart);
+  EXPECT_THROW(RunTrainerSteps(
+                   aborted, model, optimizer, [] {}, 0, Options(0)),
+               TrainerRestart);
 
   FakeSession unavailable;
   unavailable.partitions.push_back(absl::UnavailableError("dispatcher gone"));
   try {
-    RunTrainerSteps(unavailable, model, optimizer, [] {}, 0, Options(0));
+    RunTrainerSteps(
+        unavailable, model, optimizer, [] {}, 0, Options(0));
     FAIL() << "a failed fetch must throw";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("fetch: UNAVAILABLE"), std::string::npos) << e.what();
@@ -273,7 +289,9 @@ TEST_F(TrainerLoopTest, AnAbortedGenerationAsksForARestartAndOtherErrorsDoNot) {
   FakeSession report_aborted;
   report_aborted.partitions.push_back(MakePartition(0, 1, 7));
   report_aborted.decisions.push_back(absl::AbortedError("a rank failed"));
-  EXPECT_THROW(RunTrainerSteps(report_aborted, model, optimizer, [] {}, 0, Options(0)), TrainerRestart);
+  EXPECT_THROW(RunTrainerSteps(
+                   report_aborted, model, optimizer, [] {}, 0, Options(0)),
+               TrainerRestart);
   EXPECT_EQ(optimizer.step(), 0);
 }
 
@@ -286,7 +304,8 @@ TEST_F(TrainerLoopTest, AGradientFailureIsReportedFirst) {
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
   int syncs = 0;
   try {
-    RunTrainerSteps(session, model, optimizer, [&] { ++syncs; }, 0, Options(0));
+    RunTrainerSteps(
+        session, model, optimizer, [&] { ++syncs; }, 0, Options(0));
     FAIL() << "a token outside the vocabulary must fail the step";
   } catch (const TrainerRestart&) {
     FAIL() << "restarting cannot help a batch the executor refuses";
@@ -305,9 +324,10 @@ TEST_F(TrainerLoopTest, ASynchronisationFailureIsReportedAndAsksForARestart) {
   session.partitions.push_back(MakePartition(0, 2, 9));
   Qwen3Model model = TinyModel();
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
-  EXPECT_THROW(RunTrainerSteps(session, model, optimizer, [] { TORCH_CHECK(false, "peer 1 is gone"); }, 0,
-                               Options(0)),
-               TrainerRestart);
+  EXPECT_THROW(
+      RunTrainerSteps(
+          session, model, optimizer, [] { TORCH_CHECK(false, "peer 1 is gone"); }, 0, Options(0)),
+      TrainerRestart);
   ASSERT_EQ(session.failed.size(), 1u);
   EXPECT_NE(session.failed[0].second.find("peer 1 is gone"), std::string::npos);
   EXPECT_TRUE(session.prepared.empty());
@@ -327,7 +347,9 @@ TEST_F(TrainerLoopTest, ARequestedCheckpointIsSavedByRankZeroOnly) {
     options.rank = rank;
     std::atomic<bool> requested{true};
     // Two steps, then the session runs out (DEADLINE_EXCEEDED ends the loop with an error).
-    EXPECT_THROW(RunTrainerSteps(session, model, optimizer, [] {}, 0, options, &requested), std::runtime_error);
+    EXPECT_THROW(RunTrainerSteps(
+                     session, model, optimizer, [] {}, 0, options, &requested),
+                 std::runtime_error);
     EXPECT_FALSE(requested.load()) << "rank " << rank;
     const std::optional<CheckpointInfo> latest = LatestCheckpoint(dir_.string());
     if (rank == 0) {

@@ -6,8 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/core/checkpoint/test_dir.h"
 #include "nlohmann/json.hpp"
+#include "tests/core/checkpoint/test_dir.h"
 
 namespace dta {
 namespace {

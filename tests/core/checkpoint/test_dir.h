@@ -11,8 +11,9 @@ namespace dta::testing {
 
 inline std::string FreshTestDir(const std::string& prefix) {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                                    absl::StrCat(prefix, "_", info->test_suite_name(), "_", info->name());
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) /
+      absl::StrCat(prefix, "_", info->test_suite_name(), "_", info->name());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir.string();

@@ -84,36 +84,48 @@ struct BadCase {
 };
 
 TEST(RolloutJsonl, BadInputNamesFileLineRolloutAndField) {
-  const std::string good = R"("group": "g", "tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0, -1, -2])";
+  const std::string good =
+      R"("group": "g", "tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0, -1, -2])";
   const std::vector<BadCase> cases = {
       {"malformed", R"({"id": "a", "tokens": [1, 2)", "malformed JSON"},
       {"not_object", R"([1, 2, 3])", "must be a JSON object"},
       {"missing_id", absl::StrCat("{", good, "}"), "field 'id': missing"},
-      {"mask_length", R"({"id": "a", "group": "g", "tokens": [1, 2, 3], "loss_mask": [0, 1], "logprobs": [0, -1, -2]})",
+      {"mask_length",
+       R"({"id": "a", "group": "g", "tokens": [1, 2, 3], "loss_mask": [0, 1], "logprobs": [0, -1, -2]})",
        "rollout 'a': field 'loss_mask': 2 values for 3 tokens"},
-      {"logprob_length", R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0]})",
+      {"logprob_length",
+       R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0]})",
        "rollout 'a': field 'logprobs': 1 values for 2 tokens"},
-      {"negative_token", R"({"id": "a", "group": "g", "tokens": [1, -2], "loss_mask": [0, 1], "logprobs": [0, -1]})",
+      {"negative_token",
+       R"({"id": "a", "group": "g", "tokens": [1, -2], "loss_mask": [0, 1], "logprobs": [0, -1]})",
        "rollout 'a': field 'tokens': value 1 = -2"},
-      {"huge_token", R"({"id": "a", "group": "g", "tokens": [1, 3000000000], "loss_mask": [0, 1], "logprobs": [0, -1]})",
+      {"huge_token",
+       R"({"id": "a", "group": "g", "tokens": [1, 3000000000], "loss_mask": [0, 1], "logprobs": [0, -1]})",
        "field 'tokens': value 1"},
-      {"float_token", R"({"id": "a", "group": "g", "tokens": [1, 2.5], "loss_mask": [0, 1], "logprobs": [0, -1]})",
+      {"float_token",
+       R"({"id": "a", "group": "g", "tokens": [1, 2.5], "loss_mask": [0, 1], "logprobs": [0, -1]})",
        "field 'tokens': value 1 is not an integer"},
-      {"non_finite", R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0, -1e39]})",
+      {"non_finite",
+       R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 1], "logprobs": [0, -1e39]})",
        "rollout 'a': field 'logprobs': value 1 = -1e+39 is not finite in float32"},
       {"empty", R"({"id": "a", "group": "g", "tokens": [], "loss_mask": [], "logprobs": []})",
        "rollout 'a': field 'tokens': empty rollout"},
-      {"mask_value", R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 2], "logprobs": [0, -1]})",
+      {"mask_value",
+       R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [0, 2], "logprobs": [0, -1]})",
        "field 'loss_mask': value 1 = 2"},
-      {"first_trained", R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [1, 1], "logprobs": [0, -1]})",
+      {"first_trained",
+       R"({"id": "a", "group": "g", "tokens": [1, 2], "loss_mask": [1, 1], "logprobs": [0, -1]})",
        "field 'loss_mask': value 0 is 1"},
       {"unknown_field", absl::StrCat(R"({"id": "a", "advantage": [0, 1, 2], )", good, "}"),
        "rollout 'a': field 'advantage': unknown field"},
-      {"missing_group", R"({"id": "a", "tokens": [1], "loss_mask": [0], "logprobs": [0]})", "field 'group': missing"},
-      {"bad_reward", absl::StrCat(R"({"id": "a", "reward": "high", )", good, "}"), "field 'reward': must be a number"},
+      {"missing_group", R"({"id": "a", "tokens": [1], "loss_mask": [0], "logprobs": [0]})",
+       "field 'group': missing"},
+      {"bad_reward", absl::StrCat(R"({"id": "a", "reward": "high", )", good, "}"),
+       "field 'reward': must be a number"},
       {"huge_reward", absl::StrCat(R"({"id": "a", "reward": 1e308, )", good, "}"),
        "rollout 'a': field 'reward': 1e+308 is beyond the limit of +-1e+30"},
-      {"bad_versions", absl::StrCat(R"({"id": "a", "versions": [0, -2, 1], )", good, "}"), "field 'versions': value 1 = -2"},
+      {"bad_versions", absl::StrCat(R"({"id": "a", "versions": [0, -2, 1], )", good, "}"),
+       "field 'versions': value 1 = -2"},
       {"advantages_length", absl::StrCat(R"({"id": "a", "advantages": [0.5], )", good, "}"),
        "field 'advantages': 1 values for 3 tokens"},
   };
@@ -132,7 +144,8 @@ TEST(RolloutJsonl, BadInputNamesFileLineRolloutAndField) {
 
 TEST(RolloutJsonl, DuplicateIdsNameBothLines) {
   const std::string path = TempPath("duplicate.jsonl");
-  const std::string line = R"({"id": "x", "group": "g", "tokens": [1], "loss_mask": [0], "logprobs": [0]})";
+  const std::string line =
+      R"({"id": "x", "group": "g", "tokens": [1], "loss_mask": [0], "logprobs": [0]})";
   WriteFile(path, absl::StrCat(line, "\n", line, "\n"));
   const absl::StatusOr<std::vector<Rollout>> result = ReadRolloutsJsonl(path);
   EXPECT_THAT(std::string(result.status().message()),
@@ -143,11 +156,13 @@ TEST(RolloutJsonl, VocabularyBound) {
   const absl::StatusOr<Rollout> r = ParseRolloutJson(
       R"({"id": "v", "group": "g", "tokens": [1, 99], "loss_mask": [0, 1], "logprobs": [0, -1]})",
       {.vocab_size = 50});
-  EXPECT_THAT(std::string(r.status().message()), HasSubstr("rollout 'v': field 'tokens': token 1 = 99 is outside [0, 50)"));
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("rollout 'v': field 'tokens': token 1 = 99 is outside [0, 50)"));
 }
 
 TEST(RolloutJsonl, MissingFileIsNotFound) {
-  EXPECT_EQ(ReadRolloutsJsonl(TempPath("does_not_exist.jsonl")).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ReadRolloutsJsonl(TempPath("does_not_exist.jsonl")).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

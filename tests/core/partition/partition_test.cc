@@ -32,7 +32,8 @@ int64_t BruteForceBest(const Rollouts& rollouts, const std::vector<RolloutIndex>
     }
     int64_t result = std::numeric_limits<int64_t>::max();
     for (int end = begin + 1; end <= n - (groups - 1); ++end) {
-      const int64_t first = OwnTreeTokens(rollouts, std::vector<RolloutIndex>(order.begin() + begin, order.begin() + end));
+      const int64_t first = OwnTreeTokens(
+          rollouts, std::vector<RolloutIndex>(order.begin() + begin, order.begin() + end));
       result = std::min(result, std::max(first, best(end, groups - 1)));
     }
     return result;
@@ -106,7 +107,8 @@ TEST(Partition, GreedyBaselinesArePartitionsWithHonestCosts) {
     const Rollouts rollouts = testing::RandomRollouts(seed);
     const PrefixTree tree = *PrefixTree::FromRollouts(rollouts);
     for (int k : {1, 2, 3, 5}) {
-      for (const Partition& p : {*PartitionGreedyByRolloutTokens(tree, k), *PartitionGreedyByTreeTokens(tree, k)}) {
+      for (const Partition& p :
+           {*PartitionGreedyByRolloutTokens(tree, k), *PartitionGreedyByTreeTokens(tree, k)}) {
         CheckIsPartition(tree, p, k);
         for (size_t g = 0; g < p.groups.size(); ++g) {
           EXPECT_EQ(p.cost[g], p.groups[g].empty() ? 0 : OwnTreeTokens(rollouts, p.groups[g]));
@@ -127,7 +129,8 @@ TEST(Partition, BeatsGreedyBaselinesOnSharedPrefixes) {
     prompt[0] = g;
     for (int s = 0; s < 8; ++s) {
       std::vector<TokenId> r = prompt;
-      for (int i = 0; i < 20 + static_cast<int>(rng() % 50); ++i) r.push_back(static_cast<TokenId>(rng() % 1000));
+      for (int i = 0; i < 20 + static_cast<int>(rng() % 50); ++i)
+        r.push_back(static_cast<TokenId>(rng() % 1000));
       r[200] = 1000 + s;
       rollouts.push_back(r);
     }
@@ -146,11 +149,15 @@ TEST(Partition, BeatsGreedyBaselinesOnSharedPrefixes) {
 TEST(Partition, RejectsBadArguments) {
   const PrefixTree tree = *PrefixTree::FromRollouts({{1}});
   EXPECT_EQ(PartitionDfsContiguous(tree, 0).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PartitionGreedyByRolloutTokens(tree, -1).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PartitionGreedyByTreeTokens(tree, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PartitionGreedyByRolloutTokens(tree, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PartitionGreedyByTreeTokens(tree, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
   const std::vector<int64_t> lengths = {3, 2};
-  EXPECT_EQ(CutContiguous(lengths, std::vector<int64_t>{0, 5}, 2).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(CutContiguous(lengths, std::vector<int64_t>{0}, 2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CutContiguous(lengths, std::vector<int64_t>{0, 5}, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CutContiguous(lengths, std::vector<int64_t>{0}, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
   const ContiguousCut empty = *CutContiguous({}, {}, 3);
   EXPECT_EQ(empty.bounds, (std::vector<int64_t>{0, 0, 0, 0}));
 }

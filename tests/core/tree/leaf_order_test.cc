@@ -30,13 +30,16 @@ TEST(LeafOrder, BothOrdersAreDfsLeafOrdersAndLcpsAreExact) {
     const auto rollouts = testing::RandomRollouts(seed);
     const PrefixTree tree = *PrefixTree::FromRollouts(rollouts);
     for (const auto& order : {LexicographicOrder(tree), BackwardDfsOrder(tree)}) {
-      ASSERT_TRUE(CheckDfsLeafOrder(tree, order).ok()) << "seed " << seed << ": " << CheckDfsLeafOrder(tree, order);
+      ASSERT_TRUE(CheckDfsLeafOrder(tree, order).ok())
+          << "seed " << seed << ": " << CheckDfsLeafOrder(tree, order);
       const std::vector<int64_t> lcp = ConsecutiveLcps(tree, order);
       ASSERT_EQ(lcp.size(), order.size());
       for (size_t i = 1; i < order.size(); ++i) {
         const auto& a = rollouts[order[i - 1]];
         const auto& b = rollouts[order[i]];
-        const int64_t brute = std::mismatch(a.begin(), a.begin() + std::min(a.size(), b.size()), b.begin()).first - a.begin();
+        const int64_t brute =
+            std::mismatch(a.begin(), a.begin() + std::min(a.size(), b.size()), b.begin()).first -
+            a.begin();
         EXPECT_EQ(lcp[i], brute);
       }
     }
@@ -86,7 +89,8 @@ TEST(LeafOrder, RejectsOrdersThatAreNotDfsLeafOrders) {
   EXPECT_EQ(split.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(split.message()), HasSubstr("not a DFS leaf order"));
   EXPECT_THAT(std::string(CheckDfsLeafOrder(tree, {0, 1}).message()), HasSubstr("2 rollouts"));
-  EXPECT_THAT(std::string(CheckDfsLeafOrder(tree, {0, 1, 1}).message()), HasSubstr("appears twice"));
+  EXPECT_THAT(std::string(CheckDfsLeafOrder(tree, {0, 1, 1}).message()),
+              HasSubstr("appears twice"));
   EXPECT_THAT(std::string(CheckDfsLeafOrder(tree, {0, 1, 7}).message()), HasSubstr("out of range"));
 }
 

@@ -23,7 +23,8 @@ PrefixTree Build(const Rollouts& rollouts) {
 }
 
 int64_t BruteLcp(const std::vector<TokenId>& a, const std::vector<TokenId>& b) {
-  return std::mismatch(a.begin(), a.begin() + std::min(a.size(), b.size()), b.begin()).first - a.begin();
+  return std::mismatch(a.begin(), a.begin() + std::min(a.size(), b.size()), b.begin()).first -
+         a.begin();
 }
 
 bool StartsWith(const std::vector<TokenId>& s, const std::vector<TokenId>& prefix) {
@@ -136,7 +137,8 @@ void CheckAgainstBruteForce(const Rollouts& rollouts) {
     }
     // The subtree is exactly the nodes whose paths extend this one.
     for (NodeId u = 0; u < tree.num_nodes(); ++u) {
-      const bool descendant = u >= v && StartsWith(PathTo(tree, u), path) && (u == v || tree.end_depth(u) > tree.end_depth(v));
+      const bool descendant = u >= v && StartsWith(PathTo(tree, u), path) &&
+                              (u == v || tree.end_depth(u) > tree.end_depth(v));
       EXPECT_EQ(tree.IsAncestorOrSelf(v, u), descendant) << v << " " << u;
     }
   }
@@ -153,7 +155,8 @@ void CheckAgainstBruteForce(const Rollouts& rollouts) {
       ASSERT_LT(p, tree.end_depth(v));
       EXPECT_EQ(tree.serialized_tokens()[tree.token_offset(v) + p - tree.depth(v)], rollouts[r][p]);
     }
-    for (RolloutIndex s = 0; s < n; ++s) EXPECT_EQ(tree.Lcp(r, s), BruteLcp(rollouts[r], rollouts[s]));
+    for (RolloutIndex s = 0; s < n; ++s)
+      EXPECT_EQ(tree.Lcp(r, s), BruteLcp(rollouts[r], rollouts[s]));
   }
 }
 
@@ -175,7 +178,8 @@ TEST(PrefixTree, BorrowedTokensAndSortRolloutsMatchBruteForce) {
     const SortedRollouts sorted = borrowing.SortRollouts();
     std::vector<RolloutIndex> order(rollouts.size());
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](RolloutIndex a, RolloutIndex b) { return rollouts[a] < rollouts[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](RolloutIndex a, RolloutIndex b) { return rollouts[a] < rollouts[b]; });
     EXPECT_EQ(sorted.order, order);
     ASSERT_EQ(sorted.lcp.size(), order.size());
     ASSERT_EQ(sorted.length.size(), order.size());
@@ -197,7 +201,8 @@ TEST(PrefixTree, BorrowedTokensAndSortRolloutsMatchBruteForce) {
       EXPECT_EQ(borrowed.length(v), copied.length(v));
       EXPECT_EQ(borrowed.num_rollouts_through(v), copied.num_rollouts_through(v));
     }
-    for (RolloutIndex r = 0; r < copied.num_rollouts(); ++r) EXPECT_EQ(borrowed.end_node(r), copied.end_node(r));
+    for (RolloutIndex r = 0; r < copied.num_rollouts(); ++r)
+      EXPECT_EQ(borrowed.end_node(r), copied.end_node(r));
   }
 }
 
@@ -207,8 +212,10 @@ TEST(PrefixTree, AddedTokensAreLengthMinusLongestEarlierLcp) {
     PrefixTreeBuilder builder;
     for (size_t r = 0; r < rollouts.size(); ++r) {
       int64_t longest = 0;
-      for (size_t s = 0; s < r; ++s) longest = std::max(longest, BruteLcp(rollouts[r], rollouts[s]));
-      EXPECT_EQ(*builder.AddRollout(rollouts[r]), static_cast<int64_t>(rollouts[r].size()) - longest);
+      for (size_t s = 0; s < r; ++s)
+        longest = std::max(longest, BruteLcp(rollouts[r], rollouts[s]));
+      EXPECT_EQ(*builder.AddRollout(rollouts[r]),
+                static_cast<int64_t>(rollouts[r].size()) - longest);
     }
   }
 }

@@ -8,14 +8,16 @@ std::vector<std::vector<TokenId>> RandomRollouts(uint64_t seed, const RandomTree
   std::mt19937_64 rng(seed);
   auto uniform = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); };
   auto fresh = [&](std::vector<TokenId>& out, int64_t length) {
-    for (int64_t i = 0; i < length; ++i) out.push_back(static_cast<TokenId>(uniform(options.vocab)));
+    for (int64_t i = 0; i < length; ++i)
+      out.push_back(static_cast<TokenId>(uniform(options.vocab)));
   };
   const int count = 1 + static_cast<int>(uniform(options.max_rollouts));
   std::vector<std::vector<TokenId>> rollouts;
   for (int r = 0; r < count; ++r) {
     std::vector<TokenId> rollout;
     const int kind = rollouts.empty() ? 0 : static_cast<int>(uniform(6));
-    const std::vector<TokenId>* base = rollouts.empty() ? nullptr : &rollouts[uniform(rollouts.size())];
+    const std::vector<TokenId>* base =
+        rollouts.empty() ? nullptr : &rollouts[uniform(rollouts.size())];
     switch (kind) {
       case 1:  // an exact duplicate
         rollout = *base;

@@ -15,6 +15,7 @@ struct RandomTreeOptions {
   int vocab = 3;          // a tiny vocabulary makes accidental sharing and 1-token segments common
 };
 
-std::vector<std::vector<TokenId>> RandomRollouts(uint64_t seed, const RandomTreeOptions& options = {});
+std::vector<std::vector<TokenId>> RandomRollouts(uint64_t seed,
+                                                 const RandomTreeOptions& options = {});
 
 }  // namespace dta::testing

@@ -27,19 +27,22 @@ std::string Violation(const PrefixTree& tree, const Schedule& s) {
   const int64_t n = tree.num_tree_tokens();
   const int64_t block = s.block_size;
   // Live graphs may reach the budget plus one chunk; saturate to avoid overflow with B unbounded.
-  const int64_t graph_limit = block > kUnboundedBlock - s.graph_budget ? kUnboundedBlock : block + s.graph_budget;
+  const int64_t graph_limit =
+      block > kUnboundedBlock - s.graph_budget ? kUnboundedBlock : block + s.graph_budget;
   std::vector<int64_t> stack;
   std::vector<int> forwarded(n, 0), backpropagated(n, 0), attached(tree.num_rollouts(), 0);
   std::vector<std::pair<int64_t, int64_t>> graphs;  // kept graphs, bottom to top
   int64_t live = 0, peak_live = 0;
   int64_t longest = 0;
-  for (RolloutIndex r = 0; r < tree.num_rollouts(); ++r) longest = std::max(longest, tree.rollout_length(r));
+  for (RolloutIndex r = 0; r < tree.num_rollouts(); ++r)
+    longest = std::max(longest, tree.rollout_length(r));
 
   // Backpropagates tree token t, checking that every gradient it needs has arrived.
   auto backprop = [&](int64_t t, NodeId v) -> std::string {
     // All descendants backpropagated, all losses through it attached.
     for (int64_t d = t + 1; d < tree.token_offset(tree.subtree_end(v)); ++d) {
-      if (backpropagated[d] != 1) return absl::StrCat("descendant ", d, " of ", t, " not backpropagated");
+      if (backpropagated[d] != 1)
+        return absl::StrCat("descendant ", d, " of ", t, " not backpropagated");
     }
     for (RolloutIndex r = 0; r < tree.num_rollouts(); ++r) {
       if (tree.IsAncestorOrSelf(v, tree.end_node(r)) && attached[r] != 1) {
@@ -59,24 +62,30 @@ std::string Violation(const PrefixTree& tree, const Schedule& s) {
     const std::string where = absl::StrCat("step ", i, " (", StepToString(step), "): ");
     if (step.kind == StepKind::kPacked) {
       if (!s.training) return where + "packed step in a forward-only schedule";
-      if (step.begin != static_cast<int64_t>(stack.size()) || step.end != step.begin) return where + "not at the top";
-      if (step.last - step.first < 2 || step.last > static_cast<int32_t>(s.order.size())) return where + "bad run";
+      if (step.begin != static_cast<int64_t>(stack.size()) || step.end != step.begin)
+        return where + "not at the top";
+      if (step.last - step.first < 2 || step.last > static_cast<int32_t>(s.order.size()))
+        return where + "bad run";
       if (step.size() > block) return where + "packed step larger than B";
       if (!check_live(step.size())) return where + "live graphs exceed B + budget";
       std::set<std::pair<int64_t, NodeId>> tokens;
       for (int32_t k = step.first; k < step.last; ++k) {
         const RolloutIndex r = s.order[k];
-        if (tree.rollout_length(r) < step.begin) return where + "rollout shorter than the packed depth";
+        if (tree.rollout_length(r) < step.begin)
+          return where + "rollout shorter than the packed depth";
         for (int64_t p = 0; p < tree.rollout_length(r); ++p) {
           const int64_t t = TreeToken(tree, r, p);
           if (p < step.begin) {
-            if (stack[p] != t) return where + absl::StrCat("position ", p, " of rollout ", r, " is not on the stack");
+            if (stack[p] != t)
+              return where +
+                     absl::StrCat("position ", p, " of rollout ", r, " is not on the stack");
           } else {
             tokens.emplace(t, tree.NodeAt(r, p));
           }
         }
       }
-      if (static_cast<int64_t>(tokens.size()) != step.packed_tokens) return where + "packed token count";
+      if (static_cast<int64_t>(tokens.size()) != step.packed_tokens)
+        return where + "packed token count";
       for (const auto& [t, v] : tokens) {
         if (forwarded[t]++) return where + absl::StrCat("tree token ", t, " forwarded twice");
       }
@@ -92,13 +101,16 @@ std::string Violation(const PrefixTree& tree, const Schedule& s) {
       return where + "bad range";
     }
     // Ancestors on the stack: whatever is below the range is exactly this rollout's path.
-    const int64_t below = step.kind == StepKind::kForward ? static_cast<int64_t>(stack.size()) : step.begin;
-    if (step.kind == StepKind::kForward && step.begin != below) return where + "does not start at the top";
+    const int64_t below =
+        step.kind == StepKind::kForward ? static_cast<int64_t>(stack.size()) : step.begin;
+    if (step.kind == StepKind::kForward && step.begin != below)
+      return where + "does not start at the top";
     if (step.kind != StepKind::kForward && step.end != static_cast<int64_t>(stack.size())) {
       return where + "range does not end at the top of the stack";
     }
     for (int64_t p = 0; p < below; ++p) {
-      if (stack[p] != TreeToken(tree, step.rollout, p)) return where + absl::StrCat("position ", p, " is not an ancestor");
+      if (stack[p] != TreeToken(tree, step.rollout, p))
+        return where + absl::StrCat("position ", p, " is not an ancestor");
     }
     switch (step.kind) {
       case StepKind::kForward:
@@ -117,7 +129,8 @@ std::string Violation(const PrefixTree& tree, const Schedule& s) {
         break;
       case StepKind::kAttachLoss:
         if (attached[step.rollout]++) return where + "loss attached twice";
-        if (step.begin != 0 || step.end != tree.rollout_length(step.rollout)) return where + "loss range is not the rollout";
+        if (step.begin != 0 || step.end != tree.rollout_length(step.rollout))
+          return where + "loss range is not the rollout";
         break;
       case StepKind::kBackward: {
         if (!s.training) return where + "backward in a forward-only schedule";
@@ -129,42 +142,53 @@ std::string Violation(const PrefixTree& tree, const Schedule& s) {
           graphs.pop_back();
           live -= step.size();
         } else {
-          if (!graphs.empty() && graphs.back().second > step.begin) return where + "recomputes below a live graph";
+          if (!graphs.empty() && graphs.back().second > step.begin)
+            return where + "recomputes below a live graph";
           if (!check_live(step.size())) return where + "live graphs exceed B + budget";
         }
         for (int64_t p = step.end - 1; p >= step.begin; --p) {
-          if (std::string v = backprop(stack[p], tree.NodeAt(step.rollout, p)); !v.empty()) return where + v;
+          if (std::string v = backprop(stack[p], tree.NodeAt(step.rollout, p)); !v.empty())
+            return where + v;
         }
         break;
       }
       case StepKind::kPop:
         for (int64_t p = step.begin; p < step.end; ++p) {
-          if (s.training && backpropagated[stack[p]] != 1) return where + "pops a token never backpropagated";
+          if (s.training && backpropagated[stack[p]] != 1)
+            return where + "pops a token never backpropagated";
         }
-        if (!graphs.empty() && graphs.back().second > step.begin) return where + "pops a live graph";
+        if (!graphs.empty() && graphs.back().second > step.begin)
+          return where + "pops a live graph";
         stack.resize(step.begin);
         break;
       case StepKind::kPacked:
         break;
     }
-    if (static_cast<int64_t>(stack.size()) > longest) return where + "stack exceeds the longest rollout";
+    if (static_cast<int64_t>(stack.size()) > longest)
+      return where + "stack exceeds the longest rollout";
   }
   if (!stack.empty()) return "stack not empty at the end";
   if (!graphs.empty()) return "graphs alive at the end";
   for (int64_t t = 0; t < n; ++t) {
-    if (forwarded[t] != 1) return absl::StrCat("tree token ", t, " forwarded ", forwarded[t], " times");
-    if (s.training && backpropagated[t] != 1) return absl::StrCat("tree token ", t, " backpropagated ", backpropagated[t], " times");
+    if (forwarded[t] != 1)
+      return absl::StrCat("tree token ", t, " forwarded ", forwarded[t], " times");
+    if (s.training && backpropagated[t] != 1)
+      return absl::StrCat("tree token ", t, " backpropagated ", backpropagated[t], " times");
   }
   for (RolloutIndex r = 0; r < tree.num_rollouts(); ++r) {
-    if (attached[r] != 1) return absl::StrCat("rollout ", r, " loss attached ", attached[r], " times");
+    if (attached[r] != 1)
+      return absl::StrCat("rollout ", r, " loss attached ", attached[r], " times");
   }
   // The summary agrees with the steps.
-  if (s.forwarded_with_graph + s.forwarded_without_graph + s.packed != n) return "summary: forwarded tokens";
+  if (s.forwarded_with_graph + s.forwarded_without_graph + s.packed != n)
+    return "summary: forwarded tokens";
   if (s.training && s.backpropagated + s.packed != n) return "summary: backpropagated tokens";
-  if (s.training && s.recomputed != s.forwarded_without_graph) return "summary: every no-graph token is recomputed once";
+  if (s.training && s.recomputed != s.forwarded_without_graph)
+    return "summary: every no-graph token is recomputed once";
   if (s.peak_stack > longest) return "summary: peak stack";
   if (s.largest_backward > block) return "summary: largest chunk";
-  if (s.training && s.peak_live_graphs != peak_live) return absl::StrCat("summary: peak live graphs ", s.peak_live_graphs, " != ", peak_live);
+  if (s.training && s.peak_live_graphs != peak_live)
+    return absl::StrCat("summary: peak live graphs ", s.peak_live_graphs, " != ", peak_live);
   return "";
 }
 
@@ -175,19 +199,23 @@ TEST(Schedule, InvariantsHoldOnThousandsOfRandomTrees) {
     int64_t budget;
     bool pack;
   };
-  const Variant variants[] = {{true, 0, false}, {true, 7, false}, {true, 1000, false}, {true, 0, true},
-                              {true, 9, true}, {false, 0, false}};
+  const Variant variants[] = {{true, 0, false}, {true, 7, false}, {true, 1000, false},
+                              {true, 0, true},  {true, 9, true},  {false, 0, false}};
   int checked = 0, packed = 0, kept_by_budget = 0;
   for (uint64_t seed = 0; seed < 600; ++seed) {
     const PrefixTree tree = *PrefixTree::FromRollouts(testing::RandomRollouts(seed));
     for (const auto& order : {LexicographicOrder(tree), BackwardDfsOrder(tree)}) {
       for (int64_t block : blocks) {
         for (const Variant& v : variants) {
-          absl::StatusOr<Schedule> s = BuildSchedule(
-              tree, order, {.block_size = block, .graph_budget = v.budget, .pack = v.pack, .training = v.training});
+          absl::StatusOr<Schedule> s = BuildSchedule(tree, order,
+                                                     {.block_size = block,
+                                                      .graph_budget = v.budget,
+                                                      .pack = v.pack,
+                                                      .training = v.training});
           ASSERT_TRUE(s.ok()) << s.status();
-          ASSERT_EQ(Violation(tree, *s), "") << "seed " << seed << " B " << block << " training " << v.training
-                                             << " budget " << v.budget << " pack " << v.pack;
+          ASSERT_EQ(Violation(tree, *s), "")
+              << "seed " << seed << " B " << block << " training " << v.training << " budget "
+              << v.budget << " pack " << v.pack;
           ++checked;
           packed += s->num_packed_steps > 0;
           kept_by_budget += v.budget > 0 && s->recomputed < tree.num_tree_tokens() / 2;
@@ -216,11 +244,12 @@ TEST(Schedule, PacksSiblingLeavesIntoOneStep) {
   std::vector<std::vector<TokenId>> rollouts;
   for (int i = 0; i < 8; ++i) rollouts.push_back({1, 2, 3, 4, 10 + i, 20 + i});
   const PrefixTree tree = *PrefixTree::FromRollouts(rollouts);
-  const Schedule s = *BuildSchedule(tree, LexicographicOrder(tree), {.block_size = 16, .pack = true});
+  const Schedule s =
+      *BuildSchedule(tree, LexicographicOrder(tree), {.block_size = 16, .pack = true});
   std::vector<std::string> steps;
   for (const Step& step : s.steps) steps.push_back(StepToString(step));
-  EXPECT_THAT(steps, ElementsAre("forward r0 [0,4)", "packed [0,8) above 4: 16 tokens", "backward r7 [0,4) recompute",
-                                 "pop r7 [0,4)"));
+  EXPECT_THAT(steps, ElementsAre("forward r0 [0,4)", "packed [0,8) above 4: 16 tokens",
+                                 "backward r7 [0,4) recompute", "pop r7 [0,4)"));
   EXPECT_EQ(Violation(tree, s), "");
 }
 
@@ -232,11 +261,9 @@ TEST(Schedule, WorkedExample) {
   for (const Step& step : s.steps) steps.push_back(StepToString(step));
   EXPECT_THAT(steps, ElementsAre("forward r0 [0,2)",        // anchor: the shared prefix
                                  "forward r0 [2,4) graph",  // the next pop's first chunk
-                                 "loss r0",
-                                 "backward r0 [2,4) kept", "pop r0 [2,4)",
+                                 "loss r0", "backward r0 [2,4) kept", "pop r0 [2,4)",
                                  "forward r1 [2,3) graph",  // only the new suffix
-                                 "loss r1",
-                                 "backward r1 [2,3) kept", "pop r1 [2,3)",
+                                 "loss r1", "backward r1 [2,3) kept", "pop r1 [2,3)",
                                  "backward r1 [0,2) recompute", "pop r1 [0,2)"));
   EXPECT_EQ(s.recomputed, 2);
   EXPECT_DOUBLE_EQ(s.recompute_overhead(), 2.0 / 5);

@@ -57,7 +57,9 @@ void CheckPartition(const Rollouts& rollouts, const PrefixTree& tree, int64_t ca
   EXPECT_LE(partition.total_tokens, partition.flattened_tokens);  // never worse than flattening
   const int64_t redundant = partition.flattened_tokens - partition.tree_tokens;
   const double err =
-      redundant > 0 ? static_cast<double>(partition.flattened_tokens - partition.total_tokens) / redundant : 1.0;
+      redundant > 0
+          ? static_cast<double>(partition.flattened_tokens - partition.total_tokens) / redundant
+          : 1.0;
   EXPECT_DOUBLE_EQ(partition.effective_reuse_ratio, err);
   EXPECT_GE(partition.effective_reuse_ratio, 0.0);
   EXPECT_LE(partition.effective_reuse_ratio, 1.0);
@@ -71,17 +73,25 @@ int64_t LongestRollout(const Rollouts& rollouts) {
 
 // Capacities from the tightest (the longest rollout) to more than the whole tree.
 std::vector<int64_t> Capacities(int64_t longest, int64_t tree) {
-  std::set<int64_t> c = {longest, longest + 1, longest + (tree - longest) / 4, (longest + tree) / 2,
-                         std::max(longest, tree - 1), tree, 2 * tree};
+  std::set<int64_t> c = {longest,
+                         longest + 1,
+                         longest + (tree - longest) / 4,
+                         (longest + tree) / 2,
+                         std::max(longest, tree - 1),
+                         tree,
+                         2 * tree};
   return {c.begin(), c.end()};
 }
 
 // Trees shaped like agentic rollouts: a long shared prompt, then turns that branch 2..max_children
 // ways with segments of 1..max_segment fresh tokens, up to max_leaves leaves. Bin packing matters
 // here: the prompt is paid once per batch.
-Rollouts PromptTree(uint64_t seed, int max_leaves, int max_children, int max_segment, int max_prompt) {
+Rollouts PromptTree(uint64_t seed, int max_leaves, int max_children, int max_segment,
+                    int max_prompt) {
   std::mt19937_64 rng(seed);
-  auto uniform = [&](int lo, int hi) { return lo + static_cast<int>(rng() % static_cast<uint64_t>(hi - lo + 1)); };
+  auto uniform = [&](int lo, int hi) {
+    return lo + static_cast<int>(rng() % static_cast<uint64_t>(hi - lo + 1));
+  };
   TokenId fresh = 0;
   Rollouts leaves, open = {std::vector<TokenId>(uniform(1, max_prompt), fresh++)};
   while (!open.empty()) {
@@ -135,8 +145,9 @@ void CompareWithExact(const Rollouts& rollouts, const std::string& name, RatioSt
 }
 
 void Report(const char* name, const RatioStats& stats) {
-  std::printf("%s: greedy / exact total tokens over %d cases: mean %.4f, worst %.4f, optimal in %.1f%%\n", name,
-              stats.cases, stats.sum / stats.cases, stats.worst, 100.0 * stats.optimal / stats.cases);
+  std::printf(
+      "%s: greedy / exact total tokens over %d cases: mean %.4f, worst %.4f, optimal in %.1f%%\n",
+      name, stats.cases, stats.sum / stats.cases, stats.worst, 100.0 * stats.optimal / stats.cases);
 }
 
 TEST(TreePartition, RandomTreesHonourTheContractAndGreedyIsNearOptimal) {
@@ -145,8 +156,9 @@ TEST(TreePartition, RandomTreesHonourTheContractAndGreedyIsNearOptimal) {
     CompareWithExact(testing::RandomRollouts(seed), "seed " + std::to_string(seed), stats);
   }
   for (uint64_t seed = 0; seed < 100; ++seed) {
-    CompareWithExact(testing::RandomRollouts(seed, {.max_rollouts = 14, .max_length = 12, .vocab = 2}),
-                     "binary seed " + std::to_string(seed), stats);
+    CompareWithExact(
+        testing::RandomRollouts(seed, {.max_rollouts = 14, .max_length = 12, .vocab = 2}),
+        "binary seed " + std::to_string(seed), stats);
   }
   Report("RandomRollouts", stats);
   EXPECT_LE(stats.sum / stats.cases, 1.25);
@@ -155,7 +167,8 @@ TEST(TreePartition, RandomTreesHonourTheContractAndGreedyIsNearOptimal) {
 TEST(TreePartition, PromptTreesGreedyIsNearOptimal) {
   RatioStats stats;
   for (uint64_t seed = 0; seed < 150; ++seed) {
-    CompareWithExact(PromptTree(seed, 12, 4, 30, 150), "prompt tree " + std::to_string(seed), stats);
+    CompareWithExact(PromptTree(seed, 12, 4, 30, 150), "prompt tree " + std::to_string(seed),
+                     stats);
   }
   Report("PromptTree", stats);
   EXPECT_LE(stats.sum / stats.cases, 1.25);
@@ -184,7 +197,8 @@ TEST(TreePartition, ExactMatchesBruteForceOverSetPartitions) {
       std::set<std::vector<TokenId>> prefixes;
       for (int i = 0; i < n; ++i) {
         if (!(mask >> i & 1)) continue;
-        for (size_t k = 1; k <= leaves[i].size(); ++k) prefixes.emplace(leaves[i].begin(), leaves[i].begin() + k);
+        for (size_t k = 1; k <= leaves[i].size(); ++k)
+          prefixes.emplace(leaves[i].begin(), leaves[i].begin() + k);
       }
       cost[mask] = static_cast<int64_t>(prefixes.size());
     }
@@ -241,7 +255,8 @@ TEST(TreePartition, Figure5Example) {
   const PrefixTree tree = *PrefixTree::FromRollouts(rollouts);
   ASSERT_EQ(tree.num_tree_tokens(), 83);
   for (int64_t capacity : {51, 64, 82}) {
-    for (const auto& partition : {PartitionTreeGreedy(tree, capacity), PartitionTreeExact(tree, capacity)}) {
+    for (const auto& partition :
+         {PartitionTreeGreedy(tree, capacity), PartitionTreeExact(tree, capacity)}) {
       ASSERT_TRUE(partition.ok()) << partition.status();
       CheckPartition(rollouts, tree, capacity, *partition, "capacity " + std::to_string(capacity));
       EXPECT_EQ(partition->flattened_tokens, 164);
@@ -332,15 +347,17 @@ TEST(TreePartition, LargeTreesAreFast) {
     }
     EXPECT_EQ(total, partition->total_tokens);
   }
-  const Rollouts big = testing::RandomRollouts(7, {.max_rollouts = 20000, .max_length = 200, .vocab = 50});
+  const Rollouts big =
+      testing::RandomRollouts(7, {.max_rollouts = 20000, .max_length = 200, .vocab = 50});
   const PrefixTree big_tree = *PrefixTree::FromRollouts(big);
-  const absl::StatusOr<TreePartition> partition = PartitionTreeGreedy(big_tree, 4 * LongestRollout(big));
+  const absl::StatusOr<TreePartition> partition =
+      PartitionTreeGreedy(big_tree, 4 * LongestRollout(big));
   ASSERT_TRUE(partition.ok()) << partition.status();
   size_t placed = 0;
   for (const TreeBatch& batch : partition->batches) placed += batch.rollouts.size();
   EXPECT_EQ(placed, big.size());
-  std::printf("random tree of %zu rollouts: %zu batches, ERR %.3f\n", big.size(), partition->batches.size(),
-              partition->effective_reuse_ratio);
+  std::printf("random tree of %zu rollouts: %zu batches, ERR %.3f\n", big.size(),
+              partition->batches.size(), partition->effective_reuse_ratio);
 }
 
 TEST(TreePartition, Errors) {

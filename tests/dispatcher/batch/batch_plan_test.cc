@@ -9,8 +9,8 @@
 namespace dta {
 namespace {
 
-Rollout Make(const std::string& id, const std::string& group, std::vector<TokenId> tokens, double reward,
-             std::vector<int32_t> versions = {}) {
+Rollout Make(const std::string& id, const std::string& group, std::vector<TokenId> tokens,
+             double reward, std::vector<int32_t> versions = {}) {
   Rollout r;
   r.id = id;
   r.group = group;
@@ -54,15 +54,16 @@ TEST(BatchPlan, SelectsTheOldestByCountOrTokens) {
 }
 
 TEST(BatchPlan, DropsStaleTrajectoriesMetOnTheWay) {
-  const std::vector<Rollout> pending = {Make("old", "g", {1, 2}, 0, {-1, 2}), Make("new", "g", {1, 3}, 0, {-1, 5}),
-                                        Make("prompt-only", "g", {1, 4}, 0, {-1, -1}),
-                                        Make("old2", "g", {1, 5}, 0, {-1, 1})};
+  const std::vector<Rollout> pending = {
+      Make("old", "g", {1, 2}, 0, {-1, 2}), Make("new", "g", {1, 3}, 0, {-1, 5}),
+      Make("prompt-only", "g", {1, 4}, 0, {-1, -1}), Make("old2", "g", {1, 5}, 0, {-1, 1})};
   EXPECT_EQ(Staleness(pending[0], 5), 3);
   EXPECT_EQ(Staleness(pending[2], 5), 0);
   BatchSelection selection = SelectBatch(Pointers(pending), 5, {.rollouts = 2, .max_staleness = 2});
   ASSERT_TRUE(selection.ready);
   EXPECT_EQ(selection.batch, (std::vector<int64_t>{1, 2}));
-  EXPECT_EQ(selection.stale, (std::vector<int64_t>{0}));  // old2 comes after the batch: not judged yet
+  EXPECT_EQ(selection.stale,
+            (std::vector<int64_t>{0}));  // old2 comes after the batch: not judged yet
   BatchSelection unlimited = SelectBatch(Pointers(pending), 5, {.rollouts = 2});
   EXPECT_EQ(unlimited.batch, (std::vector<int64_t>{0, 1}));
   EXPECT_TRUE(unlimited.stale.empty());
@@ -73,7 +74,8 @@ TEST(BatchPlan, AdvantagesAndNormalisersCoverTheWholeBatch) {
   std::vector<Rollout> batch;
   for (int i = 0; i < 7; ++i) {
     // Groups interleave with the lexicographic order, so a group spans ranks.
-    batch.push_back(Make("r" + std::to_string(i), i % 2 ? "odd" : "even", {1, 2, i % 3 + 3, i + 10}, 0.3 * i));
+    batch.push_back(
+        Make("r" + std::to_string(i), i % 2 ? "odd" : "even", {1, 2, i % 3 + 3, i + 10}, 0.3 * i));
   }
   // One rollout brings per-token advantages of its own: they are kept, and its reward still counts
   // towards its group's statistics.
@@ -91,7 +93,8 @@ TEST(BatchPlan, AdvantagesAndNormalisersCoverTheWholeBatch) {
     for (const auto& rank : plan->ranks) {
       seen.insert(rank.begin(), rank.end());
       // Lexicographic within a rank.
-      for (size_t j = 1; j < rank.size(); ++j) EXPECT_LE(batch[rank[j - 1]].tokens, batch[rank[j]].tokens);
+      for (size_t j = 1; j < rank.size(); ++j)
+        EXPECT_LE(batch[rank[j - 1]].tokens, batch[rank[j]].tokens);
     }
     EXPECT_EQ(seen, (std::multiset<int64_t>{0, 1, 2, 3, 4, 5, 6}));
     EXPECT_GE(plan->partition.imbalance, 1.0);
@@ -108,8 +111,10 @@ TEST(BatchPlan, PlanErrorsNameTheRollout) {
   EXPECT_TRUE(PlanPartitions(Pointers(batch), 2, /*with_advantages=*/false, true).ok());
   // Rewards whose advantages leave float's range are refused, not turned into infinities (a
   // finding of the fuzzer).
-  std::vector<Rollout> huge = {Make("big", "h", {1, 2}, 1e39), Make("small", "h", {1, 3}, -1e39 - 1)};
-  absl::StatusOr<PartitionPlan> refused = PlanPartitions(Pointers(huge), 1, true, /*normalize_std=*/false);
+  std::vector<Rollout> huge = {Make("big", "h", {1, 2}, 1e39),
+                               Make("small", "h", {1, 3}, -1e39 - 1)};
+  absl::StatusOr<PartitionPlan> refused =
+      PlanPartitions(Pointers(huge), 1, true, /*normalize_std=*/false);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("outside float's range"), absl::string_view::npos);
   EXPECT_FALSE(PlanPartitions(Pointers(batch), 0, false, true).ok());

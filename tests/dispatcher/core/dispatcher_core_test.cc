@@ -38,7 +38,8 @@ class DispatcherCoreTest : public ::testing::Test {
  protected:
   DispatcherCoreTest() {
     dir_ = std::filesystem::path(::testing::TempDir()) /
-           (std::string("dispatcher_core_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+           (std::string("dispatcher_core_") +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }
@@ -66,7 +67,8 @@ class DispatcherCoreTest : public ::testing::Test {
     ASSERT_EQ(response->outcome(), v1::IngestResponse::ACCEPTED) << response->reason();
   }
 
-  static int64_t Register(DispatcherCore& core, int rank, int world, const std::string& id, int64_t resume = 0) {
+  static int64_t Register(DispatcherCore& core, int rank, int world, const std::string& id,
+                          int64_t resume = 0) {
     v1::RegisterTrainerRequest request;
     request.set_rank(rank);
     request.set_world_size(world);
@@ -77,7 +79,8 @@ class DispatcherCoreTest : public ::testing::Test {
     return response.ok() ? response->generation() : -1;
   }
 
-  static absl::StatusOr<v1::Partition> Fetch(DispatcherCore& core, int rank, int64_t step, int64_t generation) {
+  static absl::StatusOr<v1::Partition> Fetch(DispatcherCore& core, int rank, int64_t step,
+                                             int64_t generation) {
     v1::FetchPartitionRequest request;
     request.set_rank(rank);
     request.set_step(step);
@@ -85,9 +88,9 @@ class DispatcherCoreTest : public ::testing::Test {
     return core.FetchPartition(request);
   }
 
-  static v1::ReportStepResponse::Decision Report(DispatcherCore& core, int rank, int64_t step, int64_t generation,
-                                                 v1::StepReport::Phase phase = v1::StepReport::PREPARED,
-                                                 int64_t checkpoint = 0) {
+  static v1::ReportStepResponse::Decision Report(
+      DispatcherCore& core, int rank, int64_t step, int64_t generation,
+      v1::StepReport::Phase phase = v1::StepReport::PREPARED, int64_t checkpoint = 0) {
     v1::StepReport report;
     report.set_rank(rank);
     report.set_step(step);
@@ -102,8 +105,8 @@ class DispatcherCoreTest : public ::testing::Test {
   }
 
   // The ids of every rank's partition of `step`, in rank order.
-  static std::vector<std::string> FetchAll(DispatcherCore& core, int world, int64_t step, int64_t generation,
-                                           bool* replay = nullptr) {
+  static std::vector<std::string> FetchAll(DispatcherCore& core, int world, int64_t step,
+                                           int64_t generation, bool* replay = nullptr) {
     std::vector<std::string> ids;
     for (int rank = 0; rank < world; ++rank) {
       absl::StatusOr<v1::Partition> partition = Fetch(core, rank, step, generation);
@@ -117,8 +120,9 @@ class DispatcherCoreTest : public ::testing::Test {
 
   static void CommitStep(DispatcherCore& core, int world, int64_t step, int64_t generation) {
     for (int rank = 0; rank < world; ++rank) {
-      EXPECT_EQ(Report(core, rank, step, generation),
-                rank + 1 < world ? v1::ReportStepResponse::PENDING : v1::ReportStepResponse::COMMIT);
+      EXPECT_EQ(Report(core, rank, step, generation), rank + 1 < world
+                                                          ? v1::ReportStepResponse::PENDING
+                                                          : v1::ReportStepResponse::COMMIT);
     }
     for (int rank = 0; rank < world; ++rank) {
       EXPECT_EQ(Report(core, rank, step, generation), v1::ReportStepResponse::COMMIT);
@@ -186,7 +190,8 @@ TEST_F(DispatcherCoreTest, TwoRanksTrainEachBatchOnceWithWholeBatchAdvantages) {
   // Two steps took the 10 oldest; 2 wait; the third batch is not ready.
   EXPECT_EQ(trained.size(), 10u);
   EXPECT_FALSE(trained.contains("t10"));
-  EXPECT_THAT(std::string(Fetch(*core, 0, 2, generation).status().message()), HasSubstr("waiting for trajectories"));
+  EXPECT_THAT(std::string(Fetch(*core, 0, 2, generation).status().message()),
+              HasSubstr("waiting for trajectories"));
   EXPECT_EQ(core->GetStatus().committed_steps(), 2);
   EXPECT_EQ(core->GetStatus().policy_version(), 2);
   const v1::GetStatisticsResponse stats = core->GetStatistics();
@@ -250,7 +255,8 @@ TEST_F(DispatcherCoreTest, FailedRankAbandonsTheStepEverywhereAndItIsResplit) {
 }
 
 // A rank that neither prepares nor fails (hung, or cut off) while the others have prepared: after
-// prepare_timeout the step is abandoned for everyone and served again to the trainers that register.
+// prepare_timeout the step is abandoned for everyone and served again to the trainers that
+// register.
 TEST_F(DispatcherCoreTest, ARankThatNeverReportsIsAbandonedAfterThePrepareTimeout) {
   DispatcherOptions options = Options(6);
   options.prepare_timeout = absl::Seconds(2);
@@ -402,7 +408,8 @@ TEST_F(DispatcherCoreTest, ALogFailureIsReportedAndNothingUnstoredIsAcknowledged
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
     EXPECT_FALSE(core->Health().ok());
     EXPECT_FALSE(core->GetStatus().serving());
-    EXPECT_EQ(core->Ingest(Make(2)).status().code(), absl::StatusCode::kUnavailable);  // stays failed
+    EXPECT_EQ(core->Ingest(Make(2)).status().code(),
+              absl::StatusCode::kUnavailable);  // stays failed
     EXPECT_THAT(log_.back(), HasSubstr("the write-ahead log failed"));
   }
   auto core = Open(Options());
@@ -429,9 +436,10 @@ TEST_F(DispatcherCoreTest, TrainersThatCannotTrainWhatIsAcceptedAreRefused) {
     v1::RegisterTrainerRequest request;
     const char* words;
   };
-  for (const Case& c : {Case{registration(64, false, true), "vocabulary of 64 tokens, but the dispatcher accepts "
-                                                            "token ids below 100: start dta-dispatcher with "
-                                                            "--vocab_size=64"},
+  for (const Case& c : {Case{registration(64, false, true),
+                             "vocabulary of 64 tokens, but the dispatcher accepts "
+                             "token ids below 100: start dta-dispatcher with "
+                             "--vocab_size=64"},
                         Case{registration(100, true, true), "needs ref_logprobs"},
                         Case{registration(0, true, false), "--require_ref_logprobs"}}) {
     const absl::StatusOr<v1::RegisterTrainerResponse> refused = core->RegisterTrainer(c.request);
@@ -441,14 +449,16 @@ TEST_F(DispatcherCoreTest, TrainersThatCannotTrainWhatIsAcceptedAreRefused) {
   }
   EXPECT_EQ(core->GetStatus().world_size(), 0);  // nothing registered
   EXPECT_TRUE(core->RegisterTrainer(registration(100, false, true)).ok());
-  EXPECT_TRUE(core->RegisterTrainer(registration(151936, false, false)).ok());  // a larger model is fine
+  EXPECT_TRUE(
+      core->RegisterTrainer(registration(151936, false, false)).ok());  // a larger model is fine
   core.reset();
 
   options.limits.require_reward_or_advantages = false;  // --sft
   options.limits.require_ref_logprobs = true;
   options.limits.vocab_size = 0;  // unchecked
   core = Open(options);
-  EXPECT_THAT(core->RegisterTrainer(registration(0, true, true)).status().message(), HasSubstr("(--sft)"));
+  EXPECT_THAT(core->RegisterTrainer(registration(0, true, true)).status().message(),
+              HasSubstr("(--sft)"));
   EXPECT_THAT(core->RegisterTrainer(registration(100, true, false)).status().message(),
               HasSubstr("accepts any token id"));
   EXPECT_TRUE(core->RegisterTrainer(registration(0, true, false)).ok());
@@ -459,11 +469,12 @@ TEST_F(DispatcherCoreTest, TrainersThatCannotTrainWhatIsAcceptedAreRefused) {
 std::string Digest(DispatcherCore& core, int world) {
   const v1::GetStatusResponse status = core.GetStatus();
   const v1::GetStatisticsResponse statistics = core.GetStatistics();
-  std::string digest = absl::StrCat("committed ", status.committed_steps(), " policy ", status.policy_version(),
-                                    " pending ", status.pending_trajectories(), " accepted ", statistics.accepted(),
-                                    " dropped ", statistics.dropped_stale(), " trained ",
-                                    statistics.trained_rollouts(), "\n");
-  for (const v1::StepStatistics& step : statistics.recent_steps()) absl::StrAppend(&digest, step.DebugString());
+  std::string digest = absl::StrCat(
+      "committed ", status.committed_steps(), " policy ", status.policy_version(), " pending ",
+      status.pending_trajectories(), " accepted ", statistics.accepted(), " dropped ",
+      statistics.dropped_stale(), " trained ", statistics.trained_rollouts(), "\n");
+  for (const v1::StepStatistics& step : statistics.recent_steps())
+    absl::StrAppend(&digest, step.DebugString());
   v1::RegisterTrainerRequest request;
   request.set_world_size(world);
   request.set_resume_step(status.committed_steps());
@@ -499,8 +510,8 @@ class CompactionTest : public DispatcherCoreTest {
   }
 
   // Trajectory i, generated by the policy of when it arrives (four arrive per step, three are
-  // trained), or by the first one: those end up too stale and are dropped. Its metadata makes it weigh in the log as
-  // real trajectories do against an id.
+  // trained), or by the first one: those end up too stale and are dropped. Its metadata makes it
+  // weigh in the log as real trajectories do against an id.
   static v1::Trajectory Generated(int i) {
     v1::Trajectory t = Make(i, i % 4 == 3 ? 0 : i / 4);
     (*t.mutable_metadata())["notes"] = std::string(1000, 'n');
@@ -517,8 +528,10 @@ class CompactionTest : public DispatcherCoreTest {
       if (i % 4 != 3 || i + 1 == last) continue;  // the last arrivals make the step left planned
       const int64_t step = core.GetStatus().committed_steps();
       FetchAll(core, 2, step, generation);
-      EXPECT_EQ(Report(core, 0, step, generation, v1::StepReport::PREPARED, step), v1::ReportStepResponse::PENDING);
-      EXPECT_EQ(Report(core, 1, step, generation, v1::StepReport::PREPARED, std::max<int64_t>(step - 1, 0)),
+      EXPECT_EQ(Report(core, 0, step, generation, v1::StepReport::PREPARED, step),
+                v1::ReportStepResponse::PENDING);
+      EXPECT_EQ(Report(core, 1, step, generation, v1::StepReport::PREPARED,
+                       std::max<int64_t>(step - 1, 0)),
                 v1::ReportStepResponse::COMMIT);
       // A resend of something long trained, and of something just accepted.
       EXPECT_TRUE(core.Ingest(Generated(first))->already_accepted());
@@ -547,7 +560,8 @@ TEST_F(CompactionTest, ACompactedLogRebuildsTheSameStateAsTheWholeLog) {
     EXPECT_GE(b->GetStatistics().wal_compactions(), 2);
     EXPECT_GT(b->GetStatistics().retired_ids(), 10);
     EXPECT_GT(b->GetStatistics().dropped_stale(), 0);
-    EXPECT_LT(std::filesystem::file_size(compacted.wal_path), std::filesystem::file_size(whole.wal_path) / 2);
+    EXPECT_LT(std::filesystem::file_size(compacted.wal_path),
+              std::filesystem::file_size(whole.wal_path) / 2);
   }
   // After restarts: the same state, the same next partitions, the same answers to resends.
   for (int restart = 0; restart < 2; ++restart) {
@@ -575,7 +589,8 @@ TEST_F(CompactionTest, ACompactedLogRebuildsTheSameStateAsTheWholeLog) {
     EXPECT_EQ(Digest(*b, 2), Digest(*a, 2));
   }
   // The starts are counted through compactions: generations stay unique.
-  EXPECT_EQ(Open(compacted)->GetStatus().generation() >> 32, Open(whole)->GetStatus().generation() >> 32);
+  EXPECT_EQ(Open(compacted)->GetStatus().generation() >> 32,
+            Open(whole)->GetStatus().generation() >> 32);
 }
 
 TEST_F(CompactionTest, ALargeLogIsCompactedWhenOpened) {
@@ -651,8 +666,9 @@ TEST_F(CompactionTest, AFailedCompactionWaitsForTheLogToDouble) {
   std::filesystem::create_directory(options.wal_path + ".tmp");  // open(O_CREAT) of it fails
   Run(*core, 8, 40);
   auto failures = [this] {
-    return std::count_if(log_.begin(), log_.end(),
-                         [](const std::string& line) { return line.find("compaction failed") != std::string::npos; });
+    return std::count_if(log_.begin(), log_.end(), [](const std::string& line) {
+      return line.find("compaction failed") != std::string::npos;
+    });
   };
   EXPECT_EQ(core->GetStatistics().wal_compactions(), compactions);
   EXPECT_GE(failures(), 1);
@@ -680,7 +696,8 @@ TEST_F(CompactionTest, UnknownFieldsDoNotChangeATrajectorysIdentity) {
   {
     // A log as an earlier version wrote it: the bytes as received.
     absl::StatusOr<std::unique_ptr<WriteAheadLog>> wal =
-        WriteAheadLog::Open({.path = options.wal_path, .sync = false}, [](const WalRecord&) { return absl::OkStatus(); });
+        WriteAheadLog::Open({.path = options.wal_path, .sync = false},
+                            [](const WalRecord&) { return absl::OkStatus(); });
     ASSERT_TRUE(wal.ok());
     ASSERT_TRUE((*wal)->Append(2, with_unknown(0).SerializeAsString()).ok());
   }
@@ -746,7 +763,8 @@ TEST_F(CompactionTest, ASnapshotAfterOtherRecordsIsDataLoss) {
   }
   {
     absl::StatusOr<std::unique_ptr<WriteAheadLog>> wal =
-        WriteAheadLog::Open({.path = options.wal_path, .sync = false}, [](const WalRecord&) { return absl::OkStatus(); });
+        WriteAheadLog::Open({.path = options.wal_path, .sync = false},
+                            [](const WalRecord&) { return absl::OkStatus(); });
     ASSERT_TRUE(wal.ok());
     v1::SnapshotRecord snapshot;
     snapshot.set_committed_steps(1);

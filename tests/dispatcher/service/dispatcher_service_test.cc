@@ -47,7 +47,8 @@ class DispatcherServiceTest : public ::testing::Test {
  protected:
   DispatcherServiceTest() {
     dir_ = std::filesystem::path(::testing::TempDir()) /
-           (std::string("dispatcher_service_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+           (std::string("dispatcher_service_") +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }
@@ -82,7 +83,8 @@ class DispatcherServiceTest : public ::testing::Test {
   }
 
   std::unique_ptr<v1::Dispatcher::Stub> Stub() {
-    return v1::Dispatcher::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    return v1::Dispatcher::NewStub(
+        grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   }
 
   std::filesystem::path dir_;
@@ -93,7 +95,8 @@ class DispatcherServiceTest : public ::testing::Test {
 };
 
 // Sends every trajectory on one stream and returns the answers in order (the status in `status`).
-std::vector<v1::IngestResponse> SendAll(v1::Dispatcher::Stub& stub, const std::vector<v1::Trajectory>& trajectories,
+std::vector<v1::IngestResponse> SendAll(v1::Dispatcher::Stub& stub,
+                                        const std::vector<v1::Trajectory>& trajectories,
                                         grpc::Status* status = nullptr, int deadline_seconds = 60) {
   grpc::ClientContext context;
   context.set_deadline(In(deadline_seconds));
@@ -129,7 +132,8 @@ TEST_F(DispatcherServiceTest, BadTrajectoriesAreRejectedWhileTheStreamGoesOn) {
   for (int i = 0; i < 6; ++i) {
     SCOPED_TRACE(i);
     EXPECT_EQ(answers[i].id(), batch[i].id());
-    EXPECT_EQ(answers[i].outcome(), *fields[i] ? v1::IngestResponse::REJECTED : v1::IngestResponse::ACCEPTED);
+    EXPECT_EQ(answers[i].outcome(),
+              *fields[i] ? v1::IngestResponse::REJECTED : v1::IngestResponse::ACCEPTED);
     EXPECT_EQ(answers[i].field(), fields[i]);
   }
   // The server is still up and counted everything.
@@ -170,7 +174,8 @@ TEST_F(DispatcherServiceTest, TrainersLongPollForTheBatchAndCommitTogether) {
           if (status.ok()) break;
           ASSERT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
         }
-        for (const v1::Trajectory& t : fetched.partition().trajectories()) seen[rank].insert(t.id());
+        for (const v1::Trajectory& t : fetched.partition().trajectories())
+          seen[rank].insert(t.id());
         trained += fetched.partition().trajectories_size();
         v1::ReportStepRequest report;
         report.mutable_report()->set_rank(rank);
@@ -196,7 +201,8 @@ TEST_F(DispatcherServiceTest, TrainersLongPollForTheBatchAndCommitTogether) {
   EXPECT_EQ(SendAll(*stub, rollouts).size(), 12u);
   for (std::thread& t : trainers) t.join();
   EXPECT_EQ(trained, 12);
-  for (const std::string& id : seen[0]) EXPECT_FALSE(seen[1].contains(id)) << id << " on both ranks";
+  for (const std::string& id : seen[0])
+    EXPECT_FALSE(seen[1].contains(id)) << id << " on both ranks";
   EXPECT_EQ(core_->GetStatus().committed_steps(), 2);
 }
 
@@ -211,23 +217,27 @@ TEST_F(DispatcherServiceTest, SixtyFourConcurrentStreamsLoseNothing) {
     clients.emplace_back([&, s] {
       auto stub = Stub();
       std::vector<v1::Trajectory> mine;
-      for (int i = 0; i < kPerStream; ++i) mine.push_back(Make("s" + std::to_string(s) + "-" + std::to_string(i), i));
+      for (int i = 0; i < kPerStream; ++i)
+        mine.push_back(Make("s" + std::to_string(s) + "-" + std::to_string(i), i));
       grpc::Status status;
       for (const v1::IngestResponse& answer : SendAll(*stub, mine, &status, 120)) {
-        if (answer.outcome() == v1::IngestResponse::ACCEPTED && !answer.already_accepted()) ++accepted;
+        if (answer.outcome() == v1::IngestResponse::ACCEPTED && !answer.already_accepted())
+          ++accepted;
       }
       EXPECT_TRUE(status.ok()) << status.error_message();
     });
   }
   for (std::thread& t : clients) t.join();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(accepted, kStreams * kPerStream);
   EXPECT_EQ(core_->GetStatus().pending_trajectories(), kStreams * kPerStream);
   const v1::GetStatisticsResponse stats = core_->GetStatistics();
   EXPECT_LT(stats.wal_syncs(), stats.accepted());  // concurrent streams shared log syncs
-  std::printf("ingestion: %d trajectories on %d streams in %.2f s: %.0f trajectories/s, %lld log syncs\n",
-              kStreams * kPerStream, kStreams, seconds, kStreams * kPerStream / seconds,
-              static_cast<long long>(stats.wal_syncs()));
+  std::printf(
+      "ingestion: %d trajectories on %d streams in %.2f s: %.0f trajectories/s, %lld log syncs\n",
+      kStreams * kPerStream, kStreams, seconds, kStreams * kPerStream / seconds,
+      static_cast<long long>(stats.wal_syncs()));
 }
 
 TEST_F(DispatcherServiceTest, AFullPendingPoolPausesIngestionUntilABatchIsTaken) {
@@ -281,7 +291,8 @@ TEST_F(DispatcherServiceTest, StreamsPausedByBackpressureNeverStarveTheTrainers)
   for (int c = 0; c < kStreams; ++c) {
     clients.emplace_back([&, c] {
       std::vector<v1::Trajectory> mine;
-      for (int i = 0; i < 5; ++i) mine.push_back(Make("c" + std::to_string(c) + "-" + std::to_string(i), i));
+      for (int i = 0; i < 5; ++i)
+        mine.push_back(Make("c" + std::to_string(c) + "-" + std::to_string(i), i));
       auto stub = Stub();
       EXPECT_EQ(SendAll(*stub, mine).size(), 5u);
     });
@@ -306,7 +317,8 @@ TEST_F(DispatcherServiceTest, StreamsPausedByBackpressureNeverStarveTheTrainers)
       grpc::ClientContext context;
       context.set_deadline(In(5));
       status = stub->FetchPartition(&context, fetch, &fetched);
-    } while (status.error_code() == grpc::StatusCode::UNAVAILABLE && std::chrono::steady_clock::now() < give_up);
+    } while (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+             std::chrono::steady_clock::now() < give_up);
     ASSERT_TRUE(status.ok()) << "step " << step << ": " << status.error_message();
     trained += fetched.partition().trajectories_size();
     v1::ReportStepRequest report;
@@ -349,8 +361,9 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
   ASSERT_TRUE(std::filesystem::exists(binary)) << binary;
   const int port = dta::testing::FreeLoopbackPort();
   const std::string address = "127.0.0.1:" + std::to_string(port);
-  const std::vector<std::string> args = {binary, "--wal=" + (dir_ / "log.wal").string(), "--listen=" + address,
-                                         "--batch_rollouts=10", "--vocab_size=100"};
+  const std::vector<std::string> args = {binary, "--wal=" + (dir_ / "log.wal").string(),
+                                         "--listen=" + address, "--batch_rollouts=10",
+                                         "--vocab_size=100"};
   constexpr int kTotal = 60;
   std::vector<v1::Trajectory> rollouts;
   for (int i = 0; i < kTotal; ++i) rollouts.push_back(Make("k" + std::to_string(i), i));
@@ -358,7 +371,8 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
   int next = 0;  // the first trajectory not acknowledged yet
   for (int kill_after : {17, 23, 1000}) {
     testing::Process dispatcher(args, (dir_ / "dispatcher.log").string());
-    auto stub = v1::Dispatcher::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    auto stub =
+        v1::Dispatcher::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     context.set_deadline(In(60));
     context.set_wait_for_ready(true);  // the process is starting
@@ -436,8 +450,9 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
 TEST_F(DispatcherServiceTest, RemoteAddressesNeedTlsAndAToken) {
   const std::string binary = DispatcherBinary();
   const std::string port = std::to_string(testing::FreeLoopbackPort());
-  const std::vector<std::string> common = {binary, "--wal=" + (dir_ / "log.wal").string(), "--listen=0.0.0.0:" + port,
-                                           "--batch_rollouts=4", "--vocab_size=100"};
+  const std::vector<std::string> common = {binary, "--wal=" + (dir_ / "log.wal").string(),
+                                           "--listen=0.0.0.0:" + port, "--batch_rollouts=4",
+                                           "--vocab_size=100"};
   testing::Process refused(common, (dir_ / "refused.log").string());
   EXPECT_EQ(refused.Wait(std::chrono::seconds(30)), 2);
   EXPECT_THAT(refused.Log(), HasSubstr("is not loopback"));
@@ -445,15 +460,19 @@ TEST_F(DispatcherServiceTest, RemoteAddressesNeedTlsAndAToken) {
   const std::string key = (dir_ / "key.pem").string(), cert = (dir_ / "cert.pem").string();
   const std::string make_certificate =
       "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
-      "subjectAltName=IP:127.0.0.1 -keyout " + key + " -out " + cert + " >/dev/null 2>&1";
+      "subjectAltName=IP:127.0.0.1 -keyout " +
+      key + " -out " + cert + " >/dev/null 2>&1";
   ASSERT_EQ(std::system(make_certificate.c_str()), 0);
   std::ofstream(dir_ / "token") << "s3cret\n";
   std::vector<std::string> secure = common;
-  secure.insert(secure.end(), {"--tls_cert=" + cert, "--tls_key=" + key, "--token_file=" + (dir_ / "token").string()});
+  secure.insert(secure.end(), {"--tls_cert=" + cert, "--tls_key=" + key,
+                               "--token_file=" + (dir_ / "token").string()});
   testing::Process server(secure, (dir_ / "server.log").string());
   absl::StatusOr<std::string> roots = ReadCredentialFile(cert, /*trim=*/false);
   ASSERT_TRUE(roots.ok());
-  ClientOptions options{.address = "127.0.0.1:" + port, .token = "s3cret", .tls_root_certificates = *roots,
+  ClientOptions options{.address = "127.0.0.1:" + port,
+                        .token = "s3cret",
+                        .tls_root_certificates = *roots,
                         .retry_for = absl::Seconds(20)};
   TrainerClient with_token(options);
   absl::StatusOr<v1::GetStatusResponse> status = with_token.Status();

@@ -257,11 +257,11 @@ TEST_F(WalTest, ATornGroupGoesWholeWhateverPagesSurvived) {
     const char* name;
     int64_t from, bytes;
   };
-  for (const Loss& loss : {Loss{"the group header", group, kWalGroupHeaderBytes},
-                           Loss{"the header's page", group, 4096},
-                           Loss{"a page in the middle", second + 100, 4096},
-                           Loss{"the second record's header", second, kWalHeaderBytes},
-                           Loss{"the group's end", static_cast<int64_t>(full.size()) - 10, 10}}) {
+  for (const Loss& loss :
+       {Loss{"the group header", group, kWalGroupHeaderBytes},
+        Loss{"the header's page", group, 4096}, Loss{"a page in the middle", second + 100, 4096},
+        Loss{"the second record's header", second, kWalHeaderBytes},
+        Loss{"the group's end", static_cast<int64_t>(full.size()) - 10, 10}}) {
     SCOPED_TRACE(loss.name);
     std::string damaged = full;
     std::fill(damaged.begin() + loss.from, damaged.begin() + loss.from + loss.bytes, '\0');
@@ -291,11 +291,12 @@ TEST_F(WalTest, ATornGroupGoesWholeWhateverPagesSurvived) {
   EXPECT_EQ(wal.status().code(), absl::StatusCode::kDataLoss) << wal.status();
   EXPECT_THAT(std::string(wal.status().message()),
               HasSubstr(absl::StrCat("corrupt record at byte offset ", first_group_record)));
-  EXPECT_THAT(std::string(wal.status().message()), HasSubstr(absl::StrCat("valid record at byte offset ",
-                                                                          AppendedBytes(synced[0]))));
+  EXPECT_THAT(std::string(wal.status().message()),
+              HasSubstr(absl::StrCat("valid record at byte offset ", AppendedBytes(synced[0]))));
   // And so is a damaged group header that a later group follows.
   damaged = full;
-  std::fill(damaged.begin() + AppendedBytes(synced[0]), damaged.begin() + AppendedBytes(synced[0]) + 8, '\0');
+  std::fill(damaged.begin() + AppendedBytes(synced[0]),
+            damaged.begin() + AppendedBytes(synced[0]) + 8, '\0');
   WriteFile(path_, damaged);
   EXPECT_EQ(OpenCollect(Options(), replayed).status().code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(ReadFile(path_), damaged);  // nothing truncated
@@ -314,7 +315,8 @@ TEST_F(WalTest, ALogWithoutGroupHeadersStillOpens) {
     uLong crc = crc32(0L, Z_NULL, 0);
     crc = crc32(crc, reinterpret_cast<const Bytef*>(header + 8), 1);
     crc = crc32(crc, reinterpret_cast<const Bytef*>(header + 4), 4);
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(r.second.data()), static_cast<uInt>(r.second.size()));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(r.second.data()),
+                static_cast<uInt>(r.second.size()));
     for (int i = 0; i < 4; ++i) header[9 + i] = static_cast<char>(crc >> (8 * i));
     bytes.append(header, kWalHeaderBytes);
     bytes.append(r.second);
@@ -361,7 +363,8 @@ TEST_F(WalTest, OversizedRecords) {
   options.max_record_bytes = 50;
   auto wal = OpenCollect(options, replayed);
   EXPECT_EQ(wal.status().code(), absl::StatusCode::kFailedPrecondition) << wal.status();
-  EXPECT_EQ(static_cast<int64_t>(fs::file_size(path_)), kWalGroupHeaderBytes + kWalHeaderBytes + 100);
+  EXPECT_EQ(static_cast<int64_t>(fs::file_size(path_)),
+            kWalGroupHeaderBytes + kWalHeaderBytes + 100);
   options.max_record_bytes = 100;
   wal = OpenCollect(options, replayed);
   ASSERT_TRUE(wal.ok()) << wal.status();
@@ -480,15 +483,16 @@ TEST_F(WalTest, RewriteFromASourceWritesRecordsAsTheyCome) {
     AppendAll(**wal, {{1, "consumed"}, {2, "consumed too"}});
     size_t next = 0;
     int64_t live_bytes = kWalGroupHeaderBytes;  // a rewrite is one group
-    ASSERT_TRUE((*wal)
-                    ->RewriteFrom([&](WalRecord& record, std::string& scratch) -> absl::StatusOr<bool> {
-                      if (next == live.size()) return false;
-                      scratch = live[next].second;
-                      record = {static_cast<uint8_t>(live[next].first), scratch};
-                      live_bytes += RecordBytes(live[next++]);
-                      return true;
-                    })
-                    .ok());
+    ASSERT_TRUE(
+        (*wal)
+            ->RewriteFrom([&](WalRecord& record, std::string& scratch) -> absl::StatusOr<bool> {
+              if (next == live.size()) return false;
+              scratch = live[next].second;
+              record = {static_cast<uint8_t>(live[next].first), scratch};
+              live_bytes += RecordBytes(live[next++]);
+              return true;
+            })
+            .ok());
     EXPECT_EQ((*wal)->file_bytes(), live_bytes);
   }
   {
@@ -504,20 +508,22 @@ TEST_F(WalTest, RewriteFromASourceWritesRecordsAsTheyCome) {
     ASSERT_TRUE(wal.ok()) << wal.status();
     int calls = 0;
     const std::string big(small.max_record_bytes + 1, 'x');
-    const absl::Status status = (*wal)->RewriteFrom([&](WalRecord& record, std::string&) -> absl::StatusOr<bool> {
-      record = {9, ++calls == 3 ? std::string_view(big) : std::string_view("small")};
-      return calls <= 3;
-    });
+    const absl::Status status =
+        (*wal)->RewriteFrom([&](WalRecord& record, std::string&) -> absl::StatusOr<bool> {
+          record = {9, ++calls == 3 ? std::string_view(big) : std::string_view("small")};
+          return calls <= 3;
+        });
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_THAT(status.message(), HasSubstr("record 2 has"));
     EXPECT_THAT(DirEntries(), ElementsAreArray({"log.wal"}));  // the temp file is gone
     // So does an error of the source, unchanged.
     calls = 0;
-    const absl::Status source_error = (*wal)->RewriteFrom([&](WalRecord& record, std::string&) -> absl::StatusOr<bool> {
-      if (++calls == 2) return absl::InternalError("the state changed");
-      record = {9, "small"};
-      return true;
-    });
+    const absl::Status source_error =
+        (*wal)->RewriteFrom([&](WalRecord& record, std::string&) -> absl::StatusOr<bool> {
+          if (++calls == 2) return absl::InternalError("the state changed");
+          record = {9, "small"};
+          return true;
+        });
     EXPECT_EQ(source_error, absl::InternalError("the state changed"));
     EXPECT_THAT(DirEntries(), ElementsAreArray({"log.wal"}));
     ASSERT_TRUE((*wal)->Append(3, "after").ok());

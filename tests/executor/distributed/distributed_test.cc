@@ -3,9 +3,9 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
 #include <unistd.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <array>
 #include <cmath>
@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "executor/distributed/grad_sync.h"
-#include "tests/testing/free_port.h"
 #include "executor/distributed/process_group.h"
+#include "tests/testing/free_port.h"
 
 namespace dta {
 namespace {
@@ -88,8 +88,8 @@ struct ParamSpec {
 // 5864 bytes) is larger than a 1 KiB bucket.
 const std::vector<ParamSpec>& Specs() {
   static const auto* specs = new std::vector<ParamSpec>{
-      {"a", {1}, at::kDouble},   {"b", {3}, at::kFloat},     {"c", {7, 19}, at::kDouble},
-      {"d", {733}, at::kDouble}, {"e", {7, 19}, at::kFloat}, {"f", {3}, at::kDouble},
+      {"a", {1}, at::kDouble},   {"b", {3}, at::kFloat},      {"c", {7, 19}, at::kDouble},
+      {"d", {733}, at::kDouble}, {"e", {7, 19}, at::kFloat},  {"f", {3}, at::kDouble},
       {"g", {1}, at::kFloat},    {"h", {19, 7}, at::kDouble},
   };
   return *specs;
@@ -208,11 +208,13 @@ TEST(GradientSynchronizer, DividesTheSum) {
 // and the sums exact to float32 rounding.
 TEST(GradientSynchronizer, LowPrecisionParametersSumTheirFloat32Grads) {
   RunRanks(2, [&](ProcessGroup& group) {
-    const at::Tensor param = at::zeros({7, 19}, at::TensorOptions().dtype(at::kBFloat16)).requires_grad_();
+    const at::Tensor param =
+        at::zeros({7, 19}, at::TensorOptions().dtype(at::kBFloat16)).requires_grad_();
     GradientSynchronizer sync(group, {{"w", param}});
     ASSERT_EQ(sync.buckets().size(), 1u);
     EXPECT_EQ(sync.buckets()[0].dtype, at::kFloat);
-    param.mutable_grad() = at::full({7, 19}, 0.1 * (group.rank() + 1), at::TensorOptions().dtype(at::kFloat));
+    param.mutable_grad() =
+        at::full({7, 19}, 0.1 * (group.rank() + 1), at::TensorOptions().dtype(at::kFloat));
     sync.SyncGradients();
     EXPECT_EQ(param.grad().scalar_type(), at::kFloat);
     EXPECT_NEAR(param.grad().max().item<double>(), 0.1f + 0.2f, 1e-7);
@@ -389,10 +391,10 @@ TEST_F(LaunchEnvironmentTest, RejectsMalformedValuesNamingTheVariable) {
     const char* name;
     const char* value;
   };
-  for (const Case& c : {Case{"RANK", "abc"}, Case{"RANK", "2"}, Case{"RANK", "-1"},
-                        Case{"WORLD_SIZE", "0"}, Case{"WORLD_SIZE", "1.5"}, Case{"LOCAL_RANK", "2"},
-                        Case{"MASTER_PORT", "70000"}, Case{"MASTER_PORT", "0"},
-                        Case{"MASTER_PORT", "99999999999"}}) {
+  for (const Case& c :
+       {Case{"RANK", "abc"}, Case{"RANK", "2"}, Case{"RANK", "-1"}, Case{"WORLD_SIZE", "0"},
+        Case{"WORLD_SIZE", "1.5"}, Case{"LOCAL_RANK", "2"}, Case{"MASTER_PORT", "70000"},
+        Case{"MASTER_PORT", "0"}, Case{"MASTER_PORT", "99999999999"}}) {
     ClearAll();
     setenv("WORLD_SIZE", "2", 1);
     setenv(c.name, c.value, 1);
@@ -403,7 +405,6 @@ TEST_F(LaunchEnvironmentTest, RejectsMalformedValuesNamingTheVariable) {
   }
 }
 
-
 TEST(ProcessGroup, CreateThroughTheTcpStore) {
   const int port = dta::testing::FreeLoopbackPort();
   std::array<std::string, 2> errors;
@@ -411,8 +412,11 @@ TEST(ProcessGroup, CreateThroughTheTcpStore) {
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       try {
-        const LaunchEnvironment env{.rank = r, .world_size = 2, .local_rank = r,
-                                    .master_addr = "127.0.0.1", .master_port = port};
+        const LaunchEnvironment env{.rank = r,
+                                    .world_size = 2,
+                                    .local_rank = r,
+                                    .master_addr = "127.0.0.1",
+                                    .master_port = port};
         auto group = ProcessGroup::Create(env, at::Device(at::kCPU), LoopbackOptions());
         ASSERT_TRUE(group.ok()) << group.status();
         EXPECT_EQ((*group)->AllReduceScalars({r + 1.0}), std::vector<double>{3.0});
@@ -435,8 +439,11 @@ TEST(ProcessGroup, CreateThroughTheTcpStore) {
 TEST(ProcessGroup, CreateIsUnavailableWhenNoMasterAnswers) {
   ProcessGroupOptions options = LoopbackOptions();
   options.timeout = std::chrono::milliseconds(300);
-  const LaunchEnvironment env{.rank = 1, .world_size = 2, .local_rank = 1,
-                              .master_addr = "127.0.0.1", .master_port = dta::testing::FreeLoopbackPort()};
+  const LaunchEnvironment env{.rank = 1,
+                              .world_size = 2,
+                              .local_rank = 1,
+                              .master_addr = "127.0.0.1",
+                              .master_port = dta::testing::FreeLoopbackPort()};
   auto group = ProcessGroup::Create(env, at::Device(at::kCPU), options);
   EXPECT_EQ(group.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(group.status().message()), HasSubstr("rank 1 of 2"));

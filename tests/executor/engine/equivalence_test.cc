@@ -69,8 +69,8 @@ struct MethodRun {
   std::vector<at::Tensor> grads;
 };
 
-MethodRun RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts, const LossOptions& loss,
-              const ExecutorOptions& options) {
+MethodRun RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts,
+                    const LossOptions& loss, const ExecutorOptions& options) {
   for (const auto& [name, p] : model.named_parameters()) {
     if (p.grad().defined()) p.mutable_grad().zero_();
   }
@@ -88,12 +88,15 @@ double RelativeError(const at::Tensor& value, const at::Tensor& reference) {
   return scale > 0 ? diff / scale : diff;
 }
 
-void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& reference, const std::string& what) {
+void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& reference,
+                const std::string& what) {
   SCOPED_TRACE(what);
-  EXPECT_NEAR(run.result.loss, reference.result.loss, kTolerance * std::max(1.0, std::abs(reference.result.loss)));
+  EXPECT_NEAR(run.result.loss, reference.result.loss,
+              kTolerance * std::max(1.0, std::abs(reference.result.loss)));
   ASSERT_EQ(run.result.logprobs.size(), reference.result.logprobs.size());
   for (size_t r = 0; r < run.result.logprobs.size(); ++r) {
-    EXPECT_LE(RelativeError(run.result.logprobs[r], reference.result.logprobs[r]), kTolerance) << "rollout " << r;
+    EXPECT_LE(RelativeError(run.result.logprobs[r], reference.result.logprobs[r]), kTolerance)
+        << "rollout " << r;
   }
   for (size_t i = 0; i < run.grads.size(); ++i) {
     // A zero reference would make the comparison vacuous.
@@ -106,52 +109,74 @@ void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& 
 std::vector<std::pair<std::string, LossOptions>> Losses() {
   LossOptions sft{.kind = LossKind::kSft};
   LossOptions ppo{.kind = LossKind::kPpo};
-  LossOptions dual{.kind = LossKind::kPpo, .normalization = Normalization::kSequenceMean, .eps_clip_low = 0.1,
-                   .eps_clip_high = 0.28, .dual_clip = 3.0};
+  LossOptions dual{.kind = LossKind::kPpo,
+                   .normalization = Normalization::kSequenceMean,
+                   .eps_clip_low = 0.1,
+                   .eps_clip_high = 0.28,
+                   .dual_clip = 3.0};
   LossOptions decoupled{.kind = LossKind::kDecoupledPpo, .behave_imp_weight_cap = 5.0};
   LossOptions gspo{.kind = LossKind::kGspo};
-  LossOptions regularized{.kind = LossKind::kPpo, .normalization = Normalization::kSum, .entropy_coef = 0.01,
+  LossOptions regularized{.kind = LossKind::kPpo,
+                          .normalization = Normalization::kSum,
+                          .entropy_coef = 0.01,
                           .kl_coef = 0.05};
-  return {{"sft", sft}, {"ppo", ppo}, {"ppo_dual_clip_seq_mean", dual}, {"decoupled_ppo", decoupled},
-          {"gspo", gspo}, {"ppo_entropy_kl_sum", regularized}};
+  return {{"sft", sft},
+          {"ppo", ppo},
+          {"ppo_dual_clip_seq_mean", dual},
+          {"decoupled_ppo", decoupled},
+          {"gspo", gspo},
+          {"ppo_entropy_kl_sum", regularized}};
 }
 
 class Equivalence : public ::testing::Test {
  protected:
-  explicit Equivalence(int64_t vocab = 19) : model_(TinyConfig(vocab), at::TensorOptions().dtype(at::kDouble)) {
+  explicit Equivalence(int64_t vocab = 19)
+      : model_(TinyConfig(vocab), at::TensorOptions().dtype(at::kDouble)) {
     model_.InitRandom(7, 0.3);
   }
 
-  void CheckAllMethods(const std::vector<Rollout>& rollouts, const LossOptions& loss, const std::string& what,
+  void CheckAllMethods(const std::vector<Rollout>& rollouts, const LossOptions& loss,
+                       const std::string& what,
                        const std::vector<int64_t>& blocks = {1, 3, 64, kUnboundedBlock}) {
     const MethodRun dense = RunMethod(model_, rollouts, loss, {.method = Method::kDense});
-    ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked}), dense, what + " packed");
-    ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kDense, .checkpointing = true}), dense,
-               what + " dense+ckpt");
+    ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked}), dense,
+               what + " packed");
+    ExpectSame(model_,
+               RunMethod(model_, rollouts, loss, {.method = Method::kDense, .checkpointing = true}),
+               dense, what + " dense+ckpt");
     // Packed under a capacity of the longest rollout: Tree Training's partitioning splits the tree.
     int64_t longest = 0;
     for (const Rollout& r : rollouts) longest = std::max<int64_t>(longest, r.tokens.size());
-    ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kPacked, .token_capacity = longest}), dense,
-               what + " packed capacity " + std::to_string(longest));
-    ExpectSame(model_,
-               RunMethod(model_, rollouts, loss,
-                         {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}),
-               dense, what + " packed+ckpt capacity " + std::to_string(longest));
+    ExpectSame(
+        model_,
+        RunMethod(model_, rollouts, loss, {.method = Method::kPacked, .token_capacity = longest}),
+        dense, what + " packed capacity " + std::to_string(longest));
+    ExpectSame(
+        model_,
+        RunMethod(model_, rollouts, loss,
+                  {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}),
+        dense, what + " packed+ckpt capacity " + std::to_string(longest));
     struct Variant {
       LeafOrderKind order;
       int64_t budget;
       bool pack;
     };
-    const Variant variants[] = {{LeafOrderKind::kBackwardDfs, 0, false}, {LeafOrderKind::kLexicographic, 0, false},
-                                {LeafOrderKind::kBackwardDfs, 6, true}, {LeafOrderKind::kLexicographic, 1 << 20, true}};
+    const Variant variants[] = {{LeafOrderKind::kBackwardDfs, 0, false},
+                                {LeafOrderKind::kLexicographic, 0, false},
+                                {LeafOrderKind::kBackwardDfs, 6, true},
+                                {LeafOrderKind::kLexicographic, 1 << 20, true}};
     for (int64_t block : blocks) {
       for (const Variant& v : variants) {
-        const std::string name = what + " dta B=" + (block == kUnboundedBlock ? "inf" : std::to_string(block)) +
-                                 (v.order == LeafOrderKind::kLexicographic ? " lex" : " bdfs") +
-                                 " budget=" + std::to_string(v.budget) + (v.pack ? " packed" : "");
+        const std::string name =
+            what + " dta B=" + (block == kUnboundedBlock ? "inf" : std::to_string(block)) +
+            (v.order == LeafOrderKind::kLexicographic ? " lex" : " bdfs") +
+            " budget=" + std::to_string(v.budget) + (v.pack ? " packed" : "");
         ExpectSame(model_,
                    RunMethod(model_, rollouts, loss,
-                             {.method = Method::kDta, .block_size = block, .order = v.order, .graph_budget = v.budget,
+                             {.method = Method::kDta,
+                              .block_size = block,
+                              .order = v.order,
+                              .graph_budget = v.budget,
                               .pack = v.pack}),
                    dense, name);
       }
@@ -164,15 +189,18 @@ class Equivalence : public ::testing::Test {
 TEST_F(Equivalence, RandomTreesEveryLoss) {
   const auto losses = Losses();
   for (uint64_t seed = 0; seed < 12; ++seed) {
-    const auto sequences = testing::RandomRollouts(seed, {.max_rollouts = 10, .max_length = 12, .vocab = 4});
+    const auto sequences =
+        testing::RandomRollouts(seed, {.max_rollouts = 10, .max_length = 12, .vocab = 4});
     const auto& [name, loss] = losses[seed % losses.size()];
-    CheckAllMethods(MakeRollouts(sequences, seed), loss, "seed " + std::to_string(seed) + " " + name);
+    CheckAllMethods(MakeRollouts(sequences, seed), loss,
+                    "seed " + std::to_string(seed) + " " + name);
   }
 }
 
 TEST_F(Equivalence, SharedPrefixWithDifferentAdvantagesAndMasks) {
   // Three rollouts share 6 tokens but carry different masks and advantages on them.
-  std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6, 8, 9}, {1, 2, 3, 4, 5, 6}}, 3);
+  std::vector<Rollout> rollouts =
+      MakeRollouts({{1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6, 8, 9}, {1, 2, 3, 4, 5, 6}}, 3);
   rollouts[0].loss_mask = {0, 1, 1, 1, 1, 1, 1};
   rollouts[1].loss_mask = {0, 0, 0, 1, 0, 1, 1, 1};
   rollouts[2].loss_mask = {0, 1, 0, 1, 0, 1};
@@ -205,14 +233,18 @@ class WideEquivalence : public Equivalence {
 TEST_F(WideEquivalence, FiveHundredTwelveWayBranch) {
   std::vector<std::vector<TokenId>> sequences;
   for (TokenId i = 0; i < 512; ++i) sequences.push_back({1, 2, 3, 4, 5 + i, 7 + (i % 3)});
-  CheckAllMethods(MakeRollouts(sequences, 9, 530), {.kind = LossKind::kPpo}, "512-way", {3, kUnboundedBlock});
+  CheckAllMethods(MakeRollouts(sequences, 9, 530), {.kind = LossKind::kPpo}, "512-way",
+                  {3, kUnboundedBlock});
 }
 
 TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
-  const auto rollouts = MakeRollouts(testing::RandomRollouts(17, {.max_rollouts = 8, .vocab = 4}), 17);
+  const auto rollouts =
+      MakeRollouts(testing::RandomRollouts(17, {.max_rollouts = 8, .vocab = 4}), 17);
   const LossOptions loss{.kind = LossKind::kPpo};
   const std::vector<ExecutorOptions> methods = {
-      {.method = Method::kDense}, {.method = Method::kPacked}, {.method = Method::kDta, .block_size = 3},
+      {.method = Method::kDense},
+      {.method = Method::kPacked},
+      {.method = Method::kDta, .block_size = 3},
       {.method = Method::kDta, .block_size = 5, .graph_budget = 8, .pack = true},
       {.method = Method::kDta, .pack = true}};  // automatic B and graph budget
   std::vector<std::vector<at::Tensor>> finals;
@@ -237,7 +269,8 @@ TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
       // The parameters moved, and every method moved them the same way.
       const at::Tensor moved = finals[0][i] - initial.named_parameters()[i].second;
       EXPECT_GT(moved.norm().item<double>(), 0.0) << name;
-      EXPECT_LE(RelativeError(finals[m][i] - initial.named_parameters()[i].second, moved), 1e-9) << "method " << m << " " << name;
+      EXPECT_LE(RelativeError(finals[m][i] - initial.named_parameters()[i].second, moved), 1e-9)
+          << "method " << m << " " << name;
     }
   }
 }
@@ -250,15 +283,17 @@ TEST_F(Equivalence, PartsWithTheBatchContextSumToTheWholeBatch) {
   for (uint64_t seed = 0; seed < losses.size(); ++seed) {
     const auto& [name, loss] = losses[seed];
     SCOPED_TRACE(name);
-    const std::vector<Rollout> rollouts =
-        MakeRollouts(testing::RandomRollouts(100 + seed, {.max_rollouts = 9, .max_length = 10, .vocab = 4}), seed);
+    const std::vector<Rollout> rollouts = MakeRollouts(
+        testing::RandomRollouts(100 + seed, {.max_rollouts = 9, .max_length = 10, .vocab = 4}),
+        seed);
     const MethodRun whole = RunMethod(model_, rollouts, loss, {.method = Method::kDense});
     const BatchLossContext batch = MakeBatchContext(rollouts);
     absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts);
     ASSERT_TRUE(advantages.ok()) << advantages.status();
     std::vector<Rollout> with_advantages = rollouts;
     for (size_t r = 0; r < rollouts.size(); ++r) with_advantages[r].advantages = (*advantages)[r];
-    const size_t cut[] = {0, with_advantages.size() / 3, with_advantages.size() / 2, with_advantages.size()};
+    const size_t cut[] = {0, with_advantages.size() / 3, with_advantages.size() / 2,
+                          with_advantages.size()};
     for (const auto& [name, p] : model_.named_parameters()) {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
@@ -266,26 +301,31 @@ TEST_F(Equivalence, PartsWithTheBatchContextSumToTheWholeBatch) {
     for (int part = 0; part < 3; ++part) {
       const auto first = with_advantages.begin();
       const std::vector<Rollout> rollouts_of_part(first + cut[part], first + cut[part + 1]);
-      loss_sum += ComputeGradients(model_, rollouts_of_part, loss, {.method = Method::kDta, .block_size = 3},
-                                   batch)
+      loss_sum += ComputeGradients(model_, rollouts_of_part, loss,
+                                   {.method = Method::kDta, .block_size = 3}, batch)
                       .loss;
     }
-    EXPECT_NEAR(loss_sum, whole.result.loss, kTolerance * std::max(1.0, std::abs(whole.result.loss)));
+    EXPECT_NEAR(loss_sum, whole.result.loss,
+                kTolerance * std::max(1.0, std::abs(whole.result.loss)));
     for (size_t i = 0; i < whole.grads.size(); ++i) {
       const at::Tensor& grad = model_.named_parameters()[i].second.grad();
       EXPECT_GT(whole.grads[i].norm().item<double>(), 0.0) << model_.named_parameters()[i].first;
-      EXPECT_LE(RelativeError(grad, whole.grads[i]), kTolerance) << model_.named_parameters()[i].first;
+      EXPECT_LE(RelativeError(grad, whole.grads[i]), kTolerance)
+          << model_.named_parameters()[i].first;
     }
   }
 }
 
 TEST_F(Equivalence, ForwardOnlyLogprobs) {
   const auto rollouts = MakeRollouts(testing::RandomRollouts(42, {.vocab = 5}), 42);
-  const std::vector<at::Tensor> dense = ComputeLogprobs(model_, rollouts, {.method = Method::kDense});
+  const std::vector<at::Tensor> dense =
+      ComputeLogprobs(model_, rollouts, {.method = Method::kDense});
   for (Method method : {Method::kPacked, Method::kDta}) {
-    const std::vector<at::Tensor> other = ComputeLogprobs(model_, rollouts, {.method = method, .block_size = 2});
+    const std::vector<at::Tensor> other =
+        ComputeLogprobs(model_, rollouts, {.method = method, .block_size = 2});
     ASSERT_EQ(other.size(), dense.size());
-    for (size_t r = 0; r < dense.size(); ++r) EXPECT_LE(RelativeError(other[r], dense[r]), kTolerance);
+    for (size_t r = 0; r < dense.size(); ++r)
+      EXPECT_LE(RelativeError(other[r], dense[r]), kTolerance);
   }
 }
 

@@ -1,6 +1,7 @@
 // The methods on a GPU: the float64 contract again on CUDA, float32 against float32 dense, and
-// bfloat16 against float32 dense (no tree method may add error to bfloat16 dense's). The bf16 model has head_dim 64, so attention runs kernels/tree_attention's CUDA
-// kernels; float32 and float64 run its reference on the GPU. Skipped without a GPU.
+// bfloat16 against float32 dense (no tree method may add error to bfloat16 dense's). The bf16 model
+// has head_dim 64, so attention runs kernels/tree_attention's CUDA kernels; float32 and float64 run
+// its reference on the GPU. Skipped without a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
@@ -9,8 +10,8 @@
 #include <vector>
 
 #include "executor/engine/executor.h"
-#include "tests/core/tree/random_trees.h"
 #include "gtest/gtest.h"
+#include "tests/core/tree/random_trees.h"
 
 namespace dta {
 namespace {
@@ -33,8 +34,8 @@ Qwen3Config SmallConfig() {
 // alphabet, mapped injectively per position into the model's vocabulary so that the model sees
 // varied ids while the tree keeps its shape. Every token after the first is a loss token.
 std::vector<Rollout> Batch(uint64_t seed, int max_rollouts, int max_length) {
-  const std::vector<std::vector<TokenId>> sequences =
-      testing::RandomRollouts(seed, {.max_rollouts = max_rollouts, .max_length = max_length, .vocab = 4});
+  const std::vector<std::vector<TokenId>> sequences = testing::RandomRollouts(
+      seed, {.max_rollouts = max_rollouts, .max_length = max_length, .vocab = 4});
   std::vector<Rollout> rollouts;
   for (size_t r = 0; r < sequences.size(); ++r) {
     Rollout rollout{.id = "r" + std::to_string(r), .group = "g" + std::to_string(r % 3)};
@@ -54,7 +55,8 @@ struct GradRun {
   std::vector<at::Tensor> grads;  // float64 on the CPU
 };
 
-GradRun RunOn(const Qwen3Model& model, const std::vector<Rollout>& rollouts, const ExecutorOptions& options) {
+GradRun RunOn(const Qwen3Model& model, const std::vector<Rollout>& rollouts,
+              const ExecutorOptions& options) {
   for (const auto& [name, p] : model.named_parameters()) {
     if (p.grad().defined()) p.mutable_grad().zero_();
   }
@@ -106,10 +108,12 @@ std::vector<std::pair<std::string, ExecutorOptions>> Methods(const std::vector<R
       {"dense", {.method = Method::kDense}},
       {"dense+ckpt", {.method = Method::kDense, .checkpointing = true}},
       {"packed", {.method = Method::kPacked}},
-      {"packed+ckpt, capacity = longest", {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}},
+      {"packed+ckpt, capacity = longest",
+       {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}},
       {"dta B=64", {.method = Method::kDta, .block_size = 64, .graph_budget = 0}},
       {"dta B=256 auto budget", {.method = Method::kDta, .block_size = 256}},
-      {"dta B=256 pack", {.method = Method::kDta, .block_size = 256, .graph_budget = 512, .pack = true}},
+      {"dta B=256 pack",
+       {.method = Method::kDta, .block_size = 256, .graph_budget = 512, .pack = true}},
       {"dta auto B, auto budget, pack", {.method = Method::kDta, .pack = true}},
   };
 }
@@ -143,7 +147,8 @@ TEST_F(GpuEquivalence, Float32MatchesFloat32Dense) {
   const GradRun dense = RunOn(model, rollouts, {.method = Method::kDense});
   for (const auto& [name, options] : Methods(rollouts)) {
     const Agreement a = Compare(RunOn(model, rollouts, options), dense);
-    std::printf("float32 %-28s flat %.2e  median %.2e  loss %.2e\n", name.c_str(), a.flat, a.median, a.loss);
+    std::printf("float32 %-28s flat %.2e  median %.2e  loss %.2e\n", name.c_str(), a.flat, a.median,
+                a.loss);
     EXPECT_LE(a.flat, 1e-4) << name;
     EXPECT_LE(a.loss, 1e-5) << name;
   }
@@ -167,8 +172,9 @@ TEST_F(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
     const GradRun run = RunOn(model, rollouts, options);
     const Agreement a = Compare(run, reference);
     const Agreement to_dense = Compare(run, dense);
-    std::printf("bfloat16 %-32s vs float32: flat %.2e  median %.2e  loss %.2e;  vs bf16 dense: flat %.2e\n",
-                name.c_str(), a.flat, a.median, a.loss, to_dense.flat);
+    std::printf(
+        "bfloat16 %-32s vs float32: flat %.2e  median %.2e  loss %.2e;  vs bf16 dense: flat %.2e\n",
+        name.c_str(), a.flat, a.median, a.loss, to_dense.flat);
     EXPECT_LE(a.median, 1.15 * dense_error.median + 1e-3) << name;
     EXPECT_LE(a.flat, 1.15 * dense_error.flat + 1e-3) << name;
     EXPECT_LE(to_dense.flat, 2 * dense_error.flat) << name;

@@ -87,8 +87,12 @@ double RefLoss(const RefCase& c, const LossOptions& o, const BatchLossContext& b
     if (!r.loss_mask[t]) continue;
     double l = 0;
     switch (o.kind) {
-      case LossKind::kSft: l = -c.lp[t]; break;
-      case LossKind::kPpo: l = RefSurrogate(std::exp(c.lp[t] - old[t]), c.adv[t], o); break;
+      case LossKind::kSft:
+        l = -c.lp[t];
+        break;
+      case LossKind::kPpo:
+        l = RefSurrogate(std::exp(c.lp[t] - old[t]), c.adv[t], o);
+        break;
       case LossKind::kDecoupledPpo: {
         const double w = std::exp(c.prox[t] - old[t]);
         l = (o.behave_imp_weight_cap > 0 && w > o.behave_imp_weight_cap)
@@ -96,7 +100,9 @@ double RefLoss(const RefCase& c, const LossOptions& o, const BatchLossContext& b
                 : RefSurrogate(std::exp(c.lp[t] - c.prox[t]), c.adv[t], o) * w;
         break;
       }
-      case LossKind::kGspo: l = 0; break;
+      case LossKind::kGspo:
+        l = 0;
+        break;
     }
     if (o.entropy_coef != 0) l -= o.entropy_coef * c.ent[t];
     if (o.kl_coef != 0) {
@@ -118,9 +124,14 @@ double RefLoss(const RefCase& c, const LossOptions& o, const BatchLossContext& b
     if (o.normalization != Normalization::kSum) seq /= static_cast<double>(b.num_rollouts);
   }
   switch (o.normalization) {
-    case Normalization::kTokenMean: token_sum /= b.total_loss_tokens; break;
-    case Normalization::kSequenceMean: token_sum /= m_count * b.num_rollouts; break;
-    case Normalization::kSum: break;
+    case Normalization::kTokenMean:
+      token_sum /= b.total_loss_tokens;
+      break;
+    case Normalization::kSequenceMean:
+      token_sum /= m_count * b.num_rollouts;
+      break;
+    case Normalization::kSum:
+      break;
   }
   return token_sum + seq;
 }
@@ -257,8 +268,11 @@ TEST(LossTest, PpoAsymmetricClipAndEveryNormalization) {
   const BatchLossContext b{.total_loss_tokens = 11, .num_rollouts = 4};
   for (Normalization norm :
        {Normalization::kTokenMean, Normalization::kSequenceMean, Normalization::kSum}) {
-    LossOptions o{.kind = LossKind::kPpo, .normalization = norm, .eps_clip_low = 0.15,
-                  .eps_clip_high = 0.28, .dual_clip = 3.0};
+    LossOptions o{.kind = LossKind::kPpo,
+                  .normalization = norm,
+                  .eps_clip_low = 0.15,
+                  .eps_clip_high = 0.28,
+                  .dual_clip = 3.0};
     CheckCase(f.c, o, b, "ppo asymmetric");
   }
 }
@@ -314,8 +328,8 @@ TEST(LossTest, DecoupledPpoBehaviourWeightAndCap) {
   for (double cap : {0.0, 2.0}) {
     for (Normalization norm :
          {Normalization::kTokenMean, Normalization::kSequenceMean, Normalization::kSum}) {
-      LossOptions o{.kind = LossKind::kDecoupledPpo, .normalization = norm,
-                    .behave_imp_weight_cap = cap};
+      LossOptions o{
+          .kind = LossKind::kDecoupledPpo, .normalization = norm, .behave_imp_weight_cap = cap};
       CheckCase(c, o, b, cap > 0 ? "decoupled cap" : "decoupled");
     }
     LossOptions o{.kind = LossKind::kDecoupledPpo, .behave_imp_weight_cap = cap};
@@ -327,7 +341,8 @@ TEST(LossTest, DecoupledPpoBehaviourWeightAndCap) {
     }
   }
   // The cap masks the loss too: with cap 2 the capped tokens (3 and 7) contribute nothing.
-  LossOptions capped{.kind = LossKind::kDecoupledPpo, .normalization = Normalization::kSum,
+  LossOptions capped{.kind = LossKind::kDecoupledPpo,
+                     .normalization = Normalization::kSum,
                      .behave_imp_weight_cap = 2.0};
   LossOptions uncapped{.kind = LossKind::kDecoupledPpo, .normalization = Normalization::kSum};
   const double diff = LossValue(Inputs(c), uncapped, b) - LossValue(Inputs(c), capped, b);
@@ -406,9 +421,8 @@ TEST(LossTest, TokenMeanSumOverRolloutsEqualsTokenMeanOfConcatenation) {
       MakeRollout("c0", {0, 1, 1, 0, 1}, {-0.5, -1.0, -0.25, -2.0, -0.75}),
       MakeRollout("c1", {0, 0, 1}, {-1.0, -0.5, -1.5}),
       MakeRollout("c2", {0, 1, 1, 1, 1, 1}, {-2.0, -0.125, -1.0, -0.5, -3.0, -0.25})};
-  const std::vector<Vec> lps = {{0, -0.9, -0.3, -1.0, -0.95},
-                                {0, -0.2, -1.2},
-                                {0, -0.1, -1.4, -0.45, -2.5, -0.3}};
+  const std::vector<Vec> lps = {
+      {0, -0.9, -0.3, -1.0, -0.95}, {0, -0.2, -1.2}, {0, -0.1, -1.4, -0.45, -2.5, -0.3}};
   const std::vector<std::vector<float>> advs = {
       {0, 1.5f, -0.5f, 2.0f, 0.25f}, {0, 0, -1.0f}, {0, 0.5f, 0.5f, -2.0f, 1.0f, -0.75f}};
   Rollout all;
@@ -436,9 +450,8 @@ TEST(LossTest, TokenMeanSumOverRolloutsEqualsTokenMeanOfConcatenation) {
       sum += g.loss.item<double>();
       for (double v : V(g.dlogprobs)) grads.push_back(v);
     }
-    RolloutLossGrad whole =
-        RolloutLossAndGrad({.rollout = &all, .logprobs = T(all_lp), .advantages = &all_adv}, o,
-                           b_all);
+    RolloutLossGrad whole = RolloutLossAndGrad(
+        {.rollout = &all, .logprobs = T(all_lp), .advantages = &all_adv}, o, b_all);
     EXPECT_NEAR(sum, whole.loss.item<double>(), 1e-12);
     ExpectGradNear(grads, V(whole.dlogprobs), "concatenation");
   }
@@ -447,8 +460,7 @@ TEST(LossTest, TokenMeanSumOverRolloutsEqualsTokenMeanOfConcatenation) {
 TEST(LossTest, RolloutWithoutLossTokensContributesZero) {
   Rollout r = MakeRollout("empty", {0, 0, 0}, {-1, -2, -3}, {-1, -1, -1});
   const std::vector<float> adv = {1, 1, 1};
-  for (LossKind kind :
-       {LossKind::kSft, LossKind::kPpo, LossKind::kDecoupledPpo, LossKind::kGspo}) {
+  for (LossKind kind : {LossKind::kSft, LossKind::kPpo, LossKind::kDecoupledPpo, LossKind::kGspo}) {
     for (Normalization norm :
          {Normalization::kTokenMean, Normalization::kSequenceMean, Normalization::kSum}) {
       LossOptions o{.kind = kind, .normalization = norm, .entropy_coef = 0.1, .kl_coef = 0.1};
@@ -491,8 +503,7 @@ TEST(LossTest, RolloutLossBackwardMatchesRolloutLossAndGrad) {
 TEST(LossTest, Float32WithExtremeMaskedValuesStaysFinite) {
   PpoFixture f;  // old[0] = -100 and lp[4] = 50: exp overflows float32 if not masked first
   const BatchLossContext b{.total_loss_tokens = 7, .num_rollouts = 1};
-  for (LossKind kind :
-       {LossKind::kSft, LossKind::kPpo, LossKind::kDecoupledPpo, LossKind::kGspo}) {
+  for (LossKind kind : {LossKind::kSft, LossKind::kPpo, LossKind::kDecoupledPpo, LossKind::kGspo}) {
     RefCase c = f.c;
     c.prox = AsDouble(f.rollout.logprobs);
     LossOptions o{.kind = kind, .entropy_coef = 0.01, .kl_coef = 0.05};
@@ -532,10 +543,14 @@ TEST(LossTest, GrpoAdvantagesPerGroupAcrossBatchOrder) {
   Rollout keeps = MakeRollout("own", {0, 1}, {-1, -1});
   keeps.group = "a";
   keeps.advantages = {0.0f, 0.25f};
-  std::vector<Rollout> rollouts = {Rewarded("a1", "a", 1.0, 4), Rewarded("b1", "b", 0.1),
-                                   Rewarded("a2", "a", 0.0),    Rewarded("b2", "b", 0.1, 5),
-                                   keeps,                       Rewarded("a3", "a", 1.0),
-                                   Rewarded("c1", "c", 5.0),    Rewarded("b3", "b", 0.1)};
+  std::vector<Rollout> rollouts = {Rewarded("a1", "a", 1.0, 4),
+                                   Rewarded("b1", "b", 0.1),
+                                   Rewarded("a2", "a", 0.0),
+                                   Rewarded("b2", "b", 0.1, 5),
+                                   keeps,
+                                   Rewarded("a3", "a", 1.0),
+                                   Rewarded("c1", "c", 5.0),
+                                   Rewarded("b3", "b", 0.1)};
   const double mean = 2.0 / 3.0;
   const double std = std::sqrt(((1 - mean) * (1 - mean) * 2 + mean * mean) / 2.0);
   std::vector<std::vector<float>> adv = ComputeAdvantages(rollouts);
@@ -654,7 +669,6 @@ TEST(LossTest, InputErrorsNameTheRolloutAndField) {
               {"'ppo-1'", "total_loss_tokens"});
 }
 
-
 TEST(LossTest, CustomLossReplacesTheBuiltInOnes) {
   PpoFixture f;
   const BatchLossContext b{.total_loss_tokens = 10, .num_rollouts = 2};
@@ -686,8 +700,11 @@ TEST(LossTest, CustomLossReplacesTheBuiltInOnes) {
   EXPECT_EQ(constant.item<double>(), 3.0);
   ExpectGradNear(V(in.logprobs.grad()), Vec(f.c.lp.size(), 0.0), "constant custom loss");
 
-  custom.custom = [](const RolloutLossInputs& given, const BatchLossContext&) { return given.logprobs * 2; };
-  ExpectError([&] { RolloutLoss(in, custom, b); }, {"'ppo-1'", "custom loss", "one floating-point value"});
+  custom.custom = [](const RolloutLossInputs& given, const BatchLossContext&) {
+    return given.logprobs * 2;
+  };
+  ExpectError([&] { RolloutLoss(in, custom, b); },
+              {"'ppo-1'", "custom loss", "one floating-point value"});
 }
 }  // namespace
 }  // namespace dta

@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "executor/engine/executor.h"
 #include "core/io/rollout_jsonl.h"
+#include "executor/engine/executor.h"
 #include "executor/model/qwen3_checkpoint.h"
 #include "nlohmann/json.hpp"
 
@@ -99,10 +99,14 @@ int Run(int argc, char** argv) {
     return BadArguments("DTYPE must be float32 or float64, not " + positional[3]);
   }
   const std::string& method = positional[4];
-  if (method == "dense") options.method = Method::kDense;
-  else if (method == "packed") options.method = Method::kPacked;
-  else if (method == "dta") options.method = Method::kDta;
-  else return BadArguments("METHOD must be dense, packed or dta, not " + method);
+  if (method == "dense")
+    options.method = Method::kDense;
+  else if (method == "packed")
+    options.method = Method::kPacked;
+  else if (method == "dta")
+    options.method = Method::kDta;
+  else
+    return BadArguments("METHOD must be dense, packed or dta, not " + method);
 
   try {
     const Qwen3Model model = LoadQwen3Model(model_dir, at::TensorOptions().dtype(*dtype));

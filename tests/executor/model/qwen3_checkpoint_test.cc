@@ -1,13 +1,14 @@
 // Qwen3 checkpoints: bit-exact round trips (float32, float64, bf16 export, shards, tied
 // embeddings), dtype conversion on load, and clear errors for missing, misshapen, unexpected,
-// mistyped tensors and a missing config. Parity with transformers is tests/python/test_hf_parity.py.
+// mistyped tensors and a missing config. Parity with transformers is
+// tests/python/test_hf_parity.py.
 #include "executor/model/qwen3_checkpoint.h"
 
 #include <c10/util/Exception.h>
 
+#include <stdlib.h>
 #include <cstring>
 #include <filesystem>
-#include <stdlib.h>
 #include <functional>
 #include <set>
 #include <string>
@@ -38,15 +39,17 @@ class TestDirectory {
  public:
   TestDirectory() {
     const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string pattern =
-        (fs::path(::testing::TempDir()) / absl::StrCat("qwen3_checkpoint_", info->name(), "_XXXXXX")).string();
+    std::string pattern = (fs::path(::testing::TempDir()) /
+                           absl::StrCat("qwen3_checkpoint_", info->name(), "_XXXXXX"))
+                              .string();
     if (::mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern << " failed";
     path_ = pattern;
   }
   ~TestDirectory() {
     std::error_code error;
     std::vector<fs::path> files;
-    for (const fs::directory_entry& entry : fs::directory_iterator(path_, error)) files.push_back(entry.path());
+    for (const fs::directory_entry& entry : fs::directory_iterator(path_, error))
+      files.push_back(entry.path());
     for (const fs::path& file : files) fs::remove(file, error);
     fs::remove(path_, error);
   }
@@ -88,7 +91,8 @@ NamedTensors Parameters(const Qwen3Model& model) {
 }
 
 // Writes a one-file checkpoint of exactly these tensors and this config.
-void WriteCheckpoint(const std::string& dir, const NamedTensors& tensors, const Qwen3Config& config) {
+void WriteCheckpoint(const std::string& dir, const NamedTensors& tensors,
+                     const Qwen3Config& config) {
   SaveNamedTensors(tensors, (fs::path(dir) / "model.safetensors").string());
   ASSERT_TRUE(SaveQwen3Config(config, dir).ok());
 }
@@ -145,7 +149,8 @@ TEST(Qwen3CheckpointTest, Bf16ExportStoresBf16AndLoadsIntoAnyDtype) {
   absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
   EXPECT_EQ(checkpoint->names().size(), model.named_parameters().size());
-  for (const std::string& name : checkpoint->names()) EXPECT_EQ(checkpoint->Find(name)->dtype, DType::kBF16) << name;
+  for (const std::string& name : checkpoint->names())
+    EXPECT_EQ(checkpoint->Find(name)->dtype, DType::kBF16) << name;
   // The parameter is the only thing bf16 rounds: half the bytes of float32.
   int64_t numel = 0;
   for (const auto& [name, p] : model.named_parameters()) numel += p.numel();
@@ -170,13 +175,16 @@ TEST(Qwen3CheckpointTest, LoadConvertsHalfAndDoubleSources) {
   // Mixed storage dtypes in one file: the loader converts each tensor on its own.
   NamedTensors tensors = Parameters(model);
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (i % 2 == 0) tensors[i].second = tensors[i].second.to(at::kHalf);
-    else tensors[i].second = tensors[i].second.to(at::kDouble);
+    if (i % 2 == 0)
+      tensors[i].second = tensors[i].second.to(at::kHalf);
+    else
+      tensors[i].second = tensors[i].second.to(at::kDouble);
   }
   WriteCheckpoint(dir, tensors, model.config());
   const Qwen3Model loaded = LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat));
   for (size_t i = 0; i < tensors.size(); ++i) {
-    EXPECT_TRUE(at::equal(loaded.named_parameters()[i].second, tensors[i].second.to(at::kFloat))) << tensors[i].first;
+    EXPECT_TRUE(at::equal(loaded.named_parameters()[i].second, tensors[i].second.to(at::kFloat)))
+        << tensors[i].first;
   }
 }
 
@@ -221,7 +229,8 @@ TEST(Qwen3CheckpointTest, TiedEmbeddingsAcceptAStoredHeadEqualToTheEmbedding) {
   const Qwen3Model model = RandomModel(at::kFloat, /*tied=*/true);
   NamedTensors tensors = Parameters(model);
   // Stored in another dtype than the embedding: compared by value.
-  tensors.emplace_back("lm_head.weight", model.parameter("model.embed_tokens.weight").detach().to(at::kDouble));
+  tensors.emplace_back("lm_head.weight",
+                       model.parameter("model.embed_tokens.weight").detach().to(at::kDouble));
   WriteCheckpoint(dir, tensors, model.config());
   ExpectSameParameters(model, LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)));
 }
@@ -254,7 +263,8 @@ TEST(Qwen3CheckpointTest, MissingTensorIsNamed) {
   const std::string& dir = dir_holder;
   const Qwen3Model model = RandomModel(at::kFloat);
   NamedTensors tensors = Parameters(model);
-  std::erase_if(tensors, [](const auto& t) { return t.first == "model.layers.1.mlp.up_proj.weight"; });
+  std::erase_if(tensors,
+                [](const auto& t) { return t.first == "model.layers.1.mlp.up_proj.weight"; });
   WriteCheckpoint(dir, tensors, model.config());
   EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
               AllOf(HasSubstr(dir), HasSubstr("model.layers.1.mlp.up_proj.weight")));
@@ -280,9 +290,10 @@ TEST(Qwen3CheckpointTest, WrongShapeNamesTensorFileAndBothShapes) {
     if (name == "model.layers.0.self_attn.k_proj.weight") t = at::zeros({8, 16});  // want [16, 16]
   }
   WriteCheckpoint(dir, tensors, model.config());
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
-              AllOf(HasSubstr("model.safetensors"), HasSubstr("model.layers.0.self_attn.k_proj.weight"),
-                    HasSubstr("[8, 16]"), HasSubstr("[16, 16]")));
+  EXPECT_THAT(
+      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+      AllOf(HasSubstr("model.safetensors"), HasSubstr("model.layers.0.self_attn.k_proj.weight"),
+            HasSubstr("[8, 16]"), HasSubstr("[16, 16]")));
 }
 
 TEST(Qwen3CheckpointTest, UnexpectedTensorsAreNamed) {
@@ -293,9 +304,10 @@ TEST(Qwen3CheckpointTest, UnexpectedTensorsAreNamed) {
   tensors.emplace_back("model.layers.0.self_attn.q_proj.bias", at::zeros({32}));
   tensors.emplace_back("model.layers.2.mlp.up_proj.weight", at::zeros({24, 16}));
   WriteCheckpoint(dir, tensors, model.config());
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
-              AllOf(HasSubstr("2 unexpected"), HasSubstr("'model.layers.0.self_attn.q_proj.bias'"),
-                    HasSubstr("'model.layers.2.mlp.up_proj.weight'"), HasSubstr("model.safetensors")));
+  EXPECT_THAT(
+      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+      AllOf(HasSubstr("2 unexpected"), HasSubstr("'model.layers.0.self_attn.q_proj.bias'"),
+            HasSubstr("'model.layers.2.mlp.up_proj.weight'"), HasSubstr("model.safetensors")));
 }
 
 TEST(Qwen3CheckpointTest, TiedConfigOverAnUntiedCheckpointIsRefused) {
@@ -320,8 +332,9 @@ TEST(Qwen3CheckpointTest, NonFloatStorageIsRefusedNamingTheTensor) {
     if (name == "model.norm.weight") t = t.to(at::kInt);
   }
   WriteCheckpoint(dir, tensors, model.config());
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
-              AllOf(HasSubstr("model.safetensors"), HasSubstr("'model.norm.weight'"), HasSubstr("I32")));
+  EXPECT_THAT(
+      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+      AllOf(HasSubstr("model.safetensors"), HasSubstr("'model.norm.weight'"), HasSubstr("I32")));
 }
 
 TEST(Qwen3CheckpointTest, MissingConfigNamesTheFile) {
@@ -337,7 +350,8 @@ TEST(Qwen3CheckpointTest, MissingWeightsNameTheDirectory) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
   ASSERT_TRUE(SaveQwen3Config(TinyConfig(), dir).ok());
-  const std::string message = ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); });
+  const std::string message =
+      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); });
   EXPECT_THAT(message, AllOf(HasSubstr(dir), HasSubstr("model.safetensors")));
 }
 
@@ -365,7 +379,8 @@ TEST(Qwen3CheckpointTest, SaveNamedTensorsKeepsDtypesShapesAndBytes) {
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ(file->metadata().at("format"), "pt");
   ASSERT_EQ(file->tensors().size(), tensors.size());
-  const std::vector<DType> dtypes = {DType::kF64, DType::kBF16, DType::kI64, DType::kBool, DType::kF16, DType::kF32};
+  const std::vector<DType> dtypes = {DType::kF64,  DType::kBF16, DType::kI64,
+                                     DType::kBool, DType::kF16,  DType::kF32};
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& [name, t] = tensors[i];
     const TensorView* view = file->Find(name);
@@ -384,9 +399,13 @@ TEST(Qwen3CheckpointTest, SaveNamedTensorsRefusesUnsupportedDtypeAndDuplicates) 
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
   const std::string path = (fs::path(dir) / "bad.safetensors").string();
-  EXPECT_THAT(ErrorOf([&] { SaveNamedTensors({{"z", at::zeros({2}, at::kComplexFloat)}}, path); }),
+  EXPECT_THAT(ErrorOf([&] {
+                SaveNamedTensors({{"z", at::zeros({2}, at::kComplexFloat)}}, path);
+              }),
               AllOf(HasSubstr(path), HasSubstr("'z'")));
-  EXPECT_THAT(ErrorOf([&] { SaveNamedTensors({{"x", at::zeros({2})}, {"x", at::zeros({2})}}, path); }),
+  EXPECT_THAT(ErrorOf([&] {
+                SaveNamedTensors({{"x", at::zeros({2})}, {"x", at::zeros({2})}}, path);
+              }),
               AllOf(HasSubstr("x"), HasSubstr("duplicate")));
   EXPECT_FALSE(fs::exists(path));
 }

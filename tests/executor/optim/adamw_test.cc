@@ -29,14 +29,16 @@ const std::vector<std::pair<std::string, std::vector<int64_t>>> kShapes = {
 };
 
 at::Tensor Randn(c10::IntArrayRef shape, uint64_t seed) {
-  return at::randn(shape, at::detail::createCPUGenerator(seed), at::TensorOptions().dtype(at::kDouble));
+  return at::randn(shape, at::detail::createCPUGenerator(seed),
+                   at::TensorOptions().dtype(at::kDouble));
 }
 
 // Leaf parameters of `dtype` requiring grad, random (or zero) values.
 Named MakeParams(at::ScalarType dtype, uint64_t seed, bool zeros = false) {
   Named named;
   for (size_t i = 0; i < kShapes.size(); ++i) {
-    at::Tensor v = zeros ? at::zeros(kShapes[i].second, at::kDouble) : Randn(kShapes[i].second, seed * 100 + i);
+    at::Tensor v = zeros ? at::zeros(kShapes[i].second, at::kDouble)
+                         : Randn(kShapes[i].second, seed * 100 + i);
     named.emplace_back(kShapes[i].first, v.to(dtype).requires_grad_(true));
   }
   return named;
@@ -58,7 +60,8 @@ void SetGrads(const Named& named, const std::vector<at::Tensor>& grads) {
 
 std::vector<at::Tensor> Clones(const Named& named, at::ScalarType dtype) {
   std::vector<at::Tensor> out;
-  for (const auto& [name, p] : named) out.push_back(p.detach().to(dtype).clone().requires_grad_(true));
+  for (const auto& [name, p] : named)
+    out.push_back(p.detach().to(dtype).clone().requires_grad_(true));
   return out;
 }
 
@@ -73,11 +76,16 @@ double HandNorm(const std::vector<at::Tensor>& grads) {
 }
 
 torch::optim::AdamWOptions TorchOptions(const AdamWOptions& o) {
-  return torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
+  return torch::optim::AdamWOptions(o.lr)
+      .betas({o.beta1, o.beta2})
+      .eps(o.eps)
+      .weight_decay(o.weight_decay);
 }
 
-const torch::optim::AdamWParamState& TorchState(const torch::optim::AdamW& opt, const at::Tensor& p) {
-  return static_cast<const torch::optim::AdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+const torch::optim::AdamWParamState& TorchState(const torch::optim::AdamW& opt,
+                                                const at::Tensor& p) {
+  return static_cast<const torch::optim::AdamWParamState&>(
+      *opt.state().at(p.unsafeGetTensorImpl()));
 }
 
 std::string ErrorOf(const std::function<void()>& f) {
@@ -89,13 +97,15 @@ std::string ErrorOf(const std::function<void()>& f) {
   return "<no error>";
 }
 
-std::string TempPath(const std::string& name) { return ::testing::TempDir() + "dta_adamw_" + name + ".safetensors"; }
+std::string TempPath(const std::string& name) {
+  return ::testing::TempDir() + "dta_adamw_" + name + ".safetensors";
+}
 
 // Runs `steps` steps of ours and of torch::optim::AdamW (on `reference_dtype` copies of the
 // parameters, fed the grads converted and multiplied by our clip coefficient) and checks
 // parameters, master weights and moments bit for bit after every step.
-void ExpectMatchesTorch(at::ScalarType dtype, at::ScalarType reference_dtype, const AdamWOptions& options,
-                        double grad_scale, int steps) {
+void ExpectMatchesTorch(at::ScalarType dtype, at::ScalarType reference_dtype,
+                        const AdamWOptions& options, double grad_scale, int steps) {
   Named params = MakeParams(dtype, 1);
   std::vector<at::Tensor> reference = Clones(params, reference_dtype);
   AdamW ours(params, options);
@@ -108,7 +118,8 @@ void ExpectMatchesTorch(at::ScalarType dtype, at::ScalarType reference_dtype, co
     EXPECT_EQ(stats.step, step);
     EXPECT_NEAR(stats.grad_norm, HandNorm(grads), 1e-12 * HandNorm(grads));
     const double expected_coef =
-        options.max_grad_norm > 0 ? std::min(1.0, options.max_grad_norm / (stats.grad_norm + 1e-6)) : 1.0;
+        options.max_grad_norm > 0 ? std::min(1.0, options.max_grad_norm / (stats.grad_norm + 1e-6))
+                                  : 1.0;
     EXPECT_EQ(stats.clip_coef, expected_coef);
     for (size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(at::equal(params[i].second.grad(), grads[i])) << "our Step modified the grad";
@@ -130,16 +141,18 @@ void ExpectMatchesTorch(at::ScalarType dtype, at::ScalarType reference_dtype, co
 }
 
 TEST(AdamWTest, MatchesTorchAdamWFloat64) {
-  ExpectMatchesTorch(at::kDouble, at::kDouble, {.lr = 1e-2, .weight_decay = 0.1, .max_grad_norm = 0}, 1.0, 6);
+  ExpectMatchesTorch(at::kDouble, at::kDouble,
+                     {.lr = 1e-2, .weight_decay = 0.1, .max_grad_norm = 0}, 1.0, 6);
 }
 
 TEST(AdamWTest, MatchesTorchAdamWFloat32) {
-  ExpectMatchesTorch(at::kFloat, at::kFloat, {.lr = 1e-2, .weight_decay = 0.1, .max_grad_norm = 0}, 1.0, 6);
+  ExpectMatchesTorch(at::kFloat, at::kFloat, {.lr = 1e-2, .weight_decay = 0.1, .max_grad_norm = 0},
+                     1.0, 6);
 }
 
 TEST(AdamWTest, MatchesTorchAdamWNoWeightDecayOtherBetas) {
-  const AdamWOptions options{.lr = 3e-3, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0,
-                             .max_grad_norm = 0};
+  const AdamWOptions options{
+      .lr = 3e-3, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0, .max_grad_norm = 0};
   ExpectMatchesTorch(at::kDouble, at::kDouble, options, 1e-3, 5);
   ExpectMatchesTorch(at::kFloat, at::kFloat, options, 1e-3, 5);
 }
@@ -224,14 +237,16 @@ TEST(AdamWTest, Bf16ParametersKeepFloat32MasterWeights) {
   const at::Tensor master = opt.master(name);
   EXPECT_EQ(master.scalar_type(), at::kFloat);
   EXPECT_EQ(opt.exp_avg(name).scalar_type(), at::kFloat);
-  EXPECT_FALSE(at::equal(master, at::ones_like(master)));                         // ~3e-6 moved
+  EXPECT_FALSE(at::equal(master, at::ones_like(master)));  // ~3e-6 moved
   EXPECT_LT((master - 1.0).abs().max().item<double>(), 1e-5);
-  EXPECT_TRUE(at::equal(params[0].second.detach(), at::ones_like(params[0].second)));  // rounds to 1
+  EXPECT_TRUE(
+      at::equal(params[0].second.detach(), at::ones_like(params[0].second)));  // rounds to 1
   EXPECT_TRUE(at::equal(params[0].second.detach(), master.to(at::kBFloat16)));
 }
 
 // Saves after `split` of `total` steps, loads into a fresh optimizer over fresh (zero) parameters
-// built with other options, continues, and compares everything bit for bit with an uninterrupted run.
+// built with other options, continues, and compares everything bit for bit with an uninterrupted
+// run.
 void ExpectResumeIsBitExact(at::ScalarType dtype) {
   const AdamWOptions options{.lr = 1e-2, .eps = 1e-3, .weight_decay = 0.05, .max_grad_norm = 0.7};
   const int total = 6, split = 3;
@@ -262,8 +277,10 @@ void ExpectResumeIsBitExact(at::ScalarType dtype) {
   EXPECT_EQ(c.options().weight_decay, options.weight_decay);
   EXPECT_EQ(c.options().max_grad_norm, options.max_grad_norm);
   for (size_t i = 0; i < resumed.size(); ++i) {
-    EXPECT_TRUE(at::equal(resumed[i].second.detach(), first[i].second.detach())) << resumed[i].first;
-    EXPECT_TRUE(at::equal(c.master(resumed[i].first), b.master(first[i].first))) << resumed[i].first;
+    EXPECT_TRUE(at::equal(resumed[i].second.detach(), first[i].second.detach()))
+        << resumed[i].first;
+    EXPECT_TRUE(at::equal(c.master(resumed[i].first), b.master(first[i].first)))
+        << resumed[i].first;
   }
   for (int step = split + 1; step <= total; ++step) {
     SetGrads(resumed, MakeGrads(resumed, step, 1.0));
@@ -303,7 +320,8 @@ TEST(AdamWTest, SaveBeforeAnyStepAndLoadRoundTrip) {
 Named Shaped(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
              at::ScalarType dtype = at::kFloat) {
   Named named;
-  for (const auto& [name, shape] : shapes) named.emplace_back(name, at::ones(shape, dtype).requires_grad_(true));
+  for (const auto& [name, shape] : shapes)
+    named.emplace_back(name, at::ones(shape, dtype).requires_grad_(true));
   return named;
 }
 
@@ -408,12 +426,21 @@ TEST(AdamWTest, ZeroGrad) {
 }
 
 TEST(AdamWTest, ConstructorAndOptionErrors) {
-  EXPECT_THAT(ErrorOf([] { AdamW(Shaped({{"a", {2}}, {"a", {3}}}), {}); }), HasSubstr("'a' appears twice"));
-  EXPECT_THAT(ErrorOf([] { AdamW({{"ids", at::zeros({2}, at::kLong)}}, {}); }), HasSubstr("'ids' has dtype"));
+  EXPECT_THAT(ErrorOf([] {
+                AdamW(Shaped({{"a", {2}}, {"a", {3}}}), {});
+              }),
+              HasSubstr("'a' appears twice"));
+  EXPECT_THAT(ErrorOf([] {
+                AdamW({{"ids", at::zeros({2}, at::kLong)}}, {});
+              }),
+              HasSubstr("'ids' has dtype"));
   EXPECT_THAT(ErrorOf([] { AdamW(Shaped({{"a", {2}}}), {.beta2 = 1.0}); }), HasSubstr("beta2"));
   EXPECT_THAT(ErrorOf([] { AdamW(Shaped({{"a", {2}}}), {.lr = -1}); }), HasSubstr("lr"));
   at::Tensor t = at::ones({2}).requires_grad_(true);
-  EXPECT_THAT(ErrorOf([&] { AdamW({{"x", t}, {"y", t}}, {}); }), HasSubstr("'y' is the same tensor"));
+  EXPECT_THAT(ErrorOf([&] {
+                AdamW({{"x", t}, {"y", t}}, {});
+              }),
+              HasSubstr("'y' is the same tensor"));
   AdamW opt(Shaped({{"a", {2}}}), {});
   opt.set_lr(0.5);
   EXPECT_EQ(opt.options().lr, 0.5);
