@@ -225,10 +225,9 @@ struct Preset {
 };
 
 constexpr Preset kPresets[] = {
-    {"qwen3-0.6b", 1024, 3072, 28, 16, 8, true},
-    {"qwen3-1.7b", 2048, 6144, 28, 16, 8, true},
-    {"qwen3-4b", 2560, 9728, 36, 32, 8, true},
-    {"qwen3-8b", 4096, 12288, 36, 32, 8, false},
+    {"qwen3-0.6b", 1024, 3072, 28, 16, 8, true},  {"qwen3-1.7b", 2048, 6144, 28, 16, 8, true},
+    {"qwen3-4b", 2560, 9728, 36, 32, 8, true},    {"qwen3-8b", 4096, 12288, 36, 32, 8, false},
+    {"qwen3-14b", 5120, 17408, 40, 40, 8, false}, {"qwen3-32b", 5120, 25600, 64, 64, 8, false},
 };
 
 }  // namespace

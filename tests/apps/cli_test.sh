@@ -56,13 +56,13 @@ grep -qF "$work/bad.jsonl:2: rollout 'b': field 'loss_mask'" "$work/bad.err" || 
 # --help lists each binary's own flags (Abseil's default lists only flags of a file named after
 # the binary, and printed "No flags matched" for all of ours). Binaries that need LibTorch or gRPC
 # are checked where they were built; dta-tree and dta-workload are always built.
-for pair in dta-tree:--partitions dta-workload:--preset dta-train:--block_size dta-trainer:--checkpoint_dir \
+for pair in dta-tree:--partitions dta-workload:--preset dta-layout:--world_size dta-train:--block_size dta-trainer:--checkpoint_dir \
             dta-dispatcher:--wal dta-send:--rollouts dta-bench:--methods dta-ingest-bench:--streams \
             dta-attention-bench:--ours_only; do
   binary="${pair%%:*}"
   expected="${pair#*:}"
   if [[ ! -x "$bin/$binary" ]]; then
-    [[ "$binary" != dta-tree && "$binary" != dta-workload ]] || fail "$bin/$binary is missing"
+    [[ "$binary" != dta-tree && "$binary" != dta-workload && "$binary" != dta-layout ]] || fail "$bin/$binary is missing"
     continue
   fi
   "$bin/$binary" --help >"$work/help.txt" 2>&1
@@ -70,6 +70,21 @@ for pair in dta-tree:--partitions dta-workload:--preset dta-train:--block_size d
   ! grep -qF "No flags matched" "$work/help.txt" || fail "$binary --help printed 'No flags matched'"
   ! grep -qF -- "--flagfile" "$work/help.txt" || fail "$binary --help lists Abseil's own flags"
 done
+
+# dta-layout: a plan, a refusal naming the numbers (exit 1), bad flags (exit 2), the table.
+"$bin/dta-layout" --config=qwen3-8b --gpu_gb=80 >"$work/layout.txt" 2>&1 || fail "dta-layout exited $?"
+grep -qF "layout: TP 1 x DP 1, optimizer offloaded to the host for 8.19B parameters" "$work/layout.txt" ||
+  fail "dta-layout's 8B plan: $(cat "$work/layout.txt")"
+"$bin/dta-layout" --config=qwen3-32b --gpu_gb=80 >"$work/layout.txt" 2>&1
+[[ $? -eq 1 ]] || fail "a model that cannot fit must exit 1"
+grep -qF "cannot be trained on 1 GPU(s) of 80.0 GiB" "$work/layout.txt" || fail "the refusal names no numbers"
+"$bin/dta-layout" --config=qwen3-8b --shard_optimizer=maybe 2>"$work/layout.txt"
+[[ $? -eq 2 ]] || fail "a bad --shard_optimizer must exit 2"
+"$bin/dta-layout" --config=qwen3-8b --world_size=8 --tensor_parallel=3 2>"$work/layout.txt"
+[[ $? -eq 2 ]] || fail "a bad --tensor_parallel must exit 2"
+grep -qF "field 'tensor_parallel'" "$work/layout.txt" || fail "the bad --tensor_parallel is not named"
+"$bin/dta-layout" --table >"$work/table.md" || fail "dta-layout --table exited $?"
+[[ $(grep -c '^| qwen3-' "$work/table.md") -eq 32 ]] || fail "the table has not 4 models x 2 GPUs x 4 counts"
 
 if ((failures)); then
   echo "$failures check(s) failed"

@@ -107,18 +107,17 @@ TEST(Qwen3Config, AbsentFieldsTakeTransformersDefaults) {
 }
 
 TEST(Qwen3Config, PresetsHaveTheReleasedShapes) {
-  EXPECT_THAT(Qwen3ConfigPresetNames(),
-              ElementsAre("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"));
+  EXPECT_THAT(Qwen3ConfigPresetNames(), ElementsAre("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b",
+                                                    "qwen3-8b", "qwen3-14b", "qwen3-32b"));
   struct Expected {
     std::string name;
     int64_t hidden, intermediate, layers, heads, kv_heads;
     bool tie;
   };
   const std::vector<Expected> expected = {
-      {"qwen3-0.6b", 1024, 3072, 28, 16, 8, true},
-      {"qwen3-1.7b", 2048, 6144, 28, 16, 8, true},
-      {"qwen3-4b", 2560, 9728, 36, 32, 8, true},
-      {"qwen3-8b", 4096, 12288, 36, 32, 8, false},
+      {"qwen3-0.6b", 1024, 3072, 28, 16, 8, true},  {"qwen3-1.7b", 2048, 6144, 28, 16, 8, true},
+      {"qwen3-4b", 2560, 9728, 36, 32, 8, true},    {"qwen3-8b", 4096, 12288, 36, 32, 8, false},
+      {"qwen3-14b", 5120, 17408, 40, 40, 8, false}, {"qwen3-32b", 5120, 25600, 64, 64, 8, false},
   };
   for (const Expected& e : expected) {
     absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(e.name);
@@ -140,10 +139,10 @@ TEST(Qwen3Config, PresetsHaveTheReleasedShapes) {
   absl::StatusOr<Qwen3Config> by_hub_name = Qwen3ConfigPreset("Qwen/Qwen3-8B");
   ASSERT_TRUE(by_hub_name.ok()) << by_hub_name.status();
   EXPECT_EQ(*by_hub_name, *Qwen3ConfigPreset("qwen3-8b"));
-  absl::StatusOr<Qwen3Config> unknown = Qwen3ConfigPreset("qwen3-32b");
+  absl::StatusOr<Qwen3Config> unknown = Qwen3ConfigPreset("qwen3-30b");
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(unknown.status().message()),
-              AllOf(HasSubstr("'qwen3-32b'"), HasSubstr("qwen3-0.6b, qwen3-1.7b")));
+              AllOf(HasSubstr("'qwen3-30b'"), HasSubstr("qwen3-0.6b, qwen3-1.7b")));
 }
 
 TEST(Qwen3Config, JsonRoundTripIsExactAndLooksLikeHuggingFace) {

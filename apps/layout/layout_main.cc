@@ -1,0 +1,139 @@
+// dta-layout: the training layout (tensor parallelism, sharded or offloaded optimizer state) a
+// model needs on some GPUs, and the memory each GPU and host then holds (core/layout).
+//
+//   dta-layout --config=qwen3-8b --world_size=8 --gpu_gb=80
+//   dta-layout --table                     # the memory table of docs/benchmarks.md
+//
+// Exit status: 0 with the layout printed, 1 when nothing fits (the message names the numbers),
+// 2 on bad input.
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/base/exit_codes.h"
+#include "core/checkpoint/qwen3_config.h"
+#include "core/cli/usage.h"
+#include "core/layout/memory_plan.h"
+
+ABSL_FLAG(std::string, config, "",
+          "a preset (qwen3-0.6b ... qwen3-32b) or a config.json; required without --table");
+ABSL_FLAG(int32_t, world_size, 1, "GPUs in all");
+ABSL_FLAG(int32_t, gpus_per_node, 8, "GPUs per node (tensor parallelism stays within one)");
+ABSL_FLAG(double, gpu_gb, 80, "memory of one GPU, GiB");
+ABSL_FLAG(double, activation_gb, 8,
+          "reserve for the executor's path stack and graphs per GPU, GiB");
+ABSL_FLAG(double, host_gb, 0,
+          "host memory per node for offloaded optimizer state, GiB (0: not checked)");
+ABSL_FLAG(int32_t, tensor_parallel, 0, "the TP degree (0: choose)");
+ABSL_FLAG(std::string, shard_optimizer, "auto", "auto, on or off: ZeRO-1 across the DP ranks");
+ABSL_FLAG(std::string, offload_optimizer, "auto",
+          "auto, on or off: optimizer state in host memory");
+ABSL_FLAG(bool, table, false,
+          "print the memory table (Qwen3 1.7B to 32B on 1 to 8 GPUs of 80 and 141 GiB)");
+
+namespace dta {
+namespace {
+
+constexpr double kGiB = double{int64_t{1} << 30};
+
+struct BadInput {
+  std::string message;
+};
+
+std::optional<bool> Choice(const char* flag, const std::string& value) {
+  if (value == "auto") return std::nullopt;
+  if (value == "on") return true;
+  if (value == "off") return false;
+  throw BadInput{absl::StrCat("--", flag, " must be auto, on or off, got '", value, "'")};
+}
+
+Qwen3Config ConfigFromFlag(const std::string& name) {
+  absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(name);
+  if (!config.ok()) config = LoadQwen3Config(name);
+  if (!config.ok()) throw BadInput{absl::StrCat("--config: ", config.status().message())};
+  return *config;
+}
+
+int PrintTable(const LayoutRequest& base) {
+  std::printf(
+      "| Model | Parameters | GPUs | GPU memory | Layout | Per GPU (GiB) | Host per rank (GiB) "
+      "|\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const char* name : {"qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}) {
+    const Qwen3Config config = ConfigFromFlag(name);
+    for (const double gpu_gb : {80.0, 141.0}) {
+      for (const int32_t gpus : {1, 2, 4, 8}) {
+        LayoutRequest request = base;
+        request.world_size = gpus;
+        request.gpu_bytes = static_cast<int64_t>(gpu_gb * kGiB);
+        const absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
+        const double billions = static_cast<double>(CountParameters(config).total()) / 1e9;
+        if (!plan.ok()) {
+          std::printf("| %s | %.2fB | %d | %.0f GiB | does not fit | - | - |\n", name, billions,
+                      gpus, gpu_gb);
+          continue;
+        }
+        const TrainingLayout& l = plan->layout;
+        std::printf(
+            "| %s | %.2fB | %d | %.0f GiB | TP %d x DP %d%s%s | %.1f | %s |\n", name, billions,
+            gpus, gpu_gb, l.tensor_parallel, l.data_parallel, l.shard_optimizer ? ", sharded" : "",
+            l.offload_optimizer ? ", offloaded" : "",
+            static_cast<double>(plan->memory.gpu_total()) / kGiB,
+            plan->memory.host_optimizer > 0
+                ? absl::StrFormat("%.1f", static_cast<double>(plan->memory.host_optimizer) / kGiB)
+                      .c_str()
+                : "-");
+      }
+    }
+  }
+  return kExitOk;
+}
+
+int Run() {
+  LayoutRequest request;
+  request.gpus_per_node = absl::GetFlag(FLAGS_gpus_per_node);
+  request.activation_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_activation_gb) * kGiB);
+  request.host_bytes_per_node = static_cast<int64_t>(absl::GetFlag(FLAGS_host_gb) * kGiB);
+  if (absl::GetFlag(FLAGS_table)) return PrintTable(request);
+  if (absl::GetFlag(FLAGS_config).empty()) throw BadInput{"--config is required (or --table)"};
+  const Qwen3Config config = ConfigFromFlag(absl::GetFlag(FLAGS_config));
+  request.world_size = absl::GetFlag(FLAGS_world_size);
+  request.gpu_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_gpu_gb) * kGiB);
+  request.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
+  request.shard_optimizer = Choice("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
+  request.offload_optimizer = Choice("offload_optimizer", absl::GetFlag(FLAGS_offload_optimizer));
+  const absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
+  if (plan.status().code() == absl::StatusCode::kInvalidArgument)
+    throw BadInput{std::string(plan.status().message())};
+  if (!plan.ok()) {
+    std::cerr << "dta-layout: " << plan.status().message() << "\n";
+    return kExitError;
+  }
+  std::printf("%s\n", DescribeLayout(*plan).c_str());
+  return kExitOk;
+}
+
+}  // namespace
+}  // namespace dta
+
+int main(int argc, char** argv) {
+  dta::SetProgramUsage(
+      "dta-layout --config=PRESET|config.json [--world_size=N] [--gpu_gb=80] | --table");
+  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::cerr << "dta-layout: unexpected argument '" << rest[1] << "'\n";
+    return dta::kExitBadInput;
+  }
+  try {
+    return dta::Run();
+  } catch (const dta::BadInput& e) {
+    std::cerr << "dta-layout: " << e.message << "\n";
+    return dta::kExitBadInput;
+  }
+}

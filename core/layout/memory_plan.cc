@@ -1,0 +1,152 @@
+#include "core/layout/memory_plan.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/base/field_error.h"
+
+namespace dta {
+namespace {
+
+constexpr int64_t kGradientBytes = 4;    // float32
+constexpr int64_t kOptimizerBytes = 12;  // float32 master weights and two moments
+
+std::string GiB(int64_t bytes) {
+  return absl::StrFormat("%.1f GiB", static_cast<double>(bytes) / (int64_t{1} << 30));
+}
+
+std::string LayoutName(const TrainingLayout& layout) {
+  return absl::StrCat("TP ", layout.tensor_parallel, " x DP ", layout.data_parallel,
+                      layout.shard_optimizer ? ", optimizer sharded" : "",
+                      layout.offload_optimizer ? ", optimizer offloaded to the host" : "");
+}
+
+bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ranks_per_node) {
+  if (memory.gpu_total() > request.gpu_bytes) return false;
+  return request.host_bytes_per_node == 0 ||
+         memory.host_optimizer * ranks_per_node <= request.host_bytes_per_node;
+}
+
+}  // namespace
+
+ParameterCount CountParameters(const Qwen3Config& c) {
+  const int64_t q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  const int64_t per_layer_sharded = c.hidden_size * q                           // q_proj
+                                    + 2 * c.hidden_size * kv                    // k_proj, v_proj
+                                    + q * c.hidden_size                         // o_proj
+                                    + 3 * c.hidden_size * c.intermediate_size;  // gate, up, down
+  const int64_t per_layer_replicated = 2 * c.hidden_size  // input and post-attention RMSNorm
+                                       + 2 * c.head_dim;  // q_norm, k_norm
+  ParameterCount count;
+  const int64_t embeddings = c.vocab_size * c.hidden_size * (c.tie_word_embeddings ? 1 : 2);
+  count.sharded = c.num_hidden_layers * per_layer_sharded + embeddings;
+  count.replicated = c.num_hidden_layers * per_layer_replicated + c.hidden_size;  // + final norm
+  return count;
+}
+
+MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& layout,
+                              const LayoutRequest& request) {
+  const ParameterCount count = CountParameters(config);
+  // Each rank's parameters; a sharded dimension that does not divide evenly rounds up.
+  const int64_t tp = layout.tensor_parallel;
+  const int64_t local = (count.sharded + tp - 1) / tp + count.replicated;
+  const int64_t dp = layout.shard_optimizer ? layout.data_parallel : 1;
+  const int64_t optimizer = (local * kOptimizerBytes + dp - 1) / dp;
+  MemoryEstimate memory;
+  memory.weights = local * request.weight_bytes;
+  memory.gradients = local * kGradientBytes;
+  memory.activations = request.activation_bytes;
+  (layout.offload_optimizer ? memory.host_optimizer : memory.optimizer) = optimizer;
+  return memory;
+}
+
+std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config,
+                                           const LayoutRequest& request) {
+  std::vector<int32_t> allowed;
+  for (int32_t tp = 1; tp <= request.gpus_per_node && tp <= request.world_size; tp *= 2) {
+    if (request.world_size % tp == 0 && config.num_attention_heads % tp == 0 &&
+        config.num_key_value_heads % tp == 0) {
+      allowed.push_back(tp);
+    }
+  }
+  return allowed;
+}
+
+absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutRequest& request) {
+  if (request.world_size < 1) return FieldError("world_size", "must be >= 1");
+  if (request.gpus_per_node < 1) return FieldError("gpus_per_node", "must be >= 1");
+  if (request.gpu_bytes <= 0)
+    return FieldError("gpu_bytes", "must be positive (the memory of one GPU)");
+  if (request.activation_bytes < 0) return FieldError("activation_bytes", "must be >= 0");
+  if (request.weight_bytes < 1) return FieldError("weight_bytes", "must be >= 1");
+  if (config.num_attention_heads < 1 || config.num_key_value_heads < 1) {
+    return FieldError("config", "needs attention heads and KV heads");
+  }
+  std::vector<int32_t> degrees = AllowedTensorParallel(config, request);
+  if (request.tensor_parallel != 0) {
+    bool allowed = false;
+    for (int32_t tp : degrees) allowed |= tp == request.tensor_parallel;
+    if (!allowed) {
+      return FieldError(
+          "tensor_parallel",
+          absl::StrCat(request.tensor_parallel, " is not allowed: it must be a power of two ",
+                       "up to the GPUs per node (", request.gpus_per_node,
+                       ") dividing the world size (", request.world_size, "), the ",
+                       config.num_attention_heads, " attention heads and the ",
+                       config.num_key_value_heads, " KV heads"));
+    }
+    degrees = {request.tensor_parallel};
+  }
+  const ParameterCount parameters = CountParameters(config);
+  std::optional<LayoutPlan> smallest;
+  for (const bool offload : {false, true}) {
+    if (request.offload_optimizer.has_value() && *request.offload_optimizer != offload) continue;
+    for (int32_t tp : degrees) {
+      TrainingLayout layout;
+      layout.tensor_parallel = tp;
+      layout.data_parallel = request.world_size / tp;
+      layout.shard_optimizer = request.shard_optimizer.value_or(layout.data_parallel > 1);
+      layout.offload_optimizer = offload;
+      LayoutPlan plan{layout, EstimateMemory(config, layout, request), parameters,
+                      request.gpu_bytes};
+      const int32_t ranks_per_node = std::min(request.gpus_per_node, request.world_size);
+      if (Fits(plan.memory, request, ranks_per_node)) return plan;
+      if (!smallest.has_value() || plan.memory.gpu_total() < smallest->memory.gpu_total())
+        smallest = plan;
+    }
+  }
+  if (!smallest.has_value()) {
+    return FieldError("offload_optimizer", "no layout is left by the overrides");
+  }
+  const MemoryEstimate& m = smallest->memory;
+  std::string host;
+  if (request.host_bytes_per_node > 0 && m.host_optimizer > 0) {
+    host =
+        absl::StrCat(", and ", GiB(m.host_optimizer), " of optimizer state per rank on hosts of ",
+                     GiB(request.host_bytes_per_node));
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "a model of ", absl::StrFormat("%.2fB", static_cast<double>(parameters.total()) / 1e9),
+      " parameters cannot be trained on ", request.world_size, " GPU(s) of ",
+      GiB(request.gpu_bytes), ": the smallest layout allowed (", LayoutName(smallest->layout),
+      ") needs ", GiB(m.gpu_total()), " per GPU (weights ", GiB(m.weights), ", gradients ",
+      GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ", GiB(m.activations), ")",
+      host, "; add GPUs, allow offload or tensor parallelism, or lower the activation reserve"));
+}
+
+std::string DescribeLayout(const LayoutPlan& plan) {
+  const MemoryEstimate& m = plan.memory;
+  std::string out =
+      absl::StrCat("layout: ", LayoutName(plan.layout), " for ",
+                   absl::StrFormat("%.2fB", static_cast<double>(plan.parameters.total()) / 1e9),
+                   " parameters; per GPU ", GiB(m.gpu_total()), " of ", GiB(plan.gpu_bytes),
+                   ": weights ", GiB(m.weights), ", gradients ", GiB(m.gradients), ", optimizer ",
+                   GiB(m.optimizer), ", activations ", GiB(m.activations));
+  if (m.host_optimizer > 0) absl::StrAppend(&out, "; host: ", GiB(m.host_optimizer), " per rank");
+  return out;
+}
+
+}  // namespace dta

@@ -1,0 +1,102 @@
+// How a model is laid out for training across GPUs (tensor parallelism, optimizer state sharded
+// across data-parallel ranks, optimizer state offloaded to the host) and the memory each GPU needs
+// for it: the planner issue "Scale" builds on. Torch-free: it counts bytes from the config.
+//
+// The model of memory per GPU, for P parameters of which P_s are split across TP ranks (the
+// projections, the embedding and lm_head, vocabulary-parallel) and P_r replicated (the norms):
+//   weights     (P_s / TP + P_r) x weight bytes (2: bfloat16)
+//   gradients   (P_s / TP + P_r) x 4            (float32, accumulated in full before the reduction)
+//   optimizer   (P_s / TP + P_r) x 12 / DP      (float32 master + two moments; / DP when sharded;
+//                                                0 on the GPU when offloaded: then on the host)
+//   activations the caller's reserve (the executor's path stack and graphs)
+//
+//   absl::StatusOr<LayoutPlan> plan = PlanLayout(config, {.world_size = 8, .gpu_bytes = 80e9});
+//   if (!plan.ok()) { print plan.status().message(): it names the numbers }
+//   std::cout << DescribeLayout(*plan);
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/checkpoint/qwen3_config.h"
+
+namespace dta {
+
+struct ParameterCount {
+  int64_t sharded = 0;     // split across tensor-parallel ranks
+  int64_t replicated = 0;  // held whole by every tensor-parallel rank (RMSNorm weights)
+  int64_t total() const { return sharded + replicated; }
+};
+
+// Exactly the parameters Qwen3Model holds for `config` (lm_head counted once when tied).
+ParameterCount CountParameters(const Qwen3Config& config);
+
+struct TrainingLayout {
+  int32_t tensor_parallel = 1;
+  int32_t data_parallel = 1;
+  // ZeRO-1: float32 master weights and moments partitioned across the DP ranks of a TP slice.
+  bool shard_optimizer = false;
+  // Master weights and moments in pinned host memory, updated there.
+  bool offload_optimizer = false;
+
+  bool operator==(const TrainingLayout&) const = default;
+};
+
+// Bytes per GPU (and per rank on the host) of one layout.
+struct MemoryEstimate {
+  int64_t weights = 0;
+  int64_t gradients = 0;
+  int64_t optimizer = 0;       // on the GPU; 0 when offloaded
+  int64_t activations = 0;     // the reserve asked for
+  int64_t host_optimizer = 0;  // per rank, when offloaded
+  int64_t gpu_total() const { return weights + gradients + optimizer + activations; }
+};
+
+struct LayoutRequest {
+  int32_t world_size = 1;
+  // Tensor parallelism stays within a node.
+  int32_t gpus_per_node = 8;
+  // Memory each GPU may use, bytes (required).
+  int64_t gpu_bytes = 0;
+  // Reserve for the executor's path stack and graphs, bytes.
+  int64_t activation_bytes = int64_t{8} << 30;
+  // Host memory per node for offloaded optimizer state, bytes; 0: not checked.
+  int64_t host_bytes_per_node = 0;
+  // Bytes of one weight on the GPU (2: bfloat16).
+  int32_t weight_bytes = 2;
+  // Overrides: a fixed TP degree (0: choose), sharding and offload (nullopt: choose).
+  int32_t tensor_parallel = 0;
+  std::optional<bool> shard_optimizer;
+  std::optional<bool> offload_optimizer;
+};
+
+struct LayoutPlan {
+  TrainingLayout layout;
+  MemoryEstimate memory;
+  ParameterCount parameters;
+  int64_t gpu_bytes = 0;  // what was available
+};
+
+MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& layout,
+                              const LayoutRequest& request);
+
+// The TP degrees a config allows on `request`: powers of two up to gpus_per_node that divide the
+// world size, the attention heads and the KV heads.
+std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config, const LayoutRequest& request);
+
+// The first layout that fits, preferring the least communication: without offload before with
+// it, then the smallest TP degree; the optimizer is sharded whenever DP > 1 (ZeRO-1 moves as many
+// bytes as the all-reduce it replaces). INVALID_ARGUMENT for a request that makes no sense (no
+// GPU memory, a world size of 0, an override the config does not allow), naming the field;
+// RESOURCE_EXHAUSTED when nothing fits, naming the parameters, the GPUs and the smallest layout's
+// bytes.
+absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutRequest& request);
+
+// One line per quantity, e.g. "layout: TP 2 x DP 4, optimizer sharded, on the GPU; per GPU
+// 38.2 GB of 80.0 GB: weights 8.2 GB, ...", for dta-trainer to print at start.
+std::string DescribeLayout(const LayoutPlan& plan);
+
+}  // namespace dta

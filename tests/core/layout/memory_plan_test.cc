@@ -1,0 +1,178 @@
+#include "core/layout/memory_plan.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dta {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+Qwen3Config Shape(int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads,
+                  int64_t kv_heads, bool tie) {
+  Qwen3Config c;
+  c.vocab_size = 151936;
+  c.hidden_size = hidden;
+  c.intermediate_size = intermediate;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = 128;
+  c.tie_word_embeddings = tie;
+  return c;
+}
+
+// Qwen3's published shapes.
+Qwen3Config Qwen3_1_7B() { return Shape(2048, 6144, 28, 16, 8, true); }
+Qwen3Config Qwen3_8B() { return Shape(4096, 12288, 36, 32, 8, false); }
+Qwen3Config Qwen3_14B() { return Shape(5120, 17408, 40, 40, 8, false); }
+Qwen3Config Qwen3_32B() { return Shape(5120, 25600, 64, 64, 8, false); }
+
+TEST(CountParameters, MatchesThePublishedModels) {
+  // Qwen3-8B's model.safetensors.index.json: 8,190,735,360 parameters (16,381,470,720 bytes).
+  EXPECT_EQ(CountParameters(Qwen3_8B()).total(), 8190735360);
+  // Per layer: 2 RMSNorms of 4096 and q_norm, k_norm of 128; plus the final norm.
+  EXPECT_EQ(CountParameters(Qwen3_8B()).replicated, 36 * (2 * 4096 + 2 * 128) + 4096);
+  // Tied: the embedding counts once.
+  const Qwen3Config tied = Qwen3_1_7B();
+  Qwen3Config untied = tied;
+  untied.tie_word_embeddings = false;
+  EXPECT_EQ(CountParameters(untied).total() - CountParameters(tied).total(), 151936 * 2048);
+}
+
+TEST(EstimateMemory, CountsEighteenBytesPerParameterWithoutSharding) {
+  const Qwen3Config config = Qwen3_8B();
+  const int64_t p = CountParameters(config).total();
+  const MemoryEstimate m = EstimateMemory(config, {}, {.activation_bytes = 3});
+  EXPECT_EQ(m.weights, 2 * p);
+  EXPECT_EQ(m.gradients, 4 * p);
+  EXPECT_EQ(m.optimizer, 12 * p);
+  EXPECT_EQ(m.activations, 3);
+  EXPECT_EQ(m.host_optimizer, 0);
+  EXPECT_EQ(m.gpu_total(), 18 * p + 3);
+}
+
+TEST(EstimateMemory, TensorParallelSplitsAllButTheNormsAndShardingDividesTheOptimizer) {
+  const Qwen3Config config = Qwen3_8B();
+  const ParameterCount count = CountParameters(config);
+  const int64_t local = count.sharded / 4 + count.replicated;  // 4 divides every sharded matrix
+  const MemoryEstimate sharded =
+      EstimateMemory(config, {.tensor_parallel = 4, .data_parallel = 2, .shard_optimizer = true},
+                     {.activation_bytes = 0});
+  EXPECT_EQ(sharded.weights, 2 * local);
+  EXPECT_EQ(sharded.gradients, 4 * local);
+  EXPECT_EQ(sharded.optimizer, 6 * local);
+  const MemoryEstimate offloaded = EstimateMemory(config,
+                                                  {.tensor_parallel = 4,
+                                                   .data_parallel = 2,
+                                                   .shard_optimizer = true,
+                                                   .offload_optimizer = true},
+                                                  {.activation_bytes = 0});
+  EXPECT_EQ(offloaded.optimizer, 0);
+  EXPECT_EQ(offloaded.host_optimizer, 6 * local);
+  EXPECT_EQ(offloaded.gpu_total(), 6 * local);
+}
+
+TEST(AllowedTensorParallel, DividesHeadsKvHeadsAndTheWorldWithinANode) {
+  EXPECT_THAT(AllowedTensorParallel(Qwen3_14B(), {.world_size = 8, .gpus_per_node = 8}),
+              ElementsAre(1, 2, 4, 8));
+  EXPECT_THAT(AllowedTensorParallel(Qwen3_14B(), {.world_size = 16, .gpus_per_node = 4}),
+              ElementsAre(1, 2, 4));
+  EXPECT_THAT(AllowedTensorParallel(Qwen3_8B(), {.world_size = 6, .gpus_per_node = 8}),
+              ElementsAre(1, 2));
+  Qwen3Config two_kv = Qwen3_8B();
+  two_kv.num_key_value_heads = 2;
+  EXPECT_THAT(AllowedTensorParallel(two_kv, {.world_size = 8, .gpus_per_node = 8}),
+              ElementsAre(1, 2));
+}
+
+TEST(PlanLayout, ASmallModelStaysWholeOnOneGpu) {
+  const absl::StatusOr<LayoutPlan> plan = PlanLayout(Qwen3_1_7B(), {.gpu_bytes = 80 * kGiB});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layout, (TrainingLayout{.tensor_parallel = 1, .data_parallel = 1}));
+  EXPECT_THAT(DescribeLayout(*plan),
+              HasSubstr("layout: TP 1 x DP 1 for 1.72B parameters; per GPU"));
+}
+
+TEST(PlanLayout, EightBOnOneGpuNeedsTheOptimizerOnTheHost) {
+  const absl::StatusOr<LayoutPlan> plan = PlanLayout(Qwen3_8B(), {.gpu_bytes = 80 * kGiB});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layout, (TrainingLayout{.offload_optimizer = true}));
+  EXPECT_EQ(plan->memory.host_optimizer, 12 * CountParameters(Qwen3_8B()).total());
+  EXPECT_THAT(DescribeLayout(*plan), HasSubstr("optimizer offloaded to the host"));
+  EXPECT_THAT(DescribeLayout(*plan), HasSubstr("host: 91.5 GiB per rank"));
+  // A host too small for it is refused, naming both memories.
+  const absl::StatusOr<LayoutPlan> small_host =
+      PlanLayout(Qwen3_8B(), {.gpu_bytes = 80 * kGiB, .host_bytes_per_node = 64 * kGiB});
+  EXPECT_EQ(small_host.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(small_host.status().message()), HasSubstr("on hosts of 64.0 GiB"));
+}
+
+TEST(PlanLayout, EightBOnEightGpusShardsTheOptimizer) {
+  const absl::StatusOr<LayoutPlan> plan =
+      PlanLayout(Qwen3_8B(), {.world_size = 8, .gpu_bytes = 80 * kGiB});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layout,
+            (TrainingLayout{.tensor_parallel = 1, .data_parallel = 8, .shard_optimizer = true}));
+}
+
+TEST(PlanLayout, ThirtyTwoBOnEightGpusNeedsTensorParallelism) {
+  const absl::StatusOr<LayoutPlan> plan =
+      PlanLayout(Qwen3_32B(), {.world_size = 8, .gpu_bytes = 80 * kGiB});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layout,
+            (TrainingLayout{.tensor_parallel = 8, .data_parallel = 1, .shard_optimizer = false}));
+  EXPECT_LE(plan->memory.gpu_total(), 80 * kGiB);
+  // On 141 GB GPUs TP 4 is enough.
+  const absl::StatusOr<LayoutPlan> h200 =
+      PlanLayout(Qwen3_32B(), {.world_size = 8, .gpu_bytes = 141 * kGiB});
+  ASSERT_TRUE(h200.ok()) << h200.status();
+  EXPECT_EQ(h200->layout.tensor_parallel, 4);
+  EXPECT_TRUE(h200->layout.shard_optimizer);
+}
+
+TEST(PlanLayout, WhatCannotFitIsRefusedNamingTheNumbers) {
+  const absl::StatusOr<LayoutPlan> plan = PlanLayout(Qwen3_32B(), {.gpu_bytes = 80 * kGiB});
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(plan.status().message());
+  EXPECT_THAT(message,
+              HasSubstr("a model of 32.76B parameters cannot be trained on 1 GPU(s) of 80.0 GiB"));
+  EXPECT_THAT(
+      message,
+      HasSubstr("the smallest layout allowed (TP 1 x DP 1, optimizer offloaded to the host)"));
+  EXPECT_THAT(message, HasSubstr("activations 8.0 GiB"));
+}
+
+TEST(PlanLayout, OverridesAreKeptOrRefused) {
+  const absl::StatusOr<LayoutPlan> forced = PlanLayout(Qwen3_1_7B(), {.world_size = 4,
+                                                                      .gpu_bytes = 80 * kGiB,
+                                                                      .tensor_parallel = 2,
+                                                                      .shard_optimizer = false,
+                                                                      .offload_optimizer = true});
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->layout,
+            (TrainingLayout{.tensor_parallel = 2, .data_parallel = 2, .offload_optimizer = true}));
+
+  const absl::StatusOr<LayoutPlan> odd =
+      PlanLayout(Qwen3_8B(), {.world_size = 8, .gpu_bytes = 80 * kGiB, .tensor_parallel = 3});
+  EXPECT_EQ(odd.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(odd.status().message()),
+              HasSubstr("field 'tensor_parallel': 3 is not allowed"));
+
+  const absl::StatusOr<LayoutPlan> no_offload =
+      PlanLayout(Qwen3_8B(), {.gpu_bytes = 80 * kGiB, .offload_optimizer = false});
+  EXPECT_EQ(no_offload.status().code(), absl::StatusCode::kResourceExhausted);
+
+  EXPECT_EQ(PlanLayout(Qwen3_8B(), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);  // no GPU memory
+  EXPECT_EQ(PlanLayout(Qwen3_8B(), {.world_size = 0, .gpu_bytes = kGiB}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace dta
