@@ -321,8 +321,7 @@ std::string DtypeName(at::ScalarType t) {
 }
 
 Qwen3Config LoadConfig(const std::string& flag, const std::string& name) {
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(name);
-  if (!config.ok()) config = LoadQwen3Config(name);
+  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(name);
   if (!config.ok()) {
     throw BadInput{absl::StrFormat(
         "--%s=%s is neither a preset (%s) nor a readable config.json: %s", flag, name,

@@ -54,8 +54,7 @@ std::optional<bool> Choice(const char* flag, const std::string& value) {
 }
 
 Qwen3Config ConfigFromFlag(const std::string& name) {
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(name);
-  if (!config.ok()) config = LoadQwen3Config(name);
+  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(name);
   if (!config.ok()) throw BadInput{absl::StrCat("--config: ", config.status().message())};
   return *config;
 }

@@ -153,8 +153,7 @@ Qwen3Model ModelFromFlags(const at::TensorOptions& options) {
   if (dir.empty() == config_name.empty())
     throw BadInput{"give exactly one of --model and --config"};
   if (!dir.empty()) return LoadQwen3Model(dir, options);
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(config_name);
-  if (!config.ok()) config = LoadQwen3Config(config_name);
+  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(config_name);
   if (!config.ok()) throw BadInput{std::string(config.status().message())};
   Qwen3Model model(*config, options);
   model.InitRandom(absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));

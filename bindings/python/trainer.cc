@@ -24,8 +24,7 @@ std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory,
 std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t seed,
                                              double init_std, at::TensorOptions options,
                                              const AdamWOptions& adamw) {
-  absl::StatusOr<Qwen3Config> parsed = Qwen3ConfigPreset(config);
-  if (!parsed.ok()) parsed = LoadQwen3Config(config);
+  absl::StatusOr<Qwen3Config> parsed = Qwen3ConfigFromName(config);
   TORCH_CHECK(parsed.ok(), std::string(parsed.status().message()));
   Qwen3Model model(*parsed, options);
   model.InitRandom(seed, init_std);

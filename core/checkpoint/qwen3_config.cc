@@ -368,6 +368,12 @@ absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name) {
                                           absl::StrJoin(Qwen3ConfigPresetNames(), ", "), ")"));
 }
 
+absl::StatusOr<Qwen3Config> Qwen3ConfigFromName(std::string_view name) {
+  absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(name);
+  if (!config.ok()) config = LoadQwen3Config(std::string(name));
+  return config;
+}
+
 std::vector<std::string> Qwen3ConfigPresetNames() {
   std::vector<std::string> names;
   for (const Preset& preset : kPresets) names.push_back(preset.name);

@@ -74,6 +74,10 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
 // the known names otherwise.
 absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name);
 
+// A preset if `name` is one (Qwen3ConfigPreset), else the config.json at path `name`
+// (LoadQwen3Config, whose error is returned when neither works).
+absl::StatusOr<Qwen3Config> Qwen3ConfigFromName(std::string_view name);
+
 // The preset names, smallest model first.
 std::vector<std::string> Qwen3ConfigPresetNames();
 

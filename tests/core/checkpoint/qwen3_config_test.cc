@@ -145,6 +145,20 @@ TEST(Qwen3Config, PresetsHaveTheReleasedShapes) {
               AllOf(HasSubstr("'qwen3-30b'"), HasSubstr("qwen3-0.6b, qwen3-1.7b")));
 }
 
+TEST(Qwen3Config, FromNameTakesAPresetOrAFile) {
+  EXPECT_EQ(*Qwen3ConfigFromName("Qwen/Qwen3-8B"), *Qwen3ConfigPreset("qwen3-8b"));
+  const std::string dir = testing::FreshTestDir("qwen3_config_from_name");
+  Qwen3Config small = *Qwen3ConfigPreset("qwen3-0.6b");
+  small.num_hidden_layers = 3;
+  ASSERT_TRUE(SaveQwen3Config(small, dir).ok());
+  const absl::StatusOr<Qwen3Config> loaded = Qwen3ConfigFromName(dir + "/config.json");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, small);
+  const absl::StatusOr<Qwen3Config> missing = Qwen3ConfigFromName(dir + "/absent.json");
+  EXPECT_FALSE(missing.ok());
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("absent.json"));
+}
+
 TEST(Qwen3Config, JsonRoundTripIsExactAndLooksLikeHuggingFace) {
   for (const std::string& name : Qwen3ConfigPresetNames()) {
     const Qwen3Config preset = *Qwen3ConfigPreset(name);
