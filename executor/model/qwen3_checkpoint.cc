@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 
 #include <bit>
-#include <cstring>
 #include <set>
 #include <string_view>
 
@@ -13,6 +12,7 @@
 #include "absl/types/span.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/checkpoint/safetensors.h"
+#include "executor/device/safetensors_tensors.h"
 
 namespace dta {
 namespace {
@@ -96,9 +96,7 @@ at::Tensor ToTensor(const SafetensorsCheckpoint& checkpoint, const TensorView& v
   TORCH_CHECK(type.has_value(), "LoadQwen3Model: ", FileOf(checkpoint, view.name), ": tensor '",
               view.name, "' is stored as ", DTypeName(view.dtype),
               "; model weights must be BF16, F16, F32 or F64");
-  at::Tensor tensor = at::empty(view.shape, at::TensorOptions().dtype(*type));
-  if (view.nbytes() > 0) std::memcpy(tensor.data_ptr(), view.data.data(), view.data.size());
-  return tensor;
+  return TensorFromView(view, *type);
 }
 
 const TensorView* GetChecked(const SafetensorsCheckpoint& checkpoint, const std::string& name,
@@ -107,15 +105,6 @@ const TensorView* GetChecked(const SafetensorsCheckpoint& checkpoint, const std:
       checkpoint.Get(name, absl::Span<const int64_t>(shape.data(), shape.size()));
   TORCH_CHECK(view.ok(), "LoadQwen3Model: ", view.status().message());
   return *view;
-}
-
-// Describes a contiguous CPU tensor for the writer; `tensor` must outlive the write.
-TensorToWrite ToWrite(const std::string& name, DType dtype, const at::Tensor& tensor) {
-  return {.name = name,
-          .dtype = dtype,
-          .shape = std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end()),
-          .data = absl::Span<const uint8_t>(static_cast<const uint8_t*>(tensor.const_data_ptr()),
-                                            tensor.nbytes())};
 }
 
 }  // namespace

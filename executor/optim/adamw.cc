@@ -5,15 +5,13 @@
 
 #include <algorithm>
 #include <array>
-#include <charconv>
 #include <cmath>
-#include <cstring>
-#include <system_error>
 #include <unordered_set>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/checkpoint/safetensors.h"
+#include "executor/device/safetensors_tensors.h"
 
 namespace dta {
 namespace {
@@ -28,29 +26,6 @@ at::ScalarType StateDtypeFor(at::ScalarType param_dtype) {
 DType ToSafetensorsDtype(at::ScalarType t) { return t == at::kDouble ? DType::kF64 : DType::kF32; }
 
 absl::Span<const int64_t> Span(c10::IntArrayRef sizes) { return {sizes.data(), sizes.size()}; }
-
-void CheckOptions(const AdamWOptions& o, const std::string& context) {
-  auto finite = [](double x) { return std::isfinite(x); };
-  TORCH_CHECK(finite(o.lr) && o.lr >= 0, context, "invalid lr ", o.lr,
-              " (must be finite and >= 0)");
-  TORCH_CHECK(finite(o.beta1) && o.beta1 >= 0 && o.beta1 < 1, context, "invalid beta1 ", o.beta1,
-              " (must be in [0, 1))");
-  TORCH_CHECK(finite(o.beta2) && o.beta2 >= 0 && o.beta2 < 1, context, "invalid beta2 ", o.beta2,
-              " (must be in [0, 1))");
-  TORCH_CHECK(finite(o.eps) && o.eps >= 0, context, "invalid eps ", o.eps,
-              " (must be finite and >= 0)");
-  TORCH_CHECK(finite(o.weight_decay) && o.weight_decay >= 0, context, "invalid weight_decay ",
-              o.weight_decay, " (must be finite and >= 0)");
-  TORCH_CHECK(finite(o.max_grad_norm), context, "invalid max_grad_norm ", o.max_grad_norm,
-              " (must be finite; <= 0 disables clipping)");
-}
-
-std::string FormatDouble(double x) {
-  char buf[64];
-  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), x);  // shortest round-trip form
-  TORCH_CHECK(ec == std::errc(), "cannot format ", x);
-  return std::string(buf, end);
-}
 
 // The global norm and, per defined grad, its parameter's index and its own norm (float64).
 struct GradNorms {
@@ -83,7 +58,7 @@ double GlobalGradNorm(const std::vector<std::pair<std::string, at::Tensor>>& nam
 
 AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters, AdamWOptions options)
     : named_(std::move(named_parameters)), options_(options) {
-  CheckOptions(options_, "AdamW: ");
+  CheckAdamWOptions(options_, "AdamW: ");
   at::NoGradGuard no_grad;
   std::unordered_set<const void*> impls;
   states_.reserve(named_.size());
@@ -156,22 +131,9 @@ StepStats AdamW::Step() {
 
   StepStats stats;
   stats.grad_norm = norms.total;
-  stats.clip_coef = 1.0;
-  if (options_.max_grad_norm > 0) {
-    // torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm + 1e-6), clamped to 1.
-    stats.clip_coef = std::min(1.0, options_.max_grad_norm / (norms.total + 1e-6));
-  }
-
-  // LibTorch's torch::optim::AdamW::step, operation for operation.
+  stats.clip_coef = ClipCoefficient(norms.total, options_.max_grad_norm);
   const int64_t t = step_ + 1;
-  const double lr = options_.lr;
-  const double beta1 = options_.beta1;
-  const double beta2 = options_.beta2;
-  const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(t));
-  const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(t));
-  const double step_size = lr / bias_correction1;
-  const double bias_correction2_sqrt = std::sqrt(bias_correction2);
-
+  const AdamWStepScalars scalars = AdamWScalarsFor(options_, t);
   for (size_t i : norms.index) {
     at::Tensor& param = named_[i].second;
     ParamState& s = states_[i];
@@ -179,13 +141,8 @@ StepStats AdamW::Step() {
     if (grad.scalar_type() != s.dtype) grad = grad.to(s.dtype);
     if (stats.clip_coef != 1.0)
       grad = grad.mul(stats.clip_coef);  // never in place: .grad is left alone
-
     at::Tensor& w = MasterFor(i);
-    if (options_.weight_decay != 0) w.mul_(1 - lr * options_.weight_decay);
-    s.exp_avg.mul_(beta1).add_(grad, 1 - beta1);
-    s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-    at::Tensor denom = (s.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(options_.eps);
-    w.addcdiv_(s.exp_avg, denom, -step_size);
+    AdamWUpdate(w, s.exp_avg, s.exp_avg_sq, grad, scalars);
     if (s.master.defined()) param.copy_(w);  // round the master copy to the parameter's dtype
   }
   step_ = t;
@@ -211,15 +168,9 @@ void AdamW::SaveState(const std::string& path) const {
   std::vector<TensorToWrite> tensors;
   host.reserve(3 * named_.size());
   tensors.reserve(3 * named_.size());
-  auto add = [&](std::string name, const at::Tensor& t) {
-    at::Tensor c = t.detach().to(at::kCPU).contiguous();
-    TensorToWrite w;
-    w.name = std::move(name);
-    w.dtype = ToSafetensorsDtype(c.scalar_type());
-    w.shape.assign(c.sizes().begin(), c.sizes().end());
-    w.data = absl::Span<const uint8_t>(static_cast<const uint8_t*>(c.const_data_ptr()), c.nbytes());
-    host.push_back(std::move(c));
-    tensors.push_back(std::move(w));
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    host.push_back(t.detach().to(at::kCPU).contiguous());
+    tensors.push_back(ToWrite(name, ToSafetensorsDtype(host.back().scalar_type()), host.back()));
   };
   for (size_t i = 0; i < named_.size(); ++i) {
     const auto& [name, param] = named_[i];
@@ -230,16 +181,8 @@ void AdamW::SaveState(const std::string& path) const {
                              : s.master.defined()           ? s.master
                                                             : param.detach().to(s.dtype));
   }
-  const std::map<std::string, std::string> metadata = {
-      {"format", kFormat},
-      {"step", std::to_string(step_)},
-      {"lr", FormatDouble(options_.lr)},
-      {"beta1", FormatDouble(options_.beta1)},
-      {"beta2", FormatDouble(options_.beta2)},
-      {"eps", FormatDouble(options_.eps)},
-      {"weight_decay", FormatDouble(options_.weight_decay)},
-      {"max_grad_norm", FormatDouble(options_.max_grad_norm)},
-  };
+  std::map<std::string, std::string> metadata = AdamWMetadata(options_, step_);
+  metadata["format"] = kFormat;
   const absl::Status status = WriteSafetensors(path, tensors, metadata);
   TORCH_CHECK(status.ok(), "AdamW::SaveState('", path, "'): ", status.ToString());
 }
@@ -251,36 +194,11 @@ void AdamW::LoadState(const std::string& path) {
 
   // Metadata: format, step and options.
   const std::map<std::string, std::string>& meta = file->metadata();
-  auto entry = [&](const char* key) -> const std::string& {
-    auto it = meta.find(key);
-    TORCH_CHECK(it != meta.end(), where, "metadata has no '", key, "' entry");
-    return it->second;
-  };
-  TORCH_CHECK(entry("format") == kFormat, where, "metadata format is '", entry("format"),
-              "', expected '", kFormat, "'");
+  const std::string& format = MetadataEntry(meta, "format", where);
+  TORCH_CHECK(format == kFormat, where, "metadata format is '", format, "', expected '", kFormat,
+              "'");
   int64_t step = 0;
-  {
-    const std::string& text = entry("step");
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), step);
-    TORCH_CHECK(ec == std::errc() && end == text.data() + text.size() && step >= 0, where,
-                "metadata 'step' is '", text, "', not a non-negative integer");
-  }
-  auto number = [&](const char* key) {
-    const std::string& text = entry(key);
-    double value = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    TORCH_CHECK(ec == std::errc() && end == text.data() + text.size(), where, "metadata '", key,
-                "' is '", text, "', not a number");
-    return value;
-  };
-  AdamWOptions options;
-  options.lr = number("lr");
-  options.beta1 = number("beta1");
-  options.beta2 = number("beta2");
-  options.eps = number("eps");
-  options.weight_decay = number("weight_decay");
-  options.max_grad_norm = number("max_grad_norm");
-  CheckOptions(options, where);
+  const AdamWOptions options = AdamWOptionsFromMetadata(meta, where, &step);
 
   // Every tensor of every parameter, with the right dtype and shape.
   std::vector<std::array<const TensorView*, 3>> views(named_.size());
@@ -317,17 +235,12 @@ void AdamW::LoadState(const std::string& path) {
 
   // Restore.
   at::NoGradGuard no_grad;
-  auto to_tensor = [](const TensorView& view, at::ScalarType dtype) {
-    at::Tensor t = at::empty(c10::IntArrayRef(view.shape), at::TensorOptions().dtype(dtype));
-    if (view.nbytes() > 0) std::memcpy(t.data_ptr(), view.data.data(), view.nbytes());
-    return t;
-  };
   for (size_t i = 0; i < named_.size(); ++i) {
     at::Tensor& param = named_[i].second;
     ParamState& s = states_[i];
-    s.exp_avg.copy_(to_tensor(*views[i][0], s.dtype));
-    s.exp_avg_sq.copy_(to_tensor(*views[i][1], s.dtype));
-    const at::Tensor master = to_tensor(*views[i][2], s.dtype);
+    s.exp_avg.copy_(TensorFromView(*views[i][0], s.dtype));
+    s.exp_avg_sq.copy_(TensorFromView(*views[i][1], s.dtype));
+    const at::Tensor master = TensorFromView(*views[i][2], s.dtype);
     if (param.scalar_type() == s.dtype) {
       param.copy_(master);
     } else {

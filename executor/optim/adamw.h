@@ -64,16 +64,9 @@
 #include <utility>
 #include <vector>
 
-namespace dta {
+#include "executor/optim/adamw_update.h"
 
-struct AdamWOptions {
-  double lr = 1e-6;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.01;  // decoupled: w *= 1 - lr * weight_decay each step
-  double max_grad_norm = 1.0;  // global L2 norm clip; <= 0 disables clipping
-};
+namespace dta {
 
 struct StepStats {
   double grad_norm = 0.0;  // global L2 norm of the grads before clipping

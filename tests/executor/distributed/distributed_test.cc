@@ -20,6 +20,7 @@
 #include "executor/distributed/grad_sync.h"
 #include "executor/distributed/process_group.h"
 #include "tests/testing/free_port.h"
+#include "tests/testing/gloo_ranks.h"
 
 namespace dta {
 namespace {
@@ -27,56 +28,10 @@ namespace {
 using ::testing::HasSubstr;
 using NamedParameters = std::vector<std::pair<std::string, at::Tensor>>;
 
-constexpr std::chrono::milliseconds kTimeout = std::chrono::seconds(30);
-
-// c10d's process-wide flight recorder (torch 2.11) inserts into a map outside its lock when a
-// group records its first collective, so groups on several threads racing to their first
-// collective can corrupt it (seen here as a segfault about once in 40 runs). Ranks as threads need
-// it off; it is read once, at its first use, so this must run before any group exists.
-[[maybe_unused]] const bool kFlightRecorderOff =
-    setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1) == 0;
-
-ProcessGroupOptions LoopbackOptions() {
-  ProcessGroupOptions options;
-  options.timeout = kTimeout;
-  options.gloo_hostname = "127.0.0.1";
-  return options;
-}
-
-std::string ErrorText(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
-    return error->what_without_backtrace();
-  }
-  return e.what();
-}
-
-// Runs body(group) on `world` threads, rank r on thread r, each with a Gloo group over one shared
-// HashStore. A rank's exception is reported as a failure naming the rank.
-void RunRanks(int world, const std::function<void(ProcessGroup&)>& body) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        absl::StatusOr<std::unique_ptr<ProcessGroup>> group =
-            ProcessGroup::CreateWithStore(store, r, world, at::Device(at::kCPU), LoopbackOptions());
-        if (!group.ok()) {
-          errors[r] = group.status().ToString();
-          return;
-        }
-        EXPECT_EQ((*group)->rank(), r);
-        EXPECT_EQ((*group)->size(), world);
-        EXPECT_EQ((*group)->backend_name(), "gloo");
-        body(**group);
-      } catch (const std::exception& e) {
-        errors[r] = ErrorText(e);
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r << " of " << world;
-}
+using testing::ErrorText;
+using testing::LoopbackOptions;
+using testing::RunRanks;
+constexpr std::chrono::milliseconds kTimeout = testing::kRankTimeout;
 
 struct ParamSpec {
   std::string name;

@@ -1,0 +1,165 @@
+// AdamW with its state sharded across data-parallel ranks (ZeRO stage 1) and, optionally,
+// offloaded to host memory: what lets a model whose optimizer state does not fit on every GPU
+// train at all. It replaces both GradientSynchronizer (the all-reduce) and AdamW (the replicated
+// state) on the trainer's data-parallel path.
+//
+// Layout. The parameters (all of one dtype, on one device) are numbered as one flat vector of N
+// elements in their order, padded to world x S elements (S = ceil(N / world)); rank r owns the
+// slice [r S, (r + 1) S) and keeps float32 master weights and both moments for it only (float64
+// for float64 parameters), so the state costs 12 N / world bytes per rank instead of 12 N.
+// Every parameter's .grad is a view into one flat gradient buffer of world x S elements (float32;
+// float64 for float64 parameters), which the model's backward accumulates into as before.
+//
+// One step:
+//   ReduceGradients()  in buckets, a SUM reduce-scatter of the flat gradients, so that this rank's
+//                      slice of the buffer holds the sum over the ranks of its S gradients (the
+//                      other slices keep this rank's own, unreduced values: read .grad only before).
+//   Step()             the global gradient norm from every rank's slice (sums of squares in
+//                      float64, all-reduced), the clip factor and the AdamW update of this rank's
+//                      slice (AdamWUpdate: the arithmetic of AdamW, element for element), then, in
+//                      buckets, the new weights rounded to the parameters' dtype and all-gathered
+//                      into every rank's parameters.
+// With offload the master weights and moments live in host memory: Step() copies each bucket of
+// gradients to the host, updates it there and copies the rounded weights back, so the GPU holds
+// only the weights, the gradients and two bucket-sized buffers.
+//
+// Exactness: the update of an element is AdamW's, so with the same summed gradients and clip
+// factor the weights equal AdamW's bit for bit; the global norm is the same sum in a different
+// order (equal to ~1e-16 relative). The gradients' sum over the ranks rounds as the backend adds.
+//
+// State files (SaveState / LoadState): each rank writes its slice to its own safetensors file
+// (ShardFileName), with "master", "exp_avg" and "exp_avg_sq" (the slice [begin, end) of the flat
+// vector, unpadded) and the metadata {"format": "dta.adamw.sharded.v1", "numel", "begin", "end",
+// "parameters" (a fingerprint of the names and shapes), "step", and the options}. LoadState reads
+// the slices it needs from all the files of a checkpoint, so a checkpoint saved by any number of
+// ranks resumes on any other number.
+//
+// Errors: c10::Error (TORCH_CHECK) naming the parameter, the file or the rank; a failed or
+// timed-out collective leaves the group unusable (process_group.h).
+// Thread safety: none; the group's collectives must not be interleaved with other calls on it.
+//
+// Example (every rank):
+//   ShardedAdamW optimizer(group.get(), model.named_parameters(), {.lr = 1e-6},
+//                          {.offload = true});
+//   for (...) {
+//     optimizer.ZeroGrad();
+//     ComputeGradients(model, rollouts, loss_options, executor_options);
+//     optimizer.ReduceGradients();
+//     StepStats stats = optimizer.Step();
+//   }
+//   optimizer.SaveState(dir + "/" + ShardedAdamW::ShardFileName(rank, world));
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "executor/distributed/process_group.h"
+#include "executor/optim/adamw.h"
+
+namespace dta {
+
+struct ShardedAdamWOptions {
+  // Master weights and moments in host memory, updated there (see the header comment).
+  bool offload = false;
+  // Elements of this rank's slice per bucket: each reduce-scatter and all-gather moves world x
+  // bucket_elements elements, and the offloaded update copies this many at a time. Must be > 0.
+  int64_t bucket_elements = int64_t{16} << 20;
+};
+
+class ShardedAdamW {
+ public:
+  // `group`: the data-parallel ranks the state is sharded across (must outlive this object), or
+  // null for one rank (offload without sharding). `named_parameters`: as AdamW's, and moreover all
+  // of one dtype and on one device (the group's device when there is a group). Every rank passes
+  // the same list. Binds every parameter's .grad to its view of the gradient buffer (zeros).
+  // TORCH_CHECK naming the parameter or option that is wrong.
+  ShardedAdamW(ProcessGroup* group, std::vector<std::pair<std::string, at::Tensor>> named_parameters,
+               AdamWOptions options = {}, ShardedAdamWOptions sharding = {});
+  ShardedAdamW(const ShardedAdamW&) = delete;
+  ShardedAdamW& operator=(const ShardedAdamW&) = delete;
+
+  // Zeroes the gradient buffer (every .grad, kept bound to it).
+  void ZeroGrad();
+
+  // The reduce-scatter, as the header comment says. A .grad that was reset or replaced since
+  // (undefined, or another tensor) is copied into the buffer and bound again first (zeros when
+  // undefined). TORCH_CHECK naming the parameter when a grad's shape differs from its
+  // parameter's, naming the rank and bucket when a collective fails.
+  void ReduceGradients();
+
+  // Clip and update this rank's slice, then all-gather the weights. Increments step(). TORCH_CHECK
+  // (updating nothing, on every rank) when the global norm is not finite, naming the parameter on
+  // the rank whose slice holds the non-finite gradient.
+  StepStats Step();
+
+  // Writes this rank's slice to `path` (see the header comment), replacing it atomically.
+  void SaveState(const std::string& path) const;
+  // Reads this rank's slice from `paths` (every file of one save, any number of ranks), then sets
+  // the parameters to the rounded master weights (an all-gather: every rank calls it). Everything
+  // is checked before anything changes: TORCH_CHECK naming the file when one cannot be read or its
+  // format, fingerprint, element count or options disagree, or when the files do not cover this
+  // rank's slice (naming the missing range).
+  void LoadState(const std::vector<std::string>& paths);
+
+  // "optimizer-00001-of-00004.safetensors": the file rank 1 of 4 saves.
+  static std::string ShardFileName(int rank, int world);
+  // The files ShardFileName names in `directory`, sorted; empty when there are none.
+  static std::vector<std::string> ShardFiles(const std::string& directory);
+
+  int64_t step() const { return step_; }
+  const AdamWOptions& options() const { return options_; }
+  void set_lr(double lr);
+  const ShardedAdamWOptions& sharding() const { return sharding_; }
+  const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int64_t numel() const { return numel_; }             // N
+  int64_t shard_begin() const { return rank_ * shard_; }  // r S
+  int64_t shard_end() const;                           // min((r + 1) S, N)
+  // This rank's state, [S] each (on the host when offloaded); master is undefined before the
+  // first Step or LoadState.
+  const at::Tensor& master_shard() const { return master_; }
+  const at::Tensor& exp_avg_shard() const { return exp_avg_; }
+  const at::Tensor& exp_avg_sq_shard() const { return exp_avg_sq_; }
+
+ private:
+  // Calls fn(parameter index, offset in the parameter, elements, offset from flat_begin) for every
+  // run of flat elements [flat_begin, flat_begin + count) that falls in a parameter.
+  template <typename Fn>
+  void ForEachPiece(int64_t flat_begin, int64_t count, Fn&& fn) const;
+  // Row r of the [world, S] gradient buffer.
+  at::Tensor GradShard() const;
+  // For each bucket of this rank's slice: `produce(begin, count)` returns the new weights of
+  // elements [shard_begin() + begin, + count) in the parameters' dtype on their device; they are
+  // all-gathered and written into every rank's parameters.
+  template <typename Produce>
+  void PublishParameters(Produce&& produce);
+  void InitMaster();
+  std::string Describe(const char* what, int64_t bucket, int64_t buckets) const;
+
+  ProcessGroup* group_;
+  std::vector<std::pair<std::string, at::Tensor>> named_;
+  AdamWOptions options_;
+  ShardedAdamWOptions sharding_;
+  int rank_ = 0;
+  int world_ = 1;
+  at::ScalarType param_dtype_;
+  at::ScalarType state_dtype_;
+  at::Device device_ = at::kCPU;
+  std::vector<int64_t> offsets_;  // flat offset of each parameter; offsets_.back() == N
+  int64_t numel_ = 0;
+  int64_t shard_ = 0;       // S
+  at::Tensor grads_;        // [world * S], the state dtype, on device_
+  at::Tensor master_;       // [S], state dtype, on device_ or the host
+  at::Tensor exp_avg_;      // [S]
+  at::Tensor exp_avg_sq_;   // [S]
+  std::string fingerprint_;
+  int64_t step_ = 0;
+};
+
+}  // namespace dta

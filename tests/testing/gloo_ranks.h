@@ -1,0 +1,73 @@
+// Ranks as threads of one test process: each gets its own Gloo ProcessGroup over one shared
+// c10d::HashStore on loopback. For tests of everything distributed.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "executor/distributed/process_group.h"
+
+namespace dta::testing {
+
+inline constexpr std::chrono::milliseconds kRankTimeout = std::chrono::seconds(30);
+
+// c10d's process-wide flight recorder (torch 2.11) inserts into a map outside its lock when a
+// group records its first collective, so groups on several threads racing to their first
+// collective can corrupt it (seen as a segfault about once in 40 runs). Ranks as threads need it
+// off; it is read once, at its first use, so this runs before any group exists (static init).
+[[maybe_unused]] inline const bool kFlightRecorderOff =
+    setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1) == 0;
+
+inline ProcessGroupOptions LoopbackOptions() {
+  ProcessGroupOptions options;
+  options.timeout = kRankTimeout;
+  options.gloo_hostname = "127.0.0.1";
+  return options;
+}
+
+// The message of a c10::Error without its backtrace, else what().
+inline std::string ErrorText(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+// Runs body(group) on `world` threads, rank r on thread r. A rank's exception (or a failure to
+// create its group) is reported as a test failure naming the rank.
+inline void RunRanks(int world, const std::function<void(ProcessGroup&)>& body) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        absl::StatusOr<std::unique_ptr<ProcessGroup>> group =
+            ProcessGroup::CreateWithStore(store, r, world, at::Device(at::kCPU), LoopbackOptions());
+        if (!group.ok()) {
+          errors[r] = group.status().ToString();
+          return;
+        }
+        EXPECT_EQ((*group)->rank(), r);
+        EXPECT_EQ((*group)->size(), world);
+        EXPECT_EQ((*group)->backend_name(), "gloo");
+        body(**group);
+      } catch (const std::exception& e) {
+        errors[r] = ErrorText(e);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r << " of " << world;
+}
+
+}  // namespace dta::testing
