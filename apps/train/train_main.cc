@@ -16,6 +16,12 @@
 // one process would. Rank 0 prints, dumps and saves. This is the data-parallel path for machines
 // without gRPC; dta-trainer is the one fed by the dispatcher.
 //
+// The layout (core/layout) is planned from the model, the world size and the device's memory and
+// printed at start: AdamW's state is sharded across the ranks (ZeRO-1) whenever there are several,
+// and offloaded to host memory when it does not fit on the GPU otherwise; --shard_optimizer,
+// --offload_optimizer, --gpu_memory_gb and --activation_gb override the plan. Each step's line
+// gives the optimizer's share of the time and the host's peak memory too.
+//
 // Exit status: 0 on success, 2 on bad input (flags, files, rollouts, checkpoints).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -39,11 +45,10 @@
 #include "core/partition/partition.h"
 #include "core/tree/tree_stats.h"
 #include "dispatcher/batch/batch_plan.h"
-#include "executor/distributed/grad_sync.h"
 #include "executor/distributed/process_group.h"
+#include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 #include "executor/model/qwen3_checkpoint.h"
-#include "executor/optim/adamw.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, rollouts, "", "rollout file (JSON Lines); required");
@@ -51,8 +56,10 @@ ABSL_FLAG(int32_t, steps, 1, "optimizer steps over the batch");
 ABSL_FLAG(std::string, dump_grads, "", "write the first step's gradients to this safetensors file");
 ABSL_FLAG(std::string, save, "",
           "save the trained model (HF format) and optimizer state to this directory");
-ABSL_FLAG(std::string, resume, "",
-          "load optimizer state (optimizer.safetensors) from this directory first");
+ABSL_FLAG(
+    std::string, resume, "",
+    "load optimizer state (optimizer.safetensors, or optimizer-*-of-*.safetensors when sharded or "
+    "offloaded) from this directory first");
 ABSL_FLAG(bool, json, false, "print one JSON object per step instead of a table");
 ABSL_FLAG(std::string, metrics, "", "also append one JSON object per step to this file");
 ABSL_FLAG(bool, distributed, false,
@@ -114,7 +121,6 @@ int Run() {
   BatchLossContext batch = MakeBatchContext(*rollouts);
   std::vector<Rollout> mine;
   std::unique_ptr<ProcessGroup> group;
-  std::unique_ptr<GradientSynchronizer> sync;
   if (distributed) {
     std::vector<const Rollout*> pointers;
     for (const Rollout& r : *rollouts) pointers.push_back(&r);
@@ -132,25 +138,30 @@ int Run() {
         {.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s))});
     if (!created.ok()) throw std::runtime_error(std::string(created.status().message()));
     group = *std::move(created);
-    sync = std::make_unique<GradientSynchronizer>(*group, model.named_parameters());
   } else {
     mine = *std::move(rollouts);
   }
 
-  AdamW optimizer(model.named_parameters(), AdamWFromFlags());
-  if (!absl::GetFlag(FLAGS_resume).empty()) {
-    optimizer.LoadState(
-        (std::filesystem::path(absl::GetFlag(FLAGS_resume)) / "optimizer.safetensors").string());
+  const LayoutPlan layout = LayoutFromFlags(model.config(), env.world_size, options.device());
+  if (leader) std::cerr << "dta-train: " << DescribeLayout(layout) << "\n";
+  if (layout.layout.shard_optimizer && env.world_size > 1 &&
+      !absl::GetFlag(FLAGS_dump_grads).empty()) {
+    throw BadInput{
+        "--dump_grads needs every rank's whole gradient, which a sharded optimizer "
+        "reduce-scatters: add --shard_optimizer=false"};
   }
+  TrainingOptimizer optimizer(model.named_parameters(), group.get(), layout.layout,
+                              AdamWFromFlags());
+  if (!absl::GetFlag(FLAGS_resume).empty()) optimizer.LoadState(absl::GetFlag(FLAGS_resume));
   const bool json = absl::GetFlag(FLAGS_json);
   if (!json && leader) {
     std::cout << absl::StrFormat(
         "%s: %d rollouts, %d rollout tokens, %d tree tokens (C = %.2fx); method %s, %s on %s\n",
         path, stats.num_rollouts, stats.rollout_tokens, stats.tree_tokens, stats.compression,
         absl::GetFlag(FLAGS_method), absl::GetFlag(FLAGS_dtype), absl::GetFlag(FLAGS_device));
-    std::cout << absl::StrFormat("%5s %14s %10s %12s %12s %9s %14s %10s\n", "step", "loss",
-                                 "grad norm", "rollout tok", "forwarded", "time s", "rollout tok/s",
-                                 "peak GiB");
+    std::cout << absl::StrFormat("%5s %14s %10s %12s %12s %9s %9s %14s %10s %10s\n", "step", "loss",
+                                 "grad norm", "rollout tok", "forwarded", "time s", "optim s",
+                                 "rollout tok/s", "peak GiB", "host GiB");
   }
   const at::Device device = options.device();
   std::ofstream metrics;
@@ -164,8 +175,8 @@ int Run() {
     const auto start = std::chrono::steady_clock::now();
     GradientResult result;
     if (!mine.empty()) result = ComputeGradients(model, mine, loss, executor, batch);
-    if (sync) {
-      sync->SyncGradients();
+    optimizer.SyncGradients();
+    if (group) {
       // The batch's loss and tokens: the sum over the ranks.
       const std::vector<double> sums =
           group->AllReduceScalars({result.loss, static_cast<double>(result.rollout_tokens),
@@ -181,11 +192,15 @@ int Run() {
       }
       SaveNamedTensors(grads, absl::GetFlag(FLAGS_dump_grads));
     }
-    const StepStats step_stats = optimizer.Step();
     if (device.is_cuda()) c10::cuda::device_synchronize();  // time the kernels, not their launches
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto optimizer_start = std::chrono::steady_clock::now();
+    const StepStats step_stats = optimizer.Step();
+    if (device.is_cuda()) c10::cuda::device_synchronize();
+    const auto end = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(end - start).count();
+    const double optimizer_seconds = std::chrono::duration<double>(end - optimizer_start).count();
     const double peak = PeakMemoryGiB(device);
+    const double host_peak = PeakMemoryGiB(at::kCPU);
     const double throughput = result.rollout_tokens / seconds;
     const nlohmann::json record({{"step", step},
                                  {"method", absl::GetFlag(FLAGS_method)},
@@ -196,24 +211,28 @@ int Run() {
                                  {"forwarded_tokens", result.forwarded_tokens},
                                  {"compression", stats.compression},
                                  {"seconds", seconds},
+                                 {"executor_seconds", seconds - optimizer_seconds},
+                                 {"optimizer_seconds", optimizer_seconds},
                                  {"rollout_tokens_per_second", throughput},
-                                 {"peak_memory_gib", peak}});
+                                 {"peak_memory_gib", peak},
+                                 {"host_peak_memory_gib", host_peak}});
     if (!leader) continue;
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     if (json) {
       std::cout << record.dump() << "\n";
     } else {
-      std::cout << absl::StrFormat("%5d %14.8g %10.4g %12d %12d %9.3f %14.0f %10.3f\n", step,
-                                   result.loss, step_stats.grad_norm, result.rollout_tokens,
-                                   result.forwarded_tokens, seconds, throughput, peak);
+      std::cout << absl::StrFormat("%5d %14.8g %10.4g %12d %12d %9.3f %9.3f %14.0f %10.3f %10.3f\n",
+                                   step, result.loss, step_stats.grad_norm, result.rollout_tokens,
+                                   result.forwarded_tokens, seconds, optimizer_seconds, throughput,
+                                   peak, host_peak);
     }
   }
-  if (group) group->Barrier();  // rank 0's store outlives the others' last collective
-  if (leader && !absl::GetFlag(FLAGS_save).empty()) {
+  if (!absl::GetFlag(FLAGS_save).empty()) {
     const std::string dir = absl::GetFlag(FLAGS_save);
-    SaveQwen3Model(model, dir);
-    optimizer.SaveState((std::filesystem::path(dir) / "optimizer.safetensors").string());
+    if (leader) SaveQwen3Model(model, dir);
+    optimizer.SaveState(dir);  // every rank writes what it owns
   }
+  if (group) group->Barrier();  // rank 0's store outlives the others' last collective
   return 0;
 }
 

@@ -1,12 +1,19 @@
 #include "apps/train/training_flags.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
 #include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
 #include "core/checkpoint/qwen3_config.h"
+#include "core/layout/memory_plan.h"
 #include "executor/model/qwen3_checkpoint.h"
 
 ABSL_FLAG(std::string, model, "",
@@ -62,6 +69,17 @@ ABSL_FLAG(std::string, order, std::string(dta::LeafOrderName(kExecutorDefaults.o
 ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
 ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient norm clip (<= 0: off)");
+ABSL_FLAG(std::string, shard_optimizer, "auto",
+          "auto, true or false: AdamW's state split across the data-parallel ranks (ZeRO-1); auto "
+          "shards whenever there are several ranks");
+ABSL_FLAG(std::string, offload_optimizer, "auto",
+          "auto, true or false: AdamW's state in host memory, updated there; auto offloads only "
+          "when the layout does not fit on the GPU otherwise");
+ABSL_FLAG(double, gpu_memory_gb, 0,
+          "memory per GPU the layout may plan for, GB (0: the device's total; on the CPU, the "
+          "host's)");
+ABSL_FLAG(double, activation_gb, 8,
+          "memory per GPU reserved for the executor, GB (layout planning)");
 
 namespace dta {
 
@@ -181,6 +199,53 @@ double PeakMemoryGiB(const at::Device& device) {
 
 void ResetPeakMemory(const at::Device& device) {
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(CudaIndex(device));
+}
+
+namespace {
+
+std::optional<bool> TriState(const std::string& flag, const std::string& value) {
+  if (value == "auto") return std::nullopt;
+  if (value == "true" || value == "1") return true;
+  if (value == "false" || value == "0") return false;
+  throw BadInput{"--" + flag + " must be auto, true or false, got '" + value + "'"};
+}
+
+int64_t PhysicalMemoryBytes() {
+  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+}
+
+}  // namespace
+
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device) {
+  LayoutRequest request;
+  request.world_size = world_size;
+  // Ranks per node, as torchrun exports it; TP never crosses it.
+  const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
+  request.gpus_per_node =
+      local_world != nullptr && std::atoi(local_world) > 0 ? std::atoi(local_world) : world_size;
+  const double gpu_gb = absl::GetFlag(FLAGS_gpu_memory_gb);
+  if (gpu_gb < 0) throw BadInput{"--gpu_memory_gb must be >= 0"};
+  if (gpu_gb > 0) {
+    request.gpu_bytes = static_cast<int64_t>(gpu_gb * 1e9);
+  } else if (device.is_cuda()) {
+    cudaDeviceProp properties{};
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&properties, CudaIndex(device)));
+    request.gpu_bytes = static_cast<int64_t>(properties.totalGlobalMem);
+  } else {
+    request.gpu_bytes = PhysicalMemoryBytes();
+  }
+  const double activation_gb = absl::GetFlag(FLAGS_activation_gb);
+  if (activation_gb < 0) throw BadInput{"--activation_gb must be >= 0"};
+  request.activation_bytes = static_cast<int64_t>(activation_gb * 1e9);
+  request.host_bytes_per_node = PhysicalMemoryBytes();
+  request.weight_bytes =
+      static_cast<int32_t>(c10::elementSize(TensorOptionsFromFlags().dtype().toScalarType()));
+  request.tensor_parallel = 1;  // the executor has no tensor parallelism yet
+  request.shard_optimizer = TriState("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
+  request.offload_optimizer = TriState("offload_optimizer", absl::GetFlag(FLAGS_offload_optimizer));
+  absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
+  if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
+  return *plan;
 }
 
 AdamWOptions AdamWFromFlags() {

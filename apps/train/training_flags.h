@@ -12,6 +12,7 @@
 
 #include "absl/flags/declare.h"
 #include "core/base/exit_codes.h"
+#include "core/layout/memory_plan.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
@@ -31,6 +32,11 @@ LossOptions LossFromFlags();
 ExecutorOptions ExecutorFromFlags();
 at::TensorOptions TensorOptionsFromFlags();
 AdamWOptions AdamWFromFlags();
+// The layout (optimizer sharding and offload; TP 1) for `world_size` data-parallel ranks on
+// `device`, from --shard_optimizer, --offload_optimizer, --gpu_memory_gb and --activation_gb and
+// the device's memory (core/layout's planner). BadInput with the planner's message (naming the
+// numbers) when nothing fits or an override is impossible.
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device);
 // --model (a Hugging Face directory) or --config (a preset or config.json, random weights).
 Qwen3Model ModelFromFlags(const at::TensorOptions& options);
 

@@ -22,7 +22,6 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kPrefix[] = "step-";
-constexpr char kOptimizerFile[] = "optimizer.safetensors";
 constexpr char kTrainerFile[] = "trainer.json";
 
 // std::filesystem::remove_all is not used: libtorch.so exports its own (older) copy of it, which
@@ -86,21 +85,31 @@ std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
 }
 
 void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
-                    const Qwen3Model& model, const AdamW& optimizer, int keep) {
+                    const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep, int rank,
+                    ProcessGroup* group) {
   TORCH_CHECK(keep >= 1, "checkpoints to keep must be >= 1, got ", keep);
+  const bool every_rank = optimizer.sharded() && group != nullptr && group->size() > 1;
+  if (rank != 0 && !every_rank) return;
   const fs::path final_path = fs::path(directory) / StepName(step);
   const fs::path tmp = final_path.string() + ".tmp";
-  std::error_code error;
-  fs::create_directories(directory, error);
-  TORCH_CHECK(!error, "cannot create the checkpoint directory ", directory, ": ", error.message());
-  RemoveTree(tmp);
-  RemoveTree(final_path);  // a step saved again (after a replay) is replaced
+  if (rank == 0) {
+    std::error_code error;
+    fs::create_directories(directory, error);
+    TORCH_CHECK(!error, "cannot create the checkpoint directory ", directory, ": ",
+                error.message());
+    RemoveTree(tmp);
+    RemoveTree(final_path);  // a step saved again (after a replay) is replaced
+  }
+  if (every_rank) group->Barrier();  // nobody writes into a directory rank 0 is still clearing
+  optimizer.SaveState(tmp.string());
+  if (every_rank) group->Barrier();  // every slice is written before rank 0 publishes
+  if (rank != 0) return;
   SaveQwen3Model(model, tmp.string());
-  optimizer.SaveState((tmp / kOptimizerFile).string());
   WriteJson(tmp / kTrainerFile, {{"step", step}, {"policy_version", policy_version}});
   // On disk before it is renamed into place: the dispatcher releases the replay data of the steps a
   // checkpoint holds once trainers report it, so a checkpoint must survive a host crash.
   SyncFileSystem(tmp);
+  std::error_code error;
   fs::rename(tmp, final_path, error);
   TORCH_CHECK(!error, "cannot rename ", tmp.string(), " to ", final_path.string(), ": ",
               error.message());
@@ -111,8 +120,8 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
   for (size_t i = 0; i + keep < found.size(); ++i) RemoveTree(found[i].path);
 }
 
-void LoadCheckpoint(const CheckpointInfo& checkpoint, AdamW& optimizer) {
-  optimizer.LoadState((fs::path(checkpoint.path) / kOptimizerFile).string());
+void LoadCheckpoint(const CheckpointInfo& checkpoint, TrainingOptimizer& optimizer) {
+  optimizer.LoadState(checkpoint.path);
   TORCH_CHECK(optimizer.step() == checkpoint.step, "checkpoint ", checkpoint.path,
               " holds an optimizer after ", optimizer.step(), " steps, not ", checkpoint.step);
 }

@@ -1,12 +1,16 @@
 // The trainer's checkpoints: a directory of "step-<N>" subdirectories, each a Hugging Face model
-// (config.json + safetensors, what rollout workers reload) plus the optimizer's state
-// (optimizer.safetensors: moments, step count and master weights, from which the parameters are
-// restored exactly) and trainer.json {"step", "policy_version"}.
+// (config.json + safetensors, what rollout workers reload) plus the optimizer's state (moments,
+// step count and master weights, from which the parameters are restored exactly: one
+// optimizer.safetensors when it is replicated, one optimizer-RRRRR-of-WWWWW.safetensors per rank
+// when it is sharded or offloaded; see executor/distributed/training_optimizer.h) and trainer.json
+// {"step", "policy_version"}.
 //
 // A checkpoint is written to "step-<N>.tmp" and renamed into place, so a directory named
 // "step-<N>" is always complete; "latest.json" names the newest one for rollout workers. With data
-// parallelism every rank holds the same weights: rank 0 writes, and every rank reads the
-// directory (it must be shared, e.g. on a network file system, for ranks on several hosts).
+// parallelism every rank holds the same weights: rank 0 writes them (and a replicated optimizer),
+// every rank writes its own slice of a sharded optimizer into the same temporary directory before
+// rank 0 renames it, and every rank reads the directory (it must be shared, e.g. on a network file
+// system, for ranks on several hosts).
 //
 // Errors: c10::Error (TORCH_CHECK) naming the path.
 #pragma once
@@ -15,8 +19,9 @@
 #include <optional>
 #include <string>
 
+#include "executor/distributed/process_group.h"
+#include "executor/distributed/training_optimizer.h"
 #include "executor/model/qwen3_model.h"
-#include "executor/optim/adamw.h"
 
 namespace dta {
 
@@ -30,11 +35,16 @@ struct CheckpointInfo {
 std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory);
 
 // Writes the model and the optimizer after `step` committed steps, then removes all but the
-// newest `keep` checkpoints (keep >= 1) and points latest.json at this one.
+// newest `keep` checkpoints (keep >= 1) and points latest.json at this one. Every rank calls it
+// when the optimizer is sharded (ranks meet at two barriers of `group`: after rank 0 has prepared
+// the temporary directory and after every slice is written); otherwise only rank 0 need call it
+// (other ranks return at once).
 void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
-                    const Qwen3Model& model, const AdamW& optimizer, int keep = 2);
+                    const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep = 2,
+                    int rank = 0, ProcessGroup* group = nullptr);
 
-// Restores the optimizer's state and, through its master weights, the model's parameters.
-void LoadCheckpoint(const CheckpointInfo& checkpoint, AdamW& optimizer);
+// Restores the optimizer's state and, through its master weights, the model's parameters (a
+// sharded optimizer reads the slices it needs from every rank's file: every rank calls it).
+void LoadCheckpoint(const CheckpointInfo& checkpoint, TrainingOptimizer& optimizer);
 
 }  // namespace dta

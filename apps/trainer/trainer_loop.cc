@@ -26,7 +26,7 @@ T OrRestart(absl::StatusOr<T> result, const char* what) {
 
 }  // namespace
 
-int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optimizer,
+int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOptimizer& optimizer,
                         const SyncGradients& sync_gradients, int64_t step,
                         const TrainerLoopOptions& options,
                         std::atomic<bool>* checkpoint_requested) {
@@ -85,15 +85,18 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optim
     std::fprintf(stderr, "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s\n",
                  prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
                  static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, seconds);
-    const bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
-    if (step % options.save_every == 0 || step == max_steps || (requested && options.rank == 0)) {
-      if (options.rank == 0) {
-        SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer,
-                       options.keep_checkpoints);
-        if (requested) {
-          std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix,
-                       static_cast<long long>(step - 1));
-        }
+    bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
+    // A sharded optimizer is saved by every rank: they agree on a request (sent to rank 0).
+    const bool every_rank =
+        optimizer.sharded() && options.group != nullptr && options.group->size() > 1;
+    if (every_rank) requested = options.group->AllReduceScalars({requested ? 1.0 : 0.0})[0] > 0;
+    if (step % options.save_every == 0 || step == max_steps ||
+        (requested && (options.rank == 0 || every_rank))) {
+      SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer,
+                     options.keep_checkpoints, options.rank, options.group);
+      if (requested && options.rank == 0) {
+        std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix,
+                     static_cast<long long>(step - 1));
       }
       checkpoint_step = step;
     } else if (requested) {

@@ -5,7 +5,7 @@
 // session and the process group, then calls RunTrainerSteps; tests drive it with a fake session.
 //
 //   std::atomic<bool> requested{false};
-//   RunTrainerSteps(*session, model, optimizer, [&] { sync.SyncGradients(); }, resume_step,
+//   RunTrainerSteps(*session, model, optimizer, [&] { optimizer.SyncGradients(); }, resume_step,
 //                   {.loss = loss, .executor = executor, .device = device,
 //                    .checkpoint_dir = dir, .max_steps = 100}, &requested);
 //
@@ -28,10 +28,11 @@
 #include <string>
 
 #include "dispatcher/client/trainer_session.h"
+#include "executor/distributed/process_group.h"
+#include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
-#include "executor/optim/adamw.h"
 
 namespace dta {
 
@@ -52,6 +53,9 @@ struct TrainerLoopOptions {
   // Stop once this many steps are committed in all; 0: run until stopped.
   int64_t max_steps = 0;
   int32_t rank = 0;
+  // The data-parallel group (null: one process): with a sharded optimizer every rank takes part in
+  // saving a checkpoint, so the ranks agree on a requested one through it.
+  ProcessGroup* group = nullptr;
   // Testing: sleep this long before synchronising gradients (fault-injection tests).
   std::chrono::milliseconds slow_step{0};
   // Starts every progress line on stderr.
@@ -65,7 +69,7 @@ using SyncGradients = std::function<void()>;
 // Runs steps from `step` (the committed steps the weights include) until options.max_steps;
 // returns the number of committed steps reached. `checkpoint_requested` (may be null): set it to
 // save after the step in progress commits (rank 0 saves; it is cleared on every rank).
-int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, AdamW& optimizer,
+int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOptimizer& optimizer,
                         const SyncGradients& sync_gradients, int64_t step,
                         const TrainerLoopOptions& options,
                         std::atomic<bool>* checkpoint_requested = nullptr);

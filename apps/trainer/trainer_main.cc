@@ -6,12 +6,19 @@
 //       --model=/models/Qwen3-8B --dtype=bfloat16 --device=cuda --loss=grpo --lr=1e-6
 //
 // Each step: fetch this rank's partition from the dispatcher, compute its gradients with the
-// executor (dta by default) under the whole batch's normalisers, all-reduce them in buckets
+// executor (dta by default) under the whole batch's normalisers, sum them over the ranks in buckets
 // (NCCL on GPUs, Gloo on CPUs), report PREPARED, and step the optimizer only when the dispatcher
 // answers COMMIT (every rank prepared, durably logged). Rank 0 saves a checkpoint every
 // --save_every committed steps (Hugging Face weights for rollout workers, plus the optimizer),
 // after the last step, and on request: `kill -USR1 <rank 0's pid>` saves after the step in progress
 // commits.
+//
+// Layout: rank 0 prints the one planned from the model, the world size and the GPU's memory
+// (core/layout). With several ranks AdamW's state is sharded across them (ZeRO-1: gradients
+// reduce-scattered, each rank updates its slice, weights all-gathered, each rank saving its slice
+// into the checkpoint); it is offloaded to host memory when it does not fit on the GPU otherwise.
+// --shard_optimizer, --offload_optimizer, --gpu_memory_gb and --activation_gb override the plan;
+// a sharded checkpoint resumes on any number of ranks.
 //
 // Faults: when a collective fails (another rank died) or the dispatcher answers ABORT, the trainer
 // reports the step FAILED and exits with status 75, asking its launcher to restart the group.
@@ -45,8 +52,8 @@
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/trainer_session.h"
-#include "executor/distributed/grad_sync.h"
 #include "executor/distributed/process_group.h"
+#include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 
 ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
@@ -59,7 +66,8 @@ ABSL_FLAG(int64_t, max_steps, 0,
           "stop after this many committed steps in all (0: run until stopped)");
 ABSL_FLAG(int32_t, timeout_s, 600,
           "timeout of collectives and of the process group's rendezvous, seconds");
-ABSL_FLAG(int64_t, bucket_mb, 25, "gradient all-reduce bucket size, MiB");
+ABSL_FLAG(int64_t, bucket_mb, 25,
+          "gradient all-reduce (or reduce-scatter and all-gather, when sharded) bucket size, MiB");
 ABSL_FLAG(int32_t, wait_s, 86400,
           "how long to wait for a batch, or for an unreachable dispatcher, seconds");
 ABSL_FLAG(int32_t, slow_step_ms, 0,
@@ -110,14 +118,13 @@ int Run() {
   const std::string prefix = absl::StrFormat("dta-trainer rank %d/%d", env->rank, env->world_size);
 
   Qwen3Model model = ModelFromFlags(options);
-  AdamW optimizer(model.named_parameters(), AdamWFromFlags());
-  int64_t step = 0;
-  if (std::optional<CheckpointInfo> latest = LatestCheckpoint(checkpoint_dir)) {
-    LoadCheckpoint(*latest, optimizer);
-    step = latest->step;
-    std::fprintf(stderr, "%s: resumed from %s (step %lld)\n", prefix.c_str(), latest->path.c_str(),
-                 static_cast<long long>(step));
-  }
+  const LayoutPlan layout = LayoutFromFlags(model.config(), env->world_size, options.device());
+  if (env->rank == 0)
+    std::fprintf(stderr, "%s: %s\n", prefix.c_str(), DescribeLayout(layout).c_str());
+  // The weights and the optimizer are restored once the group exists (a sharded optimizer's
+  // restore is a collective); the step is known now, for registering.
+  const std::optional<CheckpointInfo> latest = LatestCheckpoint(checkpoint_dir);
+  const int64_t step = latest.has_value() ? latest->step : 0;
 
   ClientOptions client_options;
   client_options.address = absl::GetFlag(FLAGS_dispatcher);
@@ -163,11 +170,16 @@ int Run() {
         "the ranks resumed from different checkpoints (this one from step %d, mean %.2f)", step,
         sums[0] / env->world_size)};
   }
-  GradientSynchronizer sync(**group, model.named_parameters(),
-                            {.bucket_bytes = absl::GetFlag(FLAGS_bucket_mb) << 20});
+  TrainingOptimizer optimizer(model.named_parameters(), group->get(), layout.layout,
+                              AdamWFromFlags(), absl::GetFlag(FLAGS_bucket_mb) << 20);
+  if (latest.has_value()) {
+    LoadCheckpoint(*latest, optimizer);
+    std::fprintf(stderr, "%s: resumed from %s (step %lld)\n", prefix.c_str(), latest->path.c_str(),
+                 static_cast<long long>(step));
+  }
 
   RunTrainerSteps(
-      **session, model, optimizer, [&sync] { sync.SyncGradients(); }, step,
+      **session, model, optimizer, [&optimizer] { optimizer.SyncGradients(); }, step,
       {.loss = loss,
        .executor = executor,
        .device = options.device(),
@@ -176,6 +188,7 @@ int Run() {
        .keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints),
        .max_steps = absl::GetFlag(FLAGS_max_steps),
        .rank = env->rank,
+       .group = group->get(),
        .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
        .log_prefix = prefix},
       &checkpoint_requested);

@@ -1,6 +1,7 @@
 #include "executor/distributed/sharded_adamw.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
@@ -18,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/safetensors.h"
 #include "executor/device/safetensors_tensors.h"
+#include "executor/optim/host_adamw.h"
 
 namespace dta {
 namespace {
@@ -74,8 +76,8 @@ ShardedAdamW::ShardedAdamW(ProcessGroup* group,
     TORCH_CHECK(param.defined(), "ShardedAdamW: parameter '", name, "' is an undefined tensor");
     TORCH_CHECK(names.insert(name).second, "ShardedAdamW: parameter name '", name,
                 "' appears twice");
-    TORCH_CHECK(impls.insert(param.unsafeGetTensorImpl()).second, "ShardedAdamW: parameter '",
-                name, "' is the same tensor as an earlier parameter");
+    TORCH_CHECK(impls.insert(param.unsafeGetTensorImpl()).second, "ShardedAdamW: parameter '", name,
+                "' is the same tensor as an earlier parameter");
     const at::ScalarType dtype = param.scalar_type();
     TORCH_CHECK(
         dtype == at::kDouble || dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
@@ -257,19 +259,58 @@ StepStats ShardedAdamW::Step() {
   if (!master_.defined()) InitMaster();
   const int64_t t = step_ + 1;
   const AdamWStepScalars scalars = AdamWScalarsFor(options_, t);
-  PublishParameters([&](int64_t begin, int64_t count) {
-    at::Tensor grad = shard.narrow(0, begin, count);
-    if (sharding_.offload) grad = grad.to(at::kCPU);
-    if (stats.clip_coef != 1.0) grad = grad.mul(stats.clip_coef);
-    at::Tensor w = master_.narrow(0, begin, count);
-    at::Tensor m = exp_avg_.narrow(0, begin, count);
-    at::Tensor v = exp_avg_sq_.narrow(0, begin, count);
-    AdamWUpdate(w, m, v, grad, scalars);
-    return w.to(device_, param_dtype_);  // rounds to the parameters' dtype
-  });
+  if (sharding_.offload && state_dtype_ == at::kFloat) {
+    OffloadedUpdate(shard, stats.clip_coef, scalars);
+  } else {
+    PublishParameters([&](int64_t begin, int64_t count) {
+      at::Tensor grad = shard.narrow(0, begin, count);
+      if (sharding_.offload) grad = grad.to(at::kCPU);
+      if (stats.clip_coef != 1.0) grad = grad.mul(stats.clip_coef);
+      at::Tensor w = master_.narrow(0, begin, count);
+      at::Tensor m = exp_avg_.narrow(0, begin, count);
+      at::Tensor v = exp_avg_sq_.narrow(0, begin, count);
+      AdamWUpdate(w, m, v, grad, scalars);
+      return w.to(device_, param_dtype_);  // rounds to the parameters' dtype
+    });
+  }
   step_ = t;
   stats.step = step_;
   return stats;
+}
+
+void ShardedAdamW::OffloadedUpdate(const at::Tensor& shard, double clip_coef,
+                                   const AdamWStepScalars& scalars) {
+  // A pipeline over the buckets with two pinned host buffers for gradients and two for the rounded
+  // weights: bucket j + 1's gradients travel to the host while the host updates bucket j, and
+  // bucket j's weights travel back (then are all-gathered) in stream order behind them.
+  const int64_t b = std::min(sharding_.bucket_elements, shard_);
+  const bool pinned = device_.is_cuda();
+  const at::TensorOptions host = at::TensorOptions().pinned_memory(pinned);
+  at::Tensor grads[2] = {at::empty({b}, host.dtype(at::kFloat)),
+                         at::empty({b}, host.dtype(at::kFloat))};
+  at::Tensor rounded[2] = {at::empty({b}, host.dtype(param_dtype_)),
+                           at::empty({b}, host.dtype(param_dtype_))};
+  c10::impl::VirtualGuardImpl guard(device_.type());
+  auto wait_for_copies = [&] {
+    if (pinned) guard.getStream(device_).synchronize();
+  };
+  auto fetch = [&](int64_t begin) {
+    const int64_t count = std::min(b, shard_ - begin);
+    grads[(begin / b) % 2].narrow(0, 0, count).copy_(shard.narrow(0, begin, count), pinned);
+  };
+  fetch(0);
+  PublishParameters([&](int64_t begin, int64_t count) {
+    const int k = static_cast<int>((begin / b) % 2);
+    wait_for_copies();  // bucket j's gradients are on the host, bucket j - 1's weights left it
+    if (begin + b < shard_) fetch(begin + b);
+    at::Tensor w = master_.narrow(0, begin, count);
+    at::Tensor m = exp_avg_.narrow(0, begin, count);
+    at::Tensor v = exp_avg_sq_.narrow(0, begin, count);
+    at::Tensor out = rounded[k].narrow(0, 0, count);
+    HostAdamWUpdate(w, m, v, grads[k].narrow(0, 0, count), clip_coef, scalars, out);
+    return out.to(device_, /*non_blocking=*/pinned);
+  });
+  wait_for_copies();  // the pinned buffers outlive every copy from them
 }
 
 std::string ShardedAdamW::ShardFileName(int rank, int world) {
@@ -339,9 +380,10 @@ void ShardedAdamW::LoadState(const std::vector<std::string>& paths) {
     const std::map<std::string, std::string>& meta = file.metadata();
     const std::string& format = MetadataEntry(meta, "format", where);
     TORCH_CHECK(format == kFormat, where, "metadata format is '", format, "', expected '", kFormat,
-                "'", format == "dta.adamw.v1" ? " (a replicated AdamW's state: resume it without "
-                                                "optimizer sharding or offload)"
-                                              : "");
+                "'",
+                format == "dta.adamw.v1" ? " (a replicated AdamW's state: resume it without "
+                                           "optimizer sharding or offload)"
+                                         : "");
     TORCH_CHECK(MetadataEntry(meta, "parameters", where) == fingerprint_, where,
                 "it was saved for other parameters (names or shapes differ from this model's)");
     const int64_t numel = MetadataCount(meta, "numel", where);
@@ -408,7 +450,8 @@ void ShardedAdamW::LoadState(const std::vector<std::string>& paths) {
     if (begin >= end) continue;
     for (int k = 0; k < 3; ++k) {
       const at::Tensor stored = TensorFromView(*slice.views[k], state_dtype_);
-      state[k]->narrow(0, begin - want_begin, end - begin)
+      state[k]
+          ->narrow(0, begin - want_begin, end - begin)
           .copy_(stored.narrow(0, begin - slice.begin, end - begin));
     }
   }

@@ -13,19 +13,23 @@
 // One step:
 //   ReduceGradients()  in buckets, a SUM reduce-scatter of the flat gradients, so that this rank's
 //                      slice of the buffer holds the sum over the ranks of its S gradients (the
-//                      other slices keep this rank's own, unreduced values: read .grad only before).
+//                      other slices keep this rank's own, unreduced values: read .grad only
+//                      before).
 //   Step()             the global gradient norm from every rank's slice (sums of squares in
 //                      float64, all-reduced), the clip factor and the AdamW update of this rank's
 //                      slice (AdamWUpdate: the arithmetic of AdamW, element for element), then, in
 //                      buckets, the new weights rounded to the parameters' dtype and all-gathered
 //                      into every rank's parameters.
 // With offload the master weights and moments live in host memory: Step() copies each bucket of
-// gradients to the host, updates it there and copies the rounded weights back, so the GPU holds
-// only the weights, the gradients and two bucket-sized buffers.
+// gradients to the host, updates it there in one fused pass over every core (HostAdamWUpdate;
+// float64 state keeps AdamWUpdate) and copies the rounded weights back, pipelined so that the
+// copies of one bucket overlap the update of the next; the GPU holds only the weights, the
+// gradients and bucket-sized buffers.
 //
 // Exactness: the update of an element is AdamW's, so with the same summed gradients and clip
-// factor the weights equal AdamW's bit for bit; the global norm is the same sum in a different
-// order (equal to ~1e-16 relative). The gradients' sum over the ranks rounds as the backend adds.
+// factor the weights equal AdamW's bit for bit (offloaded float32 state: to float32 rounding); the
+// global norm is the same sum in a different order (equal to ~1e-16 relative). The gradients' sum
+// over the ranks rounds as the backend adds.
 //
 // State files (SaveState / LoadState): each rank writes its slice to its own safetensors file
 // (ShardFileName), with "master", "exp_avg" and "exp_avg_sq" (the slice [begin, end) of the flat
@@ -77,7 +81,8 @@ class ShardedAdamW {
   // of one dtype and on one device (the group's device when there is a group). Every rank passes
   // the same list. Binds every parameter's .grad to its view of the gradient buffer (zeros).
   // TORCH_CHECK naming the parameter or option that is wrong.
-  ShardedAdamW(ProcessGroup* group, std::vector<std::pair<std::string, at::Tensor>> named_parameters,
+  ShardedAdamW(ProcessGroup* group,
+               std::vector<std::pair<std::string, at::Tensor>> named_parameters,
                AdamWOptions options = {}, ShardedAdamWOptions sharding = {});
   ShardedAdamW(const ShardedAdamW&) = delete;
   ShardedAdamW& operator=(const ShardedAdamW&) = delete;
@@ -118,9 +123,9 @@ class ShardedAdamW {
 
   int rank() const { return rank_; }
   int world() const { return world_; }
-  int64_t numel() const { return numel_; }             // N
+  int64_t numel() const { return numel_; }                // N
   int64_t shard_begin() const { return rank_ * shard_; }  // r S
-  int64_t shard_end() const;                           // min((r + 1) S, N)
+  int64_t shard_end() const;                              // min((r + 1) S, N)
   // This rank's state, [S] each (on the host when offloaded); master is undefined before the
   // first Step or LoadState.
   const at::Tensor& master_shard() const { return master_; }
@@ -140,6 +145,8 @@ class ShardedAdamW {
   template <typename Produce>
   void PublishParameters(Produce&& produce);
   void InitMaster();
+  // Step's update with the state in host memory (float32 state: HostAdamWUpdate, pipelined).
+  void OffloadedUpdate(const at::Tensor& shard, double clip_coef, const AdamWStepScalars& scalars);
   std::string Describe(const char* what, int64_t bucket, int64_t buckets) const;
 
   ProcessGroup* group_;
@@ -153,11 +160,11 @@ class ShardedAdamW {
   at::Device device_ = at::kCPU;
   std::vector<int64_t> offsets_;  // flat offset of each parameter; offsets_.back() == N
   int64_t numel_ = 0;
-  int64_t shard_ = 0;       // S
-  at::Tensor grads_;        // [world * S], the state dtype, on device_
-  at::Tensor master_;       // [S], state dtype, on device_ or the host
-  at::Tensor exp_avg_;      // [S]
-  at::Tensor exp_avg_sq_;   // [S]
+  int64_t shard_ = 0;      // S
+  at::Tensor grads_;       // [world * S], the state dtype, on device_
+  at::Tensor master_;      // [S], state dtype, on device_ or the host
+  at::Tensor exp_avg_;     // [S]
+  at::Tensor exp_avg_sq_;  // [S]
   std::string fingerprint_;
   int64_t step_ = 0;
 };

@@ -117,42 +117,99 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_distributed_ranks_sum_to_one_process_gradient(rollouts, tmp_path, world):
-    """dta-train --distributed on Gloo: each rank trains its part of the split under the whole
-    batch's advantages and normalisers; the all-reduced gradient equals one process's (float64), and
-    so do the weights after two optimizer steps."""
-    common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
-              "--method=dta", "--block_size=64", "--json"]
-    single = train(*common, f"--dump_grads={tmp_path / 'one.safetensors'}", f"--save={tmp_path / 'one'}")
-    assert single.returncode == 0, single.stderr
+def run_ranks(world: int, args: list[str]) -> list[tuple[str, str]]:
+    """dta-train --distributed on `world` local processes (Gloo); every rank must succeed."""
     port = free_port()
     ranks = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         ranks.append(subprocess.Popen(
-            [tool("dta-train"), f"--config={CONFIG}", *common, "--distributed", "--timeout_s=60",
-             f"--dump_grads={tmp_path / 'many.safetensors'}", f"--save={tmp_path / 'many'}"],
+            [tool("dta-train"), f"--config={CONFIG}", *args, "--distributed", "--timeout_s=60"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=300) for p in ranks]
     for p, (out, err) in zip(ranks, outputs):
         assert p.returncode == 0, err
+    return outputs
+
+
+def assert_same_tensors(reference_file: Path, other_file: Path, tolerance: float = 1e-10):
+    reference = load_file(str(reference_file))
+    other = load_file(str(other_file))
+    assert reference.keys() == other.keys() and len(reference) > 10
+    for key, ref in reference.items():
+        scale = max(float((ref ** 2).sum()) ** 0.5, 1e-300)
+        error = float(((other[key] - ref) ** 2).sum()) ** 0.5 / scale
+        assert error <= tolerance, f"{other_file} {key}: relative error {error}"
+
+
+LAYOUTS = {
+    "replicated": ["--shard_optimizer=false", "--offload_optimizer=false"],
+    "sharded": ["--shard_optimizer=true", "--offload_optimizer=false"],
+    "sharded_offloaded": ["--shard_optimizer=true", "--offload_optimizer=true"],
+}
+
+
+@pytest.mark.parametrize("world, layout", [(2, "replicated"), (3, "replicated"), (2, "sharded"),
+                                           (3, "sharded"), (2, "sharded_offloaded")])
+def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, world, layout):
+    """dta-train --distributed on Gloo: each rank trains its part of the split under the whole
+    batch's advantages and normalisers; the summed gradient equals one process's (float64), and so
+    do the weights after two clipped optimizer steps, whether AdamW's state is replicated, sharded
+    across the ranks (ZeRO-1) or sharded and offloaded."""
+    common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
+              "--method=dta", "--block_size=64", "--max_grad_norm=0.05", "--json"]
+    single = train(*common, f"--dump_grads={tmp_path / 'one.safetensors'}", f"--save={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr
+    dump = [f"--dump_grads={tmp_path / 'many.safetensors'}"] if layout == "replicated" else []
+    outputs = run_ranks(world, [*common, *LAYOUTS[layout], *dump, f"--save={tmp_path / 'many'}"])
     assert "DFS-contiguous" in outputs[0][0] and "greedy by tree tokens" in outputs[0][0]
+    sharded = layout != "replicated"
+    assert ("optimizer sharded" in outputs[0][1]) == sharded, outputs[0][1]
     steps = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
     reference_steps = [json.loads(line) for line in single.stdout.splitlines() if line.startswith("{")]
     assert [s["rollout_tokens"] for s in steps] == [s["rollout_tokens"] for s in reference_steps]
     for s, r in zip(steps, reference_steps):
         assert abs(s["loss"] - r["loss"]) <= 1e-10 * max(1.0, abs(r["loss"]))
-    for name in ["one.safetensors", "one/model.safetensors"]:
-        reference = load_file(str(tmp_path / name))
-        other = load_file(str(tmp_path / name.replace("one", "many")))
-        assert reference.keys() == other.keys() and len(reference) > 10
-        for key, ref in reference.items():
-            scale = max(float((ref ** 2).sum()) ** 0.5, 1e-300)
-            assert scale > 0
-            error = float(((other[key] - ref) ** 2).sum()) ** 0.5 / scale
-            assert error <= 1e-10, f"{name} {key}: relative error {error}"
+        assert abs(s["grad_norm"] - r["grad_norm"]) <= 1e-10 * r["grad_norm"]
+        assert r["grad_norm"] > 0.05, "the steps must clip"
+    assert_same_tensors(tmp_path / "one/model.safetensors", tmp_path / "many/model.safetensors")
+    if not sharded:
+        assert_same_tensors(tmp_path / "one.safetensors", tmp_path / "many.safetensors")
+    shards = sorted(p.name for p in (tmp_path / "many").glob("optimizer-*.safetensors"))
+    assert shards == ([f"optimizer-{r:05d}-of-{world:05d}.safetensors" for r in range(world)]
+                      if sharded else [])
+
+
+def test_sharded_state_resumes_on_another_layout(rollouts, tmp_path):
+    """Optimizer state saved by 2 ranks, sharded, resumes on one process with offload (which reads
+    every rank's slice) and continues like an uninterrupted run; a replicated resume of it is
+    refused, naming the flags that resume it."""
+    common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2",
+              "--method=dta", "--json"]
+    straight = train(*common, "--steps=3")
+    assert straight.returncode == 0, straight.stderr
+    run_ranks(2, [*common, "--steps=2", *LAYOUTS["sharded"], f"--save={tmp_path / 'ckpt'}"])
+    resume = [tool("dta-train"), f"--model={tmp_path / 'ckpt'}", f"--resume={tmp_path / 'ckpt'}",
+              *common, "--steps=1"]
+    resumed = subprocess.run([*resume, "--offload_optimizer=true"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "offloaded" in resumed.stderr
+    expected = json.loads(straight.stdout.splitlines()[-1])
+    got = json.loads(resumed.stdout.splitlines()[-1])
+    assert abs(got["loss"] - expected["loss"]) <= 1e-10 * abs(expected["loss"])
+    refused = subprocess.run(resume, capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "it holds a sharded optimizer" in refused.stderr, refused.stderr
+    assert "--offload_optimizer=true" in refused.stderr
+
+
+def test_layout_that_cannot_fit_is_refused_naming_the_numbers(rollouts):
+    run = train(f"--rollouts={rollouts}", "--gpu_memory_gb=0.001", "--activation_gb=0")
+    assert run.returncode == 2 and "cannot be trained on 1 GPU(s)" in run.stderr, run.stderr
+    run = train(f"--rollouts={rollouts}", "--shard_optimizer=maybe")
+    assert run.returncode == 2
+    assert "--shard_optimizer must be auto, true or false, got 'maybe'" in run.stderr
 
 
 def _help_defaults(binary: Path) -> dict[str, str]:

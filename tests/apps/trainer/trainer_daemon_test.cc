@@ -141,14 +141,16 @@ class TrainerDaemonTest : public ::testing::Test {
   // called while they run, with the group's processes, and may kill one. Returns the restarts.
   int Train(
       Run& run, int world, int slow_step_ms = 0,
-      const std::function<bool(Run&, std::vector<std::unique_ptr<Process>>&)>& fault = nullptr) {
+      const std::function<bool(Run&, std::vector<std::unique_ptr<Process>>&)>& fault = nullptr,
+      const std::vector<std::string>& extra_flags = {}) {
     int restarts = 0;
     bool faulted = false;
     while (true) {
       const int master_port = testing::FreeLoopbackPort();
       std::vector<std::unique_ptr<Process>> trainers;
       for (int rank = 0; rank < world; ++rank)
-        trainers.push_back(StartTrainer(run, rank, world, master_port, slow_step_ms));
+        trainers.push_back(
+            StartTrainer(run, rank, world, master_port, slow_step_ms, "ckpt", 1, extra_flags));
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(240);
       bool restart = false;
       while (true) {
@@ -228,15 +230,26 @@ class TrainerDaemonTest : public ::testing::Test {
   fs::path root_;
 };
 
+// Two ranks train what one trains, with AdamW's state sharded across them (ZeRO-1, the default
+// with several ranks: each rank saves its slice into the checkpoints) and replicated.
 TEST_F(TrainerDaemonTest, TwoRanksOnGlooTrainLikeOne) {
   Run reference = NewRun("one-rank");
   Send(reference);
   EXPECT_EQ(Train(reference, 1), 0);
-  Run two = NewRun("two-ranks");
-  Send(two);
-  EXPECT_EQ(Train(two, 2), 0);
-  ExpectSameModel(two, reference);
-  ExpectEveryRolloutTrainedOnce(two);
+  for (const bool sharded : {true, false}) {
+    Run two = NewRun(sharded ? "two-ranks-sharded" : "two-ranks-replicated");
+    Send(two);
+    EXPECT_EQ(
+        Train(two, 2, 0, nullptr, {sharded ? "--shard_optimizer=auto" : "--shard_optimizer=false"}),
+        0);
+    ExpectSameModel(two, reference);
+    ExpectEveryRolloutTrainedOnce(two);
+    const std::string log = Process::ReadLog(two.dir / "trainer0.log");
+    EXPECT_EQ(log.find("optimizer sharded") != std::string::npos, sharded) << log;
+    const fs::path last = two.dir / "ckpt" / "step-00000004";
+    EXPECT_EQ(fs::exists(last / "optimizer-00001-of-00002.safetensors"), sharded);
+    EXPECT_EQ(fs::exists(last / "optimizer.safetensors"), !sharded);
+  }
   // The comparison is not vacuous: every step had a gradient (lr 1e-2 moves the weights far more
   // than the tolerance).
   const std::string log = Process::ReadLog(reference.dir / "trainer0.log");

@@ -19,6 +19,7 @@
 
 #include "apps/trainer/checkpoints.h"
 #include "core/loss/batch_context.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace dta {
@@ -171,7 +172,7 @@ TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
   TrainerLoopOptions options = Options(/*max_steps=*/3);
   options.save_every = 2;
   Qwen3Model model = TinyModel();
-  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   int syncs = 0;
   EXPECT_EQ(RunTrainerSteps(
                 session, model, optimizer, [&] { ++syncs; }, 0, options),
@@ -204,16 +205,60 @@ TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
 
   // A restarted trainer resumes from the checkpoint with the same weights.
   Qwen3Model restored = TinyModel();
-  AdamW restored_optimizer(restored.named_parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingOptimizer restored_optimizer(restored.named_parameters(), nullptr, {},
+                                       AdamWOptions{.lr = 1e-2});
   LoadCheckpoint(*latest, restored_optimizer);
   ExpectSameParameters(Parameters(restored), Parameters(model));
+}
+
+// The offloaded optimizer (ShardedAdamW over one rank, state in host memory) trains what AdamW
+// trains, saves its slice file in the checkpoint and resumes from it.
+TEST_F(TrainerLoopTest, AnOffloadedOptimizerTrainsAndResumesLikeTheReplicatedOne) {
+  const std::vector<StepPartition> steps = {MakePartition(0, 3, 1), MakePartition(1, 1, 2)};
+  FakeSession session;
+  for (const StepPartition& p : steps) session.partitions.push_back(p);
+  const TrainerLoopOptions options = Options(/*max_steps=*/2);
+  Qwen3Model model = TinyModel();
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {.offload_optimizer = true},
+                              AdamWOptions{.lr = 1e-2});
+  ASSERT_TRUE(optimizer.sharded());
+  EXPECT_EQ(RunTrainerSteps(
+                session, model, optimizer, [&] { optimizer.SyncGradients(); }, 0, options),
+            2);
+  const std::vector<at::Tensor> got = Parameters(model);
+  const std::vector<at::Tensor> want = TrainByHand(steps, options);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double scale = std::max(1.0, want[i].abs().max().item<double>());
+    EXPECT_LT((got[i] - want[i]).abs().max().item<double>() / scale, 1e-12) << "parameter " << i;
+  }
+  const std::optional<CheckpointInfo> latest = LatestCheckpoint(dir_.string());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) /
+                                      "optimizer-00000-of-00001.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(latest->path) /
+                                       TrainingOptimizer::kReplicatedFile));
+  Qwen3Model restored = TinyModel();
+  TrainingOptimizer restored_optimizer(restored.named_parameters(), nullptr,
+                                       {.offload_optimizer = true}, AdamWOptions{.lr = 1e-2});
+  LoadCheckpoint(*latest, restored_optimizer);
+  EXPECT_EQ(restored_optimizer.step(), 2);
+  ExpectSameParameters(Parameters(restored), Parameters(model));
+  // A replicated optimizer cannot read it, and says how to resume it.
+  TrainingOptimizer replicated(TinyModel().named_parameters(), nullptr, {}, AdamWOptions{});
+  try {
+    LoadCheckpoint(*latest, replicated);
+    ADD_FAILURE() << "a replicated optimizer loaded a sharded checkpoint";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("--offload_optimizer=true"));
+  }
 }
 
 TEST_F(TrainerLoopTest, ResumesFromItsStepAndStopsAtMaxSteps) {
   FakeSession session;
   session.partitions.push_back(MakePartition(5, 2, 4));
   Qwen3Model model = TinyModel();
-  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   EXPECT_EQ(RunTrainerSteps(
                 session, model, optimizer, [] {}, 5, Options(/*max_steps=*/6)),
             6);
@@ -236,7 +281,8 @@ TEST_F(TrainerLoopTest, AnEmptyPartitionStillSynchronisesAndReports) {
   session.partitions.push_back(empty);
   Qwen3Model model = TinyModel();
   const std::vector<at::Tensor> before = Parameters(model);
-  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0});
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {},
+                              AdamWOptions{.lr = 1e-2, .weight_decay = 0});
   int syncs = 0;
   RunTrainerSteps(
       session, model, optimizer, [&] { ++syncs; }, 0, Options(1));
@@ -254,7 +300,7 @@ TEST_F(TrainerLoopTest, AnAbortedStepAsksForARestartWithoutStepping) {
   session.decisions.push_back(StepDecision::kCommit);
   session.decisions.push_back(StepDecision::kAbort);
   Qwen3Model model = TinyModel();
-  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   const TrainerLoopOptions options = Options(0);
   try {
     RunTrainerSteps(
@@ -269,7 +315,7 @@ TEST_F(TrainerLoopTest, AnAbortedStepAsksForARestartWithoutStepping) {
 
 TEST_F(TrainerLoopTest, AnAbortedGenerationAsksForARestartAndOtherErrorsDoNot) {
   Qwen3Model model = TinyModel();
-  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   FakeSession aborted;
   aborted.partitions.push_back(absl::AbortedError("generation 1 is over"));
   EXPECT_THROW(RunTrainerSteps(
@@ -301,7 +347,7 @@ TEST_F(TrainerLoopTest, AGradientFailureIsReportedFirst) {
   FakeSession session;
   session.partitions.push_back(bad);
   Qwen3Model model = TinyModel();
-  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   int syncs = 0;
   try {
     RunTrainerSteps(
@@ -323,7 +369,7 @@ TEST_F(TrainerLoopTest, ASynchronisationFailureIsReportedAndAsksForARestart) {
   FakeSession session;
   session.partitions.push_back(MakePartition(0, 2, 9));
   Qwen3Model model = TinyModel();
-  AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   EXPECT_THROW(
       RunTrainerSteps(
           session, model, optimizer, [] { TORCH_CHECK(false, "peer 1 is gone"); }, 0, Options(0)),
@@ -341,7 +387,7 @@ TEST_F(TrainerLoopTest, ARequestedCheckpointIsSavedByRankZeroOnly) {
     session.partitions.push_back(MakePartition(0, 2, 10));
     session.partitions.push_back(MakePartition(1, 2, 11));
     Qwen3Model model = TinyModel();
-    AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
+    TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
     TrainerLoopOptions options = Options(/*max_steps=*/0);
     options.save_every = 1000;
     options.rank = rank;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "executor/optim/adamw.h"
+#include "executor/optim/host_adamw.h"
 #include "tests/testing/gloo_ranks.h"
 
 namespace dta {
@@ -72,11 +73,14 @@ double MaxRelativeError(const at::Tensor& got, const at::Tensor& want) {
 }
 
 constexpr AdamWOptions kOptions = {
-    .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1,
+    .lr = 1e-2,
+    .beta1 = 0.9,
+    .beta2 = 0.99,
+    .eps = 1e-8,
+    .weight_decay = 0.1,
     .max_grad_norm = 2.0};  // the summed grads' norm is ~10-15: every step clips
 
-class ShardedAdamWMatchesAdamW
-    : public ::testing::TestWithParam<std::tuple<int, bool, int64_t>> {};
+class ShardedAdamWMatchesAdamW : public ::testing::TestWithParam<std::tuple<int, bool, int64_t>> {};
 
 TEST_P(ShardedAdamWMatchesAdamW, OverClippedStepsInFloat64) {
   const auto [world, offload, bucket] = GetParam();
@@ -89,7 +93,8 @@ TEST_P(ShardedAdamWMatchesAdamW, OverClippedStepsInFloat64) {
   for (int step = 0; step < kSteps; ++step) {
     adamw.ZeroGrad(/*set_to_none=*/true);
     for (int r = 0; r < world; ++r) {
-      for (size_t i = 0; i < kShapes.size(); ++i) AddInto(reference[i].second, RankGrad(i, step, r));
+      for (size_t i = 0; i < kShapes.size(); ++i)
+        AddInto(reference[i].second, RankGrad(i, step, r));
     }
     want_stats.push_back(adamw.Step());
     Named copy;
@@ -121,15 +126,14 @@ TEST_P(ShardedAdamWMatchesAdamW, OverClippedStepsInFloat64) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, ShardedAdamWMatchesAdamW,
-    ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Bool(),
-                       ::testing::Values<int64_t>(4, 1 << 20)),
-    [](const ::testing::TestParamInfo<std::tuple<int, bool, int64_t>>& info) {
-      return "world" + std::to_string(std::get<0>(info.param)) +
-             (std::get<1>(info.param) ? "_offload" : "_gpu_state") + "_bucket" +
-             std::to_string(std::get<2>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Layouts, ShardedAdamWMatchesAdamW,
+                         ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Bool(),
+                                            ::testing::Values<int64_t>(4, 1 << 20)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool, int64_t>>& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_offload" : "_gpu_state") +
+                                  "_bucket" + std::to_string(std::get<2>(info.param));
+                         });
 
 // With bfloat16 weights, float32 gradients that every order sums exactly and no clipping, the
 // weights equal AdamW's bit for bit: the same update, element for element.
@@ -165,6 +169,63 @@ TEST(ShardedAdamW, Bfloat16WeightsEqualAdamWsBitForBit) {
   });
 }
 
+// Float32 state offloaded takes the fused host update (HostAdamWUpdate): AdamW's arithmetic to
+// float32 rounding, and the weights are the master copy rounded.
+TEST(ShardedAdamW, OffloadedFloat32StateFollowsAdamWToFloat32Rounding) {
+  Named reference = MakeParams(at::kFloat);
+  AdamW adamw(reference, kOptions);
+  for (int step = 0; step < 3; ++step) {
+    adamw.ZeroGrad(true);
+    for (int r = 0; r < 2; ++r) {
+      for (size_t i = 0; i < kShapes.size(); ++i)
+        AddInto(reference[i].second, RankGrad(i, step, r));
+    }
+    adamw.Step();
+  }
+  RunRanks(2, [&](ProcessGroup& group) {
+    Named params = MakeParams(at::kFloat);
+    ShardedAdamW optimizer(&group, params, kOptions, {.offload = true, .bucket_elements = 5});
+    for (int step = 0; step < 3; ++step) {
+      optimizer.ZeroGrad();
+      for (size_t i = 0; i < kShapes.size(); ++i)
+        AddInto(params[i].second, RankGrad(i, step, group.rank()));
+      optimizer.ReduceGradients();
+      optimizer.Step();
+    }
+    for (size_t i = 0; i < kShapes.size(); ++i) {
+      EXPECT_LT(MaxRelativeError(params[i].second, reference[i].second), 1e-6) << params[i].first;
+      // The update moved the weights far more than the tolerance.
+      EXPECT_GT(MaxRelativeError(params[i].second, MakeParams(at::kFloat)[i].second), 1e-3);
+    }
+  });
+}
+
+TEST(HostAdamWUpdate, MatchesAdamWUpdateAndRoundsTheMasterCopy) {
+  const int64_t n = 100003;  // several parallel_for grains and a ragged end
+  const at::Tensor w0 = Randn({n}, 1).to(at::kFloat);
+  const at::Tensor m0 = Randn({n}, 2).to(at::kFloat) * 0.1;
+  const at::Tensor v0 = Randn({n}, 3).to(at::kFloat).square() * 0.01;
+  const at::Tensor g = Randn({n}, 4).to(at::kFloat);
+  const AdamWStepScalars scalars = AdamWScalarsFor(kOptions, 7);
+  at::Tensor w = w0.clone(), m = m0.clone(), v = v0.clone();
+  at::Tensor want_w = w0.clone(), want_m = m0.clone(), want_v = v0.clone();
+  const at::Tensor clipped = g.mul(0.25);
+  AdamWUpdate(want_w, want_m, want_v, clipped, scalars);
+  for (at::ScalarType type : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    at::Tensor ww = w.clone(), mm = m.clone(), vv = v.clone();
+    at::Tensor rounded = at::empty({n}, at::TensorOptions().dtype(type));
+    HostAdamWUpdate(ww, mm, vv, g, 0.25, scalars, rounded);
+    EXPECT_LT(MaxRelativeError(ww, want_w), 1e-6) << type;
+    EXPECT_LT(MaxRelativeError(mm, want_m), 1e-6) << type;
+    EXPECT_LT(MaxRelativeError(vv, want_v), 1e-6) << type;
+    EXPECT_TRUE(at::equal(rounded, ww.to(type))) << type;
+    EXPECT_GT((ww - w0).abs().max().item<double>(), 1e-3) << "the update must move the weights";
+  }
+  at::Tensor doubles = w0.to(at::kDouble);
+  at::Tensor out = at::empty({n}, at::kBFloat16);
+  EXPECT_THROW(HostAdamWUpdate(doubles, m, v, g, 1.0, scalars, out), c10::Error);
+}
+
 // A gradient replaced or reset between steps (outside the buffer) still takes part.
 TEST(ShardedAdamW, RebindsGradientsReplacedOrReset) {
   RunRanks(2, [&](ProcessGroup& group) {
@@ -184,8 +245,8 @@ TEST(ShardedAdamW, RebindsGradientsReplacedOrReset) {
 }
 
 std::string TempDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/sharded_adamw_" + name + "_" +
-                          std::to_string(getpid());
+  const std::string dir =
+      ::testing::TempDir() + "/sharded_adamw_" + name + "_" + std::to_string(getpid());
   std::filesystem::create_directories(dir);
   return dir;
 }
@@ -306,8 +367,7 @@ TEST(ShardedAdamW, NonFiniteGradientFailsOnEveryRankAndUpdatesNothing) {
       EXPECT_THAT(error, HasSubstr("in another rank's slice"));
     }
     EXPECT_EQ(optimizer.step(), 0);
-    for (size_t i = 0; i < params.size(); ++i)
-      EXPECT_TRUE(at::equal(params[i].second, before[i]));
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i].second, before[i]));
   });
 }
 

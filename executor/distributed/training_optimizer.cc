@@ -1,0 +1,100 @@
+#include "executor/distributed/training_optimizer.h"
+
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+#include <system_error>
+
+namespace dta {
+namespace fs = std::filesystem;
+
+TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named,
+                                     ProcessGroup* group, const TrainingLayout& layout,
+                                     AdamWOptions options, int64_t bucket_bytes) {
+  TORCH_CHECK(layout.tensor_parallel == 1, "TrainingOptimizer: tensor parallelism (TP ",
+              layout.tensor_parallel, ") is not supported by this optimizer yet");
+  TORCH_CHECK(!layout.shard_optimizer || group != nullptr || layout.data_parallel == 1,
+              "TrainingOptimizer: sharding across ", layout.data_parallel,
+              " data-parallel ranks needs a process group");
+  rank_ = group != nullptr ? group->rank() : 0;
+  if (layout.shard_optimizer || layout.offload_optimizer) {
+    // Unsharded offload is a sharded optimizer over one rank per slice: every rank holds it all.
+    ProcessGroup* shard_group = layout.shard_optimizer ? group : nullptr;
+    TORCH_CHECK(shard_group != nullptr || group == nullptr || group->size() == 1,
+                "TrainingOptimizer: offload without sharding on ", group->size(),
+                " data-parallel ranks is not supported; shard the optimizer as well");
+    const int64_t element_bytes =
+        named.empty() ? 4 : std::max<int64_t>(4, named.front().second.element_size());
+    sharded_ = std::make_unique<ShardedAdamW>(
+        shard_group, std::move(named), options,
+        ShardedAdamWOptions{.offload = layout.offload_optimizer,
+                            .bucket_elements = std::max<int64_t>(1, bucket_bytes / element_bytes)});
+    return;
+  }
+  replicated_ = std::make_unique<AdamW>(named, options);
+  if (group != nullptr) {
+    all_reduce_ = std::make_unique<GradientSynchronizer>(*group, std::move(named),
+                                                         GradientSynchronizerOptions{
+                                                             .bucket_bytes = bucket_bytes});
+  }
+}
+
+void TrainingOptimizer::ZeroGrad() {
+  if (sharded_) {
+    sharded_->ZeroGrad();
+  } else {
+    replicated_->ZeroGrad();
+  }
+}
+
+void TrainingOptimizer::SyncGradients() {
+  if (sharded_) {
+    sharded_->ReduceGradients();
+  } else if (all_reduce_) {
+    all_reduce_->SyncGradients();
+  }
+}
+
+StepStats TrainingOptimizer::Step() { return sharded_ ? sharded_->Step() : replicated_->Step(); }
+
+int64_t TrainingOptimizer::step() const {
+  return sharded_ ? sharded_->step() : replicated_->step();
+}
+
+void TrainingOptimizer::SaveState(const std::string& directory) const {
+  std::error_code error;
+  fs::create_directories(directory, error);
+  TORCH_CHECK(!error, "cannot create ", directory, ": ", error.message());
+  if (sharded_) {
+    sharded_->SaveState(
+        (fs::path(directory) / ShardedAdamW::ShardFileName(sharded_->rank(), sharded_->world()))
+            .string());
+  } else if (rank_ == 0) {
+    replicated_->SaveState((fs::path(directory) / kReplicatedFile).string());
+  }
+}
+
+bool TrainingOptimizer::HasState(const std::string& directory) const {
+  if (sharded_) return !ShardedAdamW::ShardFiles(directory).empty();
+  return fs::exists(fs::path(directory) / kReplicatedFile);
+}
+
+void TrainingOptimizer::LoadState(const std::string& directory) {
+  const bool has_replicated = fs::exists(fs::path(directory) / kReplicatedFile);
+  const std::vector<std::string> shards = ShardedAdamW::ShardFiles(directory);
+  if (sharded_) {
+    TORCH_CHECK(!shards.empty(), "optimizer state in ", directory, ": ",
+                has_replicated ? "it holds a replicated optimizer (optimizer.safetensors); resume "
+                                 "it with --shard_optimizer=false --offload_optimizer=false"
+                               : "no optimizer-*-of-*.safetensors files");
+    sharded_->LoadState(shards);
+  } else {
+    TORCH_CHECK(has_replicated, "optimizer state in ", directory, ": ",
+                !shards.empty() ? "it holds a sharded optimizer (optimizer-*-of-*.safetensors); "
+                                  "resume it with --shard_optimizer=true or --offload_optimizer=true"
+                                : "no optimizer.safetensors");
+    replicated_->LoadState((fs::path(directory) / kReplicatedFile).string());
+  }
+}
+
+}  // namespace dta

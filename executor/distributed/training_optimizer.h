@@ -1,0 +1,69 @@
+// The optimizer of one training layout, behind the one interface the training binaries use:
+//   replicated  AdamW on every rank, gradients summed by GradientSynchronizer's all-reduce
+//               (the file: optimizer.safetensors, written by rank 0);
+//   sharded     ShardedAdamW: state split across the data-parallel ranks and/or offloaded to the
+//               host, gradients reduce-scattered (the files: optimizer-RRRRR-of-WWWWW.safetensors,
+//               one per rank).
+// core/layout's TrainingLayout says which (shard_optimizer or offload_optimizer: sharded).
+//
+//   TrainingOptimizer optimizer(model.named_parameters(), group.get(), layout, adamw_options);
+//   optimizer.ZeroGrad();  ComputeGradients(...);  optimizer.SyncGradients();  optimizer.Step();
+//   optimizer.SaveState(dir);   // every rank calls it; each writes what it owns
+//
+// Errors: c10::Error (TORCH_CHECK) naming the file, the parameter or the layout.
+// Thread safety: none.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/layout/memory_plan.h"
+#include "executor/distributed/grad_sync.h"
+#include "executor/distributed/process_group.h"
+#include "executor/distributed/sharded_adamw.h"
+#include "executor/optim/adamw.h"
+
+namespace dta {
+
+class TrainingOptimizer {
+ public:
+  // `group`: the data-parallel ranks (null: one process). layout.tensor_parallel must be 1 for now.
+  // TORCH_CHECK when the layout cannot be built (e.g. sharding across ranks without a group).
+  TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
+                    ProcessGroup* group, const TrainingLayout& layout, AdamWOptions options,
+                    int64_t bucket_bytes = int64_t{25} << 20);
+  TrainingOptimizer(const TrainingOptimizer&) = delete;
+  TrainingOptimizer& operator=(const TrainingOptimizer&) = delete;
+
+  void ZeroGrad();
+  // Sums the gradients over the data-parallel ranks (all-reduce, or reduce-scatter when sharded;
+  // nothing on one replicated process).
+  void SyncGradients();
+  StepStats Step();
+  int64_t step() const;
+  bool sharded() const { return sharded_ != nullptr; }
+
+  // Writes this rank's part of the state into `directory` (created if missing): rank 0 the
+  // replicated file, every rank its slice when sharded. Every rank calls it.
+  void SaveState(const std::string& directory) const;
+  // Reads the state a SaveState of the same kind wrote into `directory` (sharded: by any number
+  // of ranks). TORCH_CHECK naming the directory when it holds the other kind's files, with the
+  // flags that resume it.
+  void LoadState(const std::string& directory);
+  // Whether `directory` holds state this optimizer can load (its kind's files).
+  bool HasState(const std::string& directory) const;
+
+  static constexpr char kReplicatedFile[] = "optimizer.safetensors";
+
+ private:
+  int rank_ = 0;
+  std::unique_ptr<AdamW> replicated_;
+  std::unique_ptr<GradientSynchronizer> all_reduce_;
+  std::unique_ptr<ShardedAdamW> sharded_;
+};
+
+}  // namespace dta
