@@ -12,23 +12,26 @@
 
 namespace dta::python {
 
-Trainer::Trainer(Qwen3Model model, const AdamWOptions& adamw)
-    : model_(std::move(model)), optimizer_(model_.named_parameters(), adamw) {}
+Trainer::Trainer(Qwen3Model model, const AdamWOptions& adamw, bool offload_optimizer)
+    : model_(std::move(model)),
+      optimizer_(model_.named_parameters(), /*group=*/nullptr,
+                 TrainingLayout{.offload_optimizer = offload_optimizer}, adamw) {}
 
 std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory,
                                                 at::TensorOptions options,
-                                                const AdamWOptions& adamw) {
-  return std::unique_ptr<Trainer>(new Trainer(LoadQwen3Model(directory, options), adamw));
+                                                const AdamWOptions& adamw, bool offload_optimizer) {
+  return std::unique_ptr<Trainer>(
+      new Trainer(LoadQwen3Model(directory, options), adamw, offload_optimizer));
 }
 
 std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t seed,
                                              double init_std, at::TensorOptions options,
-                                             const AdamWOptions& adamw) {
+                                             const AdamWOptions& adamw, bool offload_optimizer) {
   absl::StatusOr<Qwen3Config> parsed = Qwen3ConfigFromName(config);
   TORCH_CHECK(parsed.ok(), std::string(parsed.status().message()));
   Qwen3Model model(*parsed, options);
   model.InitRandom(seed, init_std);
-  return std::unique_ptr<Trainer>(new Trainer(std::move(model), adamw));
+  return std::unique_ptr<Trainer>(new Trainer(std::move(model), adamw, offload_optimizer));
 }
 
 GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, const LossOptions& loss,
@@ -60,8 +63,7 @@ std::vector<at::Tensor> Trainer::ComputeLogprobs(absl::Span<const Rollout> rollo
 void Trainer::Save(const std::string& directory, std::optional<at::ScalarType> dtype,
                    bool with_optimizer) const {
   SaveQwen3Model(model_, directory, dtype);
-  if (with_optimizer)
-    optimizer_.SaveState((std::filesystem::path(directory) / "optimizer.safetensors").string());
+  if (with_optimizer) optimizer_.SaveState(directory);
 }
 
 void Trainer::LoadOptimizer(const std::string& path) { optimizer_.LoadState(path); }

@@ -23,10 +23,10 @@
 
 #include "absl/types/span.h"
 #include "core/io/rollout.h"
+#include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
-#include "executor/optim/adamw.h"
 
 namespace dta::python {
 
@@ -41,14 +41,18 @@ class Trainer {
  public:
   // Loads a Hugging Face Qwen3 directory (config.json + safetensors) with `options` (dtype,
   // device).
+  // `offload_optimizer`: AdamW's state (float32 master weights and moments) in host memory,
+  // updated there (ShardedAdamW over one rank), so that the GPU holds weights and gradients only.
   static std::unique_ptr<Trainer> FromDirectory(const std::string& directory,
                                                 at::TensorOptions options,
-                                                const AdamWOptions& adamw);
+                                                const AdamWOptions& adamw,
+                                                bool offload_optimizer = false);
   // A preset ("qwen3-0.6b", ...) or a config.json path, with deterministic random weights
   // (Qwen3Model::InitRandom). TORCH_CHECK naming the config when it is neither.
   static std::unique_ptr<Trainer> FromConfig(const std::string& config, uint64_t seed,
                                              double init_std, at::TensorOptions options,
-                                             const AdamWOptions& adamw);
+                                             const AdamWOptions& adamw,
+                                             bool offload_optimizer = false);
 
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -65,20 +69,21 @@ class Trainer {
   std::vector<at::Tensor> ComputeLogprobs(absl::Span<const Rollout> rollouts,
                                           const ExecutorOptions& executor);
   // Writes the model as a Hugging Face checkpoint (in `dtype`, default the model's) and, with
-  // `with_optimizer`, <directory>/optimizer.safetensors.
+  // `with_optimizer`, the optimizer's state (<directory>/optimizer.safetensors, or
+  // optimizer-00000-of-00001.safetensors when offloaded).
   void Save(const std::string& directory, std::optional<at::ScalarType> dtype,
             bool with_optimizer) const;
-  // Restores the optimizer from a file written by Save (or dta-train --save).
+  // Restores the optimizer from a directory or file written by Save (or dta-train --save).
   void LoadOptimizer(const std::string& path);
 
   const Qwen3Model& model() const { return model_; }
-  AdamW& optimizer() { return optimizer_; }
+  TrainingOptimizer& optimizer() { return optimizer_; }
 
  private:
-  Trainer(Qwen3Model model, const AdamWOptions& adamw);
+  Trainer(Qwen3Model model, const AdamWOptions& adamw, bool offload_optimizer);
 
   Qwen3Model model_;
-  AdamW optimizer_;
+  TrainingOptimizer optimizer_;
 };
 
 }  // namespace dta::python

@@ -205,25 +205,27 @@ void RegisterTrainer(py::module_& m) {
       .def_static(
           "from_directory",
           [](const std::string& directory, at::ScalarType dtype, at::Device device,
-             const AdamWOptions& adamw) {
+             const AdamWOptions& adamw, bool offload_optimizer) {
             auto bound = std::make_unique<BoundTrainer>();
             py::gil_scoped_release release;
-            bound->trainer = Trainer::FromDirectory(directory, ModelOptions(dtype, device), adamw);
+            bound->trainer = Trainer::FromDirectory(directory, ModelOptions(dtype, device), adamw,
+                                                    offload_optimizer);
             return bound;
           },
-          py::arg("directory"), py::arg("dtype"), py::arg("device"), py::arg("adamw"))
+          py::arg("directory"), py::arg("dtype"), py::arg("device"), py::arg("adamw"),
+          py::arg("offload_optimizer") = false)
       .def_static(
           "from_config",
           [](const std::string& config, uint64_t seed, double init_std, at::ScalarType dtype,
-             at::Device device, const AdamWOptions& adamw) {
+             at::Device device, const AdamWOptions& adamw, bool offload_optimizer) {
             auto bound = std::make_unique<BoundTrainer>();
             py::gil_scoped_release release;
-            bound->trainer =
-                Trainer::FromConfig(config, seed, init_std, ModelOptions(dtype, device), adamw);
+            bound->trainer = Trainer::FromConfig(
+                config, seed, init_std, ModelOptions(dtype, device), adamw, offload_optimizer);
             return bound;
           },
           py::arg("config"), py::arg("seed"), py::arg("init_std"), py::arg("dtype"),
-          py::arg("device"), py::arg("adamw"))
+          py::arg("device"), py::arg("adamw"), py::arg("offload_optimizer") = false)
       .def("compute_gradients", &ComputeGradientsBinding, py::arg("trajectories"), py::arg("loss"),
            py::arg("custom"), py::arg("executor"))
       .def("step",
@@ -268,6 +270,8 @@ void RegisterTrainer(py::module_& m) {
           [](BoundTrainer& self, double lr) {
             WithoutGil(self, [&](Trainer& t) { t.optimizer().set_lr(lr); });
           })
+      .def_property_readonly("offload_optimizer",
+                             [](BoundTrainer& self) { return self.trainer->optimizer().sharded(); })
       .def_property_readonly("step_count",
                              [](BoundTrainer& self) { return self.trainer->optimizer().step(); });
 }

@@ -33,9 +33,8 @@ TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tens
   }
   replicated_ = std::make_unique<AdamW>(named, options);
   if (group != nullptr) {
-    all_reduce_ = std::make_unique<GradientSynchronizer>(*group, std::move(named),
-                                                         GradientSynchronizerOptions{
-                                                             .bucket_bytes = bucket_bytes});
+    all_reduce_ = std::make_unique<GradientSynchronizer>(
+        *group, std::move(named), GradientSynchronizerOptions{.bucket_bytes = bucket_bytes});
   }
 }
 
@@ -61,6 +60,18 @@ int64_t TrainingOptimizer::step() const {
   return sharded_ ? sharded_->step() : replicated_->step();
 }
 
+const AdamWOptions& TrainingOptimizer::options() const {
+  return sharded_ ? sharded_->options() : replicated_->options();
+}
+
+void TrainingOptimizer::set_lr(double lr) {
+  if (sharded_) {
+    sharded_->set_lr(lr);
+  } else {
+    replicated_->set_lr(lr);
+  }
+}
+
 void TrainingOptimizer::SaveState(const std::string& directory) const {
   std::error_code error;
   fs::create_directories(directory, error);
@@ -79,7 +90,16 @@ bool TrainingOptimizer::HasState(const std::string& directory) const {
   return fs::exists(fs::path(directory) / kReplicatedFile);
 }
 
-void TrainingOptimizer::LoadState(const std::string& directory) {
+void TrainingOptimizer::LoadState(const std::string& path) {
+  if (fs::is_regular_file(path)) {  // one file: the replicated state, or one slice
+    if (sharded_) {
+      sharded_->LoadState({path});
+    } else {
+      replicated_->LoadState(path);
+    }
+    return;
+  }
+  const std::string& directory = path;
   const bool has_replicated = fs::exists(fs::path(directory) / kReplicatedFile);
   const std::vector<std::string> shards = ShardedAdamW::ShardFiles(directory);
   if (sharded_) {
@@ -90,9 +110,10 @@ void TrainingOptimizer::LoadState(const std::string& directory) {
     sharded_->LoadState(shards);
   } else {
     TORCH_CHECK(has_replicated, "optimizer state in ", directory, ": ",
-                !shards.empty() ? "it holds a sharded optimizer (optimizer-*-of-*.safetensors); "
-                                  "resume it with --shard_optimizer=true or --offload_optimizer=true"
-                                : "no optimizer.safetensors");
+                !shards.empty()
+                    ? "it holds a sharded optimizer (optimizer-*-of-*.safetensors); "
+                      "resume it with --shard_optimizer=true or --offload_optimizer=true"
+                    : "no optimizer.safetensors");
     replicated_->LoadState((fs::path(directory) / kReplicatedFile).string());
   }
 }

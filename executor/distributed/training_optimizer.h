@@ -46,14 +46,17 @@ class TrainingOptimizer {
   StepStats Step();
   int64_t step() const;
   bool sharded() const { return sharded_ != nullptr; }
+  const AdamWOptions& options() const;
+  // For learning-rate schedules; TORCH_CHECK lr >= 0 and finite.
+  void set_lr(double lr);
 
   // Writes this rank's part of the state into `directory` (created if missing): rank 0 the
   // replicated file, every rank its slice when sharded. Every rank calls it.
   void SaveState(const std::string& directory) const;
-  // Reads the state a SaveState of the same kind wrote into `directory` (sharded: by any number
-  // of ranks). TORCH_CHECK naming the directory when it holds the other kind's files, with the
-  // flags that resume it.
-  void LoadState(const std::string& directory);
+  // Reads the state a SaveState of the same kind wrote into `path`, a directory (sharded: by any
+  // number of ranks) or one state file. TORCH_CHECK naming the directory when it holds the other
+  // kind's files, with the flags that resume it.
+  void LoadState(const std::string& path);
   // Whether `directory` holds state this optimizer can load (its kind's files).
   bool HasState(const std::string& directory) const;
 

@@ -45,8 +45,8 @@ void HostAdamWUpdate(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_av
                      const at::Tensor& grad, double clip_coef, const AdamWStepScalars& scalars,
                      at::Tensor& rounded) {
   const int64_t n = master.numel();
-  for (const at::Tensor* t : {&std::as_const(master), &std::as_const(exp_avg),
-                              &std::as_const(exp_avg_sq), &grad}) {
+  for (const at::Tensor* t :
+       {&std::as_const(master), &std::as_const(exp_avg), &std::as_const(exp_avg_sq), &grad}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous() &&
                     t->numel() == n,
                 "HostAdamWUpdate: every state tensor must be a contiguous float32 CPU tensor of ",

@@ -255,7 +255,10 @@ def test_compute_logprobs_matches_transformers(checkpoint, trajectories, dtype, 
 # --- the optimizer and checkpoints ------------------------------------------------------------------
 
 
-def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, tmp_path):
+@pytest.mark.parametrize("offload", [False, True])
+def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, tmp_path, offload):
+    """One clipped AdamW step equals torch's, with AdamW's state on the model's device or offloaded
+    to host memory (ShardedAdamW over one rank); the state saves and resumes."""
     model, directory = checkpoint
     _, grads, model64 = reference(model, trajectories, "grpo")
     before = {name: p.detach().clone() for name, p in model64.named_parameters()}
@@ -264,7 +267,7 @@ def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, 
     optimizer.step()
 
     trainer = dta.Trainer(directory, dtype="float64", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
-                          max_grad_norm=0.5)
+                          max_grad_norm=0.5, offload_optimizer=offload)
     stats = trainer.train_batch(trajectories, "grpo", "dta", block_size=7)
     assert stats.step == 1 and trainer.step_count == 1
     assert stats.grad_norm == pytest.approx(norm, rel=RELATIVE) and stats.clip_coef < 1  # clipping was exercised
@@ -281,9 +284,14 @@ def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, 
     loaded = Qwen3ForCausalLM.from_pretrained(saved, dtype=torch.float64)
     for name, p in loaded.named_parameters():
         assert torch.equal(p.detach(), params[name].detach()), name
-    resumed = dta.Trainer(saved, dtype="float64")
+    resumed = dta.Trainer(saved, dtype="float64", offload_optimizer=offload)
     resumed.load_optimizer(saved)
     assert resumed.step_count == 1 and resumed.lr == 1e-3
+    state_files = sorted(p.name for p in saved.glob("optimizer*.safetensors"))
+    assert state_files == (["optimizer-00000-of-00001.safetensors"] if offload else ["optimizer.safetensors"])
+    other_kind = dta.Trainer(saved, dtype="float64", offload_optimizer=not offload)
+    with pytest.raises(RuntimeError, match="--offload_optimizer=" + ("true" if offload else "false")):
+        other_kind.load_optimizer(saved)
 
 
 def test_from_config_and_properties():

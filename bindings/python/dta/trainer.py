@@ -274,7 +274,7 @@ class Trainer:
     def __init__(self, model: str | os.PathLike[str], *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", lr: float = 1e-6, weight_decay: float = 0.01,
                  max_grad_norm: float = 1.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
+                 eps: float = 1e-8, offload_optimizer: bool = False) -> None:
         """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
 
         Args:
@@ -284,6 +284,9 @@ class Trainer:
             device: ``cpu``, ``cuda``, ``cuda:N``.
             lr, weight_decay, max_grad_norm, betas, eps: AdamW (decoupled weight decay; global
                 gradient-norm clip, <= 0 disables it).
+            offload_optimizer: Keep AdamW's state (float32 master weights and both moments, 12
+                bytes per parameter) in host memory and update it there, so that the GPU holds
+                only the weights and the gradients (as dta-train --offload_optimizer=true).
 
         Raises:
             FileNotFoundError: No such directory.
@@ -291,14 +294,15 @@ class Trainer:
         """
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
-        self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a), dtype, device,
-                   lr, weight_decay, max_grad_norm, betas, eps)
+        self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, offload_optimizer),
+                   dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
 
     @classmethod
     def from_config(cls, config: str | os.PathLike[str], *, seed: int = 1, init_std: float = 0.02,
                     dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", lr: float = 1e-6,
                     weight_decay: float = 0.01, max_grad_norm: float = 1.0,
-                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Trainer:
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    offload_optimizer: bool = False) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
         ``-4b``, ``-8b``) or a config.json; other arguments as the constructor's.
 
@@ -306,8 +310,9 @@ class Trainer:
             RuntimeError: Neither a preset nor a valid config.json (naming it).
         """
         self = cls.__new__(cls)
-        self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a), dtype,
-                   device, lr, weight_decay, max_grad_norm, betas, eps)
+        self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a,
+                                                               offload_optimizer),
+                   dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
         return self
 
     def _init(self, make: Callable[[torch.dtype, torch.device, Any], Any], dtype: str | torch.dtype,
@@ -413,17 +418,19 @@ class Trainer:
              optimizer: bool = True) -> None:
         """Writes a Hugging Face checkpoint (config.json + safetensors, in ``dtype``, default the
         model's) that transformers' ``from_pretrained`` loads, and with ``optimizer`` the AdamW state
-        as ``optimizer.safetensors`` (what dta-train --save writes)."""
+        as ``optimizer.safetensors`` (offloaded: ``optimizer-00000-of-00001.safetensors``), what
+        dta-train --save writes."""
         self._core.save(str(directory), None if dtype is None else _dtype(dtype), optimizer)
 
     @_serialized
     def load_optimizer(self, path: str | os.PathLike[str]) -> None:
-        """Restores the AdamW state from ``optimizer.safetensors`` or a directory holding it."""
+        """Restores the AdamW state from a directory that ``save`` (or dta-train --save) wrote, or
+        from one state file. An offloaded trainer reads the sharded files
+        (``optimizer-*-of-*.safetensors``, saved by any number of ranks), the others
+        ``optimizer.safetensors``; the other kind raises RuntimeError naming the option to use."""
         path = Path(path)
-        if path.is_dir():
-            path = path / "optimizer.safetensors"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file")
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such file or directory")
         self._core.load_optimizer(str(path))
 
     # --- the model ----------------------------------------------------------------------------
