@@ -24,6 +24,7 @@
 //
 // Exit status: 0 on success, 2 on bad input (flags, files, rollouts, checkpoints).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
@@ -143,7 +144,13 @@ int Run() {
   }
 
   const LayoutPlan layout = LayoutFromFlags(model.config(), env.world_size, options.device());
-  if (leader) std::cerr << "dta-train: " << DescribeLayout(layout) << "\n";
+  if (leader) {
+    std::cerr << "dta-train: " << DescribeLayout(layout) << "\n";
+    if (layout.layout.offload_optimizer) {
+      std::cerr << "dta-train: the offloaded update runs on " << at::get_num_threads()
+                << " host threads\n";
+    }
+  }
   if (layout.layout.shard_optimizer && env.world_size > 1 &&
       !absl::GetFlag(FLAGS_dump_grads).empty()) {
     throw BadInput{

@@ -117,13 +117,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, args: list[str]) -> list[tuple[str, str]]:
-    """dta-train --distributed on `world` local processes (Gloo); every rank must succeed."""
+def run_ranks(world: int, args: list[str], nodes: int = 1) -> list[tuple[str, str]]:
+    """dta-train --distributed on `world` local processes (Gloo), as `nodes` torchrun nodes would
+    start them (LOCAL_RANK and LOCAL_WORLD_SIZE per node); every rank must succeed."""
     port = free_port()
+    per_node = world // nodes
     ranks = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
+                   LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         ranks.append(subprocess.Popen(
             [tool("dta-train"), f"--config={CONFIG}", *args, "--distributed", "--timeout_s=60"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -150,19 +152,21 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("world, layout", [(2, "replicated"), (3, "replicated"), (2, "sharded"),
-                                           (3, "sharded"), (2, "sharded_offloaded")])
-def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, world, layout):
+@pytest.mark.parametrize("world, layout, nodes", [(2, "replicated", 1), (3, "replicated", 1), (2, "sharded", 1),
+                                                  (3, "sharded", 1), (2, "sharded_offloaded", 1),
+                                                  (4, "sharded", 2)])
+def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, world, layout, nodes):
     """dta-train --distributed on Gloo: each rank trains its part of the split under the whole
     batch's advantages and normalisers; the summed gradient equals one process's (float64), and so
     do the weights after two clipped optimizer steps, whether AdamW's state is replicated, sharded
-    across the ranks (ZeRO-1) or sharded and offloaded."""
+    across the ranks (ZeRO-1) or sharded and offloaded; and on two "nodes" (local ranks repeat, one
+    rendezvous on loopback), as torchrun --nnodes=2 starts them."""
     common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
               "--method=dta", "--block_size=64", "--max_grad_norm=0.05", "--json"]
     single = train(*common, f"--dump_grads={tmp_path / 'one.safetensors'}", f"--save={tmp_path / 'one'}")
     assert single.returncode == 0, single.stderr
     dump = [f"--dump_grads={tmp_path / 'many.safetensors'}"] if layout == "replicated" else []
-    outputs = run_ranks(world, [*common, *LAYOUTS[layout], *dump, f"--save={tmp_path / 'many'}"])
+    outputs = run_ranks(world, [*common, *LAYOUTS[layout], *dump, f"--save={tmp_path / 'many'}"], nodes)
     assert "DFS-contiguous" in outputs[0][0] and "greedy by tree tokens" in outputs[0][0]
     sharded = layout != "replicated"
     assert ("optimizer sharded" in outputs[0][1]) == sharded, outputs[0][1]
