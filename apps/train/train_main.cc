@@ -220,6 +220,8 @@ int Run() {
                                  {"seconds", seconds},
                                  {"executor_seconds", seconds - optimizer_seconds},
                                  {"optimizer_seconds", optimizer_seconds},
+                                 {"offload_update_seconds", optimizer.offload_times().update},
+                                 {"offload_copy_wait_seconds", optimizer.offload_times().copy_wait},
                                  {"rollout_tokens_per_second", throughput},
                                  {"peak_memory_gib", peak},
                                  {"host_peak_memory_gib", host_peak}});

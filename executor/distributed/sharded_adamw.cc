@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -291,8 +292,16 @@ void ShardedAdamW::OffloadedUpdate(const at::Tensor& shard, double clip_coef,
   at::Tensor rounded[2] = {at::empty({b}, host.dtype(param_dtype_)),
                            at::empty({b}, host.dtype(param_dtype_))};
   c10::impl::VirtualGuardImpl guard(device_.type());
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  offload_times_ = {};
+  const Clock::time_point start = Clock::now();
   auto wait_for_copies = [&] {
+    const Clock::time_point wait_start = Clock::now();
     if (pinned) guard.getStream(device_).synchronize();
+    offload_times_.copy_wait += seconds_since(wait_start);
   };
   auto fetch = [&](int64_t begin) {
     const int64_t count = std::min(b, shard_ - begin);
@@ -307,10 +316,13 @@ void ShardedAdamW::OffloadedUpdate(const at::Tensor& shard, double clip_coef,
     at::Tensor m = exp_avg_.narrow(0, begin, count);
     at::Tensor v = exp_avg_sq_.narrow(0, begin, count);
     at::Tensor out = rounded[k].narrow(0, 0, count);
+    const Clock::time_point update_start = Clock::now();
     HostAdamWUpdate(w, m, v, grads[k].narrow(0, 0, count), clip_coef, scalars, out);
+    offload_times_.update += seconds_since(update_start);
     return out.to(device_, /*non_blocking=*/pinned);
   });
   wait_for_copies();  // the pinned buffers outlive every copy from them
+  offload_times_.total = seconds_since(start);
 }
 
 std::string ShardedAdamW::ShardFileName(int rank, int world) {

@@ -74,6 +74,13 @@ struct ShardedAdamWOptions {
   int64_t bucket_elements = int64_t{16} << 20;
 };
 
+// Where the last offloaded Step() spent its time, seconds (zeros without offload).
+struct OffloadTimes {
+  double copy_wait = 0;  // waiting for the gradients to reach the host (and the weights to leave)
+  double update = 0;     // the host update (HostAdamWUpdate or AdamWUpdate)
+  double total = 0;      // the whole update and publication, the all-gathers included
+};
+
 class ShardedAdamW {
  public:
   // `group`: the data-parallel ranks the state is sharded across (must outlive this object), or
@@ -131,6 +138,7 @@ class ShardedAdamW {
   const at::Tensor& master_shard() const { return master_; }
   const at::Tensor& exp_avg_shard() const { return exp_avg_; }
   const at::Tensor& exp_avg_sq_shard() const { return exp_avg_sq_; }
+  const OffloadTimes& offload_times() const { return offload_times_; }
 
  private:
   // Calls fn(parameter index, offset in the parameter, elements, offset from flat_begin) for every
@@ -167,6 +175,7 @@ class ShardedAdamW {
   at::Tensor exp_avg_sq_;  // [S]
   std::string fingerprint_;
   int64_t step_ = 0;
+  OffloadTimes offload_times_;
 };
 
 }  // namespace dta

@@ -46,6 +46,10 @@ class TrainingOptimizer {
   StepStats Step();
   int64_t step() const;
   bool sharded() const { return sharded_ != nullptr; }
+  // Where the last offloaded step spent its time (zeros when not offloaded).
+  OffloadTimes offload_times() const {
+    return sharded_ ? sharded_->offload_times() : OffloadTimes{};
+  }
   const AdamWOptions& options() const;
   // For learning-rate schedules; TORCH_CHECK lr >= 0 and finite.
   void set_lr(double lr);

@@ -1,6 +1,7 @@
 // AdamW's update fused into one pass over host memory, for optimizer state offloaded to the host
 // (ShardedAdamW): reads each element's gradient, master weight and moments once, writes them back
-// and writes the weight rounded to the parameters' dtype, on every core (at::parallel_for). The
+// and writes the weight rounded to the parameters' dtype, on every core (at::get_num_threads()
+// threads). The
 // chain of tensor operations in AdamWUpdate makes about a dozen passes over memory instead, which
 // left an offloaded Qwen3-8B step spending three quarters of its time in the optimizer.
 //
