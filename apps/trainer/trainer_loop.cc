@@ -80,11 +80,17 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
         "report");
     if (decision != StepDecision::kCommit)
       throw TrainerRestart{absl::StrCat("step ", step, " aborted")};
+    const auto optimizer_start = std::chrono::steady_clock::now();
     const StepStats stats = optimizer.Step();
+    const double optimizer_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_start).count();
     ++step;
-    std::fprintf(stderr, "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s\n",
-                 prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
-                 static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, seconds);
+    std::fprintf(
+        stderr,
+        "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s, optimizer %.2f s\n",
+        prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
+        static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, seconds,
+        optimizer_seconds);
     bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
     // A sharded optimizer is saved by every rank: they agree on a request (sent to rank 0).
     const bool every_rank =
