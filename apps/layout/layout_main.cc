@@ -31,9 +31,9 @@ ABSL_FLAG(double, activation_gb, 8,
 ABSL_FLAG(double, host_gb, 0,
           "host memory per node for offloaded optimizer state, GiB (0: not checked)");
 ABSL_FLAG(int32_t, tensor_parallel, 0, "the TP degree (0: choose)");
-ABSL_FLAG(std::string, shard_optimizer, "auto", "auto, on or off: ZeRO-1 across the DP ranks");
+ABSL_FLAG(std::string, shard_optimizer, "auto", "auto, true or false: ZeRO-1 across the DP ranks");
 ABSL_FLAG(std::string, offload_optimizer, "auto",
-          "auto, on or off: optimizer state in host memory");
+          "auto, true or false: optimizer state in host memory");
 ABSL_FLAG(bool, table, false,
           "print the memory table (Qwen3 1.7B to 32B on 1 to 8 GPUs of 80 and 141 GiB)");
 
@@ -47,10 +47,9 @@ struct BadInput {
 };
 
 std::optional<bool> Choice(const char* flag, const std::string& value) {
-  if (value == "auto") return std::nullopt;
-  if (value == "on") return true;
-  if (value == "off") return false;
-  throw BadInput{absl::StrCat("--", flag, " must be auto, on or off, got '", value, "'")};
+  absl::StatusOr<std::optional<bool>> choice = ParseLayoutChoice(flag, value);
+  if (!choice.ok()) throw BadInput{std::string(choice.status().message())};
+  return *choice;
 }
 
 Qwen3Config ConfigFromFlag(const std::string& name) {

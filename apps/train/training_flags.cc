@@ -203,11 +203,10 @@ void ResetPeakMemory(const at::Device& device) {
 
 namespace {
 
-std::optional<bool> TriState(const std::string& flag, const std::string& value) {
-  if (value == "auto") return std::nullopt;
-  if (value == "true" || value == "1") return true;
-  if (value == "false" || value == "0") return false;
-  throw BadInput{"--" + flag + " must be auto, true or false, got '" + value + "'"};
+std::optional<bool> LayoutChoiceFlag(const char* flag, const std::string& value) {
+  absl::StatusOr<std::optional<bool>> choice = ParseLayoutChoice(flag, value);
+  if (!choice.ok()) throw BadInput{std::string(choice.status().message())};
+  return *choice;
 }
 
 int64_t PhysicalMemoryBytes() {
@@ -241,8 +240,10 @@ LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::
   request.weight_bytes =
       static_cast<int32_t>(c10::elementSize(TensorOptionsFromFlags().dtype().toScalarType()));
   request.tensor_parallel = 1;  // the executor has no tensor parallelism yet
-  request.shard_optimizer = TriState("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
-  request.offload_optimizer = TriState("offload_optimizer", absl::GetFlag(FLAGS_offload_optimizer));
+  request.shard_optimizer =
+      LayoutChoiceFlag("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
+  request.offload_optimizer =
+      LayoutChoiceFlag("offload_optimizer", absl::GetFlag(FLAGS_offload_optimizer));
   absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
   if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
   return *plan;

@@ -137,6 +137,15 @@ absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutReq
       host, "; add GPUs, allow offload or tensor parallelism, or lower the activation reserve"));
 }
 
+absl::StatusOr<std::optional<bool>> ParseLayoutChoice(std::string_view flag,
+                                                      std::string_view value) {
+  if (value == "auto") return std::optional<bool>();
+  if (value == "true" || value == "on" || value == "1") return std::optional<bool>(true);
+  if (value == "false" || value == "off" || value == "0") return std::optional<bool>(false);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", std::string(flag), " must be auto, true or false, got '", std::string(value), "'"));
+}
+
 std::string DescribeLayout(const LayoutPlan& plan) {
   const MemoryEstimate& m = plan.memory;
   std::string out =

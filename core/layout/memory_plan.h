@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -94,6 +95,12 @@ std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config, const Layo
 // RESOURCE_EXHAUSTED when nothing fits, naming the parameters, the GPUs and the smallest layout's
 // bytes.
 absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutRequest& request);
+
+// A --shard_optimizer / --offload_optimizer value: "auto" (nullopt: the planner chooses), "true"
+// ("on", "1") or "false" ("off", "0"). INVALID_ARGUMENT "--<flag> must be auto, true or false,
+// got '<value>'" otherwise.
+absl::StatusOr<std::optional<bool>> ParseLayoutChoice(std::string_view flag,
+                                                      std::string_view value);
 
 // One line per quantity, e.g. "layout: TP 2 x DP 4, optimizer sharded, on the GPU; per GPU
 // 38.2 GB of 80.0 GB: weights 8.2 GB, ...", for dta-trainer to print at start.

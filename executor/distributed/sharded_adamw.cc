@@ -193,11 +193,12 @@ void ShardedAdamW::ReduceGradients() {
   }
 }
 
-void ShardedAdamW::InitMaster() {
-  master_ = at::zeros({shard_}, exp_avg_.options());
+at::Tensor ShardedAdamW::MasterFromParameters() const {
+  at::Tensor master = at::zeros({shard_}, exp_avg_.options());
   ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t in_param, int64_t n, int64_t local) {
-    master_.narrow(0, local, n).copy_(named_[i].second.detach().view(-1).narrow(0, in_param, n));
+    master.narrow(0, local, n).copy_(named_[i].second.detach().view(-1).narrow(0, in_param, n));
   });
+  return master;
 }
 
 template <typename Produce>
@@ -257,7 +258,7 @@ StepStats ShardedAdamW::Step() {
   StepStats stats;
   stats.grad_norm = total;
   stats.clip_coef = ClipCoefficient(total, options_.max_grad_norm);
-  if (!master_.defined()) InitMaster();
+  if (!master_.defined()) master_ = MasterFromParameters();
   const int64_t t = step_ + 1;
   const AdamWStepScalars scalars = AdamWScalarsFor(options_, t);
   if (sharding_.offload && state_dtype_ == at::kFloat) {
@@ -348,13 +349,8 @@ void ShardedAdamW::SaveState(const std::string& path) const {
   at::NoGradGuard no_grad;
   const int64_t begin = std::min(numel_, rank_ * shard_);
   const int64_t count = shard_end() - begin;
-  at::Tensor master = master_;
-  if (!master.defined()) {  // before the first step: the parameters are the master weights
-    master = at::zeros({shard_}, exp_avg_.options());
-    ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t in_param, int64_t n, int64_t local) {
-      master.narrow(0, local, n).copy_(named_[i].second.detach().view(-1).narrow(0, in_param, n));
-    });
-  }
+  // Before the first step the parameters are the master weights.
+  const at::Tensor master = master_.defined() ? master_ : MasterFromParameters();
   const at::Tensor state[] = {master, exp_avg_, exp_avg_sq_};
   std::vector<at::Tensor> host;
   std::vector<TensorToWrite> tensors;

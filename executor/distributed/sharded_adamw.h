@@ -152,7 +152,8 @@ class ShardedAdamW {
   // all-gathered and written into every rank's parameters.
   template <typename Produce>
   void PublishParameters(Produce&& produce);
-  void InitMaster();
+  // This rank's slice of the parameters in the state dtype, where the state lives (padding zero).
+  at::Tensor MasterFromParameters() const;
   // Step's update with the state in host memory (float32 state: HostAdamWUpdate, pipelined).
   void OffloadedUpdate(const at::Tensor& shard, double clip_coef, const AdamWStepScalars& scalars);
   std::string Describe(const char* what, int64_t bucket, int64_t buckets) const;
