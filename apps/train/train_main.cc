@@ -21,6 +21,10 @@
 // and offloaded to host memory when it does not fit on the GPU otherwise; --shard_optimizer,
 // --offload_optimizer, --gpu_memory_gb and --activation_gb override the plan. Each step's line
 // gives the optimizer's share of the time and the host's peak memory too.
+// --tensor_parallel=T (0: the planner's choice) splits each replica's weights across T
+// consecutive ranks (Megatron-style, executor/model): the world is T x DP ranks, the batch is split
+// across the DP replicas, and the TP ranks of a replica train its part together. --save writes the
+// whole model (gathered) and each rank's optimizer state.
 //
 // Exit status: 0 on success, 2 on bad input (flags, files, rollouts, checkpoints).
 #include <ATen/ATen.h>
@@ -46,6 +50,7 @@
 #include "core/partition/partition.h"
 #include "core/tree/tree_stats.h"
 #include "dispatcher/batch/batch_plan.h"
+#include "executor/distributed/parallel_groups.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
@@ -109,41 +114,55 @@ int Run() {
     }
   }
   const bool leader = env.rank == 0;  // prints, dumps and saves
-  Qwen3Model model = ModelFromFlags(options);
+  // The layout first: tensor parallelism decides which part of the model this rank builds.
+  const Qwen3Config config = ConfigFromFlags();
+  const LayoutPlan layout = LayoutFromFlags(config, env.world_size, options.device(),
+                                            /*tensor_parallel_supported=*/true);
+  const int tensor_parallel = layout.layout.tensor_parallel;
+  if (tensor_parallel > 1 && !absl::GetFlag(FLAGS_dump_grads).empty()) {
+    throw BadInput{"--dump_grads needs the whole gradient, which tensor parallelism splits"};
+  }
   absl::StatusOr<std::vector<Rollout>> rollouts =
-      ReadRolloutsJsonl(path, {.vocab_size = model.config().vocab_size});
+      ReadRolloutsJsonl(path, {.vocab_size = config.vocab_size});
   if (!rollouts.ok()) throw BadInput{std::string(rollouts.status().message())};
   std::vector<std::vector<TokenId>> sequences;
   for (const Rollout& r : *rollouts) sequences.push_back(r.tokens);
   const PrefixTree tree = *PrefixTree::FromRollouts(sequences);
   const TreeStats stats = ComputeTreeStats(tree);
 
-  // This process's rollouts and the batch's normalisers (all of them, on one process).
+  // This process's rollouts and the batch's normalisers (all of them, on one process). The
+  // rollouts are split across the data-parallel replicas; the TP ranks of a replica share its part.
   BatchLossContext batch = MakeBatchContext(*rollouts);
   std::vector<Rollout> mine;
-  std::unique_ptr<ProcessGroup> group;
+  std::unique_ptr<ProcessGroup> world;
+  std::unique_ptr<ParallelGroups> groups;
   if (distributed) {
+    ProcessGroupOptions group_options;
+    group_options.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
+    absl::StatusOr<std::unique_ptr<ProcessGroup>> created = ProcessGroup::Create(
+        env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), group_options);
+    if (!created.ok()) throw std::runtime_error(std::string(created.status().message()));
+    world = *std::move(created);
+    groups = std::make_unique<ParallelGroups>(*world, tensor_parallel, group_options);
+    const int replicas = groups->data_parallel_size();
     std::vector<const Rollout*> pointers;
     for (const Rollout& r : *rollouts) pointers.push_back(&r);
-    absl::StatusOr<PartitionPlan> plan = PlanPartitions(
-        pointers, env.world_size, /*with_advantages=*/loss.kind != LossKind::kSft, true);
+    absl::StatusOr<PartitionPlan> plan =
+        PlanPartitions(pointers, replicas, /*with_advantages=*/loss.kind != LossKind::kSft, true);
     if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
     batch = plan->context;
-    for (int64_t i : plan->ranks[env.rank]) {
+    for (int64_t i : plan->ranks[groups->data_parallel_rank()]) {
       mine.push_back((*rollouts)[i]);
       mine.back().advantages = PlannedAdvantages(*plan, i, mine.back());
     }
-    if (leader) PrintSplit(tree, *plan, env.world_size);
-    absl::StatusOr<std::unique_ptr<ProcessGroup>> created = ProcessGroup::Create(
-        env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU),
-        {.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s))});
-    if (!created.ok()) throw std::runtime_error(std::string(created.status().message()));
-    group = *std::move(created);
+    if (leader) PrintSplit(tree, *plan, replicas);
   } else {
     mine = *std::move(rollouts);
   }
+  Qwen3Model model =
+      ModelFromFlags(options, groups ? groups->tensor_parallel_collectives() : nullptr);
+  ProcessGroup* group = groups ? &groups->data_parallel() : nullptr;
 
-  const LayoutPlan layout = LayoutFromFlags(model.config(), env.world_size, options.device());
   if (leader) {
     std::cerr << "dta-train: " << DescribeLayout(layout) << "\n";
     if (layout.layout.offload_optimizer) {
@@ -157,8 +176,8 @@ int Run() {
         "--dump_grads needs every rank's whole gradient, which a sharded optimizer "
         "reduce-scatters: add --shard_optimizer=false"};
   }
-  TrainingOptimizer optimizer(model.named_parameters(), group.get(), layout.layout,
-                              AdamWFromFlags());
+  TrainingOptimizer optimizer(model.named_parameters(), group, layout.layout, AdamWFromFlags(),
+                              int64_t{25} << 20, model.gradient_norm_scope());
   if (!absl::GetFlag(FLAGS_resume).empty()) optimizer.LoadState(absl::GetFlag(FLAGS_resume));
   const bool json = absl::GetFlag(FLAGS_json);
   if (!json && leader) {
@@ -184,7 +203,8 @@ int Run() {
     if (!mine.empty()) result = ComputeGradients(model, mine, loss, executor, batch);
     optimizer.SyncGradients();
     if (group) {
-      // The batch's loss and tokens: the sum over the ranks.
+      // The batch's loss and tokens: the sum over the data-parallel replicas (a replica's TP ranks
+      // all hold its whole loss).
       const std::vector<double> sums =
           group->AllReduceScalars({result.loss, static_cast<double>(result.rollout_tokens),
                                    static_cast<double>(result.forwarded_tokens)});
@@ -238,10 +258,11 @@ int Run() {
   }
   if (!absl::GetFlag(FLAGS_save).empty()) {
     const std::string dir = absl::GetFlag(FLAGS_save);
-    if (leader) SaveQwen3Model(model, dir);
+    // Replica 0's TP ranks gather the split weights; world rank 0 writes them.
+    if (!groups || groups->data_parallel_rank() == 0) SaveQwen3Model(model, dir);
     optimizer.SaveState(dir);  // every rank writes what it owns
   }
-  if (group) group->Barrier();  // rank 0's store outlives the others' last collective
+  if (world) world->Barrier();  // rank 0's store outlives the others' last collective
   return 0;
 }
 

@@ -78,6 +78,9 @@ ABSL_FLAG(std::string, offload_optimizer, "auto",
 ABSL_FLAG(double, gpu_memory_gb, 0,
           "memory per GPU the layout may plan for, GB (0: the device's total; on the CPU, the "
           "host's)");
+ABSL_FLAG(int32_t, tensor_parallel, 1,
+          "ranks each replica's weights are split across (tensor parallelism, within a node; must "
+          "divide the KV heads and the world size); 0: the layout planner's choice");
 ABSL_FLAG(double, activation_gb, 8,
           "memory per GPU reserved for the executor, GB (layout planning)");
 
@@ -165,15 +168,23 @@ at::TensorOptions TensorOptionsFromFlags() {
   return at::TensorOptions().dtype(type).device(at::Device(absl::GetFlag(FLAGS_device)));
 }
 
-Qwen3Model ModelFromFlags(const at::TensorOptions& options) {
+Qwen3Config ConfigFromFlags() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   const std::string config_name = absl::GetFlag(FLAGS_config);
   if (dir.empty() == config_name.empty())
     throw BadInput{"give exactly one of --model and --config"};
-  if (!dir.empty()) return LoadQwen3Model(dir, options);
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(config_name);
+  absl::StatusOr<Qwen3Config> config =
+      dir.empty() ? Qwen3ConfigFromName(config_name) : LoadQwen3Config(dir);
   if (!config.ok()) throw BadInput{std::string(config.status().message())};
-  Qwen3Model model(*config, options);
+  return *config;
+}
+
+Qwen3Model ModelFromFlags(const at::TensorOptions& options,
+                          std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
+  const Qwen3Config config = ConfigFromFlags();
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (!dir.empty()) return LoadQwen3Model(dir, options, std::move(tensor_parallel));
+  Qwen3Model model(config, options, std::move(tensor_parallel));
   model.InitRandom(absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
   return model;
 }
@@ -215,7 +226,8 @@ int64_t PhysicalMemoryBytes() {
 
 }  // namespace
 
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device) {
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
+                           bool tensor_parallel_supported) {
   LayoutRequest request;
   request.world_size = world_size;
   // Ranks per node, as torchrun exports it; TP never crosses it.
@@ -239,7 +251,14 @@ LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::
   request.host_bytes_per_node = PhysicalMemoryBytes();
   request.weight_bytes =
       static_cast<int32_t>(c10::elementSize(TensorOptionsFromFlags().dtype().toScalarType()));
-  request.tensor_parallel = 1;  // the executor has no tensor parallelism yet
+  const int32_t tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
+  if (tensor_parallel < 0) throw BadInput{"--tensor_parallel must be >= 0"};
+  if (!tensor_parallel_supported && tensor_parallel > 1) {
+    throw BadInput{"--tensor_parallel=" + std::to_string(tensor_parallel) +
+                   ": this binary trains with data parallelism only (TP 1); dta-train "
+                   "--distributed runs tensor parallelism"};
+  }
+  request.tensor_parallel = tensor_parallel_supported ? tensor_parallel : 1;
   request.shard_optimizer =
       LayoutChoiceFlag("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
   request.offload_optimizer =

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 
 #include "absl/flags/declare.h"
@@ -32,13 +33,19 @@ LossOptions LossFromFlags();
 ExecutorOptions ExecutorFromFlags();
 at::TensorOptions TensorOptionsFromFlags();
 AdamWOptions AdamWFromFlags();
-// The layout (optimizer sharding and offload; TP 1) for `world_size` data-parallel ranks on
-// `device`, from --shard_optimizer, --offload_optimizer, --gpu_memory_gb and --activation_gb and
-// the device's memory (core/layout's planner). BadInput with the planner's message (naming the
-// numbers) when nothing fits or an override is impossible.
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device);
-// --model (a Hugging Face directory) or --config (a preset or config.json, random weights).
-Qwen3Model ModelFromFlags(const at::TensorOptions& options);
+// The layout (tensor parallelism, optimizer sharding and offload) for `world_size` ranks on
+// `device`, from --tensor_parallel, --shard_optimizer, --offload_optimizer, --gpu_memory_gb and
+// --activation_gb and the device's memory (core/layout's planner). Without
+// `tensor_parallel_supported` the layout has TP 1 and --tensor_parallel > 1 is refused. BadInput
+// with the planner's message (naming the numbers) when nothing fits or an override is impossible.
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
+                           bool tensor_parallel_supported = false);
+// The config of --model (its config.json) or --config (a preset or a config.json).
+Qwen3Config ConfigFromFlags();
+// --model (a Hugging Face directory) or --config (random weights), this rank's parts under
+// `tensor_parallel`.
+Qwen3Model ModelFromFlags(const at::TensorOptions& options,
+                          std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
 
 // Peak memory since the last reset: allocated GPU memory on CUDA, the process's peak RSS on the
 // CPU.

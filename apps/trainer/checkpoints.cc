@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "core/base/remove_tree.h"
 #include "executor/model/qwen3_checkpoint.h"
 #include "nlohmann/json.hpp"
 
@@ -23,18 +23,6 @@ namespace fs = std::filesystem;
 
 constexpr char kPrefix[] = "step-";
 constexpr char kTrainerFile[] = "trainer.json";
-
-// std::filesystem::remove_all is not used: libtorch.so exports its own (older) copy of it, which
-// the dynamic linker binds our calls to, and which crashes. nftw deletes depth first instead.
-void RemoveTree(const fs::path& path) {
-  nftw(
-      path.c_str(),
-      [](const char* file, const struct stat*, int, struct FTW*) {
-        ::remove(file);  // keep going: what cannot be removed stays, harmlessly
-        return 0;
-      },
-      16, FTW_DEPTH | FTW_PHYS);
-}
 
 // Flushes the file system holding `path` (every file written into the checkpoint, and the
 // directory entries).

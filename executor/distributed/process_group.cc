@@ -198,6 +198,17 @@ void ProcessGroup::Wait(c10d::Work& work, std::string_view what) const {
   TORCH_CHECK(completed, "rank ", rank_, " of ", size_, ": ", what, " was aborted");
 }
 
+void ProcessGroup::WaitStreamOrdered(c10d::Work& work, std::string_view what) const {
+  if (!device_.is_cuda()) return Wait(work, what);
+  try {
+    // Without a timeout WorkNCCL::wait only makes the current stream wait (with one it would
+    // block the host until the collective finished).
+    work.wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank_, " of ", size_, ": ", what, " failed: ", ErrorText(e));
+  }
+}
+
 std::vector<double> ProcessGroup::AllReduceScalars(const std::vector<double>& values) {
   if (values.empty()) return {};
   at::Tensor sums =

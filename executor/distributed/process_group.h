@@ -120,6 +120,10 @@ class ProcessGroup {
   // Waits for `work` up to timeout(). TORCH_CHECK naming this rank and `what` (e.g. "all-reduce of
   // gradient bucket 3 of 7 (...)") when the collective failed, was aborted or timed out.
   void Wait(c10d::Work& work, std::string_view what) const;
+  // For collectives inside a computation: on NCCL the current CUDA stream waits for `work` and the
+  // host does not (a hang surfaces through NCCL's watchdog after timeout()); on Gloo, Wait().
+  // TORCH_CHECK naming this rank and `what` when the collective failed.
+  void WaitStreamOrdered(c10d::Work& work, std::string_view what) const;
 
   // The element-wise sum over the ranks of `values` (every rank passes as many), in float64:
   // small statistics such as loss sums and token counts. Empty in, empty out (no collective).

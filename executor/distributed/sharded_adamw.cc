@@ -61,6 +61,9 @@ ShardedAdamW::ShardedAdamW(ProcessGroup* group,
   CheckAdamWOptions(options_, "ShardedAdamW: ");
   TORCH_CHECK(sharding_.bucket_elements > 0, "ShardedAdamW: bucket_elements must be > 0, got ",
               sharding_.bucket_elements);
+  TORCH_CHECK(sharding_.tensor_parallel.group == nullptr ||
+                  sharding_.tensor_parallel.replicated.size() == named_.size(),
+              "ShardedAdamW: tensor_parallel.replicated must have one entry per parameter");
   TORCH_CHECK(!named_.empty(), "ShardedAdamW: no parameters");
   if (group_ != nullptr) {
     rank_ = group_->rank();
@@ -237,14 +240,27 @@ StepStats ShardedAdamW::Step() {
   at::NoGradGuard no_grad;
   const at::Tensor shard = GradShard();
   const int64_t b = std::min(sharding_.bucket_elements, shard_);
+  const TensorParallelNorm& tensor_parallel = sharding_.tensor_parallel;
   std::vector<at::Tensor> norms;
-  for (int64_t begin = 0; begin < shard_; begin += b) {
-    norms.push_back(at::linalg_vector_norm(shard.narrow(0, begin, std::min(b, shard_ - begin)), 2,
-                                           std::nullopt, false, at::kDouble));
+  bool every_piece = true;
+  for (size_t i = 0; i < named_.size() && every_piece; ++i) every_piece = tensor_parallel.Counts(i);
+  if (every_piece) {
+    for (int64_t begin = 0; begin < shard_; begin += b) {
+      norms.push_back(at::linalg_vector_norm(shard.narrow(0, begin, std::min(b, shard_ - begin)), 2,
+                                             std::nullopt, false, at::kDouble));
+    }
+  } else {
+    // A tensor-parallel rank other than 0 leaves the replicated parameters to rank 0.
+    ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t, int64_t n, int64_t local_at) {
+      if (!tensor_parallel.Counts(i)) return;
+      norms.push_back(at::linalg_vector_norm(shard.narrow(0, local_at, n), 2, std::nullopt, false,
+                                             at::kDouble));
+    });
   }
-  const double local = at::stack(norms).square().sum().item<double>();
-  const double total =
-      std::sqrt(group_ != nullptr ? group_->AllReduceScalars({local}).front() : local);
+  const double local = norms.empty() ? 0.0 : at::stack(norms).square().sum().item<double>();
+  const double data_parallel =
+      group_ != nullptr ? group_->AllReduceScalars({local}).front() : local;
+  const double total = std::sqrt(tensor_parallel.Sum(data_parallel, device_));
   if (!std::isfinite(total)) {
     ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t, int64_t n, int64_t local_at) {
       TORCH_CHECK(at::isfinite(shard.narrow(0, local_at, n)).all().item<bool>(),

@@ -63,6 +63,7 @@
 
 #include "executor/distributed/process_group.h"
 #include "executor/optim/adamw.h"
+#include "executor/parallel/tensor_parallel.h"
 
 namespace dta {
 
@@ -72,6 +73,9 @@ struct ShardedAdamWOptions {
   // Elements of this rank's slice per bucket: each reduce-scatter and all-gather moves world x
   // bucket_elements elements, and the offloaded update copies this many at a time. Must be > 0.
   int64_t bucket_elements = int64_t{16} << 20;
+  // Under tensor parallelism (the parameters are one TP rank's parts; `group` is the
+  // data-parallel ranks of that TP rank): the global norm for clipping spans the TP ranks too.
+  TensorParallelNorm tensor_parallel = {};
 };
 
 // Where the last offloaded Step() spent its time, seconds (zeros without offload).

@@ -8,11 +8,36 @@
 namespace dta {
 namespace fs = std::filesystem;
 
+namespace {
+
+std::string Padded(int value) {
+  std::string digits = std::to_string(value);
+  return std::string(digits.size() < 2 ? 2 - digits.size() : 0, '0') + digits;
+}
+
+// The name of a tp-RR-of-TT subdirectory of `directory`, or "" when it has none.
+std::string TensorParallelStateIn(const std::string& directory) {
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(directory, error)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && name.starts_with("tp-")) return name;
+  }
+  return "";
+}
+
+}  // namespace
+
 TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named,
                                      ProcessGroup* group, const TrainingLayout& layout,
-                                     AdamWOptions options, int64_t bucket_bytes) {
-  TORCH_CHECK(layout.tensor_parallel == 1, "TrainingOptimizer: tensor parallelism (TP ",
-              layout.tensor_parallel, ") is not supported by this optimizer yet");
+                                     AdamWOptions options, int64_t bucket_bytes,
+                                     TensorParallelNorm tensor_parallel) {
+  const int tp = tensor_parallel.group != nullptr ? tensor_parallel.group->size() : 1;
+  TORCH_CHECK(layout.tensor_parallel == tp, "TrainingOptimizer: the layout's tensor parallelism (",
+              layout.tensor_parallel, ") differs from the model's (", tp, ")");
+  if (tp > 1) {
+    tensor_parallel_subdirectory_ =
+        "tp-" + Padded(tensor_parallel.group->rank()) + "-of-" + Padded(tp);
+  }
   TORCH_CHECK(!layout.shard_optimizer || group != nullptr || layout.data_parallel == 1,
               "TrainingOptimizer: sharding across ", layout.data_parallel,
               " data-parallel ranks needs a process group");
@@ -28,10 +53,11 @@ TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tens
     sharded_ = std::make_unique<ShardedAdamW>(
         shard_group, std::move(named), options,
         ShardedAdamWOptions{.offload = layout.offload_optimizer,
-                            .bucket_elements = std::max<int64_t>(1, bucket_bytes / element_bytes)});
+                            .bucket_elements = std::max<int64_t>(1, bucket_bytes / element_bytes),
+                            .tensor_parallel = std::move(tensor_parallel)});
     return;
   }
-  replicated_ = std::make_unique<AdamW>(named, options);
+  replicated_ = std::make_unique<AdamW>(named, options, std::move(tensor_parallel));
   if (group != nullptr) {
     all_reduce_ = std::make_unique<GradientSynchronizer>(
         *group, std::move(named), GradientSynchronizerOptions{.bucket_bytes = bucket_bytes});
@@ -72,7 +98,13 @@ void TrainingOptimizer::set_lr(double lr) {
   }
 }
 
-void TrainingOptimizer::SaveState(const std::string& directory) const {
+std::string TrainingOptimizer::StateDirectory(const std::string& directory) const {
+  if (tensor_parallel_subdirectory_.empty()) return directory;
+  return (fs::path(directory) / tensor_parallel_subdirectory_).string();
+}
+
+void TrainingOptimizer::SaveState(const std::string& top) const {
+  const std::string directory = StateDirectory(top);
   std::error_code error;
   fs::create_directories(directory, error);
   TORCH_CHECK(!error, "cannot create ", directory, ": ", error.message());
@@ -85,7 +117,8 @@ void TrainingOptimizer::SaveState(const std::string& directory) const {
   }
 }
 
-bool TrainingOptimizer::HasState(const std::string& directory) const {
+bool TrainingOptimizer::HasState(const std::string& top) const {
+  const std::string directory = StateDirectory(top);
   if (sharded_) return !ShardedAdamW::ShardFiles(directory).empty();
   return fs::exists(fs::path(directory) / kReplicatedFile);
 }
@@ -99,7 +132,18 @@ void TrainingOptimizer::LoadState(const std::string& path) {
     }
     return;
   }
-  const std::string& directory = path;
+  const std::string directory = StateDirectory(path);
+  // The state of a rank's parts does not reshard across tensor-parallel sizes.
+  const std::string saved_tp = TensorParallelStateIn(path);
+  TORCH_CHECK(
+      fs::is_directory(directory) && (saved_tp.empty() || !tensor_parallel_subdirectory_.empty()),
+      "optimizer state in ", path, ": ",
+      saved_tp.empty() ? std::string("it was saved without tensor parallelism")
+                       : "it was saved with tensor parallelism (" + saved_tp + ")",
+      ", and this run ",
+      tensor_parallel_subdirectory_.empty() ? std::string("has none")
+                                            : "looks for " + tensor_parallel_subdirectory_,
+      ": optimizer state resumes only with the tensor-parallel size it was saved with");
   const bool has_replicated = fs::exists(fs::path(directory) / kReplicatedFile);
   const std::vector<std::string> shards = ShardedAdamW::ShardFiles(directory);
   if (sharded_) {

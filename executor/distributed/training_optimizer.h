@@ -31,11 +31,15 @@ namespace dta {
 
 class TrainingOptimizer {
  public:
-  // `group`: the data-parallel ranks (null: one process). layout.tensor_parallel must be 1 for now.
-  // TORCH_CHECK when the layout cannot be built (e.g. sharding across ranks without a group).
+  // `group`: the data-parallel ranks (null: one process). Under tensor parallelism
+  // `named_parameters` are this TP rank's parts, `group` the DP ranks holding the same parts, and
+  // `tensor_parallel` (Qwen3Model::gradient_norm_scope) lets the clipping norm span the TP ranks;
+  // layout.tensor_parallel must be its group's size. TORCH_CHECK when the layout cannot be built
+  // (e.g. sharding across ranks without a group).
   TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
                     ProcessGroup* group, const TrainingLayout& layout, AdamWOptions options,
-                    int64_t bucket_bytes = int64_t{25} << 20);
+                    int64_t bucket_bytes = int64_t{25} << 20,
+                    TensorParallelNorm tensor_parallel = {});
   TrainingOptimizer(const TrainingOptimizer&) = delete;
   TrainingOptimizer& operator=(const TrainingOptimizer&) = delete;
 
@@ -55,7 +59,9 @@ class TrainingOptimizer {
   void set_lr(double lr);
 
   // Writes this rank's part of the state into `directory` (created if missing): rank 0 the
-  // replicated file, every rank its slice when sharded. Every rank calls it.
+  // replicated file, every rank its slice when sharded. Under tensor parallelism each TP rank's
+  // files go to `directory`/tp-RR-of-TT/ (a state resumes only with the TP size it was saved
+  // with; LoadState refuses another, naming what it found). Every rank calls it.
   void SaveState(const std::string& directory) const;
   // Reads the state a SaveState of the same kind wrote into `path`, a directory (sharded: by any
   // number of ranks) or one state file. TORCH_CHECK naming the directory when it holds the other
@@ -67,7 +73,11 @@ class TrainingOptimizer {
   static constexpr char kReplicatedFile[] = "optimizer.safetensors";
 
  private:
+  // `directory`, or its subdirectory for this tensor-parallel rank.
+  std::string StateDirectory(const std::string& directory) const;
+
   int rank_ = 0;
+  std::string tensor_parallel_subdirectory_;  // "tp-RR-of-TT", empty without tensor parallelism
   std::unique_ptr<AdamW> replicated_;
   std::unique_ptr<GradientSynchronizer> all_reduce_;
   std::unique_ptr<ShardedAdamW> sharded_;

@@ -29,8 +29,8 @@ namespace {
 
 // The path state, preallocated for the longest rollout and written in place.
 struct PathStack {
-  std::vector<at::Tensor> keys, values, grad_keys,
-      grad_values;                     // per layer [max_len, kv_heads, head_dim]
+  // Per layer [max_len, kv_heads, head_dim], this rank's KV heads under tensor parallelism.
+  std::vector<at::Tensor> keys, values, grad_keys, grad_values;
   at::Tensor hidden, grad_hidden;      // [max_len, hidden_size], float32
   at::Tensor logprobs, grad_logprobs;  // [max_len]
   at::Tensor entropy, grad_entropy;    // [max_len] when the loss needs entropy
@@ -39,11 +39,12 @@ struct PathStack {
     const Qwen3Config& c = model.config();
     const at::TensorOptions o = model.options();
     const at::TensorOptions f = o.dtype(o.dtype() == at::kDouble ? at::kDouble : at::kFloat);
+    const int64_t kv_heads = model.local_kv_heads();
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       for (auto* list : {&keys, &values})
-        list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, o));
+        list->push_back(at::zeros({max_len, kv_heads, c.head_dim}, o));
       for (auto* list : {&grad_keys, &grad_values}) {
-        list->push_back(at::zeros({max_len, c.num_key_value_heads, c.head_dim}, f));
+        list->push_back(at::zeros({max_len, kv_heads, c.head_dim}, f));
       }
     }
     hidden = at::zeros({max_len, c.hidden_size}, f);  // FinalNorm's output, in the compute dtype
@@ -250,8 +251,8 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
     return plan;
   }
   if (!auto_block && !auto_budget) return plan;
-  const int64_t per_token =
-      GraphBytesPerToken(model.config(), model.options().dtype().toScalarType());
+  const int64_t per_token = GraphBytesPerToken(
+      model.config(), model.options().dtype().toScalarType(), model.tensor_parallel_size());
   const int64_t fit =
       static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
   if (auto_block) {

@@ -115,16 +115,19 @@ std::string_view LeafOrderName(LeafOrderKind order) {
   TORCH_CHECK(false, "LeafOrderName: unknown order ", static_cast<int>(order));
 }
 
-int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype) {
+int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype, int tensor_parallel) {
   // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
-  // inputs (the residual stream, at least float32), q and k before their norms and after RoPE, v,
-  // the attention output, and the MLP's gate and up.
-  const int64_t q = c.num_attention_heads * c.head_dim;
-  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  // inputs (the residual stream, at least float32, whole on every rank), q and k before their norms
+  // and after RoPE, v, the attention output, and the MLP's gate and up (this rank's heads and
+  // intermediate slice).
+  TORCH_CHECK(tensor_parallel >= 1, "GraphBytesPerToken: tensor_parallel must be >= 1");
+  const int64_t q = c.num_attention_heads / tensor_parallel * c.head_dim;
+  const int64_t kv = c.num_key_value_heads / tensor_parallel * c.head_dim;
+  const int64_t intermediate = (c.intermediate_size + tensor_parallel - 1) / tensor_parallel;
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t residual = std::max<int64_t>(element, 4);
   const int64_t per_layer =
-      2 * c.hidden_size * residual + (3 * q + 3 * kv + 2 * c.intermediate_size) * element;
+      2 * c.hidden_size * residual + (3 * q + 3 * kv + 2 * intermediate) * element;
   return c.num_hidden_layers * per_layer;
 }
 
@@ -133,15 +136,22 @@ namespace engine {
 GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                    const LossPlan* plan, const ExecutorOptions& options) {
   TORCH_CHECK(options.logprob_slice_rows > 0, "logprob_slice_rows must be positive");
+  GradientResult result;
   switch (options.method) {
     case Method::kDense:
-      return RunDense(model, rollouts, plan, options);
+      result = RunDense(model, rollouts, plan, options);
+      break;
     case Method::kPacked:
-      return RunPacked(model, rollouts, plan, options);
+      result = RunPacked(model, rollouts, plan, options);
+      break;
     case Method::kDta:
-      return RunDta(model, rollouts, plan, options);
+      result = RunDta(model, rollouts, plan, options);
+      break;
+    default:
+      TORCH_CHECK(false, "unknown method");
   }
-  TORCH_CHECK(false, "unknown method");
+  if (plan != nullptr) model.ReduceTensorParallelGradients();
+  return result;
 }
 
 }  // namespace engine

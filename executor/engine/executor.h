@@ -90,8 +90,10 @@ struct GradientResult {
 };
 
 // Bytes of autograd state one token's forward graph keeps alive (saved activations of every
-// layer), the unit in which the automatic graph budget is sized. An estimate from the shapes.
-int64_t GraphBytesPerToken(const Qwen3Config& config, at::ScalarType dtype);
+// layer), the unit in which the automatic graph budget is sized. An estimate from the shapes; on
+// one of `tensor_parallel` ranks (heads and the MLP's intermediate split across them).
+int64_t GraphBytesPerToken(const Qwen3Config& config, at::ScalarType dtype,
+                           int tensor_parallel = 1);
 
 // Computes the batch loss and adds d loss / d parameter into each parameter's .grad (callers zero
 // the gradients between steps). Rollouts must be valid (ValidateRollout) with token ids below the

@@ -109,14 +109,15 @@ const TensorView* GetChecked(const SafetensorsCheckpoint& checkpoint, const std:
 
 }  // namespace
 
-Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options) {
+Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options,
+                          std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
   absl::StatusOr<Qwen3Config> config = LoadQwen3Config(directory);
   TORCH_CHECK(config.ok(), "LoadQwen3Model: ", config.status().message());
   absl::StatusOr<SafetensorsCheckpoint> opened = SafetensorsCheckpoint::Open(directory);
   TORCH_CHECK(opened.ok(), "LoadQwen3Model: ", opened.status().message());
   const SafetensorsCheckpoint& checkpoint = *opened;
 
-  Qwen3Model model(*config, options);
+  Qwen3Model model(*config, options, std::move(tensor_parallel));
   std::set<std::string> expected;
   for (const auto& [name, parameter] : model.named_parameters()) expected.insert(name);
 
@@ -137,9 +138,10 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
   }
 
   at::NoGradGuard no_grad;
-  for (const auto& [name, parameter] : model.named_parameters()) {
-    const TensorView* view = GetChecked(checkpoint, name, parameter.sizes());
-    parameter.copy_(ToTensor(checkpoint, *view));
+  for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+    const auto& [name, parameter] = model.named_parameters()[i];
+    const TensorView* view = GetChecked(checkpoint, name, model.parameter_splits()[i].full_shape);
+    parameter.copy_(model.LocalPart(i, ToTensor(checkpoint, *view)));
   }
 
   if (!unexpected.empty()) {
@@ -157,8 +159,9 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
 
   if (has_tied_head) {
     const std::string embed_name = "model.embed_tokens.weight";
-    const at::Tensor embed = model.parameter(embed_name);
-    const TensorView* head_view = GetChecked(checkpoint, std::string(kHead), embed.sizes());
+    const std::vector<int64_t>& embed_shape = model.parameter_splits()[0].full_shape;
+    TORCH_CHECK(model.named_parameters()[0].first == embed_name, "the embedding comes first");
+    const TensorView* head_view = GetChecked(checkpoint, std::string(kHead), embed_shape);
     const TensorView* embed_view = checkpoint.Find(embed_name);
     const at::Tensor head = ToTensor(checkpoint, *head_view).to(at::kDouble);
     TORCH_CHECK(
@@ -180,13 +183,18 @@ void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
   config.torch_dtype = type_name;
 
   at::NoGradGuard no_grad;
+  const bool writer = model.tensor_parallel() == nullptr || model.tensor_parallel()->rank() == 0;
   std::vector<at::Tensor> owned;
   std::vector<TensorToWrite> tensors;
   owned.reserve(model.named_parameters().size());
-  for (const auto& [name, parameter] : model.named_parameters()) {
-    owned.push_back(parameter.detach().to(at::kCPU, type).contiguous());
-    tensors.push_back(ToWrite(name, *ToDType(type), owned.back()));
+  for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+    // Every rank takes part in the gathers; one writes.
+    at::Tensor whole = model.GatherParameter(i);
+    if (!writer) continue;
+    owned.push_back(whole.to(at::kCPU, type).contiguous());
+    tensors.push_back(ToWrite(model.named_parameters()[i].first, *ToDType(type), owned.back()));
   }
+  if (!writer) return;
   const absl::Status written = WriteSafetensorsCheckpoint(directory, tensors, max_shard_bytes);
   TORCH_CHECK(written.ok(), "SaveQwen3Model: ", directory, ": ", written.message());
   const absl::Status saved = SaveQwen3Config(config, directory);

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -41,15 +42,20 @@ namespace dta {
 //     error, since a checkpoint whose head disagrees with the embedding it claims to be tied to
 //     is inconsistent (transformers would silently use the embedding).
 // A missing or invalid config.json, or a directory without model.safetensors or its index, is an
-// error naming the file.
-Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options);
+// error naming the file. With `tensor_parallel`, each rank reads the whole tensors and keeps its
+// part (Qwen3Model's split); the checks are on the whole shapes.
+Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options,
+                          std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
 
 // Writes <directory>/config.json and the weights under their Hugging Face names (created if
 // missing; files of an earlier save are replaced, stale shards removed): one model.safetensors up
 // to max_shard_bytes of data, else shards plus model.safetensors.index.json. Tensors are stored in
 // `dtype` (kBFloat16, kHalf, kFloat or kDouble; default: the model's dtype) and config.json's
 // torch_dtype says which. lm_head.weight is not written when the embeddings are tied (as
-// transformers does). Parameters on any device are copied to the CPU first.
+// transformers does). Parameters on any device are copied to the CPU first. Under tensor
+// parallelism every rank of the model's group calls it: the split parameters are gathered
+// (Qwen3Model::GatherParameter) and rank 0 of the group writes the whole model; the others write
+// nothing.
 void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
                     std::optional<at::ScalarType> dtype = std::nullopt,
                     int64_t max_shard_bytes = int64_t{5} << 30);

@@ -61,6 +61,31 @@ at::Tensor MatmulTo(const at::Tensor& a, const at::Tensor& b, at::ScalarType dty
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The tensor-parallel group travels through autograd functions' saved_data as an integer: the
+// model owns the group and outlives the graphs it builds.
+int64_t GroupHandle(const TensorParallelGroup* group) {
+  return group != nullptr && group->size() > 1 ? reinterpret_cast<int64_t>(group) : 0;
+}
+const TensorParallelGroup* GroupOf(int64_t handle) {
+  return reinterpret_cast<const TensorParallelGroup*>(handle);
+}
+const TensorParallelGroup* GroupOf(AutogradContext* ctx) {
+  return GroupOf(ctx->saved_data["tensor_parallel"].toInt());
+}
+
+// The sum over the tensor-parallel ranks, in place (nothing without a group).
+void SumOverRanks(const TensorParallelGroup* group, at::Tensor& tensor) {
+  if (group == nullptr) return;
+  if (!tensor.is_contiguous()) tensor = tensor.contiguous();
+  group->AllReduce(tensor, TensorParallelReduce::kSum);
+}
+
+// How a projection sits in a tensor-parallel layer (Megatron's column- and row-parallel linear).
+enum class ProjectionKind : int64_t {
+  kColumnParallel,  // replicated input, output split by columns: all-reduce dx in backward
+  kRowParallel,     // input split, output a partial sum: all-reduce y in forward
+};
+
 // RMSNorm's pieces, in the compute dtype, shared by the norm and the norm-then-project function.
 at::Tensor InverseRms(const at::Tensor& x, double eps) {
   return at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
@@ -69,8 +94,8 @@ at::Tensor InverseRms(const at::Tensor& x, double eps) {
 // Backward of y = weight * normed, normed = x * rstd, given dy: adds d weight into its accumulator
 // and returns dx, all in dy's (the compute) dtype.
 at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& normed, const at::Tensor& weight,
-                           const at::Tensor& rstd) {
-  at::Tensor& accumulator = GradAccumulator(weight);
+                           const at::Tensor& rstd, at::Tensor accumulator = at::Tensor()) {
+  if (!accumulator.defined()) accumulator = GradAccumulator(weight);
   accumulator.add_(
       (dy * normed).reshape({-1, weight.size(0)}).sum(0).to(accumulator.scalar_type()));
   // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
@@ -92,7 +117,7 @@ class Projections : public torch::autograd::Function<Projections> {
   template <typename... Weights>
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const std::optional<at::Tensor>& norm, double eps, bool wide_output,
-                               const Weights&... weights) {
+                               int64_t group, ProjectionKind kind, const Weights&... weights) {
     const at::Tensor norm_weight = norm.value_or(at::Tensor());
     const std::vector<at::Tensor> w = {weights...};
     const at::ScalarType type = w[0].scalar_type();
@@ -110,10 +135,13 @@ class Projections : public torch::autograd::Function<Projections> {
     saved.insert(saved.end(), w.begin(), w.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["tensor_parallel"] =
+        kind == ProjectionKind::kColumnParallel ? group : int64_t{0};
     variable_list out;
     for (const at::Tensor& weight : w) {
       out.push_back(wide_output ? MatmulTo(xb, weight.t(), ComputeType(type))
                                 : at::mm(xb, weight.t()));
+      if (kind == ProjectionKind::kRowParallel) SumOverRanks(GroupOf(group), out.back());
     }
     return out;
   }
@@ -139,31 +167,59 @@ class Projections : public torch::autograd::Function<Projections> {
         AddMatmul(dx, dy, weight);
       }
     }
+    // A column-parallel layer's input feeds every rank's columns: its gradient is their sum, taken
+    // before the norm's backward (whose weight gradient is then whole on every rank).
+    SumOverRanks(GroupOf(ctx), dx);
     if (normed.defined()) dx = RmsNormBackward(dx, normed, norm_weight, rstd).to(x_type);
     variable_list result = {dx};
-    result.resize(grads.size() + 4);  // no gradient for the weights: accumulated above
+    result.resize(grads.size() + 6);  // no gradient for the weights: accumulated above
     return result;
   }
 };
 
-// x @ weight^T in the compute dtype (o_proj: it feeds the float32 residual stream).
-at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight) {
-  return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, weight)[0];
+// x @ weight^T in the compute dtype, summed over the tensor-parallel ranks (o_proj: row-parallel,
+// it feeds the float32 residual stream).
+at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight, int64_t group) {
+  return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, group,
+                            ProjectionKind::kRowParallel, weight)[0];
+}
+
+// Token ids relative to this rank's vocabulary slice [first, first + rows): the row of each id
+// (0 for ids outside), and which ids are inside (undefined when the slice is the whole
+// vocabulary).
+struct VocabularyRows {
+  at::Tensor rows, owned;
+};
+VocabularyRows RowsOfSlice(const at::Tensor& ids, int64_t first, int64_t rows, bool split) {
+  if (!split) return {ids, at::Tensor()};
+  const at::Tensor local = ids - first;
+  const at::Tensor owned = local.ge(0).logical_and_(local.lt(rows));
+  return {at::where(owned, local, 0), owned};
 }
 
 // Rows of the embedding table, in the compute dtype (the residual stream's: float32 for bfloat16
-// models), so backward receives the residual gradient unrounded.
+// models), so backward receives the residual gradient unrounded. Vocabulary-parallel: each rank
+// looks up the ids in its slice (zeros elsewhere) and the rows are summed over the ranks.
 class Embedding : public torch::autograd::Function<Embedding> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& ids) {
-    ctx->save_for_backward({table, ids});
-    return table.index_select(0, ids).to(ComputeType(table.scalar_type()));
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& ids,
+                            int64_t group, int64_t vocab_first) {
+    const VocabularyRows v = RowsOfSlice(ids, vocab_first, table.size(0), group != 0);
+    ctx->save_for_backward({table, v.rows, v.owned});
+    at::Tensor out = table.index_select(0, v.rows).to(ComputeType(table.scalar_type()));
+    if (v.owned.defined()) {
+      out.mul_(v.owned.unsqueeze(1));
+      SumOverRanks(GroupOf(group), out);
+    }
+    return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     at::Tensor& accumulator = GradAccumulator(saved[0]);
-    accumulator.index_add_(0, saved[1], grads[0].to(accumulator.scalar_type()));
-    return {at::Tensor(), at::Tensor()};
+    at::Tensor g = grads[0].to(accumulator.scalar_type());
+    if (saved[2].defined()) g = g * saved[2].unsqueeze(1);
+    accumulator.index_add_(0, saved[1], g);
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -172,13 +228,17 @@ class Embedding : public torch::autograd::Function<Embedding> {
 // Hugging Face rounds the normalised x to the input dtype first, then multiplies: identical for
 // float32/float64 models, one rounding fewer in bfloat16. The input may be wider than the weight
 // (the float32 residual stream of a bfloat16 model). Backward in the compute dtype.
+// The weight's gradient goes into `accumulator` when it is defined (a partial sum, completed
+// later), else into the weight's .grad.
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            double eps, at::ScalarType out_type) {
+                            double eps, at::ScalarType out_type,
+                            const std::optional<at::Tensor>& accumulator) {
     const at::Tensor xc = x.to(ComputeType(weight.scalar_type()));
     const at::Tensor rstd = InverseRms(xc, eps);
     ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["accumulator"] = accumulator.value_or(at::Tensor());
     return (weight.to(xc.scalar_type()) * (xc * rstd)).to(out_type);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -186,8 +246,9 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const at::Tensor& x = saved[0];
     const at::Tensor& rstd = saved[2];
     const at::Tensor normed = x.to(rstd.scalar_type()) * rstd;
-    const at::Tensor dx = RmsNormBackward(grads[0].to(rstd.scalar_type()), normed, saved[1], rstd);
-    return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor dx = RmsNormBackward(grads[0].to(rstd.scalar_type()), normed, saved[1], rstd,
+                                          ctx->saved_data["accumulator"].toTensor());
+    return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -228,9 +289,12 @@ at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) {
 class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
-                            const at::Tensor& down) {
+                            const at::Tensor& down, int64_t group) {
     ctx->save_for_backward({gate, up, down});
-    return MatmulTo(SwiGlu(gate, up), down.t(), ComputeType(down.scalar_type()));
+    // Row-parallel: each rank's intermediate slice gives a partial sum of y.
+    at::Tensor y = MatmulTo(SwiGlu(gate, up), down.t(), ComputeType(down.scalar_type()));
+    SumOverRanks(GroupOf(group), y);
+    return y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -245,7 +309,7 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
     // d silu / d gate = sigmoid * (1 + gate * (1 - sigmoid)).
     const at::Tensor dgate = g * up * sigmoid * (1 + gate * (1 - sigmoid));
     return {dgate.to(saved[0].scalar_type()), (g * gate * sigmoid).to(saved[1].scalar_type()),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -311,34 +375,58 @@ at::Tensor RowDot(const at::Tensor& a, const at::Tensor& b) {
 // than the weight (the final norm's float32 output): it is rounded once to the weight's dtype, that
 // copy is what backward keeps, and the gradient comes back in hidden's dtype, so a row that
 // predicts several children in a packed tree sums their gradients without rounding each.
+//
+// Vocabulary-parallel: weight holds this rank's vocabulary rows [vocab_first, + rows). Per slice of
+// rows, the ranks agree on each row's max logit m (an all-reduce max), then sum their shares of
+// S = sum exp(z - m), of the target's logit (from the rank that holds it) and, for the entropy, of
+// U = sum exp(z - m) z (one all-reduce of [3, slice]): lse = m + log S, log p = z_y - lse,
+// H = lse - U / S. Backward needs no collective until the hidden state's gradient, whose per-rank
+// parts are summed once.
 class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& wide_hidden,
                                const at::Tensor& weight, const at::Tensor& targets,
-                               int64_t slice_rows, bool want_entropy) {
+                               int64_t slice_rows, bool want_entropy, int64_t group,
+                               int64_t vocab_first) {
+    const TensorParallelGroup* ranks = GroupOf(group);
     const at::Tensor hidden = wide_hidden.to(weight.scalar_type());
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
     const int64_t rows = hidden.size(0);
+    const VocabularyRows target_rows =
+        RowsOfSlice(targets, vocab_first, weight.size(0), group != 0);
     at::Tensor logprobs = at::empty({rows}, hidden.options().dtype(ct));
     at::Tensor entropy = at::zeros({rows}, hidden.options().dtype(ct));
-    // At most two [slice, vocab] tensors at a time: the logits and, for the entropy, the softmax.
+    // Kept for backward: each row's log-sum-exp and, for the entropy, E_p[z].
+    at::Tensor lse = at::empty({rows}, hidden.options().dtype(ct));
+    at::Tensor mean_logit =
+        want_entropy ? at::empty({rows}, hidden.options().dtype(ct)) : at::Tensor();
+    // At most two [slice, vocab] tensors at a time: the logits and exp(z - m).
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor logits = MatmulTo(hidden.slice(0, begin, end), weight.t(), ct);
-      const at::Tensor lse = at::logsumexp(logits, -1);
-      logprobs.slice(0, begin, end)
-          .copy_(logits.gather(1, targets.slice(0, begin, end).unsqueeze(1)).squeeze(1) - lse);
+      at::Tensor max = logits.amax(-1);
+      if (ranks != nullptr) ranks->AllReduce(max, TensorParallelReduce::kMax);
+      const at::Tensor exp = (logits - max.unsqueeze(1)).exp_();
+      at::Tensor target =
+          logits.gather(1, target_rows.rows.slice(0, begin, end).unsqueeze(1)).squeeze(1);
+      if (target_rows.owned.defined()) target.mul_(target_rows.owned.slice(0, begin, end));
+      std::vector<at::Tensor> sums = {exp.sum(-1), target};
+      if (want_entropy) sums.push_back(RowDot(exp, logits));
+      at::Tensor summed = at::stack(sums);
+      SumOverRanks(ranks, summed);
+      const at::Tensor row_lse = max + summed[0].log();
+      lse.slice(0, begin, end).copy_(row_lse);
+      logprobs.slice(0, begin, end).copy_(summed[1] - row_lse);
       if (want_entropy) {
-        // H = lse - E_p[z], the expectation a batched row dot product (no third [slice, vocab]
-        // tensor).
-        const at::Tensor probs = at::softmax(logits, -1);
-        entropy.slice(0, begin, end).copy_(lse - RowDot(probs, logits));
+        const at::Tensor mean = summed[2] / summed[0];
+        mean_logit.slice(0, begin, end).copy_(mean);
+        entropy.slice(0, begin, end).copy_(row_lse - mean);
       }
     }
-    ctx->save_for_backward({hidden, weight, targets});
+    ctx->save_for_backward({hidden, weight, target_rows.rows, target_rows.owned, lse, mean_logit});
     ctx->saved_data["hidden_type"] = static_cast<int64_t>(wide_hidden.scalar_type());
     ctx->saved_data["slice_rows"] = slice_rows;
-    ctx->saved_data["want_entropy"] = want_entropy;
+    ctx->saved_data["tensor_parallel"] = group;
     return {logprobs, entropy};
   }
 
@@ -346,9 +434,11 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& hidden = saved[0];
     const at::Tensor& weight = saved[1];
-    const at::Tensor& targets = saved[2];
+    const at::Tensor& targets = saved[2];  // rows of this rank's slice
+    const at::Tensor& owned = saved[3];    // undefined: every target is in the slice
+    const at::Tensor& lse = saved[4];
+    const at::Tensor& mean_logit = saved[5];
     const int64_t slice_rows = ctx->saved_data["slice_rows"].toInt();
-    const bool want_entropy = ctx->saved_data["want_entropy"].toBool();
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
     at::Tensor& grad_weight = GradAccumulator(weight);
     const auto hidden_type = static_cast<at::ScalarType>(ctx->saved_data["hidden_type"].toInt());
@@ -360,19 +450,21 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor h = hidden.slice(0, begin, end);
       at::Tensor logits = MatmulTo(h, weight.t(), ct);
-      at::Tensor grad_logits = at::softmax(logits, -1);  // p, for now
+      at::Tensor grad_logits = (logits - lse.slice(0, begin, end).unsqueeze(1)).exp_();  // p
       // d logp(y) / d z = onehot(y) - p;  d entropy / d z = -p (z - E_p[z]). Together:
       // d/dz = onehot(y) g_logp - p (g_logp + (z - E_p[z]) g_entropy).
       const at::Tensor g_logprob = grads[0].slice(0, begin, end).to(ct).unsqueeze(1);
-      if (want_entropy && grads[1].defined()) {
+      if (mean_logit.defined() && grads[1].defined()) {
         const at::Tensor g_entropy = grads[1].slice(0, begin, end).to(ct).unsqueeze(1);
-        logits.sub_(RowDot(grad_logits, logits).unsqueeze(1)).mul_(g_entropy).add_(g_logprob);
+        logits.sub_(mean_logit.slice(0, begin, end).unsqueeze(1)).mul_(g_entropy).add_(g_logprob);
         grad_logits.mul_(logits).neg_();
       } else {
         grad_logits.mul_(g_logprob).neg_();
       }
       logits.reset();
-      grad_logits.scatter_add_(1, targets.slice(0, begin, end).unsqueeze(1), g_logprob);
+      grad_logits.scatter_add_(
+          1, targets.slice(0, begin, end).unsqueeze(1),
+          owned.defined() ? g_logprob * owned.slice(0, begin, end).unsqueeze(1) : g_logprob);
       // The two matmuls run in the model dtype (bfloat16 tensor cores on the GPU), d hidden comes
       // out in hidden's dtype.
       const at::Tensor g = grad_logits.to(hidden.scalar_type());
@@ -380,45 +472,73 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
       grad_hidden.slice(0, begin, end).copy_(MatmulTo(g, weight, hidden_type));
       AddMatmul(grad_weight, g.t(), h);
     }
-    return {grad_hidden, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // Each rank's vocabulary slice contributes its part of d hidden.
+    SumOverRanks(GroupOf(ctx), grad_hidden);
+    return {grad_hidden,  at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options)
-    : config_(config), options_(options) {
+Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
+                       std::shared_ptr<const TensorParallelGroup> tensor_parallel)
+    : config_(config), options_(options), tensor_parallel_(std::move(tensor_parallel)) {
   TORCH_CHECK(config.num_attention_heads % config.num_key_value_heads == 0,
               "num_attention_heads must be a multiple of num_key_value_heads");
   TORCH_CHECK(config.head_dim % 2 == 0, "head_dim must be even for RoPE");
+  const int tp = tensor_parallel_size();
+  const int rank = tensor_parallel_ ? tensor_parallel_->rank() : 0;
+  // Whole heads per rank, and each rank's query heads share its own KV heads (grouped-query
+  // attention maps query head h to KV head h / (heads / kv_heads)).
+  TORCH_CHECK(config.num_key_value_heads % tp == 0, "tensor parallelism over ", tp,
+              " ranks needs a multiple of ", tp, " KV heads; the model has ",
+              config.num_key_value_heads, " (use a tensor-parallel size that divides it)");
+  heads_ = SplitRange(config.num_attention_heads, rank, tp);
+  kv_heads_ = SplitRange(config.num_key_value_heads, rank, tp);
+  intermediate_ = SplitRange(config.intermediate_size, rank, tp);
+  vocab_ = SplitRange(config.vocab_size, rank, tp);
   const int64_t hidden = config.hidden_size;
-  const int64_t q_dim = config.num_attention_heads * config.head_dim;
-  const int64_t kv_dim = config.num_key_value_heads * config.head_dim;
-  embed_ = Add("model.embed_tokens.weight", {config.vocab_size, hidden});
+  const int64_t dim = config.head_dim;
+  const IndexRange q_rows{heads_.begin * dim, heads_.end * dim};
+  const IndexRange kv_rows{kv_heads_.begin * dim, kv_heads_.end * dim};
+  const int64_t q_dim = config.num_attention_heads * dim;
+  const int64_t kv_dim = config.num_key_value_heads * dim;
+  const int64_t inter = config.intermediate_size;
+  embed_ = Add("model.embed_tokens.weight", {config.vocab_size, hidden}, 0, vocab_);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer layer;
     layer.input_norm = Add(p + "input_layernorm.weight", {hidden});
-    layer.q_proj = Add(p + "self_attn.q_proj.weight", {q_dim, hidden});
-    layer.k_proj = Add(p + "self_attn.k_proj.weight", {kv_dim, hidden});
-    layer.v_proj = Add(p + "self_attn.v_proj.weight", {kv_dim, hidden});
-    layer.o_proj = Add(p + "self_attn.o_proj.weight", {hidden, q_dim});
-    layer.q_norm = Add(p + "self_attn.q_norm.weight", {config.head_dim});
-    layer.k_norm = Add(p + "self_attn.k_norm.weight", {config.head_dim});
+    layer.q_proj = Add(p + "self_attn.q_proj.weight", {q_dim, hidden}, 0, q_rows);
+    layer.k_proj = Add(p + "self_attn.k_proj.weight", {kv_dim, hidden}, 0, kv_rows);
+    layer.v_proj = Add(p + "self_attn.v_proj.weight", {kv_dim, hidden}, 0, kv_rows);
+    layer.o_proj = Add(p + "self_attn.o_proj.weight", {hidden, q_dim}, 1, q_rows);
+    layer.q_norm = Add(p + "self_attn.q_norm.weight", {dim});
+    layer.k_norm = Add(p + "self_attn.k_norm.weight", {dim});
     layer.post_norm = Add(p + "post_attention_layernorm.weight", {hidden});
-    layer.gate_proj = Add(p + "mlp.gate_proj.weight", {config.intermediate_size, hidden});
-    layer.up_proj = Add(p + "mlp.up_proj.weight", {config.intermediate_size, hidden});
-    layer.down_proj = Add(p + "mlp.down_proj.weight", {hidden, config.intermediate_size});
+    layer.gate_proj = Add(p + "mlp.gate_proj.weight", {inter, hidden}, 0, intermediate_);
+    layer.up_proj = Add(p + "mlp.up_proj.weight", {inter, hidden}, 0, intermediate_);
+    layer.down_proj = Add(p + "mlp.down_proj.weight", {hidden, inter}, 1, intermediate_);
     layers_.push_back(std::move(layer));
   }
   final_norm_ = Add("model.norm.weight", {hidden});
-  lm_head_ =
-      config.tie_word_embeddings ? embed_ : Add("lm_head.weight", {config.vocab_size, hidden});
+  lm_head_ = config.tie_word_embeddings
+                 ? embed_
+                 : Add("lm_head.weight", {config.vocab_size, hidden}, 0, vocab_);
+  if (tp > 1) {
+    const at::ScalarType type = AccumulatorType(options.dtype().toScalarType());
+    partial_norm_grads_ = at::zeros({config.num_hidden_layers, 2, dim}, options.dtype(type));
+  }
 }
 
-at::Tensor Qwen3Model::Add(const std::string& name, at::IntArrayRef shape) {
+at::Tensor Qwen3Model::Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim,
+                           IndexRange range) {
+  std::vector<int64_t> shape = full_shape;
+  if (dim >= 0) shape[dim] = range.size();
   at::Tensor parameter = at::zeros(shape, options_).requires_grad_(true);
   named_.emplace_back(name, parameter);
+  splits_.push_back({.dim = dim, .full_shape = std::move(full_shape), .range = range});
   return parameter;
 }
 
@@ -429,24 +549,80 @@ at::Tensor Qwen3Model::parameter(const std::string& name) const {
   TORCH_CHECK(false, "Qwen3 has no parameter named '", name, "'");
 }
 
+TensorParallelNorm Qwen3Model::gradient_norm_scope() const {
+  TensorParallelNorm scope{.group = tensor_parallel_size() > 1 ? tensor_parallel() : nullptr,
+                           .replicated = {}};
+  for (const ParameterSplit& split : splits_) scope.replicated.push_back(split.replicated());
+  return scope;
+}
+
+at::Tensor Qwen3Model::LocalPart(size_t index, const at::Tensor& full) const {
+  TORCH_CHECK(index < named_.size(), "Qwen3Model::LocalPart: no parameter ", index);
+  const ParameterSplit& split = splits_[index];
+  TORCH_CHECK(full.sizes() == at::IntArrayRef(split.full_shape), "Qwen3Model::LocalPart: '",
+              named_[index].first, "' has shape ", at::IntArrayRef(split.full_shape), ", not ",
+              full.sizes());
+  if (split.replicated()) return full;
+  return full.narrow(split.dim, split.range.begin, split.range.size());
+}
+
+at::Tensor Qwen3Model::GatherParameter(size_t index) const {
+  TORCH_CHECK(index < named_.size(), "Qwen3Model::GatherParameter: no parameter ", index);
+  const ParameterSplit& split = splits_[index];
+  const at::Tensor local = named_[index].second.detach();
+  if (split.replicated() || tensor_parallel_size() == 1) return local;
+  // Ranks' parts differ in size by at most one row: gather them padded to the largest.
+  const int tp = tensor_parallel_size();
+  const int64_t full = split.full_shape[split.dim];
+  const int64_t most = (full + tp - 1) / tp;
+  const at::Tensor rows = split.dim == 0 ? local : local.t();
+  std::vector<int64_t> padded_shape = rows.sizes().vec();
+  padded_shape[0] = most;
+  at::Tensor padded = at::zeros(padded_shape, local.options());
+  padded.slice(0, 0, rows.size(0)).copy_(rows);
+  const at::Tensor gathered = tensor_parallel_->AllGather(padded);
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < tp; ++r) {
+    parts.push_back(gathered.slice(0, r * most, r * most + SplitRange(full, r, tp).size()));
+  }
+  const at::Tensor whole = at::cat(parts);
+  return split.dim == 0 ? whole : whole.t().contiguous();
+}
+
+void Qwen3Model::ReduceTensorParallelGradients() const {
+  if (!partial_norm_grads_.defined()) return;
+  torch::autograd::AutoGradMode no_grad(false);
+  at::Tensor sums = partial_norm_grads_;
+  tensor_parallel_->AllReduce(sums, TensorParallelReduce::kSum);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    GradAccumulator(layers_[l].q_norm).add_(sums[l][0]);
+    GradAccumulator(layers_[l].k_norm).add_(sums[l][1]);
+  }
+  partial_norm_grads_.zero_();
+}
+
 void Qwen3Model::InitRandom(uint64_t seed, double std) {
-  // Drawn on the CPU in float64 and then converted, so a seed means the same weights on every
-  // device and dtype.
+  // Drawn whole on the CPU in float64 and then converted and split, so a seed means the same
+  // weights on every device, dtype and tensor-parallel size.
   at::Generator generator = at::detail::createCPUGenerator(seed);
   const at::TensorOptions cpu = at::TensorOptions().dtype(at::kDouble);
   torch::autograd::AutoGradMode no_grad(false);
-  for (auto& [name, parameter] : named_) {
+  for (size_t i = 0; i < named_.size(); ++i) {
+    at::Tensor& parameter = named_[i].second;
     const bool is_norm = parameter.dim() == 1;
-    at::Tensor values = at::normal(0.0, is_norm ? std / 4 : std, parameter.sizes(), generator, cpu);
+    at::Tensor values =
+        at::normal(0.0, is_norm ? std / 4 : std, splits_[i].full_shape, generator, cpu);
     if (is_norm) values += 1.0;
-    parameter.copy_(values);
+    parameter.copy_(LocalPart(i, values));
   }
 }
 
 at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight,
-                               std::optional<at::ScalarType> out_type) const {
-  return RmsNormFunction::apply(x, weight, config_.rms_norm_eps,
-                                out_type.value_or(weight.scalar_type()));
+                               std::optional<at::ScalarType> out_type,
+                               const at::Tensor& accumulator) const {
+  return RmsNormFunction::apply(
+      x, weight, config_.rms_norm_eps, out_type.value_or(weight.scalar_type()),
+      accumulator.defined() ? std::optional<at::Tensor>(accumulator) : std::nullopt);
 }
 
 std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) const {
@@ -483,33 +659,40 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
 }
 
 at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const {
-  return Embedding::apply(embed_, tokens);
+  return Embedding::apply(embed_, tokens, GroupHandle(tensor_parallel()), vocab_.begin);
 }
 
 LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,
                                      const LayerPrefix& prefix) const {
   const int64_t t = h.size(0);
   const Layer& layer = layers_[l];
-  const int64_t heads = config_.num_attention_heads;
-  const int64_t kv_heads = config_.num_key_value_heads;
+  const int64_t heads = local_heads();
+  const int64_t kv_heads = local_kv_heads();
   const int64_t dim = config_.head_dim;
   const double eps = config_.rms_norm_eps;
-  const variable_list qkv =
-      Projections::apply(h, std::optional<at::Tensor>(layer.input_norm), eps, /*wide_output=*/false,
-                         layer.q_proj, layer.k_proj, layer.v_proj);
-  at::Tensor q = RmsNorm(qkv[0].view({t, heads, dim}), layer.q_norm);
-  at::Tensor k = RmsNorm(qkv[1].view({t, kv_heads, dim}), layer.k_norm);
+  const int64_t group = GroupHandle(tensor_parallel());
+  const variable_list qkv = Projections::apply(
+      h, std::optional<at::Tensor>(layer.input_norm), eps, /*wide_output=*/false, group,
+      ProjectionKind::kColumnParallel, layer.q_proj, layer.k_proj, layer.v_proj);
+  // Under tensor parallelism the q/k norms see this rank's heads only: partial gradients.
+  const at::Tensor q_norm_grad =
+      partial_norm_grads_.defined() ? partial_norm_grads_[l][0] : at::Tensor();
+  const at::Tensor k_norm_grad =
+      partial_norm_grads_.defined() ? partial_norm_grads_[l][1] : at::Tensor();
+  at::Tensor q = RmsNorm(qkv[0].view({t, heads, dim}), layer.q_norm, std::nullopt, q_norm_grad);
+  at::Tensor k = RmsNorm(qkv[1].view({t, kv_heads, dim}), layer.k_norm, std::nullopt, k_norm_grad);
   const at::Tensor v = qkv[2].view({t, kv_heads, dim});
   q = RopeFunction::apply(q, context.cos, context.sin);
   k = RopeFunction::apply(k, context.cos, context.sin);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   const at::Tensor attention = TreeAttention::apply(q, k, v, context.key_end, prefix, scale);
   LayerOutput out;
-  out.hidden = h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj);
+  out.hidden = h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, group);
   const variable_list gate_up =
       Projections::apply(out.hidden, std::optional<at::Tensor>(layer.post_norm), eps,
-                         /*wide_output=*/false, layer.gate_proj, layer.up_proj);
-  out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj);
+                         /*wide_output=*/false, group, ProjectionKind::kColumnParallel,
+                         layer.gate_proj, layer.up_proj);
+  out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj, group);
   out.keys = k;
   out.values = v;
   return out;
@@ -539,7 +722,8 @@ at::Tensor Qwen3Model::Logprobs(const at::Tensor& hidden, const at::Tensor& targ
   TORCH_CHECK(hidden.dim() == 2 && targets.dim() == 1 && hidden.size(0) == targets.size(0),
               "Logprobs takes hidden [N, hidden_size] and targets [N]");
   TORCH_CHECK(slice_rows > 0, "slice_rows must be positive");
-  auto outputs = SlicedLogprobs::apply(hidden, lm_head_, targets, slice_rows, entropy != nullptr);
+  auto outputs = SlicedLogprobs::apply(hidden, lm_head_, targets, slice_rows, entropy != nullptr,
+                                       GroupHandle(tensor_parallel()), vocab_.begin);
   if (entropy) *entropy = outputs[1];
   return outputs[0];
 }

@@ -26,18 +26,36 @@
 //   ChunkOutput out = model.Forward({.tokens = ids, .positions = at::arange(n, at::kLong)});
 //   at::Tensor logp = model.Logprobs(out.hidden.slice(0, 0, n - 1), ids.slice(0, 1, n));
 //
-// Thread safety: Forward and Logprobs are const and may run concurrently; mutating parameters
-// (an optimizer step) must not overlap them. Not copyable (parameters are shared tensors).
+// Tensor parallelism (Megatron's layout, given a TensorParallelGroup of T ranks): rank r holds
+// heads [H r / T, H (r + 1) / T) of q_proj and o_proj, and the matching KV heads of k_proj and
+// v_proj (T must divide both head counts); a contiguous slice of the MLP's intermediate rows of
+// gate_proj and up_proj (columns of down_proj); and a contiguous slice of the vocabulary of the
+// embedding and lm_head. Norm weights are whole on every rank. The column-parallel projections
+// (q, k, v, gate, up) all-reduce their input's gradient in backward (inside the fused norm, before
+// the norm's own backward); the row-parallel ones (o_proj, down_proj) and the embedding lookup
+// all-reduce their output in forward; log-probabilities and entropy combine each vocabulary
+// slice's max and sums with two small all-reduces per slice of rows, and the hidden state's
+// gradient with one. The residual stream, the final hidden states and the norm weights' gradients
+// are then the same on every rank; K/V (and the executor's stack of them) hold only the rank's own
+// KV heads. q_norm and k_norm see only the rank's heads, so their gradients are partial sums that
+// ReduceTensorParallelGradients() completes (ComputeGradients calls it).
+//
+// Thread safety: Forward and Logprobs are const and may run concurrently (without tensor
+// parallelism: its collectives must be issued in the same order on every rank); mutating
+// parameters (an optimizer step) must not overlap them. Not copyable (parameters are shared
+// tensors).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/checkpoint/qwen3_config.h"
+#include "executor/parallel/tensor_parallel.h"
 
 namespace dta {
 
@@ -90,24 +108,59 @@ struct LayerOutput {
   at::Tensor values;  // [T, kv_heads, head_dim]
 };
 
+// How one parameter is split across the tensor-parallel ranks.
+struct ParameterSplit {
+  int64_t dim = -1;                 // the split dimension; -1: every rank holds all of it
+  std::vector<int64_t> full_shape;  // the whole parameter's shape
+  IndexRange range;                 // this rank's part of dimension `dim`
+  bool replicated() const { return dim < 0; }
+};
+
 class Qwen3Model {
  public:
-  // Parameters are allocated (zeros) with `options` (dtype, device) and require grad.
-  Qwen3Model(const Qwen3Config& config, at::TensorOptions options);
+  // Parameters are allocated (zeros) with `options` (dtype, device) and require grad. With
+  // `tensor_parallel` (null or size 1: the whole model), this rank's part of each (see the header
+  // comment). TORCH_CHECK when the group's size does not divide both head counts.
+  Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
+             std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
   Qwen3Model(const Qwen3Model&) = delete;
   Qwen3Model& operator=(const Qwen3Model&) = delete;
   Qwen3Model(Qwen3Model&&) = default;
   Qwen3Model& operator=(Qwen3Model&&) = default;
 
-  // Deterministic random weights: matrices ~ N(0, std), norm weights ~ 1 + N(0, std / 4).
+  // Deterministic random weights: matrices ~ N(0, std), norm weights ~ 1 + N(0, std / 4). Drawn
+  // whole and then split, so a seed means the same model at every tensor-parallel size.
   void InitRandom(uint64_t seed, double std = 0.02);
 
   const Qwen3Config& config() const { return config_; }
   at::TensorOptions options() const { return options_; }
   // Every parameter under its Hugging Face name ("model.layers.0.self_attn.q_proj.weight", ...),
-  // in a fixed order. lm_head.weight is absent when embeddings are tied.
+  // in a fixed order; this rank's part of it under tensor parallelism. lm_head.weight is absent
+  // when embeddings are tied.
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
   at::Tensor parameter(const std::string& name) const;
+
+  // Tensor parallelism. Null and 1 without it.
+  const TensorParallelGroup* tensor_parallel() const { return tensor_parallel_.get(); }
+  int tensor_parallel_size() const { return tensor_parallel_ ? tensor_parallel_->size() : 1; }
+  // Per parameter (parallel to named_parameters()), how it is split.
+  const std::vector<ParameterSplit>& parameter_splits() const { return splits_; }
+  // The heads and KV heads of this rank (all of them without tensor parallelism).
+  int64_t local_heads() const { return heads_.size(); }
+  int64_t local_kv_heads() const { return kv_heads_.size(); }
+  // The whole of parameter `index` (of named_parameters()), detached, on the parameters' device:
+  // an all-gather over the tensor-parallel ranks for a split one (every rank must call it, in the
+  // same order), the parameter itself otherwise.
+  at::Tensor GatherParameter(size_t index) const;
+  // What the optimizer's global gradient norm spans (every parameter's split or replication).
+  TensorParallelNorm gradient_norm_scope() const;
+  // This rank's part of a whole parameter `full` (e.g. read from a checkpoint): a view.
+  at::Tensor LocalPart(size_t index, const at::Tensor& full) const;
+  // Completes the gradients that backward leaves partial under tensor parallelism (q_norm's and
+  // k_norm's, which each rank sees only through its own heads): one all-reduce of all of them,
+  // added into their .grad. Every rank calls it once after its backward passes (ComputeGradients
+  // does); without tensor parallelism it does nothing.
+  void ReduceTensorParallelGradients() const;
 
   // Runs the decoder over a chunk. Builds an autograd graph iff grad mode is on and something
   // requires grad. TORCH_CHECK on inconsistent shapes.
@@ -136,18 +189,28 @@ class Qwen3Model {
     at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj,
         up_proj, down_proj;
   };
-  at::Tensor Add(const std::string& name, at::IntArrayRef shape);
+  // A parameter of `full_shape`, split along `dim` into `range` (dim -1: whole).
+  at::Tensor Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim = -1,
+                 IndexRange range = {});
   // out_type: the result's dtype; default the weight's.
+  // accumulator: where the weight's gradient goes (default: its .grad).
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight,
-                     std::optional<at::ScalarType> out_type = std::nullopt) const;
+                     std::optional<at::ScalarType> out_type = std::nullopt,
+                     const at::Tensor& accumulator = at::Tensor()) const;
   // cos and sin tables [T, head_dim] for the given positions, in the compute dtype.
   std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
 
   Qwen3Config config_;
   at::TensorOptions options_;
+  std::shared_ptr<const TensorParallelGroup> tensor_parallel_;
+  IndexRange heads_, kv_heads_, intermediate_, vocab_;  // this rank's parts
   at::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
+  std::vector<ParameterSplit> splits_;
+  // Under tensor parallelism, the partial gradients of q_norm and k_norm ([layers, 2, head_dim],
+  // the accumulator dtype) until ReduceTensorParallelGradients.
+  at::Tensor partial_norm_grads_;
 };
 
 }  // namespace dta

@@ -33,20 +33,29 @@ struct GradNorms {
   std::vector<size_t> index;
 };
 
-GradNorms ComputeGradNorms(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+GradNorms ComputeGradNorms(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                           const TensorParallelNorm& tensor_parallel = {}) {
   at::NoGradGuard no_grad;
   GradNorms out;
   std::vector<at::Tensor> norms;
   for (size_t i = 0; i < named.size(); ++i) {
     const at::Tensor& grad = named[i].second.grad();
     if (!grad.defined()) continue;
+    out.index.push_back(i);
+    if (!tensor_parallel.Counts(i)) continue;  // another rank counts this replicated parameter
     at::Tensor norm = at::linalg_vector_norm(grad.detach(), 2, std::nullopt, false, at::kDouble);
     if (!norms.empty() && norm.device() != norms.front().device())
       norm = norm.to(norms.front().device());
     norms.push_back(std::move(norm));
-    out.index.push_back(i);
   }
-  if (!norms.empty()) out.total = at::linalg_vector_norm(at::stack(norms), 2).item<double>();
+  if (tensor_parallel.group == nullptr) {
+    if (!norms.empty()) out.total = at::linalg_vector_norm(at::stack(norms), 2).item<double>();
+    return out;
+  }
+  // Every rank takes part in the sum, whether or not it holds a gradient.
+  const double squares = norms.empty() ? 0.0 : at::stack(norms).square().sum().item<double>();
+  const at::Device device = named.empty() ? at::Device(at::kCPU) : named.front().second.device();
+  out.total = std::sqrt(tensor_parallel.Sum(squares, device));
   return out;
 }
 
@@ -56,8 +65,14 @@ double GlobalGradNorm(const std::vector<std::pair<std::string, at::Tensor>>& nam
   return ComputeGradNorms(named_parameters).total;
 }
 
-AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters, AdamWOptions options)
-    : named_(std::move(named_parameters)), options_(options) {
+AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters, AdamWOptions options,
+             TensorParallelNorm tensor_parallel)
+    : named_(std::move(named_parameters)),
+      options_(options),
+      tensor_parallel_(std::move(tensor_parallel)) {
+  TORCH_CHECK(
+      tensor_parallel_.group == nullptr || tensor_parallel_.replicated.size() == named_.size(),
+      "AdamW: tensor_parallel.replicated must have one entry per parameter");
   CheckAdamWOptions(options_, "AdamW: ");
   at::NoGradGuard no_grad;
   std::unordered_set<const void*> impls;
@@ -117,7 +132,7 @@ at::Tensor AdamW::exp_avg_sq(std::string_view name) const {
 
 StepStats AdamW::Step() {
   at::NoGradGuard no_grad;
-  const GradNorms norms = ComputeGradNorms(named_);
+  const GradNorms norms = ComputeGradNorms(named_, tensor_parallel_);
   if (!std::isfinite(norms.total)) {
     for (size_t i : norms.index) {
       const auto& [name, param] = named_[i];

@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "executor/optim/adamw_update.h"
+#include "executor/parallel/tensor_parallel.h"
 
 namespace dta {
 
@@ -80,8 +81,11 @@ class AdamW {
   // or float16, under distinct names and distinct tensors (the order is kept). TORCH_CHECK on a
   // violation, or on options outside lr >= 0, 0 <= beta1, beta2 < 1, eps >= 0,
   // weight_decay >= 0 (all finite).
-  AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
-        AdamWOptions options = {});
+  // With `tensor_parallel`, the parameters are one tensor-parallel rank's parts and the global
+  // norm for clipping spans every rank's (a float64 scalar all-reduce per Step, every rank calls
+  // it).
+  AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters, AdamWOptions options = {},
+        TensorParallelNorm tensor_parallel = {});
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
   AdamW(AdamW&&) = default;
@@ -138,6 +142,7 @@ class AdamW {
   std::map<std::string, size_t, std::less<>> index_;  // name -> position in named_
   std::vector<ParamState> states_;
   AdamWOptions options_;
+  TensorParallelNorm tensor_parallel_;
   int64_t step_ = 0;
 };
 

@@ -149,27 +149,35 @@ LAYOUTS = {
     "replicated": ["--shard_optimizer=false", "--offload_optimizer=false"],
     "sharded": ["--shard_optimizer=true", "--offload_optimizer=false"],
     "sharded_offloaded": ["--shard_optimizer=true", "--offload_optimizer=true"],
+    "tp2": ["--tensor_parallel=2", "--shard_optimizer=false", "--offload_optimizer=false"],
+    "tp2_sharded_offloaded": ["--tensor_parallel=2", "--shard_optimizer=true", "--offload_optimizer=true"],
 }
 
 
 @pytest.mark.parametrize("world, layout, nodes", [(2, "replicated", 1), (3, "replicated", 1), (2, "sharded", 1),
                                                   (3, "sharded", 1), (2, "sharded_offloaded", 1),
-                                                  (4, "sharded", 2)])
+                                                  (4, "sharded", 2), (2, "tp2", 1),
+                                                  (4, "tp2_sharded_offloaded", 2)])
 def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, world, layout, nodes):
     """dta-train --distributed on Gloo: each rank trains its part of the split under the whole
     batch's advantages and normalisers; the summed gradient equals one process's (float64), and so
     do the weights after two clipped optimizer steps, whether AdamW's state is replicated, sharded
     across the ranks (ZeRO-1) or sharded and offloaded; and on two "nodes" (local ranks repeat, one
-    rendezvous on loopback), as torchrun --nnodes=2 starts them."""
+    rendezvous on loopback), as torchrun --nnodes=2 starts them. With --tensor_parallel=2 each
+    replica's weights are split across two ranks (TP 2 x DP 1, and TP 2 x DP 2 on two nodes): the
+    same losses, norms and saved weights (gathered: plain Hugging Face tensors)."""
     common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
               "--method=dta", "--block_size=64", "--max_grad_norm=0.05", "--json"]
     single = train(*common, f"--dump_grads={tmp_path / 'one.safetensors'}", f"--save={tmp_path / 'one'}")
     assert single.returncode == 0, single.stderr
     dump = [f"--dump_grads={tmp_path / 'many.safetensors'}"] if layout == "replicated" else []
+    tensor_parallel = 2 if layout.startswith("tp2") else 1
     outputs = run_ranks(world, [*common, *LAYOUTS[layout], *dump, f"--save={tmp_path / 'many'}"], nodes)
-    assert "DFS-contiguous" in outputs[0][0] and "greedy by tree tokens" in outputs[0][0]
-    sharded = layout != "replicated"
+    if world // tensor_parallel > 1:
+        assert "DFS-contiguous" in outputs[0][0] and "greedy by tree tokens" in outputs[0][0]
+    sharded = "sharded" in layout
     assert ("optimizer sharded" in outputs[0][1]) == sharded, outputs[0][1]
+    assert f"TP {tensor_parallel} x DP {world // tensor_parallel}" in outputs[0][1], outputs[0][1]
     steps = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
     reference_steps = [json.loads(line) for line in single.stdout.splitlines() if line.startswith("{")]
     assert [s["rollout_tokens"] for s in steps] == [s["rollout_tokens"] for s in reference_steps]
@@ -178,11 +186,14 @@ def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, wor
         assert abs(s["grad_norm"] - r["grad_norm"]) <= 1e-10 * r["grad_norm"]
         assert r["grad_norm"] > 0.05, "the steps must clip"
     assert_same_tensors(tmp_path / "one/model.safetensors", tmp_path / "many/model.safetensors")
-    if not sharded:
+    if dump:
         assert_same_tensors(tmp_path / "one.safetensors", tmp_path / "many.safetensors")
-    shards = sorted(p.name for p in (tmp_path / "many").glob("optimizer-*.safetensors"))
-    assert shards == ([f"optimizer-{r:05d}-of-{world:05d}.safetensors" for r in range(world)]
-                      if sharded else [])
+    replicas = world // tensor_parallel
+    for t in range(tensor_parallel):
+        state = tmp_path / "many" / (f"tp-{t:02d}-of-{tensor_parallel:02d}" if tensor_parallel > 1 else "")
+        shards = sorted(p.name for p in state.glob("optimizer*.safetensors"))
+        assert shards == ([f"optimizer-{r:05d}-of-{replicas:05d}.safetensors" for r in range(replicas)]
+                          if sharded else ["optimizer.safetensors"])
 
 
 def test_sharded_state_resumes_on_another_layout(rollouts, tmp_path):

@@ -5,7 +5,6 @@
 #include "apps/trainer/trainer_loop.h"
 
 #include <c10/util/Exception.h>
-#include <ftw.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "apps/trainer/checkpoints.h"
+#include "core/base/remove_tree.h"
 #include "core/loss/batch_context.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -103,18 +103,6 @@ class FakeSession : public TrainerSession {
   }
   void Failed(int64_t step, const std::string& error) override { failed.emplace_back(step, error); }
 };
-
-// libtorch.so exports its own std::filesystem::remove_all, which crashes on a directory (see
-// apps/trainer/checkpoints.cc): trees are removed with nftw, depth first.
-void RemoveTree(const std::filesystem::path& path) {
-  nftw(
-      path.c_str(),
-      [](const char* file, const struct stat*, int, struct FTW*) {
-        ::remove(file);
-        return 0;
-      },
-      16, FTW_DEPTH | FTW_PHYS);
-}
 
 class TrainerLoopTest : public ::testing::Test {
  protected:

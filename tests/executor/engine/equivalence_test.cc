@@ -14,9 +14,16 @@
 
 #include "gtest/gtest.h"
 #include "tests/core/tree/random_trees.h"
+#include "tests/testing/executor_cases.h"
 
 namespace dta {
 namespace {
+
+using testing::Losses;
+using testing::MakeRollouts;
+using testing::MethodRun;
+using testing::RelativeError;
+using testing::RunMethod;
 
 constexpr double kTolerance = 1e-9;
 
@@ -32,60 +39,6 @@ Qwen3Config TinyConfig(int64_t vocab = 19) {
   c.rope_theta = 10000.0;
   c.tie_word_embeddings = false;
   return c;
-}
-
-// Rollouts over the given token sequences with random masks, behaviour and reference
-// log-probabilities, rewards, two GRPO groups, and per-token advantages on some.
-std::vector<Rollout> MakeRollouts(const std::vector<std::vector<TokenId>>& sequences, uint64_t seed,
-                                  int64_t vocab = 19) {
-  const double center = -std::log(static_cast<double>(vocab));
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> unit(0.0, 1.0);
-  std::vector<Rollout> rollouts;
-  for (size_t i = 0; i < sequences.size(); ++i) {
-    Rollout r;
-    r.id = "r" + std::to_string(i);
-    r.group = "g" + std::to_string(rng() % 2);
-    r.tokens = sequences[i];
-    const size_t n = r.tokens.size();
-    for (size_t t = 0; t < n; ++t) {
-      r.loss_mask.push_back(t > 0 && unit(rng) < 0.8);
-      // Around the tiny model's own log-probabilities (about -log vocab), so PPO ratios land on
-      // both sides of the clip range.
-      r.logprobs.push_back(static_cast<float>(center + 0.6 * (unit(rng) - 0.5)));
-      r.ref_logprobs.push_back(static_cast<float>(center + 0.6 * (unit(rng) - 0.5)));
-    }
-    r.reward = unit(rng);
-    if (i % 3 == 2) {
-      for (size_t t = 0; t < n; ++t) r.advantages.push_back(static_cast<float>(unit(rng) - 0.5));
-    }
-    rollouts.push_back(std::move(r));
-  }
-  return rollouts;
-}
-
-struct MethodRun {
-  GradientResult result;
-  std::vector<at::Tensor> grads;
-};
-
-MethodRun RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts,
-                    const LossOptions& loss, const ExecutorOptions& options) {
-  for (const auto& [name, p] : model.named_parameters()) {
-    if (p.grad().defined()) p.mutable_grad().zero_();
-  }
-  MethodRun run;
-  run.result = ComputeGradients(model, rollouts, loss, options);
-  for (const auto& [name, p] : model.named_parameters()) {
-    run.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
-  }
-  return run;
-}
-
-double RelativeError(const at::Tensor& value, const at::Tensor& reference) {
-  const double scale = reference.norm().item<double>();
-  const double diff = (value - reference).norm().item<double>();
-  return scale > 0 ? diff / scale : diff;
 }
 
 void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& reference,
@@ -104,28 +57,6 @@ void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& 
     const double error = RelativeError(run.grads[i], reference.grads[i]);
     EXPECT_LE(error, kTolerance) << model.named_parameters()[i].first;
   }
-}
-
-std::vector<std::pair<std::string, LossOptions>> Losses() {
-  LossOptions sft{.kind = LossKind::kSft};
-  LossOptions ppo{.kind = LossKind::kPpo};
-  LossOptions dual{.kind = LossKind::kPpo,
-                   .normalization = Normalization::kSequenceMean,
-                   .eps_clip_low = 0.1,
-                   .eps_clip_high = 0.28,
-                   .dual_clip = 3.0};
-  LossOptions decoupled{.kind = LossKind::kDecoupledPpo, .behave_imp_weight_cap = 5.0};
-  LossOptions gspo{.kind = LossKind::kGspo};
-  LossOptions regularized{.kind = LossKind::kPpo,
-                          .normalization = Normalization::kSum,
-                          .entropy_coef = 0.01,
-                          .kl_coef = 0.05};
-  return {{"sft", sft},
-          {"ppo", ppo},
-          {"ppo_dual_clip_seq_mean", dual},
-          {"decoupled_ppo", decoupled},
-          {"gspo", gspo},
-          {"ppo_entropy_kl_sum", regularized}};
 }
 
 class Equivalence : public ::testing::Test {

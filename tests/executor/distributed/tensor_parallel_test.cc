@@ -1,0 +1,315 @@
+// Tensor parallelism against one process: with the model's heads, MLP and vocabulary split across
+// 2 or 4 ranks (Gloo, ranks as threads, float64), every method computes the single-process loss,
+// log-probabilities and every parameter's gradient (each rank's part of it) to relative error
+// 1e-10, on random trees with duplicates, prefix rollouts, one-token segments, deep chains and wide
+// branches, for every loss, several block sizes, packing and a graph budget. With data parallelism
+// on top (DP x TP = 2 x 2) and every optimizer layout, the parameters after several clipped AdamW
+// steps equal one process's.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/base/remove_tree.h"
+#include "executor/distributed/parallel_groups.h"
+#include "executor/distributed/tensor_parallel_group.h"
+#include "executor/distributed/training_optimizer.h"
+#include "executor/engine/executor.h"
+#include "executor/model/qwen3_checkpoint.h"
+#include "tests/core/tree/random_trees.h"
+#include "tests/testing/executor_cases.h"
+#include "tests/testing/gloo_ranks.h"
+
+namespace dta {
+namespace {
+
+constexpr double kTolerance = 1e-10;
+const at::TensorOptions kFloat64 = at::TensorOptions().dtype(at::kDouble);
+
+// Four KV heads (TP up to 4), and a vocabulary and MLP width that no TP size divides evenly.
+Qwen3Config TensorParallelConfig(bool tied) {
+  Qwen3Config c;
+  c.vocab_size = 19;
+  c.hidden_size = 16;
+  c.intermediate_size = 26;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 4;
+  c.head_dim = 8;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+std::vector<std::pair<std::string, ExecutorOptions>> Methods(int64_t longest) {
+  std::vector<std::pair<std::string, ExecutorOptions>> methods = {
+      {"dense", {.method = Method::kDense}},
+      {"dense+ckpt", {.method = Method::kDense, .checkpointing = true}},
+      {"packed", {.method = Method::kPacked}},
+      {"packed capacity+ckpt",
+       {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}},
+  };
+  for (int64_t block : {int64_t{1}, int64_t{3}, kUnboundedBlock}) {
+    const std::string b = block == kUnboundedBlock ? "inf" : std::to_string(block);
+    methods.push_back({"dta B=" + b, {.method = Method::kDta, .block_size = block}});
+    methods.push_back({"dta B=" + b + " lex budget=6 packed",
+                       {.method = Method::kDta,
+                        .block_size = block,
+                        .order = LeafOrderKind::kLexicographic,
+                        .graph_budget = 6,
+                        .pack = true}});
+  }
+  return methods;
+}
+
+// Every method on `tp` ranks equals the same method in one process.
+void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_index) {
+  const Qwen3Config config = TensorParallelConfig(tied);
+  // Trees over four tokens, spread over the vocabulary so that every rank's slice is used.
+  auto sequences = testing::RandomRollouts(seed, {.max_rollouts = 8, .max_length = 10, .vocab = 4});
+  for (auto& tokens : sequences) {
+    for (TokenId& token : tokens) token *= 6;
+  }
+  const std::vector<Rollout> rollouts = testing::MakeRollouts(sequences, seed);
+  int64_t longest = 0;
+  for (const Rollout& r : rollouts) longest = std::max<int64_t>(longest, r.tokens.size());
+  const auto losses = testing::Losses();
+  const auto& [loss_name, loss] = losses.at(loss_index);
+  const auto methods = Methods(longest);
+
+  Qwen3Model whole(config, kFloat64);
+  whole.InitRandom(7, 0.3);
+  std::vector<testing::MethodRun> references;
+  for (const auto& [name, options] : methods) {
+    references.push_back(testing::RunMethod(whole, rollouts, loss, options));
+  }
+
+  testing::RunRanks(tp, [&](ProcessGroup& group) {
+    auto ranks = std::make_shared<TensorParallelOverProcessGroup>(group);
+    Qwen3Model model(config, kFloat64, ranks);
+    model.InitRandom(7, 0.3);
+    EXPECT_EQ(model.local_kv_heads(), config.num_key_value_heads / tp);
+    const auto& named = model.named_parameters();
+    ASSERT_EQ(named.size(), whole.named_parameters().size());
+    for (size_t i = 0; i < named.size(); ++i) {
+      // The seed means the same model at every TP size; gathered, the parts are the whole.
+      EXPECT_TRUE(at::equal(model.GatherParameter(i), whole.named_parameters()[i].second))
+          << named[i].first;
+    }
+    for (size_t m = 0; m < methods.size(); ++m) {
+      SCOPED_TRACE("TP " + std::to_string(tp) + " rank " + std::to_string(group.rank()) +
+                   (tied ? " tied" : "") + " seed " + std::to_string(seed) + " " + loss_name + " " +
+                   methods[m].first);
+      const testing::MethodRun run = testing::RunMethod(model, rollouts, loss, methods[m].second);
+      const testing::MethodRun& reference = references[m];
+      EXPECT_NEAR(run.result.loss, reference.result.loss,
+                  kTolerance * std::max(1.0, std::abs(reference.result.loss)));
+      ASSERT_EQ(run.result.logprobs.size(), reference.result.logprobs.size());
+      for (size_t r = 0; r < rollouts.size(); ++r) {
+        EXPECT_LE(testing::RelativeError(run.result.logprobs[r], reference.result.logprobs[r]),
+                  kTolerance)
+            << "rollout " << r;
+      }
+      for (size_t i = 0; i < named.size(); ++i) {
+        const at::Tensor expected = model.LocalPart(i, reference.grads[i]);
+        EXPECT_GT(expected.norm().item<double>(), 0.0) << named[i].first;
+        EXPECT_LE(testing::RelativeError(run.grads[i], expected), kTolerance) << named[i].first;
+      }
+    }
+  });
+}
+
+// Every loss of testing::Losses() (0 sft, 1 ppo, 2 dual clip, 3 decoupled, 4 gspo, 5 entropy and
+// KL) on one TP size or the other.
+TEST(TensorParallel, TwoRanksEveryMethod) {
+  ExpectTensorParallelExact(2, /*tied=*/false, /*seed=*/0, /*loss_index=*/0);
+  ExpectTensorParallelExact(2, /*tied=*/false, /*seed=*/2, /*loss_index=*/3);
+  ExpectTensorParallelExact(2, /*tied=*/false, /*seed=*/3, /*loss_index=*/5);
+}
+
+TEST(TensorParallel, FourRanksEveryMethod) {
+  ExpectTensorParallelExact(4, /*tied=*/false, /*seed=*/4, /*loss_index=*/1);
+  ExpectTensorParallelExact(4, /*tied=*/false, /*seed=*/5, /*loss_index=*/2);
+  ExpectTensorParallelExact(4, /*tied=*/false, /*seed=*/10, /*loss_index=*/4);
+}
+
+TEST(TensorParallel, TiedEmbeddings) {
+  ExpectTensorParallelExact(2, /*tied=*/true, /*seed=*/7, /*loss_index=*/5);
+  ExpectTensorParallelExact(4, /*tied=*/true, /*seed=*/8, /*loss_index=*/3);
+}
+
+// DP x TP = 2 x 2 with each optimizer layout: after three clipped AdamW steps on a batch split
+// between the replicas, every rank's parameter parts equal one process's parameters.
+TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
+  constexpr int kTp = 2, kDp = 2, kSteps = 3;
+  const Qwen3Config config = TensorParallelConfig(false);
+  auto sequences = testing::RandomRollouts(3, {.max_rollouts = 8, .max_length = 10, .vocab = 4});
+  for (auto& tokens : sequences) {
+    for (TokenId& token : tokens) token *= 6;
+  }
+  std::vector<Rollout> rollouts = testing::MakeRollouts(sequences, 3);
+  ASSERT_GE(rollouts.size(), 2u);
+  ASSERT_GT(MakeBatchContext(rollouts).total_loss_tokens, 0);
+  // Per-token advantages over the whole batch, as the dispatcher sends them to each replica.
+  absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts);
+  ASSERT_TRUE(advantages.ok()) << advantages.status();
+  for (size_t r = 0; r < rollouts.size(); ++r) rollouts[r].advantages = (*advantages)[r];
+  const BatchLossContext batch = MakeBatchContext(rollouts);
+  const LossOptions loss{.kind = LossKind::kPpo, .entropy_coef = 0.01};
+  const AdamWOptions adamw{.lr = 1e-2, .weight_decay = 0.1, .max_grad_norm = 1e-3};
+  const ExecutorOptions dta{.method = Method::kDta, .block_size = 3};
+
+  Qwen3Model whole(config, kFloat64);
+  whole.InitRandom(7, 0.3);
+  AdamW reference(whole.named_parameters(), adamw);
+  for (int step = 0; step < kSteps; ++step) {
+    reference.ZeroGrad();
+    ComputeGradients(whole, rollouts, loss, dta, batch);
+    const StepStats stats = reference.Step();
+    EXPECT_LT(stats.clip_coef, 1.0) << "the test means to clip; the norm is " << stats.grad_norm;
+  }
+
+  const TrainingLayout layouts[] = {
+      {.tensor_parallel = kTp, .data_parallel = kDp},
+      {.tensor_parallel = kTp, .data_parallel = kDp, .shard_optimizer = true},
+      {.tensor_parallel = kTp,
+       .data_parallel = kDp,
+       .shard_optimizer = true,
+       .offload_optimizer = true},
+  };
+  for (const TrainingLayout& layout : layouts) {
+    SCOPED_TRACE(std::string("shard ") + (layout.shard_optimizer ? "on" : "off") + " offload " +
+                 (layout.offload_optimizer ? "on" : "off"));
+    testing::RunRanks(kTp * kDp, [&](ProcessGroup& world) {
+      const ParallelGroups groups(world, kTp, testing::LoopbackOptions());
+      EXPECT_EQ(groups.tensor_parallel_rank(), world.rank() % kTp);
+      EXPECT_EQ(groups.data_parallel().size(), kDp);
+      Qwen3Model model(config, kFloat64, groups.tensor_parallel_collectives());
+      model.InitRandom(7, 0.3);
+      TrainingOptimizer optimizer(model.named_parameters(), &groups.data_parallel(), layout, adamw,
+                                  int64_t{1} << 10, model.gradient_norm_scope());
+      // Replica d trains every other rollout.
+      const int d = groups.data_parallel_rank();
+      std::vector<Rollout> mine;
+      for (size_t r = d; r < rollouts.size(); r += kDp) mine.push_back(rollouts[r]);
+      for (int step = 0; step < kSteps; ++step) {
+        optimizer.ZeroGrad();
+        ComputeGradients(model, mine, loss, dta, batch);
+        optimizer.SyncGradients();
+        optimizer.Step();
+      }
+      for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+        const auto& [name, parameter] = model.named_parameters()[i];
+        EXPECT_LE(testing::RelativeError(parameter,
+                                         model.LocalPart(i, whole.named_parameters()[i].second)),
+                  kTolerance)
+            << name << " on rank " << world.rank();
+      }
+    });
+  }
+}
+
+// A temporary directory, removed with its contents.
+class ScratchDirectory {
+ public:
+  explicit ScratchDirectory(const std::string& name)
+      : path_(std::filesystem::temp_directory_path() / (name + "-" + std::to_string(::getpid()))) {
+    RemoveTree(path_.string());
+  }
+  ~ScratchDirectory() { RemoveTree(path_.string()); }
+  std::string operator/(const std::string& child) const { return (path_ / child).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Checkpoints: a model saved under TP is the whole model (Hugging Face names and shapes), a whole
+// checkpoint loads into every TP size, and optimizer state resumes only with the TP size it was
+// saved with (refused otherwise, naming what was found).
+TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
+  const Qwen3Config config = TensorParallelConfig(false);
+  const ScratchDirectory scratch("dta-tp-checkpoint");
+  Qwen3Model whole(config, kFloat64);
+  whole.InitRandom(11, 0.3);
+  SaveQwen3Model(whole, scratch / "whole");
+  testing::RunRanks(2, [&](ProcessGroup& group) {
+    auto ranks = std::make_shared<TensorParallelOverProcessGroup>(group);
+    Qwen3Model model = LoadQwen3Model(scratch / "whole", kFloat64, ranks);
+    for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+      EXPECT_TRUE(at::equal(model.named_parameters()[i].second,
+                            model.LocalPart(i, whole.named_parameters()[i].second)))
+          << model.named_parameters()[i].first;
+    }
+    SaveQwen3Model(model, scratch / "from-tp");
+    const TrainingLayout layout{.tensor_parallel = 2};
+    TrainingOptimizer optimizer(model.named_parameters(), nullptr, layout, {}, int64_t{1} << 20,
+                                model.gradient_norm_scope());
+    optimizer.SaveState(scratch / "state");
+    group.Barrier();
+    EXPECT_TRUE(optimizer.HasState(scratch / "state"));
+    optimizer.LoadState(scratch / "state");
+  });
+  const Qwen3Model reloaded = LoadQwen3Model(scratch / "from-tp", kFloat64);
+  for (size_t i = 0; i < reloaded.named_parameters().size(); ++i) {
+    EXPECT_TRUE(
+        at::equal(reloaded.named_parameters()[i].second, whole.named_parameters()[i].second))
+        << reloaded.named_parameters()[i].first;
+  }
+  EXPECT_TRUE(std::filesystem::is_directory(scratch / "state/tp-00-of-02"));
+  EXPECT_TRUE(std::filesystem::is_directory(scratch / "state/tp-01-of-02"));
+  TrainingOptimizer without_tp(whole.named_parameters(), nullptr, TrainingLayout{}, {});
+  try {
+    without_tp.LoadState(scratch / "state");
+    ADD_FAILURE() << "state saved with TP 2 loaded without tensor parallelism";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("saved with tensor parallelism (tp-0"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+TEST(TensorParallel, SplitsFollowHeadsMlpAndVocabulary) {
+  const Qwen3Config config = TensorParallelConfig(false);
+  testing::RunRanks(4, [&](ProcessGroup& group) {
+    Qwen3Model model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    const int r = group.rank();
+    EXPECT_EQ(model.local_heads(), 2);
+    EXPECT_EQ(model.local_kv_heads(), 1);
+    EXPECT_EQ(model.parameter("model.layers.0.self_attn.q_proj.weight").size(0), 2 * 8);
+    EXPECT_EQ(model.parameter("model.layers.0.self_attn.o_proj.weight").size(1), 2 * 8);
+    EXPECT_EQ(model.parameter("model.layers.0.mlp.down_proj.weight").size(1),
+              SplitRange(26, r, 4).size());
+    EXPECT_EQ(model.parameter("lm_head.weight").size(0), SplitRange(19, r, 4).size());
+    EXPECT_EQ(model.parameter("model.norm.weight").size(0), 16);
+  });
+}
+
+TEST(TensorParallel, RefusesSizesThatDoNotDivideTheKvHeads) {
+  testing::RunRanks(3, [&](ProcessGroup& group) {
+    try {
+      Qwen3Model model(TensorParallelConfig(false), kFloat64,
+                       std::make_shared<TensorParallelOverProcessGroup>(group));
+      ADD_FAILURE() << "a TP size of 3 with 4 KV heads was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("multiple of 3 KV heads"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  });
+}
+
+TEST(TensorParallel, GraphBytesPerTokenDivideWithTheSplitParts) {
+  const Qwen3Config c = TensorParallelConfig(false);
+  const int64_t one = GraphBytesPerToken(c, at::kBFloat16, 1);
+  const int64_t two = GraphBytesPerToken(c, at::kBFloat16, 2);
+  // The residual stream stays whole: 2 x hidden x 4 bytes per layer.
+  const int64_t residual = c.num_hidden_layers * 2 * c.hidden_size * 4;
+  EXPECT_EQ(one - residual, 2 * (two - residual));
+}
+
+}  // namespace
+}  // namespace dta
