@@ -227,6 +227,19 @@ def test_layout_that_cannot_fit_is_refused_naming_the_numbers(rollouts):
     assert "--shard_optimizer must be auto, true or false, got 'maybe'" in run.stderr
 
 
+def test_tensor_parallel_sizes_that_cannot_run_are_refused(rollouts, tmp_path):
+    """--tensor_parallel must divide the KV heads and fit the ranks; dta-trainer, whose dispatcher
+    path is data-parallel only for now, refuses it by name."""
+    run = train(f"--rollouts={rollouts}", "--tensor_parallel=2")
+    assert run.returncode == 2 and "tensor_parallel" in run.stderr, run.stderr
+    run = train(f"--rollouts={rollouts}", "--tensor_parallel=-1")
+    assert run.returncode == 2 and "--tensor_parallel must be >= 0" in run.stderr, run.stderr
+    trainer = subprocess.run([tool("dta-trainer"), f"--config={CONFIG}", "--tensor_parallel=2",
+                              f"--checkpoint_dir={tmp_path / 'ckpt'}"], capture_output=True, text=True)
+    assert trainer.returncode == 2, trainer.stderr
+    assert "this binary trains with data parallelism only" in trainer.stderr, trainer.stderr
+
+
 def _help_defaults(binary: Path) -> dict[str, str]:
     """Each flag's default as `BINARY --help` prints it: `--name (...); default: VALUE;`."""
     text = subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
