@@ -242,9 +242,7 @@ StepStats ShardedAdamW::Step() {
   const int64_t b = std::min(sharding_.bucket_elements, shard_);
   const TensorParallelNorm& tensor_parallel = sharding_.tensor_parallel;
   std::vector<at::Tensor> norms;
-  bool every_piece = true;
-  for (size_t i = 0; i < named_.size() && every_piece; ++i) every_piece = tensor_parallel.Counts(i);
-  if (every_piece) {
+  if (tensor_parallel.group == nullptr || tensor_parallel.group->rank() == 0) {
     for (int64_t begin = 0; begin < shard_; begin += b) {
       norms.push_back(at::linalg_vector_norm(shard.narrow(0, begin, std::min(b, shard_ - begin)), 2,
                                              std::nullopt, false, at::kDouble));

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <system_error>
 
@@ -9,11 +10,6 @@ namespace dta {
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string Padded(int value) {
-  std::string digits = std::to_string(value);
-  return std::string(digits.size() < 2 ? 2 - digits.size() : 0, '0') + digits;
-}
 
 // The name of a tp-RR-of-TT subdirectory of `directory`, or "" when it has none.
 std::string TensorParallelStateIn(const std::string& directory) {
@@ -35,8 +31,9 @@ TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tens
   TORCH_CHECK(layout.tensor_parallel == tp, "TrainingOptimizer: the layout's tensor parallelism (",
               layout.tensor_parallel, ") differs from the model's (", tp, ")");
   if (tp > 1) {
-    tensor_parallel_subdirectory_ =
-        "tp-" + Padded(tensor_parallel.group->rank()) + "-of-" + Padded(tp);
+    char name[32];
+    std::snprintf(name, sizeof(name), "tp-%02d-of-%02d", tensor_parallel.group->rank(), tp);
+    tensor_parallel_subdirectory_ = name;
   }
   TORCH_CHECK(!layout.shard_optimizer || group != nullptr || layout.data_parallel == 1,
               "TrainingOptimizer: sharding across ", layout.data_parallel,
