@@ -116,8 +116,7 @@ int Run() {
   const bool leader = env.rank == 0;  // prints, dumps and saves
   // The layout first: tensor parallelism decides which part of the model this rank builds.
   const Qwen3Config config = ConfigFromFlags();
-  const LayoutPlan layout = LayoutFromFlags(config, env.world_size, options.device(),
-                                            /*tensor_parallel_supported=*/true);
+  const LayoutPlan layout = LayoutFromFlags(config, env.world_size, options.device());
   const int tensor_parallel = layout.layout.tensor_parallel;
   if (tensor_parallel > 1 && !absl::GetFlag(FLAGS_dump_grads).empty()) {
     throw BadInput{"--dump_grads needs the whole gradient, which tensor parallelism splits"};

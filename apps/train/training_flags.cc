@@ -226,8 +226,7 @@ int64_t PhysicalMemoryBytes() {
 
 }  // namespace
 
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
-                           bool tensor_parallel_supported) {
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device) {
   LayoutRequest request;
   request.world_size = world_size;
   // Ranks per node, as torchrun exports it; TP never crosses it.
@@ -253,12 +252,7 @@ LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::
       static_cast<int32_t>(c10::elementSize(TensorOptionsFromFlags().dtype().toScalarType()));
   const int32_t tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   if (tensor_parallel < 0) throw BadInput{"--tensor_parallel must be >= 0"};
-  if (!tensor_parallel_supported && tensor_parallel > 1) {
-    throw BadInput{"--tensor_parallel=" + std::to_string(tensor_parallel) +
-                   ": this binary trains with data parallelism only (TP 1); dta-train "
-                   "--distributed runs tensor parallelism"};
-  }
-  request.tensor_parallel = tensor_parallel_supported ? tensor_parallel : 1;
+  request.tensor_parallel = tensor_parallel;
   request.shard_optimizer =
       LayoutChoiceFlag("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
   request.offload_optimizer =

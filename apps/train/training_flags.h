@@ -35,11 +35,9 @@ at::TensorOptions TensorOptionsFromFlags();
 AdamWOptions AdamWFromFlags();
 // The layout (tensor parallelism, optimizer sharding and offload) for `world_size` ranks on
 // `device`, from --tensor_parallel, --shard_optimizer, --offload_optimizer, --gpu_memory_gb and
-// --activation_gb and the device's memory (core/layout's planner). Without
-// `tensor_parallel_supported` the layout has TP 1 and --tensor_parallel > 1 is refused. BadInput
-// with the planner's message (naming the numbers) when nothing fits or an override is impossible.
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
-                           bool tensor_parallel_supported = false);
+// --activation_gb and the device's memory (core/layout's planner). BadInput with the planner's
+// message (naming the numbers) when nothing fits or an override is impossible.
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device);
 // The config of --model (its config.json) or --config (a preset or a config.json).
 Qwen3Config ConfigFromFlags();
 // --model (a Hugging Face directory) or --config (random weights), this rank's parts under

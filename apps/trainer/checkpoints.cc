@@ -73,11 +73,10 @@ std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
 }
 
 void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
-                    const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep, int rank,
-                    ProcessGroup* group) {
+                    const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep,
+                    const CheckpointRanks& ranks) {
   TORCH_CHECK(keep >= 1, "checkpoints to keep must be >= 1, got ", keep);
-  const bool every_rank = optimizer.sharded() && group != nullptr && group->size() > 1;
-  if (rank != 0 && !every_rank) return;
+  const int rank = ranks.world != nullptr ? ranks.world->rank() : 0;
   const fs::path final_path = fs::path(directory) / StepName(step);
   const fs::path tmp = final_path.string() + ".tmp";
   if (rank == 0) {
@@ -88,11 +87,11 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
     RemoveTree(tmp);
     RemoveTree(final_path);  // a step saved again (after a replay) is replaced
   }
-  if (every_rank) group->Barrier();  // nobody writes into a directory rank 0 is still clearing
-  optimizer.SaveState(tmp.string());
-  if (every_rank) group->Barrier();  // every slice is written before rank 0 publishes
+  if (ranks.world != nullptr) ranks.world->Barrier();  // nobody writes into what rank 0 clears
+  optimizer.SaveState(tmp.string());                   // what this rank owns (maybe nothing)
+  if (ranks.data_parallel_rank == 0) SaveQwen3Model(model, tmp.string());
+  if (ranks.world != nullptr) ranks.world->Barrier();  // all is written before rank 0 publishes
   if (rank != 0) return;
-  SaveQwen3Model(model, tmp.string());
   WriteJson(tmp / kTrainerFile, {{"step", step}, {"policy_version", policy_version}});
   // On disk before it is renamed into place: the dispatcher releases the replay data of the steps a
   // checkpoint holds once trainers report it, so a checkpoint must survive a host crash.

@@ -6,11 +6,11 @@
 // {"step", "policy_version"}.
 //
 // A checkpoint is written to "step-<N>.tmp" and renamed into place, so a directory named
-// "step-<N>" is always complete; "latest.json" names the newest one for rollout workers. With data
-// parallelism every rank holds the same weights: rank 0 writes them (and a replicated optimizer),
-// every rank writes its own slice of a sharded optimizer into the same temporary directory before
-// rank 0 renames it, and every rank reads the directory (it must be shared, e.g. on a network file
-// system, for ranks on several hosts).
+// "step-<N>" is always complete; "latest.json" names the newest one for rollout workers. Every
+// rank writes what it owns into the same temporary directory before rank 0 renames it: the
+// weights (gathered across tensor-parallel ranks) and a replicated optimizer once, each slice of a
+// sharded optimizer, and each TP rank's parts (under tp-RR-of-TT/); every rank reads the directory
+// (it must be shared, e.g. on a network file system, for ranks on several hosts).
 //
 // Errors: c10::Error (TORCH_CHECK) naming the path.
 #pragma once
@@ -34,14 +34,21 @@ struct CheckpointInfo {
 // missing).
 std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory);
 
+// Which ranks save a checkpoint together.
+struct CheckpointRanks {
+  // Every rank of the world (null: one process) saves together: each writes the optimizer state it
+  // owns, the first data-parallel replica's TP ranks gather the weights (TP rank 0 writes them),
+  // and world rank 0 publishes the checkpoint; they meet at two barriers of `world`.
+  ProcessGroup* world = nullptr;
+  int data_parallel_rank = 0;
+};
+
 // Writes the model and the optimizer after `step` committed steps, then removes all but the
-// newest `keep` checkpoints (keep >= 1) and points latest.json at this one. Every rank calls it
-// when the optimizer is sharded (ranks meet at two barriers of `group`: after rank 0 has prepared
-// the temporary directory and after every slice is written); otherwise only rank 0 need call it
-// (other ranks return at once).
+// newest `keep` checkpoints (keep >= 1) and points latest.json at this one. Every rank of
+// ranks.world calls it.
 void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
                     const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep = 2,
-                    int rank = 0, ProcessGroup* group = nullptr);
+                    const CheckpointRanks& ranks = {});
 
 // Restores the optimizer's state and, through its master weights, the model's parameters (a
 // sharded optimizer reads the slices it needs from every rank's file: every rank calls it).

@@ -10,7 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "apps/train/training_flags.h"
-#include "apps/trainer/checkpoints.h"
 
 namespace dta {
 namespace {
@@ -92,23 +91,18 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
         static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, seconds,
         optimizer_seconds);
     bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
-    // A sharded optimizer is saved by every rank: they agree on a request (sent to rank 0).
-    const bool every_rank =
-        optimizer.sharded() && options.group != nullptr && options.group->size() > 1;
-    if (every_rank) requested = options.group->AllReduceScalars({requested ? 1.0 : 0.0})[0] > 0;
-    if (step % options.save_every == 0 || step == max_steps ||
-        (requested && (options.rank == 0 || every_rank))) {
+    ProcessGroup* world = options.ranks.world;
+    if (world != nullptr && world->size() > 1) {  // every rank saves: they agree on a request
+      requested = world->AllReduceScalars({requested ? 1.0 : 0.0})[0] > 0;
+    }
+    if (step % options.save_every == 0 || step == max_steps || requested) {
       SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer,
-                     options.keep_checkpoints, options.rank, options.group);
-      if (requested && options.rank == 0) {
+                     options.keep_checkpoints, options.ranks);
+      if (requested && (world == nullptr || world->rank() == 0)) {
         std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix,
                      static_cast<long long>(step - 1));
       }
       checkpoint_step = step;
-    } else if (requested) {
-      std::fprintf(stderr,
-                   "%s: a checkpoint was requested: send SIGUSR1 to rank 0, which saves them\n",
-                   prefix);
     }
   }
   return step;

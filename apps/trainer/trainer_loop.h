@@ -1,8 +1,9 @@
 // The trainer daemon's step loop, apart from its process: fetch this rank's partition from a
 // TrainerSession, compute its gradients with the executor under the whole batch's normalisers,
 // synchronise them with the other ranks, report PREPARED and step the optimizer only on COMMIT;
-// save checkpoints on rank 0. dta-trainer (trainer_main.cc) builds the model, the optimizer, the
-// session and the process group, then calls RunTrainerSteps; tests drive it with a fake session.
+// save checkpoints, every rank writing what it owns. dta-trainer (trainer_main.cc) builds the
+// model, the optimizer, the session and the process group, then calls RunTrainerSteps; tests drive
+// it with a fake session.
 //
 //   std::atomic<bool> requested{false};
 //   RunTrainerSteps(*session, model, optimizer, [&] { optimizer.SyncGradients(); }, resume_step,
@@ -27,6 +28,7 @@
 #include <functional>
 #include <string>
 
+#include "apps/trainer/checkpoints.h"
 #include "dispatcher/client/trainer_session.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
@@ -52,10 +54,9 @@ struct TrainerLoopOptions {
   int keep_checkpoints = 2;
   // Stop once this many steps are committed in all; 0: run until stopped.
   int64_t max_steps = 0;
-  int32_t rank = 0;
-  // The data-parallel group (null: one process): with a sharded optimizer every rank takes part in
-  // saving a checkpoint, so the ranks agree on a requested one through it.
-  ProcessGroup* group = nullptr;
+  // The ranks that save checkpoints together (apps/trainer/checkpoints.h). With several ranks they
+  // also agree on a requested checkpoint through ranks.world, so a request on any rank saves one.
+  CheckpointRanks ranks;
   // Testing: sleep this long before synchronising gradients (fault-injection tests).
   std::chrono::milliseconds slow_step{0};
   // Starts every progress line on stderr.
@@ -67,8 +68,8 @@ struct TrainerLoopOptions {
 using SyncGradients = std::function<void()>;
 
 // Runs steps from `step` (the committed steps the weights include) until options.max_steps;
-// returns the number of committed steps reached. `checkpoint_requested` (may be null): set it to
-// save after the step in progress commits (rank 0 saves; it is cleared on every rank).
+// returns the number of committed steps reached. `checkpoint_requested` (may be null): set it on
+// any rank to save after the step in progress commits (it is cleared on every rank).
 int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOptimizer& optimizer,
                         const SyncGradients& sync_gradients, int64_t step,
                         const TrainerLoopOptions& options,

@@ -1,24 +1,28 @@
 // dta-trainer: the trainer daemon. One process per GPU (or CPU rank), started by a launcher with
 // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun exports them):
 //
-//   torchrun --nproc_per_node=8 --max-restarts=100 --no-python dta-trainer
+//   torchrun --nproc_per_node=8 --max-restarts=100 --no-python dta-trainer --tensor_parallel=2 \
 //       --dispatcher=host:50051 --token_file=token --checkpoint_dir=/shared/ckpt \
 //       --model=/models/Qwen3-8B --dtype=bfloat16 --device=cuda --loss=grpo --lr=1e-6
 //
 // Each step: fetch this rank's partition from the dispatcher, compute its gradients with the
 // executor (dta by default) under the whole batch's normalisers, sum them over the ranks in buckets
 // (NCCL on GPUs, Gloo on CPUs), report PREPARED, and step the optimizer only when the dispatcher
-// answers COMMIT (every rank prepared, durably logged). Rank 0 saves a checkpoint every
-// --save_every committed steps (Hugging Face weights for rollout workers, plus the optimizer),
-// after the last step, and on request: `kill -USR1 <rank 0's pid>` saves after the step in progress
-// commits.
+// answers COMMIT (every rank prepared, durably logged). Every --save_every committed steps, after
+// the last step and on request (`kill -USR1` of any rank saves after the step in progress commits)
+// the ranks save a checkpoint together: Hugging Face weights for rollout workers, plus each rank's
+// optimizer state.
 //
 // Layout: rank 0 prints the one planned from the model, the world size and the GPU's memory
-// (core/layout). With several ranks AdamW's state is sharded across them (ZeRO-1: gradients
-// reduce-scattered, each rank updates its slice, weights all-gathered, each rank saving its slice
-// into the checkpoint); it is offloaded to host memory when it does not fit on the GPU otherwise.
-// --shard_optimizer, --offload_optimizer, --gpu_memory_gb and --activation_gb override the plan;
-// a sharded checkpoint resumes on any number of ranks.
+// (core/layout). --tensor_parallel=T splits each replica's weights across T consecutive ranks (one
+// node's GPUs under torchrun); the dispatcher sees K = world size / T ranks: each replica's TP rank
+// 0 registers as rank d of K and relays every partition and decision to its TP peers
+// (apps/trainer/replica_session.h). With several replicas AdamW's state is sharded across them
+// (ZeRO-1: gradients reduce-scattered, each rank updates its slice, weights all-gathered, each rank
+// saving its slice into the checkpoint); it is offloaded to host memory when it does not fit on the
+// GPU otherwise. --shard_optimizer, --offload_optimizer, --gpu_memory_gb and --activation_gb
+// override the plan; a sharded checkpoint resumes on any number of replicas, with the TP size it
+// was saved with.
 //
 // Faults: when a collective fails (another rank died) or the dispatcher answers ABORT, the trainer
 // reports the step FAILED and exits with status 75, asking its launcher to restart the group.
@@ -48,10 +52,12 @@
 #include "absl/strings/str_format.h"
 #include "apps/train/training_flags.h"
 #include "apps/trainer/checkpoints.h"
+#include "apps/trainer/replica_session.h"
 #include "apps/trainer/trainer_loop.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/trainer_session.h"
+#include "executor/distributed/parallel_groups.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
@@ -117,8 +123,14 @@ int Run() {
   }
   const std::string prefix = absl::StrFormat("dta-trainer rank %d/%d", env->rank, env->world_size);
 
-  Qwen3Model model = ModelFromFlags(options);
-  const LayoutPlan layout = LayoutFromFlags(model.config(), env->world_size, options.device());
+  // The layout first: tensor parallelism decides which ranks talk to the dispatcher and which part
+  // of the model each rank builds.
+  const Qwen3Config config = ConfigFromFlags();
+  const LayoutPlan layout = LayoutFromFlags(config, env->world_size, options.device());
+  const int tensor_parallel = layout.layout.tensor_parallel;
+  const int tensor_parallel_rank = env->rank % tensor_parallel;
+  const int replica = env->rank / tensor_parallel;
+  const int replicas = env->world_size / tensor_parallel;
   if (env->rank == 0)
     std::fprintf(stderr, "%s: %s\n", prefix.c_str(), DescribeLayout(layout).c_str());
   // The weights and the optimizer are restored once the group exists (a sharded optimizer's
@@ -126,43 +138,50 @@ int Run() {
   const std::optional<CheckpointInfo> latest = LatestCheckpoint(checkpoint_dir);
   const int64_t step = latest.has_value() ? latest->step : 0;
 
-  ClientOptions client_options;
-  client_options.address = absl::GetFlag(FLAGS_dispatcher);
-  // Waiting for rollouts is normal (generation may be slower than training): retry for long.
-  client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
-  client_options.token =
-      CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
-  client_options.tls_root_certificates =
-      CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
-  absl::StatusOr<std::unique_ptr<TrainerSession>> session =
-      TrainerSession::Register(client_options, {.rank = env->rank,
-                                                .world_size = env->world_size,
-                                                .device = options.device().str(),
-                                                .resume_step = step,
-                                                .trainer_id = TrainerId(),
-                                                .vocab_size = model.config().vocab_size,
-                                                .needs_ref_logprobs = loss.kl_coef != 0,
-                                                .needs_advantages = loss.kind != LossKind::kSft});
-  if (!session.ok()) {
-    // A dispatcher that accepts what this trainer cannot train: restarting would not help.
-    if (session.status().code() == absl::StatusCode::kFailedPrecondition) {
-      throw BadInput{absl::StrCat("register: ", session.status().message())};
+  // Each replica's TP rank 0 registers as the dispatcher's rank `replica` of `replicas`; its TP
+  // peers follow it (apps/trainer/replica_session.h).
+  std::unique_ptr<TrainerSession> session;
+  if (tensor_parallel_rank == 0) {
+    ClientOptions client_options;
+    client_options.address = absl::GetFlag(FLAGS_dispatcher);
+    // Waiting for rollouts is normal (generation may be slower than training): retry for long.
+    client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
+    client_options.token =
+        CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
+    client_options.tls_root_certificates =
+        CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
+    absl::StatusOr<std::unique_ptr<TrainerSession>> registered =
+        TrainerSession::Register(client_options, {.rank = replica,
+                                                  .world_size = replicas,
+                                                  .device = options.device().str(),
+                                                  .resume_step = step,
+                                                  .trainer_id = TrainerId(),
+                                                  .vocab_size = config.vocab_size,
+                                                  .needs_ref_logprobs = loss.kl_coef != 0,
+                                                  .needs_advantages = loss.kind != LossKind::kSft});
+    if (!registered.ok()) {
+      // A dispatcher that accepts what this trainer cannot train: restarting would not help.
+      if (registered.status().code() == absl::StatusCode::kFailedPrecondition) {
+        throw BadInput{absl::StrCat("register: ", registered.status().message())};
+      }
+      throw std::runtime_error(absl::StrCat("register: ", registered.status().ToString()));
     }
-    throw std::runtime_error(absl::StrCat("register: ", session.status().ToString()));
+    session = *std::move(registered);
+    std::fprintf(stderr, "%s: registered as rank %d of %d (%lld steps committed), next step %lld\n",
+                 prefix.c_str(), replica, replicas,
+                 static_cast<long long>(session->committed_steps()), static_cast<long long>(step));
   }
-  std::fprintf(stderr, "%s: registered (%lld steps committed), next step %lld\n", prefix.c_str(),
-               static_cast<long long>((*session)->committed_steps()), static_cast<long long>(step));
 
   const std::chrono::milliseconds timeout(int64_t{1000} * absl::GetFlag(FLAGS_timeout_s));
-  absl::StatusOr<std::unique_ptr<ProcessGroup>> group = ProcessGroup::Create(
-      *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU),
-      {.timeout = timeout});
-  if (!group.ok()) throw TrainerRestart{absl::StrCat("process group: ", group.status().message())};
+  const ProcessGroupOptions group_options{.timeout = timeout};
+  absl::StatusOr<std::unique_ptr<ProcessGroup>> world = ProcessGroup::Create(
+      *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), group_options);
+  if (!world.ok()) throw TrainerRestart{absl::StrCat("process group: ", world.status().message())};
   // Every rank must resume from the same checkpoint (a rank may see a shared directory late). The
   // sums of the steps and of their squares equal world x step and world x step^2 on some rank only
   // if all steps are equal (Cauchy-Schwarz), so every rank reaches the same verdict. Exact: the
   // sums are integers far below 2^53.
-  const std::vector<double> sums = (*group)->AllReduceScalars(
+  const std::vector<double> sums = (*world)->AllReduceScalars(
       {static_cast<double>(step), static_cast<double>(step) * static_cast<double>(step)});
   if (static_cast<int64_t>(sums[0]) != env->world_size * step ||
       static_cast<int64_t>(sums[1]) != env->world_size * step * step) {
@@ -170,8 +189,21 @@ int Run() {
         "the ranks resumed from different checkpoints (this one from step %d, mean %.2f)", step,
         sums[0] / env->world_size)};
   }
-  TrainingOptimizer optimizer(model.named_parameters(), group->get(), layout.layout,
-                              AdamWFromFlags(), absl::GetFlag(FLAGS_bucket_mb) << 20);
+  const ParallelGroups groups(**world, tensor_parallel, group_options);
+  if (tensor_parallel > 1) {
+    session = tensor_parallel_rank == 0
+                  ? RelayToFollowers(std::move(session), groups.tensor_parallel()->store())
+                  : FollowLeader(groups.tensor_parallel()->store(), tensor_parallel - 1,
+                                 std::chrono::seconds(absl::GetFlag(FLAGS_wait_s)) + timeout);
+    if (tensor_parallel_rank != 0) {
+      std::fprintf(stderr, "%s: follows TP rank 0 of replica %d (world rank %d)\n", prefix.c_str(),
+                   replica, replica * tensor_parallel);
+    }
+  }
+  Qwen3Model model = ModelFromFlags(options, groups.tensor_parallel_collectives());
+  TrainingOptimizer optimizer(model.named_parameters(), &groups.data_parallel(), layout.layout,
+                              AdamWFromFlags(), absl::GetFlag(FLAGS_bucket_mb) << 20,
+                              model.gradient_norm_scope());
   if (latest.has_value()) {
     LoadCheckpoint(*latest, optimizer);
     std::fprintf(stderr, "%s: resumed from %s (step %lld)\n", prefix.c_str(), latest->path.c_str(),
@@ -179,7 +211,7 @@ int Run() {
   }
 
   RunTrainerSteps(
-      **session, model, optimizer, [&optimizer] { optimizer.SyncGradients(); }, step,
+      *session, model, optimizer, [&optimizer] { optimizer.SyncGradients(); }, step,
       {.loss = loss,
        .executor = executor,
        .device = options.device(),
@@ -187,13 +219,12 @@ int Run() {
        .save_every = absl::GetFlag(FLAGS_save_every),
        .keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints),
        .max_steps = absl::GetFlag(FLAGS_max_steps),
-       .rank = env->rank,
-       .group = group->get(),
+       .ranks = {.world = world->get(), .data_parallel_rank = replica},
        .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
        .log_prefix = prefix},
       &checkpoint_requested);
   // Every rank leaves together, so rank 0's store outlives the others' last collective.
-  (*group)->Barrier();
+  (*world)->Barrier();
   return 0;
 }
 

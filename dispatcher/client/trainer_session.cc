@@ -1,11 +1,26 @@
 #include "dispatcher/client/trainer_session.h"
 
+#include "absl/strings/str_cat.h"
 #include "core/base/status_macros.h"
 #include "dispatcher/client/dispatcher_client.h"
 #include "dispatcher/wire/trajectory.h"
 
 namespace dta {
 namespace {
+
+StepPartition FromProto(const v1::Partition& partition) {
+  StepPartition out;
+  out.step = partition.step();
+  out.replay = partition.replay();
+  out.policy_version = partition.policy_version();
+  out.total_loss_tokens = partition.total_loss_tokens();
+  out.num_rollouts = partition.num_rollouts();
+  out.tree_tokens = partition.tree_tokens();
+  out.rollouts.reserve(partition.trajectories_size());
+  for (const v1::Trajectory& t : partition.trajectories())
+    out.rollouts.push_back(RolloutFromTrajectory(t));
+  return out;
+}
 
 class GrpcTrainerSession final : public TrainerSession {
  public:
@@ -32,17 +47,7 @@ class GrpcTrainerSession final : public TrainerSession {
   absl::StatusOr<StepPartition> Fetch(int64_t step) override {
     absl::StatusOr<v1::Partition> partition = client_.Fetch(identity_.rank, step, generation());
     if (!partition.ok()) return partition.status();
-    StepPartition out;
-    out.step = partition->step();
-    out.replay = partition->replay();
-    out.policy_version = partition->policy_version();
-    out.total_loss_tokens = partition->total_loss_tokens();
-    out.num_rollouts = partition->num_rollouts();
-    out.tree_tokens = partition->tree_tokens();
-    out.rollouts.reserve(partition->trajectories_size());
-    for (const v1::Trajectory& t : partition->trajectories())
-      out.rollouts.push_back(RolloutFromTrajectory(t));
-    return out;
+    return FromProto(*partition);
   }
 
   absl::StatusOr<StepDecision> Prepared(const PreparedStep& step,
@@ -85,6 +90,27 @@ class GrpcTrainerSession final : public TrainerSession {
 };
 
 }  // namespace
+
+std::string SerializeStepPartition(const StepPartition& partition) {
+  v1::Partition proto;
+  proto.set_step(partition.step);
+  proto.set_replay(partition.replay);
+  proto.set_policy_version(partition.policy_version);
+  proto.set_total_loss_tokens(partition.total_loss_tokens);
+  proto.set_num_rollouts(partition.num_rollouts);
+  proto.set_tree_tokens(partition.tree_tokens);
+  for (const Rollout& r : partition.rollouts) *proto.add_trajectories() = TrajectoryFromRollout(r);
+  return proto.SerializeAsString();
+}
+
+absl::StatusOr<StepPartition> ParseStepPartition(std::string_view bytes) {
+  v1::Partition proto;
+  if (!proto.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a serialized dta.v1.Partition (", bytes.size(), " bytes)"));
+  }
+  return FromProto(proto);
+}
 
 absl::StatusOr<std::unique_ptr<TrainerSession>> TrainerSession::Register(
     const ClientOptions& options, const TrainerIdentity& identity) {

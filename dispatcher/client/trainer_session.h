@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,7 +38,16 @@ struct StepPartition {
   double total_loss_tokens = 0;   // the whole batch's normalisers
   int64_t num_rollouts = 0;
   int64_t tree_tokens = 0;
+
+  friend bool operator==(const StepPartition&, const StepPartition&) = default;
 };
+
+// A partition as bytes, in the dispatcher's own wire form (dta.v1.Partition): how a replica's
+// tensor-parallel leader relays it to the ranks that share it (apps/trainer/replica_session.h).
+// ParseStepPartition(SerializeStepPartition(p)) == p; INVALID_ARGUMENT for bytes that are not a
+// partition.
+std::string SerializeStepPartition(const StepPartition& partition);
+absl::StatusOr<StepPartition> ParseStepPartition(std::string_view bytes);
 
 struct PreparedStep {
   int64_t step = 0;

@@ -228,8 +228,8 @@ def test_layout_that_cannot_fit_is_refused_naming_the_numbers(rollouts):
 
 
 def test_tensor_parallel_sizes_that_cannot_run_are_refused(rollouts, tmp_path):
-    """--tensor_parallel must divide the KV heads and fit the ranks; dta-trainer, whose dispatcher
-    path is data-parallel only for now, refuses it by name."""
+    """--tensor_parallel must divide the KV heads and fit the ranks, in dta-train and dta-trainer
+    alike (the planner refuses it before any process group or dispatcher is contacted)."""
     run = train(f"--rollouts={rollouts}", "--tensor_parallel=2")
     assert run.returncode == 2 and "tensor_parallel" in run.stderr, run.stderr
     run = train(f"--rollouts={rollouts}", "--tensor_parallel=-1")
@@ -237,7 +237,8 @@ def test_tensor_parallel_sizes_that_cannot_run_are_refused(rollouts, tmp_path):
     trainer = subprocess.run([tool("dta-trainer"), f"--config={CONFIG}", "--tensor_parallel=2",
                               f"--checkpoint_dir={tmp_path / 'ckpt'}"], capture_output=True, text=True)
     assert trainer.returncode == 2, trainer.stderr
-    assert "this binary trains with data parallelism only" in trainer.stderr, trainer.stderr
+    assert "field 'tensor_parallel': 2 is not allowed" in trainer.stderr, trainer.stderr
+    assert "dividing the world size (1)" in trainer.stderr, trainer.stderr
 
 
 def _help_defaults(binary: Path) -> dict[str, str]:

@@ -128,12 +128,15 @@ class TrainerDaemonTest : public ::testing::Test {
                                         "--timeout_s=20",
                                         "--slow_step_ms=" + std::to_string(slow_step_ms)};
     command.insert(command.end(), extra_flags.begin(), extra_flags.end());
+    // As torchrun --nnodes=world/ranks_per_node_ exports it (one node when ranks_per_node_ is 0).
+    const int per_node = ranks_per_node_ > 0 ? ranks_per_node_ : world;
     return std::make_unique<Process>(
         command, (run.dir / ("trainer" + std::to_string(rank) + ".log")).string(),
-        std::vector<std::string>{"RANK=" + std::to_string(rank),
-                                 "WORLD_SIZE=" + std::to_string(world),
-                                 "LOCAL_RANK=" + std::to_string(rank), "MASTER_ADDR=127.0.0.1",
-                                 "MASTER_PORT=" + std::to_string(master_port)});
+        std::vector<std::string>{
+            "RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
+            "LOCAL_RANK=" + std::to_string(rank % per_node),
+            "LOCAL_WORLD_SIZE=" + std::to_string(per_node), "MASTER_ADDR=127.0.0.1",
+            "MASTER_PORT=" + std::to_string(master_port)});
   }
 
   // Runs `world` trainers as a launcher would (torchrun --max-restarts): when one exits asking to
@@ -228,6 +231,8 @@ class TrainerDaemonTest : public ::testing::Test {
   }
 
   fs::path root_;
+  // Ranks per simulated node (LOCAL_WORLD_SIZE); 0: all on one node.
+  int ranks_per_node_ = 0;
 };
 
 // Two ranks train what one trains, with AdamW's state sharded across them (ZeRO-1, the default
@@ -259,6 +264,64 @@ TEST_F(TrainerDaemonTest, TwoRanksOnGlooTrainLikeOne) {
     steps_with_gradient += std::stod(log.substr(at + 10)) > 1e-6 ? 1 : 0;
   }
   EXPECT_EQ(steps_with_gradient, kSteps) << log;
+}
+
+// Tensor parallelism under the dispatcher: each replica's TP rank 0 registers as one of world / TP
+// dispatcher ranks and relays every partition and decision to its TP peer; TP 2 alone and TP 2 x
+// DP 2 as two "nodes" of two ranks (optimizer sharded across the replicas) train what one rank
+// trains, and every rank saves its own part of the optimizer (tp-RR-of-TT/) beside the gathered
+// weights.
+TEST_F(TrainerDaemonTest, TensorParallelReplicasTrainLikeOne) {
+  Run reference = NewRun("one-rank");
+  Send(reference);
+  EXPECT_EQ(Train(reference, 1), 0);
+  ranks_per_node_ = 2;
+  for (const int world : {2, 4}) {
+    Run run = NewRun("tp2-world" + std::to_string(world));
+    Send(run);
+    EXPECT_EQ(Train(run, world, 0, nullptr, {"--tensor_parallel=2"}), 0);
+    ExpectSameModel(run, reference);
+    ExpectEveryRolloutTrainedOnce(run);
+    const std::string leader = Process::ReadLog(run.dir / "trainer0.log");
+    EXPECT_NE(leader.find("registered as rank 0 of " + std::to_string(world / 2)),
+              std::string::npos)
+        << leader;
+    const std::string follower = Process::ReadLog(run.dir / "trainer1.log");
+    EXPECT_NE(follower.find("follows TP rank 0 of replica 0"), std::string::npos) << follower;
+    EXPECT_EQ(follower.find("registered"), std::string::npos) << follower;
+    const fs::path last = run.dir / "ckpt" / "step-00000004";
+    for (const char* part : {"tp-00-of-02", "tp-01-of-02"}) {
+      EXPECT_EQ(fs::exists(last / part / "optimizer-00001-of-00002.safetensors"), world == 4)
+          << part;
+      EXPECT_EQ(fs::exists(last / part / "optimizer.safetensors"), world == 2) << part;
+    }
+  }
+}
+
+// A kill -9 mid-step under TP 2 x DP 2, of the second replica's TP follower and then of its leader
+// (which holds the replica's dispatcher session): the group restarts from the last checkpoint and
+// ends with the weights of an uninterrupted run.
+TEST_F(TrainerDaemonTest, KillNineUnderTensorAndDataParallelismRetrainsNothingTwice) {
+  Run reference = NewRun("reference");
+  Send(reference);
+  Train(reference, 1);
+  ranks_per_node_ = 2;  // two nodes, one replica each
+  for (const int victim : {3, 2}) {
+    Run faulty = NewRun("kill-rank" + std::to_string(victim));
+    Send(faulty);
+    const int restarts = Train(faulty, 4, /*slow_step_ms=*/800,
+                               [victim](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
+                                 if (trainers[victim]->Log().find("step 1:") == std::string::npos)
+                                   return false;
+                                 std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                                 trainers[victim]->Kill(SIGKILL);
+                                 return true;
+                               },
+                               {"--tensor_parallel=2"});
+    EXPECT_GE(restarts, 1) << "rank " << victim;
+    ExpectSameModel(faulty, reference);
+    ExpectEveryRolloutTrainedOnce(faulty);
+  }
 }
 
 TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {

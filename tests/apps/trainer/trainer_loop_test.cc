@@ -21,6 +21,8 @@
 #include "core/loss/batch_context.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/fake_trainer_session.h"
+#include "tests/testing/gloo_ranks.h"
 
 namespace dta {
 namespace {
@@ -74,35 +76,7 @@ StepPartition MakePartition(int64_t step, int n, uint64_t seed) {
   return partition;
 }
 
-// Serves scripted partitions and decisions and records what the loop reports.
-class FakeSession : public TrainerSession {
- public:
-  std::deque<absl::StatusOr<StepPartition>> partitions;
-  std::deque<absl::StatusOr<StepDecision>> decisions;
-  std::vector<int64_t> fetched;
-  std::vector<PreparedStep> prepared;
-  std::vector<std::pair<int64_t, std::string>> failed;
-
-  int64_t generation() const override { return 1; }
-  int64_t committed_steps() const override { return 0; }
-  absl::StatusOr<StepPartition> Fetch(int64_t step) override {
-    fetched.push_back(step);
-    if (partitions.empty()) return absl::DeadlineExceededError("the test ran out of partitions");
-    absl::StatusOr<StepPartition> next = std::move(partitions.front());
-    partitions.pop_front();
-    return next;
-  }
-  absl::StatusOr<StepDecision> Prepared(const PreparedStep& step,
-                                        int64_t* policy_version) override {
-    prepared.push_back(step);
-    if (decisions.empty()) return StepDecision::kCommit;
-    absl::StatusOr<StepDecision> next = std::move(decisions.front());
-    decisions.pop_front();
-    if (next.ok() && policy_version != nullptr) *policy_version = 100 + step.step;
-    return next;
-  }
-  void Failed(int64_t step, const std::string& error) override { failed.emplace_back(step, error); }
-};
+using testing::FakeSession;
 
 class TrainerLoopTest : public ::testing::Test {
  protected:
@@ -368,33 +342,58 @@ TEST_F(TrainerLoopTest, ASynchronisationFailureIsReportedAndAsksForARestart) {
   EXPECT_EQ(optimizer.step(), 0);
 }
 
-TEST_F(TrainerLoopTest, ARequestedCheckpointIsSavedByRankZeroOnly) {
-  for (const int32_t rank : {1, 0}) {
+// A checkpoint requested on one rank (SIGUSR1 reaches whichever process it was sent to) is saved
+// by every rank together after the step in progress: the ranks agree on it through the world.
+TEST_F(TrainerLoopTest, ARequestOnAnyRankSavesACheckpointOnEveryRank) {
+  for (const int requesting : {1, 0}) {
     RemoveTree(dir_);
-    FakeSession session;
-    session.partitions.push_back(MakePartition(0, 2, 10));
-    session.partitions.push_back(MakePartition(1, 2, 11));
-    Qwen3Model model = TinyModel();
-    TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
-    TrainerLoopOptions options = Options(/*max_steps=*/0);
-    options.save_every = 1000;
-    options.rank = rank;
-    std::atomic<bool> requested{true};
-    // Two steps, then the session runs out (DEADLINE_EXCEEDED ends the loop with an error).
-    EXPECT_THROW(RunTrainerSteps(
-                     session, model, optimizer, [] {}, 0, options, &requested),
-                 std::runtime_error);
-    EXPECT_FALSE(requested.load()) << "rank " << rank;
+    std::vector<std::vector<PreparedStep>> prepared(2);
+    testing::RunRanks(2, [&](ProcessGroup& world) {
+      FakeSession session;
+      session.partitions.push_back(MakePartition(0, 2, 10 + world.rank()));
+      session.partitions.push_back(MakePartition(1, 2, 20 + world.rank()));
+      Qwen3Model model = TinyModel();
+      TrainingOptimizer optimizer(model.named_parameters(), &world, {}, AdamWOptions{.lr = 1e-2});
+      TrainerLoopOptions options = Options(/*max_steps=*/0);
+      options.save_every = 1000;
+      options.ranks = {.world = &world, .data_parallel_rank = world.rank()};
+      std::atomic<bool> requested{world.rank() == requesting};
+      // Two steps, then the session runs out (DEADLINE_EXCEEDED ends the loop with an error).
+      EXPECT_THROW(RunTrainerSteps(
+                       session, model, optimizer, [&] { optimizer.SyncGradients(); }, 0, options,
+                       &requested),
+                   std::runtime_error);
+      EXPECT_FALSE(requested.load()) << "rank " << world.rank();
+      prepared[world.rank()] = session.prepared;
+    });
     const std::optional<CheckpointInfo> latest = LatestCheckpoint(dir_.string());
-    if (rank == 0) {
-      ASSERT_TRUE(latest.has_value());
-      EXPECT_EQ(latest->step, 1);  // after the step in progress when asked
-      EXPECT_EQ(session.prepared.at(1).checkpoint_step, 1);
-    } else {
-      EXPECT_FALSE(latest.has_value());
-      EXPECT_EQ(session.prepared.at(1).checkpoint_step, 0);
+    ASSERT_TRUE(latest.has_value()) << "requested on rank " << requesting;
+    EXPECT_EQ(latest->step, 1);  // after the step in progress when asked
+    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) /
+                                        TrainingOptimizer::kReplicatedFile));
+    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) / "config.json"));
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_EQ(prepared[rank].size(), 2u) << "rank " << rank;
+      EXPECT_EQ(prepared[rank][1].checkpoint_step, 1) << "rank " << rank;
     }
   }
+}
+
+// Without a request nothing is saved between --save_every's.
+TEST_F(TrainerLoopTest, NoRequestSavesNothingBetweenSaveEverys) {
+  FakeSession session;
+  session.partitions.push_back(MakePartition(0, 2, 10));
+  session.partitions.push_back(MakePartition(1, 2, 11));
+  Qwen3Model model = TinyModel();
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
+  TrainerLoopOptions options = Options(/*max_steps=*/0);
+  options.save_every = 1000;
+  std::atomic<bool> requested{false};
+  EXPECT_THROW(RunTrainerSteps(
+                   session, model, optimizer, [] {}, 0, options, &requested),
+               std::runtime_error);
+  EXPECT_FALSE(LatestCheckpoint(dir_.string()).has_value());
+  EXPECT_EQ(session.prepared.at(1).checkpoint_step, 0);
 }
 
 }  // namespace
