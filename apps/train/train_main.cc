@@ -150,10 +150,7 @@ int Run() {
         PlanPartitions(pointers, replicas, /*with_advantages=*/loss.kind != LossKind::kSft, true);
     if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
     batch = plan->context;
-    for (int64_t i : plan->ranks[groups->data_parallel_rank()]) {
-      mine.push_back((*rollouts)[i]);
-      mine.back().advantages = PlannedAdvantages(*plan, i, mine.back());
-    }
+    mine = ShareOfRank(*plan, groups->data_parallel_rank(), *rollouts).rollouts;
     if (leader) PrintSplit(tree, *plan, replicas);
   } else {
     mine = *std::move(rollouts);

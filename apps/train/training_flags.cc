@@ -1,19 +1,16 @@
 #include "apps/train/training_flags.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <cuda_runtime_api.h>
 #include <sys/resource.h>
-#include <unistd.h>
 
-#include <cstdlib>
 #include <iostream>
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
+#include "executor/distributed/device_layout.h"
 #include "executor/model/qwen3_checkpoint.h"
 
 ABSL_FLAG(std::string, model, "",
@@ -220,44 +217,22 @@ std::optional<bool> LayoutChoiceFlag(const char* flag, const std::string& value)
   return *choice;
 }
 
-int64_t PhysicalMemoryBytes() {
-  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
-}
-
 }  // namespace
 
 LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device) {
-  LayoutRequest request;
-  request.world_size = world_size;
-  // Ranks per node, as torchrun exports it; TP never crosses it.
-  const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
-  request.gpus_per_node =
-      local_world != nullptr && std::atoi(local_world) > 0 ? std::atoi(local_world) : world_size;
-  const double gpu_gb = absl::GetFlag(FLAGS_gpu_memory_gb);
-  if (gpu_gb < 0) throw BadInput{"--gpu_memory_gb must be >= 0"};
-  if (gpu_gb > 0) {
-    request.gpu_bytes = static_cast<int64_t>(gpu_gb * 1e9);
-  } else if (device.is_cuda()) {
-    cudaDeviceProp properties{};
-    C10_CUDA_CHECK(cudaGetDeviceProperties(&properties, CudaIndex(device)));
-    request.gpu_bytes = static_cast<int64_t>(properties.totalGlobalMem);
-  } else {
-    request.gpu_bytes = PhysicalMemoryBytes();
-  }
-  const double activation_gb = absl::GetFlag(FLAGS_activation_gb);
-  if (activation_gb < 0) throw BadInput{"--activation_gb must be >= 0"};
-  request.activation_bytes = static_cast<int64_t>(activation_gb * 1e9);
-  request.host_bytes_per_node = PhysicalMemoryBytes();
-  request.weight_bytes =
-      static_cast<int32_t>(c10::elementSize(TensorOptionsFromFlags().dtype().toScalarType()));
-  const int32_t tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
-  if (tensor_parallel < 0) throw BadInput{"--tensor_parallel must be >= 0"};
-  request.tensor_parallel = tensor_parallel;
-  request.shard_optimizer =
+  LayoutOverrides overrides;
+  overrides.gpu_memory_gb = absl::GetFlag(FLAGS_gpu_memory_gb);
+  if (overrides.gpu_memory_gb < 0) throw BadInput{"--gpu_memory_gb must be >= 0"};
+  overrides.activation_gb = absl::GetFlag(FLAGS_activation_gb);
+  if (overrides.activation_gb < 0) throw BadInput{"--activation_gb must be >= 0"};
+  overrides.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
+  if (overrides.tensor_parallel < 0) throw BadInput{"--tensor_parallel must be >= 0"};
+  overrides.shard_optimizer =
       LayoutChoiceFlag("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
-  request.offload_optimizer =
+  overrides.offload_optimizer =
       LayoutChoiceFlag("offload_optimizer", absl::GetFlag(FLAGS_offload_optimizer));
-  absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
+  absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
+      config, world_size, device, TensorOptionsFromFlags().dtype().toScalarType(), overrides);
   if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
   return *plan;
 }

@@ -91,8 +91,8 @@ class RelayingSession final : public TrainerSession {
       store_->set(key, Encode(status, payload));
       return absl::OkStatus();
     } catch (const c10::Error& e) {
-      return absl::AbortedError(absl::StrCat("relaying ", key, " to the tensor-parallel peers: ",
-                                             e.what_without_backtrace()));
+      return absl::AbortedError(absl::StrCat(
+          "relaying ", key, " to the tensor-parallel peers: ", e.what_without_backtrace()));
     }
   }
 

@@ -2,70 +2,222 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <utility>
 
 #include "absl/status/statusor.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/tree/prefix_tree.h"
+#include "dispatcher/batch/batch_plan.h"
 #include "executor/model/qwen3_checkpoint.h"
 
 namespace dta::python {
+namespace {
 
-Trainer::Trainer(Qwen3Model model, const AdamWOptions& adamw, bool offload_optimizer)
-    : model_(std::move(model)),
-      optimizer_(model_.named_parameters(), /*group=*/nullptr,
-                 TrainingLayout{.offload_optimizer = offload_optimizer}, adamw) {}
+// The batch's unique tokens. Only the count: the trie points into the rollouts instead of copying
+// their tokens again.
+int64_t TreeTokens(absl::Span<const Rollout> rollouts) {
+  PrefixTreeBuilder builder(TokenStorage::kBorrow);
+  for (const Rollout& r : rollouts)
+    TORCH_CHECK(builder.AddRollout(r.tokens).ok(), "rollout '", r.id, "'");
+  return builder.num_tree_tokens();
+}
+
+// The split of `rollouts` across `replicas` (TORCH_CHECK naming the rollout when its advantages
+// cannot be computed).
+PartitionPlan SplitBatch(absl::Span<const Rollout> rollouts, int replicas, bool with_advantages) {
+  std::vector<const Rollout*> pointers;
+  pointers.reserve(rollouts.size());
+  for (const Rollout& r : rollouts) pointers.push_back(&r);
+  absl::StatusOr<PartitionPlan> plan =
+      PlanPartitions(pointers, replicas, with_advantages, /*normalize_std=*/true);
+  TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
+  return *std::move(plan);
+}
+
+// `tensors` summed over `group` in place (on its device), read back into each.
+void AllReduceSum(ProcessGroup& group, at::Tensor& flat, const char* what) {
+  std::vector<at::Tensor> tensors = {flat};
+  c10::intrusive_ptr<c10d::Work> work = group.backend()->allreduce(tensors);
+  group.Wait(*work, what);
+  flat = tensors[0];
+}
+
+}  // namespace
+
+Trainer::Trainer(const Qwen3Config& config, at::TensorOptions options, const AdamWOptions& adamw,
+                 const ParallelOptions& parallel, const MakeModel& make_model) {
+  int world_size = 1;
+  if (parallel.distributed) {
+    absl::StatusOr<LaunchEnvironment> env = LaunchEnvironmentFromEnv();
+    TORCH_CHECK(env.ok(), "distributed: ", std::string(env.status().message()));
+    if (options.device().is_cuda() && !options.device().has_index()) {
+      options =
+          options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank)));
+    }
+    world_size = env->world_size;
+    ProcessGroupOptions group_options;
+    group_options.timeout = std::chrono::seconds(parallel.timeout_s);
+    TORCH_CHECK(parallel.timeout_s > 0, "timeout_s must be > 0, got ", parallel.timeout_s);
+    absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
+        config, world_size, options.device(), options.dtype().toScalarType(), parallel.layout);
+    TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
+    layout_ = *plan;
+    absl::StatusOr<std::unique_ptr<ProcessGroup>> world = ProcessGroup::Create(
+        *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), group_options);
+    TORCH_CHECK(world.ok(), "distributed: ", std::string(world.status().message()));
+    world_ = *std::move(world);
+    groups_ =
+        std::make_unique<ParallelGroups>(*world_, layout_.layout.tensor_parallel, group_options);
+  } else {
+    absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
+        config, 1, options.device(), options.dtype().toScalarType(), parallel.layout);
+    TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
+    layout_ = *plan;
+  }
+  model_.emplace(make_model(options, groups_ ? groups_->tensor_parallel_collectives() : nullptr));
+  optimizer_ = std::make_unique<TrainingOptimizer>(
+      model_->named_parameters(), groups_ ? &groups_->data_parallel() : nullptr, layout_.layout,
+      adamw, int64_t{25} << 20, model_->gradient_norm_scope());
+}
+
+Trainer::~Trainer() {
+  if (!world_) return;
+  try {
+    world_->Barrier();
+  } catch (const std::exception& e) {
+    TORCH_WARN("dta.Trainer: the final barrier failed (a peer is gone?): ", e.what());
+  }
+}
 
 std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory,
                                                 at::TensorOptions options,
-                                                const AdamWOptions& adamw, bool offload_optimizer) {
+                                                const AdamWOptions& adamw,
+                                                const ParallelOptions& parallel) {
+  absl::StatusOr<Qwen3Config> config =
+      LoadQwen3Config((std::filesystem::path(directory) / "config.json").string());
+  TORCH_CHECK(config.ok(), std::string(config.status().message()));
   return std::unique_ptr<Trainer>(
-      new Trainer(LoadQwen3Model(directory, options), adamw, offload_optimizer));
+      new Trainer(*config, options, adamw, parallel,
+                  [&](const at::TensorOptions& o, std::shared_ptr<const TensorParallelGroup> tp) {
+                    return LoadQwen3Model(directory, o, std::move(tp));
+                  }));
 }
 
 std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t seed,
                                              double init_std, at::TensorOptions options,
-                                             const AdamWOptions& adamw, bool offload_optimizer) {
+                                             const AdamWOptions& adamw,
+                                             const ParallelOptions& parallel) {
   absl::StatusOr<Qwen3Config> parsed = Qwen3ConfigFromName(config);
   TORCH_CHECK(parsed.ok(), std::string(parsed.status().message()));
-  Qwen3Model model(*parsed, options);
-  model.InitRandom(seed, init_std);
-  return std::unique_ptr<Trainer>(new Trainer(std::move(model), adamw, offload_optimizer));
+  return std::unique_ptr<Trainer>(
+      new Trainer(*parsed, options, adamw, parallel,
+                  [&](const at::TensorOptions& o, std::shared_ptr<const TensorParallelGroup> tp) {
+                    Qwen3Model model(*parsed, o, std::move(tp));
+                    model.InitRandom(seed, init_std);
+                    return model;
+                  }));
 }
 
 GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, const LossOptions& loss,
                                         const ExecutorOptions& executor) {
   GradientStats stats;
   if (rollouts.empty()) return stats;
-  const GradientResult result = dta::ComputeGradients(model_, rollouts, loss, executor);
+  stats.tree_tokens = TreeTokens(rollouts);
+  const int replicas = data_parallel_size();
+  GradientResult result;
+  if (replicas == 1) {  // one process, or tensor parallelism only: every rank trains the batch
+    result = dta::ComputeGradients(*model_, rollouts, loss, executor);
+  } else {
+    // What the executor would use on one process: group advantages for every kind but SFT, and
+    // for a custom loss when every rollout has what they are computed from.
+    const bool with_advantages =
+        loss.custom ? std::all_of(rollouts.begin(), rollouts.end(),
+                                  [](const Rollout& r) {
+                                    return r.reward.has_value() || !r.advantages.empty();
+                                  })
+                    : loss.kind != LossKind::kSft;
+    const PartitionPlan plan = SplitBatch(rollouts, replicas, with_advantages);
+    RankShare share = ShareOfRank(plan, data_parallel_rank(), rollouts);
+    if (loss.custom && !with_advantages) {
+      for (Rollout& r : share.rollouts) r.advantages.clear();  // as on one process: none at all
+    }
+    LossOptions share_loss = loss;
+    if (loss.custom) {  // the callable sees the batch's rollouts (its index is the batch's)
+      share_loss.custom = [custom = loss.custom, &share, rollouts](const RolloutLossInputs& in,
+                                                                   const BatchLossContext& batch) {
+        RolloutLossInputs mapped = in;
+        mapped.rollout = &rollouts[share.positions[in.rollout - share.rollouts.data()]];
+        return custom(mapped, batch);
+      };
+    }
+    if (!share.rollouts.empty()) {
+      result = dta::ComputeGradients(*model_, share.rollouts, share_loss, executor, plan.context);
+    }
+    const std::vector<double> sums = groups_->data_parallel().AllReduceScalars(
+        {result.loss, static_cast<double>(result.rollout_tokens),
+         static_cast<double>(result.forwarded_tokens)});
+    result.loss = sums[0];
+    result.rollout_tokens = static_cast<int64_t>(sums[1]);
+    result.forwarded_tokens = static_cast<int64_t>(sums[2]);
+  }
   stats.loss = result.loss;
   stats.rollout_tokens = result.rollout_tokens;
   stats.forwarded_tokens = result.forwarded_tokens;
-  // Only the count: the trie points into the rollouts instead of copying their tokens again.
-  PrefixTreeBuilder builder(TokenStorage::kBorrow);
-  for (const Rollout& r : rollouts)
-    TORCH_CHECK(builder.AddRollout(r.tokens).ok(), "rollout '", r.id, "'");
-  stats.tree_tokens = builder.num_tree_tokens();
   return stats;
 }
 
-StepStats Trainer::Step() { return optimizer_.Step(); }
+StepStats Trainer::Step() {
+  optimizer_->SyncGradients();
+  return optimizer_->Step();
+}
 
-void Trainer::ZeroGrad() { optimizer_.ZeroGrad(); }
+void Trainer::ZeroGrad() { optimizer_->ZeroGrad(); }
 
 std::vector<at::Tensor> Trainer::ComputeLogprobs(absl::Span<const Rollout> rollouts,
                                                  const ExecutorOptions& executor) {
   if (rollouts.empty()) return {};
-  return dta::ComputeLogprobs(model_, rollouts, executor);
+  const int replicas = data_parallel_size();
+  if (replicas == 1) return dta::ComputeLogprobs(*model_, rollouts, executor);
+  const PartitionPlan plan = SplitBatch(rollouts, replicas, /*with_advantages=*/false);
+  const RankShare share = ShareOfRank(plan, data_parallel_rank(), rollouts);
+  std::vector<at::Tensor> mine;
+  if (!share.rollouts.empty()) mine = dta::ComputeLogprobs(*model_, share.rollouts, executor);
+  // Every replica writes its rollouts into one flat buffer of the whole batch, zeros elsewhere,
+  // and the sum over the replicas (exact: each value meets only zeros) gives every rank all of
+  // them. float32 or float64: bfloat16 values widen exactly.
+  std::vector<int64_t> offsets(rollouts.size() + 1, 0);
+  for (size_t i = 0; i < rollouts.size(); ++i)
+    offsets[i + 1] = offsets[i] + static_cast<int64_t>(rollouts[i].tokens.size());
+  const at::ScalarType dtype = model_->options().dtype().toScalarType();
+  const at::ScalarType wide = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  ProcessGroup& group = groups_->data_parallel();
+  at::Tensor flat =
+      at::zeros({offsets.back()}, at::TensorOptions().dtype(wide).device(group.device()));
+  for (size_t j = 0; j < mine.size(); ++j) {
+    const int64_t i = share.positions[j];
+    flat.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).copy_(mine[j]);
+  }
+  AllReduceSum(group, flat, "all-reduce of the batch's log-probabilities");
+  std::vector<at::Tensor> out;
+  out.reserve(rollouts.size());
+  const at::Tensor on_model = flat.to(model_->options().device(), dtype);
+  for (size_t i = 0; i < rollouts.size(); ++i)
+    out.push_back(on_model.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
+  return out;
 }
 
 void Trainer::Save(const std::string& directory, std::optional<at::ScalarType> dtype,
                    bool with_optimizer) const {
-  SaveQwen3Model(model_, directory, dtype);
-  if (with_optimizer) optimizer_.SaveState(directory);
+  // Replica 0's TP ranks gather the split weights (TP rank 0 writes them); every rank writes the
+  // optimizer state it owns.
+  if (data_parallel_rank() == 0) SaveQwen3Model(*model_, directory, dtype);
+  if (with_optimizer) optimizer_->SaveState(directory);
+  if (world_) world_->Barrier();  // the checkpoint is complete when any rank returns
 }
 
-void Trainer::LoadOptimizer(const std::string& path) { optimizer_.LoadState(path); }
+void Trainer::LoadOptimizer(const std::string& path) { optimizer_->LoadState(path); }
 
 }  // namespace dta::python

@@ -4,10 +4,11 @@
 //
 // Example:
 //   std::unique_ptr<Trainer> t = Trainer::FromDirectory("/ckpt/qwen3", at::dtype(at::kFloat), {});
+//   (under torchrun: FromDirectory(..., {.distributed = true, .layout = {.tensor_parallel = 2}}))
 //   t->ZeroGrad();
-//   GradientStats g = t->ComputeGradients(rollouts, {.kind = LossKind::kPpo}, {.method =
-//   Method::kDta}); StepStats s = t->Step(); t->Save("/ckpt/step-1", std::nullopt,
-//   /*with_optimizer=*/true);
+//   GradientStats g = t->ComputeGradients(rollouts, {.kind = LossKind::kPpo}, {});
+//   StepStats s = t->Step();
+//   t->Save("/ckpt/step-1", std::nullopt, /*with_optimizer=*/true);
 //
 // Errors: c10::Error (TORCH_CHECK) naming the file, rollout or field, as the executor reports them.
 // Thread safety: none; one call at a time (the bindings hold a lock per trainer).
@@ -16,6 +17,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -23,6 +25,9 @@
 
 #include "absl/types/span.h"
 #include "core/io/rollout.h"
+#include "executor/distributed/device_layout.h"
+#include "executor/distributed/parallel_groups.h"
+#include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
@@ -37,53 +42,84 @@ struct GradientStats {
   int64_t forwarded_tokens = 0;  // tokens pushed through the model, recomputation included
 };
 
+// How a trainer spreads over processes: the layout options of dta-train and dta-trainer.
+struct ParallelOptions {
+  // Join the process group the launcher describes (torchrun's RANK, WORLD_SIZE, LOCAL_RANK,
+  // MASTER_ADDR, MASTER_PORT; "cuda" then means cuda:LOCAL_RANK). Every rank then makes the same
+  // calls with the same whole batch: the batch is split across the data-parallel replicas
+  // (lexicographic DFS-contiguous, advantages and normalisers over the whole batch), the TP ranks
+  // of a replica train its share together.
+  bool distributed = false;
+  // Tensor parallelism, optimizer sharding and offload, memory: as the binaries' flags.
+  LayoutOverrides layout;
+  int timeout_s = 600;  // collectives and the rendezvous
+};
+
 class Trainer {
  public:
   // Loads a Hugging Face Qwen3 directory (config.json + safetensors) with `options` (dtype,
-  // device).
-  // `offload_optimizer`: AdamW's state (float32 master weights and moments) in host memory,
-  // updated there (ShardedAdamW over one rank), so that the GPU holds weights and gradients only.
+  // device), this rank's part of it under tensor parallelism.
   static std::unique_ptr<Trainer> FromDirectory(const std::string& directory,
                                                 at::TensorOptions options,
                                                 const AdamWOptions& adamw,
-                                                bool offload_optimizer = false);
+                                                const ParallelOptions& parallel = {});
   // A preset ("qwen3-0.6b", ...) or a config.json path, with deterministic random weights
-  // (Qwen3Model::InitRandom). TORCH_CHECK naming the config when it is neither.
+  // (Qwen3Model::InitRandom: the same model at every TP size). TORCH_CHECK naming the config when
+  // it is neither.
   static std::unique_ptr<Trainer> FromConfig(const std::string& config, uint64_t seed,
                                              double init_std, at::TensorOptions options,
                                              const AdamWOptions& adamw,
-                                             bool offload_optimizer = false);
+                                             const ParallelOptions& parallel = {});
 
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
+  // Distributed: waits for every rank (bounded by the timeout), so that rank 0's store outlives
+  // the others' last collective. Never throws.
+  ~Trainer();
 
   // Adds d batch loss / d parameter into every parameter's .grad (ZeroGrad first for a fresh
-  // step). Rollouts must be valid with token ids below the vocabulary (TORCH_CHECK names the
-  // rollout). An empty batch computes nothing.
+  // step); distributed, this rank's share's part (Step sums it over the replicas). Rollouts must
+  // be valid with token ids below the vocabulary (TORCH_CHECK names the rollout). An empty batch
+  // computes nothing. The stats are the whole batch's on every rank.
   GradientStats ComputeGradients(absl::Span<const Rollout> rollouts, const LossOptions& loss,
                                  const ExecutorOptions& executor);
-  // Clips and steps AdamW on the current gradients.
+  // Sums the gradients over the data-parallel replicas, then clips and steps AdamW.
   StepStats Step();
   void ZeroGrad();
-  // Every rollout's per-token log-probabilities [L] (position 0 holds 0), without gradients.
+  // Every rollout's per-token log-probabilities [L] (position 0 holds 0), without gradients; on
+  // every rank, each replica computing its share.
   std::vector<at::Tensor> ComputeLogprobs(absl::Span<const Rollout> rollouts,
                                           const ExecutorOptions& executor);
-  // Writes the model as a Hugging Face checkpoint (in `dtype`, default the model's) and, with
-  // `with_optimizer`, the optimizer's state (<directory>/optimizer.safetensors, or
-  // optimizer-00000-of-00001.safetensors when offloaded).
+  // Writes the model as a Hugging Face checkpoint (in `dtype`, default the model's; gathered
+  // across TP ranks) and, with `with_optimizer`, the optimizer's state (what each rank owns:
+  // optimizer.safetensors, or optimizer-RRRRR-of-WWWWW.safetensors when sharded or offloaded;
+  // under TP in tp-RR-of-TT/). Every rank calls it.
   void Save(const std::string& directory, std::optional<at::ScalarType> dtype,
             bool with_optimizer) const;
   // Restores the optimizer from a directory or file written by Save (or dta-train --save).
   void LoadOptimizer(const std::string& path);
 
-  const Qwen3Model& model() const { return model_; }
-  TrainingOptimizer& optimizer() { return optimizer_; }
+  const Qwen3Model& model() const { return *model_; }
+  TrainingOptimizer& optimizer() { return *optimizer_; }
+  const LayoutPlan& layout() const { return layout_; }
+  int rank() const { return world_ ? world_->rank() : 0; }
+  int world_size() const { return world_ ? world_->size() : 1; }
+  int tensor_parallel_rank() const { return groups_ ? groups_->tensor_parallel_rank() : 0; }
+  int data_parallel_rank() const { return groups_ ? groups_->data_parallel_rank() : 0; }
+  int data_parallel_size() const { return groups_ ? groups_->data_parallel_size() : 1; }
 
  private:
-  Trainer(Qwen3Model model, const AdamWOptions& adamw, bool offload_optimizer);
+  using MakeModel = std::function<Qwen3Model(const at::TensorOptions&,
+                                             std::shared_ptr<const TensorParallelGroup>)>;
+  Trainer(const Qwen3Config& config, at::TensorOptions options, const AdamWOptions& adamw,
+          const ParallelOptions& parallel, const MakeModel& make_model);
 
-  Qwen3Model model_;
-  TrainingOptimizer optimizer_;
+  // Declared first, destroyed last: the model's collectives use the groups.
+  std::unique_ptr<ProcessGroup> world_;
+  std::unique_ptr<ParallelGroups> groups_;
+  LayoutPlan layout_;
+  std::optional<Qwen3Model> model_;
+  std::unique_ptr<TrainingOptimizer> optimizer_;
 };
 
 }  // namespace dta::python

@@ -20,6 +20,7 @@
 #include "bindings/python/bindings.h"
 #include "bindings/python/trainer.h"
 #include "core/checkpoint/qwen3_config.h"
+#include "core/layout/memory_plan.h"
 
 namespace py = pybind11;
 
@@ -183,6 +184,18 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("token_capacity", &ExecutorOptions::token_capacity)
       .def_readwrite("checkpointing", &ExecutorOptions::checkpointing)
       .def_readwrite("logprob_slice_rows", &ExecutorOptions::logprob_slice_rows);
+  py::class_<LayoutOverrides>(m, "LayoutOverrides")
+      .def(py::init<>())
+      .def_readwrite("tensor_parallel", &LayoutOverrides::tensor_parallel)
+      .def_readwrite("shard_optimizer", &LayoutOverrides::shard_optimizer)
+      .def_readwrite("offload_optimizer", &LayoutOverrides::offload_optimizer)
+      .def_readwrite("gpu_memory_gb", &LayoutOverrides::gpu_memory_gb)
+      .def_readwrite("activation_gb", &LayoutOverrides::activation_gb);
+  py::class_<ParallelOptions>(m, "ParallelOptions")
+      .def(py::init<>())
+      .def_readwrite("distributed", &ParallelOptions::distributed)
+      .def_readwrite("layout", &ParallelOptions::layout)
+      .def_readwrite("timeout_s", &ParallelOptions::timeout_s);
   py::class_<AdamWOptions>(m, "AdamWOptions")
       .def(py::init<>())
       .def_readwrite("lr", &AdamWOptions::lr)
@@ -205,27 +218,27 @@ void RegisterTrainer(py::module_& m) {
       .def_static(
           "from_directory",
           [](const std::string& directory, at::ScalarType dtype, at::Device device,
-             const AdamWOptions& adamw, bool offload_optimizer) {
+             const AdamWOptions& adamw, const ParallelOptions& parallel) {
             auto bound = std::make_unique<BoundTrainer>();
             py::gil_scoped_release release;
-            bound->trainer = Trainer::FromDirectory(directory, ModelOptions(dtype, device), adamw,
-                                                    offload_optimizer);
+            bound->trainer =
+                Trainer::FromDirectory(directory, ModelOptions(dtype, device), adamw, parallel);
             return bound;
           },
           py::arg("directory"), py::arg("dtype"), py::arg("device"), py::arg("adamw"),
-          py::arg("offload_optimizer") = false)
+          py::arg("parallel"))
       .def_static(
           "from_config",
           [](const std::string& config, uint64_t seed, double init_std, at::ScalarType dtype,
-             at::Device device, const AdamWOptions& adamw, bool offload_optimizer) {
+             at::Device device, const AdamWOptions& adamw, const ParallelOptions& parallel) {
             auto bound = std::make_unique<BoundTrainer>();
             py::gil_scoped_release release;
-            bound->trainer = Trainer::FromConfig(
-                config, seed, init_std, ModelOptions(dtype, device), adamw, offload_optimizer);
+            bound->trainer = Trainer::FromConfig(config, seed, init_std,
+                                                 ModelOptions(dtype, device), adamw, parallel);
             return bound;
           },
           py::arg("config"), py::arg("seed"), py::arg("init_std"), py::arg("dtype"),
-          py::arg("device"), py::arg("adamw"), py::arg("offload_optimizer") = false)
+          py::arg("device"), py::arg("adamw"), py::arg("parallel"))
       .def("compute_gradients", &ComputeGradientsBinding, py::arg("trajectories"), py::arg("loss"),
            py::arg("custom"), py::arg("executor"))
       .def("step",
@@ -270,8 +283,31 @@ void RegisterTrainer(py::module_& m) {
           [](BoundTrainer& self, double lr) {
             WithoutGil(self, [&](Trainer& t) { t.optimizer().set_lr(lr); });
           })
-      .def_property_readonly("offload_optimizer",
+      .def_property_readonly("sharded_optimizer",
                              [](BoundTrainer& self) { return self.trainer->optimizer().sharded(); })
+      .def_property_readonly(
+          "layout", [](BoundTrainer& self) { return DescribeLayout(self.trainer->layout()); })
+      .def_property_readonly(
+          "tensor_parallel",
+          [](BoundTrainer& self) { return self.trainer->layout().layout.tensor_parallel; })
+      .def_property_readonly(
+          "shard_optimizer",
+          [](BoundTrainer& self) { return self.trainer->layout().layout.shard_optimizer; })
+      .def_property_readonly(
+          "offload_optimizer",
+          [](BoundTrainer& self) { return self.trainer->layout().layout.offload_optimizer; })
+      .def_property_readonly("rank", [](BoundTrainer& self) { return self.trainer->rank(); })
+      .def_property_readonly(
+          "device", [](BoundTrainer& self) { return self.trainer->model().options().device(); })
+      .def_property_readonly("world_size",
+                             [](BoundTrainer& self) { return self.trainer->world_size(); })
+      .def_property_readonly(
+          "tensor_parallel_rank",
+          [](BoundTrainer& self) { return self.trainer->tensor_parallel_rank(); })
+      .def_property_readonly("data_parallel_rank",
+                             [](BoundTrainer& self) { return self.trainer->data_parallel_rank(); })
+      .def_property_readonly("data_parallel_size",
+                             [](BoundTrainer& self) { return self.trainer->data_parallel_size(); })
       .def_property_readonly("step_count",
                              [](BoundTrainer& self) { return self.trainer->optimizer().step(); });
 }

@@ -90,4 +90,15 @@ std::vector<float> PlannedAdvantages(const PartitionPlan& plan, int64_t i, const
   return std::vector<float>(rollout.tokens.size(), plan.advantages[i]);
 }
 
+RankShare ShareOfRank(const PartitionPlan& plan, int rank, absl::Span<const Rollout> batch) {
+  RankShare share;
+  share.positions = plan.ranks.at(rank);
+  share.rollouts.reserve(share.positions.size());
+  for (const int64_t i : share.positions) {
+    share.rollouts.push_back(batch[i]);
+    share.rollouts.back().advantages = PlannedAdvantages(plan, i, batch[i]);
+  }
+  return share;
+}
+
 }  // namespace dta

@@ -75,4 +75,13 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
 // SFT) none.
 std::vector<float> PlannedAdvantages(const PartitionPlan& plan, int64_t i, const Rollout& rollout);
 
+// One rank's share of a batch that every rank holds whole (dta-train --distributed, dta.Trainer):
+// its rollouts in lexicographic order, each with its PlannedAdvantages, and their positions in the
+// batch. Train them under plan.context.
+struct RankShare {
+  std::vector<Rollout> rollouts;
+  std::vector<int64_t> positions;  // rollouts[j] is batch[positions[j]]
+};
+RankShare ShareOfRank(const PartitionPlan& plan, int rank, absl::Span<const Rollout> batch);
+
 }  // namespace dta

@@ -9,6 +9,15 @@ gradients of the whole batch computed at once (shared prefixes once with ``metho
     print(stats.loss, stats.rollout_tokens_per_second)
     trainer.save("/ckpt/step-1")          # a Hugging Face checkpoint (+ optimizer.safetensors)
 
+Under torchrun one process per GPU, with the layout options of dta-train (tensor parallelism,
+optimizer sharding and offload); every rank makes the same calls with the same whole batch::
+
+    # torchrun --nproc_per_node=8 train.py
+    trainer = dta.Trainer("/models/Qwen3-14B", dtype="bfloat16", device="cuda", distributed=True,
+                          tensor_parallel=2)     # TP 2 x DP 4; the batch is split across the 4
+    stats = trainer.train_batch(batch, loss="grpo")  # the whole batch's loss on every rank
+    trainer.save("/ckpt/step-1")                 # every rank: gathered weights, its optimizer part
+
 A loss is a name with options (:class:`LossOptions`), or a callable on one rollout's
 log-probabilities (:data:`LossFn`). The batch loss is the sum over rollouts of each rollout's loss;
 the gradients equal those of running every rollout on its own (to rounding), whatever the method.
@@ -274,7 +283,9 @@ class Trainer:
     def __init__(self, model: str | os.PathLike[str], *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", lr: float = 1e-6, weight_decay: float = 0.01,
                  max_grad_norm: float = 1.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, offload_optimizer: bool = False) -> None:
+                 eps: float = 1e-8, distributed: bool = False, tensor_parallel: int = 1,
+                 shard_optimizer: bool | str = "auto", offload_optimizer: bool | str = "auto",
+                 gpu_memory_gb: float = 0.0, activation_gb: float = 8.0, timeout_s: int = 600) -> None:
         """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
 
         Args:
@@ -284,34 +295,57 @@ class Trainer:
             device: ``cpu``, ``cuda``, ``cuda:N``.
             lr, weight_decay, max_grad_norm, betas, eps: AdamW (decoupled weight decay; global
                 gradient-norm clip, <= 0 disables it).
+            distributed: Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``,
+                ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; ``cuda`` then means
+                ``cuda:LOCAL_RANK``; NCCL on GPUs, Gloo on CPUs). Every rank then makes the same
+                calls with the same whole batch: the batch is split across the data-parallel
+                replicas (DFS-contiguous, advantages and normalisers over the whole batch) and the
+                result is what one process would train.
+            tensor_parallel: Split each replica's weights across this many consecutive ranks
+                (heads, MLP, vocabulary; it must divide the KV heads and the world size, within
+                a node); 0: the planner's choice. As dta-train --tensor_parallel.
+            shard_optimizer: Shard AdamW's state across the data-parallel ranks (ZeRO-1):
+                ``"auto"`` (the planner's choice), True or False.
             offload_optimizer: Keep AdamW's state (float32 master weights and both moments, 12
                 bytes per parameter) in host memory and update it there, so that the GPU holds
-                only the weights and the gradients (as dta-train --offload_optimizer=true).
+                only the weights and the gradients: ``"auto"``, True or False.
+            gpu_memory_gb, activation_gb: What the planner may use per GPU (0: the device's) and
+                reserves for the executor's stack and graphs. The planner refuses a layout that
+                cannot fit with a RuntimeError naming the numbers (``trainer.layout`` describes
+                the chosen one).
+            timeout_s: Collectives' and the rendezvous' timeout (distributed).
 
         Raises:
             FileNotFoundError: No such directory.
-            RuntimeError: The checkpoint is invalid (naming the file and the tensor).
+            RuntimeError: The checkpoint is invalid (naming the file and the tensor), or the
+                layout cannot be built.
         """
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
-        self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, offload_optimizer),
+        parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
+                                     gpu_memory_gb, activation_gb, timeout_s)
+        self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
 
     @classmethod
     def from_config(cls, config: str | os.PathLike[str], *, seed: int = 1, init_std: float = 0.02,
                     dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", lr: float = 1e-6,
                     weight_decay: float = 0.01, max_grad_norm: float = 1.0,
-                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                    offload_optimizer: bool = False) -> Trainer:
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False,
+                    tensor_parallel: int = 1, shard_optimizer: bool | str = "auto",
+                    offload_optimizer: bool | str = "auto", gpu_memory_gb: float = 0.0,
+                    activation_gb: float = 8.0, timeout_s: int = 600) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
-        ``-4b``, ``-8b``) or a config.json; other arguments as the constructor's.
+        ``-4b``, ``-8b``) or a config.json (the same model at every tensor-parallel size); other
+        arguments as the constructor's.
 
         Raises:
             RuntimeError: Neither a preset nor a valid config.json (naming it).
         """
         self = cls.__new__(cls)
-        self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a,
-                                                               offload_optimizer),
+        parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
+                                     gpu_memory_gb, activation_gb, timeout_s)
+        self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
         return self
 
@@ -324,8 +358,8 @@ class Trainer:
         adamw.eps = float(eps)
         self._lock = threading.RLock()
         self._dtype = _dtype(dtype)
-        self._device = torch.device(device)
-        self._core = make(self._dtype, self._device, adamw)
+        self._core = make(self._dtype, torch.device(device), adamw)
+        self._device = self._core.device
         self._config: dict[str, Any] = json.loads(self._core.config_json())
 
     # --- training -----------------------------------------------------------------------------
@@ -418,8 +452,10 @@ class Trainer:
              optimizer: bool = True) -> None:
         """Writes a Hugging Face checkpoint (config.json + safetensors, in ``dtype``, default the
         model's) that transformers' ``from_pretrained`` loads, and with ``optimizer`` the AdamW state
-        as ``optimizer.safetensors`` (offloaded: ``optimizer-00000-of-00001.safetensors``), what
-        dta-train --save writes."""
+        as ``optimizer.safetensors`` (sharded or offloaded: ``optimizer-RRRRR-of-WWWWW.safetensors``
+        per data-parallel rank; with tensor parallelism in ``tp-RR-of-TT/``), what dta-train --save
+        writes. Distributed, every rank calls it: the weights are gathered and written once, each
+        rank writes its part of the optimizer, and it returns once the checkpoint is complete."""
         self._core.save(str(directory), None if dtype is None else _dtype(dtype), optimizer)
 
     @_serialized
@@ -437,7 +473,9 @@ class Trainer:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter under its Hugging Face name, as live tensors (``.grad`` holds the
-        gradient). lm_head.weight is absent when the embeddings are tied."""
+        gradient; distributed, this rank's part of the batch's until ``step`` sums it over the
+        replicas). lm_head.weight is absent when the embeddings are tied. With tensor parallelism
+        each is this rank's part (``save`` gathers them)."""
         return dict(self._core.named_parameters())
 
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -475,6 +513,44 @@ class Trainer:
         """Optimizer steps taken (restored by load_optimizer)."""
         return self._core.step_count
 
+    @property
+    def layout(self) -> str:
+        """The training layout and the memory it expects per GPU, as dta-train prints it."""
+        return self._core.layout
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self._core.tensor_parallel
+
+    @property
+    def shard_optimizer(self) -> bool:
+        return self._core.shard_optimizer
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self._core.offload_optimizer
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the world (0 unless distributed)."""
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.world_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._core.tensor_parallel_rank
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._core.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._core.data_parallel_size
+
     # --- helpers ------------------------------------------------------------------------------
 
     def _checked(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
@@ -491,6 +567,40 @@ class Trainer:
     def _synchronize(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+
+def _layout_choice(name: str, value: bool | str) -> bool | None:
+    """``"auto"`` (None: the planner chooses), True or False."""
+    if isinstance(value, bool):
+        return value
+    if value == "auto":
+        return None
+    raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+
+
+def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: bool | str,
+                      offload_optimizer: bool | str, gpu_memory_gb: float, activation_gb: float,
+                      timeout_s: int) -> Any:
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 0:
+        raise ValueError(f"tensor_parallel must be an int >= 0, got {tensor_parallel!r}")
+    if gpu_memory_gb < 0 or activation_gb < 0:
+        raise ValueError(f"gpu_memory_gb and activation_gb must be >= 0, got {gpu_memory_gb}, {activation_gb}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if tensor_parallel != 1 and not distributed:
+        raise ValueError(f"tensor_parallel={tensor_parallel} needs distributed=True (one process per rank, "
+                         "started by torchrun)")
+    parallel = _core.ParallelOptions()
+    parallel.distributed = bool(distributed)
+    parallel.timeout_s = int(timeout_s)
+    layout = _core.LayoutOverrides()
+    layout.tensor_parallel = tensor_parallel
+    layout.shard_optimizer = _layout_choice("shard_optimizer", shard_optimizer)
+    layout.offload_optimizer = _layout_choice("offload_optimizer", offload_optimizer)
+    layout.gpu_memory_gb = float(gpu_memory_gb)
+    layout.activation_gb = float(activation_gb)
+    parallel.layout = layout
+    return parallel
 
 
 def _python_loss(fn: LossFn, batch: list[Trajectory]) -> Callable[..., torch.Tensor]:

@@ -100,7 +100,7 @@ TEST(ReplicaSession, EveryFollowerHearsWhatTheLeaderHeard) {
   ASSERT_EQ(heard.partitions.size(), 4u);
   EXPECT_EQ(heard.partitions[3].status().code(), absl::StatusCode::kAborted);
   ASSERT_EQ(heard.decisions.size(), 3u);
-  EXPECT_EQ(heard.policy_versions[0], 100);  // the fake's version for step 0
+  EXPECT_EQ(heard.policy_versions[0], 100);    // the fake's version for step 0
   ASSERT_EQ(dispatcher->prepared.size(), 3u);  // only the leader reports
   for (int f = 0; f < kFollowers; ++f) {
     const Heard& got = followers[f];

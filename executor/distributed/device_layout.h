@@ -1,0 +1,37 @@
+// The training layout for ranks of one kind of device: core/layout's planner fed with what this
+// machine has (the GPU's memory, or the host's for CPU ranks; the host's memory for offloaded
+// state; the ranks per node as torchrun exports them). The training binaries' flags and dta.Trainer
+// both plan through it, so that one request means one layout everywhere.
+//
+//   absl::StatusOr<LayoutPlan> plan =
+//       PlanDeviceLayout(config, world_size, at::Device(at::kCUDA, 0), at::kBFloat16, {});
+//
+// Errors: absl::Status, PlanLayout's (naming the field or the numbers).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "core/checkpoint/qwen3_config.h"
+#include "core/layout/memory_plan.h"
+
+namespace dta {
+
+struct LayoutOverrides {
+  int tensor_parallel = 1;  // 0: the planner's choice
+  std::optional<bool> shard_optimizer;  // nullopt: the planner's choice
+  std::optional<bool> offload_optimizer;
+  double gpu_memory_gb = 0;  // memory each GPU may use, GB (1e9 bytes); 0: the device's
+  double activation_gb = 8;  // reserve for the executor's path stack and graphs, GB
+};
+
+// The layout of `world_size` ranks on devices like `device`, holding weights of `dtype`.
+// LOCAL_WORLD_SIZE (torchrun) bounds the tensor parallelism (a node's ranks); without it the
+// whole world is one node. INVALID_ARGUMENT naming the field for a negative size.
+absl::StatusOr<LayoutPlan> PlanDeviceLayout(const Qwen3Config& config, int world_size,
+                                            const at::Device& device, at::ScalarType dtype,
+                                            const LayoutOverrides& overrides);
+
+}  // namespace dta
