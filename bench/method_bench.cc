@@ -34,6 +34,13 @@
 // default (--check_loss): the executor only sees d loss / d log-probability, and GRPO's gradient on
 // random weights rests on a few tokens' importance ratios, or is 0 where a subset's rewards agree.
 //
+// Tensor parallelism: under torchrun, --tensor_parallel=T with T ranks (one replica) splits the
+// model across them as dta-train and dta-trainer do (executor/parallel); every rank runs every
+// method (and the agreement check, whose models are split alike), rank 0 reports its own timings
+// and memory, and MFU counts T GPUs (a method that runs out of memory on some ranks only leaves
+// the others waiting for --timeout_s):
+//   NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 --no-python dta-bench --tensor_parallel=2 ...
+//
 // Writes DIR/results.md and DIR/results.json; progress goes to stderr. A method that runs out of
 // memory is recorded as OOM and the next one runs. Exit status: 0 on success, 1 if a method failed
 // for another reason, 2 on bad input (flags, files, rollouts, configs).
@@ -67,6 +74,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -78,6 +86,8 @@
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_partition.h"
 #include "core/tree/tree_stats.h"
+#include "executor/distributed/parallel_groups.h"
+#include "executor/distributed/process_group.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
@@ -123,6 +133,10 @@ ABSL_FLAG(std::string, check_loss, "sft",
           "the check's loss: sft, or same (the benchmark's --loss)");
 ABSL_FLAG(std::string, out_dir, "",
           "where results.md and results.json go; default bench/results/<timestamp>");
+ABSL_FLAG(int32_t, tensor_parallel, 1,
+          "split the model across this many ranks started by torchrun (RANK, WORLD_SIZE, ...: "
+          "exactly this many; cuda means cuda:LOCAL_RANK); 1: one process");
+ABSL_FLAG(int32_t, timeout_s, 600, "tensor parallelism: the collectives' timeout, seconds");
 ABSL_FLAG(std::string, label, "",
           "the workload's name in the outputs; default the rollout file's stem");
 
@@ -341,13 +355,17 @@ void InitOnDevice(const Qwen3Model& model, uint64_t seed, double std) {
                                              : at::detail::createCPUGenerator(seed);
   generator.set_current_seed(seed);
   c10::NoGradGuard no_grad;
-  for (const auto& [name, parameter] : model.named_parameters()) {
-    at::Tensor p = parameter;
+  const auto& named = model.named_parameters();
+  for (size_t i = 0; i < named.size(); ++i) {
+    at::Tensor p = named[i].second;
+    // The whole tensor is drawn and this rank keeps its part: the same model at every TP size.
+    at::Tensor full = at::empty(model.parameter_splits()[i].full_shape, p.options());
     if (p.dim() == 1) {
-      p.normal_(1.0, std / 4, generator);
+      full.normal_(1.0, std / 4, generator);
     } else {
-      p.normal_(0.0, std, generator);
+      full.normal_(0.0, std, generator);
     }
+    p.copy_(model.LocalPart(i, full));
   }
 }
 
@@ -578,9 +596,17 @@ std::string Elapsed(std::chrono::steady_clock::time_point start) {
 
 const auto kStart = std::chrono::steady_clock::now();
 
+// Under tensor parallelism rank 0 speaks for all (the ranks run the same steps).
+bool quiet = false;
+
 void Progress(const std::string& message) {
+  if (quiet) return;
   std::cerr << "dta-bench [" << Elapsed(kStart) << "] " << message << std::endl;
 }
+
+// The model's collectives under --tensor_parallel (null: one process). Every model the benchmark
+// builds is split with them.
+std::shared_ptr<const TensorParallelGroup> tensor_parallel;
 
 // Tokens the packed method forwards without checkpointing: Tree Training's partition of the tree
 // under the token capacity (the whole tree when there is none).
@@ -703,7 +729,8 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
                            check.reference_dtype));
 
   try {
-    Qwen3Model reference(check.config, at::TensorOptions().dtype(reference_dtype).device(device));
+    Qwen3Model reference(check.config, at::TensorOptions().dtype(reference_dtype).device(device),
+                         tensor_parallel);
     InitOnDevice(reference, absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
     ZeroGrads(reference);
     const GradientResult ref =
@@ -711,7 +738,8 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
     check.reference_loss = ref.loss;
     const std::vector<at::Tensor> ref_grads = Grads(reference, reference_dtype);
 
-    Qwen3Model model(check.config, at::TensorOptions().dtype(dtype).device(device));
+    Qwen3Model model(check.config, at::TensorOptions().dtype(dtype).device(device),
+                     tensor_parallel);
     CopyWeights(reference, model);
     std::vector<at::Tensor> dense_grads;
     double dense_loss = 0;
@@ -873,7 +901,37 @@ int Run(int argc, char** argv) {
   const at::ScalarType dtype = ParseDtype(absl::GetFlag(FLAGS_dtype));
   const std::string config_name = absl::GetFlag(FLAGS_config);
   const Qwen3Config config = LoadConfig("config", config_name);
-  const DeviceInfo device = OpenDevice(absl::GetFlag(FLAGS_device));
+  const int tp = absl::GetFlag(FLAGS_tensor_parallel);
+  if (tp < 1) throw BadInput{"--tensor_parallel must be >= 1"};
+  if (absl::GetFlag(FLAGS_timeout_s) < 1) throw BadInput{"--timeout_s must be >= 1"};
+  std::string device_spec = absl::GetFlag(FLAGS_device);
+  LaunchEnvironment env;
+  if (tp > 1) {
+    absl::StatusOr<LaunchEnvironment> from_env = LaunchEnvironmentFromEnv();
+    if (!from_env.ok()) throw BadInput{std::string(from_env.status().message())};
+    env = *from_env;
+    if (env.world_size != tp) {
+      throw BadInput{absl::StrFormat(
+          "--tensor_parallel=%d: start exactly %d ranks (torchrun --nproc_per_node=%d); "
+          "WORLD_SIZE is %d",
+          tp, tp, tp, env.world_size)};
+    }
+    if (device_spec == "cuda") device_spec = absl::StrCat("cuda:", env.local_rank);
+    quiet = env.rank != 0;
+  }
+  const DeviceInfo device = OpenDevice(device_spec);
+  std::unique_ptr<ProcessGroup> world;
+  std::unique_ptr<ParallelGroups> groups;
+  if (tp > 1) {
+    ProcessGroupOptions options;
+    options.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
+    absl::StatusOr<std::unique_ptr<ProcessGroup>> created = ProcessGroup::Create(
+        env, device.device.is_cuda() ? device.device : at::Device(at::kCPU), options);
+    if (!created.ok()) throw BadInput{std::string(created.status().message())};
+    world = *std::move(created);
+    groups = std::make_unique<ParallelGroups>(*world, tp, options);
+    tensor_parallel = groups->tensor_parallel_collectives();
+  }
   LossOptions loss;  // GRPO: PPO clip 0.2/0.2, token-mean, group advantages (dta-train's default)
   const std::string loss_flag = absl::GetFlag(FLAGS_loss);
   if (loss_flag == "sft") {
@@ -946,7 +1004,8 @@ int Run(int argc, char** argv) {
   std::vector<MethodResult> results;
   double weights_gib = 0;
   {
-    Qwen3Model model(config, at::TensorOptions().dtype(dtype).device(device.device));
+    Qwen3Model model(config, at::TensorOptions().dtype(dtype).device(device.device),
+                     tensor_parallel);
     InitOnDevice(model, absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
     Synchronize(device.device);
     weights_gib = memory.CurrentGiB();
@@ -987,8 +1046,8 @@ int Run(int argc, char** argv) {
       if (dense) vs_dense = dense->median_seconds / r.median_seconds;
       if (dense_ckpt) vs_ckpt = dense_ckpt->median_seconds / r.median_seconds;
       if (cuda) {
-        mfu = tree_flops / r.median_seconds / peak;
-        mfu_dense = dense_flops / r.median_seconds / peak;
+        mfu = tree_flops / r.median_seconds / (peak * tp);
+        mfu_dense = dense_flops / r.median_seconds / (peak * tp);
       }
       if (vs_dense) of_ideal = *vs_dense / ideal;
     }
@@ -1090,6 +1149,7 @@ int Run(int argc, char** argv) {
       {"warmup", absl::GetFlag(FLAGS_warmup)},
       {"repeats", absl::GetFlag(FLAGS_repeats)},
       {"peak_tflops", absl::GetFlag(FLAGS_peak_tflops)},
+      {"tensor_parallel", tp},
       {"memory_measure", memory.Kind()},
       {"workload",
        {{"label", label},
@@ -1119,7 +1179,8 @@ int Run(int argc, char** argv) {
          "tree = each unique "
          "token once; ideal speedup vs dense = dense / tree; dense-ckpt does about 4/3 of dense's "
          "FLOPs; MFU = tree "
-         "FLOPs / step time / peak; mfu_dense_counted = dense FLOPs / step time / peak; "
+         "FLOPs / step time / (peak x tensor_parallel GPUs); mfu_dense_counted = dense FLOPs / "
+         "step time / (peak x GPUs); "
          "fraction_of_ideal = speedup "
          "vs dense / ideal speedup vs dense"}}},
       {"methods", methods_json},
@@ -1135,10 +1196,14 @@ int Run(int argc, char** argv) {
   md += absl::StrFormat(
       "- Model: %s (%d layers, hidden %d, %d heads / %d KV heads x %d, intermediate %d, vocabulary "
       "%d; %s matmul "
-      "parameters), %s, random weights (seed %d)\n",
+      "parameters), %s, random weights (seed %d)%s\n",
       config_name, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
       config.num_key_value_heads, config.head_dim, config.intermediate_size, config.vocab_size,
-      Count(flops.matmul_parameters), DtypeName(dtype), absl::GetFlag(FLAGS_init_seed));
+      Count(flops.matmul_parameters), DtypeName(dtype), absl::GetFlag(FLAGS_init_seed),
+      tp > 1 ? absl::StrFormat("; tensor parallelism over %d ranks (rank 0's times and memory, "
+                               "MFU over %d GPUs)",
+                               tp, tp)
+             : std::string());
   md += absl::StrFormat(
       "- Workload: `%s`: %s rollouts, %s rollout tokens, %s unique tokens, C = %.3f, C_attn = "
       "%.3f, longest rollout "
@@ -1221,6 +1286,9 @@ int Run(int argc, char** argv) {
     }
   }
 
+  if (world) world->Barrier();  // every rank has run every method; rank 0 reports
+  tensor_parallel.reset();      // before the groups it uses
+  if (quiet) return 0;
   const std::filesystem::path dir(out_dir);
   std::ofstream(dir / "results.json") << json.dump(2) << "\n";
   std::ofstream(dir / "results.md") << md;

@@ -64,6 +64,40 @@ for name, r in rows.items():
     assert r["vs_reference"]["grad_rel_err"] < 1e-4, (name, r)
 PY
 
+# Tensor parallelism: two ranks on Gloo, as torchrun starts them. The same seed is the same model at
+# every TP size, so each method's loss equals the one-process run's; rank 0 alone writes results.
+port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+pids=()
+for rank in 0 1; do
+  RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
+    "$bin/dta-bench" --rollouts="$work/small.jsonl" --config="$tiny" --check_config="$tiny" --device=cpu \
+    --dtype=float32 --methods=dense,dta-b2048 --warmup=1 --repeats=1 --check_rollouts=2 --tensor_parallel=2 \
+    --timeout_s=120 --out_dir="$work/tp2" >"$work/tp2.$rank.out" 2>"$work/tp2.$rank.err" &
+  pids+=($!)
+done
+for rank in 0 1; do
+  wait "${pids[$rank]}" || fail "dta-bench --tensor_parallel=2 rank $rank exited $?: $(tail -5 "$work/tp2.$rank.err")"
+done
+[[ -s "$work/tp2.1.err" ]] && fail "rank 1 printed progress: $(head -3 "$work/tp2.1.err")"
+"$python" - "$work/out/results.json" "$work/tp2/results.json" <<'PY' || fail "the TP 2 results are wrong"
+import json, sys
+one, two = (json.load(open(path)) for path in sys.argv[1:])
+assert two["tensor_parallel"] == 2 and one["tensor_parallel"] == 1
+losses = {m["name"]: m["loss"] for m in one["methods"]}
+for m in two["methods"]:
+    assert m["status"] == "ok", (m["name"], m["note"])
+    assert abs(m["loss"] - losses[m["name"]]) <= 1e-5 * abs(losses[m["name"]]), (m["name"], m["loss"], losses)
+assert two["check"]["passed"], two["check"]
+PY
+expect_tp() {
+  RANK=0 WORLD_SIZE=1 "$bin/dta-bench" --rollouts="$work/small.jsonl" --config="$tiny" --device=cpu \
+    --tensor_parallel=2 --out_dir="$work/bad" >/dev/null 2>"$work/tp_bad.err"
+  local s=$?
+  [[ $s -eq 2 ]] || fail "--tensor_parallel=2 with one rank exited $s, expected 2"
+  grep -qF "start exactly 2 ranks" "$work/tp_bad.err" || fail "the TP refusal: $(cat "$work/tp_bad.err")"
+}
+expect_tp
+
 # Bad input: exit status 2 and a message naming the problem.
 expect_bad() {
   local what="$1" pattern="$2"
