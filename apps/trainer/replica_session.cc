@@ -27,24 +27,28 @@ struct Message {
 };
 
 std::vector<uint8_t> Encode(const absl::Status& status, const std::string& payload) {
-  std::string bytes;
+  std::vector<uint8_t> bytes;
   if (status.ok()) {
-    bytes = absl::StrCat("O", payload);
+    bytes.reserve(1 + payload.size());
+    bytes.push_back('O');
+    bytes.insert(bytes.end(), payload.begin(), payload.end());
   } else {
-    bytes = absl::StrCat("S", std::string(1, static_cast<char>(status.code())), status.message());
+    bytes = {'S', static_cast<uint8_t>(status.code())};
+    bytes.insert(bytes.end(), status.message().begin(), status.message().end());
   }
-  return std::vector<uint8_t>(bytes.begin(), bytes.end());
+  return bytes;
 }
 
 Message Decode(const std::vector<uint8_t>& bytes) {
-  const std::string text(bytes.begin(), bytes.end());
-  if (!text.empty() && text[0] == 'O') return {absl::OkStatus(), text.substr(1)};
-  if (text.size() >= 2 && text[0] == 'S') {
-    return {absl::Status(static_cast<absl::StatusCode>(static_cast<unsigned char>(text[1])),
-                         text.substr(2)),
+  if (!bytes.empty() && bytes[0] == 'O') {
+    return {absl::OkStatus(), std::string(bytes.begin() + 1, bytes.end())};
+  }
+  if (bytes.size() >= 2 && bytes[0] == 'S') {
+    return {absl::Status(static_cast<absl::StatusCode>(bytes[1]),
+                         std::string(bytes.begin() + 2, bytes.end())),
             ""};
   }
-  return {absl::InternalError(absl::StrCat("a relayed message of ", text.size(),
+  return {absl::InternalError(absl::StrCat("a relayed message of ", bytes.size(),
                                            " bytes is not one the leader writes")),
           ""};
 }

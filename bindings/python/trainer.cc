@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <utility>
@@ -37,45 +36,40 @@ PartitionPlan SplitBatch(absl::Span<const Rollout> rollouts, int replicas, bool 
   return *std::move(plan);
 }
 
-// `tensors` summed over `group` in place (on its device), read back into each.
-void AllReduceSum(ProcessGroup& group, at::Tensor& flat, const char* what) {
+// `flat` (on the group's device) summed over `group`, in place.
+void AllReduceSum(ProcessGroup& group, const at::Tensor& flat, const char* what) {
   std::vector<at::Tensor> tensors = {flat};
-  c10::intrusive_ptr<c10d::Work> work = group.backend()->allreduce(tensors);
-  group.Wait(*work, what);
-  flat = tensors[0];
+  group.Wait(*group.backend()->allreduce(tensors), what);
 }
 
 }  // namespace
 
 Trainer::Trainer(const Qwen3Config& config, at::TensorOptions options, const AdamWOptions& adamw,
                  const ParallelOptions& parallel, const MakeModel& make_model) {
-  int world_size = 1;
+  TORCH_CHECK(parallel.timeout_s > 0, "timeout_s must be > 0, got ", parallel.timeout_s);
+  LaunchEnvironment env;  // one process unless distributed
   if (parallel.distributed) {
-    absl::StatusOr<LaunchEnvironment> env = LaunchEnvironmentFromEnv();
-    TORCH_CHECK(env.ok(), "distributed: ", std::string(env.status().message()));
+    absl::StatusOr<LaunchEnvironment> from_env = LaunchEnvironmentFromEnv();
+    TORCH_CHECK(from_env.ok(), "distributed: ", std::string(from_env.status().message()));
+    env = *from_env;
     if (options.device().is_cuda() && !options.device().has_index()) {
       options =
-          options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank)));
+          options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)));
     }
-    world_size = env->world_size;
+  }
+  absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
+      config, env.world_size, options.device(), options.dtype().toScalarType(), parallel.layout);
+  TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
+  layout_ = *plan;
+  if (parallel.distributed) {
     ProcessGroupOptions group_options;
     group_options.timeout = std::chrono::seconds(parallel.timeout_s);
-    TORCH_CHECK(parallel.timeout_s > 0, "timeout_s must be > 0, got ", parallel.timeout_s);
-    absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
-        config, world_size, options.device(), options.dtype().toScalarType(), parallel.layout);
-    TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
-    layout_ = *plan;
     absl::StatusOr<std::unique_ptr<ProcessGroup>> world = ProcessGroup::Create(
-        *env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), group_options);
+        env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), group_options);
     TORCH_CHECK(world.ok(), "distributed: ", std::string(world.status().message()));
     world_ = *std::move(world);
     groups_ =
         std::make_unique<ParallelGroups>(*world_, layout_.layout.tensor_parallel, group_options);
-  } else {
-    absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
-        config, 1, options.device(), options.dtype().toScalarType(), parallel.layout);
-    TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
-    layout_ = *plan;
   }
   model_.emplace(make_model(options, groups_ ? groups_->tensor_parallel_collectives() : nullptr));
   optimizer_ = std::make_unique<TrainingOptimizer>(
@@ -131,14 +125,8 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
   if (replicas == 1) {  // one process, or tensor parallelism only: every rank trains the batch
     result = dta::ComputeGradients(*model_, rollouts, loss, executor);
   } else {
-    // What the executor would use on one process: group advantages for every kind but SFT, and
-    // for a custom loss when every rollout has what they are computed from.
-    const bool with_advantages =
-        loss.custom ? std::all_of(rollouts.begin(), rollouts.end(),
-                                  [](const Rollout& r) {
-                                    return r.reward.has_value() || !r.advantages.empty();
-                                  })
-                    : loss.kind != LossKind::kSft;
+    // The advantages the executor would use on one process, over the whole batch.
+    const bool with_advantages = UsesAdvantages(loss, rollouts);
     const PartitionPlan plan = SplitBatch(rollouts, replicas, with_advantages);
     RankShare share = ShareOfRank(plan, data_parallel_rank(), rollouts);
     if (loss.custom && !with_advantages) {

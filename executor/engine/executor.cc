@@ -53,15 +53,8 @@ LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                    const LossOptions& options, const ExecutorOptions& executor,
                    const BatchLossContext& batch)
     : rollouts_(rollouts), options_(options), batch_(batch) {
-  if (options.custom) {
-    // A custom loss gets the group advantages when the batch has what they are computed from.
-    const bool rewarded = std::all_of(rollouts.begin(), rollouts.end(), [](const Rollout& r) {
-      return r.reward.has_value() || !r.advantages.empty();
-    });
-    if (rewarded) advantages_ = ComputeAdvantages(rollouts);
-    return;
-  }
-  if (options.kind != LossKind::kSft) advantages_ = ComputeAdvantages(rollouts);
+  if (UsesAdvantages(options, rollouts)) advantages_ = ComputeAdvantages(rollouts);
+  if (options.custom) return;
   if (options.kind == LossKind::kDecoupledPpo) {
     // The proximal policy is the current one before this step: its log-probabilities come from a
     // forward-only pass, each unique token once.

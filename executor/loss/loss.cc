@@ -168,6 +168,13 @@ at::Tensor CustomRolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
 
 }  // namespace
 
+bool UsesAdvantages(const LossOptions& loss, absl::Span<const Rollout> rollouts) {
+  if (!loss.custom) return loss.kind != LossKind::kSft;
+  return std::all_of(rollouts.begin(), rollouts.end(), [](const Rollout& r) {
+    return r.reward.has_value() || !r.advantages.empty();
+  });
+}
+
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
                                                   bool normalize_std) {
   absl::StatusOr<std::vector<std::vector<float>>> advantages =

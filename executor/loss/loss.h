@@ -116,6 +116,10 @@ struct LossOptions {
   CustomLoss custom = nullptr;
 };
 
+// Whether `loss` trains `rollouts` with advantages (their own, else GRPO group advantages over the
+// batch): every kind but kSft; a custom loss when every rollout has a reward or advantages.
+bool UsesAdvantages(const LossOptions& loss, absl::Span<const Rollout> rollouts);
+
 // GroupAdvantages (core/loss/batch_context.h), with TORCH_CHECK naming the rollout on error.
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
                                                   bool normalize_std = true);
