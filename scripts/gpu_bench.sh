@@ -17,6 +17,8 @@
 #   --no_build      use the existing build-device/ binaries.
 #   --out           where results go; default ${OUT:-bench/results/gpu}.
 #   Other --flags go to dta-bench as they are (e.g. --repeats=5, --peak_tflops=989, --check=false).
+#   --tensor_parallel=N (N > 1) starts N ranks, one per GPU (NCCL), and writes to
+#   DIR/qwen3-<model>-<workload>-tpN/, so that runs at several TP sizes sit side by side.
 #
 # Budget. Each workload is generated at the scale whose batch holds about the model's budget of
 # rollout tokens, so that a dense step takes ~20 s on an H100 (dense fwd+bwd runs at roughly
@@ -41,7 +43,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
-usage() { sed -n '2,44p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,41p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 models="0.6b,1.7b,4b,8b"
 workloads="tau2,gsm8k,aime,modified-prefix,branch-low,branch-mid,branch-high"
@@ -51,6 +53,7 @@ budget_factor=1
 build=1
 out="${OUT:-bench/results/gpu}"
 bench_flags=()
+tensor_parallel=1
 for arg in "$@"; do
   case "$arg" in
     --models=*) models="${arg#*=}" ;;
@@ -61,6 +64,7 @@ for arg in "$@"; do
     --no_build) build=0 ;;
     --out=*) out="${arg#*=}" ;;
     -h | --help) usage; exit 0 ;;
+    --tensor_parallel=*) tensor_parallel="${arg#*=}"; bench_flags+=("$arg") ;;
     --*) bench_flags+=("$arg") ;;
     *) echo "gpu_bench: unexpected argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
@@ -183,6 +187,7 @@ for model in "${model_list[@]}"; do
     subset=""
     ((kept == 0)) || subset=", $kept rollouts of it"
     run="$out/qwen3-$model-$preset"
+    ((tensor_parallel == 1)) || run+="-tp$tensor_parallel"
     mkdir -p "$run"
     echo "gpu_bench: qwen3-$model on $preset: scale $scale$subset: $rollouts rollouts, $tokens rollout tokens," \
          "C = $c (scale 1: $c_full); elapsed $((SECONDS - total_start)) s" >&2
@@ -193,8 +198,26 @@ for model in "${model_list[@]}"; do
     [[ -z "$methods" ]] || args+=(--methods="$methods")
     # stdout repeats results.md; progress (stderr) goes to the terminal and to log.txt.
     set +e
-    "$bin/dta-bench" "${args[@]}" "${bench_flags[@]}" 2>&1 >/dev/null | tee "$run/log.txt" >&2
-    status=${PIPESTATUS[0]}
+    if ((tensor_parallel == 1)); then
+      "$bin/dta-bench" "${args[@]}" "${bench_flags[@]}" 2>&1 >/dev/null | tee "$run/log.txt" >&2
+      status=${PIPESTATUS[0]}
+    else
+      # One rank per GPU; rank 0 reports (the others are quiet unless they fail).
+      export NCCL_NVLS_ENABLE=0
+      port=$((29000 + RANDOM % 1000))
+      pids=()
+      for ((rank = 1; rank < tensor_parallel; ++rank)); do
+        RANK=$rank WORLD_SIZE=$tensor_parallel LOCAL_RANK=$rank LOCAL_WORLD_SIZE=$tensor_parallel \
+          MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin/dta-bench" "${args[@]}" "${bench_flags[@]}" \
+          >/dev/null 2>"$run/log.rank$rank.txt" &
+        pids+=($!)
+      done
+      RANK=0 WORLD_SIZE=$tensor_parallel LOCAL_RANK=0 LOCAL_WORLD_SIZE=$tensor_parallel \
+        MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin/dta-bench" "${args[@]}" "${bench_flags[@]}" \
+        2>&1 >/dev/null | tee "$run/log.txt" >&2
+      status=${PIPESTATUS[0]}
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    fi
     set -e
     if ((status == 2)); then
       echo "gpu_bench: dta-bench refused its input (see $run/log.txt)" >&2

@@ -161,10 +161,6 @@ int Run() {
 
   if (leader) {
     std::cerr << "dta-train: " << DescribeLayout(layout) << "\n";
-    if (layout.layout.offload_optimizer) {
-      std::cerr << "dta-train: the offloaded update runs on " << at::get_num_threads()
-                << " host threads\n";
-    }
   }
   if (layout.layout.shard_optimizer && env.world_size > 1 &&
       !absl::GetFlag(FLAGS_dump_grads).empty()) {
@@ -173,7 +169,11 @@ int Run() {
         "reduce-scatters: add --shard_optimizer=false"};
   }
   TrainingOptimizer optimizer(model.named_parameters(), group, layout.layout, AdamWFromFlags(),
-                              int64_t{25} << 20, model.gradient_norm_scope());
+                              int64_t{25} << 20, model.gradient_norm_scope(),
+                              OffloadUpdateFromFlags());
+  if (leader && !optimizer.DescribeOffload().empty()) {
+    std::cerr << "dta-train: " << optimizer.DescribeOffload() << "\n";
+  }
   if (!absl::GetFlag(FLAGS_resume).empty()) optimizer.LoadState(absl::GetFlag(FLAGS_resume));
   const bool json = absl::GetFlag(FLAGS_json);
   if (!json && leader) {

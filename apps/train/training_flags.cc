@@ -72,6 +72,9 @@ ABSL_FLAG(std::string, shard_optimizer, "auto",
 ABSL_FLAG(std::string, offload_optimizer, "auto",
           "auto, true or false: AdamW's state in host memory, updated there; auto offloads only "
           "when the layout does not fit on the GPU otherwise");
+ABSL_FLAG(std::string, offload_update, "gpu",
+          "with an offloaded optimizer on a GPU, where AdamW updates it: gpu (streamed through the "
+          "GPU from page-locked host memory) or host (on the host's cores)");
 ABSL_FLAG(double, gpu_memory_gb, 0,
           "memory per GPU the layout may plan for, GB (0: the device's total; on the CPU, the "
           "host's)");
@@ -235,6 +238,13 @@ LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::
       config, world_size, device, TensorOptionsFromFlags().dtype().toScalarType(), overrides);
   if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
   return *plan;
+}
+
+OffloadUpdate OffloadUpdateFromFlags() {
+  const std::string where = absl::GetFlag(FLAGS_offload_update);
+  if (where == "gpu") return OffloadUpdate::kOnDevice;
+  if (where == "host") return OffloadUpdate::kOnHost;
+  throw BadInput{"--offload_update must be gpu or host, got '" + where + "'"};
 }
 
 AdamWOptions AdamWFromFlags() {

@@ -14,6 +14,7 @@
 #include "absl/flags/declare.h"
 #include "core/base/exit_codes.h"
 #include "core/layout/memory_plan.h"
+#include "executor/distributed/sharded_adamw.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
@@ -38,6 +39,8 @@ AdamWOptions AdamWFromFlags();
 // --activation_gb and the device's memory (core/layout's planner). BadInput with the planner's
 // message (naming the numbers) when nothing fits or an override is impossible.
 LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device);
+// --offload_update: where an offloaded optimizer's update runs.
+OffloadUpdate OffloadUpdateFromFlags();
 // The config of --model (its config.json) or --config (a preset or a config.json).
 Qwen3Config ConfigFromFlags();
 // --model (a Hugging Face directory) or --config (random weights), this rank's parts under

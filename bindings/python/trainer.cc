@@ -74,7 +74,7 @@ Trainer::Trainer(const Qwen3Config& config, at::TensorOptions options, const Ada
   model_.emplace(make_model(options, groups_ ? groups_->tensor_parallel_collectives() : nullptr));
   optimizer_ = std::make_unique<TrainingOptimizer>(
       model_->named_parameters(), groups_ ? &groups_->data_parallel() : nullptr, layout_.layout,
-      adamw, int64_t{25} << 20, model_->gradient_norm_scope());
+      adamw, int64_t{25} << 20, model_->gradient_norm_scope(), parallel.offload_update);
 }
 
 Trainer::~Trainer() {

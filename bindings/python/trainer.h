@@ -53,6 +53,8 @@ struct ParallelOptions {
   // Tensor parallelism, optimizer sharding and offload, memory: as the binaries' flags.
   LayoutOverrides layout;
   int timeout_s = 600;  // collectives and the rendezvous
+  // Where an offloaded optimizer is updated when the model is on a GPU (--offload_update).
+  OffloadUpdate offload_update = OffloadUpdate::kOnDevice;
 };
 
 class Trainer {

@@ -195,7 +195,18 @@ void RegisterOptions(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("distributed", &ParallelOptions::distributed)
       .def_readwrite("layout", &ParallelOptions::layout)
-      .def_readwrite("timeout_s", &ParallelOptions::timeout_s);
+      .def_readwrite("timeout_s", &ParallelOptions::timeout_s)
+      .def_property(
+          "offload_update",
+          [](const ParallelOptions& o) {
+            return o.offload_update == OffloadUpdate::kOnHost ? "host" : "gpu";
+          },
+          [](ParallelOptions& o, const std::string& where) {
+            if (where != "gpu" && where != "host") {
+              throw py::value_error("offload_update must be 'gpu' or 'host', got '" + where + "'");
+            }
+            o.offload_update = where == "host" ? OffloadUpdate::kOnHost : OffloadUpdate::kOnDevice;
+          });
   py::class_<AdamWOptions>(m, "AdamWOptions")
       .def(py::init<>())
       .def_readwrite("lr", &AdamWOptions::lr)
@@ -296,6 +307,9 @@ void RegisterTrainer(py::module_& m) {
       .def_property_readonly(
           "offload_optimizer",
           [](BoundTrainer& self) { return self.trainer->layout().layout.offload_optimizer; })
+      .def_property_readonly(
+          "offload_description",
+          [](BoundTrainer& self) { return self.trainer->optimizer().DescribeOffload(); })
       .def_property_readonly("rank", [](BoundTrainer& self) { return self.trainer->rank(); })
       .def_property_readonly(
           "device", [](BoundTrainer& self) { return self.trainer->model().options().device(); })

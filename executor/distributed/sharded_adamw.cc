@@ -1,6 +1,8 @@
 #include "executor/distributed/sharded_adamw.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -19,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/safetensors.h"
+#include "executor/device/pinned_host.h"
 #include "executor/device/safetensors_tensors.h"
 #include "executor/optim/host_adamw.h"
 
@@ -105,10 +108,24 @@ ShardedAdamW::ShardedAdamW(ProcessGroup* group,
   fingerprint_ = Fingerprint(named_);
 
   grads_ = at::zeros({world_ * shard_}, at::TensorOptions().dtype(state_dtype_).device(device_));
-  const at::TensorOptions state_options =
-      at::TensorOptions().dtype(state_dtype_).device(sharding_.offload ? at::kCPU : device_);
-  exp_avg_ = at::zeros({shard_}, state_options);
-  exp_avg_sq_ = at::zeros({shard_}, state_options);
+  if (sharding_.offload && device_.is_cuda() &&
+      sharding_.offload_update == OffloadUpdate::kOnDevice) {
+    absl::StatusOr<at::Tensor> pinned = PinnedHostZeros(3 * shard_, state_dtype_);
+    if (pinned.ok()) {
+      pinned_ = pinned->view({3, shard_});
+      exp_avg_ = pinned_[1];
+      exp_avg_sq_ = pinned_[2];
+      streamed_ = true;
+    } else {
+      streaming_refused_ = pinned.status().ToString();
+    }
+  }
+  if (!streamed_) {
+    const at::TensorOptions state_options =
+        at::TensorOptions().dtype(state_dtype_).device(sharding_.offload ? at::kCPU : device_);
+    exp_avg_ = at::zeros({shard_}, state_options);
+    exp_avg_sq_ = at::zeros({shard_}, state_options);
+  }
   for (size_t i = 0; i < named_.size(); ++i) {
     at::Tensor& param = named_[i].second;
     param.mutable_grad() = grads_.narrow(0, offsets_[i], param.numel()).view(param.sizes());
@@ -196,8 +213,13 @@ void ShardedAdamW::ReduceGradients() {
   }
 }
 
+at::Tensor ShardedAdamW::NewMaster() const {
+  if (pinned_.defined()) return pinned_[0].zero_();
+  return at::zeros({shard_}, exp_avg_.options());
+}
+
 at::Tensor ShardedAdamW::MasterFromParameters() const {
-  at::Tensor master = at::zeros({shard_}, exp_avg_.options());
+  at::Tensor master = NewMaster();
   ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t in_param, int64_t n, int64_t local) {
     master.narrow(0, local, n).copy_(named_[i].second.detach().view(-1).narrow(0, in_param, n));
   });
@@ -230,7 +252,7 @@ void ShardedAdamW::PublishParameters(Produce&& produce) {
     at::Tensor output = gathered.narrow(0, 0, world_ * count);
     c10::intrusive_ptr<c10d::Work> work =
         group_->backend()->_allgather_base(output, mine, gather_options);
-    group_->Wait(*work, Describe("all-gather of weight", j, buckets));
+    group_->WaitStreamOrdered(*work, Describe("all-gather of weight", j, buckets));
     const at::Tensor rows = output.view({world_, count});
     for (int q = 0; q < world_; ++q) write(q * shard_ + begin, count, rows[q]);
   }
@@ -275,7 +297,9 @@ StepStats ShardedAdamW::Step() {
   if (!master_.defined()) master_ = MasterFromParameters();
   const int64_t t = step_ + 1;
   const AdamWStepScalars scalars = AdamWScalarsFor(options_, t);
-  if (sharding_.offload && state_dtype_ == at::kFloat) {
+  if (streamed_) {
+    StreamedUpdate(shard, stats.clip_coef, scalars);
+  } else if (sharding_.offload && state_dtype_ == at::kFloat) {
     OffloadedUpdate(shard, stats.clip_coef, scalars);
   } else {
     PublishParameters([&](int64_t begin, int64_t count) {
@@ -338,6 +362,71 @@ void ShardedAdamW::OffloadedUpdate(const at::Tensor& shard, double clip_coef,
   });
   wait_for_copies();  // the pinned buffers outlive every copy from them
   offload_times_.total = seconds_since(start);
+}
+
+void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
+                                  const AdamWStepScalars& scalars) {
+  // Two device slots of [3, b] (master, exp_avg, exp_avg_sq of one bucket). Bucket j uses slot
+  // j % 2: it is copied in on `copy_in` (after the slot's previous bucket has left it), updated on
+  // the compute stream, copied back on `copy_out`; bucket j + 1's copy in is issued before bucket
+  // j's update, so the bus carries one bucket in and the previous one out while the GPU updates.
+  const int64_t b = std::min(sharding_.bucket_elements, shard_);
+  c10::impl::VirtualGuardImpl guard(device_.type());
+  const c10::Stream compute = guard.getStream(device_);
+  const c10::Stream copy_in = guard.getStreamFromGlobalPool(device_);
+  const c10::Stream copy_out = guard.getStreamFromGlobalPool(device_);
+  const at::TensorOptions slot_options = at::TensorOptions().dtype(state_dtype_).device(device_);
+  const at::Tensor slots[2] = {at::empty({3, b}, slot_options), at::empty({3, b}, slot_options)};
+  c10::Event loaded[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
+  c10::Event updated[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
+  c10::Event stored[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
+  using Clock = std::chrono::steady_clock;
+  offload_times_ = {};
+  const Clock::time_point start = Clock::now();
+  auto load = [&](int64_t begin) {
+    const int k = static_cast<int>((begin / b) % 2);
+    const int64_t count = std::min(b, shard_ - begin);
+    const c10::StreamGuard on(copy_in);
+    stored[k].block(copy_in);            // no-op before the slot's first use
+    for (int row = 0; row < 3; ++row) {  // row by row: each a contiguous copy
+      slots[k][row]
+          .narrow(0, 0, count)
+          .copy_(pinned_[row].narrow(0, begin, count),
+                 /*non_blocking=*/true);
+    }
+    loaded[k].record(copy_in);
+  };
+  load(0);
+  PublishParameters([&](int64_t begin, int64_t count) {
+    const int k = static_cast<int>((begin / b) % 2);
+    if (begin + b < shard_) load(begin + b);
+    loaded[k].block(compute);
+    at::Tensor w = slots[k][0].narrow(0, 0, count);
+    at::Tensor m = slots[k][1].narrow(0, 0, count);
+    at::Tensor v = slots[k][2].narrow(0, 0, count);
+    at::Tensor grad = shard.narrow(0, begin, count);
+    if (clip_coef != 1.0) grad = grad.mul(clip_coef);
+    AdamWUpdate(w, m, v, grad, scalars);
+    // A copy even for float32 weights: the slot is refilled once its state has left.
+    at::Tensor rounded = w.to(param_dtype_, /*non_blocking=*/false, /*copy=*/true);
+    updated[k].record(compute);
+    const c10::StreamGuard on(copy_out);
+    updated[k].block(copy_out);
+    for (int row = 0; row < 3; ++row) {
+      pinned_[row]
+          .narrow(0, begin, count)
+          .copy_(slots[k][row].narrow(0, 0, count),
+                 /*non_blocking=*/true);
+    }
+    stored[k].record(copy_out);
+    return rounded;
+  });
+  // The host's state is final, and the slots idle, once the last copy back has finished.
+  const Clock::time_point wait_start = Clock::now();
+  copy_out.synchronize();
+  const Clock::time_point end = Clock::now();
+  offload_times_.copy_wait = std::chrono::duration<double>(end - wait_start).count();
+  offload_times_.total = std::chrono::duration<double>(end - start).count();
 }
 
 std::string ShardedAdamW::ShardFileName(int rank, int world) {
@@ -462,7 +551,7 @@ void ShardedAdamW::LoadState(const std::vector<std::string>& paths) {
               "); pass every optimizer-*-of-*.safetensors file of the checkpoint");
 
   at::NoGradGuard no_grad;
-  master_ = at::zeros({shard_}, exp_avg_.options());
+  master_ = NewMaster();
   at::Tensor* state[] = {&master_, &exp_avg_, &exp_avg_sq_};
   exp_avg_.zero_();
   exp_avg_sq_.zero_();

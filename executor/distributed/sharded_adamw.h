@@ -20,16 +20,24 @@
 //                      slice (AdamWUpdate: the arithmetic of AdamW, element for element), then, in
 //                      buckets, the new weights rounded to the parameters' dtype and all-gathered
 //                      into every rank's parameters.
-// With offload the master weights and moments live in host memory: Step() copies each bucket of
-// gradients to the host, updates it there in one fused pass over every core (HostAdamWUpdate;
-// float64 state keeps AdamWUpdate) and copies the rounded weights back, pipelined so that the
-// copies of one bucket overlap the update of the next; the GPU holds only the weights, the
-// gradients and bucket-sized buffers.
+// With offload the master weights and moments live in host memory and the GPU holds only the
+// weights, the gradients and bucket-sized buffers. Where the update runs:
+//   on the GPU (parameters on a GPU, OffloadUpdate::kOnDevice, the default): the state is
+//     page-locked (PinnedHostZeros) and each bucket of it streams through the GPU: copied in on
+//     one stream, updated by AdamWUpdate on the compute stream, copied back on a third, so that
+//     the copies of the neighbouring buckets (both directions at once) overlap the update. 24 bytes
+//     cross the bus per element, against ~30 bytes of host memory traffic for the host update and
+//     far more bandwidth on the GPU's side.
+//   on the host (parameters on the CPU, OffloadUpdate::kOnHost, or when the host memory cannot be
+//     page-locked): each bucket of gradients is copied to the host and updated there in one fused
+//     pass over every core (HostAdamWUpdate; float64 state keeps AdamWUpdate), the rounded weights
+//     copied back, pipelined so that the copies of one bucket overlap the update of the next.
 //
 // Exactness: the update of an element is AdamW's, so with the same summed gradients and clip
-// factor the weights equal AdamW's bit for bit (offloaded float32 state: to float32 rounding); the
-// global norm is the same sum in a different order (equal to ~1e-16 relative). The gradients' sum
-// over the ranks rounds as the backend adds.
+// factor the weights equal AdamW's bit for bit (the state on the GPU or streamed through it; the
+// host's fused float32 update: to float32 rounding); the global norm is the same sum in a
+// different order (equal to ~1e-16 relative). The gradients' sum over the ranks rounds as the
+// backend adds.
 //
 // State files (SaveState / LoadState): each rank writes its slice to its own safetensors file
 // (ShardFileName), with "master", "exp_avg" and "exp_avg_sq" (the slice [begin, end) of the flat
@@ -67,9 +75,16 @@
 
 namespace dta {
 
+// Where offloaded state is updated when the parameters are on a GPU (see the header comment).
+enum class OffloadUpdate {
+  kOnDevice,  // streamed through the GPU; the host update when the memory cannot be page-locked
+  kOnHost,
+};
+
 struct ShardedAdamWOptions {
-  // Master weights and moments in host memory, updated there (see the header comment).
+  // Master weights and moments in host memory (see the header comment).
   bool offload = false;
+  OffloadUpdate offload_update = OffloadUpdate::kOnDevice;
   // Elements of this rank's slice per bucket: each reduce-scatter and all-gather moves world x
   // bucket_elements elements, and the offloaded update copies this many at a time. Must be > 0.
   int64_t bucket_elements = int64_t{16} << 20;
@@ -80,9 +95,11 @@ struct ShardedAdamWOptions {
 
 // Where the last offloaded Step() spent its time, seconds (zeros without offload).
 struct OffloadTimes {
-  double copy_wait = 0;  // waiting for the gradients to reach the host (and the weights to leave)
-  double update = 0;     // the host update (HostAdamWUpdate or AdamWUpdate)
-  double total = 0;      // the whole update and publication, the all-gathers included
+  // The host update: waiting for the gradients to reach the host (and the weights to leave).
+  // Streamed through the GPU: waiting for the last bucket's state to reach the host.
+  double copy_wait = 0;
+  double update = 0;  // the host update (HostAdamWUpdate or AdamWUpdate); 0 when streamed
+  double total = 0;   // the whole update and publication, the all-gathers included
 };
 
 class ShardedAdamW {
@@ -143,6 +160,10 @@ class ShardedAdamW {
   const at::Tensor& exp_avg_shard() const { return exp_avg_; }
   const at::Tensor& exp_avg_sq_shard() const { return exp_avg_sq_; }
   const OffloadTimes& offload_times() const { return offload_times_; }
+  // With offload: whether the update streams the state through the GPU, and if it was asked to
+  // but cannot, why (the page-locking error; empty otherwise).
+  bool streams_through_device() const { return streamed_; }
+  const std::string& streaming_refused() const { return streaming_refused_; }
 
  private:
   // Calls fn(parameter index, offset in the parameter, elements, offset from flat_begin) for every
@@ -156,10 +177,15 @@ class ShardedAdamW {
   // all-gathered and written into every rank's parameters.
   template <typename Produce>
   void PublishParameters(Produce&& produce);
+  // [S] zeros of the state dtype where the master weights live (the page-locked block's row when
+  // streaming).
+  at::Tensor NewMaster() const;
   // This rank's slice of the parameters in the state dtype, where the state lives (padding zero).
   at::Tensor MasterFromParameters() const;
   // Step's update with the state in host memory (float32 state: HostAdamWUpdate, pipelined).
   void OffloadedUpdate(const at::Tensor& shard, double clip_coef, const AdamWStepScalars& scalars);
+  // Step's update with the state in page-locked host memory, streamed through the GPU.
+  void StreamedUpdate(const at::Tensor& shard, double clip_coef, const AdamWStepScalars& scalars);
   std::string Describe(const char* what, int64_t bucket, int64_t buckets) const;
 
   ProcessGroup* group_;
@@ -178,6 +204,9 @@ class ShardedAdamW {
   at::Tensor master_;      // [S], state dtype, on device_ or the host
   at::Tensor exp_avg_;     // [S]
   at::Tensor exp_avg_sq_;  // [S]
+  at::Tensor pinned_;      // [3, S] page-locked host memory holding the three when streaming
+  bool streamed_ = false;
+  std::string streaming_refused_;
   std::string fingerprint_;
   int64_t step_ = 0;
   OffloadTimes offload_times_;

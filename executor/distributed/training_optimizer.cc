@@ -1,10 +1,13 @@
 #include "executor/distributed/training_optimizer.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <system_error>
+
+#include "absl/strings/str_cat.h"
 
 namespace dta {
 namespace fs = std::filesystem;
@@ -26,7 +29,8 @@ std::string TensorParallelStateIn(const std::string& directory) {
 TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named,
                                      ProcessGroup* group, const TrainingLayout& layout,
                                      AdamWOptions options, int64_t bucket_bytes,
-                                     TensorParallelNorm tensor_parallel) {
+                                     TensorParallelNorm tensor_parallel,
+                                     OffloadUpdate offload_update) {
   const int tp = tensor_parallel.group != nullptr ? tensor_parallel.group->size() : 1;
   TORCH_CHECK(layout.tensor_parallel == tp, "TrainingOptimizer: the layout's tensor parallelism (",
               layout.tensor_parallel, ") differs from the model's (", tp, ")");
@@ -50,6 +54,7 @@ TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tens
     sharded_ = std::make_unique<ShardedAdamW>(
         shard_group, std::move(named), options,
         ShardedAdamWOptions{.offload = layout.offload_optimizer,
+                            .offload_update = offload_update,
                             .bucket_elements = std::max<int64_t>(1, bucket_bytes / element_bytes),
                             .tensor_parallel = std::move(tensor_parallel)});
     return;
@@ -75,6 +80,20 @@ void TrainingOptimizer::SyncGradients() {
   } else if (all_reduce_) {
     all_reduce_->SyncGradients();
   }
+}
+
+std::string TrainingOptimizer::DescribeOffload() const {
+  if (!sharded_ || !sharded_->sharding().offload) return "";
+  if (sharded_->streams_through_device()) {
+    return "the offloaded AdamW state streams through the GPU from page-locked host memory";
+  }
+  std::string text =
+      absl::StrCat("the offloaded AdamW update runs on ", at::get_num_threads(), " host threads");
+  if (!sharded_->streaming_refused().empty()) {
+    absl::StrAppend(
+        &text, " (streaming it through the GPU was refused: ", sharded_->streaming_refused(), ")");
+  }
+  return text;
 }
 
 StepStats TrainingOptimizer::Step() { return sharded_ ? sharded_->Step() : replicated_->Step(); }

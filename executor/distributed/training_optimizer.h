@@ -39,7 +39,8 @@ class TrainingOptimizer {
   TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
                     ProcessGroup* group, const TrainingLayout& layout, AdamWOptions options,
                     int64_t bucket_bytes = int64_t{25} << 20,
-                    TensorParallelNorm tensor_parallel = {});
+                    TensorParallelNorm tensor_parallel = {},
+                    OffloadUpdate offload_update = OffloadUpdate::kOnDevice);
   TrainingOptimizer(const TrainingOptimizer&) = delete;
   TrainingOptimizer& operator=(const TrainingOptimizer&) = delete;
 
@@ -54,6 +55,9 @@ class TrainingOptimizer {
   OffloadTimes offload_times() const {
     return sharded_ ? sharded_->offload_times() : OffloadTimes{};
   }
+  // With offload, one line saying where the update runs ("streamed through the GPU from
+  // page-locked host memory", or on how many host threads and why); empty otherwise.
+  std::string DescribeOffload() const;
   const AdamWOptions& options() const;
   // For learning-rate schedules; TORCH_CHECK lr >= 0 and finite.
   void set_lr(double lr);

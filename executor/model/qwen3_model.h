@@ -129,7 +129,8 @@ class Qwen3Model {
   Qwen3Model& operator=(Qwen3Model&&) = default;
 
   // Deterministic random weights: matrices ~ N(0, std), norm weights ~ 1 + N(0, std / 4). Drawn
-  // whole and then split, so a seed means the same model at every tensor-parallel size.
+  // whole on the host's threads and then split, so a seed means the same model at every
+  // tensor-parallel size, on every device and however many threads draw it.
   void InitRandom(uint64_t seed, double std = 0.02);
 
   const Qwen3Config& config() const { return config_; }

@@ -5,31 +5,13 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include <algorithm>
 #include <cmath>
-#include <thread>
 #include <utility>
-#include <vector>
+
+#include "core/base/parallel_for.h"
 
 namespace dta {
 namespace {
-
-// Runs fn(begin, end) over [0, n) in at::get_num_threads() pieces of at least `grain` elements.
-// Not at::parallel_for: its OpenMP loop is inlined into this file, which is not compiled with
-// -fopenmp (that would load a second OpenMP runtime beside torch's), so it would run on one
-// thread; measured on the H100 machine, that held the offloaded update to ~15 GB/s.
-template <typename Fn>
-void ParallelFor(int64_t n, int64_t grain, const Fn& fn) {
-  const int64_t threads = std::clamp<int64_t>(n / grain, 1, at::get_num_threads());
-  const int64_t per_thread = (n + threads - 1) / threads;
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  for (int64_t t = 1; t < threads; ++t) {
-    workers.emplace_back(fn, std::min(n, t * per_thread), std::min(n, (t + 1) * per_thread));
-  }
-  fn(0, std::min(n, per_thread));
-  for (std::thread& worker : workers) worker.join();
-}
 
 template <typename Out>
 void Update(float* w, float* m, float* v, const float* g, Out* out, int64_t n, float clip,
@@ -43,7 +25,7 @@ void Update(float* w, float* m, float* v, const float* g, Out* out, int64_t n, f
   const float bias_correction2_sqrt = static_cast<float>(s.bias_correction2_sqrt);
   const float eps = static_cast<float>(s.eps);
   const float minus_step_size = static_cast<float>(-s.step_size);
-  ParallelFor(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+  ParallelFor(n, int64_t{1} << 16, at::get_num_threads(), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float grad = g[i] * clip;
       const float weight = w[i] * decay;

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -105,5 +106,15 @@ def test_layout_options_are_checked():
         dta.Trainer.from_config(str(CONFIG), shard_optimizer="maybe")
     with pytest.raises(RuntimeError, match="cannot be trained on 1 GPU"):
         dta.Trainer.from_config(str(CONFIG), gpu_memory_gb=0.001, activation_gb=0)
+    with pytest.raises(ValueError, match="offload_update must be 'gpu' or 'host', got 'disk'"):
+        dta.Trainer.from_config(str(CONFIG), offload_optimizer=True, offload_update="disk")
     trainer = dta.Trainer.from_config(str(CONFIG), offload_optimizer=True)
     assert trainer.offload_optimizer and "TP 1 x DP 1" in trainer.layout and trainer.world_size == 1
+    # On a CPU the offloaded state is updated on the host whichever is asked for.
+    assert re.fullmatch(r"the offloaded AdamW update runs on \d+ host threads", trainer.offload_description)
+    assert dta.Trainer.from_config(str(CONFIG)).offload_description == ""
+    if torch.cuda.is_available():
+        for where, says in [("gpu", "streams through the GPU"), ("host", "host threads")]:
+            on_gpu = dta.Trainer.from_config(str(CONFIG), device="cuda", offload_optimizer=True,
+                                             offload_update=where)
+            assert says in on_gpu.offload_description

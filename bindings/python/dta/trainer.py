@@ -285,7 +285,8 @@ class Trainer:
                  max_grad_norm: float = 1.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, distributed: bool = False, tensor_parallel: int = 1,
                  shard_optimizer: bool | str = "auto", offload_optimizer: bool | str = "auto",
-                 gpu_memory_gb: float = 0.0, activation_gb: float = 8.0, timeout_s: int = 600) -> None:
+                 offload_update: str = "gpu", gpu_memory_gb: float = 0.0, activation_gb: float = 8.0,
+                 timeout_s: int = 600) -> None:
         """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
 
         Args:
@@ -309,6 +310,11 @@ class Trainer:
             offload_optimizer: Keep AdamW's state (float32 master weights and both moments, 12
                 bytes per parameter) in host memory and update it there, so that the GPU holds
                 only the weights and the gradients: ``"auto"``, True or False.
+            offload_update: Where offloaded state is updated when the model is on a GPU:
+                ``"gpu"`` streams it through the GPU from page-locked host memory (3x faster than
+                ``"host"`` for Qwen3-8B on an H200), ``"host"`` updates it on the host's cores
+                (as on a CPU). As dta-train --offload_update; ``offload_description`` says which
+                runs.
             gpu_memory_gb, activation_gb: What the planner may use per GPU (0: the device's) and
                 reserves for the executor's stack and graphs. The planner refuses a layout that
                 cannot fit with a RuntimeError naming the numbers (``trainer.layout`` describes
@@ -323,7 +329,7 @@ class Trainer:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
-                                     gpu_memory_gb, activation_gb, timeout_s)
+                                     offload_update, gpu_memory_gb, activation_gb, timeout_s)
         self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
 
@@ -333,8 +339,9 @@ class Trainer:
                     weight_decay: float = 0.01, max_grad_norm: float = 1.0,
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False,
                     tensor_parallel: int = 1, shard_optimizer: bool | str = "auto",
-                    offload_optimizer: bool | str = "auto", gpu_memory_gb: float = 0.0,
-                    activation_gb: float = 8.0, timeout_s: int = 600) -> Trainer:
+                    offload_optimizer: bool | str = "auto", offload_update: str = "gpu",
+                    gpu_memory_gb: float = 0.0, activation_gb: float = 8.0,
+                    timeout_s: int = 600) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
         ``-4b``, ``-8b``) or a config.json (the same model at every tensor-parallel size); other
         arguments as the constructor's.
@@ -344,7 +351,7 @@ class Trainer:
         """
         self = cls.__new__(cls)
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
-                                     gpu_memory_gb, activation_gb, timeout_s)
+                                     offload_update, gpu_memory_gb, activation_gb, timeout_s)
         self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
         return self
@@ -531,6 +538,12 @@ class Trainer:
         return self._core.offload_optimizer
 
     @property
+    def offload_description(self) -> str:
+        """Where the offloaded optimizer is updated (and why, when it cannot stream through the
+        GPU); empty when the optimizer is not offloaded."""
+        return self._core.offload_description
+
+    @property
     def rank(self) -> int:
         """This process's rank in the world (0 unless distributed)."""
         return self._core.rank
@@ -579,8 +592,8 @@ def _layout_choice(name: str, value: bool | str) -> bool | None:
 
 
 def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: bool | str,
-                      offload_optimizer: bool | str, gpu_memory_gb: float, activation_gb: float,
-                      timeout_s: int) -> Any:
+                      offload_optimizer: bool | str, offload_update: str, gpu_memory_gb: float,
+                      activation_gb: float, timeout_s: int) -> Any:
     if not isinstance(tensor_parallel, int) or tensor_parallel < 0:
         raise ValueError(f"tensor_parallel must be an int >= 0, got {tensor_parallel!r}")
     if gpu_memory_gb < 0 or activation_gb < 0:
@@ -593,6 +606,9 @@ def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: 
     parallel = _core.ParallelOptions()
     parallel.distributed = bool(distributed)
     parallel.timeout_s = int(timeout_s)
+    if offload_update not in ("gpu", "host"):
+        raise ValueError(f"offload_update must be 'gpu' or 'host', got {offload_update!r}")
+    parallel.offload_update = offload_update
     layout = _core.LayoutOverrides()
     layout.tensor_parallel = tensor_parallel
     layout.shard_optimizer = _layout_choice("shard_optimizer", shard_optimizer)

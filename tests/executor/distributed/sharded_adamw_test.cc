@@ -12,6 +12,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -369,6 +370,80 @@ TEST(ShardedAdamW, NonFiniteGradientFailsOnEveryRankAndUpdatesNothing) {
     EXPECT_EQ(optimizer.step(), 0);
     for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i].second, before[i]));
   });
+}
+
+// On a GPU the offloaded state streams through it by default (page-locked host memory, the
+// update on the device): weights and state equal those of the state kept on the GPU bit for bit,
+// with one bucket and with many (two slots reused, a ragged last bucket), and a resumed stream
+// goes on identically. The host update stays available and agrees to float32 rounding. GPU
+// machines only (scripts/gpu_test.sh).
+TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: streaming runs on the GPU machines";
+  const at::Device cuda(at::kCUDA, 0);
+  const std::string dir = TempDir("streamed");
+  struct Run {
+    Named params;
+    std::unique_ptr<ShardedAdamW> optimizer;
+  };
+  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat, at::kDouble}) {
+    for (int64_t bucket : {int64_t{5}, int64_t{1} << 20}) {
+      SCOPED_TRACE(::testing::Message() << dtype << ", bucket " << bucket);
+      auto start = [&](bool offload, OffloadUpdate where) {
+        Run run;
+        for (auto& [name, p] : MakeParams(dtype)) {
+          run.params.emplace_back(name, p.detach().to(cuda).requires_grad_(true));
+        }
+        run.optimizer = std::make_unique<ShardedAdamW>(
+            nullptr, run.params, kOptions,
+            ShardedAdamWOptions{
+                .offload = offload, .offload_update = where, .bucket_elements = bucket});
+        return run;
+      };
+      auto step = [&](Run& run, int step) {
+        run.optimizer->ZeroGrad();
+        for (size_t i = 0; i < kShapes.size(); ++i) {
+          AddInto(run.params[i].second, (RankGrad(i, step, 0) + RankGrad(i, step, 1)).to(cuda));
+        }
+        run.optimizer->ReduceGradients();
+        run.optimizer->Step();
+      };
+      Run resident = start(false, OffloadUpdate::kOnDevice);
+      Run streamed = start(true, OffloadUpdate::kOnDevice);
+      Run host = start(true, OffloadUpdate::kOnHost);
+      ASSERT_TRUE(streamed.optimizer->streams_through_device())
+          << streamed.optimizer->streaming_refused();
+      EXPECT_FALSE(host.optimizer->streams_through_device());
+      EXPECT_TRUE(streamed.optimizer->exp_avg_shard().is_pinned());
+      for (int t = 0; t < 3; ++t) {
+        for (Run* run : {&resident, &streamed, &host}) step(*run, t);
+      }
+      // Resume the stream from its saved state and take one more step everywhere.
+      const std::string path = dir + "/" + ShardedAdamW::ShardFileName(0, 1);
+      streamed.optimizer->SaveState(path);
+      Run resumed = start(true, OffloadUpdate::kOnDevice);
+      resumed.optimizer->LoadState({path});
+      for (Run* run : {&resident, &streamed, &host, &resumed}) step(*run, 3);
+
+      const ShardedAdamW& want = *resident.optimizer;
+      for (const Run* run : {&streamed, &resumed}) {
+        const ShardedAdamW& got = *run->optimizer;
+        EXPECT_EQ(got.master_shard().device().type(), at::kCPU);
+        EXPECT_TRUE(at::equal(got.master_shard(), want.master_shard().cpu()));
+        EXPECT_TRUE(at::equal(got.exp_avg_shard(), want.exp_avg_shard().cpu()));
+        EXPECT_TRUE(at::equal(got.exp_avg_sq_shard(), want.exp_avg_sq_shard().cpu()));
+        for (size_t i = 0; i < kShapes.size(); ++i) {
+          EXPECT_TRUE(at::equal(run->params[i].second.cpu(), resident.params[i].second.cpu()))
+              << run->params[i].first;
+        }
+      }
+      const double tolerance = dtype == at::kDouble ? 1e-12 : 1e-6;
+      EXPECT_LT(MaxRelativeError(host.optimizer->master_shard(), want.master_shard().cpu()),
+                tolerance);
+      // The steps moved the weights far more than any tolerance.
+      EXPECT_GT(MaxRelativeError(resident.params[0].second.cpu(), MakeParams(dtype)[0].second),
+                1e-2);
+    }
+  }
 }
 
 TEST(ShardedAdamW, RejectsParametersItCannotFlatten) {

@@ -1,4 +1,7 @@
-// The layout planner's parameter count (core/layout) is exactly what Qwen3Model allocates.
+// Qwen3Model's parameters: the layout planner's count (core/layout) is exactly what it allocates,
+// and InitRandom draws the same weights however many threads draw them.
+#include <ATen/Parallel.h>
+
 #include "core/layout/memory_plan.h"
 #include "executor/model/qwen3_model.h"
 
@@ -29,6 +32,42 @@ TEST(ParameterCount, EqualsTheModelsParameters) {
     EXPECT_EQ(count.total(), total) << "tie " << tie;
     EXPECT_EQ(count.replicated, norms) << "tie " << tie;
   }
+}
+
+// The embedding (2.56M elements) is drawn in three pieces of 2^20 from their own generators.
+TEST(InitRandom, DrawsTheSameWeightsOnAnyNumberOfThreads) {
+  Qwen3Config c;
+  c.vocab_size = 40000;
+  c.hidden_size = 64;
+  c.intermediate_size = 32;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 32;
+  const int threads = at::get_num_threads();
+  auto draw = [&](int with_threads, uint64_t seed) {
+    at::set_num_threads(with_threads);
+    Qwen3Model model(c, at::TensorOptions().dtype(at::kDouble));
+    model.InitRandom(seed);
+    return model.named_parameters();
+  };
+  const auto one = draw(1, 7);
+  const auto four = draw(4, 7);
+  const auto other_seed = draw(4, 8);
+  at::set_num_threads(threads);
+  ASSERT_EQ(one.size(), four.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_TRUE(at::equal(one[i].second, four[i].second)) << one[i].first;
+    EXPECT_FALSE(at::equal(one[i].second, other_seed[i].second)) << one[i].first;
+  }
+  // N(0, 0.02), piece by piece: no two pieces drew the same numbers.
+  const at::Tensor embedding = one.front().second.view(-1);
+  ASSERT_EQ(one.front().first, "model.embed_tokens.weight");
+  EXPECT_NEAR(embedding.std().item<double>(), 0.02, 2e-4);
+  EXPECT_NEAR(embedding.mean().item<double>(), 0.0, 1e-4);
+  const int64_t piece = int64_t{1} << 20;
+  EXPECT_FALSE(at::equal(embedding.narrow(0, 0, 1000), embedding.narrow(0, piece, 1000)));
+  EXPECT_FALSE(at::equal(embedding.narrow(0, 0, 1000), embedding.narrow(0, 2 * piece, 1000)));
 }
 
 }  // namespace
