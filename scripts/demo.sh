@@ -39,10 +39,13 @@ if [[ -x build/bin/dta-dispatcher && -x build/bin/dta-trainer ]]; then
     --vocab_size=1024 2>"$services/dispatcher.log" &
   dispatcher=$!
   trap 'kill $dispatcher 2>/dev/null || true' EXIT
+  # The trainers present the token the dispatcher creates beside its log once it listens.
+  for _ in $(seq 300); do grep -q "listening on" "$services/dispatcher.log" && break; sleep 0.1; done
   trainers=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=$master \
-      build/bin/dta-trainer --dispatcher="127.0.0.1:$port" --checkpoint_dir="$services/checkpoints" \
+      build/bin/dta-trainer --dispatcher="127.0.0.1:$port" --token_file="$services/dispatcher.wal.trainer-token" \
+      --checkpoint_dir="$services/checkpoints" \
       --config=examples/configs/qwen3-tiny.json --loss=grpo --lr=1e-4 --block_size=2048 --max_steps=2 \
       2>"$services/trainer$rank.log" &
     trainers+=($!)

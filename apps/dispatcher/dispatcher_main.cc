@@ -3,7 +3,12 @@
 //
 //   dta-dispatcher --wal=/var/lib/dta/dispatcher.wal --batch_rollouts=256 --vocab_size=151936
 //                  [--listen=127.0.0.1:50051] [--max_staleness=4] [--tls_cert=F --tls_key=F
-//                  --token_file=F]
+//                  --rollout_token_file=F] [--trainer_token_file=F]
+//
+// Roles: rollout workers call Ingest (with --rollout_token_file's token when it is given; open on
+// loopback otherwise), trainers the step RPCs with the trainer token, always: from
+// --trainer_token_file, or from <wal>.trainer-token, created (mode 0600) when missing. The start-up
+// line names the file to give dta-trainer --token_file.
 //
 // Every accepted trajectory is in the write-ahead log before it is acknowledged; restarting with
 // the same --wal resumes where the last process stopped, whatever killed it. SIGINT / SIGTERM stop
@@ -21,7 +26,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
@@ -59,17 +63,20 @@ ABSL_FLAG(double, wal_compact_mb, 1024,
           "that; 0: never");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
-ABSL_FLAG(std::string, token_file, "", "file holding the shared token every client must present");
+ABSL_FLAG(std::string, rollout_token_file, "",
+          "file holding the token rollout workers present to send trajectories (empty: Ingest is "
+          "open, loopback only)");
+ABSL_FLAG(std::string, trainer_token_file, "",
+          "file holding the token trainers present (empty: <wal>.trainer-token, created with mode "
+          "0600 when missing)");
+ABSL_FLAG(std::string, token_file, "",
+          "gone: rollout workers and trainers have separate credentials (--rollout_token_file, "
+          "--trainer_token_file)");
 ABSL_FLAG(bool, insecure_remote, false,
-          "allow a non-loopback --listen without TLS and a token (testing only)");
+          "allow a non-loopback --listen without TLS and a rollout token (testing only)");
 
 namespace dta {
 namespace {
-
-bool IsLoopback(const std::string& address) {
-  return absl::StartsWith(address, "127.") || absl::StartsWith(address, "localhost:") ||
-         absl::StartsWith(address, "[::1]:") || absl::StartsWith(address, "unix:");
-}
 
 int Fail(int code, const std::string& message) {
   std::fprintf(stderr, "dta-dispatcher: %s\n", message.c_str());
@@ -117,21 +124,45 @@ int Run() {
   const std::string address = absl::GetFlag(FLAGS_listen);
   const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
   const std::string key_path = absl::GetFlag(FLAGS_tls_key);
-  const std::string token_path = absl::GetFlag(FLAGS_token_file);
+  if (!absl::GetFlag(FLAGS_token_file).empty()) {
+    return Fail(kExitBadInput,
+                "--token_file is gone: rollout workers and trainers have separate credentials; "
+                "give --rollout_token_file (and --trainer_token_file, or use the one created "
+                "beside the log)");
+  }
   if (cert_path.empty() != key_path.empty())
     return Fail(kExitBadInput, "--tls_cert and --tls_key go together");
   DispatcherServiceOptions service_options;
   service_options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
-  if (!token_path.empty()) {
-    absl::StatusOr<std::string> token = ReadCredentialFile(token_path, /*trim=*/true);
+  if (const std::string path = absl::GetFlag(FLAGS_rollout_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = ReadCredentialFile(path, /*trim=*/true);
     if (!token.ok())
-      return Fail(kExitBadInput, absl::StrCat("--token_file: ", token.status().message()));
-    service_options.token = *std::move(token);
+      return Fail(kExitBadInput, absl::StrCat("--rollout_token_file: ", token.status().message()));
+    service_options.rollout_token = *std::move(token);
   }
-  if (!IsLoopback(address) && (cert_path.empty() || service_options.token.empty()) &&
+  std::string trainer_token_path = absl::GetFlag(FLAGS_trainer_token_file);
+  if (trainer_token_path.empty()) {
+    trainer_token_path = options.wal_path + ".trainer-token";
+    absl::StatusOr<std::string> token = ReadOrCreateTokenFile(trainer_token_path);
+    if (!token.ok())
+      return Fail(kExitBadInput, absl::StrCat("trainer token: ", token.status().message()));
+    service_options.trainer_token = *std::move(token);
+  } else {
+    absl::StatusOr<std::string> token = ReadCredentialFile(trainer_token_path, /*trim=*/true);
+    if (!token.ok())
+      return Fail(kExitBadInput, absl::StrCat("--trainer_token_file: ", token.status().message()));
+    service_options.trainer_token = *std::move(token);
+  }
+  if (service_options.rollout_token == service_options.trainer_token) {
+    return Fail(kExitBadInput,
+                "--rollout_token_file and the trainer token hold the same token: each role needs "
+                "its own credential");
+  }
+  if (!IsLoopbackAddress(address) && (cert_path.empty() || service_options.rollout_token.empty()) &&
       !absl::GetFlag(FLAGS_insecure_remote)) {
     return Fail(kExitBadInput, "--listen=" + address +
-                                   " is not loopback: give --tls_cert, --tls_key and --token_file");
+                                   " is not loopback: give --tls_cert, --tls_key and "
+                                   "--rollout_token_file");
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!cert_path.empty()) {
@@ -161,6 +192,9 @@ int Run() {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return Fail(1, "cannot listen on " + address);
   std::fprintf(stderr, "dta-dispatcher: listening on %s (port %d)\n", address.c_str(), port);
+  std::fprintf(stderr,
+               "dta-dispatcher: trainers present the token in %s (dta-trainer --token_file)\n",
+               trainer_token_path.c_str());
 
   // Stops on SIGINT / SIGTERM (status 0), or when the log has failed (status 1: nothing more can be
   // acknowledged, and a restart recovers what was).

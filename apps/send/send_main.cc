@@ -23,7 +23,8 @@
 
 ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
 ABSL_FLAG(std::string, rollouts, "", "rollout file (JSON Lines); required");
-ABSL_FLAG(std::string, token_file, "", "file holding the dispatcher's shared token");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the rollout token (dta-dispatcher's --rollout_token_file)");
 ABSL_FLAG(int32_t, streams, 1,
           "concurrent streams (each sends a contiguous share of the file, in order)");
 ABSL_FLAG(int32_t, retry_s, 600,

@@ -63,7 +63,9 @@
 #include "executor/engine/executor.h"
 
 ABSL_FLAG(std::string, dispatcher, "127.0.0.1:50051", "the dispatcher's host:port");
-ABSL_FLAG(std::string, token_file, "", "file holding the dispatcher's shared token");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the trainer token (dta-dispatcher's --trainer_token_file, or the file it "
+          "created beside its log and named at start)");
 ABSL_FLAG(std::string, tls_roots, "", "PEM root certificates to trust (TLS to the dispatcher)");
 ABSL_FLAG(std::string, checkpoint_dir, "", "checkpoints (shared by the ranks); required");
 ABSL_FLAG(int64_t, save_every, 1, "save a checkpoint every this many committed steps (rank 0)");
@@ -164,6 +166,15 @@ int Run() {
       if (registered.status().code() == absl::StatusCode::kFailedPrecondition) {
         throw BadInput{absl::StrCat("register: ", registered.status().message())};
       }
+      // Nor would it with the wrong credential.
+      if (registered.status().code() == absl::StatusCode::kUnauthenticated ||
+          registered.status().code() == absl::StatusCode::kPermissionDenied) {
+        throw BadInput{absl::StrCat(
+            "register: ", registered.status().message(),
+            absl::GetFlag(FLAGS_token_file).empty()
+                ? " (pass --token_file: the trainer token file dta-dispatcher named at start)"
+                : "")};
+      }
       throw std::runtime_error(absl::StrCat("register: ", registered.status().ToString()));
     }
     session = *std::move(registered);
@@ -203,7 +214,10 @@ int Run() {
   Qwen3Model model = ModelFromFlags(options, groups.tensor_parallel_collectives());
   TrainingOptimizer optimizer(model.named_parameters(), &groups.data_parallel(), layout.layout,
                               AdamWFromFlags(), absl::GetFlag(FLAGS_bucket_mb) << 20,
-                              model.gradient_norm_scope());
+                              model.gradient_norm_scope(), OffloadUpdateFromFlags());
+  if (groups.world().rank() == 0 && !optimizer.DescribeOffload().empty()) {
+    std::fprintf(stderr, "%s: %s\n", prefix.c_str(), optimizer.DescribeOffload().c_str());
+  }
   if (latest.has_value()) {
     LoadCheckpoint(*latest, optimizer);
     std::fprintf(stderr, "%s: resumed from %s (step %lld)\n", prefix.c_str(), latest->path.c_str(),

@@ -12,7 +12,8 @@ namespace dta {
 struct ClientOptions {
   // host:port of the dispatcher.
   std::string address = "127.0.0.1:50051";
-  // The shared token (sent as "authorization: Bearer <token>"); empty: none.
+  // This client's credential (sent as "authorization: Bearer <token>"): the rollout token for
+  // rollout workers, the trainer token for trainers; empty: none.
   std::string token;
   // TLS: PEM root certificates to trust; empty: plaintext (loopback).
   std::string tls_root_certificates;
@@ -25,5 +26,18 @@ struct ClientOptions {
 // The contents of a token, key or certificate file; `trim` strips surrounding whitespace (tokens).
 // NOT_FOUND naming the path if it cannot be read; INVALID_ARGUMENT if it is empty.
 absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, bool trim);
+
+// Whether a listening address (host:port, [v6]:port or unix:path) is reachable from this machine
+// only: a unix socket, or a host every address of which resolves (getaddrinfo) into 127.0.0.0/8
+// or ::1. A name that merely starts with "127." is not; an empty host (every interface), a name
+// that does not resolve or an unparsable address is not either.
+bool IsLoopbackAddress(const std::string& address);
+
+// The token in `path`, created first when the file does not exist: 32 random bytes from the
+// kernel as 64 hex digits, in a new file of mode 0600 (O_EXCL: a file that appears meanwhile is
+// read instead). FAILED_PRECONDITION naming the path when an existing file is readable by group
+// or others (a credential must be private); the errors of ReadCredentialFile; INTERNAL naming the
+// path when it cannot be created.
+absl::StatusOr<std::string> ReadOrCreateTokenFile(const std::string& path);
 
 }  // namespace dta

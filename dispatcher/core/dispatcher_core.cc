@@ -206,7 +206,9 @@ absl::StatusOr<std::unique_ptr<DispatcherCore>> DispatcherCore::Open(DispatcherO
   std::unique_ptr<DispatcherCore> core(new DispatcherCore(std::move(options)));
   absl::MutexLock lock(&core->mu_);
   absl::StatusOr<std::unique_ptr<WriteAheadLog>> wal =
-      WriteAheadLog::Open({.path = core->options_.wal_path, .sync = core->options_.wal_sync},
+      WriteAheadLog::Open({.path = core->options_.wal_path,
+                           .sync = core->options_.wal_sync,
+                           .max_record_bytes = core->options_.wal_max_record_bytes},
                           [&core](const WalRecord& record)
                               ABSL_NO_THREAD_SAFETY_ANALYSIS { return core->Replay(record); });
   if (!wal.ok()) return wal.status();
@@ -424,6 +426,15 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
   std::map<std::string, std::string> metadata(trajectory.metadata().begin(),
                                               trajectory.metadata().end());
   const std::string bytes = KnownFieldBytes(trajectory);
+  if (const uint32_t limit = options_.wal_max_record_bytes; bytes.size() > limit) {
+    // Refused for good, not UNAVAILABLE: resending the same trajectory can never succeed.
+    absl::MutexLock lock(&mu_);
+    CountRejection("tokens");
+    return Rejected(id, "tokens",
+                    absl::StrCat("field 'tokens': the trajectory takes ", bytes.size(),
+                                 " bytes in the log, over its limit of ", limit,
+                                 " bytes per record (", rollout->tokens.size(), " tokens)"));
+  }
   const uint64_t fingerprint = Fingerprint(*rollout, metadata);
   {
     absl::MutexLock lock(&mu_);
@@ -447,6 +458,14 @@ absl::StatusOr<v1::IngestResponse> DispatcherCore::Ingest(const v1::Trajectory& 
       }
       statistics_.set_already_accepted(statistics_.already_accepted() + 1);
       return Accepted(id, /*already_accepted=*/true);
+    }
+    // The pending pool's limit is hard: appends in flight count, and nothing is taken beyond it
+    // (the caller waits for room and asks again).
+    if (static_cast<int64_t>(pending_.size()) + appending_ >= options_.max_pending_trajectories) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the pending pool is full (", options_.max_pending_trajectories,
+                       " trajectories wait for a batch): '", id,
+                       "' was not stored; ask again when there is room"));
     }
     trajectories_[id].state = State::kAppending;  // reserve the id while the log syncs
     ++appending_;
@@ -478,7 +497,7 @@ bool DispatcherCore::HasRoom() const {
 bool DispatcherCore::AwaitRoom(absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
   auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return static_cast<int64_t>(pending_.size()) < options_.max_pending_trajectories;
+    return static_cast<int64_t>(pending_.size()) + appending_ < options_.max_pending_trajectories;
   };
   return mu_.AwaitWithDeadline(absl::Condition(&room), deadline);
 }

@@ -69,6 +69,9 @@ struct DispatcherOptions {
   // trajectories not yet released by a checkpoint, the plans and commits of their steps, the ids
   // of released ones), it is rewritten down to that (see "Compaction" above). 0: never.
   int64_t wal_compact_bytes = int64_t{1} << 30;
+  // The largest log record: a trajectory that would take more is REJECTED at validation (naming
+  // its size), never half-stored or refused as a failure the client would retry.
+  uint32_t wal_max_record_bytes = WalOptions{}.max_record_bytes;
   // What a trajectory must satisfy. With require_reward_or_advantages (the default), the dispatcher
   // computes GRPO advantages over each whole batch and sends them with every partition.
   TrajectoryLimits limits;
@@ -101,13 +104,17 @@ class DispatcherCore {
   ~DispatcherCore();
 
   // ACCEPTED once durable (already_accepted for an identical resend), or REJECTED with the field
-  // and the reason (bad content, an id used by another trajectory). A non-OK status means the
-  // dispatcher could not store it (the log failed: UNAVAILABLE); nothing was acknowledged.
+  // and the reason (bad content, a record over the log's limit, an id used by another
+  // trajectory). A non-OK status means nothing was stored or acknowledged: RESOURCE_EXHAUSTED when
+  // max_pending_trajectories are pending or being stored (a hard limit: wait for room, e.g.
+  // AwaitRoom, and call again), UNAVAILABLE when the log failed.
   absl::StatusOr<v1::IngestResponse> Ingest(const v1::Trajectory& trajectory);
 
-  // False while max_pending_trajectories are waiting for a batch. Never blocks (no lock).
+  // False while max_pending_trajectories are waiting for a batch. Never blocks (no lock); a hint
+  // (Ingest enforces the limit).
   bool HasRoom() const;
-  // Blocks until HasRoom() or the deadline; returns HasRoom().
+  // Blocks until there is room for one more (pending and in-flight appends below the limit) or
+  // the deadline; returns whether there is.
   bool AwaitRoom(absl::Time deadline) const;
 
   // A counter that changes whenever a fetch or a report might get another answer (trajectories,

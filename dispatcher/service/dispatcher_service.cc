@@ -1,5 +1,6 @@
 #include "dispatcher/service/dispatcher_service.h"
 
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -7,7 +8,25 @@
 namespace dta {
 namespace {
 
-constexpr char kUnauthenticated[] = "missing or wrong authorization token";
+// Compares in time independent of where the strings differ, so that the answer's timing does
+// not reveal a token's prefix.
+bool SecretEquals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) differ |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return differ == 0;
+}
+
+// The token of the call's "authorization: Bearer <token>" metadata; empty when there is none.
+std::string_view BearerToken(grpc::CallbackServerContext* context) {
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return {};
+  const std::string_view value(it->second.data(), it->second.size());
+  constexpr std::string_view kBearer = "Bearer ";
+  return value.substr(0, kBearer.size()) == kBearer ? value.substr(kBearer.size())
+                                                    : std::string_view();
+}
 
 }  // namespace
 
@@ -59,11 +78,12 @@ class DispatcherService::IngestReactor final
  public:
   IngestReactor(DispatcherService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
-    if (!service_->Authorized(context)) {
-      Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticated));
+    if (grpc::Status refused = service_->Authorize(context, CallerRole::kRollout, "Ingest");
+        !refused.ok()) {
+      Finish(refused);
       return;
     }
-    StartRead(&request_);
+    ReadWhenThereIsRoom();  // a new stream's first trajectory too: the limit is hard
   }
 
   void OnReadDone(bool ok) override {
@@ -73,6 +93,11 @@ class DispatcherService::IngestReactor final
     }
     service_->ingest_workers_.Submit([this] {
       absl::StatusOr<v1::IngestResponse> response = service_->core_->Ingest(request_.trajectory());
+      // The pool filled up since the read (other streams took the room): wait, then store it.
+      while (response.status().code() == absl::StatusCode::kResourceExhausted) {
+        if (!WaitForRoom()) return;
+        response = service_->core_->Ingest(request_.trajectory());
+      }
       if (!response.ok()) {  // not stored, not acknowledged: the client resends elsewhere or later
         Finish(ToGrpc(response.status()));
         return;
@@ -87,25 +112,36 @@ class DispatcherService::IngestReactor final
       Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the acknowledgement could not be sent"));
       return;
     }
-    if (service_->core_->HasRoom()) {
-      StartRead(&request_);
-      return;
-    }
-    // Backpressure: stop reading until the pending pool has room, or the call is cancelled.
-    service_->ingest_workers_.Submit([this] {
-      while (!service_->core_->AwaitRoom(absl::Now() + absl::Milliseconds(200))) {
-        if (context_->IsCancelled()) {
-          Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for room"));
-          return;
-        }
-      }
-      StartRead(&request_);
-    });
+    ReadWhenThereIsRoom();
   }
 
   void OnDone() override { delete this; }
 
  private:
+  // Backpressure: the next trajectory is read only while the pending pool has room; otherwise a
+  // worker waits for room (HTTP/2 flow control holds the client meanwhile).
+  void ReadWhenThereIsRoom() {
+    if (service_->core_->HasRoom()) {
+      StartRead(&request_);
+      return;
+    }
+    service_->ingest_workers_.Submit([this] {
+      if (WaitForRoom()) StartRead(&request_);
+    });
+  }
+
+  // On a worker: true once there is room; false (the call finished CANCELLED) when the client
+  // gave up first.
+  bool WaitForRoom() {
+    while (!service_->core_->AwaitRoom(absl::Now() + absl::Milliseconds(200))) {
+      if (context_->IsCancelled()) {
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for room"));
+        return false;
+      }
+    }
+    return true;
+  }
+
   DispatcherService* const service_;
   grpc::CallbackServerContext* const context_;
   v1::IngestRequest request_;
@@ -120,12 +156,49 @@ DispatcherService::DispatcherService(DispatcherCore* core, DispatcherServiceOpti
 
 DispatcherService::~DispatcherService() = default;
 
-bool DispatcherService::Authorized(grpc::CallbackServerContext* context) const {
-  if (options_.token.empty()) return true;
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find("authorization");
-  return it != metadata.end() &&
-         std::string(it->second.data(), it->second.size()) == "Bearer " + options_.token;
+grpc::Status DispatcherService::Authorize(grpc::CallbackServerContext* context, CallerRole role,
+                                          const char* rpc) const {
+  const std::string_view token = BearerToken(context);
+  const bool rollout = !options_.rollout_token.empty() && !token.empty() &&
+                       SecretEquals(token, options_.rollout_token);
+  const bool trainer = !options_.trainer_token.empty() && !token.empty() &&
+                       SecretEquals(token, options_.trainer_token);
+  switch (role) {
+    case CallerRole::kRollout:
+      if (trainer) {
+        return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                            absl::StrCat(rpc,
+                                         ": the trainer credential cannot send trajectories; "
+                                         "rollout workers use the rollout credential"));
+      }
+      if (rollout || options_.rollout_token.empty()) return grpc::Status::OK;
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(rpc,
+                                       " needs the rollout credential (the token in "
+                                       "dta-dispatcher's --rollout_token_file): missing or "
+                                       "wrong authorization token"));
+    case CallerRole::kTrainer:
+      if (trainer || options_.trainer_token.empty()) return grpc::Status::OK;
+      if (rollout) {
+        return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                            absl::StrCat(rpc,
+                                         " is a trainer's call: the rollout credential "
+                                         "cannot make it"));
+      }
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(rpc,
+                                       " needs the trainer credential (the token file "
+                                       "dta-dispatcher printed at start, its "
+                                       "--trainer_token_file): missing or wrong "
+                                       "authorization token"));
+    case CallerRole::kReader:
+      if (rollout || trainer || options_.rollout_token.empty()) return grpc::Status::OK;
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(rpc,
+                                       " needs the rollout or the trainer credential: "
+                                       "missing or wrong authorization token"));
+  }
+  return grpc::Status(grpc::StatusCode::INTERNAL, "unknown caller role");
 }
 
 template <typename Answer>
@@ -150,10 +223,12 @@ void DispatcherService::LongPoll(grpc::CallbackServerContext* context,
   });
 }
 
-bool DispatcherService::RefuseUnauthorized(grpc::CallbackServerContext* context,
-                                           grpc::ServerUnaryReactor* reactor) const {
-  if (Authorized(context)) return false;
-  reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticated));
+bool DispatcherService::Refuse(grpc::CallbackServerContext* context,
+                               grpc::ServerUnaryReactor* reactor, CallerRole role,
+                               const char* rpc) const {
+  grpc::Status status = Authorize(context, role, rpc);
+  if (status.ok()) return false;
+  reactor->Finish(std::move(status));
   return true;
 }
 
@@ -173,7 +248,7 @@ grpc::ServerUnaryReactor* DispatcherService::RegisterTrainer(
     grpc::CallbackServerContext* context, const v1::RegisterTrainerRequest* request,
     v1::RegisterTrainerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (RefuseUnauthorized(context, reactor)) return reactor;
+  if (Refuse(context, reactor, CallerRole::kTrainer, "RegisterTrainer")) return reactor;
   trainer_workers_.Submit([this, request, response, reactor] {
     absl::StatusOr<v1::RegisterTrainerResponse> result = core_->RegisterTrainer(*request);
     if (result.ok()) *response = *std::move(result);
@@ -186,7 +261,7 @@ grpc::ServerUnaryReactor* DispatcherService::FetchPartition(
     grpc::CallbackServerContext* context, const v1::FetchPartitionRequest* request,
     v1::FetchPartitionResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (RefuseUnauthorized(context, reactor)) return reactor;
+  if (Refuse(context, reactor, CallerRole::kTrainer, "FetchPartition")) return reactor;
   // Not ready yet (UNAVAILABLE): wait for trajectories or trainers.
   LongPoll<v1::Partition>(
       context, reactor, [this, request] { return core_->FetchPartition(*request); },
@@ -201,7 +276,7 @@ grpc::ServerUnaryReactor* DispatcherService::ReportStep(grpc::CallbackServerCont
                                                         const v1::ReportStepRequest* request,
                                                         v1::ReportStepResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (RefuseUnauthorized(context, reactor)) return reactor;
+  if (Refuse(context, reactor, CallerRole::kTrainer, "ReportStep")) return reactor;
   // PENDING: wait for the other ranks. Asking again with the same report is harmless (a rank's
   // PREPARED report replaces itself).
   LongPoll<v1::ReportStepResponse>(
@@ -217,7 +292,7 @@ grpc::ServerUnaryReactor* DispatcherService::GetStatus(grpc::CallbackServerConte
                                                        const v1::GetStatusRequest* request,
                                                        v1::GetStatusResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (RefuseUnauthorized(context, reactor)) return reactor;
+  if (Refuse(context, reactor, CallerRole::kReader, "GetStatus")) return reactor;
   trainer_workers_.Submit([this, response, reactor] {
     *response = core_->GetStatus();
     reactor->Finish(grpc::Status::OK);
@@ -229,7 +304,7 @@ grpc::ServerUnaryReactor* DispatcherService::GetStatistics(grpc::CallbackServerC
                                                            const v1::GetStatisticsRequest* request,
                                                            v1::GetStatisticsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (RefuseUnauthorized(context, reactor)) return reactor;
+  if (Refuse(context, reactor, CallerRole::kReader, "GetStatistics")) return reactor;
   trainer_workers_.Submit([this, response, reactor] {
     *response = core_->GetStatistics();
     reactor->Finish(grpc::Status::OK);

@@ -7,9 +7,17 @@
 // answering the last one and only while the pending pool has room: when it is full the dispatcher
 // stops reading, and HTTP/2 flow control pushes back on the client.
 //
-// Security: when `token` is set every call must carry the metadata "authorization: Bearer
-// <token>" (UNAUTHENTICATED otherwise). dta-dispatcher refuses a non-loopback address without TLS
-// and a token.
+// Security: two roles, each with its own credential, presented as the metadata "authorization:
+// Bearer <token>":
+//   rollout workers  Ingest, with rollout_token (open when it is empty: loopback only);
+//   trainers         RegisterTrainer, FetchPartition, ReportStep, with trainer_token
+//   (dta-dispatcher
+//                    always sets one, creating it when none is given, so that no other local
+//                    process can take a batch, commit it untrained or abort a step);
+//   either           GetStatus, GetStatistics (read-only; open when rollout_token is empty).
+// A missing or unknown credential gets UNAUTHENTICATED, the other role's PERMISSION_DENIED; both
+// name the call and the credential it needs. dta-dispatcher refuses a non-loopback address without
+// TLS and both credentials.
 //
 // Thread safety: thread-safe; owned by the server's lifetime (destroy after the server shut down).
 #pragma once
@@ -42,8 +50,17 @@ struct DispatcherServiceOptions {
   // The longest a FetchPartition or ReportStep call waits for a batch or a decision before it
   // answers UNAVAILABLE / PENDING (or the client's deadline, if sooner).
   absl::Duration long_poll = absl::Seconds(2);
-  // Shared secret every call must present; empty: no check (loopback only).
-  std::string token;
+  // The rollout workers' and the trainers' credentials (see the header comment); empty: that
+  // role's calls are open. They must differ when both are set.
+  std::string rollout_token;
+  std::string trainer_token;
+};
+
+// Who may make a call (see the header comment).
+enum class CallerRole {
+  kRollout,  // Ingest
+  kTrainer,  // RegisterTrainer, FetchPartition, ReportStep
+  kReader,   // GetStatus, GetStatistics: either role
 };
 
 // A fixed pool of threads running queued tasks; the destructor finishes the queue and joins.
@@ -88,10 +105,13 @@ class DispatcherService final : public v1::Dispatcher::CallbackService {
 
  private:
   class IngestReactor;
-  bool Authorized(grpc::CallbackServerContext* context) const;
-  // Finishes the call with UNAUTHENTICATED and returns true when the token is wrong.
-  bool RefuseUnauthorized(grpc::CallbackServerContext* context,
-                          grpc::ServerUnaryReactor* reactor) const;
+  // OK when the call's credential lets `role` make the call named `rpc`; UNAUTHENTICATED or
+  // PERMISSION_DENIED (see the header comment) otherwise.
+  grpc::Status Authorize(grpc::CallbackServerContext* context, CallerRole role,
+                         const char* rpc) const;
+  // Finishes the call with Authorize's error and returns true when it is not OK.
+  bool Refuse(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+              CallerRole role, const char* rpc) const;
   // On a worker: calls `attempt` until its answer is `final`, the poll is over or the call is
   // cancelled, waiting for a change of the dispatcher's state in between; then `deliver`s an OK
   // answer into the response and finishes the call with the answer's status.

@@ -328,8 +328,11 @@ absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOpti
   if (!replay)
     return absl::InvalidArgumentError(absl::StrCat("wal ", path, ": no replay function"));
 
-  ScopedFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  // The log holds every trajectory (prompts, rewards): readable by its owner only, an existing
+  // one included (fchmod fails harmlessly on a file of another owner, whom open already let in).
+  ScopedFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
   if (fd.get() < 0) return ErrnoError(errno, path, "open");
+  fchmod(fd.get(), 0600);
   if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK) {
       return absl::FailedPreconditionError(
@@ -566,7 +569,7 @@ absl::Status WriteAheadLog::WriteAndSync(std::string_view bytes, bool& synced) {
 
 absl::Status WriteAheadLog::RewriteFile(const RecordSource& live, bool& failed) {
   const std::string tmp = options_.path + ".tmp";
-  ScopedFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ScopedFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   if (fd.get() < 0) return ErrnoError(errno, tmp, "open");
   // Until the rename, the old log is untouched: on failure drop the temp file and carry on.
   auto abandon = [&](absl::Status s) {

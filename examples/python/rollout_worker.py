@@ -186,7 +186,7 @@ async def run(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dispatcher", default="127.0.0.1:50051", help="host:port of dta-dispatcher")
-    parser.add_argument("--token_file", help="file holding the dispatcher's shared token")
+    parser.add_argument("--token_file", help="file holding the rollout token (the dispatcher's --rollout_token_file)")
     parser.add_argument("--tls_roots", help="PEM root certificates to trust (TLS)")
     parser.add_argument("--groups", type=int, default=8, help="tasks, one GRPO group each")
     parser.add_argument("--group_size", type=int, default=4, help="episodes per task")

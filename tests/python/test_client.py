@@ -67,6 +67,12 @@ class Dispatcher:
             time.sleep(0.02)
         return self
 
+    @property
+    def trainer_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The trainers' credential: the token the dispatcher created beside its log."""
+        token = Path(f"{self.wal}.trainer-token").read_text().strip()
+        return (("authorization", f"Bearer {token}"),)
+
     def kill9(self) -> None:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)
@@ -200,7 +206,7 @@ def test_rejections_name_the_field_and_the_stream_goes_on(dispatcher):
 
 def test_the_token_is_required_when_the_dispatcher_has_one(dispatcher, tmp_path):
     (tmp_path / "token").write_text("s3cret\n")
-    d = dispatcher(f"--token_file={tmp_path / 'token'}")
+    d = dispatcher(f"--rollout_token_file={tmp_path / 'token'}")
     for token in (None, "wrong"):
         with RolloutClient(d.address, token=token, **BOUNDED) as client:
             started = time.monotonic()
@@ -219,13 +225,38 @@ def test_the_token_is_required_when_the_dispatcher_has_one(dispatcher, tmp_path)
         assert client.status().pending_trajectories == 1
 
 
+def test_a_rogue_local_process_cannot_train_commit_or_abort(dispatcher, tmp_path):
+    """The trainers' calls need the trainer credential even on loopback: a local process without
+    it (or with the rollout token) can neither register, take a batch, nor report a step."""
+    (tmp_path / "rollout.token").write_text("rollout-secret\n")
+    d = dispatcher(f"--rollout_token_file={tmp_path / 'rollout.token'}")
+    token_file = Path(f"{d.wal}.trainer-token")
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert f"trainers present the token in {token_file}" in d.log.read_text()
+    with grpc.insecure_channel(d.address) as channel:
+        stub = dispatcher_pb2_grpc.DispatcherStub(channel)
+        calls = [
+            (stub.RegisterTrainer, dispatcher_pb2.RegisterTrainerRequest(world_size=1, trainer_id="rogue")),
+            (stub.FetchPartition, dispatcher_pb2.FetchPartitionRequest(step=0)),
+            (stub.ReportStep, dispatcher_pb2.ReportStepRequest(
+                report=dispatcher_pb2.StepReport(step=0, phase=dispatcher_pb2.StepReport.FAILED))),
+        ]
+        for call, request in calls:
+            for metadata, code in [((), grpc.StatusCode.UNAUTHENTICATED),
+                                   ((("authorization", "Bearer rollout-secret"),), grpc.StatusCode.PERMISSION_DENIED)]:
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(request, timeout=30, metadata=metadata)
+                assert refused.value.code() == code, (call, metadata)
+        assert stub.RegisterTrainer(calls[0][1], timeout=30, metadata=d.trainer_metadata).generation >= 0
+
+
 def test_tls_with_the_token(dispatcher, tmp_path):
     key, cert, token = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "token"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     token.write_text("s3cret")
-    d = dispatcher(f"--tls_cert={cert}", f"--tls_key={key}", f"--token_file={token}")
+    d = dispatcher(f"--tls_cert={cert}", f"--tls_key={key}", f"--rollout_token_file={token}")
     with RolloutClient(d.address, token="s3cret", root_certificates=cert.read_bytes(), **BOUNDED) as client:
         assert client.send(make(0), timeout=60).accepted
         assert client.status().pending_trajectories == 1
@@ -345,36 +376,38 @@ def test_an_unreachable_dispatcher_fails_after_retry_for():
     assert status.value.code == grpc.StatusCode.UNAVAILABLE and "no answer for 1 s" in status.value.details
 
 
-def register_trainer(address: str) -> int:
+def register_trainer(d: Dispatcher) -> int:
     """Registers a one-rank trainer; returns its generation."""
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(d.address) as channel:
         return dispatcher_pb2_grpc.DispatcherStub(channel).RegisterTrainer(
-            dispatcher_pb2.RegisterTrainerRequest(world_size=1, trainer_id="test"), timeout=30).generation
+            dispatcher_pb2.RegisterTrainerRequest(world_size=1, trainer_id="test"), timeout=30,
+            metadata=d.trainer_metadata).generation
 
 
-def commit_step(address: str, step: int, generation: int) -> int:
+def commit_step(d: Dispatcher, step: int, generation: int) -> int:
     """Plays a one-rank trainer for one step: fetch the batch, report PREPARED, get COMMIT."""
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(d.address) as channel:
         stub = dispatcher_pb2_grpc.DispatcherStub(channel)
         request = dispatcher_pb2.FetchPartitionRequest(step=step, generation=generation)
         give_up = time.monotonic() + 60
         while True:  # the call waits up to 2 s for the batch, then says UNAVAILABLE: ask again
             try:
-                fetched = stub.FetchPartition(request, timeout=30)
+                fetched = stub.FetchPartition(request, timeout=30, metadata=d.trainer_metadata)
                 break
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > give_up:
                     raise
         assert len(fetched.partition.trajectories) == 4
         report = dispatcher_pb2.StepReport(step=step, generation=generation, phase=dispatcher_pb2.StepReport.PREPARED)
-        decision = stub.ReportStep(dispatcher_pb2.ReportStepRequest(report=report), timeout=30)
+        decision = stub.ReportStep(dispatcher_pb2.ReportStepRequest(report=report), timeout=30,
+                                   metadata=d.trainer_metadata)
         assert decision.decision == dispatcher_pb2.ReportStepResponse.COMMIT
         return decision.policy_version
 
 
 def test_policy_version_follows_committed_steps(dispatcher):
     d = dispatcher("--initial_policy_version=5")
-    generation = register_trainer(d.address)
+    generation = register_trainer(d)
 
     async def main() -> None:
         async with AsyncRolloutClient(d.address, **BOUNDED) as client:
@@ -387,10 +420,10 @@ def test_policy_version_follows_committed_steps(dispatcher):
             waiting = asyncio.create_task(client.wait_for_policy_version(7, timeout=60, poll_interval=0.05))
             acks = await client.send_all([make(i, prefix="p") for i in range(8)], timeout=60)
             assert all(a.accepted for a in acks)
-            assert await asyncio.to_thread(commit_step, d.address, 0, generation) == 6
+            assert await asyncio.to_thread(commit_step, d, 0, generation) == 6
             assert await asyncio.wait_for(anext(versions), 30) == 6
             assert not waiting.done()
-            assert await asyncio.to_thread(commit_step, d.address, 1, generation) == 7
+            assert await asyncio.to_thread(commit_step, d, 1, generation) == 7
             status = await waiting
             assert status.policy_version == 7 and status.committed_steps == 2 and status.pending_trajectories == 0
             statistics = await client.statistics()
@@ -442,7 +475,7 @@ def test_rollout_worker_example_streams_episodes_and_reloads_weights(dispatcher)
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # A trainer commits the first batch while the worker is still generating.
-        assert commit_step(d.address, 0, register_trainer(d.address)) == 1
+        assert commit_step(d, 0, register_trainer(d)) == 1
         output, _ = worker.communicate(timeout=120)
     finally:
         worker.kill()

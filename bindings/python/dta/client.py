@@ -194,8 +194,10 @@ class AsyncRolloutClient:
 
     Args:
         address: ``host:port`` of the dispatcher.
-        token: the shared token (``--token_file`` of the dispatcher), sent as
-            ``authorization: Bearer <token>``; ``None``: none.
+        token: the rollout credential (the token in the dispatcher's ``--rollout_token_file``),
+            sent as ``authorization: Bearer <token>``; ``None``: none (a dispatcher without a
+            rollout token, on loopback). The trainer credential is refused here
+            (``PERMISSION_DENIED``): rollout workers and trainers have separate credentials.
         root_certificates: PEM root certificates to trust (TLS); ``None``: plaintext (loopback).
         call_timeout: seconds each answer may take (from the previous answer or from the write of
             its trajectory) before the stream is abandoned and the unanswered trajectories are

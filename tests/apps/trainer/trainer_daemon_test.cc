@@ -19,6 +19,7 @@
 
 #include "core/checkpoint/safetensors.h"
 #include "core/io/rollout_jsonl.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/free_port.h"
 #include "tests/testing/process.h"
@@ -69,6 +70,9 @@ class TrainerDaemonTest : public ::testing::Test {
       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
       "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false})";
     EXPECT_TRUE(WriteRolloutsJsonl((root_ / "rollouts.jsonl").string(), MakeRollouts()).ok());
+    // The trainers' credential, given to every dispatcher and trainer of the test.
+    std::ofstream(root_ / "trainer.token") << "trainer-secret\n";
+    fs::permissions(root_ / "trainer.token", fs::perms::owner_read | fs::perms::owner_write);
   }
   ~TrainerDaemonTest() override {
     if (!HasFailure()) fs::remove_all(root_);
@@ -95,8 +99,11 @@ class TrainerDaemonTest : public ::testing::Test {
   static void StartDispatcher(Run& run) {
     std::vector<std::string> command = {
         (testing::BinaryDirectory() / "dta-dispatcher").string(),
-        "--wal=" + (run.dir / "dispatcher.wal").string(), "--listen=" + run.address,
-        "--batch_rollouts=" + std::to_string(kBatch), "--vocab_size=32"};
+        "--wal=" + (run.dir / "dispatcher.wal").string(),
+        "--listen=" + run.address,
+        "--batch_rollouts=" + std::to_string(kBatch),
+        "--vocab_size=32",
+        "--trainer_token_file=" + (run.dir.parent_path() / "trainer.token").string()};
     command.insert(command.end(), run.dispatcher_flags.begin(), run.dispatcher_flags.end());
     run.dispatcher = std::make_unique<Process>(command, (run.dir / "dispatcher.log").string());
   }
@@ -115,6 +122,7 @@ class TrainerDaemonTest : public ::testing::Test {
                                         const std::vector<std::string>& extra_flags = {}) {
     std::vector<std::string> command = {(testing::BinaryDirectory() / "dta-trainer").string(),
                                         "--dispatcher=" + run.address,
+                                        "--token_file=" + (root_ / "trainer.token").string(),
                                         "--checkpoint_dir=" + (run.dir / checkpoints).string(),
                                         "--config=" + (root_ / "config.json").string(),
                                         "--dtype=float64",
@@ -386,6 +394,23 @@ TEST_F(TrainerDaemonTest, ATrainerThatCannotTrainWhatIsAcceptedIsRefused) {
   EXPECT_NE(trainer->Log().find("start dta-dispatcher with --require_ref_logprobs"),
             std::string::npos)
       << trainer->Log();
+}
+
+// A trainer must present the trainer credential: without it (or with another) it is refused at
+// registration, exits 2 naming the flag, and nothing is trained.
+TEST_F(TrainerDaemonTest, ATrainerWithoutTheTrainerTokenIsRefused) {
+  Run run = NewRun("no_token");
+  std::ofstream(root_ / "other.token") << "not-the-trainer-secret\n";
+  for (const std::string& token : {std::string(""), (root_ / "other.token").string()}) {
+    std::unique_ptr<Process> trainer = StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0,
+                                                    "ckpt", 1, {"--token_file=" + token});
+    EXPECT_EQ(trainer->Wait(std::chrono::seconds(60)), 2) << trainer->Log();
+    EXPECT_THAT(trainer->Log(), ::testing::HasSubstr("needs the trainer credential"));
+    if (token.empty()) {
+      EXPECT_THAT(trainer->Log(), ::testing::HasSubstr("pass --token_file"));
+    }
+  }
+  EXPECT_FALSE(fs::exists(run.dir / "ckpt" / "latest.json"));
 }
 
 // Ranks that load different checkpoints (one sees a shared directory late) must not train together:

@@ -366,6 +366,53 @@ TEST_F(DispatcherCoreTest, BackpressureBoundsPendingTrajectories) {
   EXPECT_TRUE(core->HasRoom());
 }
 
+// The limit is hard in Ingest itself (not only in when the service reads): a full pool stores
+// nothing more and says so (RESOURCE_EXHAUSTED); a resend of what is already pending is still
+// answered as already accepted.
+TEST_F(DispatcherCoreTest, AFullPendingPoolStoresNothingMore) {
+  DispatcherOptions options = Options(2);
+  options.max_pending_trajectories = 2;
+  auto core = Open(options);
+  for (int i = 0; i < 2; ++i) Accept(*core, Make(i));
+  absl::StatusOr<v1::IngestResponse> full = core->Ingest(Make(2));
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.status().message(), HasSubstr("the pending pool is full (2"));
+  absl::StatusOr<v1::IngestResponse> resend = core->Ingest(Make(1));
+  ASSERT_TRUE(resend.ok());
+  EXPECT_TRUE(resend->already_accepted());
+  EXPECT_EQ(core->GetStatus().pending_trajectories(), 2);
+  EXPECT_EQ(core->GetStatistics().accepted(), 2);
+  const int64_t generation = Register(*core, 0, 1, "a");
+  FetchAll(*core, 1, 0, generation);
+  Accept(*core, Make(2));
+}
+
+// A trajectory whose log record would exceed the log's limit is REJECTED naming its size (a
+// resend could never succeed, so it is not an error the client would retry), and nothing of it is
+// stored.
+TEST_F(DispatcherCoreTest, ATrajectoryOverTheLogsRecordLimitIsRejectedNamingItsSize) {
+  DispatcherOptions options = Options();
+  options.wal_max_record_bytes = 4096;
+  options.limits.max_tokens = 1 << 20;
+  auto core = Open(options);
+  v1::Trajectory big = Make(0);
+  for (int k = 0; k < 2000; ++k) {
+    big.add_tokens(5);
+    big.add_loss_mask(1);
+    big.add_logprobs(-1.0f);
+    big.add_versions(-1);
+  }
+  absl::StatusOr<v1::IngestResponse> answer = core->Ingest(big);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->outcome(), v1::IngestResponse::REJECTED);
+  EXPECT_EQ(answer->field(), "tokens");
+  EXPECT_THAT(answer->reason(),
+              ::testing::MatchesRegex(".*takes [0-9]+ bytes in the log, over its limit of 4096 "
+                                      "bytes per record \\(2005 tokens\\).*"));
+  EXPECT_EQ(core->GetStatus().pending_trajectories(), 0);
+  Accept(*core, Make(1));  // an ordinary one still goes in
+}
+
 TEST_F(DispatcherCoreTest, ConcurrentIngestionOfTheSameIdsStoresEachOnce) {
   DispatcherOptions options = Options(1000);
   options.wal_sync = true;

@@ -60,8 +60,8 @@ class DispatcherServiceTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
-  void Start(int64_t batch = 8, int64_t max_pending = 1 << 16, const std::string& token = "",
-             int ingest_threads = 32) {
+  void Start(int64_t batch = 8, int64_t max_pending = 1 << 16,
+             DispatcherServiceOptions service = {}) {
     DispatcherOptions options;
     options.wal_path = (dir_ / "log.wal").string();
     options.limits.vocab_size = 100;
@@ -71,8 +71,7 @@ class DispatcherServiceTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<DispatcherCore>> core = DispatcherCore::Open(options);
     ASSERT_TRUE(core.ok()) << core.status();
     core_ = *std::move(core);
-    service_ = std::make_unique<DispatcherService>(
-        core_.get(), DispatcherServiceOptions{.worker_threads = ingest_threads, .token = token});
+    service_ = std::make_unique<DispatcherService>(core_.get(), std::move(service));
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -282,10 +281,70 @@ TEST_F(DispatcherServiceTest, AFullPendingPoolPausesIngestionUntilABatchIsTaken)
   EXPECT_EQ(answered, 12);
 }
 
+// --max_pending is a hard limit, whatever the number of streams: 24 clients each connect, send
+// one trajectory, give up after a short deadline and reconnect, over and over, while the pool is
+// full. Nothing beyond the limit is ever stored or acknowledged; once a batch is taken, exactly
+// the room it made is filled.
+TEST_F(DispatcherServiceTest, MaxPendingHoldsHoweverManyStreamsConnectAndReconnect) {
+  Start(/*batch=*/4, /*max_pending=*/4);
+  constexpr int kClients = 24;
+  std::atomic<bool> stop{false};
+  std::atomic<int> acknowledged{0};
+  std::atomic<int64_t> most_pending{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      auto stub = Stub();
+      for (int attempt = 0; !stop; ++attempt) {
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+        auto stream = stub->Ingest(&context);
+        v1::IngestRequest request;
+        *request.mutable_trajectory() =
+            Make("r" + std::to_string(c) + "-" + std::to_string(attempt), attempt);
+        v1::IngestResponse answer;
+        if (stream->Write(request) && stream->Read(&answer) &&
+            answer.outcome() == v1::IngestResponse::ACCEPTED) {
+          ++acknowledged;
+        }
+        context.TryCancel();
+        stream->Finish();
+      }
+    });
+  }
+  const auto watch_until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (std::chrono::steady_clock::now() < watch_until) {
+    const int64_t pending = core_->GetStatus().pending_trajectories();
+    most_pending = std::max<int64_t>(most_pending, pending);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(most_pending.load(), 4);
+  EXPECT_EQ(acknowledged.load(), 4);
+  EXPECT_EQ(core_->GetStatistics().accepted(), 4);
+  // A trainer takes the batch: the next 4 get in, and no more.
+  v1::RegisterTrainerRequest registration;
+  registration.set_world_size(1);
+  registration.set_trainer_id("t");
+  const int64_t generation = core_->RegisterTrainer(registration)->generation();
+  v1::FetchPartitionRequest fetch;
+  fetch.set_generation(generation);
+  ASSERT_TRUE(core_->FetchPartition(fetch).ok());
+  const auto settle_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < settle_until) {
+    most_pending = std::max<int64_t>(most_pending, core_->GetStatus().pending_trajectories());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  stop = true;
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(most_pending.load(), 4);
+  EXPECT_EQ(core_->GetStatistics().accepted(), 8);
+  EXPECT_EQ(acknowledged.load(), 8);
+}
+
 // More streams paused by backpressure than ingestion has threads: the trainers' calls still get
 // through (they have their own threads) and take the batches that make room, until all is trained.
 TEST_F(DispatcherServiceTest, StreamsPausedByBackpressureNeverStarveTheTrainers) {
-  Start(/*batch=*/5, /*max_pending=*/5, "", /*ingest_threads=*/2);
+  Start(/*batch=*/5, /*max_pending=*/5, {.worker_threads = 2});
   constexpr int kStreams = 4;
   std::vector<std::thread> clients;
   for (int c = 0; c < kStreams; ++c) {
@@ -335,20 +394,144 @@ TEST_F(DispatcherServiceTest, StreamsPausedByBackpressureNeverStarveTheTrainers)
   EXPECT_EQ(trained, kStreams * 5);
 }
 
-TEST_F(DispatcherServiceTest, CallsWithoutTheTokenAreRefused) {
-  Start(8, 1 << 16, "s3cret");
+// Calls `rpc` presenting `token` (none when empty); the status it ends with.
+grpc::Status CallAs(v1::Dispatcher::Stub& stub, const std::string& rpc, const std::string& token) {
+  grpc::ClientContext context;
+  context.set_deadline(In(10));
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  if (rpc == "Ingest") {
+    auto stream = stub.Ingest(&context);
+    v1::IngestRequest request;
+    *request.mutable_trajectory() = Make("role-probe", 0);
+    v1::IngestResponse answer;
+    if (stream->Write(request)) stream->Read(&answer);
+    stream->WritesDone();
+    return stream->Finish();
+  }
+  if (rpc == "RegisterTrainer") {
+    v1::RegisterTrainerRequest request;
+    request.set_rank(0);
+    request.set_world_size(1);
+    request.set_trainer_id("role-probe");
+    v1::RegisterTrainerResponse response;
+    return stub.RegisterTrainer(&context, request, &response);
+  }
+  if (rpc == "FetchPartition") {
+    v1::FetchPartitionRequest request;
+    v1::FetchPartitionResponse response;
+    return stub.FetchPartition(&context, request, &response);
+  }
+  if (rpc == "ReportStep") {
+    v1::ReportStepRequest request;
+    request.mutable_report()->set_phase(v1::StepReport::FAILED);  // what a rogue abort would send
+    v1::ReportStepResponse response;
+    return stub.ReportStep(&context, request, &response);
+  }
+  if (rpc == "GetStatus") {
+    v1::GetStatusResponse response;
+    return stub.GetStatus(&context, {}, &response);
+  }
+  v1::GetStatisticsResponse response;
+  return stub.GetStatistics(&context, {}, &response);
+}
+
+// Every RPC with every credential: rollout workers only send, trainers only train, either reads;
+// a missing or wrong token is UNAUTHENTICATED, the other role's PERMISSION_DENIED, each naming
+// the call. A rogue local process can neither take a batch, commit or abort a step, nor (with a
+// rollout token) send trajectories.
+TEST_F(DispatcherServiceTest, EachRoleCallsOnlyItsOwnRpcs) {
+  Start(8, 1 << 16, {.rollout_token = "roll-secret", .trainer_token = "train-secret"});
   auto stub = Stub();
-  grpc::Status status;
-  SendAll(*stub, {Make("a", 0)}, &status);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  grpc::ClientContext bad;
-  bad.set_deadline(In(10));
-  v1::GetStatusResponse response;
-  EXPECT_EQ(stub->GetStatus(&bad, {}, &response).error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  grpc::ClientContext good;
-  good.set_deadline(In(10));
-  good.AddMetadata("authorization", "Bearer s3cret");
-  EXPECT_TRUE(stub->GetStatus(&good, {}, &response).ok());
+  using grpc::StatusCode;
+  const std::vector<std::string> trainer_rpcs = {"RegisterTrainer", "FetchPartition", "ReportStep"};
+  const std::vector<std::string> reader_rpcs = {"GetStatus", "GetStatistics"};
+  auto expect = [&](const std::string& rpc, const std::string& token, StatusCode want) {
+    const grpc::Status status = CallAs(*stub, rpc, token);
+    const bool refused = status.error_code() == StatusCode::UNAUTHENTICATED ||
+                         status.error_code() == StatusCode::PERMISSION_DENIED;
+    if (want == StatusCode::OK) {
+      // Past the credential check: the call itself may still fail (e.g. no step to report).
+      EXPECT_FALSE(refused) << rpc << " with '" << token << "': " << status.error_message();
+    } else {
+      EXPECT_EQ(status.error_code(), want) << rpc << " with '" << token << "'";
+      EXPECT_THAT(status.error_message(), HasSubstr(rpc)) << status.error_message();
+    }
+  };
+  for (const std::string& token : {std::string(), std::string("wrong")}) {
+    expect("Ingest", token, StatusCode::UNAUTHENTICATED);
+    for (const std::string& rpc : trainer_rpcs) expect(rpc, token, StatusCode::UNAUTHENTICATED);
+    for (const std::string& rpc : reader_rpcs) expect(rpc, token, StatusCode::UNAUTHENTICATED);
+  }
+  expect("Ingest", "roll-secret", StatusCode::OK);
+  expect("Ingest", "train-secret", StatusCode::PERMISSION_DENIED);
+  for (const std::string& rpc : trainer_rpcs) {
+    expect(rpc, "roll-secret", StatusCode::PERMISSION_DENIED);
+    expect(rpc, "train-secret", StatusCode::OK);
+  }
+  for (const std::string& rpc : reader_rpcs) {
+    expect(rpc, "roll-secret", StatusCode::OK);
+    expect(rpc, "train-secret", StatusCode::OK);
+  }
+  EXPECT_EQ(core_->GetStatus().pending_trajectories(), 1) << "only the rollout worker's arrived";
+  // A prefix of the right token is as wrong as any other.
+  expect("GetStatus", "roll-secre", StatusCode::UNAUTHENTICATED);
+}
+
+// Without a rollout token (loopback) sending and reading are open; the trainers' calls still need
+// theirs, and the trainer credential still cannot send.
+TEST_F(DispatcherServiceTest, AnOpenIngestStillGuardsTheTrainersCalls) {
+  Start(8, 1 << 16, {.trainer_token = "train-secret"});
+  auto stub = Stub();
+  EXPECT_TRUE(CallAs(*stub, "Ingest", "").ok());
+  EXPECT_TRUE(CallAs(*stub, "GetStatus", "").ok());
+  EXPECT_EQ(CallAs(*stub, "Ingest", "train-secret").error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  for (const char* rpc : {"RegisterTrainer", "FetchPartition", "ReportStep"}) {
+    const grpc::Status status = CallAs(*stub, rpc, "");
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
+    EXPECT_THAT(status.error_message(), HasSubstr("needs the trainer credential"));
+  }
+  const grpc::Status registered = CallAs(*stub, "RegisterTrainer", "train-secret");
+  EXPECT_TRUE(registered.ok()) << registered.error_message();
+}
+
+TEST(IsLoopbackAddress, ParsesAndResolvesTheHost) {
+  for (const char* loopback :
+       {"127.0.0.1:50051", "127.3.2.1:1", "localhost:50051", "[::1]:50051", "unix:/tmp/d.sock"}) {
+    EXPECT_TRUE(IsLoopbackAddress(loopback)) << loopback;
+  }
+  for (const char* remote : {"0.0.0.0:50051", ":50051", "[::]:50051", "10.1.2.3:50051",
+                             "127.evil.invalid:50051", "127.0.0.1.invalid:50051", "[::1:50051"}) {
+    EXPECT_FALSE(IsLoopbackAddress(remote)) << remote;
+  }
+}
+
+// The dispatcher's trainer token: created once (64 hex digits, mode 0600), read back unchanged
+// afterwards (a restart keeps it), refused when others could read it.
+TEST(ReadOrCreateTokenFile, CreatesAPrivateTokenOnceAndRefusesALooseOne) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / ("token_file_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "trainer-token").string();
+  absl::StatusOr<std::string> created = ReadOrCreateTokenFile(path);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_THAT(*created, ::testing::MatchesRegex("[0-9a-f]{64}"));
+  EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  absl::StatusOr<std::string> again = ReadOrCreateTokenFile(path);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *created);
+  const std::string other = (dir / "other-token").string();
+  absl::StatusOr<std::string> different = ReadOrCreateTokenFile(other);
+  ASSERT_TRUE(different.ok());
+  EXPECT_NE(*different, *created);
+  std::filesystem::permissions(path, std::filesystem::perms::group_read,
+                               std::filesystem::perm_options::add);
+  absl::StatusOr<std::string> loose = ReadOrCreateTokenFile(path);
+  EXPECT_EQ(loose.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(loose.status().message(), HasSubstr("chmod 600"));
+  std::filesystem::remove_all(dir);
 }
 
 std::string DispatcherBinary() { return (testing::BinaryDirectory() / "dta-dispatcher").string(); }
@@ -400,9 +583,15 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
     if (next == kTotal) {
       stream->WritesDone();
       EXPECT_TRUE(stream->Finish().ok());
-      // Train everything through a trainer on the last incarnation.
+      // Train everything through a trainer on the last incarnation, with the trainer token the
+      // first incarnation created beside the log (kept across restarts).
+      absl::StatusOr<std::string> token =
+          ReadCredentialFile((dir_ / "log.wal.trainer-token").string(), /*trim=*/true);
+      ASSERT_TRUE(token.ok()) << token.status();
+      const std::string bearer = "Bearer " + *token;
       grpc::ClientContext register_context;
       register_context.set_deadline(In(10));
+      register_context.AddMetadata("authorization", bearer);
       v1::RegisterTrainerRequest registration;
       registration.set_world_size(1);
       registration.set_trainer_id("trainer");
@@ -412,6 +601,7 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
       for (int64_t step = 0; step < kTotal / 10; ++step) {
         grpc::ClientContext fetch_context;
         fetch_context.set_deadline(In(10));
+        fetch_context.AddMetadata("authorization", bearer);
         v1::FetchPartitionRequest fetch;
         fetch.set_step(step);
         fetch.set_generation(registered.generation());
@@ -420,6 +610,7 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
         for (const v1::Trajectory& t : fetched.partition().trajectories()) trained.insert(t.id());
         grpc::ClientContext report_context;
         report_context.set_deadline(In(10));
+        report_context.AddMetadata("authorization", bearer);
         v1::ReportStepRequest report;
         report.mutable_report()->set_step(step);
         report.mutable_report()->set_generation(registered.generation());
@@ -444,9 +635,10 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
   EXPECT_EQ(acknowledged.size(), static_cast<size_t>(kTotal));
 }
 
-// Anything but loopback needs TLS and a token: without them dta-dispatcher refuses to start; with
-// them a client that trusts the certificate and presents the token gets in, one without the token
-// does not.
+// Anything but loopback needs TLS and a rollout token: without them dta-dispatcher refuses to
+// start; with them a client that trusts the certificate and presents a token gets in, one without
+// does not. The trainer token it created beside the log (mode 0600, named at start) is the one
+// trainers must present; the retired shared --token_file is refused with the flags to use.
 TEST_F(DispatcherServiceTest, RemoteAddressesNeedTlsAndAToken) {
   const std::string binary = DispatcherBinary();
   const std::string port = std::to_string(testing::FreeLoopbackPort());
@@ -464,9 +656,15 @@ TEST_F(DispatcherServiceTest, RemoteAddressesNeedTlsAndAToken) {
       key + " -out " + cert + " >/dev/null 2>&1";
   ASSERT_EQ(std::system(make_certificate.c_str()), 0);
   std::ofstream(dir_ / "token") << "s3cret\n";
+  std::vector<std::string> retired = common;
+  retired.insert(retired.end(), {"--tls_cert=" + cert, "--tls_key=" + key,
+                                 "--token_file=" + (dir_ / "token").string()});
+  testing::Process shared(retired, (dir_ / "shared.log").string());
+  EXPECT_EQ(shared.Wait(std::chrono::seconds(30)), 2);
+  EXPECT_THAT(shared.Log(), HasSubstr("--token_file is gone"));
   std::vector<std::string> secure = common;
   secure.insert(secure.end(), {"--tls_cert=" + cert, "--tls_key=" + key,
-                               "--token_file=" + (dir_ / "token").string()});
+                               "--rollout_token_file=" + (dir_ / "token").string()});
   testing::Process server(secure, (dir_ / "server.log").string());
   absl::StatusOr<std::string> roots = ReadCredentialFile(cert, /*trim=*/false);
   ASSERT_TRUE(roots.ok());
@@ -480,6 +678,18 @@ TEST_F(DispatcherServiceTest, RemoteAddressesNeedTlsAndAToken) {
   options.token = "";
   TrainerClient without_token(options);
   EXPECT_EQ(without_token.Status().status().code(), absl::StatusCode::kUnauthenticated);
+
+  const std::filesystem::path trainer_token = dir_ / "log.wal.trainer-token";
+  ASSERT_TRUE(std::filesystem::exists(trainer_token)) << server.Log();
+  EXPECT_EQ(std::filesystem::status(trainer_token).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  EXPECT_THAT(server.Log(), HasSubstr("trainers present the token in " + trainer_token.string()));
+  absl::StatusOr<std::string> token = ReadCredentialFile(trainer_token.string(), /*trim=*/true);
+  ASSERT_TRUE(token.ok()) << token.status();
+  EXPECT_EQ(token->size(), 64u);
+  options.token = *token;
+  TrainerClient trainer(options);
+  EXPECT_TRUE(trainer.Status().ok());
   server.Kill(SIGTERM);
   EXPECT_EQ(server.Wait(std::chrono::seconds(30)), 0) << server.Log();
 }

@@ -95,6 +95,27 @@ class WalTest : public ::testing::Test {
   std::string path_;
 };
 
+// The log holds every trajectory: its owner alone may read it, when created, when an existing
+// looser one is opened, and after a rewrite replaces the file.
+TEST_F(WalTest, TheLogIsPrivateToItsOwner) {
+  auto mode = [&] { return fs::status(path_).permissions() & fs::perms::all; };
+  const fs::perms owner = fs::perms::owner_read | fs::perms::owner_write;
+  std::vector<Record> replayed;
+  {
+    auto wal = OpenCollect(Options(), replayed);
+    ASSERT_TRUE(wal.ok()) << wal.status();
+    EXPECT_EQ(mode(), owner);
+  }
+  fs::permissions(path_, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                             fs::perms::others_read);
+  auto wal = OpenCollect(Options(), replayed);
+  ASSERT_TRUE(wal.ok()) << wal.status();
+  EXPECT_EQ(mode(), owner);
+  ASSERT_TRUE((*wal)->Append(1, "x").ok());
+  ASSERT_TRUE((*wal)->Rewrite({}).ok());
+  EXPECT_EQ(mode(), owner);
+}
+
 TEST_F(WalTest, RoundTripOddSizes) {
   std::mt19937 rng(7);
   std::vector<Record> written;
