@@ -635,6 +635,53 @@ TEST_F(DispatcherServiceTest, KillNineBetweenAcknowledgementsLosesAndDuplicatesN
   EXPECT_EQ(acknowledged.size(), static_cast<size_t>(kTotal));
 }
 
+// A file-size limit (ulimit -f) reached mid-ingestion: the write fails (SIGXFSZ is ignored, so the
+// process is not killed mid-write), the trajectory is not acknowledged, and the dispatcher ends
+// with status 1 saying why. Restarted without the limit, it holds every acknowledged trajectory.
+TEST_F(DispatcherServiceTest, AFileSizeLimitEndsTheDispatcherWithStatusOneLosingNothing) {
+  const std::string port = std::to_string(testing::FreeLoopbackPort());
+  const std::string address = "127.0.0.1:" + port;
+  const std::string command = DispatcherBinary() + " --wal=" + (dir_ / "log.wal").string() +
+                              " --listen=" + address + " --batch_rollouts=1000 --max_pending=1000" +
+                              " --vocab_size=100";
+  int acknowledged = 0;
+  {
+    testing::Process limited({"/bin/bash", "-c", "ulimit -f 16 && exec " + command},
+                             (dir_ / "limited.log").string());
+    auto stub =
+        v1::Dispatcher::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(In(60));
+    context.set_wait_for_ready(true);
+    auto stream = stub->Ingest(&context);
+    for (int i = 0; i < 1000; ++i) {  // 16 KiB hold far fewer
+      v1::IngestRequest request;
+      *request.mutable_trajectory() = Make("f" + std::to_string(i), i);
+      v1::IngestResponse answer;
+      if (!stream->Write(request) || !stream->Read(&answer)) break;
+      ASSERT_EQ(answer.outcome(), v1::IngestResponse::ACCEPTED) << answer.reason();
+      ++acknowledged;
+    }
+    const grpc::Status status = stream->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+    EXPECT_GT(acknowledged, 10);
+    EXPECT_LT(acknowledged, 1000);
+    EXPECT_EQ(limited.Wait(std::chrono::seconds(30)), 1) << limited.Log();
+    EXPECT_THAT(limited.Log(), HasSubstr("restart me"));
+  }
+  testing::Process restarted(
+      {DispatcherBinary(), "--wal=" + (dir_ / "log.wal").string(), "--listen=" + address,
+       "--batch_rollouts=1000", "--max_pending=1000", "--vocab_size=100"},
+      (dir_ / "restarted.log").string());
+  ClientOptions options{.address = address, .retry_for = absl::Seconds(20)};
+  TrainerClient client(options);
+  absl::StatusOr<v1::GetStatusResponse> status = client.Status();
+  ASSERT_TRUE(status.ok()) << status.status() << "\n" << restarted.Log();
+  EXPECT_EQ(status->pending_trajectories(), acknowledged);
+  restarted.Kill(SIGTERM);
+  EXPECT_EQ(restarted.Wait(std::chrono::seconds(30)), 0);
+}
+
 // Anything but loopback needs TLS and a rollout token: without them dta-dispatcher refuses to
 // start; with them a client that trusts the certificate and presents a token gets in, one without
 // does not. The trainer token it created beside the log (mode 0600, named at start) is the one
