@@ -365,6 +365,28 @@ def test_bad_input_names_the_trajectory_and_field(checkpoint, trajectories, tmp_
         dta.Trainer(checkpoint[1], dtype="float16")
 
 
+def test_a_batch_that_trains_nothing_or_repeats_an_id_is_refused_without_a_step(checkpoint, trajectories):
+    """An empty batch, one whose every loss_mask is 0, and one with an id twice are refused with
+    a ValueError naming why; the optimizer takes no step and the weights stay as they were."""
+    trainer = dta.Trainer(checkpoint[1], dtype="float64", lr=1e-2)
+    before = {name: p.detach().clone() for name, p in trainer.parameters().items()}
+    masked = [dataclasses.replace(t, loss_mask=[0] * len(t.tokens)) for t in trajectories]
+    twice = [trajectories[0], trajectories[1], dataclasses.replace(trajectories[2], id=trajectories[0].id)]
+    for batch, message in [([], "the batch is empty"),
+                           (masked, f"no trajectory of the {len(masked)} has a trained token"),
+                           (twice, rf"trajectory 2 \('{trajectories[0].id}'\): field 'id': the same id as trajectory 0")]:
+        for loss in ("grpo", "sft"):
+            with pytest.raises(ValueError, match=message):
+                trainer.train_batch(batch, loss)
+    with pytest.raises(ValueError, match="field 'id'"):
+        trainer.compute_logprobs(twice)
+    assert trainer.compute_logprobs([]) == []
+    assert trainer.step_count == 0
+    for name, p in trainer.parameters().items():
+        assert torch.equal(p.detach(), before[name]), name
+    assert trainer.train_batch(trajectories, "grpo").step == 1  # the same trainer still trains
+
+
 
 def test_executor_defaults_are_the_cpp_structs():
     """dta.ExecutorOptions takes its defaults from dta::ExecutorOptions (test_train_cli.py checks

@@ -388,8 +388,10 @@ class Trainer:
             The loss, token counts, time and the optimizer step's gradient norm.
 
         Raises:
-            ValueError: A bad trajectory (``trajectory 3 ('r7'): field 'loss_mask': ...``), a bad
-                option value, or a grpo batch where a trajectory has neither reward nor advantages.
+            ValueError: A bad trajectory (``trajectory 3 ('r7'): field 'loss_mask': ...``), two
+                trajectories with one id, an empty batch or one without a trained token (nothing is
+                computed and the optimizer does not step), a bad option value, or a grpo batch
+                where a trajectory has neither reward nor advantages.
             TypeError: An unknown option.
             Whatever a callable loss raises.
         """
@@ -404,7 +406,7 @@ class Trainer:
                           method: str = DEFAULT_METHOD, *, accumulate: bool = False, **options: Any) -> TrainStats:
         """Like :meth:`train_batch` without the optimizer step; with ``accumulate`` the gradients
         are added to the current ones instead of replacing them."""
-        batch = self._checked(trajectories)
+        batch = self._checked(trajectories, training=True)
         loss_options, executor_options = _split_options(options)
         executor = ExecutorOptions(**executor_options)._to_core(method)
         custom = None
@@ -566,8 +568,12 @@ class Trainer:
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _checked(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    def _checked(self, trajectories: Sequence[Trajectory], *, training: bool = False) -> list[Trajectory]:
+        """The batch as a list, every trajectory validated and every id unique; for training also
+        non-empty with at least one trained token (so that no optimizer step follows a batch that
+        trains nothing)."""
         batch = list(trajectories)
+        first_of: dict[str, int] = {}
         for i, t in enumerate(batch):
             if not isinstance(t, Trajectory):
                 raise TypeError(f"trajectory {i}: expected dta.Trajectory, got {type(t).__name__}")
@@ -575,6 +581,15 @@ class Trainer:
                 t.validate(self.vocab_size)
             except ValueError as e:
                 raise ValueError(f"trajectory {i} ({t.id!r}): {e}") from None
+            if t.id in first_of:
+                raise ValueError(f"trajectory {i} ({t.id!r}): field 'id': the same id as trajectory "
+                                 f"{first_of[t.id]} (ids must be unique within a batch)")
+            first_of[t.id] = i
+        if training and not batch:
+            raise ValueError("the batch is empty: nothing to train (no gradient computed, no step taken)")
+        if training and not any(any(t.loss_mask) for t in batch):
+            raise ValueError(f"no trajectory of the {len(batch)} has a trained token (every loss_mask is 0): "
+                             "nothing to train (no gradient computed, no step taken)")
         return batch
 
     def _synchronize(self) -> None:
