@@ -145,19 +145,18 @@ int Run() {
       return Fail(kExitBadInput, absl::StrCat("--rollout_token_file: ", token.status().message()));
     service_options.rollout_token = *std::move(token);
   }
-  std::string trainer_token_path = absl::GetFlag(FLAGS_trainer_token_file);
-  if (trainer_token_path.empty()) {
-    trainer_token_path = options.wal_path + ".trainer-token";
-    absl::StatusOr<std::string> token = ReadOrCreateTokenFile(trainer_token_path);
-    if (!token.ok())
-      return Fail(kExitBadInput, absl::StrCat("trainer token: ", token.status().message()));
-    service_options.trainer_token = *std::move(token);
-  } else {
-    absl::StatusOr<std::string> token = ReadCredentialFile(trainer_token_path, /*trim=*/true);
-    if (!token.ok())
-      return Fail(kExitBadInput, absl::StrCat("--trainer_token_file: ", token.status().message()));
-    service_options.trainer_token = *std::move(token);
+  // The trainers' credential: the file given, or one created beside the log (kept across restarts).
+  const bool given = !absl::GetFlag(FLAGS_trainer_token_file).empty();
+  const std::string trainer_token_path =
+      given ? absl::GetFlag(FLAGS_trainer_token_file) : options.wal_path + ".trainer-token";
+  absl::StatusOr<std::string> trainer_token =
+      given ? ReadCredentialFile(trainer_token_path, /*trim=*/true)
+            : ReadOrCreateTokenFile(trainer_token_path);
+  if (!trainer_token.ok()) {
+    return Fail(kExitBadInput, absl::StrCat(given ? "--trainer_token_file: " : "trainer token: ",
+                                            trainer_token.status().message()));
   }
+  service_options.trainer_token = *std::move(trainer_token);
   if (service_options.rollout_token == service_options.trainer_token) {
     return Fail(kExitBadInput,
                 "--rollout_token_file and the trainer token hold the same token: each role needs "

@@ -51,6 +51,12 @@ std::string Fingerprint(const std::vector<std::pair<std::string, at::Tensor>>& n
   return text;
 }
 
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
 DType SafetensorsDtype(at::ScalarType t) { return t == at::kDouble ? DType::kF64 : DType::kF32; }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -331,16 +337,12 @@ void ShardedAdamW::OffloadedUpdate(const at::Tensor& shard, double clip_coef,
   at::Tensor rounded[2] = {at::empty({b}, host.dtype(param_dtype_)),
                            at::empty({b}, host.dtype(param_dtype_))};
   c10::impl::VirtualGuardImpl guard(device_.type());
-  using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point start) {
-    return std::chrono::duration<double>(Clock::now() - start).count();
-  };
   offload_times_ = {};
   const Clock::time_point start = Clock::now();
   auto wait_for_copies = [&] {
     const Clock::time_point wait_start = Clock::now();
     if (pinned) guard.getStream(device_).synchronize();
-    offload_times_.copy_wait += seconds_since(wait_start);
+    offload_times_.copy_wait += SecondsSince(wait_start);
   };
   auto fetch = [&](int64_t begin) {
     const int64_t count = std::min(b, shard_ - begin);
@@ -357,11 +359,11 @@ void ShardedAdamW::OffloadedUpdate(const at::Tensor& shard, double clip_coef,
     at::Tensor out = rounded[k].narrow(0, 0, count);
     const Clock::time_point update_start = Clock::now();
     HostAdamWUpdate(w, m, v, grads[k].narrow(0, 0, count), clip_coef, scalars, out);
-    offload_times_.update += seconds_since(update_start);
+    offload_times_.update += SecondsSince(update_start);
     return out.to(device_, /*non_blocking=*/pinned);
   });
   wait_for_copies();  // the pinned buffers outlive every copy from them
-  offload_times_.total = seconds_since(start);
+  offload_times_.total = SecondsSince(start);
 }
 
 void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
@@ -380,7 +382,6 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
   c10::Event loaded[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
   c10::Event updated[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
   c10::Event stored[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
-  using Clock = std::chrono::steady_clock;
   offload_times_ = {};
   const Clock::time_point start = Clock::now();
   auto load = [&](int64_t begin) {
@@ -424,9 +425,8 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
   // The host's state is final, and the slots idle, once the last copy back has finished.
   const Clock::time_point wait_start = Clock::now();
   copy_out.synchronize();
-  const Clock::time_point end = Clock::now();
-  offload_times_.copy_wait = std::chrono::duration<double>(end - wait_start).count();
-  offload_times_.total = std::chrono::duration<double>(end - start).count();
+  offload_times_.copy_wait = SecondsSince(wait_start);
+  offload_times_.total = SecondsSince(start);
 }
 
 std::string ShardedAdamW::ShardFileName(int rank, int world) {

@@ -81,6 +81,19 @@ class DispatcherServiceTest : public ::testing::Test {
     address_ = "127.0.0.1:" + std::to_string(port);
   }
 
+  // Registers a one-rank trainer on the core and fetches step 0 (taking a batch out of the pending
+  // pool); returns the generation.
+  int64_t TakeFirstBatch() {
+    v1::RegisterTrainerRequest registration;
+    registration.set_world_size(1);
+    registration.set_trainer_id("t");
+    const int64_t generation = core_->RegisterTrainer(registration)->generation();
+    v1::FetchPartitionRequest fetch;
+    fetch.set_generation(generation);
+    EXPECT_TRUE(core_->FetchPartition(fetch).ok());
+    return generation;
+  }
+
   std::unique_ptr<v1::Dispatcher::Stub> Stub() {
     return v1::Dispatcher::NewStub(
         grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
@@ -261,20 +274,16 @@ TEST_F(DispatcherServiceTest, AFullPendingPoolPausesIngestionUntilABatchIsTaken)
     EXPECT_TRUE(stream->Finish().ok());
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  EXPECT_EQ(answered, 5);  // the pool is full: the sixth is not read
-  v1::RegisterTrainerRequest registration;
-  registration.set_world_size(1);
-  registration.set_trainer_id("t");
-  const int64_t generation = core_->RegisterTrainer(registration)->generation();
-  v1::FetchPartitionRequest fetch;
-  fetch.set_generation(generation);
-  ASSERT_TRUE(core_->FetchPartition(fetch).ok());  // takes 5 out of the pool
+  EXPECT_EQ(answered, 5);                       // the pool is full: the sixth is not read
+  const int64_t generation = TakeFirstBatch();  // takes 5 out of the pool
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   EXPECT_EQ(answered, 10);
   v1::StepReport report;
   report.set_generation(generation);
   report.set_phase(v1::StepReport::PREPARED);
   ASSERT_EQ(core_->ReportStep(report)->decision(), v1::ReportStepResponse::COMMIT);
+  v1::FetchPartitionRequest fetch;
+  fetch.set_generation(generation);
   fetch.set_step(1);
   ASSERT_TRUE(core_->FetchPartition(fetch).ok());
   client.join();
@@ -290,7 +299,6 @@ TEST_F(DispatcherServiceTest, MaxPendingHoldsHoweverManyStreamsConnectAndReconne
   constexpr int kClients = 24;
   std::atomic<bool> stop{false};
   std::atomic<int> acknowledged{0};
-  std::atomic<int64_t> most_pending{0};
   std::vector<std::thread> clients;
   for (int c = 0; c < kClients; ++c) {
     clients.emplace_back([&, c] {
@@ -312,31 +320,23 @@ TEST_F(DispatcherServiceTest, MaxPendingHoldsHoweverManyStreamsConnectAndReconne
       }
     });
   }
-  const auto watch_until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-  while (std::chrono::steady_clock::now() < watch_until) {
-    const int64_t pending = core_->GetStatus().pending_trajectories();
-    most_pending = std::max<int64_t>(most_pending, pending);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  EXPECT_EQ(most_pending.load(), 4);
+  int64_t most_pending = 0;
+  auto watch = [&](std::chrono::seconds how_long) {  // the pool's size, sampled every 5 ms
+    const auto until = std::chrono::steady_clock::now() + how_long;
+    while (std::chrono::steady_clock::now() < until) {
+      most_pending = std::max<int64_t>(most_pending, core_->GetStatus().pending_trajectories());
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  watch(std::chrono::seconds(3));
+  EXPECT_EQ(most_pending, 4);
   EXPECT_EQ(acknowledged.load(), 4);
   EXPECT_EQ(core_->GetStatistics().accepted(), 4);
-  // A trainer takes the batch: the next 4 get in, and no more.
-  v1::RegisterTrainerRequest registration;
-  registration.set_world_size(1);
-  registration.set_trainer_id("t");
-  const int64_t generation = core_->RegisterTrainer(registration)->generation();
-  v1::FetchPartitionRequest fetch;
-  fetch.set_generation(generation);
-  ASSERT_TRUE(core_->FetchPartition(fetch).ok());
-  const auto settle_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (std::chrono::steady_clock::now() < settle_until) {
-    most_pending = std::max<int64_t>(most_pending, core_->GetStatus().pending_trajectories());
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  TakeFirstBatch();  // the next 4 get in, and no more
+  watch(std::chrono::seconds(2));
   stop = true;
   for (std::thread& t : clients) t.join();
-  EXPECT_EQ(most_pending.load(), 4);
+  EXPECT_EQ(most_pending, 4);
   EXPECT_EQ(core_->GetStatistics().accepted(), 8);
   EXPECT_EQ(acknowledged.load(), 8);
 }
