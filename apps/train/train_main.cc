@@ -36,6 +36,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,7 @@
 #include "core/partition/partition.h"
 #include "core/tree/tree_stats.h"
 #include "dispatcher/batch/batch_plan.h"
+#include "executor/checkpoint/training_checkpoint.h"
 #include "executor/distributed/parallel_groups.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
@@ -61,11 +63,11 @@ ABSL_FLAG(std::string, rollouts, "", "rollout file (JSON Lines); required");
 ABSL_FLAG(int32_t, steps, 1, "optimizer steps over the batch");
 ABSL_FLAG(std::string, dump_grads, "", "write the first step's gradients to this safetensors file");
 ABSL_FLAG(std::string, save, "",
-          "save the trained model (HF format) and optimizer state to this directory");
-ABSL_FLAG(
-    std::string, resume, "",
-    "load optimizer state (optimizer.safetensors, or optimizer-*-of-*.safetensors when sharded or "
-    "offloaded) from this directory first");
+          "save a checkpoint to this directory: DIR/model (Hugging Face, --checkpoint_dtype) and "
+          "DIR/optimizer");
+ABSL_FLAG(std::string, resume, "",
+          "resume the optimizer (and through its master weights the parameters) from a checkpoint "
+          "directory that --save wrote, or from its optimizer/ state");
 ABSL_FLAG(bool, json, false, "print one JSON object per step instead of a table");
 ABSL_FLAG(std::string, metrics, "", "also append one JSON object per step to this file");
 ABSL_FLAG(bool, distributed, false,
@@ -97,6 +99,10 @@ void PrintSplit(const PrefixTree& tree, const PartitionPlan& plan, int world_siz
 
 int Run() {
   const LossOptions loss = LossFromFlags();
+  const ModelExportOptions model_export = ModelExportFromFlags();
+  // Checked now, set once the optimizer knows its step (a resumed run decays over its whole
+  // length: the steps it resumed from plus --steps).
+  LrScheduleFromFlags(std::numeric_limits<int64_t>::max());
   const ExecutorOptions executor = ExecutorFromFlags();
   const std::string path = absl::GetFlag(FLAGS_rollouts);
   if (path.empty()) throw BadInput{"--rollouts is required"};
@@ -174,7 +180,10 @@ int Run() {
   if (leader && !optimizer.DescribeOffload().empty()) {
     std::cerr << "dta-train: " << optimizer.DescribeOffload() << "\n";
   }
-  if (!absl::GetFlag(FLAGS_resume).empty()) optimizer.LoadState(absl::GetFlag(FLAGS_resume));
+  if (!absl::GetFlag(FLAGS_resume).empty()) {
+    optimizer.LoadState(OptimizerStatePath(absl::GetFlag(FLAGS_resume)));
+  }
+  optimizer.set_schedule(LrScheduleFromFlags(optimizer.step() + absl::GetFlag(FLAGS_steps)));
   const bool json = absl::GetFlag(FLAGS_json);
   if (!json && leader) {
     std::cout << absl::StrFormat(
@@ -229,6 +238,7 @@ int Run() {
                                  {"method", absl::GetFlag(FLAGS_method)},
                                  {"loss", result.loss},
                                  {"grad_norm", step_stats.grad_norm},
+                                 {"lr", step_stats.lr},
                                  {"rollout_tokens", result.rollout_tokens},
                                  {"tree_tokens", stats.tree_tokens},
                                  {"forwarded_tokens", result.forwarded_tokens},
@@ -254,9 +264,10 @@ int Run() {
   }
   if (!absl::GetFlag(FLAGS_save).empty()) {
     const std::string dir = absl::GetFlag(FLAGS_save);
-    // Replica 0's TP ranks gather the split weights; world rank 0 writes them.
-    if (!groups || groups->data_parallel_rank() == 0) SaveQwen3Model(model, dir);
-    optimizer.SaveState(dir);  // every rank writes what it owns
+    // Replica 0's TP ranks gather the split weights (world rank 0 writes them); every rank writes
+    // the optimizer state it owns.
+    SaveTrainingCheckpoint(dir, model, &optimizer, !groups || groups->data_parallel_rank() == 0,
+                           model_export);
   }
   if (world) world->Barrier();  // rank 0's store outlives the others' last collective
   return 0;

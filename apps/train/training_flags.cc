@@ -8,6 +8,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
 #include "executor/distributed/device_layout.h"
@@ -48,6 +49,9 @@ ABSL_FLAG(double, entropy_coef, 0.0, "entropy bonus coefficient");
 ABSL_FLAG(double, kl_coef, 0.0, "KL-to-reference coefficient (needs ref_logprobs)");
 ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda[:N]");
+ABSL_FLAG(std::string, checkpoint_dtype, "bfloat16",
+          "the published model's weights: bfloat16, float16, float32, float64 or model (--dtype); "
+          "resuming is exact either way (the optimizer's master weights)");
 ABSL_FLAG(int64_t, block_size, BlockSizeFlag(kExecutorDefaults.block_size),
           "dta: B, the most tokens per backward chunk (0 = unbounded, -1 = automatic: the longest "
           "rollout if "
@@ -63,7 +67,13 @@ ABSL_FLAG(bool, checkpointing, kExecutorDefaults.checkpointing,
 ABSL_FLAG(bool, pack, kExecutorDefaults.pack, "dta: pack small complete subtrees into one forward");
 ABSL_FLAG(std::string, order, std::string(dta::LeafOrderName(kExecutorDefaults.order)),
           "dta: leaf order, backward-dfs or lexicographic");
-ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate");
+ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate (the peak, with a schedule)");
+ABSL_FLAG(std::string, lr_schedule, "constant",
+          "learning-rate decay after the warmup: constant, linear or cosine");
+ABSL_FLAG(int64_t, warmup_steps, 0, "optimizer steps of linear warmup, from lr/N to lr");
+ABSL_FLAG(int64_t, decay_steps, 0,
+          "the optimizer step where a linear or cosine decay ends (0: the run's last step)");
+ABSL_FLAG(double, min_lr_ratio, 0.0, "the decayed learning rate's floor, as a fraction of --lr");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
 ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient norm clip (<= 0: off)");
 ABSL_FLAG(std::string, shard_optimizer, "auto",
@@ -149,6 +159,28 @@ ExecutorOptions ExecutorFromFlags() {
     options.order = LeafOrderKind::kLexicographic;
   } else {
     throw BadInput{"--order must be backward-dfs or lexicographic, got '" + order + "'"};
+  }
+  return options;
+}
+
+ModelExportOptions ModelExportFromFlags() {
+  const std::string dtype = absl::GetFlag(FLAGS_checkpoint_dtype);
+  ModelExportOptions options;
+  options.source_directory = absl::GetFlag(FLAGS_model);
+  if (dtype == "model") {
+    options.dtype = std::nullopt;
+  } else if (dtype == "bfloat16") {
+    options.dtype = at::kBFloat16;
+  } else if (dtype == "float16") {
+    options.dtype = at::kHalf;
+  } else if (dtype == "float32") {
+    options.dtype = at::kFloat;
+  } else if (dtype == "float64") {
+    options.dtype = at::kDouble;
+  } else {
+    throw BadInput{
+        "--checkpoint_dtype must be bfloat16, float16, float32, float64 or model, got '" + dtype +
+        "'"};
   }
   return options;
 }
@@ -245,6 +277,28 @@ OffloadUpdate OffloadUpdateFromFlags() {
   if (where == "gpu") return OffloadUpdate::kOnDevice;
   if (where == "host") return OffloadUpdate::kOnHost;
   throw BadInput{"--offload_update must be gpu or host, got '" + where + "'"};
+}
+
+LrSchedule LrScheduleFromFlags(int64_t run_steps) {
+  absl::StatusOr<LrDecay> decay = ParseLrDecay(absl::GetFlag(FLAGS_lr_schedule));
+  if (!decay.ok()) throw BadInput{absl::StrCat("--lr_schedule: ", decay.status().message())};
+  const int64_t decay_steps = absl::GetFlag(FLAGS_decay_steps);
+  const LrSchedule schedule = {.decay = *decay,
+                               .warmup_steps = absl::GetFlag(FLAGS_warmup_steps),
+                               .total_steps = decay_steps > 0 ? decay_steps : run_steps,
+                               .min_lr_ratio = absl::GetFlag(FLAGS_min_lr_ratio)};
+  if (schedule.warmup_steps < 0) throw BadInput{"--warmup_steps must be >= 0"};
+  if (decay_steps < 0) throw BadInput{"--decay_steps must be >= 0"};
+  if (!(schedule.min_lr_ratio >= 0.0 && schedule.min_lr_ratio <= 1.0)) {
+    throw BadInput{"--min_lr_ratio must be in [0, 1]"};
+  }
+  if (schedule.decay != LrDecay::kConstant && schedule.total_steps <= schedule.warmup_steps) {
+    throw BadInput{absl::StrCat("--lr_schedule=", absl::GetFlag(FLAGS_lr_schedule),
+                                " decays until --decay_steps (default: the run's last step), "
+                                "which must be above --warmup_steps (",
+                                schedule.warmup_steps, "); it is ", schedule.total_steps)};
+  }
+  return schedule;
 }
 
 AdamWOptions AdamWFromFlags() {

@@ -14,9 +14,11 @@
 #include "absl/flags/declare.h"
 #include "core/base/exit_codes.h"
 #include "core/layout/memory_plan.h"
+#include "core/schedule/lr_schedule.h"
 #include "executor/distributed/sharded_adamw.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
+#include "executor/model/qwen3_checkpoint.h"
 #include "executor/model/qwen3_model.h"
 #include "executor/optim/adamw.h"
 
@@ -34,6 +36,12 @@ LossOptions LossFromFlags();
 ExecutorOptions ExecutorFromFlags();
 at::TensorOptions TensorOptionsFromFlags();
 AdamWOptions AdamWFromFlags();
+// --lr_schedule, --warmup_steps, --decay_steps (0: `run_steps`, the run's last step) and
+// --min_lr_ratio; BadInput naming the flag when they do not make a schedule.
+LrSchedule LrScheduleFromFlags(int64_t run_steps);
+// How checkpoints publish the model: --checkpoint_dtype, and --model's directory for the tokenizer
+// and generation config (executor/model/qwen3_checkpoint.h).
+ModelExportOptions ModelExportFromFlags();
 // The layout (tensor parallelism, optimizer sharding and offload) for `world_size` ranks on
 // `device`, from --tensor_parallel, --shard_optimizer, --offload_optimizer, --gpu_memory_gb and
 // --activation_gb and the device's memory (core/layout's planner). BadInput with the planner's

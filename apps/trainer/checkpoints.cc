@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "core/base/remove_tree.h"
-#include "executor/model/qwen3_checkpoint.h"
+#include "executor/checkpoint/training_checkpoint.h"
 #include "nlohmann/json.hpp"
 
 namespace dta {
@@ -72,9 +72,10 @@ std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
   return found.back();
 }
 
-void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
-                    const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep,
-                    const CheckpointRanks& ranks) {
+CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
+                              const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep,
+                              const CheckpointRanks& ranks,
+                              const ModelExportOptions& model_export) {
   TORCH_CHECK(keep >= 1, "checkpoints to keep must be >= 1, got ", keep);
   const int rank = ranks.world != nullptr ? ranks.world->rank() : 0;
   const fs::path final_path = fs::path(directory) / StepName(step);
@@ -88,10 +89,12 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
     RemoveTree(final_path);  // a step saved again (after a replay) is replaced
   }
   if (ranks.world != nullptr) ranks.world->Barrier();  // nobody writes into what rank 0 clears
-  optimizer.SaveState(tmp.string());                   // what this rank owns (maybe nothing)
-  if (ranks.data_parallel_rank == 0) SaveQwen3Model(model, tmp.string());
+  // What this rank owns: its optimizer state (maybe nothing), and the model on the first replica.
+  SaveTrainingCheckpoint(tmp.string(), model, &optimizer, ranks.data_parallel_rank == 0,
+                         model_export);
   if (ranks.world != nullptr) ranks.world->Barrier();  // all is written before rank 0 publishes
-  if (rank != 0) return;
+  const CheckpointInfo saved = {.step = step, .path = final_path.string()};
+  if (rank != 0) return saved;
   WriteJson(tmp / kTrainerFile, {{"step", step}, {"policy_version", policy_version}});
   // On disk before it is renamed into place: the dispatcher releases the replay data of the steps a
   // checkpoint holds once trainers report it, so a checkpoint must survive a host crash.
@@ -102,13 +105,17 @@ void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_v
               error.message());
   SyncFileSystem(directory);
   WriteJson(fs::path(directory) / "latest.json",
-            {{"step", step}, {"policy_version", policy_version}, {"path", final_path.string()}});
+            {{"step", step},
+             {"policy_version", policy_version},
+             {"path", final_path.string()},
+             {"model_path", CheckpointModelPath(final_path.string())}});
   std::vector<CheckpointInfo> found = Checkpoints(directory);
   for (size_t i = 0; i + keep < found.size(); ++i) RemoveTree(found[i].path);
+  return saved;
 }
 
 void LoadCheckpoint(const CheckpointInfo& checkpoint, TrainingOptimizer& optimizer) {
-  optimizer.LoadState(checkpoint.path);
+  optimizer.LoadState(OptimizerStatePath(checkpoint.path));
   TORCH_CHECK(optimizer.step() == checkpoint.step, "checkpoint ", checkpoint.path,
               " holds an optimizer after ", optimizer.step(), " steps, not ", checkpoint.step);
 }

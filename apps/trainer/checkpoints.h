@@ -1,16 +1,19 @@
-// The trainer's checkpoints: a directory of "step-<N>" subdirectories, each a Hugging Face model
-// (config.json + safetensors, what rollout workers reload) plus the optimizer's state (moments,
-// step count and master weights, from which the parameters are restored exactly: one
-// optimizer.safetensors when it is replicated, one optimizer-RRRRR-of-WWWWW.safetensors per rank
-// when it is sharded or offloaded; see executor/distributed/training_optimizer.h) and trainer.json
+// The trainer's checkpoints: a directory of "step-<N>" subdirectories, each a training checkpoint
+// (executor/checkpoint/training_checkpoint.h): model/ exactly as SGLang, vLLM and transformers
+// load it (bf16 by default, with the source model's tokenizer and generation config), optimizer/
+// with the optimizer's state (moments, step count and master weights, from which the parameters
+// are restored exactly: one optimizer.safetensors when it is replicated, one
+// optimizer-RRRRR-of-WWWWW.safetensors per rank when it is sharded or offloaded), and trainer.json
 // {"step", "policy_version"}.
 //
 // A checkpoint is written to "step-<N>.tmp" and renamed into place, so a directory named
-// "step-<N>" is always complete; "latest.json" names the newest one for rollout workers. Every
-// rank writes what it owns into the same temporary directory before rank 0 renames it: the
-// weights (gathered across tensor-parallel ranks) and a replicated optimizer once, each slice of a
-// sharded optimizer, and each TP rank's parts (under tp-RR-of-TT/); every rank reads the directory
-// (it must be shared, e.g. on a network file system, for ranks on several hosts).
+// "step-<N>" is always complete; "latest.json" {"step", "policy_version", "path", "model_path"}
+// names the newest one, model_path being what a rollout engine reloads. Every rank writes what it
+// owns into the same temporary directory before rank 0 renames it: the weights (gathered across
+// tensor-parallel ranks) and a replicated optimizer once, each slice of a sharded optimizer, and
+// each TP rank's parts (under optimizer/tp-RR-of-TT/); every rank reads the directory (it must be
+// shared, e.g. on a network file system, for ranks on several hosts). Checkpoints written before
+// the model/ and optimizer/ split (state files beside the weights) still resume.
 //
 // Errors: c10::Error (TORCH_CHECK) naming the path.
 #pragma once
@@ -21,6 +24,7 @@
 
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
+#include "executor/model/qwen3_checkpoint.h"
 #include "executor/model/qwen3_model.h"
 
 namespace dta {
@@ -43,12 +47,13 @@ struct CheckpointRanks {
   int data_parallel_rank = 0;
 };
 
-// Writes the model and the optimizer after `step` committed steps, then removes all but the
-// newest `keep` checkpoints (keep >= 1) and points latest.json at this one. Every rank of
-// ranks.world calls it.
-void SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
-                    const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep = 2,
-                    const CheckpointRanks& ranks = {});
+// Writes the model (as `model_export` says) and the optimizer after `step` committed steps, then
+// removes all but the newest `keep` checkpoints (keep >= 1) and points latest.json at this one.
+// Every rank of ranks.world calls it; returns the checkpoint written.
+CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
+                              const Qwen3Model& model, const TrainingOptimizer& optimizer,
+                              int keep = 2, const CheckpointRanks& ranks = {},
+                              const ModelExportOptions& model_export = {});
 
 // Restores the optimizer's state and, through its master weights, the model's parameters (a
 // sharded optimizer reads the slices it needs from every rank's file: every rank calls it).

@@ -86,9 +86,10 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
     ++step;
     std::fprintf(
         stderr,
-        "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, %.2f s, optimizer %.2f s\n",
+        "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, lr %.4g, %.2f s, optimizer "
+        "%.2f s\n",
         prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
-        static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, seconds,
+        static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, stats.lr, seconds,
         optimizer_seconds);
     bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
     ProcessGroup* world = options.ranks.world;
@@ -96,8 +97,12 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
       requested = world->AllReduceScalars({requested ? 1.0 : 0.0})[0] > 0;
     }
     if (step % options.save_every == 0 || step == max_steps || requested) {
-      SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer,
-                     options.keep_checkpoints, options.ranks);
+      const CheckpointInfo saved =
+          SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer,
+                         options.keep_checkpoints, options.ranks, options.model_export);
+      if (options.on_published && (world == nullptr || world->rank() == 0)) {
+        options.on_published(saved, policy_version);
+      }
       if (requested && (world == nullptr || world->rank() == 0)) {
         std::fprintf(stderr, "%s: saved a checkpoint after step %lld, as requested\n", prefix,
                      static_cast<long long>(step - 1));

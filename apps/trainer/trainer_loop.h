@@ -52,6 +52,11 @@ struct TrainerLoopOptions {
   // Save after every this many committed steps (>= 1), after the last step and on request.
   int64_t save_every = 1;
   int keep_checkpoints = 2;
+  // How checkpoints publish the model (dtype, the source model's tokenizer and generation config).
+  ModelExportOptions model_export;
+  // Called on world rank 0 once each checkpoint is in place (e.g. EngineNotifier::Publish of its
+  // model/ directory); the policy version is the one its weights produce.
+  std::function<void(const CheckpointInfo& checkpoint, int64_t policy_version)> on_published;
   // Stop once this many steps are committed in all; 0: run until stopped.
   int64_t max_steps = 0;
   // The ranks that save checkpoints together (apps/trainer/checkpoints.h). With several ranks they

@@ -52,11 +52,13 @@
 #include "absl/strings/str_format.h"
 #include "apps/train/training_flags.h"
 #include "apps/trainer/checkpoints.h"
+#include "apps/trainer/engine_notifier.h"
 #include "apps/trainer/replica_session.h"
 #include "apps/trainer/trainer_loop.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/trainer_session.h"
+#include "executor/checkpoint/training_checkpoint.h"
 #include "executor/distributed/parallel_groups.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
@@ -78,6 +80,16 @@ ABSL_FLAG(int64_t, bucket_mb, 25,
           "gradient all-reduce (or reduce-scatter and all-gather, when sharded) bucket size, MiB");
 ABSL_FLAG(int32_t, wait_s, 86400,
           "how long to wait for a batch, or for an unreachable dispatcher, seconds");
+ABSL_FLAG(std::string, notify_engines, "",
+          "rollout engines to reload each published checkpoint (rank 0, in the background): "
+          "KIND=URL[,KIND=URL...], KIND sglang (POST /update_weights_from_disk), vllm (POST "
+          "/collective_rpc reload_weights; VLLM_SERVER_DEV_MODE=1) or areal-vllm (POST "
+          "/areal_update_weights)");
+ABSL_FLAG(std::string, notify_token_file, "",
+          "file holding the bearer token the engines expect (SGLang's --api-key or "
+          "--admin-api-key)");
+ABSL_FLAG(int32_t, notify_attempts, 3, "attempts per engine and checkpoint (1 s apart)");
+ABSL_FLAG(int32_t, notify_timeout_s, 600, "timeout of one reload request, seconds");
 ABSL_FLAG(int32_t, slow_step_ms, 0,
           "testing: sleep this long before the all-reduce (fault-injection tests)");
 
@@ -119,6 +131,15 @@ int Run() {
   if (!env.ok()) throw BadInput{std::string(env.status().message())};
   const LossOptions loss = LossFromFlags();
   const ExecutorOptions executor = ExecutorFromFlags();
+  const ModelExportOptions model_export = ModelExportFromFlags();
+  const LrSchedule schedule = LrScheduleFromFlags(absl::GetFlag(FLAGS_max_steps));
+  absl::StatusOr<std::vector<EngineEndpoint>> engines =
+      ParseEngineEndpoints(absl::GetFlag(FLAGS_notify_engines));
+  if (!engines.ok()) throw BadInput{absl::StrCat("--notify_engines: ", engines.status().message())};
+  if (absl::GetFlag(FLAGS_notify_attempts) < 1) throw BadInput{"--notify_attempts must be >= 1"};
+  if (absl::GetFlag(FLAGS_notify_timeout_s) < 1) throw BadInput{"--notify_timeout_s must be >= 1"};
+  const std::string notify_token =
+      CredentialFromFlag(absl::GetFlag(FLAGS_notify_token_file), "notify_token_file", true);
   at::TensorOptions options = TensorOptionsFromFlags();
   if (options.device().is_cuda() && !options.device().has_index()) {
     options = options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank)));
@@ -223,7 +244,15 @@ int Run() {
     std::fprintf(stderr, "%s: resumed from %s (step %lld)\n", prefix.c_str(), latest->path.c_str(),
                  static_cast<long long>(step));
   }
+  optimizer.set_schedule(schedule);  // on the committed steps' curve, resumed or not
 
+  // World rank 0 publishes checkpoints, so it tells the engines (the destructor waits for the
+  // newest to be announced).
+  EngineNotifier notifier({.engines = env->rank == 0 ? *engines : std::vector<EngineEndpoint>{},
+                           .bearer_token = notify_token,
+                           .attempts = absl::GetFlag(FLAGS_notify_attempts),
+                           .timeout = std::chrono::seconds(absl::GetFlag(FLAGS_notify_timeout_s)),
+                           .log_prefix = prefix});
   RunTrainerSteps(
       *session, model, optimizer, [&optimizer] { optimizer.SyncGradients(); }, step,
       {.loss = loss,
@@ -232,6 +261,11 @@ int Run() {
        .checkpoint_dir = checkpoint_dir,
        .save_every = absl::GetFlag(FLAGS_save_every),
        .keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints),
+       .model_export = model_export,
+       .on_published =
+           [&notifier](const CheckpointInfo& checkpoint, int64_t policy_version) {
+             notifier.Publish(CheckpointModelPath(checkpoint.path), policy_version);
+           },
        .max_steps = absl::GetFlag(FLAGS_max_steps),
        .ranks = {.world = world->get(), .data_parallel_rank = replica},
        .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),

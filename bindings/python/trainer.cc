@@ -10,6 +10,7 @@
 #include "core/checkpoint/qwen3_config.h"
 #include "core/tree/prefix_tree.h"
 #include "dispatcher/batch/batch_plan.h"
+#include "executor/checkpoint/training_checkpoint.h"
 #include "executor/model/qwen3_checkpoint.h"
 
 namespace dta::python {
@@ -93,11 +94,13 @@ std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory,
   absl::StatusOr<Qwen3Config> config =
       LoadQwen3Config((std::filesystem::path(directory) / "config.json").string());
   TORCH_CHECK(config.ok(), std::string(config.status().message()));
-  return std::unique_ptr<Trainer>(
+  std::unique_ptr<Trainer> trainer(
       new Trainer(*config, options, adamw, parallel,
                   [&](const at::TensorOptions& o, std::shared_ptr<const TensorParallelGroup> tp) {
                     return LoadQwen3Model(directory, o, std::move(tp));
                   }));
+  trainer->source_directory_ = directory;
+  return trainer;
 }
 
 std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t seed,
@@ -201,11 +204,14 @@ void Trainer::Save(const std::string& directory, std::optional<at::ScalarType> d
                    bool with_optimizer) const {
   // Replica 0's TP ranks gather the split weights (TP rank 0 writes them); every rank writes the
   // optimizer state it owns.
-  if (data_parallel_rank() == 0) SaveQwen3Model(*model_, directory, dtype);
-  if (with_optimizer) optimizer_->SaveState(directory);
+  SaveTrainingCheckpoint(directory, *model_, with_optimizer ? optimizer_.get() : nullptr,
+                         data_parallel_rank() == 0,
+                         {.dtype = dtype, .source_directory = source_directory_});
   if (world_) world_->Barrier();  // the checkpoint is complete when any rank returns
 }
 
-void Trainer::LoadOptimizer(const std::string& path) { optimizer_->LoadState(path); }
+void Trainer::LoadOptimizer(const std::string& path) {
+  optimizer_->LoadState(OptimizerStatePath(path));
+}
 
 }  // namespace dta::python

@@ -92,13 +92,16 @@ class Trainer {
   // every rank, each replica computing its share.
   std::vector<at::Tensor> ComputeLogprobs(absl::Span<const Rollout> rollouts,
                                           const ExecutorOptions& executor);
-  // Writes the model as a Hugging Face checkpoint (in `dtype`, default the model's; gathered
-  // across TP ranks) and, with `with_optimizer`, the optimizer's state (what each rank owns:
-  // optimizer.safetensors, or optimizer-RRRRR-of-WWWWW.safetensors when sharded or offloaded;
-  // under TP in tp-RR-of-TT/). Every rank calls it.
+  // Writes a training checkpoint (executor/checkpoint/training_checkpoint.h): directory/model as
+  // inference engines load it (in `dtype`, nullopt: the model's; gathered across TP ranks; with
+  // the tokenizer and generation config of the directory the model came from) and, with
+  // `with_optimizer`, directory/optimizer (what each rank owns: optimizer.safetensors, or
+  // optimizer-RRRRR-of-WWWWW.safetensors when sharded or offloaded; under TP in tp-RR-of-TT/).
+  // Every rank calls it.
   void Save(const std::string& directory, std::optional<at::ScalarType> dtype,
             bool with_optimizer) const;
-  // Restores the optimizer from a directory or file written by Save (or dta-train --save).
+  // Restores the optimizer from a checkpoint Save (or dta-train --save, or dta-trainer) wrote, its
+  // optimizer/ directory or one state file.
   void LoadOptimizer(const std::string& path);
 
   const Qwen3Model& model() const { return *model_; }
@@ -122,6 +125,8 @@ class Trainer {
   LayoutPlan layout_;
   std::optional<Qwen3Model> model_;
   std::unique_ptr<TrainingOptimizer> optimizer_;
+  // The Hugging Face directory the model was loaded from (empty: random weights).
+  std::string source_directory_;
 };
 
 }  // namespace dta::python

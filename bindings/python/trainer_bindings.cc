@@ -21,6 +21,7 @@
 #include "bindings/python/trainer.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
+#include "core/schedule/lr_schedule.h"
 
 namespace py = pybind11;
 
@@ -259,8 +260,25 @@ void RegisterTrainer(py::module_& m) {
              d["grad_norm"] = s.grad_norm;
              d["clip_coef"] = s.clip_coef;
              d["step"] = s.step;
+             d["lr"] = s.lr;
              return d;
            })
+      .def(
+          "set_lr_schedule",
+          [](BoundTrainer& self, const std::string& decay, int64_t warmup_steps,
+             int64_t decay_steps, double min_lr_ratio) {
+            const absl::StatusOr<LrDecay> parsed = ParseLrDecay(decay);
+            if (!parsed.ok()) throw py::value_error(std::string(parsed.status().message()));
+            const LrSchedule schedule = {.decay = *parsed,
+                                         .warmup_steps = warmup_steps,
+                                         .total_steps = decay_steps,
+                                         .min_lr_ratio = min_lr_ratio};
+            const absl::Status valid = ValidateLrSchedule(schedule);
+            if (!valid.ok()) throw py::value_error(std::string(valid.message()));
+            WithoutGil(self, [&](Trainer& t) { t.optimizer().set_schedule(schedule); });
+          },
+          py::arg("decay"), py::arg("warmup_steps"), py::arg("decay_steps"),
+          py::arg("min_lr_ratio"))
       .def("zero_grad",
            [](BoundTrainer& self) { WithoutGil(self, [](Trainer& t) { t.ZeroGrad(); }); })
       .def(

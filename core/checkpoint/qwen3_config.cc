@@ -15,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
+#include "core/checkpoint/atomic_file.h"
 #include "nlohmann/json.hpp"
 
 namespace dta {
@@ -200,24 +201,6 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   return ValidateQwen3Config(config);
 }
 
-absl::Status WriteTextAtomically(const std::string& path, const std::string& text) {
-  const std::string temp = absl::StrCat(path, ".tmp-", ::getpid());
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) {
-      std::remove(temp.c_str());
-      return absl::UnavailableError(absl::StrCat(path, ": cannot write ", temp));
-    }
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    std::remove(temp.c_str());
-    return absl::UnavailableError(absl::StrCat(path, ": cannot rename ", temp, " to it"));
-  }
-  return absl::OkStatus();
-}
-
 struct Preset {
   const char* name;
   int64_t hidden, intermediate, layers, heads, kv_heads;
@@ -288,7 +271,16 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path) {
       fs::is_directory(path, error) ? (fs::path(path) / "config.json").string() : path;
   std::ifstream in(file, std::ios::binary);
   if (!in) {
-    if (!fs::exists(file, error)) return absl::NotFoundError(absl::StrCat(file, ": no such file"));
+    if (!fs::exists(file, error)) {
+      // A training checkpoint (dta-train --save, dta.Trainer.save, dta-trainer's step-<N>) keeps
+      // its model one level down.
+      const fs::path nested = fs::path(file).parent_path() / "model" / "config.json";
+      return absl::NotFoundError(absl::StrCat(
+          file, ": no such file",
+          fs::exists(nested, error) ? absl::StrCat(" (a dta checkpoint: its model is in ",
+                                                   nested.parent_path().string(), ")")
+                                    : ""));
+    }
     return absl::UnavailableError(absl::StrCat(file, ": cannot open"));
   }
   std::stringstream text;
@@ -330,7 +322,8 @@ std::string Qwen3ConfigToJson(const Qwen3Config& config) {
   return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
-absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& directory) {
+absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& directory,
+                             const std::string& base_config) {
   RETURN_IF_ERROR(ValidateQwen3Config(config));
   std::error_code error;
   fs::create_directories(directory, error);
@@ -338,8 +331,33 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
     return absl::UnavailableError(
         absl::StrCat(directory, ": cannot create (", error.message(), ")"));
   }
-  return WriteTextAtomically((fs::path(directory) / "config.json").string(),
-                             Qwen3ConfigToJson(config));
+  std::string text = Qwen3ConfigToJson(config);
+  if (!base_config.empty()) {
+    std::ifstream in(base_config, std::ios::binary);
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    if (!in) return absl::UnavailableError(absl::StrCat(base_config, ": cannot read"));
+    Json merged = Json::parse(buffer.str(), nullptr, /*allow_exceptions=*/false);
+    if (!merged.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(base_config, ": not a JSON object"));
+    }
+    const Json ours = Json::parse(text);
+    for (const auto& [key, value] : ours.items()) merged[key] = value;
+    // The newer spellings of two fields this struct models, if the base uses them.
+    if (merged.contains("dtype")) merged["dtype"] = config.torch_dtype;
+    if (Json* rope = merged.contains("rope_parameters") ? &merged["rope_parameters"] : nullptr;
+        rope != nullptr && rope->is_object()) {
+      (*rope)["rope_theta"] = config.rope_theta;
+    }
+    std::string merged_text = merged.dump(2) + "\n";
+    // Kept only if it still says exactly this config (else the base disagrees in a way the struct
+    // cannot express, and the model's own config is the truth).
+    if (absl::StatusOr<Qwen3Config> parsed = ParseQwen3Config(merged_text);
+        parsed.ok() && *parsed == config) {
+      text = std::move(merged_text);
+    }
+  }
+  return WriteTextAtomically((fs::path(directory) / "config.json").string(), text);
 }
 
 absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name) {

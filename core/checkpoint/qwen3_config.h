@@ -66,8 +66,14 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path);
 std::string Qwen3ConfigToJson(const Qwen3Config& config);
 
 // Validates the config and writes <directory>/config.json (creating the directory, replacing the
-// file atomically). UNAVAILABLE naming the file if it cannot be written.
-absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& directory);
+// file atomically). With `base_config` (the config.json the model was loaded from), the fields this
+// struct does not model (bos_token_id, eos_token_id, ...) are kept from it, as inference engines
+// read them; the fields it models are this config's (also under "dtype" and "rope_parameters" when
+// the base spells them so), and the base is ignored if the result would not parse back to this
+// config. UNAVAILABLE naming the file if it cannot be read or written, INVALID_ARGUMENT if the
+// base is not a JSON object.
+absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& directory,
+                             const std::string& base_config = "");
 
 // The released model shapes, as in their Hugging Face config.json: "qwen3-0.6b", "qwen3-1.7b",
 // "qwen3-4b", "qwen3-8b" (case-insensitive, an optional "Qwen/" prefix allowed). NOT_FOUND listing

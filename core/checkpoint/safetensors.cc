@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/base/status_macros.h"
+#include "core/checkpoint/atomic_file.h"
 #include "nlohmann/json.hpp"
 
 namespace dta {
@@ -141,39 +142,6 @@ absl::Status ParseTensorEntry(const std::string& path, const std::string& name, 
     return TensorError(path, name,
                        absl::StrCat("'data_offsets' = ", offsets.dump(),
                                     " is not [begin, end] of non-negative integers"));
-  }
-  return absl::OkStatus();
-}
-
-// Writes `pieces` to `path` through a temporary file renamed over it.
-absl::Status WriteFileAtomically(const std::string& path,
-                                 absl::Span<const absl::Span<const uint8_t>> pieces) {
-  const std::string temp = absl::StrCat(path, ".tmp-", ::getpid());
-  std::FILE* file = std::fopen(temp.c_str(), "wb");
-  if (file == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat(path, ": cannot create ", temp, " (", ErrnoText(), ")"));
-  }
-  bool ok = true;
-  for (absl::Span<const uint8_t> piece : pieces) {
-    if (!piece.empty() && std::fwrite(piece.data(), 1, piece.size(), file) != piece.size()) {
-      ok = false;
-      break;
-    }
-  }
-  ok = ok && std::fflush(file) == 0 && ::fsync(::fileno(file)) == 0;
-  const std::string error = ok ? "" : ErrnoText();
-  ok = std::fclose(file) == 0 && ok;
-  if (ok && std::rename(temp.c_str(), path.c_str()) != 0) {
-    const std::string rename_error = ErrnoText();
-    std::remove(temp.c_str());
-    return absl::UnavailableError(
-        absl::StrCat(path, ": cannot rename ", temp, " to it (", rename_error, ")"));
-  }
-  if (!ok) {
-    std::remove(temp.c_str());
-    return absl::UnavailableError(
-        absl::StrCat(path, ": cannot write (", error.empty() ? ErrnoText() : error, ")"));
   }
   return absl::OkStatus();
 }
@@ -634,7 +602,7 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorTo
 
 absl::Status WriteSafetensorsCheckpoint(const std::string& directory,
                                         absl::Span<const TensorToWrite> tensors,
-                                        int64_t max_shard_bytes) {
+                                        int64_t max_shard_bytes, bool index_one_file) {
   if (max_shard_bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(directory, ": max_shard_bytes = ", max_shard_bytes, " is not positive"));
@@ -652,16 +620,7 @@ absl::Status WriteSafetensorsCheckpoint(const std::string& directory,
   int64_t total = 0;
   for (const TensorToWrite& tensor : tensors) total += static_cast<int64_t>(tensor.data.size());
 
-  if (total <= max_shard_bytes) {
-    if (absl::Status status = WriteSafetensors((dir / kSingleFile).string(), tensors, metadata);
-        !status.ok()) {
-      return status;
-    }
-    RETURN_IF_ERROR(RemoveIfPresent(dir / kIndexFile));
-    return RemoveStaleShards(dir, {});
-  }
-
-  // Greedy packing in the given order.
+  // Greedy packing in the given order (everything in one file when it fits).
   std::vector<std::vector<TensorToWrite>> shards;
   int64_t shard_bytes = 0;
   for (const TensorToWrite& tensor : tensors) {
@@ -673,18 +632,26 @@ absl::Status WriteSafetensorsCheckpoint(const std::string& directory,
     shards.back().push_back(tensor);
     shard_bytes += bytes;
   }
+  if (shards.empty()) shards.emplace_back();  // a model without tensors is still one file
+  const bool one_file = total <= max_shard_bytes;
 
   Json weight_map = Json::object();
   std::set<std::string> shard_names;
   for (size_t k = 0; k < shards.size(); ++k) {
-    const std::string name = absl::StrFormat(
-        "model-%05d-of-%05d.safetensors", static_cast<int>(k + 1), static_cast<int>(shards.size()));
+    const std::string name =
+        one_file ? kSingleFile
+                 : absl::StrFormat("model-%05d-of-%05d.safetensors", static_cast<int>(k + 1),
+                                   static_cast<int>(shards.size()));
     if (absl::Status status = WriteSafetensors((dir / name).string(), shards[k], metadata);
         !status.ok()) {
       return status;
     }
     for (const TensorToWrite& tensor : shards[k]) weight_map[tensor.name] = name;
     shard_names.insert(name);
+  }
+  if (one_file && !index_one_file) {
+    RETURN_IF_ERROR(RemoveIfPresent(dir / kIndexFile));
+    return RemoveStaleShards(dir, {});
   }
   Json index = {{"metadata", {{"total_size", total}}}, {"weight_map", std::move(weight_map)}};
   std::string text;
@@ -693,13 +660,9 @@ absl::Status WriteSafetensorsCheckpoint(const std::string& directory,
   } catch (const Json::exception& e) {
     return FileError((dir / kIndexFile).string(), e.what());
   }
-  const absl::Span<const uint8_t> pieces[] = {Bytes(text)};
-  if (absl::Status status = WriteFileAtomically((dir / kIndexFile).string(), pieces);
-      !status.ok()) {
-    return status;
-  }
-  RETURN_IF_ERROR(RemoveIfPresent(dir / kSingleFile));
-  return RemoveStaleShards(dir, shard_names);
+  RETURN_IF_ERROR(WriteTextAtomically((dir / kIndexFile).string(), text));
+  if (!one_file) RETURN_IF_ERROR(RemoveIfPresent(dir / kSingleFile));
+  return RemoveStaleShards(dir, one_file ? std::set<std::string>{} : shard_names);
 }
 
 }  // namespace dta

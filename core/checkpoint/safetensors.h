@@ -178,10 +178,13 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorTo
 // sorted weight_map). Tensors go into shards in the given order, a new shard starting when the
 // next tensor would overflow the current one (a tensor larger than the limit gets a shard of its
 // own). Every file carries the metadata {"format": "pt"}. Files of the other layout and stale
-// shards left by an earlier save are removed. Errors as WriteSafetensors, and INVALID_ARGUMENT if
-// max_shard_bytes is not positive.
+// shards left by an earlier save are removed. With `index_one_file`, a single model.safetensors
+// gets an index too (every tensor mapped to it): SGLang's and vLLM's loaders glob *.safetensors and
+// load only the files an index names, so a published model carries one whatever its size. Errors
+// as WriteSafetensors, and INVALID_ARGUMENT if max_shard_bytes is not positive.
 absl::Status WriteSafetensorsCheckpoint(const std::string& directory,
                                         absl::Span<const TensorToWrite> tensors,
-                                        int64_t max_shard_bytes = int64_t{5} << 30);
+                                        int64_t max_shard_bytes = int64_t{5} << 30,
+                                        bool index_one_file = false);
 
 }  // namespace dta

@@ -3,17 +3,26 @@
 
 Each task is a GRPO group: ``--group_size`` episodes of it run concurrently (at most
 ``--concurrency`` episodes in all), each a multi-turn, tool-calling conversation that may branch
-(two continuations sampled from the same prefix, as tree search or retries do). Generation is
-synthetic, random tokens from a seeded generator behind a short simulated latency, so nothing is
-downloaded; what it exercises is the shape of the data (a system prompt shared by everything, a task
-shared by its group, turns, tool calls, branches) and the asynchronous plumbing around it: every
-trajectory goes to the dispatcher through :class:`dta.AsyncRolloutClient` while more episodes run,
-and when the trainers commit a step (the policy version moves) the worker "reloads" its weights
-(logs it) and tags newer tokens with the new version.
+(two continuations sampled from the same prefix, as tree search or retries do). Every trajectory
+goes to the dispatcher through :class:`dta.AsyncRolloutClient` while more episodes run, and tokens
+are tagged with the policy version of the weights that generated them.
+
+Two policies:
+
+- synthetic (the default): random tokens from a seeded generator behind a short simulated latency,
+  so nothing is downloaded; it exercises the shape of the data (a system prompt shared by
+  everything, a task shared by its group, turns, tool calls, branches) and the asynchronous
+  plumbing; a moved policy version is only logged;
+- ``--model=HF_DIR --checkpoint_dir=DIR``: a transformers causal LM samples every completion (with
+  its log-probabilities), and when the trainers commit a step it reloads the weights dta-trainer
+  published (``DIR/latest.json``'s ``model_path``) into that model, waiting for the checkpoint of the
+  new version, as an inference engine does.
 
     build/bin/dta-dispatcher --wal=/tmp/d.wal --batch_rollouts=16 --vocab_size=1024 &
     .venv/bin/python examples/python/rollout_worker.py --dispatcher=127.0.0.1:50051 \\
         --groups=8 --group_size=4 --vocab_size=1024     # the venv has dta (scripts/build.sh)
+
+``--until_version=V`` repeats the tasks (new groups each round) until the policy version reaches V.
 
 Exit status: 0 when every trajectory was answered (rejections are reported, not fatal), 1 when the
 dispatcher could not be reached or refused the worker, 2 on bad flags.
@@ -22,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import dta
 from dta.client import Ack, DispatcherError
@@ -41,13 +53,91 @@ class Policy:
     latency_s: float
     version: int = 0
 
-    async def generate(self, rng: random.Random, max_new_tokens: int) -> tuple[list[int], list[float], list[int]]:
+    async def generate(self, rng: random.Random, context: list[int],
+                       max_new_tokens: int) -> tuple[list[int], list[float], list[int]]:
         """Samples a completion: tokens, their log-probabilities and the policy version of each."""
         await asyncio.sleep(self.latency_s * rng.random())
         n = rng.randint(1, max_new_tokens)
         tokens = [rng.randrange(self.vocab_size) for _ in range(n)]
         logprobs = [-rng.expovariate(2.0) for _ in range(n)]
         return tokens, logprobs, [self.version] * n
+
+    async def follow(self, version: int, poll_s: float) -> None:
+        """The trainers committed a step: a real engine would reload its weights here."""
+        print(f"policy version {self.version} -> {version}: reloading weights (synthetic policy: "
+              "nothing to load)", flush=True)
+        self.version = version
+
+
+class TransformersPolicy(Policy):
+    """A transformers causal LM that samples every completion and reloads the weights the trainers
+    publish: ``latest.json`` in the checkpoint directory names the newest ``model_path``."""
+
+    def __init__(self, model_dir: str, checkpoint_dir: str, version: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        super().__init__(vocab_size=self.model.config.vocab_size, latency_s=0.0, version=version)
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.lock = threading.Lock()  # sampling and reloading never overlap
+
+    def _sample(self, seed: int, context: list[int], n: int) -> tuple[list[int], list[float], int]:
+        torch = self.torch
+        generator = torch.Generator().manual_seed(seed)
+        tokens, logprobs = [], []
+        with self.lock, torch.no_grad():
+            version = self.version
+            ids, past = torch.tensor([context]), None
+            for _ in range(n):
+                out = self.model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+                tokens.append(token)
+                logprobs.append(float(logp[token]))
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        return tokens, logprobs, version
+
+    async def generate(self, rng: random.Random, context: list[int],
+                       max_new_tokens: int) -> tuple[list[int], list[float], list[int]]:
+        n = rng.randint(1, max_new_tokens)
+        tokens, logprobs, version = await asyncio.to_thread(self._sample, rng.randrange(2**63), context, n)
+        return tokens, logprobs, [version] * n
+
+    def reload(self, version: int) -> bool:
+        """Loads the newest published weights if they are of `version` or later; False if the
+        trainers have not published them yet."""
+        from safetensors.torch import load_file
+
+        latest_file = self.checkpoint_dir / "latest.json"
+        if not latest_file.exists():
+            return False
+        latest = json.loads(latest_file.read_text())
+        if latest["policy_version"] < version:
+            return False
+        model_path = Path(latest["model_path"])
+        index = json.loads((model_path / "model.safetensors.index.json").read_text())
+        state = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            state.update(load_file(model_path / shard))
+        with self.lock:
+            missing, unexpected = self.model.load_state_dict(
+                {name: t.to(self.torch.float32) for name, t in state.items()}, strict=False)
+            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+            if unexpected or set(missing) - tied:
+                raise RuntimeError(f"{model_path}: not this model's weights (missing {missing}, "
+                                   f"unexpected {unexpected})")
+            previous, self.version = self.version, latest["policy_version"]
+        print(f"policy version {previous} -> {self.version}: reloaded {len(state)} tensors from {model_path}",
+              flush=True)
+        return True
+
+    async def follow(self, version: int, poll_s: float) -> None:
+        # The trainers save after they commit: wait for the checkpoint of this version (or later).
+        while self.version < version and not await asyncio.to_thread(self.reload, version):
+            await asyncio.sleep(poll_s)
 
 
 @dataclass
@@ -96,7 +186,7 @@ async def arun_episode(policy: Policy, system_prompt: list[int], task: Task, sam
         if turn == branch_turn:
             branches = [c.fork() for c in branches for _ in range(2)]
         for conversation in branches:
-            conversation.add_generated(*await policy.generate(rng, max_new_tokens=24))
+            conversation.add_generated(*await policy.generate(rng, conversation.tokens, max_new_tokens=24))
         if turn == max_turns - 1 or rng.random() < 0.3:
             break  # the assistant answered
         for conversation in branches:  # the tool call's result
@@ -136,28 +226,34 @@ class Progress:
 
 
 async def follow_policy(client: dta.AsyncRolloutClient, policy: Policy, poll_s: float) -> None:
-    """Reloads the weights whenever the trainers commit a step (here: logs it)."""
+    """Follows the trainers: a committed step moves the policy version, and the policy reloads."""
     async for version in client.policy_versions(poll_interval=poll_s):
-        if version != policy.version:
-            print(f"policy version {policy.version} -> {version}: reloading weights (simulated)", flush=True)
-            policy.version = version
+        if version > policy.version:
+            await policy.follow(version, poll_s)
 
 
 async def run(args: argparse.Namespace) -> int:
     token = open(args.token_file).read().strip() if args.token_file else None
     roots = open(args.tls_roots, "rb").read() if args.tls_roots else None
     rng = random.Random(args.seed)
-    system_prompt = [rng.randrange(args.vocab_size) for _ in range(args.system_tokens)]
-    tasks = [Task(f"task{g}", [rng.randrange(args.vocab_size) for _ in range(rng.randint(8, 64))])
-             for g in range(args.groups)]
-    policy = Policy(args.vocab_size, latency_s=args.latency_ms / 1000)
+    if args.model:
+        policy: Policy = TransformersPolicy(args.model, args.checkpoint_dir, version=0)
+        vocab_size = policy.vocab_size  # the dispatcher's --vocab_size must be at least this
+        print(f"policy: {args.model} ({policy.vocab_size} tokens), reloading from {args.checkpoint_dir}", flush=True)
+    else:
+        policy = Policy(args.vocab_size, latency_s=args.latency_ms / 1000)
+        vocab_size = args.vocab_size
+    system_prompt = [rng.randrange(vocab_size) for _ in range(args.system_tokens)]
+    task_prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(8, 64))] for _ in range(args.groups)]
     progress = Progress()
     slots = asyncio.Semaphore(args.concurrency)  # AReaL's max_concurrent_rollouts
 
     async with dta.AsyncRolloutClient(args.dispatcher, token=token, root_certificates=roots,
                                       max_in_flight=args.max_in_flight, retry_for=args.retry_s) as client:
-        policy.version = await client.policy_version()
-        print(f"dispatcher {args.dispatcher}: policy version {policy.version}", flush=True)
+        version = await client.policy_version()
+        print(f"dispatcher {args.dispatcher}: policy version {version}", flush=True)
+        if version > policy.version:
+            await policy.follow(version, args.poll_s)
         follower = asyncio.create_task(follow_policy(client, policy, args.poll_s))
 
         async def episode(task: Task, sample: int) -> None:
@@ -175,7 +271,14 @@ async def run(args: argparse.Namespace) -> int:
             print(f"{task.id} done: {progress.line(policy)}", flush=True)
 
         try:
-            await asyncio.gather(*(group(task) for task in tasks))
+            round_ = 0
+            while True:  # one round of every task; more until the policy reaches --until_version
+                suffix = f"-r{round_}" if round_ else ""
+                tasks = [Task(f"task{g}{suffix}", prompt) for g, prompt in enumerate(task_prompts)]
+                await asyncio.gather(*(group(task) for task in tasks))
+                round_ += 1
+                if policy.version >= args.until_version:
+                    break
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
@@ -199,7 +302,14 @@ def main() -> int:
     parser.add_argument("--max_in_flight", type=int, default=64, help="unanswered trajectories at most")
     parser.add_argument("--poll_s", type=float, default=1.0, help="how often to ask for the policy version")
     parser.add_argument("--retry_s", type=float, default=600.0, help="give up after this long without an answer")
+    parser.add_argument("--model", help="a Hugging Face causal LM directory that samples the completions "
+                        "(default: a synthetic policy); needs --checkpoint_dir")
+    parser.add_argument("--checkpoint_dir", help="dta-trainer's --checkpoint_dir: the weights to reload")
+    parser.add_argument("--until_version", type=int, default=0,
+                        help="repeat the tasks until the policy version reaches this (0: one round)")
     args = parser.parse_args()
+    if bool(args.model) != bool(args.checkpoint_dir):
+        parser.error("--model and --checkpoint_dir go together")
     if min(args.groups, args.group_size, args.concurrency, args.vocab_size, args.max_turns,
            args.system_tokens, args.max_in_flight) < 1:
         parser.error("counts and sizes must be positive")

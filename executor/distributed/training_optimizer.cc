@@ -96,7 +96,20 @@ std::string TrainingOptimizer::DescribeOffload() const {
   return text;
 }
 
-StepStats TrainingOptimizer::Step() { return sharded_ ? sharded_->Step() : replicated_->Step(); }
+StepStats TrainingOptimizer::Step() {
+  if (schedule_.has_value()) ApplyLr(peak_lr_ * LrFactor(*schedule_, step()));
+  const double lr = options().lr;
+  StepStats stats = sharded_ ? sharded_->Step() : replicated_->Step();
+  stats.lr = lr;
+  return stats;
+}
+
+void TrainingOptimizer::set_schedule(const LrSchedule& schedule) {
+  const absl::Status valid = ValidateLrSchedule(schedule);
+  TORCH_CHECK(valid.ok(), "learning-rate schedule: ", valid.message());
+  schedule_ = schedule;
+  peak_lr_ = options().lr;
+}
 
 int64_t TrainingOptimizer::step() const {
   return sharded_ ? sharded_->step() : replicated_->step();
@@ -107,6 +120,11 @@ const AdamWOptions& TrainingOptimizer::options() const {
 }
 
 void TrainingOptimizer::set_lr(double lr) {
+  ApplyLr(lr);
+  peak_lr_ = lr;
+}
+
+void TrainingOptimizer::ApplyLr(double lr) {
   if (sharded_) {
     sharded_->set_lr(lr);
   } else {

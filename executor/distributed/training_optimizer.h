@@ -17,11 +17,13 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/layout/memory_plan.h"
+#include "core/schedule/lr_schedule.h"
 #include "executor/distributed/grad_sync.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/sharded_adamw.h"
@@ -59,8 +61,12 @@ class TrainingOptimizer {
   // page-locked host memory", or on how many host threads and why); empty otherwise.
   std::string DescribeOffload() const;
   const AdamWOptions& options() const;
-  // For learning-rate schedules; TORCH_CHECK lr >= 0 and finite.
+  // The learning rate (with a schedule: its peak); TORCH_CHECK lr >= 0 and finite.
   void set_lr(double lr);
+  // From now on every Step() first sets the learning rate to the current one (the peak) times
+  // LrFactor(schedule, step()) (core/schedule/lr_schedule.h), so a resumed optimizer, which knows
+  // its step, continues on the same curve. TORCH_CHECK naming the field of an invalid schedule.
+  void set_schedule(const LrSchedule& schedule);
 
   // Writes this rank's part of the state into `directory` (created if missing): rank 0 the
   // replicated file, every rank its slice when sharded. Under tensor parallelism each TP rank's
@@ -77,6 +83,8 @@ class TrainingOptimizer {
   static constexpr char kReplicatedFile[] = "optimizer.safetensors";
 
  private:
+  // Sets the optimizer's current learning rate (a schedule's peak stays).
+  void ApplyLr(double lr);
   // `directory`, or its subdirectory for this tensor-parallel rank.
   std::string StateDirectory(const std::string& directory) const;
 
@@ -85,6 +93,8 @@ class TrainingOptimizer {
   std::unique_ptr<AdamW> replicated_;
   std::unique_ptr<GradientSynchronizer> all_reduce_;
   std::unique_ptr<ShardedAdamW> sharded_;
+  std::optional<LrSchedule> schedule_;
+  double peak_lr_ = 0.0;
 };
 
 }  // namespace dta

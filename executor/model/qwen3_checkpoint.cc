@@ -4,12 +4,14 @@
 #include <c10/util/Exception.h>
 
 #include <bit>
+#include <filesystem>
 #include <set>
 #include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/checkpoint/model_files.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/checkpoint/safetensors.h"
 #include "executor/device/safetensors_tensors.h"
@@ -173,8 +175,13 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
   return model;
 }
 
-void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
-                    std::optional<at::ScalarType> dtype, int64_t max_shard_bytes) {
+namespace {
+
+// Gathers the parameters (every rank of the model's tensor-parallel group) and writes the weights
+// and config.json from its rank 0; returns whether this rank wrote.
+bool WriteQwen3Model(const Qwen3Model& model, const std::string& directory,
+                     std::optional<at::ScalarType> dtype, int64_t max_shard_bytes,
+                     bool index_one_file, const std::string& base_config) {
   const at::ScalarType type = dtype.value_or(model.options().dtype().toScalarType());
   const char* type_name = ConfigDTypeName(type);
   TORCH_CHECK(type_name != nullptr, "SaveQwen3Model: ", directory, ": cannot store weights as ",
@@ -194,11 +201,35 @@ void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
     owned.push_back(whole.to(at::kCPU, type).contiguous());
     tensors.push_back(ToWrite(model.named_parameters()[i].first, *ToDType(type), owned.back()));
   }
-  if (!writer) return;
-  const absl::Status written = WriteSafetensorsCheckpoint(directory, tensors, max_shard_bytes);
+  if (!writer) return false;
+  const absl::Status written =
+      WriteSafetensorsCheckpoint(directory, tensors, max_shard_bytes, index_one_file);
   TORCH_CHECK(written.ok(), "SaveQwen3Model: ", directory, ": ", written.message());
-  const absl::Status saved = SaveQwen3Config(config, directory);
+  const absl::Status saved = SaveQwen3Config(config, directory, base_config);
   TORCH_CHECK(saved.ok(), "SaveQwen3Model: ", directory, ": ", saved.message());
+  return true;
+}
+
+}  // namespace
+
+void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
+                    std::optional<at::ScalarType> dtype, int64_t max_shard_bytes) {
+  WriteQwen3Model(model, directory, dtype, max_shard_bytes, /*index_one_file=*/false, "");
+}
+
+void ExportQwen3Model(const Qwen3Model& model, const std::string& directory,
+                      const ModelExportOptions& options) {
+  const std::string base_config =
+      options.source_directory.empty()
+          ? ""
+          : (std::filesystem::path(options.source_directory) / "config.json").string();
+  if (!WriteQwen3Model(model, directory, options.dtype, options.max_shard_bytes,
+                       /*index_one_file=*/true, base_config)) {
+    return;
+  }
+  const absl::StatusOr<std::vector<std::string>> copied =
+      CopyModelCompanionFiles(options.source_directory, directory);
+  TORCH_CHECK(copied.ok(), "ExportQwen3Model: ", directory, ": ", copied.status().message());
 }
 
 void SaveNamedTensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,

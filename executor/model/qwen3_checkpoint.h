@@ -60,6 +60,25 @@ void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
                     std::optional<at::ScalarType> dtype = std::nullopt,
                     int64_t max_shard_bytes = int64_t{5} << 30);
 
+// How a model is published for inference engines.
+struct ModelExportOptions {
+  // The weights' storage type (kBFloat16, kHalf, kFloat or kDouble); nullopt: the model's.
+  std::optional<at::ScalarType> dtype = at::kBFloat16;
+  // The Hugging Face directory the model was loaded from (empty: none, e.g. random weights): its
+  // tokenizer files and generation_config.json are copied, and its config.json's fields that
+  // Qwen3Config does not model (bos_token_id, eos_token_id, ...) kept (core/checkpoint/
+  // model_files.h, SaveQwen3Config).
+  std::string source_directory;
+  int64_t max_shard_bytes = int64_t{5} << 30;
+};
+
+// Writes what SGLang, vLLM and transformers load from a directory, and nothing else: the weights
+// (SaveQwen3Model's files, always with model.safetensors.index.json, which the engines' loaders use
+// to choose the *.safetensors files to read), config.json, generation_config.json and the source's
+// tokenizer files. Every rank of the model's tensor-parallel group calls it; rank 0 writes.
+void ExportQwen3Model(const Qwen3Model& model, const std::string& directory,
+                      const ModelExportOptions& options);
+
 // Writes named tensors (any device; float64/32/16, bfloat16, float8 e4m3fn/e5m2, int64/32/16/8,
 // uint8, bool) as one safetensors file at `path` with metadata {"format": "pt"}, each in its own
 // dtype and shape, e.g. gradients for inspection. Error naming the tensor for an unsupported dtype

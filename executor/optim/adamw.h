@@ -73,6 +73,7 @@ struct StepStats {
   double grad_norm = 0.0;  // global L2 norm of the grads before clipping
   double clip_coef = 1.0;  // the factor applied to every grad (1 when not clipped)
   int64_t step = 0;        // the step count after this step (1 after the first)
+  double lr = 0.0;         // the learning rate this step used
 };
 
 class AdamW {

@@ -57,7 +57,7 @@ def main() -> None:
     logprobs = trainer.compute_logprobs(trajectories, method="dta", block_size=8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer.save(out / "ckpt")
+    trainer.save(out / "ckpt", dtype=None)  # float64: compared exactly
     torch.save(logprobs, out / f"logprobs-{trainer.rank}.pt")
     (out / f"rank-{trainer.rank}.json").write_text(json.dumps({
         "steps": steps, "layout": trainer.layout, "rank": trainer.rank, "world_size": trainer.world_size,

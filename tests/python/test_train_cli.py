@@ -76,12 +76,33 @@ def test_resume_continues_like_an_uninterrupted_run(rollouts, tmp_path):
     assert straight.returncode == 0, straight.stderr
     first = train(*common, "--steps=2", f"--save={tmp_path / 'ckpt'}")
     assert first.returncode == 0, first.stderr
-    resumed = subprocess.run([tool("dta-train"), f"--model={tmp_path / 'ckpt'}", f"--resume={tmp_path / 'ckpt'}",
-                              *common, "--steps=1"], capture_output=True, text=True)
+    resumed = subprocess.run([tool("dta-train"), f"--model={tmp_path / 'ckpt' / 'model'}",
+                              f"--resume={tmp_path / 'ckpt'}", *common, "--steps=1"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     expected = json.loads(straight.stdout.splitlines()[-1])["loss"]
     got = json.loads(resumed.stdout.splitlines()[-1])["loss"]
     assert abs(got - expected) <= 1e-12 * abs(expected)
+
+
+def test_an_lr_schedule_decays_over_the_whole_run_resumed_or_not(rollouts, tmp_path):
+    """--lr_schedule=linear --warmup_steps=1: each step's lr is --lr x its factor over the run's
+    steps; a run resumed after 2 steps with --steps=2 continues on the same curve (its run is 4
+    steps long) and ends with the uninterrupted run's loss."""
+    common = [f"--rollouts={rollouts}", "--dtype=float64", "--lr=1e-2", "--json", "--lr_schedule=linear",
+              "--warmup_steps=1", "--min_lr_ratio=0.25"]
+    straight = train(*common, "--steps=4")
+    assert straight.returncode == 0, straight.stderr
+    records = [json.loads(line) for line in straight.stdout.splitlines()]
+    factors = [1.0, 1.0, 0.25 + 0.75 * (1 - 1 / 3), 0.25 + 0.75 * (1 - 2 / 3)]  # warmup 1, decay to step 4
+    assert [r["lr"] for r in records] == pytest.approx([1e-2 * f for f in factors], rel=1e-15)
+    first = train(*common, "--steps=2", f"--save={tmp_path / 'ckpt'}", "--decay_steps=4")
+    assert first.returncode == 0, first.stderr
+    resumed = subprocess.run([tool("dta-train"), f"--model={tmp_path / 'ckpt' / 'model'}",
+                              f"--resume={tmp_path / 'ckpt'}", *common, "--steps=2"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    tail = [json.loads(line) for line in resumed.stdout.splitlines()]
+    assert [r["lr"] for r in tail] == [r["lr"] for r in records[2:]]
+    assert abs(tail[-1]["loss"] - records[-1]["loss"]) <= 1e-12 * abs(records[-1]["loss"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -90,6 +111,11 @@ def test_resume_continues_like_an_uninterrupted_run(rollouts, tmp_path):
     (["--loss=dpo"], "--loss must be"),
     (["--steps=0"], "--steps must be >= 1"),
     (["--block_size=-3"], "--block_size must be >= 0"),
+    (["--lr_schedule=step"], "--lr_schedule: lr schedule 'step' is not constant, linear or cosine"),
+    (["--lr_schedule=cosine", "--warmup_steps=5"], "which must be above --warmup_steps (5); it is 1"),
+    (["--min_lr_ratio=2"], "--min_lr_ratio must be in [0, 1]"),
+    (["--warmup_steps=-1"], "--warmup_steps must be >= 0"),
+    (["--checkpoint_dtype=int8"], "--checkpoint_dtype must be bfloat16, float16, float32, float64 or model"),
 ])
 def test_bad_flags_exit_2(rollouts, args, message):
     run = train(f"--rollouts={rollouts}", *args)
@@ -167,7 +193,7 @@ def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, wor
     replica's weights are split across two ranks (TP 2 x DP 1, and TP 2 x DP 2 on two nodes): the
     same losses, norms and saved weights (gathered: plain Hugging Face tensors)."""
     common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
-              "--method=dta", "--block_size=64", "--max_grad_norm=0.05", "--json"]
+              "--method=dta", "--block_size=64", "--max_grad_norm=0.05", "--json", "--checkpoint_dtype=model"]
     single = train(*common, f"--dump_grads={tmp_path / 'one.safetensors'}", f"--save={tmp_path / 'one'}")
     assert single.returncode == 0, single.stderr
     dump = [f"--dump_grads={tmp_path / 'many.safetensors'}"] if layout == "replicated" else []
@@ -185,12 +211,12 @@ def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, wor
         assert abs(s["loss"] - r["loss"]) <= 1e-10 * max(1.0, abs(r["loss"]))
         assert abs(s["grad_norm"] - r["grad_norm"]) <= 1e-10 * r["grad_norm"]
         assert r["grad_norm"] > 0.05, "the steps must clip"
-    assert_same_tensors(tmp_path / "one/model.safetensors", tmp_path / "many/model.safetensors")
+    assert_same_tensors(tmp_path / "one/model/model.safetensors", tmp_path / "many/model/model.safetensors")
     if dump:
         assert_same_tensors(tmp_path / "one.safetensors", tmp_path / "many.safetensors")
     replicas = world // tensor_parallel
     for t in range(tensor_parallel):
-        state = tmp_path / "many" / (f"tp-{t:02d}-of-{tensor_parallel:02d}" if tensor_parallel > 1 else "")
+        state = tmp_path / "many" / "optimizer" / (f"tp-{t:02d}-of-{tensor_parallel:02d}" if tensor_parallel > 1 else "")
         shards = sorted(p.name for p in state.glob("optimizer*.safetensors"))
         assert shards == ([f"optimizer-{r:05d}-of-{replicas:05d}.safetensors" for r in range(replicas)]
                           if sharded else ["optimizer.safetensors"])
@@ -205,7 +231,7 @@ def test_sharded_state_resumes_on_another_layout(rollouts, tmp_path):
     straight = train(*common, "--steps=3")
     assert straight.returncode == 0, straight.stderr
     run_ranks(2, [*common, "--steps=2", *LAYOUTS["sharded"], f"--save={tmp_path / 'ckpt'}"])
-    resume = [tool("dta-train"), f"--model={tmp_path / 'ckpt'}", f"--resume={tmp_path / 'ckpt'}",
+    resume = [tool("dta-train"), f"--model={tmp_path / 'ckpt' / 'model'}", f"--resume={tmp_path / 'ckpt'}",
               *common, "--steps=1"]
     resumed = subprocess.run([*resume, "--offload_optimizer=true"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
 import random
 import threading
 import time
@@ -280,18 +282,32 @@ def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, 
         assert error <= 1e-9, f"{name}: update differs by {error:.3g}"
 
     saved = tmp_path / "step-1"
-    trainer.save(saved)
-    loaded = Qwen3ForCausalLM.from_pretrained(saved, dtype=torch.float64)
+    trainer.save(saved, dtype=None)  # the model's own float64
+    loaded = Qwen3ForCausalLM.from_pretrained(saved / "model", dtype=torch.float64)
     for name, p in loaded.named_parameters():
         assert torch.equal(p.detach(), params[name].detach()), name
-    resumed = dta.Trainer(saved, dtype="float64", offload_optimizer=offload)
+    resumed = dta.Trainer(saved / "model", dtype="float64", offload_optimizer=offload)
     resumed.load_optimizer(saved)
     assert resumed.step_count == 1 and resumed.lr == 1e-3
-    state_files = sorted(p.name for p in saved.glob("optimizer*.safetensors"))
+    state_files = sorted(p.name for p in (saved / "optimizer").glob("optimizer*.safetensors"))
     assert state_files == (["optimizer-00000-of-00001.safetensors"] if offload else ["optimizer.safetensors"])
-    other_kind = dta.Trainer(saved, dtype="float64", offload_optimizer=not offload)
+    other_kind = dta.Trainer(saved / "model", dtype="float64", offload_optimizer=not offload)
     with pytest.raises(RuntimeError, match="--offload_optimizer=" + ("true" if offload else "false")):
         other_kind.load_optimizer(saved)
+    # By default the model is published in bf16 (as engines serve it), with the source's tokenizer
+    # and generation files; resuming from the optimizer still restores the float64 weights exactly.
+    published = tmp_path / "bf16"
+    trainer.save(published)
+    assert json.loads((published / "model" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (published / "model" / "model.safetensors.index.json").is_file()
+    assert (published / "model" / "generation_config.json").is_file()
+    from_bf16 = dta.Trainer(published / "model", dtype="float64", offload_optimizer=offload)
+    assert not torch.equal(from_bf16.parameters()["model.norm.weight"], params["model.norm.weight"])
+    from_bf16.load_optimizer(published / "optimizer")
+    for name, p in from_bf16.parameters().items():
+        assert torch.equal(p.detach(), params[name].detach()), name
+    with pytest.raises(RuntimeError, match=r"a dta checkpoint: its model is in .*bf16/model"):
+        dta.Trainer(published, dtype="float64")
 
 
 def test_from_config_and_properties():
@@ -305,6 +321,41 @@ def test_from_config_and_properties():
     assert not torch.equal(trainer.parameters()[name], other.parameters()[name])
     trainer.lr = 0.5
     assert trainer.lr == 0.5
+
+
+def test_an_lr_schedule_sets_each_steps_rate_and_resumes_on_its_curve(tmp_path):
+    """A cosine schedule with warmup: each train_batch reports (and uses) peak x factor(step); the
+    update is AdamW's at that rate (the same step taken with the rate set by hand); a trainer resumed
+    from a checkpoint continues on the curve; bad schedules are refused naming the field."""
+    def factor(s: int) -> float:  # warmup 2, cosine to 0.1 at step 6
+        if s < 2:
+            return (s + 1) / 2
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - 2) / 4)))
+
+    rng = random.Random(5)
+    batch = [dta.Trajectory(id=f"r{i}", tokens=[rng.randrange(1024) for _ in range(9)], loss_mask=[0] + [1] * 8,
+                            logprobs=[0.0] + [-1.0] * 8, advantages=[0.5 - i] * 9) for i in range(3)]
+    scheduled = dta.Trainer.from_config(TINY_CONFIG, dtype="float64", lr=0.01, max_grad_norm=0)
+    scheduled.set_lr_schedule("cosine", warmup_steps=2, decay_steps=6, min_lr_ratio=0.1)
+    by_hand = dta.Trainer.from_config(TINY_CONFIG, dtype="float64", lr=0.01, max_grad_norm=0)
+    for s in range(8):
+        if s == 3:
+            scheduled.save(tmp_path / "ckpt", dtype=None)
+            scheduled = dta.Trainer(tmp_path / "ckpt" / "model", dtype="float64", lr=0.01, max_grad_norm=0)
+            scheduled.load_optimizer(tmp_path / "ckpt")
+            scheduled.set_lr_schedule("cosine", warmup_steps=2, decay_steps=6, min_lr_ratio=0.1)
+        stats = scheduled.train_batch(batch, "grpo")
+        assert stats.lr == pytest.approx(0.01 * factor(s), rel=1e-15), s
+        by_hand.lr = 0.01 * factor(s)
+        assert by_hand.train_batch(batch, "grpo").lr == stats.lr
+        for name, p in by_hand.parameters().items():
+            assert torch.equal(scheduled.parameters()[name], p), (s, name)
+    for args, field in [(("step",), "not constant, linear or cosine"), (("cosine",), "field 'total_steps'"),
+                        (("linear",), "field 'total_steps'")]:
+        with pytest.raises(ValueError, match=field):
+            scheduled.set_lr_schedule(*args, warmup_steps=3, decay_steps=3)
+    with pytest.raises(ValueError, match="field 'min_lr_ratio'"):
+        scheduled.set_lr_schedule("constant", min_lr_ratio=2)
 
 
 # --- threads and errors -----------------------------------------------------------------------------

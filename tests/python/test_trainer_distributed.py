@@ -83,15 +83,15 @@ def test_ranks_train_what_one_process_trains(single, tmp_path, world, nodes, tp,
         assert len(logprobs) == len(want_logprobs)
         for g, w in zip(logprobs, want_logprobs):
             assert g.dtype == torch.float64 and torch.allclose(g, w, rtol=1e-10, atol=1e-12)
-    want = load_file(str(single / "ckpt" / "model.safetensors"))
-    got = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    want = load_file(str(single / "ckpt" / "model" / "model.safetensors"))
+    got = load_file(str(tmp_path / "ckpt" / "model" / "model.safetensors"))
     assert got.keys() == want.keys() and len(want) > 10
     for name, w in want.items():
         scale = max(float((w ** 2).sum()) ** 0.5, 1e-300)
         assert float(((got[name] - w) ** 2).sum()) ** 0.5 <= 1e-10 * scale, name
     replicas = world // tp
     for t in range(tp):
-        state = tmp_path / "ckpt" / (f"tp-{t:02d}-of-{tp:02d}" if tp > 1 else "")
+        state = tmp_path / "ckpt" / "optimizer" / (f"tp-{t:02d}-of-{tp:02d}" if tp > 1 else "")
         files = sorted(p.name for p in state.glob("optimizer*.safetensors"))
         sharded = shard == "true" or offload == "true"
         assert files == ([f"optimizer-{r:05d}-of-{replicas:05d}.safetensors" for r in range(replicas)]

@@ -7,7 +7,7 @@ gradients of the whole batch computed at once (shared prefixes once with ``metho
     trainer = dta.Trainer("/models/Qwen3-0.6B", dtype="bfloat16", device="cuda", lr=1e-6)
     stats = trainer.train_batch(dta.read_jsonl("batch.jsonl"), loss="grpo", method="dta")
     print(stats.loss, stats.rollout_tokens_per_second)
-    trainer.save("/ckpt/step-1")          # a Hugging Face checkpoint (+ optimizer.safetensors)
+    trainer.save("/ckpt/step-1")          # step-1/model (Hugging Face, bf16) + step-1/optimizer
 
 Under torchrun one process per GPU, with the layout options of dta-train (tensor parallelism,
 optimizer sharding and offload); every rank makes the same calls with the same whole batch::
@@ -250,6 +250,7 @@ class TrainStats:
         grad_norm: Global gradient norm before clipping (train_batch only, else None).
         clip_coef: The clipping factor applied (train_batch only).
         step: The optimizer's step count after the step (train_batch only).
+        lr: The learning rate the step used (train_batch only).
     """
 
     loss: float
@@ -261,6 +262,7 @@ class TrainStats:
     grad_norm: float | None = None
     clip_coef: float | None = None
     step: int | None = None
+    lr: float | None = None
 
     @property
     def compression(self) -> float:
@@ -451,26 +453,49 @@ class Trainer:
 
     @_serialized
     def step(self) -> dict[str, float]:
-        """One AdamW step on the current gradients: ``{"grad_norm", "clip_coef", "step"}``."""
+        """One AdamW step on the current gradients: ``{"grad_norm", "clip_coef", "step", "lr"}``."""
         return self._core.step()
+
+    @_serialized
+    def set_lr_schedule(self, schedule: str = "cosine", *, warmup_steps: int = 0, decay_steps: int = 0,
+                        min_lr_ratio: float = 0.0) -> None:
+        """From the next step on, each optimizer step ``s`` (0: the first; the step count, so a
+        trainer resumed with ``load_optimizer`` continues on the curve) uses ``lr`` (the peak)
+        times: ``(s + 1) / warmup_steps`` during the warmup, then 1 (``constant``) or a ``linear``
+        or ``cosine`` decay to ``min_lr_ratio`` at step ``decay_steps``, where it stays; what
+        dta-train and dta-trainer do with ``--lr_schedule``. Setting ``lr`` later moves the peak.
+
+        Raises:
+            ValueError: An unknown schedule, a negative count, ``min_lr_ratio`` outside [0, 1], or
+                a decay whose ``decay_steps`` is not above ``warmup_steps`` (naming the field).
+        """
+        self._core.set_lr_schedule(schedule, int(warmup_steps), int(decay_steps), float(min_lr_ratio))
 
     # --- checkpoints --------------------------------------------------------------------------
 
     @_serialized
-    def save(self, directory: str | os.PathLike[str], *, dtype: str | torch.dtype | None = None,
+    def save(self, directory: str | os.PathLike[str], *, dtype: str | torch.dtype | None = "bfloat16",
              optimizer: bool = True) -> None:
-        """Writes a Hugging Face checkpoint (config.json + safetensors, in ``dtype``, default the
-        model's) that transformers' ``from_pretrained`` loads, and with ``optimizer`` the AdamW state
-        as ``optimizer.safetensors`` (sharded or offloaded: ``optimizer-RRRRR-of-WWWWW.safetensors``
-        per data-parallel rank; with tensor parallelism in ``tp-RR-of-TT/``), what dta-train --save
-        writes. Distributed, every rank calls it: the weights are gathered and written once, each
-        rank writes its part of the optimizer, and it returns once the checkpoint is complete."""
+        """Writes a checkpoint, what dta-train --save and dta-trainer write:
+
+        - ``directory/model``: exactly what SGLang, vLLM and transformers' ``from_pretrained`` load
+          (safetensors in ``dtype``, bfloat16 by default, None for the model's own; with
+          ``model.safetensors.index.json``, config.json, generation_config.json, and the tokenizer
+          files of the directory the trainer was loaded from);
+        - ``directory/optimizer`` with ``optimizer``: the AdamW state (``optimizer.safetensors``;
+          sharded or offloaded, ``optimizer-RRRRR-of-WWWWW.safetensors`` per data-parallel rank;
+          with tensor parallelism in ``tp-RR-of-TT/``), whose master weights restore the
+          parameters exactly whatever ``dtype`` the model was published in.
+
+        Distributed, every rank calls it: the weights are gathered and written once, each rank
+        writes its part of the optimizer, and it returns once the checkpoint is complete."""
         self._core.save(str(directory), None if dtype is None else _dtype(dtype), optimizer)
 
     @_serialized
     def load_optimizer(self, path: str | os.PathLike[str]) -> None:
-        """Restores the AdamW state from a directory that ``save`` (or dta-train --save) wrote, or
-        from one state file. An offloaded trainer reads the sharded files
+        """Restores the AdamW state (and through its master weights the parameters) from a
+        checkpoint that ``save``, dta-train --save or dta-trainer wrote, from its ``optimizer/``
+        directory, or from one state file. An offloaded trainer reads the sharded files
         (``optimizer-*-of-*.safetensors``, saved by any number of ranks), the others
         ``optimizer.safetensors``; the other kind raises RuntimeError naming the option to use."""
         path = Path(path)
@@ -511,6 +536,7 @@ class Trainer:
 
     @property
     def lr(self) -> float:
+        """The learning rate (with a schedule: the peak, or the last step's rate)."""
         return self._core.lr
 
     @lr.setter

@@ -126,6 +126,7 @@ class TrainerDaemonTest : public ::testing::Test {
                                         "--checkpoint_dir=" + (run.dir / checkpoints).string(),
                                         "--config=" + (root_ / "config.json").string(),
                                         "--dtype=float64",
+                                        "--checkpoint_dtype=model",  // compared in float64
                                         "--method=dta",
                                         "--block_size=4",
                                         "--loss=grpo",
@@ -197,7 +198,7 @@ class TrainerDaemonTest : public ::testing::Test {
     char step[32];
     std::snprintf(step, sizeof(step), "step-%08d", kSteps);
     absl::StatusOr<SafetensorsCheckpoint> checkpoint =
-        SafetensorsCheckpoint::Open((run.dir / "ckpt" / step).string());
+        SafetensorsCheckpoint::Open((run.dir / "ckpt" / step / "model").string());
     EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
     std::map<std::string, std::vector<double>> model;
     if (!checkpoint.ok()) return model;
@@ -259,7 +260,7 @@ TEST_F(TrainerDaemonTest, TwoRanksOnGlooTrainLikeOne) {
     ExpectEveryRolloutTrainedOnce(two);
     const std::string log = Process::ReadLog(two.dir / "trainer0.log");
     EXPECT_EQ(log.find("optimizer sharded") != std::string::npos, sharded) << log;
-    const fs::path last = two.dir / "ckpt" / "step-00000004";
+    const fs::path last = two.dir / "ckpt" / "step-00000004" / "optimizer";
     EXPECT_EQ(fs::exists(last / "optimizer-00001-of-00002.safetensors"), sharded);
     EXPECT_EQ(fs::exists(last / "optimizer.safetensors"), !sharded);
   }
@@ -297,7 +298,7 @@ TEST_F(TrainerDaemonTest, TensorParallelReplicasTrainLikeOne) {
     const std::string follower = Process::ReadLog(run.dir / "trainer1.log");
     EXPECT_NE(follower.find("follows TP rank 0 of replica 0"), std::string::npos) << follower;
     EXPECT_EQ(follower.find("registered"), std::string::npos) << follower;
-    const fs::path last = run.dir / "ckpt" / "step-00000004";
+    const fs::path last = run.dir / "ckpt" / "step-00000004" / "optimizer";
     for (const char* part : {"tp-00-of-02", "tp-01-of-02"}) {
       EXPECT_EQ(fs::exists(last / part / "optimizer-00001-of-00002.safetensors"), world == 4)
           << part;

@@ -8,9 +8,11 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <random>
 #include <string>
@@ -19,8 +21,10 @@
 #include "apps/trainer/checkpoints.h"
 #include "core/base/remove_tree.h"
 #include "core/loss/batch_context.h"
+#include "executor/model/qwen3_checkpoint.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/fake_trainer_session.h"
 #include "tests/testing/gloo_ranks.h"
 
@@ -173,6 +177,82 @@ TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
   ExpectSameParameters(Parameters(restored), Parameters(model));
 }
 
+std::vector<std::string> Listing(const std::filesystem::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A checkpoint's model/ is exactly what a rollout engine loads (bf16 weights with their index,
+// config.json, generation_config.json, the source model's tokenizer files, nothing else); the
+// optimizer sits beside it in optimizer/, and resumes the float64 parameters exactly although the
+// published weights are bf16; latest.json names both; a checkpoint saved before the split (state
+// files beside the weights) still resumes.
+TEST_F(TrainerLoopTest, ACheckpointPublishesExactlyWhatInferenceEnginesLoad) {
+  namespace fs = std::filesystem;
+  const fs::path source = dir_ / "source";
+  SaveQwen3Model(TinyModel(), source.string());
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "README.md"}) {
+    std::ofstream(source / name) << "{\"from\": \"" << name << "\"}";
+  }
+  const std::vector<StepPartition> steps = {MakePartition(0, 3, 1), MakePartition(1, 2, 2)};
+  FakeSession session;
+  for (const StepPartition& p : steps) session.partitions.push_back(p);
+  TrainerLoopOptions options = Options(/*max_steps=*/2);
+  options.checkpoint_dir = (dir_ / "ckpt").string();
+  options.model_export.source_directory = source.string();
+  Qwen3Model model = TinyModel();
+  TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
+  ASSERT_EQ(RunTrainerSteps(
+                session, model, optimizer, [] {}, 0, options),
+            2);
+
+  const std::optional<CheckpointInfo> latest = LatestCheckpoint(options.checkpoint_dir);
+  ASSERT_TRUE(latest.has_value());
+  const fs::path step = latest->path;
+  EXPECT_THAT(Listing(step), ::testing::ElementsAre("model", "optimizer", "trainer.json"));
+  EXPECT_THAT(Listing(step / "model"),
+              ::testing::ElementsAre("config.json", "generation_config.json", "model.safetensors",
+                                     "model.safetensors.index.json", "tokenizer.json",
+                                     "tokenizer_config.json"));
+  EXPECT_THAT(Listing(step / "optimizer"),
+              ::testing::ElementsAre(TrainingOptimizer::kReplicatedFile));
+  std::ifstream latest_file(dir_ / "ckpt" / "latest.json");
+  const nlohmann::json pointer = nlohmann::json::parse(latest_file);
+  EXPECT_EQ(pointer["step"], 2);
+  EXPECT_EQ(pointer["path"], step.string());
+  EXPECT_EQ(pointer["model_path"], (step / "model").string());
+
+  // The published weights are the trained ones, rounded to bf16.
+  const Qwen3Model published =
+      LoadQwen3Model((step / "model").string(), at::TensorOptions().dtype(at::kDouble));
+  ASSERT_EQ(published.named_parameters().size(), model.named_parameters().size());
+  for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+    const at::Tensor want =
+        model.named_parameters()[i].second.detach().to(at::kBFloat16).to(at::kDouble);
+    EXPECT_TRUE(at::equal(published.named_parameters()[i].second.detach(), want))
+        << model.named_parameters()[i].first;
+  }
+  EXPECT_EQ(published.config().torch_dtype, "bfloat16");
+
+  // Resuming restores the float64 parameters exactly, from the new layout and from the old one.
+  const fs::path old_layout = dir_ / "old" / "step-00000002";
+  fs::create_directories(old_layout);
+  fs::copy(step / "optimizer" / TrainingOptimizer::kReplicatedFile,
+           old_layout / TrainingOptimizer::kReplicatedFile);
+  fs::copy(step / "trainer.json", old_layout / "trainer.json");
+  for (const fs::path& checkpoint : {step, old_layout}) {
+    Qwen3Model restored = TinyModel();
+    TrainingOptimizer restored_optimizer(restored.named_parameters(), nullptr, {},
+                                         AdamWOptions{.lr = 1e-2});
+    LoadCheckpoint({.step = 2, .path = checkpoint.string()}, restored_optimizer);
+    ExpectSameParameters(Parameters(restored), Parameters(model));
+  }
+}
+
 // The offloaded optimizer (ShardedAdamW over one rank, state in host memory) trains what AdamW
 // trains, saves its slice file in the checkpoint and resumes from it.
 TEST_F(TrainerLoopTest, AnOffloadedOptimizerTrainsAndResumesLikeTheReplicatedOne) {
@@ -196,9 +276,9 @@ TEST_F(TrainerLoopTest, AnOffloadedOptimizerTrainsAndResumesLikeTheReplicatedOne
   }
   const std::optional<CheckpointInfo> latest = LatestCheckpoint(dir_.string());
   ASSERT_TRUE(latest.has_value());
-  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) /
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) / "optimizer" /
                                       "optimizer-00000-of-00001.safetensors"));
-  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(latest->path) /
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(latest->path) / "optimizer" /
                                        TrainingOptimizer::kReplicatedFile));
   Qwen3Model restored = TinyModel();
   TrainingOptimizer restored_optimizer(restored.named_parameters(), nullptr,
@@ -369,9 +449,10 @@ TEST_F(TrainerLoopTest, ARequestOnAnyRankSavesACheckpointOnEveryRank) {
     const std::optional<CheckpointInfo> latest = LatestCheckpoint(dir_.string());
     ASSERT_TRUE(latest.has_value()) << "requested on rank " << requesting;
     EXPECT_EQ(latest->step, 1);  // after the step in progress when asked
-    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) /
+    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) / "optimizer" /
                                         TrainingOptimizer::kReplicatedFile));
-    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(latest->path) / "config.json"));
+    EXPECT_TRUE(
+        std::filesystem::exists(std::filesystem::path(latest->path) / "model" / "config.json"));
     for (int rank = 0; rank < 2; ++rank) {
       ASSERT_EQ(prepared[rank].size(), 2u) << "rank " << rank;
       EXPECT_EQ(prepared[rank][1].checkpoint_step, 1) << "rank " << rank;

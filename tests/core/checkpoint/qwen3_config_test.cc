@@ -218,6 +218,60 @@ TEST(Qwen3Config, SaveAndLoad) {
             absl::StatusCode::kUnavailable);
 }
 
+TEST(Qwen3Config, SavingOverABaseKeepsTheFieldsTheStructDoesNotModel) {
+  const std::string dir = TestDir();
+  WriteFile(dir + "/base.json", kQwen3_0_6B);
+  Qwen3Config config = *Qwen3ConfigPreset("qwen3-0.6b");
+  config.torch_dtype = "float32";  // a published model may change its storage type
+  ASSERT_TRUE(SaveQwen3Config(config, dir + "/out", dir + "/base.json").ok());
+  std::ifstream in(dir + "/out/config.json");
+  const nlohmann::json saved = nlohmann::json::parse(in);
+  EXPECT_EQ(saved["bos_token_id"], 151643);  // kept from the base, as engines read them
+  EXPECT_EQ(saved["eos_token_id"], 151645);
+  EXPECT_EQ(saved["torch_dtype"], "float32");  // the struct's fields win
+  EXPECT_EQ(*LoadQwen3Config(dir + "/out"), config);
+
+  // The newer spellings are rewritten too, so they cannot contradict the struct.
+  WriteFile(dir + "/newer.json", R"({
+    "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "dtype": "bfloat16",
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "eos_token_id": 7})");
+  Qwen3Config small = *ParseQwen3Config(R"({"hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "rope_theta": 20000.0, "torch_dtype": "float64"})");
+  ASSERT_TRUE(SaveQwen3Config(small, dir + "/small", dir + "/newer.json").ok());
+  std::ifstream small_in(dir + "/small/config.json");
+  const nlohmann::json small_saved = nlohmann::json::parse(small_in);
+  EXPECT_EQ(small_saved["dtype"], "float64");
+  EXPECT_EQ(small_saved["rope_parameters"]["rope_theta"], 20000.0);
+  EXPECT_EQ(small_saved["eos_token_id"], 7);
+  EXPECT_EQ(*LoadQwen3Config(dir + "/small"), small);
+
+  // A base that would change what the file says (here: sliding-window layers) is ignored.
+  WriteFile(dir + "/sliding.json",
+            R"({"layer_types": ["sliding_attention", "full_attention"], "eos_token_id": 9})");
+  ASSERT_TRUE(SaveQwen3Config(small, dir + "/plain", dir + "/sliding.json").ok());
+  std::ifstream plain_in(dir + "/plain/config.json");
+  EXPECT_FALSE(nlohmann::json::parse(plain_in).contains("eos_token_id"));
+  EXPECT_EQ(*LoadQwen3Config(dir + "/plain"), small);
+
+  WriteFile(dir + "/array.json", "[1, 2]");
+  const absl::Status not_object = SaveQwen3Config(small, dir + "/x", dir + "/array.json");
+  EXPECT_EQ(not_object.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(not_object.message()), HasSubstr(dir + "/array.json"));
+  EXPECT_EQ(SaveQwen3Config(small, dir + "/x", dir + "/missing.json").code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST(Qwen3Config, LoadingACheckpointDirectorySaysWhereItsModelIs) {
+  const std::string dir = TestDir();
+  ASSERT_TRUE(SaveQwen3Config(*Qwen3ConfigPreset("qwen3-0.6b"), dir + "/model").ok());
+  absl::StatusOr<Qwen3Config> missing = LoadQwen3Config(dir);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr("a dta checkpoint: its model is in " + dir + "/model"));
+}
+
 TEST(Qwen3Config, LoadErrorsNameTheFile) {
   const std::string dir = TestDir();
   absl::StatusOr<Qwen3Config> missing = LoadQwen3Config(dir);

@@ -487,6 +487,38 @@ TEST(SafetensorsCheckpoint, RewritingRemovesTheOtherLayoutAndStaleShards) {
   EXPECT_THAT(files, ElementsAre("config.json", "model.safetensors"));
 }
 
+TEST(SafetensorsCheckpoint, OneFileMayCarryAnIndexForTheEnginesLoaders) {
+  const std::string dir = TestDir();
+  const Model model;
+  ASSERT_TRUE(WriteSafetensorsCheckpoint(dir, model.tensors, 48).ok());  // sharded first
+  ASSERT_TRUE(
+      WriteSafetensorsCheckpoint(dir, model.tensors, int64_t{5} << 30, /*index_one_file=*/true)
+          .ok());
+  std::vector<std::string> files;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
+    files.push_back(entry.path().filename().string());
+  }
+  std::sort(files.begin(), files.end());
+  EXPECT_THAT(files, ElementsAre("model.safetensors", "model.safetensors.index.json"));
+  const nlohmann::json index =
+      nlohmann::json::parse(ReadFile(dir + "/model.safetensors.index.json"));
+  EXPECT_EQ(index["metadata"]["total_size"], 152);
+  ASSERT_EQ(index["weight_map"].size(), model.tensors.size());
+  for (const TensorToWrite& tensor : model.tensors) {
+    EXPECT_EQ(index["weight_map"][tensor.name], "model.safetensors") << tensor.name;
+  }
+  for (const std::string& path : {dir, dir + "/model.safetensors.index.json"}) {
+    absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(path);
+    ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+    ExpectSameTensors(*checkpoint, model);
+  }
+  // Sharding still works with the option, and a plain save drops the index again.
+  ASSERT_TRUE(WriteSafetensorsCheckpoint(dir, model.tensors, 48, true).ok());
+  EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
+  ASSERT_TRUE(WriteSafetensorsCheckpoint(dir, model.tensors).ok());
+  EXPECT_FALSE(fs::exists(dir + "/model.safetensors.index.json"));
+}
+
 TEST(SafetensorsCheckpoint, WriteRejectsBadArguments) {
   const std::string dir = TestDir();
   const Model model;
