@@ -40,7 +40,8 @@ absl::StatusOr<HttpAnswer> PostJson(const std::string& url, const std::string& b
   if (curl == nullptr) return absl::InternalError("libcurl cannot make a handle");
   curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
   if (!bearer_token.empty()) {
-    headers = curl_slist_append(headers, absl::StrCat("Authorization: Bearer ", bearer_token).c_str());
+    headers =
+        curl_slist_append(headers, absl::StrCat("Authorization: Bearer ", bearer_token).c_str());
   }
   std::unique_ptr<curl_slist, decltype(&curl_slist_free_all)> header_list(headers,
                                                                           curl_slist_free_all);
@@ -134,9 +135,9 @@ EngineRequest ReloadRequest(const EngineEndpoint& engine, const std::string& mod
               Json{{"model_path", model_path}, {"weight_version", std::to_string(policy_version)}}
                   .dump()};
     case EngineKind::kVllm:
-      return {absl::StrCat(engine.url, "/collective_rpc"),
-              Json{{"method", "reload_weights"}, {"kwargs", {{"weights_path", model_path}}}}
-                  .dump()};
+      return {
+          absl::StrCat(engine.url, "/collective_rpc"),
+          Json{{"method", "reload_weights"}, {"kwargs", {{"weights_path", model_path}}}}.dump()};
     case EngineKind::kArealVllm:
       return {absl::StrCat(engine.url, "/areal_update_weights"),
               Json{{"model_path", model_path}}.dump()};
@@ -209,8 +210,8 @@ absl::Status EngineNotifier::Announce(const EngineEndpoint& engine, const Pendin
       continue;
     }
     if (answer->status < 200 || answer->status >= 300) {
-      last = absl::UnavailableError(absl::StrCat(request.url, ": HTTP ", answer->status, ": ",
-                                                 Excerpt(answer->body)));
+      last = absl::UnavailableError(
+          absl::StrCat(request.url, ": HTTP ", answer->status, ": ", Excerpt(answer->body)));
       continue;
     }
     if (engine.kind == EngineKind::kSglang) {

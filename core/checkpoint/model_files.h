@@ -18,9 +18,9 @@ namespace dta {
 // The tokenizer files transformers' tokenizers read and save (fast and slow tokenizers, chat
 // templates); every other file of a model directory is left behind.
 inline constexpr std::array<const char*, 9> kTokenizerFiles = {
-    "tokenizer.json",      "tokenizer_config.json", "vocab.json",
-    "merges.txt",          "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model",     "chat_template.jinja",     "chat_template.json"};
+    "tokenizer.json",  "tokenizer_config.json",   "vocab.json",
+    "merges.txt",      "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "chat_template.jinja",     "chat_template.json"};
 
 inline constexpr char kGenerationConfigFile[] = "generation_config.json";
 

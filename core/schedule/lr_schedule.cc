@@ -13,9 +13,9 @@ absl::StatusOr<LrDecay> ParseLrDecay(std::string_view name) {
   if (name == "constant") return LrDecay::kConstant;
   if (name == "linear") return LrDecay::kLinear;
   if (name == "cosine") return LrDecay::kCosine;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "lr schedule '", absl::string_view(name.data(), name.size()),
-      "' is not constant, linear or cosine"));
+  return absl::InvalidArgumentError(absl::StrCat("lr schedule '",
+                                                 absl::string_view(name.data(), name.size()),
+                                                 "' is not constant, linear or cosine"));
 }
 
 std::string_view LrDecayName(LrDecay decay) {
@@ -43,9 +43,9 @@ absl::Status ValidateLrSchedule(const LrSchedule& schedule) {
   if (schedule.decay != LrDecay::kConstant && schedule.total_steps <= schedule.warmup_steps) {
     return FieldError(
         "total_steps",
-        absl::StrCat(schedule.total_steps, " must be above warmup_steps (",
-                     schedule.warmup_steps, ") for a ",
-                     std::string(LrDecayName(schedule.decay)), " decay: it says where it ends"));
+        absl::StrCat(schedule.total_steps, " must be above warmup_steps (", schedule.warmup_steps,
+                     ") for a ", std::string(LrDecayName(schedule.decay)),
+                     " decay: it says where it ends"));
   }
   return absl::OkStatus();
 }

@@ -34,8 +34,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model
         if model is None:
-            model = str(Path(scratch) / "qwen3-tiny")
-            dta.Trainer.from_config(REPO / "examples" / "configs" / "qwen3-tiny.json", seed=1).save(model, optimizer=False)
+            checkpoint = Path(scratch) / "qwen3-tiny"
+            random_model = dta.Trainer.from_config(REPO / "examples" / "configs" / "qwen3-tiny.json", seed=1)
+            random_model.save(checkpoint, dtype=None, optimizer=False)  # float32, as initialised
+            model = str(checkpoint / "model")
             print(f"wrote a random Qwen3 (examples/configs/qwen3-tiny.json) to {model}")
 
         def trainer() -> dta.Trainer:

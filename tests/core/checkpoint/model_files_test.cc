@@ -71,10 +71,10 @@ TEST(ModelFiles, WithoutAGenerationConfigOneIsDerivedFromTheModelConfig) {
   absl::StatusOr<std::vector<std::string>> copied = CopyModelCompanionFiles(source, out);
   ASSERT_TRUE(copied.ok()) << copied.status();
   EXPECT_THAT(*copied, ElementsAre("generation_config.json"));
-  EXPECT_EQ(nlohmann::json::parse(ReadFile(out + "/generation_config.json")),
-            nlohmann::json({{"_from_model_config", true},
-                            {"bos_token_id", 151643},
-                            {"eos_token_id", 151645}}));
+  EXPECT_EQ(
+      nlohmann::json::parse(ReadFile(out + "/generation_config.json")),
+      nlohmann::json(
+          {{"_from_model_config", true}, {"bos_token_id", 151643}, {"eos_token_id", 151645}}));
 
   // No source at all (random weights).
   const std::string bare = dir + "/bare";
@@ -87,8 +87,7 @@ TEST(ModelFiles, WithoutAGenerationConfigOneIsDerivedFromTheModelConfig) {
 
 TEST(ModelFiles, ErrorsNameTheDirectoryOrFile) {
   const std::string dir = testing::FreshTestDir("model_files");
-  absl::StatusOr<std::vector<std::string>> missing =
-      CopyModelCompanionFiles(dir + "/nope", dir);
+  absl::StatusOr<std::vector<std::string>> missing = CopyModelCompanionFiles(dir + "/nope", dir);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr(dir + "/nope"));
 

@@ -67,13 +67,12 @@ TEST(LrSchedule, ParsesNamesAndRefusesBadSchedulesNamingTheField) {
     LrSchedule schedule;
     const char* field;
   };
-  for (const Case& c : {Case{{.warmup_steps = -1}, "warmup_steps"},
-                        Case{{.total_steps = -1}, "total_steps"},
-                        Case{{.min_lr_ratio = 1.5}, "min_lr_ratio"},
-                        Case{{.min_lr_ratio = std::nan("")}, "min_lr_ratio"},
-                        Case{{.decay = LrDecay::kCosine}, "total_steps"},
-                        Case{{.decay = LrDecay::kLinear, .warmup_steps = 5, .total_steps = 5},
-                             "total_steps"}}) {
+  for (const Case& c :
+       {Case{{.warmup_steps = -1}, "warmup_steps"}, Case{{.total_steps = -1}, "total_steps"},
+        Case{{.min_lr_ratio = 1.5}, "min_lr_ratio"},
+        Case{{.min_lr_ratio = std::nan("")}, "min_lr_ratio"},
+        Case{{.decay = LrDecay::kCosine}, "total_steps"},
+        Case{{.decay = LrDecay::kLinear, .warmup_steps = 5, .total_steps = 5}, "total_steps"}}) {
     const absl::Status status = ValidateLrSchedule(c.schedule);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
     EXPECT_THAT(std::string(status.message()), HasSubstr(std::string("field '") + c.field + "'"));

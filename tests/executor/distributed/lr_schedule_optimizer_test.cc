@@ -70,8 +70,7 @@ TEST_P(ScheduleTest, EveryStepUsesThePeakTimesTheFactorAndResumesOnTheCurve) {
     for (size_t i = 0; i < by_hand.size(); ++i) {
       // Bit for bit when replicated (the same AdamW); the host update of offloaded state orders
       // its float64 arithmetic differently (sharded_adamw_test: 1e-12).
-      const double error =
-          (scheduled[i].second - by_hand[i].second).abs().max().item<double>();
+      const double error = (scheduled[i].second - by_hand[i].second).abs().max().item<double>();
       EXPECT_LE(error, GetParam() ? 1e-12 : 0.0) << "step " << s << " parameter " << i;
     }
   }
