@@ -6,7 +6,6 @@
 #include <memory>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -113,12 +112,13 @@ absl::StatusOr<std::vector<EngineEndpoint>> ParseEngineEndpoints(std::string_vie
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": unknown kind '", kind, "' (sglang, vllm or areal-vllm)"));
     }
-    if (!absl::StartsWith(url, "http://") && !absl::StartsWith(url, "https://")) {
+    absl::string_view host = url;
+    if (!absl::ConsumePrefix(&host, "http://") && !absl::ConsumePrefix(&host, "https://")) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": the URL must start with http:// or https://"));
     }
     absl::ConsumeSuffix(&url, "/");
-    if (url == "http:/" || url == "https:/" || absl::EndsWith(url, "://")) {
+    if (absl::ConsumeSuffix(&host, "/"); host.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": the URL names no host"));
     }
     engine.url = std::string(url);
@@ -168,11 +168,6 @@ void EngineNotifier::Publish(const std::string& model_path, int64_t policy_versi
   changed_.notify_all();
 }
 
-void EngineNotifier::Flush() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  changed_.wait(lock, [this] { return !waiting_.has_value() && !busy_; });
-}
-
 void EngineNotifier::Run() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
@@ -180,7 +175,6 @@ void EngineNotifier::Run() {
     if (!waiting_.has_value()) return;  // stopping with nothing left to say
     const Pending pending = *std::move(waiting_);
     waiting_.reset();
-    busy_ = true;
     lock.unlock();
     for (const EngineEndpoint& engine : options_.engines) {
       const absl::Status status = Announce(engine, pending);
@@ -193,8 +187,6 @@ void EngineNotifier::Run() {
                              pending.policy_version, "): ", status.message()));
     }
     lock.lock();
-    busy_ = false;
-    changed_.notify_all();
   }
 }
 
@@ -229,11 +221,7 @@ absl::Status EngineNotifier::Announce(const EngineEndpoint& engine, const Pendin
 }
 
 void EngineNotifier::Log(const std::string& line) const {
-  if (options_.log) {
-    options_.log(line);
-  } else {
-    std::fprintf(stderr, "%s: %s\n", options_.log_prefix.c_str(), line.c_str());
-  }
+  std::fprintf(stderr, "%s: %s\n", options_.log_prefix.c_str(), line.c_str());
 }
 
 }  // namespace dta

@@ -32,7 +32,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -70,9 +69,8 @@ struct EngineNotifierOptions {
   int attempts = 3;          // >= 1
   std::chrono::milliseconds retry_delay{1000};
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};  // per request (engines load)
-  // Where outcomes are reported (default: stderr lines starting with `log_prefix`).
+  // Outcomes are reported on stderr, each line starting with this.
   std::string log_prefix = "dta-trainer";
-  std::function<void(const std::string& line)> log;
 };
 
 class EngineNotifier {
@@ -84,8 +82,6 @@ class EngineNotifier {
 
   // Queues an announcement of `model_path` (replacing one still waiting). No-op without engines.
   void Publish(const std::string& model_path, int64_t policy_version);
-  // Blocks until every queued announcement has been sent (or has failed for good).
-  void Flush();
 
  private:
   struct Pending {
@@ -100,7 +96,6 @@ class EngineNotifier {
   std::mutex mutex_;
   std::condition_variable changed_;
   std::optional<Pending> waiting_;  // guarded by mutex_
-  bool busy_ = false;               // guarded by mutex_
   bool stopping_ = false;           // guarded by mutex_
   std::thread worker_;
 };

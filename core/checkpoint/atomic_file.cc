@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 
@@ -45,6 +47,14 @@ absl::Status WriteFileAtomically(const std::string& path,
         absl::StrCat(path, ": cannot write (", error.empty() ? ErrnoText() : error, ")"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  if (!in) return absl::UnavailableError(absl::StrCat(path, ": cannot read"));
+  return buffer.str();
 }
 
 absl::Status WriteTextAtomically(const std::string& path, std::string_view text) {

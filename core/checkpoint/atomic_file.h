@@ -1,7 +1,7 @@
-// Files replaced atomically: written to a temporary file beside the target, flushed to disk
-// (fsync), then renamed over it, so a reader (or a crash) sees the old file or the new one, never a
-// part of either. The checkpoint writers (safetensors, config.json, generation_config.json) share
-// it.
+// Whole files for the checkpoint code: read at once, and replaced atomically (written to a
+// temporary file beside the target, flushed to disk with fsync, then renamed over it, so a reader
+// or a crash sees the old file or the new one, never a part of either). The safetensors,
+// config.json and generation_config.json writers share it.
 //
 //   RETURN_IF_ERROR(WriteTextAtomically("/ckpt/step-1/model/config.json", json));
 //
@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
 namespace dta {
@@ -24,5 +25,8 @@ absl::Status WriteFileAtomically(const std::string& path,
 
 // Writes `text` to `path`.
 absl::Status WriteTextAtomically(const std::string& path, std::string_view text);
+
+// The contents of `path`; UNAVAILABLE naming it if it cannot be read.
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
 
 }  // namespace dta

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "core/base/status_macros.h"
@@ -16,20 +14,12 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
-absl::StatusOr<std::string> ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  if (!in) return absl::UnavailableError(absl::StrCat(path.string(), ": cannot read"));
-  return buffer.str();
-}
-
 // What transformers' GenerationConfig.from_model_config keeps of a config.json.
 absl::StatusOr<std::string> DerivedGenerationConfig(const std::string& source) {
   Json generation = {{"_from_model_config", true}};
   const fs::path config = fs::path(source) / "config.json";
   if (!source.empty() && fs::exists(config)) {
-    ASSIGN_OR_RETURN(const std::string text, ReadFile(config));
+    ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(config.string()));
     const Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (json.is_object()) {
       for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
@@ -55,7 +45,7 @@ absl::StatusOr<std::vector<std::string>> CopyModelCompanionFiles(const std::stri
   for (const char* name : names) {
     const fs::path from = fs::path(source) / name;
     if (source.empty() || !fs::is_regular_file(from, error)) continue;
-    ASSIGN_OR_RETURN(const std::string text, ReadFile(from));
+    ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(from.string()));
     RETURN_IF_ERROR(WriteTextAtomically((fs::path(destination) / name).string(), text));
     written.push_back(name);
   }

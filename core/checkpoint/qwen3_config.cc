@@ -333,11 +333,8 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
   }
   std::string text = Qwen3ConfigToJson(config);
   if (!base_config.empty()) {
-    std::ifstream in(base_config, std::ios::binary);
-    std::stringstream buffer;
-    buffer << in.rdbuf();
-    if (!in) return absl::UnavailableError(absl::StrCat(base_config, ": cannot read"));
-    Json merged = Json::parse(buffer.str(), nullptr, /*allow_exceptions=*/false);
+    ASSIGN_OR_RETURN(const std::string base, ReadWholeFile(base_config));
+    Json merged = Json::parse(base, nullptr, /*allow_exceptions=*/false);
     if (!merged.is_object()) {
       return absl::InvalidArgumentError(absl::StrCat(base_config, ": not a JSON object"));
     }

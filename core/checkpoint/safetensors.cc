@@ -662,7 +662,7 @@ absl::Status WriteSafetensorsCheckpoint(const std::string& directory,
   }
   RETURN_IF_ERROR(WriteTextAtomically((dir / kIndexFile).string(), text));
   if (!one_file) RETURN_IF_ERROR(RemoveIfPresent(dir / kSingleFile));
-  return RemoveStaleShards(dir, one_file ? std::set<std::string>{} : shard_names);
+  return RemoveStaleShards(dir, shard_names);  // model.safetensors is no shard name
 }
 
 }  // namespace dta
