@@ -28,6 +28,30 @@ std::string_view BearerToken(grpc::CallbackServerContext* context) {
                                                     : std::string_view();
 }
 
+// Parses the bytes of a request to the call `rpc`; INVALID_ARGUMENT naming the call when they are
+// not a Message. It reads a copy (sharing the bytes): gRPC's deserializer clears what it reads.
+template <typename Message>
+grpc::Status Parse(const grpc::ByteBuffer& bytes, const char* rpc, Message* message) {
+  grpc::ByteBuffer copy(bytes);
+  const grpc::Status parsed = grpc::SerializationTraits<Message>::Deserialize(&copy, message);
+  if (parsed.ok()) return grpc::Status::OK;
+  // gRPC's reason is usually empty: protobuf says only that parsing failed.
+  const std::string reason =
+      parsed.error_message().empty() ? "" : absl::StrCat(" (", parsed.error_message(), ")");
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat(rpc, ": the request could not be parsed: its bytes are not a ",
+                                   message->GetTypeName(), reason));
+}
+
+// Serializes `message` into `bytes`, replacing what they held (gRPC's serializer aborts on a
+// buffer that still holds bytes).
+template <typename Message>
+grpc::Status Serialize(const Message& message, grpc::ByteBuffer* bytes) {
+  bytes->Clear();
+  bool own_buffer = false;
+  return grpc::SerializationTraits<Message>::Serialize(message, bytes, &own_buffer);
+}
+
 }  // namespace
 
 grpc::Status ToGrpc(const absl::Status& status) {
@@ -74,7 +98,7 @@ void WorkerPool::Submit(std::function<void()> task) {
 // once the pending pool has room. Strictly one operation in flight, so no locking is needed
 // beyond what gRPC's callbacks already order.
 class DispatcherService::IngestReactor final
-    : public grpc::ServerBidiReactor<v1::IngestRequest, v1::IngestResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   IngestReactor(DispatcherService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
@@ -91,6 +115,12 @@ class DispatcherService::IngestReactor final
       Finish(grpc::Status::OK);
       return;
     }
+    // Undecodable bytes end the stream: no answer could name their trajectory, and the client is
+    // broken, not the trajectory. What was acknowledged before stays stored.
+    if (grpc::Status parsed = Parse(request_bytes_, "Ingest", &request_); !parsed.ok()) {
+      Finish(parsed);
+      return;
+    }
     service_->ingest_workers_.Submit([this] {
       absl::StatusOr<v1::IngestResponse> response = service_->core_->Ingest(request_.trajectory());
       // The pool filled up since the read (other streams took the room): wait, then store it.
@@ -102,8 +132,11 @@ class DispatcherService::IngestReactor final
         Finish(ToGrpc(response.status()));
         return;
       }
-      response_ = *std::move(response);
-      StartWrite(&response_);
+      if (grpc::Status serialized = Serialize(*response, &response_bytes_); !serialized.ok()) {
+        Finish(serialized);
+        return;
+      }
+      StartWrite(&response_bytes_);
     });
   }
 
@@ -122,11 +155,11 @@ class DispatcherService::IngestReactor final
   // worker waits for room (HTTP/2 flow control holds the client meanwhile).
   void ReadWhenThereIsRoom() {
     if (service_->core_->HasRoom()) {
-      StartRead(&request_);
+      StartRead(&request_bytes_);
       return;
     }
     service_->ingest_workers_.Submit([this] {
-      if (WaitForRoom()) StartRead(&request_);
+      if (WaitForRoom()) StartRead(&request_bytes_);
     });
   }
 
@@ -144,8 +177,49 @@ class DispatcherService::IngestReactor final
 
   DispatcherService* const service_;
   grpc::CallbackServerContext* const context_;
+  grpc::ByteBuffer request_bytes_;
   v1::IngestRequest request_;
-  v1::IngestResponse response_;
+  grpc::ByteBuffer response_bytes_;
+};
+
+// A unary call of the raw service seen typed, so that the handlers read a parsed request and fill
+// a response as with the generated service. Its Finish is the only way to end the call (the
+// reactor is a private base): it serializes an OK call's response into gRPC's buffer first.
+// Deletes itself once gRPC is done with the call, which is never before Finish.
+template <typename Request, typename Response>
+class DispatcherService::UnaryCall final : private grpc::ServerUnaryReactor {
+ public:
+  // `response_bytes` is gRPC's buffer for the answer; it outlives the call.
+  UnaryCall(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes)
+      : context_(context), response_bytes_(response_bytes) {}
+
+  // Parses the request's bytes; false (the call finished INVALID_ARGUMENT) when they do not.
+  bool ParseRequest(const grpc::ByteBuffer& bytes, const char* rpc) {
+    grpc::Status parsed = Parse(bytes, rpc, &request_);
+    if (parsed.ok()) return true;
+    Finish(std::move(parsed));
+    return false;
+  }
+
+  // Ends the call: with the response when `status` is OK, with `status` alone otherwise.
+  void Finish(grpc::Status status) {
+    if (status.ok()) status = Serialize(response_, response_bytes_);
+    grpc::ServerUnaryReactor::Finish(std::move(status));
+  }
+
+  grpc::CallbackServerContext* context() const { return context_; }
+  const Request& request() const { return request_; }
+  Response* response() { return &response_; }
+  // What gRPC is handed: it calls OnDone once the call is over.
+  grpc::ServerUnaryReactor* reactor() { return this; }
+
+ private:
+  void OnDone() override { delete this; }
+
+  grpc::CallbackServerContext* const context_;
+  grpc::ByteBuffer* const response_bytes_;
+  Request request_;
+  Response response_;
 };
 
 DispatcherService::DispatcherService(DispatcherCore* core, DispatcherServiceOptions options)
@@ -201,35 +275,41 @@ grpc::Status DispatcherService::Authorize(grpc::CallbackServerContext* context, 
   return grpc::Status(grpc::StatusCode::INTERNAL, "unknown caller role");
 }
 
-template <typename Answer>
-void DispatcherService::LongPoll(grpc::CallbackServerContext* context,
-                                 grpc::ServerUnaryReactor* reactor,
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* DispatcherService::Serve(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer& request,
+                                                   grpc::ByteBuffer* response, CallerRole role,
+                                                   const char* rpc,
+                                                   Handler<Request, Response> handler) {
+  auto* call = new UnaryCall<Request, Response>(context, response);
+  // The credential first: a caller without one learns nothing, not even whether its bytes parse.
+  if (grpc::Status refused = Authorize(context, role, rpc); !refused.ok()) {
+    call->Finish(std::move(refused));
+  } else if (call->ParseRequest(request, rpc)) {
+    (this->*handler)(call);
+  }
+  return call->reactor();  // gRPC binds it only now: a Finish before then waits for it
+}
+
+template <typename Answer, typename Request, typename Response>
+void DispatcherService::LongPoll(UnaryCall<Request, Response>* call,
                                  std::function<absl::StatusOr<Answer>()> attempt,
                                  std::function<bool(const absl::StatusOr<Answer>&)> final,
                                  std::function<void(Answer)> deliver) {
-  trainer_workers_.Submit([this, context, reactor, attempt = std::move(attempt),
-                           final = std::move(final), deliver = std::move(deliver)] {
-    const absl::Time deadline = PollDeadline(context);
+  trainer_workers_.Submit([this, call, attempt = std::move(attempt), final = std::move(final),
+                           deliver = std::move(deliver)] {
+    const absl::Time deadline = PollDeadline(call->context());
     while (true) {
       const uint64_t seen = core_->change_count();
       absl::StatusOr<Answer> answer = attempt();
-      if (final(answer) || absl::Now() >= deadline || context->IsCancelled()) {
+      if (final(answer) || absl::Now() >= deadline || call->context()->IsCancelled()) {
         if (answer.ok()) deliver(*std::move(answer));
-        reactor->Finish(ToGrpc(answer.status()));
+        call->Finish(ToGrpc(answer.status()));
         return;
       }
       core_->AwaitChange(seen, deadline);
     }
   });
-}
-
-bool DispatcherService::Refuse(grpc::CallbackServerContext* context,
-                               grpc::ServerUnaryReactor* reactor, CallerRole role,
-                               const char* rpc) const {
-  grpc::Status status = Authorize(context, role, rpc);
-  if (status.ok()) return false;
-  reactor->Finish(std::move(status));
-  return true;
 }
 
 absl::Time DispatcherService::PollDeadline(grpc::CallbackServerContext* context) const {
@@ -239,77 +319,92 @@ absl::Time DispatcherService::PollDeadline(grpc::CallbackServerContext* context)
   return std::min(deadline, client - absl::Milliseconds(100));
 }
 
-grpc::ServerBidiReactor<v1::IngestRequest, v1::IngestResponse>* DispatcherService::Ingest(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DispatcherService::Ingest(
     grpc::CallbackServerContext* context) {
   return new IngestReactor(this, context);
 }
 
-grpc::ServerUnaryReactor* DispatcherService::RegisterTrainer(
-    grpc::CallbackServerContext* context, const v1::RegisterTrainerRequest* request,
-    v1::RegisterTrainerResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (Refuse(context, reactor, CallerRole::kTrainer, "RegisterTrainer")) return reactor;
-  trainer_workers_.Submit([this, request, response, reactor] {
-    absl::StatusOr<v1::RegisterTrainerResponse> result = core_->RegisterTrainer(*request);
-    if (result.ok()) *response = *std::move(result);
-    reactor->Finish(ToGrpc(result.status()));
-  });
-  return reactor;
+grpc::ServerUnaryReactor* DispatcherService::RegisterTrainer(grpc::CallbackServerContext* context,
+                                                             const grpc::ByteBuffer* request,
+                                                             grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, CallerRole::kTrainer, "RegisterTrainer",
+               &DispatcherService::ServeRegisterTrainer);
 }
 
-grpc::ServerUnaryReactor* DispatcherService::FetchPartition(
-    grpc::CallbackServerContext* context, const v1::FetchPartitionRequest* request,
-    v1::FetchPartitionResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (Refuse(context, reactor, CallerRole::kTrainer, "FetchPartition")) return reactor;
-  // Not ready yet (UNAVAILABLE): wait for trajectories or trainers.
-  LongPoll<v1::Partition>(
-      context, reactor, [this, request] { return core_->FetchPartition(*request); },
-      [](const absl::StatusOr<v1::Partition>& p) {
-        return p.status().code() != absl::StatusCode::kUnavailable;
-      },
-      [response](v1::Partition p) { *response->mutable_partition() = std::move(p); });
-  return reactor;
+grpc::ServerUnaryReactor* DispatcherService::FetchPartition(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, CallerRole::kTrainer, "FetchPartition",
+               &DispatcherService::ServeFetchPartition);
 }
 
 grpc::ServerUnaryReactor* DispatcherService::ReportStep(grpc::CallbackServerContext* context,
-                                                        const v1::ReportStepRequest* request,
-                                                        v1::ReportStepResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (Refuse(context, reactor, CallerRole::kTrainer, "ReportStep")) return reactor;
-  // PENDING: wait for the other ranks. Asking again with the same report is harmless (a rank's
-  // PREPARED report replaces itself).
-  LongPoll<v1::ReportStepResponse>(
-      context, reactor, [this, request] { return core_->ReportStep(request->report()); },
-      [](const absl::StatusOr<v1::ReportStepResponse>& d) {
-        return !d.ok() || d->decision() != v1::ReportStepResponse::PENDING;
-      },
-      [response](v1::ReportStepResponse d) { *response = std::move(d); });
-  return reactor;
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, CallerRole::kTrainer, "ReportStep",
+               &DispatcherService::ServeReportStep);
 }
 
 grpc::ServerUnaryReactor* DispatcherService::GetStatus(grpc::CallbackServerContext* context,
-                                                       const v1::GetStatusRequest* request,
-                                                       v1::GetStatusResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (Refuse(context, reactor, CallerRole::kReader, "GetStatus")) return reactor;
-  trainer_workers_.Submit([this, response, reactor] {
-    *response = core_->GetStatus();
-    reactor->Finish(grpc::Status::OK);
-  });
-  return reactor;
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, CallerRole::kReader, "GetStatus",
+               &DispatcherService::ServeGetStatus);
 }
 
 grpc::ServerUnaryReactor* DispatcherService::GetStatistics(grpc::CallbackServerContext* context,
-                                                           const v1::GetStatisticsRequest* request,
-                                                           v1::GetStatisticsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (Refuse(context, reactor, CallerRole::kReader, "GetStatistics")) return reactor;
-  trainer_workers_.Submit([this, response, reactor] {
-    *response = core_->GetStatistics();
-    reactor->Finish(grpc::Status::OK);
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, CallerRole::kReader, "GetStatistics",
+               &DispatcherService::ServeGetStatistics);
+}
+
+void DispatcherService::ServeRegisterTrainer(
+    UnaryCall<v1::RegisterTrainerRequest, v1::RegisterTrainerResponse>* call) {
+  trainer_workers_.Submit([this, call] {
+    absl::StatusOr<v1::RegisterTrainerResponse> result = core_->RegisterTrainer(call->request());
+    if (result.ok()) *call->response() = *std::move(result);
+    call->Finish(ToGrpc(result.status()));
   });
-  return reactor;
+}
+
+void DispatcherService::ServeFetchPartition(
+    UnaryCall<v1::FetchPartitionRequest, v1::FetchPartitionResponse>* call) {
+  // Not ready yet (UNAVAILABLE): wait for trajectories or trainers.
+  LongPoll<v1::Partition>(
+      call, [this, call] { return core_->FetchPartition(call->request()); },
+      [](const absl::StatusOr<v1::Partition>& p) {
+        return p.status().code() != absl::StatusCode::kUnavailable;
+      },
+      [call](v1::Partition p) { *call->response()->mutable_partition() = std::move(p); });
+}
+
+void DispatcherService::ServeReportStep(
+    UnaryCall<v1::ReportStepRequest, v1::ReportStepResponse>* call) {
+  // PENDING: wait for the other ranks. Asking again with the same report is harmless (a rank's
+  // PREPARED report replaces itself).
+  LongPoll<v1::ReportStepResponse>(
+      call, [this, call] { return core_->ReportStep(call->request().report()); },
+      [](const absl::StatusOr<v1::ReportStepResponse>& d) {
+        return !d.ok() || d->decision() != v1::ReportStepResponse::PENDING;
+      },
+      [call](v1::ReportStepResponse d) { *call->response() = std::move(d); });
+}
+
+void DispatcherService::ServeGetStatus(
+    UnaryCall<v1::GetStatusRequest, v1::GetStatusResponse>* call) {
+  trainer_workers_.Submit([this, call] {
+    *call->response() = core_->GetStatus();
+    call->Finish(grpc::Status::OK);
+  });
+}
+
+void DispatcherService::ServeGetStatistics(
+    UnaryCall<v1::GetStatisticsRequest, v1::GetStatisticsResponse>* call) {
+  trainer_workers_.Submit([this, call] {
+    *call->response() = core_->GetStatistics();
+    call->Finish(grpc::Status::OK);
+  });
 }
 
 }  // namespace dta

@@ -19,6 +19,12 @@
 // name the call and the credential it needs. dta-dispatcher refuses a non-loopback address without
 // TLS and both credentials.
 //
+// Undecodable requests: bytes that do not parse as the call's request message get
+// INVALID_ARGUMENT naming the call (once the credential was accepted). For Ingest this ends the
+// stream; what it acknowledged before stays stored. The service receives every message as bytes
+// and parses them itself, since gRPC's generated handlers would answer such a unary call
+// UNIMPLEMENTED and end such a stream as if the client had finished (OK).
+//
 // Thread safety: thread-safe; owned by the server's lifetime (destroy after the server shut down).
 #pragma once
 
@@ -80,44 +86,71 @@ class WorkerPool {
   std::vector<std::thread> threads_;
 };
 
-class DispatcherService final : public v1::Dispatcher::CallbackService {
+// The generated service with every method raw (bytes in, bytes out): see "Undecodable requests"
+// above.
+using RawDispatcherService = v1::Dispatcher::WithRawCallbackMethod_Ingest<
+    v1::Dispatcher::WithRawCallbackMethod_RegisterTrainer<
+        v1::Dispatcher::WithRawCallbackMethod_FetchPartition<
+            v1::Dispatcher::WithRawCallbackMethod_ReportStep<
+                v1::Dispatcher::WithRawCallbackMethod_GetStatus<
+                    v1::Dispatcher::WithRawCallbackMethod_GetStatistics<
+                        v1::Dispatcher::Service>>>>>>;
+
+class DispatcherService final : public RawDispatcherService {
  public:
   DispatcherService(DispatcherCore* core, DispatcherServiceOptions options);
   ~DispatcherService() override;
 
-  grpc::ServerBidiReactor<v1::IngestRequest, v1::IngestResponse>* Ingest(
+  // gRPC's entry points: each checks the credential, parses, then runs the typed handler below.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Ingest(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* RegisterTrainer(grpc::CallbackServerContext* context,
-                                            const v1::RegisterTrainerRequest* request,
-                                            v1::RegisterTrainerResponse* response) override;
+                                            const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* FetchPartition(grpc::CallbackServerContext* context,
-                                           const v1::FetchPartitionRequest* request,
-                                           v1::FetchPartitionResponse* response) override;
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* context,
-                                       const v1::ReportStepRequest* request,
-                                       v1::ReportStepResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
-                                      const v1::GetStatusRequest* request,
-                                      v1::GetStatusResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetStatistics(grpc::CallbackServerContext* context,
-                                          const v1::GetStatisticsRequest* request,
-                                          v1::GetStatisticsResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
 
  private:
   class IngestReactor;
+  // One unary call seen typed: its parsed request, its response, and the only way to finish it.
+  template <typename Request, typename Response>
+  class UnaryCall;
+  template <typename Request, typename Response>
+  using Handler = void (DispatcherService::*)(UnaryCall<Request, Response>* call);
+
   // OK when the call's credential lets `role` make the call named `rpc`; UNAUTHENTICATED or
   // PERMISSION_DENIED (see the header comment) otherwise.
   grpc::Status Authorize(grpc::CallbackServerContext* context, CallerRole role,
                          const char* rpc) const;
-  // Finishes the call with Authorize's error and returns true when it is not OK.
-  bool Refuse(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
-              CallerRole role, const char* rpc) const;
+  // Answers the unary call `rpc`: refuses it as Authorize says, then INVALID_ARGUMENT when
+  // `request` does not parse as a Request; otherwise `handler` finishes it.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
+                                  CallerRole role, const char* rpc,
+                                  Handler<Request, Response> handler);
+  // The typed handlers: each finishes its call, on a worker.
+  void ServeRegisterTrainer(
+      UnaryCall<v1::RegisterTrainerRequest, v1::RegisterTrainerResponse>* call);
+  void ServeFetchPartition(UnaryCall<v1::FetchPartitionRequest, v1::FetchPartitionResponse>* call);
+  void ServeReportStep(UnaryCall<v1::ReportStepRequest, v1::ReportStepResponse>* call);
+  void ServeGetStatus(UnaryCall<v1::GetStatusRequest, v1::GetStatusResponse>* call);
+  void ServeGetStatistics(UnaryCall<v1::GetStatisticsRequest, v1::GetStatisticsResponse>* call);
   // On a worker: calls `attempt` until its answer is `final`, the poll is over or the call is
   // cancelled, waiting for a change of the dispatcher's state in between; then `deliver`s an OK
-  // answer into the response and finishes the call with the answer's status.
-  template <typename Answer>
-  void LongPoll(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
-                std::function<absl::StatusOr<Answer>()> attempt,
+  // answer into the call's response and finishes the call with the answer's status.
+  template <typename Answer, typename Request, typename Response>
+  void LongPoll(UnaryCall<Request, Response>* call, std::function<absl::StatusOr<Answer>()> attempt,
                 std::function<bool(const absl::StatusOr<Answer>&)> final,
                 std::function<void(Answer)> deliver);
   // The time a long poll of this call may wait until.

@@ -3,6 +3,7 @@
 // acknowledgements.
 #include "dispatcher/service/dispatcher_service.h"
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <unistd.h>
@@ -12,9 +13,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "dispatcher/client/dispatcher_client.h"
@@ -493,6 +496,166 @@ TEST_F(DispatcherServiceTest, AnOpenIngestStillGuardsTheTrainersCalls) {
   }
   const grpc::Status registered = CallAs(*stub, "RegisterTrainer", "train-secret");
   EXPECT_TRUE(registered.ok()) << registered.error_message();
+}
+
+// A truncated length-delimited field (field 1, 127 bytes announced, none sent): no message of
+// dta.v1 parses from it.
+constexpr char kUndecodable[] = "\x0a\x7f";
+
+grpc::ByteBuffer Bytes(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+grpc::ByteBuffer Serialized(const google::protobuf::Message& message) {
+  return Bytes(message.SerializeAsString());
+}
+
+// One Ingest stream of raw bytes (what a broken client could send), each operation waited for.
+class RawIngestStream {
+ public:
+  RawIngestStream(grpc::GenericStub& stub, const std::string& token) {
+    context_.set_deadline(In(10));
+    if (!token.empty()) context_.AddMetadata("authorization", "Bearer " + token);
+    stream_ = stub.PrepareCall(&context_, "/dta.v1.Dispatcher/Ingest", &queue_);
+    stream_->StartCall(this);
+    started_ = Wait();
+  }
+  ~RawIngestStream() {
+    context_.TryCancel();
+    queue_.Shutdown();
+    void* tag;
+    bool ok;
+    while (queue_.Next(&tag, &ok)) {
+    }
+  }
+
+  bool Write(const grpc::ByteBuffer& bytes) {
+    if (!started_) return false;
+    stream_->Write(bytes, this);
+    return Wait();
+  }
+  // False when the server ended the stream instead of answering.
+  bool Read(v1::IngestResponse* answer) {
+    grpc::ByteBuffer bytes;
+    stream_->Read(&bytes, this);
+    if (!Wait()) return false;
+    return grpc::SerializationTraits<v1::IngestResponse>::Deserialize(&bytes, answer).ok();
+  }
+  grpc::Status Finish() {
+    grpc::Status status;
+    stream_->Finish(&status, this);
+    Wait();
+    return status;
+  }
+
+ private:
+  bool Wait() {
+    void* tag;
+    bool ok = false;
+    return queue_.Next(&tag, &ok) && ok;
+  }
+
+  grpc::ClientContext context_;
+  grpc::CompletionQueue queue_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> stream_;
+  bool started_ = false;
+};
+
+// Sends `request` as the unary call `rpc`, presenting `token`; the status it ends with.
+grpc::Status RawCall(grpc::GenericStub& stub, const std::string& rpc, const std::string& token,
+                     const grpc::ByteBuffer& request) {
+  grpc::ClientContext context;
+  context.set_deadline(In(10));
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  grpc::ByteBuffer response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/dta.v1.Dispatcher/" + rpc, grpc::StubOptions(), &request, &response,
+                 [&done](grpc::Status status) { done.set_value(std::move(status)); });
+  return done.get_future().get();
+}
+
+// Bytes that are no dta.v1 message, sent to every RPC with the credential it needs: each call
+// ends INVALID_ARGUMENT naming the RPC, the credential is still checked first, and the server
+// goes on serving well-formed calls.
+TEST_F(DispatcherServiceTest, UndecodableRequestsAreInvalidArgumentsOnEveryRpc) {
+  Start(8, 1 << 16, {.rollout_token = "roll-secret", .trainer_token = "train-secret"});
+  grpc::GenericStub raw(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  const std::vector<std::pair<std::string, std::string>> unary = {
+      {"RegisterTrainer", "train-secret"},
+      {"FetchPartition", "train-secret"},
+      {"ReportStep", "train-secret"},
+      {"GetStatus", "roll-secret"},
+      {"GetStatistics", "train-secret"}};
+  for (const auto& [rpc, token] : unary) {
+    const grpc::Status status = RawCall(raw, rpc, token, Bytes(kUndecodable));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << rpc << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(rpc + ": the request could not be parsed"));
+    EXPECT_EQ(RawCall(raw, rpc, "wrong", Bytes(kUndecodable)).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED)
+        << rpc;
+  }
+  {
+    RawIngestStream stream(raw, "roll-secret");
+    stream.Write(Bytes(kUndecodable));
+    v1::IngestResponse answer;
+    EXPECT_FALSE(stream.Read(&answer));
+    const grpc::Status status = stream.Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("Ingest: the request could not be parsed"));
+  }
+  {
+    RawIngestStream stream(raw, "wrong");
+    stream.Write(Bytes(kUndecodable));
+    EXPECT_EQ(stream.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // Well-formed calls, through the generated stubs and as raw bytes alike, still get through.
+  auto stub = Stub();
+  EXPECT_TRUE(CallAs(*stub, "Ingest", "roll-secret").ok());
+  EXPECT_TRUE(CallAs(*stub, "RegisterTrainer", "train-secret").ok());
+  v1::GetStatusResponse status;
+  grpc::ClientContext context;
+  context.set_deadline(In(10));
+  context.AddMetadata("authorization", "Bearer train-secret");
+  ASSERT_TRUE(stub->GetStatus(&context, {}, &status).ok());
+  EXPECT_EQ(status.pending_trajectories(), 1);
+  EXPECT_EQ(status.registered_trainers(), 1);
+  EXPECT_TRUE(
+      RawCall(raw, "GetStatistics", "roll-secret", Serialized(v1::GetStatisticsRequest())).ok());
+}
+
+// An undecodable message after an acknowledged trajectory ends that stream INVALID_ARGUMENT; the
+// acknowledged trajectory stays stored, and new streams go on.
+TEST_F(DispatcherServiceTest, AnUndecodableMessageEndsItsStreamKeepingWhatWasAcknowledged) {
+  Start();
+  grpc::GenericStub raw(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  {
+    RawIngestStream stream(raw, "");
+    v1::IngestRequest request;
+    *request.mutable_trajectory() = Make("before", 0);
+    ASSERT_TRUE(stream.Write(Serialized(request)));
+    v1::IngestResponse answer;
+    ASSERT_TRUE(stream.Read(&answer));
+    EXPECT_EQ(answer.id(), "before");
+    EXPECT_EQ(answer.outcome(), v1::IngestResponse::ACCEPTED);
+    stream.Write(Bytes(kUndecodable));
+    EXPECT_FALSE(stream.Read(&answer));
+    const grpc::Status status = stream.Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("Ingest: the request could not be parsed"));
+  }
+  EXPECT_EQ(core_->GetStatus().pending_trajectories(), 1);
+  auto stub = Stub();
+  grpc::Status status;
+  const std::vector<v1::IngestResponse> answers =
+      SendAll(*stub, {Make("before", 0), Make("after", 1)}, &status);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answers.size(), 2u);
+  EXPECT_TRUE(answers[0].already_accepted());
+  EXPECT_EQ(answers[1].outcome(), v1::IngestResponse::ACCEPTED);
+  EXPECT_FALSE(answers[1].already_accepted());
+  EXPECT_EQ(core_->GetStatistics().accepted(), 2);
 }
 
 TEST(IsLoopbackAddress, ParsesAndResolvesTheHost) {
