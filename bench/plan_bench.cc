@@ -78,8 +78,7 @@ void BM_PlanPartitions(benchmark::State& state) {
   for (const Rollout& r : batch) pointers.push_back(&r);
   double compression = 0;
   for (auto _ : state) {
-    absl::StatusOr<PartitionPlan> plan =
-        PlanPartitions(pointers, 8, /*with_advantages=*/true, true);
+    absl::StatusOr<PartitionPlan> plan = PlanPartitions(pointers, 8, /*with_advantages=*/true, {});
     if (!plan.ok()) {
       state.SkipWithError(std::string(plan.status().message()).c_str());
       break;

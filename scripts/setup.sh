@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs whatever is missing for building and testing dta on Debian 12: the Debian packages
-# and the repo's Python venv (.venv, pinned by scripts/requirements.txt). Idempotent: when
-# nothing changed it checks and returns in about a second.
+# and the repo's Python venv (.venv, pinned by scripts/requirements.txt, then AReaL and what it
+# imports by scripts/requirements-areal.txt without dependency resolution: see that file).
+# Idempotent: when nothing changed it checks and returns in about a second.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -27,8 +28,9 @@ fi
 
 venv="$repo/.venv"
 requirements="$repo/scripts/requirements.txt"
+requirements_areal="$repo/scripts/requirements-areal.txt"
 stamp="$venv/.requirements.sha256"
-want="$(sha256sum "$requirements" | cut -d' ' -f1)"
+want="$(cat "$requirements" "$requirements_areal" | sha256sum | cut -d' ' -f1)"
 if [[ ! -x "$venv/bin/python" ]]; then
   echo "setup: creating the Python venv in .venv"
   python3 -m venv "$venv"
@@ -37,5 +39,7 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "setup: installing pinned Python packages (torch is large: the first time takes minutes)"
   "$venv/bin/python" -m pip install -q --upgrade pip==26.3
   "$venv/bin/python" -m pip install -q -r "$requirements"
+  # --no-deps: areal declares torch<2.11, and dta's extension links the venv's torch.
+  "$venv/bin/python" -m pip install -q --no-deps -r "$requirements_areal"
   echo "$want" >"$stamp"
 fi

@@ -28,6 +28,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "apps/advantages/advantage_flags.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/client_options.h"
@@ -42,7 +43,6 @@ ABSL_FLAG(int64_t, batch_tokens, 0,
           "rollout tokens per step (the batch closes at the rollout that reaches it)");
 ABSL_FLAG(int64_t, max_staleness, -1,
           "drop trajectories whose policy version lags by more than this (-1: keep all)");
-ABSL_FLAG(bool, normalize_std, true, "GRPO advantages divided by the group's standard deviation");
 ABSL_FLAG(bool, sft, false, "supervised data: trajectories need no reward or advantages");
 ABSL_FLAG(bool, require_ref_logprobs, false,
           "trajectories must carry ref_logprobs (trainers with --kl_coef)");
@@ -109,12 +109,14 @@ int Run() {
   options.wal_compact_bytes = static_cast<int64_t>(compact_mb * (1 << 20));
   options.batch = {.rollouts = absl::GetFlag(FLAGS_batch_rollouts),
                    .tokens = absl::GetFlag(FLAGS_batch_tokens),
-                   .max_staleness = absl::GetFlag(FLAGS_max_staleness),
-                   .normalize_std = absl::GetFlag(FLAGS_normalize_std)};
+                   .max_staleness = absl::GetFlag(FLAGS_max_staleness)};
   if (absl::Status status = ValidateBatchOptions(options.batch); !status.ok()) {
     return Fail(kExitBadInput,
                 "give exactly one of --batch_rollouts and --batch_tokens (positive)");
   }
+  absl::StatusOr<AdvantageOptions> advantages = AdvantageOptionsFromFlags();
+  if (!advantages.ok()) return Fail(kExitBadInput, std::string(advantages.status().message()));
+  options.batch.advantages = *advantages;
   options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   if (options.limits.vocab_size <= 0) {
     return Fail(kExitBadInput,

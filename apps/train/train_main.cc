@@ -44,6 +44,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
+#include "apps/advantages/advantage_flags.h"
 #include "apps/train/training_flags.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
@@ -56,6 +57,7 @@
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
+#include "executor/engine/replica_sums.h"
 #include "executor/model/qwen3_checkpoint.h"
 #include "nlohmann/json.hpp"
 
@@ -98,7 +100,10 @@ void PrintSplit(const PrefixTree& tree, const PartitionPlan& plan, int world_siz
 }
 
 int Run() {
-  const LossOptions loss = LossFromFlags();
+  LossOptions loss = LossFromFlags();
+  absl::StatusOr<AdvantageOptions> advantages = AdvantageOptionsFromFlags();
+  if (!advantages.ok()) throw BadInput{std::string(advantages.status().message())};
+  loss.advantages = *advantages;
   const ModelExportOptions model_export = ModelExportFromFlags();
   // Checked now, set once the optimizer knows its step (a resumed run decays over its whole
   // length: the steps it resumed from plus --steps).
@@ -152,8 +157,8 @@ int Run() {
     const int replicas = groups->data_parallel_size();
     std::vector<const Rollout*> pointers;
     for (const Rollout& r : *rollouts) pointers.push_back(&r);
-    absl::StatusOr<PartitionPlan> plan =
-        PlanPartitions(pointers, replicas, /*with_advantages=*/loss.kind != LossKind::kSft, true);
+    absl::StatusOr<PartitionPlan> plan = PlanPartitions(
+        pointers, replicas, /*with_advantages=*/loss.kind != LossKind::kSft, loss.advantages);
     if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
     batch = plan->context;
     mine = ShareOfRank(*plan, groups->data_parallel_rank(), *rollouts).rollouts;
@@ -210,12 +215,7 @@ int Run() {
     if (group) {
       // The batch's loss and tokens: the sum over the data-parallel replicas (a replica's TP ranks
       // all hold its whole loss).
-      const std::vector<double> sums =
-          group->AllReduceScalars({result.loss, static_cast<double>(result.rollout_tokens),
-                                   static_cast<double>(result.forwarded_tokens)});
-      result.loss = sums[0];
-      result.rollout_tokens = static_cast<int64_t>(sums[1]);
-      result.forwarded_tokens = static_cast<int64_t>(sums[2]);
+      SumOverReplicas(*group, groups->data_parallel_rank(), groups->data_parallel_size(), result);
     }
     if (step == 1 && leader && !absl::GetFlag(FLAGS_dump_grads).empty()) {
       std::vector<std::pair<std::string, at::Tensor>> grads;
@@ -234,24 +234,40 @@ int Run() {
     const double peak = PeakMemoryGiB(device);
     const double host_peak = PeakMemoryGiB(at::kCPU);
     const double throughput = result.rollout_tokens / seconds;
-    const nlohmann::json record({{"step", step},
-                                 {"method", absl::GetFlag(FLAGS_method)},
-                                 {"loss", result.loss},
-                                 {"grad_norm", step_stats.grad_norm},
-                                 {"lr", step_stats.lr},
-                                 {"rollout_tokens", result.rollout_tokens},
-                                 {"tree_tokens", stats.tree_tokens},
-                                 {"forwarded_tokens", result.forwarded_tokens},
-                                 {"compression", stats.compression},
-                                 {"seconds", seconds},
-                                 {"executor_seconds", seconds - optimizer_seconds},
-                                 {"optimizer_seconds", optimizer_seconds},
-                                 {"offload_update_seconds", optimizer.offload_times().update},
-                                 {"offload_copy_wait_seconds", optimizer.offload_times().copy_wait},
-                                 {"rollout_tokens_per_second", throughput},
-                                 {"peak_memory_gib", peak},
-                                 {"host_peak_memory_gib", host_peak}});
+    nlohmann::json record({{"step", step},
+                           {"method", absl::GetFlag(FLAGS_method)},
+                           {"loss", result.loss},
+                           {"grad_norm", step_stats.grad_norm},
+                           {"lr", step_stats.lr},
+                           {"rollout_tokens", result.rollout_tokens},
+                           {"tree_tokens", stats.tree_tokens},
+                           {"forwarded_tokens", result.forwarded_tokens},
+                           {"compression", stats.compression},
+                           {"seconds", seconds},
+                           {"executor_seconds", seconds - optimizer_seconds},
+                           {"optimizer_seconds", optimizer_seconds},
+                           {"offload_update_seconds", optimizer.offload_times().update},
+                           {"offload_copy_wait_seconds", optimizer.offload_times().copy_wait},
+                           {"rollout_tokens_per_second", throughput},
+                           {"peak_memory_gib", peak},
+                           {"host_peak_memory_gib", host_peak}});
     if (!leader) continue;
+    // The RL diagnostics (null where they do not apply, e.g. a ratio under SFT).
+    const LossDiagnostics& d = result.diagnostics;
+    const bool has_ratio = d.ratio_max >= d.ratio_min;
+    const auto when = [](bool applies, double value) {
+      return applies ? nlohmann::json(value) : nlohmann::json(nullptr);
+    };
+    record["clip_fraction"] = when(has_ratio, d.clip_fraction());
+    record["dual_clip_fraction"] = when(has_ratio, d.dual_clip_fraction());
+    record["approx_kl"] = when(has_ratio, d.approx_kl_mean());
+    record["ratio_mean"] = when(has_ratio, d.ratio_mean());
+    record["ratio_max"] = when(has_ratio, d.ratio_max);
+    record["ratio_min"] = when(has_ratio, d.ratio_min);
+    record["entropy"] = when(d.entropy_tokens > 0, d.entropy_mean());
+    const bool behave = d.behave_tokens > 0 || d.rejected_tokens > 0;
+    record["rejected_fraction"] = when(behave, d.rejected_fraction());
+    record["behave_imp_weight"] = when(behave, d.behave_weight_mean());
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     if (json) {
       std::cout << record.dump() << "\n";

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <sys/resource.h>
 
+#include <cmath>
 #include <iostream>
 
 #include "absl/flags/flag.h"
@@ -45,6 +46,16 @@ ABSL_FLAG(double, eps_clip_high, 0.2, "PPO ratio clip above 1");
 ABSL_FLAG(double, dual_clip, 0.0, "dual clip c > 1 (0 = off)");
 ABSL_FLAG(double, behave_imp_weight_cap, 0.0,
           "decoupled PPO: cap on pi_prox / pi_behave (0 = none)");
+ABSL_FLAG(bool, behave_imp_weight, true,
+          "decoupled PPO: weight by pi_prox / pi_behave (false: AReaL 1.0 without rejection)");
+ABSL_FLAG(std::string, rejection_sampling, "",
+          "decoupled PPO: AReaL 1.0's rejection sampling of stale tokens, as key=value pairs: "
+          "level=token|sequence,action=mask|clamp,metric=ratio|kl_k1|kl_k2|kl_k3,"
+          "aggregation=sum|mean|max,upper=U[,lower=L] (empty: off; e.g. 'upper=5')");
+ABSL_FLAG(double, temperature, kExecutorDefaults.temperature,
+          "log-probabilities of softmax(logits / T): the temperature the rollouts were sampled at");
+ABSL_FLAG(bool, entropy_stats, false,
+          "compute the entropy for the step's diagnostics even when --entropy_coef is 0");
 ABSL_FLAG(double, entropy_coef, 0.0, "entropy bonus coefficient");
 ABSL_FLAG(double, kl_coef, 0.0, "KL-to-reference coefficient (needs ref_logprobs)");
 ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
@@ -126,6 +137,14 @@ LossOptions LossFromFlags() {
   loss.dual_clip = absl::GetFlag(FLAGS_dual_clip);
   loss.behave_imp_weight_cap = absl::GetFlag(FLAGS_behave_imp_weight_cap);
   loss.entropy_coef = absl::GetFlag(FLAGS_entropy_coef);
+  loss.behave_imp_weight = absl::GetFlag(FLAGS_behave_imp_weight);
+  loss.with_entropy = absl::GetFlag(FLAGS_entropy_stats);
+  if (const std::string spec = absl::GetFlag(FLAGS_rejection_sampling); !spec.empty()) {
+    absl::StatusOr<RejectionSampling> parsed = ParseRejectionSampling(spec);
+    if (!parsed.ok())
+      throw BadInput{"--rejection_sampling: " + std::string(parsed.status().message())};
+    loss.rejection_sampling = *parsed;
+  }
   loss.kl_coef = absl::GetFlag(FLAGS_kl_coef);
   return loss;
 }
@@ -149,6 +168,9 @@ ExecutorOptions ExecutorFromFlags() {
   if (options.graph_budget < kAutoGraphBudget)
     throw BadInput{"--graph_budget must be >= 0, or -1 for automatic"};
   options.pack = absl::GetFlag(FLAGS_pack);
+  options.temperature = absl::GetFlag(FLAGS_temperature);
+  if (!(options.temperature > 0) || !std::isfinite(options.temperature))
+    throw BadInput{"--temperature must be positive and finite"};
   options.checkpointing = absl::GetFlag(FLAGS_checkpointing);
   options.token_capacity = absl::GetFlag(FLAGS_token_capacity);
   if (options.token_capacity < 0) throw BadInput{"--token_capacity must be >= 0"};

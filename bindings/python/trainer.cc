@@ -11,6 +11,7 @@
 #include "core/tree/prefix_tree.h"
 #include "dispatcher/batch/batch_plan.h"
 #include "executor/checkpoint/training_checkpoint.h"
+#include "executor/engine/replica_sums.h"
 #include "executor/model/qwen3_checkpoint.h"
 
 namespace dta::python {
@@ -27,12 +28,13 @@ int64_t TreeTokens(absl::Span<const Rollout> rollouts) {
 
 // The split of `rollouts` across `replicas` (TORCH_CHECK naming the rollout when its advantages
 // cannot be computed).
-PartitionPlan SplitBatch(absl::Span<const Rollout> rollouts, int replicas, bool with_advantages) {
+PartitionPlan SplitBatch(absl::Span<const Rollout> rollouts, int replicas, bool with_advantages,
+                         const AdvantageOptions& advantages) {
   std::vector<const Rollout*> pointers;
   pointers.reserve(rollouts.size());
   for (const Rollout& r : rollouts) pointers.push_back(&r);
   absl::StatusOr<PartitionPlan> plan =
-      PlanPartitions(pointers, replicas, with_advantages, /*normalize_std=*/true);
+      PlanPartitions(pointers, replicas, with_advantages, advantages);
   TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
   return *std::move(plan);
 }
@@ -130,7 +132,7 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
   } else {
     // The advantages the executor would use on one process, over the whole batch.
     const bool with_advantages = UsesAdvantages(loss, rollouts);
-    const PartitionPlan plan = SplitBatch(rollouts, replicas, with_advantages);
+    const PartitionPlan plan = SplitBatch(rollouts, replicas, with_advantages, loss.advantages);
     RankShare share = ShareOfRank(plan, data_parallel_rank(), rollouts);
     if (loss.custom && !with_advantages) {
       for (Rollout& r : share.rollouts) r.advantages.clear();  // as on one process: none at all
@@ -147,13 +149,9 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
     if (!share.rollouts.empty()) {
       result = dta::ComputeGradients(*model_, share.rollouts, share_loss, executor, plan.context);
     }
-    const std::vector<double> sums = groups_->data_parallel().AllReduceScalars(
-        {result.loss, static_cast<double>(result.rollout_tokens),
-         static_cast<double>(result.forwarded_tokens)});
-    result.loss = sums[0];
-    result.rollout_tokens = static_cast<int64_t>(sums[1]);
-    result.forwarded_tokens = static_cast<int64_t>(sums[2]);
+    SumOverReplicas(groups_->data_parallel(), data_parallel_rank(), replicas, result);
   }
+  stats.diagnostics = result.diagnostics;
   stats.loss = result.loss;
   stats.rollout_tokens = result.rollout_tokens;
   stats.forwarded_tokens = result.forwarded_tokens;
@@ -172,7 +170,7 @@ std::vector<at::Tensor> Trainer::ComputeLogprobs(absl::Span<const Rollout> rollo
   if (rollouts.empty()) return {};
   const int replicas = data_parallel_size();
   if (replicas == 1) return dta::ComputeLogprobs(*model_, rollouts, executor);
-  const PartitionPlan plan = SplitBatch(rollouts, replicas, /*with_advantages=*/false);
+  const PartitionPlan plan = SplitBatch(rollouts, replicas, /*with_advantages=*/false, {});
   const RankShare share = ShareOfRank(plan, data_parallel_rank(), rollouts);
   std::vector<at::Tensor> mine;
   if (!share.rollouts.empty()) mine = dta::ComputeLogprobs(*model_, share.rollouts, executor);

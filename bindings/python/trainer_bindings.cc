@@ -52,9 +52,9 @@ std::vector<Rollout> ToRollouts(const py::sequence& trajectories) {
 }
 
 // A Python loss behind LossOptions::custom. `fn(index, logprobs, advantages, total_loss_tokens,
-// num_rollouts)` is dta.trainer's adapter around the user's callable. Its Python exception is kept
-// (with the GIL) and re-raised by the binding once the executor has unwound, so the caller sees
-// the callable's own exception.
+// num_rollouts, entropy, proximal_logprobs)` (None for what was not computed) is dta.trainer's
+// adapter around the user's callable. Its Python exception is kept (with the GIL) and re-raised by
+// the binding once the executor has unwound, so the caller sees the callable's own exception.
 struct PythonLoss {
   py::function fn;
   const Rollout* first = nullptr;
@@ -67,8 +67,11 @@ struct PythonLoss {
       if (in.advantages != nullptr) {
         advantages = py::cast(at::tensor(*in.advantages).to(in.logprobs.options()));
       }
+      const auto optional = [](const at::Tensor& t) {
+        return t.defined() ? py::cast(t) : py::object(py::none());
+      };
       return fn(in.rollout - first, in.logprobs, advantages, batch.total_loss_tokens,
-                batch.num_rollouts)
+                batch.num_rollouts, optional(in.entropy), optional(in.proximal_logprobs))
           .cast<at::Tensor>();
     } catch (py::error_already_set& e) {
       error = std::move(e);
@@ -112,6 +115,25 @@ py::dict GradientStatsDict(const GradientStats& s) {
   d["rollout_tokens"] = s.rollout_tokens;
   d["tree_tokens"] = s.tree_tokens;
   d["forwarded_tokens"] = s.forwarded_tokens;
+  const LossDiagnostics& g = s.diagnostics;
+  py::dict diagnostics;
+  for (const auto& [name, value] : std::initializer_list<std::pair<const char*, double>>{
+           {"loss_tokens", g.loss_tokens},
+           {"clipped_tokens", g.clipped_tokens},
+           {"dual_clipped_tokens", g.dual_clipped_tokens},
+           {"approx_kl", g.approx_kl},
+           {"ratio", g.ratio},
+           {"ratio_max", g.ratio_max},
+           {"ratio_min", g.ratio_min},
+           {"entropy", g.entropy},
+           {"entropy_tokens", g.entropy_tokens},
+           {"rejected_tokens", g.rejected_tokens},
+           {"behave_weight", g.behave_weight},
+           {"behave_approx_kl", g.behave_approx_kl},
+           {"behave_tokens", g.behave_tokens}}) {
+    diagnostics[name] = value;
+  }
+  d["diagnostics"] = diagnostics;
   return d;
 }
 
@@ -162,6 +184,43 @@ void RegisterOptions(py::module_& m) {
       .value("BACKWARD_DFS", LeafOrderKind::kBackwardDfs)
       .value("LEXICOGRAPHIC", LeafOrderKind::kLexicographic);
   m.attr("UNBOUNDED_BLOCK") = kUnboundedBlock;
+  py::enum_<AdvantageLevel>(m, "AdvantageLevel")
+      .value("GROUP", AdvantageLevel::kGroup)
+      .value("BATCH", AdvantageLevel::kBatch)
+      .value("NONE", AdvantageLevel::kNone);
+  py::class_<AdvantageOptions>(m, "AdvantageOptions")
+      .def(py::init<>())
+      .def_readwrite("reward_bias", &AdvantageOptions::reward_bias)
+      .def_readwrite("reward_scaling", &AdvantageOptions::reward_scaling)
+      .def_readwrite("reward_clip", &AdvantageOptions::reward_clip)
+      .def_readwrite("mean_level", &AdvantageOptions::mean_level)
+      .def_readwrite("std_level", &AdvantageOptions::std_level)
+      .def_readwrite("std_eps", &AdvantageOptions::std_eps)
+      .def_readwrite("token_weighted", &AdvantageOptions::token_weighted);
+  using RS = RejectionSampling;
+  py::enum_<RS::Level>(m, "RejectionLevel")
+      .value("TOKEN", RS::Level::kToken)
+      .value("SEQUENCE", RS::Level::kSequence);
+  py::enum_<RS::Action>(m, "RejectionAction")
+      .value("MASK", RS::Action::kMask)
+      .value("CLAMP", RS::Action::kClamp);
+  py::enum_<RS::Metric>(m, "RejectionMetric")
+      .value("RATIO", RS::Metric::kRatio)
+      .value("KL_K1", RS::Metric::kKlK1)
+      .value("KL_K2", RS::Metric::kKlK2)
+      .value("KL_K3", RS::Metric::kKlK3);
+  py::enum_<RS::Aggregation>(m, "RejectionAggregation")
+      .value("SUM", RS::Aggregation::kSum)
+      .value("MEAN", RS::Aggregation::kMean)
+      .value("MAX", RS::Aggregation::kMax);
+  py::class_<RS>(m, "RejectionSampling")
+      .def(py::init<>())
+      .def_readwrite("level", &RS::level)
+      .def_readwrite("action", &RS::action)
+      .def_readwrite("metric", &RS::metric)
+      .def_readwrite("aggregation", &RS::aggregation)
+      .def_readwrite("upper", &RS::upper)
+      .def_readwrite("lower", &RS::lower);
 
   py::class_<LossOptions>(m, "LossOptions")
       .def(py::init<>())
@@ -171,6 +230,11 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("eps_clip_high", &LossOptions::eps_clip_high)
       .def_readwrite("dual_clip", &LossOptions::dual_clip)
       .def_readwrite("behave_imp_weight_cap", &LossOptions::behave_imp_weight_cap)
+      .def_readwrite("behave_imp_weight", &LossOptions::behave_imp_weight)
+      .def_readwrite("rejection_sampling", &LossOptions::rejection_sampling)
+      .def_readwrite("advantages", &LossOptions::advantages)
+      .def_readwrite("with_entropy", &LossOptions::with_entropy)
+      .def_readwrite("with_proximal", &LossOptions::with_proximal)
       .def_readwrite("entropy_coef", &LossOptions::entropy_coef)
       .def_readwrite("kl_coef", &LossOptions::kl_coef)
       .def_readwrite("gspo_eps_low", &LossOptions::gspo_eps_low)
@@ -184,7 +248,8 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("pack", &ExecutorOptions::pack)
       .def_readwrite("token_capacity", &ExecutorOptions::token_capacity)
       .def_readwrite("checkpointing", &ExecutorOptions::checkpointing)
-      .def_readwrite("logprob_slice_rows", &ExecutorOptions::logprob_slice_rows);
+      .def_readwrite("logprob_slice_rows", &ExecutorOptions::logprob_slice_rows)
+      .def_readwrite("temperature", &ExecutorOptions::temperature);
   py::class_<LayoutOverrides>(m, "LayoutOverrides")
       .def(py::init<>())
       .def_readwrite("tensor_parallel", &LayoutOverrides::tensor_parallel)

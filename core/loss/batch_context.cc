@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -34,14 +35,55 @@ BatchLossContext MakeBatchContext(absl::Span<const Rollout* const> rollouts) {
   return context;
 }
 
+absl::Status ValidateAdvantageOptions(const AdvantageOptions& o) {
+  if (!std::isfinite(o.reward_bias)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reward_bias must be finite, got ", o.reward_bias));
+  }
+  if (!std::isfinite(o.reward_scaling)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reward_scaling must be finite, got ", o.reward_scaling));
+  }
+  if (!(o.reward_clip > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reward_clip must be positive (infinity: no clip), got ", o.reward_clip));
+  }
+  if (!(o.std_eps >= 0) || !std::isfinite(o.std_eps)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("std_eps must be finite and >= 0, got ", o.std_eps));
+  }
+  return absl::OkStatus();
+}
+
+std::string_view AdvantageLevelName(AdvantageLevel level) {
+  switch (level) {
+    case AdvantageLevel::kGroup:
+      return "group";
+    case AdvantageLevel::kBatch:
+      return "batch";
+    case AdvantageLevel::kNone:
+      return "none";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<AdvantageLevel> ParseAdvantageLevel(std::string_view name) {
+  for (AdvantageLevel level :
+       {AdvantageLevel::kGroup, AdvantageLevel::kBatch, AdvantageLevel::kNone}) {
+    if (name == AdvantageLevelName(level)) return level;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("an advantage level is group, batch or none, got '", std::string(name), "'"));
+}
+
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(absl::Span<const Rollout> rollouts,
-                                                                bool normalize_std) {
-  return GroupAdvantages(Pointers(rollouts), normalize_std);
+                                                                const AdvantageOptions& options) {
+  return GroupAdvantages(Pointers(rollouts), options);
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(
-    absl::Span<const Rollout* const> rollouts, bool normalize_std) {
-  absl::StatusOr<std::vector<float>> per_rollout = GroupRewardAdvantages(rollouts, normalize_std);
+    absl::Span<const Rollout* const> rollouts, const AdvantageOptions& options) {
+  absl::StatusOr<std::vector<float>> per_rollout = GroupRewardAdvantages(rollouts, options);
   if (!per_rollout.ok()) return per_rollout.status();
   std::vector<std::vector<float>> out;
   out.reserve(rollouts.size());
@@ -56,14 +98,61 @@ absl::StatusOr<std::vector<std::vector<float>>> GroupAdvantages(
   return out;
 }
 
+namespace {
+
+// Weighted statistics of the shaped rewards of some rollouts.
+struct RewardStats {
+  std::vector<double> rewards, weights;
+  double mean = 0;
+  double std = 0;
+
+  void Add(double reward, double weight) {
+    rewards.push_back(reward);
+    weights.push_back(weight);
+  }
+  // The weighted mean, and the unbiased std (sum of weights - 1 in the denominator; exactly 0
+  // when the rewards that weigh anything are all equal, so that centred advantages are exactly 0).
+  void Finish() {
+    double total = 0, sum = 0;
+    std::optional<double> lo, hi;
+    for (size_t i = 0; i < rewards.size(); ++i) {
+      if (weights[i] == 0) continue;
+      total += weights[i];
+      sum += weights[i] * rewards[i];
+      lo = lo ? std::min(*lo, rewards[i]) : rewards[i];
+      hi = hi ? std::max(*hi, rewards[i]) : rewards[i];
+    }
+    if (!lo) return;
+    if (*lo == *hi) {
+      mean = *lo;
+      return;
+    }
+    mean = sum / total;
+    double sq = 0;
+    for (size_t i = 0; i < rewards.size(); ++i) {
+      sq += weights[i] * (rewards[i] - mean) * (rewards[i] - mean);
+    }
+    std = total > 1 ? std::sqrt(sq / (total - 1)) : 0;
+  }
+};
+
+double LossTokens(const Rollout& r) {
+  double m = 0;
+  for (uint8_t v : r.loss_mask) m += v != 0 ? 1 : 0;
+  return m;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<float>> GroupRewardAdvantages(absl::Span<const Rollout* const> rollouts,
-                                                         bool normalize_std) {
-  struct GroupStats {
-    std::vector<double> rewards;
-    double mean = 0;
-    double std = 0;
+                                                         const AdvantageOptions& options) {
+  if (absl::Status status = ValidateAdvantageOptions(options); !status.ok()) return status;
+  absl::flat_hash_map<std::string, RewardStats> groups;
+  RewardStats batch;
+  const auto shaped = [&](double reward) {
+    return std::clamp((reward + options.reward_bias) * options.reward_scaling, -options.reward_clip,
+                      options.reward_clip);
   };
-  absl::flat_hash_map<std::string, GroupStats> groups;
   for (const Rollout* rollout : rollouts) {
     const Rollout& r = *rollout;
     if (!r.advantages.empty()) {
@@ -81,24 +170,17 @@ absl::StatusOr<std::vector<float>> GroupRewardAdvantages(absl::Span<const Rollou
         return absl::InvalidArgumentError(
             absl::StrCat("rollout '", r.id, "': field 'reward' is ", *r.reward));
       }
-      groups[r.group].rewards.push_back(*r.reward);
+      const double weight = options.token_weighted ? LossTokens(r) : 1.0;
+      groups[r.group].Add(shaped(*r.reward), weight);
+      batch.Add(shaped(*r.reward), weight);
     }
   }
-  for (auto& [name, g] : groups) {
-    const std::vector<double>& x = g.rewards;
-    const auto [lo, hi] = std::minmax_element(x.begin(), x.end());
-    if (*lo == *hi) {  // all equal (or one): exact mean, std 0, advantages exactly 0
-      g.mean = *lo;
-      g.std = 0;
-      continue;
-    }
-    double sum = 0;
-    for (double v : x) sum += v;
-    g.mean = sum / static_cast<double>(x.size());
-    double sq = 0;
-    for (double v : x) sq += (v - g.mean) * (v - g.mean);
-    g.std = std::sqrt(sq / static_cast<double>(x.size() - 1));
-  }
+  for (auto& [name, g] : groups) g.Finish();
+  batch.Finish();
+  const auto stats = [&](AdvantageLevel level, const Rollout& r) -> const RewardStats* {
+    if (level == AdvantageLevel::kNone) return nullptr;
+    return level == AdvantageLevel::kBatch ? &batch : &groups.at(r.group);
+  };
   std::vector<float> out;
   out.reserve(rollouts.size());
   for (const Rollout* rollout : rollouts) {
@@ -107,9 +189,9 @@ absl::StatusOr<std::vector<float>> GroupRewardAdvantages(absl::Span<const Rollou
       out.push_back(0);
       continue;
     }
-    const GroupStats& g = groups.at(r.group);
-    double a = *r.reward - g.mean;
-    if (normalize_std) a /= g.std + 1e-6;
+    double a = shaped(*r.reward);
+    if (const RewardStats* s = stats(options.mean_level, r)) a -= s->mean;
+    if (const RewardStats* s = stats(options.std_level, r)) a /= s->std + options.std_eps;
     // Rewards near the limits of double (or beyond float) give no usable advantage.
     if (!std::isfinite(static_cast<float>(a))) {
       return absl::InvalidArgumentError(absl::StrCat("rollout '", r.id, "': group '", r.group,

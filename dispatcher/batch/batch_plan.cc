@@ -55,7 +55,8 @@ BatchSelection SelectBatch(absl::Span<const Rollout* const> pending, int64_t pol
 }
 
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
-                                             bool with_advantages, bool normalize_std) {
+                                             bool with_advantages,
+                                             const AdvantageOptions& advantage_options) {
   if (world_size < 1)
     return absl::InvalidArgumentError(absl::StrCat("world size ", world_size, " < 1"));
   // The batch outlives the plan's computation, so the trie points into its tokens instead of
@@ -70,7 +71,7 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
   PartitionPlan plan;
   plan.context = MakeBatchContext(batch);
   if (with_advantages) {
-    absl::StatusOr<std::vector<float>> advantages = GroupRewardAdvantages(batch, normalize_std);
+    absl::StatusOr<std::vector<float>> advantages = GroupRewardAdvantages(batch, advantage_options);
     if (!advantages.ok()) return advantages.status();
     plan.advantages = *std::move(advantages);
   }

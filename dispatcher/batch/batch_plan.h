@@ -30,8 +30,8 @@ struct BatchOptions {
   // more than this are dropped, counted and logged; -1 (the default) keeps everything. Trajectories
   // without versions are never stale.
   int64_t max_staleness = -1;
-  // GRPO advantages divided by the group's standard deviation (true) or only centred.
-  bool normalize_std = true;
+  // How rewards become advantages (GRPO group normalisation by default).
+  AdvantageOptions advantages;
 };
 
 // INVALID_ARGUMENT naming the field if the options are inconsistent.
@@ -68,7 +68,8 @@ struct PartitionPlan {
 // Advantages (when `with_advantages`), normalisers and the split into `world_size` groups.
 // INVALID_ARGUMENT naming the rollout if advantages cannot be computed; world_size >= 1.
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
-                                             bool with_advantages, bool normalize_std);
+                                             bool with_advantages,
+                                             const AdvantageOptions& advantages);
 
 // The per-token advantages batch rollout `i` (`rollout`) is trained with under `plan`: its own
 // when it has them, else its group advantage on every token, else (a plan without advantages:

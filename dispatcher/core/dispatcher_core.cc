@@ -591,7 +591,7 @@ absl::Status DispatcherCore::EnsurePlan(int64_t step) {
   for (int64_t i : selection.batch) batch.push_back(pending[i]);
   if (options_.limits.require_reward_or_advantages) {
     if (absl::StatusOr<std::vector<float>> advantages =
-            GroupRewardAdvantages(batch, options_.batch.normalize_std);
+            GroupRewardAdvantages(batch, options_.batch.advantages);
         !advantages.ok()) {
       return absl::InternalError(absl::StrCat(
           "step ", step, ": the batch cannot be trained: ", advantages.status().message()));
@@ -623,9 +623,8 @@ absl::StatusOr<const PartitionPlan*> DispatcherCore::Split(int64_t step) {
   std::vector<const Rollout*> batch;
   for (const std::string& id : plans_.at(step).record.ids())
     batch.push_back(&*trajectories_.at(id).rollout);
-  absl::StatusOr<PartitionPlan> plan =
-      PlanPartitions(batch, world_size_, options_.limits.require_reward_or_advantages,
-                     options_.batch.normalize_std);
+  absl::StatusOr<PartitionPlan> plan = PlanPartitions(
+      batch, world_size_, options_.limits.require_reward_or_advantages, options_.batch.advantages);
   if (!plan.ok()) return plan.status();
   // Only the splits of steps that may still be served are kept.
   splits_.erase(splits_.begin(), splits_.lower_bound(std::make_pair(released_before_, 0)));

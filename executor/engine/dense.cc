@@ -34,7 +34,7 @@ GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollo
     const bool entropy = plan && plan->needs_entropy();
     const at::Tensor tail =
         model.Logprobs(hidden.slice(0, 0, length - 1), tokens.slice(0, 1, length),
-                       entropy ? &entropy_tail : nullptr, options.logprob_slice_rows);
+                       entropy ? &entropy_tail : nullptr, LogprobOptionsOf(options));
     const at::Tensor zero = at::zeros({1}, tail.options());
     const at::Tensor logprobs = at::cat({zero, tail});
     result.logprobs.push_back(logprobs.detach());

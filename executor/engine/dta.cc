@@ -98,7 +98,7 @@ struct Chunk {
 
 Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Tensor& tokens,
                    int64_t begin, int64_t end, bool with_graph, bool with_entropy,
-                   int64_t slice_rows) {
+                   const LogprobOptions& logprob) {
   torch::autograd::AutoGradMode grad_mode(with_graph);
   Chunk chunk;
   chunk.begin = begin;
@@ -115,7 +115,7 @@ Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Te
                 : chunk.out.hidden.slice(0, 0, t - 1);
   const at::Tensor targets = begin > 0 ? ids : ids.slice(0, 1, t);
   at::Tensor entropy;
-  chunk.logprobs = model.Logprobs(rows, targets, with_entropy ? &entropy : nullptr, slice_rows);
+  chunk.logprobs = model.Logprobs(rows, targets, with_entropy ? &entropy : nullptr, logprob);
   if (begin == 0) {
     // Position 0 has no prediction: a constant 0.
     const at::Tensor zero = at::zeros({1}, chunk.logprobs.options());
@@ -178,7 +178,7 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
 // and of the log-probabilities (and entropies) the rollouts read from it.
 at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack,
                          absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> group,
-                         int64_t depth, const LossPlan& plan, int64_t slice_rows,
+                         int64_t depth, const LossPlan& plan, const LogprobOptions& logprob,
                          std::vector<at::Tensor>& logprobs_out) {
   torch::autograd::AutoGradMode grad_mode(true);
   // The group's suffixes above `depth` as their own little tree (rollouts ending at `depth` have
@@ -199,7 +199,7 @@ at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack,
   const bool with_entropy = plan.needs_entropy();
   const PackedOutput packed =
       ForwardPacked(model, layout, StackPrefix(stack, depth, /*with_grad=*/true), previous_hidden,
-                    with_entropy, slice_rows);
+                    with_entropy, logprob);
   // What the rollouts read from the stack below `depth`, as leaves whose gradients are collected.
   const at::Tensor stack_logprobs = stack.logprobs.slice(0, 0, depth).clone().requires_grad_(true);
   const at::Tensor stack_entropy =
@@ -303,7 +303,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
     switch (step.kind) {
       case StepKind::kForward: {
         Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
-                                   step.with_graph, with_entropy, options.logprob_slice_rows);
+                                   step.with_graph, with_entropy, LogprobOptionsOf(options));
         Push(stack, chunk);
         result.forwarded_tokens += step.size();
         if (step.with_graph) kept.push_back(std::move(chunk));
@@ -331,7 +331,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
           kept.pop_back();
         } else {
           Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
-                                     /*with_graph=*/true, with_entropy, options.logprob_slice_rows);
+                                     /*with_graph=*/true, with_entropy, LogprobOptionsOf(options));
           result.forwarded_tokens += step.size();
           Backward(stack, chunk);
         }
@@ -345,7 +345,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         loss += RunPackedStep(
             model, stack, rollouts,
             absl::MakeConstSpan(schedule->order).subspan(step.first, step.last - step.first),
-            step.begin, *plan, options.logprob_slice_rows, result.logprobs);
+            step.begin, *plan, LogprobOptionsOf(options), result.logprobs);
         result.forwarded_tokens += step.packed_tokens;
         break;
       }

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "executor/device/host_to_device.h"
@@ -53,9 +54,9 @@ LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                    const LossOptions& options, const ExecutorOptions& executor,
                    const BatchLossContext& batch)
     : rollouts_(rollouts), options_(options), batch_(batch) {
-  if (UsesAdvantages(options, rollouts)) advantages_ = ComputeAdvantages(rollouts);
-  if (options.custom) return;
-  if (options.kind == LossKind::kDecoupledPpo) {
+  if (UsesAdvantages(options, rollouts))
+    advantages_ = ComputeAdvantages(rollouts, options.advantages);
+  if (options.custom ? options.with_proximal : options.kind == LossKind::kDecoupledPpo) {
     // The proximal policy is the current one before this step: its log-probabilities come from a
     // forward-only pass, each unique token once.
     ExecutorOptions forward = executor;
@@ -76,12 +77,18 @@ RolloutLossInputs LossPlan::Inputs(int32_t r, const at::Tensor& logprobs,
 }
 
 at::Tensor LossPlan::Loss(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const {
-  return RolloutLoss(Inputs(r, logprobs, entropy), options_, batch_);
+  const RolloutLossInputs in = Inputs(r, logprobs, entropy);
+  at::Tensor loss = RolloutLoss(in, options_, batch_);
+  AddLossDiagnostics(in, options_, diagnostics_);
+  return loss;
 }
 
 RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs,
                                       const at::Tensor& entropy) const {
-  return RolloutLossAndGrad(Inputs(r, logprobs, entropy), options_, batch_);
+  const RolloutLossInputs in = Inputs(r, logprobs, entropy);
+  RolloutLossGrad grad = RolloutLossAndGrad(in, options_, batch_);
+  AddLossDiagnostics(in, options_, diagnostics_);
+  return grad;
 }
 
 }  // namespace engine
@@ -129,6 +136,8 @@ namespace engine {
 GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                    const LossPlan* plan, const ExecutorOptions& options) {
   TORCH_CHECK(options.logprob_slice_rows > 0, "logprob_slice_rows must be positive");
+  TORCH_CHECK(options.temperature > 0 && std::isfinite(options.temperature),
+              "ExecutorOptions.temperature must be positive and finite, got ", options.temperature);
   GradientResult result;
   switch (options.method) {
     case Method::kDense:
@@ -143,7 +152,10 @@ GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
     default:
       TORCH_CHECK(false, "unknown method");
   }
-  if (plan != nullptr) model.ReduceTensorParallelGradients();
+  if (plan != nullptr) {
+    model.ReduceTensorParallelGradients();
+    result.diagnostics = plan->ReadDiagnostics();
+  }
   return result;
 }
 

@@ -75,6 +75,9 @@ struct ExecutorOptions {
   // log-probability pass holds at most two float32 slices (2 x 512 x 151,936 x 4 B = 0.6 GB for
   // Qwen3), and 512-row matmuls against the vocabulary still run near peak.
   int64_t logprob_slice_rows = 512;
+  // Log-probabilities (and entropy) of softmax(logits / temperature): the temperature the rollouts
+  // were sampled at, as AReaL applies it to the training log-probabilities.
+  double temperature = 1.0;
 };
 
 // The names the command line and Python give these: "dta", "dense", "packed"; "backward-dfs",
@@ -87,6 +90,7 @@ struct GradientResult {
   std::vector<at::Tensor> logprobs;  // per rollout [L], current policy, detached; position 0 is 0
   int64_t rollout_tokens = 0;        // all rollout tokens
   int64_t forwarded_tokens = 0;      // tokens pushed through the model, recomputation included
+  LossDiagnostics diagnostics;       // of the losses (ComputeGradients only)
 };
 
 // Bytes of autograd state one token's forward graph keeps alive (saved activations of every

@@ -19,13 +19,17 @@ class LossPlan {
   LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
            const ExecutorOptions& executor, const BatchLossContext& batch);
 
-  bool needs_entropy() const { return options_.entropy_coef != 0.0 && !options_.custom; }
+  bool needs_entropy() const {
+    return options_.with_entropy || (options_.entropy_coef != 0.0 && !options_.custom);
+  }
   // Rollout r's normalised loss as a differentiable function of its log-probabilities (and
   // entropy, when needed; otherwise pass an undefined tensor).
   at::Tensor Loss(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
   // The same, with d loss / d logprobs (and d loss / d entropy) by autograd on the small vectors.
   RolloutLossGrad LossAndGrad(int32_t r, const at::Tensor& logprobs,
                               const at::Tensor& entropy) const;
+  // The diagnostics of the losses computed so far (each rollout's loss is computed once).
+  LossDiagnostics ReadDiagnostics() const { return diagnostics_.Read(); }
 
  private:
   RolloutLossInputs Inputs(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
@@ -35,7 +39,14 @@ class LossPlan {
   BatchLossContext batch_;
   std::vector<std::vector<float>> advantages_;
   std::vector<at::Tensor> proximal_;
+  // Gathered as Loss and LossAndGrad run: statistics, not state the losses depend on.
+  mutable DiagnosticsAccumulator diagnostics_;
 };
+
+// The log-probability head's options of an execution.
+inline LogprobOptions LogprobOptionsOf(const ExecutorOptions& options) {
+  return {.slice_rows = options.logprob_slice_rows, .temperature = options.temperature};
+}
 
 // Every rollout's tokens as an [L] int64 tensor on the model's device: views of one buffer,
 // uploaded in one asynchronous copy.

@@ -24,7 +24,7 @@ void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
   const bool entropy = plan && plan->needs_entropy();
   const bool checkpointing = plan != nullptr && options.checkpointing;
   const PackedOutput packed = ForwardPacked(model, layout, {}, at::Tensor(), entropy,
-                                            options.logprob_slice_rows, checkpointing);
+                                            LogprobOptionsOf(options), checkpointing);
 
   result.forwarded_tokens += checkpointing ? 2 * n : n;
   at::Tensor total;

@@ -42,7 +42,7 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& dev
 
 PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
                            const PrefixKv& prefix, const at::Tensor& previous_hidden,
-                           bool with_entropy, int64_t slice_rows, bool checkpointing) {
+                           bool with_entropy, const LogprobOptions& logprob, bool checkpointing) {
   const at::Device device = model.options().device();
   PackedOutput result;
   result.token_ids = IndexTensor(layout.tokens, device);
@@ -72,7 +72,7 @@ PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
   at::Tensor entropy_values;
   const at::Tensor values = model.Logprobs(rows.index_select(0, IndexTensor(predictor, device)),
                                            result.token_ids.index_select(0, predicted_ids),
-                                           with_entropy ? &entropy_values : nullptr, slice_rows);
+                                           with_entropy ? &entropy_values : nullptr, logprob);
   const at::Tensor zeros =
       at::zeros({static_cast<int64_t>(layout.tokens.size())}, values.options());
   result.logprobs = zeros.index_put({predicted_ids}, values);

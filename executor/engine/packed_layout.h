@@ -50,6 +50,7 @@ struct PackedOutput {
 // BackwardThroughLayers(model, *out.input, out.context, out.checkpoints).
 PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
                            const PrefixKv& prefix, const at::Tensor& previous_hidden,
-                           bool with_entropy, int64_t slice_rows, bool checkpointing = false);
+                           bool with_entropy, const LogprobOptions& logprob,
+                           bool checkpointing = false);
 
 }  // namespace dta::engine

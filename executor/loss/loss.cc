@@ -6,13 +6,17 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "executor/device/host_to_device.h"
 
 namespace dta {
@@ -50,6 +54,27 @@ void CheckTensor(const Rollout& r, const char* field, const at::Tensor& t) {
               "-D tensor, expected 1-D [", r.tokens.size(), "]");
   TORCH_CHECK(t.size(0) == static_cast<int64_t>(r.tokens.size()), "rollout '", r.id, "': field '",
               field, "': ", t.size(0), " values for ", r.tokens.size(), " tokens");
+}
+
+void CheckRejectionSampling(const Rollout& r, const LossOptions& o) {
+  const RejectionSampling& rs = *o.rejection_sampling;
+  TORCH_CHECK(o.kind == LossKind::kDecoupledPpo, "rollout '", r.id, "': LossOptions.",
+              "rejection_sampling applies to kDecoupledPpo only, the loss is ", KindName(o.kind));
+  TORCH_CHECK(o.behave_imp_weight_cap == 0, "rollout '", r.id,
+              "': LossOptions.behave_imp_weight_cap and rejection_sampling are two ways of saying "
+              "the same: give one (the cap is rejection_sampling {token, mask, ratio, upper=cap})");
+  TORCH_CHECK(o.behave_imp_weight, "rollout '", r.id,
+              "': LossOptions.rejection_sampling filters the behaviour importance weight, which "
+              "behave_imp_weight = false leaves out");
+  const bool ratio = rs.metric == RejectionSampling::Metric::kRatio;
+  TORCH_CHECK(std::isfinite(rs.upper) && (!ratio || rs.upper > 1), "rollout '", r.id,
+              "': LossOptions.rejection_sampling.upper must be finite",
+              ratio ? " and > 1 for the ratio metric" : "", ", got ", rs.upper);
+  if (rs.lower) {
+    TORCH_CHECK(std::isfinite(*rs.lower) && *rs.lower <= rs.upper && (!ratio || *rs.lower > 0),
+                "rollout '", r.id, "': LossOptions.rejection_sampling.lower must be finite, ",
+                ratio ? "> 0 and " : "", "<= upper (", rs.upper, "), got ", *rs.lower);
+  }
 }
 
 // Every check on the inputs and options, before any tensor work.
@@ -95,6 +120,7 @@ void CheckInputs(const RolloutLossInputs& in, const LossOptions& o) {
   TORCH_CHECK(o.gspo_eps_low >= 0 && o.gspo_eps_high >= 0, "rollout '", r.id,
               "': LossOptions.gspo_eps_low/high must be >= 0, got ", o.gspo_eps_low, ", ",
               o.gspo_eps_high);
+  if (o.rejection_sampling) CheckRejectionSampling(r, o);
 }
 
 // max(-A r, -A clip(r)), then the dual clip for A < 0.
@@ -105,6 +131,111 @@ at::Tensor ClippedSurrogate(const at::Tensor& ratio, const at::Tensor& adv, cons
     loss = at::where(adv < 0, at::minimum(loss, -o.dual_clip * adv), loss);
   }
   return loss;
+}
+
+// The rollout's loss tokens: how many, the first, and loss_mask as a bool tensor on the device.
+struct LossTokens {
+  int64_t count = 0;
+  int64_t first = -1;
+  at::Tensor mask;
+};
+
+LossTokens LossTokensOf(const Rollout& r, const at::TensorOptions& opts) {
+  LossTokens out;
+  for (size_t t = 0; t < r.loss_mask.size(); ++t) {
+    if (r.loss_mask[t] == 0) continue;
+    if (out.first < 0) out.first = static_cast<int64_t>(t);
+    ++out.count;
+  }
+  out.mask = CopyToDevice(at::from_blob(const_cast<uint8_t*>(r.loss_mask.data()),
+                                        {static_cast<int64_t>(r.loss_mask.size())}, at::kByte),
+                          opts.dtype(at::kBool));
+  return out;
+}
+
+// Decoupled PPO's behaviour importance weights pi_prox / pi_behave, after rejection sampling.
+struct BehaviourWeights {
+  at::Tensor weight;     // [L], 0 on rejected and masked tokens
+  at::Tensor kept;       // [L] bool: loss tokens not rejected
+  at::Tensor changed;    // [L] bool: loss tokens rejected (kMask) or clamped (kClamp)
+  at::Tensor log_ratio;  // [L] lr = prox - old (0 where not finite or masked)
+};
+
+BehaviourWeights BehaviourWeightsOf(const at::Tensor& prox, const at::Tensor& old,
+                                    const at::Tensor& mask, int64_t loss_tokens,
+                                    const LossOptions& o) {
+  using RS = RejectionSampling;
+  BehaviourWeights out;
+  const at::Tensor diff = prox - old;
+  out.log_ratio = at::where(mask & at::isfinite(diff), diff, 0);
+  at::Tensor weight = at::exp(out.log_ratio);
+  at::Tensor unclamped = weight;  // what kClamp compares with to count the clamped tokens
+  at::Tensor in_bounds = at::ones_like(mask);
+  if (o.behave_imp_weight_cap > 0) in_bounds = weight <= o.behave_imp_weight_cap;
+  if (o.rejection_sampling) {
+    const RS& rs = *o.rejection_sampling;
+    const at::Tensor& lr = out.log_ratio;
+    at::Tensor metric;
+    switch (rs.metric) {
+      case RS::Metric::kRatio:
+        metric = weight;
+        break;
+      case RS::Metric::kKlK1:
+        metric = lr;
+        break;
+      case RS::Metric::kKlK2:
+        metric = lr * lr / 2;
+        break;
+      case RS::Metric::kKlK3:
+        metric = at::exp(-lr) - 1 + lr;
+        break;
+    }
+    const auto bounded = [&rs](const at::Tensor& x) {
+      at::Tensor ok = x <= rs.upper;
+      return rs.lower ? ok & (x >= *rs.lower) : ok;
+    };
+    const double lower = rs.lower.value_or(0.0);
+    if (rs.level == RS::Level::kToken) {
+      if (rs.action == RS::Action::kMask) {
+        in_bounds = bounded(metric);
+      } else {
+        weight = at::clamp(weight, lower, rs.upper);
+      }
+    } else if (loss_tokens > 0) {
+      // The ratio aggregates in log space (a geometric mean for kMean), the KL metrics as they are.
+      const bool log_space = rs.metric == RS::Metric::kRatio;
+      const at::Tensor values = log_space ? lr : metric;
+      at::Tensor aggregate;
+      switch (rs.aggregation) {
+        case RS::Aggregation::kSum:
+          aggregate = at::where(mask, values, 0).sum();
+          break;
+        case RS::Aggregation::kMean:
+          aggregate = at::where(mask, values, 0).sum() / static_cast<double>(loss_tokens);
+          break;
+        case RS::Aggregation::kMax:
+          aggregate = at::where(mask, values, -std::numeric_limits<double>::infinity()).max();
+          break;
+      }
+      if (log_space) {
+        aggregate = at::exp(aggregate);
+        // Every token weighs the sequence's geometric mean ratio.
+        weight = at::exp(lr.sum() / static_cast<double>(loss_tokens)).expand_as(weight);
+        unclamped = weight;
+      }
+      const at::Tensor sequence_ok = bounded(aggregate);
+      if (rs.action == RS::Action::kMask) {
+        in_bounds = sequence_ok.expand_as(mask);
+      } else {
+        weight = at::where(sequence_ok, weight, at::clamp(weight, lower, rs.upper));
+      }
+    }
+  }
+  out.kept = mask & in_bounds;
+  out.changed = mask & (~in_bounds | (weight != unclamped));
+  if (!o.behave_imp_weight) weight = at::ones_like(weight);
+  out.weight = at::where(out.kept, weight, 0);
+  return out;
 }
 
 // A token sum S of the rollout, normalised as Normalization says.
@@ -168,6 +299,75 @@ at::Tensor CustomRolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
 
 }  // namespace
 
+absl::StatusOr<RejectionSampling> ParseRejectionSampling(std::string_view spec) {
+  using RS = RejectionSampling;
+  RS out;
+  // The enum-valued keys: their names and values.
+  const auto choose =
+      [](std::string_view key, std::string_view value, auto& field,
+         std::initializer_list<std::pair<std::string_view, std::decay_t<decltype(field)>>> choices)
+      -> absl::Status {
+    std::vector<std::string> names;
+    for (const auto& [name, v] : choices) {
+      if (name == value) {
+        field = v;
+        return absl::OkStatus();
+      }
+      names.emplace_back(name);
+    }
+    return absl::InvalidArgumentError(absl::StrCat(std::string(key), " must be ",
+                                                   absl::StrJoin(names, ", "), ", got '",
+                                                   std::string(value), "'"));
+  };
+  for (absl::string_view piece :
+       absl::StrSplit(absl::string_view(spec.data(), spec.size()), ',', absl::SkipWhitespace())) {
+    const std::string_view pair(piece.data(), piece.size());
+    const size_t eq = pair.find('=');
+    if (eq == std::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expected key=value, got '", std::string(pair), "'"));
+    }
+    const std::string_view key = pair.substr(0, eq);
+    const std::string_view value = pair.substr(eq + 1);
+    absl::Status status;
+    if (key == "level") {
+      status = choose(key, value, out.level,
+                      {{"token", RS::Level::kToken}, {"sequence", RS::Level::kSequence}});
+    } else if (key == "action") {
+      status = choose(key, value, out.action,
+                      {{"mask", RS::Action::kMask}, {"clamp", RS::Action::kClamp}});
+    } else if (key == "metric") {
+      status = choose(key, value, out.metric,
+                      {{"ratio", RS::Metric::kRatio},
+                       {"kl_k1", RS::Metric::kKlK1},
+                       {"kl_k2", RS::Metric::kKlK2},
+                       {"kl_k3", RS::Metric::kKlK3}});
+    } else if (key == "aggregation") {
+      status = choose(key, value, out.aggregation,
+                      {{"sum", RS::Aggregation::kSum},
+                       {"mean", RS::Aggregation::kMean},
+                       {"max", RS::Aggregation::kMax}});
+    } else if (key == "upper" || key == "lower") {
+      double number = 0;
+      if (!absl::SimpleAtod(absl::string_view(value.data(), value.size()), &number)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(std::string(key), " must be a number, got '", std::string(value), "'"));
+      }
+      if (key == "upper") {
+        out.upper = number;
+      } else {
+        out.lower = number;
+      }
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown key '", std::string(key),
+                       "' (the keys: level, action, metric, aggregation, upper, lower)"));
+    }
+    if (!status.ok()) return status;
+  }
+  return out;
+}
+
 bool UsesAdvantages(const LossOptions& loss, absl::Span<const Rollout> rollouts) {
   if (!loss.custom) return loss.kind != LossKind::kSft;
   return std::all_of(rollouts.begin(), rollouts.end(), [](const Rollout& r) {
@@ -176,9 +376,8 @@ bool UsesAdvantages(const LossOptions& loss, absl::Span<const Rollout> rollouts)
 }
 
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
-                                                  bool normalize_std) {
-  absl::StatusOr<std::vector<std::vector<float>>> advantages =
-      GroupAdvantages(rollouts, normalize_std);
+                                                  const AdvantageOptions& options) {
+  absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts, options);
   TORCH_CHECK(advantages.ok(), std::string(advantages.status().message()));
   return *std::move(advantages);
 }
@@ -191,17 +390,10 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
   const at::Tensor& lp = in.logprobs;
   const at::TensorOptions opts = at::TensorOptions().dtype(lp.scalar_type()).device(lp.device());
 
-  int64_t loss_tokens = 0;
-  int64_t first_loss_token = -1;
-  for (size_t t = 0; t < r.loss_mask.size(); ++t) {
-    if (r.loss_mask[t] == 0) continue;
-    if (first_loss_token < 0) first_loss_token = static_cast<int64_t>(t);
-    ++loss_tokens;
-  }
-  const at::Tensor mask =
-      CopyToDevice(at::from_blob(const_cast<uint8_t*>(r.loss_mask.data()),
-                                 {static_cast<int64_t>(r.loss_mask.size())}, at::kByte),
-                   opts.dtype(at::kBool));
+  const LossTokens tokens = LossTokensOf(r, opts);
+  const int64_t loss_tokens = tokens.count;
+  const int64_t first_loss_token = tokens.first;
+  const at::Tensor& mask = tokens.mask;
   // Masked positions are replaced by 0 before any nonlinearity, so that extreme values there
   // (the dummy position 0, say) never produce inf or NaN in the loss or its gradient.
   auto masked = [&mask](const at::Tensor& x) { return at::where(mask, x, 0); };
@@ -223,11 +415,11 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
       const at::Tensor old = ToTensor(r.logprobs, opts);
       const at::Tensor adv = ToTensor(*in.advantages, opts);
       const at::Tensor prox = in.proximal_logprobs.detach().to(opts);
-      const at::Tensor behave_weight = at::exp(masked(prox - old));  // pi_prox / pi_behave
-      per_token = ClippedSurrogate(at::exp(masked(lp - prox)), adv, o) * behave_weight;
-      if (o.behave_imp_weight_cap > 0) {
-        per_token = at::where(behave_weight <= o.behave_imp_weight_cap, per_token, 0);
-      }
+      const BehaviourWeights behave = BehaviourWeightsOf(prox, old, mask, loss_tokens, o);
+      // Rejected tokens contribute exactly 0 (their weight is 0, and the surrogate of a token whose
+      // ratio overflows must not turn that into NaN).
+      per_token = at::where(
+          behave.kept, ClippedSurrogate(at::exp(masked(lp - prox)), adv, o) * behave.weight, 0);
       break;
     }
     case LossKind::kGspo: {
@@ -291,6 +483,74 @@ RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOption
   out.dlogprobs = grads[0].detach();
   if (in.entropy.defined()) out.dentropy = grads[1].detach();
   return out;
+}
+
+void AddLossDiagnostics(const RolloutLossInputs& in, const LossOptions& o,
+                        DiagnosticsAccumulator& diagnostics) {
+  at::NoGradGuard no_grad;
+  const Rollout& r = *in.rollout;
+  const at::Tensor lp = in.logprobs.detach();
+  const at::TensorOptions opts = lp.options();
+  const LossTokens tokens = LossTokensOf(r, opts);
+  const int64_t loss_tokens = tokens.count;
+  const int64_t first_loss_token = tokens.first;
+  const at::Tensor& mask = tokens.mask;
+  const auto masked_sum = [](const at::Tensor& where, const at::Tensor& x) {
+    return at::where(where, x, 0).sum();
+  };
+  const at::Tensor zero = at::zeros({}, opts);
+  const auto count = [&](double n) { return at::full({}, n, opts); };
+  std::array<at::Tensor, LossDiagnostics::kSums> sums;
+  sums.fill(zero);
+  sums[0] = count(static_cast<double>(loss_tokens));
+  if (in.entropy.defined()) {
+    sums[5] = masked_sum(mask, in.entropy.detach().to(lp.scalar_type()));
+    sums[6] = count(static_cast<double>(loss_tokens));
+  }
+  at::Tensor ratio_max, ratio_min;
+  const bool token_ratio = o.kind == LossKind::kPpo || o.kind == LossKind::kDecoupledPpo;
+  if (!o.custom && token_ratio && loss_tokens > 0) {
+    const at::Tensor old = ToTensor(r.logprobs, opts);
+    const at::Tensor adv = ToTensor(*in.advantages, opts);
+    at::Tensor base = old;
+    at::Tensor valid = mask;  // the tokens that train: decoupled PPO's kept ones
+    if (o.kind == LossKind::kDecoupledPpo) {
+      base = in.proximal_logprobs.detach().to(opts);
+      const BehaviourWeights behave = BehaviourWeightsOf(base, old, mask, loss_tokens, o);
+      valid = behave.kept;
+      sums[7] = behave.changed.sum().to(opts.dtype());
+      sums[8] = behave.weight.sum();
+      sums[9] = masked_sum(valid, behave.log_ratio);
+      sums[10] = valid.sum().to(opts.dtype());
+    }
+    const at::Tensor log_ratio = at::where(valid, lp - base, 0);
+    const at::Tensor ratio = at::exp(log_ratio);
+    const at::Tensor unclipped = -adv * ratio;
+    const at::Tensor clipped = -adv * at::clamp(ratio, 1.0 - o.eps_clip_low, 1.0 + o.eps_clip_high);
+    sums[1] = (valid & (unclipped < clipped)).sum().to(opts.dtype());
+    if (o.dual_clip > 1) {
+      const at::Tensor surrogate = at::maximum(unclipped, clipped);
+      sums[2] = (valid & (adv < 0) & (-o.dual_clip * adv < surrogate)).sum().to(opts.dtype());
+    }
+    sums[3] = log_ratio.sum();
+    sums[4] = masked_sum(valid, ratio);
+    const double inf = std::numeric_limits<double>::infinity();
+    ratio_max = at::where(valid, ratio, -inf).max();
+    ratio_min = at::where(valid, ratio, inf).min();
+  } else if (!o.custom && o.kind == LossKind::kGspo && loss_tokens > 0) {
+    const at::Tensor old = ToTensor(r.logprobs, opts);
+    const double adv = (*in.advantages)[first_loss_token];
+    const at::Tensor log_ratio = masked_sum(mask, lp - old);
+    const at::Tensor ratio = at::exp(log_ratio / static_cast<double>(loss_tokens));
+    const at::Tensor clipped = at::clamp(ratio, 1.0 - o.gspo_eps_low, 1.0 + o.gspo_eps_high);
+    const at::Tensor token_count = count(static_cast<double>(loss_tokens));
+    sums[1] = at::where(-adv * ratio < -adv * clipped, token_count, zero);
+    sums[3] = log_ratio;
+    sums[4] = ratio * token_count;
+    ratio_max = ratio_min = ratio;
+  }
+  diagnostics.Add(at::stack(std::vector<at::Tensor>(sums.begin(), sums.end())), ratio_max,
+                  ratio_min);
 }
 
 }  // namespace dta

@@ -29,9 +29,12 @@
 //                  dual clip (dual_clip = c > 1): if A_t < 0, l_t = min(l_t, -c A_t)
 //   kDecoupledPpo: (AReaL) r_t = exp(lp_t - prox_t), l_t as kPpo (same clip and dual clip), then
 //                  multiplied by the behaviour importance weight w_t = exp(prox_t - old_t) (a
-//                  constant, no gradient). With behave_imp_weight_cap = cap > 0, tokens with
-//                  w_t > cap contribute 0 (loss and gradient) but, as in AReaL, still count in
-//                  the normalisers (N, M), which are fixed from loss_mask.
+//                  constant, no gradient; behave_imp_weight = false leaves it out, as AReaL 1.0
+//                  does without rejection sampling). With behave_imp_weight_cap = cap > 0, tokens
+//                  with w_t > cap contribute 0 (loss and gradient) but, as in AReaL, still count in
+//                  the normalisers (N, M), which are fixed from loss_mask. rejection_sampling
+//                  generalises the cap as AReaL 1.0's RejectionSamplingConfig does (see
+//                  RejectionSampling below); the tokens it rejects also keep counting in N and M.
 //   kGspo:         sequence level (see below).
 //
 // Regulariser per token (every kind, masked by m_t):
@@ -62,11 +65,15 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string_view>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/io/rollout.h"
 #include "core/loss/batch_context.h"
+#include "executor/loss/diagnostics.h"
 
 namespace dta {
 
@@ -85,12 +92,37 @@ enum class Normalization {
 
 struct RolloutLossInputs;
 
+// AReaL 1.0's rejection sampling of stale tokens in decoupled PPO (its RejectionSamplingConfig),
+// on the divergence between the proximal and the behaviour policy, lr_t = prox_t - old_t (0 where
+// it is not finite). Per token the metric is
+//   kRatio: exp(lr_t)   kKlK1: lr_t   kKlK2: lr_t^2 / 2   kKlK3: exp(-lr_t) - 1 + lr_t
+// and a value is in bounds when lower <= value <= upper (no lower bound when lower is unset).
+//   kToken:    each loss token on its own.
+//   kSequence: the rollout's loss tokens together, through `aggregation` of their metric values
+//              (for kRatio in log space: exp(sum lr), exp(mean lr) or exp(max lr)); for kRatio the
+//              behaviour weight of every token is then the geometric mean exp(mean lr) too.
+//   kMask:     tokens (or whole rollouts) out of bounds contribute nothing.
+//   kClamp:    their behaviour weight is clamped to [lower (0 if unset), upper].
+struct RejectionSampling {
+  enum class Level { kToken, kSequence };
+  enum class Action { kMask, kClamp };
+  enum class Metric { kRatio, kKlK1, kKlK2, kKlK3 };
+  enum class Aggregation { kSum, kMean, kMax };
+  Level level = Level::kToken;
+  Action action = Action::kMask;
+  Metric metric = Metric::kRatio;
+  Aggregation aggregation = Aggregation::kMean;  // kSequence only
+  double upper = 5.0;
+  std::optional<double> lower;  // > 0 for kRatio
+};
+
 // A loss defined outside the executor, e.g. a Python callable wrapped by bindings/python: rollout
 // r's contribution to the batch loss as a differentiable function of in.logprobs (a 0-d float
 // tensor on in.logprobs' device; the batch loss is the sum over rollouts, so it normalises itself,
 // e.g. by batch.total_loss_tokens). in.advantages is set when every rollout of the batch has a
-// reward or advantages (GRPO group advantages, as for kPpo), else null; entropy and proximal
-// log-probabilities are not computed for it. It may throw; the exception propagates out of
+// reward or advantages (GRPO group advantages, as for kPpo), else null; in.entropy is set with
+// LossOptions::with_entropy (differentiable, like logprobs), in.proximal_logprobs with
+// with_proximal. It may throw; the exception propagates out of
 // ComputeGradients. Called on the thread that called ComputeGradients, one rollout at a time.
 using CustomLoss =
     std::function<at::Tensor(const RolloutLossInputs& in, const BatchLossContext& batch)>;
@@ -105,6 +137,11 @@ struct LossOptions {
   double dual_clip = 0.0;
   // Decoupled PPO: tokens whose pi_prox / pi_behave exceeds this are masked out; 0 = no cap.
   double behave_imp_weight_cap = 0.0;
+  // Decoupled PPO: multiply by the behaviour importance weight pi_prox / pi_behave (the AReaL paper
+  // and AReaL <= 0.5); false: no weight (AReaL 1.0 without rejection sampling).
+  bool behave_imp_weight = true;
+  // Decoupled PPO: AReaL 1.0's filtering of stale tokens (needs behave_imp_weight and no cap).
+  std::optional<RejectionSampling> rejection_sampling;
   // loss -= entropy_coef * entropy (needs the entropy input when nonzero).
   double entropy_coef = 0.0;
   // loss += kl_coef * k3 KL(pi || ref) per token (needs Rollout::ref_logprobs when nonzero).
@@ -112,9 +149,23 @@ struct LossOptions {
   // GSPO sequence-ratio clip range [1 - gspo_eps_low, 1 + gspo_eps_high] (paper defaults).
   double gspo_eps_low = 3e-4;
   double gspo_eps_high = 4e-4;
+  // How rewards become advantages, when the rollouts carry none (GRPO group normalisation).
+  AdvantageOptions advantages;
+  // Compute the entropy even when entropy_coef is 0: for a custom loss (RolloutLossInputs::entropy,
+  // differentiable) and the entropy diagnostic.
+  bool with_entropy = false;
+  // Compute the proximal log-probabilities (the policy before this step, forward only) for a
+  // custom loss too (RolloutLossInputs::proximal_logprobs); kDecoupledPpo always computes them.
+  bool with_proximal = false;
   // When set, replaces the built-in losses: kind, the clips and the regularisers are ignored.
   CustomLoss custom = nullptr;
 };
+
+// A RejectionSampling from "key=value" pairs joined by commas (the command line's spelling):
+// level=token|sequence, action=mask|clamp, metric=ratio|kl_k1|kl_k2|kl_k3,
+// aggregation=sum|mean|max, upper=U, lower=L; unnamed keys keep their defaults. INVALID_ARGUMENT
+// naming the key for an unknown key or value.
+absl::StatusOr<RejectionSampling> ParseRejectionSampling(std::string_view spec);
 
 // Whether `loss` trains `rollouts` with advantages (their own, else GRPO group advantages over the
 // batch): every kind but kSft; a custom loss when every rollout has a reward or advantages.
@@ -122,7 +173,7 @@ bool UsesAdvantages(const LossOptions& loss, absl::Span<const Rollout> rollouts)
 
 // GroupAdvantages (core/loss/batch_context.h), with TORCH_CHECK naming the rollout on error.
 std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> rollouts,
-                                                  bool normalize_std = true);
+                                                  const AdvantageOptions& options = {});
 
 struct RolloutLossInputs {
   const Rollout* rollout = nullptr;
@@ -153,5 +204,11 @@ struct RolloutLossGrad {
 };
 RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOptions& options,
                                    const BatchLossContext& batch);
+
+// Adds the rollout's contribution to the batch's diagnostics (clip fractions, approximate KL,
+// importance ratios, entropy, rejection), computed without gradients from the same inputs as
+// RolloutLoss; nothing for a custom loss but its tokens and entropy. No host synchronisation.
+void AddLossDiagnostics(const RolloutLossInputs& in, const LossOptions& options,
+                        DiagnosticsAccumulator& diagnostics);
 
 }  // namespace dta

@@ -387,10 +387,11 @@ at::Tensor RowDot(const at::Tensor& a, const at::Tensor& b) {
 // parts are summed once.
 class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
  public:
+  // inverse_temperature: the logits are z / T = (hidden . weight) * inverse_temperature.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& wide_hidden,
                                const at::Tensor& weight, const at::Tensor& targets,
-                               int64_t slice_rows, bool want_entropy, int64_t group,
-                               int64_t vocab_first) {
+                               int64_t slice_rows, double inverse_temperature, bool want_entropy,
+                               int64_t group, int64_t vocab_first) {
     const TensorParallelGroup* ranks = GroupOf(group);
     const at::Tensor hidden = wide_hidden.to(weight.scalar_type());
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
@@ -406,7 +407,8 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     // At most two [slice, vocab] tensors at a time: the logits and exp(z - m).
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
-      const at::Tensor logits = MatmulTo(hidden.slice(0, begin, end), weight.t(), ct);
+      at::Tensor logits = MatmulTo(hidden.slice(0, begin, end), weight.t(), ct);
+      if (inverse_temperature != 1.0) logits.mul_(inverse_temperature);
       at::Tensor max = logits.amax(-1);
       if (ranks != nullptr) ranks->AllReduce(max, TensorParallelReduce::kMax);
       const at::Tensor exp = (logits - max.unsqueeze(1)).exp_();
@@ -429,6 +431,7 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     ctx->save_for_backward({hidden, weight, target_rows.rows, target_rows.owned, lse, mean_logit});
     ctx->saved_data["hidden_type"] = static_cast<int64_t>(wide_hidden.scalar_type());
     ctx->saved_data["slice_rows"] = slice_rows;
+    ctx->saved_data["inverse_temperature"] = inverse_temperature;
     ctx->saved_data["tensor_parallel"] = group;
     return {logprobs, entropy};
   }
@@ -442,6 +445,7 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     const at::Tensor& lse = saved[4];
     const at::Tensor& mean_logit = saved[5];
     const int64_t slice_rows = ctx->saved_data["slice_rows"].toInt();
+    const double inverse_temperature = ctx->saved_data["inverse_temperature"].toDouble();
     const at::ScalarType ct = ComputeType(hidden.scalar_type());
     at::Tensor& grad_weight = GradAccumulator(weight);
     const auto hidden_type = static_cast<at::ScalarType>(ctx->saved_data["hidden_type"].toInt());
@@ -453,6 +457,7 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor h = hidden.slice(0, begin, end);
       at::Tensor logits = MatmulTo(h, weight.t(), ct);
+      if (inverse_temperature != 1.0) logits.mul_(inverse_temperature);
       at::Tensor grad_logits = (logits - lse.slice(0, begin, end).unsqueeze(1)).exp_();  // p
       // d logp(y) / d z = onehot(y) - p;  d entropy / d z = -p (z - E_p[z]). Together:
       // d/dz = onehot(y) g_logp - p (g_logp + (z - E_p[z]) g_entropy).
@@ -468,6 +473,8 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
       grad_logits.scatter_add_(
           1, targets.slice(0, begin, end).unsqueeze(1),
           owned.defined() ? g_logprob * owned.slice(0, begin, end).unsqueeze(1) : g_logprob);
+      // The gradient so far is with respect to z / T.
+      if (inverse_temperature != 1.0) grad_logits.mul_(inverse_temperature);
       // The two matmuls run in the model dtype (bfloat16 tensor cores on the GPU), d hidden comes
       // out in hidden's dtype.
       const at::Tensor g = grad_logits.to(hidden.scalar_type());
@@ -478,7 +485,7 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     // Each rank's vocabulary slice contributes its part of d hidden.
     SumOverRanks(GroupOf(ctx), grad_hidden);
     return {grad_hidden,  at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -740,11 +747,14 @@ ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
 }
 
 at::Tensor Qwen3Model::Logprobs(const at::Tensor& hidden, const at::Tensor& targets,
-                                at::Tensor* entropy, int64_t slice_rows) const {
+                                at::Tensor* entropy, const LogprobOptions& options) const {
   TORCH_CHECK(hidden.dim() == 2 && targets.dim() == 1 && hidden.size(0) == targets.size(0),
               "Logprobs takes hidden [N, hidden_size] and targets [N]");
-  TORCH_CHECK(slice_rows > 0, "slice_rows must be positive");
-  auto outputs = SlicedLogprobs::apply(hidden, lm_head_, targets, slice_rows, entropy != nullptr,
+  TORCH_CHECK(options.slice_rows > 0, "slice_rows must be positive");
+  TORCH_CHECK(options.temperature > 0 && std::isfinite(options.temperature),
+              "the temperature must be positive and finite, got ", options.temperature);
+  auto outputs = SlicedLogprobs::apply(hidden, lm_head_, targets, options.slice_rows,
+                                       1.0 / options.temperature, entropy != nullptr,
                                        GroupHandle(tensor_parallel()), vocab_.begin);
   if (entropy) *entropy = outputs[1];
   return outputs[0];

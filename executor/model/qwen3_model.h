@@ -109,6 +109,14 @@ struct LayerOutput {
 };
 
 // How one parameter is split across the tensor-parallel ranks.
+// How Logprobs turns hidden states into log-probabilities.
+struct LogprobOptions {
+  // Rows of the [rows x vocabulary] logits computed at once.
+  int64_t slice_rows = 512;
+  // log softmax(logits / temperature) (> 0): the sampling temperature of the rollouts.
+  double temperature = 1.0;
+};
+
 struct ParameterSplit {
   int64_t dim = -1;                 // the split dimension; -1: every rank holds all of it
   std::vector<int64_t> full_shape;  // the whole parameter's shape
@@ -177,13 +185,14 @@ class Qwen3Model {
   at::Tensor FinalNorm(const at::Tensor& hidden) const;
 
   // log p(targets[i] | hidden[i]) per row, through lm_head and a log-softmax over the vocabulary
-  // computed `slice_rows` rows at a time: neither forward nor backward ever holds more than
-  // slice_rows x vocab logits. With `entropy`, also each row's entropy. Differentiable with
-  // respect to hidden and lm_head (or the tied embedding). hidden [N, hidden_size], targets [N].
-  // hidden may be wider than lm_head (FinalNorm's float32 output): it is rounded once to lm_head's
-  // dtype for the matmuls, and its gradient is returned in its own dtype.
+  // (of the logits divided by options.temperature) computed options.slice_rows rows at a time:
+  // neither forward nor backward ever holds more than slice_rows x vocab logits. With `entropy`,
+  // also each row's entropy. Differentiable with respect to hidden and lm_head (or the tied
+  // embedding). hidden [N, hidden_size], targets [N]. hidden may be wider than lm_head (FinalNorm's
+  // float32 output): it is rounded once to lm_head's dtype for the matmuls, and its gradient is
+  // returned in its own dtype.
   at::Tensor Logprobs(const at::Tensor& hidden, const at::Tensor& targets,
-                      at::Tensor* entropy = nullptr, int64_t slice_rows = 512) const;
+                      at::Tensor* entropy = nullptr, const LogprobOptions& options = {}) const;
 
  private:
   struct Layer {

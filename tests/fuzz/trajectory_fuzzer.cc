@@ -267,8 +267,9 @@ void CheckPlan(const std::vector<Rollout>& batch, const PrefixTree& tree) {
     for (int mode = 0; mode < 3; ++mode) {
       const bool with_advantages = mode > 0;
       const bool normalize_std = mode == 1;
-      absl::StatusOr<PartitionPlan> plan =
-          PlanPartitions(pointers, k, with_advantages, normalize_std);
+      absl::StatusOr<PartitionPlan> plan = PlanPartitions(
+          pointers, k, with_advantages,
+          {.std_level = normalize_std ? AdvantageLevel::kGroup : AdvantageLevel::kNone});
       if (with_advantages && !every_one_has_reward_or_advantages) {
         FUZZ_CHECK(!plan.ok() && plan.status().code() == absl::StatusCode::kInvalidArgument);
         continue;

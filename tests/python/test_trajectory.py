@@ -1,7 +1,8 @@
 """dta.Trajectory: validation (the C++ ValidateRollout's rules, errors naming the field), JSON Lines
-files (round trips, compatibility with the C++ reader and writer, errors naming file and line) and
+files (round trips, compatibility with the C++ reader and writer, errors naming file and line),
 AReaL's tensor dicts in both of its conventions (aligned with the tokens, and shifted by PPOActor's
-torch.roll), including bad inputs."""
+torch.roll) and verl's DataProto batches (left-padded prompts, right-padded responses,
+response-aligned tensors), including bad inputs."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +11,16 @@ import math
 import os
 import random
 import subprocess
+import types
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
 
 import dta
-from dta import Trajectory, from_areal, read_jsonl, to_areal, write_jsonl
+from dta import Trajectory, from_areal, from_verl, read_jsonl, to_areal, to_verl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -302,3 +306,225 @@ def test_areal_shifted_dict_read_as_aligned_is_refused():
         from_areal(to_areal(t, shifted=True), id="s", shifted=False)
     with pytest.raises(ValueError, match="field 'tokens'"):
         from_areal(to_areal(t, shifted=False), id="s", shifted=False, vocab_size=6)
+
+
+# --- verl -------------------------------------------------------------------------------------------
+
+
+def verl_form(t: Trajectory) -> Trajectory:
+    """t as verl can hold it: the prompt (up to the first trained token) carries no per-token values,
+    and there are no versions or metadata."""
+    n = t.loss_mask.index(1)
+    zero = lambda values: [0.0] * n + values[n:] if values else []  # noqa: E731
+    return dataclasses.replace(t, logprobs=zero(t.logprobs), advantages=zero(t.advantages),
+                               ref_logprobs=zero(t.ref_logprobs), versions=[], metadata={})
+
+
+def verl_batch() -> dict:
+    """verl's own example (verl/experimental/agent_loop/agent_loop.py, AgentLoopWorker's comment):
+    prompt [1, 2, 3, 4], response [5, 6, 7, 8, 9, 10, 11, 12] whose 8, 9 are a tool's output, padded to
+    P = 6 and R = 10 with pad id 0; and a second row, prompt [21, 22, 23, 24, 25, 26] (no padding),
+    response [27, 28]. Written out by hand, not by to_verl."""
+    return {
+        "prompts": torch.tensor([[0, 0, 1, 2, 3, 4], [21, 22, 23, 24, 25, 26]]),
+        "responses": torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 0, 0], [27, 28, 0, 0, 0, 0, 0, 0, 0, 0]]),
+        "input_ids": torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 0],
+                                   [21, 22, 23, 24, 25, 26, 27, 28, 0, 0, 0, 0, 0, 0, 0, 0]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0],
+                                        [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]]),
+        "position_ids": torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11],
+                                      [0, 1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7]]),
+        "response_mask": torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]]),
+        "old_log_probs": torch.tensor([[-0.5, -0.25, -1.0, -2.0, -3.0, -0.125, -0.75, -1.5, -9.0, -9.0],
+                                       [-4.0, -0.0625, -9.0, -9.0, -9.0, -9.0, -9.0, -9.0, -9.0, -9.0]]),
+        "advantages": torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0],
+                                    [-1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]),
+        "token_level_rewards": torch.tensor([[0.0] * 7 + [1.0, 0.0, 0.0], [0.0] * 10]),
+        "uid": np.array(["u1", "u1"], dtype=object),
+    }
+
+
+def test_verl_frame_on_verls_own_example():
+    a, b = from_verl(verl_batch())
+    assert a == Trajectory(
+        id="u1-0", group="u1",
+        tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+        loss_mask=[0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1],
+        logprobs=[0.0, 0.0, 0.0, 0.0, -0.5, -0.25, -1.0, -2.0, -3.0, -0.125, -0.75, -1.5],
+        advantages=[0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0],
+        reward=1.0)
+    assert b == Trajectory(id="u1-1", group="u1", tokens=[21, 22, 23, 24, 25, 26, 27, 28],
+                           loss_mask=[0] * 6 + [1, 1], logprobs=[0.0] * 6 + [-4.0, -0.0625],
+                           advantages=[0.0] * 6 + [-1.0, -1.0], reward=0.0)
+    # And back: the same tensors, position_ids as verl computes them (compute_position_id_with_mask).
+    out = to_verl([a, b], prompt_length=6, response_length=10)
+    for key, value in verl_batch().items():
+        if key == "uid":
+            assert out[key].tolist() == value.tolist()
+        elif key == "old_log_probs":  # verl's log-probabilities on padding are not kept
+            assert torch.equal(out[key], torch.where(value == -9.0, 0.0, value))
+        else:
+            assert torch.equal(out[key], value), key
+    assert torch.equal(out["token_level_scores"], out["token_level_rewards"])
+    assert out["dta_id"].tolist() == ["u1-0", "u1-1"]
+
+
+def test_verl_logprobs_are_dtas_frame():
+    """verl's actor takes the log-probabilities of `responses` from the logits at [:, -R - 1 : -1]
+    of the padded row (dp_actor.py, _forward_micro_batch); from_verl must turn them into dta's
+    logprobs[t] = log p(tokens[t] | tokens[:t]). A bigram model makes both computable by hand."""
+    vocab = 29
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    batch = verl_batch()
+    r = batch["responses"].size(1)
+    logits = table[batch["input_ids"]]  # [B, P + R, V]: position s predicts s + 1
+    verl_logp = torch.log_softmax(logits[:, -r - 1:-1], dim=-1).gather(-1, batch["responses"].unsqueeze(-1))
+    batch["old_log_probs"] = verl_logp.squeeze(-1)
+    for t in from_verl(batch):
+        for i, token in enumerate(t.tokens):
+            if i < t.loss_mask.index(1):
+                assert t.logprobs[i] == 0.0
+            else:
+                expected = torch.log_softmax(table[t.tokens[i - 1]], dim=-1)[token].item()
+                assert t.logprobs[i] == pytest.approx(expected, abs=1e-12), (t.id, i)
+
+
+@pytest.mark.parametrize("widths", [{}, {"prompt_length": 13, "response_length": 11, "pad_token_id": 7}],
+                         ids=["tight", "padded"])
+def test_verl_round_trip(widths):
+    ts = [verl_form(t) for t in (full(seed, length=3 + 2 * seed) for seed in range(7)) if 1 in t.loss_mask]
+    assert len(ts) >= 5 and len({t.group for t in ts}) == 2
+    d = to_verl(ts, **widths)
+    rows = len(ts)
+    p, r = d["prompts"].shape[1], d["responses"].shape[1]
+    if widths:
+        assert (p, r) == (13, 11)
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert d[key].shape == (rows, p + r), key
+    for key in ("response_mask", "old_log_probs", "ref_log_prob", "advantages", "token_level_rewards"):
+        assert d[key].shape == (rows, r), key
+    assert d["old_log_probs"].dtype == torch.float32 and d["prompts"].dtype == torch.int64
+    assert from_verl(d) == ts
+    # Through a DataProto-like object (verl's from_single_dict splits tensors from numpy arrays) and
+    # numpy tensors.
+    proto = types.SimpleNamespace(batch={k: v for k, v in d.items() if torch.is_tensor(v)},
+                                  non_tensor_batch={k: v for k, v in d.items() if isinstance(v, np.ndarray)},
+                                  meta_info={})
+    assert from_verl(proto) == ts
+    as_numpy = {k: v.numpy() if torch.is_tensor(v) else v for k, v in d.items()}
+    assert from_verl(as_numpy) == ts
+
+
+def test_verl_reverse_round_trip_with_prompt_lengths():
+    """A verl batch gives the same tensors back, even a response starting with an untrained token,
+    given the prompt lengths."""
+    batch = verl_batch()
+    batch["response_mask"][1, 0] = 0
+    batch["ref_log_prob"] = batch["old_log_probs"] * 2
+    batch["old_log_probs"][:, 8:] = 0
+    batch["ref_log_prob"][:, 8:] = 0
+    batch["old_log_probs"][1, 2:] = 0
+    batch["ref_log_prob"][1, 2:] = 0
+    ts = from_verl(batch)
+    with pytest.raises(ValueError, match=r"trajectory 1 \('u1-1'\): field 'tokens': a prompt of 7 tokens is "
+                                         r"longer than prompt_length 4"):
+        to_verl(ts, prompt_length=4)
+    out = to_verl(ts, prompt_lengths=[4, 6], prompt_length=6, response_length=10)
+    for key, value in batch.items():
+        if key != "uid":
+            assert torch.equal(out[key], value), key
+    # Without prompt_lengths, the prompt runs to the first trained token.
+    assert to_verl(ts)["prompts"][1].tolist() == [21, 22, 23, 24, 25, 26, 27]
+
+
+def test_verl_optional_layouts():
+    batch = verl_batch()
+    del batch["advantages"], batch["token_level_rewards"], batch["input_ids"]
+    batch["token_level_scores"] = torch.zeros(2, 10)
+    batch["token_level_scores"][0, 3] = 0.5
+    batch["token_level_scores"][0, 7] = 0.25
+    batch["rollout_log_probs"] = batch.pop("old_log_probs") - 1
+    a, b = from_verl(batch, ids=["x", "y"], logprobs="rollout_log_probs", vocab_size=29)
+    assert (a.id, b.id) == ("x", "y")
+    assert a.reward == 0.75 and b.reward == 0.0  # the row's sum, as verl's GRPO takes it
+    assert a.logprobs[4:6] == [-1.5, -1.25] and a.advantages == []
+    # verl's multi-turn rollouts of 2025 wrote the mask as `loss_mask` over the whole row.
+    mask = batch.pop("response_mask")
+    batch["loss_mask"] = torch.cat([torch.zeros(2, 6, dtype=mask.dtype), mask], dim=1)
+    assert from_verl(batch, logprobs="rollout_log_probs")[0].loss_mask == a.loss_mask
+    batch["loss_mask"] = mask.bool()
+    assert from_verl(batch, logprobs="rollout_log_probs")[0].loss_mask == a.loss_mask
+    # With neither mask, verl trains the response's attention mask (compute_response_mask).
+    del batch["loss_mask"]
+    assert from_verl(batch, logprobs="rollout_log_probs")[0].loss_mask == [0] * 4 + [1] * 8
+    # ids from the uids: the k-th row of each.
+    batch["uid"] = np.array(["p", "q"], dtype=object)
+    assert [t.id for t in from_verl(batch, logprobs="rollout_log_probs")] == ["p-0", "q-0"]
+
+
+def _set(key, row, col, value):
+    def change(b):
+        b[key][row, col] = value
+    return change
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda b: b.pop("prompts"), "field 'prompts': missing"),
+    (lambda b: b.pop("old_log_probs"), "field 'old_log_probs': missing"),
+    (lambda b: b.pop("uid"), "field 'uid': missing"),
+    (lambda b: b.update(uid=np.array(["u"], dtype=object)), "field 'uid': 1 values for 2 rows"),
+    (lambda b: b.update(prompts=b["prompts"].float()), "field 'prompts': must be integers"),
+    (lambda b: b.update(responses=b["responses"][:1]), "field 'responses': 1 rows for 2 prompts"),
+    (lambda b: b.update(old_log_probs=b["old_log_probs"][:, :-1]),
+     "field 'old_log_probs': expected shape [2, 10], got [2, 9]"),
+    (lambda b: b.update(advantages=b["advantages"].long()), "field 'advantages': must be floating point"),
+    (lambda b: b.update(old_log_probs=[[0.0]]), "field 'old_log_probs': must be a torch.Tensor or a numeric"),
+    (lambda b: b.update(attention_mask=b["attention_mask"][:, 1:]), "field 'attention_mask': expected shape"),
+    (_set("attention_mask", 0, 0, 1), "row 0: field 'attention_mask': the prompt's part [1, 0, 1, 1, 1, 1] is "
+                                      "not left-padded"),
+    (_set("attention_mask", 1, 9, 1), "row 1: field 'attention_mask': the response's part"),
+    (_set("attention_mask", 0, 3, 2), "row 0: field 'attention_mask': value at position 3 is 2"),
+    (lambda b: b["attention_mask"][1, :6].zero_(), "row 1: field 'attention_mask': the prompt is empty"),
+    (_set("response_mask", 1, 4, 1), "row 1: field 'response_mask': 1 at position 4, which is padding"),
+    (_set("response_mask", 0, 1, 3), "row 0: field 'response_mask': value at position 1 is 3, not 0 or 1"),
+    (_set("input_ids", 1, 7, 99), "row 1: field 'input_ids': position 7 differs"),
+    (_set("old_log_probs", 1, 1, math.nan), "row 1: field 'logprobs': value 7 is not finite"),
+    (lambda b: (_set("responses", 0, 2, -3)(b), b.pop("input_ids")), "row 0: field 'tokens': token 6 = -3"),
+    (lambda b: b.update(loss_mask=b.pop("response_mask")[:, 1:]), "field 'loss_mask': expected shape [2, 10] "
+                                                                   "or [2, 16], got [2, 9]"),
+    (lambda b: b.update(uid=np.array(["u", "u"], dtype=object), dta_id=np.array(["i", "i"], dtype=object)),
+     "row 1: field 'id': 'i' is also row 0's"),
+])
+def test_verl_bad_batches_name_the_row_and_field(change, words):
+    batch = verl_batch()
+    change(batch)
+    with pytest.raises(ValueError) as e:
+        from_verl(batch)
+    assert words in str(e.value), str(e.value)
+    assert "field '" in str(e.value)
+
+
+def test_verl_refuses_what_it_cannot_hold():
+    t = verl_form(full(1, length=8))
+    untrained = Trajectory(id="u", group="g", tokens=[1, 2], loss_mask=[0, 0], logprobs=[0.0, 0.0], reward=1.0)
+    with pytest.raises(ValueError, match=r"trajectory 1 \('u'\): field 'loss_mask': no trained token"):
+        to_verl([t, untrained])
+    with pytest.raises(ValueError, match=r"trajectory 0 \('u'\): field 'reward': set, but the response is empty"):
+        to_verl([untrained], prompt_lengths=[2])
+    no_reward = dataclasses.replace(verl_form(full(4)), reward=None)
+    with pytest.raises(ValueError, match=r"trajectory 1 \('t4'\): field 'reward': unset, but trajectory 0 has it"):
+        to_verl([t, no_reward])
+    with pytest.raises(ValueError, match=r"trajectory 0 \('t1'\): field 'loss_mask': token \d of the prompt is "
+                                         r"trained"):
+        to_verl([t], prompt_lengths=[7])
+    with pytest.raises(ValueError, match=r"prompt_lengths: trajectory 0 \('t1'\): 0 is outside \[1, 8\]"):
+        to_verl([t], prompt_lengths=[0])
+    with pytest.raises(ValueError, match=r"trajectory 0 \('t1'\): field 'tokens': a response of \d+ tokens is "
+                                         r"longer than response_length 1"):
+        to_verl([t], response_length=1)
+    with pytest.raises(ValueError, match=r"trajectory 0 \('bad'\): field 'loss_mask'"):
+        to_verl([dataclasses.replace(t, id="bad", loss_mask=[1] * 8)])
+    with pytest.raises(ValueError, match="no trajectories"):
+        to_verl([])
+    # Versions, metadata and the prompt's per-token values are dropped, not refused.
+    assert from_verl(to_verl([full(3)])) == [verl_form(full(3))]

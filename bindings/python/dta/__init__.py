@@ -1,7 +1,7 @@
 """dta: train language models on tree-shaped rollouts without computing a shared prefix twice.
 
 Pure Python, importable without torch:
-    Trajectory, read_jsonl, write_jsonl, from_areal, to_areal   (dta.trajectory)
+    Trajectory, read_jsonl, write_jsonl, from_areal, to_areal, from_verl, to_verl   (dta.trajectory)
 Over the compiled executor (imported on first use; they load torch):
     PrefixTree   (dta.tree)     the prefix tree of a batch and its statistics
     Trainer      (dta.trainer)  an HF Qwen3 model trained with dense / packed / dta
@@ -9,6 +9,8 @@ The dispatcher's client (gRPC; imported on first use):
     RolloutClient, AsyncRolloutClient, Ack, TrajectoryRejected, DispatcherError,
     DispatcherStatus, DispatcherStatistics   (dta.client)
 The wire protocol's generated stubs: ``from dta.v1 import dispatcher_pb2, dispatcher_pb2_grpc``.
+AReaL's TrainEngine on Trainer (imported on first use; needs the optional ``areal`` package):
+    DTAPPOTrainer, DTAPPOActor, DTAEngine, DTAOptions   (dta.areal)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .trajectory import Trajectory, from_areal, read_jsonl, to_areal, write_jsonl
+from .trajectory import Trajectory, from_areal, from_verl, read_jsonl, to_areal, to_verl, write_jsonl
 
 if TYPE_CHECKING:
     from .client import (Ack, AsyncRolloutClient, DispatcherError, DispatcherStatistics, DispatcherStatus,
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from .tree import PrefixTree, TreeStats
 
 __all__ = [
-    "Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal",
+    "Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl",
     "PrefixTree", "TreeStats", "Trainer", "TrainStats", "RolloutClient", "AsyncRolloutClient",
     "Ack", "TrajectoryRejected", "DispatcherError", "DispatcherStatus", "DispatcherStatistics",
 ]
@@ -40,8 +42,13 @@ _LAZY = {
     "DispatcherStatistics": ".client",
 }
 
+# Submodules loaded on first access (``dta.areal`` imports the optional areal package).
+_LAZY_SUBMODULES = {"areal"}
+
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dta' has no attribute {name!r}")

@@ -42,7 +42,8 @@ import torch
 from . import _core
 from .trajectory import Trajectory
 
-__all__ = ["Trainer", "TrainStats", "LossOptions", "ExecutorOptions", "RolloutLossInput", "LossFn"]
+__all__ = ["Trainer", "TrainStats", "LossOptions", "RejectionSampling", "ExecutorOptions", "RolloutLossInput",
+           "LossFn"]
 
 _LOSS_KINDS = {
     "grpo": _core.LossKind.PPO,  # PPO clip with GRPO group advantages (from rewards) unless given
@@ -94,6 +95,45 @@ def _serialized(method: Callable[..., Any]) -> Callable[..., Any]:
     return locked
 
 
+_ADVANTAGE_LEVELS = {"group": _core.AdvantageLevel.GROUP, "batch": _core.AdvantageLevel.BATCH,
+                     "none": _core.AdvantageLevel.NONE}
+_REJECTION = {
+    "level": {"token": _core.RejectionLevel.TOKEN, "sequence": _core.RejectionLevel.SEQUENCE},
+    "action": {"mask": _core.RejectionAction.MASK, "clamp": _core.RejectionAction.CLAMP},
+    "metric": {"ratio": _core.RejectionMetric.RATIO, "kl_k1": _core.RejectionMetric.KL_K1,
+               "kl_k2": _core.RejectionMetric.KL_K2, "kl_k3": _core.RejectionMetric.KL_K3},
+    "aggregation": {"sum": _core.RejectionAggregation.SUM, "mean": _core.RejectionAggregation.MEAN,
+                    "max": _core.RejectionAggregation.MAX},
+}
+
+
+@dataclass(frozen=True)
+class RejectionSampling:
+    """AReaL 1.0's rejection sampling of stale tokens (its ``RejectionSamplingConfig``), for
+    ``decoupled-ppo``: on the divergence between the proximal policy and the behaviour policy
+    (``lr = prox - old``), per token (``level="token"``) or per trajectory (``"sequence"``, through
+    ``aggregation`` of the tokens' values: in log space for the ratio), tokens out of
+    ``[lower, upper]`` contribute nothing (``action="mask"``) or have their behaviour weight
+    clamped to it (``"clamp"``). ``metric``: ``ratio`` (exp(lr)), ``kl_k1`` (lr), ``kl_k2``
+    (lr^2 / 2), ``kl_k3`` (exp(-lr) - 1 + lr). executor/loss/loss.h says exactly what each does.
+    """
+
+    level: str = "token"
+    action: str = "mask"
+    metric: str = "ratio"
+    aggregation: str = "mean"
+    upper: float = 5.0
+    lower: float | None = None
+
+    def _to_core(self) -> Any:
+        core = _core.RejectionSampling()
+        for name, choices in _REJECTION.items():
+            setattr(core, name, _choice(f"rejection_sampling.{name}", getattr(self, name), choices))
+        core.upper = float(self.upper)
+        core.lower = None if self.lower is None else float(self.lower)
+        return core
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """Options of the named losses (executor/loss/loss.h says exactly what each does).
@@ -108,6 +148,23 @@ class LossOptions:
         entropy_coef: loss -= entropy_coef * entropy.
         kl_coef: loss += kl_coef * k3 KL to the trajectories' ``ref_logprobs``.
         gspo_eps_low, gspo_eps_high: GSPO's sequence-ratio clip range.
+        behave_imp_weight: Decoupled PPO: multiply by the behaviour importance weight
+            pi_prox / pi_behave (the AReaL paper, AReaL <= 0.5); False: no weight (AReaL 1.0
+            without rejection sampling).
+        rejection_sampling: Decoupled PPO: a :class:`RejectionSampling` (AReaL 1.0's), or None.
+        reward_bias, reward_scaling, reward_clip: Rewards are shaped as AReaL's PPO actor does,
+            ``clip((reward + bias) * scaling, -clip, clip)``, before they become advantages.
+        adv_mean_level, adv_std_level: Advantages are centred on / divided by the std over the
+            trajectory's ``group`` (GRPO, the default), the whole ``batch``, or ``none``.
+        adv_std_eps: ``A = (r - mean) / (std + eps)``.
+        adv_token_weighted: Mean and std count each trajectory once per loss token, as AReaL's
+            ``adv_norm`` does over its padded batch, instead of once (GRPO).
+        with_entropy: Compute the entropy even when ``entropy_coef`` is 0: a callable loss then gets
+            it (``RolloutLossInput.entropy``, differentiable) and ``TrainStats.entropy`` is set.
+        with_proximal: Give a callable loss the proximal log-probabilities (the policy before this
+            step; ``RolloutLossInput.proximal_logprobs``): one extra forward-only pass.
+
+    Advantage options and ``with_entropy`` / ``with_proximal`` apply to callable losses too.
     """
 
     normalization: str = "token-mean"
@@ -119,15 +176,51 @@ class LossOptions:
     kl_coef: float = 0.0
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
+    behave_imp_weight: bool = True
+    rejection_sampling: RejectionSampling | None = None
+    reward_bias: float = 0.0
+    reward_scaling: float = 1.0
+    reward_clip: float = float("inf")
+    adv_mean_level: str = "group"
+    adv_std_level: str = "group"
+    adv_std_eps: float = 1e-6
+    adv_token_weighted: bool = False
+    with_entropy: bool = False
+    with_proximal: bool = False
 
-    def _to_core(self, kind: str) -> Any:
+    def _to_core(self, kind: str | None) -> Any:
+        """The C++ options; kind None: for a callable loss (only the fields that apply to one)."""
         core = _core.LossOptions()
-        core.kind = _choice("loss", kind, _LOSS_KINDS)
-        core.normalization = _choice("normalization", self.normalization, _NORMALIZATIONS)
-        for f in dataclasses.fields(self):
-            if f.name != "normalization":
-                setattr(core, f.name, float(getattr(self, f.name)))
+        if kind is not None:
+            core.kind = _choice("loss", kind, _LOSS_KINDS)
+            core.normalization = _choice("normalization", self.normalization, _NORMALIZATIONS)
+            for name in _FLOAT_LOSS_OPTIONS:
+                setattr(core, name, float(getattr(self, name)))
+            core.behave_imp_weight = bool(self.behave_imp_weight)
+            if self.rejection_sampling is not None:
+                if not isinstance(self.rejection_sampling, RejectionSampling):
+                    raise TypeError("rejection_sampling must be a dta.RejectionSampling, got "
+                                    f"{type(self.rejection_sampling).__name__}")
+                core.rejection_sampling = self.rejection_sampling._to_core()
+        advantages = _core.AdvantageOptions()
+        advantages.reward_bias = float(self.reward_bias)
+        advantages.reward_scaling = float(self.reward_scaling)
+        advantages.reward_clip = float(self.reward_clip)
+        advantages.mean_level = _choice("adv_mean_level", self.adv_mean_level, _ADVANTAGE_LEVELS)
+        advantages.std_level = _choice("adv_std_level", self.adv_std_level, _ADVANTAGE_LEVELS)
+        advantages.std_eps = float(self.adv_std_eps)
+        advantages.token_weighted = bool(self.adv_token_weighted)
+        core.advantages = advantages
+        core.with_entropy = bool(self.with_entropy)
+        core.with_proximal = bool(self.with_proximal)
         return core
+
+
+_FLOAT_LOSS_OPTIONS = ("eps_clip_low", "eps_clip_high", "dual_clip", "behave_imp_weight_cap", "entropy_coef",
+                       "kl_coef", "gspo_eps_low", "gspo_eps_high")
+# What a callable loss may be given besides itself.
+_CALLABLE_LOSS_OPTIONS = {"reward_bias", "reward_scaling", "reward_clip", "adv_mean_level", "adv_std_level",
+                          "adv_std_eps", "adv_token_weighted", "with_entropy", "with_proximal"}
 
 
 @dataclass(frozen=True)
@@ -143,6 +236,8 @@ class ExecutorOptions:
         order: dta: leaf order, ``backward-dfs`` (AReaL-DTA Algorithm 1) or ``lexicographic``.
         token_capacity: packed: the most unique tokens per packed forward (0 = the whole tree).
         checkpointing: dense and packed: activation checkpointing.
+        temperature: Log-probabilities (and entropy) of softmax(logits / temperature): the
+            temperature the trajectories were sampled at, as AReaL applies it in training.
     """
 
     # The defaults are the C++ struct's (dta::ExecutorOptions), read from the extension, so that
@@ -153,10 +248,13 @@ class ExecutorOptions:
     order: str = _name_of(_ORDERS, _CORE_EXECUTOR.order)
     token_capacity: int = _CORE_EXECUTOR.token_capacity
     checkpointing: bool = _CORE_EXECUTOR.checkpointing
+    temperature: float = _CORE_EXECUTOR.temperature
 
     def _to_core(self, method: str) -> Any:
         if self.block_size < -1 or self.graph_budget < -1 or self.token_capacity < 0:
             raise ValueError("block_size and graph_budget must be >= -1, token_capacity >= 0")
+        if not self.temperature > 0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be positive and finite, got {self.temperature}")
         core = _core.ExecutorOptions()
         core.method = _choice("method", method, _METHODS)
         core.block_size = _core.UNBOUNDED_BLOCK if self.block_size == 0 else int(self.block_size)
@@ -165,6 +263,7 @@ class ExecutorOptions:
         core.order = _choice("order", self.order, _ORDERS)
         core.token_capacity = int(self.token_capacity)
         core.checkpointing = bool(self.checkpointing)
+        core.temperature = float(self.temperature)
         return core
 
 
@@ -199,15 +298,22 @@ class RolloutLossInput:
             trajectory of the batch has a reward or advantages; else None.
         total_loss_tokens: N, the batch's tokens with loss_mask 1 (for a token mean).
         num_rollouts: R, the batch's rollouts.
+        entropy: The current policy's per-token entropy [L] (differentiable, like the
+            log-probabilities; position 0 holds 0) with ``with_entropy=True``, else None.
+        proximal_logprobs: The proximal policy's log-probabilities [L] (the weights before this
+            step, constant) with ``with_proximal=True``, else None.
     """
 
     def __init__(self, trajectory: Trajectory, index: int, advantages: torch.Tensor | None,
-                 total_loss_tokens: float, num_rollouts: int, logprobs: torch.Tensor) -> None:
+                 total_loss_tokens: float, num_rollouts: int, logprobs: torch.Tensor,
+                 entropy: torch.Tensor | None = None, proximal_logprobs: torch.Tensor | None = None) -> None:
         self.trajectory = trajectory
         self.index = index
         self.advantages = advantages
         self.total_loss_tokens = total_loss_tokens
         self.num_rollouts = num_rollouts
+        self.entropy = entropy
+        self.proximal_logprobs = proximal_logprobs
         self._options = {"dtype": logprobs.dtype, "device": logprobs.device}
 
     @functools.cached_property
@@ -251,6 +357,19 @@ class TrainStats:
         clip_coef: The clipping factor applied (train_batch only).
         step: The optimizer's step count after the step (train_batch only).
         lr: The learning rate the step used (train_batch only).
+
+    RL diagnostics, as AReaL's PPO actor logs them, over the batch's loss tokens (None where they
+    do not apply: a ratio for ``sft``, anything but the entropy for a callable loss):
+        clip_fraction: Tokens whose clipped surrogate was the larger (GSPO: whole sequences).
+        dual_clip_fraction: Tokens the dual clip bounded.
+        approx_kl: Mean of log pi - log pi_base (pi_base: the proximal policy for decoupled PPO,
+            else the behaviour policy's ``logprobs``), the current weights before the step.
+        ratio_mean, ratio_max, ratio_min: The importance ratio pi / pi_base.
+        entropy: Mean entropy of the current policy (when computed: ``entropy_coef`` or
+            ``with_entropy``).
+        rejected_fraction: Decoupled PPO: tokens rejection sampling (or the cap) dropped or clamped.
+        behave_imp_weight: Decoupled PPO: mean pi_prox / pi_behave over the kept tokens.
+        behave_approx_kl: Decoupled PPO: mean log pi_prox - log pi_behave over the kept tokens.
     """
 
     loss: float
@@ -263,6 +382,16 @@ class TrainStats:
     clip_coef: float | None = None
     step: int | None = None
     lr: float | None = None
+    clip_fraction: float | None = None
+    dual_clip_fraction: float | None = None
+    approx_kl: float | None = None
+    ratio_mean: float | None = None
+    ratio_max: float | None = None
+    ratio_min: float | None = None
+    entropy: float | None = None
+    rejected_fraction: float | None = None
+    behave_imp_weight: float | None = None
+    behave_approx_kl: float | None = None
 
     @property
     def compression(self) -> float:
@@ -272,6 +401,28 @@ class TrainStats:
     @property
     def rollout_tokens_per_second(self) -> float:
         return self.rollout_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _diagnostics(d: dict[str, float]) -> dict[str, float | None]:
+    """TrainStats' diagnostic fields from the extension's sums (None where nothing was counted)."""
+    def mean(total: str, count: str) -> float | None:
+        return d[total] / d[count] if d[count] > 0 else None
+
+    has_ratio = d["ratio_max"] >= d["ratio_min"]  # a ratio was taken on some token
+    behave = d["behave_tokens"] > 0 or d["rejected_tokens"] > 0
+    out = {
+        "clip_fraction": mean("clipped_tokens", "loss_tokens") if has_ratio else None,
+        "dual_clip_fraction": mean("dual_clipped_tokens", "loss_tokens") if has_ratio else None,
+        "approx_kl": mean("approx_kl", "loss_tokens") if has_ratio else None,
+        "ratio_mean": mean("ratio", "loss_tokens") if has_ratio else None,
+        "ratio_max": d["ratio_max"] if has_ratio else None,
+        "ratio_min": d["ratio_min"] if has_ratio else None,
+        "entropy": mean("entropy", "entropy_tokens"),
+        "rejected_fraction": mean("rejected_tokens", "loss_tokens") if behave else None,
+        "behave_imp_weight": mean("behave_weight", "behave_tokens") if behave else None,
+        "behave_approx_kl": mean("behave_approx_kl", "behave_tokens") if behave else None,
+    }
+    return out
 
 
 class Trainer:
@@ -413,9 +564,10 @@ class Trainer:
         executor = ExecutorOptions(**executor_options)._to_core(method)
         custom = None
         if callable(loss):
-            if loss_options:
-                raise TypeError(f"loss options {sorted(loss_options)} do not apply to a callable loss")
-            core_loss = _core.LossOptions()
+            if set(loss_options) - _CALLABLE_LOSS_OPTIONS:
+                raise TypeError(f"loss options {sorted(set(loss_options) - _CALLABLE_LOSS_OPTIONS)} do not apply "
+                                f"to a callable loss (those that do: {', '.join(sorted(_CALLABLE_LOSS_OPTIONS))})")
+            core_loss = LossOptions(**loss_options)._to_core(None)
             custom = _python_loss(loss, batch)
         else:
             core_loss = LossOptions(**loss_options)._to_core(loss)
@@ -429,7 +581,8 @@ class Trainer:
             self._core.zero_grad()
         result = self._core.compute_gradients(batch, core_loss, custom, executor)
         self._synchronize()
-        return TrainStats(seconds=time.perf_counter() - start, method=method, **result)
+        diagnostics = _diagnostics(result.pop("diagnostics"))
+        return TrainStats(seconds=time.perf_counter() - start, method=method, **result, **diagnostics)
 
     @_serialized
     def compute_logprobs(self, trajectories: Sequence[Trajectory], method: str = DEFAULT_METHOD,
@@ -665,8 +818,10 @@ def _python_loss(fn: LossFn, batch: list[Trajectory]) -> Callable[..., torch.Ten
     the callable's result."""
 
     def adapter(index: int, logprobs: torch.Tensor, advantages: torch.Tensor | None, total_loss_tokens: float,
-                num_rollouts: int) -> torch.Tensor:
-        rollout = RolloutLossInput(batch[index], index, advantages, total_loss_tokens, num_rollouts, logprobs)
+                num_rollouts: int, entropy: torch.Tensor | None,
+                proximal_logprobs: torch.Tensor | None) -> torch.Tensor:
+        rollout = RolloutLossInput(batch[index], index, advantages, total_loss_tokens, num_rollouts, logprobs,
+                                   entropy, proximal_logprobs)
         value = fn(logprobs, rollout)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"the loss returned {type(value).__name__} for trajectory {index} "

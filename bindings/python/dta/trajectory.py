@@ -1,12 +1,13 @@
-"""One trajectory (rollout) as dta trains it, its validation, JSON Lines files and AReaL's tensors.
+"""One trajectory (rollout) as dta trains it, its validation, JSON Lines files, AReaL's and verl's
+tensors.
 
 A :class:`Trajectory` mirrors the C++ ``dta::Rollout`` (core/io/rollout.h) and the wire
 message ``dta.v1.Trajectory``. Per-token fields are aligned with ``tokens``:
 ``logprobs[t]`` is the behaviour policy's log p(tokens[t] | tokens[:t]) and ``loss_mask[t]`` says
 whether token t is trained, so the first token, which has no context, has ``loss_mask[0] == 0``.
 
-Everything here is pure Python (``torch`` is imported only by the AReaL converters), so rollout
-workers can use it without the compiled extension.
+Everything here is pure Python (``torch`` is imported only by the AReaL and verl converters), so
+rollout workers can use it without the compiled extension.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal"]
+__all__ = ["Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl"]
 
 # Token ids are int32 in the C++ core and on the wire.
 _TOKEN_LIMIT = 2**31
@@ -432,4 +433,355 @@ def to_areal(trajectory: Trajectory, *, shifted: bool) -> dict[str, torch.Tensor
         out["advantages"] = row(trajectory.advantages, torch.float32, "advantages")
     if trajectory.ref_logprobs:
         out["ref_logp"] = row(trajectory.ref_logprobs, torch.float32, "ref_logp")
+    return out
+
+
+# --- verl's DataProto batches ---------------------------------------------------------------------
+#
+# verl's PPO trainer carries a batch as a DataProto (verl/protocol.py): `.batch`, a TensorDict of
+# [B, ...] tensors, and `.non_tensor_batch`, a dict of numpy object arrays of length B. After
+# generation (verl/experimental/agent_loop/agent_loop.py, _postprocess) and the trainer's steps
+# (verl/trainer/ppo/ray_trainer.py, fit) a row holds:
+#
+#   prompts             int64  [B, P]      prompt ids, left-padded to P (rollout.prompt_length)
+#   responses           int64  [B, R]      generated and tool-output ids, right-padded to R
+#   input_ids           int64  [B, P + R]  cat(prompts, responses)
+#   attention_mask      int64  [B, P + R]  0 0 1 1 1 | 1 1 1 0 0  (1 on tokens, 0 on padding)
+#   position_ids        int64  [B, P + R]  clip(cumsum(attention_mask) - 1, min=0)
+#   response_mask       int64  [B, R]      1 on LLM-generated tokens, 0 on tool output and padding
+#   old_log_probs       float32[B, R]      log p(responses[:, t] | prompt, responses[:, :t]),
+#                                          recomputed by the actor (dp_actor.py takes the logits at
+#                                          [:, -R - 1 : -1] and gathers `responses`)
+#   rollout_log_probs   float32[B, R]      the same from the inference engine (0 on padding)
+#   ref_log_prob        float32[B, R]      the reference policy's, same frame
+#   advantages          float32[B, R]
+#   token_level_scores  float32[B, R]      the reward at the last response token (reward managers);
+#   token_level_rewards float32[B, R]      the same less the in-reward KL penalty, if any
+#   non_tensor_batch["uid"]  object [B]    the prompt's uuid4, repeated over its n samples: GRPO's
+#                                          group (compute_grpo_outcome_advantage's `index`)
+#
+# The per-token tensors cover the response only and are aligned with `responses`, so response
+# position t is dta's token (prompt length) + t with no shift. verl's multi-turn rollouts of
+# 2025-04..07 called the mask `loss_mask`, over the whole [B, P + R] row; without either mask verl
+# trains the response's attention mask (ray_trainer.py, compute_response_mask).
+
+_VERL_ID_KEY = "dta_id"  # non_tensor_batch key to_verl writes the ids under
+
+
+def _verl_containers(batch: Any) -> tuple[Any, Any]:
+    """(tensors, non-tensors) of a DataProto-like object, or the same dict twice."""
+    if hasattr(batch, "batch") and hasattr(batch, "non_tensor_batch"):
+        return ({} if batch.batch is None else batch.batch,
+                {} if batch.non_tensor_batch is None else batch.non_tensor_batch)
+    if hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
+        return batch, batch
+    raise ValueError("a verl batch must be a dict of tensors or have .batch and .non_tensor_batch "
+                     f"(a DataProto), got {type(batch).__name__}")
+
+
+def _verl_tensor(container: Any, key: str, shape: tuple[int, ...] | None, *, integer: bool = False,
+                 required: bool = True) -> torch.Tensor | None:
+    """container[key] as a CPU tensor of the given shape (any, 2-D, when None)."""
+    import torch
+
+    if key not in container:
+        if required:
+            raise _field_error(key, "missing")
+        return None
+    value = container[key]
+    if not isinstance(value, torch.Tensor):
+        import numpy as np
+
+        if not isinstance(value, np.ndarray) or value.dtype == object:
+            raise _field_error(key, f"must be a torch.Tensor or a numeric numpy array, got {type(value).__name__}")
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    value = value.detach().cpu()
+    if shape is None and value.dim() != 2:
+        raise _field_error(key, f"expected shape [B, L], got {list(value.shape)}")
+    if shape is not None and tuple(value.shape) != shape:
+        raise _field_error(key, f"expected shape {list(shape)}, got {list(value.shape)}")
+    if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        raise _field_error(key, f"must be integers, got {value.dtype}")
+    return value
+
+
+def _verl_zero_one(key: str, mask: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """mask (0/1 of any dtype) as int64; names the first other value's row and position."""
+    import torch
+
+    bad = ~((mask == 0) | (mask == 1))
+    if bad.any():
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"row {row}: field '{key}': value at position {col + offset} is "
+                         f"{mask[row, col].item()!r}, not 0 or 1")
+    return mask.to(torch.int64)
+
+
+def _verl_names(container: Any, key: str, rows: int) -> list[str] | None:
+    """non_tensor_batch[key] as strings (a numpy object array or any sequence of length B)."""
+    if key not in container:
+        return None
+    values = container[key]
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise _field_error(key, f"must be an array of {rows} values, got {type(values).__name__}")
+    if len(values) != rows:
+        raise _field_error(key, f"{len(values)} values for {rows} rows")
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
+def from_verl(batch: Any, *, ids: Iterable[str] | None = None, logprobs: str = "old_log_probs",
+              vocab_size: int | None = None) -> list[Trajectory]:
+    """Converts a verl batch (a ``DataProto``, or a dict of its tensors) into validated trajectories.
+
+    Row i becomes the trajectory of ``prompts[i]`` without its left padding followed by
+    ``responses[i]`` without its right padding (both as ``attention_mask`` marks them). The
+    response-aligned tensors fill the response's tokens and leave the prompt's at 0: the logprob
+    of ``responses[i, t]`` is ``logprobs[n + t]``, n the prompt's length, which is dta's frame
+    (``logprobs[t] = log p(tokens[t] | tokens[:t])``). verl is not needed: any object with
+    ``.batch`` and ``.non_tensor_batch`` is read as a DataProto, and a plain dict of torch tensors
+    or numpy arrays (``uid`` among them, as ``DataProto.from_single_dict`` takes) as both.
+
+    Args:
+        batch: ``prompts``, ``responses``, ``attention_mask``, the ``logprobs`` key and
+            ``uid`` (non-tensor) are required. ``response_mask`` gives ``loss_mask`` (else
+            ``loss_mask``, [B, R] or [B, P + R], as older verl multi-turn rollouts wrote it; else
+            the response's attention mask, as verl's ``compute_response_mask``). Optional:
+            ``input_ids`` (must equal cat(prompts, responses)), ``ref_log_prob``,
+            ``advantages``, ``token_level_rewards`` or else ``token_level_scores`` (the reward is
+            the row's sum, as verl's GRPO takes it). Other keys (``position_ids`` included) are
+            ignored.
+        ids: One id per row. Default: non_tensor_batch ``dta_id`` (what :func:`to_verl` writes),
+            else ``"<uid>-<k>"`` for the k-th row of each uid (verl's uids are uuid4s per prompt
+            and step, so these are unique across steps too).
+        logprobs: The key of the behaviour log-probabilities: ``old_log_probs`` (what verl's
+            actor uses as the old policy) or ``rollout_log_probs`` (the inference engine's).
+        vocab_size: When given, token ids must be below it.
+
+    Raises:
+        ValueError: ``field '<verl key>': ...`` for a missing key or a bad shape or type;
+            ``row <i>: field '<key>': ...`` for a row whose masks are not left-padded prompt /
+            right-padded response, whose prompt is empty, whose ``response_mask`` is 1 on
+            padding, or whose trajectory breaks a rule of :meth:`Trajectory.validate`.
+    """
+    import torch
+
+    tensors, others = _verl_containers(batch)
+    prompts = _verl_tensor(tensors, "prompts", None, integer=True)
+    rows, p = prompts.shape
+    responses = _verl_tensor(tensors, "responses", None, integer=True)
+    if responses.size(0) != rows:
+        raise _field_error("responses", f"{responses.size(0)} rows for {rows} prompts")
+    r = responses.size(1)
+    attention = _verl_zero_one("attention_mask", _verl_tensor(tensors, "attention_mask", (rows, p + r)))
+    input_ids = _verl_tensor(tensors, "input_ids", (rows, p + r), integer=True, required=False)
+    if input_ids is not None:
+        differs = input_ids != torch.cat([prompts, responses], dim=1).to(input_ids.dtype)
+        if differs.any():
+            row, col = (int(x) for x in differs.nonzero()[0])
+            raise ValueError(f"row {row}: field 'input_ids': position {col} differs from "
+                             "cat(prompts, responses)")
+    if "response_mask" in tensors:
+        mask_key, offset = "response_mask", 0
+        mask = _verl_tensor(tensors, "response_mask", (rows, r))
+    elif "loss_mask" in tensors:
+        mask_key = "loss_mask"
+        mask = _verl_tensor(tensors, "loss_mask", None)
+        if tuple(mask.shape) not in ((rows, r), (rows, p + r)):
+            raise _field_error("loss_mask", f"expected shape {[rows, r]} or {[rows, p + r]}, got {list(mask.shape)}")
+        offset = mask.size(1) - r
+        mask = mask[:, offset:]
+    else:
+        mask_key, offset, mask = "attention_mask", p, attention[:, p:]
+    mask = _verl_zero_one(mask_key, mask, offset)
+
+    def floats(key: str, required: bool) -> torch.Tensor | None:
+        value = _verl_tensor(tensors, key, (rows, r), required=required)
+        if value is not None and not value.is_floating_point():
+            raise _field_error(key, f"must be floating point, got {value.dtype}")
+        return value
+
+    old = floats(logprobs, True)
+    ref = floats("ref_log_prob", False)
+    advantages = floats("advantages", False)
+    reward_key = "token_level_rewards" if "token_level_rewards" in tensors else "token_level_scores"
+    rewards = floats(reward_key, False)
+
+    groups = _verl_names(others, "uid", rows)
+    if groups is None:
+        raise _field_error("uid", "missing (non_tensor_batch['uid']: the GRPO group of each row)")
+    if ids is not None:
+        names = [str(x) for x in ids]
+        if len(names) != rows:
+            raise ValueError(f"ids: {len(names)} ids for {rows} rows")
+    else:
+        names = _verl_names(others, _VERL_ID_KEY, rows)
+        if names is None:
+            seen: dict[str, int] = {}
+            names = []
+            for group in groups:
+                names.append(f"{group}-{seen.get(group, 0)}")
+                seen[group] = seen.get(group, 0) + 1
+    first_row: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first_row:
+            raise ValueError(f"row {i}: field 'id': {name!r} is also row {first_row[name]}'s")
+        first_row[name] = i
+
+    trajectories = []
+    for i in range(rows):
+        n = int(attention[i, :p].sum())
+        if n == 0:
+            raise ValueError(f"row {i}: field 'attention_mask': the prompt is empty (dta's first token "
+                             "is an untrained prompt token)")
+        if attention[i, :p - n].any():
+            raise ValueError(f"row {i}: field 'attention_mask': the prompt's part {attention[i, :p].tolist()} "
+                             "is not left-padded (zeros, then ones)")
+        m = int(attention[i, p:].sum())
+        if not attention[i, p:p + m].all():
+            raise ValueError(f"row {i}: field 'attention_mask': the response's part "
+                             f"{attention[i, p:].tolist()} is not right-padded (ones, then zeros)")
+        if mask[i, m:].any():
+            j = m + int(mask[i, m:].nonzero()[0])
+            raise ValueError(f"row {i}: field '{mask_key}': 1 at position {j + offset}, which is padding "
+                             "(attention_mask 0)")
+
+        def per_token(values: torch.Tensor | None) -> list[float]:
+            return [] if values is None else [0.0] * n + [float(x) for x in values[i, :m].tolist()]
+
+        trajectory = Trajectory(
+            id=names[i],
+            group=groups[i],
+            tokens=[int(t) for t in prompts[i, p - n:].tolist()] + [int(t) for t in responses[i, :m].tolist()],
+            loss_mask=[0] * n + [int(x) for x in mask[i, :m].tolist()],
+            logprobs=per_token(old),
+            reward=None if rewards is None else float(rewards[i].to(torch.float64).sum()),
+            advantages=per_token(advantages),
+            ref_logprobs=per_token(ref),
+        )
+        try:
+            trajectory.validate(vocab_size)
+        except ValueError as e:
+            raise ValueError(f"row {i}: {e}") from None
+        trajectories.append(trajectory)
+    return trajectories
+
+
+def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int] | None = None,
+            prompt_length: int | None = None, response_length: int | None = None, pad_token_id: int = 0,
+            logprobs: str = "old_log_probs") -> dict[str, Any]:
+    """Converts trajectories into a verl batch: one dict of [B, ...] tensors and numpy arrays.
+
+    ``verl.DataProto.from_single_dict(to_verl(ts))`` makes the DataProto (tensors go to ``.batch``,
+    the numpy arrays ``uid`` and ``dta_id`` to ``.non_tensor_batch``). Each trajectory is split into
+    a prompt, left-padded to P, and a response, right-padded to R, and gives ``prompts``,
+    ``responses``, ``input_ids``, ``attention_mask``, ``position_ids`` (int64),
+    ``response_mask`` (int64, its loss_mask over the response), the ``logprobs`` key (float32,
+    response-aligned; 0 on padding), and when set ``ref_log_prob``, ``advantages``,
+    ``token_level_scores`` and ``token_level_rewards`` (both the reward at the last response token,
+    as verl's reward managers put it); ``uid`` is the group, ``dta_id`` the id.
+
+    verl has no per-token versions, no metadata, and no per-token values on prompt tokens: those
+    are dropped. So ``from_verl(to_verl(ts)) == ts`` for trajectories whose prompt tokens carry
+    logprob, advantage and reference logprob 0 and which have no versions or metadata (what
+    :func:`from_verl` makes), floats rounded to float32.
+
+    Args:
+        prompt_lengths: Each trajectory's prompt length, in [1, len(tokens)]. Default: up to its
+            first trained token (``loss_mask`` 1).
+        prompt_length, response_length: The padded widths P and R (verl's
+            ``rollout.prompt_length`` and ``rollout.response_length``). Default: the longest.
+        pad_token_id: The id written on padding.
+        logprobs: The key of the logprobs: ``old_log_probs`` or ``rollout_log_probs``.
+
+    Raises:
+        ValueError: No trajectory; a trajectory is invalid, has no trained token (and no
+            ``prompt_lengths``), trains a prompt token, is longer than P or R, or lacks an
+            optional field (``reward``, ``advantages``, ``ref_logprobs``) that another has (a verl
+            tensor covers the whole batch); named ``trajectory <i> ('<id>'): field '<name>': ...``.
+    """
+    import numpy as np
+    import torch
+
+    trajectories = list(trajectories)
+    if not trajectories:
+        raise ValueError("no trajectories")
+    lengths = None if prompt_lengths is None else [int(x) for x in prompt_lengths]
+    if lengths is not None and len(lengths) != len(trajectories):
+        raise ValueError(f"prompt_lengths: {len(lengths)} lengths for {len(trajectories)} trajectories")
+
+    def error(i: int, name: str, what: str) -> ValueError:
+        return ValueError(f"trajectory {i} ({trajectories[i].id!r}): field '{name}': {what}")
+
+    splits = []
+    for i, t in enumerate(trajectories):
+        try:
+            t.validate()
+        except ValueError as e:
+            raise ValueError(f"trajectory {i} ({t.id!r}): {e}") from None
+        if lengths is not None:
+            n = lengths[i]
+            if not 1 <= n <= len(t.tokens):
+                raise ValueError(f"prompt_lengths: trajectory {i} ({t.id!r}): {n} is outside "
+                                 f"[1, {len(t.tokens)}]")
+            if any(t.loss_mask[:n]):
+                raise error(i, "loss_mask", f"token {t.loss_mask.index(1)} of the prompt is trained "
+                            "(verl trains response tokens only)")
+        elif 1 in t.loss_mask:
+            n = t.loss_mask.index(1)
+        else:
+            raise error(i, "loss_mask", "no trained token to start the response at (pass prompt_lengths)")
+        splits.append(n)
+    for name in ("reward", "advantages", "ref_logprobs"):
+        has = [getattr(t, name) not in (None, []) for t in trajectories]
+        if any(has) and not all(has):
+            raise error(has.index(False), name, f"unset, but trajectory {has.index(True)} has it (a verl "
+                        "tensor covers the whole batch)")
+    p = max(splits) if prompt_length is None else prompt_length
+    r = max(len(t.tokens) - n for t, n in zip(trajectories, splits)) if response_length is None else response_length
+    for i, (t, n) in enumerate(zip(trajectories, splits)):
+        if n > p:
+            raise error(i, "tokens", f"a prompt of {n} tokens is longer than prompt_length {p}")
+        if len(t.tokens) - n > r:
+            raise error(i, "tokens", f"a response of {len(t.tokens) - n} tokens is longer than "
+                        f"response_length {r}")
+        if t.reward is not None and len(t.tokens) == n:
+            raise error(i, "reward", "set, but the response is empty (verl puts it on its last token)")
+
+    rows = len(trajectories)
+    prompts = torch.full((rows, p), pad_token_id, dtype=torch.int64)
+    responses = torch.full((rows, r), pad_token_id, dtype=torch.int64)
+    attention = torch.zeros(rows, p + r, dtype=torch.int64)
+    mask = torch.zeros(rows, r, dtype=torch.int64)
+    first = trajectories[0]
+    floats = {logprobs: "logprobs"}
+    if first.ref_logprobs:
+        floats["ref_log_prob"] = "ref_logprobs"
+    if first.advantages:
+        floats["advantages"] = "advantages"
+    per_response = {key: torch.zeros(rows, r, dtype=torch.float32) for key in floats}
+    scores = torch.zeros(rows, r, dtype=torch.float32) if first.reward is not None else None
+    for i, (t, n) in enumerate(zip(trajectories, splits)):
+        m = len(t.tokens) - n
+        prompts[i, p - n:] = torch.tensor(t.tokens[:n], dtype=torch.int64)
+        responses[i, :m] = torch.tensor(t.tokens[n:], dtype=torch.int64)
+        attention[i, p - n:p + m] = 1
+        mask[i, :m] = torch.tensor(t.loss_mask[n:], dtype=torch.int64)
+        for key, name in floats.items():
+            per_response[key][i, :m] = torch.tensor(getattr(t, name)[n:], dtype=torch.float32)
+        if scores is not None:
+            scores[i, m - 1] = float(t.reward)
+    out: dict[str, Any] = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention,
+        "position_ids": torch.clip(torch.cumsum(attention, dim=-1) - 1, min=0),
+        "response_mask": mask,
+        **per_response,
+    }
+    if scores is not None:
+        out["token_level_scores"] = scores
+        out["token_level_rewards"] = scores.clone()
+    out["uid"] = np.array([t.group for t in trajectories], dtype=object)
+    out[_VERL_ID_KEY] = np.array([t.id for t in trajectories], dtype=object)
     return out

@@ -84,7 +84,7 @@ TEST(BatchPlan, AdvantagesAndNormalisersCoverTheWholeBatch) {
   ASSERT_TRUE(whole.ok());
   for (int world : {1, 2, 3, 7, 9}) {
     SCOPED_TRACE(world);
-    absl::StatusOr<PartitionPlan> plan = PlanPartitions(Pointers(batch), world, true, true);
+    absl::StatusOr<PartitionPlan> plan = PlanPartitions(Pointers(batch), world, true, {});
     ASSERT_TRUE(plan.ok()) << plan.status();
     for (int i = 0; i < 7; ++i) EXPECT_EQ(PlannedAdvantages(*plan, i, batch[i]), (*whole)[i]) << i;
     EXPECT_EQ(plan->context, MakeBatchContext(batch));
@@ -105,19 +105,19 @@ TEST(BatchPlan, PlanErrorsNameTheRollout) {
   std::vector<Rollout> batch = {Make("ok", "g", {1, 2}, 1)};
   batch.push_back(Make("bad", "g", {1, 3}, 0));
   batch.back().reward.reset();
-  absl::StatusOr<PartitionPlan> plan = PlanPartitions(Pointers(batch), 2, true, true);
+  absl::StatusOr<PartitionPlan> plan = PlanPartitions(Pointers(batch), 2, true, {});
   ASSERT_FALSE(plan.ok());
   EXPECT_NE(plan.status().message().find("'bad'"), absl::string_view::npos);
-  EXPECT_TRUE(PlanPartitions(Pointers(batch), 2, /*with_advantages=*/false, true).ok());
+  EXPECT_TRUE(PlanPartitions(Pointers(batch), 2, /*with_advantages=*/false, {}).ok());
   // Rewards whose advantages leave float's range are refused, not turned into infinities (a
   // finding of the fuzzer).
   std::vector<Rollout> huge = {Make("big", "h", {1, 2}, 1e39),
                                Make("small", "h", {1, 3}, -1e39 - 1)};
   absl::StatusOr<PartitionPlan> refused =
-      PlanPartitions(Pointers(huge), 1, true, /*normalize_std=*/false);
+      PlanPartitions(Pointers(huge), 1, true, {.std_level = AdvantageLevel::kNone});
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("outside float's range"), absl::string_view::npos);
-  EXPECT_FALSE(PlanPartitions(Pointers(batch), 0, false, true).ok());
+  EXPECT_FALSE(PlanPartitions(Pointers(batch), 0, false, {}).ok());
 }
 
 }  // namespace

@@ -565,7 +565,8 @@ TEST(LossTest, GrpoAdvantagesPerGroupAcrossBatchOrder) {
   ExpectBroadcast(adv[6], 3, 0.0);  // a group of one
   EXPECT_EQ(adv[4], keeps.advantages);
 
-  std::vector<std::vector<float>> centred = ComputeAdvantages(rollouts, /*normalize_std=*/false);
+  std::vector<std::vector<float>> centred =
+      ComputeAdvantages(rollouts, {.std_level = AdvantageLevel::kNone});
   ExpectBroadcast(centred[0], 4, 1 - mean);
   ExpectBroadcast(centred[2], 3, -mean);
   ExpectBroadcast(centred[1], 3, 0.0);
@@ -591,6 +592,78 @@ void ExpectError(const std::function<void()>& f, std::initializer_list<const cha
     const std::string message = e.what_without_backtrace();
     for (const char* part : parts) EXPECT_THAT(message, HasSubstr(part));
   }
+}
+
+TEST(LossTest, AdvantageOptionsShapeRewardsAndChooseTheLevel) {
+  // Loss tokens (length - 1): a1 3, a2 1, b1 2, b2 2.
+  const std::vector<Rollout> rollouts = {Rewarded("a1", "a", 1.0, 4), Rewarded("a2", "a", 0.0, 2),
+                                         Rewarded("b1", "b", 3.0), Rewarded("b2", "b", 6.0)};
+  // Shaping: clip((r - 1) * 2, +-5) = 0, -2, 4, 5 (10 clipped). Batch mean 7/4, unbiased std.
+  const std::vector<double> shaped = {0, -2, 4, 5};
+  const double mean = 7.0 / 4;
+  double sq = 0;
+  for (double x : shaped) sq += (x - mean) * (x - mean);
+  const double std = std::sqrt(sq / 3);
+  const std::vector<std::vector<float>> batch =
+      ComputeAdvantages(rollouts, {.reward_bias = -1,
+                                   .reward_scaling = 2,
+                                   .reward_clip = 5,
+                                   .mean_level = AdvantageLevel::kBatch,
+                                   .std_level = AdvantageLevel::kBatch,
+                                   .std_eps = 1e-3});
+  for (size_t i = 0; i < rollouts.size(); ++i) {
+    ExpectBroadcast(batch[i], rollouts[i].tokens.size(), (shaped[i] - mean) / (std + 1e-3));
+  }
+  // No centring, the group's std: a's rewards 1, 0 (std sqrt(1/2)), b's 3, 6 (std sqrt(9/2)).
+  const std::vector<std::vector<float>> scaled =
+      ComputeAdvantages(rollouts, {.mean_level = AdvantageLevel::kNone, .std_eps = 0});
+  ExpectBroadcast(scaled[0], 4, 1 / std::sqrt(0.5));
+  ExpectBroadcast(scaled[3], 3, 6 / std::sqrt(4.5));
+  // Token weighted (AReaL's adv_norm): a's mean (3 * 1 + 1 * 0) / 4, std over 4 - 1.
+  const std::vector<std::vector<float>> weighted =
+      ComputeAdvantages(rollouts, {.token_weighted = true});
+  const double a_mean = 0.75;
+  const double a_std = std::sqrt((3 * 0.25 * 0.25 + 0.75 * 0.75) / 3);
+  ExpectBroadcast(weighted[0], 4, (1 - a_mean) / (a_std + 1e-6));
+  ExpectBroadcast(weighted[1], 2, (0 - a_mean) / (a_std + 1e-6));
+  const double b_std = std::sqrt((2 * 1.5 * 1.5 + 2 * 1.5 * 1.5) / 3);
+  ExpectBroadcast(weighted[2], 3, -1.5 / (b_std + 1e-6));
+}
+
+TEST(LossTest, AdvantageOptionsAreChecked) {
+  const std::vector<Rollout> rollouts = {Rewarded("a1", "a", 1.0)};
+  ExpectError([&] { ComputeAdvantages(rollouts, {.reward_clip = 0}); },
+              {"reward_clip", "positive"});
+  ExpectError([&] { ComputeAdvantages(rollouts, {.std_eps = -1}); }, {"std_eps"});
+  ExpectError([&] { ComputeAdvantages(rollouts, {.reward_scaling = NAN}); }, {"reward_scaling"});
+  EXPECT_EQ(*ParseAdvantageLevel("batch"), AdvantageLevel::kBatch);
+  EXPECT_THAT(std::string(ParseAdvantageLevel("token").status().message()),
+              HasSubstr("group, batch or none, got 'token'"));
+}
+
+TEST(LossTest, RejectionSamplingParsesTheCommandLineSpelling) {
+  absl::StatusOr<RejectionSampling> rs = ParseRejectionSampling(
+      "level=sequence,action=clamp,metric=kl_k3,aggregation=max,upper=2,"
+      "lower=0.5");
+  ASSERT_TRUE(rs.ok()) << rs.status();
+  EXPECT_EQ(rs->level, RejectionSampling::Level::kSequence);
+  EXPECT_EQ(rs->action, RejectionSampling::Action::kClamp);
+  EXPECT_EQ(rs->metric, RejectionSampling::Metric::kKlK3);
+  EXPECT_EQ(rs->aggregation, RejectionSampling::Aggregation::kMax);
+  EXPECT_EQ(rs->upper, 2);
+  EXPECT_EQ(rs->lower, 0.5);
+  absl::StatusOr<RejectionSampling> defaults = ParseRejectionSampling("upper=3");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults->level, RejectionSampling::Level::kToken);
+  EXPECT_FALSE(defaults->lower.has_value());
+  EXPECT_THAT(std::string(ParseRejectionSampling("metric=kl").status().message()),
+              HasSubstr("metric must be ratio, kl_k1, kl_k2, kl_k3, got 'kl'"));
+  EXPECT_THAT(std::string(ParseRejectionSampling("upper=x").status().message()),
+              HasSubstr("upper must be a number"));
+  EXPECT_THAT(std::string(ParseRejectionSampling("cap=3").status().message()),
+              HasSubstr("unknown key 'cap'"));
+  EXPECT_THAT(std::string(ParseRejectionSampling("token").status().message()),
+              HasSubstr("expected key=value"));
 }
 
 TEST(LossTest, GrpoAdvantagesErrorsNameTheRollout) {

@@ -1,0 +1,707 @@
+"""AReaL's ``TrainEngine`` on :class:`dta.Trainer`: an AReaL PPO actor whose updates run over the
+batch's prefix tree (shared prefixes computed once).
+
+AReaL (https://github.com/inclusionAI/AReaL, ``pip install --no-deps areal==1.0.4`` with
+scripts/requirements-areal.txt) has no engine registry: its ``PPOTrainer`` builds the actor in
+``_create_train_engine``. :class:`DTAPPOTrainer` overrides it, so a training script switches by
+using it in place of ``PPOTrainer``; the YAML stays AReaL's (``actor.backend: fsdp:d1``, whose
+dimensions must be 1, and ``actor.weight_update_mode: disk``)::
+
+    from dta.areal import DTAOptions, DTAPPOTrainer
+    with DTAPPOTrainer(config, train_dataset, options=DTAOptions(method="dta")) as trainer:
+        trainer.train(workflow)
+
+:class:`DTAPPOActor` mirrors AReaL's ``FSDPPPOActor`` (``PPOActor`` on this engine) and can be
+used on its own. The engine is one process (one GPU, or the CPU): the data-parallel group is a
+single-rank Gloo group. Members that cannot apply raise NotImplementedError naming the
+alternative (``forward_backward_batch``, xccl/awex weight updates, offload, critics, LoRA).
+
+Frames. AReaL's engines compute ``logprobs[t] = log p(input_ids[t + 1] | input_ids[:t + 1])``
+(the logits frame), and ``PPOActor.compute_advantages`` rolls ``loss_mask`` and ``logprobs`` into
+that frame (``versions`` stays with the tokens). So ``forward_batch`` returns that frame, and
+``train_batch`` takes batches in it (what ``compute_advantages`` returns), converting them with
+``dta.from_areal(..., shifted=True)``; a batch in the tokens' frame is refused (see
+:func:`_check_frame`).
+
+Losses. ``train_batch`` routes AReaL's ``grpo_loss_fn`` to dta's built-in ``ppo`` /
+``decoupled-ppo`` (C++, one pass over the tree) when AReaL's configuration maps onto it exactly,
+else calls the given loss on each rollout through dta's callable-loss path (``DTAOptions.loss``
+chooses). Either way the gradient is AReaL's: per-rollout losses weighted by
+``loss_weight_fn / sum(loss_weight_fn)``, which is AReaL's micro-batch weighting with every
+micro-batch one rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
+
+from areal.api.alloc_mode import ModelAllocation, ParallelStrategy
+from areal.api.cli_args import PPOActorConfig, TrainEngineConfig
+from areal.api.engine_api import InferenceEngine, TrainEngine
+from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.engine.fsdp_utils import get_cosine_schedule_with_warmup
+from areal.infra.dist_rollout import DistRolloutCoordinator
+from areal.infra.platforms import current_platform
+from areal.trainer.ppo.actor import PPOActor, PPOActorController, grpo_loss_fn
+from areal.trainer.rl_trainer import PPOTrainer
+from areal.utils import name_resolve, names, stats_tracker
+from areal.utils.constants import PROX_LOGP_METHOD_RECOMPUTE
+from areal.utils.data import concat_batch, pack_tensor_dict, split_batch, tensor_container_to
+from areal.utils.environ import is_single_controller
+from areal.utils.network import find_free_ports
+
+from .trainer import RejectionSampling, Trainer, TrainStats
+from .trajectory import Trajectory, from_areal
+
+__all__ = ["DTAOptions", "DTAEngine", "DTAPPOActor", "DTAPPOTrainer"]
+
+logger = logging.getLogger("dta.areal")
+
+_LOSS_ROUTES = ("auto", "dta", "areal")
+_DTYPES = {"float32", "float64", "bfloat16"}
+_SCHEDULES = {
+    "constant": lambda opt, warmup, total, min_lr_ratio: get_constant_schedule_with_warmup(opt, warmup),
+    "linear": lambda opt, warmup, total, min_lr_ratio: get_linear_schedule_with_warmup(opt, warmup, total),
+    "cosine": lambda opt, warmup, total, min_lr_ratio: get_cosine_schedule_with_warmup(
+        opt, warmup, total, min_lr_ratio=min_lr_ratio),
+}
+
+
+@dataclass(frozen=True)
+class DTAOptions:
+    """What AReaL's configuration cannot say about the engine.
+
+    Attributes:
+        method: dta's execution method, ``dta`` (push/pop over the prefix tree), ``packed`` or
+            ``dense``. Default ``dta``.
+        loss: ``auto`` (default): dta's built-in loss when AReaL's ``grpo_loss_fn`` maps onto it
+            exactly, else AReaL's loss called per rollout; ``dta``: the built-in loss or a
+            ValueError naming what does not map; ``areal``: always AReaL's loss.
+        dtype: ``float32``, ``float64`` or ``bfloat16``; None (default): the config's ``dtype``.
+        device: ``cpu``, ``cuda``, ``cuda:N``; None (default): ``cuda`` when available, else ``cpu``.
+        executor: Fields of :class:`dta.trainer.ExecutorOptions` (``block_size``, ``pack``, ...).
+            Default: none (dta's defaults).
+        trainer: More keyword arguments for :class:`dta.Trainer` (``offload_optimizer``,
+            ``gpu_memory_gb``, ...). Default: none.
+    """
+
+    method: str = "dta"
+    loss: str = "auto"
+    dtype: str | None = None
+    device: str | None = None
+    executor: Mapping[str, Any] = field(default_factory=dict)
+    trainer: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.loss not in _LOSS_ROUTES:
+            raise ValueError(f"DTAOptions.loss must be one of {', '.join(_LOSS_ROUTES)}, got {self.loss!r}")
+
+
+class DTAEngine(TrainEngine):
+    """AReaL's ``TrainEngine`` over a :class:`dta.Trainer` in this process.
+
+    Lifecycle as AReaL's engines: construct with the config, ``create_process_group()``, then
+    ``initialize(None, ft_spec)`` loads ``config.path`` (a Hugging Face Qwen3 directory) and builds
+    AdamW from ``config.optimizer`` and AReaL's learning-rate schedule (stepped by
+    ``step_lr_scheduler``). Not thread-safe beyond dta.Trainer's one-call-at-a-time; not copyable.
+
+    Raises (at construction): NotImplementedError for critics, LoRA and
+    optimizers other than AdamW with float32 state; ValueError for a bad dtype.
+    """
+
+    def __init__(self, config: TrainEngineConfig, options: DTAOptions | None = None) -> None:
+        self.config = config
+        self.options = options or DTAOptions()
+        if config.is_critic:
+            raise NotImplementedError("dta.areal trains causal language models only: use AReaL's FSDP engine "
+                                      "for the critic (is_critic=True)")
+        if config.use_lora:
+            raise NotImplementedError("dta.Trainer trains every weight: LoRA (use_lora=True) needs AReaL's "
+                                      "FSDP engine")
+        # Log-probabilities at the sampling temperature, as AReaL's engines compute them.
+        self._executor = {"temperature": float(config.temperature), **self.options.executor}
+        optimizer = config.optimizer
+        if optimizer is not None and (optimizer.type != "adam" or config.optimizer_dtype != "float32"):
+            raise NotImplementedError(f"optimizer {optimizer.type!r} with optimizer_dtype "
+                                      f"{config.optimizer_dtype!r}: dta.Trainer's optimizer is AdamW with "
+                                      "float32 state (type=adam, optimizer_dtype=float32)")
+        self.dtype = self.options.dtype or config.dtype
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: dta.Trainer computes in {', '.join(sorted(_DTYPES))}")
+        self.trainer: Trainer | None = None
+        self.rollout_engine: InferenceEngine | None = None
+        self.rollout_coordinator: DistRolloutCoordinator | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.last_loss_route = ""  # how the last train_batch computed its loss (for logs and tests)
+        self.training = True
+        self._version = 0
+        self._group: dist.ProcessGroup | None = None
+        self._owns_process_group = False
+
+    # --- process groups and lifecycle -------------------------------------------------------
+
+    def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
+        """A single-rank Gloo group for the engine's collectives, after initialising
+        torch.distributed for one rank when nobody has (with AReaL's backend for the device, NCCL
+        on GPUs, as its FSDP engine would, so that an AReaL critic in the process finds it).
+
+        Raises:
+            NotImplementedError: A parallel strategy or a process group of more than one rank.
+        """
+        if parallel_strategy is not None and parallel_strategy.world_size != 1:
+            raise NotImplementedError(
+                f"dta.areal runs one process, got {parallel_strategy}: set actor.backend to fsdp:d1, or train "
+                "on several GPUs with dta's own layouts (dta.Trainer(distributed=True) under torchrun, or "
+                "dta-trainer behind dta-dispatcher)")
+        if not dist.is_initialized():
+            port = find_free_ports(1)[0]
+            dist.init_process_group(current_platform.communication_backend, init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=0, world_size=1)
+            self._owns_process_group = True
+        if dist.get_world_size() != 1:
+            raise NotImplementedError(f"dta.areal runs one process, but torch.distributed has "
+                                      f"{dist.get_world_size()} ranks")
+        self._group = dist.new_group(backend="gloo")
+
+    def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None, *args: Any,
+                   **kwargs: Any) -> None:
+        """Loads the model and builds AdamW and the learning-rate schedule (over
+        ``ft_spec.total_train_steps``, as AReaL's FSDP engine)."""
+        if addr is not None:
+            raise NotImplementedError("dta.areal loads the model in this process (addr must be None)")
+        if self._group is None:
+            self.create_process_group()
+        opt = self.config.optimizer
+        adamw = {} if opt is None else dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
+                                              eps=opt.eps, max_grad_norm=opt.gradient_clipping)
+        device = self.options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.trainer = Trainer(self.config.path, dtype=self.dtype, device=device, **adamw, **self.options.trainer)
+        if opt is not None and ft_spec is not None:
+            total = ft_spec.total_train_steps
+            warmup = int(opt.warmup_steps_proportion * total)
+            if opt.lr_scheduler_type not in _SCHEDULES:
+                raise ValueError(f"Unknown lr scheduler type {opt.lr_scheduler_type}")
+            # AReaL's schedules are torch LambdaLRs stepped once per PPO step (not per optimizer
+            # step); this clock runs one and copies its rate into the trainer.
+            clock = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=opt.lr)
+            self.lr_scheduler = _SCHEDULES[opt.lr_scheduler_type](clock, warmup, total, opt.min_lr_ratio)
+            self.trainer.lr = self.lr_scheduler.get_last_lr()[0]
+
+    def destroy(self) -> None:
+        self.trainer = None
+        self.lr_scheduler = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+        self._group = None
+
+    @property
+    def initialized(self) -> bool:
+        return self.trainer is not None
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self._require_group()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return 1
+
+    def current_data_parallel_head(self) -> int:
+        return 0
+
+    def is_data_parallel_head(self) -> bool:
+        return True
+
+    @property
+    def context_and_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._require_group()
+
+    @property
+    def cpu_group(self) -> dist.ProcessGroup:
+        return self._require_group()
+
+    def train(self, mode: bool = True) -> DTAEngine:
+        """A flag only: dta's Qwen3 has no dropout, and dta chooses recomputation itself."""
+        self.training = mode
+        return self
+
+    # --- inference engine, weights and versions ---------------------------------------------
+
+    def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """Remembers the inference engine that ``update_weights`` (disk mode) and ``prepare_batch``
+        use. Raises NotImplementedError for any mode but ``disk``."""
+        self._check_disk_mode(meta)
+        self.rollout_engine = engine
+        self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
+
+    def rollout_batch(self, data: list[dict[str, Any]], workflow: Any, workflow_kwargs: dict[str, Any] | None = None,
+                      group_size: int = 1) -> list[dict[str, Any]]:
+        return self._coordinator().rollout_batch(data, workflow=workflow, workflow_kwargs=workflow_kwargs,
+                                                 group_size=group_size)
+
+    def prepare_batch(self, dataloader: Any, workflow: Any, workflow_kwargs: dict[str, Any] | None = None,
+                      should_accept_fn: Callable[[dict[str, Any]], bool] | str | None = None, group_size: int = 1,
+                      dynamic_bs: bool = False) -> list[dict[str, Any]]:
+        return self._coordinator().prepare_batch(dataloader, workflow=workflow, workflow_kwargs=workflow_kwargs,
+                                                 should_accept_fn=should_accept_fn, group_size=group_size,
+                                                 dynamic_bs=dynamic_bs)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """AReaL's disk protocol, as its FSDP engine: pause generation, ask the inference engine to
+        load ``meta.path``, write the Hugging Face checkpoint there, announce it under
+        ``names.update_weights_from_disk(experiment, trial, get_version())``, wait, resume."""
+        self._check_disk_mode(meta)
+        if self.rollout_engine is None:
+            raise RuntimeError("update_weights: no inference engine; call connect_engine() first")
+        if meta.path is None:
+            raise ValueError("update_weights: WeightUpdateMeta.path is None")
+        self.rollout_engine.pause_generation()
+        loaded: Future[None] = self.rollout_engine.update_weights_from_disk(meta)
+        self._save_hf(meta.path, optimizer=False)
+        name = names.update_weights_from_disk(self.config.experiment_name, self.config.trial_name, self.get_version())
+        name_resolve.add(name, str(datetime.now().timestamp()), keepalive_ttl=120)
+        loaded.result()
+        self.rollout_engine.continue_generation()
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """``hf``: ``meta.path`` is a Hugging Face checkpoint (weights in the engine's dtype, its
+        config, the source model's tokenizer files, ``meta.tokenizer``/``meta.processor`` when
+        given), plus dta's AdamW state in ``meta.path/optimizer`` with ``meta.with_optim``.
+        ``dcp`` (AReaL's recover checkpoints) is written as dta's own checkpoint
+        (``meta.path/model``, ``meta.path/optimizer``), not torch.distributed.checkpoint: only this
+        engine reads it back."""
+        trainer = self._require_trainer()
+        if meta.weight_format == "hf":
+            self._save_hf(meta.path, optimizer=meta.with_optim)
+            for extra in (meta.tokenizer, meta.processor):
+                if extra is not None:
+                    extra.save_pretrained(meta.path)
+        elif meta.weight_format == "dcp":
+            trainer.save(meta.path, dtype=None, optimizer=meta.with_optim)
+        else:
+            raise ValueError(f"Unknown weight format {meta.weight_format}. ")
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        """Restores what ``save`` wrote with ``with_optim``: the AdamW state, whose master weights
+        restore the parameters exactly, and the step count.
+
+        Raises:
+            NotImplementedError: ``with_optim=False`` (dta.Trainer replaces weights through its
+                optimizer state only; start a new engine with ``config.path`` = the directory).
+        """
+        trainer = self._require_trainer()
+        if meta.weight_format not in ("hf", "dcp"):
+            raise ValueError(f"Unknown weight format {meta.weight_format}. ")
+        if not meta.with_optim:
+            raise NotImplementedError("load(with_optim=False): dta.Trainer loads weights only at construction "
+                                      "or through a saved optimizer state; save with with_optim=True, or "
+                                      "build a new engine whose config.path is the checkpoint")
+        trainer.load_optimizer(Path(meta.path) / "optimizer")
+
+    # --- the optimizer ----------------------------------------------------------------------
+
+    def optimizer_zero_grad(self) -> None:
+        self._require_trainer().zero_grad()
+
+    def optimizer_step(self) -> dict[str, float]:
+        step = self._require_trainer().step()
+        return dict(update_successful=1.0, grad_norm=float(step["grad_norm"]), lr=float(step["lr"]))
+
+    def lr_scheduler_step(self) -> None:
+        """Advances AReaL's schedule (once per PPO step, as AReaL's trainer calls it) and sets the
+        trainer's learning rate to it."""
+        trainer = self._require_trainer()
+        if self.lr_scheduler is None:
+            raise RuntimeError("no learning-rate schedule: the config has no optimizer, or initialize() "
+                               "got no ft_spec")
+        self.lr_scheduler.optimizer.step()  # the clock has no gradients: this only orders the calls
+        self.lr_scheduler.step()
+        trainer.lr = self.lr_scheduler.get_last_lr()[0]
+
+    # --- compute ----------------------------------------------------------------------------
+
+    def forward_backward_batch(self, mb_list: Any, process_output_fn: Callable[..., Any],
+                               forward_only: bool = False) -> None:
+        raise NotImplementedError("forward_backward_batch hands out each micro-batch's logits, which dta never "
+                                  "materialises (it works on the prefix tree): use train_batch, eval_batch "
+                                  "or forward_batch")
+
+    def train_batch(self, input_: list[dict[str, Any]] | dict[str, Any], loss_fn: Callable[..., torch.Tensor],
+                    loss_weight_fn: Callable[[dict[str, Any]], torch.Tensor]) -> dict[str, float]:
+        """One AdamW step on the batch's gradient, as AReaL's FSDP engine computes it.
+
+        Args:
+            input_: Padded ``[B, L]`` tensors in AReaL's logits frame, what
+                ``PPOActor.compute_advantages`` returns (``input_ids``, ``attention_mask``,
+                ``loss_mask``, ``logprobs``, ``advantages``, ``prox_logp``, ``versions``, ...), as one
+                dict or a list of them.
+            loss_fn: ``loss_fn(logprobs, entropy, mb_input, **kw)`` on packed 1-D inputs, AReaL's
+                actor-loss signature; called per rollout unless a dta built-in loss replaces it, with
+                float32 ``logprobs`` and ``entropy`` (AReaL's engines give float32).
+            loss_weight_fn: A micro-batch's weight (AReaL: its loss tokens).
+
+        Returns:
+            ``update_successful``, ``grad_norm``, ``lr``, ``num_micro_batches`` (1) and dta's
+            ``dta_loss``, ``dta_compression`` (rollout tokens / tree tokens), ``dta_tree_tokens``.
+
+        Raises:
+            ValueError: An empty batch, one whose weights sum to 0 (nothing trained: no step is
+                taken), a batch in the tokens' frame or otherwise malformed (naming the row and
+                field), or ``DTAOptions.loss="dta"`` with a loss dta cannot express.
+            NotImplementedError: M2PO (``m2_threshold``), which masks a micro-batch's tokens jointly.
+        """
+        trainer = self._require_trainer()
+        if self.config.optimizer is None:
+            raise RuntimeError("train_batch: the config has no optimizer (an inference-only engine)")
+        rows, mbs = self._rows(input_, "train_batch")
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        total = sum(weights)
+        if total <= 0:
+            raise ValueError(f"train_batch: the {len(rows)} rollouts' loss weights sum to {total:g} (no trained "
+                             "token): nothing to train, no step taken")
+        route = self._builtin_loss(loss_fn, rows, mbs, weights)
+        if isinstance(route, tuple):
+            loss, options = route
+            self.last_loss_route = f"dta:{loss}"
+        else:
+            if isinstance(loss_fn, functools.partial) and loss_fn.keywords.get("m2_threshold") is not None:
+                raise NotImplementedError("M2PO (m2_threshold) masks a micro-batch's tokens jointly; dta calls "
+                                          "the loss per rollout: unset actor.m2_threshold")
+            loss, options = _per_rollout(loss_fn, mbs, weights, total), {"with_entropy": True}
+            self.last_loss_route = f"areal: {route}"
+        # dta's ppo ratio is against the trajectories' logprobs, AReaL's against prox_logp (which
+        # compute_advantages sets to the behaviour's, or the behaviour's to it).
+        behaviour = "prox_logp" if loss == "ppo" and "prox_logp" in rows[0] else "logprobs"
+        trajectories = [_trajectory(dict(row, logprobs=row[behaviour]), i) for i, row in enumerate(rows)]
+        stats = trainer.train_batch(trajectories, loss=loss, method=self.options.method, **options,
+                                    **self._executor)
+        logger.debug("train_batch: %s", self.last_loss_route)
+        return _step_stats(stats)
+
+    @torch.no_grad()
+    def eval_batch(self, input_: list[dict[str, Any]] | dict[str, Any], loss_fn: Callable[..., torch.Tensor],
+                   loss_weight_fn: Callable[[dict[str, Any]], torch.Tensor]) -> torch.Tensor:
+        """The weighted loss of ``train_batch`` without gradients or a step: AReaL's loss on the
+        log-probabilities of ``forward_batch``."""
+        rows, mbs = self._rows(input_, "eval_batch")
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        total = sum(weights)
+        if total <= 0:
+            raise ValueError(f"eval_batch: the loss weights sum to {total:g}: nothing to evaluate")
+        logprobs = self._logprobs(rows)
+        loss = sum(loss_fn(lp, torch.full_like(lp, float("nan")), mb) * (w / total)
+                   for lp, mb, w in zip(logprobs, mbs, weights) if w != 0)
+        return loss.detach().to(torch.float32)
+
+    @torch.no_grad()
+    def forward_batch(self, input_: list[dict[str, Any]] | dict[str, Any], output_seqlens: list[int] | None = None,
+                      aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat
+                      ) -> torch.Tensor | list[torch.Tensor]:
+        """Log-probabilities in AReaL's logits frame, float32: ``out[b, t] = log p(input_ids[b, t + 1] |
+        input_ids[b, :t + 1])`` for ``t`` below the row's length - 1, 0 elsewhere. ``[B, L]`` for a
+        dict, one ``[b_i, L_i]`` per dict for a list (AReaL's ``split_batch``); every unique token
+        is computed once (``method`` ``dta``/``packed``)."""
+        batch, meta = _batched(input_, "forward_batch")
+        rows = _split_rows(batch)
+        lengths = [int(row["attention_mask"].sum()) for row in rows]
+        if output_seqlens is not None and meta is None and list(output_seqlens) != lengths:
+            raise ValueError(f"forward_batch: output_seqlens {list(output_seqlens)} differ from the attention "
+                             f"mask's lengths {lengths}")
+        packed = aggregate_fn([torch.cat(self._logprobs(rows))])
+        out = torch.zeros(batch["attention_mask"].shape, dtype=packed.dtype, device=packed.device)
+        for b, row in enumerate(packed.split(lengths)):
+            out[b, :lengths[b]] = row
+        return out if meta is None else split_batch(out, meta)
+
+    # --- statistics and memory --------------------------------------------------------------
+
+    def export_stats(self) -> dict[str, float]:
+        return stats_tracker.export_all(reduce_group=self.data_parallel_group)
+
+    def onload(self) -> None:
+        raise NotImplementedError("dta.Trainer does not move its weights off the GPU: set actor.offload=false "
+                                  "and keep the actor off the rollout GPUs (no colocation); "
+                                  "DTAOptions(trainer={'offload_optimizer': True}) keeps AdamW's state on the host")
+
+    def offload(self) -> None:
+        self.onload()
+
+    def get_device_stats(self) -> DeviceRuntimeInfo:
+        return DeviceRuntimeInfo.get_current()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _require_trainer(self) -> Trainer:
+        if self.trainer is None:
+            raise RuntimeError("the engine is not initialized: call initialize() first")
+        return self.trainer
+
+    def _require_group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            raise RuntimeError("no process group: call create_process_group() first")
+        return self._group
+
+    def _save_hf(self, path: str, *, optimizer: bool) -> None:
+        """The Hugging Face files directly in ``path`` (dta.Trainer.save writes them to
+        ``dir/model``) and, with ``optimizer``, the AdamW state in ``path/optimizer``."""
+        trainer = self._require_trainer()
+        target = Path(path)
+        target.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".dta-save-", dir=target))
+        try:
+            trainer.save(staging, dtype=None, optimizer=optimizer)
+            for entry in [*(staging / "model").iterdir(), *([staging / "optimizer"] if optimizer else [])]:
+                destination = target / entry.name
+                if destination.is_dir():
+                    shutil.rmtree(destination)
+                os.replace(entry, destination)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _coordinator(self) -> DistRolloutCoordinator:
+        if self.rollout_coordinator is None:
+            raise RuntimeError("no inference engine: call connect_engine() first")
+        return self.rollout_coordinator
+
+    @staticmethod
+    def _check_disk_mode(meta: WeightUpdateMeta) -> None:
+        if meta.type != "disk":
+            raise NotImplementedError(f"weight update mode {meta.type!r}: dta.areal publishes weights through "
+                                      "disk only (set actor.weight_update_mode=disk); xccl/awex broadcast "
+                                      "FSDP/Megatron parameter shards over NCCL")
+        if meta.use_lora:
+            raise NotImplementedError("LoRA weight updates: dta.Trainer trains every weight")
+
+    def _rows(self, input_: list[dict[str, Any]] | dict[str, Any], what: str
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The batch's rows as [1, L] dicts, and each as the packed one-sequence micro-batch
+        AReaL's loss functions take (on the trainer's device)."""
+        batch, _ = _batched(input_, what)
+        rows = _split_rows(batch)
+        if not rows:
+            raise ValueError(f"{what}: the batch is empty: nothing to train, no step taken")
+        device = self._require_trainer().device
+        return rows, [tensor_container_to(pack_tensor_dict(row), device) for row in rows]
+
+    def _logprobs(self, rows: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Each row's log-probabilities in AReaL's logits frame, [L_i]."""
+        trajectories = []
+        for i, row in enumerate(rows):
+            zeros = torch.zeros(row["input_ids"].shape, dtype=torch.int64)  # a forward needs the tokens only
+            trajectories.append(from_areal({"input_ids": row["input_ids"], "attention_mask": row["attention_mask"],
+                                            "loss_mask": zeros, "logprobs": zeros}, id=str(i), shifted=False))
+        logprobs = self._require_trainer().compute_logprobs(trajectories, method=self.options.method,
+                                                            **self._executor)
+        # dta's frame ([0] = 0) to AReaL's, in float32 as AReaL's engines give them (its statistics
+        # take nothing else); dta's log-probabilities are float32 already unless the model is float64.
+        return [torch.roll(lp, -1).float() for lp in logprobs]
+
+    def _builtin_loss(self, loss_fn: Callable[..., torch.Tensor], rows: list[dict[str, Any]],
+                      mbs: list[dict[str, Any]], weights: list[float]) -> tuple[str, dict[str, float]] | str:
+        """dta's loss and options computing exactly what ``loss_fn`` would, or why none does."""
+        if self.options.loss == "areal":
+            return "DTAOptions.loss='areal'"
+        why = _why_not_builtin(loss_fn, rows, mbs, weights, getattr(self.config, "ppo_n_minibatches", 1))
+        if isinstance(why, tuple) or self.options.loss == "auto":
+            return why
+        raise ValueError(f"DTAOptions.loss='dta' cannot express this loss ({why}): use loss='auto' or 'areal'")
+
+
+class DTAPPOActor(DTAEngine):
+    """AReaL's ``PPOActor`` on :class:`DTAEngine`, as ``FSDPPPOActor`` is on the FSDP engine."""
+
+    def __init__(self, config: PPOActorConfig, options: DTAOptions | None = None) -> None:
+        super().__init__(config, options)
+        self.actor = PPOActor(config, self)
+
+    @torch.no_grad()
+    def compute_logp(self, *args: Any, **kwargs: Any) -> list[torch.Tensor] | None:
+        return self.actor.compute_logp(*args, **kwargs)
+
+    @torch.no_grad()
+    def compute_advantages(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        return self.actor.compute_advantages(*args, **kwargs)
+
+    def ppo_update(self, *args: Any, **kwargs: Any) -> None:
+        self.actor.ppo_update(*args, **kwargs)
+
+    @classmethod
+    def as_controller(cls, config: PPOActorConfig, scheduler: Any) -> PPOActorController:
+        """AReaL's single-controller mode: its RPC workers build ``DTAPPOActor(config=...)`` with
+        the default :class:`DTAOptions` (not covered by dta's tests)."""
+        if config._version != "v1":
+            raise NotImplementedError("dta.areal supports AReaL's v1 train controller (actor._version=v1)")
+        return PPOActorController(train_engine=cls, config=config, scheduler=scheduler)
+
+
+class DTAPPOTrainer(PPOTrainer):
+    """AReaL's ``PPOTrainer`` whose train engines (actor, reference, teacher) are
+    :class:`DTAPPOActor`; the critic, if any, stays AReaL's.
+
+    Raises (at construction, from ``_create_train_engine``): NotImplementedError when the
+    engine's allocation has more than one process."""
+
+    def __init__(self, config: Any, train_dataset: Any = None, valid_dataset: Any = None, *,
+                 options: DTAOptions | None = None) -> None:
+        self.dta_options = options or DTAOptions()
+        super().__init__(config, train_dataset, valid_dataset)
+
+    def _create_train_engine(self, actor_config: PPOActorConfig, alloc: ModelAllocation) -> Any:
+        if alloc.parallel.world_size != 1:
+            raise NotImplementedError(
+                f"{alloc.name}.backend={actor_config.backend!r}: dta.areal runs one process per engine (use "
+                "fsdp:d1; AReaL's backend grammar has no 'dta' name). For several GPUs use dta's own "
+                "layouts (dta.Trainer(distributed=True), dta-trainer)")
+        if is_single_controller():
+            engine = DTAPPOActor.as_controller(actor_config, self.scheduler)
+        else:
+            engine = DTAPPOActor(actor_config, self.dta_options)
+        engine.create_process_group(parallel_strategy=alloc.parallel)
+        return engine
+
+
+# --- conversions ----------------------------------------------------------------------------------
+
+
+def _batched(input_: list[dict[str, Any]] | dict[str, Any], what: str) -> tuple[dict[str, Any], Any]:
+    """AReaL's batch as one padded dict (list input concatenated by AReaL's ``concat_batch``)."""
+    if isinstance(input_, list):
+        if not input_:
+            raise ValueError(f"{what}: the batch is empty: nothing to train, no step taken")
+        batch, meta = concat_batch(input_)
+    else:
+        batch, meta = input_, None
+    for key in ("input_ids", "attention_mask"):
+        if not isinstance(batch.get(key), torch.Tensor) or batch[key].dim() != 2:
+            raise ValueError(f"{what}: field '{key}': expected a [B, L] tensor")
+    return batch, meta
+
+
+def _split_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """Row b of every tensor whose first dimension is the batch's; other values as they are."""
+    size = batch["attention_mask"].shape[0]
+    return [{k: v[b:b + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == size else v
+             for k, v in batch.items()} for b in range(size)]
+
+
+def _trajectory(row: dict[str, Any], index: int) -> Trajectory:
+    """``from_areal`` of one row in the logits frame, with the frame checks it lacks."""
+    try:
+        _check_frame(row)
+        trajectory = from_areal(row, id=str(index), shifted=True)
+        _check_trained_tokens_generated(trajectory)
+    except ValueError as e:
+        raise ValueError(f"row {index}: {e}") from None
+    return trajectory
+
+
+def _check_frame(row: dict[str, Any]) -> None:
+    """In the logits frame the last real position predicts no token, so its loss_mask is 0; an
+    AReaL rollout in the tokens' frame ends with a trained (generated) token. (Belongs in
+    ``from_areal(shifted=True)``.)"""
+    mask = row.get("loss_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        length = int(row["attention_mask"][0].sum())
+        if length and mask[0, length - 1]:
+            raise ValueError(f"field 'loss_mask': position {length - 1}, the last token's, is trained, but in the "
+                             "logits frame it predicts nothing: the batch is in the tokens' frame (pass it "
+                             "through PPOActor.compute_advantages, which shifts it)")
+
+
+def _check_trained_tokens_generated(trajectory: Trajectory) -> None:
+    """AReaL gives prompt and tool tokens version -1 and loss_mask 0: a trained token with version
+    -1 means loss_mask and versions are one position apart, i.e. the other frame. (Belongs in
+    ``from_areal``.)"""
+    for t, (trained, version) in enumerate(zip(trajectory.loss_mask, trajectory.versions)):
+        if trained and version < 0:
+            raise ValueError(f"field 'loss_mask': token {t} is trained but its version is {version} (a prompt "
+                             "or tool token): loss_mask is shifted against versions (mixed frames?)")
+
+
+def _why_not_builtin(loss_fn: Callable[..., torch.Tensor], rows: list[dict[str, Any]], mbs: list[dict[str, Any]],
+                     weights: list[float], n_minibatches: int) -> tuple[str, dict[str, float]] | str:
+    """dta's named loss for AReaL's ``functools.partial(grpo_loss_fn, ...)`` (PPOActor's), or the
+    reason there is none. dta's ``ppo`` is AReaL's clipped surrogate (eps_clip, eps_clip_higher,
+    dual clip c_clip) with a token mean; ``decoupled-ppo`` adds the behaviour weight and drops
+    tokens whose pi_prox / pi_behave exceeds a cap, i.e. AReaL's decoupled loss with token-level
+    ratio rejection sampling (mask, no lower bound)."""
+    if not (isinstance(loss_fn, functools.partial) and loss_fn.func is grpo_loss_fn):
+        return "the loss is not AReaL's grpo_loss_fn"
+    kw = loss_fn.keywords
+    for name, value, default in (("use_sapo_loss", kw.get("use_sapo_loss", False), False),
+                                 ("m2_threshold", kw.get("m2_threshold"), None),
+                                 ("importance_sampling_level", kw.get("importance_sampling_level", "token"), "token")):
+        if value != default:
+            return f"{name}={value!r}"
+    if "teacher_logp" in rows[0]:
+        return "teacher_logp (distillation)"
+    for i, (mb, weight) in enumerate(zip(mbs, weights)):
+        if weight != float(mb["loss_mask"].count_nonzero()):
+            return f"loss_weight_fn is not the loss-token count (row {i}: {weight:g})"
+    if "advantages" not in rows[0]:
+        return "no 'advantages' (not the output of compute_advantages)"
+    eps = float(kw["eps_clip"])
+    higher = kw.get("eps_clip_higher")
+    options = {"eps_clip_low": eps, "eps_clip_high": eps if higher is None else float(higher),
+               "dual_clip": float(kw.get("c_clip") or 0.0)}
+    rs = kw.get("rejection_sampling")
+    if not kw.get("use_decoupled_loss", False):
+        return ("ppo", options) if rs is None else "rejection_sampling without use_decoupled_loss"
+    if kw.get("prox_logp_method", PROX_LOGP_METHOD_RECOMPUTE) != PROX_LOGP_METHOD_RECOMPUTE:
+        return f"prox_logp_method={kw['prox_logp_method']!r} (dta recomputes pi_prox)"
+    if n_minibatches != 1:
+        return (f"ppo_n_minibatches={n_minibatches}: dta recomputes pi_prox at each step, AReaL keeps the one "
+                "before the first minibatch")
+    if rs is None:  # AReaL 1.0 applies no behaviour weight without rejection sampling
+        return "decoupled-ppo", {**options, "behave_imp_weight": False}
+    return "decoupled-ppo", {**options, "rejection_sampling": RejectionSampling(
+        level=rs.level, action=rs.action, metric=rs.metric, aggregation=rs.agg, upper=float(rs.upper),
+        lower=None if rs.lower is None else float(rs.lower))}
+
+
+def _per_rollout(loss_fn: Callable[..., torch.Tensor], mbs: list[dict[str, Any]], weights: list[float],
+                 total: float) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """AReaL's loss as a dta LossFn: rollout i is a one-sequence micro-batch of weight w_i, its
+    loss scaled by w_i / sum(w), as AReaL's engines scale micro-batches."""
+
+    def loss(logprobs: torch.Tensor, rollout: Any) -> torch.Tensor:
+        i = rollout.index
+        if weights[i] == 0:
+            return logprobs.sum() * 0.0  # AReaL skips weightless micro-batches
+        # dta's frame ([0] = 0) to AReaL's, float32 as AReaL's engines give them.
+        shifted = torch.roll(logprobs, -1).float()
+        entropy = torch.roll(rollout.entropy, -1).float()
+        return loss_fn(shifted, entropy, mbs[i]) * (weights[i] / total)
+
+    return loss
+
+
+def _step_stats(stats: TrainStats) -> dict[str, float]:
+    return dict(update_successful=1.0, grad_norm=float(stats.grad_norm), lr=float(stats.lr), num_micro_batches=1.0,
+                dta_loss=float(stats.loss), dta_compression=float(stats.compression),
+                dta_tree_tokens=float(stats.tree_tokens))

@@ -1,0 +1,53 @@
+#include "executor/loss/diagnostics.h"
+
+namespace dta {
+
+std::array<double, LossDiagnostics::kSums> LossDiagnostics::Sums() const {
+  return {loss_tokens,   clipped_tokens,   dual_clipped_tokens, approx_kl,
+          ratio,         entropy,          entropy_tokens,      rejected_tokens,
+          behave_weight, behave_approx_kl, behave_tokens};
+}
+
+LossDiagnostics LossDiagnostics::FromSums(const std::array<double, kSums>& s, double ratio_max,
+                                          double ratio_min) {
+  LossDiagnostics d;
+  d.loss_tokens = s[0];
+  d.clipped_tokens = s[1];
+  d.dual_clipped_tokens = s[2];
+  d.approx_kl = s[3];
+  d.ratio = s[4];
+  d.entropy = s[5];
+  d.entropy_tokens = s[6];
+  d.rejected_tokens = s[7];
+  d.behave_weight = s[8];
+  d.behave_approx_kl = s[9];
+  d.behave_tokens = s[10];
+  d.ratio_max = ratio_max;
+  d.ratio_min = ratio_min;
+  return d;
+}
+
+void DiagnosticsAccumulator::Add(const at::Tensor& sums, const at::Tensor& ratio_max,
+                                 const at::Tensor& ratio_min) {
+  const at::Tensor s = sums.to(at::kDouble);
+  sums_ = sums_.defined() ? sums_ + s : s;
+  if (!ratio_max.defined()) return;
+  const at::Tensor e = at::stack({ratio_max, -ratio_min}).to(at::kDouble);
+  extremes_ = extremes_.defined() ? at::maximum(extremes_, e) : e;
+}
+
+LossDiagnostics DiagnosticsAccumulator::Read() const {
+  const double inf = std::numeric_limits<double>::infinity();
+  std::array<double, LossDiagnostics::kSums> sums{};
+  if (!sums_.defined()) return LossDiagnostics::FromSums(sums, -inf, inf);
+  // One copy to the host for both.
+  const at::Tensor host =
+      (extremes_.defined() ? at::cat({sums_, extremes_}) : sums_).cpu().contiguous();
+  const double* values = host.data_ptr<double>();
+  for (int i = 0; i < LossDiagnostics::kSums; ++i) sums[i] = values[i];
+  if (!extremes_.defined()) return LossDiagnostics::FromSums(sums, -inf, inf);
+  return LossDiagnostics::FromSums(sums, values[LossDiagnostics::kSums],
+                                   -values[LossDiagnostics::kSums + 1]);
+}
+
+}  // namespace dta
