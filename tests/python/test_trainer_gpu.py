@@ -77,3 +77,27 @@ def test_callable_loss_on_cuda(checkpoint, trajectories):  # noqa: F811
     errors = relative_errors(trainer.gradients(), builtin)
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-5, f"{worst}: {errors[worst]:.3g}"
+
+
+def test_areal_objective_on_cuda_matches_float64(checkpoint, trajectories):  # noqa: F811
+    """Temperature, token-weighted batch advantages and sequence-level rejection sampling in
+    decoupled PPO: float32 on the GPU against float64 on the CPU, gradients and diagnostics."""
+    _, directory = checkpoint
+    options = dict(temperature=0.8, adv_mean_level="batch", adv_std_level="batch", adv_token_weighted=True,
+                   rejection_sampling=dta.trainer.RejectionSampling(level="sequence", action="clamp", upper=1.05,
+                                                                    lower=0.95))
+    cpu = dta.Trainer(directory, dtype="float64", device="cpu")
+    want_stats = cpu.compute_gradients(trajectories, loss="decoupled-ppo", method="dense", with_entropy=True,
+                                       **options)
+    want = {name: g.clone() for name, g in cpu.gradients().items()}
+    for method, executor in METHODS:
+        trainer = dta.Trainer(directory, dtype="float32", device="cuda")
+        stats = trainer.compute_gradients(trajectories, loss="decoupled-ppo", method=method, with_entropy=True,
+                                          **options, **executor)
+        errors = relative_errors(trainer.gradients(), want)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < 1e-4, f"{method}: {worst}: {errors[worst]:.3g}"
+        assert stats.loss == pytest.approx(want_stats.loss, rel=1e-4)
+        assert stats.entropy == pytest.approx(want_stats.entropy, rel=1e-5)
+        assert stats.behave_imp_weight == pytest.approx(want_stats.behave_imp_weight, rel=1e-5)
+        assert stats.ratio_max == pytest.approx(want_stats.ratio_max, rel=1e-5)
