@@ -14,6 +14,12 @@
 namespace dta {
 namespace {
 
+// This rank's share's RL diagnostics, after the step's other figures.
+std::string DiagnosticsSuffix(const LossDiagnostics& diagnostics) {
+  const std::string summary = diagnostics.Summary();
+  return summary.empty() ? "" : absl::StrCat(", ", summary);
+}
+
 template <typename T>
 T OrRestart(absl::StatusOr<T> result, const char* what) {
   if (result.ok()) return *std::move(result);
@@ -87,10 +93,10 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
     std::fprintf(
         stderr,
         "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, lr %.4g, %.2f s, optimizer "
-        "%.2f s\n",
+        "%.2f s%s\n",
         prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
         static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, stats.lr, seconds,
-        optimizer_seconds);
+        optimizer_seconds, DiagnosticsSuffix(result.diagnostics).c_str());
     bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
     ProcessGroup* world = options.ranks.world;
     if (world != nullptr && world->size() > 1) {  // every rank saves: they agree on a request

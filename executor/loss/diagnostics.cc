@@ -1,5 +1,10 @@
 #include "executor/loss/diagnostics.h"
 
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
 namespace dta {
 
 std::array<double, LossDiagnostics::kSums> LossDiagnostics::Sums() const {
@@ -25,6 +30,20 @@ LossDiagnostics LossDiagnostics::FromSums(const std::array<double, kSums>& s, do
   d.ratio_max = ratio_max;
   d.ratio_min = ratio_min;
   return d;
+}
+
+std::string LossDiagnostics::Summary() const {
+  std::vector<std::string> parts;
+  if (ratio_max >= ratio_min) {  // a ratio was taken on some token
+    parts.push_back(absl::StrFormat("clip %.3g, approx kl %.3g, ratio %.3g-%.3g", clip_fraction(),
+                                    approx_kl_mean(), ratio_min, ratio_max));
+  }
+  if (entropy_tokens > 0) parts.push_back(absl::StrFormat("entropy %.3g", entropy_mean()));
+  if (behave_tokens > 0 || rejected_tokens > 0) {
+    parts.push_back(absl::StrFormat("rejected %.3g, behave weight %.3g", rejected_fraction(),
+                                    behave_weight_mean()));
+  }
+  return absl::StrJoin(parts, ", ");
 }
 
 void DiagnosticsAccumulator::Add(const at::Tensor& sums, const at::Tensor& ratio_max,

@@ -12,6 +12,7 @@
 
 #include <array>
 #include <limits>
+#include <string>
 
 namespace dta {
 
@@ -47,6 +48,10 @@ struct LossDiagnostics {
   double rejected_fraction() const { return rejected_tokens / loss_tokens; }
   double behave_weight_mean() const { return behave_weight / behave_tokens; }
   double behave_approx_kl_mean() const { return behave_approx_kl / behave_tokens; }
+
+  // What applies, for a progress line: e.g. "clip 0.031, approx kl 0.0012, ratio 0.71-1.4,
+  // entropy 2.3, rejected 0.02"; empty when nothing does (SFT without entropy).
+  std::string Summary() const;
 };
 
 // Device-side running sums of LossDiagnostics, filled by AddLossDiagnostics.
