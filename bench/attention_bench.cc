@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "core/cli/usage.h"
 #include "kernels/tree_attention.h"
 
@@ -267,6 +266,6 @@ int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-attention-bench [--quick] [--ours_only]: tree-attention kernels against PyTorch's flash "
       "attention");
-  absl::ParseCommandLine(argc, argv);
+  dta::ParseCommandLine(argc, argv);
   return dta::kernels::Main();
 }

@@ -27,7 +27,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -240,6 +239,6 @@ int Main() {
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-ingest-bench --dispatcher=HOST:PORT [--streams=N] [--rate=TOKENS_PER_S]");
-  absl::ParseCommandLine(argc, argv);
+  dta::ParseCommandLine(argc, argv);
   return dta::Main();
 }

@@ -70,7 +70,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -1308,7 +1307,7 @@ int main(int argc, char** argv) {
       "dta-bench --rollouts=FILE.jsonl --config=qwen3-1.7b "
       "[--methods=dense,dense-ckpt,packed,dta-b2048,...] "
       "[--device=cuda] [--dtype=bfloat16] [--out_dir=DIR]");
-  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> rest = dta::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "dta-bench: unexpected argument '" << rest[1] << "'\n";
     return dta::kExitBadInput;

@@ -25,7 +25,6 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "apps/advantages/advantage_flags.h"
@@ -233,6 +232,6 @@ int Run() {
 
 int main(int argc, char** argv) {
   dta::SetProgramUsage("Receives rollouts and serves balanced partitions to dta trainers.");
-  absl::ParseCommandLine(argc, argv);
+  dta::ParseCommandLine(argc, argv);
   return dta::Run();
 }

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/base/exit_codes.h"
@@ -123,7 +122,7 @@ int Run() {
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-layout --config=PRESET|config.json [--world_size=N] [--gpu_gb=80] | --table");
-  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> rest = dta::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "dta-layout: unexpected argument '" << rest[1] << "'\n";
     return dta::kExitBadInput;

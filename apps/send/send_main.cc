@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
 #include "core/base/exit_codes.h"
@@ -32,7 +31,7 @@ ABSL_FLAG(int32_t, retry_s, 600,
 
 int main(int argc, char** argv) {
   dta::SetProgramUsage("dta-send --dispatcher=HOST:PORT --rollouts=FILE.jsonl");
-  absl::ParseCommandLine(argc, argv);
+  dta::ParseCommandLine(argc, argv);
   const std::string path = absl::GetFlag(FLAGS_rollouts);
   const int streams = absl::GetFlag(FLAGS_streams);
   if (path.empty() || streams < 1) {

@@ -41,7 +41,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "apps/advantages/advantage_flags.h"
@@ -295,7 +294,7 @@ int Run() {
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-train --config=PRESET|--model=DIR --rollouts=FILE.jsonl [--method=dta] ...");
-  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> rest = dta::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "dta-train: unexpected argument '" << rest[1] << "'\n";
     return dta::kExitBadInput;

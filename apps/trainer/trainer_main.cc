@@ -46,7 +46,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -282,7 +281,7 @@ int Run() {
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-trainer --dispatcher=HOST:PORT --checkpoint_dir=DIR --config=PRESET|--model=DIR ...");
-  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> rest = dta::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "dta-trainer: unexpected argument '" << rest[1] << "'\n";
     return dta::kExitBadInput;

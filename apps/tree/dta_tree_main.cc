@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -216,7 +215,7 @@ int Run(const std::string& path) {
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-tree [--block_size=B] [--partitions=K] [--order=O] [--json] FILE.jsonl...");
-  std::vector<char*> files = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> files = dta::ParseCommandLine(argc, argv);
   files.erase(files.begin());
   if (files.empty()) {
     std::cerr << "dta-tree: no rollout file given\n" << absl::ProgramUsageMessage() << "\n";

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
@@ -86,7 +85,7 @@ int Run() {
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-workload --preset=tau2 --seed=1 --out=FILE.jsonl [--scale=1.0] [--vocab_size=N]");
-  const std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> args = dta::ParseCommandLine(argc, argv);
   if (args.size() > 1) {
     std::cerr << "dta-workload: unexpected argument '" << args[1] << "'\n"
               << absl::ProgramUsageMessage() << "\n";

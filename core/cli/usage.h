@@ -3,17 +3,32 @@
 // (e.g. dta-train.cc), which none of ours is, so it printed "No flags matched"; here every flag
 // defined outside Abseil is listed (a binary links only the flags it uses).
 //
+// A run's configuration is a file: --dump_flags=FILE writes every flag the run sets (all that
+// differ from their defaults, Abseil's own excepted) as a flag file, one --name=value a line, and
+// --flagfile=FILE (Abseil's) replays it; later flags on the command line override the file's.
+//
 //   int main(int argc, char** argv) {
 //     dta::SetProgramUsage("dta-train --rollouts=FILE --config=PRESET ...");
-//     absl::ParseCommandLine(argc, argv);
+//     std::vector<char*> positional = dta::ParseCommandLine(argc, argv);
 //
-// Call once, before absl::ParseCommandLine.
+// Call SetProgramUsage once, before ParseCommandLine.
 #pragma once
 
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace dta {
 
 void SetProgramUsage(std::string_view usage);
+
+// absl::ParseCommandLine, then --dump_flags: the file is written (replaced) before the program
+// runs; a file that cannot be written ends the program with status 2 (bad input), naming it.
+// Returns the positional arguments (argv[0] first).
+std::vector<char*> ParseCommandLine(int argc, char** argv);
+
+// The flag file of the flags that differ from their defaults, sorted by name (what --dump_flags
+// writes).
+std::string NonDefaultFlags();
 
 }  // namespace dta

@@ -289,3 +289,45 @@ def test_executor_flags_default_to_the_python_options():
         defaults = _help_defaults(tool(binary))
         for name, value in flags.items():
             assert defaults.get(name) == value, f"{binary} --{name}: {defaults.get(name)} != {value}"
+
+
+def test_a_dumped_flag_file_replays_the_run(rollouts, tmp_path):
+    """--dump_flags writes the run's non-default flags; --flagfile replays them exactly."""
+    flags = tmp_path / "run.flags"
+    first = train(f"--rollouts={rollouts}", "--dtype=float64", "--lr=1e-3", "--steps=2", "--temperature=0.9",
+                  "--rejection_sampling=upper=3", "--loss=decoupled-ppo", "--json", f"--dump_flags={flags}")
+    assert first.returncode == 0, first.stderr
+    lines = flags.read_text().splitlines()
+    assert lines == sorted(lines)
+    for line in [f"--config={CONFIG}", f"--rollouts={rollouts}", "--dtype=float64", "--lr=0.001", "--steps=2",
+                 "--temperature=0.9", "--rejection_sampling=upper=3", "--loss=decoupled-ppo", "--json=true"]:
+        assert line in lines, (line, lines)
+    assert not any(line.startswith(("--dump_flags", "--method=", "--block_size")) for line in lines), lines
+    replayed = subprocess.run([tool("dta-train"), f"--flagfile={flags}"], capture_output=True, text=True)
+    assert replayed.returncode == 0, replayed.stderr
+    first_steps = [json.loads(line) for line in first.stdout.splitlines() if line.startswith("{")]
+    replayed_steps = [json.loads(line) for line in replayed.stdout.splitlines() if line.startswith("{")]
+    assert len(first_steps) == 2
+    for a, b in zip(first_steps, replayed_steps):
+        assert (a["loss"], a["grad_norm"], a["rejected_fraction"]) == (b["loss"], b["grad_norm"], b["rejected_fraction"])
+    # A later flag overrides the file's.
+    other = subprocess.run([tool("dta-train"), f"--flagfile={flags}", "--steps=1"], capture_output=True, text=True)
+    assert other.returncode == 0 and len([l for l in other.stdout.splitlines() if l.startswith("{")]) == 1
+    unwritable = train(f"--rollouts={rollouts}", f"--dump_flags={tmp_path / 'missing' / 'run.flags'}")
+    assert unwritable.returncode == 2 and "--dump_flags: cannot write" in unwritable.stderr
+
+
+def test_objective_flags_are_checked(rollouts):
+    for flag, message in [("--advantage_std_level=token", "--advantage_std_level: an advantage level is group, "
+                           "batch or none, got 'token'"),
+                          ("--reward_clip=0", "--reward_clip must be positive"),
+                          ("--temperature=0", "--temperature must be positive and finite"),
+                          ("--rejection_sampling=cap=3", "--rejection_sampling: unknown key 'cap'")]:
+        run = train(f"--rollouts={rollouts}", flag)
+        assert run.returncode == 2 and message in run.stderr, (flag, run.stderr)
+    # Batch-level advantages with reward shaping train (and differ from the default's).
+    default = train(f"--rollouts={rollouts}", "--dtype=float64", "--json")
+    shaped = train(f"--rollouts={rollouts}", "--dtype=float64", "--json", "--advantage_mean_level=batch",
+                   "--advantage_std_level=batch", "--reward_scaling=2", "--reward_bias=-0.5")
+    assert default.returncode == 0 and shaped.returncode == 0, shaped.stderr
+    assert json.loads(default.stdout.splitlines()[-1])["loss"] != json.loads(shaped.stdout.splitlines()[-1])["loss"]

@@ -33,7 +33,6 @@ micro-batch one rollout.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
