@@ -17,8 +17,8 @@
 #include "core/base/exit_codes.h"
 
 ABSL_FLAG(std::string, dump_flags, "",
-          "write the flags this run sets (those not at their defaults) to this file, a --flagfile "
-          "that replays the run");
+          "write the flags this run sets (those not at their defaults) to this file, one per line: "
+          "given back as the flagfile, it replays the run");
 
 namespace dta {
 namespace {
