@@ -332,8 +332,10 @@ TEST_F(DispatcherServiceTest, MaxPendingHoldsHoweverManyStreamsConnectAndReconne
     }
   };
   watch(std::chrono::seconds(3));
+  // Stored exactly up to the limit. A client may give up (its 300 ms deadline) before an answer
+  // reaches it on a loaded machine, so it sees at most what was stored, never more.
   EXPECT_EQ(most_pending, 4);
-  EXPECT_EQ(acknowledged.load(), 4);
+  EXPECT_LE(acknowledged.load(), 4);
   EXPECT_EQ(core_->GetStatistics().accepted(), 4);
   TakeFirstBatch();  // the next 4 get in, and no more
   watch(std::chrono::seconds(2));
@@ -341,7 +343,8 @@ TEST_F(DispatcherServiceTest, MaxPendingHoldsHoweverManyStreamsConnectAndReconne
   for (std::thread& t : clients) t.join();
   EXPECT_EQ(most_pending, 4);
   EXPECT_EQ(core_->GetStatistics().accepted(), 8);
-  EXPECT_EQ(acknowledged.load(), 8);
+  EXPECT_LE(acknowledged.load(), 8);
+  EXPECT_GT(acknowledged.load(), 0);
 }
 
 // More streams paused by backpressure than ingestion has threads: the trainers' calls still get
