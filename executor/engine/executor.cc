@@ -77,18 +77,12 @@ RolloutLossInputs LossPlan::Inputs(int32_t r, const at::Tensor& logprobs,
 }
 
 at::Tensor LossPlan::Loss(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const {
-  const RolloutLossInputs in = Inputs(r, logprobs, entropy);
-  at::Tensor loss = RolloutLoss(in, options_, batch_);
-  AddLossDiagnostics(in, options_, diagnostics_);
-  return loss;
+  return RolloutLoss(Inputs(r, logprobs, entropy), options_, batch_, &diagnostics_);
 }
 
 RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs,
                                       const at::Tensor& entropy) const {
-  const RolloutLossInputs in = Inputs(r, logprobs, entropy);
-  RolloutLossGrad grad = RolloutLossAndGrad(in, options_, batch_);
-  AddLossDiagnostics(in, options_, diagnostics_);
-  return grad;
+  return RolloutLossAndGrad(Inputs(r, logprobs, entropy), options_, batch_, &diagnostics_);
 }
 
 }  // namespace engine

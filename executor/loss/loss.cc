@@ -382,9 +382,89 @@ std::vector<std::vector<float>> ComputeAdvantages(absl::Span<const Rollout> roll
   return *std::move(advantages);
 }
 
+namespace {
+
+// What the diagnostics of one rollout are computed from: the loss's own tensors, so that nothing is
+// uploaded or derived twice.
+struct Diagnosis {
+  at::Tensor lp;  // detached
+  const LossTokens* tokens = nullptr;
+  at::Tensor entropy;  // or undefined
+  // Token ratios (PPO, decoupled PPO): pi / pi_base over the `valid` tokens, advantages `adv`.
+  at::Tensor base, adv, valid;
+  const BehaviourWeights* behave = nullptr;  // decoupled PPO
+  // GSPO: the sum of the log-ratios (undefined without loss tokens) and the advantage.
+  at::Tensor sequence_log_ratio;
+  double sequence_advantage = 0;
+};
+
+void Diagnose(const Diagnosis& d, const LossOptions& o, DiagnosticsAccumulator& diagnostics) {
+  at::NoGradGuard no_grad;
+  const at::TensorOptions opts = d.lp.options();
+  const int64_t loss_tokens = d.tokens->count;
+  const auto masked_sum = [](const at::Tensor& where, const at::Tensor& x) {
+    return at::where(where, x, 0).sum();
+  };
+  const at::Tensor zero = at::zeros({}, opts);
+  const auto count = [&](double n) { return at::full({}, n, opts); };
+  std::array<at::Tensor, LossDiagnostics::kSums> sums;
+  sums.fill(zero);
+  sums[0] = count(static_cast<double>(loss_tokens));
+  if (d.entropy.defined()) {
+    sums[5] = masked_sum(d.tokens->mask, d.entropy.detach().to(d.lp.scalar_type()));
+    sums[6] = count(static_cast<double>(loss_tokens));
+  }
+  at::Tensor ratio_max, ratio_min;
+  if (d.base.defined() && loss_tokens > 0) {
+    if (d.behave != nullptr) {
+      sums[7] = d.behave->changed.sum().to(opts.dtype());
+      sums[8] = d.behave->weight.sum();
+      sums[9] = masked_sum(d.valid, d.behave->log_ratio);
+      sums[10] = d.valid.sum().to(opts.dtype());
+    }
+    const at::Tensor log_ratio = at::where(d.valid, d.lp - d.base, 0);
+    const at::Tensor ratio = at::exp(log_ratio);
+    const at::Tensor unclipped = -d.adv * ratio;
+    const at::Tensor clipped =
+        -d.adv * at::clamp(ratio, 1.0 - o.eps_clip_low, 1.0 + o.eps_clip_high);
+    sums[1] = (d.valid & (unclipped < clipped)).sum().to(opts.dtype());
+    if (o.dual_clip > 1) {
+      const at::Tensor surrogate = at::maximum(unclipped, clipped);
+      sums[2] = (d.valid & (d.adv < 0) & (-o.dual_clip * d.adv < surrogate)).sum().to(opts.dtype());
+    }
+    sums[3] = log_ratio.sum();
+    sums[4] = masked_sum(d.valid, ratio);
+    const double inf = std::numeric_limits<double>::infinity();
+    ratio_max = at::where(d.valid, ratio, -inf).max();
+    ratio_min = at::where(d.valid, ratio, inf).min();
+  } else if (d.sequence_log_ratio.defined()) {
+    const at::Tensor log_ratio = d.sequence_log_ratio.detach();
+    const at::Tensor ratio = at::exp(log_ratio / static_cast<double>(loss_tokens));
+    const double adv = d.sequence_advantage;
+    const at::Tensor clipped = at::clamp(ratio, 1.0 - o.gspo_eps_low, 1.0 + o.gspo_eps_high);
+    const at::Tensor token_count = count(static_cast<double>(loss_tokens));
+    sums[1] = at::where(-adv * ratio < -adv * clipped, token_count, zero);
+    sums[3] = log_ratio;
+    sums[4] = ratio * token_count;
+    ratio_max = ratio_min = ratio;
+  }
+  diagnostics.Add(at::stack(std::vector<at::Tensor>(sums.begin(), sums.end())), ratio_max,
+                  ratio_min);
+}
+
+}  // namespace
+
 at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
-                       const BatchLossContext& batch) {
-  if (o.custom) return CustomRolloutLoss(in, o, batch);
+                       const BatchLossContext& batch, DiagnosticsAccumulator* diagnostics) {
+  if (o.custom) {
+    at::Tensor loss = CustomRolloutLoss(in, o, batch);
+    if (diagnostics != nullptr) {  // a custom loss says nothing of ratios: tokens and entropy
+      const LossTokens tokens = LossTokensOf(*in.rollout, in.logprobs.options());
+      Diagnose({.lp = in.logprobs.detach(), .tokens = &tokens, .entropy = in.entropy}, o,
+               *diagnostics);
+    }
+    return loss;
+  }
   CheckInputs(in, o);
   const Rollout& r = *in.rollout;
   const at::Tensor& lp = in.logprobs;
@@ -397,6 +477,8 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
   // Masked positions are replaced by 0 before any nonlinearity, so that extreme values there
   // (the dummy position 0, say) never produce inf or NaN in the loss or its gradient.
   auto masked = [&mask](const at::Tensor& x) { return at::where(mask, x, 0); };
+  Diagnosis diagnosis{.lp = lp.detach(), .tokens = &tokens, .entropy = in.entropy};
+  BehaviourWeights behave;  // decoupled PPO
 
   // Per-token terms l_t + g_t, still to be masked and summed.
   at::Tensor per_token;
@@ -409,17 +491,24 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
       const at::Tensor old = ToTensor(r.logprobs, opts);
       const at::Tensor adv = ToTensor(*in.advantages, opts);
       per_token = ClippedSurrogate(at::exp(masked(lp - old)), adv, o);
+      diagnosis.base = old;
+      diagnosis.adv = adv;
+      diagnosis.valid = mask;
       break;
     }
     case LossKind::kDecoupledPpo: {
       const at::Tensor old = ToTensor(r.logprobs, opts);
       const at::Tensor adv = ToTensor(*in.advantages, opts);
       const at::Tensor prox = in.proximal_logprobs.detach().to(opts);
-      const BehaviourWeights behave = BehaviourWeightsOf(prox, old, mask, loss_tokens, o);
+      behave = BehaviourWeightsOf(prox, old, mask, loss_tokens, o);
       // Rejected tokens contribute exactly 0 (their weight is 0, and the surrogate of a token whose
       // ratio overflows must not turn that into NaN).
       per_token = at::where(
           behave.kept, ClippedSurrogate(at::exp(masked(lp - prox)), adv, o) * behave.weight, 0);
+      diagnosis.base = prox;
+      diagnosis.adv = adv;
+      diagnosis.valid = behave.kept;  // the tokens that train
+      diagnosis.behave = &behave;
       break;
     }
     case LossKind::kGspo: {
@@ -429,12 +518,16 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
       }
       const at::Tensor old = ToTensor(r.logprobs, opts);
       const double adv = (*in.advantages)[first_loss_token];
-      const at::Tensor s = at::exp(masked(lp - old).sum() / static_cast<double>(loss_tokens));
+      const at::Tensor log_ratio = masked(lp - old).sum();
+      const at::Tensor s = at::exp(log_ratio / static_cast<double>(loss_tokens));
       const at::Tensor clipped = at::clamp(s, 1.0 - o.gspo_eps_low, 1.0 + o.gspo_eps_high);
       sequence_loss = at::maximum(-adv * s, -adv * clipped);
+      diagnosis.sequence_log_ratio = log_ratio;
+      diagnosis.sequence_advantage = adv;
       break;
     }
   }
+  if (diagnostics != nullptr) Diagnose(diagnosis, o, *diagnostics);
 
   at::Tensor regulariser;
   if (o.entropy_coef != 0) {
@@ -461,7 +554,8 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
 }
 
 RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOptions& o,
-                                   const BatchLossContext& batch) {
+                                   const BatchLossContext& batch,
+                                   DiagnosticsAccumulator* diagnostics) {
   if (!o.custom) CheckInputs(in, o);
   at::AutoGradMode enable_grad(true);
   RolloutLossInputs local = in;
@@ -471,7 +565,7 @@ RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOption
     local.entropy = in.entropy.detach().requires_grad_(true);
     inputs.push_back(local.entropy);
   }
-  const at::Tensor loss = RolloutLoss(local, o, batch);
+  const at::Tensor loss = RolloutLoss(local, o, batch, diagnostics);
   std::vector<at::Tensor> grads =
       torch::autograd::grad({loss}, inputs, /*grad_outputs=*/{}, /*retain_graph=*/false,
                             /*create_graph=*/false, /*allow_unused=*/true);
@@ -483,74 +577,6 @@ RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOption
   out.dlogprobs = grads[0].detach();
   if (in.entropy.defined()) out.dentropy = grads[1].detach();
   return out;
-}
-
-void AddLossDiagnostics(const RolloutLossInputs& in, const LossOptions& o,
-                        DiagnosticsAccumulator& diagnostics) {
-  at::NoGradGuard no_grad;
-  const Rollout& r = *in.rollout;
-  const at::Tensor lp = in.logprobs.detach();
-  const at::TensorOptions opts = lp.options();
-  const LossTokens tokens = LossTokensOf(r, opts);
-  const int64_t loss_tokens = tokens.count;
-  const int64_t first_loss_token = tokens.first;
-  const at::Tensor& mask = tokens.mask;
-  const auto masked_sum = [](const at::Tensor& where, const at::Tensor& x) {
-    return at::where(where, x, 0).sum();
-  };
-  const at::Tensor zero = at::zeros({}, opts);
-  const auto count = [&](double n) { return at::full({}, n, opts); };
-  std::array<at::Tensor, LossDiagnostics::kSums> sums;
-  sums.fill(zero);
-  sums[0] = count(static_cast<double>(loss_tokens));
-  if (in.entropy.defined()) {
-    sums[5] = masked_sum(mask, in.entropy.detach().to(lp.scalar_type()));
-    sums[6] = count(static_cast<double>(loss_tokens));
-  }
-  at::Tensor ratio_max, ratio_min;
-  const bool token_ratio = o.kind == LossKind::kPpo || o.kind == LossKind::kDecoupledPpo;
-  if (!o.custom && token_ratio && loss_tokens > 0) {
-    const at::Tensor old = ToTensor(r.logprobs, opts);
-    const at::Tensor adv = ToTensor(*in.advantages, opts);
-    at::Tensor base = old;
-    at::Tensor valid = mask;  // the tokens that train: decoupled PPO's kept ones
-    if (o.kind == LossKind::kDecoupledPpo) {
-      base = in.proximal_logprobs.detach().to(opts);
-      const BehaviourWeights behave = BehaviourWeightsOf(base, old, mask, loss_tokens, o);
-      valid = behave.kept;
-      sums[7] = behave.changed.sum().to(opts.dtype());
-      sums[8] = behave.weight.sum();
-      sums[9] = masked_sum(valid, behave.log_ratio);
-      sums[10] = valid.sum().to(opts.dtype());
-    }
-    const at::Tensor log_ratio = at::where(valid, lp - base, 0);
-    const at::Tensor ratio = at::exp(log_ratio);
-    const at::Tensor unclipped = -adv * ratio;
-    const at::Tensor clipped = -adv * at::clamp(ratio, 1.0 - o.eps_clip_low, 1.0 + o.eps_clip_high);
-    sums[1] = (valid & (unclipped < clipped)).sum().to(opts.dtype());
-    if (o.dual_clip > 1) {
-      const at::Tensor surrogate = at::maximum(unclipped, clipped);
-      sums[2] = (valid & (adv < 0) & (-o.dual_clip * adv < surrogate)).sum().to(opts.dtype());
-    }
-    sums[3] = log_ratio.sum();
-    sums[4] = masked_sum(valid, ratio);
-    const double inf = std::numeric_limits<double>::infinity();
-    ratio_max = at::where(valid, ratio, -inf).max();
-    ratio_min = at::where(valid, ratio, inf).min();
-  } else if (!o.custom && o.kind == LossKind::kGspo && loss_tokens > 0) {
-    const at::Tensor old = ToTensor(r.logprobs, opts);
-    const double adv = (*in.advantages)[first_loss_token];
-    const at::Tensor log_ratio = masked_sum(mask, lp - old);
-    const at::Tensor ratio = at::exp(log_ratio / static_cast<double>(loss_tokens));
-    const at::Tensor clipped = at::clamp(ratio, 1.0 - o.gspo_eps_low, 1.0 + o.gspo_eps_high);
-    const at::Tensor token_count = count(static_cast<double>(loss_tokens));
-    sums[1] = at::where(-adv * ratio < -adv * clipped, token_count, zero);
-    sums[3] = log_ratio;
-    sums[4] = ratio * token_count;
-    ratio_max = ratio_min = ratio;
-  }
-  diagnostics.Add(at::stack(std::vector<at::Tensor>(sums.begin(), sums.end())), ratio_max,
-                  ratio_min);
 }
 
 }  // namespace dta

@@ -191,8 +191,12 @@ struct RolloutLossInputs {
 // 1-D float32/float64 of length L = tokens.size(); loss_mask, behaviour logprobs (kinds but
 // kSft), advantages and ref_logprobs (kl_coef != 0) of length L; the required inputs present;
 // option ranges; a positive normaliser when the rollout has loss tokens.
+// With `diagnostics`, the rollout's contribution to the batch's diagnostics (clip fractions,
+// approximate KL, importance ratios, entropy, rejection) is added to it from the same tensors,
+// without gradients or a host synchronisation; a custom loss adds its tokens and entropy only.
 at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& options,
-                       const BatchLossContext& batch);
+                       const BatchLossContext& batch,
+                       DiagnosticsAccumulator* diagnostics = nullptr);
 
 // The loss value and its gradients, computed with torch::autograd::grad on detached copies of the
 // inputs (the caller's tensors and graph are untouched; works under NoGradGuard).
@@ -203,12 +207,7 @@ struct RolloutLossGrad {
   at::Tensor dentropy{};
 };
 RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOptions& options,
-                                   const BatchLossContext& batch);
-
-// Adds the rollout's contribution to the batch's diagnostics (clip fractions, approximate KL,
-// importance ratios, entropy, rejection), computed without gradients from the same inputs as
-// RolloutLoss; nothing for a custom loss but its tokens and entropy. No host synchronisation.
-void AddLossDiagnostics(const RolloutLossInputs& in, const LossOptions& options,
-                        DiagnosticsAccumulator& diagnostics);
+                                   const BatchLossContext& batch,
+                                   DiagnosticsAccumulator* diagnostics = nullptr);
 
 }  // namespace dta
