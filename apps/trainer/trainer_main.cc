@@ -144,6 +144,9 @@ int Run() {
     options = options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank)));
   }
   const std::string prefix = absl::StrFormat("dta-trainer rank %d/%d", env->rank, env->world_size);
+  // Which process and which of the launcher's attempts (torchrun --max_restarts) this is.
+  std::fprintf(stderr, "%s: started, pid %d, attempt %d\n", prefix.c_str(),
+               static_cast<int>(getpid()), env->restart_count);
 
   // The layout first: tensor parallelism decides which ranks talk to the dispatcher and which part
   // of the model each rank builds.

@@ -94,6 +94,12 @@ absl::StatusOr<LaunchEnvironment> LaunchEnvironmentFromEnv() {
   status = ReadIntEnv("MASTER_PORT", 1, 65535, "in [1, 65535]", env.master_port);
   if (!status.ok()) return status;
   if (const char* addr = GetEnv("MASTER_ADDR")) env.master_addr = addr;
+  if (const char* agent_store = GetEnv("TORCHELASTIC_USE_AGENT_STORE")) {
+    // torch.distributed's own test of the variable (rendezvous.py): exactly "True".
+    env.agent_store = std::string_view(agent_store) == "True";
+  }
+  status = ReadIntEnv("TORCHELASTIC_RESTART_COUNT", 0, kMaxInt, ">= 0", env.restart_count);
+  if (!status.ok()) return status;
   return env;
 }
 
@@ -118,19 +124,23 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(
   } else {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(env.master_port);
-    store_options.isServer = env.rank == 0;
+    store_options.isServer = env.rank == 0 && !env.agent_store;
     store_options.numWorkers = env.world_size;
-    store_options.waitWorkers = true;
+    // Our own store counts its clients in; the agent's outlives attempts, so its count would not
+    // mean this attempt's ranks (Gloo's rendezvous waits for every rank's address anyway).
+    store_options.waitWorkers = !env.agent_store;
     store_options.timeout = options.timeout;
     try {
       store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat(
           "rank ", env.rank, " of ", env.world_size, ": cannot ",
-          env.rank == 0 ? "host" : "connect to", " the TCPStore at ", env.master_addr, ":",
+          store_options.isServer ? "host" : "connect to", " the TCPStore at ", env.master_addr, ":",
           env.master_port, " within ", options.timeout.count(), " ms: ", ErrorText(e)));
     }
   }
+  store = c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("attempt_", env.restart_count),
+                                                 std::move(store));
   return CreateWithStore(std::move(store), env.rank, env.world_size, device, options);
 }
 

@@ -51,11 +51,19 @@ struct LaunchEnvironment {
   int local_rank = 0;                     // LOCAL_RANK: GPU index on this host, in [0, world_size)
   std::string master_addr = "127.0.0.1";  // MASTER_ADDR: host of rank 0's TCPStore, non-empty
   int master_port = 29500;                // MASTER_PORT: 1..65535
+  // TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent already hosts the TCPStore at
+  // MASTER_ADDR:MASTER_PORT, so every rank (rank 0 included) connects to it as a client.
+  bool agent_store = false;
+  // TORCHELASTIC_RESTART_COUNT: which attempt of an elastic run this is (>= 0). The agent's store
+  // outlives a restart, so each attempt's keys are prefixed with "attempt_<n>/": a restarted rank
+  // must not read the previous attempt's Gloo addresses (it would dial a dead process).
+  int restart_count = 0;
 };
 
-// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. A variable that is unset (or
-// set to the empty string) takes the default above, so with none set this is the single-process
-// environment {0, 1, 0, "127.0.0.1", 29500}. INVALID_ARGUMENT naming the variable and its value
+// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE and
+// TORCHELASTIC_RESTART_COUNT. A variable that is unset (or set to the empty string) takes the
+// default above, so with none set this is the single-process environment {0, 1, 0, "127.0.0.1",
+// 29500, no agent store, attempt 0}. INVALID_ARGUMENT naming the variable and its value
 // when a value is not a decimal integer or is out of the range given above (RANK >= WORLD_SIZE
 // included).
 absl::StatusOr<LaunchEnvironment> LaunchEnvironmentFromEnv();
@@ -81,10 +89,12 @@ class ProcessGroup {
  public:
   // The launcher path. With world_size 1 the store is an in-process HashStore (no port is bound).
   // Otherwise rank 0 hosts a TCPStore on env.master_port and waits for the other ranks to
-  // connect; they connect to env.master_addr:env.master_port, retrying until options.timeout.
-  // Then as CreateWithStore. INVALID_ARGUMENT for an environment outside LaunchEnvironment's
-  // ranges or a bad device or option; UNAVAILABLE (retry, e.g. after the launcher restarts the
-  // job) when the store or the rendezvous fails or times out, with c10d's message and this rank.
+  // connect; they connect to env.master_addr:env.master_port, retrying until options.timeout
+  // (under torchrun's agent store every rank connects, none hosts). The group's keys live under
+  // "attempt_<env.restart_count>/". Then as CreateWithStore. INVALID_ARGUMENT for an environment
+  // outside LaunchEnvironment's ranges or a bad device or option; UNAVAILABLE (retry, e.g. after
+  // the launcher restarts the job) when the store or the rendezvous fails or times out, with c10d's
+  // message and this rank.
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> Create(
       const LaunchEnvironment& env, at::Device device, const ProcessGroupOptions& options = {});
 

@@ -3,15 +3,20 @@
 // process is killed (kill -9), the final parameters equal those of one trainer training the same
 // batches without interruption (float64, relative error <= 1e-10), and every acknowledged
 // trajectory is trained exactly once.
+#include <sys/types.h>
 #include <algorithm>
 #include <chrono>
+
 #include <cmath>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -96,6 +101,14 @@ class TrainerDaemonTest : public ::testing::Test {
     return run;
   }
 
+  // The run every faulty one must match: one trainer, no interruption.
+  Run TrainedReference() {
+    Run reference = NewRun("reference");
+    Send(reference);
+    Train(reference, 1);
+    return reference;
+  }
+
   static void StartDispatcher(Run& run) {
     std::vector<std::string> command = {
         (testing::BinaryDirectory() / "dta-dispatcher").string(),
@@ -115,27 +128,34 @@ class TrainerDaemonTest : public ::testing::Test {
     ASSERT_EQ(send.Wait(std::chrono::seconds(90)), 0) << send.Log();
   }
 
-  // `save_every`: checkpoints every this many steps (and after the last one).
+  // dta-trainer and its flags. `save_every`: checkpoints every this many steps (and after the
+  // last).
+  std::vector<std::string> TrainerCommand(const Run& run, int slow_step_ms,
+                                          const std::string& checkpoints = "ckpt",
+                                          int save_every = 1) {
+    return {(testing::BinaryDirectory() / "dta-trainer").string(),
+            "--dispatcher=" + run.address,
+            "--token_file=" + (root_ / "trainer.token").string(),
+            "--checkpoint_dir=" + (run.dir / checkpoints).string(),
+            "--config=" + (root_ / "config.json").string(),
+            "--dtype=float64",
+            "--checkpoint_dtype=model",  // compared in float64
+            "--method=dta",
+            "--block_size=4",
+            "--loss=grpo",
+            "--lr=1e-2",
+            "--max_grad_norm=0",
+            "--max_steps=" + std::to_string(kSteps),
+            "--save_every=" + std::to_string(save_every),
+            "--timeout_s=20",
+            "--slow_step_ms=" + std::to_string(slow_step_ms)};
+  }
+
   std::unique_ptr<Process> StartTrainer(const Run& run, int rank, int world, int master_port,
                                         int slow_step_ms, const std::string& checkpoints = "ckpt",
                                         int save_every = 1,
                                         const std::vector<std::string>& extra_flags = {}) {
-    std::vector<std::string> command = {(testing::BinaryDirectory() / "dta-trainer").string(),
-                                        "--dispatcher=" + run.address,
-                                        "--token_file=" + (root_ / "trainer.token").string(),
-                                        "--checkpoint_dir=" + (run.dir / checkpoints).string(),
-                                        "--config=" + (root_ / "config.json").string(),
-                                        "--dtype=float64",
-                                        "--checkpoint_dtype=model",  // compared in float64
-                                        "--method=dta",
-                                        "--block_size=4",
-                                        "--loss=grpo",
-                                        "--lr=1e-2",
-                                        "--max_grad_norm=0",
-                                        "--max_steps=" + std::to_string(kSteps),
-                                        "--save_every=" + std::to_string(save_every),
-                                        "--timeout_s=20",
-                                        "--slow_step_ms=" + std::to_string(slow_step_ms)};
+    std::vector<std::string> command = TrainerCommand(run, slow_step_ms, checkpoints, save_every);
     command.insert(command.end(), extra_flags.begin(), extra_flags.end());
     // As torchrun --nnodes=world/ranks_per_node_ exports it (one node when ranks_per_node_ is 0).
     const int per_node = ranks_per_node_ > 0 ? ranks_per_node_ : world;
@@ -311,9 +331,7 @@ TEST_F(TrainerDaemonTest, TensorParallelReplicasTrainLikeOne) {
 // (which holds the replica's dispatcher session): the group restarts from the last checkpoint and
 // ends with the weights of an uninterrupted run.
 TEST_F(TrainerDaemonTest, KillNineUnderTensorAndDataParallelismRetrainsNothingTwice) {
-  Run reference = NewRun("reference");
-  Send(reference);
-  Train(reference, 1);
+  Run reference = TrainedReference();
   ranks_per_node_ = 2;  // two nodes, one replica each
   for (const int victim : {3, 2}) {
     Run faulty = NewRun("kill-rank" + std::to_string(victim));
@@ -334,9 +352,7 @@ TEST_F(TrainerDaemonTest, KillNineUnderTensorAndDataParallelismRetrainsNothingTw
 }
 
 TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {
-  Run reference = NewRun("reference");
-  Send(reference);
-  Train(reference, 1);
+  Run reference = TrainedReference();
   Run faulty = NewRun("kill-trainer");
   Send(faulty);
   // Kill rank 1 during step 2: after step 1 is logged, while the step sleeps before its all-reduce.
@@ -353,10 +369,78 @@ TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {
   ExpectEveryRolloutTrainedOnce(faulty);
 }
 
+// The pid of `rank`'s process in the launcher's attempt `attempt`, from its "started" line.
+std::optional<pid_t> TrainerPid(const std::string& log, int rank, int world, int attempt) {
+  const std::string prefix =
+      "dta-trainer rank " + std::to_string(rank) + "/" + std::to_string(world) + ": started, pid ";
+  for (size_t at = log.find(prefix); at != std::string::npos; at = log.find(prefix, at + 1)) {
+    int pid = 0, seen_attempt = -1;
+    if (std::sscanf(log.c_str() + at + prefix.size(), "%d, attempt %d", &pid, &seen_attempt) == 2 &&
+        seen_attempt == attempt)
+      return pid;
+  }
+  return std::nullopt;
+}
+
+// torchrun itself (elastic, --max_restarts=3) restarts the group after each of three kill -9s in a
+// row: a rank mid-step, the other rank just after it registered, a rank mid-step again. Each
+// attempt re-forms the group through the agent's store (which keeps the killed attempt's keys) and
+// the run ends with the weights of an uninterrupted one.
+TEST_F(TrainerDaemonTest, TorchrunRestartsTheGroupAfterThreeKillsInARow) {
+  Run reference = TrainedReference();
+  Run faulty = NewRun("torchrun");
+  Send(faulty);
+  std::vector<std::string> command = {
+      DTA_PYTHON,
+      "-m",
+      "torch.distributed.run",
+      "--no-python",
+      "--nproc_per_node=2",
+      "--max_restarts=3",
+      "--master_port=" + std::to_string(testing::FreeLoopbackPort())};
+  for (const std::string& arg : TrainerCommand(faulty, /*slow_step_ms=*/800))
+    command.push_back(arg);
+  Process torchrun(command, (faulty.dir / "torchrun.log").string());
+
+  // Each kill: {attempt, rank, what that attempt's log must show after its start first}.
+  struct Kill {
+    int attempt;
+    int rank;
+    std::string after;
+  };
+  const std::vector<Kill> kills = {
+      {0, 1, "rank 1/2: step 1:"}, {1, 0, "rank 0/2: registered"}, {2, 1, "rank 1/2: step 2:"}};
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+  size_t next = 0;
+  int status = -1;
+  while ((status = torchrun.Wait(std::chrono::milliseconds(50))) == -1) {
+    if (std::chrono::steady_clock::now() > give_up) {
+      torchrun.Kill(SIGTERM);  // torchrun stops its workers
+      torchrun.Wait(std::chrono::seconds(30));
+      FAIL() << "torchrun did not finish; kills done: " << next << "\n" << torchrun.Log();
+    }
+    if (next == kills.size()) continue;
+    const Kill& fault = kills[next];
+    const std::string log = torchrun.Log();
+    const std::optional<pid_t> pid = TrainerPid(log, fault.rank, 2, fault.attempt);
+    if (!pid) continue;
+    const size_t started = log.find("pid " + std::to_string(*pid) + ",");
+    if (log.find(fault.after, started) == std::string::npos) continue;
+    // Mid-step: the step sleeps 800 ms before its all-reduce.
+    if (fault.after.find("step") != std::string::npos)
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ::kill(*pid, SIGKILL);
+    ++next;
+  }
+  ASSERT_EQ(status, 0) << torchrun.Log();
+  EXPECT_EQ(next, kills.size()) << torchrun.Log();
+  EXPECT_TRUE(TrainerPid(torchrun.Log(), 0, 2, 3).has_value()) << torchrun.Log();
+  ExpectSameModel(faulty, reference);
+  ExpectEveryRolloutTrainedOnce(faulty);
+}
+
 TEST_F(TrainerDaemonTest, KillNineOfTheDispatcherLosesAndRepeatsNothing) {
-  Run reference = NewRun("reference");
-  Send(reference);
-  Train(reference, 1);
+  Run reference = TrainedReference();
   // Its log is compacted whenever half of it is dead (after every released step, and when it
   // starts), so the restarts replay compacted logs.
   Run faulty = NewRun("kill-dispatcher", {"--wal_compact_mb=1e-6"});

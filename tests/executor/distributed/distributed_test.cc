@@ -6,6 +6,7 @@
 #include <torch/cuda.h>
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <array>
 #include <cmath>
@@ -290,8 +291,13 @@ TEST(ProcessGroup, CreateWithStoreRejectsBadArguments) {
 // Clears the launcher variables for each test and restores them afterwards.
 class LaunchEnvironmentTest : public ::testing::Test {
  protected:
-  static constexpr std::array<const char*, 5> kNames = {"RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                        "MASTER_ADDR", "MASTER_PORT"};
+  static constexpr std::array<const char*, 7> kNames = {"RANK",
+                                                        "WORLD_SIZE",
+                                                        "LOCAL_RANK",
+                                                        "MASTER_ADDR",
+                                                        "MASTER_PORT",
+                                                        "TORCHELASTIC_USE_AGENT_STORE",
+                                                        "TORCHELASTIC_RESTART_COUNT"};
   void SetUp() override {
     for (size_t i = 0; i < kNames.size(); ++i) {
       const char* value = std::getenv(kNames[i]);
@@ -312,7 +318,7 @@ class LaunchEnvironmentTest : public ::testing::Test {
     for (const char* name : kNames) unsetenv(name);
   }
 
-  std::array<std::optional<std::string>, 5> saved_;
+  std::array<std::optional<std::string>, kNames.size()> saved_;
 };
 
 TEST_F(LaunchEnvironmentTest, ReadsTorchrunVariables) {
@@ -321,6 +327,8 @@ TEST_F(LaunchEnvironmentTest, ReadsTorchrunVariables) {
   setenv("LOCAL_RANK", "1", 1);
   setenv("MASTER_ADDR", "node-0.cluster", 1);
   setenv("MASTER_PORT", "29611", 1);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
   absl::StatusOr<LaunchEnvironment> env = LaunchEnvironmentFromEnv();
   ASSERT_TRUE(env.ok()) << env.status();
   EXPECT_EQ(env->rank, 5);
@@ -328,6 +336,13 @@ TEST_F(LaunchEnvironmentTest, ReadsTorchrunVariables) {
   EXPECT_EQ(env->local_rank, 1);
   EXPECT_EQ(env->master_addr, "node-0.cluster");
   EXPECT_EQ(env->master_port, 29611);
+  EXPECT_TRUE(env->agent_store);
+  EXPECT_EQ(env->restart_count, 2);
+
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
+  env = LaunchEnvironmentFromEnv();
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_FALSE(env->agent_store);
 }
 
 TEST_F(LaunchEnvironmentTest, DefaultsToASingleProcess) {
@@ -339,6 +354,8 @@ TEST_F(LaunchEnvironmentTest, DefaultsToASingleProcess) {
   EXPECT_EQ(env->local_rank, 0);
   EXPECT_EQ(env->master_addr, "127.0.0.1");
   EXPECT_EQ(env->master_port, 29500);
+  EXPECT_FALSE(env->agent_store);
+  EXPECT_EQ(env->restart_count, 0);
 }
 
 TEST_F(LaunchEnvironmentTest, RejectsMalformedValuesNamingTheVariable) {
@@ -349,7 +366,8 @@ TEST_F(LaunchEnvironmentTest, RejectsMalformedValuesNamingTheVariable) {
   for (const Case& c :
        {Case{"RANK", "abc"}, Case{"RANK", "2"}, Case{"RANK", "-1"}, Case{"WORLD_SIZE", "0"},
         Case{"WORLD_SIZE", "1.5"}, Case{"LOCAL_RANK", "2"}, Case{"MASTER_PORT", "70000"},
-        Case{"MASTER_PORT", "0"}, Case{"MASTER_PORT", "99999999999"}}) {
+        Case{"MASTER_PORT", "0"}, Case{"MASTER_PORT", "99999999999"},
+        Case{"TORCHELASTIC_RESTART_COUNT", "-1"}, Case{"TORCHELASTIC_RESTART_COUNT", "x"}}) {
     ClearAll();
     setenv("WORLD_SIZE", "2", 1);
     setenv(c.name, c.value, 1);
@@ -389,6 +407,52 @@ TEST(ProcessGroup, CreateThroughTheTcpStore) {
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
+}
+
+// Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) the agent hosts the TCPStore and
+// keeps it across restarts: every rank connects as a client, and a restarted attempt must not read
+// the Gloo addresses the killed attempt left in it. Here attempt 0 leaves both ranks' keys behind;
+// in attempt 1 rank 0 starts alone first, so reading a stale key would dial a closed port at once.
+TEST(ProcessGroup, ARestartUnderTheAgentStoreIgnoresTheLastAttemptsKeys) {
+  const int port = dta::testing::FreeLoopbackPort();
+  c10d::TCPStoreOptions agent_options;
+  agent_options.port = static_cast<uint16_t>(port);
+  agent_options.isServer = true;
+  agent_options.waitWorkers = false;
+  auto agent = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", agent_options);
+  ProcessGroupOptions options = LoopbackOptions();
+  options.timeout = std::chrono::seconds(20);
+  auto attempt = [&](int restart_count, std::chrono::milliseconds rank1_delay) {
+    std::array<std::string, 2> errors;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        if (r == 1) std::this_thread::sleep_for(rank1_delay);
+        const LaunchEnvironment env{.rank = r,
+                                    .world_size = 2,
+                                    .local_rank = r,
+                                    .master_addr = "127.0.0.1",
+                                    .master_port = port,
+                                    .agent_store = true,
+                                    .restart_count = restart_count};
+        auto group = ProcessGroup::Create(env, at::Device(at::kCPU), options);
+        if (!group.ok()) {
+          errors[r] = group.status().ToString();
+          return;
+        }
+        try {
+          EXPECT_EQ((*group)->AllReduceScalars({r + 1.0}), std::vector<double>{3.0});
+        } catch (const std::exception& e) {
+          errors[r] = ErrorText(e);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(errors[0], "") << "attempt " << restart_count;
+    EXPECT_EQ(errors[1], "") << "attempt " << restart_count;
+  };
+  attempt(0, std::chrono::milliseconds(0));
+  attempt(1, std::chrono::milliseconds(500));
 }
 
 TEST(ProcessGroup, CreateIsUnavailableWhenNoMasterAnswers) {
