@@ -19,6 +19,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -28,10 +29,12 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "apps/advantages/advantage_flags.h"
+#include "apps/metrics/metrics_flags.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/client_options.h"
 #include "dispatcher/core/dispatcher_core.h"
+#include "dispatcher/service/dispatcher_metrics.h"
 #include "dispatcher/service/dispatcher_service.h"
 
 ABSL_FLAG(std::string, wal, "",
@@ -187,6 +190,38 @@ int Run() {
   absl::StatusOr<std::unique_ptr<DispatcherCore>> core = DispatcherCore::Open(options);
   if (!core.ok()) return Fail(1, absl::StrCat("cannot open the log: ", core.status().ToString()));
   DispatcherService service(core->get(), service_options);
+  // Metrics: /metrics renders the core's status and statistics on each scrape; the event files
+  // get each step committed from now on (the watcher below looks once a second).
+  DispatcherCore& dispatcher = **core;
+  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
+      MetricsServerFromFlags("dta-dispatcher", [&dispatcher] {
+        return DispatcherPrometheus(dispatcher.GetStatus(), dispatcher.GetStatistics());
+      });
+  if (!metrics_server.ok())
+    return Fail(kExitBadInput, std::string(metrics_server.status().message()));
+  absl::StatusOr<std::unique_ptr<TensorBoardWriter>> tensorboard = TensorBoardFromFlags();
+  if (!tensorboard.ok()) return Fail(kExitBadInput, std::string(tensorboard.status().message()));
+  int64_t last_written_step = -1;  // steps replayed from the log were written by an earlier run
+  for (const v1::StepStatistics& step : dispatcher.GetStatistics().recent_steps())
+    last_written_step = std::max(last_written_step, step.step());
+  const auto write_new_steps = [&] {
+    if (*tensorboard == nullptr) return;
+    const v1::GetStatisticsResponse statistics = dispatcher.GetStatistics();
+    const int64_t pending = dispatcher.GetStatus().pending_trajectories();
+    for (const v1::StepStatistics& step : statistics.recent_steps()) {
+      if (step.step() <= last_written_step) continue;
+      last_written_step = step.step();
+      if (absl::Status written =
+              (*tensorboard)->Write(step.step(), StepStatisticsScalars(step, pending));
+          !written.ok()) {
+        // Metrics never stop the service: a full disk costs the event file, not trajectories.
+        std::fprintf(stderr, "dta-dispatcher: TensorBoard off: %s\n", written.ToString().c_str());
+        tensorboard->reset();
+        return;
+      }
+    }
+  };
+
   const int max_message = absl::GetFlag(FLAGS_max_message_mb) << 20;
   grpc::ServerBuilder builder;
   int port = 0;
@@ -207,6 +242,7 @@ int Run() {
   std::thread watcher([&] {
     const timespec second{1, 0};
     while (true) {
+      write_new_steps();
       const int signal = sigtimedwait(&signals, nullptr, &second);
       if (signal > 0) {
         std::fprintf(stderr, "dta-dispatcher: signal %d, stopping\n", signal);

@@ -48,6 +48,7 @@
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
 #include "core/io/rollout_jsonl.h"
+#include "core/metrics/tensorboard_writer.h"
 #include "core/partition/partition.h"
 #include "core/tree/tree_stats.h"
 #include "dispatcher/batch/batch_plan.h"
@@ -71,6 +72,9 @@ ABSL_FLAG(std::string, resume, "",
           "directory that --save wrote, or from its optimizer/ state");
 ABSL_FLAG(bool, json, false, "print one JSON object per step instead of a table");
 ABSL_FLAG(std::string, metrics, "", "also append one JSON object per step to this file");
+ABSL_FLAG(
+    std::string, tensorboard_dir, "",
+    "also write each step's numbers (the JSON fields) as TensorBoard scalars in this directory");
 ABSL_FLAG(bool, distributed, false,
           "data parallel without a dispatcher: one process per rank (RANK, WORLD_SIZE, LOCAL_RANK, "
           "MASTER_ADDR, "
@@ -204,6 +208,14 @@ int Run() {
     metrics.open(absl::GetFlag(FLAGS_metrics), std::ios::app);
     if (!metrics) throw BadInput{"cannot open --metrics file " + absl::GetFlag(FLAGS_metrics)};
   }
+  std::unique_ptr<TensorBoardWriter> tensorboard;
+  if (leader && !absl::GetFlag(FLAGS_tensorboard_dir).empty()) {
+    absl::StatusOr<std::unique_ptr<TensorBoardWriter>> opened =
+        TensorBoardWriter::Open(absl::GetFlag(FLAGS_tensorboard_dir));
+    if (!opened.ok())
+      throw BadInput{"--tensorboard_dir: " + std::string(opened.status().message())};
+    tensorboard = *std::move(opened);
+  }
   for (int32_t step = 1; step <= absl::GetFlag(FLAGS_steps); ++step) {
     optimizer.ZeroGrad();
     ResetPeakMemory(device);
@@ -252,21 +264,19 @@ int Run() {
                            {"host_peak_memory_gib", host_peak}});
     if (!leader) continue;
     // The RL diagnostics (null where they do not apply, e.g. a ratio under SFT).
-    const LossDiagnostics& d = result.diagnostics;
-    const bool has_ratio = d.ratio_max >= d.ratio_min;
-    const auto when = [](bool applies, double value) {
-      return applies ? nlohmann::json(value) : nlohmann::json(nullptr);
-    };
-    record["clip_fraction"] = when(has_ratio, d.clip_fraction());
-    record["dual_clip_fraction"] = when(has_ratio, d.dual_clip_fraction());
-    record["approx_kl"] = when(has_ratio, d.approx_kl_mean());
-    record["ratio_mean"] = when(has_ratio, d.ratio_mean());
-    record["ratio_max"] = when(has_ratio, d.ratio_max);
-    record["ratio_min"] = when(has_ratio, d.ratio_min);
-    record["entropy"] = when(d.entropy_tokens > 0, d.entropy_mean());
-    const bool behave = d.behave_tokens > 0 || d.rejected_tokens > 0;
-    record["rejected_fraction"] = when(behave, d.rejected_fraction());
-    record["behave_imp_weight"] = when(behave, d.behave_weight_mean());
+    for (const char* name :
+         {"clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean", "ratio_max",
+          "ratio_min", "entropy", "rejected_fraction", "behave_imp_weight", "behave_approx_kl"})
+      record[name] = nullptr;
+    for (const auto& [name, value] : result.diagnostics.Applicable()) record[name] = value;
+    if (tensorboard) {
+      Scalars scalars;
+      for (const auto& [name, value] : record.items()) {
+        if (value.is_number() && name != "step") scalars.emplace_back(name, value.get<double>());
+      }
+      const absl::Status written = tensorboard->Write(step, scalars);
+      if (!written.ok()) throw std::runtime_error(std::string(written.message()));
+    }
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     if (json) {
       std::cout << record.dump() << "\n";

@@ -97,6 +97,21 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
         prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
         static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, stats.lr, seconds,
         optimizer_seconds, DiagnosticsSuffix(result.diagnostics).c_str());
+    if (options.on_step) {
+      options.on_step({.step = step - 1,
+                       .replay = partition.replay,
+                       .rollouts = static_cast<int>(rollouts.size()),
+                       .rollout_tokens = result.rollout_tokens,
+                       .forwarded_tokens = result.forwarded_tokens,
+                       .tree_tokens = partition.tree_tokens,
+                       .loss = result.loss,
+                       .grad_norm = stats.grad_norm,
+                       .lr = stats.lr,
+                       .seconds = seconds,
+                       .optimizer_seconds = optimizer_seconds,
+                       .peak_memory_gib = PeakMemoryGiB(options.device),
+                       .diagnostics = result.diagnostics});
+    }
     bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
     ProcessGroup* world = options.ranks.world;
     if (world != nullptr && world->size() > 1) {  // every rank saves: they agree on a request

@@ -42,6 +42,23 @@ struct TrainerRestart {
   std::string why;
 };
 
+// What a committed step did on this rank, for its metrics (apps/trainer/trainer_metrics.h).
+struct StepReport {
+  int64_t step = 0;
+  bool replay = false;  // a committed step served again after a restart
+  int rollouts = 0;
+  int64_t rollout_tokens = 0;
+  int64_t forwarded_tokens = 0;
+  int64_t tree_tokens = 0;  // of this rank's partition
+  double loss = 0;          // this rank's share
+  double grad_norm = 0;     // of the whole model, after synchronisation
+  double lr = 0;
+  double seconds = 0;  // fetch to gradients synchronised
+  double optimizer_seconds = 0;
+  double peak_memory_gib = 0;
+  LossDiagnostics diagnostics;  // this rank's share
+};
+
 struct TrainerLoopOptions {
   LossOptions loss;
   ExecutorOptions executor;
@@ -57,6 +74,8 @@ struct TrainerLoopOptions {
   // Called on world rank 0 once each checkpoint is in place (e.g. EngineNotifier::Publish of its
   // model/ directory); the policy version is the one its weights produce.
   std::function<void(const CheckpointInfo& checkpoint, int64_t policy_version)> on_published;
+  // Called after each committed step's optimizer update, before its checkpoint (metrics).
+  std::function<void(const StepReport&)> on_step;
   // Stop once this many steps are committed in all; 0: run until stopped.
   int64_t max_steps = 0;
   // The ranks that save checkpoints together (apps/trainer/checkpoints.h). With several ranks they

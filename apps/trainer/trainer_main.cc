@@ -49,11 +49,13 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "apps/metrics/metrics_flags.h"
 #include "apps/train/training_flags.h"
 #include "apps/trainer/checkpoints.h"
 #include "apps/trainer/engine_notifier.h"
 #include "apps/trainer/replica_session.h"
 #include "apps/trainer/trainer_loop.h"
+#include "apps/trainer/trainer_metrics.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/trainer_session.h"
@@ -147,6 +149,14 @@ int Run() {
   // Which process and which of the launcher's attempts (torchrun --max_restarts) this is.
   std::fprintf(stderr, "%s: started, pid %d, attempt %d\n", prefix.c_str(),
                static_cast<int>(getpid()), env->restart_count);
+  // Metrics: this rank's /metrics (on --metrics_listen's port + LOCAL_RANK) and event files.
+  TrainerMetrics metrics(env->rank, env->restart_count);
+  absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server = MetricsServerFromFlags(
+      prefix, [&metrics] { return metrics.Prometheus(); }, env->local_rank);
+  if (!metrics_server.ok()) throw BadInput{std::string(metrics_server.status().message())};
+  absl::StatusOr<std::unique_ptr<TensorBoardWriter>> tensorboard =
+      TensorBoardFromFlags(absl::StrCat("rank-", env->rank));
+  if (!tensorboard.ok()) throw BadInput{std::string(tensorboard.status().message())};
 
   // The layout first: tensor parallelism decides which ranks talk to the dispatcher and which part
   // of the model each rank builds.
@@ -267,6 +277,18 @@ int Run() {
        .on_published =
            [&notifier](const CheckpointInfo& checkpoint, int64_t policy_version) {
              notifier.Publish(CheckpointModelPath(checkpoint.path), policy_version);
+           },
+       .on_step =
+           [&metrics, &tensorboard, &prefix](const StepReport& report) {
+             metrics.Record(report);
+             if (*tensorboard == nullptr) return;
+             // Metrics never stop training: a full disk costs the event file, not the run.
+             if (absl::Status written = (*tensorboard)->Write(report.step, StepScalars(report));
+                 !written.ok()) {
+               std::fprintf(stderr, "%s: TensorBoard off: %s\n", prefix.c_str(),
+                            written.ToString().c_str());
+               tensorboard->reset();
+             }
            },
        .max_steps = absl::GetFlag(FLAGS_max_steps),
        .ranks = {.world = world->get(), .data_parallel_rank = replica},

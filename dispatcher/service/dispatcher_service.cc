@@ -4,18 +4,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/base/secret_equals.h"
 
 namespace dta {
 namespace {
-
-// Compares in time independent of where the strings differ, so that the answer's timing does
-// not reveal a token's prefix.
-bool SecretEquals(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char differ = 0;
-  for (size_t i = 0; i < a.size(); ++i) differ |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return differ == 0;
-}
 
 // The token of the call's "authorization: Bearer <token>" metadata; empty when there is none.
 std::string_view BearerToken(grpc::CallbackServerContext* context) {

@@ -32,6 +32,25 @@ LossDiagnostics LossDiagnostics::FromSums(const std::array<double, kSums>& s, do
   return d;
 }
 
+std::vector<std::pair<std::string, double>> LossDiagnostics::Applicable() const {
+  std::vector<std::pair<std::string, double>> named;
+  if (ratio_max >= ratio_min) {
+    named.insert(named.end(), {{"clip_fraction", clip_fraction()},
+                               {"dual_clip_fraction", dual_clip_fraction()},
+                               {"approx_kl", approx_kl_mean()},
+                               {"ratio_mean", ratio_mean()},
+                               {"ratio_max", ratio_max},
+                               {"ratio_min", ratio_min}});
+  }
+  if (entropy_tokens > 0) named.emplace_back("entropy", entropy_mean());
+  if (behave_tokens > 0 || rejected_tokens > 0) {
+    named.insert(named.end(), {{"rejected_fraction", rejected_fraction()},
+                               {"behave_imp_weight", behave_weight_mean()},
+                               {"behave_approx_kl", behave_approx_kl_mean()}});
+  }
+  return named;
+}
+
 std::string LossDiagnostics::Summary() const {
   std::vector<std::string> parts;
   if (ratio_max >= ratio_min) {  // a ratio was taken on some token

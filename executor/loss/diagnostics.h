@@ -13,6 +13,8 @@
 #include <array>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace dta {
 
@@ -48,6 +50,12 @@ struct LossDiagnostics {
   double rejected_fraction() const { return rejected_tokens / loss_tokens; }
   double behave_weight_mean() const { return behave_weight / behave_tokens; }
   double behave_approx_kl_mean() const { return behave_approx_kl / behave_tokens; }
+
+  // The means that apply, named as dta-train's JSON fields, TrainStats and the metrics name them:
+  // clip_fraction, dual_clip_fraction, approx_kl, ratio_mean, ratio_max, ratio_min (where a ratio
+  // was taken), entropy (where computed), rejected_fraction, behave_imp_weight, behave_approx_kl
+  // (decoupled PPO).
+  std::vector<std::pair<std::string, double>> Applicable() const;
 
   // What applies, for a progress line: e.g. "clip 0.031, approx kl 0.0012, ratio 0.71-1.4,
   // entropy 2.3, rejected 0.02"; empty when nothing does (SFT without entropy).

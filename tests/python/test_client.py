@@ -488,3 +488,85 @@ def test_rollout_worker_example_streams_episodes_and_reloads_weights(dispatcher)
     accepted = int(re.search(r"^done: episodes=20 .* accepted=(\d+) ", output, re.M).group(1))
     assert accepted == statistics.accepted >= 20
     assert statistics.rejected == 0 and statistics.committed_steps == 1
+
+
+def scrape(url: str, token: str | None = None) -> tuple[int, str]:
+    """GET url; the HTTP status and body."""
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def metrics_url(d: Dispatcher) -> str:
+    found = re.search(r"metrics on (http://\S+/metrics)", d.log.read_text())
+    assert found, d.log.read_text()
+    return found.group(1)
+
+
+def samples(exposition: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value}, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(exposition) for s in family.samples}
+
+
+def test_metrics_and_tensorboard_show_the_queue_rejections_and_steps(dispatcher, tmp_path):
+    """--metrics_listen serves Prometheus text (parsed by prometheus_client) from the live state;
+    --tensorboard_dir gets each committed step's compression, imbalance, throughput and queue depth."""
+    from event_files import read_scalars
+
+    board = tmp_path / "board"
+    d = dispatcher("--metrics_listen=127.0.0.1:0", f"--tensorboard_dir={board}")
+    url = metrics_url(d)
+    status, body = scrape(url)
+    assert status == 200, body
+    before = samples(body)
+    assert before[("dta_dispatcher_pending_trajectories", ())] == 0
+    assert before[("dta_dispatcher_rejected_total", ())] == 0
+    bad = make(20)
+    bad.tokens[4] = VOCAB
+    with RolloutClient(d.address, **BOUNDED) as client:
+        acks = client.send_all([make(i) for i in range(6)] + [bad], timeout=60)
+    assert [a.accepted for a in acks] == [True] * 6 + [False]
+    queued = samples(scrape(url)[1])
+    assert queued[("dta_dispatcher_pending_trajectories", ())] == 6
+    assert queued[("dta_dispatcher_accepted_total", ())] == 6
+    assert queued[("dta_dispatcher_rejected_total", (("field", "tokens"),))] == 1
+    assert ("dta_step_compression", ()) not in queued  # no step yet
+    commit_step(d, 0, register_trainer(d))
+    give_up = time.monotonic() + 30
+    while not (board.exists() and 0 in read_scalars(board)):  # the event is written within a second
+        assert time.monotonic() < give_up, "no step event"
+        time.sleep(0.1)
+    stepped = samples(scrape(url)[1])
+    assert stepped[("dta_dispatcher_committed_steps_total", ())] == 1
+    assert stepped[("dta_dispatcher_pending_trajectories", ())] == 2
+    assert stepped[("dta_dispatcher_last_step", ())] == 0
+    assert stepped[("dta_step_rollouts", ())] == 4 and stepped[("dta_step_compression", ())] > 1
+    event = read_scalars(board)[0]
+    assert event["rollouts"] == 4 and event["pending_trajectories"] == 2
+    assert event["compression"] == pytest.approx(stepped[("dta_step_compression", ())], rel=1e-6)
+    assert {"imbalance", "tokens_per_second", "tree_tokens", "extra_tokens"} <= set(event)
+    assert scrape(url.replace("/metrics", "/other"))[0] == 404
+
+
+def test_metrics_off_loopback_need_a_token(dispatcher, tmp_path):
+    """A bearer token file guards /metrics (401 without it); off loopback it is required."""
+    token = tmp_path / "metrics.token"
+    token.write_text("scrape-secret\n")
+    token.chmod(0o600)
+    d = dispatcher("--metrics_listen=127.0.0.1:0", f"--metrics_token_file={token}")
+    url = metrics_url(d)
+    assert scrape(url)[0] == 401
+    assert scrape(url, "wrong")[0] == 401
+    status, body = scrape(url, "scrape-secret")
+    assert status == 200 and "dta_dispatcher_serving 1" in body
+    refused = subprocess.run([tool("dta-dispatcher"), f"--wal={tmp_path / 'other.wal'}", f"--listen=127.0.0.1:{free_port()}",
+                              "--batch_rollouts=4", f"--vocab_size={VOCAB}", "--metrics_listen=0.0.0.0:0"], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "--metrics_listen" in refused.stderr and "token" in refused.stderr, refused.stderr

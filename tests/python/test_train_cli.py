@@ -331,3 +331,27 @@ def test_objective_flags_are_checked(rollouts):
                    "--advantage_std_level=batch", "--reward_scaling=2", "--reward_bias=-0.5")
     assert default.returncode == 0 and shaped.returncode == 0, shaped.stderr
     assert json.loads(default.stdout.splitlines()[-1])["loss"] != json.loads(shaped.stdout.splitlines()[-1])["loss"]
+
+
+def test_tensorboard_event_files_hold_every_steps_numbers(rollouts, tmp_path):
+    """--tensorboard_dir: one event per step with the JSON line's numbers (RL diagnostics included),
+    read back with tensorboardX's protos and CRC; an unusable directory is refused naming the flag."""
+    from event_files import read_scalars
+
+    board = tmp_path / "board"
+    run = train(f"--rollouts={rollouts}", "--dtype=float64", "--lr=1e-3", "--steps=3", "--loss=decoupled-ppo",
+                "--json", f"--tensorboard_dir={board}")
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    scalars = read_scalars(board)
+    assert sorted(scalars) == [1, 2, 3]
+    for record in records:
+        written = scalars[record["step"]]
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        assert "approx_kl" in numbers and "behave_imp_weight" in numbers
+        assert set(written) == set(numbers), set(written) ^ set(numbers)
+        for key, value in numbers.items():  # float32 in the file
+            assert written[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
+    (tmp_path / "file").write_text("x")
+    refused = train(f"--rollouts={rollouts}", "--steps=1", f"--tensorboard_dir={tmp_path / 'file' / 'sub'}")
+    assert refused.returncode == 2 and "--tensorboard_dir" in refused.stderr, refused.stderr

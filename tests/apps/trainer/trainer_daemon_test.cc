@@ -26,7 +26,9 @@
 #include "core/io/rollout_jsonl.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/event_records.h"
 #include "tests/testing/free_port.h"
+#include "tests/testing/http_get.h"
 #include "tests/testing/process.h"
 
 namespace dta {
@@ -496,6 +498,43 @@ TEST_F(TrainerDaemonTest, ATrainerWithoutTheTrainerTokenIsRefused) {
     }
   }
   EXPECT_FALSE(fs::exists(run.dir / "ckpt" / "latest.json"));
+}
+
+// --metrics_listen and --tensorboard_dir on the trainer: a scrape mid-run shows the rank's running
+// totals and last step (RL diagnostics included); the rank's event file holds one event per step.
+TEST_F(TrainerDaemonTest, TheTrainerServesMetricsAndWritesEventFiles) {
+  Run run = NewRun("metrics");
+  Send(run);
+  const fs::path board = run.dir / "board";
+  std::unique_ptr<Process> trainer =
+      StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), /*slow_step_ms=*/400, "ckpt", 1,
+                   {"--metrics_listen=127.0.0.1:0", "--tensorboard_dir=" + board.string()});
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (trainer->Log().find("step 1:") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << trainer->Log();
+    ASSERT_EQ(trainer->Wait(std::chrono::milliseconds(20)), -1) << trainer->Log();
+  }
+  const std::string log = trainer->Log();
+  const size_t at = log.find("metrics on http://");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string url = log.substr(at + 11, log.find('\n', at) - at - 11);
+  const auto [status, body] = testing::HttpGet(url);
+  ASSERT_EQ(status, 200) << url;
+  EXPECT_THAT(body, ::testing::HasSubstr("# TYPE dta_trainer_steps_total counter\n"));
+  EXPECT_THAT(body, ::testing::ContainsRegex("dta_trainer_steps_total\\{rank=\"0\"\\} [234]\n"));
+  for (const char* gauge :
+       {"dta_trainer_loss{rank=\"0\"}", "dta_trainer_grad_norm{rank=\"0\"}",
+        "dta_trainer_rl_clip_fraction{rank=\"0\"}", "dta_trainer_attempt{rank=\"0\"} 0\n"}) {
+    EXPECT_THAT(body, ::testing::HasSubstr(gauge));
+  }
+  ASSERT_EQ(trainer->Wait(std::chrono::seconds(120)), 0) << trainer->Log();
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(board / "rank-0")) files.push_back(entry.path());
+  ASSERT_EQ(files.size(), 1u);
+  const std::vector<std::string> records = testing::EventRecords(files[0].string());
+  ASSERT_EQ(records.size(), 1u + kSteps);  // the version, then one event per step
+  for (const char* tag : {"loss", "grad_norm", "rollout_tokens_per_second", "rl/approx_kl"})
+    EXPECT_NE(records.back().find(tag), std::string::npos) << tag;
 }
 
 // Ranks that load different checkpoints (one sees a shared directory late) must not train together:

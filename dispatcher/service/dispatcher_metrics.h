@@ -1,0 +1,19 @@
+// The dispatcher's metrics, from what GetStatus and GetStatistics answer: Prometheus text for
+// /metrics (queue depth, ingestion and rejection counters by field, steps, the log, the trainers,
+// and the last step's compression, imbalance and throughput) and a committed step's TensorBoard
+// scalars.
+#pragma once
+
+#include "core/metrics/tensorboard_writer.h"
+#include "proto/dta/v1/dispatcher.pb.h"
+
+namespace dta {
+
+std::string DispatcherPrometheus(const v1::GetStatusResponse& status,
+                                 const v1::GetStatisticsResponse& statistics);
+
+// rollouts, rollout_tokens, tree_tokens, compression, imbalance, extra_tokens, seconds,
+// tokens_per_second, loss, dropped_stale of one step, and the queue depth when it is written.
+Scalars StepStatisticsScalars(const v1::StepStatistics& step, int64_t pending_trajectories);
+
+}  // namespace dta
