@@ -202,7 +202,8 @@ int Run() {
   absl::StatusOr<std::unique_ptr<TensorBoardWriter>> tensorboard = TensorBoardFromFlags();
   if (!tensorboard.ok()) return Fail(kExitBadInput, std::string(tensorboard.status().message()));
   int64_t last_written_step = -1;  // steps replayed from the log were written by an earlier run
-  for (const v1::StepStatistics& step : dispatcher.GetStatistics().recent_steps())
+  const v1::GetStatisticsResponse at_start = dispatcher.GetStatistics();  // outlives the loop
+  for (const v1::StepStatistics& step : at_start.recent_steps())
     last_written_step = std::max(last_written_step, step.step());
   const auto write_new_steps = [&] {
     if (*tensorboard == nullptr) return;

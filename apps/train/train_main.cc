@@ -112,6 +112,7 @@ int Run() {
   // length: the steps it resumed from plus --steps).
   LrScheduleFromFlags(std::numeric_limits<int64_t>::max());
   const ExecutorOptions executor = ExecutorFromFlags();
+  const ProgressMode progress_mode = ProgressFromFlags();
   const std::string path = absl::GetFlag(FLAGS_rollouts);
   if (path.empty()) throw BadInput{"--rollouts is required"};
   if (absl::GetFlag(FLAGS_steps) < 1) throw BadInput{"--steps must be >= 1"};
@@ -221,7 +222,14 @@ int Run() {
     ResetPeakMemory(device);
     const auto start = std::chrono::steady_clock::now();
     GradientResult result;
-    if (!mine.empty()) result = ComputeGradients(model, mine, loss, executor, batch);
+    ProgressLine progress(absl::StrFormat("dta-train: step %d", step), "tokens",
+                          leader ? progress_mode : ProgressMode::kNever);
+    ExecutorOptions step_executor = executor;
+    step_executor.progress = [&progress](int64_t done, int64_t total) {
+      progress.Update(done, total);
+    };
+    if (!mine.empty()) result = ComputeGradients(model, mine, loss, step_executor, batch);
+    progress.Finish();
     optimizer.SyncGradients();
     if (group) {
       // The batch's loss and tokens: the sum over the data-parallel replicas (a replica's TP ranks

@@ -26,7 +26,7 @@ namespace {
 
 // dta::ExecutorOptions as default-constructed: the source of every executor flag's default, so
 // that dta-train, dta-trainer, dta-bench and dta.Trainer agree.
-constexpr dta::ExecutorOptions kExecutorDefaults{};
+const dta::ExecutorOptions kExecutorDefaults{};
 
 // The flag's spelling of a block size: 0 for unbounded.
 constexpr int64_t BlockSizeFlag(int64_t block_size) {
@@ -78,6 +78,10 @@ ABSL_FLAG(bool, checkpointing, kExecutorDefaults.checkpointing,
 ABSL_FLAG(bool, pack, kExecutorDefaults.pack, "dta: pack small complete subtrees into one forward");
 ABSL_FLAG(std::string, order, std::string(dta::LeafOrderName(kExecutorDefaults.order)),
           "dta: leaf order, backward-dfs or lexicographic");
+ABSL_FLAG(
+    std::string, progress, "auto",
+    "progress lines within a step (tokens done, rate, ETA): auto (on a terminal only), always "
+    "(also into logs, every 10 s) or never");
 ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate (the peak, with a schedule)");
 ABSL_FLAG(std::string, lr_schedule, "constant",
           "learning-rate decay after the warmup: constant, linear or cosine");
@@ -147,6 +151,12 @@ LossOptions LossFromFlags() {
   }
   loss.kl_coef = absl::GetFlag(FLAGS_kl_coef);
   return loss;
+}
+
+ProgressMode ProgressFromFlags() {
+  absl::StatusOr<ProgressMode> mode = ParseProgressMode(absl::GetFlag(FLAGS_progress));
+  if (!mode.ok()) throw BadInput{"--" + std::string(mode.status().message())};
+  return *mode;
 }
 
 ExecutorOptions ExecutorFromFlags() {

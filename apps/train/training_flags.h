@@ -13,6 +13,7 @@
 
 #include "absl/flags/declare.h"
 #include "core/base/exit_codes.h"
+#include "core/cli/progress_line.h"
 #include "core/layout/memory_plan.h"
 #include "core/schedule/lr_schedule.h"
 #include "executor/distributed/sharded_adamw.h"
@@ -47,6 +48,8 @@ ModelExportOptions ModelExportFromFlags();
 // --activation_gb and the device's memory (core/layout's planner). BadInput with the planner's
 // message (naming the numbers) when nothing fits or an override is impossible.
 LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device);
+// --progress: progress lines with rate and ETA within long steps (core/cli/progress_line.h).
+ProgressMode ProgressFromFlags();
 // --offload_update: where an offloaded optimizer's update runs.
 OffloadUpdate OffloadUpdateFromFlags();
 // The config of --model (its config.json) or --config (a preset or a config.json).

@@ -48,11 +48,18 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
     ResetPeakMemory(options.device);
     GradientResult result;
     if (!rollouts.empty()) {  // a rank may get nothing when there are fewer rollouts than ranks
+      ProgressLine progress(absl::StrCat(options.log_prefix, ": step ", step), "tokens",
+                            options.progress);
+      ExecutorOptions executor = options.executor;
+      executor.progress = [&progress](int64_t done, int64_t total) {
+        progress.Update(done, total);
+      };
       try {
-        result = ComputeGradients(model, rollouts, options.loss, options.executor,
+        result = ComputeGradients(model, rollouts, options.loss, executor,
                                   {.total_loss_tokens = partition.total_loss_tokens,
                                    .num_rollouts = partition.num_rollouts});
       } catch (const std::exception& e) {
+        progress.Finish();
         // Tell the dispatcher first, so that the other ranks abandon the step now instead of at
         // their collective's timeout.
         const c10::Error* error = dynamic_cast<const c10::Error*>(&e);

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "apps/trainer/checkpoints.h"
+#include "core/cli/progress_line.h"
 #include "dispatcher/client/trainer_session.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
@@ -85,6 +86,8 @@ struct TrainerLoopOptions {
   std::chrono::milliseconds slow_step{0};
   // Starts every progress line on stderr.
   std::string log_prefix = "dta-trainer";
+  // Progress lines within a step (tokens done, rate, ETA).
+  ProgressMode progress = ProgressMode::kNever;
 };
 
 // Synchronises (averages or sums) the gradients across ranks; throws c10::Error when a peer is

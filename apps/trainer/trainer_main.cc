@@ -132,6 +132,7 @@ int Run() {
   if (!env.ok()) throw BadInput{std::string(env.status().message())};
   const LossOptions loss = LossFromFlags();
   const ExecutorOptions executor = ExecutorFromFlags();
+  const ProgressMode progress = ProgressFromFlags();
   const ModelExportOptions model_export = ModelExportFromFlags();
   const LrSchedule schedule = LrScheduleFromFlags(absl::GetFlag(FLAGS_max_steps));
   absl::StatusOr<std::vector<EngineEndpoint>> engines =
@@ -293,7 +294,8 @@ int Run() {
        .max_steps = absl::GetFlag(FLAGS_max_steps),
        .ranks = {.world = world->get(), .data_parallel_rank = replica},
        .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
-       .log_prefix = prefix},
+       .log_prefix = prefix,
+       .progress = progress},
       &checkpoint_requested);
   // Every rank leaves together, so rank 0's store outlives the others' last collective.
   (*world)->Barrier();

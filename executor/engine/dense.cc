@@ -15,6 +15,9 @@ GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollo
   GradientResult result;
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
   at::Tensor total_loss;  // a device scalar, read once at the end
+  int64_t total_work = 0;
+  for (const Rollout& rollout : rollouts)
+    total_work += (checkpointing ? 2 : 1) * static_cast<int64_t>(rollout.tokens.size());
   for (int32_t r = 0; r < static_cast<int32_t>(rollouts.size()); ++r) {
     const at::Tensor& tokens = token_tensors[r];
     const int64_t length = tokens.size(0);
@@ -47,6 +50,7 @@ GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollo
       if (checkpointing) BackwardThroughLayers(model, input, context, saved);
       total_loss = total_loss.defined() ? total_loss + loss.detach() : loss.detach();
     }
+    if (options.progress) options.progress(result.forwarded_tokens, total_work);
   }
   if (total_loss.defined()) result.loss = total_loss.item<double>();
   return result;

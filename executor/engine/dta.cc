@@ -298,8 +298,18 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   GradientResult result;
   result.logprobs.resize(rollouts.size());
   for (const Rollout& rollout : rollouts) result.rollout_tokens += rollout.tokens.size();
+  int64_t total_work = 0;  // what forwarded_tokens will be
+  if (options.progress) {
+    for (const Step& step : schedule->steps) {
+      if (step.kind == StepKind::kForward ||
+          (step.kind == StepKind::kBackward && !step.reuses_graph))
+        total_work += step.size();
+      if (step.kind == StepKind::kPacked) total_work += step.packed_tokens;
+    }
+  }
   std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
   for (const Step& step : schedule->steps) {
+    const int64_t forwarded_before = result.forwarded_tokens;
     switch (step.kind) {
       case StepKind::kForward: {
         Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
@@ -350,6 +360,8 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         break;
       }
     }
+    if (options.progress && result.forwarded_tokens != forwarded_before)
+      options.progress(result.forwarded_tokens, total_work);
   }
   result.loss = loss.item<double>();  // the one read-back, after the last kernel is queued
   return result;

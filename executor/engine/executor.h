@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <string_view>
 #include <vector>
 
@@ -78,6 +79,12 @@ struct ExecutorOptions {
   // Log-probabilities (and entropy) of softmax(logits / temperature): the temperature the rollouts
   // were sampled at, as AReaL applies it to the training log-probabilities.
   double temperature = 1.0;
+  // Progress within one call (ComputeGradients, ComputeLogprobs), for progress lines on long
+  // steps: called on the calling thread after each unit of work with the tokens pushed through the
+  // model so far and in all (forward and recomputation, as GradientResult::forwarded_tokens counts
+  // them; `done` never decreases and reaches `total` at the end). It never synchronises the
+  // device: on a GPU `done` counts work queued, which runs at most a launch queue ahead.
+  std::function<void(int64_t done, int64_t total)> progress;
 };
 
 // The names the command line and Python give these: "dta", "dense", "packed"; "backward-dfs",

@@ -58,8 +58,10 @@ GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> roll
   std::vector<RolloutIndex> all(rollouts.size());
   for (size_t r = 0; r < rollouts.size(); ++r) all[r] = static_cast<RolloutIndex>(r);
   at::Tensor total_loss;
+  const int64_t passes = plan != nullptr && options.checkpointing ? 2 : 1;
   if (options.token_capacity <= 0) {
     RunPackedBatch(model, rollouts, all, plan, options, result, total_loss);
+    if (options.progress) options.progress(result.forwarded_tokens, result.forwarded_tokens);
   } else {
     // Tree Training's partitioning: subtrees of at most token_capacity unique tokens, one packed
     // forward each (shared prefixes across batches are computed again: see the partition's ERR).
@@ -68,6 +70,8 @@ GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> roll
     TORCH_CHECK(partition.ok(), "packed: ", std::string(partition.status().message()));
     for (const TreeBatch& batch : partition->batches) {
       RunPackedBatch(model, rollouts, batch.rollouts, plan, options, result, total_loss);
+      if (options.progress)
+        options.progress(result.forwarded_tokens, passes * partition->total_tokens);
     }
   }
   if (total_loss.defined()) result.loss = total_loss.item<double>();

@@ -116,6 +116,7 @@ def test_an_lr_schedule_decays_over_the_whole_run_resumed_or_not(rollouts, tmp_p
     (["--min_lr_ratio=2"], "--min_lr_ratio must be in [0, 1]"),
     (["--warmup_steps=-1"], "--warmup_steps must be >= 0"),
     (["--checkpoint_dtype=int8"], "--checkpoint_dtype must be bfloat16, float16, float32, float64 or model"),
+    (["--progress=sometimes"], "--progress must be auto, always or never, got 'sometimes'"),
 ])
 def test_bad_flags_exit_2(rollouts, args, message):
     run = train(f"--rollouts={rollouts}", *args)

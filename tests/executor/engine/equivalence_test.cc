@@ -260,6 +260,38 @@ TEST_F(Equivalence, ForwardOnlyLogprobs) {
   }
 }
 
+// The progress callback counts what forwarded_tokens counts: never backwards, ending at its total.
+TEST_F(Equivalence, ProgressCountsForwardedTokensUpToTheirTotal) {
+  const auto rollouts = MakeRollouts(testing::RandomRollouts(3, {.vocab = 5}), 3);
+  const ExecutorOptions variants[] = {
+      {.method = Method::kDense},
+      {.method = Method::kDense, .checkpointing = true},
+      {.method = Method::kPacked},
+      {.method = Method::kPacked, .token_capacity = 40, .checkpointing = true},
+      {.method = Method::kDta, .block_size = 1},
+      {.method = Method::kDta, .block_size = 3, .graph_budget = 6, .pack = true},
+      {.method = Method::kDta, .block_size = kUnboundedBlock}};
+  for (ExecutorOptions options : variants) {
+    const std::string what = std::string(MethodName(options.method)) +
+                             " B=" + std::to_string(options.block_size) +
+                             (options.checkpointing ? " ckpt" : "") + (options.pack ? " pack" : "");
+    std::vector<std::pair<int64_t, int64_t>> calls;
+    options.progress = [&calls](int64_t done, int64_t total) { calls.emplace_back(done, total); };
+    const GradientResult result =
+        ComputeGradients(model_, rollouts, {.kind = LossKind::kPpo}, options);
+    ASSERT_FALSE(calls.empty()) << what;
+    EXPECT_EQ(calls.back(), std::make_pair(result.forwarded_tokens, result.forwarded_tokens))
+        << what;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      EXPECT_EQ(calls[i].second, result.forwarded_tokens) << what;
+      EXPECT_LE(calls[i].first, calls[i].second) << what;
+      if (i > 0) EXPECT_GT(calls[i].first, calls[i - 1].first) << what;
+    }
+    if (options.method == Method::kDta && options.block_size == 1)
+      EXPECT_GT(calls.size(), rollouts.size()) << "one call per chunk";
+  }
+}
+
 TEST_F(Equivalence, RejectsTokensOutsideTheVocabulary) {
   const auto rollouts = MakeRollouts({{1, 2, 40}}, 1);
   try {
