@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "dispatcher/client/client_options.h"
 
@@ -21,7 +20,7 @@ namespace dta {
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServerFromFlags(
     const std::string& who, std::function<std::string()> render, int port_offset) {
-  std::string address = absl::GetFlag(FLAGS_metrics_listen);
+  const std::string address = absl::GetFlag(FLAGS_metrics_listen);
   if (address.empty()) return nullptr;
   std::string token;
   if (const std::string path = absl::GetFlag(FLAGS_metrics_token_file); !path.empty()) {
@@ -32,20 +31,16 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServerFromFlags(
     }
     token = *std::move(read);
   }
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (port_offset != 0 && colon != std::string::npos &&
-      absl::SimpleAtoi(address.substr(colon + 1), &port) && port > 0) {
-    address = absl::StrCat(address.substr(0, colon), ":", port + port_offset);
-  }
   absl::StatusOr<std::unique_ptr<MetricsServer>> server =
-      MetricsServer::Start(address, std::move(token), std::move(render));
+      MetricsServer::Start(address, std::move(token), std::move(render), port_offset);
   if (!server.ok()) {
     return absl::Status(server.status().code(),
                         absl::StrCat("--metrics_listen: ", server.status().message()));
   }
-  std::fprintf(stderr, "%s: metrics on http://%s:%d/metrics\n", who.c_str(),
-               address.substr(0, address.rfind(':')).c_str(), (*server)->port());
+  const std::string& host = (*server)->host();
+  const bool v6 = host.find(':') != std::string::npos;
+  std::fprintf(stderr, "%s: metrics on http://%s%s%s:%d/metrics\n", who.c_str(), v6 ? "[" : "",
+               host.c_str(), v6 ? "]" : "", (*server)->port());
   return server;
 }
 

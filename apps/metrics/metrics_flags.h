@@ -20,8 +20,8 @@ ABSL_DECLARE_FLAG(std::string, tensorboard_dir);
 namespace dta {
 
 // The /metrics server of --metrics_listen serving `render()`, or nullptr when the flag is empty.
-// `port_offset` is added to a non-zero port (a trainer's LOCAL_RANK: the ranks of one host listen
-// on consecutive ports). Errors name the flag. Prints where it listens on stderr, after `who`.
+// `port_offset`: as MetricsServer::Start. Errors name the flag. Prints where it listens on stderr,
+// after `who`.
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServerFromFlags(
     const std::string& who, std::function<std::string()> render, int port_offset = 0);
 

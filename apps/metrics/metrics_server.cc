@@ -31,12 +31,18 @@ bool SplitAddress(const std::string& address, std::string& host, int& port) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
-    const std::string& address, std::string bearer_token, std::function<std::string()> render) {
+    const std::string& given_address, std::string bearer_token, std::function<std::string()> render,
+    int port_offset) {
   std::string host;
   int port = 0;
-  if (!SplitAddress(address, host, port)) {
+  if (!SplitAddress(given_address, host, port)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("metrics address '", address, "' is not host:port"));
+        absl::StrCat("metrics address '", given_address, "' is not host:port"));
+  }
+  std::string address = given_address;
+  if (port > 0 && port_offset != 0) {
+    port += port_offset;
+    address = absl::StrCat(given_address.substr(0, given_address.rfind(':')), ":", port);
   }
   if (bearer_token.empty() && !IsLoopbackAddress(address)) {
     return absl::InvalidArgumentError(
@@ -73,6 +79,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   if (bound <= 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address, " for metrics"));
   }
+  server->host_ = host;
   server->port_ = bound;
   server->thread_ = std::thread([&http] { http.listen_after_bind(); });
   return server;
