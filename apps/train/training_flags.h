@@ -13,8 +13,8 @@
 
 #include "absl/flags/declare.h"
 #include "core/base/exit_codes.h"
-#include "core/cli/progress_line.h"
 #include "core/layout/memory_plan.h"
+#include "core/progress/progress_line.h"
 #include "core/schedule/lr_schedule.h"
 #include "executor/distributed/sharded_adamw.h"
 #include "executor/engine/executor.h"
@@ -48,7 +48,7 @@ ModelExportOptions ModelExportFromFlags();
 // --activation_gb and the device's memory (core/layout's planner). BadInput with the planner's
 // message (naming the numbers) when nothing fits or an override is impossible.
 LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device);
-// --progress: progress lines with rate and ETA within long steps (core/cli/progress_line.h).
+// --progress: progress lines with rate and ETA within long steps (core/progress/progress_line.h).
 ProgressMode ProgressFromFlags();
 // --offload_update: where an offloaded optimizer's update runs.
 OffloadUpdate OffloadUpdateFromFlags();

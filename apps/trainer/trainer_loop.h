@@ -29,7 +29,7 @@
 #include <string>
 
 #include "apps/trainer/checkpoints.h"
-#include "core/cli/progress_line.h"
+#include "core/progress/progress_line.h"
 #include "dispatcher/client/trainer_session.h"
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"

@@ -1,8 +1,8 @@
 // dta-trainer: the trainer daemon. One process per GPU (or CPU rank), started by a launcher with
 // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun exports them):
 //
-//   torchrun --nproc_per_node=8 --max-restarts=100 --no-python dta-trainer --tensor_parallel=2 \
-//       --dispatcher=host:50051 --token_file=token --checkpoint_dir=/shared/ckpt \
+//   torchrun --nproc_per_node=8 --max-restarts=100 --no-python dta-trainer --tensor_parallel=2
+//       --dispatcher=host:50051 --token_file=token --checkpoint_dir=/shared/ckpt
 //       --model=/models/Qwen3-8B --dtype=bfloat16 --device=cuda --loss=grpo --lr=1e-6
 //
 // Each step: fetch this rank's partition from the dispatcher, compute its gradients with the

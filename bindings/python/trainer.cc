@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <filesystem>
+#include <sstream>
+#include <string>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -43,6 +45,33 @@ PartitionPlan SplitBatch(absl::Span<const Rollout> rollouts, int replicas, bool 
 void AllReduceSum(ProcessGroup& group, const at::Tensor& flat, const char* what) {
   std::vector<at::Tensor> tensors = {flat};
   group.Wait(*group.backend()->allreduce(tensors), what);
+}
+
+// The first field in which two configs describe different models ("" when none): the
+// storage dtype may differ (a bfloat16 checkpoint of a float32 model is the same model).
+std::string FirstDifference(const Qwen3Config& model, const Qwen3Config& loaded) {
+  auto field = [](const char* name, const auto& a, const auto& b) {
+    std::ostringstream out;
+    if (!(a == b)) out << name << " " << b << ", the model's " << a;
+    return out.str();
+  };
+  for (std::string differs : {
+           field("vocab_size", model.vocab_size, loaded.vocab_size),
+           field("hidden_size", model.hidden_size, loaded.hidden_size),
+           field("intermediate_size", model.intermediate_size, loaded.intermediate_size),
+           field("num_hidden_layers", model.num_hidden_layers, loaded.num_hidden_layers),
+           field("num_attention_heads", model.num_attention_heads, loaded.num_attention_heads),
+           field("num_key_value_heads", model.num_key_value_heads, loaded.num_key_value_heads),
+           field("head_dim", model.head_dim, loaded.head_dim),
+           field("rms_norm_eps", model.rms_norm_eps, loaded.rms_norm_eps),
+           field("rope_theta", model.rope_theta, loaded.rope_theta),
+           field("tie_word_embeddings", model.tie_word_embeddings, loaded.tie_word_embeddings),
+           field("max_position_embeddings", model.max_position_embeddings,
+                 loaded.max_position_embeddings),
+       }) {
+    if (!differs.empty()) return differs;
+  }
+  return "";
 }
 
 }  // namespace
@@ -158,9 +187,9 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
   return stats;
 }
 
-StepStats Trainer::Step() {
+StepStats Trainer::Step(NonFiniteGradients on_nonfinite) {
   optimizer_->SyncGradients();
-  return optimizer_->Step();
+  return optimizer_->Step(on_nonfinite);
 }
 
 void Trainer::ZeroGrad() { optimizer_->ZeroGrad(); }
@@ -210,6 +239,28 @@ void Trainer::Save(const std::string& directory, std::optional<at::ScalarType> d
 
 void Trainer::LoadOptimizer(const std::string& path) {
   optimizer_->LoadState(OptimizerStatePath(path));
+}
+
+void Trainer::LoadWeights(const std::string& directory) {
+  absl::StatusOr<Qwen3Config> config =
+      LoadQwen3Config((std::filesystem::path(directory) / "config.json").string());
+  TORCH_CHECK(config.ok(), std::string(config.status().message()));
+  const std::string differs = FirstDifference(model_->config(), *config);
+  TORCH_CHECK(differs.empty(), directory, "/config.json: not the trained model's configuration (",
+              differs, "): load_weights replaces the weights of the same model only");
+  // On the host in the model's dtype, so the device holds one copy of the weights throughout.
+  const Qwen3Model loaded =
+      LoadQwen3Model(directory, model_->options().device(at::kCPU),
+                     groups_ ? groups_->tensor_parallel_collectives() : nullptr);
+  at::NoGradGuard no_grad;
+  const auto& from = loaded.named_parameters();
+  const auto& into = model_->named_parameters();
+  for (size_t i = 0; i < into.size(); ++i) {
+    TORCH_CHECK(from[i].first == into[i].first, "load_weights: parameter ", i, " is '",
+                from[i].first, "' in ", directory, " but '", into[i].first, "' in the model");
+    into[i].second.detach().copy_(from[i].second);
+  }
+  optimizer_->ResetMasterFromParameters();
 }
 
 }  // namespace dta::python

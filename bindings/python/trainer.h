@@ -86,8 +86,9 @@ class Trainer {
   // computes nothing. The stats are the whole batch's on every rank.
   GradientStats ComputeGradients(absl::Span<const Rollout> rollouts, const LossOptions& loss,
                                  const ExecutorOptions& executor);
-  // Sums the gradients over the data-parallel replicas, then clips and steps AdamW.
-  StepStats Step();
+  // Sums the gradients over the data-parallel replicas, then clips and steps AdamW (see
+  // NonFiniteGradients for a gradient that is not finite).
+  StepStats Step(NonFiniteGradients on_nonfinite = NonFiniteGradients::kRaise);
   void ZeroGrad();
   // Every rollout's per-token log-probabilities [L] (position 0 holds 0), without gradients; on
   // every rank, each replica computing its share.
@@ -104,6 +105,12 @@ class Trainer {
   // Restores the optimizer from a checkpoint Save (or dta-train --save, or dta-trainer) wrote, its
   // optimizer/ directory or one state file.
   void LoadOptimizer(const std::string& path);
+  // Replaces the weights with those of a Hugging Face directory of the same model (config.json
+  // equal to this model's, else TORCH_CHECK naming the first field that differs): read on the
+  // host, this rank's part copied into the parameters, the optimizer's master weights taken from
+  // them (its moments and step count stay, as after loading a model state into torch's AdamW).
+  // Every rank calls it.
+  void LoadWeights(const std::string& directory);
 
   const Qwen3Model& model() const { return *model_; }
   TrainingOptimizer& optimizer() { return *optimizer_; }

@@ -21,6 +21,8 @@
 #include "bindings/python/trainer.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
+#include "core/metrics/tensorboard_writer.h"
+#include "core/progress/progress_line.h"
 #include "core/schedule/lr_schedule.h"
 
 namespace py = pybind11;
@@ -88,6 +90,26 @@ struct BoundTrainer {
   std::unique_ptr<Trainer> trainer;
   std::mutex mu;
   std::atomic<std::thread::id> owner{};
+  ProgressMode progress = ProgressMode::kAuto;  // progress lines within long calls (rank 0)
+};
+
+// A progress line for one long call, fed by a copy of its executor options (on rank 0 only: the
+// others compute their shares of the same batch).
+class CallProgress {
+ public:
+  CallProgress(const BoundTrainer& self, const char* call, const ExecutorOptions& options)
+      : line_(std::string("dta.Trainer: ") + call, "tokens",
+              self.trainer->rank() == 0 ? self.progress : ProgressMode::kNever),
+        executor_(options) {
+    executor_.progress = [this](int64_t done, int64_t total) { line_.Update(done, total); };
+  }
+  CallProgress(const CallProgress&) = delete;
+  CallProgress& operator=(const CallProgress&) = delete;
+  const ExecutorOptions& executor() const { return executor_; }
+
+ private:
+  ProgressLine line_;
+  ExecutorOptions executor_;
 };
 
 // Runs `call` on the trainer without the GIL, under the trainer's lock.
@@ -156,7 +178,8 @@ py::dict ComputeGradientsBinding(BoundTrainer& self, const py::sequence& traject
   std::exception_ptr failure;
   WithoutGil(self, [&](Trainer& t) {
     try {
-      stats = t.ComputeGradients(rollouts, loss, executor);
+      const CallProgress progress(self, "compute_gradients", executor);
+      stats = t.ComputeGradients(rollouts, loss, progress.executor());
     } catch (...) {
       failure = std::current_exception();
     }
@@ -318,16 +341,21 @@ void RegisterTrainer(py::module_& m) {
           py::arg("device"), py::arg("adamw"), py::arg("parallel"))
       .def("compute_gradients", &ComputeGradientsBinding, py::arg("trajectories"), py::arg("loss"),
            py::arg("custom"), py::arg("executor"))
-      .def("step",
-           [](BoundTrainer& self) {
-             const StepStats s = WithoutGil(self, [](Trainer& t) { return t.Step(); });
-             py::dict d;
-             d["grad_norm"] = s.grad_norm;
-             d["clip_coef"] = s.clip_coef;
-             d["step"] = s.step;
-             d["lr"] = s.lr;
-             return d;
-           })
+      .def(
+          "step",
+          [](BoundTrainer& self, bool skip_nonfinite) {
+            const NonFiniteGradients on_nonfinite =
+                skip_nonfinite ? NonFiniteGradients::kSkip : NonFiniteGradients::kRaise;
+            const StepStats s = WithoutGil(self, [&](Trainer& t) { return t.Step(on_nonfinite); });
+            py::dict d;
+            d["grad_norm"] = s.grad_norm;
+            d["clip_coef"] = s.clip_coef;
+            d["step"] = s.step;
+            d["lr"] = s.lr;
+            d["skipped"] = s.skipped;
+            return d;
+          },
+          py::arg("skip_nonfinite") = false)
       .def(
           "set_lr_schedule",
           [](BoundTrainer& self, const std::string& decay, int64_t warmup_steps,
@@ -351,8 +379,10 @@ void RegisterTrainer(py::module_& m) {
           [](BoundTrainer& self, const py::sequence& trajectories,
              const ExecutorOptions& executor) {
             const std::vector<Rollout> rollouts = ToRollouts(trajectories);
-            return WithoutGil(self,
-                              [&](Trainer& t) { return t.ComputeLogprobs(rollouts, executor); });
+            return WithoutGil(self, [&](Trainer& t) {
+              const CallProgress progress(self, "compute_logprobs", executor);
+              return t.ComputeLogprobs(rollouts, progress.executor());
+            });
           },
           py::arg("trajectories"), py::arg("executor"))
       .def(
@@ -368,6 +398,12 @@ void RegisterTrainer(py::module_& m) {
             WithoutGil(self, [&](Trainer& t) { t.LoadOptimizer(path); });
           },
           py::arg("path"))
+      .def(
+          "load_weights",
+          [](BoundTrainer& self, const std::string& directory) {
+            WithoutGil(self, [&](Trainer& t) { t.LoadWeights(directory); });
+          },
+          py::arg("directory"))
       .def("named_parameters",
            [](BoundTrainer& self) { return self.trainer->model().named_parameters(); })
       .def("config_json",
@@ -406,7 +442,44 @@ void RegisterTrainer(py::module_& m) {
       .def_property_readonly("data_parallel_size",
                              [](BoundTrainer& self) { return self.trainer->data_parallel_size(); })
       .def_property_readonly("step_count",
-                             [](BoundTrainer& self) { return self.trainer->optimizer().step(); });
+                             [](BoundTrainer& self) { return self.trainer->optimizer().step(); })
+      .def_property(
+          "progress",
+          [](const BoundTrainer& self) {
+            switch (self.progress) {
+              case ProgressMode::kAuto:
+                return "auto";
+              case ProgressMode::kAlways:
+                return "always";
+              case ProgressMode::kNever:
+                return "never";
+            }
+            return "auto";
+          },
+          [](BoundTrainer& self, const std::string& mode) {
+            const absl::StatusOr<ProgressMode> parsed = ParseProgressMode(mode);
+            if (!parsed.ok())
+              throw py::value_error("progress: " + std::string(parsed.status().message()));
+            self.progress = *parsed;
+          });
+
+  // TensorBoard event files without TensorFlow (core/metrics), for dta.Trainer(tensorboard_dir=).
+  py::class_<TensorBoardWriter>(m, "TensorBoardWriter")
+      .def(py::init([](const std::string& directory) {
+             absl::StatusOr<std::unique_ptr<TensorBoardWriter>> opened =
+                 TensorBoardWriter::Open(directory);
+             if (!opened.ok()) throw py::value_error(std::string(opened.status().message()));
+             return *std::move(opened);
+           }),
+           py::arg("directory"))
+      .def(
+          "write",
+          [](TensorBoardWriter& self, int64_t step, const Scalars& scalars) {
+            const absl::Status written = self.Write(step, scalars);
+            if (!written.ok()) throw std::runtime_error(std::string(written.message()));
+          },
+          py::arg("step"), py::arg("scalars"))
+      .def_property_readonly("path", &TensorBoardWriter::path);
 }
 
 }  // namespace dta::python

@@ -224,6 +224,14 @@ at::Tensor ShardedAdamW::NewMaster() const {
   return at::zeros({shard_}, exp_avg_.options());
 }
 
+void ShardedAdamW::ResetMasterFromParameters() {
+  if (!master_.defined()) return;  // the first Step takes it from the parameters anyway
+  at::NoGradGuard no_grad;
+  ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t in_param, int64_t n, int64_t local) {
+    master_.narrow(0, local, n).copy_(named_[i].second.detach().view(-1).narrow(0, in_param, n));
+  });
+}
+
 at::Tensor ShardedAdamW::MasterFromParameters() const {
   at::Tensor master = NewMaster();
   ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t in_param, int64_t n, int64_t local) {
@@ -264,7 +272,7 @@ void ShardedAdamW::PublishParameters(Produce&& produce) {
   }
 }
 
-StepStats ShardedAdamW::Step() {
+StepStats ShardedAdamW::Step(NonFiniteGradients on_nonfinite) {
   at::NoGradGuard no_grad;
   const at::Tensor shard = GradShard();
   const int64_t b = std::min(sharding_.bucket_elements, shard_);
@@ -287,6 +295,9 @@ StepStats ShardedAdamW::Step() {
   const double data_parallel =
       group_ != nullptr ? group_->AllReduceScalars({local}).front() : local;
   const double total = std::sqrt(tensor_parallel.Sum(data_parallel, device_));
+  if (!std::isfinite(total) && on_nonfinite == NonFiniteGradients::kSkip) {
+    return {.grad_norm = total, .step = step_, .lr = options_.lr, .skipped = true};
+  }
   if (!std::isfinite(total)) {
     ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t, int64_t n, int64_t local_at) {
       TORCH_CHECK(at::isfinite(shard.narrow(0, local_at, n)).all().item<bool>(),

@@ -124,10 +124,15 @@ class ShardedAdamW {
   // parameter's, naming the rank and bucket when a collective fails.
   void ReduceGradients();
 
-  // Clip and update this rank's slice, then all-gather the weights. Increments step(). TORCH_CHECK
-  // (updating nothing, on every rank) when the global norm is not finite, naming the parameter on
-  // the rank whose slice holds the non-finite gradient.
-  StepStats Step();
+  // Clip and update this rank's slice, then all-gather the weights. Increments step(). When the
+  // global norm is not finite nothing is updated on any rank and, as `on_nonfinite` says, every
+  // rank raises (naming the parameter on the rank whose slice holds the non-finite gradient) or
+  // every rank returns skipped = true.
+  StepStats Step(NonFiniteGradients on_nonfinite = NonFiniteGradients::kRaise);
+
+  // Takes this rank's master slice from the parameters again (weights written into them by
+  // other means); moments and the step count stay. No collective.
+  void ResetMasterFromParameters();
 
   // Writes this rank's slice to `path` (see the header comment), replacing it atomically.
   void SaveState(const std::string& path) const;

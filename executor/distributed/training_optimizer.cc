@@ -96,12 +96,20 @@ std::string TrainingOptimizer::DescribeOffload() const {
   return text;
 }
 
-StepStats TrainingOptimizer::Step() {
+StepStats TrainingOptimizer::Step(NonFiniteGradients on_nonfinite) {
   if (schedule_.has_value()) ApplyLr(peak_lr_ * LrFactor(*schedule_, step()));
   const double lr = options().lr;
-  StepStats stats = sharded_ ? sharded_->Step() : replicated_->Step();
+  StepStats stats = sharded_ ? sharded_->Step(on_nonfinite) : replicated_->Step(on_nonfinite);
   stats.lr = lr;
   return stats;
+}
+
+void TrainingOptimizer::ResetMasterFromParameters() {
+  if (sharded_) {
+    sharded_->ResetMasterFromParameters();
+  } else {
+    replicated_->ResetMasterFromParameters();
+  }
 }
 
 void TrainingOptimizer::set_schedule(const LrSchedule& schedule) {

@@ -50,7 +50,11 @@ class TrainingOptimizer {
   // Sums the gradients over the data-parallel ranks (all-reduce, or reduce-scatter when sharded;
   // nothing on one replicated process).
   void SyncGradients();
-  StepStats Step();
+  // One step of the layout's optimizer (see NonFiniteGradients for a gradient that is not
+  // finite: nothing is updated, and the learning rate a schedule would set is not consumed).
+  StepStats Step(NonFiniteGradients on_nonfinite = NonFiniteGradients::kRaise);
+  // After weights were written into the parameters by other means: the master weights follow.
+  void ResetMasterFromParameters();
   int64_t step() const;
   bool sharded() const { return sharded_ != nullptr; }
   // Where the last offloaded step spent its time (zeros when not offloaded).

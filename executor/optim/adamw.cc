@@ -130,9 +130,19 @@ at::Tensor AdamW::exp_avg_sq(std::string_view name) const {
   return states_[IndexOf(name)].exp_avg_sq;
 }
 
-StepStats AdamW::Step() {
+void AdamW::ResetMasterFromParameters() {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < named_.size(); ++i) {
+    if (states_[i].master.defined()) states_[i].master.copy_(named_[i].second.detach());
+  }
+}
+
+StepStats AdamW::Step(NonFiniteGradients on_nonfinite) {
   at::NoGradGuard no_grad;
   const GradNorms norms = ComputeGradNorms(named_, tensor_parallel_);
+  if (!std::isfinite(norms.total) && on_nonfinite == NonFiniteGradients::kSkip) {
+    return {.grad_norm = norms.total, .step = step_, .lr = options_.lr, .skipped = true};
+  }
   if (!std::isfinite(norms.total)) {
     for (size_t i : norms.index) {
       const auto& [name, param] = named_[i];

@@ -3,9 +3,12 @@
 //
 // One Step():
 //   1. total = GlobalGradNorm(params): the L2 norm over every defined grad, accumulated in float64
-//      (a parameter whose grad is undefined counts as zero). If it is not finite, TORCH_CHECK
-//      fails naming the first parameter whose grad holds a NaN or an infinity, and NOTHING is
-//      updated (parameters, moments, master weights and the step count stay as they were).
+//      (a parameter whose grad is undefined counts as zero). If it is not finite, NOTHING is
+//      updated (parameters, moments, master weights and the step count stay as they were) and,
+//      by default (NonFiniteGradients::kRaise), TORCH_CHECK fails naming the first parameter whose
+//      grad holds a NaN or an infinity; with kSkip the step returns skipped = true instead (what
+//      Megatron and AReaL's engines do with a loss spike: the caller zeroes the gradients and
+//      goes on).
 //   2. clip_coef = min(1, max_grad_norm / (total + 1e-6)) as torch.nn.utils.clip_grad_norm_
 //      computes it (clip_coef = 1 when max_grad_norm <= 0). Every grad used below is g * clip_coef
 //      (skipped when clip_coef == 1, which is bit-identical). The .grad tensors themselves are
@@ -70,10 +73,19 @@
 namespace dta {
 
 struct StepStats {
-  double grad_norm = 0.0;  // global L2 norm of the grads before clipping
+  double grad_norm = 0.0;  // global L2 norm of the grads before clipping (NaN or inf if skipped)
   double clip_coef = 1.0;  // the factor applied to every grad (1 when not clipped)
   int64_t step = 0;        // the step count after this step (1 after the first)
   double lr = 0.0;         // the learning rate this step used
+  bool skipped = false;    // the norm was not finite and nothing was updated (kSkip only)
+};
+
+// What Step() does when the global gradient norm is not finite (NaN or infinity). Either way
+// nothing is updated; every rank of a distributed optimizer sees the same global norm, so all of
+// them raise or all of them skip.
+enum class NonFiniteGradients {
+  kRaise,  // TORCH_CHECK naming the parameter whose gradient is not finite
+  kSkip,   // return StepStats{.skipped = true}; the step count does not move
 };
 
 class AdamW {
@@ -93,9 +105,14 @@ class AdamW {
   AdamW& operator=(AdamW&&) = default;
 
   // Clip, then one AdamW step under no-grad, as the header comment says. Increments step() even
-  // when no parameter has a grad. TORCH_CHECK (naming the parameter, updating nothing) when a
-  // grad is not finite.
-  StepStats Step();
+  // when no parameter has a grad. When a grad is not finite nothing is updated and, as
+  // `on_nonfinite` says, TORCH_CHECK names the parameter or the step is skipped.
+  StepStats Step(NonFiniteGradients on_nonfinite = NonFiniteGradients::kRaise);
+
+  // Takes the master weights from the parameters again, as at the first Step (for weights
+  // written into the parameters by other means, e.g. a checkpoint loaded into a live model);
+  // moments and the step count stay.
+  void ResetMasterFromParameters();
 
   // Zeroes every defined grad in place (keeping its memory), or with set_to_none resets every
   // grad to undefined.

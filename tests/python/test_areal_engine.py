@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import random
 import threading
 from concurrent.futures import Future
@@ -395,8 +396,33 @@ def test_save_and_load_round_trip(checkpoint, rollouts, make_engine, tmp_path, w
     engine.load(meta)
     assert engine.trainer.step_count == step
     assert_close(parameters(engine.trainer), saved, "restored weights", relative=0)
-    with pytest.raises(NotImplementedError, match="with_optim=True"):
-        engine.load(SaveLoadMeta(path=meta.path, weight_format=weight_format, with_optim=False))
+    # Weights only: the moments and the step count stay, the weights are the checkpoint's.
+    ppo_step(engine, rollouts)
+    engine.load(SaveLoadMeta(path=meta.path, weight_format=weight_format, with_optim=False))
+    assert engine.trainer.step_count == step + 1
+    assert_close(parameters(engine.trainer), saved, "weights loaded without the optimizer", relative=0)
+
+
+def test_a_nonfinite_gradient_is_an_unsuccessful_update_that_changes_nothing(checkpoint, rollouts, make_engine):
+    """AReaL's FSDP engine's rule: a gradient norm that is not finite zeroes the gradients, updates
+    nothing and reports update_successful = 0; the next finite batch steps as usual."""
+    engine = make_engine(actor_config(checkpoint[1]))
+    before = parameters(engine.trainer)
+    batch = engine.compute_advantages(copy.deepcopy(rollouts))
+    weight = lambda mb: mb["loss_mask"].count_nonzero()  # noqa: E731 - PPOActor's
+    nan_loss = lambda logprobs, entropy, mb, **kw: logprobs.sum() * float("nan")  # noqa: E731
+    stats = engine.train_batch(copy.deepcopy(batch), loss_fn=nan_loss, loss_weight_fn=weight)
+    assert stats["update_successful"] == 0.0 and not math.isfinite(stats["grad_norm"])
+    assert engine.trainer.step_count == 0
+    assert_close(parameters(engine.trainer), before, "parameters after a skipped step", relative=0)
+    assert all(not g.any() for g in engine.trainer.gradients().values())  # zeroed, as AReaL does
+    # optimizer_step on its own follows the same rule
+    engine.trainer.parameters()["model.norm.weight"].grad[0] = float("inf")
+    assert engine.optimizer_step()["update_successful"] == 0.0 and engine.trainer.step_count == 0
+    assert not engine.trainer.parameters()["model.norm.weight"].grad.any()
+    stats = engine.train_batch(batch, loss_fn=functools.partial(grpo_loss_fn, **areal_loss_kwargs(
+        actor_config(checkpoint[1]))), loss_weight_fn=weight)
+    assert stats["update_successful"] == 1.0 and engine.trainer.step_count == 1
 
 
 class Inference(InferenceEngine):

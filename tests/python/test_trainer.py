@@ -310,6 +310,82 @@ def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, 
         dta.Trainer(published, dtype="float64")
 
 
+def test_a_nonfinite_gradient_raises_or_skips_the_step_and_updates_nothing(checkpoint, trajectories, tmp_path):
+    """NaN gradients (one rollout's loss is NaN): by default the step raises naming a parameter;
+    with nonfinite_gradients="skip" it reports skipped and updates nothing (the next finite step is
+    exactly a fresh trainer's first); TensorBoard gets both steps' numbers."""
+    from event_files import read_scalars
+
+    _, directory = checkpoint
+
+    def poisoned(logprobs: torch.Tensor, rollout: dta.trainer.RolloutLossInput) -> torch.Tensor:
+        return logprobs.sum() * (math.nan if rollout.index == 1 else 1.0)
+
+    raising = dta.Trainer(directory, dtype="float64", lr=1e-2)
+    before = {name: p.detach().clone() for name, p in raising.parameters().items()}
+    with pytest.raises(RuntimeError, match=r"gradient of parameter '.*' is not finite .* nothing was updated"):
+        raising.train_batch(trajectories, poisoned)
+    assert raising.step_count == 0
+
+    skipping = dta.Trainer(directory, dtype="float64", lr=1e-2, nonfinite_gradients="skip",
+                           tensorboard_dir=tmp_path / "tb")
+    stats = skipping.train_batch(trajectories, poisoned)
+    assert stats.skipped and math.isnan(stats.grad_norm) and stats.step == 0 == skipping.step_count
+    for name, p in skipping.parameters().items():
+        assert torch.equal(p.detach(), before[name]), name
+    step = skipping.train_batch(trajectories, "grpo")
+    assert not step.skipped and step.step == 1
+    fresh = dta.Trainer(directory, dtype="float64", lr=1e-2)
+    fresh.train_batch(trajectories, "grpo")
+    moved = 0
+    for name, p in skipping.parameters().items():
+        assert torch.equal(p.detach(), fresh.parameters()[name].detach()), name
+        moved += not torch.equal(p.detach(), before[name])
+    assert moved > 0
+    scalars = read_scalars(tmp_path / "tb")
+    assert scalars[0]["skipped"] == 1.0 and math.isnan(scalars[0]["grad_norm"])
+    assert scalars[1]["skipped"] == 0.0 and scalars[1]["loss"] == pytest.approx(step.loss, rel=1e-6)
+    assert scalars[1]["compression"] == pytest.approx(step.compression, rel=1e-6)
+    assert "ratio_mean" in scalars[1] and "entropy" not in scalars[1]  # only what applies
+    with pytest.raises(ValueError, match="nonfinite_gradients must be 'raise' or 'skip'"):
+        dta.Trainer(directory, nonfinite_gradients="ignore")
+
+
+def test_load_weights_replaces_the_weights_and_the_master_copy(checkpoint, trajectories, tmp_path):
+    """A trained checkpoint loaded into a live trainer gives its weights exactly; in bfloat16 the
+    optimizer's float32 master copy follows (saved with the state), the moments and count stay;
+    another model's checkpoint is refused naming the field."""
+    model, directory = checkpoint
+    trained = dta.Trainer(directory, dtype="float64", lr=1e-2)
+    trained.train_batch(trajectories, "grpo")
+    trained.save(tmp_path / "trained", dtype=None, optimizer=False)
+    live = dta.Trainer(directory, dtype="float64", lr=1e-2)
+    live.train_batch(trajectories[:3], "sft")
+    live.load_weights(tmp_path / "trained" / "model")
+    for name, p in live.parameters().items():
+        assert torch.equal(p.detach(), trained.parameters()[name].detach()), name
+    assert live.step_count == 1
+
+    low = dta.Trainer(directory, dtype="bfloat16", lr=1e-2)
+    low.train_batch(trajectories, "grpo")  # the master copy exists from here on
+    low.load_weights(directory)
+    low.save(tmp_path / "low", dtype=None)
+    from safetensors.torch import load_file
+    state = load_file(tmp_path / "low" / "optimizer" / "optimizer.safetensors")
+    for name, p in model.named_parameters():
+        assert torch.equal(state[f"{name}.master"], p.detach().to(torch.bfloat16).float()), name
+        assert torch.equal(low.parameters()[name].detach(), p.detach().to(torch.bfloat16)), name
+    assert state["model.norm.weight.exp_avg"].abs().sum() > 0  # the moments stayed
+
+    other = copy.deepcopy(model.config)
+    other.rms_norm_eps = 1e-5
+    Qwen3ForCausalLM(other).save_pretrained(tmp_path / "other", safe_serialization=True)
+    with pytest.raises(RuntimeError, match="rms_norm_eps 1e-05, the model's 1e-06"):
+        live.load_weights(tmp_path / "other")
+    with pytest.raises(FileNotFoundError):
+        live.load_weights(tmp_path / "missing")
+
+
 def test_from_config_and_properties():
     trainer = dta.Trainer.from_config(TINY_CONFIG, seed=3, dtype="float32")
     assert trainer.vocab_size == 1024 and trainer.config["num_hidden_layers"] == 2
@@ -388,6 +464,56 @@ def test_long_calls_release_the_gil():
         thread.join()
     # Holding the GIL for the whole call would leave the counter at (about) zero.
     assert elapsed > 0.05 and during > 1000, (elapsed, during)
+
+
+_PROGRESS_SCRIPT = """
+import random, sys, time
+import dta
+trainer = dta.Trainer.from_config(sys.argv[1], progress="never")
+rng = random.Random(0)
+def batch(n):
+    return [dta.Trajectory(id=str(i), tokens=[rng.randrange(1024) for _ in range(512)], loss_mask=[0] * 512,
+                           logprobs=[0.0] * 512) for i in range(n)]
+start = time.perf_counter()
+trainer.compute_logprobs(batch(4), "dense")
+per_rollout = (time.perf_counter() - start) / 4
+trainer.progress = sys.argv[2]
+trainer.compute_logprobs(batch(max(8, int(4.0 / per_rollout))), "dense")  # about 4 s: past the 2 s delay
+print("done", trainer.progress)
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_progress_lines_on_a_terminal(mode):
+    """A call of about 4 s on a terminal (a pty as stderr) shows the progress line with its rate,
+    unless progress="never"."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, terminal = pty.openpty()
+    child = subprocess.Popen([sys.executable, "-c", _PROGRESS_SCRIPT, TINY_CONFIG, mode], stdout=subprocess.PIPE,
+                             stderr=terminal)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and out.decode().strip() == f"done {mode}", (out, shown)
+    if mode == "never":
+        assert b"dta.Trainer" not in shown, shown
+    else:
+        assert b"dta.Trainer: compute_logprobs: " in shown and b"tokens/s" in shown and b"ETA" in shown, shown
+    with pytest.raises(ValueError, match="progress must be"):
+        dta.Trainer.from_config(TINY_CONFIG, progress="sometimes")
 
 
 def test_bad_input_names_the_trajectory_and_field(checkpoint, trajectories, tmp_path):

@@ -308,6 +308,27 @@ def test_areal_shifted_dict_read_as_aligned_is_refused():
         from_areal(to_areal(t, shifted=False), id="s", shifted=False, vocab_size=6)
 
 
+def test_areal_frames_are_checked_where_the_data_tells():
+    """A tokens-frame dict read as shifted (its last token trained), and with versions either
+    frame read as the other (a trained token lands on a prompt or tool token's version -1), are
+    refused naming the field; versions all -1 (unknown) decide nothing."""
+    t = Trajectory(id="f", tokens=[1, 2, 3, 4, 5, 6], loss_mask=[0, 0, 1, 1, 0, 1],
+                   logprobs=[0.0, 0.0, -1.0, -2.0, 0.0, -3.0], versions=[-1, -1, 3, 3, -1, 4], reward=1.0)
+    tokens_frame, logits_frame = areal_rollout(t), areal_shift(areal_rollout(t))
+    assert from_areal(tokens_frame, id="f", shifted=False) == without_extras(t)
+    assert from_areal(logits_frame, id="f", shifted=True) == without_extras(t)
+    with pytest.raises(ValueError, match=r"field 'loss_mask': position 5, the last token's, is trained.*tokens' frame"):
+        from_areal(tokens_frame, id="f", shifted=True)
+    with pytest.raises(ValueError, match=r"token 1 is trained but its version is -1.*logits frame \(shifted=True\)"):
+        from_areal(logits_frame, id="f", shifted=False)
+    # the last token untrained: only the versions tell the tokens' frame from the logits frame
+    u = dataclasses.replace(t, loss_mask=[0, 0, 1, 1, 0, 0], versions=[-1, -1, 3, 3, -1, -1])
+    with pytest.raises(ValueError, match=r"token 4 is trained but its version is -1.*tokens' frame \(shifted=False\)"):
+        from_areal(areal_rollout(u), id="f", shifted=True)
+    unknown = dict(areal_rollout(u), versions=torch.full((1, 6), -1))
+    assert from_areal(unknown, id="f", shifted=True).loss_mask == [0, 0, 0, 1, 1, 0]  # undetectable
+
+
 # --- verl -------------------------------------------------------------------------------------------
 
 

@@ -20,8 +20,8 @@ Frames. AReaL's engines compute ``logprobs[t] = log p(input_ids[t + 1] | input_i
 (the logits frame), and ``PPOActor.compute_advantages`` rolls ``loss_mask`` and ``logprobs`` into
 that frame (``versions`` stays with the tokens). So ``forward_batch`` returns that frame, and
 ``train_batch`` takes batches in it (what ``compute_advantages`` returns), converting them with
-``dta.from_areal(..., shifted=True)``; a batch in the tokens' frame is refused (see
-:func:`_check_frame`).
+``dta.from_areal(..., shifted=True)``, which refuses a batch in the tokens' frame wherever the
+data tells (see its docstring).
 
 Losses. ``train_batch`` routes AReaL's ``grpo_loss_fn`` to dta's built-in ``ppo`` /
 ``decoupled-ppo`` (C++, one pass over the tree) when AReaL's configuration maps onto it exactly,
@@ -188,7 +188,10 @@ class DTAEngine(TrainEngine):
         adamw = {} if opt is None else dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
                                               eps=opt.eps, max_grad_norm=opt.gradient_clipping)
         device = self.options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.trainer = Trainer(self.config.path, dtype=self.dtype, device=device, **adamw, **self.options.trainer)
+        # A step whose gradient norm is not finite updates nothing and reports
+        # update_successful = 0, as AReaL's FSDP engine does.
+        trainer_options = {"nonfinite_gradients": "skip", **self.options.trainer}
+        self.trainer = Trainer(self.config.path, dtype=self.dtype, device=device, **adamw, **trainer_options)
         if opt is not None and ft_spec is not None:
             total = ft_spec.total_train_steps
             warmup = int(opt.warmup_steps_proportion * total)
@@ -306,21 +309,24 @@ class DTAEngine(TrainEngine):
             raise ValueError(f"Unknown weight format {meta.weight_format}. ")
 
     def load(self, meta: SaveLoadMeta) -> None:
-        """Restores what ``save`` wrote with ``with_optim``: the AdamW state, whose master weights
-        restore the parameters exactly, and the step count.
+        """Loads what ``save`` wrote (or, ``hf``, any Hugging Face checkpoint of this model): the
+        weights, and with ``with_optim`` the AdamW state (moments, step count, and master weights
+        that restore the parameters exactly). Without ``with_optim`` the moments and step count
+        stay and the master weights follow the loaded weights, as loading a model state into
+        AReaL's FSDP engine leaves its optimizer.
 
         Raises:
-            NotImplementedError: ``with_optim=False`` (dta.Trainer replaces weights through its
-                optimizer state only; start a new engine with ``config.path`` = the directory).
+            FileNotFoundError: No checkpoint at ``meta.path`` (or no ``optimizer/`` in it with
+                ``with_optim``).
+            RuntimeError: Another model's checkpoint (naming the field that differs).
         """
         trainer = self._require_trainer()
         if meta.weight_format not in ("hf", "dcp"):
             raise ValueError(f"Unknown weight format {meta.weight_format}. ")
-        if not meta.with_optim:
-            raise NotImplementedError("load(with_optim=False): dta.Trainer loads weights only at construction "
-                                      "or through a saved optimizer state; save with with_optim=True, or "
-                                      "build a new engine whose config.path is the checkpoint")
-        trainer.load_optimizer(Path(meta.path) / "optimizer")
+        path = Path(meta.path)
+        trainer.load_weights(path if meta.weight_format == "hf" else path / "model")
+        if meta.with_optim:
+            trainer.load_optimizer(path / "optimizer")
 
     # --- the optimizer ----------------------------------------------------------------------
 
@@ -328,8 +334,14 @@ class DTAEngine(TrainEngine):
         self._require_trainer().zero_grad()
 
     def optimizer_step(self) -> dict[str, float]:
-        step = self._require_trainer().step()
-        return dict(update_successful=1.0, grad_norm=float(step["grad_norm"]), lr=float(step["lr"]))
+        """AdamW on the current gradients; a gradient norm that is not finite updates nothing,
+        zeroes the gradients and reports ``update_successful = 0`` (AReaL's FSDP engine's rule)."""
+        trainer = self._require_trainer()
+        step = trainer.step()
+        if step["skipped"]:
+            trainer.zero_grad()
+        return dict(update_successful=float(not step["skipped"]), grad_norm=float(step["grad_norm"]),
+                    lr=float(step["lr"]))
 
     def lr_scheduler_step(self) -> None:
         """Advances AReaL's schedule (once per PPO step, as AReaL's trainer calls it) and sets the
@@ -365,7 +377,8 @@ class DTAEngine(TrainEngine):
             loss_weight_fn: A micro-batch's weight (AReaL: its loss tokens).
 
         Returns:
-            ``update_successful``, ``grad_norm``, ``lr``, ``num_micro_batches`` (1) and dta's
+            ``update_successful`` (0 when the gradient norm was not finite: nothing updated),
+            ``grad_norm``, ``lr``, ``num_micro_batches`` (1) and dta's
             ``dta_loss``, ``dta_compression`` (rollout tokens / tree tokens), ``dta_tree_tokens``.
 
         Raises:
@@ -400,6 +413,10 @@ class DTAEngine(TrainEngine):
         stats = trainer.train_batch(trajectories, loss=loss, method=self.options.method, **options,
                                     **self._executor)
         logger.debug("train_batch: %s", self.last_loss_route)
+        if stats.skipped:
+            trainer.zero_grad()
+            logger.warning("train_batch: the gradient norm is %s: no update (update_successful = 0)",
+                           stats.grad_norm)
         return _step_stats(stats)
 
     @torch.no_grad()
@@ -609,37 +626,11 @@ def _split_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _trajectory(row: dict[str, Any], index: int) -> Trajectory:
-    """``from_areal`` of one row in the logits frame, with the frame checks it lacks."""
+    """``from_areal`` of one row in the logits frame (which checks the frame), naming the row."""
     try:
-        _check_frame(row)
-        trajectory = from_areal(row, id=str(index), shifted=True)
-        _check_trained_tokens_generated(trajectory)
+        return from_areal(row, id=str(index), shifted=True)
     except ValueError as e:
         raise ValueError(f"row {index}: {e}") from None
-    return trajectory
-
-
-def _check_frame(row: dict[str, Any]) -> None:
-    """In the logits frame the last real position predicts no token, so its loss_mask is 0; an
-    AReaL rollout in the tokens' frame ends with a trained (generated) token. (Belongs in
-    ``from_areal(shifted=True)``.)"""
-    mask = row.get("loss_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        length = int(row["attention_mask"][0].sum())
-        if length and mask[0, length - 1]:
-            raise ValueError(f"field 'loss_mask': position {length - 1}, the last token's, is trained, but in the "
-                             "logits frame it predicts nothing: the batch is in the tokens' frame (pass it "
-                             "through PPOActor.compute_advantages, which shifts it)")
-
-
-def _check_trained_tokens_generated(trajectory: Trajectory) -> None:
-    """AReaL gives prompt and tool tokens version -1 and loss_mask 0: a trained token with version
-    -1 means loss_mask and versions are one position apart, i.e. the other frame. (Belongs in
-    ``from_areal``.)"""
-    for t, (trained, version) in enumerate(zip(trajectory.loss_mask, trajectory.versions)):
-        if trained and version < 0:
-            raise ValueError(f"field 'loss_mask': token {t} is trained but its version is {version} (a prompt "
-                             "or tool token): loss_mask is shifted against versions (mixed frames?)")
 
 
 def _why_not_builtin(loss_fn: Callable[..., torch.Tensor], rows: list[dict[str, Any]], mbs: list[dict[str, Any]],
@@ -701,6 +692,6 @@ def _per_rollout(loss_fn: Callable[..., torch.Tensor], mbs: list[dict[str, Any]]
 
 
 def _step_stats(stats: TrainStats) -> dict[str, float]:
-    return dict(update_successful=1.0, grad_norm=float(stats.grad_norm), lr=float(stats.lr), num_micro_batches=1.0,
+    return dict(update_successful=float(not stats.skipped), grad_norm=float(stats.grad_norm), lr=float(stats.lr), num_micro_batches=1.0,
                 dta_loss=float(stats.loss), dta_compression=float(stats.compression),
                 dta_tree_tokens=float(stats.tree_tokens))

@@ -357,6 +357,8 @@ class TrainStats:
         clip_coef: The clipping factor applied (train_batch only).
         step: The optimizer's step count after the step (train_batch only).
         lr: The learning rate the step used (train_batch only).
+        skipped: The gradient norm was not finite and the step updated nothing (train_batch with
+            ``Trainer(nonfinite_gradients="skip")`` only).
 
     RL diagnostics, as AReaL's PPO actor logs them, over the batch's loss tokens (None where they
     do not apply: a ratio for ``sft``, anything but the entropy for a callable loss):
@@ -382,6 +384,7 @@ class TrainStats:
     clip_coef: float | None = None
     step: int | None = None
     lr: float | None = None
+    skipped: bool = False
     clip_fraction: float | None = None
     dual_clip_fraction: float | None = None
     approx_kl: float | None = None
@@ -401,6 +404,13 @@ class TrainStats:
     @property
     def rollout_tokens_per_second(self) -> float:
         return self.rollout_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _scalars(stats: TrainStats) -> list[tuple[str, float]]:
+    """TrainStats' numbers as TensorBoard scalars (those that apply)."""
+    numbers = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name not in ("method", "step")}
+    numbers.update(compression=stats.compression, rollout_tokens_per_second=stats.rollout_tokens_per_second)
+    return [(name, float(value)) for name, value in numbers.items() if value is not None]
 
 
 def _diagnostics(d: dict[str, float]) -> dict[str, float | None]:
@@ -439,7 +449,8 @@ class Trainer:
                  eps: float = 1e-8, distributed: bool = False, tensor_parallel: int = 1,
                  shard_optimizer: bool | str = "auto", offload_optimizer: bool | str = "auto",
                  offload_update: str = "gpu", gpu_memory_gb: float = 0.0, activation_gb: float = 8.0,
-                 timeout_s: int = 600) -> None:
+                 timeout_s: int = 600, nonfinite_gradients: str = "raise", progress: str = "auto",
+                 tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
 
         Args:
@@ -473,6 +484,17 @@ class Trainer:
                 cannot fit with a RuntimeError naming the numbers (``trainer.layout`` describes
                 the chosen one).
             timeout_s: Collectives' and the rendezvous' timeout (distributed).
+            nonfinite_gradients: What a step does when the global gradient norm is NaN or
+                infinite: ``"raise"`` (RuntimeError naming the parameter) or ``"skip"`` (no
+                update, the step count stays; ``TrainStats.skipped`` / ``step()["skipped"]`` say
+                so, as AReaL's engines report ``update_successful = 0``). Nothing is updated
+                either way.
+            progress: Progress lines on stderr within long calls (tokens done, rate, ETA; rank 0):
+                ``"auto"`` (on a terminal only), ``"always"`` or ``"never"``, as dta-train
+                --progress. Settable later through the ``progress`` attribute.
+            tensorboard_dir: Write every ``train_batch``'s numbers (TrainStats' fields,
+                ``compression``, ``rollout_tokens_per_second``, ``skipped``) at its step as
+                TensorBoard scalars into this directory (rank 0), as dta-train --tensorboard_dir.
 
         Raises:
             FileNotFoundError: No such directory.
@@ -484,7 +506,8 @@ class Trainer:
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
                                      offload_update, gpu_memory_gb, activation_gb, timeout_s)
         self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, parallel),
-                   dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
+                   dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
+                   tensorboard_dir)
 
     @classmethod
     def from_config(cls, config: str | os.PathLike[str], *, seed: int = 1, init_std: float = 0.02,
@@ -493,8 +516,9 @@ class Trainer:
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False,
                     tensor_parallel: int = 1, shard_optimizer: bool | str = "auto",
                     offload_optimizer: bool | str = "auto", offload_update: str = "gpu",
-                    gpu_memory_gb: float = 0.0, activation_gb: float = 8.0,
-                    timeout_s: int = 600) -> Trainer:
+                    gpu_memory_gb: float = 0.0, activation_gb: float = 8.0, timeout_s: int = 600,
+                    nonfinite_gradients: str = "raise", progress: str = "auto",
+                    tensorboard_dir: str | os.PathLike[str] | None = None) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
         ``-4b``, ``-8b``) or a config.json (the same model at every tensor-parallel size); other
         arguments as the constructor's.
@@ -506,12 +530,19 @@ class Trainer:
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
                                      offload_update, gpu_memory_gb, activation_gb, timeout_s)
         self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a, parallel),
-                   dtype, device, lr, weight_decay, max_grad_norm, betas, eps)
+                   dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
+                   tensorboard_dir)
         return self
 
     def _init(self, make: Callable[[torch.dtype, torch.device, Any], Any], dtype: str | torch.dtype,
               device: str | torch.device, lr: float, weight_decay: float, max_grad_norm: float,
-              betas: tuple[float, float], eps: float) -> None:
+              betas: tuple[float, float], eps: float, nonfinite_gradients: str, progress: str,
+              tensorboard_dir: str | os.PathLike[str] | None) -> None:
+        if nonfinite_gradients not in ("raise", "skip"):
+            raise ValueError(f"nonfinite_gradients must be 'raise' or 'skip', got {nonfinite_gradients!r}")
+        if progress not in ("auto", "always", "never"):
+            raise ValueError(f"progress must be 'auto', 'always' or 'never', got {progress!r}")
+        self._skip_nonfinite = nonfinite_gradients == "skip"
         adamw = _core.AdamWOptions()
         adamw.lr, adamw.weight_decay, adamw.max_grad_norm = float(lr), float(weight_decay), float(max_grad_norm)
         adamw.beta1, adamw.beta2 = (float(b) for b in betas)
@@ -519,8 +550,11 @@ class Trainer:
         self._lock = threading.RLock()
         self._dtype = _dtype(dtype)
         self._core = make(self._dtype, torch.device(device), adamw)
+        self._core.progress = progress
         self._device = self._core.device
         self._config: dict[str, Any] = json.loads(self._core.config_json())
+        self._tensorboard = (_core.TensorBoardWriter(str(tensorboard_dir))
+                             if tensorboard_dir is not None and self._core.rank == 0 else None)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -550,9 +584,12 @@ class Trainer:
         """
         start = time.perf_counter()
         stats = self.compute_gradients(trajectories, loss, method, **options)
-        step = self._core.step()
+        step = self._core.step(self._skip_nonfinite)
         self._synchronize()
-        return dataclasses.replace(stats, seconds=time.perf_counter() - start, **step)
+        stats = dataclasses.replace(stats, seconds=time.perf_counter() - start, **step)
+        if self._tensorboard is not None:
+            self._tensorboard.write(stats.step, _scalars(stats))
+        return stats
 
     @_serialized
     def compute_gradients(self, trajectories: Sequence[Trajectory], loss: str | LossFn = "grpo",
@@ -606,8 +643,10 @@ class Trainer:
 
     @_serialized
     def step(self) -> dict[str, float]:
-        """One AdamW step on the current gradients: ``{"grad_norm", "clip_coef", "step", "lr"}``."""
-        return self._core.step()
+        """One AdamW step on the current gradients: ``{"grad_norm", "clip_coef", "step", "lr",
+        "skipped"}`` (``skipped``: the norm was not finite and nothing was updated, with
+        ``nonfinite_gradients="skip"``; the gradients stay until the next ``zero_grad``)."""
+        return self._core.step(self._skip_nonfinite)
 
     @_serialized
     def set_lr_schedule(self, schedule: str = "cosine", *, warmup_steps: int = 0, decay_steps: int = 0,
@@ -656,6 +695,23 @@ class Trainer:
             raise FileNotFoundError(f"{path}: no such file or directory")
         self._core.load_optimizer(str(path))
 
+    @_serialized
+    def load_weights(self, directory: str | os.PathLike[str]) -> None:
+        """Replaces the weights with a Hugging Face checkpoint of the same model (what ``save``
+        writes to ``dir/model``, or any Qwen3 directory whose config.json describes this model;
+        stored dtypes are converted). The optimizer's master weights follow the new weights; its
+        moments and step count stay (load a saved optimizer state with :meth:`load_optimizer`
+        to restore those too). Distributed, every rank calls it.
+
+        Raises:
+            FileNotFoundError: No such directory.
+            RuntimeError: Another model's config.json (naming the first field that differs), or a
+                missing or malformed tensor (naming it).
+        """
+        if not Path(directory).is_dir():
+            raise FileNotFoundError(f"{directory}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
+        self._core.load_weights(str(directory))
+
     # --- the model ----------------------------------------------------------------------------
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -695,6 +751,15 @@ class Trainer:
     @lr.setter
     def lr(self, value: float) -> None:
         self._core.lr = float(value)
+
+    @property
+    def progress(self) -> str:
+        """Progress lines within long calls: ``auto``, ``always`` or ``never``."""
+        return self._core.progress
+
+    @progress.setter
+    def progress(self, mode: str) -> None:
+        self._core.progress = mode
 
     @property
     def step_count(self) -> int:

@@ -343,10 +343,18 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
             t + 1. False for what rollout workflows return (aligned with tokens, as here).
         vocab_size: When given, token ids must be below it.
 
+    Frames are checked where the data can tell them apart: in the logits frame the last real
+    position predicts nothing, so ``shifted=True`` refuses a dict whose loss_mask trains it (a
+    tokens-frame dict, whose last generated token is trained); and AReaL gives prompt and tool
+    tokens version -1, so with ``versions`` (some >= 0) a trained token of version -1 means
+    loss_mask and versions are one position apart (the other frame, or a mixed dict). A dict
+    without versions read with ``shifted=False`` although it is shifted is caught only when its
+    first token ends up trained (``field 'loss_mask': value 0 is 1``).
+
     Raises:
         ValueError: Naming the AReaL key for a bad type or shape, or the trajectory field for a
             broken rule (``field 'loss_mask': value 0 is 1, ...`` when a shifted dict was read as
-            unshifted, say).
+            unshifted, say), or a frame that contradicts ``shifted`` (see above).
     """
     import torch
 
@@ -375,6 +383,10 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
     mask = per_token("loss_mask")
     if mask.is_floating_point() and not torch.all((mask == 0) | (mask == 1)):
         raise _field_error("loss_mask", "values must be 0 or 1")
+    if shifted and length and _row(d, "loss_mask", padded)[length - 1]:
+        raise _field_error("loss_mask", f"position {length - 1}, the last token's, is trained, but in the logits "
+                           "frame (shifted=True) it predicts nothing: the dict is in the tokens' frame (pass "
+                           "shifted=False, or AReaL's PPOActor.compute_advantages, which shifts it)")
     reward = None
     if d.get("rewards") is not None:
         rewards = d["rewards"]
@@ -393,7 +405,22 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
         ref_logprobs=[float(x) for x in per_token("ref_logp").tolist()] if d.get("ref_logp") is not None else [],
     )
     trajectory.validate(vocab_size)
+    _check_trained_tokens_generated(trajectory, shifted)
     return trajectory
+
+
+def _check_trained_tokens_generated(trajectory: Trajectory, shifted: bool) -> None:
+    """AReaL gives prompt and tool tokens version -1 (and loss_mask 0), generated tokens the
+    policy's version (>= 0): a trained token of version -1 means loss_mask is one position off
+    versions. Versions all -1 (unknown) say nothing."""
+    if not any(v >= 0 for v in trajectory.versions):
+        return
+    for t, (trained, version) in enumerate(zip(trajectory.loss_mask, trajectory.versions)):
+        if trained and version < 0:
+            other = "tokens' frame (shifted=False)" if shifted else "logits frame (shifted=True)"
+            raise _field_error("loss_mask", f"token {t} is trained but its version is {version} (a prompt or tool "
+                               f"token): loss_mask is one position off versions, so the dict is in the {other} "
+                               "or mixes frames")
 
 
 def to_areal(trajectory: Trajectory, *, shifted: bool) -> dict[str, torch.Tensor]:

@@ -369,7 +369,41 @@ TEST(ShardedAdamW, NonFiniteGradientFailsOnEveryRankAndUpdatesNothing) {
     }
     EXPECT_EQ(optimizer.step(), 0);
     for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i].second, before[i]));
+    // Skipping instead: every rank reports it (the same global norm), nothing moves.
+    const StepStats skipped = optimizer.Step(NonFiniteGradients::kSkip);
+    EXPECT_TRUE(skipped.skipped);
+    EXPECT_TRUE(std::isnan(skipped.grad_norm));
+    EXPECT_EQ(optimizer.step(), 0);
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i].second, before[i]));
   });
+}
+
+// Weights written into the parameters by other means (a checkpoint loaded into the live model),
+// offloaded or not: after ResetMasterFromParameters every rank's master slice holds them and the
+// moments stay.
+TEST(ShardedAdamW, ResetMasterFromParametersTakesEachRanksSliceOfTheNewWeights) {
+  for (const bool offload : {false, true}) {
+    RunRanks(2, [&](ProcessGroup& group) {
+      Named params = MakeParams(at::kBFloat16);
+      ShardedAdamW optimizer(&group, params, kOptions, {.offload = offload});
+      for (size_t i = 0; i < params.size(); ++i)
+        AddInto(params[i].second, RankGrad(i, 1, group.rank()));
+      optimizer.ReduceGradients();
+      optimizer.Step();
+      const at::Tensor moments = optimizer.exp_avg_shard().clone();
+      {
+        at::NoGradGuard no_grad;
+        for (auto& [name, p] : params) p.fill_(0.375);
+      }
+      const int64_t n = optimizer.shard_end() - optimizer.shard_begin();
+      const at::Tensor master = optimizer.master_shard().narrow(0, 0, n);
+      EXPECT_FALSE(at::equal(master, at::full_like(master, 0.375))) << offload;
+      optimizer.ResetMasterFromParameters();
+      EXPECT_TRUE(at::equal(master, at::full_like(master, 0.375))) << offload;
+      EXPECT_TRUE(at::equal(optimizer.exp_avg_shard(), moments)) << offload;
+      EXPECT_EQ(optimizer.step(), 1);
+    });
+  }
 }
 
 // On a GPU the offloaded state streams through it by default (page-locked host memory, the

@@ -393,6 +393,12 @@ TEST(AdamWTest, NonFiniteGradNamesTheParameterAndUpdatesNothing) {
     const std::string error = ErrorOf([&] { opt.Step(); });
     EXPECT_THAT(error, HasSubstr("parameter 'model.layers.0.mlp.up_proj.bias'")) << bad;
     EXPECT_THAT(error, HasSubstr("not finite")) << bad;
+    // Skipping instead: the same nothing-updated, reported rather than raised.
+    const StepStats skipped = opt.Step(NonFiniteGradients::kSkip);
+    EXPECT_TRUE(skipped.skipped) << bad;
+    EXPECT_FALSE(std::isfinite(skipped.grad_norm)) << bad;
+    EXPECT_EQ(skipped.step, 1) << bad;
+    EXPECT_EQ(skipped.lr, 1e-2) << bad;
   }
   EXPECT_EQ(opt.step(), 1);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -402,6 +408,50 @@ TEST(AdamWTest, NonFiniteGradNamesTheParameterAndUpdatesNothing) {
     EXPECT_TRUE(at::equal(opt.exp_avg(name), m[i])) << name;
     EXPECT_TRUE(at::equal(opt.exp_avg_sq(name), v[i])) << name;
   }
+}
+
+TEST(AdamWTest, AFiniteStepAfterASkippedOneIsTheStepThatWouldHaveBeenTaken) {
+  Named skipping = MakeParams(at::kBFloat16, 4);
+  Named straight = MakeParams(at::kBFloat16, 4);
+  AdamW a(skipping, {.lr = 1e-2, .max_grad_norm = 0.5});
+  AdamW b(straight, {.lr = 1e-2, .max_grad_norm = 0.5});
+  std::vector<at::Tensor> poisoned = MakeGrads(skipping, 1, 1.0);
+  poisoned[0][0] = std::nan("");
+  SetGrads(skipping, poisoned);
+  EXPECT_TRUE(a.Step(NonFiniteGradients::kSkip).skipped);
+  for (auto [named, opt] : {std::pair{&skipping, &a}, std::pair{&straight, &b}}) {
+    SetGrads(*named, MakeGrads(*named, 1, 1.0));
+    const StepStats stats = opt->Step(NonFiniteGradients::kSkip);
+    EXPECT_FALSE(stats.skipped);
+    EXPECT_EQ(stats.step, 1);
+  }
+  for (size_t i = 0; i < skipping.size(); ++i) {
+    const std::string& name = skipping[i].first;
+    EXPECT_TRUE(at::equal(skipping[i].second.detach(), straight[i].second.detach())) << name;
+    EXPECT_TRUE(at::equal(a.exp_avg_sq(name), b.exp_avg_sq(name))) << name;
+  }
+}
+
+TEST(AdamWTest, ResetMasterFromParametersFollowsWeightsWrittenIntoTheModel) {
+  Named params = MakeParams(at::kBFloat16, 6);
+  AdamW opt(params, {.lr = 1e-2});
+  SetGrads(params, MakeGrads(params, 1, 1.0));
+  opt.Step();  // the float32 master copies exist from here on
+  const std::string name = params[2].first;
+  const at::Tensor moments = opt.exp_avg(name).clone();
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [n, p] : params) p.fill_(0.375);  // e.g. a checkpoint loaded into the live model
+  }
+  EXPECT_FALSE(at::equal(opt.master(name), at::full_like(opt.master(name), 0.375)));
+  opt.ResetMasterFromParameters();
+  EXPECT_TRUE(at::equal(opt.master(name), at::full_like(opt.master(name), 0.375)));
+  EXPECT_TRUE(at::equal(opt.exp_avg(name), moments));  // the moments and the count stay
+  EXPECT_EQ(opt.step(), 1);
+  // Without the reset the next step would have written the old weights back.
+  SetGrads(params, MakeGrads(params, 2, 1.0));
+  opt.Step();
+  EXPECT_LT((params[2].second.detach().to(at::kFloat) - 0.375).abs().max().item<double>(), 0.05);
 }
 
 TEST(AdamWTest, ZeroGrad) {

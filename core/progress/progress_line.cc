@@ -1,4 +1,4 @@
-#include "core/cli/progress_line.h"
+#include "core/progress/progress_line.h"
 
 #include <unistd.h>
 
