@@ -3,6 +3,10 @@
 //
 //   dta-layout --config=qwen3-8b --world_size=8 --gpu_gb=80
 //   dta-layout --table                     # the memory table of docs/benchmarks.md
+//   dta-layout --config=qwen3-8b --longest_rollout=16384 --block_size=4096 --graph_budget=4096
+//
+// The executor's share is estimated from the model at each TP degree and the executor flags
+// (core/layout/executor_memory.h) unless --activation_gb gives a reserve.
 //
 // Exit status: 0 with the layout printed, 1 when nothing fits (the message names the numbers),
 // 2 on bad input.
@@ -25,8 +29,17 @@ ABSL_FLAG(std::string, config, "",
 ABSL_FLAG(int32_t, world_size, 1, "GPUs in all");
 ABSL_FLAG(int32_t, gpus_per_node, 8, "GPUs per node (tensor parallelism stays within one)");
 ABSL_FLAG(double, gpu_gb, 80, "memory of one GPU, GiB");
-ABSL_FLAG(double, activation_gb, 8,
-          "reserve for the executor's path stack and graphs per GPU, GiB");
+ABSL_FLAG(double, activation_gb, -1,
+          "reserve for the executor per GPU, GiB; negative: the executor's own peak, estimated "
+          "from the model at each TP degree, --longest_rollout, --block_size, --graph_budget and "
+          "--pack (core/layout/executor_memory.h)");
+ABSL_FLAG(int64_t, longest_rollout, dta::kDefaultPlannedRollout,
+          "the longest rollout, tokens (the executor's path stack; B when automatic)");
+ABSL_FLAG(int64_t, block_size, dta::kAutomaticCapacity,
+          "dta's B, tokens per chunk (-1: automatic, planned at min(longest rollout, 2048))");
+ABSL_FLAG(int64_t, graph_budget, dta::kAutomaticCapacity,
+          "dta's kept graphs, tokens (-1: automatic, planned as 0)");
+ABSL_FLAG(bool, pack, false, "dta: packed steps of up to B tokens");
 ABSL_FLAG(double, host_gb, 0,
           "host memory per node for offloaded optimizer state, GiB (0: not checked)");
 ABSL_FLAG(int32_t, tensor_parallel, 0, "the TP degree (0: choose)");
@@ -59,9 +72,9 @@ Qwen3Config ConfigFromFlag(const std::string& name) {
 
 int PrintTable(const LayoutRequest& base) {
   std::printf(
-      "| Model | Parameters | GPUs | GPU memory | Layout | Per GPU (GiB) | Host per rank (GiB) "
-      "|\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
+      "| Model | Parameters | GPUs | GPU memory | Layout | Per GPU (GiB) | of which executor "
+      "(GiB) | Host per rank (GiB) |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const char* name : {"qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}) {
     const Qwen3Config config = ConfigFromFlag(name);
     for (const double gpu_gb : {80.0, 141.0}) {
@@ -70,18 +83,21 @@ int PrintTable(const LayoutRequest& base) {
         request.world_size = gpus;
         request.gpu_bytes = static_cast<int64_t>(gpu_gb * kGiB);
         const absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
+        if (plan.status().code() == absl::StatusCode::kInvalidArgument)
+          throw BadInput{std::string(plan.status().message())};
         const double billions = static_cast<double>(CountParameters(config).total()) / 1e9;
         if (!plan.ok()) {
-          std::printf("| %s | %.2fB | %d | %.0f GiB | does not fit | - | - |\n", name, billions,
+          std::printf("| %s | %.2fB | %d | %.0f GiB | does not fit | - | - | - |\n", name, billions,
                       gpus, gpu_gb);
           continue;
         }
         const TrainingLayout& l = plan->layout;
         std::printf(
-            "| %s | %.2fB | %d | %.0f GiB | TP %d x DP %d%s%s | %.1f | %s |\n", name, billions,
-            gpus, gpu_gb, l.tensor_parallel, l.data_parallel, l.shard_optimizer ? ", sharded" : "",
-            l.offload_optimizer ? ", offloaded" : "",
+            "| %s | %.2fB | %d | %.0f GiB | TP %d x DP %d%s%s | %.1f | %.1f | %s |\n", name,
+            billions, gpus, gpu_gb, l.tensor_parallel, l.data_parallel,
+            l.shard_optimizer ? ", sharded" : "", l.offload_optimizer ? ", offloaded" : "",
             static_cast<double>(plan->memory.gpu_total()) / kGiB,
+            static_cast<double>(plan->memory.activations) / kGiB,
             plan->memory.host_optimizer > 0
                 ? absl::StrFormat("%.1f", static_cast<double>(plan->memory.host_optimizer) / kGiB)
                       .c_str()
@@ -95,7 +111,13 @@ int PrintTable(const LayoutRequest& base) {
 int Run() {
   LayoutRequest request;
   request.gpus_per_node = absl::GetFlag(FLAGS_gpus_per_node);
-  request.activation_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_activation_gb) * kGiB);
+  const double activation_gb = absl::GetFlag(FLAGS_activation_gb);
+  request.activation_bytes =
+      activation_gb < 0 ? kEstimatedActivations : static_cast<int64_t>(activation_gb * kGiB);
+  request.executor = {.longest_rollout = absl::GetFlag(FLAGS_longest_rollout),
+                      .block_size = absl::GetFlag(FLAGS_block_size),
+                      .graph_budget = absl::GetFlag(FLAGS_graph_budget),
+                      .pack = absl::GetFlag(FLAGS_pack)};
   request.host_bytes_per_node = static_cast<int64_t>(absl::GetFlag(FLAGS_host_gb) * kGiB);
   if (absl::GetFlag(FLAGS_table)) return PrintTable(request);
   if (absl::GetFlag(FLAGS_config).empty()) throw BadInput{"--config is required (or --table)"};

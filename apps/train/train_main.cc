@@ -19,7 +19,9 @@
 // The layout (core/layout) is planned from the model, the world size and the device's memory and
 // printed at start: AdamW's state is sharded across the ranks (ZeRO-1) whenever there are several,
 // and offloaded to host memory when it does not fit on the GPU otherwise; --shard_optimizer,
-// --offload_optimizer, --gpu_memory_gb and --activation_gb override the plan. Each step's line
+// --offload_optimizer, --gpu_memory_gb and --activation_gb override the plan (the executor's
+// memory is estimated for the file's longest rollout and the executor flags unless
+// --activation_gb gives a reserve). Each step's line
 // gives the optimizer's share of the time and the host's peak memory too.
 // --tensor_parallel=T (0: the planner's choice) splits each replica's weights across T
 // consecutive ranks (Megatron-style, executor/model): the world is T x DP ranks, the batch is split
@@ -113,6 +115,7 @@ int Run() {
   LrScheduleFromFlags(std::numeric_limits<int64_t>::max());
   const ExecutorOptions executor = ExecutorFromFlags();
   const ProgressMode progress_mode = ProgressFromFlags();
+  const NonFiniteGradients nonfinite_gradients = NonFiniteGradientsFromFlags();
   const std::string path = absl::GetFlag(FLAGS_rollouts);
   if (path.empty()) throw BadInput{"--rollouts is required"};
   if (absl::GetFlag(FLAGS_steps) < 1) throw BadInput{"--steps must be >= 1"};
@@ -129,13 +132,7 @@ int Run() {
     }
   }
   const bool leader = env.rank == 0;  // prints, dumps and saves
-  // The layout first: tensor parallelism decides which part of the model this rank builds.
   const Qwen3Config config = ConfigFromFlags();
-  const LayoutPlan layout = LayoutFromFlags(config, env.world_size, options.device());
-  const int tensor_parallel = layout.layout.tensor_parallel;
-  if (tensor_parallel > 1 && !absl::GetFlag(FLAGS_dump_grads).empty()) {
-    throw BadInput{"--dump_grads needs the whole gradient, which tensor parallelism splits"};
-  }
   absl::StatusOr<std::vector<Rollout>> rollouts =
       ReadRolloutsJsonl(path, {.vocab_size = config.vocab_size});
   if (!rollouts.ok()) throw BadInput{std::string(rollouts.status().message())};
@@ -143,6 +140,16 @@ int Run() {
   for (const Rollout& r : *rollouts) sequences.push_back(r.tokens);
   const PrefixTree tree = *PrefixTree::FromRollouts(sequences);
   const TreeStats stats = ComputeTreeStats(tree);
+  // The layout before the model: tensor parallelism decides which part of it this rank builds. The
+  // executor's memory is planned for this file's longest rollout and tree (a rank's share of it
+  // needs no more).
+  const LayoutPlan layout =
+      LayoutFromFlags(config, env.world_size, options.device(),
+                      {.longest_rollout = stats.longest_rollout, .tree_tokens = stats.tree_tokens});
+  const int tensor_parallel = layout.layout.tensor_parallel;
+  if (tensor_parallel > 1 && !absl::GetFlag(FLAGS_dump_grads).empty()) {
+    throw BadInput{"--dump_grads needs the whole gradient, which tensor parallelism splits"};
+  }
 
   // This process's rollouts and the batch's normalisers (all of them, on one process). The
   // rollouts are split across the data-parallel replicas; the TP ranks of a replica share its part.
@@ -245,7 +252,12 @@ int Run() {
     }
     if (device.is_cuda()) c10::cuda::device_synchronize();  // time the kernels, not their launches
     const auto optimizer_start = std::chrono::steady_clock::now();
-    const StepStats step_stats = optimizer.Step();
+    const StepStats step_stats = optimizer.Step(nonfinite_gradients);
+    if (step_stats.skipped && leader) {
+      std::fprintf(stderr,
+                   "dta-train: step %d: the gradient norm is %g: step skipped, nothing updated\n",
+                   step, step_stats.grad_norm);
+    }
     if (device.is_cuda()) c10::cuda::device_synchronize();
     const auto end = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(end - start).count();
@@ -269,7 +281,8 @@ int Run() {
                            {"offload_copy_wait_seconds", optimizer.offload_times().copy_wait},
                            {"rollout_tokens_per_second", throughput},
                            {"peak_memory_gib", peak},
-                           {"host_peak_memory_gib", host_peak}});
+                           {"host_peak_memory_gib", host_peak},
+                           {"skipped", step_stats.skipped}});
     if (!leader) continue;
     // The RL diagnostics (null where they do not apply, e.g. a ratio under SFT).
     for (const char* name :
@@ -280,7 +293,9 @@ int Run() {
     if (tensorboard) {
       Scalars scalars;
       for (const auto& [name, value] : record.items()) {
-        if (value.is_number() && name != "step") scalars.emplace_back(name, value.get<double>());
+        if (name == "step") continue;
+        if (value.is_number()) scalars.emplace_back(name, value.get<double>());
+        if (value.is_boolean()) scalars.emplace_back(name, value.get<bool>() ? 1.0 : 0.0);
       }
       const absl::Status written = tensorboard->Write(step, scalars);
       if (!written.ok()) throw std::runtime_error(std::string(written.message()));

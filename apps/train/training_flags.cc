@@ -82,6 +82,9 @@ ABSL_FLAG(
     std::string, progress, "auto",
     "progress lines within a step (tokens done, rate, ETA): auto (on a terminal only), always "
     "(also into logs, every 10 s) or never");
+ABSL_FLAG(std::string, nonfinite_gradients, "raise",
+          "a step whose gradient norm is NaN or infinite: raise (stop with an error naming the "
+          "parameter) or skip (update nothing, say so, go on); nothing is updated either way");
 ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate (the peak, with a schedule)");
 ABSL_FLAG(std::string, lr_schedule, "constant",
           "learning-rate decay after the warmup: constant, linear or cosine");
@@ -106,8 +109,13 @@ ABSL_FLAG(double, gpu_memory_gb, 0,
 ABSL_FLAG(int32_t, tensor_parallel, 1,
           "ranks each replica's weights are split across (tensor parallelism, within a node; must "
           "divide the KV heads and the world size); 0: the layout planner's choice");
-ABSL_FLAG(double, activation_gb, 8,
-          "memory per GPU reserved for the executor, GB (layout planning)");
+ABSL_FLAG(double, activation_gb, -1,
+          "memory per GPU reserved for the executor, GB (layout planning); negative: the "
+          "executor's own peak, estimated from the model and --method, --block_size, "
+          "--graph_budget, --pack, --token_capacity, --checkpointing and --longest_rollout");
+ABSL_FLAG(int64_t, longest_rollout, 0,
+          "the longest rollout the layout plans the executor's memory for, tokens (0: dta-train "
+          "takes the rollout file's, dta-trainer plans for 8192)");
 
 namespace dta {
 
@@ -157,6 +165,13 @@ ProgressMode ProgressFromFlags() {
   absl::StatusOr<ProgressMode> mode = ParseProgressMode(absl::GetFlag(FLAGS_progress));
   if (!mode.ok()) throw BadInput{"--" + std::string(mode.status().message())};
   return *mode;
+}
+
+NonFiniteGradients NonFiniteGradientsFromFlags() {
+  const std::string mode = absl::GetFlag(FLAGS_nonfinite_gradients);
+  if (mode == "raise") return NonFiniteGradients::kRaise;
+  if (mode == "skip") return NonFiniteGradients::kSkip;
+  throw BadInput{"--nonfinite_gradients must be raise or skip, got '" + mode + "'"};
 }
 
 ExecutorOptions ExecutorFromFlags() {
@@ -286,12 +301,44 @@ std::optional<bool> LayoutChoiceFlag(const char* flag, const std::string& value)
 
 }  // namespace
 
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device) {
+ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t longest_rollout,
+                                       int64_t tree_tokens) {
+  ExecutorMemoryOptions memory;
+  switch (executor.method) {
+    case Method::kDta:
+      memory.method = ExecutorKind::kDta;
+      break;
+    case Method::kDense:
+      memory.method = ExecutorKind::kDense;
+      break;
+    case Method::kPacked:
+      memory.method = ExecutorKind::kPacked;
+      break;
+  }
+  memory.longest_rollout = longest_rollout > 0 ? longest_rollout : kDefaultPlannedRollout;
+  // ExecutorOptions' automatic values are core/layout's (-1); kUnboundedBlock stays unbounded.
+  memory.block_size =
+      executor.block_size == kAutoBlockSize ? kAutomaticCapacity : executor.block_size;
+  memory.graph_budget =
+      executor.graph_budget == kAutoGraphBudget ? kAutomaticCapacity : executor.graph_budget;
+  memory.pack = executor.pack;
+  memory.token_capacity = executor.token_capacity;
+  memory.tree_tokens = tree_tokens;
+  memory.checkpointing = executor.checkpointing;
+  memory.logprob_slice_rows = executor.logprob_slice_rows;
+  return memory;
+}
+
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
+                           const PlannedWorkload& workload) {
   LayoutOverrides overrides;
   overrides.gpu_memory_gb = absl::GetFlag(FLAGS_gpu_memory_gb);
   if (overrides.gpu_memory_gb < 0) throw BadInput{"--gpu_memory_gb must be >= 0"};
   overrides.activation_gb = absl::GetFlag(FLAGS_activation_gb);
-  if (overrides.activation_gb < 0) throw BadInput{"--activation_gb must be >= 0"};
+  const int64_t longest = absl::GetFlag(FLAGS_longest_rollout);
+  if (longest < 0) throw BadInput{"--longest_rollout must be >= 0"};
+  overrides.executor = ExecutorMemoryOf(
+      ExecutorFromFlags(), longest > 0 ? longest : workload.longest_rollout, workload.tree_tokens);
   overrides.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   if (overrides.tensor_parallel < 0) throw BadInput{"--tensor_parallel must be >= 0"};
   overrides.shard_optimizer =

@@ -43,15 +43,30 @@ LrSchedule LrScheduleFromFlags(int64_t run_steps);
 // How checkpoints publish the model: --checkpoint_dtype, and --model's directory for the tokenizer
 // and generation config (executor/model/qwen3_checkpoint.h).
 ModelExportOptions ModelExportFromFlags();
+// What the layout planner may know of the workload at start (0: not known).
+struct PlannedWorkload {
+  int64_t longest_rollout = 0;  // tokens
+  int64_t tree_tokens = 0;      // the batch's unique tokens
+};
+// The executor's options and workload as core/layout's estimate of its memory sees them; a
+// longest_rollout of 0 plans for kDefaultPlannedRollout tokens.
+ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t longest_rollout,
+                                       int64_t tree_tokens = 0);
 // The layout (tensor parallelism, optimizer sharding and offload) for `world_size` ranks on
 // `device`, from --tensor_parallel, --shard_optimizer, --offload_optimizer, --gpu_memory_gb and
-// --activation_gb and the device's memory (core/layout's planner). BadInput with the planner's
-// message (naming the numbers) when nothing fits or an override is impossible.
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device);
+// --activation_gb and the device's memory (core/layout's planner). Without --activation_gb the
+// executor's memory is estimated from the executor flags and the longest rollout
+// (--longest_rollout, else `workload`'s, else 8192 tokens). BadInput with the planner's message
+// (naming the numbers) when nothing fits or an override is impossible.
+LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
+                           const PlannedWorkload& workload = {});
 // --progress: progress lines with rate and ETA within long steps (core/progress/progress_line.h).
 ProgressMode ProgressFromFlags();
 // --offload_update: where an offloaded optimizer's update runs.
 OffloadUpdate OffloadUpdateFromFlags();
+// --nonfinite_gradients: raise (stop, naming the parameter) or skip a step whose gradient norm is
+// NaN or infinite.
+NonFiniteGradients NonFiniteGradientsFromFlags();
 // The config of --model (its config.json) or --config (a preset or a config.json).
 Qwen3Config ConfigFromFlags();
 // --model (a Hugging Face directory) or --config (random weights), this rank's parts under

@@ -93,16 +93,17 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
     if (decision != StepDecision::kCommit)
       throw TrainerRestart{absl::StrCat("step ", step, " aborted")};
     const auto optimizer_start = std::chrono::steady_clock::now();
-    const StepStats stats = optimizer.Step();
+    const StepStats stats = optimizer.Step(options.nonfinite_gradients);
     const double optimizer_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_start).count();
     ++step;
     std::fprintf(
         stderr,
-        "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g, lr %.4g, %.2f s, optimizer "
+        "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g%s, lr %.4g, %.2f s, optimizer "
         "%.2f s%s\n",
         prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
-        static_cast<int>(rollouts.size()), result.loss, stats.grad_norm, stats.lr, seconds,
+        static_cast<int>(rollouts.size()), result.loss, stats.grad_norm,
+        stats.skipped ? " (not finite: step skipped, nothing updated)" : "", stats.lr, seconds,
         optimizer_seconds, DiagnosticsSuffix(result.diagnostics).c_str());
     if (options.on_step) {
       options.on_step({.step = step - 1,
@@ -117,7 +118,8 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
                        .seconds = seconds,
                        .optimizer_seconds = optimizer_seconds,
                        .peak_memory_gib = PeakMemoryGiB(options.device),
-                       .diagnostics = result.diagnostics});
+                       .diagnostics = result.diagnostics,
+                       .skipped = stats.skipped});
     }
     bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
     ProcessGroup* world = options.ranks.world;

@@ -58,6 +58,7 @@ struct StepReport {
   double optimizer_seconds = 0;
   double peak_memory_gib = 0;
   LossDiagnostics diagnostics;  // this rank's share
+  bool skipped = false;         // the gradient norm was not finite: nothing was updated
 };
 
 struct TrainerLoopOptions {
@@ -88,6 +89,10 @@ struct TrainerLoopOptions {
   std::string log_prefix = "dta-trainer";
   // Progress lines within a step (tokens done, rate, ETA).
   ProgressMode progress = ProgressMode::kNever;
+  // A committed step whose gradient norm is not finite: kRaise stops the loop (the step is
+  // committed without an update, and a restart would replay it into the same error); kSkip goes
+  // on without an update, as AReaL and Megatron do, so the batch counts as consumed.
+  NonFiniteGradients nonfinite_gradients = NonFiniteGradients::kRaise;
 };
 
 // Synchronises (averages or sums) the gradients across ranks; throws c10::Error when a peer is

@@ -20,9 +20,10 @@
 // (apps/trainer/replica_session.h). With several replicas AdamW's state is sharded across them
 // (ZeRO-1: gradients reduce-scattered, each rank updates its slice, weights all-gathered, each rank
 // saving its slice into the checkpoint); it is offloaded to host memory when it does not fit on the
-// GPU otherwise. --shard_optimizer, --offload_optimizer, --gpu_memory_gb and --activation_gb
-// override the plan; a sharded checkpoint resumes on any number of replicas, with the TP size it
-// was saved with.
+// GPU otherwise. The executor's memory is estimated from the executor flags for rollouts of up to
+// --longest_rollout tokens (8192 unless given: the batches are not known at start).
+// --shard_optimizer, --offload_optimizer, --gpu_memory_gb and --activation_gb override the plan;
+// a sharded checkpoint resumes on any number of replicas, with the TP size it was saved with.
 //
 // Faults: when a collective fails (another rank died) or the dispatcher answers ABORT, the trainer
 // reports the step FAILED and exits with status 75, asking its launcher to restart the group.
@@ -133,6 +134,7 @@ int Run() {
   const LossOptions loss = LossFromFlags();
   const ExecutorOptions executor = ExecutorFromFlags();
   const ProgressMode progress = ProgressFromFlags();
+  const NonFiniteGradients nonfinite_gradients = NonFiniteGradientsFromFlags();
   const ModelExportOptions model_export = ModelExportFromFlags();
   const LrSchedule schedule = LrScheduleFromFlags(absl::GetFlag(FLAGS_max_steps));
   absl::StatusOr<std::vector<EngineEndpoint>> engines =
@@ -295,7 +297,8 @@ int Run() {
        .ranks = {.world = world->get(), .data_parallel_rank = replica},
        .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
        .log_prefix = prefix,
-       .progress = progress},
+       .progress = progress,
+       .nonfinite_gradients = nonfinite_gradients},
       &checkpoint_requested);
   // Every rank leaves together, so rank 0's store outlives the others' last collective.
   (*world)->Barrier();

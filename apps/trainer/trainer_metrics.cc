@@ -22,7 +22,8 @@ Scalars StepScalars(const StepReport& report) {
       {"compression", report.tree_tokens > 0
                           ? static_cast<double>(report.rollout_tokens) / report.tree_tokens
                           : 0},
-      {"peak_memory_gib", report.peak_memory_gib}};
+      {"peak_memory_gib", report.peak_memory_gib},
+      {"skipped", report.skipped ? 1.0 : 0.0}};
   for (const auto& [name, value] : report.diagnostics.Applicable())
     scalars.emplace_back("rl/" + name, value);
   return scalars;
@@ -35,6 +36,7 @@ void TrainerMetrics::Record(const StepReport& report) {
   rollout_tokens_ += report.rollout_tokens;
   forwarded_tokens_ += report.forwarded_tokens;
   seconds_ += report.seconds + report.optimizer_seconds;
+  skipped_steps_ += report.skipped ? 1 : 0;
   last_ = report;
 }
 
@@ -53,6 +55,9 @@ std::string TrainerMetrics::Prometheus() const {
                forwarded_tokens_, rank);
   text.Counter("dta_trainer_seconds_total", "Seconds in steps (gradients and optimizer).", seconds_,
                rank);
+  text.Counter("dta_trainer_skipped_steps_total",
+               "Committed steps whose gradient norm was not finite (nothing updated).",
+               skipped_steps_, rank);
   if (last_) {
     text.Gauge("dta_trainer_last_step", "The last committed step.", last_->step, rank);
     for (auto [name, value] : StepScalars(*last_)) {

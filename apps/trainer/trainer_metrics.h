@@ -38,6 +38,7 @@ class TrainerMetrics {
   int64_t rollout_tokens_ = 0;
   int64_t forwarded_tokens_ = 0;
   double seconds_ = 0;
+  int64_t skipped_steps_ = 0;
   std::optional<StepReport> last_;
 };
 

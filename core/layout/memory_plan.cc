@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/base/field_error.h"
+#include "core/base/status_macros.h"
 
 namespace dta {
 namespace {
@@ -21,6 +22,47 @@ std::string LayoutName(const TrainingLayout& layout) {
   return absl::StrCat("TP ", layout.tensor_parallel, " x DP ", layout.data_parallel,
                       layout.shard_optimizer ? ", optimizer sharded" : "",
                       layout.offload_optimizer ? ", optimizer offloaded to the host" : "");
+}
+
+std::string GiBNumber(int64_t bytes) {
+  return absl::StrFormat("%.1f", static_cast<double>(bytes) / (int64_t{1} << 30));
+}
+
+// " (estimated: stack 1.8, graphs 6.2, workspace 0.6, log-prob head 0.5 GiB for a 8192-token path
+// and 2048 graph tokens)", or "" for a reserve the request gave.
+std::string ExecutorTerms(const MemoryEstimate& m) {
+  if (!m.activations_estimated) return "";
+  const ExecutorMemoryEstimate& e = m.executor;
+  const ExecutorTokens& t = m.executor_tokens;
+  return absl::StrCat(" (estimated: stack ", GiBNumber(e.stack), ", graphs ", GiBNumber(e.graphs),
+                      ", workspace ", GiBNumber(e.workspace), ", log-prob head ",
+                      GiBNumber(e.logprob_head), " GiB for ",
+                      t.stack > 0 ? absl::StrCat("a ", t.stack, "-token path and ") : "", t.graphs,
+                      " graph tokens)");
+}
+
+absl::Status CheckExecutorOptions(const ExecutorMemoryOptions& e) {
+  if (e.longest_rollout < 1)
+    return FieldError("executor.longest_rollout",
+                      absl::StrCat("must be >= 1, got ", e.longest_rollout));
+  if (e.block_size != kAutomaticCapacity && e.block_size < 1) {
+    return FieldError("executor.block_size",
+                      absl::StrCat("must be >= 1 or automatic (-1), got ", e.block_size));
+  }
+  if (e.graph_budget != kAutomaticCapacity && e.graph_budget < 0) {
+    return FieldError("executor.graph_budget",
+                      absl::StrCat("must be >= 0 or automatic (-1), got ", e.graph_budget));
+  }
+  if (e.token_capacity < 0)
+    return FieldError("executor.token_capacity",
+                      absl::StrCat("must be >= 0, got ", e.token_capacity));
+  if (e.tree_tokens < 0)
+    return FieldError("executor.tree_tokens", absl::StrCat("must be >= 0, got ", e.tree_tokens));
+  if (e.logprob_slice_rows < 1) {
+    return FieldError("executor.logprob_slice_rows",
+                      absl::StrCat("must be >= 1, got ", e.logprob_slice_rows));
+  }
+  return absl::OkStatus();
 }
 
 bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ranks_per_node) {
@@ -58,7 +100,15 @@ MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& l
   MemoryEstimate memory;
   memory.weights = local * request.weight_bytes;
   memory.gradients = local * kGradientBytes;
-  memory.activations = request.activation_bytes;
+  if (request.activation_bytes >= 0) {
+    memory.activations = request.activation_bytes;
+  } else {
+    memory.activations_estimated = true;
+    memory.executor_tokens = PlannedExecutorTokens(request.executor);
+    memory.executor = EstimateExecutorMemory(config, request.executor, memory.executor_tokens,
+                                             layout.tensor_parallel, request.weight_bytes);
+    memory.activations = memory.executor.total();
+  }
   (layout.offload_optimizer ? memory.host_optimizer : memory.optimizer) = optimizer;
   return memory;
 }
@@ -80,7 +130,7 @@ absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutReq
   if (request.gpus_per_node < 1) return FieldError("gpus_per_node", "must be >= 1");
   if (request.gpu_bytes <= 0)
     return FieldError("gpu_bytes", "must be positive (the memory of one GPU)");
-  if (request.activation_bytes < 0) return FieldError("activation_bytes", "must be >= 0");
+  if (request.activation_bytes < 0) RETURN_IF_ERROR(CheckExecutorOptions(request.executor));
   if (request.weight_bytes < 1) return FieldError("weight_bytes", "must be >= 1");
   if (config.num_attention_heads < 1 || config.num_key_value_heads < 1) {
     return FieldError("config", "needs attention heads and KV heads");
@@ -133,8 +183,11 @@ absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutReq
       " parameters cannot be trained on ", request.world_size, " GPU(s) of ",
       GiB(request.gpu_bytes), ": the smallest layout allowed (", LayoutName(smallest->layout),
       ") needs ", GiB(m.gpu_total()), " per GPU (weights ", GiB(m.weights), ", gradients ",
-      GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ", GiB(m.activations), ")",
-      host, "; add GPUs, allow offload or tensor parallelism, or lower the activation reserve"));
+      GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ", GiB(m.activations),
+      ExecutorTerms(m), ")", host, "; add GPUs, allow offload or tensor parallelism, or ",
+      m.activations_estimated
+          ? "lower the executor's block size and graph budget (or give an activation reserve)"
+          : "lower the activation reserve"));
 }
 
 absl::StatusOr<std::optional<bool>> ParseLayoutChoice(std::string_view flag,
@@ -153,7 +206,7 @@ std::string DescribeLayout(const LayoutPlan& plan) {
                    absl::StrFormat("%.2fB", static_cast<double>(plan.parameters.total()) / 1e9),
                    " parameters; per GPU ", GiB(m.gpu_total()), " of ", GiB(plan.gpu_bytes),
                    ": weights ", GiB(m.weights), ", gradients ", GiB(m.gradients), ", optimizer ",
-                   GiB(m.optimizer), ", activations ", GiB(m.activations));
+                   GiB(m.optimizer), ", activations ", GiB(m.activations), ExecutorTerms(m));
   if (m.host_optimizer > 0) absl::StrAppend(&out, "; host: ", GiB(m.host_optimizer), " per rank");
   return out;
 }

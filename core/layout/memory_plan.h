@@ -8,7 +8,8 @@
 //   gradients   (P_s / TP + P_r) x 4            (float32, accumulated in full before the reduction)
 //   optimizer   (P_s / TP + P_r) x 12 / DP      (float32 master + two moments; / DP when sharded;
 //                                                0 on the GPU when offloaded: then on the host)
-//   activations the caller's reserve (the executor's path stack and graphs)
+//   activations the executor's own peak, estimated from the shape at this TP degree and the
+//               executor's options (executor_memory.h), or the caller's reserve
 //
 //   absl::StatusOr<LayoutPlan> plan = PlanLayout(config, {.world_size = 8, .gpu_bytes = 80e9});
 //   if (!plan.ok()) { print plan.status().message(): it names the numbers }
@@ -23,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/checkpoint/qwen3_config.h"
+#include "core/layout/executor_memory.h"
 
 namespace dta {
 
@@ -51,10 +53,18 @@ struct MemoryEstimate {
   int64_t weights = 0;
   int64_t gradients = 0;
   int64_t optimizer = 0;       // on the GPU; 0 when offloaded
-  int64_t activations = 0;     // the reserve asked for
+  int64_t activations = 0;     // the executor's estimate, or the reserve asked for
   int64_t host_optimizer = 0;  // per rank, when offloaded
+  // Whether `activations` is the executor's estimate (then its terms and token counts below) or
+  // the reserve the request gave.
+  bool activations_estimated = false;
+  ExecutorMemoryEstimate executor;
+  ExecutorTokens executor_tokens;
   int64_t gpu_total() const { return weights + gradients + optimizer + activations; }
 };
+
+// LayoutRequest::activation_bytes: estimate the executor's memory instead of reserving a size.
+inline constexpr int64_t kEstimatedActivations = -1;
 
 struct LayoutRequest {
   int32_t world_size = 1;
@@ -62,8 +72,9 @@ struct LayoutRequest {
   int32_t gpus_per_node = 8;
   // Memory each GPU may use, bytes (required).
   int64_t gpu_bytes = 0;
-  // Reserve for the executor's path stack and graphs, bytes.
-  int64_t activation_bytes = int64_t{8} << 30;
+  // Reserve for the executor, bytes; negative (the default): EstimateExecutorMemory for
+  // `executor` at each layout's TP degree and weight bytes.
+  int64_t activation_bytes = kEstimatedActivations;
   // Host memory per node for offloaded optimizer state, bytes; 0: not checked.
   int64_t host_bytes_per_node = 0;
   // Bytes of one weight on the GPU (2: bfloat16).
@@ -72,6 +83,8 @@ struct LayoutRequest {
   int32_t tensor_parallel = 0;
   std::optional<bool> shard_optimizer;
   std::optional<bool> offload_optimizer;
+  // What drives the executor's memory when activation_bytes is estimated.
+  ExecutorMemoryOptions executor;
 };
 
 struct LayoutPlan {
@@ -90,10 +103,12 @@ std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config, const Layo
 
 // The first layout that fits, preferring the least communication: without offload before with
 // it, then the smallest TP degree; the optimizer is sharded whenever DP > 1 (ZeRO-1 moves as many
-// bytes as the all-reduce it replaces). INVALID_ARGUMENT for a request that makes no sense (no
-// GPU memory, a world size of 0, an override the config does not allow), naming the field;
+// bytes as the all-reduce it replaces). The executor's estimate shrinks with TP (its per-head and
+// per-vocabulary terms are split), so a larger TP degree can fit where a smaller one does not.
+// INVALID_ARGUMENT for a request that makes no sense (no GPU memory, a world size of 0, an
+// override the config does not allow, executor options out of range), naming the field;
 // RESOURCE_EXHAUSTED when nothing fits, naming the parameters, the GPUs and the smallest layout's
-// bytes.
+// bytes (with the executor's terms and token counts when estimated).
 absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutRequest& request);
 
 // A --shard_optimizer / --offload_optimizer value: "auto" (nullopt: the planner chooses), "true"
@@ -102,8 +117,10 @@ absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutReq
 absl::StatusOr<std::optional<bool>> ParseLayoutChoice(std::string_view flag,
                                                       std::string_view value);
 
-// One line per quantity, e.g. "layout: TP 2 x DP 4, optimizer sharded, on the GPU; per GPU
-// 38.2 GB of 80.0 GB: weights 8.2 GB, ...", for dta-trainer to print at start.
+// One line, e.g. "layout: TP 2 x DP 4, optimizer sharded for 8.19B parameters; per GPU 38.2 GiB
+// of 80.0 GiB: weights 7.6 GiB, ..., activations 9.1 GiB (estimated: stack 1.8, graphs 6.2,
+// workspace 0.6, log-prob head 0.5 GiB for a 8192-token path and 2048 graph tokens)", for the
+// training binaries to print at start.
 std::string DescribeLayout(const LayoutPlan& plan);
 
 }  // namespace dta

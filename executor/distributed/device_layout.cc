@@ -28,7 +28,6 @@ absl::StatusOr<LayoutPlan> PlanDeviceLayout(const Qwen3Config& config, int world
                                             const at::Device& device, at::ScalarType dtype,
                                             const LayoutOverrides& overrides) {
   if (overrides.gpu_memory_gb < 0) return absl::InvalidArgumentError("gpu_memory_gb must be >= 0");
-  if (overrides.activation_gb < 0) return absl::InvalidArgumentError("activation_gb must be >= 0");
   if (overrides.tensor_parallel < 0)
     return absl::InvalidArgumentError("tensor_parallel must be >= 0");
   LayoutRequest request;
@@ -40,7 +39,10 @@ absl::StatusOr<LayoutPlan> PlanDeviceLayout(const Qwen3Config& config, int world
   request.gpu_bytes = overrides.gpu_memory_gb > 0
                           ? static_cast<int64_t>(overrides.gpu_memory_gb * 1e9)
                           : DeviceMemoryBytes(device);
-  request.activation_bytes = static_cast<int64_t>(overrides.activation_gb * 1e9);
+  request.activation_bytes = overrides.activation_gb < 0
+                                 ? kEstimatedActivations
+                                 : static_cast<int64_t>(overrides.activation_gb * 1e9);
+  request.executor = overrides.executor;
   request.host_bytes_per_node = PhysicalMemoryBytes();
   request.weight_bytes = static_cast<int32_t>(c10::elementSize(dtype));
   request.tensor_parallel = overrides.tensor_parallel;

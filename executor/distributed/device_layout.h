@@ -24,12 +24,18 @@ struct LayoutOverrides {
   std::optional<bool> shard_optimizer;  // nullopt: the planner's choice
   std::optional<bool> offload_optimizer;
   double gpu_memory_gb = 0;  // memory each GPU may use, GB (1e9 bytes); 0: the device's
-  double activation_gb = 8;  // reserve for the executor's path stack and graphs, GB
+  // Reserve for the executor, GB; negative (the default): the executor's own peak, estimated from
+  // the model's shape at each TP degree and `executor` (core/layout/executor_memory.h).
+  double activation_gb = -1;
+  // The executor's options and workload as the estimate sees them. Default: ExecutorOptions'
+  // defaults (dta, automatic block size and graph budget) on rollouts of up to 8,192 tokens.
+  ExecutorMemoryOptions executor;
 };
 
 // The layout of `world_size` ranks on devices like `device`, holding weights of `dtype`.
 // LOCAL_WORLD_SIZE (torchrun) bounds the tensor parallelism (a node's ranks); without it the
-// whole world is one node. INVALID_ARGUMENT naming the field for a negative size.
+// whole world is one node. INVALID_ARGUMENT naming the field for a negative size or executor
+// options out of range.
 absl::StatusOr<LayoutPlan> PlanDeviceLayout(const Qwen3Config& config, int world_size,
                                             const at::Device& device, at::ScalarType dtype,
                                             const LayoutOverrides& overrides);

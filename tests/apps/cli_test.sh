@@ -75,6 +75,15 @@ done
 "$bin/dta-layout" --config=qwen3-8b --gpu_gb=80 >"$work/layout.txt" 2>&1 || fail "dta-layout exited $?"
 grep -qF "layout: TP 1 x DP 1, optimizer offloaded to the host for 8.19B parameters" "$work/layout.txt" ||
   fail "dta-layout's 8B plan: $(cat "$work/layout.txt")"
+# The executor's memory is estimated (rollouts of 8,192 tokens, automatic B and graph budget)...
+grep -qF "activations 13.2 GiB (estimated: stack 3.6, graphs 7.8, workspace 1.1, log-prob head 0.7 GiB for a 8192-token path and 2048 graph tokens)" "$work/layout.txt" ||
+  fail "dta-layout's 8B plan shows no executor estimate: $(cat "$work/layout.txt")"
+# ... unless a reserve is given.
+"$bin/dta-layout" --config=qwen3-8b --gpu_gb=80 --activation_gb=8 >"$work/layout.txt" 2>&1 || fail "dta-layout exited $?"
+grep -qF "activations 8.0 GiB; host" "$work/layout.txt" || fail "dta-layout's reserve: $(cat "$work/layout.txt")"
+"$bin/dta-layout" --config=qwen3-8b --block_size=0 2>"$work/layout.txt"
+[[ $? -eq 2 ]] || fail "a bad --block_size must exit 2"
+grep -qF "field 'executor.block_size'" "$work/layout.txt" || fail "the bad --block_size is not named"
 "$bin/dta-layout" --config=qwen3-32b --gpu_gb=80 >"$work/layout.txt" 2>&1
 [[ $? -eq 1 ]] || fail "a model that cannot fit must exit 1"
 grep -qF "cannot be trained on 1 GPU(s) of 80.0 GiB" "$work/layout.txt" || fail "the refusal names no numbers"

@@ -334,6 +334,26 @@ def test_objective_flags_are_checked(rollouts):
     assert json.loads(default.stdout.splitlines()[-1])["loss"] != json.loads(shaped.stdout.splitlines()[-1])["loss"]
 
 
+def test_a_nonfinite_gradient_stops_the_run_or_skips_the_step(rollouts, tmp_path):
+    """A learning rate of 1e30 blows the float32 weights up after the first step, so the second
+    step's gradients are NaN: by default the run stops naming a parameter; with
+    --nonfinite_gradients=skip every later step is skipped (nothing updated) and the run ends."""
+    common = [f"--rollouts={rollouts}", "--dtype=float32", "--lr=1e30", "--steps=3", "--json"]
+    stopped = train(*common)
+    assert stopped.returncode != 0 and "is not finite" in stopped.stderr, stopped.stderr
+    skipped = train(*common, "--nonfinite_gradients=skip", f"--save={tmp_path / 'ckpt'}")
+    assert skipped.returncode == 0, skipped.stderr
+    records = [json.loads(line) for line in skipped.stdout.splitlines() if line.startswith("{")]
+    assert [r["skipped"] for r in records] == [False, True, True]
+    assert records[1]["grad_norm"] is None  # NaN: JSON has no NaN
+    assert re.search(r"step 2: the gradient norm is -?nan: step skipped, nothing updated", skipped.stderr), skipped.stderr
+    import numpy as np
+    state = load_file(str(tmp_path / "ckpt" / "optimizer" / "optimizer.safetensors"))
+    assert state and all(np.isfinite(t).all() for t in state.values())  # a skipped step writes no NaN
+    bad = train(f"--rollouts={rollouts}", "--nonfinite_gradients=ignore")
+    assert bad.returncode == 2 and "--nonfinite_gradients must be raise or skip" in bad.stderr, bad.stderr
+
+
 def test_tensorboard_event_files_hold_every_steps_numbers(rollouts, tmp_path):
     """--tensorboard_dir: one event per step with the JSON line's numbers (RL diagnostics included),
     read back with tensorboardX's protos and CRC; an unusable directory is refused naming the flag."""
@@ -352,7 +372,7 @@ def test_tensorboard_event_files_hold_every_steps_numbers(rollouts, tmp_path):
         assert "approx_kl" in numbers and "behave_imp_weight" in numbers
         assert set(written) == set(numbers), set(written) ^ set(numbers)
         for key, value in numbers.items():  # float32 in the file
-            assert written[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
+            assert written[key] == pytest.approx(float(value), rel=1e-6, abs=1e-30), key  # bools as 0 and 1
     (tmp_path / "file").write_text("x")
     refused = train(f"--rollouts={rollouts}", "--steps=1", f"--tensorboard_dir={tmp_path / 'file' / 'sub'}")
     assert refused.returncode == 2 and "--tensorboard_dir" in refused.stderr, refused.stderr

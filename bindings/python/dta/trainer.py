@@ -448,7 +448,7 @@ class Trainer:
                  max_grad_norm: float = 1.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, distributed: bool = False, tensor_parallel: int = 1,
                  shard_optimizer: bool | str = "auto", offload_optimizer: bool | str = "auto",
-                 offload_update: str = "gpu", gpu_memory_gb: float = 0.0, activation_gb: float = 8.0,
+                 offload_update: str = "gpu", gpu_memory_gb: float = 0.0, activation_gb: float | None = None,
                  timeout_s: int = 600, nonfinite_gradients: str = "raise", progress: str = "auto",
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
@@ -480,9 +480,11 @@ class Trainer:
                 (as on a CPU). As dta-train --offload_update; ``offload_description`` says which
                 runs.
             gpu_memory_gb, activation_gb: What the planner may use per GPU (0: the device's) and
-                reserves for the executor's stack and graphs. The planner refuses a layout that
-                cannot fit with a RuntimeError naming the numbers (``trainer.layout`` describes
-                the chosen one).
+                reserves for the executor's stack, graphs and workspace (None: the executor's own
+                peak, estimated from the model's shape for dta with automatic block size and graph
+                budget on rollouts of up to 8,192 tokens; core/layout/executor_memory.h). The
+                planner refuses a layout that cannot fit with a RuntimeError naming the numbers
+                (``trainer.layout`` describes the chosen one).
             timeout_s: Collectives' and the rendezvous' timeout (distributed).
             nonfinite_gradients: What a step does when the global gradient norm is NaN or
                 infinite: ``"raise"`` (RuntimeError naming the parameter) or ``"skip"`` (no
@@ -516,7 +518,7 @@ class Trainer:
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False,
                     tensor_parallel: int = 1, shard_optimizer: bool | str = "auto",
                     offload_optimizer: bool | str = "auto", offload_update: str = "gpu",
-                    gpu_memory_gb: float = 0.0, activation_gb: float = 8.0, timeout_s: int = 600,
+                    gpu_memory_gb: float = 0.0, activation_gb: float | None = None, timeout_s: int = 600,
                     nonfinite_gradients: str = "raise", progress: str = "auto",
                     tensorboard_dir: str | os.PathLike[str] | None = None) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
@@ -852,10 +854,10 @@ def _layout_choice(name: str, value: bool | str) -> bool | None:
 
 def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: bool | str,
                       offload_optimizer: bool | str, offload_update: str, gpu_memory_gb: float,
-                      activation_gb: float, timeout_s: int) -> Any:
+                      activation_gb: float | None, timeout_s: int) -> Any:
     if not isinstance(tensor_parallel, int) or tensor_parallel < 0:
         raise ValueError(f"tensor_parallel must be an int >= 0, got {tensor_parallel!r}")
-    if gpu_memory_gb < 0 or activation_gb < 0:
+    if gpu_memory_gb < 0 or (activation_gb is not None and activation_gb < 0):
         raise ValueError(f"gpu_memory_gb and activation_gb must be >= 0, got {gpu_memory_gb}, {activation_gb}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -873,7 +875,7 @@ def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: 
     layout.shard_optimizer = _layout_choice("shard_optimizer", shard_optimizer)
     layout.offload_optimizer = _layout_choice("offload_optimizer", offload_optimizer)
     layout.gpu_memory_gb = float(gpu_memory_gb)
-    layout.activation_gb = float(activation_gb)
+    layout.activation_gb = -1.0 if activation_gb is None else float(activation_gb)  # -1: estimated
     parallel.layout = layout
     return parallel
 

@@ -407,6 +407,50 @@ TEST_F(TrainerLoopTest, AGradientFailureIsReportedFirst) {
   EXPECT_TRUE(session.prepared.empty());
 }
 
+// A committed step whose gradients are not finite (poisoned here in the synchronisation): with
+// kSkip the loop updates nothing, reports it and goes on, so the weights are those of training the
+// other steps alone; with kRaise (the default) it stops at that step, naming the parameter.
+TEST_F(TrainerLoopTest, ANonFiniteGradientSkipsTheStepOrStopsTheLoop) {
+  const std::vector<StepPartition> steps = {MakePartition(0, 3, 1), MakePartition(1, 2, 2),
+                                            MakePartition(2, 4, 3)};
+  for (const NonFiniteGradients mode : {NonFiniteGradients::kSkip, NonFiniteGradients::kRaise}) {
+    FakeSession session;
+    for (const StepPartition& p : steps) session.partitions.push_back(p);
+    TrainerLoopOptions options = Options(/*max_steps=*/3);
+    options.nonfinite_gradients = mode;
+    std::vector<StepReport> reports;
+    options.on_step = [&](const StepReport& report) { reports.push_back(report); };
+    Qwen3Model model = TinyModel();
+    TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
+    int syncs = 0;
+    const auto poison_step_1 = [&] {
+      if (syncs++ != 1) return;
+      at::NoGradGuard no_grad;
+      model.named_parameters()[2].second.mutable_grad()[0].fill_(std::nan(""));
+    };
+    if (mode == NonFiniteGradients::kRaise) {
+      try {
+        RunTrainerSteps(session, model, optimizer, poison_step_1, 0, options);
+        FAIL() << "a NaN gradient must stop the loop by default";
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("is not finite"), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(optimizer.step(), 1);
+      EXPECT_EQ(reports.size(), 1u);
+      continue;
+    }
+    EXPECT_EQ(RunTrainerSteps(session, model, optimizer, poison_step_1, 0, options), 3);
+    ASSERT_EQ(reports.size(), 3u);
+    EXPECT_FALSE(reports[0].skipped);
+    EXPECT_TRUE(reports[1].skipped);
+    EXPECT_TRUE(std::isnan(reports[1].grad_norm));
+    EXPECT_FALSE(reports[2].skipped);
+    EXPECT_EQ(optimizer.step(), 2);
+    EXPECT_EQ(session.prepared.size(), 3u);  // every step committed: the batch is consumed
+    ExpectSameParameters(Parameters(model), TrainByHand({steps[0], steps[2]}, options));
+  }
+}
+
 TEST_F(TrainerLoopTest, ASynchronisationFailureIsReportedAndAsksForARestart) {
   FakeSession session;
   session.partitions.push_back(MakePartition(0, 2, 9));

@@ -10,6 +10,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
@@ -145,7 +146,65 @@ TEST(PlanLayout, WhatCannotFitIsRefusedNamingTheNumbers) {
   EXPECT_THAT(
       message,
       HasSubstr("the smallest layout allowed (TP 1 x DP 1, optimizer offloaded to the host)"));
-  EXPECT_THAT(message, HasSubstr("activations 8.0 GiB"));
+  // The executor's estimate, with its terms and token counts (rollouts of 8,192 tokens planned).
+  EXPECT_THAT(message, HasSubstr("(estimated: stack "));
+  EXPECT_THAT(message, HasSubstr("for a 8192-token path and 2048 graph tokens)"));
+  EXPECT_THAT(message, HasSubstr("lower the executor's block size and graph budget"));
+  // A reserve given instead is named as such.
+  const absl::StatusOr<LayoutPlan> reserved =
+      PlanLayout(Qwen3_32B(), {.gpu_bytes = 80 * kGiB, .activation_bytes = 8 * kGiB});
+  EXPECT_THAT(std::string(reserved.status().message()), HasSubstr("activations 8.0 GiB)"));
+  EXPECT_THAT(std::string(reserved.status().message()), HasSubstr("lower the activation reserve"));
+}
+
+TEST(PlanLayout, EstimatesTheExecutorByDefaultAndTakesAReserveInstead) {
+  const Qwen3Config config = Qwen3_8B();
+  LayoutRequest request{.gpu_bytes = 80 * kGiB};
+  request.executor = {.longest_rollout = 7821, .block_size = 2048, .graph_budget = 0};
+  const absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->memory.activations_estimated);
+  EXPECT_EQ(plan->memory.activations, EstimateExecutorMemory(config, request.executor).total());
+  EXPECT_EQ(plan->memory.executor_tokens.stack, 7821);
+  EXPECT_THAT(DescribeLayout(*plan),
+              HasSubstr("activations 13.1 GiB (estimated: stack 3.5, graphs 7.8, workspace 1.1, "
+                        "log-prob head 0.7 GiB"));
+  EXPECT_THAT(DescribeLayout(*plan), HasSubstr("for a 7821-token path and 2048 graph tokens)"));
+
+  request.activation_bytes = 3;
+  const absl::StatusOr<LayoutPlan> reserved = PlanLayout(config, request);
+  ASSERT_TRUE(reserved.ok()) << reserved.status();
+  EXPECT_FALSE(reserved->memory.activations_estimated);
+  EXPECT_EQ(reserved->memory.activations, 3);
+  EXPECT_THAT(DescribeLayout(*reserved), Not(HasSubstr("estimated")));
+}
+
+TEST(PlanLayout, TheEstimateShrinksWithTensorParallelism) {
+  // Each TP degree is planned with its own estimate: TP 2 holds half the K/V and graphs.
+  const Qwen3Config config = Qwen3_8B();
+  LayoutRequest request{.world_size = 2, .gpu_bytes = 80 * kGiB, .tensor_parallel = 1};
+  const MemoryEstimate tp1 = EstimateMemory(config, {.tensor_parallel = 1}, request);
+  const MemoryEstimate tp2 = EstimateMemory(config, {.tensor_parallel = 2}, request);
+  EXPECT_LT(tp2.activations, tp1.activations);
+  EXPECT_EQ(tp2.activations, EstimateExecutorMemory(config, request.executor, 2).total());
+}
+
+TEST(PlanLayout, BadExecutorOptionsAreRefusedNamingTheField) {
+  LayoutRequest request{.gpu_bytes = 80 * kGiB};
+  request.executor.longest_rollout = 0;
+  absl::StatusOr<LayoutPlan> plan = PlanLayout(Qwen3_8B(), request);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(plan.status().message()),
+              HasSubstr("field 'executor.longest_rollout': must be >= 1, got 0"));
+  request.executor = {.block_size = 0};
+  plan = PlanLayout(Qwen3_8B(), request);
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("executor.block_size"));
+  request.executor = {.graph_budget = -2};
+  plan = PlanLayout(Qwen3_8B(), request);
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("executor.graph_budget"));
+  // Not checked when a reserve is given.
+  request.activation_bytes = 0;
+  EXPECT_TRUE(PlanLayout(Qwen3_8B(), request).ok());
 }
 
 TEST(PlanLayout, OverridesAreKeptOrRefused) {

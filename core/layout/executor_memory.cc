@@ -1,0 +1,116 @@
+#include "core/layout/executor_memory.h"
+
+#include <algorithm>
+
+namespace dta {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A packed step's B beyond this (kUnboundedBlock, in practice) is bounded only by the tree.
+constexpr int64_t kUnknownTreeBlock = int64_t{1} << 40;
+
+}  // namespace
+
+ExecutorTokens PlannedExecutorTokens(const ExecutorMemoryOptions& o) {
+  const int64_t longest = std::max<int64_t>(o.longest_rollout, 1);
+  ExecutorTokens tokens;
+  switch (o.method) {
+    case ExecutorKind::kDense:
+      // Every rollout on its own, its whole graph alive until its backward.
+      tokens.graphs = tokens.chunk = longest;
+      break;
+    case ExecutorKind::kPacked: {
+      // One packed forward of at most token_capacity unique tokens (and never more than the tree);
+      // 0: the whole tree, or the longest rollout in its stead when the tree is not known.
+      const int64_t tree = o.tree_tokens > 0 ? o.tree_tokens : longest;
+      if (o.token_capacity == 0) {
+        tokens.graphs = tree;
+      } else {
+        tokens.graphs =
+            o.tree_tokens > 0 ? std::min(o.token_capacity, o.tree_tokens) : o.token_capacity;
+      }
+      tokens.chunk = tokens.graphs;
+      break;
+    }
+    case ExecutorKind::kDta: {
+      const int64_t block =
+          o.block_size == kAutomaticCapacity ? kPlannedAutomaticBlock : o.block_size;
+      const int64_t budget = o.graph_budget == kAutomaticCapacity ? 0 : o.graph_budget;
+      tokens.stack = longest;
+      if (o.pack) {
+        // A packed step of up to B unique tokens (never more than the tree) sits above the kept
+        // graphs, which lie on the path. An unbounded B with no tree known plans for one rollout.
+        tokens.chunk = o.block_size == kAutomaticCapacity ? std::min(block, longest) : block;
+        if (o.tree_tokens > 0) tokens.chunk = std::min(tokens.chunk, o.tree_tokens);
+        if (tokens.chunk > kUnknownTreeBlock) tokens.chunk = longest;
+        tokens.graphs = std::min(budget, longest) + tokens.chunk;
+      } else {
+        // Kept graphs and the chunk in backward are disjoint pieces of the one path on the stack.
+        tokens.chunk = std::min(block, longest);
+        tokens.graphs = std::min(tokens.chunk + std::min(budget, longest), longest);
+      }
+      break;
+    }
+  }
+  return tokens;
+}
+
+ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
+                                              const ExecutorMemoryOptions& options,
+                                              const ExecutorTokens& tokens, int32_t tensor_parallel,
+                                              int32_t weight_bytes) {
+  const int64_t tp = std::max(tensor_parallel, 1);
+  const int64_t w = std::max(weight_bytes, 1);
+  const int64_t c = std::max<int64_t>(w, 4);  // float32 (float64 for float64 models)
+  const int64_t layers = config.num_hidden_layers;
+  const int64_t h = config.hidden_size;
+  const int64_t d = config.head_dim;
+  // This rank's part (tensor parallelism needs heads and KV heads divisible by TP; the MLP's
+  // intermediate rows and the vocabulary split with the larger parts first).
+  const int64_t heads = config.num_attention_heads / tp;
+  const int64_t kv_heads = config.num_key_value_heads / tp;
+  const int64_t q = heads * d;
+  const int64_t kv = kv_heads * d;
+  const int64_t i = CeilDiv(config.intermediate_size, tp);
+  const int64_t vocab = CeilDiv(config.vocab_size, tp);
+
+  ExecutorMemoryEstimate m;
+  // K, V and their dK, dV accumulators per layer; the final hidden state and its accumulator; the
+  // log-probability and entropy with theirs.
+  m.stack = tokens.stack * (layers * kv * 2 * (w + c) + 2 * h * c + 4 * c);
+
+  // What autograd keeps of one layer for one token: the two residual-stream norm inputs; q and k
+  // before their norms and after RoPE, v, the attention output; the MLP's gate and up; the norms'
+  // 1/rms (the residual ones, q's and k's per head) and attention's log-sum-exp per head.
+  const int64_t layer = 2 * h * c + (3 * q + 3 * kv + 2 * i) * w + c * (2 + 2 * heads + kv_heads);
+  // Layer replay keeps each layer's input and rebuilds one layer's graph at a time.
+  const bool replay = options.checkpointing && options.method != ExecutorKind::kDta;
+  const int64_t per_token_layers = replay ? layers * h * c + layer : layers * layer;
+  // Per chunk: the final norm's input and output, lm_head's rounded copy of it, RoPE's cos and sin,
+  // the token ids, positions and tree mask (int64).
+  const int64_t per_token_chunk = 2 * h * c + h * w + 2 * d * c + 3 * 8;
+  m.graphs = tokens.graphs * (per_token_layers + per_token_chunk);
+
+  // The chunk in backward: dta seeds its K/V outputs with weight-dtype copies of the stack's dK/dV
+  // (alive for the whole backward); SwiGLU's backward holds up to seven [T, i] compute-type
+  // tensors (the recomputed product's inputs, d product, gate, up, sigmoid and two partials); the
+  // residual stream's gradient and the norm backward's temporaries four [T, h] ones.
+  const int64_t seeds = options.method == ExecutorKind::kDta ? 2 * layers * kv * w : 0;
+  m.workspace = tokens.chunk * (seeds + 7 * i * c + 4 * h * c);
+
+  // Two compute-type [rows, vocabulary] slices (logits and exp or their gradient) and the
+  // weight-type copy of the gradient backward feeds to the matmuls.
+  const int64_t rows = std::min(std::max<int64_t>(options.logprob_slice_rows, 1), tokens.chunk);
+  m.logprob_head = rows * vocab * (2 * c + w);
+  return m;
+}
+
+ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
+                                              const ExecutorMemoryOptions& options,
+                                              int32_t tensor_parallel, int32_t weight_bytes) {
+  return EstimateExecutorMemory(config, options, PlannedExecutorTokens(options), tensor_parallel,
+                                weight_bytes);
+}
+
+}  // namespace dta

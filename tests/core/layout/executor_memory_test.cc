@@ -1,0 +1,319 @@
+#include "core/layout/executor_memory.h"
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/checkpoint/qwen3_config.h"
+#include "core/layout/memory_plan.h"
+#include "core/tree/leaf_order.h"
+#include "core/tree/prefix_tree.h"
+#include "core/tree/schedule.h"
+#include "core/workload/workload.h"
+#include "gtest/gtest.h"
+
+namespace dta {
+namespace {
+
+constexpr double kGiB = double{int64_t{1} << 30};
+
+// Qwen3's published shapes (core/checkpoint's presets, as in their config.json).
+Qwen3Config Preset(const char* name) {
+  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(name);
+  EXPECT_TRUE(config.ok()) << config.status();
+  return config.ok() ? *config : Qwen3Config{};
+}
+Qwen3Config Qwen3_0_6B() { return Preset("qwen3-0.6b"); }
+Qwen3Config Qwen3_1_7B() { return Preset("qwen3-1.7b"); }
+Qwen3Config Qwen3_4B() { return Preset("qwen3-4b"); }
+Qwen3Config Qwen3_8B() { return Preset("qwen3-8b"); }
+
+// 2 layers, hidden 64, 4 heads / 2 KV heads of 16, intermediate 96, vocabulary 1,000.
+Qwen3Config Tiny() {
+  Qwen3Config c;
+  c.vocab_size = 1000;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.tie_word_embeddings = true;
+  return c;
+}
+
+TEST(ExecutorMemory, MatchesAHandCountForASmallConfig) {
+  // dta, rollouts of up to 100 tokens, B 32, 16 tokens of kept graphs, 8-row logit slices.
+  const ExecutorMemoryOptions options{
+      .longest_rollout = 100, .block_size = 32, .graph_budget = 16, .logprob_slice_rows = 8};
+  const ExecutorTokens tokens = PlannedExecutorTokens(options);
+  EXPECT_EQ(tokens.stack, 100);
+  EXPECT_EQ(tokens.chunk, 32);
+  EXPECT_EQ(tokens.graphs, 48);  // B + budget, below the longest rollout
+  // bfloat16 weights (w = 2), float32 compute (c = 4); q = 64, kv = 32, i = 96.
+  const ExecutorMemoryEstimate m = EstimateExecutorMemory(Tiny(), options);
+  // Per position: K, V, dK, dV of 2 layers (2 x 32 x 2 x (2 + 4) = 768), the hidden state and its
+  // accumulator (2 x 64 x 4 = 512), log-probability, entropy and theirs (16).
+  EXPECT_EQ(m.stack, 100 * (768 + 512 + 16));
+  // Per layer: residual inputs 2 x 64 x 4 = 512, (3 x 64 + 3 x 32 + 2 x 96) x 2 = 960, 1/rms and
+  // log-sum-exp 4 x (2 + 8 + 2) = 48: 1,520, twice; per chunk token 512 + 128 + 128 + 24 = 792.
+  EXPECT_EQ(m.graphs, 48 * (2 * 1520 + 792));
+  // dK/dV seeds 2 x 2 x 32 x 2 = 256, SwiGLU 7 x 96 x 4 = 2,688, residual 4 x 64 x 4 = 1,024.
+  EXPECT_EQ(m.workspace, 32 * (256 + 2688 + 1024));
+  // 8 rows x 1,000 logits x (4 + 4 + 2).
+  EXPECT_EQ(m.logprob_head, 8 * 1000 * 10);
+  EXPECT_EQ(m.total(), 129600 + 183936 + 126976 + 80000);
+
+  // Two tensor-parallel ranks: 2 heads, 1 KV head, i = 48, 500 vocabulary rows each.
+  const ExecutorMemoryEstimate half = EstimateExecutorMemory(Tiny(), options, 2);
+  EXPECT_EQ(half.stack, 100 * (384 + 512 + 16));
+  EXPECT_EQ(half.graphs, 48 * (2 * (512 + 480 + 28) + 792));
+  EXPECT_EQ(half.workspace, 32 * (128 + 1344 + 1024));
+  EXPECT_EQ(half.logprob_head, 8 * 500 * 10);
+}
+
+TEST(ExecutorMemory, MethodsAndAutomaticCapacities) {
+  // Automatic B and budget: a 2,048-token chunk (or the whole rollout if shorter), no kept graphs.
+  ExecutorTokens t = PlannedExecutorTokens({.longest_rollout = 8192});
+  EXPECT_EQ(t.stack, 8192);
+  EXPECT_EQ(t.chunk, kPlannedAutomaticBlock);
+  EXPECT_EQ(t.graphs, kPlannedAutomaticBlock);
+  t = PlannedExecutorTokens({.longest_rollout = 733});
+  EXPECT_EQ(t.chunk, 733);
+  EXPECT_EQ(t.graphs, 733);
+  // Kept graphs and the chunk lie on one path: never more than the longest rollout.
+  t = PlannedExecutorTokens({.longest_rollout = 7821, .block_size = 4096, .graph_budget = 4096});
+  EXPECT_EQ(t.graphs, 7821);
+  // Packed steps sit above the kept graphs and may exceed a rollout.
+  t = PlannedExecutorTokens(
+      {.longest_rollout = 7821, .block_size = 8192, .graph_budget = 8192, .pack = true});
+  EXPECT_EQ(t.chunk, 8192);
+  EXPECT_EQ(t.graphs, 7821 + 8192);
+  // Dense: no stack, the longest rollout's whole graph.
+  t = PlannedExecutorTokens({.method = ExecutorKind::kDense, .longest_rollout = 19});
+  EXPECT_EQ(t.stack, 0);
+  EXPECT_EQ(t.graphs, 19);
+  // Packed: the capacity, or the tree when it is smaller or the capacity is 0.
+  t = PlannedExecutorTokens(
+      {.method = ExecutorKind::kPacked, .longest_rollout = 19, .token_capacity = 24576});
+  EXPECT_EQ(t.graphs, 24576);
+  t = PlannedExecutorTokens({.method = ExecutorKind::kPacked,
+                             .longest_rollout = 19,
+                             .token_capacity = 24576,
+                             .tree_tokens = 3000});
+  EXPECT_EQ(t.graphs, 3000);
+  t = PlannedExecutorTokens({.method = ExecutorKind::kPacked, .longest_rollout = 19});
+  EXPECT_EQ(t.graphs, 19);  // unknown tree: the longest rollout stands in
+  // Layer replay keeps less than the whole graph; dense has no dK/dV seeds.
+  const Qwen3Config c = Qwen3_1_7B();
+  const ExecutorMemoryOptions dense{.method = ExecutorKind::kDense, .longest_rollout = 8061};
+  ExecutorMemoryOptions replay = dense;
+  replay.checkpointing = true;
+  EXPECT_LT(EstimateExecutorMemory(c, replay).graphs, EstimateExecutorMemory(c, dense).graphs / 4);
+  EXPECT_EQ(EstimateExecutorMemory(c, dense).stack, 0);
+}
+
+TEST(ExecutorMemory, GrowsWithEveryCapacity) {
+  const Qwen3Config c = Qwen3_8B();
+  auto total = [&](const ExecutorMemoryOptions& o) { return EstimateExecutorMemory(c, o).total(); };
+  for (const bool pack : {false, true}) {
+    int64_t previous = 0;
+    for (const int64_t longest : {1, 7, 19, 733, 8192, 16384}) {
+      const int64_t bytes = total({.longest_rollout = longest, .pack = pack});
+      EXPECT_GE(bytes, previous) << "longest " << longest;
+      previous = bytes;
+    }
+    previous = 0;
+    for (const int64_t block : {1, 3, 19, 733, 2048, 7821, 16384}) {
+      const int64_t bytes = total({.longest_rollout = 7821, .block_size = block, .pack = pack});
+      EXPECT_GE(bytes, previous) << "B " << block;
+      previous = bytes;
+    }
+    previous = 0;
+    for (const int64_t budget : {0, 1, 7, 733, 4096, 16384}) {
+      const int64_t bytes = total(
+          {.longest_rollout = 7821, .block_size = 2048, .graph_budget = budget, .pack = pack});
+      EXPECT_GE(bytes, previous) << "budget " << budget;
+      previous = bytes;
+    }
+  }
+  int64_t previous = 0;
+  for (const int64_t capacity : {1, 19, 733, 24576}) {
+    const int64_t bytes = total(
+        {.method = ExecutorKind::kPacked, .longest_rollout = 8061, .token_capacity = capacity});
+    EXPECT_GE(bytes, previous) << "capacity " << capacity;
+    previous = bytes;
+  }
+}
+
+TEST(ExecutorMemory, TensorParallelismDividesThePerHeadTerms) {
+  // Each term is a part every rank holds whole (the residual stream's) plus a part split across
+  // the ranks (K/V and their accumulators, q, k, v, the MLP's slice, the vocabulary): doubling TP
+  // halves the split part, so term(1) - term(2) = 2 (term(2) - term(4)) = 4 (term(4) - term(8)).
+  const Qwen3Config c = Qwen3_8B();  // 32 heads, 8 KV heads, intermediate and vocabulary / 8
+  const ExecutorMemoryOptions o{.longest_rollout = 8192, .block_size = 4096, .graph_budget = 2048};
+  ExecutorMemoryEstimate e[4];
+  for (int k = 0; k < 4; ++k) e[k] = EstimateExecutorMemory(c, o, 1 << k);
+  auto check = [&](const char* name, auto term) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(term(e[0]) - term(e[1]), 2 * (term(e[1]) - term(e[2])));
+    EXPECT_EQ(term(e[1]) - term(e[2]), 2 * (term(e[2]) - term(e[3])));
+    EXPECT_GT(term(e[2]), term(e[3]));
+  };
+  check("stack", [](const ExecutorMemoryEstimate& m) { return m.stack; });
+  check("graphs", [](const ExecutorMemoryEstimate& m) { return m.graphs; });
+  check("workspace", [](const ExecutorMemoryEstimate& m) { return m.workspace; });
+  check("logprob_head", [](const ExecutorMemoryEstimate& m) { return m.logprob_head; });
+  // The log-probability head is all vocabulary: it divides exactly.
+  EXPECT_EQ(e[0].logprob_head, 8 * e[3].logprob_head);
+}
+
+// One measured step: dta-train's peak GPU memory (the caching allocator's peak allocated bytes of
+// the last step) with the model's bfloat16 weights and float32 gradients resident, and AdamW's
+// state on the GPU too (12 bytes per parameter) where `optimizer_on_gpu`.
+struct Measured {
+  const char* what;
+  Qwen3Config config;
+  WorkloadPreset preset;
+  double scale;
+  ExecutorMemoryOptions options;  // longest_rollout is the workload's; B as the executor ran it
+  bool optimizer_on_gpu;
+  double peak_gib;
+};
+
+// Measured on one H100 80GB HBM3 (2026-11-24), bf16, random weights, GRPO, the dta method, 2 steps
+// (the last read), AdamW's state offloaded and streamed unless said:
+//   scripts/gpu_executor_memory.sh --runs=MODEL:WORKLOAD:B:BUDGET[:pack][:gpu]
+// (results in bench/results/latest/executor-memory-h100/, docs/benchmarks.md "The executor's
+// memory"). tau2: the preset at scale 0.101 (27 rollouts, longest 7,821); aime: scale 0.05 (16
+// rollouts, longest 16,384). B "auto" rows give the B the executor chose from the free memory:
+// 1.7B with its optimizer on the GPU took the longest rollout; 8B offloaded had room for about
+// 2,100 tokens beside the 4,096-token budget (0.8 x about 30 GiB free / 4.06 MB per token, less
+// the budget; any B from 2,000 to 2,300 gives the same schedule).
+std::vector<Measured> H100Points() {
+  auto dta = [](int64_t block, int64_t budget, bool pack = false) {
+    return ExecutorMemoryOptions{.block_size = block, .graph_budget = budget, .pack = pack};
+  };
+  constexpr WorkloadPreset kTau2 = WorkloadPreset::kTau2;
+  constexpr WorkloadPreset kAime = WorkloadPreset::kAime;
+  return {
+      {"0.6b tau2 B 1024", Qwen3_0_6B(), kTau2, 0.101, dta(1024, 0), false, 7.743},
+      {"0.6b tau2 B 2048", Qwen3_0_6B(), kTau2, 0.101, dta(2048, 0), false, 8.424},
+      {"0.6b tau2 B 4096", Qwen3_0_6B(), kTau2, 0.101, dta(4096, 0), false, 9.342},
+      {"0.6b tau2 B 2048 budget 4096", Qwen3_0_6B(), kTau2, 0.101, dta(2048, 4096), false, 11.461},
+      {"0.6b tau2 B 2048 budget 16384", Qwen3_0_6B(), kTau2, 0.101, dta(2048, 16384), false,
+       14.779},
+      {"0.6b aime B 16384", Qwen3_0_6B(), kAime, 0.05, dta(16384, 0), false, 29.227},
+      {"1.7b tau2 B 2048", Qwen3_1_7B(), kTau2, 0.101, dta(2048, 0), false, 15.655},
+      {"1.7b tau2 B 4096 budget 4096", Qwen3_1_7B(), kTau2, 0.101, dta(4096, 4096), false, 17.785},
+      {"1.7b aime B 4096", Qwen3_1_7B(), kAime, 0.05, dta(4096, 0), false, 23.003},
+      {"1.7b tau2 B 8192 budget 8192 pack", Qwen3_1_7B(), kTau2, 0.101, dta(8192, 8192, true),
+       false, 35.482},
+      {"1.7b tau2 B auto (7821) budget 4096, optimizer on the GPU", Qwen3_1_7B(), kTau2, 0.101,
+       dta(7821, 4096), true, 40.792},
+      {"4b tau2 B 2048 budget 2048", Qwen3_4B(), kTau2, 0.101, dta(2048, 2048), false, 35.972},
+      {"8b tau2 B 2048", Qwen3_8B(), kTau2, 0.101, dta(2048, 0), false, 56.553},
+      {"8b tau2 B 4096 budget 4096", Qwen3_8B(), kTau2, 0.101, dta(4096, 4096), false, 61.588},
+      {"8b tau2 B auto (about 2100) budget 4096", Qwen3_8B(), kTau2, 0.101, dta(2100, 4096), false,
+       67.765},
+  };
+}
+
+struct ScheduleCounts {
+  int64_t longest = 0;
+  ExecutorTokens ran;  // the counts of the schedule the executor ran
+};
+
+ScheduleCounts RunSchedule(WorkloadPreset preset, double scale,
+                           const ExecutorMemoryOptions& options) {
+  const absl::StatusOr<std::vector<Rollout>> rollouts =
+      GenerateWorkload({.preset = preset, .seed = 1, .scale = scale});
+  EXPECT_TRUE(rollouts.ok()) << rollouts.status();
+  std::vector<std::vector<TokenId>> sequences;
+  ScheduleCounts out;
+  for (const Rollout& r : *rollouts) {
+    sequences.push_back(r.tokens);
+    out.longest = std::max<int64_t>(out.longest, r.tokens.size());
+  }
+  const PrefixTree tree = *PrefixTree::FromRollouts(sequences);
+  const absl::StatusOr<Schedule> schedule = BuildSchedule(tree, BackwardDfsOrder(tree),
+                                                          {.block_size = options.block_size,
+                                                           .graph_budget = options.graph_budget,
+                                                           .pack = options.pack});
+  EXPECT_TRUE(schedule.ok()) << schedule.status();
+  // The executor allocates its stack for the longest rollout.
+  out.ran = {.stack = out.longest,
+             .graphs = schedule->peak_live_graphs,
+             .chunk = schedule->largest_backward};
+  return out;
+}
+
+TEST(ExecutorMemory, EstimatesTheMeasuredH100PeaksWithinTenPercent) {
+  for (const Measured& point : H100Points()) {
+    SCOPED_TRACE(point.what);
+    const ScheduleCounts s = RunSchedule(point.preset, point.scale, point.options);
+    ExecutorMemoryOptions options = point.options;
+    options.longest_rollout = s.longest;
+    const int64_t parameters = CountParameters(point.config).total();
+    const double resident = static_cast<double>(parameters) * (point.optimizer_on_gpu ? 18 : 6);
+    const double measured = point.peak_gib * kGiB - resident;
+    // With the schedule's own counts: within [0, +10%] of the measurement (1% to 8% here).
+    const double estimated =
+        static_cast<double>(EstimateExecutorMemory(point.config, options, s.ran).total());
+    std::printf("%-58s measured %6.2f GiB, estimated %6.2f (%+5.1f%%)", point.what, measured / kGiB,
+                estimated / kGiB, 100 * (estimated / measured - 1));
+    EXPECT_GE(estimated, measured);
+    EXPECT_LE(estimated, 1.10 * measured);
+    // From the options alone (what the planner knows at start): never below the measurement.
+    const double planned =
+        static_cast<double>(EstimateExecutorMemory(point.config, options).total());
+    std::printf(", planned %6.2f (%+5.1f%%)\n", planned / kGiB, 100 * (planned / measured - 1));
+    EXPECT_GE(planned, measured);
+  }
+}
+
+// Measured by dta-bench on an H100 80GB HBM3 (ComputeGradients alone, peak allocated bytes with
+// bf16 weights and float32 gradients resident; bench/results/latest/block-sweep/qwen3-1.7b-tau2/
+// results.md, 2026-11-22): the tau2 preset at scale 0.43 (95 rollouts, longest 8,061), Qwen3-1.7B.
+TEST(ExecutorMemory, EstimatesTheDenseAndPackedH100PeaksWithinTenPercent) {
+  struct Bench {
+    const char* what;
+    ExecutorMemoryOptions options;
+    double peak_gib;
+  };
+  const Bench points[] = {
+      {"dense", {.method = ExecutorKind::kDense}, 24.22},
+      {"dense-ckpt", {.method = ExecutorKind::kDense, .checkpointing = true}, 13.99},
+      {"packed (capacity 24576)",
+       {.method = ExecutorKind::kPacked, .token_capacity = 24576},
+       51.69},
+      {"packed-ckpt",
+       {.method = ExecutorKind::kPacked, .token_capacity = 24576, .checkpointing = true},
+       21.99},
+      {"dta-b2048", {.block_size = 2048, .graph_budget = 0}, 15.74},
+      {"dta-b4096-pack", {.block_size = 4096, .graph_budget = 4096, .pack = true}, 24.46},
+      {"dta-b8192-pack", {.block_size = 8192, .graph_budget = 4096, .pack = true}, 27.97},
+  };
+  const Qwen3Config config = Qwen3_1_7B();
+  const double resident = static_cast<double>(CountParameters(config).total()) * 6;
+  for (const Bench& point : points) {
+    SCOPED_TRACE(point.what);
+    ExecutorMemoryOptions options = point.options;
+    options.longest_rollout = 8061;
+    ExecutorTokens tokens = PlannedExecutorTokens(options);
+    if (options.method == ExecutorKind::kDta) {
+      tokens = RunSchedule(WorkloadPreset::kTau2, 0.43, options).ran;
+    }
+    const double measured = point.peak_gib * kGiB - resident;
+    const double estimated =
+        static_cast<double>(EstimateExecutorMemory(config, options, tokens).total());
+    std::printf("%-24s measured %6.2f GiB, estimated %6.2f (%+5.1f%%)\n", point.what,
+                measured / kGiB, estimated / kGiB, 100 * (estimated / measured - 1));
+    EXPECT_GE(estimated, measured);
+    EXPECT_LE(estimated, 1.10 * measured);
+  }
+}
+
+}  // namespace
+}  // namespace dta
