@@ -310,25 +310,22 @@ def test_train_batch_steps_like_torch_adamw_and_saves(checkpoint, trajectories, 
         dta.Trainer(published, dtype="float64")
 
 
-def test_a_nonfinite_gradient_raises_or_skips_the_step_and_updates_nothing(checkpoint, trajectories, tmp_path):
-    """NaN gradients (one rollout's loss is NaN): by default the step raises naming a parameter;
-    with nonfinite_gradients="skip" it reports skipped and updates nothing (the next finite step is
-    exactly a fresh trainer's first); TensorBoard gets both steps' numbers."""
-    from event_files import read_scalars
+def poisoned(logprobs: torch.Tensor, rollout: dta.trainer.RolloutLossInput) -> torch.Tensor:
+    """One rollout's loss is NaN: NaN gradients wherever it reaches."""
+    return logprobs.sum() * (math.nan if rollout.index == 1 else 1.0)
 
+
+def test_a_nonfinite_gradient_raises_or_skips_the_step_and_updates_nothing(checkpoint, trajectories):
+    """By default the step raises naming a parameter; with nonfinite_gradients="skip" it reports
+    skipped and updates nothing (the next finite step is exactly a fresh trainer's first)."""
     _, directory = checkpoint
-
-    def poisoned(logprobs: torch.Tensor, rollout: dta.trainer.RolloutLossInput) -> torch.Tensor:
-        return logprobs.sum() * (math.nan if rollout.index == 1 else 1.0)
-
     raising = dta.Trainer(directory, dtype="float64", lr=1e-2)
     before = {name: p.detach().clone() for name, p in raising.parameters().items()}
     with pytest.raises(RuntimeError, match=r"gradient of parameter '.*' is not finite .* nothing was updated"):
         raising.train_batch(trajectories, poisoned)
     assert raising.step_count == 0
 
-    skipping = dta.Trainer(directory, dtype="float64", lr=1e-2, nonfinite_gradients="skip",
-                           tensorboard_dir=tmp_path / "tb")
+    skipping = dta.Trainer(directory, dtype="float64", lr=1e-2, nonfinite_gradients="skip")
     stats = skipping.train_batch(trajectories, poisoned)
     assert stats.skipped and math.isnan(stats.grad_norm) and stats.step == 0 == skipping.step_count
     for name, p in skipping.parameters().items():
@@ -342,13 +339,25 @@ def test_a_nonfinite_gradient_raises_or_skips_the_step_and_updates_nothing(check
         assert torch.equal(p.detach(), fresh.parameters()[name].detach()), name
         moved += not torch.equal(p.detach(), before[name])
     assert moved > 0
+    with pytest.raises(ValueError, match="nonfinite_gradients must be 'raise' or 'skip'"):
+        dta.Trainer(directory, nonfinite_gradients="ignore")
+
+
+def test_tensorboard_scalars_of_every_train_batch(checkpoint, trajectories, tmp_path):
+    """tensorboard_dir: each train_batch's numbers at its step (a skipped step's too), read back with
+    tensorboardX's protos and CRC."""
+    from event_files import read_scalars
+
+    trainer = dta.Trainer(checkpoint[1], dtype="float64", lr=1e-2, nonfinite_gradients="skip",
+                          tensorboard_dir=tmp_path / "tb")
+    trainer.train_batch(trajectories, poisoned)
+    step = trainer.train_batch(trajectories, "grpo")
     scalars = read_scalars(tmp_path / "tb")
+    assert sorted(scalars) == [0, 1]
     assert scalars[0]["skipped"] == 1.0 and math.isnan(scalars[0]["grad_norm"])
     assert scalars[1]["skipped"] == 0.0 and scalars[1]["loss"] == pytest.approx(step.loss, rel=1e-6)
     assert scalars[1]["compression"] == pytest.approx(step.compression, rel=1e-6)
     assert "ratio_mean" in scalars[1] and "entropy" not in scalars[1]  # only what applies
-    with pytest.raises(ValueError, match="nonfinite_gradients must be 'raise' or 'skip'"):
-        dta.Trainer(directory, nonfinite_gradients="ignore")
 
 
 def test_load_weights_replaces_the_weights_and_the_master_copy(checkpoint, trajectories, tmp_path):
