@@ -279,7 +279,10 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("shard_optimizer", &LayoutOverrides::shard_optimizer)
       .def_readwrite("offload_optimizer", &LayoutOverrides::offload_optimizer)
       .def_readwrite("gpu_memory_gb", &LayoutOverrides::gpu_memory_gb)
-      .def_readwrite("activation_gb", &LayoutOverrides::activation_gb);
+      .def_readwrite("activation_gb", &LayoutOverrides::activation_gb)
+      .def_property(
+          "longest_rollout", [](const LayoutOverrides& o) { return o.executor.longest_rollout; },
+          [](LayoutOverrides& o, int64_t tokens) { o.executor.longest_rollout = tokens; });
   py::class_<ParallelOptions>(m, "ParallelOptions")
       .def(py::init<>())
       .def_readwrite("distributed", &ParallelOptions::distributed)

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import random
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future
 
@@ -31,8 +34,8 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 import dta
-from areal.api.alloc_mode import ModelAllocation
-from areal.api.cli_args import (NameResolveConfig, NormConfig, OptimizerConfig, PPOActorConfig,
+from areal.api.alloc_mode import ModelAllocation, ParallelStrategy
+from areal.api.cli_args import (NameResolveConfig, NormConfig, OptimizerConfig, PPOActorConfig, SchedulingStrategy,
                                 RejectionSamplingConfig)
 from areal.api.engine_api import InferenceEngine, TrainEngine
 from areal.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
@@ -487,9 +490,108 @@ def test_update_weights_follows_areals_disk_protocol(checkpoint, rollouts, make_
     got = engine.rollout_batch([{}] * GROUPS, workflow=None)
     key = lambda d: d["input_ids"].tolist()  # noqa: E731
     assert sorted(map(key, got)) == sorted(map(key, rollouts))
-    for xccl in (WeightUpdateMeta(type="xccl"), WeightUpdateMeta(type="awex")):
-        with pytest.raises(NotImplementedError, match="weight_update_mode=disk"):
-            engine.connect_engine(inference, xccl)
+    with pytest.raises(NotImplementedError, match="weight_update_mode=disk or xccl"):
+        engine.connect_engine(inference, WeightUpdateMeta(type="awex"))
+    with pytest.raises(ValueError, match="gen_allocation is None"):
+        engine.connect_engine(inference, WeightUpdateMeta(type="xccl"))
+
+
+# One worker of an inference engine in its own process: joins the weight-update group as rank 1
+# with AReaL's init_custom_process_group (as SGLang's and AReaL's vLLM workers do), receives each
+# bucket's broadcasts in order and, at the end, saves what it received.
+_WORKER = """
+import json, sys, torch, torch.distributed as dist
+from areal.engine.core.distributed import init_custom_process_group
+init = json.loads(sys.stdin.readline())
+group = init_custom_process_group(backend=init["backend"], world_size=init["world_size"], rank=1,
+                                  init_method=init["init_method"], group_name=init["group_name"])
+print("joined", flush=True)
+received = []
+for line in sys.stdin:
+    specs = json.loads(line)
+    if specs is None:
+        break
+    for name, shape, dtype in specs:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        dist.broadcast(tensor, src=0, group=group)
+        received.append((name, tensor))
+    print("bucket", flush=True)
+torch.save(received, init["out"])
+"""
+
+
+class BroadcastInference(Inference):
+    """An inference engine whose weights arrive over xccl: AReaL's init_weights_update_group and
+    update_weights_from_distributed, answered by a worker process (above)."""
+
+    def __init__(self, out: str, rollouts: list[dict]) -> None:
+        super().__init__("x", "y", rollouts)
+        self.out = out
+        self.worker: subprocess.Popen | None = None
+        self.buckets: list[list] = []
+
+    def _answer(self, expected: str) -> Future:
+        done: Future = Future()
+
+        def read() -> None:
+            line = self.worker.stdout.readline().strip()
+            if line == expected:
+                done.set_result(None)
+            else:
+                done.set_exception(RuntimeError(f"worker answered {line!r}"))
+
+        threading.Thread(target=read, daemon=True).start()
+        return done
+
+    def init_weights_update_group(self, meta: WeightUpdateMeta, rank_ids=None) -> Future:
+        self.events.append("init")
+        self.worker = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+        init = dict(backend="gloo", world_size=meta.gen_allocation.parallel.world_size + 1,
+                    init_method=f"tcp://{meta.nccl_master_address}:{meta.nccl_master_port}",
+                    group_name=meta.nccl_group_name, out=self.out)
+        self.worker.stdin.write(json.dumps(init) + "\n")
+        self.worker.stdin.flush()
+        return self._answer("joined")
+
+    def update_weights_from_distributed(self, meta: WeightUpdateMeta, param_specs) -> Future:
+        self.events.append("update")
+        specs = [[p.name, list(p.shape), p.dtype] for p in param_specs]
+        self.buckets.append(specs)
+        self.worker.stdin.write(json.dumps(specs) + "\n")
+        self.worker.stdin.flush()
+        return self._answer("bucket")
+
+    def finish(self) -> list:
+        self.worker.stdin.write("null\n")
+        self.worker.stdin.close()
+        assert self.worker.wait(timeout=60) == 0
+        return torch.load(self.out)
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 1024], ids=["a-bucket-per-tensor", "one-bucket"])
+def test_update_weights_broadcasts_to_the_engines_workers_over_xccl(checkpoint, rollouts, make_engine, tmp_path,
+                                                                    bucket_mb):
+    """AReaL's xccl protocol against a worker in another process: the group forms at connect_engine;
+    each update pauses, sends every weight once under its Hugging Face name in the config's dtype
+    (bucket by bucket, the specs before the broadcasts), then continues; the worker holds exactly the
+    trainer's weights."""
+    config = actor_config(checkpoint[1], weight_update_mode="xccl")
+    engine = make_engine(config)
+    ppo_step(engine, rollouts)
+    inference = BroadcastInference(str(tmp_path / "received.pt"), rollouts)
+    meta = WeightUpdateMeta(type="xccl", weight_chunked_mem_mb=bucket_mb, gen_allocation=ModelAllocation(
+        backend="sglang", name="rollout", parallel=ParallelStrategy(), scheduling_strategy=SchedulingStrategy()))
+    engine.connect_engine(inference, meta)
+    assert inference.events == ["init"]
+    engine.update_weights(meta)
+    received = inference.finish()
+    want = {name: p.detach().to(torch.float32) for name, p in engine.trainer.parameters().items()}  # config dtype
+    assert [name for name, _ in received] == list(want)  # each once, in order
+    for name, tensor in received:
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, want[name]), name
+    assert len(inference.buckets) == (len(want) if bucket_mb == 0 else 1)
+    assert inference.events == ["init", "pause", *["update"] * len(inference.buckets), "continue"]
 
 
 def test_the_learning_rate_follows_areals_schedule(checkpoint, rollouts, make_engine):

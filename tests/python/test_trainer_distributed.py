@@ -108,6 +108,11 @@ def test_layout_options_are_checked():
         dta.Trainer.from_config(str(CONFIG), gpu_memory_gb=0.001, activation_gb=0)
     with pytest.raises(ValueError, match="offload_update must be 'gpu' or 'host', got 'disk'"):
         dta.Trainer.from_config(str(CONFIG), offload_optimizer=True, offload_update="disk")
+    with pytest.raises(ValueError, match="longest_rollout must be an int >= 1"):
+        dta.Trainer.from_config(str(CONFIG), longest_rollout=0)
+    # The executor's estimated peak is planned for the longest rollout asked for.
+    assert "for a 8192-token path" in dta.Trainer.from_config(str(CONFIG)).layout
+    assert "for a 32768-token path" in dta.Trainer.from_config(str(CONFIG), longest_rollout=32768).layout
     trainer = dta.Trainer.from_config(str(CONFIG), offload_optimizer=True)
     assert trainer.offload_optimizer and "TP 1 x DP 1" in trainer.layout and trainer.world_size == 1
     # On a CPU the offloaded state is updated on the host whichever is asked for.

@@ -5,7 +5,7 @@ AReaL (https://github.com/inclusionAI/AReaL, ``pip install --no-deps areal==1.0.
 scripts/requirements-areal.txt) has no engine registry: its ``PPOTrainer`` builds the actor in
 ``_create_train_engine``. :class:`DTAPPOTrainer` overrides it, so a training script switches by
 using it in place of ``PPOTrainer``; the YAML stays AReaL's (``actor.backend: fsdp:d1``, whose
-dimensions must be 1, and ``actor.weight_update_mode: disk``)::
+dimensions must be 1, and ``actor.weight_update_mode: disk`` or ``xccl``)::
 
     from dta.areal import DTAOptions, DTAPPOTrainer
     with DTAPPOTrainer(config, train_dataset, options=DTAOptions(method="dta")) as trainer:
@@ -14,7 +14,9 @@ dimensions must be 1, and ``actor.weight_update_mode: disk``)::
 :class:`DTAPPOActor` mirrors AReaL's ``FSDPPPOActor`` (``PPOActor`` on this engine) and can be
 used on its own. The engine is one process (one GPU, or the CPU): the data-parallel group is a
 single-rank Gloo group. Members that cannot apply raise NotImplementedError naming the
-alternative (``forward_backward_batch``, xccl/awex weight updates, offload, critics, LoRA).
+alternative (``forward_backward_batch``, awex weight updates, offload, critics, LoRA). Weights reach
+the inference engines as AReaL's FSDP engine sends them: ``disk`` (a Hugging Face checkpoint they
+load) or ``xccl`` (broadcast over a process group with them, in buckets, in the config's dtype).
 
 Frames. AReaL's engines compute ``logprobs[t] = log p(input_ids[t + 1] | input_ids[:t + 1])``
 (the logits frame), and ``PPOActor.compute_advantages`` rolls ``loss_mask`` and ``logprobs`` into
@@ -51,17 +53,18 @@ from transformers import get_constant_schedule_with_warmup, get_linear_schedule_
 from areal.api.alloc_mode import ModelAllocation, ParallelStrategy
 from areal.api.cli_args import PPOActorConfig, TrainEngineConfig
 from areal.api.engine_api import InferenceEngine, TrainEngine
-from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.engine.core.distributed import init_custom_process_group
 from areal.engine.fsdp_utils import get_cosine_schedule_with_warmup
 from areal.infra.dist_rollout import DistRolloutCoordinator
 from areal.infra.platforms import current_platform
 from areal.trainer.ppo.actor import PPOActor, PPOActorController, grpo_loss_fn
 from areal.trainer.rl_trainer import PPOTrainer
 from areal.utils import name_resolve, names, stats_tracker
-from areal.utils.constants import PROX_LOGP_METHOD_RECOMPUTE
+from areal.utils.constants import DIST_GROUP_DEFAULT_TIMEOUT, PROX_LOGP_METHOD_RECOMPUTE
 from areal.utils.data import concat_batch, pack_tensor_dict, split_batch, tensor_container_to
 from areal.utils.environ import is_single_controller
-from areal.utils.network import find_free_ports
+from areal.utils.network import find_free_ports, format_host_for_url, gethostip
 
 from .trainer import RejectionSampling, Trainer, TrainStats
 from .trajectory import Trajectory, from_areal
@@ -150,6 +153,10 @@ class DTAEngine(TrainEngine):
         self._version = 0
         self._group: dist.ProcessGroup | None = None
         self._owns_process_group = False
+        # xccl: the process group with the inference engines' workers (this engine is rank 0) and
+        # where they rendezvoused.
+        self._weight_group: dist.ProcessGroup | None = None
+        self._weight_group_at: tuple[str, int, str] | None = None
 
     # --- process groups and lifecycle -------------------------------------------------------
 
@@ -204,6 +211,9 @@ class DTAEngine(TrainEngine):
             self.trainer.lr = self.lr_scheduler.get_last_lr()[0]
 
     def destroy(self) -> None:
+        if self._weight_group is not None:
+            dist.destroy_process_group(self._weight_group)
+            self._weight_group = self._weight_group_at = None
         self.trainer = None
         self.lr_scheduler = None
         if self._owns_process_group and dist.is_initialized():
@@ -249,11 +259,17 @@ class DTAEngine(TrainEngine):
     # --- inference engine, weights and versions ---------------------------------------------
 
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
-        """Remembers the inference engine that ``update_weights`` (disk mode) and ``prepare_batch``
-        use. Raises NotImplementedError for any mode but ``disk``."""
-        self._check_disk_mode(meta)
+        """Remembers the inference engine that ``update_weights`` and ``prepare_batch`` use; for
+        ``xccl`` also forms the weight-update group with its workers, as AReaL's FSDP engine does:
+        this engine is rank 0 of ``1 + meta.gen_allocation``'s world size, at this host's address
+        and a free port, named ``update_weight_group`` (NCCL when the trainer is on a GPU, Gloo on
+        the CPU). Raises NotImplementedError for ``awex`` and for engines with pipeline
+        parallelism (AReaL's per-stage groups)."""
+        self._check_update_mode(meta)
         self.rollout_engine = engine
         self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
+        if meta.type == "xccl":
+            self._form_weight_group(engine, meta)
 
     def rollout_batch(self, data: list[dict[str, Any]], workflow: Any, workflow_kwargs: dict[str, Any] | None = None,
                       group_size: int = 1) -> list[dict[str, Any]]:
@@ -268,12 +284,24 @@ class DTAEngine(TrainEngine):
                                                  dynamic_bs=dynamic_bs)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """AReaL's disk protocol, as its FSDP engine: pause generation, ask the inference engine to
-        load ``meta.path``, write the Hugging Face checkpoint there, announce it under
-        ``names.update_weights_from_disk(experiment, trial, get_version())``, wait, resume."""
-        self._check_disk_mode(meta)
+        """AReaL's protocols, as its FSDP engine runs them.
+
+        ``disk``: pause generation, ask the inference engine to load ``meta.path``, write the
+        Hugging Face checkpoint there, announce it under
+        ``names.update_weights_from_disk(experiment, trial, get_version())``, wait, resume.
+
+        ``xccl``: pause generation; then per bucket of at most ``meta.weight_chunked_mem_mb``
+        (a larger tensor goes alone) the engine's ``update_weights_from_distributed(meta, specs)``
+        and one broadcast from rank 0 per tensor, under Hugging Face names, in the config's dtype
+        (what the engines run: AReaL's compute dtype); resume. A failure leaves generation paused
+        (the engines may hold a mix of versions) and raises.
+        """
+        self._check_update_mode(meta)
         if self.rollout_engine is None:
             raise RuntimeError("update_weights: no inference engine; call connect_engine() first")
+        if meta.type == "xccl":
+            self._broadcast_weights(meta)
+            return
         if meta.path is None:
             raise ValueError("update_weights: WeightUpdateMeta.path is None")
         self.rollout_engine.pause_generation()
@@ -505,13 +533,71 @@ class DTAEngine(TrainEngine):
         return self.rollout_coordinator
 
     @staticmethod
-    def _check_disk_mode(meta: WeightUpdateMeta) -> None:
-        if meta.type != "disk":
+    def _check_update_mode(meta: WeightUpdateMeta) -> None:
+        if meta.type not in ("disk", "xccl"):
             raise NotImplementedError(f"weight update mode {meta.type!r}: dta.areal publishes weights through "
-                                      "disk only (set actor.weight_update_mode=disk); xccl/awex broadcast "
-                                      "FSDP/Megatron parameter shards over NCCL")
+                                      "disk or xccl (set actor.weight_update_mode=disk or xccl)")
         if meta.use_lora:
             raise NotImplementedError("LoRA weight updates: dta.Trainer trains every weight")
+
+    def _form_weight_group(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """The xccl rendezvous (AReaL's ``_init_weight_update_from_distributed`` for one pipeline
+        stage): the engine's workers join while this process creates rank 0."""
+        generation = meta.gen_allocation
+        if generation is None:
+            raise ValueError("xccl: WeightUpdateMeta.gen_allocation is None (the inference engines' "
+                             "allocation says how many workers join the group)")
+        if generation.parallel.pp_size > 1:
+            raise NotImplementedError(f"xccl to engines with pipeline parallelism ({generation.parallel}): "
+                                      "use weight_update_mode=disk")
+        if self._weight_group is not None:
+            dist.destroy_process_group(self._weight_group)
+            self._weight_group = self._weight_group_at = None
+        # torchrun's agent store blocks a second TCP store (AReaL sets the same).
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(False)
+        meta.nccl_master_address, meta.nccl_master_port = gethostip(), find_free_ports(1)[0]
+        meta.nccl_group_name = "update_weight_group"
+        joined = engine.init_weights_update_group(meta)
+        backend = "nccl" if self._require_trainer().device.type == "cuda" else "gloo"
+        self._weight_group = init_custom_process_group(
+            backend=backend, world_size=generation.parallel.world_size + 1, rank=0,
+            init_method=f"tcp://{format_host_for_url(meta.nccl_master_address)}:{meta.nccl_master_port}",
+            group_name=meta.nccl_group_name, timeout=DIST_GROUP_DEFAULT_TIMEOUT)
+        joined.result()
+        self._weight_group_at = (meta.nccl_master_address, meta.nccl_master_port, meta.nccl_group_name)
+        logger.info("xccl: weight-update group %s formed with %d engine workers (%s)", meta.nccl_group_name,
+                    generation.parallel.world_size, backend)
+
+    def _broadcast_weights(self, meta: WeightUpdateMeta) -> None:
+        if self._weight_group is None or self._weight_group_at is None:
+            raise RuntimeError("update_weights(xccl): no weight-update group; call connect_engine() with an "
+                               "xccl WeightUpdateMeta first")
+        meta.nccl_master_address, meta.nccl_master_port, meta.nccl_group_name = self._weight_group_at
+        dtype = getattr(torch, self.config.dtype)
+        limit = meta.weight_chunked_mem_mb * 1024 * 1024
+        engine = self.rollout_engine
+        engine.pause_generation()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, param in self._require_trainer().parameters().items():
+            tensor = param.detach().to(dtype=dtype, copy=True)
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                self._broadcast_bucket(meta, bucket)
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            self._broadcast_bucket(meta, bucket)
+        engine.continue_generation()
+
+    def _broadcast_bucket(self, meta: WeightUpdateMeta, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        specs = [ParamSpec(name=name, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1])
+                 for name, t in bucket]
+        received = self.rollout_engine.update_weights_from_distributed(meta, specs)
+        for _, tensor in bucket:
+            dist.broadcast(tensor, src=0, group=self._weight_group)
+        received.result()
 
     def _rows(self, input_: list[dict[str, Any]] | dict[str, Any], what: str
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -692,6 +778,7 @@ def _per_rollout(loss_fn: Callable[..., torch.Tensor], mbs: list[dict[str, Any]]
 
 
 def _step_stats(stats: TrainStats) -> dict[str, float]:
-    return dict(update_successful=float(not stats.skipped), grad_norm=float(stats.grad_norm), lr=float(stats.lr), num_micro_batches=1.0,
+    return dict(update_successful=float(not stats.skipped), grad_norm=float(stats.grad_norm), lr=float(stats.lr),
+                num_micro_batches=1.0,
                 dta_loss=float(stats.loss), dta_compression=float(stats.compression),
                 dta_tree_tokens=float(stats.tree_tokens))

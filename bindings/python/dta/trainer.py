@@ -449,6 +449,7 @@ class Trainer:
                  eps: float = 1e-8, distributed: bool = False, tensor_parallel: int = 1,
                  shard_optimizer: bool | str = "auto", offload_optimizer: bool | str = "auto",
                  offload_update: str = "gpu", gpu_memory_gb: float = 0.0, activation_gb: float | None = None,
+                 longest_rollout: int = 8192,
                  timeout_s: int = 600, nonfinite_gradients: str = "raise", progress: str = "auto",
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
@@ -482,9 +483,12 @@ class Trainer:
             gpu_memory_gb, activation_gb: What the planner may use per GPU (0: the device's) and
                 reserves for the executor's stack, graphs and workspace (None: the executor's own
                 peak, estimated from the model's shape for dta with automatic block size and graph
-                budget on rollouts of up to 8,192 tokens; core/layout/executor_memory.h). The
+                budget on rollouts of up to ``longest_rollout`` tokens;
+                core/layout/executor_memory.h). The
                 planner refuses a layout that cannot fit with a RuntimeError naming the numbers
                 (``trainer.layout`` describes the chosen one).
+            longest_rollout: The longest rollout (tokens) the estimate plans for (dta-train's
+                --longest_rollout; 8,192 by default, tau2-like agent rollouts).
             timeout_s: Collectives' and the rendezvous' timeout (distributed).
             nonfinite_gradients: What a step does when the global gradient norm is NaN or
                 infinite: ``"raise"`` (RuntimeError naming the parameter) or ``"skip"`` (no
@@ -506,7 +510,7 @@ class Trainer:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
-                                     offload_update, gpu_memory_gb, activation_gb, timeout_s)
+                                     offload_update, gpu_memory_gb, activation_gb, longest_rollout, timeout_s)
         self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
                    tensorboard_dir)
@@ -518,7 +522,8 @@ class Trainer:
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False,
                     tensor_parallel: int = 1, shard_optimizer: bool | str = "auto",
                     offload_optimizer: bool | str = "auto", offload_update: str = "gpu",
-                    gpu_memory_gb: float = 0.0, activation_gb: float | None = None, timeout_s: int = 600,
+                    gpu_memory_gb: float = 0.0, activation_gb: float | None = None, longest_rollout: int = 8192,
+                    timeout_s: int = 600,
                     nonfinite_gradients: str = "raise", progress: str = "auto",
                     tensorboard_dir: str | os.PathLike[str] | None = None) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
@@ -530,7 +535,7 @@ class Trainer:
         """
         self = cls.__new__(cls)
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
-                                     offload_update, gpu_memory_gb, activation_gb, timeout_s)
+                                     offload_update, gpu_memory_gb, activation_gb, longest_rollout, timeout_s)
         self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
                    tensorboard_dir)
@@ -854,7 +859,7 @@ def _layout_choice(name: str, value: bool | str) -> bool | None:
 
 def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: bool | str,
                       offload_optimizer: bool | str, offload_update: str, gpu_memory_gb: float,
-                      activation_gb: float | None, timeout_s: int) -> Any:
+                      activation_gb: float | None, longest_rollout: int, timeout_s: int) -> Any:
     if not isinstance(tensor_parallel, int) or tensor_parallel < 0:
         raise ValueError(f"tensor_parallel must be an int >= 0, got {tensor_parallel!r}")
     if gpu_memory_gb < 0 or (activation_gb is not None and activation_gb < 0):
@@ -876,6 +881,9 @@ def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: 
     layout.offload_optimizer = _layout_choice("offload_optimizer", offload_optimizer)
     layout.gpu_memory_gb = float(gpu_memory_gb)
     layout.activation_gb = -1.0 if activation_gb is None else float(activation_gb)  # -1: estimated
+    if not isinstance(longest_rollout, int) or longest_rollout < 1:
+        raise ValueError(f"longest_rollout must be an int >= 1, got {longest_rollout!r}")
+    layout.longest_rollout = longest_rollout
     parallel.layout = layout
     return parallel
 
