@@ -1,0 +1,143 @@
+"""The dense baseline a user would pick: Hugging Face transformers, side by side with dta's methods.
+
+One process, one device, the same random weights (dta.Trainer.from_config, saved and loaded back
+by transformers) and the same rollouts (a JSON Lines file, e.g. from dta-workload): the time of one
+batch's gradients (forward and backward of every rollout, no optimizer step) with
+
+- ``hf-sdpa``, ``hf-flex``: transformers' Qwen3ForCausalLM, one rollout at a time (each rollout is
+  its own sequence, as trainers run them), attention through SDPA or flex attention; log-probs of
+  the rollout's tokens, a GRPO-style surrogate on its trained tokens, backward;
+- ``dta-dense``, ``dta``: dta.Trainer.compute_gradients with the same loss, dense (every rollout
+  on its own) and dta (push/pop over the prefix tree).
+
+Prints a table (rollout tokens / s and the ratio to the fastest dense) and, with --json, a JSON
+line per method. Nothing here is a test: run it on a GPU for numbers (docs/benchmarks.md).
+
+  python bench/hf_baseline.py --rollouts=tau2.jsonl --config=qwen3-1.7b --device=cuda --dtype=bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_gradients(model, trajectories, advantages: list[float], device: torch.device) -> None:
+    """One rollout at a time: log p(token t | tokens < t) on the trained tokens, the surrogate
+    -A * exp(lp - lp.detach()) (whose gradient is GRPO's at ratio 1), summed over the batch."""
+    total = sum(sum(t.loss_mask) for t in trajectories)
+    for t, advantage in zip(trajectories, advantages):
+        ids = torch.tensor(t.tokens, device=device)[None]
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(t.loss_mask[1:], device=device, dtype=torch.bool)
+        loss = (-advantage * torch.exp(lp - lp.detach()))[mask].sum() / total
+        loss.backward()
+
+
+def group_advantages(trajectories) -> list[float]:
+    """GRPO's group-normalised advantages of the rewards (0 where a group has one member)."""
+    groups: dict[str, list[float]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group, []).append(float(t.reward or 0.0))
+    out = []
+    for t in trajectories:
+        rewards = groups[t.group]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1))
+        out.append(((t.reward or 0.0) - mean) / (std + 1e-6) if len(rewards) > 1 else 0.0)
+    return out
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` runs after one warm-up, seconds."""
+    fn()
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rollouts", required=True, help="a JSON Lines rollout file (dta-workload writes them)")
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples" / "configs" /
+                                                 "qwen3-tiny.json"), help="a dta preset or a config.json")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--methods", default="hf-sdpa,hf-flex,dta-dense,dta")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="a JSON line per method")
+    args = parser.parse_args()
+
+    import dta
+    from transformers import Qwen3ForCausalLM
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    trajectories = dta.read_jsonl(args.rollouts)
+    trainer = dta.Trainer.from_config(args.config, dtype=args.dtype, device=args.device, progress="never")
+    for t in trajectories:
+        t.validate(trainer.vocab_size)
+    tokens = sum(len(t.tokens) for t in trajectories)
+    tree = dta.PrefixTree(trajectories).stats()
+    advantages = group_advantages(trajectories)
+
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer.save(scratch, dtype=None, optimizer=False)
+        for method in args.methods.split(","):
+            if method.startswith("hf-"):
+                attention = {"hf-sdpa": "sdpa", "hf-flex": "flex_attention"}[method]
+                model = Qwen3ForCausalLM.from_pretrained(Path(scratch) / "model", dtype=dtype,
+                                                         attn_implementation=attention).to(device)
+                model.train()
+                try:
+                    seconds = timed(lambda: hf_gradients(model, trajectories, advantages, device), device,
+                                    args.repeats)
+                except (NotImplementedError, RuntimeError) as e:  # e.g. flex attention's backward on a CPU
+                    print(f"hf_baseline: {method} cannot run here: {str(e).splitlines()[0]}", file=sys.stderr)
+                    continue
+                finally:
+                    del model
+            else:
+                name = {"dta-dense": "dense", "dta": "dta"}[method]
+                seconds = timed(lambda: trainer.compute_gradients(trajectories, "grpo", name), device,
+                                args.repeats)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            results.append({"method": method, "seconds": seconds, "rollout_tokens_per_second": tokens / seconds,
+                            "rollout_tokens": tokens, "tree_tokens": tree.tree_tokens, "config": args.config,
+                            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    dense = [r["seconds"] for r in results if r["method"] in ("hf-sdpa", "hf-flex", "dta-dense")]
+    fastest_dense = min(dense) if dense else math.nan
+    where = results[0]["device"] if results else args.device
+    print(f"{len(trajectories)} rollouts, {tokens} rollout tokens, {tree.tree_tokens} tree tokens "
+          f"(C = {tokens / tree.tree_tokens:.2f}), {args.config} {args.dtype} on {where}")
+    print(f"{'method':<10} {'seconds':>9} {'rollout tok/s':>14} {'vs fastest dense':>17}")
+    for r in results:
+        r["vs_fastest_dense"] = fastest_dense / r["seconds"]
+        print(f"{r['method']:<10} {r['seconds']:>9.3f} {r['rollout_tokens_per_second']:>14,.0f} "
+              f"{r['vs_fastest_dense']:>16.2f}x")
+        if args.json:
+            print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
