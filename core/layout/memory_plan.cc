@@ -14,18 +14,16 @@ namespace {
 constexpr int64_t kGradientBytes = 4;    // float32
 constexpr int64_t kOptimizerBytes = 12;  // float32 master weights and two moments
 
-std::string GiB(int64_t bytes) {
-  return absl::StrFormat("%.1f GiB", static_cast<double>(bytes) / (int64_t{1} << 30));
+std::string GiBNumber(int64_t bytes) {
+  return absl::StrFormat("%.1f", static_cast<double>(bytes) / (int64_t{1} << 30));
 }
+
+std::string GiB(int64_t bytes) { return absl::StrCat(GiBNumber(bytes), " GiB"); }
 
 std::string LayoutName(const TrainingLayout& layout) {
   return absl::StrCat("TP ", layout.tensor_parallel, " x DP ", layout.data_parallel,
                       layout.shard_optimizer ? ", optimizer sharded" : "",
                       layout.offload_optimizer ? ", optimizer offloaded to the host" : "");
-}
-
-std::string GiBNumber(int64_t bytes) {
-  return absl::StrFormat("%.1f", static_cast<double>(bytes) / (int64_t{1} << 30));
 }
 
 // " (estimated: stack 1.8, graphs 6.2, workspace 0.6, log-prob head 0.5 GiB for a 8192-token path

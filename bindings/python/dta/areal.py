@@ -580,7 +580,7 @@ class DTAEngine(TrainEngine):
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, param in self._require_trainer().parameters().items():
-            tensor = param.detach().to(dtype=dtype, copy=True)
+            tensor = param.detach().to(dtype)  # the parameter itself when already in dtype: broadcast reads it
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > limit:
                 self._broadcast_bucket(meta, bucket)
@@ -595,8 +595,9 @@ class DTAEngine(TrainEngine):
         specs = [ParamSpec(name=name, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1])
                  for name, t in bucket]
         received = self.rollout_engine.update_weights_from_distributed(meta, specs)
-        for _, tensor in bucket:
-            dist.broadcast(tensor, src=0, group=self._weight_group)
+        sent = [dist.broadcast(tensor, src=0, group=self._weight_group, async_op=True) for _, tensor in bucket]
+        for work in sent:
+            work.wait()
         received.result()
 
     def _rows(self, input_: list[dict[str, Any]] | dict[str, Any], what: str
