@@ -11,7 +11,10 @@ batch's gradients (forward and backward of every rollout, no optimizer step) wit
   on its own) and dta (push/pop over the prefix tree).
 
 Prints a table (rollout tokens / s and the ratio to the fastest dense) and, with --json, a JSON
-line per method. Nothing here is a test: run it on a GPU for numbers (docs/benchmarks.md).
+line per method. With --profile, one more run of each method under torch.profiler counts its
+kernel launches and splits its GPU time into attention, GEMMs, and the rest (elementwise kernels,
+reductions, copies), with the kernels that take the most time. Nothing here is a test: run it on a
+GPU for numbers (docs/benchmarks.md).
 
   python bench/hf_baseline.py --rollouts=tau2.jsonl --config=qwen3-1.7b --device=cuda --dtype=bfloat16
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -73,6 +77,41 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
+# Kernel names by what they compute (cuBLAS/cuBLASLt's GEMMs, FlashAttention/cuDNN/our attention).
+_ATTENTION = re.compile(r"attention|flash|fmha|sdpa|TreeAttention|tree_attention", re.IGNORECASE)
+_GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|ampere_|sm80_|sm90_|splitK|Kernel2", re.IGNORECASE)
+
+
+def kernel_profile(fn, device: torch.device, top: int = 12) -> dict:
+    """One run of fn under torch.profiler: kernel launches, GPU time by kind, the costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    kinds = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    by_name: dict[str, list[float]] = {}
+    launches = 0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.time_range.elapsed_us()
+        name = event.name
+        if name.startswith("Memcpy") or name.startswith("Memset"):
+            kind = "other"
+        else:
+            launches += 1
+            kind = "attention" if _ATTENTION.search(name) else "gemm" if _GEMM.search(name) else "other"
+        kinds[kind] += us / 1e3
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us / 1e3
+    costliest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {"kernel_launches": launches, "gpu_ms": kinds,
+            "costliest": [{"name": n[:120], "count": c, "ms": round(ms, 3)} for n, (c, ms) in costliest]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", required=True, help="a JSON Lines rollout file (dta-workload writes them)")
@@ -83,6 +122,8 @@ def main() -> int:
     parser.add_argument("--methods", default="hf-sdpa,hf-flex,dta-dense,dta")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="a JSON line per method")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more run of each method (launches, GPU time by kind)")
     args = parser.parse_args()
 
     import dta
@@ -107,23 +148,28 @@ def main() -> int:
                 model = Qwen3ForCausalLM.from_pretrained(Path(scratch) / "model", dtype=dtype,
                                                          attn_implementation=attention).to(device)
                 model.train()
+                run = lambda: hf_gradients(model, trajectories, advantages, device)  # noqa: E731
                 try:
-                    seconds = timed(lambda: hf_gradients(model, trajectories, advantages, device), device,
-                                    args.repeats)
+                    seconds = timed(run, device, args.repeats)
+                    profiled = kernel_profile(run, device) if args.profile else None
                 except (NotImplementedError, RuntimeError) as e:  # e.g. flex attention's backward on a CPU
                     print(f"hf_baseline: {method} cannot run here: {str(e).splitlines()[0]}", file=sys.stderr)
                     continue
                 finally:
-                    del model
+                    del model, run
             else:
                 name = {"dta-dense": "dense", "dta": "dta"}[method]
-                seconds = timed(lambda: trainer.compute_gradients(trajectories, "grpo", name), device,
-                                args.repeats)
+                run = lambda: trainer.compute_gradients(trajectories, "grpo", name)  # noqa: E731
+                seconds = timed(run, device, args.repeats)
+                profiled = kernel_profile(run, device) if args.profile else None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            results.append({"method": method, "seconds": seconds, "rollout_tokens_per_second": tokens / seconds,
-                            "rollout_tokens": tokens, "tree_tokens": tree.tree_tokens, "config": args.config,
-                            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+            result = {"method": method, "seconds": seconds, "rollout_tokens_per_second": tokens / seconds,
+                      "rollout_tokens": tokens, "tree_tokens": tree.tree_tokens, "config": args.config,
+                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+            if profiled is not None:
+                result["profile"] = profiled
+            results.append(result)
     dense = [r["seconds"] for r in results if r["method"] in ("hf-sdpa", "hf-flex", "dta-dense")]
     fastest_dense = min(dense) if dense else math.nan
     where = results[0]["device"] if results else args.device
@@ -136,6 +182,16 @@ def main() -> int:
               f"{r['vs_fastest_dense']:>16.2f}x")
         if args.json:
             print(json.dumps(r))
+    for r in results:
+        if "profile" not in r:
+            continue
+        p = r["profile"]
+        ms = p["gpu_ms"]
+        total = sum(ms.values())
+        print(f"\nprofile of {r['method']}: {p['kernel_launches']:,} kernel launches, GPU {total:.1f} ms: "
+              + ", ".join(f"{kind} {t:.1f} ms ({t / max(total, 1e-9):.0%})" for kind, t in ms.items()))
+        for k in p["costliest"]:
+            print(f"  {k['ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
     return 0
 
 

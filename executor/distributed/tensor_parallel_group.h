@@ -3,8 +3,10 @@
 //
 // On NCCL a collective is stream-ordered: it runs after the current stream's work, the current
 // stream waits for it, and the host goes on without waiting (the DFS loop adds no host
-// synchronisation); a hang surfaces through NCCL's watchdog after the group's timeout. On Gloo (CPU
-// tensors) a collective blocks until done or the group's timeout.
+// synchronisation); a hang surfaces through NCCL's watchdog after the group's timeout; a started
+// one (StartAllReduce) runs on NCCL's stream beside the compute stream until Wait(). On Gloo (CPU
+// tensors) a collective runs on Gloo's threads, and AllReduce or Wait() blocks until it is done or
+// the group's timeout.
 //
 // Example:
 //   auto tp = std::make_shared<TensorParallelOverProcessGroup>(*tp_group);
@@ -29,6 +31,8 @@ class TensorParallelOverProcessGroup final : public TensorParallelGroup {
   int rank() const override { return group_.rank(); }
   int size() const override { return group_.size(); }
   void AllReduce(at::Tensor& tensor, TensorParallelReduce op) const override;
+  std::unique_ptr<PendingCollective> StartAllReduce(at::Tensor& tensor,
+                                                    TensorParallelReduce op) const override;
   at::Tensor AllGather(const at::Tensor& tensor) const override;
 
   ProcessGroup& group() const { return group_; }

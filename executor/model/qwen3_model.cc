@@ -10,6 +10,8 @@
 #include <cmath>
 
 #include "core/base/parallel_for.h"
+#include "kernels/chain_attention.h"
+#include "kernels/fused_layers.h"
 #include "kernels/tree_attention.h"
 
 namespace dta {
@@ -22,11 +24,6 @@ at::ScalarType ComputeType(at::ScalarType dtype) {
 
 // Gradients accumulate in float32 (float64 for float64 parameters).
 at::ScalarType AccumulatorType(at::ScalarType dtype) { return ComputeType(dtype); }
-
-at::Tensor RotateHalf(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-}
 
 // Every parameter's gradient is accumulated by the autograd functions below straight into its
 // .grad tensor (float32 for low-precision parameters, the parameter's dtype otherwise), as
@@ -76,11 +73,18 @@ const TensorParallelGroup* GroupOf(AutogradContext* ctx) {
   return GroupOf(ctx->saved_data["tensor_parallel"].toInt());
 }
 
+// The sum over the tensor-parallel ranks, in place, started without waiting (null without a
+// group).
+std::unique_ptr<PendingCollective> StartSumOverRanks(const TensorParallelGroup* group,
+                                                     at::Tensor& tensor) {
+  if (group == nullptr) return nullptr;
+  if (!tensor.is_contiguous()) tensor = tensor.contiguous();
+  return group->StartAllReduce(tensor, TensorParallelReduce::kSum);
+}
+
 // The sum over the tensor-parallel ranks, in place (nothing without a group).
 void SumOverRanks(const TensorParallelGroup* group, at::Tensor& tensor) {
-  if (group == nullptr) return;
-  if (!tensor.is_contiguous()) tensor = tensor.contiguous();
-  group->AllReduce(tensor, TensorParallelReduce::kSum);
+  if (std::unique_ptr<PendingCollective> sum = StartSumOverRanks(group, tensor)) sum->Wait();
 }
 
 // How a projection sits in a tensor-parallel layer (Megatron's column- and row-parallel linear).
@@ -88,23 +92,6 @@ enum class ProjectionKind : int64_t {
   kColumnParallel,  // replicated input, output split by columns: all-reduce dx in backward
   kRowParallel,     // input split, output a partial sum: all-reduce y in forward
 };
-
-// RMSNorm's pieces, in the compute dtype, shared by the norm and the norm-then-project function.
-at::Tensor InverseRms(const at::Tensor& x, double eps) {
-  return at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
-}
-
-// Backward of y = weight * normed, normed = x * rstd, given dy: adds d weight into its accumulator
-// and returns dx, all in dy's (the compute) dtype.
-at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& normed, const at::Tensor& weight,
-                           const at::Tensor& rstd, at::Tensor accumulator = at::Tensor()) {
-  if (!accumulator.defined()) accumulator = GradAccumulator(weight);
-  accumulator.add_(
-      (dy * normed).reshape({-1, weight.size(0)}).sum(0).to(accumulator.scalar_type()));
-  // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
-  const at::Tensor dnormed = dy * weight.to(dy.scalar_type());
-  return rstd * (dnormed - normed * (dnormed * normed).mean(-1, /*keepdim=*/true));
-}
 
 // y_i = n(x) @ weights_i^T for one input x [T, in] and one or more weights [out_i, in], where n is
 // an RMSNorm with `norm_weight` (Qwen3's input and post-attention norms) or, without it, a rounding
@@ -127,10 +114,9 @@ class Projections : public torch::autograd::Function<Projections> {
     std::vector<at::Tensor> saved;
     at::Tensor xb;
     if (norm_weight.defined()) {
-      const at::Tensor xc = x.to(ComputeType(type));
-      const at::Tensor rstd = InverseRms(xc, eps);
-      xb = (norm_weight.to(xc.scalar_type()) * (xc * rstd)).to(type);
-      saved = {x, norm_weight, rstd};
+      kernels::RmsNormResult normed = kernels::RmsNormForward(x, norm_weight, eps, type);
+      xb = std::move(normed.y);
+      saved = {x, norm_weight, normed.rstd};
     } else {
       xb = x.to(type);
       saved = {xb, at::Tensor(), at::Tensor()};
@@ -154,26 +140,32 @@ class Projections : public torch::autograd::Function<Projections> {
     const at::Tensor& rstd = saved[2];
     const at::ScalarType type = saved[3].scalar_type();
     const auto x_type = static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt());
-    at::Tensor xb = saved[0], normed;
-    if (norm_weight.defined()) {
-      normed = saved[0].to(rstd.scalar_type()) * rstd;
-      xb = (norm_weight.to(normed.scalar_type()) * normed).to(type);
-    }
+    const bool has_norm = norm_weight.defined();
+    const at::Tensor xb =
+        has_norm ? kernels::RmsNormApply(saved[0], norm_weight, rstd, type) : saved[0];
+    std::vector<at::Tensor> dys;
     at::Tensor dx;
     for (size_t i = 0; i < grads.size(); ++i) {
       const at::Tensor& weight = saved[i + 3];
-      const at::Tensor dy = grads[i].to(type);
-      AddMatmul(GradAccumulator(weight), dy.t(), xb);
+      dys.push_back(grads[i].to(type));
       if (!dx.defined()) {
-        dx = MatmulTo(dy, weight, normed.defined() ? normed.scalar_type() : x_type);
+        dx = MatmulTo(dys[i], weight, has_norm ? rstd.scalar_type() : x_type);
       } else {
-        AddMatmul(dx, dy, weight);
+        AddMatmul(dx, dys[i], weight);
       }
     }
     // A column-parallel layer's input feeds every rank's columns: its gradient is their sum, taken
-    // before the norm's backward (whose weight gradient is then whole on every rank).
-    SumOverRanks(GroupOf(ctx), dx);
-    if (normed.defined()) dx = RmsNormBackward(dx, normed, norm_weight, rstd).to(x_type);
+    // before the norm's backward (whose weight gradient is then whole on every rank). The sum runs
+    // while the weight gradients, which do not need it, are computed (Megatron's overlap of the
+    // input gradient's all-reduce with the weight-gradient GEMMs).
+    std::unique_ptr<PendingCollective> dx_sum = StartSumOverRanks(GroupOf(ctx), dx);
+    for (size_t i = 0; i < grads.size(); ++i)
+      AddMatmul(GradAccumulator(saved[i + 3]), dys[i].t(), xb);
+    if (dx_sum != nullptr) dx_sum->Wait();
+    if (has_norm) {
+      dx = kernels::RmsNormBackward(dx, saved[0], norm_weight, rstd, GradAccumulator(norm_weight))
+               .to(x_type);
+    }
     variable_list result = {dx};
     result.resize(grads.size() + 6);  // no gradient for the weights: accumulated above
     return result;
@@ -238,51 +230,48 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps, at::ScalarType out_type,
                             const std::optional<at::Tensor>& accumulator) {
-    const at::Tensor xc = x.to(ComputeType(weight.scalar_type()));
-    const at::Tensor rstd = InverseRms(xc, eps);
-    ctx->save_for_backward({x, weight, rstd});
+    kernels::RmsNormResult normed = kernels::RmsNormForward(x, weight, eps, out_type);
+    ctx->save_for_backward({x, weight, normed.rstd});
     ctx->saved_data["accumulator"] = accumulator.value_or(at::Tensor());
-    return (weight.to(xc.scalar_type()) * (xc * rstd)).to(out_type);
+    return normed.y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
-    const at::Tensor& rstd = saved[2];
-    const at::Tensor normed = x.to(rstd.scalar_type()) * rstd;
-    const at::Tensor dx = RmsNormBackward(grads[0].to(rstd.scalar_type()), normed, saved[1], rstd,
-                                          ctx->saved_data["accumulator"].toTensor());
+    at::Tensor accumulator = ctx->saved_data["accumulator"].toTensor();
+    if (!accumulator.defined()) accumulator = GradAccumulator(saved[1]);
+    const at::Tensor dx = kernels::RmsNormBackward(grads[0], x, saved[1], saved[2], accumulator);
     return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-// Rotary embedding y = x * cos + rotate_half(x) * sin over the last dimension, computed in the
-// tables' dtype (at least float32) and rounded once to x's dtype; keeps nothing but the tables.
-class RopeFunction : public torch::autograd::Function<RopeFunction> {
+// Qwen3's q/k norm over each head followed by rotary embedding, y = rope(RmsNorm(x)), in one
+// kernel each way (kernels/fused_layers.h: the norm's output is rounded to x's dtype before RoPE,
+// RoPE's input gradient to dy's before the norm's backward). Keeps x, the norm's rstd and the
+// tables. The weight's gradient goes into `accumulator` when it is defined (a partial sum under
+// tensor parallelism, completed later), else into the weight's .grad.
+class NormRope : public torch::autograd::Function<NormRope> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
-                            const at::Tensor& sin) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps, const at::Tensor& cos, const at::Tensor& sin,
+                            const std::optional<at::Tensor>& accumulator) {
+    kernels::RmsNormResult result = kernels::RmsNormRopeForward(x, weight, eps, cos, sin);
+    ctx->save_for_backward({x, weight, result.rstd});
     ctx->saved_data["cos"] = cos;
     ctx->saved_data["sin"] = sin;
-    const at::Tensor xc = x.to(cos.scalar_type());
-    return (xc * cos + RotateHalf(xc) * sin).to(x.scalar_type());
+    ctx->saved_data["accumulator"] = accumulator.value_or(at::Tensor());
+    return result.y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor cos = ctx->saved_data["cos"].toTensor();
-    const at::Tensor sin = ctx->saved_data["sin"].toTensor();
-    const at::Tensor g = grads[0].to(cos.scalar_type());
-    // rotate_half is x -> [-x2, x1]; its transpose is z -> [z2, -z1].
-    const at::Tensor gs = g * sin;
-    const int64_t half = gs.size(-1) / 2;
-    const at::Tensor dx = g * cos + at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1);
-    return {dx.to(grads[0].scalar_type()), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor accumulator = ctx->saved_data["accumulator"].toTensor();
+    if (!accumulator.defined()) accumulator = GradAccumulator(saved[1]);
+    const at::Tensor dx = kernels::RmsNormRopeBackward(
+        grads[0], saved[0], saved[1], saved[2], ctx->saved_data["cos"].toTensor(),
+        ctx->saved_data["sin"].toTensor(), accumulator);
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-// silu(gate) * up, computed in at least float32 and rounded once to gate's dtype.
-at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) {
-  const at::ScalarType ct = ComputeType(gate.scalar_type());
-  return (at::silu(gate.to(ct)) * up.to(ct)).to(gate.scalar_type());
-}
 
 // The MLP's second half, y = SwiGlu(gate, up) @ down^T, formed in the compute dtype (it feeds the
 // float32 residual stream). Backward keeps gate and up only and recomputes the product (bitwise the
@@ -295,7 +284,8 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
                             const at::Tensor& down, int64_t group) {
     ctx->save_for_backward({gate, up, down});
     // Row-parallel: each rank's intermediate slice gives a partial sum of y.
-    at::Tensor y = MatmulTo(SwiGlu(gate, up), down.t(), ComputeType(down.scalar_type()));
+    at::Tensor y =
+        MatmulTo(kernels::SwiGluForward(gate, up), down.t(), ComputeType(down.scalar_type()));
     SumOverRanks(GroupOf(group), y);
     return y;
   }
@@ -304,15 +294,10 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
     const at::Tensor& down = saved[2];
     const at::ScalarType ct = ComputeType(down.scalar_type());
     const at::Tensor dy = grads[0].to(down.scalar_type());
-    AddMatmul(GradAccumulator(down), dy.t(), SwiGlu(saved[0], saved[1]));
-    const at::Tensor g = MatmulTo(dy, down, ct);
-    const at::Tensor gate = saved[0].to(ct);
-    const at::Tensor up = saved[1].to(ct);
-    const at::Tensor sigmoid = at::sigmoid(gate);
-    // d silu / d gate = sigmoid * (1 + gate * (1 - sigmoid)).
-    const at::Tensor dgate = g * up * sigmoid * (1 + gate * (1 - sigmoid));
-    return {dgate.to(saved[0].scalar_type()), (g * gate * sigmoid).to(saved[1].scalar_type()),
-            at::Tensor(), at::Tensor()};
+    kernels::SwiGluGrads g = kernels::SwiGluBackward(MatmulTo(dy, down, ct), saved[0], saved[1],
+                                                     /*with_product=*/true);
+    AddMatmul(GradAccumulator(down), dy.t(), g.product);
+    return {g.dgate, g.dup, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -325,7 +310,23 @@ class TreeAttention : public torch::autograd::Function<TreeAttention> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& key_end,
-                            const LayerPrefix& prefix, double scale) {
+                            const LayerPrefix& prefix, double scale, bool chain) {
+    ctx->saved_data["scale"] = scale;
+    // A causal chain without a prefix (dense rollouts, a path's first chunk): cuDNN's attention
+    // (kernels/chain_attention.h) where it runs, tree attention otherwise.
+    const bool has_prefix = prefix.keys.defined() && prefix.keys.numel() > 0;
+    if (chain && !has_prefix && kernels::ChainAttentionSupports(q, k)) {
+      try {
+        kernels::ChainAttentionOutput result = kernels::ChainAttentionForward(q, k, v, scale);
+        ctx->save_for_backward(
+            {q, k, v, result.out_bhsd, result.logsumexp, result.philox_seed, result.philox_offset});
+        ctx->saved_data["chain"] = true;
+        return result.out;
+      } catch (const c10::Error&) {
+        // Reported once by ChainAttentionForward; tree attention from now on.
+      }
+    }
+    ctx->saved_data["chain"] = false;
     kernels::TreeAttentionOutput result =
         kernels::TreeAttentionForward(q, k, v, prefix.keys, prefix.values, key_end, scale);
     ctx->save_for_backward({q, k, v, key_end, result.out, result.lse});
@@ -333,11 +334,33 @@ class TreeAttention : public torch::autograd::Function<TreeAttention> {
     ctx->saved_data["prefix_v"] = prefix.values;
     ctx->saved_data["grad_prefix_k"] = prefix.grad_keys;
     ctx->saved_data["grad_prefix_v"] = prefix.grad_values;
-    ctx->saved_data["scale"] = scale;
     return result.out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
+    if (ctx->saved_data["chain"].toBool()) {
+      const kernels::ChainAttentionOutput forward{.out = at::Tensor(),
+                                                  .out_bhsd = saved[3],
+                                                  .logsumexp = saved[4],
+                                                  .philox_seed = saved[5],
+                                                  .philox_offset = saved[6]};
+      const double scale = ctx->saved_data["scale"].toDouble();
+      kernels::TreeAttentionGrads g;
+      try {
+        g = kernels::ChainAttentionBackward(grads[0], saved[0], saved[1], saved[2], forward, scale);
+      } catch (const c10::Error&) {
+        // Reported once; the forward again with tree attention, and its backward.
+        const at::Tensor& q = saved[0];
+        const at::Tensor chain = at::full({q.size(0)}, q.size(0), q.options().dtype(at::kLong));
+        const kernels::TreeAttentionOutput tree = kernels::TreeAttentionForward(
+            q, saved[1], saved[2], at::Tensor(), at::Tensor(), chain, scale);
+        at::Tensor no_prefix_k, no_prefix_v;
+        g = kernels::TreeAttentionBackward(grads[0].contiguous(), q, saved[1], saved[2],
+                                           at::Tensor(), at::Tensor(), chain, tree.out, tree.lse,
+                                           scale, no_prefix_k, no_prefix_v);
+      }
+      return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     const at::Tensor prefix_k = ctx->saved_data["prefix_k"].toTensor();
     const at::Tensor prefix_v = ctx->saved_data["prefix_v"].toTensor();
     at::Tensor grad_prefix_k = ctx->saved_data["grad_prefix_k"].toTensor();
@@ -351,7 +374,7 @@ class TreeAttention : public torch::autograd::Function<TreeAttention> {
     kernels::TreeAttentionGrads g = kernels::TreeAttentionBackward(
         grads[0].contiguous(), saved[0], saved[1], saved[2], prefix_k, prefix_v, saved[3], saved[4],
         saved[5], ctx->saved_data["scale"].toDouble(), grad_prefix_k, grad_prefix_v);
-    return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -451,6 +474,7 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     const auto hidden_type = static_cast<at::ScalarType>(ctx->saved_data["hidden_type"].toInt());
     at::Tensor grad_hidden = at::empty(hidden.sizes(), hidden.options().dtype(hidden_type));
     const int64_t rows = hidden.size(0);
+    std::vector<std::unique_ptr<PendingCollective>> pending;
     // In place on two [slice, vocab] float32 tensors (the logits and the softmax, which becomes
     // the logits' gradient) and one in the model dtype.
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
@@ -479,11 +503,14 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
       // out in hidden's dtype.
       const at::Tensor g = grad_logits.to(hidden.scalar_type());
       grad_logits.reset();
-      grad_hidden.slice(0, begin, end).copy_(MatmulTo(g, weight, hidden_type));
+      at::Tensor grad_rows = grad_hidden.slice(0, begin, end);
+      grad_rows.copy_(MatmulTo(g, weight, hidden_type));
+      // Each rank's vocabulary slice contributes its part of d hidden: the rows' sum runs while
+      // the weight gradient and the next slice are computed.
+      if (auto sum = StartSumOverRanks(GroupOf(ctx), grad_rows)) pending.push_back(std::move(sum));
       AddMatmul(grad_weight, g.t(), h);
     }
-    // Each rank's vocabulary slice contributes its part of d hidden.
-    SumOverRanks(GroupOf(ctx), grad_hidden);
+    for (const auto& sum : pending) sum->Wait();
     return {grad_hidden,  at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -678,6 +705,7 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
                   (prefix.grad_keys.empty() || prefix.grad_keys.size() == num_layers),
               "prefix gradient accumulators must have one entry per layer, or none");
   ChunkContext context;
+  context.chain = !input.key_end.defined();
   context.key_end = input.key_end.defined()
                         ? input.key_end
                         : at::full({t}, t, input.tokens.options().dtype(at::kLong));
@@ -708,13 +736,17 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
       partial_norm_grads_.defined() ? partial_norm_grads_[l][0] : at::Tensor();
   const at::Tensor k_norm_grad =
       partial_norm_grads_.defined() ? partial_norm_grads_[l][1] : at::Tensor();
-  at::Tensor q = RmsNorm(qkv[0].view({t, heads, dim}), layer.q_norm, std::nullopt, q_norm_grad);
-  at::Tensor k = RmsNorm(qkv[1].view({t, kv_heads, dim}), layer.k_norm, std::nullopt, k_norm_grad);
+  auto accumulator = [](const at::Tensor& a) {
+    return a.defined() ? std::optional<at::Tensor>(a) : std::nullopt;
+  };
+  const at::Tensor q = NormRope::apply(qkv[0].view({t, heads, dim}), layer.q_norm, eps, context.cos,
+                                       context.sin, accumulator(q_norm_grad));
+  const at::Tensor k = NormRope::apply(qkv[1].view({t, kv_heads, dim}), layer.k_norm, eps,
+                                       context.cos, context.sin, accumulator(k_norm_grad));
   const at::Tensor v = qkv[2].view({t, kv_heads, dim});
-  q = RopeFunction::apply(q, context.cos, context.sin);
-  k = RopeFunction::apply(k, context.cos, context.sin);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  const at::Tensor attention = TreeAttention::apply(q, k, v, context.key_end, prefix, scale);
+  const at::Tensor attention =
+      TreeAttention::apply(q, k, v, context.key_end, prefix, scale, context.chain);
   LayerOutput out;
   out.hidden = h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, group);
   const variable_list gate_up =

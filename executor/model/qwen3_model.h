@@ -18,7 +18,10 @@
 // bfloat16/float16 parameters (and the parameter's dtype otherwise): many chunk backwards into one
 // step's gradient neither round to bfloat16 each time nor allocate full-size gradients per call.
 // Attention runs kernels/tree_attention (FlashAttention-style tree-masked kernels on the GPU, an
-// exact ATen reference elsewhere).
+// exact ATen reference elsewhere), except for a causal chain without a prefix on the GPU, which
+// runs cuDNN's fused attention (kernels/chain_attention.h). RMSNorm, the q/k norms with RoPE and
+// SwiGLU run kernels/fused_layers (one CUDA kernel per direction; the same ATen expressions
+// elsewhere).
 //
 // Example:
 //   Qwen3Model model(config, at::TensorOptions().dtype(at::kDouble));
@@ -32,13 +35,15 @@
 // gate_proj and up_proj (columns of down_proj); and a contiguous slice of the vocabulary of the
 // embedding and lm_head. Norm weights are whole on every rank. The column-parallel projections
 // (q, k, v, gate, up) all-reduce their input's gradient in backward (inside the fused norm, before
-// the norm's own backward); the row-parallel ones (o_proj, down_proj) and the embedding lookup
-// all-reduce their output in forward; log-probabilities and entropy combine each vocabulary
-// slice's max and sums with two small all-reduces per slice of rows, and the hidden state's
-// gradient with one. The residual stream, the final hidden states and the norm weights' gradients
-// are then the same on every rank; K/V (and the executor's stack of them) hold only the rank's own
-// KV heads. q_norm and k_norm see only the rank's heads, so their gradients are partial sums that
-// ReduceTensorParallelGradients() completes (ComputeGradients calls it).
+// the norm's own backward) while their weight gradients are computed; the row-parallel ones
+// (o_proj, down_proj) and the embedding lookup all-reduce their output in forward;
+// log-probabilities and entropy combine each vocabulary slice's max and sums with two small
+// all-reduces per slice of rows, and the hidden state's gradient with one per slice of rows,
+// running while the next slice and lm_head's weight gradient are computed. The residual stream, the
+// final hidden states and the norm weights' gradients are then the same on every rank; K/V (and the
+// executor's stack of them) hold only the rank's own KV heads. q_norm and k_norm see only the
+// rank's heads, so their gradients are partial sums that ReduceTensorParallelGradients() completes
+// (ComputeGradients calls it).
 //
 // Thread safety: Forward and Logprobs are const and may run concurrently (without tensor
 // parallelism: its collectives must be issued in the same order on every rank); mutating
@@ -100,6 +105,7 @@ struct ChunkOutput {
 struct ChunkContext {
   at::Tensor cos, sin;  // [T, 1, head_dim]
   at::Tensor key_end;   // [T]
+  bool chain = false;   // a plain causal chain (ChunkInput::key_end undefined)
 };
 
 struct LayerOutput {

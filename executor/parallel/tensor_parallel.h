@@ -11,11 +11,15 @@
 // Example:
 //   IndexRange heads = SplitRange(config.num_attention_heads, tp.rank(), tp.size());
 //   tp.AllReduce(partial_sums, TensorParallelReduce::kSum);  // every rank now holds the total
+//   auto pending = tp.StartAllReduce(dx, TensorParallelReduce::kSum);
+//   ...work that does not touch dx...
+//   pending->Wait();
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace dta {
@@ -35,6 +39,16 @@ IndexRange SplitRange(int64_t total, int part, int parts);
 
 enum class TensorParallelReduce { kSum, kMax };
 
+// A collective that has been started and not yet waited for. Wait() completes it (on CUDA: orders
+// the current stream after it, without blocking the host); destruction without Wait() waits too,
+// so a collective is never left behind by an exception. The reduced tensor must not be read or
+// written before Wait().
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  virtual void Wait() = 0;
+};
+
 // The collectives over the TP ranks of one model replica.
 class TensorParallelGroup {
  public:
@@ -48,6 +62,12 @@ class TensorParallelGroup {
   // the current stream's work and later work on the current stream is ordered after it, without
   // blocking the host. TORCH_CHECK naming the rank when the collective fails or times out.
   virtual void AllReduce(at::Tensor& tensor, TensorParallelReduce op) const = 0;
+
+  // AllReduce started without waiting, so that work that does not read `tensor` overlaps it (a
+  // column-parallel layer's weight gradients run while its input gradient is summed). Collectives
+  // still match across ranks by the order in which they are started.
+  virtual std::unique_ptr<PendingCollective> StartAllReduce(at::Tensor& tensor,
+                                                            TensorParallelReduce op) const = 0;
 
   // Every rank's `tensor` (contiguous, the same shape on every rank) concatenated along dimension 0
   // in rank order. Same ordering and errors as AllReduce.

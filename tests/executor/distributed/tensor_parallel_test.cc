@@ -304,5 +304,73 @@ TEST(TensorParallel, GraphBytesPerTokenDivideWithTheSplitParts) {
   EXPECT_EQ(one - residual, 2 * (two - residual));
 }
 
+// Rank 0 of a two-rank group whose collectives change nothing (the numbers are one rank's partial
+// sums: only the order of work is checked). It records, for every all-reduce started, whether any
+// parameter's gradient changed before the all-reduce was waited for.
+class OverlapRecordingGroup final : public TensorParallelGroup {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  void AllReduce(at::Tensor&, TensorParallelReduce) const override { ++blocking; }
+  at::Tensor AllGather(const at::Tensor& tensor) const override {
+    return at::cat({tensor, tensor});
+  }
+  std::unique_ptr<PendingCollective> StartAllReduce(at::Tensor&,
+                                                    TensorParallelReduce) const override {
+    class Pending final : public PendingCollective {
+     public:
+      explicit Pending(const OverlapRecordingGroup& group)
+          : group_(group), before_(group.GradientTotal()) {}
+      void Wait() override {
+        if (waited_) return;
+        waited_ = true;
+        group_.overlapped.push_back(group_.GradientTotal() != before_);
+      }
+      ~Pending() override { Wait(); }
+
+     private:
+      const OverlapRecordingGroup& group_;
+      double before_;
+      bool waited_ = false;
+    };
+    return std::make_unique<Pending>(*this);
+  }
+
+  double GradientTotal() const {
+    double total = 0;
+    for (const auto& [name, parameter] : model->named_parameters()) {
+      if (parameter.grad().defined()) total += parameter.grad().abs().sum().item<double>();
+    }
+    return total;
+  }
+
+  const Qwen3Model* model = nullptr;
+  mutable int blocking = 0;
+  mutable std::vector<bool> overlapped;
+};
+
+// Backward starts each column-parallel projection's input-gradient sum (q/k/v, gate/up) and each
+// slice of the log-probability head's hidden-state gradient, computes weight gradients, and only
+// then waits: the collectives overlap that work instead of stalling it.
+TEST(TensorParallel, BackwardComputesWeightGradientsWhileInputGradientsAreSummed) {
+  const Qwen3Config config = TensorParallelConfig(false);
+  auto group = std::make_shared<OverlapRecordingGroup>();
+  Qwen3Model model(config, kFloat64, group);
+  group->model = &model;
+  model.InitRandom(/*seed=*/3);
+  const int64_t n = 12;
+  const at::Tensor ids = at::arange(n, at::kLong).remainder(config.vocab_size);
+  const ChunkOutput out = model.Forward({.tokens = ids, .positions = at::arange(n, at::kLong)});
+  const at::Tensor logprobs = model.Logprobs(out.hidden.slice(0, 0, n - 1), ids.slice(0, 1, n));
+  group->overlapped.clear();
+  logprobs.sum().backward();
+  // Two column-parallel projections per layer, one slice of log-probability rows.
+  const int64_t expected = 2 * config.num_hidden_layers + 1;
+  ASSERT_EQ(static_cast<int64_t>(group->overlapped.size()), expected);
+  for (size_t i = 0; i < group->overlapped.size(); ++i) {
+    EXPECT_TRUE(group->overlapped[i]) << "all-reduce " << i << " of backward overlapped nothing";
+  }
+}
+
 }  // namespace
 }  // namespace dta

@@ -1,0 +1,112 @@
+#include "kernels/chain_attention.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <tuple>
+
+namespace dta::kernels {
+namespace {
+
+std::atomic<bool> cudnn_failed{false};
+
+bool CudnnAttentionEnabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("DTA_CUDNN_ATTENTION");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return enabled && !cudnn_failed.load(std::memory_order_relaxed);
+}
+
+// The first failure is said once; tree attention runs from then on.
+void ReportUnavailable(const std::exception& e) {
+  if (!cudnn_failed.exchange(true)) {
+    std::fprintf(stderr,
+                 "dta: cuDNN attention is unavailable here, tree attention runs instead: %s\n",
+                 e.what());
+  }
+}
+
+// [T, H, D] as cuDNN's [1, H, T, D] (a view: the heads' rows stay interleaved).
+at::Tensor Bhsd(const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); }
+
+// K/V heads repeated to the query heads: kv head h serves query heads h * group .. + group - 1.
+at::Tensor RepeatHeads(const at::Tensor& t, int64_t group) {
+  return group == 1 ? t : t.repeat_interleave(group, /*dim=*/1);
+}
+
+// The gradient of RepeatHeads: the sum over each group, in float32.
+at::Tensor SumGroups(const at::Tensor& grad, int64_t kv_heads, const at::Tensor& like) {
+  const int64_t group = grad.size(1) / kv_heads;
+  if (group == 1) return grad.to(like.scalar_type());
+  return grad.reshape({grad.size(0), kv_heads, group, grad.size(2)})
+      .sum(2, /*keepdim=*/false, at::kFloat)
+      .to(like.scalar_type());
+}
+
+}  // namespace
+
+bool ChainAttentionSupports(const at::Tensor& q, const at::Tensor& k) {
+  // cuDNN's backward refuses a single token (s_q = s_kv = 1).
+  return q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) &&
+         q.dim() == 3 && k.dim() == 3 && q.size(0) >= 2 && q.size(2) % 8 == 0 && q.size(2) <= 128 &&
+         k.size(1) >= 1 && q.size(1) % k.size(1) == 0 && CudnnAttentionEnabled();
+}
+
+ChainAttentionOutput ChainAttentionForward(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, double scale) {
+  TORCH_CHECK(ChainAttentionSupports(q, k), "chain attention: unsupported inputs q ", q.sizes(),
+              " ", q.scalar_type(), " on ", q.device(), ", k ", k.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "chain attention: k ", k.sizes(), " and v ", v.sizes(), " must be [T, Hkv, D] for q ",
+              q.sizes());
+  const int64_t group = q.size(1) / k.size(1);
+  try {
+    auto [out, logsumexp, cum_q, cum_k, max_q, max_k, seed, offset, debug] =
+        at::_scaled_dot_product_cudnn_attention(
+            Bhsd(q.contiguous()), Bhsd(RepeatHeads(k, group).contiguous()),
+            Bhsd(RepeatHeads(v, group).contiguous()), /*attn_bias=*/std::nullopt,
+            /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, /*is_causal=*/true,
+            /*return_debug_mask=*/false, scale);
+    return {.out = out.squeeze(0).transpose(0, 1).contiguous(),
+            .out_bhsd = out,
+            .logsumexp = logsumexp,
+            .philox_seed = seed,
+            .philox_offset = offset};
+  } catch (const std::exception& e) {
+    ReportUnavailable(e);
+    throw;
+  }
+}
+
+TreeAttentionGrads ChainAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v,
+                                          const ChainAttentionOutput& forward, double scale) {
+  const int64_t group = q.size(1) / k.size(1);
+  const int64_t t = q.size(0);
+  // The gradient in the output's own layout (cuDNN expects matching strides).
+  const at::Tensor grad_bhsd = at::empty_like(forward.out_bhsd);
+  grad_bhsd.copy_(Bhsd(grad_out));
+  at::Tensor dq, dk, dv;
+  try {
+    std::tie(dq, dk, dv) = at::_scaled_dot_product_cudnn_attention_backward(
+        grad_bhsd, Bhsd(q.contiguous()), Bhsd(RepeatHeads(k, group).contiguous()),
+        Bhsd(RepeatHeads(v, group).contiguous()), forward.out_bhsd, forward.logsumexp,
+        forward.philox_seed, forward.philox_offset, /*attn_bias=*/at::Tensor(),
+        /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), /*max_q=*/t, /*max_k=*/t,
+        /*dropout_p=*/0.0, /*is_causal=*/true, scale);
+  } catch (const std::exception& e) {
+    ReportUnavailable(e);
+    throw;
+  }
+  auto rows = [](const at::Tensor& g) { return g.squeeze(0).transpose(0, 1); };
+  return {.dq = rows(dq).contiguous(),
+          .dk = SumGroups(rows(dk), k.size(1), k).contiguous(),
+          .dv = SumGroups(rows(dv), v.size(1), v).contiguous()};
+}
+
+}  // namespace dta::kernels

@@ -1,0 +1,257 @@
+#include "kernels/fused_layers.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/fused_layers_internal.h"
+
+namespace dta::kernels {
+namespace {
+
+at::ScalarType ComputeType(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+bool FusedLayersEnabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("DTA_FUSED_LAYERS");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return enabled;
+}
+
+bool IsKernelDtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// Whether the CUDA kernels take these tensors (all on one CUDA device, float32 compute).
+bool UseCuda(std::initializer_list<const at::Tensor*> tensors,
+             std::initializer_list<at::ScalarType> out_types = {}) {
+#ifdef DTA_KERNELS_HAVE_CUDA
+  if (!FusedLayersEnabled()) return false;
+  const at::Device device = (*tensors.begin())->device();
+  if (!device.is_cuda()) return false;
+  for (const at::Tensor* t : tensors) {
+    if (t->device() != device || !IsKernelDtype(t->scalar_type())) return false;
+  }
+  for (at::ScalarType t : out_types) {
+    if (!IsKernelDtype(t)) return false;
+  }
+  return true;
+#else
+  (void)tensors;
+  (void)out_types;
+  return false;
+#endif
+}
+
+void CheckNormInputs(const char* what, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.defined() && weight.defined(), what, ": x and weight must be defined");
+  TORCH_CHECK(x.dim() >= 1 && at::isFloatingType(x.scalar_type()), what,
+              ": x must be a floating tensor with a dimension, got ", x.scalar_type(), " ",
+              x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), what, ": weight ", weight.sizes(),
+              " must be [n] for x ", x.sizes());
+  TORCH_CHECK(weight.device() == x.device(), what, ": weight is on ", weight.device(), ", x on ",
+              x.device());
+}
+
+void CheckSameShape(const char* what, const char* name, const at::Tensor& t, const at::Tensor& x) {
+  TORCH_CHECK(t.defined() && t.sizes() == x.sizes(), what, ": ", name, " ",
+              t.defined() ? t.sizes() : at::IntArrayRef{}, " must have x's shape ", x.sizes());
+  TORCH_CHECK(t.device() == x.device(), what, ": ", name, " is on ", t.device(), ", x on ",
+              x.device());
+}
+
+void CheckRstd(const char* what, const at::Tensor& rstd, const at::Tensor& x) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = 1;
+  TORCH_CHECK(rstd.defined() && rstd.sizes() == at::IntArrayRef(shape), what, ": rstd ",
+              rstd.defined() ? rstd.sizes() : at::IntArrayRef{}, " must be ",
+              at::IntArrayRef(shape));
+}
+
+void CheckRopeTables(const char* what, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, what, ": x must be [T, H, D] with D even, got ",
+              x.sizes());
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->defined() && t->dim() == 3 && t->size(0) == x.size(0) && t->size(1) == 1 &&
+                    t->size(2) == x.size(2),
+                what, ": cos and sin must be [T, 1, D] for x ", x.sizes());
+    TORCH_CHECK(t->device() == x.device(), what, ": cos and sin must be on x's device");
+  }
+}
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// The ATen paths: the model's expressions as they were before the kernels, kept exact.
+at::Tensor RopeReference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor xc = x.to(cos.scalar_type());
+  return (xc * cos + RotateHalf(xc) * sin).to(x.scalar_type());
+}
+
+at::Tensor RopeBackwardReference(const at::Tensor& dy, const at::Tensor& cos,
+                                 const at::Tensor& sin) {
+  const at::Tensor g = dy.to(cos.scalar_type());
+  // rotate_half is x -> [-x2, x1]; its transpose is z -> [z2, -z1].
+  const at::Tensor gs = g * sin;
+  const int64_t half = gs.size(-1) / 2;
+  return (g * cos + at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1)).to(dy.scalar_type());
+}
+
+at::Tensor RmsNormBackwardReference(const at::Tensor& dy, const at::Tensor& x,
+                                    const at::Tensor& weight, const at::Tensor& rstd,
+                                    at::Tensor& weight_grad) {
+  const at::Tensor normed = x.to(rstd.scalar_type()) * rstd;
+  const at::Tensor dyc = dy.to(rstd.scalar_type());
+  weight_grad.add_(
+      (dyc * normed).reshape({-1, weight.size(0)}).sum(0).to(weight_grad.scalar_type()));
+  // d normed = dy * w;  dx = rstd * (d normed - normed * mean(d normed * normed)).
+  const at::Tensor dnormed = dyc * weight.to(dyc.scalar_type());
+  return rstd * (dnormed - normed * (dnormed * normed).mean(-1, /*keepdim=*/true));
+}
+
+// Rows of x as the kernels see them: [rows, n], contiguous.
+at::Tensor Rows(const at::Tensor& x) { return x.contiguous().view({-1, x.size(-1)}); }
+
+}  // namespace
+
+RmsNormResult RmsNormForward(const at::Tensor& x, const at::Tensor& weight, double eps,
+                             at::ScalarType out_type) {
+  CheckNormInputs("RmsNormForward", x, weight);
+  if (UseCuda({&x, &weight}, {out_type}) && x.size(-1) <= internal::kFusedNormMaxRow) {
+    const at::Tensor rows = Rows(x);
+    at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_type));
+    std::vector<int64_t> rstd_shape = x.sizes().vec();
+    rstd_shape.back() = 1;
+    at::Tensor rstd = at::empty(rstd_shape, x.options().dtype(at::kFloat));
+    internal::RmsNormForwardCuda(rows, weight.contiguous(), eps, y, rstd);
+    return {y, rstd};
+  }
+  const at::Tensor xc = x.to(ComputeType(weight.scalar_type()));
+  const at::Tensor rstd = at::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return {(weight.to(xc.scalar_type()) * (xc * rstd)).to(out_type), rstd};
+}
+
+at::Tensor RmsNormApply(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                        at::ScalarType out_type) {
+  CheckNormInputs("RmsNormApply", x, weight);
+  CheckRstd("RmsNormApply", rstd, x);
+  if (UseCuda({&x, &weight, &rstd}, {out_type}) && rstd.scalar_type() == at::kFloat &&
+      x.size(-1) <= internal::kFusedNormMaxRow) {
+    at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_type));
+    internal::RmsNormApplyCuda(Rows(x), weight.contiguous(), rstd.contiguous(), y);
+    return y;
+  }
+  const at::Tensor normed = x.to(rstd.scalar_type()) * rstd;
+  return (weight.to(normed.scalar_type()) * normed).to(out_type);
+}
+
+at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& rstd, at::Tensor& weight_grad) {
+  CheckNormInputs("RmsNormBackward", x, weight);
+  CheckSameShape("RmsNormBackward", "dy", dy, x);
+  CheckRstd("RmsNormBackward", rstd, x);
+  TORCH_CHECK(weight_grad.defined() && weight_grad.sizes() == weight.sizes(),
+              "RmsNormBackward: weight_grad must have weight's shape ", weight.sizes());
+  if (UseCuda({&dy, &x, &weight, &rstd}) && rstd.scalar_type() == at::kFloat &&
+      x.size(-1) <= internal::kFusedNormMaxRow) {
+    const at::Tensor rows = Rows(x);
+    at::Tensor dx = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+    at::Tensor partials = at::empty({internal::RmsNormBackwardBlocks(rows.size(0)), x.size(-1)},
+                                    x.options().dtype(at::kFloat));
+    internal::RmsNormBackwardCuda(Rows(dy), rows, weight.contiguous(), rstd.contiguous(), dx,
+                                  partials);
+    weight_grad.add_(partials.sum(0).to(weight_grad.scalar_type()));
+    return dx;
+  }
+  return RmsNormBackwardReference(dy, x, weight, rstd, weight_grad);
+}
+
+RmsNormResult RmsNormRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const at::Tensor& cos, const at::Tensor& sin) {
+  CheckNormInputs("RmsNormRopeForward", x, weight);
+  CheckRopeTables("RmsNormRopeForward", cos, sin, x);
+  if (UseCuda({&x, &weight, &cos, &sin}) && cos.scalar_type() == at::kFloat &&
+      sin.scalar_type() == at::kFloat && internal::FusedRopeHeadDim(x.size(2))) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    at::Tensor rstd = at::empty({x.size(0), x.size(1), 1}, x.options().dtype(at::kFloat));
+    internal::RmsNormRopeForwardCuda(xc, weight.contiguous(), eps,
+                                     cos.reshape({x.size(0), -1}).contiguous(),
+                                     sin.reshape({x.size(0), -1}).contiguous(), y, rstd);
+    return {y, rstd};
+  }
+  RmsNormResult normed = RmsNormForward(x, weight, eps, x.scalar_type());
+  return {RopeReference(normed.y, cos, sin), normed.rstd};
+}
+
+at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& weight_grad) {
+  CheckNormInputs("RmsNormRopeBackward", x, weight);
+  CheckSameShape("RmsNormRopeBackward", "dy", dy, x);
+  CheckRopeTables("RmsNormRopeBackward", cos, sin, x);
+  CheckRstd("RmsNormRopeBackward", rstd, x);
+  TORCH_CHECK(weight_grad.defined() && weight_grad.sizes() == weight.sizes(),
+              "RmsNormRopeBackward: weight_grad must have weight's shape ", weight.sizes());
+  if (UseCuda({&dy, &x, &weight, &rstd, &cos, &sin}) && rstd.scalar_type() == at::kFloat &&
+      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+      dy.scalar_type() == x.scalar_type() && internal::FusedRopeHeadDim(x.size(2))) {
+    at::Tensor dx = at::empty(x.sizes(), x.options());
+    at::Tensor partials =
+        at::empty({internal::RmsNormRopeBackwardBlocks(x.size(0) * x.size(1)), x.size(2)},
+                  x.options().dtype(at::kFloat));
+    internal::RmsNormRopeBackwardCuda(dy.contiguous(), x.contiguous(), weight.contiguous(),
+                                      rstd.contiguous(), cos.reshape({x.size(0), -1}).contiguous(),
+                                      sin.reshape({x.size(0), -1}).contiguous(), dx, partials);
+    weight_grad.add_(partials.sum(0).to(weight_grad.scalar_type()));
+    return dx;
+  }
+  const at::Tensor g = RopeBackwardReference(dy, cos, sin);
+  return RmsNormBackwardReference(g, x, weight, rstd, weight_grad).to(x.scalar_type());
+}
+
+at::Tensor SwiGluForward(const at::Tensor& gate, const at::Tensor& up) {
+  CheckSameShape("SwiGluForward", "up", up, gate);
+  if (UseCuda({&gate, &up})) {
+    at::Tensor out = at::empty(gate.sizes(), gate.options());
+    internal::SwiGluForwardCuda(gate.contiguous(), up.contiguous(), out);
+    return out;
+  }
+  const at::ScalarType ct = ComputeType(gate.scalar_type());
+  return (at::silu(gate.to(ct)) * up.to(ct)).to(gate.scalar_type());
+}
+
+SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
+                           bool with_product) {
+  CheckSameShape("SwiGluBackward", "up", up, gate);
+  CheckSameShape("SwiGluBackward", "d", d, gate);
+  if (UseCuda({&d, &gate, &up})) {
+    SwiGluGrads grads{
+        .dgate = at::empty(gate.sizes(), gate.options()),
+        .dup = at::empty(up.sizes(), up.options()),
+        .product = with_product ? at::empty(gate.sizes(), gate.options()) : at::Tensor()};
+    internal::SwiGluBackwardCuda(d.contiguous(), gate.contiguous(), up.contiguous(), grads.dgate,
+                                 grads.dup, grads.product);
+    return grads;
+  }
+  const at::ScalarType ct = ComputeType(gate.scalar_type());
+  const at::Tensor g = d.to(ct);
+  const at::Tensor gc = gate.to(ct);
+  const at::Tensor uc = up.to(ct);
+  const at::Tensor sigmoid = at::sigmoid(gc);
+  // d silu / d gate = sigmoid * (1 + gate * (1 - sigmoid)).
+  const at::Tensor dgate = g * uc * sigmoid * (1 + gc * (1 - sigmoid));
+  return {.dgate = dgate.to(gate.scalar_type()),
+          .dup = (g * gc * sigmoid).to(up.scalar_type()),
+          .product = with_product ? SwiGluForward(gate, up) : at::Tensor()};
+}
+
+}  // namespace dta::kernels

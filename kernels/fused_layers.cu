@@ -1,0 +1,537 @@
+// The CUDA kernels of kernels/fused_layers.h. Memory-bound row and elementwise kernels: one block
+// per residual-stream row for RMSNorm, one warp per (token, head) for the q/k norm with RoPE, a
+// grid-stride loop for SwiGLU. Elementwise arithmetic uses explicitly rounded float32 operations
+// (__fmul_rn and friends, never contracted into FMAs) in the ATen path's order, so the two paths
+// differ only in how a row's sums are ordered. Norm weight gradients are per-block partial sums
+// over a fixed number of row blocks, summed by the caller: deterministic, without atomics.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/fused_layers_internal.h"
+
+namespace dta::kernels::internal {
+namespace {
+
+enum class Dtype : int { kFloat, kBFloat16, kHalf };
+
+Dtype DtypeOf(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16:
+      return Dtype::kBFloat16;
+    case at::kHalf:
+      return Dtype::kHalf;
+    case at::kFloat:
+      return Dtype::kFloat;
+    default:
+      TORCH_CHECK(false, "fused layers: no kernel for ", t.scalar_type());
+  }
+}
+
+// A tensor's data with its element type, read and written as float32.
+struct In {
+  const void* data;
+  Dtype type;
+};
+struct Out {
+  void* data;
+  Dtype type;
+};
+In InOf(const at::Tensor& t) { return {t.data_ptr(), DtypeOf(t)}; }
+Out OutOf(at::Tensor& t) { return {t.data_ptr(), DtypeOf(t)}; }
+
+__device__ __forceinline__ float Load(In in, int64_t i) {
+  switch (in.type) {
+    case Dtype::kBFloat16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(in.data)[i]);
+    case Dtype::kHalf:
+      return __half2float(static_cast<const __half*>(in.data)[i]);
+    default:
+      return static_cast<const float*>(in.data)[i];
+  }
+}
+
+__device__ __forceinline__ void Store(Out out, int64_t i, float v) {
+  switch (out.type) {
+    case Dtype::kBFloat16:
+      static_cast<__nv_bfloat16*>(out.data)[i] = __float2bfloat16_rn(v);
+      break;
+    case Dtype::kHalf:
+      static_cast<__half*>(out.data)[i] = __float2half_rn(v);
+      break;
+    default:
+      static_cast<float*>(out.data)[i] = v;
+  }
+}
+
+// v rounded to `type` and read back as float32.
+__device__ __forceinline__ float Round(float v, Dtype type) {
+  switch (type) {
+    case Dtype::kBFloat16:
+      return __bfloat162float(__float2bfloat16_rn(v));
+    case Dtype::kHalf:
+      return __half2float(__float2half_rn(v));
+    default:
+      return v;
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// The sum of v over the block (at most 1,024 threads), on every thread. `shared` holds 32 floats.
+__device__ float BlockSum(float v, float* shared) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  v = WarpSum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (blockDim.x + 31) / 32 ? shared[lane] : 0.0f;
+    v = WarpSum(v);
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  v = shared[0];
+  __syncthreads();  // shared is reused by the next call
+  return v;
+}
+
+constexpr int kNormThreads = 256;
+constexpr int kNormColumnsPerThread = kFusedNormMaxRow / kNormThreads;
+// Enough row blocks to fill the GPU with rows of 2,048 to 8,192 tokens (each block's rows are a
+// serial chain of loads and block-wide sums); the partial rows cost n floats each.
+constexpr int64_t kNormBackwardBlocks = 2048;
+
+// One block per row: rstd = rsqrt(mean(x^2) + eps), y = w * (x * rstd).
+__global__ void RmsNormForwardKernel(In x, In w, Out y, float* rstd, int64_t n, float eps) {
+  __shared__ float shared[32];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
+  float sum = 0.0f;
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    const float v = Load(x, base + c);
+    sum = __fadd_rn(sum, __fmul_rn(v, v));
+  }
+  const float r = rsqrtf(__fadd_rn(__fmul_rn(BlockSum(sum, shared), 1.0f / n), eps));
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    Store(y, base + c, __fmul_rn(Load(w, c), __fmul_rn(Load(x, base + c), r)));
+  }
+}
+
+__global__ void RmsNormApplyKernel(In x, In w, const float* rstd, Out y, int64_t n) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
+  const float r = rstd[blockIdx.x];
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    Store(y, base + c, __fmul_rn(Load(w, c), __fmul_rn(Load(x, base + c), r)));
+  }
+}
+
+// Rows blockIdx.x, + gridDim.x, ...: dx = rstd (dn - normed mean(dn normed)), dn = dy w; each
+// thread keeps its columns' share of sum(dy normed) in registers and writes the block's partial.
+__global__ void RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, float* dx,
+                                      float* partials, int64_t rows, int64_t n) {
+  __shared__ float shared[32];
+  float acc[kNormColumnsPerThread];
+#pragma unroll
+  for (int k = 0; k < kNormColumnsPerThread; ++k) acc[k] = 0.0f;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * n;
+    const float r = rstd[row];
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kNormColumnsPerThread; ++k) {
+      const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (c < n) {
+        const float g = Load(dy, base + c);
+        const float normed = __fmul_rn(Load(x, base + c), r);
+        dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(g, Load(w, c)), normed));
+        acc[k] = __fadd_rn(acc[k], __fmul_rn(g, normed));
+      }
+    }
+    const float mean = __fmul_rn(BlockSum(dot, shared), 1.0f / n);
+#pragma unroll
+    for (int k = 0; k < kNormColumnsPerThread; ++k) {
+      const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (c < n) {
+        const float normed = __fmul_rn(Load(x, base + c), r);
+        const float dn = __fmul_rn(Load(dy, base + c), Load(w, c));
+        dx[base + c] = __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean)));
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kNormColumnsPerThread; ++k) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (c < n) partials[blockIdx.x * n + c] = acc[k];
+  }
+}
+
+constexpr int kRopeWarps = 4;
+constexpr int64_t kRopeBackwardBlocks = 1024;
+
+// One warp per (token, head) row of D = 32 E columns; lane l holds columns l + 32 e, so the
+// rotate-half partner of column c (c +- D/2) is element e +- E/2 of the same lane.
+template <int E>
+__global__ void RmsNormRopeForwardKernel(In x, In w, const float* cos, const float* sin, Out y,
+                                         float* rstd, int64_t rows, int64_t heads, float eps) {
+  constexpr int D = 32 * E;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRopeWarps + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int64_t base = row * D;
+  const int64_t table = (row / heads) * D;
+  float v[E];
+  float sum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    v[e] = Load(x, base + lane + 32 * e);
+    sum = __fadd_rn(sum, __fmul_rn(v[e], v[e]));
+  }
+  const float r = rsqrtf(__fadd_rn(__fmul_rn(WarpSum(sum), 1.0f / D), eps));
+  if (lane == 0) rstd[row] = r;
+  float normed[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    normed[e] = Round(__fmul_rn(Load(w, lane + 32 * e), __fmul_rn(v[e], r)), x.type);
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int c = lane + 32 * e;
+    const float rotated = e < E / 2 ? -normed[e + E / 2] : normed[e - E / 2];
+    Store(y, base + c,
+          __fadd_rn(__fmul_rn(normed[e], cos[table + c]), __fmul_rn(rotated, sin[table + c])));
+  }
+}
+
+// RoPE's backward (rounded to dy's dtype), then the norm's; each warp keeps its lanes' share of the
+// weight gradient, and the block's warps add theirs into its partial row.
+template <int E>
+__global__ void RmsNormRopeBackwardKernel(In dy, In x, In w, const float* rstd, const float* cos,
+                                          const float* sin, Out dx, float* partials, int64_t rows,
+                                          int64_t heads) {
+  constexpr int D = 32 * E;
+  __shared__ float block_acc[kRopeWarps][D];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRopeWarps + warp; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kRopeWarps) {
+    const int64_t base = row * D;
+    const int64_t table = (row / heads) * D;
+    const float r = rstd[row];
+    float d[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) d[e] = Load(dy, base + lane + 32 * e);
+    float g[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int c = lane + 32 * e;
+      // g cos + [g2 sin2, -g1 sin1].
+      const int partner = e < E / 2 ? e + E / 2 : e - E / 2;
+      const int pc = lane + 32 * partner;
+      const float gs = __fmul_rn(d[partner], sin[table + pc]);
+      g[e] = Round(__fadd_rn(__fmul_rn(d[e], cos[table + c]), e < E / 2 ? gs : -gs), dy.type);
+    }
+    float dot = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int c = lane + 32 * e;
+      const float normed = __fmul_rn(Load(x, base + c), r);
+      dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(g[e], Load(w, c)), normed));
+      acc[e] = __fadd_rn(acc[e], __fmul_rn(g[e], normed));
+    }
+    const float mean = __fmul_rn(WarpSum(dot), 1.0f / D);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int c = lane + 32 * e;
+      const float normed = __fmul_rn(Load(x, base + c), r);
+      const float dn = __fmul_rn(g[e], Load(w, c));
+      Store(dx, base + c, __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean))));
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) block_acc[warp][lane + 32 * e] = acc[e];
+  __syncthreads();
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kRopeWarps; ++k) total = __fadd_rn(total, block_acc[k][c]);
+    partials[static_cast<int64_t>(blockIdx.x) * D + c] = total;
+  }
+}
+
+constexpr int kElementwiseThreads = 256;
+
+int ElementwiseBlocks(int64_t n) {
+  return static_cast<int>(
+      std::min<int64_t>((n + kElementwiseThreads - 1) / kElementwiseThreads, int64_t{1} << 16));
+}
+
+// ATen's silu and sigmoid, x / (1 + exp(-x)) and 1 / (1 + exp(-x)), and the backward's products in
+// the ATen path's order: ((g u) s) (1 + x (1 - s)) and (g x) s.
+__device__ __forceinline__ float Silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+
+struct SwiGluGradient {
+  float dgate, dup, product;
+};
+__device__ __forceinline__ SwiGluGradient SwiGluAt(float g, float x, float u) {
+  const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+  const float slope = __fadd_rn(1.0f, __fmul_rn(x, __fsub_rn(1.0f, s)));
+  return {__fmul_rn(__fmul_rn(__fmul_rn(g, u), s), slope), __fmul_rn(__fmul_rn(g, x), s),
+          __fmul_rn(Silu(x), u)};
+}
+
+// Eight consecutive elements through one 16-byte access (bfloat16) or two (float32).
+constexpr int kVector = 8;
+__device__ __forceinline__ void Load8(In in, int64_t i, float (&v)[kVector]) {
+  if (in.type == Dtype::kFloat) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(in.data) + i);
+    const float4 a = p[0], b = p[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    return;
+  }
+  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(in.data) + i);
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVector / 2; ++k) {
+    const float2 f = __bfloat1622float2(pairs[k]);
+    v[2 * k] = f.x;
+    v[2 * k + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void Store8(Out out, int64_t i, const float (&v)[kVector]) {
+  uint4 raw;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVector / 2; ++k) pairs[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+  *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out.data) + i) = raw;
+}
+
+// kVectorized: every tensor is 16-byte aligned, n is a multiple of 8, the outputs and gate/up are
+// bfloat16 and d is bfloat16 or float32.
+template <bool kVectorized>
+__global__ void SwiGluForwardKernel(In gate, In up, Out out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if constexpr (kVectorized) {
+    for (int64_t i = first * kVector; i < n; i += stride * kVector) {
+      float g[kVector], u[kVector];
+      Load8(gate, i, g);
+      Load8(up, i, u);
+#pragma unroll
+      for (int k = 0; k < kVector; ++k) g[k] = __fmul_rn(Silu(g[k]), u[k]);
+      Store8(out, i, g);
+    }
+  } else {
+    for (int64_t i = first; i < n; i += stride) {
+      Store(out, i, __fmul_rn(Silu(Load(gate, i)), Load(up, i)));
+    }
+  }
+}
+
+template <bool kVectorized>
+__global__ void SwiGluBackwardKernel(In d, In gate, In up, Out dgate, Out dup, Out product,
+                                     int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if constexpr (kVectorized) {
+    for (int64_t i = first * kVector; i < n; i += stride * kVector) {
+      float g[kVector], x[kVector], u[kVector], dg[kVector], du[kVector], pr[kVector];
+      Load8(d, i, g);
+      Load8(gate, i, x);
+      Load8(up, i, u);
+#pragma unroll
+      for (int k = 0; k < kVector; ++k) {
+        const SwiGluGradient r = SwiGluAt(g[k], x[k], u[k]);
+        dg[k] = r.dgate, du[k] = r.dup, pr[k] = r.product;
+      }
+      Store8(dgate, i, dg);
+      Store8(dup, i, du);
+      if (product.data != nullptr) Store8(product, i, pr);
+    }
+  } else {
+    for (int64_t i = first; i < n; i += stride) {
+      const SwiGluGradient r = SwiGluAt(Load(d, i), Load(gate, i), Load(up, i));
+      Store(dgate, i, r.dgate);
+      Store(dup, i, r.dup);
+      if (product.data != nullptr) Store(product, i, r.product);
+    }
+  }
+}
+
+template <int E>
+void LaunchRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps,
+                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
+                       at::Tensor& rstd, cudaStream_t stream) {
+  const int64_t rows = x.size(0) * x.size(1);
+  const int blocks = static_cast<int>((rows + kRopeWarps - 1) / kRopeWarps);
+  RmsNormRopeForwardKernel<E><<<blocks, 32 * kRopeWarps, 0, stream>>>(
+      InOf(x), InOf(weight), cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
+      rstd.data_ptr<float>(), rows, x.size(1), static_cast<float>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int E>
+void LaunchRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                        const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor& dx, at::Tensor& partials, cudaStream_t stream) {
+  const int64_t rows = x.size(0) * x.size(1);
+  RmsNormRopeBackwardKernel<E><<<static_cast<int>(partials.size(0)), 32 * kRopeWarps, 0, stream>>>(
+      InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), cos.data_ptr<float>(),
+      sin.data_ptr<float>(), OutOf(dx), partials.data_ptr<float>(), rows, x.size(1));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
+                        at::Tensor& rstd) {
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  RmsNormForwardKernel<<<static_cast<int>(x.size(0)), kNormThreads, 0,
+                         at::cuda::getCurrentCUDAStream()>>>(
+      InOf(x), InOf(weight), OutOf(y), rstd.data_ptr<float>(), x.size(1), static_cast<float>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                      at::Tensor& y) {
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  RmsNormApplyKernel<<<static_cast<int>(x.size(0)), kNormThreads, 0,
+                       at::cuda::getCurrentCUDAStream()>>>(
+      InOf(x), InOf(weight), rstd.data_ptr<float>(), OutOf(y), x.size(1));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int64_t RmsNormBackwardBlocks(int64_t rows) {
+  return std::max<int64_t>(1, std::min(rows, kNormBackwardBlocks));
+}
+
+void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                         const at::Tensor& rstd, at::Tensor& dx, at::Tensor& weight_partials) {
+  if (x.numel() == 0) {
+    weight_partials.zero_();
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  RmsNormBackwardKernel<<<static_cast<int>(weight_partials.size(0)), kNormThreads, 0,
+                          at::cuda::getCurrentCUDAStream()>>>(
+      InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(),
+      weight_partials.data_ptr<float>(), x.size(0), x.size(1));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
+                            at::Tensor& rstd) {
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  switch (x.size(2)) {
+    case 64:
+      return LaunchRopeForward<2>(x, weight, eps, cos, sin, y, rstd, stream);
+    case 128:
+      return LaunchRopeForward<4>(x, weight, eps, cos, sin, y, rstd, stream);
+    case 192:
+      return LaunchRopeForward<6>(x, weight, eps, cos, sin, y, rstd, stream);
+    case 256:
+      return LaunchRopeForward<8>(x, weight, eps, cos, sin, y, rstd, stream);
+    default:
+      TORCH_CHECK(false, "RmsNormRopeForward: no kernel for head_dim ", x.size(2));
+  }
+}
+
+int64_t RmsNormRopeBackwardBlocks(int64_t rows) {
+  return std::max<int64_t>(1, std::min((rows + kRopeWarps - 1) / kRopeWarps, kRopeBackwardBlocks));
+}
+
+void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor& dx, at::Tensor& weight_partials) {
+  if (x.numel() == 0) {
+    weight_partials.zero_();
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  switch (x.size(2)) {
+    case 64:
+      return LaunchRopeBackward<2>(dy, x, weight, rstd, cos, sin, dx, weight_partials, stream);
+    case 128:
+      return LaunchRopeBackward<4>(dy, x, weight, rstd, cos, sin, dx, weight_partials, stream);
+    case 192:
+      return LaunchRopeBackward<6>(dy, x, weight, rstd, cos, sin, dx, weight_partials, stream);
+    case 256:
+      return LaunchRopeBackward<8>(dy, x, weight, rstd, cos, sin, dx, weight_partials, stream);
+    default:
+      TORCH_CHECK(false, "RmsNormRopeBackward: no kernel for head_dim ", x.size(2));
+  }
+}
+
+namespace {
+
+bool Vectorizable(int64_t n, std::initializer_list<const at::Tensor*> tensors) {
+  if (n % kVector != 0) return false;
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0 ||
+                         (t->scalar_type() != at::kBFloat16 && t->scalar_type() != at::kFloat))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
+  const int64_t n = gate.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool bf16 = gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
+                    out.scalar_type() == at::kBFloat16;
+  if (bf16 && Vectorizable(n, {&gate, &up, &out})) {
+    SwiGluForwardKernel<true><<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
+        InOf(gate), InOf(up), OutOf(out), n);
+  } else {
+    SwiGluForwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+        InOf(gate), InOf(up), OutOf(out), n);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
+                        at::Tensor& dgate, at::Tensor& dup, at::Tensor& product) {
+  const int64_t n = gate.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const Out product_out = product.defined() ? OutOf(product) : Out{nullptr, Dtype::kFloat};
+  bool bf16 = true;
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&gate, &up, &dgate, &dup, &product}) {
+    if (t->defined() && t->scalar_type() != at::kBFloat16) bf16 = false;
+  }
+  if (bf16 && Vectorizable(n, {&d, &gate, &up, &dgate, &dup, &product})) {
+    SwiGluBackwardKernel<true><<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
+        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n);
+  } else {
+    SwiGluBackwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace dta::kernels::internal

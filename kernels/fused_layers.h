@@ -1,0 +1,88 @@
+// The Qwen3 decoder's elementwise layers, each direction in one CUDA kernel instead of the 5 to 15
+// ATen kernels of their composition: RMSNorm (the input and post-attention norms over the float32
+// residual stream, the final norm), RMSNorm followed by rotary embedding (the per-head q/k norms),
+// and SwiGLU. The model calls these functions; on the GPU they cut a layer's launches and its
+// passes over activations, which bounded the step at small chunks (kernel launches, not FLOPs).
+//
+// Numerics are the model's (executor/model/qwen3_model.h): the compute type is float64 for
+// float64 inputs and float32 otherwise; every result is computed in it and rounded once to its
+// output type. The q/k path rounds the normalised head to x's dtype before RoPE, as the unfused
+// graph did, and its backward rounds RoPE's input gradient to dy's dtype before the norm's
+// backward. Every function has an exact ATen path (the CPU, float64, and whatever the kernels do
+// not take), which computes the same expressions in the same order; the CUDA kernels differ from it
+// only in the order of the float32 sums of a row (and of a norm weight's gradient over rows).
+//
+// CUDA kernels run when the library is built with nvcc, the tensors are on a CUDA device, the
+// compute type is float32 (x, weight and outputs float32, bfloat16 or float16), and:
+//   - RMSNorm: the row length is at most 8,192;
+//   - RMSNorm + RoPE: head_dim is a multiple of 64, at most 256.
+// DTA_FUSED_LAYERS=0 in the environment (read once) makes every call take the ATen path: the
+// before/after switch of benchmarks, and a way to rule the kernels out when debugging.
+//
+// Example, a norm over the residual stream h [T, hidden] (float32) of a bfloat16 model:
+//   RmsNormResult n = RmsNormForward(h, norm_weight, 1e-6, at::kBFloat16);   // n.y bf16
+//   ...
+//   at::Tensor dh = RmsNormBackward(dy, h, norm_weight, n.rstd, norm_weight_grad);  // float32
+//
+// Thread safety: stateless; CUDA calls run on the current stream of the inputs' device.
+// Failure: TORCH_CHECK (c10::Error) naming the tensor whose shape, dtype or device is wrong.
+#ifndef DTA_KERNELS_FUSED_LAYERS_H_
+#define DTA_KERNELS_FUSED_LAYERS_H_
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+namespace dta::kernels {
+
+struct RmsNormResult {
+  at::Tensor y;     // x's shape, in the requested output type
+  at::Tensor rstd;  // x's shape with a last dimension of 1, compute type: 1 / rms of each row
+};
+
+// y = (weight * (x * rstd)).to(out_type), rstd = 1 / sqrt(mean(x^2) + eps) over x's last
+// dimension. x [..., n] floating; weight [n] floating, on x's device.
+RmsNormResult RmsNormForward(const at::Tensor& x, const at::Tensor& weight, double eps,
+                             at::ScalarType out_type);
+
+// RmsNormForward's y from its rstd, bitwise the same: what backward recomputes instead of keeping.
+at::Tensor RmsNormApply(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                        at::ScalarType out_type);
+
+// The gradient of x (compute type, x's shape) given dy (x's shape, any floating dtype: taken in the
+// compute type) and RmsNormForward's rstd. Adds the weight's gradient, the sum over rows of
+// dy * x * rstd, into weight_grad ([n], floating: a .grad accumulator or a view of one).
+at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& rstd, at::Tensor& weight_grad);
+
+// Qwen3's per-head q/k norm and rotary embedding: n = RmsNormForward(x, weight, eps, x's dtype).y
+// over head_dim, y = (n cos + rotate_half(n) sin).to(x's dtype), rotate_half(n) = [-n2, n1].
+// x [T, H, D]; weight [D]; cos, sin [T, 1, D] in the compute type. rstd is [T, H, 1].
+RmsNormResult RmsNormRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const at::Tensor& cos, const at::Tensor& sin);
+
+// The gradient of x (x's dtype) given dy [T, H, D]: RoPE's backward (g cos + [g2 sin2, -g1 sin1]
+// in the compute type, rounded to dy's dtype), then RmsNormBackward, whose weight gradient is
+// added into weight_grad.
+at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& weight_grad);
+
+// silu(gate) * up in the compute type, rounded to gate's dtype. gate and up of one shape.
+at::Tensor SwiGluForward(const at::Tensor& gate, const at::Tensor& up);
+
+struct SwiGluGrads {
+  at::Tensor dgate;    // gate's dtype
+  at::Tensor dup;      // up's dtype
+  at::Tensor product;  // SwiGluForward(gate, up), bitwise, when asked for; else undefined
+};
+
+// The gradients of gate and up given d, the product's gradient (gate's shape, any floating dtype).
+// with_product also recomputes the forward's product in the same pass over gate and up (what
+// backward needs for the next projection's weight gradient).
+SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
+                           bool with_product = false);
+
+}  // namespace dta::kernels
+
+#endif  // DTA_KERNELS_FUSED_LAYERS_H_

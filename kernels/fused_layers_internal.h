@@ -1,0 +1,46 @@
+// The CUDA entry points of kernels/fused_layers.h, defined in fused_layers.cu when the library is
+// built with nvcc (DTA_KERNELS_HAVE_CUDA). Inputs are checked, contiguous and on one CUDA device;
+// each function runs on the current stream. Not part of the public API.
+#ifndef DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_
+#define DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace dta::kernels::internal {
+
+// The longest row the RMSNorm kernels take, and the head dims of the q/k kernels.
+inline constexpr int64_t kFusedNormMaxRow = 8192;
+inline bool FusedRopeHeadDim(int64_t d) { return d % 64 == 0 && d <= 256; }
+
+// x [rows, n]; writes y [rows, n] and rstd [rows] (float32).
+void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
+                        at::Tensor& rstd);
+// y from a known rstd.
+void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                      at::Tensor& y);
+// dx [rows, n] float32; weight_partials [blocks, n] float32, summed by the caller.
+void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                         const at::Tensor& rstd, at::Tensor& dx, at::Tensor& weight_partials);
+// The number of row blocks (weight_partials' rows) RmsNormBackwardCuda uses for `rows` rows.
+int64_t RmsNormBackwardBlocks(int64_t rows);
+
+// x [T, H, D]; cos, sin [T, D] float32; y [T, H, D] in x's dtype; rstd [T * H].
+void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
+                            at::Tensor& rstd);
+// dx [T, H, D] in x's dtype; weight_partials [RmsNormRopeBackwardBlocks(T * H), D] float32.
+void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor& dx, at::Tensor& weight_partials);
+int64_t RmsNormRopeBackwardBlocks(int64_t rows);
+
+void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
+// product: undefined, or where SwiGluForward's result is written too.
+void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
+                        at::Tensor& dgate, at::Tensor& dup, at::Tensor& product);
+
+}  // namespace dta::kernels::internal
+
+#endif  // DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_

@@ -1,0 +1,259 @@
+// kernels/fused_layers: the hand-written backward passes against autograd through the forward's
+// ATen expressions in float64 (relative error 1e-12), the errors for bad shapes, and, on a GPU,
+// the CUDA kernels against the same functions run on the CPU from the same inputs: float32
+// results within 1e-5 (relative to the tensor's largest magnitude), bfloat16 results within one
+// bfloat16 step of it; weight gradients within 1e-4; backward bitwise deterministic. Shapes cover
+// one row, rows longer than a block, lengths that no block size divides, more rows than the
+// backward's fixed row blocks, every fused head dim (64, 128, 192, 256) and the ones the kernels
+// leave to ATen (96, rows longer than 8,192). The GPU tests skip without a CUDA device.
+#include "kernels/fused_layers.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dta::kernels {
+namespace {
+
+const at::TensorOptions kFloat64 = at::TensorOptions().dtype(at::kDouble);
+
+double RelativeError(const at::Tensor& actual, const at::Tensor& expected) {
+  const at::Tensor a = actual.to(at::kDouble).cpu();
+  const at::Tensor e = expected.to(at::kDouble).cpu();
+  const double scale = std::max(e.abs().max().item<double>(), 1e-30);
+  return (a - e).abs().max().item<double>() / scale;
+}
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// The forward expressions, differentiated by autograd.
+at::Tensor RmsNormExpression(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return w * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
+}
+
+std::pair<at::Tensor, at::Tensor> RopeTables(int64_t tokens, int64_t dim, at::TensorOptions o) {
+  const at::Tensor inv =
+      1.0 / at::pow(10000.0, at::arange(0, dim, 2, o) / static_cast<double>(dim));
+  const at::Tensor freqs = at::arange(tokens, o).unsqueeze(1) * inv.unsqueeze(0);
+  const at::Tensor angles = at::cat({freqs, freqs}, -1).unsqueeze(1);
+  return {angles.cos(), angles.sin()};
+}
+
+// Gradients of (x, w) of sum(expression * dy) by autograd.
+std::vector<at::Tensor> AutogradOf(const std::function<at::Tensor(at::Tensor, at::Tensor)>& f,
+                                   const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy) {
+  at::Tensor xr = x.clone().requires_grad_(true);
+  at::Tensor wr = w.clone().requires_grad_(true);
+  return torch::autograd::grad({(f(xr, wr) * dy).sum()}, {xr, wr});
+}
+
+TEST(FusedLayers, RmsNormBackwardIsTheGradientOfTheForward) {
+  at::manual_seed(1);
+  for (int64_t n : {1, 7, 64}) {
+    const at::Tensor x = at::randn({5, 3, n}, kFloat64);
+    const at::Tensor w = 1 + 0.1 * at::randn({n}, kFloat64);
+    const at::Tensor dy = at::randn({5, 3, n}, kFloat64);
+    const RmsNormResult forward = RmsNormForward(x, w, 1e-6, at::kDouble);
+    EXPECT_LT(RelativeError(forward.y, RmsNormExpression(x, w, 1e-6)), 1e-14);
+    EXPECT_TRUE(at::equal(RmsNormApply(x, w, forward.rstd, at::kDouble), forward.y));
+    at::Tensor weight_grad = at::full({n}, 0.5, kFloat64);  // added into, not overwritten
+    const at::Tensor dx = RmsNormBackward(dy, x, w, forward.rstd, weight_grad);
+    const auto expected = AutogradOf(
+        [](at::Tensor a, at::Tensor b) { return RmsNormExpression(a, b, 1e-6); }, x, w, dy);
+    EXPECT_LT(RelativeError(dx, expected[0]), 1e-12) << "n " << n;
+    EXPECT_LT(RelativeError(weight_grad - 0.5, expected[1]), 1e-12) << "n " << n;
+  }
+}
+
+TEST(FusedLayers, RmsNormRopeBackwardIsTheGradientOfTheForward) {
+  at::manual_seed(2);
+  for (int64_t d : {2, 8, 128}) {
+    const at::Tensor x = at::randn({6, 4, d}, kFloat64);
+    const at::Tensor w = 1 + 0.1 * at::randn({d}, kFloat64);
+    const at::Tensor dy = at::randn({6, 4, d}, kFloat64);
+    const auto [cos, sin] = RopeTables(6, d, kFloat64);
+    auto expression = [&](const at::Tensor& a, const at::Tensor& b) {
+      const at::Tensor n = RmsNormExpression(a, b, 1e-6);
+      return n * cos + RotateHalf(n) * sin;
+    };
+    EXPECT_LT(RelativeError(RmsNormRopeForward(x, w, 1e-6, cos, sin).y, expression(x, w)), 1e-14);
+    at::Tensor weight_grad = at::zeros({d}, kFloat64);
+    const RmsNormResult forward = RmsNormRopeForward(x, w, 1e-6, cos, sin);
+    const at::Tensor dx = RmsNormRopeBackward(dy, x, w, forward.rstd, cos, sin, weight_grad);
+    const auto expected = AutogradOf(expression, x, w, dy);
+    EXPECT_LT(RelativeError(dx, expected[0]), 1e-12) << "D " << d;
+    EXPECT_LT(RelativeError(weight_grad, expected[1]), 1e-12) << "D " << d;
+  }
+}
+
+TEST(FusedLayers, SwiGluBackwardIsTheGradientOfTheForward) {
+  at::manual_seed(3);
+  const at::Tensor gate = 3 * at::randn({9, 17}, kFloat64);
+  const at::Tensor up = at::randn({9, 17}, kFloat64);
+  const at::Tensor d = at::randn({9, 17}, kFloat64);
+  EXPECT_LT(RelativeError(SwiGluForward(gate, up), at::silu(gate) * up), 1e-15);
+  const SwiGluGrads grads = SwiGluBackward(d, gate, up, /*with_product=*/true);
+  const auto expected =
+      AutogradOf([](at::Tensor g, at::Tensor u) { return at::silu(g) * u; }, gate, up, d);
+  EXPECT_LT(RelativeError(grads.dgate, expected[0]), 1e-12);
+  EXPECT_LT(RelativeError(grads.dup, expected[1]), 1e-12);
+  EXPECT_TRUE(at::equal(grads.product, SwiGluForward(gate, up)));
+  EXPECT_FALSE(SwiGluBackward(d, gate, up).product.defined());
+}
+
+TEST(FusedLayers, BadShapesAreNamed) {
+  const at::Tensor x = at::randn({4, 8}, kFloat64);
+  EXPECT_THAT([&] { RmsNormForward(x, at::ones({7}, kFloat64), 1e-6, at::kDouble); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("weight [7] must be [n]")));
+  const RmsNormResult r = RmsNormForward(x, at::ones({8}, kFloat64), 1e-6, at::kDouble);
+  at::Tensor grad = at::zeros({8}, kFloat64);
+  EXPECT_THAT(
+      [&] {
+        RmsNormBackward(at::ones({4, 7}, kFloat64), x, at::ones({8}, kFloat64), r.rstd, grad);
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("dy [4, 7]")));
+  EXPECT_THAT(
+      [&] { RmsNormApply(x, at::ones({8}, kFloat64), at::ones({4}, kFloat64), at::kDouble); },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("rstd [4] must be [4, 1]")));
+  const auto [cos, sin] = RopeTables(3, 8, kFloat64);
+  EXPECT_THAT(
+      [&] {
+        RmsNormRopeForward(at::ones({4, 2, 8}, kFloat64), at::ones({8}, kFloat64), 1e-6, cos, sin);
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("cos and sin must be")));
+  EXPECT_THAT(
+      [&] {
+        SwiGluForward(at::ones({2, 3}), at::ones({3, 2}));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("up [3, 2]")));
+}
+
+class FusedLayersCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device; the kernels need a GPU";
+  }
+};
+
+// One bfloat16 step at the tensor's largest magnitude, plus float32 rounding.
+double Tolerance(at::ScalarType type) { return type == at::kFloat ? 1e-5 : 1.0 / 128; }
+
+at::Tensor Cuda(const at::Tensor& t) { return t.to(at::kCUDA); }
+
+TEST_F(FusedLayersCuda, RmsNormMatchesTheCpu) {
+  at::manual_seed(4);
+  struct Case {
+    int64_t rows, n;
+    at::ScalarType x_type, out_type;
+  };
+  const std::vector<Case> cases = {
+      {1, 2048, at::kFloat, at::kBFloat16},  {3000, 2048, at::kFloat, at::kBFloat16},
+      {37, 1000, at::kFloat, at::kFloat},    {513, 5120, at::kBFloat16, at::kBFloat16},
+      {64, 8192, at::kFloat, at::kBFloat16}, {5, 9000, at::kFloat, at::kBFloat16},
+      {700, 4096, at::kFloat, at::kFloat},
+  };
+  for (const Case& c : cases) {
+    const std::string name = std::to_string(c.rows) + " x " + std::to_string(c.n) + " " +
+                             std::string(c10::toString(c.x_type)) + " -> " +
+                             c10::toString(c.out_type);
+    const at::Tensor x = (3 * at::randn({c.rows, c.n})).to(c.x_type);
+    const at::Tensor w = (1 + 0.1 * at::randn({c.n})).to(at::kBFloat16);
+    const at::Tensor dy = at::randn({c.rows, c.n});
+    const RmsNormResult cpu = RmsNormForward(x, w, 1e-6, c.out_type);
+    const RmsNormResult gpu = RmsNormForward(Cuda(x), Cuda(w), 1e-6, c.out_type);
+    EXPECT_LT(RelativeError(gpu.y, cpu.y), Tolerance(c.out_type)) << name;
+    EXPECT_LT(RelativeError(gpu.rstd, cpu.rstd), 1e-5) << name;
+    EXPECT_TRUE(at::equal(RmsNormApply(Cuda(x), Cuda(w), gpu.rstd, c.out_type), gpu.y)) << name;
+    at::Tensor cpu_grad = at::zeros({c.n});
+    const at::Tensor cpu_dx = RmsNormBackward(dy, x, w, cpu.rstd, cpu_grad);
+    at::Tensor gpu_grad = at::ones({c.n}, at::kCUDA);
+    const at::Tensor gpu_dx = RmsNormBackward(Cuda(dy), Cuda(x), Cuda(w), gpu.rstd, gpu_grad);
+    EXPECT_LT(RelativeError(gpu_dx, cpu_dx), 1e-5) << name;
+    EXPECT_LT(RelativeError(gpu_grad - 1, cpu_grad), 1e-4) << name;
+    at::Tensor again = at::ones({c.n}, at::kCUDA);
+    EXPECT_TRUE(at::equal(RmsNormBackward(Cuda(dy), Cuda(x), Cuda(w), gpu.rstd, again), gpu_dx));
+    EXPECT_TRUE(at::equal(again, gpu_grad)) << name << ": the weight gradient is not deterministic";
+  }
+}
+
+TEST_F(FusedLayersCuda, RmsNormRopeMatchesTheCpu) {
+  at::manual_seed(5);
+  struct Case {
+    int64_t tokens, heads, dim;
+  };
+  for (const Case& c : std::vector<Case>{{1, 1, 128},
+                                         {19, 16, 128},
+                                         {700, 8, 128},
+                                         {33, 4, 64},
+                                         {5, 3, 192},
+                                         {9, 2, 256},
+                                         {11, 4, 96},
+                                         {2100, 8, 128}}) {
+    const std::string name = "T " + std::to_string(c.tokens) + " H " + std::to_string(c.heads) +
+                             " D " + std::to_string(c.dim);
+    const at::Tensor x = (2 * at::randn({c.tokens, c.heads, c.dim})).to(at::kBFloat16);
+    const at::Tensor w = (1 + 0.1 * at::randn({c.dim})).to(at::kBFloat16);
+    const at::Tensor dy = at::randn({c.tokens, c.heads, c.dim}).to(at::kBFloat16);
+    const auto [cos, sin] = RopeTables(c.tokens, c.dim, at::TensorOptions().dtype(at::kFloat));
+    const RmsNormResult cpu = RmsNormRopeForward(x, w, 1e-6, cos, sin);
+    const RmsNormResult gpu = RmsNormRopeForward(Cuda(x), Cuda(w), 1e-6, Cuda(cos), Cuda(sin));
+    EXPECT_EQ(gpu.y.scalar_type(), at::kBFloat16);
+    EXPECT_LT(RelativeError(gpu.y, cpu.y), Tolerance(at::kBFloat16)) << name;
+    EXPECT_LT(RelativeError(gpu.rstd, cpu.rstd), 1e-5) << name;
+    at::Tensor cpu_grad = at::zeros({c.dim});
+    const at::Tensor cpu_dx = RmsNormRopeBackward(dy, x, w, cpu.rstd, cos, sin, cpu_grad);
+    at::Tensor gpu_grad = at::zeros({c.dim}, at::kCUDA);
+    const at::Tensor gpu_dx =
+        RmsNormRopeBackward(Cuda(dy), Cuda(x), Cuda(w), gpu.rstd, Cuda(cos), Cuda(sin), gpu_grad);
+    EXPECT_EQ(gpu_dx.scalar_type(), at::kBFloat16);
+    EXPECT_LT(RelativeError(gpu_dx, cpu_dx), Tolerance(at::kBFloat16)) << name;
+    EXPECT_LT(RelativeError(gpu_grad, cpu_grad), 1e-4) << name;
+    at::Tensor again = at::zeros({c.dim}, at::kCUDA);
+    RmsNormRopeBackward(Cuda(dy), Cuda(x), Cuda(w), gpu.rstd, Cuda(cos), Cuda(sin), again);
+    EXPECT_TRUE(at::equal(again, gpu_grad)) << name << ": the weight gradient is not deterministic";
+  }
+}
+
+TEST_F(FusedLayersCuda, SwiGluMatchesTheCpu) {
+  at::manual_seed(6);
+  // 8-element vectors (sizes that 8 divides, aligned), elementwise otherwise; d in float32 (as the
+  // model passes it) and in bfloat16; one gate that starts 2 bytes into its storage.
+  struct Case {
+    int64_t n;
+    at::ScalarType d_type;
+    bool misaligned;
+  };
+  for (const Case& c : std::vector<Case>{{1, at::kFloat, false},
+                                         {1000, at::kFloat, false},
+                                         {1003, at::kFloat, false},
+                                         {2048 * 6144, at::kFloat, false},
+                                         {4096, at::kBFloat16, false},
+                                         {4096, at::kFloat, true}}) {
+    const std::string name =
+        std::to_string(c.n) + (c.misaligned ? " misaligned" : "") + " d " + c10::toString(c.d_type);
+    const at::Tensor storage = (3 * at::randn({c.n + 1})).to(at::kBFloat16);
+    const at::Tensor gate = c.misaligned ? storage.slice(0, 1) : storage.slice(0, 0, c.n);
+    const at::Tensor up = at::randn({c.n}).to(at::kBFloat16);
+    const at::Tensor d = at::randn({c.n}).to(c.d_type);
+    const at::Tensor gpu_gate = c.misaligned ? Cuda(storage).slice(0, 1) : Cuda(gate);
+    const at::Tensor gpu_product = SwiGluForward(gpu_gate, Cuda(up));
+    EXPECT_LT(RelativeError(gpu_product, SwiGluForward(gate, up)), Tolerance(at::kBFloat16))
+        << name;
+    const SwiGluGrads cpu = SwiGluBackward(d, gate, up);
+    const SwiGluGrads gpu = SwiGluBackward(Cuda(d), gpu_gate, Cuda(up), /*with_product=*/true);
+    EXPECT_LT(RelativeError(gpu.dgate, cpu.dgate), Tolerance(at::kBFloat16)) << name;
+    EXPECT_LT(RelativeError(gpu.dup, cpu.dup), Tolerance(at::kBFloat16)) << name;
+    EXPECT_TRUE(at::equal(gpu.product, gpu_product)) << name;
+  }
+}
+
+}  // namespace
+}  // namespace dta::kernels
