@@ -218,6 +218,13 @@ class Embedding : public torch::autograd::Function<Embedding> {
   }
 };
 
+// Where a norm function adds its weight's gradient: the accumulator it was given (a partial sum
+// under tensor parallelism), else the weight's .grad.
+at::Tensor NormWeightAccumulator(AutogradContext* ctx, const at::Tensor& weight) {
+  at::Tensor accumulator = ctx->saved_data["accumulator"].toTensor();
+  return accumulator.defined() ? accumulator : GradAccumulator(weight);
+}
+
 // Qwen3RMSNorm, weight * (x / rms(x)), computed in at least float32 and rounded once to out_type
 // (the weight's dtype for q/k norms, the compute dtype for the final norm, which Logprobs rounds).
 // Hugging Face rounds the normalised x to the input dtype first, then multiplies: identical for
@@ -238,8 +245,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
-    at::Tensor accumulator = ctx->saved_data["accumulator"].toTensor();
-    if (!accumulator.defined()) accumulator = GradAccumulator(saved[1]);
+    at::Tensor accumulator = NormWeightAccumulator(ctx, saved[1]);
     const at::Tensor dx = kernels::RmsNormBackward(grads[0], x, saved[1], saved[2], accumulator);
     return {dx.to(x.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -264,8 +270,7 @@ class NormRope : public torch::autograd::Function<NormRope> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    at::Tensor accumulator = ctx->saved_data["accumulator"].toTensor();
-    if (!accumulator.defined()) accumulator = GradAccumulator(saved[1]);
+    at::Tensor accumulator = NormWeightAccumulator(ctx, saved[1]);
     const at::Tensor dx = kernels::RmsNormRopeBackward(
         grads[0], saved[0], saved[1], saved[2], ctx->saved_data["cos"].toTensor(),
         ctx->saved_data["sin"].toTensor(), accumulator);
