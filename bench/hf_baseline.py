@@ -82,8 +82,20 @@ _ATTENTION = re.compile(r"attention|flash|fmha|sdpa|TreeAttention|tree_attention
 _GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|ampere_|sm80_|sm90_|splitK|Kernel2", re.IGNORECASE)
 
 
+def _busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals, in ms (their times in us)."""
+    busy, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1e3
+
+
 def kernel_profile(fn, device: torch.device, top: int = 12) -> dict:
-    """One run of fn under torch.profiler: kernel launches, GPU time by kind, the costliest kernels."""
+    """One run of fn under torch.profiler: kernel launches, GPU time by kind, the costliest kernels,
+    and where the host's time goes: the run's wall time, how much of it the GPU was busy, and the
+    CUDA runtime calls (launches, copies, synchronizations) by name with their host time."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
@@ -92,11 +104,21 @@ def kernel_profile(fn, device: torch.device, top: int = 12) -> dict:
         _sync(device)
     kinds = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
     by_name: dict[str, list[float]] = {}
+    runtime: dict[str, list[float]] = {}
     launches = 0
+    gpu_intervals: list[tuple[float, float]] = []
+    first, last = math.inf, -math.inf
     for event in prof.events():
+        start, end = event.time_range.start, event.time_range.end
+        first, last = min(first, start), max(last, end)
         if event.device_type != torch.autograd.DeviceType.CUDA:
+            if event.name.startswith("cuda"):  # a CUDA runtime call on the host
+                entry = runtime.setdefault(event.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += event.time_range.elapsed_us() / 1e3
             continue
         us = event.time_range.elapsed_us()
+        gpu_intervals.append((start, end))
         name = event.name
         if name.startswith("Memcpy") or name.startswith("Memset"):
             kind = "other"
@@ -108,8 +130,16 @@ def kernel_profile(fn, device: torch.device, top: int = 12) -> dict:
         entry[0] += 1
         entry[1] += us / 1e3
     costliest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    host_ops = sorted((e for e in prof.key_averages() if not e.key.startswith("cuda")),
+                      key=lambda e: -e.self_cpu_time_total)[:top]
+    host_calls = sorted(runtime.items(), key=lambda item: -item[1][1])[:top]
     return {"kernel_launches": launches, "gpu_ms": kinds,
-            "costliest": [{"name": n[:120], "count": c, "ms": round(ms, 3)} for n, (c, ms) in costliest]}
+            "wall_ms": round((last - first) / 1e3, 3) if gpu_intervals else 0.0,
+            "gpu_busy_ms": round(_busy_ms(gpu_intervals), 3),
+            "costliest": [{"name": n[:120], "count": c, "ms": round(ms, 3)} for n, (c, ms) in costliest],
+            "runtime_calls": [{"name": n, "count": c, "ms": round(ms, 3)} for n, (c, ms) in host_calls],
+            "host_ops": [{"name": e.key[:120], "count": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 3)}
+                         for e in host_ops]}
 
 
 def main() -> int:
@@ -192,6 +222,13 @@ def main() -> int:
               + ", ".join(f"{kind} {t:.1f} ms ({t / max(total, 1e-9):.0%})" for kind, t in ms.items()))
         for k in p["costliest"]:
             print(f"  {k['ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
+        print(f"  wall {p['wall_ms']:.1f} ms under the profiler, GPU busy {p['gpu_busy_ms']:.1f} ms "
+              f"({p['gpu_busy_ms'] / max(p['wall_ms'], 1e-9):.0%}); CUDA runtime calls on the host:")
+        for k in p["runtime_calls"]:
+            print(f"  {k['ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
+        print("  host operations by their own time:")
+        for k in p["host_ops"]:
+            print(f"  {k['self_ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
     return 0
 
 

@@ -39,16 +39,18 @@ at::Tensor RepeatHeads(const at::Tensor& t, int64_t group) {
   return group == 1 ? t : t.repeat_interleave(group, /*dim=*/1);
 }
 
-// The gradient of RepeatHeads: the sum over each group, in float32.
-at::Tensor SumGroups(const at::Tensor& grad, int64_t kv_heads, const at::Tensor& like) {
+// The gradient of RepeatHeads: the sum over each group, in float32, returned in `type`.
+at::Tensor SumGroups(const at::Tensor& grad, int64_t kv_heads, at::ScalarType type) {
   const int64_t group = grad.size(1) / kv_heads;
-  if (group == 1) return grad.to(like.scalar_type());
+  if (group == 1) return grad.to(type);
   return grad.reshape({grad.size(0), kv_heads, group, grad.size(2)})
       .sum(2, /*keepdim=*/false, at::kFloat)
-      .to(like.scalar_type());
+      .to(type);
 }
 
 }  // namespace
+
+bool CudnnAttentionFailed() { return cudnn_failed.load(std::memory_order_relaxed); }
 
 bool ChainAttentionSupports(const at::Tensor& q, const at::Tensor& k) {
   // cuDNN's backward refuses a single token (s_q = s_kv = 1).
@@ -57,20 +59,19 @@ bool ChainAttentionSupports(const at::Tensor& q, const at::Tensor& k) {
          k.size(1) >= 1 && q.size(1) % k.size(1) == 0 && CudnnAttentionEnabled();
 }
 
-ChainAttentionOutput ChainAttentionForward(const at::Tensor& q, const at::Tensor& k,
-                                           const at::Tensor& v, double scale) {
-  TORCH_CHECK(ChainAttentionSupports(q, k), "chain attention: unsupported inputs q ", q.sizes(),
-              " ", q.scalar_type(), " on ", q.device(), ", k ", k.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
-              "chain attention: k ", k.sizes(), " and v ", v.sizes(), " must be [T, Hkv, D] for q ",
-              q.sizes());
+namespace {
+
+// cuDNN's attention of q [T, Hq, D] over k, v [S, Hkv, D]: causal (top-left aligned, S = T) or
+// every key for every query.
+ChainAttentionOutput CudnnForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  double scale, bool causal) {
   const int64_t group = q.size(1) / k.size(1);
   try {
     auto [out, logsumexp, cum_q, cum_k, max_q, max_k, seed, offset, debug] =
         at::_scaled_dot_product_cudnn_attention(
             Bhsd(q.contiguous()), Bhsd(RepeatHeads(k, group).contiguous()),
             Bhsd(RepeatHeads(v, group).contiguous()), /*attn_bias=*/std::nullopt,
-            /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, /*is_causal=*/true,
+            /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, causal,
             /*return_debug_mask=*/false, scale);
     return {.out = out.squeeze(0).transpose(0, 1).contiguous(),
             .out_bhsd = out,
@@ -83,11 +84,12 @@ ChainAttentionOutput ChainAttentionForward(const at::Tensor& q, const at::Tensor
   }
 }
 
-TreeAttentionGrads ChainAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
-                                          const at::Tensor& k, const at::Tensor& v,
-                                          const ChainAttentionOutput& forward, double scale) {
+// dk and dv come back in key_grad_type.
+TreeAttentionGrads CudnnBackward(const at::Tensor& grad_out, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v,
+                                 const ChainAttentionOutput& forward, double scale, bool causal,
+                                 at::ScalarType key_grad_type) {
   const int64_t group = q.size(1) / k.size(1);
-  const int64_t t = q.size(0);
   // The gradient in the output's own layout (cuDNN expects matching strides).
   const at::Tensor grad_bhsd = at::empty_like(forward.out_bhsd);
   grad_bhsd.copy_(Bhsd(grad_out));
@@ -97,16 +99,67 @@ TreeAttentionGrads ChainAttentionBackward(const at::Tensor& grad_out, const at::
         grad_bhsd, Bhsd(q.contiguous()), Bhsd(RepeatHeads(k, group).contiguous()),
         Bhsd(RepeatHeads(v, group).contiguous()), forward.out_bhsd, forward.logsumexp,
         forward.philox_seed, forward.philox_offset, /*attn_bias=*/at::Tensor(),
-        /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), /*max_q=*/t, /*max_k=*/t,
-        /*dropout_p=*/0.0, /*is_causal=*/true, scale);
+        /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), /*max_q=*/q.size(0),
+        /*max_k=*/k.size(0), /*dropout_p=*/0.0, causal, scale);
   } catch (const std::exception& e) {
     ReportUnavailable(e);
     throw;
   }
   auto rows = [](const at::Tensor& g) { return g.squeeze(0).transpose(0, 1); };
   return {.dq = rows(dq).contiguous(),
-          .dk = SumGroups(rows(dk), k.size(1), k).contiguous(),
-          .dv = SumGroups(rows(dv), v.size(1), v).contiguous()};
+          .dk = SumGroups(rows(dk), k.size(1), key_grad_type).contiguous(),
+          .dv = SumGroups(rows(dv), v.size(1), key_grad_type).contiguous()};
+}
+
+void CheckKeys(const char* what, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               bool same_length) {
+  TORCH_CHECK(ChainAttentionSupports(q, k), what, ": unsupported inputs q ", q.sizes(), " ",
+              q.scalar_type(), " on ", q.device(), ", k ", k.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) >= 1 && k.size(2) == q.size(2) &&
+                  k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  (!same_length || k.size(0) == q.size(0)),
+              what, ": k ", k.sizes(), " and v ", v.sizes(), " must be [", same_length ? "T" : "S",
+              ", Hkv, D] in q's dtype for q ", q.sizes());
+}
+
+}  // namespace
+
+ChainAttentionOutput ChainAttentionForward(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, double scale) {
+  CheckKeys("chain attention", q, k, v, /*same_length=*/true);
+  return CudnnForward(q, k, v, scale, /*causal=*/true);
+}
+
+TreeAttentionGrads ChainAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v,
+                                          const ChainAttentionOutput& forward, double scale) {
+  return CudnnBackward(grad_out, q, k, v, forward, scale, /*causal=*/true, k.scalar_type());
+}
+
+ChainAttentionOutput PrefixAttentionForward(const at::Tensor& q, const at::Tensor& prefix_k,
+                                            const at::Tensor& prefix_v, double scale) {
+  CheckKeys("prefix attention", q, prefix_k, prefix_v, /*same_length=*/false);
+  return CudnnForward(q, prefix_k, prefix_v, scale, /*causal=*/false);
+}
+
+TreeAttentionGrads PrefixAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
+                                           const at::Tensor& prefix_k, const at::Tensor& prefix_v,
+                                           const ChainAttentionOutput& forward, double scale) {
+  return CudnnBackward(grad_out, q, prefix_k, prefix_v, forward, scale, /*causal=*/false,
+                       at::kFloat);
+}
+
+ChainAttentionOutput WithMergedOutput(const ChainAttentionOutput& part, const at::Tensor& out,
+                                      const at::Tensor& lse) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 3 && lse.is_contiguous() &&
+                  lse.scalar_type() == at::kFloat &&
+                  lse.sizes() == at::IntArrayRef({out.size(1), out.size(0)}),
+              "WithMergedOutput: out must be a contiguous [T, Hq, D] and lse [Hq, T] float32");
+  ChainAttentionOutput merged = part;
+  merged.out = out;
+  merged.out_bhsd = Bhsd(out);
+  merged.logsumexp = lse.view({1, out.size(1), out.size(0), 1});
+  return merged;
 }
 
 }  // namespace dta::kernels

@@ -2,7 +2,9 @@
 // including its own position: a dense rollout, or the first chunk of a root-to-leaf path) through
 // cuDNN's fused attention, the kernel PyTorch's scaled_dot_product_attention (and so Hugging Face's
 // "sdpa") runs on Hopper: FlashAttention-3-class wgmma kernels, about 2.9x kernels/tree_attention's
-// on an H100 (docs/benchmarks.md). Tree masks and chunks on a prefix stay with tree attention.
+// on an H100 (docs/benchmarks.md). The same kernels also compute a chunk's attention to its whole
+// prefix (PrefixAttentionForward, no mask), which kernels/chunk_attention.h merges with the chunk's
+// own part.
 //
 // Grouped-query attention: the K/V heads are repeated to the query heads for the call and their
 // gradients summed back over each group (in float32, rounded once).
@@ -42,6 +44,10 @@ struct ChainAttentionOutput {
 
 bool ChainAttentionSupports(const at::Tensor& q, const at::Tensor& k);
 
+// Whether a cuDNN call failed in this process (and was reported): callers then redo the work with
+// tree attention.
+bool CudnnAttentionFailed();
+
 // q [T, Hq, D]; k, v [T, Hkv, D] (Hq a multiple of Hkv), on one CUDA device, one dtype.
 ChainAttentionOutput ChainAttentionForward(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, double scale);
@@ -50,6 +56,25 @@ ChainAttentionOutput ChainAttentionForward(const at::Tensor& q, const at::Tensor
 TreeAttentionGrads ChainAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
                                           const at::Tensor& k, const at::Tensor& v,
                                           const ChainAttentionOutput& forward, double scale);
+
+// Attention of every query q [T, Hq, D] to every row of prefix_k, prefix_v [P, Hkv, D] (no mask:
+// the prefix part of a chunk, kernels/chunk_attention.h), under the same conditions.
+ChainAttentionOutput PrefixAttentionForward(const at::Tensor& q, const at::Tensor& prefix_k,
+                                            const at::Tensor& prefix_v, double scale);
+
+// dq (q's dtype) and the prefix's dk, dv (float32: summed over each KV head's query heads in
+// float32 and not rounded, for the caller's float32 accumulators) given grad_out [T, Hq, D] and an
+// output and log-sum-exp
+// (`forward`, or WithMergedOutput's).
+TreeAttentionGrads PrefixAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
+                                           const at::Tensor& prefix_k, const at::Tensor& prefix_v,
+                                           const ChainAttentionOutput& forward, double scale);
+
+// `part` (a forward's output) with its output and log-sum-exp replaced by those of attention over
+// more keys (a log-sum-exp merge): out [T, Hq, D] contiguous, lse [Hq, T] float32. A backward given
+// it computes this part's share of the whole's gradients.
+ChainAttentionOutput WithMergedOutput(const ChainAttentionOutput& part, const at::Tensor& out,
+                                      const at::Tensor& lse);
 
 }  // namespace dta::kernels
 

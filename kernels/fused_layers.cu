@@ -106,10 +106,10 @@ __device__ float BlockSum(float v, float* shared) {
 }
 
 constexpr int kNormThreads = 256;
-constexpr int kNormColumnsPerThread = kFusedNormMaxRow / kNormThreads;
-// Enough row blocks to fill the GPU with rows of 2,048 to 8,192 tokens (each block's rows are a
-// serial chain of loads and block-wide sums); the partial rows cost n floats each.
-constexpr int64_t kNormBackwardBlocks = 2048;
+// The weight gradient's row blocks: each sums a contiguous run of rows for 32 columns, so that
+// the partials stay small ([blocks, n]) while the grid (n / 32 x blocks) fills the GPU.
+constexpr int64_t kNormBackwardBlocks = 128;
+constexpr int kWeightGradRowThreads = 8;
 
 // One block per row: rstd = rsqrt(mean(x^2) + eps), y = w * (x * rstd).
 __global__ void RmsNormForwardKernel(In x, In w, Out y, float* rstd, int64_t n, float eps) {
@@ -135,43 +135,49 @@ __global__ void RmsNormApplyKernel(In x, In w, const float* rstd, Out y, int64_t
   }
 }
 
-// Rows blockIdx.x, + gridDim.x, ...: dx = rstd (dn - normed mean(dn normed)), dn = dy w; each
-// thread keeps its columns' share of sum(dy normed) in registers and writes the block's partial.
-__global__ void RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, float* dx,
-                                      float* partials, int64_t rows, int64_t n) {
+// One block per row: dx = rstd (dn - normed mean(dn normed)), dn = dy w, normed = x rstd.
+__global__ void RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, float* dx, int64_t n) {
   __shared__ float shared[32];
-  float acc[kNormColumnsPerThread];
-#pragma unroll
-  for (int k = 0; k < kNormColumnsPerThread; ++k) acc[k] = 0.0f;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t base = row * n;
-    const float r = rstd[row];
-    float dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < kNormColumnsPerThread; ++k) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (c < n) {
-        const float g = Load(dy, base + c);
-        const float normed = __fmul_rn(Load(x, base + c), r);
-        dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(g, Load(w, c)), normed));
-        acc[k] = __fadd_rn(acc[k], __fmul_rn(g, normed));
-      }
-    }
-    const float mean = __fmul_rn(BlockSum(dot, shared), 1.0f / n);
-#pragma unroll
-    for (int k = 0; k < kNormColumnsPerThread; ++k) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (c < n) {
-        const float normed = __fmul_rn(Load(x, base + c), r);
-        const float dn = __fmul_rn(Load(dy, base + c), Load(w, c));
-        dx[base + c] = __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean)));
-      }
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
+  const float r = rstd[blockIdx.x];
+  float dot = 0.0f;
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    const float normed = __fmul_rn(Load(x, base + c), r);
+    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(Load(dy, base + c), Load(w, c)), normed));
+  }
+  const float mean = __fmul_rn(BlockSum(dot, shared), 1.0f / n);
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    const float normed = __fmul_rn(Load(x, base + c), r);
+    const float dn = __fmul_rn(Load(dy, base + c), Load(w, c));
+    dx[base + c] = __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean)));
+  }
+}
+
+// The weight gradient's partial sums, sum over rows of dy * normed: block (bx, by) takes columns
+// [32 bx, 32 bx + 32) (one per lane: each warp reads a row's 32 consecutive columns) and rows
+// [by rows_per_block, (by + 1) rows_per_block), its kWeightGradRowThreads warps striding over
+// them; the warps' sums are then added in warp order. A separate pass from dx's because a row's
+// kernel would need a [rows, n] buffer of per-row products, and a kernel looping rows per block
+// serialises each row's loads behind the previous row's block-wide sum (7x the memory time).
+__global__ void RmsNormWeightGradKernel(In dy, In x, const float* rstd, float* partials,
+                                        int64_t rows, int64_t n, int64_t rows_per_block) {
+  __shared__ float sums[kWeightGradRowThreads][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t last = first + rows_per_block < rows ? first + rows_per_block : rows;
+  float acc = 0.0f;
+  if (c < n) {
+    for (int64_t row = first + threadIdx.y; row < last; row += kWeightGradRowThreads) {
+      const float normed = __fmul_rn(Load(x, row * n + c), rstd[row]);
+      acc = __fadd_rn(acc, __fmul_rn(Load(dy, row * n + c), normed));
     }
   }
+  sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < n) {
 #pragma unroll
-  for (int k = 0; k < kNormColumnsPerThread; ++k) {
-    const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    if (c < n) partials[blockIdx.x * n + c] = acc[k];
+    for (int k = 1; k < kWeightGradRowThreads; ++k) acc = __fadd_rn(acc, sums[k][threadIdx.x]);
+    partials[static_cast<int64_t>(blockIdx.y) * n + c] = acc;
   }
 }
 
@@ -426,10 +432,17 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
     return;
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  RmsNormBackwardKernel<<<static_cast<int>(weight_partials.size(0)), kNormThreads, 0,
-                          at::cuda::getCurrentCUDAStream()>>>(
-      InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(),
-      weight_partials.data_ptr<float>(), x.size(0), x.size(1));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t rows = x.size(0);
+  const int64_t n = x.size(1);
+  RmsNormBackwardKernel<<<static_cast<int>(rows), kNormThreads, 0, stream>>>(
+      InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(), n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t blocks = weight_partials.size(0);
+  const dim3 grid(static_cast<unsigned>((n + 31) / 32), static_cast<unsigned>(blocks));
+  RmsNormWeightGradKernel<<<grid, dim3(32, kWeightGradRowThreads), 0, stream>>>(
+      InOf(dy), InOf(x), rstd.data_ptr<float>(), weight_partials.data_ptr<float>(), rows, n,
+      (rows + blocks - 1) / blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

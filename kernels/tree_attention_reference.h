@@ -27,6 +27,20 @@ TreeAttentionGrads ReferenceTreeAttentionBackward(
     const at::Tensor& out, const at::Tensor& lse, double scale, at::Tensor& grad_prefix_k,
     at::Tensor& grad_prefix_v);
 
+// Attention of every query to every row of a prefix, without a mask (the prefix part of a chunk,
+// kernels/chunk_attention.h): q [T, Hq, D], prefix_k and prefix_v [P >= 1, Hkv, D].
+TreeAttentionOutput ReferencePrefixAttentionForward(const at::Tensor& q, const at::Tensor& prefix_k,
+                                                    const at::Tensor& prefix_v, double scale);
+
+// Its gradients against an output and log-sum-exp that may be those of attention over more keys
+// (the merged ones): returns dq (q's dtype) and ADDS the prefix's dK, dV into grad_prefix_k/v when
+// they are defined.
+at::Tensor ReferencePrefixAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
+                                            const at::Tensor& prefix_k, const at::Tensor& prefix_v,
+                                            const at::Tensor& out, const at::Tensor& lse,
+                                            double scale, const at::Tensor& grad_prefix_k,
+                                            const at::Tensor& grad_prefix_v);
+
 }  // namespace dta::kernels
 
 #endif  // DTA_KERNELS_TREE_ATTENTION_REFERENCE_H_

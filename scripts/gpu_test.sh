@@ -21,7 +21,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 # The GPU suites first, verbosely (their agreement tables are the record), then everything.
 status=0
-for t in tree_attention_test fused_layers_test chain_attention_test gpu_equivalence_test; do
+for t in tree_attention_test fused_layers_test chain_attention_test chunk_attention_test gpu_equivalence_test; do
   build-device/tests/$t >"$logs/$t.log" 2>&1 || status=1
   grep -E "^\[  |^(float|bfloat)|Failure" "$logs/$t.log" || true
 done

@@ -56,6 +56,7 @@ std::string FirstDifference(const Qwen3Config& model, const Qwen3Config& loaded)
     return out.str();
   };
   for (std::string differs : {
+           field("model_type", model.model_type, loaded.model_type),
            field("vocab_size", model.vocab_size, loaded.vocab_size),
            field("hidden_size", model.hidden_size, loaded.hidden_size),
            field("intermediate_size", model.intermediate_size, loaded.intermediate_size),
@@ -65,6 +66,9 @@ std::string FirstDifference(const Qwen3Config& model, const Qwen3Config& loaded)
            field("head_dim", model.head_dim, loaded.head_dim),
            field("rms_norm_eps", model.rms_norm_eps, loaded.rms_norm_eps),
            field("rope_theta", model.rope_theta, loaded.rope_theta),
+           field("rope_scaling", RopeScalingToJson(model.rope_scaling),
+                 RopeScalingToJson(loaded.rope_scaling)),
+           field("attention_bias", model.attention_bias, loaded.attention_bias),
            field("tie_word_embeddings", model.tie_word_embeddings, loaded.tie_word_embeddings),
            field("max_position_embeddings", model.max_position_embeddings,
                  loaded.max_position_embeddings),

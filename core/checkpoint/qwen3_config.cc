@@ -37,79 +37,225 @@ const Json* Lookup(const Json& object, const char* field) {
   return it == object.end() || it->is_null() ? nullptr : &*it;
 }
 
-absl::Status ReadInt(const Json& object, const char* field, bool required, int64_t* out) {
-  const Json* value = Lookup(object, field);
-  if (value == nullptr) return required ? FieldError(field, "missing") : absl::OkStatus();
-  if (value->is_number_unsigned()) {
-    if (value->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return FieldError(field, absl::StrCat(value->dump(), " is too large"));
+// Typed reads of one JSON object's fields; errors name the field as prefix + key (the prefix names
+// a nested object, e.g. "rope_scaling.").
+class Fields {
+ public:
+  explicit Fields(const Json& object, std::string prefix = "")
+      : object_(object), prefix_(std::move(prefix)) {}
+
+  const Json* Find(const char* key) const { return Lookup(object_, key); }
+  std::string Name(const char* key) const { return prefix_ + key; }
+  absl::Status Error(const char* key, std::string_view what) const {
+    return FieldError(Name(key), what);
+  }
+
+  absl::Status Int(const char* key, bool required, int64_t* out) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return required ? Error(key, "missing") : absl::OkStatus();
+    if (value->is_number_unsigned()) {
+      if (value->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Error(key, absl::StrCat(value->dump(), " is too large"));
+      }
+      *out = static_cast<int64_t>(value->get<uint64_t>());
+    } else if (value->is_number_integer()) {
+      *out = value->get<int64_t>();
+    } else {
+      return Error(key, absl::StrCat("must be an integer, not ", value->dump()));
     }
-    *out = static_cast<int64_t>(value->get<uint64_t>());
-  } else if (value->is_number_integer()) {
-    *out = value->get<int64_t>();
-  } else {
-    return FieldError(field, absl::StrCat("must be an integer, not ", value->dump()));
+    return absl::OkStatus();
+  }
+
+  absl::Status Double(const char* key, bool required, double* out) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return required ? Error(key, "missing") : absl::OkStatus();
+    if (!value->is_number())
+      return Error(key, absl::StrCat("must be a number, not ", value->dump()));
+    *out = value->get<double>();
+    return absl::OkStatus();
+  }
+
+  absl::Status OptionalDouble(const char* key, std::optional<double>* out) const {
+    if (Find(key) == nullptr) return absl::OkStatus();
+    double value = 0;
+    RETURN_IF_ERROR(Double(key, false, &value));
+    *out = value;
+    return absl::OkStatus();
+  }
+
+  absl::Status Bool(const char* key, bool* out) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return absl::OkStatus();
+    if (!value->is_boolean())
+      return Error(key, absl::StrCat("must be true or false, not ", value->dump()));
+    *out = value->get<bool>();
+    return absl::OkStatus();
+  }
+
+  absl::Status String(const char* key, std::string* out) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return absl::OkStatus();
+    if (!value->is_string())
+      return Error(key, absl::StrCat("must be a string, not ", value->dump()));
+    *out = value->get<std::string>();
+    return absl::OkStatus();
+  }
+
+ private:
+  const Json& object_;
+  std::string prefix_;
+};
+
+constexpr std::pair<RopeType, const char*> kRopeTypes[] = {
+    {RopeType::kDefault, "default"},
+    {RopeType::kLinear, "linear"},
+    {RopeType::kLlama3, "llama3"},
+    {RopeType::kYarn, "yarn"},
+};
+
+bool UsesOriginalContext(RopeType type) {
+  return type == RopeType::kLlama3 || type == RopeType::kYarn;
+}
+
+// The rope as transformers 5 reads it (PreTrainedConfig.convert_rope_params_to_dict and
+// standardize_rope_params): rope_scaling when it is a non-empty object, else rope_parameters.
+// `config` already holds the top-level fields (rope_theta, max_position_embeddings).
+absl::Status ParseRope(const Json& json, Qwen3Config& config) {
+  const Fields top(json);
+  const char* field = nullptr;
+  const Json* rope = nullptr;
+  for (const char* name : {"rope_scaling", "rope_parameters"}) {
+    const Json* value = Lookup(json, name);
+    if (value == nullptr) continue;
+    if (!value->is_object())
+      return FieldError(name, absl::StrCat("must be an object or null, not ", value->dump()));
+    if (value->empty()) continue;
+    field = name;
+    rope = value;
+    break;
+  }
+  // partial_rotary_factor: top-level (moved into the rope object by transformers) or in it.
+  for (const Json* object : {&json, rope}) {
+    if (object == nullptr) continue;
+    const Fields fields(*object, object == &json ? "" : absl::StrCat(field, "."));
+    double partial = 1.0;
+    RETURN_IF_ERROR(fields.Double("partial_rotary_factor", false, &partial));
+    if (partial != 1.0) {
+      return Unsupported(fields.Name("partial_rotary_factor"),
+                         absl::StrCat(partial, " is not supported (only 1: RoPE on whole heads)"));
+    }
+  }
+  config.rope_scaling = RopeScaling();
+  if (rope == nullptr) return absl::OkStatus();
+
+  const Fields fields(*rope, absl::StrCat(field, "."));
+  std::string type = "default";
+  for (const char* key : {"type", "rope_type"}) RETURN_IF_ERROR(fields.String(key, &type));
+  RETURN_IF_ERROR(fields.Double("rope_theta", false, &config.rope_theta));
+  RopeScaling& scaling = config.rope_scaling;
+  bool known = false;
+  for (const auto& [value, name] : kRopeTypes) {
+    if (type == name) {
+      scaling.type = value;
+      known = true;
+    }
+  }
+  if (!known) {
+    return Unsupported(field, absl::StrCat("rope type '", type,
+                                           "' is not supported (only default, linear, llama3, "
+                                           "yarn)"));
+  }
+  if (UsesOriginalContext(scaling.type)) {
+    // transformers gives a top-level original_max_position_embeddings priority (Phi-3's), then
+    // the rope object's, then max_position_embeddings.
+    scaling.original_max_position_embeddings = config.max_position_embeddings;
+    RETURN_IF_ERROR(fields.Int("original_max_position_embeddings", false,
+                               &scaling.original_max_position_embeddings));
+    RETURN_IF_ERROR(top.Int("original_max_position_embeddings", false,
+                            &scaling.original_max_position_embeddings));
+  }
+  switch (scaling.type) {
+    case RopeType::kDefault:
+      break;
+    case RopeType::kLinear:
+      RETURN_IF_ERROR(fields.Double("factor", true, &scaling.factor));
+      break;
+    case RopeType::kLlama3:
+      RETURN_IF_ERROR(fields.Double("factor", true, &scaling.factor));
+      RETURN_IF_ERROR(fields.Double("low_freq_factor", true, &scaling.low_freq_factor));
+      RETURN_IF_ERROR(fields.Double("high_freq_factor", true, &scaling.high_freq_factor));
+      break;
+    case RopeType::kYarn: {
+      // An explicit null factor is the ratio of the context lengths; an absent one is missing.
+      if (!rope->contains("factor")) return fields.Error("factor", "missing");
+      if (fields.Find("factor") == nullptr) {
+        if (scaling.original_max_position_embeddings <= 0) {
+          return fields.Error("original_max_position_embeddings", "must be positive");
+        }
+        scaling.factor = static_cast<double>(config.max_position_embeddings) /
+                         static_cast<double>(scaling.original_max_position_embeddings);
+      } else {
+        RETURN_IF_ERROR(fields.Double("factor", true, &scaling.factor));
+      }
+      RETURN_IF_ERROR(fields.OptionalDouble("attention_factor", &scaling.attention_factor));
+      RETURN_IF_ERROR(fields.OptionalDouble("mscale", &scaling.mscale));
+      RETURN_IF_ERROR(fields.OptionalDouble("mscale_all_dim", &scaling.mscale_all_dim));
+      // transformers: `rope_parameters.get("beta_fast") or 32`, so 0 means the default too.
+      RETURN_IF_ERROR(fields.Double("beta_fast", false, &scaling.beta_fast));
+      RETURN_IF_ERROR(fields.Double("beta_slow", false, &scaling.beta_slow));
+      if (scaling.beta_fast == 0) scaling.beta_fast = 32.0;
+      if (scaling.beta_slow == 0) scaling.beta_slow = 1.0;
+      RETURN_IF_ERROR(fields.Bool("truncate", &scaling.truncate));
+      break;
+    }
   }
   return absl::OkStatus();
 }
 
-absl::Status ReadDouble(const Json& object, const char* field, double* out) {
-  const Json* value = Lookup(object, field);
-  if (value == nullptr) return absl::OkStatus();
-  if (!value->is_number())
-    return FieldError(field, absl::StrCat("must be a number, not ", value->dump()));
-  *out = value->get<double>();
-  return absl::OkStatus();
-}
-
-absl::Status ReadBool(const Json& object, const char* field, bool* out) {
-  const Json* value = Lookup(object, field);
-  if (value == nullptr) return absl::OkStatus();
-  if (!value->is_boolean())
-    return FieldError(field, absl::StrCat("must be true or false, not ", value->dump()));
-  *out = value->get<bool>();
-  return absl::OkStatus();
-}
-
-absl::Status ReadString(const Json& object, const char* field, std::string* out) {
-  const Json* value = Lookup(object, field);
-  if (value == nullptr) return absl::OkStatus();
-  if (!value->is_string())
-    return FieldError(field, absl::StrCat("must be a string, not ", value->dump()));
-  *out = value->get<std::string>();
-  return absl::OkStatus();
-}
-
-// rope_type (or the older key "type") of a rope_scaling / rope_parameters object; "default" when
-// neither is present.
-absl::StatusOr<std::string> RopeType(const char* field, const Json& rope) {
-  if (!rope.is_object())
-    return FieldError(field, absl::StrCat("must be an object or null, not ", rope.dump()));
-  for (const char* key : {"rope_type", "type"}) {
-    if (const Json* type = Lookup(rope, key); type != nullptr) {
-      if (!type->is_string())
-        return FieldError(field, absl::StrCat("'", key, "' must be a string"));
-      return type->get<std::string>();
+// Sliding-window attention: refused unless every layer is full attention.
+absl::Status CheckNoSlidingWindow(const Json& json, int64_t layers) {
+  const Fields top(json);
+  bool sliding = false;
+  RETURN_IF_ERROR(top.Bool("use_sliding_window", &sliding));
+  if (sliding)
+    return Unsupported("use_sliding_window", "sliding-window attention is not supported");
+  if (const Json* layer_types = Lookup(json, "layer_types"); layer_types != nullptr) {
+    if (!layer_types->is_array()) return FieldError("layer_types", "must be an array");
+    if (static_cast<int64_t>(layer_types->size()) != layers) {
+      return FieldError("layer_types",
+                        absl::StrCat(layer_types->size(), " entries for ", layers, " layers"));
+    }
+    for (size_t i = 0; i < layer_types->size(); ++i) {
+      if ((*layer_types)[i] != "full_attention") {
+        return Unsupported("layer_types",
+                           absl::StrCat("layer ", i, " is ", (*layer_types)[i].dump(),
+                                        ": only 'full_attention' is supported"));
+      }
     }
   }
-  return std::string("default");
+  return absl::OkStatus();
 }
 
 absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   if (!json.is_object()) return absl::InvalidArgumentError("a config must be a JSON object");
+  const Fields top(json);
 
   std::string model_type = "qwen3";
-  RETURN_IF_ERROR(ReadString(json, "model_type", &model_type));
-  if (model_type != "qwen3") {
-    return Unsupported(
-        "model_type", absl::StrCat("'", model_type, "' is not supported: only Qwen3 ('qwen3') is"));
+  RETURN_IF_ERROR(top.String("model_type", &model_type));
+  const ModelFamily* family = FindModelFamily(model_type);
+  if (family == nullptr) {
+    return Unsupported("model_type",
+                       absl::StrCat("'", model_type, "' is not supported (supported: ",
+                                    absl::StrJoin(ModelFamilyTypes(), ", "), ")"));
   }
 
-  // transformers' Qwen3Config defaults for what is absent.
+  // The family's transformers defaults for what is absent.
   config = Qwen3Config();
-  config.head_dim = 128;
+  config.model_type = std::string(family->model_type);
+  config.vocab_size = family->default_vocab_size;
+  config.head_dim = family->default_head_dim;
   config.rope_theta = 10000.0;
-  config.max_position_embeddings = 32768;
+  config.max_position_embeddings = family->default_max_position_embeddings;
   config.tie_word_embeddings = false;
   config.torch_dtype = "float32";
   struct IntField {
@@ -128,94 +274,196 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
       {"max_position_embeddings", &config.max_position_embeddings, false},
   };
   for (const IntField& field : ints) {
-    RETURN_IF_ERROR(ReadInt(json, field.name, field.required, field.value));
+    RETURN_IF_ERROR(top.Int(field.name, field.required, field.value));
   }
-  if (Lookup(json, "num_key_value_heads") == nullptr) {
+  if (top.Find("num_key_value_heads") == nullptr) {
     config.num_key_value_heads = config.num_attention_heads;
   }
-  RETURN_IF_ERROR(ReadDouble(json, "rms_norm_eps", &config.rms_norm_eps));
-  RETURN_IF_ERROR(ReadDouble(json, "rope_theta", &config.rope_theta));
-  if (absl::Status s = ReadBool(json, "tie_word_embeddings", &config.tie_word_embeddings);
-      !s.ok()) {
-    return s;
+  if (top.Find("head_dim") == nullptr && family->default_head_dim == 0 &&
+      config.num_attention_heads > 0) {
+    config.head_dim = config.hidden_size / config.num_attention_heads;
   }
-  RETURN_IF_ERROR(ReadBool(json, "attention_bias", &config.attention_bias));
+  RETURN_IF_ERROR(top.Double("rms_norm_eps", false, &config.rms_norm_eps));
+  RETURN_IF_ERROR(top.Double("rope_theta", false, &config.rope_theta));
+  RETURN_IF_ERROR(top.Bool("tie_word_embeddings", &config.tie_word_embeddings));
+  switch (family->attention_bias) {
+    case AttentionBiasRule::kNone:
+    case AttentionBiasRule::kFromConfig:
+      RETURN_IF_ERROR(top.Bool("attention_bias", &config.attention_bias));
+      break;
+    case AttentionBiasRule::kQkvAlways:  // transformers does not read the field
+      config.attention_bias = true;
+      break;
+  }
+  if (family->mlp_bias_field) {
+    bool mlp_bias = false;
+    RETURN_IF_ERROR(top.Bool("mlp_bias", &mlp_bias));
+    if (mlp_bias) return Unsupported("mlp_bias", "biases in the MLP are not supported");
+  }
   // Newer transformers write "dtype"; older ones "torch_dtype".
-  RETURN_IF_ERROR(ReadString(json, "torch_dtype", &config.torch_dtype));
-  RETURN_IF_ERROR(ReadString(json, "dtype", &config.torch_dtype));
-
-  // Rope: rope_scaling (older transformers) must be absent, null or the plain default rope;
-  // rope_parameters (newer ones) carries rope_theta.
-  if (const Json* scaling = Lookup(json, "rope_scaling"); scaling != nullptr) {
-    absl::StatusOr<std::string> type = RopeType("rope_scaling", *scaling);
-    if (!type.ok()) return type.status();
-    if (*type != "default") {
-      return Unsupported("rope_scaling",
-                         absl::StrCat("rope scaling is not supported (got ", scaling->dump(), ")"));
-    }
-  }
-  if (const Json* parameters = Lookup(json, "rope_parameters"); parameters != nullptr) {
-    absl::StatusOr<std::string> type = RopeType("rope_parameters", *parameters);
-    if (!type.ok()) return type.status();
-    if (*type != "default") {
-      return Unsupported("rope_parameters",
-                         absl::StrCat("rope type '", *type, "' is not supported (only 'default')"));
-    }
-    if (const Json* theta = Lookup(*parameters, "rope_theta"); theta != nullptr) {
-      if (!theta->is_number())
-        return FieldError("rope_parameters", "'rope_theta' must be a number");
-      config.rope_theta = theta->get<double>();
-    }
-  }
-
-  bool sliding = false;
-  RETURN_IF_ERROR(ReadBool(json, "use_sliding_window", &sliding));
-  if (sliding)
-    return Unsupported("use_sliding_window", "sliding-window attention is not supported");
-  if (const Json* layer_types = Lookup(json, "layer_types"); layer_types != nullptr) {
-    if (!layer_types->is_array()) return FieldError("layer_types", "must be an array");
-    if (static_cast<int64_t>(layer_types->size()) != config.num_hidden_layers) {
-      return FieldError("layer_types", absl::StrCat(layer_types->size(), " entries for ",
-                                                    config.num_hidden_layers, " layers"));
-    }
-    for (size_t i = 0; i < layer_types->size(); ++i) {
-      if ((*layer_types)[i] != "full_attention") {
-        return Unsupported("layer_types",
-                           absl::StrCat("layer ", i, " is ", (*layer_types)[i].dump(),
-                                        ": only 'full_attention' is supported"));
-      }
-    }
+  RETURN_IF_ERROR(top.String("torch_dtype", &config.torch_dtype));
+  RETURN_IF_ERROR(top.String("dtype", &config.torch_dtype));
+  RETURN_IF_ERROR(ParseRope(json, config));
+  if (family->sliding_window_fields) {
+    RETURN_IF_ERROR(CheckNoSlidingWindow(json, config.num_hidden_layers));
   }
 
   std::string hidden_act = "silu";
-  RETURN_IF_ERROR(ReadString(json, "hidden_act", &hidden_act));
+  RETURN_IF_ERROR(top.String("hidden_act", &hidden_act));
   if (hidden_act != "silu") {
     return Unsupported("hidden_act",
                        absl::StrCat("'", hidden_act, "' is not supported (only 'silu')"));
   }
   double dropout = 0.0;
-  RETURN_IF_ERROR(ReadDouble(json, "attention_dropout", &dropout));
+  RETURN_IF_ERROR(top.Double("attention_dropout", false, &dropout));
   if (dropout != 0.0) {
     return Unsupported("attention_dropout", absl::StrCat(dropout, " is not supported (only 0)"));
   }
   return ValidateQwen3Config(config);
 }
 
+// The rope object of config.json (rope_scaling; rope_parameters adds rope_theta), or null for the
+// default rope.
+Json RopeJson(const RopeScaling& rope) {
+  if (rope.type == RopeType::kDefault) return nullptr;
+  Json json = {{"rope_type", std::string(RopeTypeName(rope.type))}, {"factor", rope.factor}};
+  if (UsesOriginalContext(rope.type)) {
+    json["original_max_position_embeddings"] = rope.original_max_position_embeddings;
+  }
+  if (rope.type == RopeType::kLlama3) {
+    json["low_freq_factor"] = rope.low_freq_factor;
+    json["high_freq_factor"] = rope.high_freq_factor;
+  }
+  if (rope.type == RopeType::kYarn) {
+    // Only where they differ from transformers' defaults, which an absent field means.
+    if (rope.beta_fast != 32.0) json["beta_fast"] = rope.beta_fast;
+    if (rope.beta_slow != 1.0) json["beta_slow"] = rope.beta_slow;
+    if (rope.attention_factor) json["attention_factor"] = *rope.attention_factor;
+    if (rope.mscale) json["mscale"] = *rope.mscale;
+    if (rope.mscale_all_dim) json["mscale_all_dim"] = *rope.mscale_all_dim;
+    if (!rope.truncate) json["truncate"] = false;
+  }
+  return json;
+}
+
+absl::Status CheckPositiveFinite(const char* field, double value) {
+  if (!(value > 0) || !std::isfinite(value)) {
+    return FieldError(field, absl::StrCat(value, " is not positive and finite"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRope(const RopeScaling& rope) {
+  if (rope.type == RopeType::kDefault) return absl::OkStatus();
+  RETURN_IF_ERROR(CheckPositiveFinite("rope_scaling.factor", rope.factor));
+  if (UsesOriginalContext(rope.type) && rope.original_max_position_embeddings <= 0) {
+    return FieldError("rope_scaling.original_max_position_embeddings",
+                      absl::StrCat(rope.original_max_position_embeddings, " is not positive"));
+  }
+  if (rope.type == RopeType::kLlama3) {
+    RETURN_IF_ERROR(CheckPositiveFinite("rope_scaling.low_freq_factor", rope.low_freq_factor));
+    if (!(rope.high_freq_factor > rope.low_freq_factor) || !std::isfinite(rope.high_freq_factor)) {
+      return FieldError(
+          "rope_scaling.high_freq_factor",
+          absl::StrCat(rope.high_freq_factor, " must be finite and greater than low_freq_factor = ",
+                       rope.low_freq_factor));
+    }
+  }
+  if (rope.type == RopeType::kYarn) {
+    RETURN_IF_ERROR(CheckPositiveFinite("rope_scaling.beta_fast", rope.beta_fast));
+    RETURN_IF_ERROR(CheckPositiveFinite("rope_scaling.beta_slow", rope.beta_slow));
+    if (rope.attention_factor) {
+      RETURN_IF_ERROR(CheckPositiveFinite("rope_scaling.attention_factor", *rope.attention_factor));
+    }
+    for (const auto& [name, value] :
+         {std::pair{"rope_scaling.mscale", rope.mscale},
+          std::pair{"rope_scaling.mscale_all_dim", rope.mscale_all_dim}}) {
+      if (value && !std::isfinite(*value)) {
+        return FieldError(name, absl::StrCat(*value, " is not finite"));
+      }
+    }
+    RETURN_IF_ERROR(CheckPositiveFinite("rope attention factor", RopeAttentionFactor(rope)));
+  }
+  return absl::OkStatus();
+}
+
 struct Preset {
   const char* name;
-  int64_t hidden, intermediate, layers, heads, kv_heads;
+  const char* model_type;
+  int64_t vocab, hidden, intermediate, layers, heads, kv_heads, head_dim;
   bool tie;
+  double rope_theta, rms_norm_eps;
+  int64_t max_position_embeddings;
+  RopeScaling rope;
 };
 
-constexpr Preset kPresets[] = {
-    {"qwen3-0.6b", 1024, 3072, 28, 16, 8, true},  {"qwen3-1.7b", 2048, 6144, 28, 16, 8, true},
-    {"qwen3-4b", 2560, 9728, 36, 32, 8, true},    {"qwen3-8b", 4096, 12288, 36, 32, 8, false},
-    {"qwen3-14b", 5120, 17408, 40, 40, 8, false}, {"qwen3-32b", 5120, 25600, 64, 64, 8, false},
+// Llama 3.1's rope scaling with the given factor (Llama 3.2 uses 32).
+constexpr RopeScaling Llama3Rope(double factor) {
+  return {.type = RopeType::kLlama3,
+          .factor = factor,
+          .original_max_position_embeddings = 8192,
+          .low_freq_factor = 1.0,
+          .high_freq_factor = 4.0};
+}
+
+// As in the models' config.json on the Hugging Face Hub.
+const Preset kPresets[] = {
+    {"qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 128, true, 1e6, 1e-6, 40960, {}},
+    {"qwen3-1.7b", "qwen3", 151936, 2048, 6144, 28, 16, 8, 128, true, 1e6, 1e-6, 40960, {}},
+    {"qwen3-4b", "qwen3", 151936, 2560, 9728, 36, 32, 8, 128, true, 1e6, 1e-6, 40960, {}},
+    {"qwen3-8b", "qwen3", 151936, 4096, 12288, 36, 32, 8, 128, false, 1e6, 1e-6, 40960, {}},
+    {"qwen3-14b", "qwen3", 151936, 5120, 17408, 40, 40, 8, 128, false, 1e6, 1e-6, 40960, {}},
+    {"qwen3-32b", "qwen3", 151936, 5120, 25600, 64, 64, 8, 128, false, 1e6, 1e-6, 40960, {}},
+    // Qwen/Qwen2.5-1.5B-Instruct.
+    {"qwen2.5-1.5b", "qwen2", 151936, 1536, 8960, 28, 12, 2, 128, true, 1e6, 1e-6, 32768, {}},
+    {"llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 64, true, 500000.0, 1e-5, 131072,
+     Llama3Rope(32.0)},
+    {"llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 128, false, 500000.0, 1e-5, 131072,
+     Llama3Rope(8.0)},
 };
 
 }  // namespace
 
+std::string_view RopeTypeName(RopeType type) {
+  for (const auto& [value, name] : kRopeTypes) {
+    if (value == type) return name;
+  }
+  return "unknown";
+}
+
+double RopeAttentionFactor(const RopeScaling& rope) {
+  if (rope.type != RopeType::kYarn) return 1.0;
+  if (rope.attention_factor) return *rope.attention_factor;
+  // transformers' get_mscale, and its truthiness test of mscale and mscale_all_dim.
+  auto mscale = [&](double m) {
+    return rope.factor <= 1 ? 1.0 : 0.1 * m * std::log(rope.factor) + 1.0;
+  };
+  if (rope.mscale.value_or(0) != 0 && rope.mscale_all_dim.value_or(0) != 0) {
+    return mscale(*rope.mscale) / mscale(*rope.mscale_all_dim);
+  }
+  return mscale(1.0);
+}
+
+std::string RopeScalingToJson(const RopeScaling& rope) { return RopeJson(rope).dump(); }
+
+bool HasQkNorm(const Qwen3Config& config) {
+  const ModelFamily* family = FindModelFamily(config.model_type);
+  return family == nullptr || family->qk_norm;
+}
+
+bool HasOProjBias(const Qwen3Config& config) {
+  const ModelFamily* family = FindModelFamily(config.model_type);
+  return family != nullptr && family->attention_bias == AttentionBiasRule::kFromConfig &&
+         config.attention_bias;
+}
+
 absl::Status ValidateQwen3Config(const Qwen3Config& config) {
+  const ModelFamily* family = FindModelFamily(config.model_type);
+  if (family == nullptr) {
+    return Unsupported("model_type",
+                       absl::StrCat("'", config.model_type, "' is not supported (supported: ",
+                                    absl::StrJoin(ModelFamilyTypes(), ", "), ")"));
+  }
   const std::pair<const char*, int64_t> sizes[] = {
       {"vocab_size", config.vocab_size},
       {"hidden_size", config.hidden_size},
@@ -234,21 +482,40 @@ absl::Status ValidateQwen3Config(const Qwen3Config& config) {
                                                           " does not divide num_attention_heads = ",
                                                           config.num_attention_heads));
   }
+  if (family->hidden_divisible_by_heads && config.hidden_size % config.num_attention_heads != 0) {
+    return FieldError("hidden_size", absl::StrCat(config.hidden_size,
+                                                  " is not a multiple of num_attention_heads = ",
+                                                  config.num_attention_heads, " (transformers' ",
+                                                  AsAbsl(family->name), " refuses it)"));
+  }
   if (!(config.rms_norm_eps > 0) || !std::isfinite(config.rms_norm_eps)) {
     return FieldError("rms_norm_eps",
                       absl::StrCat(config.rms_norm_eps, " is not positive and finite"));
   }
-  if (!(config.rope_theta > 0) || !std::isfinite(config.rope_theta)) {
-    return FieldError("rope_theta", absl::StrCat(config.rope_theta, " is not positive and finite"));
-  }
+  RETURN_IF_ERROR(CheckPositiveFinite("rope_theta", config.rope_theta));
+  RETURN_IF_ERROR(ValidateRope(config.rope_scaling));
   const std::string& dtype = config.torch_dtype;
   if (dtype != "bfloat16" && dtype != "float16" && dtype != "float32" && dtype != "float64") {
     return FieldError(
         "torch_dtype",
         absl::StrCat("'", dtype, "' is not one of bfloat16, float16, float32, float64"));
   }
-  if (config.attention_bias) {
-    return Unsupported("attention_bias", "attention biases are not supported (Qwen3 has none)");
+  switch (family->attention_bias) {
+    case AttentionBiasRule::kNone:
+      if (config.attention_bias) {
+        return Unsupported("attention_bias",
+                           absl::StrCat("attention biases are not supported for ",
+                                        AsAbsl(family->name), " (its models have none)"));
+      }
+      break;
+    case AttentionBiasRule::kQkvAlways:
+      if (!config.attention_bias) {
+        return FieldError("attention_bias", absl::StrCat("must be true: ", AsAbsl(family->name),
+                                                         " always has q/k/v biases"));
+      }
+      break;
+    case AttentionBiasRule::kFromConfig:
+      break;
   }
   return absl::OkStatus();
 }
@@ -294,9 +561,11 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path) {
 }
 
 std::string Qwen3ConfigToJson(const Qwen3Config& config) {
-  const Json json = {
-      {"architectures", {"Qwen3ForCausalLM"}},
-      {"attention_bias", config.attention_bias},
+  const ModelFamily* family = FindModelFamily(config.model_type);
+  // An unknown model_type (which validation refuses) is written with Qwen3's fields.
+  const ModelFamily& f = family != nullptr ? *family : *FindModelFamily("qwen3");
+  Json json = {
+      {"architectures", {std::string(f.architecture)}},
       {"attention_dropout", 0.0},
       {"head_dim", config.head_dim},
       {"hidden_act", "silu"},
@@ -304,21 +573,30 @@ std::string Qwen3ConfigToJson(const Qwen3Config& config) {
       {"initializer_range", 0.02},
       {"intermediate_size", config.intermediate_size},
       {"max_position_embeddings", config.max_position_embeddings},
-      {"max_window_layers", config.num_hidden_layers},
-      {"model_type", "qwen3"},
+      {"model_type", config.model_type},
       {"num_attention_heads", config.num_attention_heads},
       {"num_hidden_layers", config.num_hidden_layers},
       {"num_key_value_heads", config.num_key_value_heads},
       {"rms_norm_eps", config.rms_norm_eps},
-      {"rope_scaling", nullptr},
+      {"rope_scaling", RopeJson(config.rope_scaling)},
       {"rope_theta", config.rope_theta},
-      {"sliding_window", nullptr},
       {"tie_word_embeddings", config.tie_word_embeddings},
       {"torch_dtype", config.torch_dtype},
       {"use_cache", true},
-      {"use_sliding_window", false},
       {"vocab_size", config.vocab_size},
   };
+  if (f.attention_bias != AttentionBiasRule::kQkvAlways) {
+    json["attention_bias"] = config.attention_bias;
+  }
+  if (f.sliding_window_fields) {
+    json["max_window_layers"] = config.num_hidden_layers;
+    json["sliding_window"] = nullptr;
+    json["use_sliding_window"] = false;
+  }
+  if (f.mlp_bias_field) {
+    json["mlp_bias"] = false;
+    json["pretraining_tp"] = 1;
+  }
   return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
@@ -340,11 +618,21 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
     }
     const Json ours = Json::parse(text);
     for (const auto& [key, value] : ours.items()) merged[key] = value;
-    // The newer spellings of two fields this struct models, if the base uses them.
+    // The newer spellings of fields this struct models, if the base uses them.
     if (merged.contains("dtype")) merged["dtype"] = config.torch_dtype;
-    if (Json* rope = merged.contains("rope_parameters") ? &merged["rope_parameters"] : nullptr;
-        rope != nullptr && rope->is_object()) {
-      (*rope)["rope_theta"] = config.rope_theta;
+    if (merged.contains("rope_parameters") && merged["rope_parameters"].is_object()) {
+      Json rope = RopeJson(config.rope_scaling);
+      if (rope.is_null()) rope = {{"rope_type", "default"}};
+      rope["rope_theta"] = config.rope_theta;
+      merged["rope_parameters"] = rope;
+    }
+    if (merged.contains("original_max_position_embeddings")) {  // read before the rope's own
+      if (UsesOriginalContext(config.rope_scaling.type)) {
+        merged["original_max_position_embeddings"] =
+            config.rope_scaling.original_max_position_embeddings;
+      } else {
+        merged.erase("original_max_position_embeddings");
+      }
     }
     std::string merged_text = merged.dump(2) + "\n";
     // Kept only if it still says exactly this config (else the base disagrees in a way the struct
@@ -360,26 +648,29 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
 absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name) {
   const std::string lower = absl::AsciiStrToLower(AsAbsl(name));
   absl::string_view key = lower;
-  absl::ConsumePrefix(&key, "qwen/");
+  if (!absl::ConsumePrefix(&key, "qwen/")) absl::ConsumePrefix(&key, "meta-llama/");
   for (const Preset& preset : kPresets) {
     if (key != preset.name) continue;
     Qwen3Config config;
-    config.vocab_size = 151936;
+    config.model_type = preset.model_type;
+    config.vocab_size = preset.vocab;
     config.hidden_size = preset.hidden;
     config.intermediate_size = preset.intermediate;
     config.num_hidden_layers = preset.layers;
     config.num_attention_heads = preset.heads;
     config.num_key_value_heads = preset.kv_heads;
-    config.head_dim = 128;
-    config.rms_norm_eps = 1e-6;
-    config.rope_theta = 1000000.0;
+    config.head_dim = preset.head_dim;
+    config.rms_norm_eps = preset.rms_norm_eps;
+    config.rope_theta = preset.rope_theta;
+    config.rope_scaling = preset.rope;
     config.tie_word_embeddings = preset.tie;
-    config.max_position_embeddings = 40960;
+    config.max_position_embeddings = preset.max_position_embeddings;
     config.torch_dtype = "bfloat16";
-    config.attention_bias = false;
+    config.attention_bias =
+        FindModelFamily(preset.model_type)->attention_bias == AttentionBiasRule::kQkvAlways;
     return config;
   }
-  return absl::NotFoundError(absl::StrCat("unknown Qwen3 preset '", AsAbsl(name), "' (known: ",
+  return absl::NotFoundError(absl::StrCat("unknown preset '", AsAbsl(name), "' (known: ",
                                           absl::StrJoin(Qwen3ConfigPresetNames(), ", "), ")"));
 }
 

@@ -1,23 +1,74 @@
-// The Qwen3 model configuration, read from and written to Hugging Face's config.json.
+// The decoder's configuration, read from and written to Hugging Face's config.json. The struct
+// keeps its first family's name, Qwen3Config, but describes every family of
+// core/checkpoint/model_family.h: Qwen3 ("qwen3"), Qwen2/Qwen2.5 ("qwen2") and Llama 3 ("llama"),
+// told apart by model_type.
 //
-// Only the dense Qwen3 architecture is supported: no rope scaling, no sliding-window attention,
-// no attention biases, SiLU activations, no attention dropout. A config.json asking for any of
-// these is refused with UNIMPLEMENTED rather than silently loaded into a model that would compute
-// something else. Fields this struct does not model (bos_token_id, transformers_version,
+// Supported beyond the families' dense architecture: rope scaling of types "linear", "llama3" and
+// "yarn" (transformers' rope_init_fn of each, modeling_rope_utils.py), attention biases where the
+// family has them. A config.json asking for anything else (another model_type, rope types
+// "dynamic", "longrope" and others, partial_rotary_factor other than 1, sliding-window attention,
+// mlp_bias true, a hidden_act other than silu, attention dropout, Qwen3 with attention biases) is
+// refused with UNIMPLEMENTED naming the field rather than silently loaded into a model that would
+// compute something else. Fields this struct does not model (bos_token_id, transformers_version,
 // initializer_range, use_cache, ...) are accepted and ignored.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/checkpoint/model_family.h"
 
 namespace dta {
 
+// transformers' rope_type: how RoPE's inverse frequencies are scaled.
+enum class RopeType {
+  kDefault,  // inv_freq = 1 / rope_theta^(2i / head_dim)
+  kLinear,   // inv_freq / factor
+  kLlama3,   // Llama 3.1: low frequencies / factor, high ones kept, a smooth band between
+  kYarn,     // YaRN: a ramp between interpolated and extrapolated frequencies; cos and sin scaled
+};
+
+// "default", "linear", "llama3", "yarn".
+std::string_view RopeTypeName(RopeType type);
+
+// config.json's rope_scaling (older transformers) or rope_parameters (transformers 5), less
+// rope_theta (Qwen3Config::rope_theta). Each type reads only its own fields; the others keep these
+// defaults, so that two configs of one model compare equal.
+struct RopeScaling {
+  RopeType type = RopeType::kDefault;
+  double factor = 1.0;                           // linear, llama3, yarn
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn (the pretraining context)
+  double low_freq_factor = 1.0;                  // llama3
+  double high_freq_factor = 4.0;                 // llama3
+  double beta_fast = 32.0;                       // yarn (transformers: 32 when absent or 0)
+  double beta_slow = 1.0;                        // yarn (transformers: 1 when absent or 0)
+  // yarn, as config.json gives them (absent: nullopt); RopeAttentionFactor combines them.
+  std::optional<double> attention_factor = std::nullopt;
+  std::optional<double> mscale = std::nullopt;
+  std::optional<double> mscale_all_dim = std::nullopt;
+  bool truncate = true;  // yarn: floor/ceil the correction range
+
+  bool operator==(const RopeScaling&) const = default;
+};
+
+// What cos and sin are multiplied by: YaRN's attention factor (the explicit attention_factor, else
+// (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1) when both are non-zero, else
+// 0.1 ln(factor) + 1, each term 1 for factor <= 1), as transformers' _compute_yarn_parameters;
+// 1 for every other type.
+double RopeAttentionFactor(const RopeScaling& rope);
+
+// config.json's rope_scaling value, on one line: "null" for the default rope, else an object with
+// rope_type and the type's fields.
+std::string RopeScalingToJson(const RopeScaling& rope);
+
 struct Qwen3Config {
+  // The family (core/checkpoint/model_family.h): "qwen3", "qwen2" or "llama".
+  std::string model_type = "qwen3";
   int64_t vocab_size = 151936;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -27,42 +78,66 @@ struct Qwen3Config {
   int64_t head_dim = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 1000000.0;
+  RopeScaling rope_scaling = {};
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 40960;
   std::string torch_dtype = "bfloat16";  // "bfloat16", "float16", "float32" or "float64"
-  bool attention_bias = false;           // must stay false: biases are not supported
+  // Whether q_proj, k_proj and v_proj have biases: false for qwen3 (true is refused), true for
+  // qwen2 (always), config.json's attention_bias for llama (where o_proj then has one too:
+  // HasOProjBias).
+  bool attention_bias = false;
 
   bool operator==(const Qwen3Config&) const = default;
 };
 
-// OK if the config describes a model this project can build: every size positive,
-// num_attention_heads a multiple of num_key_value_heads, rms_norm_eps and rope_theta positive and
-// finite, torch_dtype one of the four above (INVALID_ARGUMENT naming the field otherwise);
-// UNIMPLEMENTED if attention_bias is set.
+// The family's traits for a config (a config whose model_type has no family has q/k norms and no
+// o_proj bias here; ValidateQwen3Config refuses it).
+bool HasQkNorm(const Qwen3Config& config);
+bool HasOProjBias(const Qwen3Config& config);
+
+// OK if the config describes a model this project can build: model_type one of the families
+// (UNIMPLEMENTED otherwise), every size positive, num_attention_heads a multiple of
+// num_key_value_heads (and, for llama, hidden_size a multiple of num_attention_heads, as
+// transformers requires), rms_norm_eps and rope_theta positive and finite, torch_dtype one of the
+// four above, the rope scaling's numbers in range (factor, attention_factor and the betas positive
+// and finite, high_freq_factor > low_freq_factor > 0, original_max_position_embeddings positive for
+// llama3 and yarn), attention_bias as the family allows (INVALID_ARGUMENT naming the field
+// otherwise); UNIMPLEMENTED for attention_bias on qwen3.
 absl::Status ValidateQwen3Config(const Qwen3Config& config);
 
 // Parses a config.json. Required: hidden_size, intermediate_size, num_hidden_layers,
-// num_attention_heads. Absent optional fields take the defaults of transformers' Qwen3Config
-// (which is what Hugging Face would compute from the same file, and differs from this struct's
-// defaults): vocab_size 151936, num_key_value_heads = num_attention_heads, head_dim 128,
-// rms_norm_eps 1e-6, rope_theta 10000, tie_word_embeddings false, max_position_embeddings 32768,
-// torch_dtype "float32". "dtype" is read as torch_dtype and "rope_parameters" (rope_type
-// "default") as rope_theta, as newer transformers write them. INVALID_ARGUMENT naming the field
-// for a missing required field or a value of the wrong type or range; UNIMPLEMENTED naming the
-// field for model_type other than "qwen3", a non-null rope_scaling (other than rope_type
-// "default"), use_sliding_window true, layer_types other than all "full_attention",
-// attention_bias true, hidden_act other than "silu", or a non-zero attention_dropout.
+// num_attention_heads. model_type defaults to "qwen3". Absent optional fields take the defaults of
+// the family's transformers config (which is what Hugging Face would compute from the same file,
+// and differs from this struct's defaults): num_key_value_heads = num_attention_heads, rms_norm_eps
+// 1e-6, rope_theta 10000, tie_word_embeddings false, torch_dtype "float32"; qwen3: vocab_size
+// 151936, head_dim 128, max_position_embeddings 32768; qwen2: vocab_size 151936, head_dim
+// hidden_size / num_attention_heads, max_position_embeddings 32768; llama: vocab_size 32000,
+// head_dim hidden_size / num_attention_heads, max_position_embeddings 2048, attention_bias false.
+// "dtype" is read as torch_dtype. Rope as transformers 5 reads it: the rope_scaling object when
+// present and not empty, else rope_parameters; its rope_theta, else the top-level rope_theta; its
+// rope_type (or "type"); for llama3 and yarn the top-level original_max_position_embeddings, else
+// the object's, else max_position_embeddings; for yarn an absent or null factor is
+// max_position_embeddings / original_max_position_embeddings. INVALID_ARGUMENT naming the field for
+// a missing required field (factor for linear and llama3, low_freq_factor and high_freq_factor for
+// llama3) or a value of the wrong type or range; UNIMPLEMENTED naming the field for a model_type
+// other than "qwen3", "qwen2", "llama", a rope type other than "default", "linear", "llama3",
+// "yarn", partial_rotary_factor other than 1, hidden_act other than "silu", a non-zero
+// attention_dropout, attention_bias true on qwen3, mlp_bias true on llama, and on qwen2/qwen3
+// use_sliding_window true or layer_types other than all "full_attention".
 absl::StatusOr<Qwen3Config> ParseQwen3Config(std::string_view json);
 
 // Reads `path`, a config.json or a directory holding one. Errors as ParseQwen3Config, prefixed by
 // the file's path; NOT_FOUND if it does not exist.
 absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path);
 
-// A Hugging Face compatible config.json (2-space indent, sorted keys, trailing newline):
-// model_type "qwen3", architectures ["Qwen3ForCausalLM"], every field of the struct, and
-// hidden_act "silu", rope_scaling null, use_sliding_window false, sliding_window null,
-// max_window_layers = num_hidden_layers, attention_dropout 0, initializer_range 0.02,
-// use_cache true. Parsing it gives the same config back, bit for bit.
+// A Hugging Face compatible config.json (2-space indent, sorted keys, trailing newline): the
+// family's model_type and architectures (["Qwen3ForCausalLM"], ["Qwen2ForCausalLM"],
+// ["LlamaForCausalLM"]), every field of the struct that the family's transformers config has
+// (attention_bias for qwen3 and llama; head_dim always, which transformers' Qwen2 also reads),
+// rope_scaling (null for the default rope, else the type's fields with "rope_type"), hidden_act
+// "silu", attention_dropout 0, initializer_range 0.02, use_cache true; qwen2 and qwen3 also
+// use_sliding_window false, sliding_window null, max_window_layers = num_hidden_layers; llama
+// mlp_bias false and pretraining_tp 1. Parsing it gives the same config back, bit for bit.
 std::string Qwen3ConfigToJson(const Qwen3Config& config);
 
 // Validates the config and writes <directory>/config.json (creating the directory, replacing the
@@ -76,15 +151,16 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
                              const std::string& base_config = "");
 
 // The released model shapes, as in their Hugging Face config.json: "qwen3-0.6b", "qwen3-1.7b",
-// "qwen3-4b", "qwen3-8b" (case-insensitive, an optional "Qwen/" prefix allowed). NOT_FOUND listing
-// the known names otherwise.
+// "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen2.5-1.5b" (Qwen2.5-1.5B-Instruct),
+// "llama-3.2-1b", "llama-3.1-8b" (case-insensitive, an optional "Qwen/" or "meta-llama/" prefix
+// allowed). NOT_FOUND listing the known names otherwise.
 absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name);
 
 // A preset if `name` is one (Qwen3ConfigPreset), else the config.json at path `name`
 // (LoadQwen3Config, whose error is returned when neither works).
 absl::StatusOr<Qwen3Config> Qwen3ConfigFromName(std::string_view name);
 
-// The preset names, smallest model first.
+// The preset names: Qwen3 smallest first, then Qwen2.5, then Llama smallest first.
 std::vector<std::string> Qwen3ConfigPresetNames();
 
 }  // namespace dta

@@ -81,9 +81,13 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
   m.stack = tokens.stack * (layers * kv * 2 * (w + c) + 2 * h * c + 4 * c);
 
   // What autograd keeps of one layer for one token: the two residual-stream norm inputs; q and k
-  // before their norms and after RoPE, v, the attention output; the MLP's gate and up; the norms'
-  // 1/rms (the residual ones, q's and k's per head) and attention's log-sum-exp per head.
-  const int64_t layer = 2 * h * c + (3 * q + 3 * kv + 2 * i) * w + c * (2 + 2 * heads + kv_heads);
+  // before their norms (Qwen3's q/k norm; RoPE alone keeps nothing) and after RoPE, v, the
+  // attention output; the MLP's gate and up; the norms' 1/rms (the residual ones, q's and k's per
+  // head) and attention's log-sum-exp per head.
+  const bool qk_norm = HasQkNorm(config);
+  const int64_t pre_norm = qk_norm ? q + kv : 0;
+  const int64_t layer = 2 * h * c + (2 * q + 2 * kv + pre_norm + 2 * i) * w +
+                        c * (2 + heads + (qk_norm ? heads + kv_heads : 0));
   // Layer replay keeps each layer's input and rebuilds one layer's graph at a time.
   const bool replay = options.checkpointing && options.method != ExecutorKind::kDta;
   const int64_t per_token_layers = replay ? layers * h * c + layer : layers * layer;

@@ -16,8 +16,10 @@
 //              lie on), each keeping per layer (executor/model/qwen3_model.h)
 //              2 h c                the two residual-stream norm inputs
 //              (3 q + 3 kv + 2 i) w q and k before their norms and after RoPE, v, the attention
-//                                   output, the MLP's gate and up
+//                                   output, the MLP's gate and up ((2 q + 2 kv + 2 i) w for the
+//                                   families without q/k norms: RoPE alone keeps nothing)
 //              c (2 + 2 heads + kv_heads)  the norms' 1/rms and attention's log-sum-exp
+//                                   (c (2 + heads) without q/k norms)
 //              and per chunk 2 h c + h w (the final norm's input and output, lm_head's rounded
 //              copy), 2 head_dim c (RoPE tables) and 24 (ids, positions, tree mask). With layer
 //              replay (checkpointing) a graph keeps only each layer's input (h c per layer) plus

@@ -74,12 +74,14 @@ bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ra
 ParameterCount CountParameters(const Qwen3Config& c) {
   const int64_t q = c.num_attention_heads * c.head_dim;
   const int64_t kv = c.num_key_value_heads * c.head_dim;
-  const int64_t per_layer_sharded = c.hidden_size * q                           // q_proj
-                                    + 2 * c.hidden_size * kv                    // k_proj, v_proj
-                                    + q * c.hidden_size                         // o_proj
-                                    + 3 * c.hidden_size * c.intermediate_size;  // gate, up, down
+  const int64_t per_layer_sharded = c.hidden_size * q                          // q_proj
+                                    + 2 * c.hidden_size * kv                   // k_proj, v_proj
+                                    + q * c.hidden_size                        // o_proj
+                                    + 3 * c.hidden_size * c.intermediate_size  // gate, up, down
+                                    + (c.attention_bias ? q + 2 * kv : 0);     // q/k/v biases
   const int64_t per_layer_replicated = 2 * c.hidden_size  // input and post-attention RMSNorm
-                                       + 2 * c.head_dim;  // q_norm, k_norm
+                                       + (HasQkNorm(c) ? 2 * c.head_dim : 0)     // q_norm, k_norm
+                                       + (HasOProjBias(c) ? c.hidden_size : 0);  // o_proj's bias
   ParameterCount count;
   const int64_t embeddings = c.vocab_size * c.hidden_size * (c.tie_word_embeddings ? 1 : 2);
   count.sharded = c.num_hidden_layers * per_layer_sharded + embeddings;

@@ -30,7 +30,7 @@ namespace dta {
 
 struct ParameterCount {
   int64_t sharded = 0;     // split across tensor-parallel ranks
-  int64_t replicated = 0;  // held whole by every tensor-parallel rank (RMSNorm weights)
+  int64_t replicated = 0;  // held whole by every tensor-parallel rank (RMSNorms, o_proj's bias)
   int64_t total() const { return sharded + replicated; }
 };
 

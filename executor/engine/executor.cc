@@ -112,16 +112,17 @@ std::string_view LeafOrderName(LeafOrderKind order) {
 int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype, int tensor_parallel) {
   // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
   // inputs (the residual stream, at least float32, whole on every rank), q and k before their norms
-  // and after RoPE, v, the attention output, and the MLP's gate and up (this rank's heads and
-  // intermediate slice).
+  // (families with q/k norms) and after RoPE, v, the attention output, and the MLP's gate and up
+  // (this rank's heads and intermediate slice).
   TORCH_CHECK(tensor_parallel >= 1, "GraphBytesPerToken: tensor_parallel must be >= 1");
   const int64_t q = c.num_attention_heads / tensor_parallel * c.head_dim;
   const int64_t kv = c.num_key_value_heads / tensor_parallel * c.head_dim;
   const int64_t intermediate = (c.intermediate_size + tensor_parallel - 1) / tensor_parallel;
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t residual = std::max<int64_t>(element, 4);
+  const int64_t pre_norm = HasQkNorm(c) ? q + kv : 0;
   const int64_t per_layer =
-      2 * c.hidden_size * residual + (3 * q + 3 * kv + 2 * intermediate) * element;
+      2 * c.hidden_size * residual + (2 * q + 2 * kv + pre_norm + 2 * intermediate) * element;
   return c.num_hidden_layers * per_layer;
 }
 

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/checkpoint/model_family.h"
 #include "core/checkpoint/model_files.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/checkpoint/safetensors.h"
@@ -155,8 +156,10 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
     }
     if (unexpected.size() > kShown)
       list += ", and " + std::to_string(unexpected.size() - kShown) + " more";
+    const ModelFamily* family = FindModelFamily(config->model_type);
     TORCH_CHECK(false, "LoadQwen3Model: ", directory, ": ", unexpected.size(),
-                " unexpected tensor(s) that the Qwen3 model does not have: ", list);
+                " unexpected tensor(s) that the ", family != nullptr ? family->name : "",
+                " model does not have: ", list);
   }
 
   if (has_tied_head) {

@@ -1,8 +1,11 @@
-// Qwen3 models as Hugging Face checkpoints: config.json plus model.safetensors, or shards named by
-// model.safetensors.index.json (core/checkpoint/safetensors.h), under transformers' tensor
-// names. What SaveQwen3Model writes, transformers' Qwen3ForCausalLM.from_pretrained loads, and
-// what transformers' save_pretrained writes, LoadQwen3Model loads (tests/python/test_hf_parity.py
-// checks both directions and the log-probabilities against transformers').
+// Models of every family (Qwen3, Qwen2/Qwen2.5, Llama 3: core/checkpoint/model_family.h) as
+// Hugging Face checkpoints: config.json plus model.safetensors, or shards named by
+// model.safetensors.index.json (core/checkpoint/safetensors.h), under transformers' tensor names
+// (biases included: "...q_proj.bias"). What SaveQwen3Model writes, transformers'
+// Qwen3ForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM.from_pretrained load, and what
+// transformers' save_pretrained writes, LoadQwen3Model loads (tests/python/test_hf_parity.py and
+// test_hf_parity_families.py check both directions and the log-probabilities against
+// transformers').
 //
 // Example:
 //   Qwen3Model model = LoadQwen3Model("/ckpt/qwen3-0.6b", at::TensorOptions().dtype(at::kFloat));

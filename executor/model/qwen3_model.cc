@@ -10,7 +10,8 @@
 #include <cmath>
 
 #include "core/base/parallel_for.h"
-#include "kernels/chain_attention.h"
+#include "executor/model/rope.h"
+#include "kernels/chunk_attention.h"
 #include "kernels/fused_layers.h"
 #include "kernels/tree_attention.h"
 
@@ -93,24 +94,30 @@ enum class ProjectionKind : int64_t {
   kRowParallel,     // input split, output a partial sum: all-reduce y in forward
 };
 
-// y_i = n(x) @ weights_i^T for one input x [T, in] and one or more weights [out_i, in], where n is
-// an RMSNorm with `norm_weight` (Qwen3's input and post-attention norms) or, without it, a rounding
-// of x to the weights' dtype. x may be wider than the weights (the float32 residual stream): the
-// norm is computed in the compute dtype and rounded once. Backward keeps x (which the residual
-// stream holds anyway) and the norm's rstd, not the rounded n(x): it recomputes n(x), bitwise the
-// same, saving a [T, in] activation per norm. The projections' dx are summed, and the norm
-// backpropagated, in the compute dtype; dx is returned in x's dtype, so the residual stream's
-// gradient is never rounded to bfloat16. With wide_output, y is formed in the compute dtype
-// straight from the matmul (o_proj, which feeds the float32 residual stream).
+// y_i = n(x) @ weights_i^T (+ biases_i) for one input x [T, in] and one or more weights [out_i, in]
+// (biases: none, or one [out_i] per weight), where n is an RMSNorm with `norm_weight` (the input
+// and post-attention norms) or, without it, a rounding of x to the weights' dtype. x may be wider
+// than the weights (the float32 residual stream): the norm is computed in the compute dtype and
+// rounded once. Backward keeps x (which the residual stream holds anyway) and the norm's rstd, not
+// the rounded n(x): it recomputes n(x), bitwise the same, saving a [T, in] activation per norm. The
+// projections' dx are summed, and the norm backpropagated, in the compute dtype; dx is returned in
+// x's dtype, so the residual stream's gradient is never rounded to bfloat16. With wide_output, y is
+// formed in the compute dtype straight from the matmul (o_proj, which feeds the float32 residual
+// stream). A bias is added by the matmul itself (one rounding, as torch's linear) for a
+// column-parallel projection, each rank its part of the bias; a row-parallel projection's partial
+// sums are summed over the ranks first and the whole bias added once, in the output's dtype. A
+// bias's gradient, the sum of its output's gradient over the rows, is accumulated into its .grad
+// like the weights'.
 class Projections : public torch::autograd::Function<Projections> {
  public:
-  template <typename... Weights>
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const std::optional<at::Tensor>& norm, double eps, bool wide_output,
-                               int64_t group, ProjectionKind kind, const Weights&... weights) {
+                               int64_t group, ProjectionKind kind, at::TensorList weights,
+                               at::TensorList biases) {
+    TORCH_CHECK(!weights.empty() && (biases.empty() || biases.size() == weights.size()),
+                "Projections: one bias per weight, or none");
     const at::Tensor norm_weight = norm.value_or(at::Tensor());
-    const std::vector<at::Tensor> w = {weights...};
-    const at::ScalarType type = w[0].scalar_type();
+    const at::ScalarType type = weights[0].scalar_type();
     std::vector<at::Tensor> saved;
     at::Tensor xb;
     if (norm_weight.defined()) {
@@ -121,16 +128,24 @@ class Projections : public torch::autograd::Function<Projections> {
       xb = x.to(type);
       saved = {xb, at::Tensor(), at::Tensor()};
     }
-    saved.insert(saved.end(), w.begin(), w.end());
+    saved.insert(saved.end(), weights.begin(), weights.end());
+    saved.insert(saved.end(), biases.begin(), biases.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["tensor_parallel"] =
         kind == ProjectionKind::kColumnParallel ? group : int64_t{0};
     variable_list out;
-    for (const at::Tensor& weight : w) {
-      out.push_back(wide_output ? MatmulTo(xb, weight.t(), ComputeType(type))
-                                : at::mm(xb, weight.t()));
-      if (kind == ProjectionKind::kRowParallel) SumOverRanks(GroupOf(group), out.back());
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const at::Tensor& weight = weights[i];
+      const at::Tensor bias = biases.empty() ? at::Tensor() : biases[i];
+      const bool bias_in_matmul =
+          bias.defined() && !wide_output && kind == ProjectionKind::kColumnParallel;
+      at::Tensor y = wide_output      ? MatmulTo(xb, weight.t(), ComputeType(type))
+                     : bias_in_matmul ? at::addmm(bias, xb, weight.t())
+                                      : at::mm(xb, weight.t());
+      if (kind == ProjectionKind::kRowParallel) SumOverRanks(GroupOf(group), y);
+      if (bias.defined() && !bias_in_matmul) y.add_(bias);
+      out.push_back(std::move(y));
     }
     return out;
   }
@@ -141,11 +156,13 @@ class Projections : public torch::autograd::Function<Projections> {
     const at::ScalarType type = saved[3].scalar_type();
     const auto x_type = static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt());
     const bool has_norm = norm_weight.defined();
+    const size_t count = grads.size();
+    const bool has_biases = saved.size() == 3 + 2 * count;
     const at::Tensor xb =
         has_norm ? kernels::RmsNormApply(saved[0], norm_weight, rstd, type) : saved[0];
     std::vector<at::Tensor> dys;
     at::Tensor dx;
-    for (size_t i = 0; i < grads.size(); ++i) {
+    for (size_t i = 0; i < count; ++i) {
       const at::Tensor& weight = saved[i + 3];
       dys.push_back(grads[i].to(type));
       if (!dx.defined()) {
@@ -159,24 +176,36 @@ class Projections : public torch::autograd::Function<Projections> {
     // while the weight gradients, which do not need it, are computed (Megatron's overlap of the
     // input gradient's all-reduce with the weight-gradient GEMMs).
     std::unique_ptr<PendingCollective> dx_sum = StartSumOverRanks(GroupOf(ctx), dx);
-    for (size_t i = 0; i < grads.size(); ++i)
+    for (size_t i = 0; i < count; ++i) {
       AddMatmul(GradAccumulator(saved[i + 3]), dys[i].t(), xb);
+      if (has_biases) {
+        at::Tensor& accumulator = GradAccumulator(saved[i + 3 + count]);
+        // Summed from the output's gradient as it came (float32 for o_proj), in the
+        // accumulator's precision.
+        accumulator.add_(at::sum(grads[i], {0}, false, accumulator.scalar_type()));
+      }
+    }
     if (dx_sum != nullptr) dx_sum->Wait();
     if (has_norm) {
       dx = kernels::RmsNormBackward(dx, saved[0], norm_weight, rstd, GradAccumulator(norm_weight))
                .to(x_type);
     }
     variable_list result = {dx};
-    result.resize(grads.size() + 6);  // no gradient for the weights: accumulated above
+    // No gradient for the weights and biases: accumulated above.
+    result.resize(6 + 2 * count);
     return result;
   }
 };
 
-// x @ weight^T in the compute dtype, summed over the tensor-parallel ranks (o_proj: row-parallel,
-// it feeds the float32 residual stream).
-at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight, int64_t group) {
+// x @ weight^T (+ bias) in the compute dtype, summed over the tensor-parallel ranks (o_proj:
+// row-parallel, it feeds the float32 residual stream; the bias, if any, added once after the sum).
+at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       int64_t group) {
+  std::vector<at::Tensor> biases;
+  if (bias.defined()) biases.push_back(bias);
   return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, group,
-                            ProjectionKind::kRowParallel, weight)[0];
+                            ProjectionKind::kRowParallel, at::TensorList(weight),
+                            at::TensorList(biases))[0];
 }
 
 // Token ids relative to this rank's vocabulary slice [first, first + rows): the row of each id
@@ -278,6 +307,24 @@ class NormRope : public torch::autograd::Function<NormRope> {
   }
 };
 
+// RoPE alone, y = rope(x) (executor/model/rope.h: computed in the tables' dtype, rounded once to
+// x's), for the families without q/k norms (Qwen2, Llama). Keeps only the tables: backward is
+// linear in dy.
+class RopeOnly : public torch::autograd::Function<RopeOnly> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    return RopeForward(x, cos, sin);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {RopeBackward(grads[0], ctx->saved_data["cos"].toTensor(),
+                         ctx->saved_data["sin"].toTensor()),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
 // The MLP's second half, y = SwiGlu(gate, up) @ down^T, formed in the compute dtype (it feeds the
 // float32 residual stream). Backward keeps gate and up only and recomputes the product (bitwise the
 // same) for down's weight gradient: eager autograd would keep silu(gate) and the product as well,
@@ -306,35 +353,26 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
   }
 };
 
-// Tree attention of a chunk on a cached prefix (kernels/tree_attention.h). Returns [T, heads,
-// head_dim]. The prefix is a constant of the graph (a non-tensor argument, so autograd neither
-// tracks nor version-checks it: it is a view of a stack that later chunks write above, never
-// into, while this graph lives); with accumulators, backward adds the prefix's K/V gradients into
-// them in place.
+// Attention of a chunk on a cached prefix (kernels/chunk_attention.h: cuDNN for the prefix and for
+// chains, tree attention for tree masks, merged by log-sum-exp). Returns [T, heads, head_dim]. The
+// prefix is a constant of the graph (a non-tensor argument, so autograd neither tracks nor
+// version-checks it: it is a view of a stack that later chunks write above, never into, while this
+// graph lives); with accumulators, backward adds the prefix's K/V gradients into them in place.
+// With `chain`, key_end (always defined: autograd functions refuse undefined tensor arguments) is
+// ignored and the chunk is a causal chain.
 class TreeAttention : public torch::autograd::Function<TreeAttention> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& key_end,
+                            const at::Tensor& v, const at::Tensor& tree_key_end,
                             const LayerPrefix& prefix, double scale, bool chain) {
+    const at::Tensor key_end = chain ? at::Tensor() : tree_key_end;
+    kernels::ChunkAttentionResult result =
+        kernels::ChunkAttentionForward(q, k, v, prefix.keys, prefix.values, key_end, scale);
+    std::vector<at::Tensor> saved = {q, k, v, key_end};
+    saved.insert(saved.end(), result.saved.tensors.begin(), result.saved.tensors.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["path"] = result.saved.path;
     ctx->saved_data["scale"] = scale;
-    // A causal chain without a prefix (dense rollouts, a path's first chunk): cuDNN's attention
-    // (kernels/chain_attention.h) where it runs, tree attention otherwise.
-    const bool has_prefix = prefix.keys.defined() && prefix.keys.numel() > 0;
-    if (chain && !has_prefix && kernels::ChainAttentionSupports(q, k)) {
-      try {
-        kernels::ChainAttentionOutput result = kernels::ChainAttentionForward(q, k, v, scale);
-        ctx->save_for_backward(
-            {q, k, v, result.out_bhsd, result.logsumexp, result.philox_seed, result.philox_offset});
-        ctx->saved_data["chain"] = true;
-        return result.out;
-      } catch (const c10::Error&) {
-        // Reported once by ChainAttentionForward; tree attention from now on.
-      }
-    }
-    ctx->saved_data["chain"] = false;
-    kernels::TreeAttentionOutput result =
-        kernels::TreeAttentionForward(q, k, v, prefix.keys, prefix.values, key_end, scale);
-    ctx->save_for_backward({q, k, v, key_end, result.out, result.lse});
     ctx->saved_data["prefix_k"] = prefix.keys;
     ctx->saved_data["prefix_v"] = prefix.values;
     ctx->saved_data["grad_prefix_k"] = prefix.grad_keys;
@@ -343,42 +381,14 @@ class TreeAttention : public torch::autograd::Function<TreeAttention> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    if (ctx->saved_data["chain"].toBool()) {
-      const kernels::ChainAttentionOutput forward{.out = at::Tensor(),
-                                                  .out_bhsd = saved[3],
-                                                  .logsumexp = saved[4],
-                                                  .philox_seed = saved[5],
-                                                  .philox_offset = saved[6]};
-      const double scale = ctx->saved_data["scale"].toDouble();
-      kernels::TreeAttentionGrads g;
-      try {
-        g = kernels::ChainAttentionBackward(grads[0], saved[0], saved[1], saved[2], forward, scale);
-      } catch (const c10::Error&) {
-        // Reported once; the forward again with tree attention, and its backward.
-        const at::Tensor& q = saved[0];
-        const at::Tensor chain = at::full({q.size(0)}, q.size(0), q.options().dtype(at::kLong));
-        const kernels::TreeAttentionOutput tree = kernels::TreeAttentionForward(
-            q, saved[1], saved[2], at::Tensor(), at::Tensor(), chain, scale);
-        at::Tensor no_prefix_k, no_prefix_v;
-        g = kernels::TreeAttentionBackward(grads[0].contiguous(), q, saved[1], saved[2],
-                                           at::Tensor(), at::Tensor(), chain, tree.out, tree.lse,
-                                           scale, no_prefix_k, no_prefix_v);
-      }
-      return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    }
-    const at::Tensor prefix_k = ctx->saved_data["prefix_k"].toTensor();
-    const at::Tensor prefix_v = ctx->saved_data["prefix_v"].toTensor();
-    at::Tensor grad_prefix_k = ctx->saved_data["grad_prefix_k"].toTensor();
-    at::Tensor grad_prefix_v = ctx->saved_data["grad_prefix_v"].toTensor();
-    if (prefix_k.defined() && !grad_prefix_k.defined()) {
-      // Nobody collects the prefix's gradient: let the kernel add it into scratch.
-      const at::TensorOptions o = prefix_k.options().dtype(AccumulatorType(prefix_k.scalar_type()));
-      grad_prefix_k = at::zeros(prefix_k.sizes(), o);
-      grad_prefix_v = at::zeros(prefix_v.sizes(), o);
-    }
-    kernels::TreeAttentionGrads g = kernels::TreeAttentionBackward(
-        grads[0].contiguous(), saved[0], saved[1], saved[2], prefix_k, prefix_v, saved[3], saved[4],
-        saved[5], ctx->saved_data["scale"].toDouble(), grad_prefix_k, grad_prefix_v);
+    const kernels::ChunkAttentionSaved state{
+        .path = ctx->saved_data["path"].toInt(),
+        .tensors = std::vector<at::Tensor>(saved.begin() + 4, saved.end())};
+    const kernels::TreeAttentionGrads g = kernels::ChunkAttentionBackward(
+        grads[0], saved[0], saved[1], saved[2], ctx->saved_data["prefix_k"].toTensor(),
+        ctx->saved_data["prefix_v"].toTensor(), saved[3], state,
+        ctx->saved_data["scale"].toDouble(), ctx->saved_data["grad_prefix_k"].toTensor(),
+        ctx->saved_data["grad_prefix_v"].toTensor());
     return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -526,8 +536,8 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
 Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
                        std::shared_ptr<const TensorParallelGroup> tensor_parallel)
     : config_(config), options_(options), tensor_parallel_(std::move(tensor_parallel)) {
-  TORCH_CHECK(config.num_attention_heads % config.num_key_value_heads == 0,
-              "num_attention_heads must be a multiple of num_key_value_heads");
+  const absl::Status valid = ValidateQwen3Config(config);
+  TORCH_CHECK(valid.ok(), "Qwen3Model: ", std::string(valid.message()));
   TORCH_CHECK(config.head_dim % 2 == 0, "head_dim must be even for RoPE");
   const int tp = tensor_parallel_size();
   const int rank = tensor_parallel_ ? tensor_parallel_->rank() : 0;
@@ -547,17 +557,27 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
   const int64_t q_dim = config.num_attention_heads * dim;
   const int64_t kv_dim = config.num_key_value_heads * dim;
   const int64_t inter = config.intermediate_size;
+  const bool qk_norm = HasQkNorm(config);
+  const bool qkv_bias = config.attention_bias;
+  const bool o_bias = HasOProjBias(config);
   embed_ = Add("model.embed_tokens.weight", {config.vocab_size, hidden}, 0, vocab_);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer layer;
     layer.input_norm = Add(p + "input_layernorm.weight", {hidden});
+    // Column-parallel biases split as their projection's rows; o_proj's is whole on every rank.
     layer.q_proj = Add(p + "self_attn.q_proj.weight", {q_dim, hidden}, 0, q_rows);
+    if (qkv_bias) layer.q_bias = Add(p + "self_attn.q_proj.bias", {q_dim}, 0, q_rows);
     layer.k_proj = Add(p + "self_attn.k_proj.weight", {kv_dim, hidden}, 0, kv_rows);
+    if (qkv_bias) layer.k_bias = Add(p + "self_attn.k_proj.bias", {kv_dim}, 0, kv_rows);
     layer.v_proj = Add(p + "self_attn.v_proj.weight", {kv_dim, hidden}, 0, kv_rows);
+    if (qkv_bias) layer.v_bias = Add(p + "self_attn.v_proj.bias", {kv_dim}, 0, kv_rows);
     layer.o_proj = Add(p + "self_attn.o_proj.weight", {hidden, q_dim}, 1, q_rows);
-    layer.q_norm = Add(p + "self_attn.q_norm.weight", {dim});
-    layer.k_norm = Add(p + "self_attn.k_norm.weight", {dim});
+    if (o_bias) layer.o_bias = Add(p + "self_attn.o_proj.bias", {hidden});
+    if (qk_norm) {
+      layer.q_norm = Add(p + "self_attn.q_norm.weight", {dim});
+      layer.k_norm = Add(p + "self_attn.k_norm.weight", {dim});
+    }
     layer.post_norm = Add(p + "post_attention_layernorm.weight", {hidden});
     layer.gate_proj = Add(p + "mlp.gate_proj.weight", {inter, hidden}, 0, intermediate_);
     layer.up_proj = Add(p + "mlp.up_proj.weight", {inter, hidden}, 0, intermediate_);
@@ -568,10 +588,12 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
   lm_head_ = config.tie_word_embeddings
                  ? embed_
                  : Add("lm_head.weight", {config.vocab_size, hidden}, 0, vocab_);
-  if (tp > 1) {
+  if (tp > 1 && qk_norm) {
     const at::ScalarType type = AccumulatorType(options.dtype().toScalarType());
     partial_norm_grads_ = at::zeros({config.num_hidden_layers, 2, dim}, options.dtype(type));
   }
+  inv_freq_ = RopeInverseFrequencies(
+      config, options.dtype(ComputeType(options.dtype().toScalarType())).requires_grad(false));
 }
 
 at::Tensor Qwen3Model::Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim,
@@ -588,7 +610,7 @@ at::Tensor Qwen3Model::parameter(const std::string& name) const {
   for (const auto& [n, p] : named_) {
     if (n == name) return p;
   }
-  TORCH_CHECK(false, "Qwen3 has no parameter named '", name, "'");
+  TORCH_CHECK(false, "the model has no parameter named '", name, "'");
 }
 
 TensorParallelNorm Qwen3Model::gradient_norm_scope() const {
@@ -660,7 +682,7 @@ void Qwen3Model::InitRandom(uint64_t seed, double std) {
   torch::autograd::AutoGradMode no_grad(false);
   for (size_t i = 0; i < named_.size(); ++i) {
     at::Tensor& parameter = named_[i].second;
-    const bool is_norm = parameter.dim() == 1;
+    const bool is_norm = parameter.dim() == 1 && !named_[i].first.ends_with(".bias");
     const at::Tensor values = at::empty(splits_[i].full_shape, cpu);
     const at::Tensor flat = values.view(-1);
     const int64_t n = flat.numel();
@@ -687,14 +709,8 @@ at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight,
 }
 
 std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) const {
-  const at::ScalarType ct = ComputeType(options_.dtype().toScalarType());
-  const at::TensorOptions o = positions.options().dtype(ct);
-  const at::Tensor exponents =
-      at::arange(0, config_.head_dim, 2, o) / static_cast<double>(config_.head_dim);
-  const at::Tensor inv_freq = 1.0 / at::pow(config_.rope_theta, exponents);
-  const at::Tensor freqs = positions.to(ct).unsqueeze(1) * inv_freq.unsqueeze(0);
-  const at::Tensor angles = at::cat({freqs, freqs}, -1);
-  return {angles.cos(), angles.sin()};
+  return RopeTables(inv_freq_.to(positions.device()), positions,
+                    RopeAttentionFactor(config_.rope_scaling));
 }
 
 ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
@@ -733,31 +749,41 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   const int64_t dim = config_.head_dim;
   const double eps = config_.rms_norm_eps;
   const int64_t group = GroupHandle(tensor_parallel());
+  std::vector<at::Tensor> qkv_biases;
+  if (layer.q_bias.defined()) qkv_biases = {layer.q_bias, layer.k_bias, layer.v_bias};
+  const at::Tensor qkv_weights[] = {layer.q_proj, layer.k_proj, layer.v_proj};
   const variable_list qkv = Projections::apply(
       h, std::optional<at::Tensor>(layer.input_norm), eps, /*wide_output=*/false, group,
-      ProjectionKind::kColumnParallel, layer.q_proj, layer.k_proj, layer.v_proj);
-  // Under tensor parallelism the q/k norms see this rank's heads only: partial gradients.
-  const at::Tensor q_norm_grad =
-      partial_norm_grads_.defined() ? partial_norm_grads_[l][0] : at::Tensor();
-  const at::Tensor k_norm_grad =
-      partial_norm_grads_.defined() ? partial_norm_grads_[l][1] : at::Tensor();
-  auto accumulator = [](const at::Tensor& a) {
-    return a.defined() ? std::optional<at::Tensor>(a) : std::nullopt;
-  };
-  const at::Tensor q = NormRope::apply(qkv[0].view({t, heads, dim}), layer.q_norm, eps, context.cos,
-                                       context.sin, accumulator(q_norm_grad));
-  const at::Tensor k = NormRope::apply(qkv[1].view({t, kv_heads, dim}), layer.k_norm, eps,
-                                       context.cos, context.sin, accumulator(k_norm_grad));
+      ProjectionKind::kColumnParallel, at::TensorList(qkv_weights), at::TensorList(qkv_biases));
+  at::Tensor q, k;
+  if (layer.q_norm.defined()) {
+    // Under tensor parallelism the q/k norms see this rank's heads only: partial gradients.
+    const at::Tensor q_norm_grad =
+        partial_norm_grads_.defined() ? partial_norm_grads_[l][0] : at::Tensor();
+    const at::Tensor k_norm_grad =
+        partial_norm_grads_.defined() ? partial_norm_grads_[l][1] : at::Tensor();
+    auto accumulator = [](const at::Tensor& a) {
+      return a.defined() ? std::optional<at::Tensor>(a) : std::nullopt;
+    };
+    q = NormRope::apply(qkv[0].view({t, heads, dim}), layer.q_norm, eps, context.cos, context.sin,
+                        accumulator(q_norm_grad));
+    k = NormRope::apply(qkv[1].view({t, kv_heads, dim}), layer.k_norm, eps, context.cos,
+                        context.sin, accumulator(k_norm_grad));
+  } else {
+    q = RopeOnly::apply(qkv[0].view({t, heads, dim}), context.cos, context.sin);
+    k = RopeOnly::apply(qkv[1].view({t, kv_heads, dim}), context.cos, context.sin);
+  }
   const at::Tensor v = qkv[2].view({t, kv_heads, dim});
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   const at::Tensor attention =
       TreeAttention::apply(q, k, v, context.key_end, prefix, scale, context.chain);
   LayerOutput out;
-  out.hidden = h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, group);
-  const variable_list gate_up =
-      Projections::apply(out.hidden, std::optional<at::Tensor>(layer.post_norm), eps,
-                         /*wide_output=*/false, group, ProjectionKind::kColumnParallel,
-                         layer.gate_proj, layer.up_proj);
+  out.hidden =
+      h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, layer.o_bias, group);
+  const at::Tensor gate_up_weights[] = {layer.gate_proj, layer.up_proj};
+  const variable_list gate_up = Projections::apply(
+      out.hidden, std::optional<at::Tensor>(layer.post_norm), eps, /*wide_output=*/false, group,
+      ProjectionKind::kColumnParallel, at::TensorList(gate_up_weights), at::TensorList());
   out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj, group);
   out.keys = k;
   out.values = v;

@@ -1,27 +1,32 @@
-// A Qwen3 decoder (RMSNorm, RoPE with explicit position ids, grouped-query attention with q/k
-// norm, SwiGLU MLP, optional tied embeddings) whose one core call is "forward a chunk of tokens on
-// top of a cached prefix". Every execution method (dense, packed tree, push/pop dta) is a schedule
-// over Forward() and Logprobs().
+// A dense decoder of the families in core/checkpoint/model_family.h (Qwen3, Qwen2/Qwen2.5, Llama 3:
+// RMSNorm, RoPE with explicit position ids and optional rope scaling, grouped-query attention with
+// Qwen3's q/k norm or without, optional q/k/v and o_proj biases, SwiGLU MLP, optional tied
+// embeddings; the class keeps its first family's name) whose one core call is "forward a chunk of
+// tokens on top of a cached prefix". Every execution method (dense, packed tree, push/pop dta) is a
+// schedule over Forward() and Logprobs().
 //
-// Numerics follow Hugging Face's Qwen3 (norms, RoPE and softmax in at least float32; float64
+// Numerics follow Hugging Face's models (norms, RoPE and softmax in at least float32; float64
 // models stay float64 throughout, so float64 runs are exact references), with fewer roundings in
 // bfloat16: the residual stream between layers and its gradient are float32 (Megatron's fp32
 // residual connection: the norms read it unrounded, o_proj and down_proj write into it from float32
 // matmul outputs, the projections' input gradients are summed in float32), and RMSNorm, RoPE and
-// SwiGLU compute in float32 and round once. Matmul operands and saved activations stay bfloat16.
-// Backward recomputes the cheap elementwise results it needs (the two residual norms' rounded
-// outputs, the SwiGLU product) instead of keeping them: per layer and token a graph holds the two
-// residual-stream inputs, q and k before their norms and after RoPE, v, the attention output, and
-// the MLP's gate and up (GraphBytesPerToken in executor/engine/executor.h counts exactly these).
+// SwiGLU compute in float32 and round once. A q/k/v bias is added inside its matmul (one rounding,
+// as torch's linear); o_proj's is added in float32 to its float32 output. Matmul operands and saved
+// activations stay bfloat16. Backward recomputes the cheap elementwise results it needs (the two
+// residual norms' rounded outputs, the SwiGLU product) instead of keeping them: per layer and token
+// a graph holds the two residual-stream inputs, q and k before their norms (Qwen3 only: RoPE alone
+// keeps nothing) and after RoPE, v, the attention output, and the MLP's gate and up
+// (GraphBytesPerToken in executor/engine/executor.h counts exactly these).
 //
 // Gradients: backward adds each parameter's gradient straight into its .grad, which is float32 for
 // bfloat16/float16 parameters (and the parameter's dtype otherwise): many chunk backwards into one
 // step's gradient neither round to bfloat16 each time nor allocate full-size gradients per call.
-// Attention runs kernels/tree_attention (FlashAttention-style tree-masked kernels on the GPU, an
-// exact ATen reference elsewhere), except for a causal chain without a prefix on the GPU, which
-// runs cuDNN's fused attention (kernels/chain_attention.h). RMSNorm, the q/k norms with RoPE and
+// Attention runs kernels/chunk_attention.h, which picks the path: tree attention (FlashAttention-
+// style tree-masked kernels on the GPU, an exact ATen reference elsewhere), cuDNN's fused attention
+// for a causal chain without a prefix on the GPU, and optionally cuDNN for the prefix merged with
+// the chunk's part by log-sum-exp. RMSNorm, the q/k norms with RoPE and
 // SwiGLU run kernels/fused_layers (one CUDA kernel per direction; the same ATen expressions
-// elsewhere).
+// elsewhere); RoPE without a norm runs the ATen expressions of rope.h.
 //
 // Example:
 //   Qwen3Model model(config, at::TensorOptions().dtype(at::kDouble));
@@ -33,7 +38,9 @@
 // heads [H r / T, H (r + 1) / T) of q_proj and o_proj, and the matching KV heads of k_proj and
 // v_proj (T must divide both head counts); a contiguous slice of the MLP's intermediate rows of
 // gate_proj and up_proj (columns of down_proj); and a contiguous slice of the vocabulary of the
-// embedding and lm_head. Norm weights are whole on every rank. The column-parallel projections
+// embedding and lm_head. Norm weights are whole on every rank; q/k/v biases are split as their
+// projections' rows, o_proj's bias is whole on every rank and added once, after the sum over the
+// ranks (its gradient is then whole on every rank too). The column-parallel projections
 // (q, k, v, gate, up) all-reduce their input's gradient in backward (inside the fused norm, before
 // the norm's own backward) while their weight gradients are computed; the row-parallel ones
 // (o_proj, down_proj) and the embedding lookup all-reduce their output in forward;
@@ -134,7 +141,8 @@ class Qwen3Model {
  public:
   // Parameters are allocated (zeros) with `options` (dtype, device) and require grad. With
   // `tensor_parallel` (null or size 1: the whole model), this rank's part of each (see the header
-  // comment). TORCH_CHECK when the group's size does not divide both head counts.
+  // comment). TORCH_CHECK when ValidateQwen3Config refuses the config (naming the field) or the
+  // group's size does not divide both head counts.
   Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
              std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
   Qwen3Model(const Qwen3Model&) = delete;
@@ -142,16 +150,18 @@ class Qwen3Model {
   Qwen3Model(Qwen3Model&&) = default;
   Qwen3Model& operator=(Qwen3Model&&) = default;
 
-  // Deterministic random weights: matrices ~ N(0, std), norm weights ~ 1 + N(0, std / 4). Drawn
+  // Deterministic random weights: matrices and biases ~ N(0, std), norm weights
+  // ~ 1 + N(0, std / 4). Drawn
   // whole on the host's threads and then split, so a seed means the same model at every
   // tensor-parallel size, on every device and however many threads draw it.
   void InitRandom(uint64_t seed, double std = 0.02);
 
   const Qwen3Config& config() const { return config_; }
   at::TensorOptions options() const { return options_; }
-  // Every parameter under its Hugging Face name ("model.layers.0.self_attn.q_proj.weight", ...),
-  // in a fixed order; this rank's part of it under tensor parallelism. lm_head.weight is absent
-  // when embeddings are tied.
+  // Every parameter under its Hugging Face name ("model.layers.0.self_attn.q_proj.weight",
+  // "...q_proj.bias", ...), in a fixed order (a projection's bias right after its weight); this
+  // rank's part of it under tensor parallelism. lm_head.weight is absent when embeddings are tied,
+  // q_norm and k_norm without the family's q/k norm, biases where the family has none.
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
   at::Tensor parameter(const std::string& name) const;
 
@@ -204,6 +214,8 @@ class Qwen3Model {
   struct Layer {
     at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj,
         up_proj, down_proj;
+    // Undefined where the family has none (core/checkpoint/model_family.h).
+    at::Tensor q_bias, k_bias, v_bias, o_bias;
   };
   // A parameter of `full_shape`, split along `dim` into `range` (dim -1: whole).
   at::Tensor Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim = -1,
@@ -213,7 +225,8 @@ class Qwen3Model {
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight,
                      std::optional<at::ScalarType> out_type = std::nullopt,
                      const at::Tensor& accumulator = at::Tensor()) const;
-  // cos and sin tables [T, head_dim] for the given positions, in the compute dtype.
+  // cos and sin tables [T, head_dim] for the given positions, in the compute dtype (YaRN's
+  // attention factor included).
   std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
 
   Qwen3Config config_;
@@ -221,6 +234,7 @@ class Qwen3Model {
   std::shared_ptr<const TensorParallelGroup> tensor_parallel_;
   IndexRange heads_, kv_heads_, intermediate_, vocab_;  // this rank's parts
   at::Tensor embed_, final_norm_, lm_head_;
+  at::Tensor inv_freq_;  // RoPE's inverse frequencies [head_dim / 2], compute dtype (rope.h)
   std::vector<Layer> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
   std::vector<ParameterSplit> splits_;

@@ -15,15 +15,12 @@
 
 #include "gtest/gtest.h"
 #include "kernels/tree_attention_reference.h"
+#include "tests/kernels/tree_attention_testing.h"
 
 namespace dta::kernels {
 namespace {
 
-double RelativeError(const at::Tensor& actual, const at::Tensor& expected) {
-  const at::Tensor a = actual.cpu().to(at::kDouble);
-  const at::Tensor e = expected.cpu().to(at::kDouble);
-  return (a - e).abs().max().item<double>() / std::max(e.abs().max().item<double>(), 1e-30);
-}
+using testing::RelativeError;
 
 TEST(ChainAttention, SupportsOnlyWhatCudnnTakes) {
   const at::Tensor cpu = at::zeros({4, 2, 64}, at::kBFloat16);

@@ -279,11 +279,15 @@ def test_transformers_loads_dta_checkpoint(binary, checkpoint, rollouts, export,
 
     # The weights transformers loads are ours, bit for bit (rounded to bf16 for the export).
     want = copy.deepcopy(model) if export == "float32" else bf16_rounded(model)
+    assert_same_model(loaded, want, data[0]["tokens"])
+
+
+def assert_same_model(loaded, want, tokens: list[int]) -> None:
+    """The same parameters bit for bit, hence the same logits (for `tokens`)."""
     want_state, got_state = want.state_dict(), loaded.state_dict()
     assert sorted(want_state) == sorted(got_state)
     for name, tensor in want_state.items():
         assert torch.equal(got_state[name], tensor), name
-    # ... so transformers computes the same logits.
-    ids = torch.tensor(data[0]["tokens"])[None]
+    ids = torch.tensor(tokens)[None]
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, want(input_ids=ids).logits)

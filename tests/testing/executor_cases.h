@@ -16,6 +16,33 @@
 
 namespace dta::testing {
 
+// `c` as a model of `family` ("qwen3": c itself) with what sets the family apart switched on:
+// attention biases (q/k/v, and o_proj for "llama"), no q/k norms, and scaled RoPE whose every band
+// matters within a few hundred positions at head_dim 8. "llama": llama3 scaling with theta 100
+// (wavelengths 6.3 kept, 20 and 63 smoothed, 199 divided by the factor); "qwen2": YaRN (frequency 0
+// extrapolated, 1 half-way, 2 and 3 interpolated; cos and sin scaled by 0.1 ln 4 + 1).
+inline Qwen3Config WithFamily(Qwen3Config c, const std::string& family) {
+  if (family == "qwen3") return c;
+  c.model_type = family;
+  c.attention_bias = true;
+  if (family == "llama") {
+    c.rope_theta = 100.0;
+    c.rope_scaling = {.type = RopeType::kLlama3,
+                      .factor = 8.0,
+                      .original_max_position_embeddings = 64,
+                      .low_freq_factor = 1.0,
+                      .high_freq_factor = 4.0};
+  } else {
+    c.rope_theta = 10000.0;
+    c.rope_scaling = {.type = RopeType::kYarn,
+                      .factor = 4.0,
+                      .original_max_position_embeddings = 32,
+                      .beta_fast = 8.0,
+                      .beta_slow = 0.5};
+  }
+  return c;
+}
+
 // Rollouts over the given token sequences with random masks, behaviour and reference
 // log-probabilities, rewards, two GRPO groups, and per-token advantages on some.
 inline std::vector<Rollout> MakeRollouts(const std::vector<std::vector<TokenId>>& sequences,

@@ -436,7 +436,7 @@ def _diagnostics(d: dict[str, float]) -> dict[str, float | None]:
 
 
 class Trainer:
-    """A Qwen3 model, its AdamW optimizer and the executor, in this process.
+    """A Qwen3, Qwen2/Qwen2.5 or Llama 3 model, its AdamW optimizer and the executor, in this process.
 
     Not copyable; parameters and gradients are live torch tensors shared with the executor.
     Errors in trajectories raise ValueError naming the trajectory and the field; errors from the
@@ -452,7 +452,8 @@ class Trainer:
                  longest_rollout: int = 8192,
                  timeout_s: int = 600, nonfinite_gradients: str = "raise", progress: str = "auto",
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
-        """Loads a Hugging Face Qwen3 directory (config.json + model.safetensors or shards).
+        """Loads a Hugging Face Qwen3, Qwen2/Qwen2.5 or Llama 3 directory (config.json +
+        model.safetensors or shards; docs/usage.md, "Model families", says what is refused).
 
         Args:
             model: The directory.
@@ -527,8 +528,9 @@ class Trainer:
                     nonfinite_gradients: str = "raise", progress: str = "auto",
                     tensorboard_dir: str | os.PathLike[str] | None = None) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
-        ``-4b``, ``-8b``) or a config.json (the same model at every tensor-parallel size); other
-        arguments as the constructor's.
+        ``-4b``, ``-8b``, ``-14b``, ``-32b``, ``qwen2.5-1.5b``, ``llama-3.2-1b``, ``llama-3.1-8b``) or a
+        config.json (the same model at every tensor-parallel size); other arguments as the
+        constructor's.
 
         Raises:
             RuntimeError: Neither a preset nor a valid config.json (naming it).

@@ -73,6 +73,25 @@ TEST(ExecutorMemory, MatchesAHandCountForASmallConfig) {
   EXPECT_EQ(half.logprob_head, 8 * 500 * 10);
 }
 
+// Without q/k norms (Qwen2, Llama) a graph keeps neither q and k before RoPE nor their norms'
+// 1/rms; biases keep nothing.
+TEST(ExecutorMemory, FamiliesWithoutQkNormsKeepLessPerLayer) {
+  const ExecutorMemoryOptions options{
+      .longest_rollout = 100, .block_size = 32, .graph_budget = 16, .logprob_slice_rows = 8};
+  for (const char* family : {"qwen2", "llama"}) {
+    Qwen3Config c = Tiny();
+    c.model_type = family;
+    c.attention_bias = true;
+    const ExecutorMemoryEstimate m = EstimateExecutorMemory(c, options);
+    // Per layer: 512, (2 x 64 + 2 x 32 + 2 x 96) x 2 = 768, 4 x (2 + 4) = 24: 1,304, twice.
+    EXPECT_EQ(m.graphs, 48 * (2 * 1304 + 792)) << family;
+    const ExecutorMemoryEstimate qwen3 = EstimateExecutorMemory(Tiny(), options);
+    EXPECT_EQ(m.stack, qwen3.stack) << family;
+    EXPECT_EQ(m.workspace, qwen3.workspace) << family;
+    EXPECT_EQ(m.logprob_head, qwen3.logprob_head) << family;
+  }
+}
+
 TEST(ExecutorMemory, MethodsAndAutomaticCapacities) {
   // Automatic B and budget: a 2,048-token chunk (or the whole rollout if shorter), no kept graphs.
   ExecutorTokens t = PlannedExecutorTokens({.longest_rollout = 8192});

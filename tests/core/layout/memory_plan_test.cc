@@ -46,6 +46,23 @@ TEST(CountParameters, MatchesThePublishedModels) {
   EXPECT_EQ(CountParameters(untied).total() - CountParameters(tied).total(), 151936 * 2048);
 }
 
+// The other families' presets against their published parameter counts (model cards and
+// model.safetensors.index.json totals): biases counted, q/k norms not.
+TEST(CountParameters, MatchesThePublishedModelsOfEachFamily) {
+  EXPECT_EQ(CountParameters(*Qwen3ConfigPreset("llama-3.1-8b")).total(), 8030261248);
+  EXPECT_EQ(CountParameters(*Qwen3ConfigPreset("llama-3.2-1b")).total(), 1235814400);
+  const ParameterCount qwen25 = CountParameters(*Qwen3ConfigPreset("qwen2.5-1.5b"));
+  EXPECT_EQ(qwen25.total(), 1543714304);
+  // Per layer: 2 RMSNorms of 1536; the q/k/v biases split with their projections.
+  EXPECT_EQ(qwen25.replicated, 28 * 2 * 1536 + 1536);
+  Qwen3Config with_o_bias = *Qwen3ConfigPreset("llama-3.2-1b");
+  with_o_bias.attention_bias = true;  // q/k/v (2048 + 2 x 512) and o_proj (2048) per layer
+  const ParameterCount biased = CountParameters(with_o_bias);
+  EXPECT_EQ(biased.total() - 1235814400, 16 * (2048 + 2 * 512 + 2048));
+  EXPECT_EQ(biased.replicated - CountParameters(*Qwen3ConfigPreset("llama-3.2-1b")).replicated,
+            16 * 2048);
+}
+
 TEST(EstimateMemory, CountsEighteenBytesPerParameterWithoutSharding) {
   const Qwen3Config config = Qwen3_8B();
   const int64_t p = CountParameters(config).total();

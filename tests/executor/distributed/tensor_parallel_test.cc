@@ -2,7 +2,9 @@
 // 2 or 4 ranks (Gloo, ranks as threads, float64), every method computes the single-process loss,
 // log-probabilities and every parameter's gradient (each rank's part of it) to relative error
 // 1e-10, on random trees with duplicates, prefix rollouts, one-token segments, deep chains and wide
-// branches, for every loss, several block sizes, packing and a graph budget. With data parallelism
+// branches, for every loss, several block sizes, packing and a graph budget, for Qwen3 and for the
+// families with attention biases (Llama's q/k/v/o: o_proj's bias whole on every rank; Qwen2's
+// q/k/v: split with their rows) and scaled RoPE without q/k norms. With data parallelism
 // on top (DP x TP = 2 x 2) and every optimizer layout, the parameters after several clipped AdamW
 // steps equal one process's.
 #include <gmock/gmock.h>
@@ -46,6 +48,12 @@ Qwen3Config TensorParallelConfig(bool tied) {
   return c;
 }
 
+// The same shape as another family (testing::WithFamily: attention biases, no q/k norms, scaled
+// RoPE).
+Qwen3Config FamilyConfig(const std::string& family, bool tied) {
+  return testing::WithFamily(TensorParallelConfig(tied), family);
+}
+
 std::vector<std::pair<std::string, ExecutorOptions>> Methods(int64_t longest) {
   std::vector<std::pair<std::string, ExecutorOptions>> methods = {
       {"dense", {.method = Method::kDense}},
@@ -68,8 +76,9 @@ std::vector<std::pair<std::string, ExecutorOptions>> Methods(int64_t longest) {
 }
 
 // Every method on `tp` ranks equals the same method in one process.
-void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_index) {
-  const Qwen3Config config = TensorParallelConfig(tied);
+void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_index,
+                               const std::string& family = "qwen3") {
+  const Qwen3Config config = FamilyConfig(family, tied);
   // Trees over four tokens, spread over the vocabulary so that every rank's slice is used.
   auto sequences = testing::RandomRollouts(seed, {.max_rollouts = 8, .max_length = 10, .vocab = 4});
   for (auto& tokens : sequences) {
@@ -102,7 +111,7 @@ void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_ind
           << named[i].first;
     }
     for (size_t m = 0; m < methods.size(); ++m) {
-      SCOPED_TRACE("TP " + std::to_string(tp) + " rank " + std::to_string(group.rank()) +
+      SCOPED_TRACE(family + " TP " + std::to_string(tp) + " rank " + std::to_string(group.rank()) +
                    (tied ? " tied" : "") + " seed " + std::to_string(seed) + " " + loss_name + " " +
                    methods[m].first);
       const testing::MethodRun run = testing::RunMethod(model, rollouts, loss, methods[m].second);
@@ -141,6 +150,15 @@ TEST(TensorParallel, FourRanksEveryMethod) {
 TEST(TensorParallel, TiedEmbeddings) {
   ExpectTensorParallelExact(2, /*tied=*/true, /*seed=*/7, /*loss_index=*/5);
   ExpectTensorParallelExact(4, /*tied=*/true, /*seed=*/8, /*loss_index=*/3);
+}
+
+// Llama (q/k/v/o biases, llama3 rope) and Qwen2 (q/k/v biases, YaRN): every rank's part of every
+// bias gradient equals the single process's.
+TEST(TensorParallel, FamiliesWithBiases) {
+  ExpectTensorParallelExact(2, /*tied=*/false, /*seed=*/11, /*loss_index=*/1, "llama");
+  ExpectTensorParallelExact(4, /*tied=*/true, /*seed=*/12, /*loss_index=*/5, "llama");
+  ExpectTensorParallelExact(2, /*tied=*/true, /*seed=*/13, /*loss_index=*/3, "qwen2");
+  ExpectTensorParallelExact(4, /*tied=*/false, /*seed=*/14, /*loss_index=*/0, "qwen2");
 }
 
 // DP x TP = 2 x 2 with each optimizer layout: after three clipped AdamW steps on a batch split
@@ -284,6 +302,23 @@ TEST(TensorParallel, SplitsFollowHeadsMlpAndVocabulary) {
   });
 }
 
+TEST(TensorParallel, ColumnParallelBiasesSplitAndOProjsIsWhole) {
+  const Qwen3Config config = FamilyConfig("llama", false);
+  testing::RunRanks(4, [&](ProcessGroup& group) {
+    Qwen3Model model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    EXPECT_EQ(model.parameter("model.layers.0.self_attn.q_proj.bias").size(0), 2 * 8);
+    EXPECT_EQ(model.parameter("model.layers.0.self_attn.k_proj.bias").size(0), 1 * 8);
+    EXPECT_EQ(model.parameter("model.layers.0.self_attn.v_proj.bias").size(0), 1 * 8);
+    EXPECT_EQ(model.parameter("model.layers.0.self_attn.o_proj.bias").size(0), 16);
+    const TensorParallelNorm scope = model.gradient_norm_scope();
+    for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+      const std::string& name = model.named_parameters()[i].first;
+      if (name.ends_with("o_proj.bias")) EXPECT_TRUE(scope.replicated[i]) << name;
+      if (name.ends_with("q_proj.bias")) EXPECT_FALSE(scope.replicated[i]) << name;
+    }
+  });
+}
+
 TEST(TensorParallel, RefusesSizesThatDoNotDivideTheKvHeads) {
   testing::RunRanks(3, [&](ProcessGroup& group) {
     EXPECT_THAT(
@@ -302,6 +337,22 @@ TEST(TensorParallel, GraphBytesPerTokenDivideWithTheSplitParts) {
   // The residual stream stays whole: 2 x hidden x 4 bytes per layer.
   const int64_t residual = c.num_hidden_layers * 2 * c.hidden_size * 4;
   EXPECT_EQ(one - residual, 2 * (two - residual));
+}
+
+// Without q/k norms RoPE keeps nothing: q and k before it are not saved.
+TEST(TensorParallel, GraphBytesPerTokenWithoutQkNormsKeepsNoPreNormQk) {
+  const Qwen3Config qwen3 = FamilyConfig("qwen3", false);
+  for (const std::string family : {"llama", "qwen2"}) {
+    const Qwen3Config other = FamilyConfig(family, false);
+    for (int tp : {1, 2, 4}) {
+      const int64_t q = qwen3.num_attention_heads / tp * qwen3.head_dim;
+      const int64_t kv = qwen3.num_key_value_heads / tp * qwen3.head_dim;
+      EXPECT_EQ(GraphBytesPerToken(qwen3, at::kBFloat16, tp) -
+                    GraphBytesPerToken(other, at::kBFloat16, tp),
+                qwen3.num_hidden_layers * (q + kv) * 2)
+          << family << " TP " << tp;
+    }
+  }
 }
 
 // Rank 0 of a two-rank group whose collectives change nothing (the numbers are one rank's partial

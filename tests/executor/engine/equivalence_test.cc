@@ -2,12 +2,16 @@
 // the same gradient of every parameter (float64, relative error <= 1e-9), on random trees with
 // duplicates, prefix rollouts, one-token segments, a long chain and a wide branch, for every loss,
 // for B in {1, 3, 64, unbounded}, both leaf orders, with and without a graph budget and packing.
+// The random trees, the adversarial small trees, a 400-token chain and a 64-way branch run for
+// every model family (FamilyEquivalence): Qwen3, Llama with q/k/v/o biases and llama3 rope scaling,
+// Qwen2 with q/k/v biases and YaRN (testing::WithFamily).
 #include "executor/engine/executor.h"
 
 #include "executor/optim/adamw.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -61,8 +65,8 @@ void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& 
 
 class Equivalence : public ::testing::Test {
  protected:
-  explicit Equivalence(int64_t vocab = 19)
-      : model_(TinyConfig(vocab), at::TensorOptions().dtype(at::kDouble)) {
+  explicit Equivalence(const Qwen3Config& config = TinyConfig())
+      : model_(config, at::TensorOptions().dtype(at::kDouble)) {
     model_.InitRandom(7, 0.3);
   }
 
@@ -117,7 +121,49 @@ class Equivalence : public ::testing::Test {
   Qwen3Model model_;
 };
 
-TEST_F(Equivalence, RandomTreesEveryLoss) {
+TEST_F(Equivalence, LongChain) {
+  std::vector<TokenId> chain(10000);
+  for (size_t i = 0; i < chain.size(); ++i) chain[i] = static_cast<TokenId>((i * 7) % 19);
+  std::vector<TokenId> branch(chain.begin(), chain.begin() + 7000);
+  branch.push_back(3);
+  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {1024});
+}
+
+class WideEquivalence : public Equivalence {
+ protected:
+  WideEquivalence() : Equivalence(TinyConfig(/*vocab=*/530)) {}
+};
+
+TEST_F(WideEquivalence, FiveHundredTwelveWayBranch) {
+  std::vector<std::vector<TokenId>> sequences;
+  for (TokenId i = 0; i < 512; ++i) sequences.push_back({1, 2, 3, 4, 5 + i, 7 + (i % 3)});
+  CheckAllMethods(MakeRollouts(sequences, 9, 530), {.kind = LossKind::kPpo}, "512-way",
+                  {3, kUnboundedBlock});
+}
+
+// The adversarial trees for each family. Every parameter's gradient is compared, biases included
+// (ExpectSame also requires each reference gradient to be non-zero).
+class FamilyEquivalence : public Equivalence, public ::testing::WithParamInterface<std::string> {
+ protected:
+  FamilyEquivalence() : Equivalence(testing::WithFamily(TinyConfig(), GetParam())) {}
+};
+
+TEST_P(FamilyEquivalence, HasTheFamilysBiasesAndNorms) {
+  std::vector<std::string> names;
+  for (const auto& [name, p] : model_.named_parameters()) names.push_back(name);
+  const auto has = [&](const std::string& name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  const bool qwen3 = GetParam() == "qwen3";
+  EXPECT_EQ(has("model.layers.1.self_attn.q_proj.bias"), !qwen3);
+  EXPECT_EQ(has("model.layers.1.self_attn.k_proj.bias"), !qwen3);
+  EXPECT_EQ(has("model.layers.1.self_attn.v_proj.bias"), !qwen3);
+  EXPECT_EQ(has("model.layers.1.self_attn.o_proj.bias"), GetParam() == "llama");
+  EXPECT_EQ(has("model.layers.1.self_attn.q_norm.weight"), qwen3);
+  EXPECT_EQ(has("model.layers.1.self_attn.k_norm.weight"), qwen3);
+}
+
+TEST_P(FamilyEquivalence, RandomTreesEveryLoss) {
   const auto losses = Losses();
   for (uint64_t seed = 0; seed < 12; ++seed) {
     const auto sequences =
@@ -128,7 +174,7 @@ TEST_F(Equivalence, RandomTreesEveryLoss) {
   }
 }
 
-TEST_F(Equivalence, SharedPrefixWithDifferentAdvantagesAndMasks) {
+TEST_P(FamilyEquivalence, SharedPrefixWithDifferentAdvantagesAndMasks) {
   // Three rollouts share 6 tokens but carry different masks and advantages on them.
   std::vector<Rollout> rollouts =
       MakeRollouts({{1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6, 8, 9}, {1, 2, 3, 4, 5, 6}}, 3);
@@ -141,32 +187,35 @@ TEST_F(Equivalence, SharedPrefixWithDifferentAdvantagesAndMasks) {
   for (const auto& [name, loss] : Losses()) CheckAllMethods(rollouts, loss, name);
 }
 
-TEST_F(Equivalence, DuplicatesPrefixesAndOneTokenRollouts) {
+TEST_P(FamilyEquivalence, DuplicatesPrefixesAndOneTokenRollouts) {
   const std::vector<Rollout> rollouts =
       MakeRollouts({{5}, {5, 6}, {5, 6}, {5, 6, 7}, {5}, {4}, {5, 6, 7, 8, 9, 10}, {5, 6, 7}}, 11);
   CheckAllMethods(rollouts, {.kind = LossKind::kPpo}, "ppo");
   CheckAllMethods(rollouts, {.kind = LossKind::kSft}, "sft");
 }
 
-TEST_F(Equivalence, LongChain) {
-  std::vector<TokenId> chain(10000);
+// Deep enough that positions pass every band of the scaled RoPE (up to 6x the original context);
+// the 10,000-token chain runs for Qwen3 only (LongChain).
+TEST_P(FamilyEquivalence, DeepChainWithABranch) {
+  std::vector<TokenId> chain(400);
   for (size_t i = 0; i < chain.size(); ++i) chain[i] = static_cast<TokenId>((i * 7) % 19);
-  std::vector<TokenId> branch(chain.begin(), chain.begin() + 7000);
+  std::vector<TokenId> branch(chain.begin(), chain.begin() + 250);
   branch.push_back(3);
-  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {1024});
+  CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {1, 64});
 }
 
-class WideEquivalence : public Equivalence {
- protected:
-  WideEquivalence() : Equivalence(/*vocab=*/530) {}
-};
-
-TEST_F(WideEquivalence, FiveHundredTwelveWayBranch) {
+// A wide branch within the 19-token vocabulary (the 512-way one: WideEquivalence, Qwen3 only).
+TEST_P(FamilyEquivalence, SixtyFourWayBranch) {
   std::vector<std::vector<TokenId>> sequences;
-  for (TokenId i = 0; i < 512; ++i) sequences.push_back({1, 2, 3, 4, 5 + i, 7 + (i % 3)});
-  CheckAllMethods(MakeRollouts(sequences, 9, 530), {.kind = LossKind::kPpo}, "512-way",
+  for (TokenId i = 0; i < 64; ++i) sequences.push_back({1, 2, 3, 4, 5 + i % 8, 5 + i / 8, 7});
+  CheckAllMethods(MakeRollouts(sequences, 9), {.kind = LossKind::kPpo}, "64-way",
                   {3, kUnboundedBlock});
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyEquivalence, ::testing::Values("qwen3", "llama", "qwen2"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
   const auto rollouts =

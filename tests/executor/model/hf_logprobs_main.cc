@@ -1,13 +1,17 @@
-// dta-hf-logprobs: a test helper for tests/python/test_hf_parity.py. Loads a Hugging Face Qwen3
-// checkpoint with LoadQwen3Model, computes every rollout's per-token log-probabilities with
-// ComputeLogprobs and writes them as JSON, {"rollout id": [logprob per token, 0 first], ...};
-// optionally saves the loaded model again with SaveQwen3Model (for loading into transformers).
+// dta-hf-logprobs: a test helper for tests/python/test_hf_parity*.py. Loads a Hugging Face
+// checkpoint (Qwen3, Qwen2, Llama) with LoadQwen3Model, computes every rollout's per-token
+// log-probabilities with ComputeLogprobs and writes them as JSON, {"rollout id": [logprob per
+// token, 0 first], ...}; optionally the gradient of every parameter for the summed negative
+// log-likelihood of the loss-masked tokens (an SFT loss without normalisation), and optionally
+// saves the loaded model again with SaveQwen3Model (for loading into transformers).
 //
 //   dta-hf-logprobs MODEL_DIR ROLLOUTS.jsonl OUT.json DTYPE METHOD [options]
 //     DTYPE   float32 | float64 (the model's dtype; the checkpoint is converted on load)
 //     METHOD  dense | packed | dta
 //   options:
 //     --block-size N          dta's backward chunk size B (default unbounded)
+//     --gradients FILE        also write every parameter's gradient (safetensors, HF names) of
+//                             -sum over rollouts and loss-masked tokens of the log-probability
 //     --resave DIR            also save the loaded model to DIR
 //     --resave-dtype NAME     bfloat16 | float16 | float32 | float64 (default: DTYPE)
 //     --resave-shard-bytes N  shard the resaved weights above N bytes (default 5 GiB)
@@ -36,7 +40,8 @@ constexpr int kBadArguments = 2;
 
 constexpr const char* kUsage =
     "usage: dta-hf-logprobs MODEL_DIR ROLLOUTS.jsonl OUT.json float32|float64 dense|packed|dta\n"
-    "         [--block-size N] [--resave DIR] [--resave-dtype bfloat16|float16|float32|float64]\n"
+    "         [--block-size N] [--gradients FILE] [--resave DIR]\n"
+    "         [--resave-dtype bfloat16|float16|float32|float64]\n"
     "         [--resave-shard-bytes N]\n";
 
 std::optional<at::ScalarType> ParseDtype(const std::string& name) {
@@ -67,6 +72,7 @@ int Run(int argc, char** argv) {
   std::vector<std::string> positional;
   ExecutorOptions options;
   std::string resave;
+  std::string gradients;
   std::optional<at::ScalarType> resave_dtype;
   int64_t shard_bytes = int64_t{5} << 30;
   for (int i = 1; i < argc; ++i) {
@@ -76,6 +82,8 @@ int Run(int argc, char** argv) {
       const std::string value = argv[++i];
       if (arg == "--resave") {
         resave = value;
+      } else if (arg == "--gradients") {
+        gradients = value;
       } else if (arg == "--resave-dtype") {
         resave_dtype = ParseDtype(value);
         if (!resave_dtype) return BadArguments("unknown --resave-dtype " + value);
@@ -132,6 +140,18 @@ int Run(int argc, char** argv) {
     if (!file) {
       std::cerr << "dta-hf-logprobs: cannot write " << out_path << "\n";
       return kFailed;
+    }
+    if (!gradients.empty()) {
+      LossOptions sft;
+      sft.kind = LossKind::kSft;
+      sft.normalization = Normalization::kSum;
+      ComputeGradients(model, *rollouts, sft, options);
+      std::vector<std::pair<std::string, at::Tensor>> grads;
+      for (const auto& [name, parameter] : model.named_parameters()) {
+        TORCH_CHECK(parameter.grad().defined(), "no gradient for ", name);
+        grads.emplace_back(name, parameter.grad());
+      }
+      SaveNamedTensors(grads, gradients);
     }
     if (!resave.empty()) SaveQwen3Model(model, resave, resave_dtype.value_or(*dtype), shard_bytes);
   } catch (const c10::Error& e) {

@@ -1,6 +1,9 @@
 // Qwen3Model's parameters: the layout planner's count (core/layout) is exactly what it allocates,
-// and InitRandom draws the same weights however many threads draw them.
+// for every family (q/k norms, attention biases), and InitRandom draws the same weights however
+// many threads draw them.
 #include <ATen/Parallel.h>
+
+#include <string>
 
 #include "core/layout/memory_plan.h"
 #include "executor/model/qwen3_model.h"
@@ -10,28 +13,58 @@
 namespace dta {
 namespace {
 
+Qwen3Config SmallConfig(bool tie) {
+  Qwen3Config c;
+  c.vocab_size = 37;
+  c.hidden_size = 24;
+  c.intermediate_size = 40;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 6;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.tie_word_embeddings = tie;
+  return c;
+}
+
+// CountParameters(c) is what a model of c allocates, in all and whole on every tensor-parallel rank
+// (the norms, o_proj's bias). Returns how many of the model's elements are biases.
+int64_t ExpectCountIsTheModels(const Qwen3Config& c, const std::string& what) {
+  const Qwen3Model model(c, at::TensorOptions().dtype(at::kFloat));
+  int64_t total = 0;
+  int64_t replicated = 0;
+  int64_t biases = 0;
+  for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+    const auto& [name, p] = model.named_parameters()[i];
+    total += p.numel();
+    if (model.parameter_splits()[i].replicated()) replicated += p.numel();
+    if (name.ends_with(".bias")) biases += p.numel();
+  }
+  const ParameterCount count = CountParameters(c);
+  EXPECT_EQ(count.total(), total) << what;
+  EXPECT_EQ(count.replicated, replicated) << what;
+  return biases;
+}
+
 TEST(ParameterCount, EqualsTheModelsParameters) {
   for (const bool tie : {false, true}) {
-    Qwen3Config c;
-    c.vocab_size = 37;
-    c.hidden_size = 24;
-    c.intermediate_size = 40;
-    c.num_hidden_layers = 3;
-    c.num_attention_heads = 6;
-    c.num_key_value_heads = 2;
-    c.head_dim = 8;
-    c.tie_word_embeddings = tie;
-    const Qwen3Model model(c, at::TensorOptions().dtype(at::kFloat));
-    int64_t total = 0;
-    int64_t norms = 0;
-    for (const auto& [name, p] : model.named_parameters()) {
-      total += p.numel();
-      if (name.find("norm") != std::string::npos) norms += p.numel();
-    }
-    const ParameterCount count = CountParameters(c);
-    EXPECT_EQ(count.total(), total) << "tie " << tie;
-    EXPECT_EQ(count.replicated, norms) << "tie " << tie;
+    EXPECT_EQ(ExpectCountIsTheModels(SmallConfig(tie), tie ? "tied" : "untied"), 0);
   }
+}
+
+TEST(ParameterCount, CountsEachFamilysBiasesAndNorms) {
+  // q, k and v (6 + 2 + 2 heads of 8) in each of 3 layers; Llama's o_proj 24 more.
+  Qwen3Config qwen2 = SmallConfig(false);
+  qwen2.model_type = "qwen2";
+  qwen2.attention_bias = true;
+  EXPECT_EQ(ExpectCountIsTheModels(qwen2, "qwen2"), 3 * 80);
+  Qwen3Config llama = SmallConfig(true);
+  llama.model_type = "llama";
+  EXPECT_EQ(ExpectCountIsTheModels(llama, "llama"), 0);
+  llama.attention_bias = true;
+  EXPECT_EQ(ExpectCountIsTheModels(llama, "llama with biases"), 3 * (80 + 24));
+  // Without q/k norms: 2 x 8 fewer replicated elements per layer than Qwen3.
+  EXPECT_EQ(CountParameters(SmallConfig(false)).replicated - CountParameters(qwen2).replicated,
+            3 * 2 * 8);
 }
 
 // The embedding (2.56M elements) is drawn in three pieces of 2^20 from their own generators.

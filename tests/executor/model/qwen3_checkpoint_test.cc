@@ -138,6 +138,51 @@ TEST(Qwen3CheckpointTest, RoundTripFloat32IsBitExact) { ExpectRoundTrip(at::kFlo
 
 TEST(Qwen3CheckpointTest, RoundTripFloat64IsBitExact) { ExpectRoundTrip(at::kDouble); }
 
+// Llama with q/k/v/o biases and llama3 rope scaling, Qwen2 with q/k/v biases and YaRN: the biases
+// are saved under their Hugging Face names, config.json names the family, and everything loads back
+// bit for bit (sharded too).
+TEST(Qwen3CheckpointTest, FamiliesRoundTripWithTheirBiases) {
+  for (const std::string family : {"llama", "qwen2"}) {
+    SCOPED_TRACE(family);
+    Qwen3Config config = TinyConfig(/*tied=*/family == "qwen2");
+    config.model_type = family;
+    config.attention_bias = true;
+    config.rope_scaling = family == "llama" ? RopeScaling{.type = RopeType::kLlama3,
+                                                          .factor = 8.0,
+                                                          .original_max_position_embeddings = 64,
+                                                          .low_freq_factor = 1.0,
+                                                          .high_freq_factor = 4.0}
+                                            : RopeScaling{.type = RopeType::kYarn,
+                                                          .factor = 4.0,
+                                                          .original_max_position_embeddings = 128,
+                                                          .beta_fast = 16.0,
+                                                          .mscale = 1.0,
+                                                          .mscale_all_dim = 0.5};
+    for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      Qwen3Model model(config, at::TensorOptions().dtype(dtype));
+      model.InitRandom(5, 0.1);
+      for (const int64_t shard_bytes : {int64_t{5} << 30, int64_t{4096}}) {
+        const TestDirectory dir_holder;
+        const std::string& dir = dir_holder;
+        SaveQwen3Model(model, dir, std::nullopt, shard_bytes);
+        absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(dir);
+        ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+        const std::set<std::string> names(checkpoint->names().begin(), checkpoint->names().end());
+        EXPECT_TRUE(names.count("model.layers.1.self_attn.q_proj.bias"));
+        EXPECT_TRUE(names.count("model.layers.1.self_attn.k_proj.bias"));
+        EXPECT_TRUE(names.count("model.layers.1.self_attn.v_proj.bias"));
+        EXPECT_EQ(names.count("model.layers.1.self_attn.o_proj.bias"), family == "llama" ? 1u : 0u);
+        EXPECT_FALSE(names.count("model.layers.1.self_attn.q_norm.weight"));
+        const Qwen3Model loaded = LoadQwen3Model(dir, at::TensorOptions().dtype(dtype));
+        Qwen3Config expected = config;
+        expected.torch_dtype = dtype == at::kDouble ? "float64" : "float32";
+        EXPECT_EQ(loaded.config(), expected);
+        ExpectSameParameters(model, loaded);
+      }
+    }
+  }
+}
+
 TEST(Qwen3CheckpointTest, Bf16ExportStoresBf16AndLoadsIntoAnyDtype) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;

@@ -1,0 +1,60 @@
+// The model families dta builds, keyed by config.json's "model_type": what each family's decoder
+// has beyond the shared dense architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP,
+// optional tied embeddings), which transformers defaults apply to absent config.json fields, and
+// which config.json fields each family writes. One table (model_family.cc) instead of model_type
+// comparisons spread over the parser, the writer and the model.
+//
+//   qwen3  Qwen3ForCausalLM: per-head q/k RMSNorm before RoPE; no attention biases.
+//   qwen2  Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q_proj, k_proj and v_proj (not o_proj),
+//          always (its config.json has no attention_bias); no q/k norm.
+//   llama  LlamaForCausalLM (Llama 3, 3.1, 3.2): attention_bias (default false) puts biases on
+//          q_proj, k_proj, v_proj and o_proj, as transformers' LlamaAttention; mlp_bias must be
+//          false; no q/k norm; head_dim defaults to hidden_size / num_attention_heads.
+//
+// Thread safety: the table is immutable; every function may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dta {
+
+// How a family's attention projections carry biases (Qwen3Config::attention_bias then says
+// whether q_proj, k_proj and v_proj have them).
+enum class AttentionBiasRule {
+  kNone,        // none: attention_bias true is refused (UNIMPLEMENTED)
+  kQkvAlways,   // q/k/v always, o_proj never; config.json's attention_bias is not read
+  kFromConfig,  // config.json's attention_bias (default false) for q/k/v and o_proj alike
+};
+
+struct ModelFamily {
+  std::string_view model_type;    // config.json's "model_type"
+  std::string_view architecture;  // config.json's "architectures" entry
+  std::string_view name;          // for messages, e.g. "Qwen2/Qwen2.5"
+  bool qk_norm;                   // per-head RMSNorm of q and k (q_norm, k_norm) before RoPE
+  AttentionBiasRule attention_bias;
+  // transformers' defaults (its <Family>Config) for fields absent from config.json. head_dim 0:
+  // hidden_size / num_attention_heads (integer division, as transformers).
+  int64_t default_vocab_size;
+  int64_t default_head_dim;
+  int64_t default_max_position_embeddings;
+  // Sliding-window fields (use_sliding_window, sliding_window, max_window_layers, layer_types):
+  // read (a sliding layer is refused) and written. Families without them ignore them, as
+  // transformers does.
+  bool sliding_window_fields;
+  // mlp_bias and pretraining_tp: read (mlp_bias true is refused) and written.
+  bool mlp_bias_field;
+  // transformers refuses a hidden_size that num_attention_heads does not divide (even with an
+  // explicit head_dim).
+  bool hidden_divisible_by_heads;
+};
+
+// The family of `model_type` ("qwen3", "qwen2", "llama"), or nullptr when dta has none.
+const ModelFamily* FindModelFamily(std::string_view model_type);
+
+// Every supported model_type, sorted: "llama", "qwen2", "qwen3".
+std::vector<std::string> ModelFamilyTypes();
+
+}  // namespace dta

@@ -1,0 +1,262 @@
+"""Parity with Hugging Face transformers' Llama and Qwen2 (the families beside Qwen3).
+
+Tiny random LlamaForCausalLM and Qwen2ForCausalLM models are built and saved with transformers,
+covering every rope type dta supports and every kind of attention bias:
+
+    llama-llama3      Llama, llama3 rope scaling (all three bands of frequencies), no biases
+    llama-bias-linear Llama with attention_bias (q/k/v/o biases), linear rope scaling, tied
+    llama-yarn-mscale Llama with attention_bias, yarn with mscale / mscale_all_dim, head_dim absent
+    qwen2             Qwen2 (q/k/v biases, no o_proj bias), default rope, tied
+    qwen2-yarn        Qwen2 with yarn rope scaling (beta_fast, beta_slow; attention factor from
+                      the factor), head_dim other than hidden_size / num_attention_heads
+
+build/bin/dta-hf-logprobs loads each with LoadQwen3Model and computes every rollout's per-token
+log-probabilities with each method (dense, packed, dta, dta with B = 7): they must equal
+transformers' within 1e-5 in float32 and 1e-10 in float64. In float64 the gradient of every
+parameter (biases included) of the summed negative log-likelihood must equal transformers'
+autograd to a relative error of 1e-9, for every method. And a model saved by SaveQwen3Model loads
+in transformers' from_pretrained with no missing, unexpected or mismatched keys, the same config
+(model_type, architectures, rope parameters, biases) and the same weights and logits bit for bit.
+
+float64: as for Qwen3 (test_hf_parity.py), transformers' RMSNorm and rotary embedding compute in
+float32 whatever the input; inside `exact_float64` only, LlamaRMSNorm / Qwen2RMSNorm and the
+rotary embeddings compute in the input's dtype with the same formulas. The inverse frequencies of
+each rope type are transformers' rope_init_fn expressions, here in float64 (`inv_freq`); the float32
+comparison runs transformers unpatched, so it checks those expressions too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama import modeling_llama
+from transformers.models.qwen2 import modeling_qwen2
+
+from test_hf_parity import (METHODS, TOLERANCE, VOCAB, _rms_norm_in_input_dtype, assert_same_model,  # noqa: F401
+                            binary, hf_logprobs, max_difference, rollouts, run_binary)
+
+GRADIENT_TOLERANCE = 1e-9
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+VARIANTS = {
+    # original_max_position_embeddings 64, low 1, high 4: wavelengths below 16 kept, above 64
+    # divided by the factor, between interpolated (head_dim 16, theta 10000: all three occur).
+    "llama-llama3": lambda: LlamaForCausalLM(LlamaConfig(
+        **COMMON, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama-bias-linear": lambda: LlamaForCausalLM(LlamaConfig(
+        **COMMON, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0})),
+    "llama-yarn-mscale": lambda: LlamaForCausalLM(LlamaConfig(
+        **COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "mscale": 0.707, "mscale_all_dim": 1.3})),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **COMMON, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2-yarn": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **COMMON, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 256, "beta_fast": 8.0, "beta_slow": 0.5})),
+}
+
+
+def random_model(variant: str):
+    torch.manual_seed(4321 + sorted(VARIANTS).index(variant))
+    model = VARIANTS[variant]().eval()
+    assert model.config._attn_implementation == "sdpa"
+    # Larger than transformers' init so that every weight and bias matters.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
+            elif p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+    return model
+
+
+def expected_biases(variant: str) -> set[str]:
+    if variant.startswith("qwen2"):
+        return {"q_proj", "k_proj", "v_proj"}
+    if "bias" in variant or "mscale" in variant:
+        return {"q_proj", "k_proj", "v_proj", "o_proj"}
+    return set()
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    model = random_model(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(directory, safe_serialization=True)
+    config = json.loads((directory / "config.json").read_text())
+    if request.param == "llama-yarn-mscale":
+        # Llama's head_dim may be absent: hidden_size / num_attention_heads.
+        assert config["head_dim"] == 8
+        del config["head_dim"]
+        (directory / "config.json").write_text(json.dumps(config))
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        biases = {name.split(".")[-2] for name in f.keys() if name.endswith(".bias")}
+    assert biases == expected_biases(request.param)
+    return request.param, model, directory
+
+
+# --- the float64 reference ----------------------------------------------------------------------
+
+
+def inv_freq(config, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' rope_init_fn of the config's rope type (modeling_rope_utils.py), in `dtype`."""
+    rope = config.rope_parameters
+    base = rope["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope_type = rope.get("rope_type", "default")
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=dtype) / dim))
+    if rope_type == "default":
+        return inv
+    if rope_type == "linear":
+        return inv / rope["factor"]
+    if rope_type == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    if rope_type == "yarn":
+        factor = rope["factor"]
+        old = rope["original_max_position_embeddings"]
+        beta_fast = rope.get("beta_fast") or 32
+        beta_slow = rope.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = math.floor(correction_dim(beta_fast)), math.ceil(correction_dim(beta_slow))
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=dtype) / dim)
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=dtype) - low) / (high - low), 0, 1)
+        extrapolation_factor = 1 - ramp
+        return (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    raise AssertionError(f"rope type {rope_type}")
+
+
+def _rotary_in_input_dtype(self, x, position_ids):
+    # The module's forward in x's dtype; attention_scaling is the module's own (transformers').
+    freqs = position_ids[..., None].to(x.dtype) * inv_freq(self.config, x.dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+class exact_float64:
+    """Within the block, transformers' Llama and Qwen2 norms and RoPE compute in the input dtype."""
+
+    def __enter__(self):
+        self._patch = pytest.MonkeyPatch()
+        for module, prefix in ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2")):
+            self._patch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", _rms_norm_in_input_dtype)
+            self._patch.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", _rotary_in_input_dtype)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+
+
+def reference(model, data: list[dict], dtype: str) -> dict[str, torch.Tensor]:
+    if dtype == "float32":
+        return hf_logprobs(model, data)
+    with exact_float64():
+        return hf_logprobs(copy.deepcopy(model).to(torch.float64), data)
+
+
+def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
+    """d/dθ of -Σ_rollouts Σ_{t: loss_mask[t]} log p(tokens[t] | tokens[<t]), float64."""
+    model64 = copy.deepcopy(model).to(torch.float64)
+    model64.zero_grad()
+    with exact_float64():
+        for r in data:
+            ids = torch.tensor(r["tokens"], dtype=torch.long)
+            if ids.numel() < 2:
+                continue
+            logits = model64(input_ids=ids[None]).logits[0]
+            logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+            mask = torch.tensor(r["loss_mask"][1:], dtype=torch.float64)
+            (-(logp * mask).sum()).backward()
+    return {name: p.grad.detach().clone() for name, p in model64.named_parameters()}
+
+
+# --- dta vs transformers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_logprobs_match_transformers(binary, checkpoint, rollouts, dtype, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    expected = reference(model, data, dtype)
+    spread = torch.cat([v[1:] for v in expected.values()]).to(torch.float64)
+    assert (spread + math.log(VOCAB)).abs().max() > 1.0, "the reference is too close to uniform"
+
+    runs = [(method, ()) for method in METHODS] + [("dta", ("--block-size", "7"))]
+    for method, options in runs:
+        ours = run_binary(binary, directory, path, tmp_path / f"{method}.json", dtype, method, *options)
+        worst = max_difference(ours, expected)
+        assert worst <= TOLERANCE[dtype], f"{variant} {method} {options} {dtype}: max |dta - transformers| = {worst:.3g}"
+
+
+def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    expected = reference_gradients(model, data)
+    for method, options in [(m, ()) for m in METHODS] + [("dta", ("--block-size", "3"))]:
+        grads = tmp_path / f"{method}-grads.safetensors"
+        run_binary(binary, directory, path, tmp_path / "out.json", "float64", method, "--gradients", str(grads),
+                   *options)
+        with safe_open(str(grads), "pt") as f:
+            ours = {name: f.get_tensor(name) for name in f.keys()}
+        # Tied: transformers' lm_head.weight is the embedding (one gradient, both uses).
+        theirs = {n: g for n, g in expected.items() if not (n == "lm_head.weight" and "lm_head.weight" not in ours)}
+        assert sorted(ours) == sorted(theirs), f"{variant} {method}"
+        for name, grad in theirs.items():
+            assert grad.norm() > 0, f"{variant}: {name} has no gradient in transformers"
+            error = ((ours[name] - grad).norm() / grad.norm()).item()
+            assert error <= GRADIENT_TOLERANCE, f"{variant} {method} {options}: {name} relative error {error:.3g}"
+
+
+# --- transformers loads what dta saves ----------------------------------------------------------
+
+
+def test_transformers_loads_dta_checkpoint(binary, checkpoint, rollouts, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    resaved = tmp_path / "resaved"
+    run_binary(binary, directory, path, tmp_path / "out.json", "float32", "dense", "--resave", str(resaved))
+
+    config = json.loads((resaved / "config.json").read_text())
+    family = type(model)
+    assert config["model_type"] == model.config.model_type
+    assert config["architectures"] == [family.__name__]
+    assert config["torch_dtype"] == "float32"
+
+    loaded, info = family.from_pretrained(resaved, dtype=torch.float32, output_loading_info=True)
+    loaded.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(loaded.config) is type(model.config)
+    assert loaded.config.rope_parameters == model.config.rope_parameters
+    for field in ("head_dim", "tie_word_embeddings", "rms_norm_eps", "num_key_value_heads", "attention_bias"):
+        assert getattr(loaded.config, field, None) == getattr(model.config, field, None), field
+
+    assert_same_model(loaded, model, data[0]["tokens"])
