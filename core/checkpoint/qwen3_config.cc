@@ -206,6 +206,8 @@ absl::Status ParseRope(const Json& json, Qwen3Config& config) {
       if (scaling.beta_fast == 0) scaling.beta_fast = 32.0;
       if (scaling.beta_slow == 0) scaling.beta_slow = 1.0;
       RETURN_IF_ERROR(fields.Bool("truncate", &scaling.truncate));
+      // transformers: `rope_parameters.get("truncate", True)`, so an explicit null is false.
+      if (rope->contains("truncate") && (*rope)["truncate"].is_null()) scaling.truncate = false;
       break;
     }
   }

@@ -108,22 +108,25 @@ absl::Status ValidateQwen3Config(const Qwen3Config& config);
 // Parses a config.json. Required: hidden_size, intermediate_size, num_hidden_layers,
 // num_attention_heads. model_type defaults to "qwen3". Absent optional fields take the defaults of
 // the family's transformers config (which is what Hugging Face would compute from the same file,
-// and differs from this struct's defaults): num_key_value_heads = num_attention_heads, rms_norm_eps
-// 1e-6, rope_theta 10000, tie_word_embeddings false, torch_dtype "float32"; qwen3: vocab_size
-// 151936, head_dim 128, max_position_embeddings 32768; qwen2: vocab_size 151936, head_dim
-// hidden_size / num_attention_heads, max_position_embeddings 32768; llama: vocab_size 32000,
-// head_dim hidden_size / num_attention_heads, max_position_embeddings 2048, attention_bias false.
-// "dtype" is read as torch_dtype. Rope as transformers 5 reads it: the rope_scaling object when
-// present and not empty, else rope_parameters; its rope_theta, else the top-level rope_theta; its
-// rope_type (or "type"); for llama3 and yarn the top-level original_max_position_embeddings, else
-// the object's, else max_position_embeddings; for yarn an absent or null factor is
-// max_position_embeddings / original_max_position_embeddings. INVALID_ARGUMENT naming the field for
-// a missing required field (factor for linear and llama3, low_freq_factor and high_freq_factor for
-// llama3) or a value of the wrong type or range; UNIMPLEMENTED naming the field for a model_type
-// other than "qwen3", "qwen2", "llama", a rope type other than "default", "linear", "llama3",
-// "yarn", partial_rotary_factor other than 1, hidden_act other than "silu", a non-zero
-// attention_dropout, attention_bias true on qwen3, mlp_bias true on llama, and on qwen2/qwen3
-// use_sliding_window true or layer_types other than all "full_attention".
+// and differs from this struct's defaults): rms_norm_eps 1e-6, rope_theta 10000,
+// tie_word_embeddings false, torch_dtype "float32"; qwen3: vocab_size 151936, head_dim 128,
+// max_position_embeddings 32768; qwen2: vocab_size 151936, head_dim hidden_size /
+// num_attention_heads, max_position_embeddings 32768; llama: vocab_size 32000, head_dim
+// hidden_size / num_attention_heads, max_position_embeddings 2048, attention_bias false. One
+// exception: an absent num_key_value_heads is num_attention_heads for every family, where
+// transformers' Qwen2 and Qwen3 configs would take 32 (no published config omits it). "dtype" is
+// read as torch_dtype. Rope as transformers 5 reads it: the rope_scaling object when present and
+// not empty, else rope_parameters; its rope_theta, else the top-level rope_theta; its rope_type (or
+// "type"); for llama3 and yarn the top-level original_max_position_embeddings, else the object's,
+// else max_position_embeddings; for yarn a null factor is max_position_embeddings /
+// original_max_position_embeddings, a null truncate false, a null or 0 beta_fast 32 and beta_slow
+// 1. INVALID_ARGUMENT naming the field for a missing required field (factor for linear, llama3 and
+// yarn, low_freq_factor and high_freq_factor for llama3) or a value of the wrong type or range;
+// UNIMPLEMENTED naming the field for a model_type other than "qwen3", "qwen2", "llama", a rope
+// type other than "default", "linear", "llama3", "yarn", partial_rotary_factor other than 1,
+// hidden_act other than "silu", a non-zero attention_dropout, attention_bias true on qwen3,
+// mlp_bias true on llama, and on qwen2/qwen3 use_sliding_window true or layer_types other than all
+// "full_attention".
 absl::StatusOr<Qwen3Config> ParseQwen3Config(std::string_view json);
 
 // Reads `path`, a config.json or a directory holding one. Errors as ParseQwen3Config, prefixed by

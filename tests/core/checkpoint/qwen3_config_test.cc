@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/core/checkpoint/refused_configs.h"
 #include "tests/core/checkpoint/test_dir.h"
 
 namespace dta {
@@ -290,17 +291,11 @@ TEST(Qwen3Config, LoadErrorsNameTheFile) {
       AllOf(HasSubstr(dir + "/config.json: "), HasSubstr("field 'intermediate_size': missing")));
 }
 
-struct BadConfig {
-  std::string name;
-  std::string edit;  // JSON object merged into the 0.6B config ("null" values delete)
-  absl::StatusCode code;
-  std::string expected;
-};
-
 TEST(Qwen3Config, RejectsBadAndUnsupportedConfigsNamingTheField) {
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
   const auto kUnsupported = absl::StatusCode::kUnimplemented;
-  const std::vector<BadConfig> cases = {
+  // Edits of the 0.6B config.
+  const std::vector<testing::RefusedConfig> cases = {
       {"missing_hidden", R"({"hidden_size": null})", kInvalid, "field 'hidden_size': missing"},
       {"missing_layers", R"({"num_hidden_layers": null})", kInvalid,
        "field 'num_hidden_layers': missing"},
@@ -349,14 +344,7 @@ TEST(Qwen3Config, RejectsBadAndUnsupportedConfigsNamingTheField) {
        "field 'attention_dropout': 0.1 is not supported"},
   };
   const nlohmann::json base = nlohmann::json::parse(kQwen3_0_6B);
-  for (const BadConfig& c : cases) {
-    nlohmann::json json = base;
-    json.merge_patch(nlohmann::json::parse(c.edit));
-    const absl::StatusOr<Qwen3Config> config = ParseQwen3Config(json.dump());
-    ASSERT_FALSE(config.ok()) << c.name;
-    EXPECT_EQ(config.status().code(), c.code) << c.name << ": " << config.status();
-    EXPECT_THAT(std::string(config.status().message()), HasSubstr(c.expected)) << c.name;
-  }
+  testing::ExpectRefused(base, cases);
 
   EXPECT_THAT(std::string(ParseQwen3Config("{\"hidden_size\": ").status().message()),
               HasSubstr("malformed JSON"));

@@ -313,8 +313,11 @@ TEST(TensorParallel, ColumnParallelBiasesSplitAndOProjsIsWhole) {
     const TensorParallelNorm scope = model.gradient_norm_scope();
     for (size_t i = 0; i < model.named_parameters().size(); ++i) {
       const std::string& name = model.named_parameters()[i].first;
-      if (name.ends_with("o_proj.bias")) EXPECT_TRUE(scope.replicated[i]) << name;
-      if (name.ends_with("q_proj.bias")) EXPECT_FALSE(scope.replicated[i]) << name;
+      if (name.ends_with("o_proj.bias")) {
+        EXPECT_TRUE(scope.replicated[i]) << name;
+      } else if (name.ends_with("q_proj.bias")) {
+        EXPECT_FALSE(scope.replicated[i]) << name;
+      }
     }
   });
 }

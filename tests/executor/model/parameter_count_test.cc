@@ -13,19 +13,6 @@
 namespace dta {
 namespace {
 
-Qwen3Config SmallConfig(bool tie) {
-  Qwen3Config c;
-  c.vocab_size = 37;
-  c.hidden_size = 24;
-  c.intermediate_size = 40;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 6;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.tie_word_embeddings = tie;
-  return c;
-}
-
 // CountParameters(c) is what a model of c allocates, in all and whole on every tensor-parallel rank
 // (the norms, o_proj's bias). Returns how many of the model's elements are biases.
 int64_t ExpectCountIsTheModels(const Qwen3Config& c, const std::string& what) {
@@ -47,23 +34,36 @@ int64_t ExpectCountIsTheModels(const Qwen3Config& c, const std::string& what) {
 
 TEST(ParameterCount, EqualsTheModelsParameters) {
   for (const bool tie : {false, true}) {
-    EXPECT_EQ(ExpectCountIsTheModels(SmallConfig(tie), tie ? "tied" : "untied"), 0);
+    Qwen3Config c;
+    c.vocab_size = 37;
+    c.hidden_size = 24;
+    c.intermediate_size = 40;
+    c.num_hidden_layers = 3;
+    c.num_attention_heads = 6;
+    c.num_key_value_heads = 2;
+    c.head_dim = 8;
+    c.tie_word_embeddings = tie;
+    EXPECT_EQ(ExpectCountIsTheModels(c, tie ? "tied" : "untied"), 0);
   }
 }
 
+// The other families, from their config.json: biases, no q/k norms.
 TEST(ParameterCount, CountsEachFamilysBiasesAndNorms) {
+  auto config = [](const std::string& family, bool bias) {
+    const absl::StatusOr<Qwen3Config> c = ParseQwen3Config(
+        R"({"vocab_size": 37, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 3,
+            "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8, "model_type": ")" +
+        family + R"(", "attention_bias": )" + (bias ? "true" : "false") + "}");
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
+  };
   // q, k and v (6 + 2 + 2 heads of 8) in each of 3 layers; Llama's o_proj 24 more.
-  Qwen3Config qwen2 = SmallConfig(false);
-  qwen2.model_type = "qwen2";
-  qwen2.attention_bias = true;
+  const Qwen3Config qwen2 = config("qwen2", false);  // Qwen2's q/k/v biases are not optional
   EXPECT_EQ(ExpectCountIsTheModels(qwen2, "qwen2"), 3 * 80);
-  Qwen3Config llama = SmallConfig(true);
-  llama.model_type = "llama";
-  EXPECT_EQ(ExpectCountIsTheModels(llama, "llama"), 0);
-  llama.attention_bias = true;
-  EXPECT_EQ(ExpectCountIsTheModels(llama, "llama with biases"), 3 * (80 + 24));
+  EXPECT_EQ(ExpectCountIsTheModels(config("llama", false), "llama"), 0);
+  EXPECT_EQ(ExpectCountIsTheModels(config("llama", true), "llama with biases"), 3 * (80 + 24));
   // Without q/k norms: 2 x 8 fewer replicated elements per layer than Qwen3.
-  EXPECT_EQ(CountParameters(SmallConfig(false)).replicated - CountParameters(qwen2).replicated,
+  EXPECT_EQ(CountParameters(config("qwen3", false)).replicated - CountParameters(qwen2).replicated,
             3 * 2 * 8);
 }
 
