@@ -158,7 +158,7 @@ TreeAttentionGrads SplitBackward(const at::Tensor& grad_out, const at::Tensor& q
     dq = ReferencePrefixAttentionBackward(grad_out, q, prefix_k, prefix_v, out, lse, scale,
                                           grad_prefix_k, grad_prefix_v);
   }
-  g.dq = g.dq + dq;
+  g.dq.add_(dq);  // g.dq is this call's own tensor
   return g;
 }
 
