@@ -96,7 +96,8 @@ ABSL_FLAG(std::string, rollouts, "",
           "workload file (JSON Lines, e.g. from dta-workload); required");
 ABSL_FLAG(std::string, config, "qwen3-1.7b",
           "model shape: a preset (qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b, qwen2.5-1.5b, "
-          "llama-3.2-1b, llama-3.1-8b) or a config.json; random weights");
+          "llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, qwen3-moe-small) or a config.json; random "
+          "weights");
 ABSL_FLAG(std::string, methods,
           "dense,dense-ckpt,packed,packed-ckpt,dta-b2048,dta-b4096,dta-b4096-pack",
           "comma-separated: dense, dense-ckpt, packed, packed-ckpt, dta-b<B>[-g<G>][-pack][-lex]");

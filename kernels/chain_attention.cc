@@ -34,12 +34,9 @@ void ReportUnavailable(const std::exception& e) {
 // [T, H, D] as cuDNN's [1, H, T, D] (a view: the heads' rows stay interleaved).
 at::Tensor Bhsd(const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); }
 
-// K/V heads repeated to the query heads: kv head h serves query heads h * group .. + group - 1.
-at::Tensor RepeatHeads(const at::Tensor& t, int64_t group) {
-  return group == 1 ? t : t.repeat_interleave(group, /*dim=*/1);
-}
-
-// The gradient of RepeatHeads: the sum over each group, in float32, returned in `type`.
+// K/V gradients with kv_heads heads, in `type`. cuDNN takes grouped K/V heads natively (kv head h
+// serves query heads h * group .. + group - 1) and returns their gradients summed over each group;
+// a gradient per query head (a backend that repeats the heads) is summed here, in float32.
 at::Tensor SumGroups(const at::Tensor& grad, int64_t kv_heads, at::ScalarType type) {
   const int64_t group = grad.size(1) / kv_heads;
   if (group == 1) return grad.to(type);
@@ -65,12 +62,11 @@ namespace {
 // every key for every query.
 ChainAttentionOutput CudnnForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   double scale, bool causal) {
-  const int64_t group = q.size(1) / k.size(1);
   try {
     auto [out, logsumexp, cum_q, cum_k, max_q, max_k, seed, offset, debug] =
         at::_scaled_dot_product_cudnn_attention(
-            Bhsd(q.contiguous()), Bhsd(RepeatHeads(k, group).contiguous()),
-            Bhsd(RepeatHeads(v, group).contiguous()), /*attn_bias=*/std::nullopt,
+            Bhsd(q.contiguous()), Bhsd(k.contiguous()), Bhsd(v.contiguous()),
+            /*attn_bias=*/std::nullopt,
             /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, causal,
             /*return_debug_mask=*/false, scale);
     return {.out = out.squeeze(0).transpose(0, 1).contiguous(),
@@ -89,16 +85,15 @@ TreeAttentionGrads CudnnBackward(const at::Tensor& grad_out, const at::Tensor& q
                                  const at::Tensor& k, const at::Tensor& v,
                                  const ChainAttentionOutput& forward, double scale, bool causal,
                                  at::ScalarType key_grad_type) {
-  const int64_t group = q.size(1) / k.size(1);
   // The gradient in the output's own layout (cuDNN expects matching strides).
   const at::Tensor grad_bhsd = at::empty_like(forward.out_bhsd);
   grad_bhsd.copy_(Bhsd(grad_out));
   at::Tensor dq, dk, dv;
   try {
     std::tie(dq, dk, dv) = at::_scaled_dot_product_cudnn_attention_backward(
-        grad_bhsd, Bhsd(q.contiguous()), Bhsd(RepeatHeads(k, group).contiguous()),
-        Bhsd(RepeatHeads(v, group).contiguous()), forward.out_bhsd, forward.logsumexp,
-        forward.philox_seed, forward.philox_offset, /*attn_bias=*/at::Tensor(),
+        grad_bhsd, Bhsd(q.contiguous()), Bhsd(k.contiguous()), Bhsd(v.contiguous()),
+        forward.out_bhsd, forward.logsumexp, forward.philox_seed, forward.philox_offset,
+        /*attn_bias=*/at::Tensor(),
         /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), /*max_q=*/q.size(0),
         /*max_k=*/k.size(0), /*dropout_p=*/0.0, causal, scale);
   } catch (const std::exception& e) {

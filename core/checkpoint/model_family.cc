@@ -3,7 +3,8 @@
 namespace dta {
 namespace {
 
-// Sorted by model_type. Defaults from transformers 5's Qwen3Config, Qwen2Config and LlamaConfig.
+// Sorted by model_type. Defaults from transformers 5's Qwen3Config, Qwen2Config, LlamaConfig and
+// Qwen3MoeConfig.
 constexpr ModelFamily kFamilies[] = {
     {.model_type = "llama",
      .architecture = "LlamaForCausalLM",
@@ -15,7 +16,8 @@ constexpr ModelFamily kFamilies[] = {
      .default_max_position_embeddings = 2048,
      .sliding_window_fields = false,
      .mlp_bias_field = true,
-     .hidden_divisible_by_heads = true},
+     .hidden_divisible_by_heads = true,
+     .moe = false},
     {.model_type = "qwen2",
      .architecture = "Qwen2ForCausalLM",
      .name = "Qwen2/Qwen2.5",
@@ -26,7 +28,8 @@ constexpr ModelFamily kFamilies[] = {
      .default_max_position_embeddings = 32768,
      .sliding_window_fields = true,
      .mlp_bias_field = false,
-     .hidden_divisible_by_heads = false},
+     .hidden_divisible_by_heads = false,
+     .moe = false},
     {.model_type = "qwen3",
      .architecture = "Qwen3ForCausalLM",
      .name = "Qwen3",
@@ -37,7 +40,20 @@ constexpr ModelFamily kFamilies[] = {
      .default_max_position_embeddings = 32768,
      .sliding_window_fields = true,
      .mlp_bias_field = false,
-     .hidden_divisible_by_heads = false},
+     .hidden_divisible_by_heads = false,
+     .moe = false},
+    {.model_type = "qwen3_moe",
+     .architecture = "Qwen3MoeForCausalLM",
+     .name = "Qwen3-MoE",
+     .qk_norm = true,
+     .attention_bias = AttentionBiasRule::kNone,
+     .default_vocab_size = 151936,
+     .default_head_dim = 0,
+     .default_max_position_embeddings = 32768,
+     .sliding_window_fields = true,
+     .mlp_bias_field = false,
+     .hidden_divisible_by_heads = false,
+     .moe = true},
 };
 
 }  // namespace

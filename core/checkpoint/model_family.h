@@ -10,6 +10,10 @@
 //   llama  LlamaForCausalLM (Llama 3, 3.1, 3.2): attention_bias (default false) puts biases on
 //          q_proj, k_proj, v_proj and o_proj, as transformers' LlamaAttention; mlp_bias must be
 //          false; no q/k norm; head_dim defaults to hidden_size / num_attention_heads.
+//   qwen3_moe  Qwen3MoeForCausalLM (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k norms,
+//          no biases) with sparse mixture-of-experts MLPs (a router and num_experts SwiGLU experts,
+//          top-k routing) in the layers Qwen3Config's IsSparseLayer picks, dense SwiGLU MLPs of
+//          intermediate_size in the others; head_dim defaults to hidden_size / heads.
 //
 // Thread safety: the table is immutable; every function may be called from any thread.
 #pragma once
@@ -49,12 +53,18 @@ struct ModelFamily {
   // transformers refuses a hidden_size that num_attention_heads does not divide (even with an
   // explicit head_dim).
   bool hidden_divisible_by_heads;
+  // Sparse mixture-of-experts fields (num_experts, num_experts_per_tok, moe_intermediate_size,
+  // norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef,
+  // output_router_logits): read and written. Families without them must leave them at the
+  // struct's defaults.
+  bool moe;
 };
 
-// The family of `model_type` ("qwen3", "qwen2", "llama"), or nullptr when dta has none.
+// The family of `model_type` ("qwen3", "qwen2", "llama", "qwen3_moe"), or nullptr when dta has
+// none.
 const ModelFamily* FindModelFamily(std::string_view model_type);
 
-// Every supported model_type, sorted: "llama", "qwen2", "qwen3".
+// Every supported model_type, sorted: "llama", "qwen2", "qwen3", "qwen3_moe".
 std::vector<std::string> ModelFamilyTypes();
 
 }  // namespace dta

@@ -238,6 +238,101 @@ absl::Status CheckNoSlidingWindow(const Json& json, int64_t layers) {
   return absl::OkStatus();
 }
 
+// qwen3_moe's mixture-of-experts fields (config holds Qwen3MoeConfig's defaults).
+absl::Status ParseMoe(const Json& json, Qwen3Config& config) {
+  const Fields top(json);
+  // transformers 5 writes num_local_experts (its attribute_map's name for num_experts); the Hub's
+  // config.json files say num_experts.
+  RETURN_IF_ERROR(top.Int("num_experts", false, &config.num_experts));
+  if (top.Find("num_local_experts") != nullptr) {
+    int64_t local_experts = 0;
+    RETURN_IF_ERROR(top.Int("num_local_experts", true, &local_experts));
+    if (top.Find("num_experts") != nullptr && local_experts != config.num_experts) {
+      return FieldError(
+          "num_local_experts",
+          absl::StrCat(local_experts, " differs from num_experts = ", config.num_experts));
+    }
+    config.num_experts = local_experts;
+  }
+  RETURN_IF_ERROR(top.Int("num_experts_per_tok", false, &config.num_experts_per_tok));
+  RETURN_IF_ERROR(top.Int("moe_intermediate_size", false, &config.moe_intermediate_size));
+  RETURN_IF_ERROR(top.Bool("norm_topk_prob", &config.norm_topk_prob));
+  RETURN_IF_ERROR(top.Int("decoder_sparse_step", false, &config.decoder_sparse_step));
+  RETURN_IF_ERROR(top.Double("router_aux_loss_coef", false, &config.router_aux_loss_coef));
+  RETURN_IF_ERROR(top.Bool("output_router_logits", &config.output_router_logits));
+  config.mlp_only_layers.clear();
+  if (const Json* layers = Lookup(json, "mlp_only_layers"); layers != nullptr) {
+    if (!layers->is_array()) {
+      return FieldError("mlp_only_layers",
+                        absl::StrCat("must be an array of layer indices, not ", layers->dump()));
+    }
+    for (const Json& layer : *layers) {
+      if (!layer.is_number_integer()) {
+        return FieldError("mlp_only_layers",
+                          absl::StrCat("must hold layer indices, not ", layer.dump()));
+      }
+      config.mlp_only_layers.push_back(layer.get<int64_t>());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The mixture-of-experts fields: in range for qwen3_moe, at the struct's defaults elsewhere.
+absl::Status ValidateMoe(const Qwen3Config& config, const ModelFamily& family) {
+  if (!family.moe) {
+    const Qwen3Config dense;
+    const std::pair<const char*, bool> fields[] = {
+        {"num_experts", config.num_experts != dense.num_experts},
+        {"num_experts_per_tok", config.num_experts_per_tok != dense.num_experts_per_tok},
+        {"moe_intermediate_size", config.moe_intermediate_size != dense.moe_intermediate_size},
+        {"norm_topk_prob", config.norm_topk_prob != dense.norm_topk_prob},
+        {"decoder_sparse_step", config.decoder_sparse_step != dense.decoder_sparse_step},
+        {"mlp_only_layers", config.mlp_only_layers != dense.mlp_only_layers},
+        {"router_aux_loss_coef", config.router_aux_loss_coef != dense.router_aux_loss_coef},
+        {"output_router_logits", config.output_router_logits != dense.output_router_logits},
+    };
+    for (const auto& [field, set] : fields) {
+      if (set) {
+        return FieldError(field, absl::StrCat("is a mixture-of-experts field; ",
+                                              AsAbsl(family.name), " has no experts"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"num_experts", config.num_experts},
+      {"num_experts_per_tok", config.num_experts_per_tok},
+      {"moe_intermediate_size", config.moe_intermediate_size},
+      {"decoder_sparse_step", config.decoder_sparse_step},
+  };
+  for (const auto& [field, value] : sizes) {
+    if (value <= 0) return FieldError(field, absl::StrCat(value, " is not positive"));
+  }
+  if (config.num_experts_per_tok > config.num_experts) {
+    return FieldError("num_experts_per_tok",
+                      absl::StrCat(config.num_experts_per_tok,
+                                   " is more than num_experts = ", config.num_experts));
+  }
+  for (size_t i = 0; i < config.mlp_only_layers.size(); ++i) {
+    const int64_t layer = config.mlp_only_layers[i];
+    if (layer < 0 || layer >= config.num_hidden_layers) {
+      return FieldError("mlp_only_layers",
+                        absl::StrCat("layer ", layer, " is not in [0, num_hidden_layers = ",
+                                     config.num_hidden_layers, ")"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (config.mlp_only_layers[j] == layer) {
+        return FieldError("mlp_only_layers", absl::StrCat("layer ", layer, " is listed twice"));
+      }
+    }
+  }
+  if (!(config.router_aux_loss_coef >= 0) || !std::isfinite(config.router_aux_loss_coef)) {
+    return FieldError("router_aux_loss_coef",
+                      absl::StrCat(config.router_aux_loss_coef, " is not finite and >= 0"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   if (!json.is_object()) return absl::InvalidArgumentError("a config must be a JSON object");
   const Fields top(json);
@@ -260,6 +355,13 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   config.max_position_embeddings = family->default_max_position_embeddings;
   config.tie_word_embeddings = false;
   config.torch_dtype = "float32";
+  if (family->moe) {  // transformers' Qwen3MoeConfig
+    config.intermediate_size = 6144;
+    config.num_experts = 128;
+    config.num_experts_per_tok = 8;
+    config.moe_intermediate_size = 768;
+    config.router_aux_loss_coef = 0.001;
+  }
   struct IntField {
     const char* name;
     int64_t* value;
@@ -268,7 +370,7 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   const IntField ints[] = {
       {"vocab_size", &config.vocab_size, false},
       {"hidden_size", &config.hidden_size, true},
-      {"intermediate_size", &config.intermediate_size, true},
+      {"intermediate_size", &config.intermediate_size, !family->moe},
       {"num_hidden_layers", &config.num_hidden_layers, true},
       {"num_attention_heads", &config.num_attention_heads, true},
       {"num_key_value_heads", &config.num_key_value_heads, false},
@@ -309,6 +411,8 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   if (family->sliding_window_fields) {
     RETURN_IF_ERROR(CheckNoSlidingWindow(json, config.num_hidden_layers));
   }
+
+  if (family->moe) RETURN_IF_ERROR(ParseMoe(json, config));
 
   std::string hidden_act = "silu";
   RETURN_IF_ERROR(top.String("hidden_act", &hidden_act));
@@ -397,6 +501,8 @@ struct Preset {
   double rope_theta, rms_norm_eps;
   int64_t max_position_embeddings;
   RopeScaling rope;
+  // qwen3_moe: experts, top-k, each expert's width (every layer sparse, top-k renormalised).
+  int64_t experts = 0, experts_per_token = 0, moe_intermediate = 0;
 };
 
 // Llama 3.1's rope scaling with the given factor (Llama 3.2 uses 32).
@@ -422,6 +528,43 @@ const Preset kPresets[] = {
      Llama3Rope(32.0)},
     {"llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 128, false, 500000.0, 1e-5, 131072,
      Llama3Rope(8.0)},
+    // Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B active per token.
+    {"qwen3-30b-a3b",
+     "qwen3_moe",
+     151936,
+     2048,
+     6144,
+     48,
+     32,
+     4,
+     128,
+     false,
+     1e6,
+     1e-6,
+     40960,
+     {},
+     128,
+     8,
+     768},
+    // Not a released model: Qwen3-30B-A3B's first 4 layers (3.1B parameters, 0.9B active), for
+    // benchmarks on one 80 GB GPU with its real expert shapes and routing.
+    {"qwen3-moe-small",
+     "qwen3_moe",
+     151936,
+     2048,
+     6144,
+     4,
+     32,
+     4,
+     128,
+     false,
+     1e6,
+     1e-6,
+     40960,
+     {},
+     128,
+     8,
+     768},
 };
 
 }  // namespace
@@ -457,6 +600,19 @@ bool HasOProjBias(const Qwen3Config& config) {
   const ModelFamily* family = FindModelFamily(config.model_type);
   return family != nullptr && family->attention_bias == AttentionBiasRule::kFromConfig &&
          config.attention_bias;
+}
+
+bool IsMoe(const Qwen3Config& config) {
+  const ModelFamily* family = FindModelFamily(config.model_type);
+  return family != nullptr && family->moe;
+}
+
+bool IsSparseLayer(const Qwen3Config& config, int64_t layer) {
+  if (!IsMoe(config) || config.num_experts <= 0 || config.decoder_sparse_step <= 0) return false;
+  for (const int64_t dense : config.mlp_only_layers) {
+    if (dense == layer) return false;
+  }
+  return (layer + 1) % config.decoder_sparse_step == 0;
 }
 
 absl::Status ValidateQwen3Config(const Qwen3Config& config) {
@@ -519,7 +675,7 @@ absl::Status ValidateQwen3Config(const Qwen3Config& config) {
     case AttentionBiasRule::kFromConfig:
       break;
   }
-  return absl::OkStatus();
+  return ValidateMoe(config, *family);
 }
 
 absl::StatusOr<Qwen3Config> ParseQwen3Config(std::string_view json) {
@@ -599,6 +755,16 @@ std::string Qwen3ConfigToJson(const Qwen3Config& config) {
     json["mlp_bias"] = false;
     json["pretraining_tp"] = 1;
   }
+  if (f.moe) {
+    json["num_experts"] = config.num_experts;
+    json["num_experts_per_tok"] = config.num_experts_per_tok;
+    json["moe_intermediate_size"] = config.moe_intermediate_size;
+    json["norm_topk_prob"] = config.norm_topk_prob;
+    json["decoder_sparse_step"] = config.decoder_sparse_step;
+    json["mlp_only_layers"] = config.mlp_only_layers;
+    json["router_aux_loss_coef"] = config.router_aux_loss_coef;
+    json["output_router_logits"] = config.output_router_logits;
+  }
   return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
@@ -628,6 +794,7 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
       rope["rope_theta"] = config.rope_theta;
       merged["rope_parameters"] = rope;
     }
+    if (merged.contains("num_local_experts")) merged["num_local_experts"] = config.num_experts;
     if (merged.contains("original_max_position_embeddings")) {  // read before the rope's own
       if (UsesOriginalContext(config.rope_scaling.type)) {
         merged["original_max_position_embeddings"] =
@@ -670,6 +837,13 @@ absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name) {
     config.torch_dtype = "bfloat16";
     config.attention_bias =
         FindModelFamily(preset.model_type)->attention_bias == AttentionBiasRule::kQkvAlways;
+    if (preset.experts > 0) {
+      config.num_experts = preset.experts;
+      config.num_experts_per_tok = preset.experts_per_token;
+      config.moe_intermediate_size = preset.moe_intermediate;
+      config.norm_topk_prob = true;
+      config.router_aux_loss_coef = 0.001;
+    }
     return config;
   }
   return absl::NotFoundError(absl::StrCat("unknown preset '", AsAbsl(name), "' (known: ",

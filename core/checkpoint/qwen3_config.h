@@ -1,7 +1,7 @@
 // The decoder's configuration, read from and written to Hugging Face's config.json. The struct
 // keeps its first family's name, Qwen3Config, but describes every family of
-// core/checkpoint/model_family.h: Qwen3 ("qwen3"), Qwen2/Qwen2.5 ("qwen2") and Llama 3 ("llama"),
-// told apart by model_type.
+// core/checkpoint/model_family.h: Qwen3 ("qwen3"), Qwen2/Qwen2.5 ("qwen2"), Llama 3 ("llama") and
+// Qwen3-MoE ("qwen3_moe"), told apart by model_type.
 //
 // Supported beyond the families' dense architecture: rope scaling of types "linear", "llama3" and
 // "yarn" (transformers' rope_init_fn of each, modeling_rope_utils.py), attention biases where the
@@ -87,8 +87,31 @@ struct Qwen3Config {
   // HasOProjBias).
   bool attention_bias = false;
 
+  // Sparse mixture of experts (qwen3_moe only; every other family keeps these defaults, which
+  // ValidateQwen3Config checks). A layer is sparse iff IsSparseLayer; the others are dense SwiGLU
+  // MLPs of intermediate_size.
+  int64_t num_experts = 0;                    // experts per sparse layer (config.json: also
+                                              // num_local_experts, as transformers 5 writes it)
+  int64_t num_experts_per_tok = 0;            // top-k: the experts each token is routed to
+  int64_t moe_intermediate_size = 0;          // each expert's SwiGLU width
+  bool norm_topk_prob = false;                // renormalise the top-k routing weights to sum to 1
+  int64_t decoder_sparse_step = 1;            // every decoder_sparse_step-th layer is sparse
+  std::vector<int64_t> mlp_only_layers = {};  // layers that stay dense whatever the step
+  // Accepted and written back for transformers, not used: dta's RL losses do not include the
+  // router's load-balancing auxiliary loss (yet).
+  double router_aux_loss_coef = 0.0;
+  bool output_router_logits = false;
+
   bool operator==(const Qwen3Config&) const = default;
 };
+
+// Whether the config's family has mixture-of-experts layers (qwen3_moe).
+bool IsMoe(const Qwen3Config& config);
+
+// Whether decoder layer `layer` (0-based) is a sparse mixture-of-experts block, by transformers'
+// rule (Qwen3MoeDecoderLayer): the family is MoE, `layer` is not in mlp_only_layers, num_experts >
+// 0 and (layer + 1) % decoder_sparse_step == 0. False for every layer of the dense families.
+bool IsSparseLayer(const Qwen3Config& config, int64_t layer);
 
 // The family's traits for a config (a config whose model_type has no family has q/k norms and no
 // o_proj bias here; ValidateQwen3Config refuses it).
@@ -102,7 +125,11 @@ bool HasOProjBias(const Qwen3Config& config);
 // four above, the rope scaling's numbers in range (factor, attention_factor and the betas positive
 // and finite, high_freq_factor > low_freq_factor > 0, original_max_position_embeddings positive for
 // llama3 and yarn), attention_bias as the family allows (INVALID_ARGUMENT naming the field
-// otherwise); UNIMPLEMENTED for attention_bias on qwen3.
+// otherwise); UNIMPLEMENTED for attention_bias on qwen3 and qwen3_moe. qwen3_moe: num_experts,
+// num_experts_per_tok and moe_intermediate_size positive, num_experts_per_tok <= num_experts,
+// decoder_sparse_step positive, mlp_only_layers distinct layers in [0, num_hidden_layers),
+// router_aux_loss_coef finite and >= 0; other families: those fields at their defaults
+// (INVALID_ARGUMENT naming the field).
 absl::Status ValidateQwen3Config(const Qwen3Config& config);
 
 // Parses a config.json. Required: hidden_size, intermediate_size, num_hidden_layers,
@@ -125,8 +152,13 @@ absl::Status ValidateQwen3Config(const Qwen3Config& config);
 // UNIMPLEMENTED naming the field for a model_type other than "qwen3", "qwen2", "llama", a rope
 // type other than "default", "linear", "llama3", "yarn", partial_rotary_factor other than 1,
 // hidden_act other than "silu", a non-zero attention_dropout, attention_bias true on qwen3,
-// mlp_bias true on llama, and on qwen2/qwen3 use_sliding_window true or layer_types other than all
-// "full_attention".
+// mlp_bias true on llama, and on qwen2/qwen3/qwen3_moe use_sliding_window true or layer_types other
+// than all "full_attention". qwen3_moe (transformers' Qwen3MoeConfig defaults): head_dim
+// hidden_size / num_attention_heads, intermediate_size 6144 (not required), num_experts 128 (or
+// num_local_experts; INVALID_ARGUMENT if both are given and differ), num_experts_per_tok 8,
+// moe_intermediate_size 768, norm_topk_prob false, decoder_sparse_step 1, mlp_only_layers [] (null
+// too), router_aux_loss_coef 0.001, output_router_logits false; the MoE fields of other families'
+// config.json are ignored, as transformers ignores them.
 absl::StatusOr<Qwen3Config> ParseQwen3Config(std::string_view json);
 
 // Reads `path`, a config.json or a directory holding one. Errors as ParseQwen3Config, prefixed by
@@ -135,35 +167,39 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path);
 
 // A Hugging Face compatible config.json (2-space indent, sorted keys, trailing newline): the
 // family's model_type and architectures (["Qwen3ForCausalLM"], ["Qwen2ForCausalLM"],
-// ["LlamaForCausalLM"]), every field of the struct that the family's transformers config has
-// (attention_bias for qwen3 and llama; head_dim always, which transformers' Qwen2 also reads),
-// rope_scaling (null for the default rope, else the type's fields with "rope_type"), hidden_act
-// "silu", attention_dropout 0, initializer_range 0.02, use_cache true; qwen2 and qwen3 also
-// use_sliding_window false, sliding_window null, max_window_layers = num_hidden_layers; llama
-// mlp_bias false and pretraining_tp 1. Parsing it gives the same config back, bit for bit.
+// ["LlamaForCausalLM"], ["Qwen3MoeForCausalLM"]), every field of the struct that the family's
+// transformers config has (attention_bias for qwen3 and llama; head_dim always, which transformers'
+// Qwen2 also reads), rope_scaling (null for the default rope, else the type's fields with
+// "rope_type"), hidden_act "silu", attention_dropout 0, initializer_range 0.02, use_cache true;
+// qwen2 and qwen3 also use_sliding_window false, sliding_window null, max_window_layers =
+// num_hidden_layers; llama mlp_bias false and pretraining_tp 1; qwen3_moe every MoE field of the
+// struct (num_experts under that name, as the Hub's config.json has it). Parsing it gives the same
+// config back, bit for bit.
 std::string Qwen3ConfigToJson(const Qwen3Config& config);
 
 // Validates the config and writes <directory>/config.json (creating the directory, replacing the
 // file atomically). With `base_config` (the config.json the model was loaded from), the fields this
 // struct does not model (bos_token_id, eos_token_id, ...) are kept from it, as inference engines
 // read them; the fields it models are this config's (also under "dtype" and "rope_parameters" when
-// the base spells them so), and the base is ignored if the result would not parse back to this
-// config. UNAVAILABLE naming the file if it cannot be read or written, INVALID_ARGUMENT if the
-// base is not a JSON object.
+// the base spells them so, and num_local_experts), and the base is ignored if the result would not
+// parse back to this config. UNAVAILABLE naming the file if it cannot be read or written,
+// INVALID_ARGUMENT if the base is not a JSON object.
 absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& directory,
                              const std::string& base_config = "");
 
 // The released model shapes, as in their Hugging Face config.json: "qwen3-0.6b", "qwen3-1.7b",
 // "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen2.5-1.5b" (Qwen2.5-1.5B-Instruct),
-// "llama-3.2-1b", "llama-3.1-8b" (case-insensitive, an optional "Qwen/" or "meta-llama/" prefix
-// allowed). NOT_FOUND listing the known names otherwise.
+// "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b" (Qwen3-30B-A3B), and "qwen3-moe-small" (not a
+// released model: Qwen3-30B-A3B's layers, 4 of its 48, 3.1B parameters, for benchmarks on one 80 GB
+// GPU) (case-insensitive, an optional "Qwen/" or "meta-llama/" prefix allowed). NOT_FOUND listing
+// the known names otherwise.
 absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name);
 
 // A preset if `name` is one (Qwen3ConfigPreset), else the config.json at path `name`
 // (LoadQwen3Config, whose error is returned when neither works).
 absl::StatusOr<Qwen3Config> Qwen3ConfigFromName(std::string_view name);
 
-// The preset names: Qwen3 smallest first, then Qwen2.5, then Llama smallest first.
+// The preset names: Qwen3 smallest first, then Qwen2.5, then Llama smallest first, then Qwen3-MoE.
 std::vector<std::string> Qwen3ConfigPresetNames();
 
 }  // namespace dta

@@ -84,13 +84,29 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
   // before their norms (Qwen3's q/k norm; RoPE alone keeps nothing) and after RoPE, v, the
   // attention output; the MLP's gate and up; the norms' 1/rms (the residual ones, q's and k's per
   // head) and attention's log-sum-exp per head.
+  // A sparse (mixture-of-experts) layer keeps its k experts' gate and up (this rank's slice of
+  // moe_intermediate_size), the softmax over the experts and the k routing weights, and 4 k int64
+  // indices (top-k, the sort, its inverse, each pair's token) instead of the MLP's gate and up.
   const bool qk_norm = HasQkNorm(config);
   const int64_t pre_norm = qk_norm ? q + kv : 0;
-  const int64_t layer = 2 * h * c + (2 * q + 2 * kv + pre_norm + 2 * i) * w +
-                        c * (2 + heads + (qk_norm ? heads + kv_heads : 0));
+  const int64_t attention = 2 * h * c + (2 * q + 2 * kv + pre_norm) * w +
+                            c * (2 + heads + (qk_norm ? heads + kv_heads : 0));
+  const int64_t k = config.num_experts_per_tok;
+  const int64_t expert_i = CeilDiv(config.moe_intermediate_size, tp);
+  const int64_t sparse = 2 * k * expert_i * w + (config.num_experts + k) * c + 4 * k * 8;
+  int64_t all_layers = 0, largest_layer = 0, widest_mlp = 0;
+  bool any_sparse = false;
+  for (int64_t l = 0; l < layers; ++l) {
+    const bool is_sparse = IsSparseLayer(config, l);
+    any_sparse = any_sparse || is_sparse;
+    const int64_t layer = attention + (is_sparse ? sparse : 2 * i * w);
+    all_layers += layer;
+    largest_layer = std::max(largest_layer, layer);
+    widest_mlp = std::max(widest_mlp, is_sparse ? k * expert_i : i);
+  }
   // Layer replay keeps each layer's input and rebuilds one layer's graph at a time.
   const bool replay = options.checkpointing && options.method != ExecutorKind::kDta;
-  const int64_t per_token_layers = replay ? layers * h * c + layer : layers * layer;
+  const int64_t per_token_layers = replay ? layers * h * c + largest_layer : all_layers;
   // Per chunk: the final norm's input and output, lm_head's rounded copy of it, RoPE's cos and sin,
   // the token ids, positions and tree mask (int64).
   const int64_t per_token_chunk = 2 * h * c + h * w + 2 * d * c + 3 * 8;
@@ -101,7 +117,10 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
   // tensors (the recomputed product's inputs, d product, gate, up, sigmoid and two partials); the
   // residual stream's gradient and the norm backward's temporaries four [T, h] ones.
   const int64_t seeds = options.method == ExecutorKind::kDta ? 2 * layers * kv * w : 0;
-  m.workspace = tokens.chunk * (seeds + 7 * i * c + 4 * h * c);
+  // A sparse layer's backward runs SwiGLU over k pairs per token and holds the pairs' gathered
+  // output and input gradients (two [T k, h] compute-type tensors).
+  m.workspace =
+      tokens.chunk * (seeds + 7 * widest_mlp * c + 4 * h * c + (any_sparse ? 2 * k * h * c : 0));
 
   // Two compute-type [rows, vocabulary] slices (logits and exp or their gradient) and the
   // weight-type copy of the gradient backward feeds to the matmuls.

@@ -19,7 +19,10 @@
 //                                   output, the MLP's gate and up ((2 q + 2 kv + 2 i) w for the
 //                                   families without q/k norms: RoPE alone keeps nothing)
 //              c (2 + 2 heads + kv_heads)  the norms' 1/rms and attention's log-sum-exp
-//                                   (c (2 + heads) without q/k norms)
+//                                   (c (2 + heads) without q/k norms); a sparse MoE layer
+//                                   keeps instead of the MLP's gate and up its k experts'
+//                                   (2 k ie w, ie = moe_intermediate/TP), the router's softmax
+//                                   and k weights ((E + k) c) and 4 k int64 routing indices
 //              and per chunk 2 h c + h w (the final norm's input and output, lm_head's rounded
 //              copy), 2 head_dim c (RoPE tables) and 24 (ids, positions, tree mask). With layer
 //              replay (checkpointing) a graph keeps only each layer's input (h c per layer) plus

@@ -74,18 +74,28 @@ bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ra
 ParameterCount CountParameters(const Qwen3Config& c) {
   const int64_t q = c.num_attention_heads * c.head_dim;
   const int64_t kv = c.num_key_value_heads * c.head_dim;
-  const int64_t per_layer_sharded = c.hidden_size * q                          // q_proj
-                                    + 2 * c.hidden_size * kv                   // k_proj, v_proj
-                                    + q * c.hidden_size                        // o_proj
-                                    + 3 * c.hidden_size * c.intermediate_size  // gate, up, down
-                                    + (c.attention_bias ? q + 2 * kv : 0);     // q/k/v biases
+  const int64_t per_layer_sharded = c.hidden_size * q                       // q_proj
+                                    + 2 * c.hidden_size * kv                // k_proj, v_proj
+                                    + q * c.hidden_size                     // o_proj
+                                    + (c.attention_bias ? q + 2 * kv : 0);  // q/k/v biases
   const int64_t per_layer_replicated = 2 * c.hidden_size  // input and post-attention RMSNorm
                                        + (HasQkNorm(c) ? 2 * c.head_dim : 0)     // q_norm, k_norm
                                        + (HasOProjBias(c) ? c.hidden_size : 0);  // o_proj's bias
+  const int64_t dense_mlp = 3 * c.hidden_size * c.intermediate_size;             // gate, up, down
+  const int64_t expert = 3 * c.hidden_size * c.moe_intermediate_size;
   ParameterCount count;
   const int64_t embeddings = c.vocab_size * c.hidden_size * (c.tie_word_embeddings ? 1 : 2);
   count.sharded = c.num_hidden_layers * per_layer_sharded + embeddings;
   count.replicated = c.num_hidden_layers * per_layer_replicated + c.hidden_size;  // + final norm
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    if (IsSparseLayer(c, layer)) {
+      count.sharded += c.num_experts * expert;            // the experts, split by their rows
+      count.replicated += c.num_experts * c.hidden_size;  // the router
+      count.unused_per_token += (c.num_experts - c.num_experts_per_tok) * expert;
+    } else {
+      count.sharded += dense_mlp;
+    }
+  }
   return count;
 }
 
@@ -201,12 +211,16 @@ absl::StatusOr<std::optional<bool>> ParseLayoutChoice(std::string_view flag,
 
 std::string DescribeLayout(const LayoutPlan& plan) {
   const MemoryEstimate& m = plan.memory;
-  std::string out =
-      absl::StrCat("layout: ", LayoutName(plan.layout), " for ",
-                   absl::StrFormat("%.2fB", static_cast<double>(plan.parameters.total()) / 1e9),
-                   " parameters; per GPU ", GiB(m.gpu_total()), " of ", GiB(plan.gpu_bytes),
-                   ": weights ", GiB(m.weights), ", gradients ", GiB(m.gradients), ", optimizer ",
-                   GiB(m.optimizer), ", activations ", GiB(m.activations), ExecutorTerms(m));
+  std::string out = absl::StrCat(
+      "layout: ", LayoutName(plan.layout), " for ",
+      absl::StrFormat("%.2fB", static_cast<double>(plan.parameters.total()) / 1e9), " parameters",
+      plan.parameters.unused_per_token > 0
+          ? absl::StrFormat(" (%.2fB active per token)",
+                            static_cast<double>(plan.parameters.active()) / 1e9)
+          : std::string(),
+      "; per GPU ", GiB(m.gpu_total()), " of ", GiB(plan.gpu_bytes), ": weights ", GiB(m.weights),
+      ", gradients ", GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ",
+      GiB(m.activations), ExecutorTerms(m));
   if (m.host_optimizer > 0) absl::StrAppend(&out, "; host: ", GiB(m.host_optimizer), " per rank");
   return out;
 }

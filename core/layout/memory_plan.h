@@ -29,9 +29,16 @@
 namespace dta {
 
 struct ParameterCount {
-  int64_t sharded = 0;     // split across tensor-parallel ranks
-  int64_t replicated = 0;  // held whole by every tensor-parallel rank (RMSNorms, o_proj's bias)
+  int64_t sharded = 0;     // split across tensor-parallel ranks (experts included)
+  int64_t replicated = 0;  // held whole by every tensor-parallel rank (RMSNorms, o_proj's bias,
+                           // MoE routers)
+  // Mixture of experts: the parameters one token does not use, the num_experts -
+  // num_experts_per_tok experts of each sparse layer it is not routed to (0 for dense models).
+  int64_t unused_per_token = 0;
   int64_t total() const { return sharded + replicated; }
+  // The parameters one token uses ("3B active" of Qwen3-30B-A3B; the embedding and lm_head
+  // counted whole, as Qwen counts them).
+  int64_t active() const { return total() - unused_per_token; }
 };
 
 // Exactly the parameters Qwen3Model holds for `config` (lm_head counted once when tied).

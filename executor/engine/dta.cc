@@ -12,11 +12,19 @@
 // seeded with the accumulators of its positions. Live activations are bounded by one chunk; the
 // stack by one root-to-leaf path.
 //
+// Linear-attention layers (Qwen3-Next's Gated DeltaNet) route state instead (Tree Training's state
+// routing): per position their convolution inputs take K's place, and at every chunk end the stack
+// keeps the layers' recurrent states, with accumulators. A chunk starts from the states at its
+// begin, its backward adds d loss / d state into their accumulators (summing over every child
+// that started there), and its own final states are seeded with the accumulators at its end.
+//
 // Nothing in the loop reads a value back from the device: the schedule, the packed layouts and
 // the token ids are fixed on the host before the first kernel, and the loss stays a device scalar
 // until the end.
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include <map>
 
 #include "core/tree/leaf_order.h"
 #include "core/tree/prefix_tree.h"
@@ -29,18 +37,38 @@ namespace {
 
 // The path state, preallocated for the longest rollout and written in place.
 struct PathStack {
-  // Per layer [max_len, kv_heads, head_dim], this rank's KV heads under tensor parallelism.
+  // Per layer [max_len, kv_heads, head_dim], this rank's KV heads under tensor parallelism. At a
+  // linear-attention layer keys holds the convolution inputs [max_len, conv_dim] and values (and
+  // grad_values) are undefined.
   std::vector<at::Tensor> keys, values, grad_keys, grad_values;
   at::Tensor hidden, grad_hidden;      // [max_len, hidden_size], float32
   at::Tensor logprobs, grad_logprobs;  // [max_len]
   at::Tensor entropy, grad_entropy;    // [max_len] when the loss needs entropy
+  // Linear-attention layers' recurrent states are not kept per position but where chunks start:
+  // at every chunk end on the path (the schedule cuts every chunk that a later one starts from at
+  // its end, so each chunk start is one). Per layer, undefined at attention layers.
+  struct Boundary {
+    std::vector<at::Tensor> states, grad_states;
+  };
+  std::map<int64_t, Boundary> boundaries;  // by path position p: the states after token p - 1
+  bool training = false;
+  bool linear = false;  // the model has linear-attention layers
 
-  PathStack(const Qwen3Model& model, int64_t max_len, bool with_entropy) {
+  PathStack(const Qwen3Model& model, int64_t max_len, bool with_entropy, bool training)
+      : training(training), linear(model.has_linear_layers()) {
     const Qwen3Config& c = model.config();
     const at::TensorOptions o = model.options();
     const at::TensorOptions f = o.dtype(o.dtype() == at::kDouble ? at::kDouble : at::kFloat);
     const int64_t kv_heads = model.local_kv_heads();
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      if (model.is_linear_layer(l)) {
+        const int64_t channels = model.linear_shape().conv_dim();
+        keys.push_back(at::zeros({max_len, channels}, o));
+        grad_keys.push_back(at::zeros({max_len, channels}, f));
+        values.emplace_back();
+        grad_values.emplace_back();
+        continue;
+      }
       for (auto* list : {&keys, &values})
         list->push_back(at::zeros({max_len, kv_heads, c.head_dim}, o));
       for (auto* list : {&grad_keys, &grad_values}) {
@@ -56,6 +84,14 @@ struct PathStack {
       grad_entropy = at::zeros({max_len}, f);
     }
   }
+
+  // The states a chunk starting at `depth` (> 0) continues from.
+  const Boundary& BoundaryAt(int64_t depth) const {
+    const auto it = boundaries.find(depth);
+    TORCH_CHECK(it != boundaries.end(), "internal: no recurrent state at path position ", depth,
+                " (a chunk starts where none ended)");
+    return it->second;
+  }
 };
 
 // Positions [0, depth) of the stack as a chunk's prefix; with their accumulators when the chunk
@@ -63,13 +99,19 @@ struct PathStack {
 PrefixKv StackPrefix(const PathStack& stack, int64_t depth, bool with_grad) {
   PrefixKv prefix;
   if (depth == 0) return prefix;
+  auto rows = [&](const at::Tensor& t) { return t.defined() ? t.slice(0, 0, depth) : t; };
   for (size_t l = 0; l < stack.keys.size(); ++l) {
-    prefix.keys.push_back(stack.keys[l].slice(0, 0, depth));
-    prefix.values.push_back(stack.values[l].slice(0, 0, depth));
+    prefix.keys.push_back(rows(stack.keys[l]));
+    prefix.values.push_back(rows(stack.values[l]));
     if (with_grad) {
-      prefix.grad_keys.push_back(stack.grad_keys[l].slice(0, 0, depth));
-      prefix.grad_values.push_back(stack.grad_values[l].slice(0, 0, depth));
+      prefix.grad_keys.push_back(rows(stack.grad_keys[l]));
+      prefix.grad_values.push_back(rows(stack.grad_values[l]));
     }
+  }
+  if (stack.linear) {
+    const PathStack::Boundary& boundary = stack.BoundaryAt(depth);
+    prefix.states = boundary.states;
+    if (with_grad) prefix.grad_states = boundary.grad_states;
   }
   return prefix;
 }
@@ -131,7 +173,17 @@ void Push(PathStack& stack, const Chunk& chunk) {
   const int64_t b = chunk.begin, e = chunk.end;
   for (size_t l = 0; l < stack.keys.size(); ++l) {
     stack.keys[l].slice(0, b, e).copy_(chunk.out.keys[l]);
-    stack.values[l].slice(0, b, e).copy_(chunk.out.values[l]);
+    if (stack.values[l].defined()) stack.values[l].slice(0, b, e).copy_(chunk.out.values[l]);
+  }
+  if (!chunk.out.states.empty()) {
+    PathStack::Boundary& boundary = stack.boundaries[e];
+    boundary.states.clear();
+    boundary.grad_states.clear();
+    for (const at::Tensor& state : chunk.out.states) {
+      boundary.states.push_back(state.defined() ? state.detach() : state);
+      boundary.grad_states.push_back(stack.training && state.defined() ? at::zeros_like(state)
+                                                                       : at::Tensor());
+    }
   }
   stack.hidden.slice(0, b, e).copy_(chunk.out.hidden);
   stack.logprobs.slice(0, b, e).copy_(chunk.logprobs);
@@ -153,7 +205,14 @@ void Backward(PathStack& stack, Chunk& chunk) {
   if (chunk.entropy.defined()) seed(chunk.entropy, stack.grad_entropy.slice(0, b, e));
   for (size_t l = 0; l < stack.keys.size(); ++l) {
     seed(chunk.out.keys[l], stack.grad_keys[l].slice(0, b, e));
-    seed(chunk.out.values[l], stack.grad_values[l].slice(0, b, e));
+    if (chunk.out.values[l].defined())
+      seed(chunk.out.values[l], stack.grad_values[l].slice(0, b, e));
+  }
+  // The recurrent states after the chunk: what the chunks starting at its end sent back.
+  if (const auto it = stack.boundaries.find(e); it != stack.boundaries.end()) {
+    for (size_t l = 0; l < chunk.out.states.size(); ++l) {
+      if (chunk.out.states[l].defined()) seed(chunk.out.states[l], it->second.grad_states[l]);
+    }
   }
   torch::autograd::backward(outputs, grads);
   torch::autograd::AutoGradMode no_grad(false);
@@ -164,8 +223,10 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
   // Accumulators are zeroed so the positions can be reused by the next path.
   for (size_t l = 0; l < stack.keys.size(); ++l) {
     stack.grad_keys[l].slice(0, begin, end).zero_();
-    stack.grad_values[l].slice(0, begin, end).zero_();
+    if (stack.grad_values[l].defined()) stack.grad_values[l].slice(0, begin, end).zero_();
   }
+  // The states after positions begin .. end - 1 leave the path with them.
+  stack.boundaries.erase(stack.boundaries.upper_bound(begin), stack.boundaries.upper_bound(end));
   stack.grad_hidden.slice(0, begin, end).zero_();
   stack.grad_logprobs.slice(0, begin, end).zero_();
   if (stack.grad_entropy.defined()) stack.grad_entropy.slice(0, begin, end).zero_();
@@ -279,7 +340,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   int64_t max_len = 0;
   for (const Rollout& rollout : rollouts)
     max_len = std::max<int64_t>(max_len, rollout.tokens.size());
-  PathStack stack(model, max_len, with_entropy);
+  PathStack stack(model, max_len, with_entropy, training);
   const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
   const std::vector<RolloutIndex> order = options.order == LeafOrderKind::kLexicographic
                                               ? LexicographicOrder(tree)

@@ -113,7 +113,8 @@ int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype, int tenso
   // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
   // inputs (the residual stream, at least float32, whole on every rank), q and k before their norms
   // (families with q/k norms) and after RoPE, v, the attention output, and the MLP's gate and up
-  // (this rank's heads and intermediate slice).
+  // (this rank's heads and intermediate slice), or a sparse layer's routing and experts' gate and
+  // up.
   TORCH_CHECK(tensor_parallel >= 1, "GraphBytesPerToken: tensor_parallel must be >= 1");
   const int64_t q = c.num_attention_heads / tensor_parallel * c.head_dim;
   const int64_t kv = c.num_key_value_heads / tensor_parallel * c.head_dim;
@@ -121,9 +122,22 @@ int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype, int tenso
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t residual = std::max<int64_t>(element, 4);
   const int64_t pre_norm = HasQkNorm(c) ? q + kv : 0;
-  const int64_t per_layer =
-      2 * c.hidden_size * residual + (2 * q + 2 * kv + pre_norm + 2 * intermediate) * element;
-  return c.num_hidden_layers * per_layer;
+  const int64_t attention = 2 * c.hidden_size * residual + (2 * q + 2 * kv + pre_norm) * element;
+  // A sparse layer (qwen3_model.cc's SparseMoe) keeps, per token, its k experts' gate and up (this
+  // rank's slice of moe_intermediate_size), the router's softmax over the experts and the top-k
+  // routing weights (compute dtype), and the top-k indices, the sort and its inverse, and each
+  // pair's token (int64).
+  const int64_t moe_intermediate =
+      (c.moe_intermediate_size + tensor_parallel - 1) / tensor_parallel;
+  const int64_t k = c.num_experts_per_tok;
+  const int64_t sparse = 2 * k * moe_intermediate * element + (c.num_experts + k) * residual +
+                         4 * k * static_cast<int64_t>(sizeof(int64_t));
+  const int64_t dense = 2 * intermediate * element;
+  int64_t bytes = 0;
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    bytes += attention + (IsSparseLayer(c, layer) ? sparse : dense);
+  }
+  return bytes;
 }
 
 namespace engine {

@@ -49,6 +49,7 @@ PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
   const ChunkInput input{.tokens = result.token_ids,
                          .positions = IndexTensor(layout.positions, device),
                          .key_end = IndexTensor(layout.key_end, device),
+                         .parents = layout.previous,
                          .prefix = prefix};
   at::Tensor hidden;
   if (checkpointing) {

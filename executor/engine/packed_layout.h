@@ -22,6 +22,7 @@ struct PackedLayout {
   std::vector<int64_t> key_end;
   // The serialized token whose hidden state predicts token t: the previous token on its path, or
   // -1 for the first token of a root child (predicted from whatever precedes the tree).
+  // Also each token's parent, along which linear-attention layers route their state.
   std::vector<int64_t> previous;
   // paths[r][p]: the serialized index of position offset + p of rollout r.
   std::vector<std::vector<int64_t>> paths;

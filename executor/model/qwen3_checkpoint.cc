@@ -110,6 +110,24 @@ const TensorView* GetChecked(const SafetensorsCheckpoint& checkpoint, const std:
   return *view;
 }
 
+// The Hub's tensors of a parameter: for the experts a sparse layer stacks
+// ("model.layers.L.mlp.experts.gate_proj", [E, ...]) one per expert,
+// "model.layers.L.mlp.experts.<e>.gate_proj.weight" for e in [0, E); for every other parameter its
+// own name.
+std::vector<std::string> CheckpointNames(const std::string& name,
+                                         const std::vector<int64_t>& full_shape) {
+  constexpr std::string_view kExperts = ".mlp.experts.";
+  const size_t at = name.rfind(kExperts);
+  if (at == std::string::npos || std::string_view(name).ends_with(".weight")) return {name};
+  const std::string prefix = name.substr(0, at + kExperts.size());
+  const std::string projection = name.substr(at + kExperts.size());
+  std::vector<std::string> names;
+  for (int64_t e = 0; e < full_shape[0]; ++e) {
+    names.push_back(prefix + std::to_string(e) + "." + projection + ".weight");
+  }
+  return names;
+}
+
 }  // namespace
 
 Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options,
@@ -122,7 +140,12 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
 
   Qwen3Model model(*config, options, std::move(tensor_parallel));
   std::set<std::string> expected;
-  for (const auto& [name, parameter] : model.named_parameters()) expected.insert(name);
+  for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+    for (std::string& name : CheckpointNames(model.named_parameters()[i].first,
+                                             model.parameter_splits()[i].full_shape)) {
+      expected.insert(std::move(name));
+    }
+  }
 
   // Names the model does not have: inv_freq buffers are recomputed from rope_theta; a tied head
   // must be the embedding.
@@ -143,8 +166,21 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < model.named_parameters().size(); ++i) {
     const auto& [name, parameter] = model.named_parameters()[i];
-    const TensorView* view = GetChecked(checkpoint, name, model.parameter_splits()[i].full_shape);
-    parameter.copy_(model.LocalPart(i, ToTensor(checkpoint, *view)));
+    const std::vector<int64_t>& shape = model.parameter_splits()[i].full_shape;
+    const std::vector<std::string> names = CheckpointNames(name, shape);
+    if (names.size() == 1 && names[0] == name) {
+      const TensorView* view = GetChecked(checkpoint, name, shape);
+      parameter.copy_(model.LocalPart(i, ToTensor(checkpoint, *view)));
+      continue;
+    }
+    // Stacked experts: each expert's tensor, this rank's part of it, into its slot.
+    const std::vector<int64_t> expert_shape(shape.begin() + 1, shape.end());
+    at::Tensor whole = at::empty(shape, at::TensorOptions().dtype(parameter.scalar_type()));
+    for (size_t e = 0; e < names.size(); ++e) {
+      const TensorView* view = GetChecked(checkpoint, names[e], expert_shape);
+      whole[e].copy_(ToTensor(checkpoint, *view));
+    }
+    parameter.copy_(model.LocalPart(i, whole));
   }
 
   if (!unexpected.empty()) {
@@ -196,13 +232,23 @@ bool WriteQwen3Model(const Qwen3Model& model, const std::string& directory,
   const bool writer = model.tensor_parallel() == nullptr || model.tensor_parallel()->rank() == 0;
   std::vector<at::Tensor> owned;
   std::vector<TensorToWrite> tensors;
-  owned.reserve(model.named_parameters().size());
   for (size_t i = 0; i < model.named_parameters().size(); ++i) {
     // Every rank takes part in the gathers; one writes.
     at::Tensor whole = model.GatherParameter(i);
     if (!writer) continue;
-    owned.push_back(whole.to(at::kCPU, type).contiguous());
-    tensors.push_back(ToWrite(model.named_parameters()[i].first, *ToDType(type), owned.back()));
+    const std::string& name = model.named_parameters()[i].first;
+    const std::vector<std::string> names =
+        CheckpointNames(name, model.parameter_splits()[i].full_shape);
+    if (names.size() == 1 && names[0] == name) {
+      owned.push_back(whole.to(at::kCPU, type).contiguous());
+      tensors.push_back(ToWrite(name, *ToDType(type), owned.back()));
+      continue;
+    }
+    // Stacked experts: one tensor per expert, as the Hub and transformers store them.
+    for (size_t e = 0; e < names.size(); ++e) {
+      owned.push_back(whole[e].to(at::kCPU, type).contiguous());
+      tensors.push_back(ToWrite(names[e], *ToDType(type), owned.back()));
+    }
   }
   if (!writer) return false;
   const absl::Status written =

@@ -1,11 +1,16 @@
-// Models of every family (Qwen3, Qwen2/Qwen2.5, Llama 3: core/checkpoint/model_family.h) as
-// Hugging Face checkpoints: config.json plus model.safetensors, or shards named by
-// model.safetensors.index.json (core/checkpoint/safetensors.h), under transformers' tensor names
-// (biases included: "...q_proj.bias"). What SaveQwen3Model writes, transformers'
-// Qwen3ForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM.from_pretrained load, and what
-// transformers' save_pretrained writes, LoadQwen3Model loads (tests/python/test_hf_parity.py and
-// test_hf_parity_families.py check both directions and the log-probabilities against
-// transformers').
+// Models of every family (Qwen3, Qwen2/Qwen2.5, Llama 3, Qwen3-MoE: core/checkpoint/
+// model_family.h) as Hugging Face checkpoints: config.json plus model.safetensors, or shards named
+// by model.safetensors.index.json (core/checkpoint/safetensors.h), under transformers' tensor names
+// (biases included: "...q_proj.bias"). Qwen3-MoE's stacked experts (Qwen3Model's
+// "model.layers.L.mlp.experts.gate_proj", "...up_proj", "...down_proj", [E, ...]) are stored as the
+// Hub's checkpoints and transformers 5's save_pretrained store them, one tensor per expert:
+// "model.layers.L.mlp.experts.<e>.gate_proj.weight" (and up_proj, down_proj) for e in [0, E); the
+// router is "model.layers.L.mlp.gate.weight" in both. Everything else that names parameters
+// (optimizer state, training checkpoints' optimizer/, gradient dumps) uses the model's names. What
+// SaveQwen3Model writes, transformers' Qwen3ForCausalLM, Qwen2ForCausalLM and
+// LlamaForCausalLM.from_pretrained load, and what transformers' save_pretrained writes,
+// LoadQwen3Model loads (tests/python/test_hf_parity.py and test_hf_parity_families.py check both
+// directions and the log-probabilities against transformers').
 //
 // Example:
 //   Qwen3Model model = LoadQwen3Model("/ckpt/qwen3-0.6b", at::TensorOptions().dtype(at::kFloat));

@@ -353,6 +353,176 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
   }
 };
 
+// Grouped GEMMs over rows sorted by expert: rows [ends[e - 1], ends[e]) belong to expert e (ends:
+// [E] int64, the running sum of the experts' row counts, on the rows' device). On CUDA one
+// at::_grouped_mm each (no host read-back of the routing; its output has its inputs' dtype); on
+// the CPU, where it takes no float64, a loop over the experts that have rows.
+// (CUDA's grouped GEMM takes no float64 either: float64 models, the exact references, loop there
+// too.)
+bool UseGroupedMm(const at::Tensor& t) { return t.is_cuda() && t.scalar_type() != at::kDouble; }
+
+// The experts' row ranges on the host (CPU path only).
+std::vector<int64_t> HostEnds(const at::Tensor& ends) {
+  const at::Tensor host = ends.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(host.const_data_ptr<int64_t>(),
+                              host.const_data_ptr<int64_t>() + host.numel());
+}
+
+// y[rows of e] = x[rows of e] @ (transpose ? w[e]^T : w[e]), in `dtype` (CUDA: w's dtype, then
+// converted). x [N, K]; w [E, M, K] with transpose, [E, K, M] without.
+at::Tensor GroupedMatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends,
+                         bool transpose, at::ScalarType dtype) {
+  const at::Tensor weights = transpose ? w.transpose(1, 2) : w;  // [E, K, M]
+  if (UseGroupedMm(x)) {
+    return at::_grouped_mm(x.to(w.scalar_type()), weights, ends.to(at::kInt)).to(dtype);
+  }
+  at::Tensor y = at::empty({x.size(0), weights.size(2)}, x.options().dtype(dtype));
+  const std::vector<int64_t> host = HostEnds(ends);
+  int64_t begin = 0;
+  for (size_t e = 0; e < host.size(); ++e) {
+    const int64_t end = host[e];
+    if (end > begin)
+      y.slice(0, begin, end).copy_(MatmulTo(x.slice(0, begin, end), weights[e], dtype));
+    begin = end;
+  }
+  return y;
+}
+
+// accumulator[e] += dy[rows of e]^T @ x[rows of e]: a stacked weight's gradient. dy [N, M],
+// x [N, K], accumulator [E, M, K]. On CUDA at::_grouped_mm returns its inputs' dtype, so the
+// product is formed from float32 copies of dy and x (in the accumulator's precision): a bfloat16
+// product would round every chunk's expert gradient to bfloat16 before the float32 sum, an error
+// that grows with the number of chunks (dta with small B). Slower than a bfloat16 GEMM with a
+// float32 output, which needs a grouped GEMM of our own (CUTLASS).
+void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const at::Tensor& x,
+                          const at::Tensor& ends) {
+  if (UseGroupedMm(dy)) {
+    const at::ScalarType wide = accumulator.scalar_type();
+    accumulator.add_(at::_grouped_mm(dy.to(wide).t(), x.to(wide), ends.to(at::kInt)));
+    return;
+  }
+  const std::vector<int64_t> host = HostEnds(ends);
+  int64_t begin = 0;
+  for (size_t e = 0; e < host.size(); ++e) {
+    const int64_t end = host[e];
+    if (end > begin) {
+      at::Tensor slot = accumulator[e];
+      AddMatmul(slot, dy.slice(0, begin, end).t(), x.slice(0, begin, end));
+    }
+    begin = end;
+  }
+}
+
+// Qwen3-MoE's sparse block on the residual stream x [T, H], as transformers'
+// Qwen3MoeSparseMoeBlock after the post-attention norm n: router logits n(x) @ router^T in the
+// weights' dtype; softmax in the compute dtype; the top-k (torch.topk) probabilities, renormalised
+// to sum to 1 with norm_topk, rounded to the weights' dtype; y = sum_k w_k down_e(silu(gate_e n(x))
+// * up_e n(x)) over the token's experts e, formed in the compute dtype (it feeds the residual
+// stream). The token-expert pairs are sorted by expert (a stable sort: deterministic) and the
+// experts run as grouped GEMMs; each token's k outputs are gathered back and summed in slot order,
+// without atomics. Backward keeps the pairs' gate and up outputs (not their product, nor n(x) or
+// its gathered copy, which it recomputes), the softmax probabilities and the sort.
+//
+// Tensor parallelism: every rank holds a slice of each expert's intermediate rows (columns of
+// down) and the whole router, so routing is the same on every rank. y is a sum of the ranks'
+// partial sums (one all-reduce in forward, as SwiGluDown). In backward the routing weights'
+// gradient <dy, expert output> is a partial sum per rank (each sees its intermediate slice), and
+// so is the gradient of n(x) through the experts: both are summed over the ranks; the router's
+// part of n(x)'s gradient and the router's weight gradient are then whole on every rank.
+class SparseMoe : public torch::autograd::Function<SparseMoe> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& norm_weight, double eps, const at::Tensor& router,
+                            const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                            int64_t top_k, bool norm_topk, int64_t group) {
+    const at::ScalarType type = gate.scalar_type();
+    const at::ScalarType ct = ComputeType(type);
+    const int64_t t = x.size(0);
+    const int64_t experts = router.size(0);
+    kernels::RmsNormResult normed = kernels::RmsNormForward(x, norm_weight, eps, type);
+    const at::Tensor& xb = normed.y;
+    const at::Tensor probs = at::softmax(at::mm(xb, router.t()).to(ct), -1);  // [T, E]
+    const auto [top, index] = at::topk(probs, top_k, -1);                     // [T, k]
+    at::Tensor weights = norm_topk ? top / top.sum(-1, true) : top;
+    weights = weights.to(type).to(ct);
+    // Pairs (token, slot) sorted by expert; `inverse` maps pair t k + slot to its sorted place.
+    const at::Tensor flat = index.reshape({-1});
+    const auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, false);
+    const at::Tensor inverse =
+        at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
+    const at::Tensor token = at::div(order, top_k, "floor");
+    // Each expert's end in the sorted pairs, found on the device (no atomics, no host read).
+    const at::Tensor ends =
+        at::searchsorted(sorted, at::arange(experts, flat.options()), /*out_int32=*/false,
+                         /*right=*/true);
+    const at::Tensor xs = xb.index_select(0, token);
+    const at::Tensor gate_out = GroupedMatmul(xs, gate, ends, /*transpose=*/true, type);
+    const at::Tensor up_out = GroupedMatmul(xs, up, ends, /*transpose=*/true, type);
+    const at::Tensor out = GroupedMatmul(kernels::SwiGluForward(gate_out, up_out), down, ends,
+                                         /*transpose=*/true, ct);  // [T k, H]
+    at::Tensor y =
+        (out.index_select(0, inverse).view({t, top_k, -1}) * weights.unsqueeze(2)).sum(1);
+    SumOverRanks(GroupOf(group), y);
+    ctx->save_for_backward({x, norm_weight, normed.rstd, router, gate, up, down, probs, index,
+                            weights, order, inverse, token, ends, gate_out, up_out});
+    ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["norm_topk"] = norm_topk;
+    ctx->saved_data["tensor_parallel"] = group;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &norm_weight = saved[1], &rstd = saved[2], &router = saved[3],
+                     &gate = saved[4], &up = saved[5], &down = saved[6], &probs = saved[7],
+                     &index = saved[8], &weights = saved[9], &order = saved[10],
+                     &inverse = saved[11], &token = saved[12], &ends = saved[13],
+                     &gate_out = saved[14], &up_out = saved[15];
+    const TensorParallelGroup* ranks = GroupOf(ctx);
+    const at::ScalarType type = gate.scalar_type();
+    const at::ScalarType ct = ComputeType(type);
+    const int64_t t = x.size(0);
+    const int64_t top_k = index.size(1);
+    const at::Tensor xb = kernels::RmsNormApply(x, norm_weight, rstd, type);
+    const at::Tensor xs = xb.index_select(0, token);
+    const at::Tensor dy = grads[0].to(ct).index_select(0, token);  // [T k, H], sorted pairs
+    const at::Tensor w = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T k, 1]
+    // g = dy @ down_e, the gradient of the expert's SwiGLU product before its routing weight.
+    const at::Tensor g = GroupedMatmul(dy.to(type), down, ends, /*transpose=*/false, ct);
+    kernels::SwiGluGrads swiglu =
+        kernels::SwiGluBackward(g * w, gate_out, up_out, /*with_product=*/true);
+    // d weight = <dy, down_e product> = <g, product>: partial over the ranks' intermediate slices.
+    at::Tensor dweights = (g * swiglu.product.to(ct)).sum(-1);
+    std::unique_ptr<PendingCollective> dweights_sum = StartSumOverRanks(ranks, dweights);
+    AddGroupedWeightGrad(GradAccumulator(down), (dy * w).to(type), swiglu.product, ends);
+    AddGroupedWeightGrad(GradAccumulator(gate), swiglu.dgate, xs, ends);
+    AddGroupedWeightGrad(GradAccumulator(up), swiglu.dup, xs, ends);
+    at::Tensor dxs = GroupedMatmul(swiglu.dgate, gate, ends, /*transpose=*/false, ct);
+    dxs.add_(GroupedMatmul(swiglu.dup, up, ends, /*transpose=*/false, ct));
+    at::Tensor dxb = dxs.index_select(0, inverse).view({t, top_k, -1}).sum(1);  // [T, H]
+    std::unique_ptr<PendingCollective> dxb_sum = StartSumOverRanks(ranks, dxb);
+    if (dweights_sum != nullptr) dweights_sum->Wait();
+    // Through the top-k selection (and its renormalisation) and the softmax.
+    at::Tensor dtop = dweights.index_select(0, inverse).view({t, top_k});
+    if (ctx->saved_data["norm_topk"].toBool()) {
+      const at::Tensor top = probs.gather(1, index);
+      const at::Tensor sum = top.sum(-1, true);
+      dtop = (dtop - (dtop * (top / sum)).sum(-1, true)) / sum;
+    }
+    const at::Tensor dprobs = at::zeros_like(probs).scatter_(1, index, dtop);
+    const at::Tensor dlogits = (probs * (dprobs - (dprobs * probs).sum(-1, true))).to(type);
+    AddMatmul(GradAccumulator(router), dlogits.t(), xb);
+    if (dxb_sum != nullptr) dxb_sum->Wait();
+    AddMatmul(dxb, dlogits, router);
+    const at::Tensor dx = kernels::RmsNormBackward(dxb.to(rstd.scalar_type()), x, norm_weight, rstd,
+                                                   GradAccumulator(norm_weight))
+                              .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
+    variable_list result = {dx};
+    result.resize(10);  // the weights' gradients are accumulated above
+    return result;
+  }
+};
+
 // Attention of a chunk on a cached prefix (kernels/chunk_attention.h: cuDNN for the prefix and for
 // chains, tree attention for tree masks, merged by log-sum-exp). Returns [T, heads, head_dim]. The
 // prefix is a constant of the graph (a non-tensor argument, so autograd neither tracks nor
@@ -549,6 +719,7 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
   heads_ = SplitRange(config.num_attention_heads, rank, tp);
   kv_heads_ = SplitRange(config.num_key_value_heads, rank, tp);
   intermediate_ = SplitRange(config.intermediate_size, rank, tp);
+  moe_intermediate_ = SplitRange(config.moe_intermediate_size, rank, tp);
   vocab_ = SplitRange(config.vocab_size, rank, tp);
   const int64_t hidden = config.hidden_size;
   const int64_t dim = config.head_dim;
@@ -579,9 +750,23 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
       layer.k_norm = Add(p + "self_attn.k_norm.weight", {dim});
     }
     layer.post_norm = Add(p + "post_attention_layernorm.weight", {hidden});
-    layer.gate_proj = Add(p + "mlp.gate_proj.weight", {inter, hidden}, 0, intermediate_);
-    layer.up_proj = Add(p + "mlp.up_proj.weight", {inter, hidden}, 0, intermediate_);
-    layer.down_proj = Add(p + "mlp.down_proj.weight", {hidden, inter}, 1, intermediate_);
+    if (IsSparseLayer(config, i)) {
+      // The experts stacked per layer (qwen3_checkpoint.h maps them to the Hub's per-expert
+      // tensors); each rank holds a slice of every expert's intermediate rows.
+      const int64_t experts = config.num_experts;
+      const int64_t moe = config.moe_intermediate_size;
+      layer.experts_gate =
+          Add(p + "mlp.experts.gate_proj", {experts, moe, hidden}, 1, moe_intermediate_);
+      layer.experts_up =
+          Add(p + "mlp.experts.up_proj", {experts, moe, hidden}, 1, moe_intermediate_);
+      layer.experts_down =
+          Add(p + "mlp.experts.down_proj", {experts, hidden, moe}, 2, moe_intermediate_);
+      layer.router = Add(p + "mlp.gate.weight", {experts, hidden});
+    } else {
+      layer.gate_proj = Add(p + "mlp.gate_proj.weight", {inter, hidden}, 0, intermediate_);
+      layer.up_proj = Add(p + "mlp.up_proj.weight", {inter, hidden}, 0, intermediate_);
+      layer.down_proj = Add(p + "mlp.down_proj.weight", {hidden, inter}, 1, intermediate_);
+    }
     layers_.push_back(std::move(layer));
   }
   final_norm_ = Add("model.norm.weight", {hidden});
@@ -639,7 +824,7 @@ at::Tensor Qwen3Model::GatherParameter(size_t index) const {
   const int tp = tensor_parallel_size();
   const int64_t full = split.full_shape[split.dim];
   const int64_t most = (full + tp - 1) / tp;
-  const at::Tensor rows = split.dim == 0 ? local : local.t();
+  const at::Tensor rows = local.movedim(split.dim, 0);
   std::vector<int64_t> padded_shape = rows.sizes().vec();
   padded_shape[0] = most;
   at::Tensor padded = at::zeros(padded_shape, local.options());
@@ -650,7 +835,7 @@ at::Tensor Qwen3Model::GatherParameter(size_t index) const {
     parts.push_back(gathered.slice(0, r * most, r * most + SplitRange(full, r, tp).size()));
   }
   const at::Tensor whole = at::cat(parts);
-  return split.dim == 0 ? whole : whole.t().contiguous();
+  return split.dim == 0 ? whole : whole.movedim(0, split.dim).contiguous();
 }
 
 void Qwen3Model::ReduceTensorParallelGradients() const {
@@ -780,11 +965,18 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   LayerOutput out;
   out.hidden =
       h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, layer.o_bias, group);
-  const at::Tensor gate_up_weights[] = {layer.gate_proj, layer.up_proj};
-  const variable_list gate_up = Projections::apply(
-      out.hidden, std::optional<at::Tensor>(layer.post_norm), eps, /*wide_output=*/false, group,
-      ProjectionKind::kColumnParallel, at::TensorList(gate_up_weights), at::TensorList());
-  out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj, group);
+  if (layer.router.defined()) {
+    out.hidden =
+        out.hidden + SparseMoe::apply(out.hidden, layer.post_norm, eps, layer.router,
+                                      layer.experts_gate, layer.experts_up, layer.experts_down,
+                                      config_.num_experts_per_tok, config_.norm_topk_prob, group);
+  } else {
+    const at::Tensor gate_up_weights[] = {layer.gate_proj, layer.up_proj};
+    const variable_list gate_up = Projections::apply(
+        out.hidden, std::optional<at::Tensor>(layer.post_norm), eps, /*wide_output=*/false, group,
+        ProjectionKind::kColumnParallel, at::TensorList(gate_up_weights), at::TensorList());
+    out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj, group);
+  }
   out.keys = k;
   out.values = v;
   return out;

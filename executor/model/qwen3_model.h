@@ -1,8 +1,9 @@
-// A dense decoder of the families in core/checkpoint/model_family.h (Qwen3, Qwen2/Qwen2.5, Llama 3:
-// RMSNorm, RoPE with explicit position ids and optional rope scaling, grouped-query attention with
-// Qwen3's q/k norm or without, optional q/k/v and o_proj biases, SwiGLU MLP, optional tied
-// embeddings; the class keeps its first family's name) whose one core call is "forward a chunk of
-// tokens on top of a cached prefix". Every execution method (dense, packed tree, push/pop dta) is a
+// A decoder of the families in core/checkpoint/model_family.h (Qwen3, Qwen2/Qwen2.5, Llama 3,
+// Qwen3-MoE: RMSNorm, RoPE with explicit position ids and optional rope scaling, grouped-query
+// attention with Qwen3's q/k norm or without, optional q/k/v and o_proj biases, SwiGLU MLP or, in
+// Qwen3-MoE's sparse layers, a top-k routed mixture of SwiGLU experts, optional tied embeddings;
+// the class keeps its first family's name) whose one core call is "forward a chunk of tokens on top
+// of a cached prefix". Every execution method (dense, packed tree, push/pop dta) is a
 // schedule over Forward() and Logprobs().
 //
 // Numerics follow Hugging Face's models (norms, RoPE and softmax in at least float32; float64
@@ -17,6 +18,23 @@
 // a graph holds the two residual-stream inputs, q and k before their norms (Qwen3 only: RoPE alone
 // keeps nothing) and after RoPE, v, the attention output, and the MLP's gate and up
 // (GraphBytesPerToken in executor/engine/executor.h counts exactly these).
+//
+// Mixture of experts (Qwen3-MoE's sparse layers, Qwen3Config's IsSparseLayer): as transformers'
+// Qwen3MoeSparseMoeBlock, router logits n(h) @ gate^T in the weights' dtype, softmax in the compute
+// dtype, torch.topk, optionally renormalised, the weights rounded to the weights' dtype, and
+// y = sum over the token's k experts of w_e down_e(silu(gate_e n(h)) * up_e n(h)), formed in the
+// compute dtype. A chunk's tokens are routed once per forward; the (token, expert) pairs are sorted
+// by expert (stable) and each projection is one grouped GEMM over them (at::_grouped_mm on CUDA,
+// with no host read-back of the routing; on the CPU, and for float64 anywhere, a loop over the
+// experts with tokens); a token's k outputs are summed without atomics. The experts of a layer are
+// stacked parameters, "model.layers.L.mlp.experts.gate_proj" and "...up_proj" [E, I, H] and
+// "...down_proj" [E, H, I] (I = moe_intermediate_size), beside the router "model.layers.L.mlp.gate.
+// weight" [E, H]; checkpoints hold the Hub's per-expert tensors (qwen3_checkpoint.h). A sparse
+// layer's graph keeps, per token, its k experts' gate and up outputs and the routing (the softmax,
+// the top-k weights and indices, the sort). On CUDA the grouped GEMMs return their inputs' dtype,
+// so the experts' weight gradients are formed from float32 copies (a bfloat16 product would round
+// each chunk's gradient before the float32 sum; slower, until a grouped GEMM with a float32 output
+// of our own). The router's auxiliary load-balancing loss is not computed.
 //
 // Gradients: backward adds each parameter's gradient straight into its .grad, which is float32 for
 // bfloat16/float16 parameters (and the parameter's dtype otherwise): many chunk backwards into one
@@ -46,7 +64,12 @@
 // (o_proj, down_proj) and the embedding lookup all-reduce their output in forward;
 // log-probabilities and entropy combine each vocabulary slice's max and sums with two small
 // all-reduces per slice of rows, and the hidden state's gradient with one per slice of rows,
-// running while the next slice and lm_head's weight gradient are computed. The residual stream, the
+// running while the next slice and lm_head's weight gradient are computed. Experts: each rank
+// holds a contiguous slice of every expert's intermediate rows (rows of gate and up, columns of
+// down) and the whole router, so all ranks route alike; the block's output is summed over the ranks
+// in forward, and in backward the routing weights' gradient (<dy, expert output>, a partial sum per
+// rank) and the experts' part of the input's gradient are all-reduced, which leaves the router's
+// gradient whole on every rank. The residual stream, the
 // final hidden states and the norm weights' gradients are then the same on every rank; K/V (and the
 // executor's stack of them) hold only the rank's own KV heads. q_norm and k_norm see only the
 // rank's heads, so their gradients are partial sums that ReduceTensorParallelGradients() completes
@@ -67,6 +90,7 @@
 #include <vector>
 
 #include "core/checkpoint/qwen3_config.h"
+#include "executor/model/gated_delta_net.h"
 #include "executor/parallel/tensor_parallel.h"
 
 namespace dta {
@@ -74,7 +98,9 @@ namespace dta {
 // The cached prefix one forward call attends to, per layer.
 struct PrefixKv {
   // K and V of the prefix, [P, kv_heads, head_dim] each (typically views of a preallocated
-  // path-length buffer: never copied or concatenated).
+  // path-length buffer: never copied or concatenated). At a linear-attention layer
+  // (gated_delta_net.h) keys holds the prefix's convolution inputs [P, conv_dim] (the layer reads
+  // the last conv_kernel - 1 rows) and values is undefined.
   std::vector<at::Tensor> keys = {};
   std::vector<at::Tensor> values = {};
   // Gradient accumulators of the same shape (float32; float64 for float64 models), or empty.
@@ -82,6 +108,11 @@ struct PrefixKv {
   // these accumulators in place, or drops them when there are none.
   std::vector<at::Tensor> grad_keys = {};
   std::vector<at::Tensor> grad_values = {};
+  // Linear-attention layers: the recurrent state after the prefix's last token [value_heads,
+  // key_head_dim, value_head_dim] and its gradient accumulator (backward adds d loss / d state);
+  // undefined at attention layers. Empty for models without linear layers.
+  std::vector<at::Tensor> states = {};
+  std::vector<at::Tensor> grad_states = {};
 
   bool empty() const { return keys.empty(); }
 };
@@ -89,6 +120,7 @@ struct PrefixKv {
 // One layer's slice of a PrefixKv (undefined tensors when there is no prefix).
 struct LayerPrefix {
   at::Tensor keys, values, grad_keys, grad_values;
+  at::Tensor state, grad_state;  // linear-attention layers (see PrefixKv)
 };
 
 // The tokens of one forward call and the context they sit on.
@@ -98,6 +130,10 @@ struct ChunkInput {
   // Tree structure inside the chunk, tokens in DFS order: key j is visible to queries
   // j .. key_end[j] - 1 (its subtree). [T] int64; undefined means a plain causal chain.
   at::Tensor key_end = {};
+  // The same tree as each token's parent (its index in the chunk, -1 for a root), on the host:
+  // what linear-attention layers route their recurrent state along. Required with key_end when the
+  // model has linear layers; empty means a chain.
+  std::vector<int64_t> parents = {};
   // The cached prefix every chunk token attends to; empty means none.
   PrefixKv prefix = {};
 };
@@ -106,6 +142,10 @@ struct ChunkOutput {
   at::Tensor hidden;               // [T, hidden_size], after the final norm, in the compute dtype
   std::vector<at::Tensor> keys;    // per layer [T, kv_heads, head_dim], after k-norm and RoPE
   std::vector<at::Tensor> values;  // per layer [T, kv_heads, head_dim]
+  // Linear-attention layers: keys holds the convolution inputs [T, conv_dim] and values is
+  // undefined; states the recurrent state after the chunk's last token (undefined at attention
+  // layers; empty without linear layers).
+  std::vector<at::Tensor> states;
 };
 
 // What every layer of one Forward call shares: RoPE tables and the chunk's tree mask.
@@ -119,6 +159,7 @@ struct LayerOutput {
   at::Tensor hidden;  // [T, hidden_size], the residual stream after the layer
   at::Tensor keys;    // [T, kv_heads, head_dim]
   at::Tensor values;  // [T, kv_heads, head_dim]
+  at::Tensor state;   // linear-attention layers (see ChunkOutput)
 };
 
 // How one parameter is split across the tensor-parallel ranks.
@@ -210,12 +251,23 @@ class Qwen3Model {
   at::Tensor Logprobs(const at::Tensor& hidden, const at::Tensor& targets,
                       at::Tensor* entropy = nullptr, const LogprobOptions& options = {}) const;
 
+  // Qwen3-Next's linear-attention (Gated DeltaNet) layers, whose cache is their convolution
+  // inputs and a recurrent state (PrefixKv); false at every layer of the other families.
+  bool is_linear_layer(int64_t layer) const {
+    return !linear_layers_.empty() && linear_layers_[layer];
+  }
+  bool has_linear_layers() const { return !linear_layers_.empty(); }
+  const GatedDeltaNetShape& linear_shape() const { return linear_shape_; }
+
  private:
   struct Layer {
     at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj,
         up_proj, down_proj;
     // Undefined where the family has none (core/checkpoint/model_family.h).
     at::Tensor q_bias, k_bias, v_bias, o_bias;
+    // A sparse mixture-of-experts layer (IsSparseLayer) has these instead of gate_proj, up_proj
+    // and down_proj: the router [E, H] and the experts stacked, [E, I, H], [E, I, H], [E, H, I].
+    at::Tensor router, experts_gate, experts_up, experts_down;
   };
   // A parameter of `full_shape`, split along `dim` into `range` (dim -1: whole).
   at::Tensor Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim = -1,
@@ -232,7 +284,7 @@ class Qwen3Model {
   Qwen3Config config_;
   at::TensorOptions options_;
   std::shared_ptr<const TensorParallelGroup> tensor_parallel_;
-  IndexRange heads_, kv_heads_, intermediate_, vocab_;  // this rank's parts
+  IndexRange heads_, kv_heads_, intermediate_, moe_intermediate_, vocab_;  // this rank's parts
   at::Tensor embed_, final_norm_, lm_head_;
   at::Tensor inv_freq_;  // RoPE's inverse frequencies [head_dim / 2], compute dtype (rope.h)
   std::vector<Layer> layers_;
@@ -241,6 +293,9 @@ class Qwen3Model {
   // Under tensor parallelism, the partial gradients of q_norm and k_norm ([layers, 2, head_dim],
   // the accumulator dtype) until ReduceTensorParallelGradients.
   at::Tensor partial_norm_grads_;
+  // Per layer, whether it is a linear-attention layer; empty without any.
+  std::vector<bool> linear_layers_;
+  GatedDeltaNetShape linear_shape_;
 };
 
 }  // namespace dta

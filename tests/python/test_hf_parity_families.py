@@ -1,7 +1,8 @@
-"""Parity with Hugging Face transformers' Llama and Qwen2 (the families beside Qwen3).
+"""Parity with Hugging Face transformers' Llama, Qwen2 and Qwen3-MoE (the families beside Qwen3).
 
-Tiny random LlamaForCausalLM and Qwen2ForCausalLM models are built and saved with transformers,
-covering every rope type dta supports and every kind of attention bias:
+Tiny random LlamaForCausalLM, Qwen2ForCausalLM and Qwen3MoeForCausalLM models are built and saved
+with transformers, covering every rope type dta supports, every kind of attention bias and the
+mixture-of-experts routing options:
 
     llama-llama3      Llama, llama3 rope scaling (all three bands of frequencies), no biases
     llama-bias-linear Llama with attention_bias (q/k/v/o biases), linear rope scaling, tied
@@ -9,6 +10,14 @@ covering every rope type dta supports and every kind of attention bias:
     qwen2             Qwen2 (q/k/v biases, no o_proj bias), default rope, tied
     qwen2-yarn        Qwen2 with yarn rope scaling (beta_fast, beta_slow; attention factor from
                       the factor), head_dim other than hidden_size / num_attention_heads
+    qwen3moe-norm     Qwen3-MoE, every layer sparse, 4 experts top-2 with norm_topk_prob, GQA
+    qwen3moe-step     Qwen3-MoE, 4 layers, decoder_sparse_step 2 and mlp_only_layers [3] (layers 0,
+                      2, 3 dense, 1 sparse), 5 experts top-3 without norm_topk_prob, head_dim
+                      absent, tied
+
+The MoE gradients: transformers keeps each layer's experts as gate_up_proj [E, 2I, H] and down_proj
+[E, H, I]; dta stacks gate_proj and up_proj separately ([E, I, H] each, the halves of gate_up_proj)
+under the names "model.layers.L.mlp.experts.{gate,up,down}_proj" (qwen3_checkpoint.h).
 
 build/bin/dta-hf-logprobs loads each with LoadQwen3Model and computes every rollout's per-token
 log-probabilities with each method (dense, packed, dta, dta with B = 7): they must equal
@@ -20,7 +29,8 @@ in transformers' from_pretrained with no missing, unexpected or mismatched keys,
 
 float64: as for Qwen3 (test_hf_parity.py), transformers' RMSNorm and rotary embedding compute in
 float32 whatever the input; inside `exact_float64` only, LlamaRMSNorm / Qwen2RMSNorm and the
-rotary embeddings compute in the input's dtype with the same formulas. The inverse frequencies of
+rotary embeddings compute in the input's dtype with the same formulas, and Qwen3-MoE's router takes
+its softmax in the input's dtype (transformers: float32). The inverse frequencies of
 each rope type are transformers' rope_init_fn expressions, here in float64 (`inv_freq`); the float32
 comparison runs transformers unpatched, so it checks those expressions too.
 """
@@ -34,9 +44,11 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from test_hf_parity import (METHODS, TOLERANCE, VOCAB, _rms_norm_in_input_dtype, assert_same_model,  # noqa: F401
                             binary, hf_logprobs, max_difference, rollouts, run_binary)
@@ -67,7 +79,20 @@ VARIANTS = {
         **COMMON, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 256, "beta_fast": 8.0, "beta_slow": 0.5})),
+    # transformers' experts loop ("eager"): its grouped_mm default takes no float64 on the CPU.
+    "qwen3moe-norm": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **COMMON, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=12, norm_topk_prob=True, experts_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3moe-step": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 4}, rms_norm_eps=1e-6, tie_word_embeddings=True, num_experts=5,
+        num_experts_per_tok=3, moe_intermediate_size=10, norm_topk_prob=False, decoder_sparse_step=2,
+        mlp_only_layers=[3], experts_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
+              "intermediate_size")
 
 
 def random_model(variant: str):
@@ -100,14 +125,23 @@ def checkpoint(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(directory, safe_serialization=True)
     config = json.loads((directory / "config.json").read_text())
+    if request.param == "qwen3moe-step":
+        # Built without head_dim, which Qwen3MoeConfig does not write then: hidden_size / heads.
+        assert "head_dim" not in config
     if request.param == "llama-yarn-mscale":
         # Llama's head_dim may be absent: hidden_size / num_attention_heads.
         assert config["head_dim"] == 8
         del config["head_dim"]
         (directory / "config.json").write_text(json.dumps(config))
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
-        biases = {name.split(".")[-2] for name in f.keys() if name.endswith(".bias")}
+        names = set(f.keys())
+        biases = {name.split(".")[-2] for name in names if name.endswith(".bias")}
     assert biases == expected_biases(request.param)
+    if request.param.startswith("qwen3moe"):
+        # The Hub's layout, which transformers 5 also saves: one tensor per expert.
+        assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names
+        assert "model.layers.1.mlp.gate.weight" in names
+        assert not any("gate_up_proj" in name for name in names)
     return request.param, model, directory
 
 
@@ -162,14 +196,40 @@ def _rotary_in_input_dtype(self, x, position_ids):
     return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
+def _router_in_input_dtype(self, hidden_states):
+    # Qwen3MoeTopKRouter.forward with the softmax in the input's dtype instead of float32.
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_probs = torch.nn.functional.softmax(router_logits, dtype=router_logits.dtype, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value.to(router_logits.dtype), router_indices
+
+
+def dta_gradient_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused experts.gate_up_proj [E, 2I, H] as dta's experts.gate_proj and up_proj."""
+    out = {}
+    for name, grad in grads.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            gate, up = grad.chunk(2, dim=1)
+            out[prefix + "gate_proj"], out[prefix + "up_proj"] = gate, up
+        else:
+            out[name] = grad
+    return out
+
+
 class exact_float64:
     """Within the block, transformers' Llama and Qwen2 norms and RoPE compute in the input dtype."""
 
     def __enter__(self):
         self._patch = pytest.MonkeyPatch()
-        for module, prefix in ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2")):
+        for module, prefix in ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"),
+                               (modeling_qwen3_moe, "Qwen3Moe")):
             self._patch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", _rms_norm_in_input_dtype)
             self._patch.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", _rotary_in_input_dtype)
+        self._patch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", _router_in_input_dtype)
         return self
 
     def __exit__(self, *exc):
@@ -196,7 +256,7 @@ def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
             logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
             mask = torch.tensor(r["loss_mask"][1:], dtype=torch.float64)
             (-(logp * mask).sum()).backward()
-    return {name: p.grad.detach().clone() for name, p in model64.named_parameters()}
+    return dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
 
 
 # --- dta vs transformers ------------------------------------------------------------------------
@@ -251,12 +311,24 @@ def test_transformers_loads_dta_checkpoint(binary, checkpoint, rollouts, tmp_pat
     assert config["architectures"] == [family.__name__]
     assert config["torch_dtype"] == "float32"
 
-    loaded, info = family.from_pretrained(resaved, dtype=torch.float32, output_loading_info=True)
+    # transformers' default grouped_mm experts need 16-byte aligned strides; the loop is the reference.
+    extra = {"experts_implementation": "eager"} if variant.startswith("qwen3moe") else {}
+    loaded, info = family.from_pretrained(resaved, dtype=torch.float32, output_loading_info=True, **extra)
     loaded.eval()
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(loaded.config) is type(model.config)
     assert loaded.config.rope_parameters == model.config.rope_parameters
-    for field in ("head_dim", "tie_word_embeddings", "rms_norm_eps", "num_key_value_heads", "attention_bias"):
+    for field in ("tie_word_embeddings", "rms_norm_eps", "num_key_value_heads", "attention_bias"):
         assert getattr(loaded.config, field, None) == getattr(model.config, field, None), field
+
+    def head_dim(config):  # dta always writes it; an absent one is hidden_size / heads
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    assert head_dim(loaded.config) == head_dim(model.config)
+    if variant.startswith("qwen3moe"):
+        for field in MOE_FIELDS:
+            assert getattr(loaded.config, field) == getattr(model.config, field), field
+        with safe_open(str(resaved / "model.safetensors"), "pt") as f:
+            assert "model.layers.1.mlp.experts.0.up_proj.weight" in set(f.keys())
 
     assert_same_model(loaded, model, data[0]["tokens"])

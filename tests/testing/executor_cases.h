@@ -21,8 +21,20 @@ namespace dta::testing {
 // matters within a few hundred positions at head_dim 8. "llama": llama3 scaling with theta 100
 // (wavelengths 6.3 kept, 20 and 63 smoothed, 199 divided by the factor); "qwen2": YaRN (frequency 0
 // extrapolated, 1 half-way, 2 and 3 interpolated; cos and sin scaled by 0.1 ln 4 + 1).
+//
+// "qwen3_moe": Qwen3's attention with every layer a sparse mixture of 5 experts of width 6, top-2
+// renormalised (a width that no tensor-parallel size of 2 or 4 divides evenly).
 inline Qwen3Config WithFamily(Qwen3Config c, const std::string& family) {
   if (family == "qwen3") return c;
+  if (family == "qwen3_moe") {
+    c.model_type = family;
+    c.num_experts = 5;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 6;
+    c.norm_topk_prob = true;
+    c.router_aux_loss_coef = 0.001;
+    return c;
+  }
   c.model_type = family;
   c.attention_bias = true;
   if (family == "llama") {

@@ -1,8 +1,8 @@
 // The model families (core/checkpoint/model_family.h) through config.json: the Hub configs of
-// Llama 3.2 1B, Llama 3.1 8B and Qwen2.5 1.5B parse to their presets, absent fields take each
-// family's transformers defaults, every rope type (linear, llama3, yarn; both spellings) is read as
-// transformers 5 reads it, everything else is refused naming the field, and every config written
-// parses back to itself bit for bit.
+// Llama 3.2 1B, Llama 3.1 8B, Qwen2.5 1.5B and Qwen3-30B-A3B parse to their presets, absent fields
+// take each family's transformers defaults, every rope type (linear, llama3, yarn; both spellings)
+// is read as transformers 5 reads it, everything else is refused naming the field, and every config
+// written parses back to itself bit for bit.
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -120,6 +120,44 @@ constexpr char kQwen25_1_5B[] = R"({
   "vocab_size": 151936
 })";
 
+// Qwen/Qwen3-30B-A3B's config.json.
+constexpr char kQwen3_30B_A3B[] = R"({
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "decoder_sparse_step": 1,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 6144,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 48,
+  "mlp_only_layers": [],
+  "model_type": "qwen3_moe",
+  "moe_intermediate_size": 768,
+  "norm_topk_prob": true,
+  "num_attention_heads": 32,
+  "num_experts": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 48,
+  "num_key_value_heads": 4,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.001,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
 // A small config of `model_type` with `edit` merged in (JSON merge patch: null deletes).
 std::string Small(const std::string& model_type, const std::string& edit = "{}") {
   Json json = Json::parse(R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -136,7 +174,15 @@ Qwen3Config ParseOk(const std::string& json) {
 }
 
 TEST(ModelFamily, TableHasEachFamilysTraits) {
-  EXPECT_THAT(ModelFamilyTypes(), ElementsAre("llama", "qwen2", "qwen3"));
+  EXPECT_THAT(ModelFamilyTypes(), ElementsAre("llama", "qwen2", "qwen3", "qwen3_moe"));
+  const ModelFamily* moe = FindModelFamily("qwen3_moe");
+  ASSERT_NE(moe, nullptr);
+  EXPECT_EQ(moe->architecture, "Qwen3MoeForCausalLM");
+  EXPECT_TRUE(moe->qk_norm);
+  EXPECT_TRUE(moe->moe);
+  EXPECT_EQ(moe->attention_bias, AttentionBiasRule::kNone);
+  EXPECT_EQ(moe->default_head_dim, 0);
+  EXPECT_FALSE(FindModelFamily("qwen3")->moe);
   const ModelFamily* qwen3 = FindModelFamily("qwen3");
   const ModelFamily* qwen2 = FindModelFamily("qwen2");
   const ModelFamily* llama = FindModelFamily("llama");
@@ -190,9 +236,26 @@ TEST(ModelFamily, ParsesTheHubConfigsIntoThePresets) {
   EXPECT_EQ(qwen25, *Qwen3ConfigPreset("qwen2.5-1.5b"));
   EXPECT_EQ(qwen25, *Qwen3ConfigPreset("Qwen/Qwen2.5-1.5B"));
 
+  const Qwen3Config moe = ParseOk(kQwen3_30B_A3B);
+  EXPECT_EQ(moe.model_type, "qwen3_moe");
+  EXPECT_EQ(moe.num_experts, 128);
+  EXPECT_EQ(moe.num_experts_per_tok, 8);
+  EXPECT_EQ(moe.moe_intermediate_size, 768);
+  EXPECT_TRUE(moe.norm_topk_prob);
+  EXPECT_TRUE(HasQkNorm(moe));
+  EXPECT_TRUE(IsMoe(moe));
+  EXPECT_EQ(moe, *Qwen3ConfigPreset("qwen3-30b-a3b"));
+  EXPECT_EQ(moe, *Qwen3ConfigPreset("Qwen/Qwen3-30B-A3B"));
+  // The benchmark model: the same layers, 4 of them.
+  Qwen3Config small = *Qwen3ConfigPreset("qwen3-moe-small");
+  EXPECT_EQ(small.num_hidden_layers, 4);
+  small.num_hidden_layers = 48;
+  EXPECT_EQ(small, moe);
+
   EXPECT_THAT(Qwen3ConfigPresetNames(),
               ElementsAre("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b",
-                          "qwen3-32b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b"));
+                          "qwen3-32b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b",
+                          "qwen3-30b-a3b", "qwen3-moe-small"));
   for (const std::string& name : Qwen3ConfigPresetNames()) {
     const absl::StatusOr<Qwen3Config> preset = Qwen3ConfigPreset(name);
     ASSERT_TRUE(preset.ok()) << preset.status();
@@ -224,6 +287,51 @@ TEST(ModelFamily, AbsentFieldsTakeEachFamilysDefaults) {
   EXPECT_EQ(qwen3.model_type, "qwen3");
   EXPECT_EQ(qwen3.head_dim, 128);
   EXPECT_TRUE(HasQkNorm(qwen3));
+  EXPECT_EQ(qwen3.num_experts, 0);
+  EXPECT_FALSE(IsMoe(qwen3));
+
+  // Qwen3MoeConfig's defaults; intermediate_size is not required.
+  const Qwen3Config moe = ParseOk(Small("qwen3_moe", R"({"intermediate_size": null})"));
+  EXPECT_EQ(moe.head_dim, 16);  // 64 / 4, not Qwen3's 128
+  EXPECT_EQ(moe.intermediate_size, 6144);
+  EXPECT_EQ(moe.num_experts, 128);
+  EXPECT_EQ(moe.num_experts_per_tok, 8);
+  EXPECT_EQ(moe.moe_intermediate_size, 768);
+  EXPECT_FALSE(moe.norm_topk_prob);
+  EXPECT_EQ(moe.decoder_sparse_step, 1);
+  EXPECT_TRUE(moe.mlp_only_layers.empty());
+  EXPECT_EQ(moe.router_aux_loss_coef, 0.001);
+  EXPECT_FALSE(moe.output_router_logits);
+  EXPECT_EQ(moe.vocab_size, 151936);
+  EXPECT_EQ(moe.max_position_embeddings, 32768);
+  // transformers 5 writes num_local_experts; both spellings agreeing are fine; null layers: [].
+  EXPECT_EQ(ParseOk(Small("qwen3_moe", R"({"num_local_experts": 6, "num_experts_per_tok": 2})"))
+                .num_experts,
+            6);
+  EXPECT_EQ(ParseOk(Small("qwen3_moe", R"({"num_local_experts": 6, "num_experts": 6,
+                                           "num_experts_per_tok": 2})"))
+                .num_experts,
+            6);
+  EXPECT_TRUE(ParseOk(Small("qwen3_moe", R"({"mlp_only_layers": null})")).mlp_only_layers.empty());
+  // Other families ignore MoE fields, as transformers does.
+  EXPECT_EQ(ParseOk(Small("qwen3", R"({"num_experts": 8})")).num_experts, 0);
+}
+
+// transformers' Qwen3MoeDecoderLayer: sparse iff not in mlp_only_layers, experts > 0 and
+// (layer + 1) % decoder_sparse_step == 0.
+TEST(ModelFamily, SparseLayersFollowTransformersRule) {
+  Qwen3Config c = ParseOk(Small("qwen3_moe", R"({"num_hidden_layers": 6, "decoder_sparse_step": 2,
+                             "mlp_only_layers": [3], "num_experts": 4, "num_experts_per_tok": 2})"));
+  std::vector<bool> sparse;
+  for (int64_t l = 0; l < 6; ++l) sparse.push_back(IsSparseLayer(c, l));
+  EXPECT_THAT(sparse, ElementsAre(false, true, false, false, false, true));
+  c.decoder_sparse_step = 1;
+  c.mlp_only_layers = {0, 5};
+  sparse.clear();
+  for (int64_t l = 0; l < 6; ++l) sparse.push_back(IsSparseLayer(c, l));
+  EXPECT_THAT(sparse, ElementsAre(false, true, true, true, true, false));
+  EXPECT_FALSE(IsSparseLayer(*Qwen3ConfigPreset("qwen3-8b"), 0));
+  EXPECT_TRUE(IsSparseLayer(*Qwen3ConfigPreset("qwen3-30b-a3b"), 47));
 }
 
 TEST(ModelFamily, AttentionBiasesFollowTheFamily) {
@@ -333,8 +441,41 @@ TEST(ModelFamily, RefusesWhatItCannotBuildNamingTheField) {
   const auto kUnsupported = absl::StatusCode::kUnimplemented;
   const std::vector<Refusal> cases = {
       {"mistral", "{}", kUnsupported,
-       "field 'model_type': 'mistral' is not supported (supported: llama, qwen2, qwen3)"},
-      {"qwen3_moe", "{}", kUnsupported, "field 'model_type': 'qwen3_moe' is not supported"},
+       "field 'model_type': 'mistral' is not supported (supported: llama, qwen2, qwen3, "
+       "qwen3_moe)"},
+      {"qwen3_next", "{}", kUnsupported, "field 'model_type': 'qwen3_next' is not supported"},
+      {"qwen3_moe", R"({"num_experts": 4, "num_experts_per_tok": 5})", kInvalid,
+       "field 'num_experts_per_tok': 5 is more than num_experts = 4"},
+      {"qwen3_moe", R"({"num_experts": 0})", kInvalid, "field 'num_experts': 0 is not positive"},
+      {"qwen3_moe", R"({"num_experts_per_tok": 0})", kInvalid,
+       "field 'num_experts_per_tok': 0 is not positive"},
+      {"qwen3_moe", R"({"moe_intermediate_size": 0})", kInvalid,
+       "field 'moe_intermediate_size': 0 is not positive"},
+      {"qwen3_moe", R"({"intermediate_size": 0})", kInvalid,
+       "field 'intermediate_size': 0 is not positive"},
+      {"qwen3_moe", R"({"decoder_sparse_step": 0})", kInvalid,
+       "field 'decoder_sparse_step': 0 is not positive"},
+      {"qwen3_moe", R"({"mlp_only_layers": [0, 2]})", kInvalid,
+       "field 'mlp_only_layers': layer 2 is not in [0, num_hidden_layers = 2)"},
+      {"qwen3_moe", R"({"mlp_only_layers": [-1]})", kInvalid,
+       "field 'mlp_only_layers': layer -1 is not in"},
+      {"qwen3_moe", R"({"mlp_only_layers": [1, 1]})", kInvalid,
+       "field 'mlp_only_layers': layer 1 is listed twice"},
+      {"qwen3_moe", R"({"mlp_only_layers": 1})", kInvalid,
+       "field 'mlp_only_layers': must be an array"},
+      {"qwen3_moe", R"({"mlp_only_layers": ["1"]})", kInvalid,
+       "field 'mlp_only_layers': must hold layer indices"},
+      {"qwen3_moe", R"({"num_experts": 8, "num_local_experts": 6})", kInvalid,
+       "field 'num_local_experts': 6 differs from num_experts = 8"},
+      {"qwen3_moe", R"({"num_experts": 2.5})", kInvalid, "field 'num_experts': must be an integer"},
+      {"qwen3_moe", R"({"norm_topk_prob": 1})", kInvalid,
+       "field 'norm_topk_prob': must be true or false"},
+      {"qwen3_moe", R"({"router_aux_loss_coef": -0.1})", kInvalid,
+       "field 'router_aux_loss_coef': -0.1 is not finite and >= 0"},
+      {"qwen3_moe", R"({"attention_bias": true})", kUnsupported,
+       "field 'attention_bias': attention biases are not supported for Qwen3-MoE"},
+      {"qwen3_moe", R"({"use_sliding_window": true})", kUnsupported, "field 'use_sliding_window'"},
+      {"qwen3_moe", R"({"hidden_act": "gelu"})", kUnsupported, "field 'hidden_act'"},
       {"llama", R"({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})", kUnsupported,
        "field 'rope_scaling': rope type 'dynamic' is not supported"},
       {"qwen2", R"({"rope_parameters": {"rope_type": "longrope", "short_factor": [1]}})",
@@ -399,6 +540,16 @@ TEST(ModelFamily, RefusesWhatItCannotBuildNamingTheField) {
   testing::ExpectRefused(Json::object(), refused);
   // Llama has no sliding-window fields: transformers ignores them, and so does dta.
   EXPECT_TRUE(ParseQwen3Config(Small("llama", R"({"use_sliding_window": true})")).ok());
+
+  // A dense family's struct with experts is not a model dta can build.
+  Qwen3Config dense = *Qwen3ConfigPreset("qwen3-0.6b");
+  dense.num_experts = 8;
+  EXPECT_THAT(
+      std::string(ValidateQwen3Config(dense).message()),
+      HasSubstr("field 'num_experts': is a mixture-of-experts field; Qwen3 has no experts"));
+  dense = *Qwen3ConfigPreset("llama-3.2-1b");
+  dense.mlp_only_layers = {0};
+  EXPECT_EQ(ValidateQwen3Config(dense).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Configs that exercise every field each family writes.
@@ -429,6 +580,17 @@ std::vector<Qwen3Config> OddConfigs() {
                        .mscale_all_dim = 0.0,
                        .truncate = false};
   configs.push_back(yarn);
+  Qwen3Config moe = *Qwen3ConfigPreset("qwen3-30b-a3b");
+  moe.norm_topk_prob = false;
+  moe.decoder_sparse_step = 3;
+  moe.mlp_only_layers = {0, 7, 47};
+  moe.router_aux_loss_coef = 1.0 / 3.0 * 1e-3;
+  moe.output_router_logits = true;
+  moe.num_experts = 60;
+  moe.num_experts_per_tok = 60;
+  moe.moe_intermediate_size = 1407;
+  moe.rope_scaling = {.type = RopeType::kLinear, .factor = 2.5};
+  configs.push_back(moe);
   Qwen3Config plain_yarn = *Qwen3ConfigPreset("qwen3-0.6b");
   plain_yarn.rope_scaling = {
       .type = RopeType::kYarn, .factor = 4.0, .original_max_position_embeddings = 32768};
@@ -452,6 +614,17 @@ TEST(ModelFamily, ConfigsRoundTripBitForBitAndLookLikeTransformers) {
     EXPECT_EQ(json.contains("attention_bias"), config.model_type != "qwen2");
     EXPECT_EQ(json.contains("use_sliding_window"), config.model_type != "llama");
     EXPECT_EQ(json.contains("mlp_bias"), config.model_type == "llama");
+    EXPECT_EQ(json.contains("num_experts"), config.model_type == "qwen3_moe");
+    if (config.model_type == "qwen3_moe") {
+      EXPECT_EQ(json["num_experts_per_tok"], config.num_experts_per_tok);
+      EXPECT_EQ(json["moe_intermediate_size"], config.moe_intermediate_size);
+      EXPECT_EQ(json["norm_topk_prob"], config.norm_topk_prob);
+      EXPECT_EQ(json["decoder_sparse_step"], config.decoder_sparse_step);
+      EXPECT_EQ(json["mlp_only_layers"], config.mlp_only_layers);
+      EXPECT_EQ(json["router_aux_loss_coef"], config.router_aux_loss_coef);
+      EXPECT_EQ(json["output_router_logits"], config.output_router_logits);
+      EXPECT_FALSE(json.contains("num_local_experts"));
+    }
     if (config.rope_scaling.type == RopeType::kDefault) {
       EXPECT_TRUE(json["rope_scaling"].is_null());
     } else {
@@ -503,6 +676,19 @@ TEST(ModelFamily, SavingOverABaseRewritesItsRopeParameters) {
   EXPECT_FALSE(plain.contains("original_max_position_embeddings"));
   EXPECT_EQ(plain["eos_token_id"], Json::parse("[1, 2]"));
   EXPECT_EQ(*LoadQwen3Config(dir + "/plain"), config);
+
+  // A transformers 5 Qwen3-MoE base spells num_local_experts: it is rewritten too.
+  std::ofstream(dir + "/moe.json") << Small("qwen3_moe", R"({"num_local_experts": 8,
+      "num_experts_per_tok": 2, "eos_token_id": 7})");
+  Qwen3Config moe = *LoadQwen3Config(dir + "/moe.json");
+  moe.num_experts = 16;
+  ASSERT_TRUE(SaveQwen3Config(moe, dir + "/moe", dir + "/moe.json").ok());
+  std::ifstream moe_in(dir + "/moe/config.json");
+  const Json moe_saved = Json::parse(moe_in);
+  EXPECT_EQ(moe_saved["num_local_experts"], 16);
+  EXPECT_EQ(moe_saved["num_experts"], 16);
+  EXPECT_EQ(moe_saved["eos_token_id"], 7);
+  EXPECT_EQ(*LoadQwen3Config(dir + "/moe"), moe);
 }
 
 }  // namespace

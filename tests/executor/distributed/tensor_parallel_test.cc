@@ -50,7 +50,14 @@ Qwen3Config TensorParallelConfig(bool tied) {
 
 // The same shape as another family (testing::WithFamily: attention biases, no q/k norms, scaled
 // RoPE).
+// "qwen3_moe-unnormalised": Qwen3-MoE without norm_topk_prob, layer 0 dense (mlp_only_layers).
 Qwen3Config FamilyConfig(const std::string& family, bool tied) {
+  if (family == "qwen3_moe-unnormalised") {
+    Qwen3Config c = testing::WithFamily(TensorParallelConfig(tied), "qwen3_moe");
+    c.norm_topk_prob = false;
+    c.mlp_only_layers = {0};
+    return c;
+  }
   return testing::WithFamily(TensorParallelConfig(tied), family);
 }
 
@@ -128,6 +135,43 @@ void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_ind
         const at::Tensor expected = model.LocalPart(i, reference.grads[i]);
         EXPECT_GT(expected.norm().item<double>(), 0.0) << named[i].first;
         EXPECT_LE(testing::RelativeError(run.grads[i], expected), kTolerance) << named[i].first;
+      }
+    }
+  });
+}
+
+// Qwen3-MoE: the experts' intermediate rows split unevenly (6 over 4 ranks), the router whole;
+// renormalised top-k routing in every layer, or plain top-k beside a dense layer.
+TEST(TensorParallel, MixtureOfExperts) {
+  ExpectTensorParallelExact(2, /*tied=*/false, /*seed=*/11, /*loss_index=*/1, "qwen3_moe");
+  ExpectTensorParallelExact(4, /*tied=*/true, /*seed=*/22, /*loss_index=*/5, "qwen3_moe");
+  ExpectTensorParallelExact(2, /*tied=*/true, /*seed=*/23, /*loss_index=*/0,
+                            "qwen3_moe-unnormalised");
+  ExpectTensorParallelExact(4, /*tied=*/false, /*seed=*/24, /*loss_index=*/3,
+                            "qwen3_moe-unnormalised");
+}
+
+TEST(TensorParallel, ExpertsSplitTheirIntermediateRowsAndTheRouterIsWhole) {
+  const Qwen3Config config = FamilyConfig("qwen3_moe-unnormalised", false);
+  testing::RunRanks(4, [&](ProcessGroup& group) {
+    Qwen3Model model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    const int64_t rows = SplitRange(6, group.rank(), 4).size();
+    EXPECT_EQ(model.parameter("model.layers.1.mlp.experts.gate_proj").sizes(),
+              at::IntArrayRef({5, rows, 16}));
+    EXPECT_EQ(model.parameter("model.layers.1.mlp.experts.up_proj").sizes(),
+              at::IntArrayRef({5, rows, 16}));
+    EXPECT_EQ(model.parameter("model.layers.1.mlp.experts.down_proj").sizes(),
+              at::IntArrayRef({5, 16, rows}));
+    EXPECT_EQ(model.parameter("model.layers.1.mlp.gate.weight").sizes(), at::IntArrayRef({5, 16}));
+    // Layer 0 is dense (mlp_only_layers).
+    EXPECT_EQ(model.parameter("model.layers.0.mlp.down_proj.weight").size(1),
+              SplitRange(26, group.rank(), 4).size());
+    const TensorParallelNorm scope = model.gradient_norm_scope();
+    for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+      const std::string& name = model.named_parameters()[i].first;
+      if (name.ends_with("mlp.gate.weight")) EXPECT_TRUE(scope.replicated[i]) << name;
+      if (name.find("mlp.experts.") != std::string::npos) {
+        EXPECT_FALSE(scope.replicated[i]) << name;
       }
     }
   });
@@ -340,6 +384,24 @@ TEST(TensorParallel, GraphBytesPerTokenDivideWithTheSplitParts) {
   // The residual stream stays whole: 2 x hidden x 4 bytes per layer.
   const int64_t residual = c.num_hidden_layers * 2 * c.hidden_size * 4;
   EXPECT_EQ(one - residual, 2 * (two - residual));
+}
+
+// A sparse layer keeps its k experts' gate and up (this rank's slice of their width) instead of the
+// dense MLP's, plus the routing: the softmax over the experts and k weights, and 4 k int64 indices.
+TEST(TensorParallel, GraphBytesPerTokenOfSparseLayers) {
+  const Qwen3Config qwen3 = FamilyConfig("qwen3", false);
+  const Qwen3Config moe = FamilyConfig("qwen3_moe", false);
+  const Qwen3Config mixed = FamilyConfig("qwen3_moe-unnormalised", false);  // layer 0 dense
+  for (int tp : {1, 2, 4}) {
+    const int64_t dense = 2 * ((26 + tp - 1) / tp) * 2;
+    const int64_t sparse = 2 * 2 * ((6 + tp - 1) / tp) * 2 + (5 + 2) * 4 + 4 * 2 * 8;
+    EXPECT_EQ(GraphBytesPerToken(moe, at::kBFloat16, tp),
+              GraphBytesPerToken(qwen3, at::kBFloat16, tp) + 2 * (sparse - dense))
+        << "TP " << tp;
+    EXPECT_EQ(GraphBytesPerToken(mixed, at::kBFloat16, tp),
+              GraphBytesPerToken(qwen3, at::kBFloat16, tp) + sparse - dense)
+        << "TP " << tp;
+  }
 }
 
 // Without q/k norms RoPE keeps nothing: q and k before it are not saved.

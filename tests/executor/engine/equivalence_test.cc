@@ -4,7 +4,7 @@
 // for B in {1, 3, 64, unbounded}, both leaf orders, with and without a graph budget and packing.
 // The random trees, the adversarial small trees, a 400-token chain and a 64-way branch run for
 // every model family (FamilyEquivalence): Qwen3, Llama with q/k/v/o biases and llama3 rope scaling,
-// Qwen2 with q/k/v biases and YaRN (testing::WithFamily).
+// Qwen2 with q/k/v biases and YaRN, Qwen3-MoE with top-2 of 5 experts (testing::WithFamily).
 #include "executor/engine/executor.h"
 
 #include "executor/optim/adamw.h"
@@ -154,7 +154,13 @@ TEST_P(FamilyEquivalence, HasTheFamilysBiasesAndNorms) {
   const auto has = [&](const std::string& name) {
     return std::find(names.begin(), names.end(), name) != names.end();
   };
-  const bool qwen3 = GetParam() == "qwen3";
+  const bool qwen3 = GetParam() == "qwen3" || GetParam() == "qwen3_moe";
+  const bool moe = GetParam() == "qwen3_moe";
+  EXPECT_EQ(has("model.layers.1.mlp.gate.weight"), moe);
+  EXPECT_EQ(has("model.layers.1.mlp.experts.gate_proj"), moe);
+  EXPECT_EQ(has("model.layers.1.mlp.experts.up_proj"), moe);
+  EXPECT_EQ(has("model.layers.1.mlp.experts.down_proj"), moe);
+  EXPECT_EQ(has("model.layers.1.mlp.gate_proj.weight"), !moe);
   EXPECT_EQ(has("model.layers.1.self_attn.q_proj.bias"), !qwen3);
   EXPECT_EQ(has("model.layers.1.self_attn.k_proj.bias"), !qwen3);
   EXPECT_EQ(has("model.layers.1.self_attn.v_proj.bias"), !qwen3);
@@ -212,7 +218,8 @@ TEST_P(FamilyEquivalence, SixtyFourWayBranch) {
                   {3, kUnboundedBlock});
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyEquivalence, ::testing::Values("qwen3", "llama", "qwen2"),
+INSTANTIATE_TEST_SUITE_P(Families, FamilyEquivalence,
+                         ::testing::Values("qwen3", "llama", "qwen2", "qwen3_moe"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

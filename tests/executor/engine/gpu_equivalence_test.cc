@@ -2,7 +2,8 @@
 // bfloat16 against float32 dense (no tree method may add error to bfloat16 dense's). The bf16 model
 // has head_dim 64, so attention runs kernels/tree_attention's CUDA kernels; float32 and float64 run
 // its reference on the GPU. Each check runs for every model family (testing::WithFamily: Qwen3;
-// Llama with q/k/v/o biases and llama3 rope scaling; Qwen2 with q/k/v biases and YaRN). Skipped
+// Llama with q/k/v/o biases and llama3 rope scaling; Qwen2 with q/k/v biases and YaRN; Qwen3-MoE,
+// top-2 of 5 experts: grouped GEMMs in float32 and bfloat16, the expert loop in float64). Skipped
 // without a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -127,8 +128,10 @@ class GpuEquivalence : public ::testing::TestWithParam<std::string> {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: GPU equivalence runs on the GPU machines";
   }
   Qwen3Model Model(at::ScalarType dtype) const {
-    Qwen3Model model(testing::WithFamily(SmallConfig(), GetParam()),
-                     at::TensorOptions().dtype(dtype).device(at::kCUDA));
+    Qwen3Config config = testing::WithFamily(SmallConfig(), GetParam());
+    // Experts as wide as the grouped GEMM's alignment wants (16-byte rows in bfloat16).
+    if (config.num_experts > 0) config.moe_intermediate_size = 64;
+    Qwen3Model model(config, at::TensorOptions().dtype(dtype).device(at::kCUDA));
     model.InitRandom(11, 0.05);
     return model;
   }
@@ -180,14 +183,19 @@ TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
         "%s bfloat16 %-32s vs float32: flat %.2e  median %.2e  loss %.2e;  vs bf16 dense: flat "
         "%.2e\n",
         GetParam().c_str(), name.c_str(), a.flat, a.median, a.loss, to_dense.flat);
-    EXPECT_LE(a.median, 1.15 * dense_error.median + 1e-3) << name;
-    EXPECT_LE(a.flat, 1.15 * dense_error.flat + 1e-3) << name;
+    // Routing is discontinuous: a token whose top-k margin is below bfloat16's noise may pick
+    // other experts when only the summation order changes (chunks of B = 64 measured 2.31e-2 vs
+    // dense's 1.91e-2 on an H100, and the same with the experts' weight gradients in float32).
+    const double slack = GetParam() == "qwen3_moe" ? 1.3 : 1.15;
+    EXPECT_LE(a.median, slack * dense_error.median + 1e-3) << name;
+    EXPECT_LE(a.flat, slack * dense_error.flat + 1e-3) << name;
     EXPECT_LE(to_dense.flat, 2 * dense_error.flat) << name;
     EXPECT_LE(a.loss, 1e-3) << name;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, GpuEquivalence, ::testing::Values("qwen3", "llama", "qwen2"),
+INSTANTIATE_TEST_SUITE_P(Families, GpuEquivalence,
+                         ::testing::Values("qwen3", "llama", "qwen2", "qwen3_moe"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

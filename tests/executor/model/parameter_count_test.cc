@@ -103,5 +103,35 @@ TEST(InitRandom, DrawsTheSameWeightsOnAnyNumberOfThreads) {
   EXPECT_FALSE(at::equal(embedding.narrow(0, 0, 1000), embedding.narrow(0, 2 * piece, 1000)));
 }
 
+// Qwen3-MoE: the stacked experts (sharded) and the routers (replicated) of the sparse layers, the
+// dense MLPs of the others; the parameters a token uses are those of its top-k experts.
+TEST(ParameterCount, CountsExpertsAndRouters) {
+  const absl::StatusOr<Qwen3Config> c = ParseQwen3Config(
+      R"({"vocab_size": 37, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 5,
+          "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8,
+          "model_type": "qwen3_moe", "num_experts": 7, "num_experts_per_tok": 3,
+          "moe_intermediate_size": 11, "decoder_sparse_step": 2, "mlp_only_layers": [3]})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(ExpectCountIsTheModels(*c, "qwen3_moe"), 0);
+  // Layer 1 alone is sparse: 4 of its 7 experts of 3 x 24 x 11 are unused by each token.
+  const ParameterCount count = CountParameters(*c);
+  EXPECT_EQ(count.unused_per_token, 4 * 3 * 24 * 11);
+  EXPECT_EQ(count.active(), count.total() - 4 * 3 * 24 * 11);
+  Qwen3Config dense = *c;
+  dense.mlp_only_layers = {0, 1, 2, 3, 4};
+  EXPECT_EQ(count.total() - CountParameters(dense).total(), 7 * 3 * 24 * 11 + 7 * 24 - 3 * 24 * 40);
+  EXPECT_EQ(CountParameters(dense).unused_per_token, 0);
+}
+
+// Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card: "30.5B in total and 3.3B
+// activated").
+TEST(ParameterCount, Qwen3MoePresets) {
+  const ParameterCount a3b = CountParameters(*Qwen3ConfigPreset("qwen3-30b-a3b"));
+  EXPECT_EQ(a3b.total(), 30532122624);
+  EXPECT_EQ(a3b.active(), 3353032704);
+  const ParameterCount small = CountParameters(*Qwen3ConfigPreset("qwen3-moe-small"));
+  EXPECT_LT(small.total(), 3300000000);
+}
+
 }  // namespace
 }  // namespace dta

@@ -1,0 +1,222 @@
+"""The float64 reference for Qwen3-Next (hybrid linear attention), against which dta's qwen3_next
+family will be held (issue 18, family 3: the Gated DeltaNet layer and the executor's state routing
+are built, the family is not wired into the model yet; tests/executor/model/gated_delta_net_test.cc
+holds the layer's exactness meanwhile).
+
+Tiny random Qwen3NextForCausalLM models are built and saved with transformers: Gated DeltaNet
+(linear-attention) layers interleaved with gated full attention, zero-centred RMSNorms, partial
+RoPE, and sparse MoE blocks with a shared expert (and dense MLP layers where mlp_only_layers says):
+
+    next-moe     layers linear, full, linear, full; MoE (norm_topk_prob) with a shared expert on
+                 layers 0, 1, 3 and a dense MLP on layer 2; 2 key heads serving 4 value heads
+    next-dense   no experts (every MLP dense); linear, linear, full; as many value as key heads;
+                 a two-tap convolution
+
+Once the family loads, build/bin/dta-hf-logprobs must give every rollout's log-probabilities with
+each method (dense, packed, dta with B = 7 and B = 3, whose chunks start inside rollouts, so the
+recurrent states and convolution inputs travel through the stack) within 1e-10 of this reference
+in float64, and every parameter's gradient within 1e-9. Here: the reference itself.
+
+float64: transformers computes the norms, the rotary tables, the router's softmax, the decays and
+the delta rule in float32 whatever the input. Inside `exact_float64` only, those compute in the
+input's dtype with the same formulas (the delta rule token by token, as
+torch_recurrent_gated_delta_rule), and Tensor.float() leaves float64 tensors alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.models.qwen3_next import modeling_qwen3_next as modeling
+
+from test_hf_parity import VOCAB, hf_logprobs, rollouts  # noqa: F401
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_key_head_dim=8, linear_value_head_dim=6, rms_norm_eps=1e-6,
+              max_position_embeddings=512, experts_implementation="eager",
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+VARIANTS = {
+    "next-moe": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
+        **COMMON, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20, decoder_sparse_step=1,
+        mlp_only_layers=[2], norm_topk_prob=True, tie_word_embeddings=False)),
+    "next-dense": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
+        **COMMON, num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_conv_kernel_dim=2, num_experts=0,
+        tie_word_embeddings=True)),
+}
+
+
+def random_model(variant: str) -> Qwen3NextForCausalLM:
+    torch.manual_seed(987 + sorted(VARIANTS).index(variant))
+    model = VARIANTS[variant]().eval()
+    # Larger than transformers' init so that every weight matters; zero-centred norms near 0.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log")):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    model = random_model(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(directory, safe_serialization=True)
+    return request.param, model, directory
+
+
+# --- the float64 reference ----------------------------------------------------------------------
+
+
+def _rms_norm(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def _gated_rms_norm(self, x, gate):
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x * torch.nn.functional.silu(gate)
+
+
+def _rotary(self, x, position_ids):
+    rope = self.config.rope_parameters
+    dim = int(self.config.head_dim * rope.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=x.dtype) / dim))
+    freqs = position_ids[..., None].to(x.dtype) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def _delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):
+    """torch_recurrent_gated_delta_rule in the inputs' dtype."""
+    if use_qk_l2norm_in_kernel:
+        query, key = modeling.l2norm(query), modeling.l2norm(key)
+    batch, length, key_heads, key_dim = key.shape
+    value_heads, value_dim = value.shape[-2:]
+    query = query.repeat_interleave(value_heads // key_heads, dim=2) * key_dim**-0.5
+    key = key.repeat_interleave(value_heads // key_heads, dim=2)
+    state = (torch.zeros(batch, value_heads, key_dim, value_dim, dtype=value.dtype)
+             if initial_state is None else initial_state)
+    outs = []
+    for t in range(length):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (value[:, t] - (state * key[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]
+        state = state + key[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((state * query[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, 1), (state if output_final_state else None)
+
+
+def _router(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    top, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    return logits, top, index
+
+
+class exact_float64:
+    """Within the block, transformers' Qwen3-Next computes float64 inputs in float64 throughout."""
+
+    def __enter__(self):
+        self._patch = pytest.MonkeyPatch()
+        self._patch.setattr(modeling.Qwen3NextRMSNorm, "forward", _rms_norm)
+        self._patch.setattr(modeling.Qwen3NextRMSNormGated, "forward", _gated_rms_norm)
+        self._patch.setattr(modeling.Qwen3NextRotaryEmbedding, "forward", _rotary)
+        self._patch.setattr(modeling.Qwen3NextTopKRouter, "forward", _router)
+        self._patch.setattr(modeling, "torch_chunk_gated_delta_rule", _delta_rule)
+        self._patch.setattr(modeling, "torch_recurrent_gated_delta_rule", _delta_rule)
+        to_float = torch.Tensor.float
+        self._patch.setattr(torch.Tensor, "float",
+                            lambda x, *a, **k: x if x.dtype == torch.float64 else to_float(x, *a, **k))
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+
+
+def reference(model, data: list[dict], dtype: str) -> dict[str, torch.Tensor]:
+    if dtype == "float32":
+        return hf_logprobs(model, data)
+    with exact_float64():
+        return hf_logprobs(copy.deepcopy(model).to(torch.float64), data)
+
+
+def checkpoint_names(name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' stacked expert parameters under the checkpoint's per-expert names."""
+    prefix, _, last = name.rpartition(".")
+    if last == "gate_up_proj" and prefix.endswith("experts"):
+        half = grad.shape[1] // 2
+        out = {}
+        for e in range(grad.shape[0]):
+            out[f"{prefix}.{e}.gate_proj.weight"] = grad[e, :half]
+            out[f"{prefix}.{e}.up_proj.weight"] = grad[e, half:]
+        return out
+    if last == "down_proj" and prefix.endswith("experts"):
+        return {f"{prefix}.{e}.down_proj.weight": grad[e] for e in range(grad.shape[0])}
+    return {name: grad}
+
+
+def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
+    """d/dθ of -Σ_rollouts Σ_{t: loss_mask[t]} log p(tokens[t] | tokens[<t]), float64, by checkpoint name."""
+    model64 = copy.deepcopy(model).to(torch.float64)
+    model64.zero_grad()
+    with exact_float64():
+        for r in data:
+            ids = torch.tensor(r["tokens"], dtype=torch.long)
+            if ids.numel() < 2:
+                continue
+            logits = model64(input_ids=ids[None]).logits[0]
+            logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+            mask = torch.tensor(r["loss_mask"][1:], dtype=torch.float64)
+            (-(logp * mask).sum()).backward()
+    grads = {}
+    for name, p in model64.named_parameters():
+        grads.update(checkpoint_names(name, p.grad.detach().clone()))
+    return grads
+
+
+def test_reference_patches_keep_the_math(checkpoint, rollouts):
+    """The float64 patches change only the precision: float32 and float64 agree to float32's."""
+    variant, model, _ = checkpoint
+    data, _ = rollouts
+    float32, float64 = reference(model, data, "float32"), reference(model, data, "float64")
+    worst = max((float32[k].to(torch.float64) - float64[k]).abs().max().item() for k in float32)
+    assert worst < 1e-4, f"{variant}: {worst}"
+
+
+def test_reference_gradients_keep_the_math(checkpoint, rollouts):
+    """Backward too: the float64 reference's gradients equal transformers' own float32 autograd to
+    float32's precision, under the checkpoint's per-expert names."""
+    variant, model, _ = checkpoint
+    data, _ = rollouts
+    expected = reference_gradients(model, data)
+    model32 = copy.deepcopy(model)
+    model32.zero_grad()
+    for r in data:
+        ids = torch.tensor(r["tokens"], dtype=torch.long)
+        if ids.numel() < 2:
+            continue
+        logp = torch.log_softmax(model32(input_ids=ids[None]).logits[0, :-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+        (-(logp * torch.tensor(r["loss_mask"][1:], dtype=torch.float32)).sum()).backward()
+    ours = {}
+    for name, p in model32.named_parameters():
+        ours.update(checkpoint_names(name, p.grad.detach().to(torch.float64)))
+    assert sorted(ours) == sorted(expected)
+    for name, grad in expected.items():
+        if grad.norm() == 0:  # an expert no token reached
+            continue
+        assert ((ours[name] - grad).norm() / grad.norm()).item() < 1e-3, f"{variant}: {name}"
