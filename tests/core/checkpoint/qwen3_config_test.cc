@@ -323,8 +323,9 @@ TEST(Qwen3Config, RejectsBadAndUnsupportedConfigsNamingTheField) {
       {"layer_count", R"({"layer_types": ["full_attention"]})", kInvalid,
        "field 'layer_types': 1 entries for 28 layers"},
       {"mistral", R"({"model_type": "mistral"})", kUnsupported,
-       "field 'model_type': 'mistral' is not supported (supported: llama, qwen2, qwen3)"},
-      {"moe", R"({"model_type": "qwen3_moe"})", kUnsupported, "'qwen3_moe' is not supported"},
+       "field 'model_type': 'mistral' is not supported (supported: llama, qwen2, qwen3, "
+       "qwen3_moe)"},
+      {"next", R"({"model_type": "qwen3_next"})", kUnsupported, "'qwen3_next' is not supported"},
       {"dynamic", R"({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})", kUnsupported,
        "field 'rope_scaling': rope type 'dynamic' is not supported"},
       {"old_longrope", R"({"rope_scaling": {"type": "longrope", "factor": 2.0}})", kUnsupported,
