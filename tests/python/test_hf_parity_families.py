@@ -243,19 +243,24 @@ def reference(model, data: list[dict], dtype: str) -> dict[str, torch.Tensor]:
         return hf_logprobs(copy.deepcopy(model).to(torch.float64), data)
 
 
+def backward_nll(model, data: list[dict]) -> None:
+    """Adds d/dθ of -Σ_rollouts Σ_{t: loss_mask[t]} log p(tokens[t] | tokens[<t]) into model's .grad."""
+    for r in data:
+        ids = torch.tensor(r["tokens"], dtype=torch.long)
+        if ids.numel() < 2:
+            continue
+        logits = model(input_ids=ids[None]).logits[0]
+        logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+        mask = torch.tensor(r["loss_mask"][1:], dtype=logp.dtype)
+        (-(logp * mask).sum()).backward()
+
+
 def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
-    """d/dθ of -Σ_rollouts Σ_{t: loss_mask[t]} log p(tokens[t] | tokens[<t]), float64."""
+    """backward_nll's gradients in float64."""
     model64 = copy.deepcopy(model).to(torch.float64)
     model64.zero_grad()
     with exact_float64():
-        for r in data:
-            ids = torch.tensor(r["tokens"], dtype=torch.long)
-            if ids.numel() < 2:
-                continue
-            logits = model64(input_ids=ids[None]).logits[0]
-            logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
-            mask = torch.tensor(r["loss_mask"][1:], dtype=torch.float64)
-            (-(logp * mask).sum()).backward()
+        backward_nll(model64, data)
     return dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
 
 

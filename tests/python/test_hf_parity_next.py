@@ -33,6 +33,7 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as modeling
 
 from test_hf_parity import VOCAB, hf_logprobs, rollouts  # noqa: F401
+from test_hf_parity_families import backward_nll
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, linear_key_head_dim=8, linear_value_head_dim=6, rms_norm_eps=1e-6,
@@ -175,14 +176,7 @@ def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
     model64 = copy.deepcopy(model).to(torch.float64)
     model64.zero_grad()
     with exact_float64():
-        for r in data:
-            ids = torch.tensor(r["tokens"], dtype=torch.long)
-            if ids.numel() < 2:
-                continue
-            logits = model64(input_ids=ids[None]).logits[0]
-            logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
-            mask = torch.tensor(r["loss_mask"][1:], dtype=torch.float64)
-            (-(logp * mask).sum()).backward()
+        backward_nll(model64, data)
     grads = {}
     for name, p in model64.named_parameters():
         grads.update(checkpoint_names(name, p.grad.detach().clone()))
@@ -206,12 +200,7 @@ def test_reference_gradients_keep_the_math(checkpoint, rollouts):
     expected = reference_gradients(model, data)
     model32 = copy.deepcopy(model)
     model32.zero_grad()
-    for r in data:
-        ids = torch.tensor(r["tokens"], dtype=torch.long)
-        if ids.numel() < 2:
-            continue
-        logp = torch.log_softmax(model32(input_ids=ids[None]).logits[0, :-1], dim=-1).gather(1, ids[1:, None])[:, 0]
-        (-(logp * torch.tensor(r["loss_mask"][1:], dtype=torch.float32)).sum()).backward()
+    backward_nll(model32, data)
     ours = {}
     for name, p in model32.named_parameters():
         ours.update(checkpoint_names(name, p.grad.detach().to(torch.float64)))
