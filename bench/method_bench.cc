@@ -82,6 +82,7 @@
 #include "core/checkpoint/qwen3_config.h"
 #include "core/cli/usage.h"
 #include "core/io/rollout_jsonl.h"
+#include "core/layout/memory_plan.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_partition.h"
 #include "core/tree/tree_stats.h"
@@ -96,8 +97,8 @@ ABSL_FLAG(std::string, rollouts, "",
           "workload file (JSON Lines, e.g. from dta-workload); required");
 ABSL_FLAG(std::string, config, "qwen3-1.7b",
           "model shape: a preset (qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b, qwen2.5-1.5b, "
-          "llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, qwen3-moe-small) or a config.json; random "
-          "weights");
+          "llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, qwen3-moe-small, qwen3-next-80b-a3b, "
+          "qwen3-next-small) or a config.json; random weights");
 ABSL_FLAG(std::string, methods,
           "dense,dense-ckpt,packed,packed-ckpt,dta-b2048,dta-b4096,dta-b4096-pack",
           "comma-separated: dense, dense-ckpt, packed, packed-ckpt, dta-b<B>[-g<G>][-pack][-lex]");
@@ -121,9 +122,9 @@ ABSL_FLAG(double, init_std, 0.02,
 ABSL_FLAG(bool, check, true,
           "compare every method's gradients with a float32 dense reference on a small shape");
 ABSL_FLAG(std::string, check_config, "",
-          "the check's model shape (preset or config.json); default hidden 256, 4 layers, 4 heads, "
-          "2 KV heads, "
-          "head_dim 64, vocabulary = the largest token id + 1");
+          "the check's model shape (preset or config.json); default the benchmarked model's family "
+          "at hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64, vocabulary = the largest "
+          "token id + 1");
 ABSL_FLAG(int32_t, check_rollouts, 16,
           "the check uses the first N rollouts in lexicographic order (they share prefixes)");
 ABSL_FLAG(std::string, loss, "grpo",
@@ -478,20 +479,29 @@ double Median(std::vector<double> v) {
 
 // Model FLOPs of one training step (forward + backward) over `tokens` tokens whose attention
 // contexts sum to `attention_work` (query-key pairs): 6 x matmul parameters per token (every
-// linear layer, lm_head included, embedding lookups and norms excluded) plus, per query-key pair
-// and layer, 4 x heads x head_dim for QK^T and PV in the forward, x 3 with the backward.
+// linear layer a token uses, lm_head included, embedding lookups and norms excluded) plus, per
+// query-key pair and full-attention layer, 4 x heads x head_dim for QK^T and PV in the forward,
+// x 3 with the backward.
 struct FlopModel {
   double matmul_parameters = 0;
   double per_token = 0;
   double per_attention_pair = 0;
 
+  // Matmul parameters: the ones a token uses (core/layout/memory_plan.h's active count: a sparse
+  // layer's routed experts, not all of them) less the embedding lookup, which is no matmul (a
+  // tied embedding is lm_head's matmul and stays). Attention work counts only full-attention
+  // layers: a linear-attention layer's cost per token is constant, and its small per-token terms
+  // (the delta rule, the convolution) are left out, as norms and activations are.
   explicit FlopModel(const Qwen3Config& c) {
-    const double h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
-                 kv = c.num_key_value_heads * c.head_dim;
-    const double layer = h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size;
-    matmul_parameters = c.num_hidden_layers * layer + static_cast<double>(c.vocab_size) * h;
+    const double h = c.hidden_size;
+    const double embedding = c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size) * h;
+    matmul_parameters = static_cast<double>(CountParameters(c).active()) - embedding;
     per_token = 6 * matmul_parameters;
-    per_attention_pair = 4.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * 3;
+    int64_t attention_layers = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      attention_layers += IsLinearAttentionLayer(c, l) ? 0 : 1;
+    per_attention_pair =
+        4.0 * static_cast<double>(attention_layers) * c.num_attention_heads * c.head_dim * 3;
   }
   double Flops(double tokens, double attention_work) const {
     return per_token * tokens + per_attention_pair * attention_work;
@@ -662,9 +672,47 @@ void Guarded(const std::string& what, std::string& status, std::string& note,
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+// The check's built-in shape: the benchmarked model's family (its norms, biases, rope, layer
+// pattern and routing options) at hidden 256, 4 layers, 4 heads / 2 KV heads x 64, with at most 16
+// experts and the linear layers' heads at 32 dimensions, so that the check covers the family's own
+// code paths at a size a float32 reference runs quickly.
+Qwen3Config SmallCheckConfig(const Qwen3Config& model, int64_t vocab) {
+  constexpr int64_t kLayers = 4;
+  Qwen3Config c = model;
+  c.vocab_size = vocab;
+  c.hidden_size = 256;
+  c.intermediate_size = 768;
+  c.num_hidden_layers = kLayers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.torch_dtype = "float32";
+  if (!c.layer_types.empty()) {
+    c.layer_types.resize(kLayers, LayerType::kFullAttention);
+    // At least one layer of each kind the model has.
+    c.layer_types.back() = LayerType::kFullAttention;
+    if (IsLinearAttentionLayer(model, 0) || IsLinearAttentionLayer(model, 1))
+      c.layer_types.front() = LayerType::kLinearAttention;
+    if (c.linear_num_key_heads > 0) {
+      c.linear_num_value_heads = 2 * (model.linear_num_value_heads / model.linear_num_key_heads);
+      c.linear_num_key_heads = 2;
+      c.linear_key_head_dim = 32;
+      c.linear_value_head_dim = 32;
+    }
+  }
+  if (c.num_experts > 0) {
+    c.num_experts = std::min<int64_t>(c.num_experts, 16);
+    c.num_experts_per_tok = std::min(c.num_experts_per_tok, c.num_experts);
+    c.moe_intermediate_size = 64;
+    std::erase_if(c.mlp_only_layers, [](int64_t layer) { return layer >= kLayers; });
+  }
+  if (c.shared_expert_intermediate_size > 0) c.shared_expert_intermediate_size = 64;
+  return c;
+}
+
 CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<MethodSpec>& methods,
-                     at::ScalarType dtype, const at::Device& device,
-                     const LossOptions& bench_loss) {
+                     at::ScalarType dtype, const at::Device& device, const LossOptions& bench_loss,
+                     const Qwen3Config& model_config) {
   CheckResult check;
   check.ran = true;
   const std::string loss_name = absl::GetFlag(FLAGS_check_loss);
@@ -703,15 +751,8 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
 
   const std::string config_name = absl::GetFlag(FLAGS_check_config);
   if (config_name.empty()) {
-    check.config_name = "small qwen3 (built in)";
-    check.config.vocab_size = static_cast<int64_t>(max_token) + 1;
-    check.config.hidden_size = 256;
-    check.config.intermediate_size = 768;
-    check.config.num_hidden_layers = 4;
-    check.config.num_attention_heads = 4;
-    check.config.num_key_value_heads = 2;
-    check.config.head_dim = 64;
-    check.config.torch_dtype = "float32";
+    check.config_name = "small " + model_config.model_type + " (built in)";
+    check.config = SmallCheckConfig(model_config, static_cast<int64_t>(max_token) + 1);
   } else {
     check.config_name = config_name;
     check.config = LoadConfig("check_config", config_name);
@@ -994,7 +1035,8 @@ int Run(int argc, char** argv) {
       stats.attention_compression, stats.longest_rollout, ideal));
 
   CheckResult check;
-  if (absl::GetFlag(FLAGS_check)) check = RunCheck(rollouts, methods, dtype, device.device, loss);
+  if (absl::GetFlag(FLAGS_check))
+    check = RunCheck(rollouts, methods, dtype, device.device, loss, config);
 
   Progress(absl::StrFormat(
       "model %s: %d layers, hidden %d, %s matmul parameters, %s on %s; random weights", config_name,
@@ -1173,7 +1215,8 @@ int Run(int argc, char** argv) {
         {"ideal_speedup_vs_dense", ideal},
         {"ideal_speedup_vs_dense_ckpt", ideal * kCheckpointingFactor},
         {"definition",
-         "per step: 6 x matmul parameters (all linear layers and lm_head) x tokens + 12 x layers x "
+         "per step: 6 x matmul parameters (the linear layers a token uses and lm_head) x tokens + "
+         "12 x full-attention layers x "
          "heads x head_dim x "
          "attention work (query-key pairs, TreeStats); dense = every rollout token on its own, "
          "tree = each unique "
@@ -1227,8 +1270,8 @@ int Run(int argc, char** argv) {
       "Speedups are step-time "
       "ratios against dense and dense-ckpt from this run. Peak memory: %s. MFU = tree FLOPs (each "
       "unique token once) / "
-      "step time / %.0f TFLOP/s, with FLOPs = 6 x matmul parameters (lm_head included) x tokens + "
-      "12 x layers x heads x "
+      "step time / %.0f TFLOP/s, with FLOPs = 6 x matmul parameters (active ones, lm_head "
+      "included) x tokens + 12 x full-attention layers x heads x "
       "head_dim x attention work (query-key pairs); n/a on the CPU. Ideal speedup = dense FLOPs / "
       "tree FLOPs (same FLOP "
       "model) = %.2fx; %% of ideal = speedup vs dense / ideal. Dense-ckpt replays the forward "

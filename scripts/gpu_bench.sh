@@ -7,7 +7,9 @@
 #                        [--token_budget=N] [--budget_factor=F] [--no_build] [--out=DIR]
 #                        [DTA-BENCH FLAGS...]
 #
-#   --models        Qwen3 shapes (random weights): 0.6b, 1.7b, 4b, 8b. Default: all four.
+#   --models        Qwen3 shapes (random weights): 0.6b, 1.7b, 4b, 8b. Default: all four. Other
+#                   families by their dta-bench --config preset (qwen2.5-1.5b, llama-3.2-1b,
+#                   llama-3.1-8b, qwen3-moe-small, qwen3-next-small), whose budget is 300K.
 #   --workloads     dta-workload presets: tau2, gsm8k, aime, modified-prefix, branch-low,
 #                   branch-mid, branch-high. Default: all seven (tau2, gsm8k and aime are the
 #                   papers' headline workloads; the others fill the compression curve, C 1.4 to 9).
@@ -36,14 +38,14 @@
 # rollouts of up to 16K tokens), the rollouts that fit are kept, from a group whose rewards differ
 # and with both rewards in (a group with equal rewards has GRPO advantages 0, hence no gradient).
 #
-# Layout: DIR/qwen3-<model>-<workload>/{results.md,results.json,log.txt}, DIR/workloads/*.jsonl,
-# DIR/plots/*.png (bench/plot_bench.py over every results.json under DIR, when matplotlib is
-# installed; otherwise run it where it is), DIR/summary.md (every results.md).
+# Layout: DIR/<config>-<workload>/{results.md,results.json,log.txt} (e.g. qwen3-1.7b-tau2),
+# DIR/workloads/*.jsonl, DIR/plots/*.png (bench/plot_bench.py over every results.json under DIR,
+# when matplotlib is installed; otherwise run it where it is), DIR/summary.md (every results.md).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
-usage() { sed -n '2,41p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,43p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 models="0.6b,1.7b,4b,8b"
 workloads="tau2,gsm8k,aime,modified-prefix,branch-low,branch-mid,branch-high"
@@ -73,7 +75,12 @@ done
 IFS=',' read -r -a model_list <<<"$models"
 IFS=',' read -r -a workload_list <<<"$workloads"
 for m in "${model_list[@]}"; do
-  case "$m" in 0.6b | 1.7b | 4b | 8b) ;; *) echo "gpu_bench: unknown model '$m' (0.6b, 1.7b, 4b, 8b)" >&2; exit 2 ;; esac
+  case "$m" in
+    0.6b | 1.7b | 4b | 8b | qwen2.5-1.5b | llama-3.2-1b | llama-3.1-8b | qwen3-moe-small | qwen3-next-small) ;;
+    *) echo "gpu_bench: unknown model '$m' (0.6b, 1.7b, 4b, 8b, qwen2.5-1.5b, llama-3.2-1b, llama-3.1-8b," \
+            "qwen3-moe-small, qwen3-next-small)" >&2
+       exit 2 ;;
+  esac
 done
 for w in "${workload_list[@]}"; do
   case "$w" in
@@ -98,6 +105,7 @@ budget_for() {
       1.7b) tokens=600000 ;;
       4b) tokens=280000 ;;
       8b) tokens=140000 ;;
+      *) tokens=300000 ;;
     esac
   fi
   awk -v t="$tokens" -v f="$budget_factor" 'BEGIN { printf "%d\n", t * f }'
@@ -129,9 +137,20 @@ print(t["rollouts"], t["rollout_tokens"], "%.3f" % t["compression"])'
 # Writes the batch for (preset, budget) and prints "FILE SCALE KEPT": the preset at the scale
 # whose batch holds about the budget (half of it when C < 2.5), and, when that batch is still over
 # 1.3x that, the rollouts that fit (KEPT; 0 = all kept).
+# The model's vocabulary when the workload's token ids must be drawn below Qwen's 151,936 (empty
+# otherwise): dta-bench refuses ids outside the model's vocabulary.
+vocab_for() {
+  case "$1" in llama-*) echo 128256 ;; *) echo "" ;; esac
+}
+
+# VOCAB (third argument, may be empty): the workload is drawn with --vocab_size=VOCAB, its files
+# named <preset>-vVOCAB-...
 prepare() {
-  local preset="$1" budget="$2" full="$out/workloads/$1-s1.jsonl"
-  [[ -s "$full" ]] || "$bin/dta-workload" --preset="$preset" --seed=1 --scale=1 --out="$full" >/dev/null
+  local preset="$1" budget="$2" vocab="${3:-}"
+  local name="$preset${vocab:+-v$vocab}" vocab_flag=()
+  [[ -z "$vocab" ]] || vocab_flag=(--vocab_size="$vocab")
+  local full="$out/workloads/$name-s1.jsonl"
+  [[ -s "$full" ]] || "$bin/dta-workload" --preset="$preset" --seed=1 --scale=1 "${vocab_flag[@]}" --out="$full" >/dev/null
   local rollouts tokens c scale
   read -r rollouts tokens c <<<"$(tree_stats "$full")"
   read -r budget scale <<<"$("$python" -c '
@@ -139,8 +158,8 @@ import sys
 budget, tokens, c = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 budget = budget if c >= 2.5 else budget / 2
 print(int(budget), "%g" % float("%.2g" % min(1.0, budget / tokens)))' "$budget" "$tokens" "$c")"
-  local file="$out/workloads/$preset-s$scale.jsonl"
-  [[ -s "$file" ]] || "$bin/dta-workload" --preset="$preset" --seed=1 --scale="$scale" --out="$file" >/dev/null
+  local file="$out/workloads/$name-s$scale.jsonl"
+  [[ -s "$file" ]] || "$bin/dta-workload" --preset="$preset" --seed=1 --scale="$scale" "${vocab_flag[@]}" --out="$file" >/dev/null
   "$python" - "$file" "$budget" "$scale" <<'PY'
 import json, sys
 path, budget, scale = sys.argv[1], float(sys.argv[2]), sys.argv[3]
@@ -181,19 +200,22 @@ total_start=$SECONDS
 for model in "${model_list[@]}"; do
   budget="$(budget_for "$model")"
   for preset in "${workload_list[@]}"; do
-    read -r file scale kept <<<"$(prepare "$preset" "$budget")"
+    vocab="$(vocab_for "$model")"
+    read -r file scale kept <<<"$(prepare "$preset" "$budget" "$vocab")"
     read -r rollouts tokens c <<<"$(tree_stats "$file")"
-    read -r _ _ c_full <<<"$(tree_stats "$out/workloads/$preset-s1.jsonl")"
+    read -r _ _ c_full <<<"$(tree_stats "$out/workloads/$preset${vocab:+-v$vocab}-s1.jsonl")"
     subset=""
     ((kept == 0)) || subset=", $kept rollouts of it"
-    run="$out/qwen3-$model-$preset"
+    config="$model"
+    case "$model" in 0.6b | 1.7b | 4b | 8b) config="qwen3-$model" ;; esac
+    run="$out/$config-$preset"
     ((tensor_parallel == 1)) || run+="-tp$tensor_parallel"
     mkdir -p "$run"
-    echo "gpu_bench: qwen3-$model on $preset: scale $scale$subset: $rollouts rollouts, $tokens rollout tokens," \
+    echo "gpu_bench: $config on $preset: scale $scale$subset: $rollouts rollouts, $tokens rollout tokens," \
          "C = $c (scale 1: $c_full); elapsed $((SECONDS - total_start)) s" >&2
     # The papers' budgets: packed forwards of at most 24K unique tokens (Tree Training), 4K tokens
     # of kept graphs for dta's packed variants (dta-bench's own defaults are the executor's).
-    args=(--rollouts="$file" --config="qwen3-$model" --label="$preset" --out_dir="$run" --device=cuda
+    args=(--rollouts="$file" --config="$config" --label="$preset" --out_dir="$run" --device=cuda
           --dtype=bfloat16 --token_capacity=24576 --graph_budget=4096)
     [[ -z "$methods" ]] || args+=(--methods="$methods")
     # stdout repeats results.md; progress (stderr) goes to the terminal and to log.txt.
@@ -223,7 +245,7 @@ for model in "${model_list[@]}"; do
       echo "gpu_bench: dta-bench refused its input (see $run/log.txt)" >&2
       exit 2
     elif ((status != 0)); then
-      echo "gpu_bench: dta-bench exited $status for qwen3-$model on $preset; going on" >&2
+      echo "gpu_bench: dta-bench exited $status for $config on $preset; going on" >&2
     fi
   done
 done

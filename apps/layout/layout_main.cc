@@ -26,7 +26,7 @@
 
 ABSL_FLAG(std::string, config, "",
           "a preset (qwen3-0.6b ... qwen3-32b, qwen2.5-1.5b, llama-3.2-1b, llama-3.1-8b, "
-          "qwen3-30b-a3b, qwen3-moe-small) or a "
+          "qwen3-30b-a3b, qwen3-moe-small, qwen3-next-80b-a3b, qwen3-next-small) or a "
           "config.json; required without --table");
 ABSL_FLAG(int32_t, world_size, 1, "GPUs in all");
 ABSL_FLAG(int32_t, gpus_per_node, 8, "GPUs per node (tensor parallelism stays within one)");

@@ -20,8 +20,8 @@ ABSL_FLAG(std::string, model, "",
           "safetensors)");
 ABSL_FLAG(std::string, config, "",
           "instead of --model: a preset (qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b, qwen2.5-1.5b, "
-          "llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, qwen3-moe-small) or config.json, with random "
-          "weights");
+          "llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, qwen3-moe-small, qwen3-next-80b-a3b, "
+          "qwen3-next-small) or config.json, with random weights");
 ABSL_FLAG(uint64_t, init_seed, 1, "seed of the random weights (--config)");
 ABSL_FLAG(double, init_std, 0.02, "standard deviation of the random weights (--config)");
 namespace {

@@ -4,7 +4,7 @@ namespace dta {
 namespace {
 
 // Sorted by model_type. Defaults from transformers 5's Qwen3Config, Qwen2Config, LlamaConfig and
-// Qwen3MoeConfig.
+// Qwen3MoeConfig and Qwen3NextConfig.
 constexpr ModelFamily kFamilies[] = {
     {.model_type = "llama",
      .architecture = "LlamaForCausalLM",
@@ -54,6 +54,24 @@ constexpr ModelFamily kFamilies[] = {
      .mlp_bias_field = false,
      .hidden_divisible_by_heads = false,
      .moe = true},
+    {.model_type = "qwen3_next",
+     .architecture = "Qwen3NextForCausalLM",
+     .name = "Qwen3-Next",
+     .qk_norm = true,
+     .attention_bias = AttentionBiasRule::kFromConfig,
+     .default_vocab_size = 151936,
+     .default_head_dim = 256,
+     .default_max_position_embeddings = 32768,
+     .sliding_window_fields = false,
+     .mlp_bias_field = false,
+     .hidden_divisible_by_heads = false,
+     .moe = true,
+     .zero_centred_norms = true,
+     .gated_attention = true,
+     .shared_expert = true,
+     .linear_attention = true,
+     .partial_rotary = true,
+     .default_partial_rotary_factor = 0.25},
 };
 
 }  // namespace

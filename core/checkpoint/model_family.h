@@ -14,6 +14,11 @@
 //          no biases) with sparse mixture-of-experts MLPs (a router and num_experts SwiGLU experts,
 //          top-k routing) in the layers Qwen3Config's IsSparseLayer picks, dense SwiGLU MLPs of
 //          intermediate_size in the others; head_dim defaults to hidden_size / heads.
+//   qwen3_next  Qwen3NextForCausalLM (Qwen3-Next-80B-A3B): Gated DeltaNet linear-attention layers
+//          interleaved with gated full attention (layer_types), zero-centred RMSNorms (1 + w),
+//          partial RoPE, q/k norms, attention biases from config.json (q/k/v and o_proj), and
+//          Qwen3-MoE's sparse blocks (where IsSparseLayer says, none when num_experts is 0) plus a
+//          shared expert with a sigmoid gate.
 //
 // Thread safety: the table is immutable; every function may be called from any thread.
 #pragma once
@@ -58,13 +63,31 @@ struct ModelFamily {
   // output_router_logits): read and written. Families without them must leave them at the
   // struct's defaults.
   bool moe;
+  // Qwen3-Next's hybrid architecture (qwen3_next), each a separate trait:
+  // RMSNorms scale by (1 + weight), weights stored zero-centred (every norm of the decoder but the
+  // linear layers' gated norm; Qwen3NextRMSNorm).
+  bool zero_centred_norms = false;
+  // q_proj yields each head's query and an output gate, interleaved per head [q_h, gate_h]; the
+  // attention output is multiplied by sigmoid(gate) before o_proj (Qwen3NextAttention).
+  bool gated_attention = false;
+  // Sparse blocks add a shared SwiGLU expert of shared_expert_intermediate_size, scaled by
+  // sigmoid(shared_expert_gate(x)) (Qwen3NextSparseMoeBlock).
+  bool shared_expert = false;
+  // layer_types may name "linear_attention" layers (Gated DeltaNet, the linear_* fields), read
+  // and written with those fields; full_attention_interval when layer_types is absent.
+  bool linear_attention = false;
+  // partial_rotary_factor (top level, or in rope_parameters / rope_scaling) is read and written;
+  // the other families refuse a value other than 1.
+  bool partial_rotary = false;
+  // transformers' default partial_rotary_factor for the family (0.25 for qwen3_next).
+  double default_partial_rotary_factor = 1.0;
 };
 
-// The family of `model_type` ("qwen3", "qwen2", "llama", "qwen3_moe"), or nullptr when dta has
-// none.
+// The family of `model_type` ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_next"), or nullptr
+// when dta has none.
 const ModelFamily* FindModelFamily(std::string_view model_type);
 
-// Every supported model_type, sorted: "llama", "qwen2", "qwen3", "qwen3_moe".
+// Every supported model_type, sorted: "llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next".
 std::vector<std::string> ModelFamilyTypes();
 
 }  // namespace dta

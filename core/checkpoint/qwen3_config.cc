@@ -119,8 +119,9 @@ bool UsesOriginalContext(RopeType type) {
 
 // The rope as transformers 5 reads it (PreTrainedConfig.convert_rope_params_to_dict and
 // standardize_rope_params): rope_scaling when it is a non-empty object, else rope_parameters.
-// `config` already holds the top-level fields (rope_theta, max_position_embeddings).
-absl::Status ParseRope(const Json& json, Qwen3Config& config) {
+// `config` already holds the top-level fields (rope_theta, max_position_embeddings) and the
+// family's default partial_rotary_factor.
+absl::Status ParseRope(const Json& json, const ModelFamily& family, Qwen3Config& config) {
   const Fields top(json);
   const char* field = nullptr;
   const Json* rope = nullptr;
@@ -134,13 +135,17 @@ absl::Status ParseRope(const Json& json, Qwen3Config& config) {
     rope = value;
     break;
   }
-  // partial_rotary_factor: top-level (moved into the rope object by transformers) or in it.
+  // partial_rotary_factor: top-level (moved into the rope object by transformers) or in it. The
+  // rope object's wins: transformers setdefault()s the top-level value (else the family's
+  // default) into it.
   for (const Json* object : {&json, rope}) {
     if (object == nullptr) continue;
     const Fields fields(*object, object == &json ? "" : absl::StrCat(field, "."));
-    double partial = 1.0;
+    double partial = family.partial_rotary ? config.partial_rotary_factor : 1.0;
     RETURN_IF_ERROR(fields.Double("partial_rotary_factor", false, &partial));
-    if (partial != 1.0) {
+    if (family.partial_rotary) {
+      config.partial_rotary_factor = partial;
+    } else if (partial != 1.0) {
       return Unsupported(fields.Name("partial_rotary_factor"),
                          absl::StrCat(partial, " is not supported (only 1: RoPE on whole heads)"));
     }
@@ -238,13 +243,68 @@ absl::Status CheckNoSlidingWindow(const Json& json, int64_t layers) {
   return absl::OkStatus();
 }
 
-// qwen3_moe's mixture-of-experts fields (config holds Qwen3MoeConfig's defaults).
-absl::Status ParseMoe(const Json& json, Qwen3Config& config) {
+constexpr std::pair<LayerType, const char*> kLayerTypes[] = {
+    {LayerType::kFullAttention, "full_attention"},
+    {LayerType::kLinearAttention, "linear_attention"},
+};
+
+// The layer types of a family with linear-attention layers (qwen3_next), as transformers'
+// Qwen3NextConfig: config.json's layer_types, else every full_attention_interval-th layer full
+// attention and the others linear.
+absl::Status ParseLayerTypes(const Json& json, Qwen3Config& config) {
+  const int64_t layers = config.num_hidden_layers;
+  config.layer_types.clear();
+  const Json* layer_types = Lookup(json, "layer_types");
+  if (layer_types == nullptr) {
+    int64_t interval = 4;
+    RETURN_IF_ERROR(Fields(json).Int("full_attention_interval", false, &interval));
+    if (interval <= 0) {
+      return FieldError("full_attention_interval", absl::StrCat(interval, " is not positive"));
+    }
+    for (int64_t i = 0; i < layers; ++i) {
+      config.layer_types.push_back((i + 1) % interval != 0 ? LayerType::kLinearAttention
+                                                           : LayerType::kFullAttention);
+    }
+    return absl::OkStatus();
+  }
+  if (!layer_types->is_array()) {
+    return FieldError("layer_types", absl::StrCat("must be an array, not ", layer_types->dump()));
+  }
+  if (static_cast<int64_t>(layer_types->size()) != layers) {
+    return FieldError("layer_types",
+                      absl::StrCat(layer_types->size(), " entries for ", layers, " layers"));
+  }
+  for (size_t i = 0; i < layer_types->size(); ++i) {
+    const Json& entry = (*layer_types)[i];
+    if (!entry.is_string()) {
+      return FieldError("layer_types",
+                        absl::StrCat("layer ", i, " is ", entry.dump(), ", not a string"));
+    }
+    bool known = false;
+    for (const auto& [type, name] : kLayerTypes) {
+      if (entry == name) {
+        config.layer_types.push_back(type);
+        known = true;
+      }
+    }
+    if (!known) {
+      return Unsupported("layer_types",
+                         absl::StrCat("layer ", i, " is ", entry.dump(),
+                                      ": only 'linear_attention' and 'full_attention' are "
+                                      "supported"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The mixture-of-experts fields (config holds the family's transformers defaults).
+absl::Status ParseMoe(const Json& json, const ModelFamily& family, Qwen3Config& config) {
   const Fields top(json);
-  // transformers 5 writes num_local_experts (its attribute_map's name for num_experts); the Hub's
-  // config.json files say num_experts.
+  // transformers 5 writes num_local_experts for qwen3_moe (Qwen3MoeConfig's attribute_map name for
+  // num_experts); the Hub's config.json files say num_experts. Qwen3NextConfig has no such map and
+  // ignores num_local_experts, and so does dta.
   RETURN_IF_ERROR(top.Int("num_experts", false, &config.num_experts));
-  if (top.Find("num_local_experts") != nullptr) {
+  if (family.model_type == "qwen3_moe" && top.Find("num_local_experts") != nullptr) {
     int64_t local_experts = 0;
     RETURN_IF_ERROR(top.Int("num_local_experts", true, &local_experts));
     if (top.Find("num_experts") != nullptr && local_experts != config.num_experts) {
@@ -260,6 +320,10 @@ absl::Status ParseMoe(const Json& json, Qwen3Config& config) {
   RETURN_IF_ERROR(top.Int("decoder_sparse_step", false, &config.decoder_sparse_step));
   RETURN_IF_ERROR(top.Double("router_aux_loss_coef", false, &config.router_aux_loss_coef));
   RETURN_IF_ERROR(top.Bool("output_router_logits", &config.output_router_logits));
+  if (family.shared_expert) {
+    RETURN_IF_ERROR(
+        top.Int("shared_expert_intermediate_size", false, &config.shared_expert_intermediate_size));
+  }
   config.mlp_only_layers.clear();
   if (const Json* layers = Lookup(json, "mlp_only_layers"); layers != nullptr) {
     if (!layers->is_array()) {
@@ -277,10 +341,18 @@ absl::Status ParseMoe(const Json& json, Qwen3Config& config) {
   return absl::OkStatus();
 }
 
-// The mixture-of-experts fields: in range for qwen3_moe, at the struct's defaults elsewhere.
+// The mixture-of-experts fields: in range for the MoE families, at the struct's defaults
+// elsewhere. qwen3_next may have no experts at all (every MLP dense, as transformers allows); the
+// other sizes then only need to be non-negative.
 absl::Status ValidateMoe(const Qwen3Config& config, const ModelFamily& family) {
+  const Qwen3Config dense;
+  if (!family.shared_expert &&
+      config.shared_expert_intermediate_size != dense.shared_expert_intermediate_size) {
+    return FieldError(
+        "shared_expert_intermediate_size",
+        absl::StrCat("is a shared-expert field; ", AsAbsl(family.name), " has no shared expert"));
+  }
   if (!family.moe) {
-    const Qwen3Config dense;
     const std::pair<const char*, bool> fields[] = {
         {"num_experts", config.num_experts != dense.num_experts},
         {"num_experts_per_tok", config.num_experts_per_tok != dense.num_experts_per_tok},
@@ -299,16 +371,26 @@ absl::Status ValidateMoe(const Qwen3Config& config, const ModelFamily& family) {
     }
     return absl::OkStatus();
   }
+  // Without experts (allowed where there is a shared expert: qwen3_next) the expert sizes are
+  // unused.
+  const bool experts = config.num_experts > 0 || !family.shared_expert;
   const std::pair<const char*, int64_t> sizes[] = {
       {"num_experts", config.num_experts},
       {"num_experts_per_tok", config.num_experts_per_tok},
       {"moe_intermediate_size", config.moe_intermediate_size},
-      {"decoder_sparse_step", config.decoder_sparse_step},
+      {"shared_expert_intermediate_size",
+       family.shared_expert ? config.shared_expert_intermediate_size : 1},
   };
   for (const auto& [field, value] : sizes) {
-    if (value <= 0) return FieldError(field, absl::StrCat(value, " is not positive"));
+    if (value < 0 || (experts && value <= 0)) {
+      return FieldError(field, absl::StrCat(value, " is not positive"));
+    }
   }
-  if (config.num_experts_per_tok > config.num_experts) {
+  if (config.decoder_sparse_step <= 0) {
+    return FieldError("decoder_sparse_step",
+                      absl::StrCat(config.decoder_sparse_step, " is not positive"));
+  }
+  if (experts && config.num_experts_per_tok > config.num_experts) {
     return FieldError("num_experts_per_tok",
                       absl::StrCat(config.num_experts_per_tok,
                                    " is more than num_experts = ", config.num_experts));
@@ -333,6 +415,91 @@ absl::Status ValidateMoe(const Qwen3Config& config, const ModelFamily& family) {
   return absl::OkStatus();
 }
 
+// Qwen3-Next's hybrid layers and partial rotary: in range for the families with the traits, at
+// the struct's defaults elsewhere.
+absl::Status ValidateHybrid(const Qwen3Config& config, const ModelFamily& family) {
+  const Qwen3Config plain;
+  const std::pair<const char*, int64_t> linear_sizes[] = {
+      {"linear_num_key_heads", config.linear_num_key_heads},
+      {"linear_num_value_heads", config.linear_num_value_heads},
+      {"linear_key_head_dim", config.linear_key_head_dim},
+      {"linear_value_head_dim", config.linear_value_head_dim},
+      {"linear_conv_kernel_dim", config.linear_conv_kernel_dim},
+  };
+  if (!family.linear_attention) {
+    if (!config.layer_types.empty()) {
+      return FieldError("layer_types", absl::StrCat("must be empty: ", AsAbsl(family.name),
+                                                    " has only full-attention layers"));
+    }
+    for (const auto& [field, value] : linear_sizes) {
+      if (value != 0) {
+        return FieldError(field, absl::StrCat("is a linear-attention field; ", AsAbsl(family.name),
+                                              " has no linear attention"));
+      }
+    }
+  } else {
+    if (static_cast<int64_t>(config.layer_types.size()) != config.num_hidden_layers) {
+      return FieldError("layer_types", absl::StrCat(config.layer_types.size(), " entries for ",
+                                                    config.num_hidden_layers, " layers"));
+    }
+    bool any_linear = false;
+    for (const LayerType type : config.layer_types) {
+      any_linear = any_linear || type == LayerType::kLinearAttention;
+    }
+    for (const auto& [field, value] : linear_sizes) {
+      if (value < 0 || (any_linear && value <= 0)) {
+        return FieldError(field, absl::StrCat(value, " is not positive"));
+      }
+    }
+    if (any_linear && config.linear_num_value_heads % config.linear_num_key_heads != 0) {
+      return FieldError("linear_num_value_heads",
+                        absl::StrCat(config.linear_num_value_heads,
+                                     " is not a multiple of linear_num_key_heads = ",
+                                     config.linear_num_key_heads));
+    }
+  }
+  if (!family.partial_rotary) {
+    if (config.partial_rotary_factor != plain.partial_rotary_factor) {
+      return Unsupported("partial_rotary_factor",
+                         absl::StrCat(config.partial_rotary_factor,
+                                      " is not supported (only 1: RoPE on whole heads)"));
+    }
+    return absl::OkStatus();
+  }
+  if (!(config.partial_rotary_factor > 0 && config.partial_rotary_factor <= 1)) {
+    return FieldError("partial_rotary_factor",
+                      absl::StrCat(config.partial_rotary_factor, " is not in (0, 1]"));
+  }
+  const int64_t rotary = RotaryDim(config);
+  if (rotary < 2 || rotary % 2 != 0) {
+    return FieldError(
+        "partial_rotary_factor",
+        absl::StrCat(config.partial_rotary_factor, " of head_dim = ", config.head_dim, " rotates ",
+                     rotary, " dimensions; RoPE needs an even number, at least 2"));
+  }
+  return absl::OkStatus();
+}
+
+// The mixture-of-experts defaults of the family's transformers config (Qwen3MoeConfig,
+// Qwen3NextConfig: they differ, so by model_type) for fields absent from config.json.
+void SetMoeDefaults(const ModelFamily& family, Qwen3Config& config) {
+  if (!family.moe) return;
+  config.router_aux_loss_coef = 0.001;
+  if (family.model_type == "qwen3_next") {  // Qwen3NextConfig
+    config.intermediate_size = 5632;
+    config.num_experts = 512;
+    config.num_experts_per_tok = 10;
+    config.moe_intermediate_size = 512;
+    config.shared_expert_intermediate_size = 512;
+    config.norm_topk_prob = true;
+  } else {  // Qwen3MoeConfig
+    config.intermediate_size = 6144;
+    config.num_experts = 128;
+    config.num_experts_per_tok = 8;
+    config.moe_intermediate_size = 768;
+  }
+}
+
 absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   if (!json.is_object()) return absl::InvalidArgumentError("a config must be a JSON object");
   const Fields top(json);
@@ -355,12 +522,14 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   config.max_position_embeddings = family->default_max_position_embeddings;
   config.tie_word_embeddings = false;
   config.torch_dtype = "float32";
-  if (family->moe) {  // transformers' Qwen3MoeConfig
-    config.intermediate_size = 6144;
-    config.num_experts = 128;
-    config.num_experts_per_tok = 8;
-    config.moe_intermediate_size = 768;
-    config.router_aux_loss_coef = 0.001;
+  config.partial_rotary_factor = family->default_partial_rotary_factor;
+  SetMoeDefaults(*family, config);
+  if (family->linear_attention) {  // transformers' Qwen3NextConfig
+    config.linear_num_key_heads = 16;
+    config.linear_num_value_heads = 32;
+    config.linear_key_head_dim = 128;
+    config.linear_value_head_dim = 128;
+    config.linear_conv_kernel_dim = 4;
   }
   struct IntField {
     const char* name;
@@ -381,7 +550,9 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
     RETURN_IF_ERROR(top.Int(field.name, field.required, field.value));
   }
   if (top.Find("num_key_value_heads") == nullptr) {
-    config.num_key_value_heads = config.num_attention_heads;
+    // transformers' Qwen3NextConfig default (2); the other families: see the header.
+    config.num_key_value_heads =
+        family->model_type == "qwen3_next" ? 2 : config.num_attention_heads;
   }
   if (top.Find("head_dim") == nullptr && family->default_head_dim == 0 &&
       config.num_attention_heads > 0) {
@@ -407,12 +578,25 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   // Newer transformers write "dtype"; older ones "torch_dtype".
   RETURN_IF_ERROR(top.String("torch_dtype", &config.torch_dtype));
   RETURN_IF_ERROR(top.String("dtype", &config.torch_dtype));
-  RETURN_IF_ERROR(ParseRope(json, config));
+  RETURN_IF_ERROR(ParseRope(json, *family, config));
   if (family->sliding_window_fields) {
     RETURN_IF_ERROR(CheckNoSlidingWindow(json, config.num_hidden_layers));
   }
+  if (family->linear_attention) {
+    RETURN_IF_ERROR(ParseLayerTypes(json, config));
+    const IntField linear[] = {
+        {"linear_num_key_heads", &config.linear_num_key_heads, false},
+        {"linear_num_value_heads", &config.linear_num_value_heads, false},
+        {"linear_key_head_dim", &config.linear_key_head_dim, false},
+        {"linear_value_head_dim", &config.linear_value_head_dim, false},
+        {"linear_conv_kernel_dim", &config.linear_conv_kernel_dim, false},
+    };
+    for (const IntField& field : linear) {
+      RETURN_IF_ERROR(top.Int(field.name, field.required, field.value));
+    }
+  }
 
-  if (family->moe) RETURN_IF_ERROR(ParseMoe(json, config));
+  if (family->moe) RETURN_IF_ERROR(ParseMoe(json, *family, config));
 
   std::string hidden_act = "silu";
   RETURN_IF_ERROR(top.String("hidden_act", &hidden_act));
@@ -450,6 +634,35 @@ Json RopeJson(const RopeScaling& rope) {
     if (!rope.truncate) json["truncate"] = false;
   }
   return json;
+}
+
+// The full_attention_interval whose pattern (transformers' rule: layer i is linear iff (i + 1) %
+// interval != 0) gives `types`, the smallest one, or 0 when none does.
+int64_t FullAttentionInterval(const std::vector<LayerType>& types) {
+  const int64_t layers = static_cast<int64_t>(types.size());
+  int64_t interval = layers + 1;  // no full-attention layer
+  for (int64_t i = 0; i < layers; ++i) {
+    if (types[i] == LayerType::kFullAttention) {
+      interval = i + 1;
+      break;
+    }
+  }
+  for (int64_t i = 0; i < layers; ++i) {
+    const LayerType expected =
+        (i + 1) % interval != 0 ? LayerType::kLinearAttention : LayerType::kFullAttention;
+    if (types[i] != expected) return 0;
+  }
+  return interval;
+}
+
+// config.json's rope_parameters (transformers 5's spelling): the rope object with rope_theta,
+// and partial_rotary_factor for the families that have it.
+Json RopeParametersJson(const Qwen3Config& config, const ModelFamily& family) {
+  Json rope = RopeJson(config.rope_scaling);
+  if (rope.is_null()) rope = {{"rope_type", "default"}};
+  rope["rope_theta"] = config.rope_theta;
+  if (family.partial_rotary) rope["partial_rotary_factor"] = config.partial_rotary_factor;
+  return rope;
 }
 
 absl::Status CheckPositiveFinite(const char* field, double value) {
@@ -501,8 +714,16 @@ struct Preset {
   double rope_theta, rms_norm_eps;
   int64_t max_position_embeddings;
   RopeScaling rope;
-  // qwen3_moe: experts, top-k, each expert's width (every layer sparse, top-k renormalised).
+  // qwen3_moe, qwen3_next: experts, top-k, each expert's width (every layer sparse, top-k
+  // renormalised).
   int64_t experts = 0, experts_per_token = 0, moe_intermediate = 0;
+  // qwen3_next: the shared expert's width; the Gated DeltaNet layers' sizes (linear_* fields, one
+  // head dim for keys and values); every full_attention_interval-th layer full attention, the
+  // others linear; RoPE's share of each head.
+  int64_t shared_expert = 0;
+  int64_t linear_key_heads = 0, linear_value_heads = 0, linear_head_dim = 0, linear_conv_kernel = 0;
+  int64_t full_attention_interval = 0;
+  double partial_rotary_factor = 1.0;
 };
 
 // Llama 3.1's rope scaling with the given factor (Llama 3.2 uses 32).
@@ -565,6 +786,58 @@ const Preset kPresets[] = {
      128,
      8,
      768},
+    // Qwen/Qwen3-Next-80B-A3B-Instruct (and -Thinking): 79.7B parameters, 3.9B active per token.
+    {.name = "qwen3-next-80b-a3b",
+     .model_type = "qwen3_next",
+     .vocab = 151936,
+     .hidden = 2048,
+     .intermediate = 5120,
+     .layers = 48,
+     .heads = 16,
+     .kv_heads = 2,
+     .head_dim = 256,
+     .tie = false,
+     .rope_theta = 1e7,
+     .rms_norm_eps = 1e-6,
+     .max_position_embeddings = 262144,
+     .rope = {},
+     .experts = 512,
+     .experts_per_token = 10,
+     .moe_intermediate = 512,
+     .shared_expert = 512,
+     .linear_key_heads = 16,
+     .linear_value_heads = 32,
+     .linear_head_dim = 128,
+     .linear_conv_kernel = 4,
+     .full_attention_interval = 4,
+     .partial_rotary_factor = 0.25},
+    // Not a released model: Qwen3-Next-80B-A3B's layers, 4 of its 48 (three linear, one full
+    // attention) with 128 of its 512 experts each (2.4B parameters, 0.9B active), for benchmarks
+    // on one 80 GB GPU with its real layer shapes and routing.
+    {.name = "qwen3-next-small",
+     .model_type = "qwen3_next",
+     .vocab = 151936,
+     .hidden = 2048,
+     .intermediate = 5120,
+     .layers = 4,
+     .heads = 16,
+     .kv_heads = 2,
+     .head_dim = 256,
+     .tie = false,
+     .rope_theta = 1e7,
+     .rms_norm_eps = 1e-6,
+     .max_position_embeddings = 262144,
+     .rope = {},
+     .experts = 128,
+     .experts_per_token = 10,
+     .moe_intermediate = 512,
+     .shared_expert = 512,
+     .linear_key_heads = 16,
+     .linear_value_heads = 32,
+     .linear_head_dim = 128,
+     .linear_conv_kernel = 4,
+     .full_attention_interval = 4,
+     .partial_rotary_factor = 0.25},
 };
 
 }  // namespace
@@ -613,6 +886,33 @@ bool IsSparseLayer(const Qwen3Config& config, int64_t layer) {
     if (dense == layer) return false;
   }
   return (layer + 1) % config.decoder_sparse_step == 0;
+}
+
+bool IsLinearAttentionLayer(const Qwen3Config& config, int64_t layer) {
+  return layer >= 0 && layer < static_cast<int64_t>(config.layer_types.size()) &&
+         config.layer_types[layer] == LayerType::kLinearAttention;
+}
+
+int64_t RotaryDim(const Qwen3Config& config) {
+  // transformers: int(head_dim * partial_rotary_factor), a truncation.
+  return static_cast<int64_t>(static_cast<double>(config.head_dim) * config.partial_rotary_factor);
+}
+
+namespace {
+bool FamilyTrait(const Qwen3Config& config, bool ModelFamily::*trait) {
+  const ModelFamily* family = FindModelFamily(config.model_type);
+  return family != nullptr && family->*trait;
+}
+}  // namespace
+
+bool HasZeroCentredNorms(const Qwen3Config& config) {
+  return FamilyTrait(config, &ModelFamily::zero_centred_norms);
+}
+bool HasGatedAttention(const Qwen3Config& config) {
+  return FamilyTrait(config, &ModelFamily::gated_attention);
+}
+bool HasSharedExpert(const Qwen3Config& config) {
+  return FamilyTrait(config, &ModelFamily::shared_expert);
 }
 
 absl::Status ValidateQwen3Config(const Qwen3Config& config) {
@@ -675,7 +975,8 @@ absl::Status ValidateQwen3Config(const Qwen3Config& config) {
     case AttentionBiasRule::kFromConfig:
       break;
   }
-  return ValidateMoe(config, *family);
+  RETURN_IF_ERROR(ValidateMoe(config, *family));
+  return ValidateHybrid(config, *family);
 }
 
 absl::StatusOr<Qwen3Config> ParseQwen3Config(std::string_view json) {
@@ -765,6 +1066,34 @@ std::string Qwen3ConfigToJson(const Qwen3Config& config) {
     json["router_aux_loss_coef"] = config.router_aux_loss_coef;
     json["output_router_logits"] = config.output_router_logits;
   }
+  if (f.shared_expert) {
+    json["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size;
+  }
+  if (f.linear_attention) {
+    Json layer_types = Json::array();
+    for (const LayerType type : config.layer_types) {
+      for (const auto& [value, name] : kLayerTypes) {
+        if (value == type) layer_types.push_back(name);
+      }
+    }
+    json["layer_types"] = std::move(layer_types);
+    // transformers reads layer_types first; inference engines that derive the layers from the
+    // interval alone (as the Hub's config.json gives it) find the same ones.
+    if (const int64_t interval = FullAttentionInterval(config.layer_types); interval > 0) {
+      json["full_attention_interval"] = interval;
+    }
+    json["linear_num_key_heads"] = config.linear_num_key_heads;
+    json["linear_num_value_heads"] = config.linear_num_value_heads;
+    json["linear_key_head_dim"] = config.linear_key_head_dim;
+    json["linear_value_head_dim"] = config.linear_value_head_dim;
+    json["linear_conv_kernel_dim"] = config.linear_conv_kernel_dim;
+  }
+  if (f.partial_rotary) {
+    // Both spellings: transformers 5 reads (and writes) rope_parameters, older readers the
+    // top-level field beside rope_scaling and rope_theta. They agree, so either wins.
+    json["partial_rotary_factor"] = config.partial_rotary_factor;
+    json["rope_parameters"] = RopeParametersJson(config, f);
+  }
   return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
@@ -788,11 +1117,14 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
     for (const auto& [key, value] : ours.items()) merged[key] = value;
     // The newer spellings of fields this struct models, if the base uses them.
     if (merged.contains("dtype")) merged["dtype"] = config.torch_dtype;
+    const ModelFamily& family = *FindModelFamily(config.model_type);  // validated
     if (merged.contains("rope_parameters") && merged["rope_parameters"].is_object()) {
-      Json rope = RopeJson(config.rope_scaling);
-      if (rope.is_null()) rope = {{"rope_type", "default"}};
-      rope["rope_theta"] = config.rope_theta;
-      merged["rope_parameters"] = rope;
+      merged["rope_parameters"] = RopeParametersJson(config, family);
+    }
+    // An interval left from the base where the layers follow none would contradict layer_types
+    // for a reader that prefers it.
+    if (family.linear_attention && !ours.contains("full_attention_interval")) {
+      merged.erase("full_attention_interval");
     }
     if (merged.contains("num_local_experts")) merged["num_local_experts"] = config.num_experts;
     if (merged.contains("original_max_position_embeddings")) {  // read before the rope's own
@@ -843,7 +1175,21 @@ absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name) {
       config.moe_intermediate_size = preset.moe_intermediate;
       config.norm_topk_prob = true;
       config.router_aux_loss_coef = 0.001;
+      config.shared_expert_intermediate_size = preset.shared_expert;
     }
+    if (preset.full_attention_interval > 0) {
+      for (int64_t i = 0; i < preset.layers; ++i) {
+        config.layer_types.push_back((i + 1) % preset.full_attention_interval != 0
+                                         ? LayerType::kLinearAttention
+                                         : LayerType::kFullAttention);
+      }
+      config.linear_num_key_heads = preset.linear_key_heads;
+      config.linear_num_value_heads = preset.linear_value_heads;
+      config.linear_key_head_dim = preset.linear_head_dim;
+      config.linear_value_head_dim = preset.linear_head_dim;
+      config.linear_conv_kernel_dim = preset.linear_conv_kernel;
+    }
+    config.partial_rotary_factor = preset.partial_rotary_factor;
     return config;
   }
   return absl::NotFoundError(absl::StrCat("unknown preset '", AsAbsl(name), "' (known: ",

@@ -66,6 +66,12 @@ double RopeAttentionFactor(const RopeScaling& rope);
 // rope_type and the type's fields.
 std::string RopeScalingToJson(const RopeScaling& rope);
 
+// A decoder layer's token mixer (config.json's layer_types).
+enum class LayerType {
+  kFullAttention,    // "full_attention": softmax attention over K/V
+  kLinearAttention,  // "linear_attention": Gated DeltaNet (qwen3_next)
+};
+
 struct Qwen3Config {
   // The family (core/checkpoint/model_family.h): "qwen3", "qwen2" or "llama".
   std::string model_type = "qwen3";
@@ -102,8 +108,39 @@ struct Qwen3Config {
   double router_aux_loss_coef = 0.0;
   bool output_router_logits = false;
 
+  // RoPE rotates the first int(head_dim * partial_rotary_factor) dimensions of each head and passes
+  // the rest (transformers' partial rotary; qwen3_next only, 1 elsewhere). The rotary dimension
+  // must be even and positive.
+  double partial_rotary_factor = 1.0;
+
+  // Qwen3-Next's hybrid layers (qwen3_next only; every other family keeps these defaults).
+  // Per decoder layer, its token mixer; empty means every layer is full attention.
+  std::vector<LayerType> layer_types = {};
+  // The Gated DeltaNet layers' sizes (executor/model/gated_delta_net.h's GatedDeltaNetShape).
+  int64_t linear_num_key_heads = 0;
+  int64_t linear_num_value_heads = 0;  // a multiple of linear_num_key_heads
+  int64_t linear_key_head_dim = 0;
+  int64_t linear_value_head_dim = 0;
+  int64_t linear_conv_kernel_dim = 0;  // the short causal convolution's taps
+  // The sparse blocks' shared expert (a SwiGLU MLP of this width with a sigmoid gate).
+  int64_t shared_expert_intermediate_size = 0;
+
   bool operator==(const Qwen3Config&) const = default;
 };
+
+// Whether decoder layer `layer` is a Gated DeltaNet (linear-attention) layer: layer_types says
+// "linear_attention" there. False for every layer of the other families.
+bool IsLinearAttentionLayer(const Qwen3Config& config, int64_t layer);
+
+// The number of dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor)
+// (head_dim without partial rotary).
+int64_t RotaryDim(const Qwen3Config& config);
+
+// The family's trait (core/checkpoint/model_family.h) for a config; false for a model_type
+// without a family.
+bool HasZeroCentredNorms(const Qwen3Config& config);
+bool HasGatedAttention(const Qwen3Config& config);
+bool HasSharedExpert(const Qwen3Config& config);
 
 // Whether the config's family has mixture-of-experts layers (qwen3_moe).
 bool IsMoe(const Qwen3Config& config);
@@ -129,7 +166,11 @@ bool HasOProjBias(const Qwen3Config& config);
 // num_experts_per_tok and moe_intermediate_size positive, num_experts_per_tok <= num_experts,
 // decoder_sparse_step positive, mlp_only_layers distinct layers in [0, num_hidden_layers),
 // router_aux_loss_coef finite and >= 0; other families: those fields at their defaults
-// (INVALID_ARGUMENT naming the field).
+// (INVALID_ARGUMENT naming the field). qwen3_next: the same MoE rules except that num_experts may
+// be 0, shared_expert_intermediate_size positive with experts, layer_types one entry per layer,
+// the linear_* sizes positive when a layer is linear with value heads a multiple of key heads,
+// partial_rotary_factor in (0, 1] with an even RotaryDim of at least 2; other families: empty
+// layer_types, the linear and shared-expert fields 0 and partial_rotary_factor 1.
 absl::Status ValidateQwen3Config(const Qwen3Config& config);
 
 // Parses a config.json. Required: hidden_size, intermediate_size, num_hidden_layers,
@@ -167,14 +208,17 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path);
 
 // A Hugging Face compatible config.json (2-space indent, sorted keys, trailing newline): the
 // family's model_type and architectures (["Qwen3ForCausalLM"], ["Qwen2ForCausalLM"],
-// ["LlamaForCausalLM"], ["Qwen3MoeForCausalLM"]), every field of the struct that the family's
-// transformers config has (attention_bias for qwen3 and llama; head_dim always, which transformers'
-// Qwen2 also reads), rope_scaling (null for the default rope, else the type's fields with
-// "rope_type"), hidden_act "silu", attention_dropout 0, initializer_range 0.02, use_cache true;
-// qwen2 and qwen3 also use_sliding_window false, sliding_window null, max_window_layers =
-// num_hidden_layers; llama mlp_bias false and pretraining_tp 1; qwen3_moe every MoE field of the
-// struct (num_experts under that name, as the Hub's config.json has it). Parsing it gives the same
-// config back, bit for bit.
+// ["LlamaForCausalLM"], ["Qwen3MoeForCausalLM"], ["Qwen3NextForCausalLM"]), every field of the
+// struct that the family's transformers config has (attention_bias for qwen3 and llama; head_dim
+// always, which transformers' Qwen2 also reads), rope_scaling (null for the default rope, else the
+// type's fields with "rope_type"), hidden_act "silu", attention_dropout 0, initializer_range 0.02,
+// use_cache true; qwen2 and qwen3 also use_sliding_window false, sliding_window null,
+// max_window_layers = num_hidden_layers; llama mlp_bias false and pretraining_tp 1; qwen3_moe every
+// MoE field of the struct (num_experts under that name, as the Hub's config.json has it);
+// qwen3_next its MoE and linear_* fields, layer_types as strings (and full_attention_interval when
+// one reproduces them, which several inference engines read instead), partial_rotary_factor at the
+// top level and in a rope_parameters object beside rope_theta. Parsing it gives the same config
+// back, bit for bit.
 std::string Qwen3ConfigToJson(const Qwen3Config& config);
 
 // Validates the config and writes <directory>/config.json (creating the directory, replacing the
@@ -191,15 +235,18 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
 // "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen2.5-1.5b" (Qwen2.5-1.5B-Instruct),
 // "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b" (Qwen3-30B-A3B), and "qwen3-moe-small" (not a
 // released model: Qwen3-30B-A3B's layers, 4 of its 48, 3.1B parameters, for benchmarks on one 80 GB
-// GPU) (case-insensitive, an optional "Qwen/" or "meta-llama/" prefix allowed). NOT_FOUND listing
-// the known names otherwise.
+// GPU), "qwen3-next-80b-a3b" (Qwen3-Next-80B-A3B-Instruct) and "qwen3-next-small" (not a
+// released model: 4 of its layers, three linear and one full, with 128 experts instead of 512,
+// 2.4B parameters, 0.89B active) (case-insensitive, an optional "Qwen/" or "meta-llama/" prefix
+// allowed). NOT_FOUND listing the known names otherwise.
 absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name);
 
 // A preset if `name` is one (Qwen3ConfigPreset), else the config.json at path `name`
 // (LoadQwen3Config, whose error is returned when neither works).
 absl::StatusOr<Qwen3Config> Qwen3ConfigFromName(std::string_view name);
 
-// The preset names: Qwen3 smallest first, then Qwen2.5, then Llama smallest first, then Qwen3-MoE.
+// The preset names: Qwen3 smallest first, then Qwen2.5, then Llama smallest first, then Qwen3-MoE,
+// then Qwen3-Next.
 std::vector<std::string> Qwen3ConfigPresetNames();
 
 }  // namespace dta

@@ -23,6 +23,13 @@
 //                                   keeps instead of the MLP's gate and up its k experts'
 //                                   (2 k ie w, ie = moe_intermediate/TP), the router's softmax
 //                                   and k weights ((E + k) c) and 4 k int64 routing indices
+//              Qwen3-Next: gated attention keeps the output gate and the gated output (2 q w
+//              more); a Gated DeltaNet layer keeps about 8 times an attention layer's (its eager
+//              ATen graph: the convolution's taps, q and k before their L2 norms, the delta rule's
+//              per-head tensors and 64 x 64 chunk matrices, one state per 64 tokens;
+//              GraphBytesPerToken in executor/engine/executor.h spells the terms), and its stack
+//              positions hold conv_dim = 2 key_dim + value_dim elements (w + c) instead of K/V,
+//              plus one float32 recurrent state per kept chunk end
 //              and per chunk 2 h c + h w (the final norm's input and output, lm_head's rounded
 //              copy), 2 head_dim c (RoPE tables) and 24 (ids, positions, tree mask). With layer
 //              replay (checkpointing) a graph keeps only each layer's input (h c per layer) plus

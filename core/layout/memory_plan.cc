@@ -63,6 +63,15 @@ absl::Status CheckExecutorOptions(const ExecutorMemoryOptions& e) {
   return absl::OkStatus();
 }
 
+// Whether the config has layers without a tensor-parallel split (Qwen3-Next's).
+bool HasTensorParallelGap(const Qwen3Config& config) {
+  bool linear = false;
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    linear = linear || IsLinearAttentionLayer(config, layer);
+  }
+  return linear || HasGatedAttention(config) || HasSharedExpert(config);
+}
+
 bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ranks_per_node) {
   if (memory.gpu_total() > request.gpu_bytes) return false;
   return request.host_bytes_per_node == 0 ||
@@ -72,25 +81,54 @@ bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ra
 }  // namespace
 
 ParameterCount CountParameters(const Qwen3Config& c) {
+  // Full attention: q_proj yields each head's query and, with gated attention (qwen3_next), its
+  // output gate as well.
   const int64_t q = c.num_attention_heads * c.head_dim;
+  const int64_t q_out = HasGatedAttention(c) ? 2 * q : q;
   const int64_t kv = c.num_key_value_heads * c.head_dim;
-  const int64_t per_layer_sharded = c.hidden_size * q                       // q_proj
-                                    + 2 * c.hidden_size * kv                // k_proj, v_proj
-                                    + q * c.hidden_size                     // o_proj
-                                    + (c.attention_bias ? q + 2 * kv : 0);  // q/k/v biases
-  const int64_t per_layer_replicated = 2 * c.hidden_size  // input and post-attention RMSNorm
-                                       + (HasQkNorm(c) ? 2 * c.head_dim : 0)     // q_norm, k_norm
+  const int64_t attention_sharded = c.hidden_size * q_out                        // q_proj
+                                    + 2 * c.hidden_size * kv                     // k_proj, v_proj
+                                    + q * c.hidden_size                          // o_proj
+                                    + (c.attention_bias ? q_out + 2 * kv : 0);   // q/k/v biases
+  const int64_t attention_replicated = (HasQkNorm(c) ? 2 * c.head_dim : 0)       // q_norm, k_norm
                                        + (HasOProjBias(c) ? c.hidden_size : 0);  // o_proj's bias
+  // Gated DeltaNet (transformers' Qwen3NextGatedDeltaNet) instead of attention: in_proj_qkvz
+  // [2 key_dim + 2 value_dim, hidden], in_proj_ba [2 value_heads, hidden], the depthwise conv1d
+  // [conv_dim, 1, kernel] (conv_dim = 2 key_dim + value_dim), dt_bias and A_log [value_heads] and
+  // out_proj [hidden, value_dim], all split by heads under tensor parallelism; the gated norm
+  // [value_head_dim] whole on every rank, as q_norm.
+  const int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
+  const int64_t value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
+  const int64_t conv_dim = 2 * key_dim + value_dim;
+  const int64_t linear_sharded = (2 * key_dim + 2 * value_dim) * c.hidden_size   // in_proj_qkvz
+                                 + 2 * c.linear_num_value_heads * c.hidden_size  // in_proj_ba
+                                 + conv_dim * c.linear_conv_kernel_dim           // conv1d
+                                 + 2 * c.linear_num_value_heads                  // dt_bias, A_log
+                                 + c.hidden_size * value_dim;                    // out_proj
+  const int64_t linear_replicated = c.linear_value_head_dim;                     // norm
   const int64_t dense_mlp = 3 * c.hidden_size * c.intermediate_size;             // gate, up, down
   const int64_t expert = 3 * c.hidden_size * c.moe_intermediate_size;
+  // qwen3_next's sparse blocks also hold a shared SwiGLU expert (split as a dense MLP) and its
+  // sigmoid gate [1, hidden] (whole on every rank, as the router).
+  const bool shared_expert = HasSharedExpert(c);
+  const int64_t shared = shared_expert ? 3 * c.hidden_size * c.shared_expert_intermediate_size : 0;
+  const int64_t shared_gate = shared_expert ? c.hidden_size : 0;
   ParameterCount count;
   const int64_t embeddings = c.vocab_size * c.hidden_size * (c.tie_word_embeddings ? 1 : 2);
-  count.sharded = c.num_hidden_layers * per_layer_sharded + embeddings;
-  count.replicated = c.num_hidden_layers * per_layer_replicated + c.hidden_size;  // + final norm
+  count.sharded = embeddings;
+  // The input and post-attention RMSNorms of every layer, and the final norm.
+  count.replicated = c.num_hidden_layers * 2 * c.hidden_size + c.hidden_size;
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    if (IsLinearAttentionLayer(c, layer)) {
+      count.sharded += linear_sharded;
+      count.replicated += linear_replicated;
+    } else {
+      count.sharded += attention_sharded;
+      count.replicated += attention_replicated;
+    }
     if (IsSparseLayer(c, layer)) {
-      count.sharded += c.num_experts * expert;            // the experts, split by their rows
-      count.replicated += c.num_experts * c.hidden_size;  // the router
+      count.sharded += c.num_experts * expert + shared;  // the experts, split by their rows
+      count.replicated += c.num_experts * c.hidden_size + shared_gate;  // the router(s)
       count.unused_per_token += (c.num_experts - c.num_experts_per_tok) * expert;
     } else {
       count.sharded += dense_mlp;
@@ -126,7 +164,11 @@ MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& l
 std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config,
                                            const LayoutRequest& request) {
   std::vector<int32_t> allowed;
+  // Qwen3-Next's layers (gated attention, Gated DeltaNet, shared experts) have no tensor-parallel
+  // split yet: the model refuses TP > 1 for them, so the planner does not propose it.
+  const bool splits = !HasTensorParallelGap(config);
   for (int32_t tp = 1; tp <= request.gpus_per_node && tp <= request.world_size; tp *= 2) {
+    if (tp > 1 && !splits) break;
     if (request.world_size % tp == 0 && config.num_attention_heads % tp == 0 &&
         config.num_key_value_heads % tp == 0) {
       allowed.push_back(tp);
@@ -150,6 +192,12 @@ absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutReq
     bool allowed = false;
     for (int32_t tp : degrees) allowed |= tp == request.tensor_parallel;
     if (!allowed) {
+      if (HasTensorParallelGap(config)) {
+        return FieldError(
+            "tensor_parallel",
+            absl::StrCat(request.tensor_parallel, " is not allowed: ", config.model_type,
+                         " models have no tensor-parallel split yet (use 1)"));
+      }
       return FieldError(
           "tensor_parallel",
           absl::StrCat(request.tensor_parallel, " is not allowed: it must be a power of two ",
@@ -194,7 +242,11 @@ absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutReq
       GiB(request.gpu_bytes), ": the smallest layout allowed (", LayoutName(smallest->layout),
       ") needs ", GiB(m.gpu_total()), " per GPU (weights ", GiB(m.weights), ", gradients ",
       GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ", GiB(m.activations),
-      ExecutorTerms(m), ")", host, "; add GPUs, allow offload or tensor parallelism, or ",
+      ExecutorTerms(m), ")", host,
+      HasTensorParallelGap(config)
+          ? absl::StrCat(" (", config.model_type,
+                         " has no tensor parallelism yet); allow offload, or ")
+          : "; add GPUs, allow offload or tensor parallelism, or ",
       m.activations_estimated
           ? "lower the executor's block size and graph budget (or give an activation reserve)"
           : "lower the activation reserve"));

@@ -105,7 +105,8 @@ MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& l
                               const LayoutRequest& request);
 
 // The TP degrees a config allows on `request`: powers of two up to gpus_per_node that divide the
-// world size, the attention heads and the KV heads.
+// world size, the attention heads and the KV heads; only 1 for families the model cannot split yet
+// (qwen3_next).
 std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config, const LayoutRequest& request);
 
 // The first layout that fits, preferring the least communication: without offload before with

@@ -24,6 +24,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <map>
 
 #include "core/tree/leaf_order.h"
@@ -45,8 +46,9 @@ struct PathStack {
   at::Tensor logprobs, grad_logprobs;  // [max_len]
   at::Tensor entropy, grad_entropy;    // [max_len] when the loss needs entropy
   // Linear-attention layers' recurrent states are not kept per position but where chunks start:
-  // at every chunk end on the path (the schedule cuts every chunk that a later one starts from at
-  // its end, so each chunk start is one). Per layer, undefined at attention layers.
+  // at every forward chunk's end and at the positions inside it where later steps start
+  // (StatePoints: a backward chunk recomputed inside a forward chunk without a graph, a packed
+  // step). Per layer, undefined at attention layers.
   struct Boundary {
     std::vector<at::Tensor> states, grad_states;
   };
@@ -135,21 +137,27 @@ struct Chunk {
   int64_t begin = 0, end = 0;
   at::Tensor previous_hidden;  // leaf [1, hidden] (begin > 0)
   ChunkOutput out;
+  // Path positions inside (begin, end) whose recurrent states out.point_states holds.
+  std::vector<int64_t> state_points;
   at::Tensor logprobs, entropy;  // [end - begin]
 };
 
 Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Tensor& tokens,
                    int64_t begin, int64_t end, bool with_graph, bool with_entropy,
-                   const LogprobOptions& logprob) {
+                   const LogprobOptions& logprob, std::vector<int64_t> state_points = {}) {
   torch::autograd::AutoGradMode grad_mode(with_graph);
   Chunk chunk;
   chunk.begin = begin;
   chunk.end = end;
   chunk.previous_hidden = HiddenAnchor(stack, begin, with_graph);
   const at::Tensor ids = tokens.slice(0, begin, end);
+  std::vector<int64_t> offsets;  // path positions to offsets in the chunk
+  for (const int64_t p : state_points) offsets.push_back(p - begin);
   chunk.out = model.Forward({.tokens = ids,
                              .positions = at::arange(begin, end, ids.options()),
+                             .state_points = std::move(offsets),
                              .prefix = StackPrefix(stack, begin, with_graph)});
+  if (stack.linear) chunk.state_points = std::move(state_points);
   // Token p is predicted by the hidden state at p - 1: the stack's for the chunk's first token.
   const int64_t t = end - begin;
   const at::Tensor rows =
@@ -175,16 +183,19 @@ void Push(PathStack& stack, const Chunk& chunk) {
     stack.keys[l].slice(0, b, e).copy_(chunk.out.keys[l]);
     if (stack.values[l].defined()) stack.values[l].slice(0, b, e).copy_(chunk.out.values[l]);
   }
-  if (!chunk.out.states.empty()) {
-    PathStack::Boundary& boundary = stack.boundaries[e];
+  auto keep = [&](int64_t position, const std::vector<at::Tensor>& states) {
+    PathStack::Boundary& boundary = stack.boundaries[position];
     boundary.states.clear();
     boundary.grad_states.clear();
-    for (const at::Tensor& state : chunk.out.states) {
+    for (const at::Tensor& state : states) {
       boundary.states.push_back(state.defined() ? state.detach() : state);
       boundary.grad_states.push_back(stack.training && state.defined() ? at::zeros_like(state)
                                                                        : at::Tensor());
     }
-  }
+  };
+  if (!chunk.out.states.empty()) keep(e, chunk.out.states);
+  for (size_t i = 0; i < chunk.state_points.size(); ++i)
+    keep(chunk.state_points[i], chunk.out.point_states[i]);
   stack.hidden.slice(0, b, e).copy_(chunk.out.hidden);
   stack.logprobs.slice(0, b, e).copy_(chunk.logprobs);
   if (chunk.entropy.defined()) stack.entropy.slice(0, b, e).copy_(chunk.entropy);
@@ -209,11 +220,19 @@ void Backward(PathStack& stack, Chunk& chunk) {
       seed(chunk.out.values[l], stack.grad_values[l].slice(0, b, e));
   }
   // The recurrent states after the chunk: what the chunks starting at its end sent back.
-  if (const auto it = stack.boundaries.find(e); it != stack.boundaries.end()) {
-    for (size_t l = 0; l < chunk.out.states.size(); ++l) {
-      if (chunk.out.states[l].defined()) seed(chunk.out.states[l], it->second.grad_states[l]);
+  auto seed_states = [&](int64_t position, const std::vector<at::Tensor>& states) {
+    const auto it = stack.boundaries.find(position);
+    if (it == stack.boundaries.end()) return;
+    for (size_t l = 0; l < states.size(); ++l) {
+      if (states[l].defined() && it->second.grad_states[l].defined())
+        seed(states[l], it->second.grad_states[l]);
     }
-  }
+  };
+  seed_states(e, chunk.out.states);
+  // State points are kept only in chunks forwarded without a graph (StatePoints: a chunk whose
+  // graph is kept is backpropagated whole, so nothing starts inside it).
+  TORCH_CHECK(chunk.state_points.empty(),
+              "internal: a backpropagated chunk has recurrent states kept inside it");
   torch::autograd::backward(outputs, grads);
   torch::autograd::AutoGradMode no_grad(false);
   if (b > 0) Collect(chunk.previous_hidden, stack.grad_hidden.slice(0, b - 1, b));
@@ -286,6 +305,59 @@ at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack,
   Collect(stack_logprobs, stack.grad_logprobs.slice(0, 0, depth));
   if (with_entropy) Collect(stack_entropy, stack.grad_entropy.slice(0, 0, depth));
   return total.detach();
+}
+
+// Per step of the schedule, the path positions strictly inside a kForward step where a later step
+// starts on the stack that step wrote (a backward chunk recomputed inside a forward chunk that
+// kept no graph, a forward or packed step above a pop into it): the recurrent states of
+// linear-attention layers must be kept there (attention reads any position's K/V instead).
+// The stack is simulated as the forward steps' ranges it holds, bottom to top.
+std::vector<std::vector<int64_t>> StatePoints(const Schedule& schedule) {
+  std::vector<std::vector<int64_t>> points(schedule.steps.size());
+  struct Held {
+    int64_t begin, end;  // the forward step's range (end: as forwarded, before any pop)
+    size_t step;
+  };
+  std::vector<Held> held;
+  int64_t height = 0;
+  auto need = [&](int64_t position) {
+    if (position == 0) return;
+    // The forward step holding position - 1 (the state is after it).
+    for (auto it = held.rbegin(); it != held.rend(); ++it) {
+      if (it->begin < position && position <= it->end) {
+        if (position < it->end) points[it->step].push_back(position);
+        return;
+      }
+    }
+  };
+  for (size_t i = 0; i < schedule.steps.size(); ++i) {
+    const Step& step = schedule.steps[i];
+    switch (step.kind) {
+      case StepKind::kForward:
+        need(step.begin);
+        while (!held.empty() && held.back().begin >= step.begin) held.pop_back();
+        held.push_back({step.begin, step.end, i});
+        height = step.end;
+        break;
+      case StepKind::kBackward:
+        if (!step.reuses_graph) need(step.begin);
+        break;
+      case StepKind::kPacked:
+        need(step.begin);
+        break;
+      case StepKind::kPop:
+        height = std::min(height, step.begin);
+        while (!held.empty() && held.back().begin >= height) held.pop_back();
+        break;
+      case StepKind::kAttachLoss:
+        break;
+    }
+  }
+  for (std::vector<int64_t>& p : points) {
+    std::sort(p.begin(), p.end());
+    p.erase(std::unique(p.begin(), p.end()), p.end());
+  }
+  return points;
 }
 
 // B and the graph budget in tokens: the options, with the automatic ones resolved from the device
@@ -368,13 +440,17 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
       if (step.kind == StepKind::kPacked) total_work += step.packed_tokens;
     }
   }
+  const std::vector<std::vector<int64_t>> state_points =
+      stack.linear ? StatePoints(*schedule) : std::vector<std::vector<int64_t>>();
   std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
-  for (const Step& step : schedule->steps) {
+  for (size_t s = 0; s < schedule->steps.size(); ++s) {
+    const Step& step = schedule->steps[s];
     const int64_t forwarded_before = result.forwarded_tokens;
     switch (step.kind) {
       case StepKind::kForward: {
         Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
-                                   step.with_graph, with_entropy, LogprobOptionsOf(options));
+                                   step.with_graph, with_entropy, LogprobOptionsOf(options),
+                                   stack.linear ? state_points[s] : std::vector<int64_t>());
         Push(stack, chunk);
         result.forwarded_tokens += step.size();
         if (step.with_graph) kept.push_back(std::move(chunk));

@@ -225,12 +225,30 @@ GatedDeltaOutput RecurrentGatedDeltaRule(const at::Tensor& q_in, const at::Tenso
   return {out, state};
 }
 
+std::vector<TokenRun> CutChain(int64_t tokens, absl::Span<const int64_t> points) {
+  std::vector<TokenRun> runs;
+  int64_t begin = 0;
+  for (const int64_t p : points) {
+    TORCH_CHECK(p > begin && p < tokens, "CutChain: cut points must be increasing inside (0, ",
+                tokens, "), got ", p, " after ", begin);
+    runs.push_back({.begin = begin, .end = p, .parent_run = static_cast<int64_t>(runs.size()) - 1});
+    begin = p;
+  }
+  if (tokens > 0)
+    runs.push_back(
+        {.begin = begin, .end = tokens, .parent_run = static_cast<int64_t>(runs.size()) - 1});
+  return runs;
+}
+
 GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& g, const at::Tensor& beta,
                                     const std::vector<TokenRun>& runs,
                                     const at::Tensor& initial_state, int64_t chunk_size) {
-  if (runs.size() == 1 && runs[0].begin == 0 && runs[0].end == q.size(0))
-    return ChunkedGatedDeltaRule(q, k, v, g, beta, initial_state, chunk_size);
+  if (runs.size() == 1 && runs[0].begin == 0 && runs[0].end == q.size(0)) {
+    GatedDeltaOutput whole = ChunkedGatedDeltaRule(q, k, v, g, beta, initial_state, chunk_size);
+    whole.run_states = {whole.final_state};
+    return whole;
+  }
   std::vector<at::Tensor> outs, finals;
   outs.reserve(runs.size());
   finals.reserve(runs.size());
@@ -248,27 +266,32 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
     return {at::zeros_like(v, v.options().dtype(type)),
             InitialState(initial_state, v, q.size(2), type)};
   }
-  return {at::cat(outs), finals.back()};
+  at::Tensor last = finals.back();
+  return {.out = at::cat(outs), .final_state = std::move(last), .run_states = std::move(finals)};
 }
 
-LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& w,
-                                       const GatedDeltaNetShape& shape, const at::Tensor& x,
-                                       const at::Tensor& conv_index,
-                                       const std::vector<TokenRun>& runs,
-                                       const LinearContext& context) {
-  const int64_t t = x.size(0);
+LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDeltaNetShape& shape,
+                                   const at::Tensor& qkvz_in, const at::Tensor& ba_in,
+                                   const at::Tensor& conv_index, const std::vector<TokenRun>& runs,
+                                   const LinearContext& context) {
+  const int64_t t = qkvz_in.size(0);
   const int64_t kh = shape.key_heads, vh = shape.value_heads, dk = shape.key_head_dim,
                 dv = shape.value_head_dim;
   TORCH_CHECK(kh > 0 && vh % kh == 0, "linear attention: value heads (", vh,
               ") must be a multiple of key heads (", kh, ")");
   const int64_t group = vh / kh;  // value heads per key head
-  const at::ScalarType type = ComputeType(x);
+  TORCH_CHECK(qkvz_in.dim() == 2 && qkvz_in.size(1) == 2 * shape.key_dim() + 2 * shape.value_dim(),
+              "linear attention: qkvz must be [T, ", 2 * shape.key_dim() + 2 * shape.value_dim(),
+              "], got ", qkvz_in.sizes());
+  TORCH_CHECK(ba_in.dim() == 2 && ba_in.size(0) == t && ba_in.size(1) == 2 * vh,
+              "linear attention: ba must be [", t, ", ", 2 * vh, "], got ", ba_in.sizes());
+  const at::ScalarType type = ComputeType(qkvz_in);
 
   // in_proj_qkvz and in_proj_ba are grouped per key head: [q, k, v (group heads), z (group heads)]
   // and [b (group), a (group)].
-  const at::Tensor qkvz = at::linear(x, w.in_proj_qkvz).view({t, kh, 2 * dk + 2 * group * dv});
+  const at::Tensor qkvz = qkvz_in.view({t, kh, 2 * dk + 2 * group * dv});
   const std::vector<at::Tensor> parts = qkvz.split_with_sizes({dk, dk, group * dv, group * dv}, -1);
-  const at::Tensor ba = at::linear(x, w.in_proj_ba).view({t, kh, 2 * group});
+  const at::Tensor ba = ba_in.view({t, kh, 2 * group});
   const std::vector<at::Tensor> gates = ba.split_with_sizes({group, group}, -1);
   const at::Tensor z = parts[3].reshape({t, vh, dv});
   const at::Tensor b = gates[0].reshape({t, vh});
@@ -296,13 +319,26 @@ LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& w,
   const at::Tensor state = GradientInto(context.state, context.grad_state);
   GatedDeltaOutput rule = TreeGatedDeltaRule(q, k, v, g, beta, runs, state);
 
-  // The gated RMSNorm per value head: norm(o) * weight * silu(z), rounded once to x's dtype.
+  // The gated RMSNorm per value head: norm(o) * weight * silu(z), rounded once to qkvz's dtype.
   const at::Tensor o = rule.out;
   const at::Tensor normed = o * at::rsqrt(o.pow(2).mean(-1, /*keepdim=*/true) + shape.eps);
-  const at::Tensor gated = (normed * w.norm.to(type) * at::silu(z.to(type))).to(x.scalar_type());
-  return {.out = at::linear(gated.reshape({t, vh * dv}), w.out_proj),
+  const at::Tensor gated =
+      (normed * w.norm.to(type) * at::silu(z.to(type))).to(qkvz_in.scalar_type());
+  return {.out = gated.reshape({t, vh * dv}),
           .conv_inputs = mixed,
-          .final_state = rule.final_state};
+          .final_state = rule.final_state,
+          .run_states = std::move(rule.run_states)};
+}
+
+LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& w,
+                                       const GatedDeltaNetShape& shape, const at::Tensor& x,
+                                       const at::Tensor& conv_index,
+                                       const std::vector<TokenRun>& runs,
+                                       const LinearContext& context) {
+  LinearMixerOutput out = GatedDeltaNetMix(w, shape, at::linear(x, w.in_proj_qkvz),
+                                           at::linear(x, w.in_proj_ba), conv_index, runs, context);
+  out.out = at::linear(out.out, w.out_proj);
+  return out;
 }
 
 }  // namespace dta

@@ -57,6 +57,12 @@ struct TokenRun {
 // CHECKs that parents are valid (each parent before its token).
 std::vector<TokenRun> ChainRuns(TokenParents parents, int64_t tokens);
 
+// A chain of `tokens` tokens cut after each of `points` (sorted, in (0, tokens)): runs [0, p1),
+// [p1, p2), ... [pk, tokens), each starting from the previous one's final state, so that the state
+// after p tokens is run i's final state where points[i] = p (how the executor keeps the states a
+// later chunk starts from inside this one).
+std::vector<TokenRun> CutChain(int64_t tokens, absl::Span<const int64_t> points);
+
 // Rows a token's causal convolution reads, nearest last: index[t][kernel - 1] = t's own row,
 // index[t][kernel - 2] = its parent's, ... in the table cat(zero row, context rows, chunk rows):
 // row 0 is zero (before a rollout's start), context row r is 1 + r (the last context row is the
@@ -73,6 +79,8 @@ at::Tensor TreeCausalConv(const at::Tensor& x, const at::Tensor& weight, const a
 struct GatedDeltaOutput {
   at::Tensor out;          // [T, H, Dv], the compute dtype
   at::Tensor final_state;  // [H, Dk, Dv], after the last token
+  // TreeGatedDeltaRule: the state after each run's last token, in the runs' order.
+  std::vector<at::Tensor> run_states = {};
 };
 
 // The gated delta rule over one chain: q, k [T, H, Dk] (L2-normalised; q is scaled by Dk^-1/2
@@ -110,13 +118,13 @@ struct GatedDeltaNetShape {
 
 // A layer's parameters, shaped as transformers' Qwen3NextGatedDeltaNet (and its checkpoints).
 struct GatedDeltaNetWeights {
-  at::Tensor in_proj_qkvz;  // [2 key_dim + 2 value_dim, hidden], grouped per key head: q k v z
-  at::Tensor in_proj_ba;    // [2 value_heads, hidden], grouped per key head: b a
-  at::Tensor conv1d;        // [conv_dim, 1, conv_kernel]
-  at::Tensor dt_bias;       // [value_heads]
-  at::Tensor a_log;         // [value_heads] (A_log)
-  at::Tensor norm;          // [value_head_dim], the gated RMSNorm's weight (not 1 + weight)
-  at::Tensor out_proj;      // [hidden, value_dim]
+  at::Tensor in_proj_qkvz = {};  // [2 key_dim + 2 value_dim, hidden], grouped per key head: q k v z
+  at::Tensor in_proj_ba = {};    // [2 value_heads, hidden], grouped per key head: b a
+  at::Tensor conv1d = {};        // [conv_dim, 1, conv_kernel]
+  at::Tensor dt_bias = {};       // [value_heads]
+  at::Tensor a_log = {};         // [value_heads] (A_log)
+  at::Tensor norm = {};          // [value_head_dim], the gated RMSNorm's weight (not 1 + weight)
+  at::Tensor out_proj = {};      // [hidden, value_dim]
 };
 
 // What a chunk continues: the path's last convolution inputs and recurrent state, with the
@@ -129,9 +137,10 @@ struct LinearContext {
 };
 
 struct LinearMixerOutput {
-  at::Tensor out;          // [T, hidden], x's dtype
+  at::Tensor out;          // [T, hidden], x's dtype ([T, value_dim] from GatedDeltaNetMix)
   at::Tensor conv_inputs;  // [T, conv_dim]: what later chunks' convolutions read
   at::Tensor final_state;  // [value_heads, key_head_dim, value_head_dim], compute dtype
+  std::vector<at::Tensor> run_states = {};  // after each of `runs` (GatedDeltaOutput)
 };
 
 // The layer on normalised hidden states x [T, hidden], as transformers' Qwen3NextGatedDeltaNet:
@@ -143,5 +152,14 @@ LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& weights,
                                        const at::Tensor& conv_index,
                                        const std::vector<TokenRun>& runs,
                                        const LinearContext& context);
+
+// The layer between its projections (what the model runs, its in_proj and out_proj being the
+// decoder's fused projections): qkvz = x @ in_proj_qkvz^T [T, 2 key_dim + 2 value_dim] and
+// ba = x @ in_proj_ba^T [T, 2 value_heads]; out is the gated norm's output [T, value_dim] in
+// qkvz's dtype, before out_proj. Reads only conv1d, dt_bias, a_log and norm of `weights`.
+LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& weights,
+                                   const GatedDeltaNetShape& shape, const at::Tensor& qkvz,
+                                   const at::Tensor& ba, const at::Tensor& conv_index,
+                                   const std::vector<TokenRun>& runs, const LinearContext& context);
 
 }  // namespace dta

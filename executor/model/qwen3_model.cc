@@ -88,6 +88,13 @@ void SumOverRanks(const TensorParallelGroup* group, at::Tensor& tensor) {
   if (std::unique_ptr<PendingCollective> sum = StartSumOverRanks(group, tensor)) sum->Wait();
 }
 
+// Where a norm function adds its weight's gradient: the accumulator it was given (a partial sum
+// under tensor parallelism), else the weight's .grad.
+at::Tensor NormWeightAccumulator(AutogradContext* ctx, const at::Tensor& weight) {
+  at::Tensor accumulator = ctx->saved_data["accumulator"].toTensor();
+  return accumulator.defined() ? accumulator : GradAccumulator(weight);
+}
+
 // How a projection sits in a tensor-parallel layer (Megatron's column- and row-parallel linear).
 enum class ProjectionKind : int64_t {
   kColumnParallel,  // replicated input, output split by columns: all-reduce dx in backward
@@ -107,15 +114,18 @@ enum class ProjectionKind : int64_t {
 // column-parallel projection, each rank its part of the bias; a row-parallel projection's partial
 // sums are summed over the ranks first and the whole bias added once, in the output's dtype. A
 // bias's gradient, the sum of its output's gradient over the rows, is accumulated into its .grad
-// like the weights'.
+// like the weights'. The norm weight's gradient goes into `norm_accumulator` when given (a
+// zero-centred norm's 1 + w: into w's .grad), else into the norm weight's .grad.
 class Projections : public torch::autograd::Function<Projections> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const std::optional<at::Tensor>& norm, double eps, bool wide_output,
                                int64_t group, ProjectionKind kind, at::TensorList weights,
-                               at::TensorList biases) {
+                               at::TensorList biases,
+                               const std::optional<at::Tensor>& norm_accumulator) {
     TORCH_CHECK(!weights.empty() && (biases.empty() || biases.size() == weights.size()),
                 "Projections: one bias per weight, or none");
+    ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
     const at::Tensor norm_weight = norm.value_or(at::Tensor());
     const at::ScalarType type = weights[0].scalar_type();
     std::vector<at::Tensor> saved;
@@ -187,12 +197,12 @@ class Projections : public torch::autograd::Function<Projections> {
     }
     if (dx_sum != nullptr) dx_sum->Wait();
     if (has_norm) {
-      dx = kernels::RmsNormBackward(dx, saved[0], norm_weight, rstd, GradAccumulator(norm_weight))
-               .to(x_type);
+      at::Tensor accumulator = NormWeightAccumulator(ctx, norm_weight);
+      dx = kernels::RmsNormBackward(dx, saved[0], norm_weight, rstd, accumulator).to(x_type);
     }
     variable_list result = {dx};
     // No gradient for the weights and biases: accumulated above.
-    result.resize(6 + 2 * count);
+    result.resize(7 + 2 * count);
     return result;
   }
 };
@@ -205,7 +215,7 @@ at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight, const at::
   if (bias.defined()) biases.push_back(bias);
   return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, group,
                             ProjectionKind::kRowParallel, at::TensorList(weight),
-                            at::TensorList(biases))[0];
+                            at::TensorList(biases), std::nullopt)[0];
 }
 
 // Token ids relative to this rank's vocabulary slice [first, first + rows): the row of each id
@@ -246,13 +256,6 @@ class Embedding : public torch::autograd::Function<Embedding> {
     return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-// Where a norm function adds its weight's gradient: the accumulator it was given (a partial sum
-// under tensor parallelism), else the weight's .grad.
-at::Tensor NormWeightAccumulator(AutogradContext* ctx, const at::Tensor& weight) {
-  at::Tensor accumulator = ctx->saved_data["accumulator"].toTensor();
-  return accumulator.defined() ? accumulator : GradAccumulator(weight);
-}
 
 // Qwen3RMSNorm, weight * (x / rms(x)), computed in at least float32 and rounded once to out_type
 // (the weight's dtype for q/k norms, the compute dtype for the final norm, which Logprobs rounds).
@@ -434,7 +437,8 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& norm_weight, double eps, const at::Tensor& router,
                             const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
-                            int64_t top_k, bool norm_topk, int64_t group) {
+                            int64_t top_k, bool norm_topk, int64_t group,
+                            const std::optional<at::Tensor>& norm_accumulator) {
     const at::ScalarType type = gate.scalar_type();
     const at::ScalarType ct = ComputeType(type);
     const int64_t t = x.size(0);
@@ -468,6 +472,7 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["norm_topk"] = norm_topk;
     ctx->saved_data["tensor_parallel"] = group;
+    ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
     return y;
   }
 
@@ -514,11 +519,12 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
     AddMatmul(GradAccumulator(router), dlogits.t(), xb);
     if (dxb_sum != nullptr) dxb_sum->Wait();
     AddMatmul(dxb, dlogits, router);
-    const at::Tensor dx = kernels::RmsNormBackward(dxb.to(rstd.scalar_type()), x, norm_weight, rstd,
-                                                   GradAccumulator(norm_weight))
-                              .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
+    at::Tensor norm_accumulator = NormWeightAccumulator(ctx, norm_weight);
+    const at::Tensor dx =
+        kernels::RmsNormBackward(dxb.to(rstd.scalar_type()), x, norm_weight, rstd, norm_accumulator)
+            .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
     variable_list result = {dx};
-    result.resize(10);  // the weights' gradients are accumulated above
+    result.resize(11);  // the weights' gradients are accumulated above
     return result;
   }
 };
@@ -571,6 +577,8 @@ LayerPrefix PrefixOfLayer(const PrefixKv& prefix, int64_t l) {
     layer.grad_keys = prefix.grad_keys[l];
     layer.grad_values = prefix.grad_values[l];
   }
+  if (!prefix.states.empty()) layer.state = prefix.states[l];
+  if (!prefix.grad_states.empty()) layer.grad_state = prefix.grad_states[l];
   return layer;
 }
 
@@ -711,6 +719,11 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
   TORCH_CHECK(config.head_dim % 2 == 0, "head_dim must be even for RoPE");
   const int tp = tensor_parallel_size();
   const int rank = tensor_parallel_ ? tensor_parallel_->rank() : 0;
+  // Qwen3-Next's layers have no tensor-parallel split yet (its linear layers' heads, the gated
+  // q_proj's interleaved rows, the shared expert).
+  TORCH_CHECK(tp == 1 || !(HasGatedAttention(config) || HasSharedExpert(config)),
+              "tensor parallelism is not supported for ", config.model_type,
+              " models yet; run it with a tensor-parallel size of 1");
   // Whole heads per rank, and each rank's query heads share its own KV heads (grouped-query
   // attention maps query head h to KV head h / (heads / kv_heads)).
   TORCH_CHECK(config.num_key_value_heads % tp == 0, "tensor parallelism over ", tp,
@@ -726,28 +739,60 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
   const IndexRange q_rows{heads_.begin * dim, heads_.end * dim};
   const IndexRange kv_rows{kv_heads_.begin * dim, kv_heads_.end * dim};
   const int64_t q_dim = config.num_attention_heads * dim;
+  // Gated attention: q_proj's rows are each head's query and output gate, [q_h, gate_h] per head.
+  const int64_t q_proj_rows = HasGatedAttention(config) ? 2 * q_dim : q_dim;
+  const IndexRange q_proj_split{q_rows.begin * (q_proj_rows / q_dim),
+                                q_rows.end * (q_proj_rows / q_dim)};
   const int64_t kv_dim = config.num_key_value_heads * dim;
   const int64_t inter = config.intermediate_size;
   const bool qk_norm = HasQkNorm(config);
   const bool qkv_bias = config.attention_bias;
   const bool o_bias = HasOProjBias(config);
   embed_ = Add("model.embed_tokens.weight", {config.vocab_size, hidden}, 0, vocab_);
+  bool any_linear = false;
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i)
+    any_linear |= IsLinearAttentionLayer(config, i);
+  if (any_linear) {
+    linear_layers_.assign(config.num_hidden_layers, false);
+    linear_shape_ = {.key_heads = config.linear_num_key_heads,
+                     .value_heads = config.linear_num_value_heads,
+                     .key_head_dim = config.linear_key_head_dim,
+                     .value_head_dim = config.linear_value_head_dim,
+                     .conv_kernel = config.linear_conv_kernel_dim,
+                     .eps = config.rms_norm_eps};
+  }
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer layer;
     layer.input_norm = Add(p + "input_layernorm.weight", {hidden});
-    // Column-parallel biases split as their projection's rows; o_proj's is whole on every rank.
-    layer.q_proj = Add(p + "self_attn.q_proj.weight", {q_dim, hidden}, 0, q_rows);
-    if (qkv_bias) layer.q_bias = Add(p + "self_attn.q_proj.bias", {q_dim}, 0, q_rows);
-    layer.k_proj = Add(p + "self_attn.k_proj.weight", {kv_dim, hidden}, 0, kv_rows);
-    if (qkv_bias) layer.k_bias = Add(p + "self_attn.k_proj.bias", {kv_dim}, 0, kv_rows);
-    layer.v_proj = Add(p + "self_attn.v_proj.weight", {kv_dim, hidden}, 0, kv_rows);
-    if (qkv_bias) layer.v_bias = Add(p + "self_attn.v_proj.bias", {kv_dim}, 0, kv_rows);
-    layer.o_proj = Add(p + "self_attn.o_proj.weight", {hidden, q_dim}, 1, q_rows);
-    if (o_bias) layer.o_bias = Add(p + "self_attn.o_proj.bias", {hidden});
-    if (qk_norm) {
-      layer.q_norm = Add(p + "self_attn.q_norm.weight", {dim});
-      layer.k_norm = Add(p + "self_attn.k_norm.weight", {dim});
+    if (IsLinearAttentionLayer(config, i)) {
+      // Gated DeltaNet, named as transformers' Qwen3NextGatedDeltaNet.
+      const GatedDeltaNetShape& s = linear_shape_;
+      const std::string a = p + "linear_attn.";
+      GatedDeltaNetWeights& w = layer.linear;
+      w.in_proj_qkvz =
+          Add(a + "in_proj_qkvz.weight", {2 * s.key_dim() + 2 * s.value_dim(), hidden});
+      w.in_proj_ba = Add(a + "in_proj_ba.weight", {2 * s.value_heads, hidden});
+      w.conv1d = Add(a + "conv1d.weight", {s.conv_dim(), 1, s.conv_kernel});
+      w.dt_bias = Add(a + "dt_bias", {s.value_heads});
+      w.a_log = Add(a + "A_log", {s.value_heads});
+      w.norm = Add(a + "norm.weight", {s.value_head_dim});
+      w.out_proj = Add(a + "out_proj.weight", {hidden, s.value_dim()});
+      linear_layers_[i] = true;
+    } else {
+      // Column-parallel biases split as their projection's rows; o_proj's is whole on every rank.
+      layer.q_proj = Add(p + "self_attn.q_proj.weight", {q_proj_rows, hidden}, 0, q_proj_split);
+      if (qkv_bias) layer.q_bias = Add(p + "self_attn.q_proj.bias", {q_proj_rows}, 0, q_proj_split);
+      layer.k_proj = Add(p + "self_attn.k_proj.weight", {kv_dim, hidden}, 0, kv_rows);
+      if (qkv_bias) layer.k_bias = Add(p + "self_attn.k_proj.bias", {kv_dim}, 0, kv_rows);
+      layer.v_proj = Add(p + "self_attn.v_proj.weight", {kv_dim, hidden}, 0, kv_rows);
+      if (qkv_bias) layer.v_bias = Add(p + "self_attn.v_proj.bias", {kv_dim}, 0, kv_rows);
+      layer.o_proj = Add(p + "self_attn.o_proj.weight", {hidden, q_dim}, 1, q_rows);
+      if (o_bias) layer.o_bias = Add(p + "self_attn.o_proj.bias", {hidden});
+      if (qk_norm) {
+        layer.q_norm = Add(p + "self_attn.q_norm.weight", {dim});
+        layer.k_norm = Add(p + "self_attn.k_norm.weight", {dim});
+      }
     }
     layer.post_norm = Add(p + "post_attention_layernorm.weight", {hidden});
     if (IsSparseLayer(config, i)) {
@@ -762,6 +807,13 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
       layer.experts_down =
           Add(p + "mlp.experts.down_proj", {experts, hidden, moe}, 2, moe_intermediate_);
       layer.router = Add(p + "mlp.gate.weight", {experts, hidden});
+      if (HasSharedExpert(config)) {
+        const int64_t shared = config.shared_expert_intermediate_size;
+        layer.shared_gate = Add(p + "mlp.shared_expert.gate_proj.weight", {shared, hidden});
+        layer.shared_up = Add(p + "mlp.shared_expert.up_proj.weight", {shared, hidden});
+        layer.shared_down = Add(p + "mlp.shared_expert.down_proj.weight", {hidden, shared});
+        layer.shared_expert_gate = Add(p + "mlp.shared_expert_gate.weight", {1, hidden});
+      }
     } else {
       layer.gate_proj = Add(p + "mlp.gate_proj.weight", {inter, hidden}, 0, intermediate_);
       layer.up_proj = Add(p + "mlp.up_proj.weight", {inter, hidden}, 0, intermediate_);
@@ -867,7 +919,16 @@ void Qwen3Model::InitRandom(uint64_t seed, double std) {
   torch::autograd::AutoGradMode no_grad(false);
   for (size_t i = 0; i < named_.size(); ++i) {
     at::Tensor& parameter = named_[i].second;
-    const bool is_norm = parameter.dim() == 1 && !named_[i].first.ends_with(".bias");
+    const std::string& name = named_[i].first;
+    // Vectors other than biases (norm weights, dt_bias, A_log) are drawn narrow around an offset.
+    const bool is_norm = parameter.dim() == 1 && !name.ends_with(".bias");
+    double offset = is_norm ? 1.0 : 0.0;
+    if (name.ends_with(".A_log")) {
+      offset = -2.0;  // exp(A_log) ~ 0.14: a decay of about 0.85 per token with dt_bias ~ 1
+    } else if (is_norm && HasZeroCentredNorms(config_) &&
+               !name.ends_with("linear_attn.norm.weight")) {
+      offset = 0.0;  // scales by 1 + w
+    }
     const at::Tensor values = at::empty(splits_[i].full_shape, cpu);
     const at::Tensor flat = values.view(-1);
     const int64_t n = flat.numel();
@@ -879,7 +940,7 @@ void Qwen3Model::InitRandom(uint64_t seed, double std) {
                         .normal_(0.0, is_norm ? std / 4 : std, generator);
                   }
                 });
-    if (is_norm) values.add_(1.0);
+    if (offset != 0.0) values.add_(offset);
     // Rounded on the host first, so that fewer bytes cross to the device.
     parameter.copy_(LocalPart(i, values).to(parameter.scalar_type()));
   }
@@ -918,6 +979,28 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
   const auto [cos, sin] = Rope(input.positions);
   context.cos = cos.unsqueeze(1);
   context.sin = sin.unsqueeze(1);
+  if (has_linear_layers()) {
+    TORCH_CHECK(context.chain || static_cast<int64_t>(input.parents.size()) == t,
+                "a tree chunk (key_end given) of a model with linear-attention layers needs each "
+                "token's parent (ChunkInput::parents): ",
+                input.parents.size(), " for ", t, " tokens");
+    TORCH_CHECK(prefix.empty() || prefix.states.size() == num_layers,
+                "a prefix of a model with linear-attention layers needs its recurrent states "
+                "(PrefixKv::states, one entry per layer)");
+    // The convolution reads at most conv_kernel - 1 rows of the path before the chunk.
+    const int64_t prefix_rows = prefix.empty() ? 0 : prefix.keys[0].size(0);
+    context.conv_context_rows = std::min(prefix_rows, linear_shape_.conv_kernel - 1);
+    const TokenParents parents = context.chain ? TokenParents() : TokenParents(input.parents);
+    if (input.state_points.empty()) {
+      context.runs = ChainRuns(parents, t);
+    } else {
+      TORCH_CHECK(context.chain, "state points are for chain chunks only");
+      context.runs = CutChain(t, input.state_points);
+      for (size_t i = 0; i < input.state_points.size(); ++i) context.point_runs.push_back(i);
+    }
+    context.conv_index = ConvAncestorIndex(parents, t, context.conv_context_rows,
+                                           linear_shape_.conv_kernel, input.tokens.device());
+  }
   return context;
 }
 
@@ -925,8 +1008,31 @@ at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const {
   return Embedding::apply(embed_, tokens, GroupHandle(tensor_parallel()), vocab_.begin);
 }
 
+Qwen3Model::NormScale Qwen3Model::ScaleOf(const at::Tensor& norm_weight) const {
+  if (!HasZeroCentredNorms(config_)) return {norm_weight, at::Tensor()};
+  // 1 + w in the compute dtype (transformers' (1.0 + weight.float())): d(1 + w)/dw = 1, so the
+  // norm's weight gradient goes straight into w's accumulator.
+  const at::ScalarType ct = ComputeType(norm_weight.scalar_type());
+  return {norm_weight.detach().to(ct) + 1.0,
+          at::GradMode::is_enabled() ? GradAccumulator(norm_weight) : at::Tensor()};
+}
+
+namespace {
+std::optional<at::Tensor> Optional(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+}  // namespace
+
 LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,
                                      const LayerPrefix& prefix) const {
+  LayerOutput out = is_linear_layer(l) ? LinearAttentionHalf(l, h, context, prefix)
+                                       : AttentionHalf(l, h, context, prefix);
+  out.hidden = MlpHalf(l, out.hidden);
+  return out;
+}
+
+LayerOutput Qwen3Model::AttentionHalf(int64_t l, const at::Tensor& h, const ChunkContext& context,
+                                      const LayerPrefix& prefix) const {
   const int64_t t = h.size(0);
   const Layer& layer = layers_[l];
   const int64_t heads = local_heads();
@@ -937,9 +1043,16 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
   std::vector<at::Tensor> qkv_biases;
   if (layer.q_bias.defined()) qkv_biases = {layer.q_bias, layer.k_bias, layer.v_bias};
   const at::Tensor qkv_weights[] = {layer.q_proj, layer.k_proj, layer.v_proj};
+  const NormScale input_norm = ScaleOf(layer.input_norm);
   const variable_list qkv = Projections::apply(
-      h, std::optional<at::Tensor>(layer.input_norm), eps, /*wide_output=*/false, group,
-      ProjectionKind::kColumnParallel, at::TensorList(qkv_weights), at::TensorList(qkv_biases));
+      h, std::optional<at::Tensor>(input_norm.weight), eps, /*wide_output=*/false, group,
+      ProjectionKind::kColumnParallel, at::TensorList(qkv_weights), at::TensorList(qkv_biases),
+      Optional(input_norm.accumulator));
+  // Gated attention: each head's rows are [query, output gate].
+  const bool gated = HasGatedAttention(config_);
+  const at::Tensor q_rows = gated ? qkv[0].view({t, heads, 2 * dim}) : qkv[0].view({t, heads, dim});
+  const at::Tensor q_in = gated ? q_rows.slice(-1, 0, dim) : q_rows;
+  const at::Tensor k_in = qkv[1].view({t, kv_heads, dim});
   at::Tensor q, k;
   if (layer.q_norm.defined()) {
     // Under tensor parallelism the q/k norms see this rank's heads only: partial gradients.
@@ -947,44 +1060,122 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
         partial_norm_grads_.defined() ? partial_norm_grads_[l][0] : at::Tensor();
     const at::Tensor k_norm_grad =
         partial_norm_grads_.defined() ? partial_norm_grads_[l][1] : at::Tensor();
-    auto accumulator = [](const at::Tensor& a) {
-      return a.defined() ? std::optional<at::Tensor>(a) : std::nullopt;
+    const bool partial_rope = context.cos.size(-1) != dim;
+    auto norm_rope = [&](const at::Tensor& x, const at::Tensor& weight,
+                         const at::Tensor& partial_grad) {
+      const NormScale scale = ScaleOf(weight);
+      const at::Tensor accumulator = partial_grad.defined() ? partial_grad : scale.accumulator;
+      // The fused kernel rotates whole heads; partial rotary composes the same two steps (the
+      // norm rounded to x's dtype, then RoPE).
+      if (partial_rope) {
+        return RopeOnly::apply(RmsNorm(x, scale.weight, x.scalar_type(), accumulator), context.cos,
+                               context.sin);
+      }
+      return NormRope::apply(x, scale.weight, eps, context.cos, context.sin, Optional(accumulator));
     };
-    q = NormRope::apply(qkv[0].view({t, heads, dim}), layer.q_norm, eps, context.cos, context.sin,
-                        accumulator(q_norm_grad));
-    k = NormRope::apply(qkv[1].view({t, kv_heads, dim}), layer.k_norm, eps, context.cos,
-                        context.sin, accumulator(k_norm_grad));
+    q = norm_rope(q_in, layer.q_norm, q_norm_grad);
+    k = norm_rope(k_in, layer.k_norm, k_norm_grad);
   } else {
-    q = RopeOnly::apply(qkv[0].view({t, heads, dim}), context.cos, context.sin);
-    k = RopeOnly::apply(qkv[1].view({t, kv_heads, dim}), context.cos, context.sin);
+    q = RopeOnly::apply(q_in, context.cos, context.sin);
+    k = RopeOnly::apply(k_in, context.cos, context.sin);
   }
   const at::Tensor v = qkv[2].view({t, kv_heads, dim});
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  const at::Tensor attention =
+  at::Tensor attention =
       TreeAttention::apply(q, k, v, context.key_end, prefix, scale, context.chain);
+  if (gated) {
+    // attention * sigmoid(gate), in the compute dtype, rounded once.
+    const at::ScalarType ct = ComputeType(attention.scalar_type());
+    attention =
+        (attention.to(ct) * at::sigmoid(q_rows.slice(-1, dim).to(ct))).to(attention.scalar_type());
+  }
   LayerOutput out;
   out.hidden =
       h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, layer.o_bias, group);
-  if (layer.router.defined()) {
-    out.hidden =
-        out.hidden + SparseMoe::apply(out.hidden, layer.post_norm, eps, layer.router,
-                                      layer.experts_gate, layer.experts_up, layer.experts_down,
-                                      config_.num_experts_per_tok, config_.norm_topk_prob, group);
-  } else {
-    const at::Tensor gate_up_weights[] = {layer.gate_proj, layer.up_proj};
-    const variable_list gate_up = Projections::apply(
-        out.hidden, std::optional<at::Tensor>(layer.post_norm), eps, /*wide_output=*/false, group,
-        ProjectionKind::kColumnParallel, at::TensorList(gate_up_weights), at::TensorList());
-    out.hidden = out.hidden + SwiGluDown::apply(gate_up[0], gate_up[1], layer.down_proj, group);
-  }
   out.keys = k;
   out.values = v;
   return out;
 }
 
+LayerOutput Qwen3Model::LinearAttentionHalf(int64_t l, const at::Tensor& h,
+                                            const ChunkContext& context,
+                                            const LayerPrefix& prefix) const {
+  const Layer& layer = layers_[l];
+  const GatedDeltaNetWeights& w = layer.linear;
+  const NormScale input_norm = ScaleOf(layer.input_norm);
+  const at::Tensor in_weights[] = {w.in_proj_qkvz, w.in_proj_ba};
+  const variable_list projected = Projections::apply(
+      h, std::optional<at::Tensor>(input_norm.weight), config_.rms_norm_eps,
+      /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
+      at::TensorList(in_weights), at::TensorList(), Optional(input_norm.accumulator));
+  // The small parameters enter as float32 (float64) leaves whose gradients go straight into their
+  // .grad accumulators (autograd would otherwise round them to the parameters' dtype).
+  auto trainable = [&](const at::Tensor& p) {
+    if (!at::GradMode::is_enabled()) return p;
+    return GradientInto(p.detach().to(ComputeType(p.scalar_type())), GradAccumulator(p));
+  };
+  const GatedDeltaNetWeights small{.conv1d = trainable(w.conv1d),
+                                   .dt_bias = trainable(w.dt_bias),
+                                   .a_log = trainable(w.a_log),
+                                   .norm = trainable(w.norm)};
+  // The context: the path's last convolution inputs and its recurrent state.
+  LinearContext linear;
+  const int64_t rows = context.conv_context_rows;
+  if (rows > 0) {
+    const int64_t p = prefix.keys.size(0);
+    linear.conv_inputs = prefix.keys.slice(0, p - rows, p);
+    if (prefix.grad_keys.defined())
+      linear.grad_conv_inputs = prefix.grad_keys.slice(0, p - rows, p);
+  }
+  linear.state = prefix.state;
+  linear.grad_state = prefix.grad_state;
+  LinearMixerOutput mixed = GatedDeltaNetMix(small, linear_shape_, projected[0], projected[1],
+                                             context.conv_index, context.runs, linear);
+  LayerOutput out;
+  out.hidden = h + ProjectWide(mixed.out, w.out_proj, at::Tensor(), /*group=*/0);
+  out.keys = std::move(mixed.conv_inputs);
+  out.state = std::move(mixed.final_state);
+  for (const int64_t run : context.point_runs) out.point_states.push_back(mixed.run_states[run]);
+  return out;
+}
+
+at::Tensor Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h) const {
+  const Layer& layer = layers_[l];
+  const double eps = config_.rms_norm_eps;
+  const int64_t group = GroupHandle(tensor_parallel());
+  const NormScale post_norm = ScaleOf(layer.post_norm);
+  auto swiglu = [&](const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                    const at::Tensor& down_proj, const at::Tensor& gate_of_output) {
+    std::vector<at::Tensor> weights = {gate_proj, up_proj};
+    if (gate_of_output.defined()) weights.push_back(gate_of_output);
+    const variable_list gate_up = Projections::apply(
+        h, std::optional<at::Tensor>(post_norm.weight), eps, /*wide_output=*/false, group,
+        ProjectionKind::kColumnParallel, at::TensorList(weights), at::TensorList(),
+        Optional(post_norm.accumulator));
+    at::Tensor y = SwiGluDown::apply(gate_up[0], gate_up[1], down_proj, group);
+    // The shared expert's output scaled by sigmoid(x @ shared_expert_gate^T), in y's (compute)
+    // dtype.
+    if (gate_of_output.defined()) y = y * at::sigmoid(gate_up[2].to(y.scalar_type()));
+    return y;
+  };
+  if (!layer.router.defined()) {
+    return h + swiglu(layer.gate_proj, layer.up_proj, layer.down_proj, at::Tensor());
+  }
+  at::Tensor out =
+      h + SparseMoe::apply(h, post_norm.weight, eps, layer.router, layer.experts_gate,
+                           layer.experts_up, layer.experts_down, config_.num_experts_per_tok,
+                           config_.norm_topk_prob, group, Optional(post_norm.accumulator));
+  if (layer.shared_gate.defined()) {
+    out = out +
+          swiglu(layer.shared_gate, layer.shared_up, layer.shared_down, layer.shared_expert_gate);
+  }
+  return out;
+}
+
 // In the compute dtype: Logprobs rounds it once to lm_head's dtype, and its gradient stays wide.
 at::Tensor Qwen3Model::FinalNorm(const at::Tensor& h) const {
-  return RmsNorm(h, final_norm_, ComputeType(options_.dtype().toScalarType()));
+  const NormScale scale = ScaleOf(final_norm_);
+  return RmsNorm(h, scale.weight, ComputeType(options_.dtype().toScalarType()), scale.accumulator);
 }
 
 ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
@@ -996,6 +1187,11 @@ ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
     h = std::move(layer.hidden);
     out.keys.push_back(std::move(layer.keys));
     out.values.push_back(std::move(layer.values));
+    if (has_linear_layers()) out.states.push_back(std::move(layer.state));
+    out.point_states.resize(context.point_runs.size());
+    for (size_t i = 0; i < context.point_runs.size(); ++i) {
+      out.point_states[i].push_back(is_linear_layer(l) ? layer.point_states[i] : at::Tensor());
+    }
   }
   out.hidden = FinalNorm(h);
   return out;

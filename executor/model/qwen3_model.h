@@ -1,10 +1,24 @@
 // A decoder of the families in core/checkpoint/model_family.h (Qwen3, Qwen2/Qwen2.5, Llama 3,
-// Qwen3-MoE: RMSNorm, RoPE with explicit position ids and optional rope scaling, grouped-query
-// attention with Qwen3's q/k norm or without, optional q/k/v and o_proj biases, SwiGLU MLP or, in
-// Qwen3-MoE's sparse layers, a top-k routed mixture of SwiGLU experts, optional tied embeddings;
-// the class keeps its first family's name) whose one core call is "forward a chunk of tokens on top
-// of a cached prefix". Every execution method (dense, packed tree, push/pop dta) is a
-// schedule over Forward() and Logprobs().
+// Qwen3-MoE, Qwen3-Next: RMSNorm, RoPE with explicit position ids and optional rope scaling,
+// grouped-query attention with Qwen3's q/k norm or without, optional q/k/v and o_proj biases,
+// SwiGLU MLP or, in Qwen3-MoE's sparse layers, a top-k routed mixture of SwiGLU experts, optional
+// tied embeddings; the class keeps its first family's name) whose one core call is "forward a
+// chunk of tokens on top of a cached prefix".
+//
+// Qwen3-Next (qwen3_next, as transformers' Qwen3NextForCausalLM): layers whose layer_types entry
+// is "linear_attention" run Gated DeltaNet (gated_delta_net.h) instead of attention: in_proj_qkvz
+// and in_proj_ba as one fused projection after the input norm, the tree convolution and delta
+// rule, the gated norm, out_proj into the residual stream; their cache is the convolution inputs
+// (in PrefixKv::keys) and the recurrent state (PrefixKv::states), and small parameters (conv1d,
+// dt_bias, A_log, the gated norm) enter as float32 leaves whose gradients go into their .grad.
+// The other layers are gated attention: q_proj yields each head's query and output gate
+// interleaved per head, the attention output is multiplied by sigmoid(gate) (compute dtype,
+// rounded once); RoPE rotates the first partial_rotary_factor share of each head (the fused q/k
+// norm + RoPE kernel then gives way to the norm followed by rope.h's RoPE). Every RMSNorm but the
+// gated one scales by 1 + w (transformers' Qwen3NextRMSNorm): the kernels get 1 + w in the
+// compute dtype and its gradient goes into w's .grad. Sparse blocks add a shared SwiGLU expert
+// scaled by sigmoid(n(x) @ shared_expert_gate^T). No tensor parallelism for this family yet. Every
+// execution method (dense, packed tree, push/pop dta) is a schedule over Forward() and Logprobs().
 //
 // Numerics follow Hugging Face's models (norms, RoPE and softmax in at least float32; float64
 // models stay float64 throughout, so float64 runs are exact references), with fewer roundings in
@@ -119,8 +133,8 @@ struct PrefixKv {
 
 // One layer's slice of a PrefixKv (undefined tensors when there is no prefix).
 struct LayerPrefix {
-  at::Tensor keys, values, grad_keys, grad_values;
-  at::Tensor state, grad_state;  // linear-attention layers (see PrefixKv)
+  at::Tensor keys = {}, values = {}, grad_keys = {}, grad_values = {};
+  at::Tensor state = {}, grad_state = {};  // linear-attention layers (see PrefixKv)
 };
 
 // The tokens of one forward call and the context they sit on.
@@ -134,6 +148,9 @@ struct ChunkInput {
   // what linear-attention layers route their recurrent state along. Required with key_end when the
   // model has linear layers; empty means a chain.
   std::vector<int64_t> parents = {};
+  // Linear-attention layers, chains only: also return the recurrent states after the first p
+  // tokens for each p here (sorted, in (0, T)): where later chunks start inside this one.
+  std::vector<int64_t> state_points = {};
   // The cached prefix every chunk token attends to; empty means none.
   PrefixKv prefix = {};
 };
@@ -146,20 +163,30 @@ struct ChunkOutput {
   // undefined; states the recurrent state after the chunk's last token (undefined at attention
   // layers; empty without linear layers).
   std::vector<at::Tensor> states;
+  // Per ChunkInput::state_points entry, the states after that many tokens (per layer, as states).
+  std::vector<std::vector<at::Tensor>> point_states;
 };
 
 // What every layer of one Forward call shares: RoPE tables and the chunk's tree mask.
 struct ChunkContext {
-  at::Tensor cos, sin;  // [T, 1, head_dim]
+  at::Tensor cos, sin;  // [T, 1, R], R = RotaryDim(config) (head_dim without partial rotary)
   at::Tensor key_end;   // [T]
   bool chain = false;   // a plain causal chain (ChunkInput::key_end undefined)
+  // Linear-attention layers (none: undefined and empty): the rows each token's convolution reads
+  // (ConvAncestorIndex over the context's last conv_context_rows rows) and the chunk's chains.
+  at::Tensor conv_index;
+  std::vector<TokenRun> runs;
+  int64_t conv_context_rows = 0;
+  // Per ChunkInput::state_points entry, the run of `runs` that ends there.
+  std::vector<int64_t> point_runs;
 };
 
 struct LayerOutput {
-  at::Tensor hidden;  // [T, hidden_size], the residual stream after the layer
-  at::Tensor keys;    // [T, kv_heads, head_dim]
-  at::Tensor values;  // [T, kv_heads, head_dim]
-  at::Tensor state;   // linear-attention layers (see ChunkOutput)
+  at::Tensor hidden;                     // [T, hidden_size], the residual stream after the layer
+  at::Tensor keys;                       // [T, kv_heads, head_dim]
+  at::Tensor values;                     // [T, kv_heads, head_dim]
+  at::Tensor state;                      // linear-attention layers (see ChunkOutput)
+  std::vector<at::Tensor> point_states;  // per ChunkContext::point_runs entry
 };
 
 // How one parameter is split across the tensor-parallel ranks.
@@ -191,8 +218,8 @@ class Qwen3Model {
   Qwen3Model(Qwen3Model&&) = default;
   Qwen3Model& operator=(Qwen3Model&&) = default;
 
-  // Deterministic random weights: matrices and biases ~ N(0, std), norm weights
-  // ~ 1 + N(0, std / 4). Drawn
+  // Deterministic random weights: matrices and biases ~ N(0, std), norm weights and dt_bias
+  // ~ 1 + N(0, std / 4) (zero-centred norms ~ N(0, std / 4)), A_log ~ -2 + N(0, std / 4). Drawn
   // whole on the host's threads and then split, so a seed means the same model at every
   // tensor-parallel size, on every device and however many threads draw it.
   void InitRandom(uint64_t seed, double std = 0.02);
@@ -268,7 +295,28 @@ class Qwen3Model {
     // A sparse mixture-of-experts layer (IsSparseLayer) has these instead of gate_proj, up_proj
     // and down_proj: the router [E, H] and the experts stacked, [E, I, H], [E, I, H], [E, H, I].
     at::Tensor router, experts_gate, experts_up, experts_down;
+    // Qwen3-Next's shared expert beside the routed ones (HasSharedExpert): a SwiGLU MLP [S, H],
+    // [S, H], [H, S] and its gate [1, H].
+    at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
+    // A linear-attention layer (is_linear_layer) has these instead of the attention's q/k/v/o
+    // projections and q/k norms.
+    GatedDeltaNetWeights linear;
   };
+  // What a norm multiplies by and where its weight's gradient goes: for zero-centred families
+  // (HasZeroCentredNorms) 1 + w in the compute dtype, the gradient into w's .grad; else w itself
+  // and an undefined accumulator (the norm functions then use w's .grad).
+  struct NormScale {
+    at::Tensor weight, accumulator;
+  };
+  NormScale ScaleOf(const at::Tensor& norm_weight) const;
+  // The attention half of a layer (full attention or Gated DeltaNet), on the residual stream h:
+  // h plus the mixer's output, with the layer's cache rows (and state).
+  LayerOutput AttentionHalf(int64_t layer, const at::Tensor& h, const ChunkContext& context,
+                            const LayerPrefix& prefix) const;
+  LayerOutput LinearAttentionHalf(int64_t layer, const at::Tensor& h, const ChunkContext& context,
+                                  const LayerPrefix& prefix) const;
+  // The MLP half: dense SwiGLU or the sparse block (with the shared expert), added to h.
+  at::Tensor MlpHalf(int64_t layer, const at::Tensor& h) const;
   // A parameter of `full_shape`, split along `dim` into `range` (dim -1: whole).
   at::Tensor Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim = -1,
                  IndexRange range = {});
@@ -286,7 +334,7 @@ class Qwen3Model {
   std::shared_ptr<const TensorParallelGroup> tensor_parallel_;
   IndexRange heads_, kv_heads_, intermediate_, moe_intermediate_, vocab_;  // this rank's parts
   at::Tensor embed_, final_norm_, lm_head_;
-  at::Tensor inv_freq_;  // RoPE's inverse frequencies [head_dim / 2], compute dtype (rope.h)
+  at::Tensor inv_freq_;  // RoPE's inverse frequencies [R / 2], compute dtype (rope.h)
   std::vector<Layer> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
   std::vector<ParameterSplit> splits_;

@@ -72,20 +72,31 @@ at::Tensor RotateHalf(const at::Tensor& x) {
 
 void CheckTables(const char* what, const at::Tensor& x, const at::Tensor& cos,
                  const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, what, ": x must be [T, H, D] with D even, got ",
-              x.sizes());
+  TORCH_CHECK(x.dim() == 3, what, ": x must be [T, H, D], got ", x.sizes());
   for (const at::Tensor* t : {&cos, &sin}) {
-    TORCH_CHECK(
-        t->dim() == 3 && t->size(0) == x.size(0) && t->size(1) == 1 && t->size(2) == x.size(2),
-        what, ": cos and sin must be [T, 1, D] for x ", x.sizes(), ", got ", t->sizes());
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == x.size(0) && t->size(1) == 1 &&
+                    t->size(2) % 2 == 0 && t->size(2) > 0 && t->size(2) <= x.size(2),
+                what, ": cos and sin must be [T, 1, R] with R even and at most D for x ", x.sizes(),
+                ", got ", t->sizes());
   }
+  TORCH_CHECK(cos.sizes() == sin.sizes(), what, ": cos ", cos.sizes(), " and sin ", sin.sizes(),
+              " differ");
+}
+
+// Partial rotary (tables narrower than the head): the rotated part y[..., :R] joined with the
+// rest of the head, which passes unchanged (its gradient too).
+at::Tensor JoinUnrotated(const at::Tensor& rotated, const at::Tensor& x) {
+  if (rotated.size(-1) == x.size(-1)) return rotated;
+  return at::cat({rotated, x.slice(-1, rotated.size(-1))}, -1);
 }
 
 }  // namespace
 
 at::Tensor RopeInverseFrequencies(const Qwen3Config& config, at::TensorOptions options) {
-  const int64_t dim = config.head_dim;
-  TORCH_CHECK(dim > 0 && dim % 2 == 0, "RoPE needs a positive, even head_dim, got ", dim);
+  const int64_t dim = RotaryDim(config);
+  TORCH_CHECK(dim > 0 && dim % 2 == 0, "RoPE needs a positive, even rotary dimension, got ", dim,
+              " (head_dim ", config.head_dim, ", partial_rotary_factor ",
+              config.partial_rotary_factor, ")");
   const RopeScaling& rope = config.rope_scaling;
   switch (rope.type) {
     case RopeType::kDefault:
@@ -116,17 +127,19 @@ std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& inv_freq,
 
 at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   CheckTables("RopeForward", x, cos, sin);
-  const at::Tensor xc = x.to(cos.scalar_type());
-  return (xc * cos + RotateHalf(xc) * sin).to(x.scalar_type());
+  const at::Tensor xc = x.slice(-1, 0, cos.size(-1)).to(cos.scalar_type());
+  return JoinUnrotated((xc * cos + RotateHalf(xc) * sin).to(x.scalar_type()), x);
 }
 
 at::Tensor RopeBackward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin) {
   CheckTables("RopeBackward", dy, cos, sin);
-  const at::Tensor g = dy.to(cos.scalar_type());
+  const at::Tensor g = dy.slice(-1, 0, cos.size(-1)).to(cos.scalar_type());
   // rotate_half is x -> [-x2, x1]; its transpose is z -> [z2, -z1].
   const at::Tensor gs = g * sin;
   const int64_t half = gs.size(-1) / 2;
-  return (g * cos + at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1)).to(dy.scalar_type());
+  return JoinUnrotated(
+      (g * cos + at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1)).to(dy.scalar_type()),
+      dy);
 }
 
 }  // namespace dta

@@ -20,12 +20,12 @@
 
 namespace dta {
 
-// inv_freq [head_dim / 2] for config.rope_theta, head_dim and rope_scaling, computed with
-// `options` (the compute dtype: float32 as transformers, float64 for exact references).
-// TORCH_CHECK on an odd head_dim.
+// inv_freq [R / 2] for config.rope_theta, the rotary dimension R = RotaryDim(config) (head_dim,
+// or its partial_rotary_factor share) and rope_scaling, computed with `options` (the compute dtype:
+// float32 as transformers, float64 for exact references). TORCH_CHECK on an odd R.
 at::Tensor RopeInverseFrequencies(const Qwen3Config& config, at::TensorOptions options);
 
-// cos and sin [T, head_dim] of the angles positions x inv_freq (each frequency twice, as
+// cos and sin [T, R] of the angles positions x inv_freq (each frequency twice, as
 // transformers' cat((freqs, freqs))), multiplied by attention_factor (YaRN's; 1: none), in
 // inv_freq's dtype. positions [T] int64 on inv_freq's device.
 std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& inv_freq,
@@ -33,11 +33,12 @@ std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& inv_freq,
 
 // y = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1], computed in cos's dtype and rounded
 // once to x's dtype (kernels/fused_layers.h's RoPE after the norm, without the norm).
-// x [T, H, D]; cos, sin [T, 1, D].
+// x [T, H, D]; cos, sin [T, 1, R] with R <= D even: partial rotary (transformers'
+// apply_rotary_pos_emb) rotates x[..., :R] and passes the rest of each head unchanged.
 at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// RopeForward's input gradient given dy [T, H, D]: dy cos + [(dy sin)2, -(dy sin)1], computed in
-// cos's dtype and rounded to dy's.
+// RopeForward's input gradient given dy [T, H, D]: dy cos + [(dy sin)2, -(dy sin)1] on the rotated
+// part, computed in cos's dtype and rounded to dy's; dy itself on the rest.
 at::Tensor RopeBackward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin);
 
 }  // namespace dta

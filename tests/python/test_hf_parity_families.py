@@ -267,26 +267,19 @@ def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
 # --- dta vs transformers ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_logprobs_match_transformers(binary, checkpoint, rollouts, dtype, tmp_path):
-    variant, model, directory = checkpoint
-    data, path = rollouts
-    expected = reference(model, data, dtype)
+def assert_logprobs_match(binary, variant, directory, path, expected, dtype, runs, tmp_path):
+    """Every (method, options) run of dta-hf-logprobs gives transformers' log-probabilities."""
     spread = torch.cat([v[1:] for v in expected.values()]).to(torch.float64)
     assert (spread + math.log(VOCAB)).abs().max() > 1.0, "the reference is too close to uniform"
-
-    runs = [(method, ()) for method in METHODS] + [("dta", ("--block-size", "7"))]
     for method, options in runs:
         ours = run_binary(binary, directory, path, tmp_path / f"{method}.json", dtype, method, *options)
         worst = max_difference(ours, expected)
         assert worst <= TOLERANCE[dtype], f"{variant} {method} {options} {dtype}: max |dta - transformers| = {worst:.3g}"
 
 
-def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
-    variant, model, directory = checkpoint
-    data, path = rollouts
-    expected = reference_gradients(model, data)
-    for method, options in [(m, ()) for m in METHODS] + [("dta", ("--block-size", "3"))]:
+def assert_gradients_match(binary, variant, directory, path, expected, runs, tmp_path):
+    """Every run's float64 gradients (under dta's names) equal `expected` to GRADIENT_TOLERANCE."""
+    for method, options in runs:
         grads = tmp_path / f"{method}-grads.safetensors"
         run_binary(binary, directory, path, tmp_path / "out.json", "float64", method, "--gradients", str(grads),
                    *options)
@@ -299,6 +292,21 @@ def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
             assert grad.norm() > 0, f"{variant}: {name} has no gradient in transformers"
             error = ((ours[name] - grad).norm() / grad.norm()).item()
             assert error <= GRADIENT_TOLERANCE, f"{variant} {method} {options}: {name} relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_logprobs_match_transformers(binary, checkpoint, rollouts, dtype, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    runs = [(method, ()) for method in METHODS] + [("dta", ("--block-size", "7"))]
+    assert_logprobs_match(binary, variant, directory, path, reference(model, data, dtype), dtype, runs, tmp_path)
+
+
+def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    runs = [(m, ()) for m in METHODS] + [("dta", ("--block-size", "3"))]
+    assert_gradients_match(binary, variant, directory, path, reference_gradients(model, data), runs, tmp_path)
 
 
 # --- transformers loads what dta saves ----------------------------------------------------------

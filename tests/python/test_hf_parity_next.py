@@ -1,7 +1,5 @@
-"""The float64 reference for Qwen3-Next (hybrid linear attention), against which dta's qwen3_next
-family will be held (issue 18, family 3: the Gated DeltaNet layer and the executor's state routing
-are built, the family is not wired into the model yet; tests/executor/model/gated_delta_net_test.cc
-holds the layer's exactness meanwhile).
+"""Parity with Hugging Face transformers' Qwen3-Next (hybrid linear attention), issue 18's third
+family.
 
 Tiny random Qwen3NextForCausalLM models are built and saved with transformers: Gated DeltaNet
 (linear-attention) layers interleaved with gated full attention, zero-centred RMSNorms, partial
@@ -12,28 +10,33 @@ RoPE, and sparse MoE blocks with a shared expert (and dense MLP layers where mlp
     next-dense   no experts (every MLP dense); linear, linear, full; as many value as key heads;
                  a two-tap convolution
 
-Once the family loads, build/bin/dta-hf-logprobs must give every rollout's log-probabilities with
-each method (dense, packed, dta with B = 7 and B = 3, whose chunks start inside rollouts, so the
-recurrent states and convolution inputs travel through the stack) within 1e-10 of this reference
-in float64, and every parameter's gradient within 1e-9. Here: the reference itself.
+build/bin/dta-hf-logprobs loads each with LoadQwen3Model and computes every rollout's per-token
+log-probabilities with each method (dense, packed, dta, dta with B = 7 and B = 3, whose chunks
+start inside rollouts, so the recurrent states and convolution inputs travel through the stack):
+they must equal transformers' within 1e-5 in float32 and 1e-10 in float64. In float64 every
+parameter's gradient of the summed negative log-likelihood must equal transformers' autograd to a
+relative error of 1e-9. A model saved by dta loads in transformers with no missing or unexpected
+keys and the same logits.
 
 float64: transformers computes the norms, the rotary tables, the router's softmax, the decays and
 the delta rule in float32 whatever the input. Inside `exact_float64` only, those compute in the
 input's dtype with the same formulas (the delta rule token by token, as
-torch_recurrent_gated_delta_rule), and Tensor.float() leaves float64 tensors alone.
+torch_recurrent_gated_delta_rule), and Tensor.float() leaves float64 tensors alone. The first two
+tests hold the reference itself to transformers' own float32 computation.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as modeling
 
-from test_hf_parity import VOCAB, hf_logprobs, rollouts  # noqa: F401
-from test_hf_parity_families import backward_nll
+from test_hf_parity import METHODS, VOCAB, binary, hf_logprobs, rollouts, run_binary  # noqa: F401
+from test_hf_parity_families import assert_gradients_match, assert_logprobs_match, backward_nll, dta_gradient_names
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, linear_key_head_dim=8, linear_value_head_dim=6, rms_norm_eps=1e-6,
@@ -156,31 +159,13 @@ def reference(model, data: list[dict], dtype: str) -> dict[str, torch.Tensor]:
         return hf_logprobs(copy.deepcopy(model).to(torch.float64), data)
 
 
-def checkpoint_names(name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
-    """transformers' stacked expert parameters under the checkpoint's per-expert names."""
-    prefix, _, last = name.rpartition(".")
-    if last == "gate_up_proj" and prefix.endswith("experts"):
-        half = grad.shape[1] // 2
-        out = {}
-        for e in range(grad.shape[0]):
-            out[f"{prefix}.{e}.gate_proj.weight"] = grad[e, :half]
-            out[f"{prefix}.{e}.up_proj.weight"] = grad[e, half:]
-        return out
-    if last == "down_proj" and prefix.endswith("experts"):
-        return {f"{prefix}.{e}.down_proj.weight": grad[e] for e in range(grad.shape[0])}
-    return {name: grad}
-
-
 def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
-    """d/dθ of -Σ_rollouts Σ_{t: loss_mask[t]} log p(tokens[t] | tokens[<t]), float64, by checkpoint name."""
+    """d/dθ of -Σ_rollouts Σ_{t: loss_mask[t]} log p(tokens[t] | tokens[<t]), float64, under dta's names."""
     model64 = copy.deepcopy(model).to(torch.float64)
     model64.zero_grad()
     with exact_float64():
         backward_nll(model64, data)
-    grads = {}
-    for name, p in model64.named_parameters():
-        grads.update(checkpoint_names(name, p.grad.detach().clone()))
-    return grads
+    return dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
 
 
 def test_reference_patches_keep_the_math(checkpoint, rollouts):
@@ -194,18 +179,49 @@ def test_reference_patches_keep_the_math(checkpoint, rollouts):
 
 def test_reference_gradients_keep_the_math(checkpoint, rollouts):
     """Backward too: the float64 reference's gradients equal transformers' own float32 autograd to
-    float32's precision, under the checkpoint's per-expert names."""
+    float32's precision, under dta's names (stacked experts)."""
     variant, model, _ = checkpoint
     data, _ = rollouts
     expected = reference_gradients(model, data)
     model32 = copy.deepcopy(model)
     model32.zero_grad()
     backward_nll(model32, data)
-    ours = {}
-    for name, p in model32.named_parameters():
-        ours.update(checkpoint_names(name, p.grad.detach().to(torch.float64)))
+    ours = dta_gradient_names({name: p.grad.detach().to(torch.float64) for name, p in model32.named_parameters()})
     assert sorted(ours) == sorted(expected)
     for name, grad in expected.items():
-        if grad.norm() == 0:  # an expert no token reached
-            continue
         assert ((ours[name] - grad).norm() / grad.norm()).item() < 1e-3, f"{variant}: {name}"
+
+
+# --- dta vs transformers ------------------------------------------------------------------------
+
+RUNS = [(method, ()) for method in METHODS] + [("dta", ("--block-size", "7")), ("dta", ("--block-size", "3"))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_logprobs_match_transformers(binary, checkpoint, rollouts, dtype, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    assert_logprobs_match(binary, variant, directory, path, reference(model, data, dtype), dtype, RUNS, tmp_path)
+
+
+def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    assert_gradients_match(binary, variant, directory, path, reference_gradients(model, data), RUNS, tmp_path)
+
+
+def test_transformers_loads_dta_checkpoint(binary, checkpoint, rollouts, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    resaved = tmp_path / "resaved"
+    run_binary(binary, directory, path, tmp_path / "out.json", "float32", "dense", "--resave", str(resaved))
+    config = json.loads((resaved / "config.json").read_text())
+    assert config["model_type"] == "qwen3_next" and config["architectures"] == ["Qwen3NextForCausalLM"]
+    loaded, info = Qwen3NextForCausalLM.from_pretrained(resaved, dtype=torch.float32, output_loading_info=True,
+                                                        experts_implementation="eager")
+    loaded.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert loaded.config.layer_types == model.config.layer_types
+    ids = torch.tensor([data[0]["tokens"]])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

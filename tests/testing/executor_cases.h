@@ -24,8 +24,33 @@ namespace dta::testing {
 //
 // "qwen3_moe": Qwen3's attention with every layer a sparse mixture of 5 experts of width 6, top-2
 // renormalised (a width that no tensor-parallel size of 2 or 4 divides evenly).
+//
+// "qwen3_next" (2 layers or more): layer 0 a Gated DeltaNet layer (2 key heads serving 4 value
+// heads, a 3-tap convolution) with a dense MLP, the others gated full attention with q/k/v/o
+// biases, partial RoPE (half of each head) and a sparse block of 5 experts (top-2) plus a shared
+// expert; every norm zero-centred.
 inline Qwen3Config WithFamily(Qwen3Config c, const std::string& family) {
   if (family == "qwen3") return c;
+  if (family == "qwen3_next") {
+    c.model_type = family;
+    c.attention_bias = true;
+    c.partial_rotary_factor = 0.5;
+    c.layer_types.assign(c.num_hidden_layers, LayerType::kFullAttention);
+    c.layer_types[0] = LayerType::kLinearAttention;
+    c.linear_num_key_heads = 2;
+    c.linear_num_value_heads = 4;
+    c.linear_key_head_dim = 4;
+    c.linear_value_head_dim = 3;
+    c.linear_conv_kernel_dim = 3;
+    c.num_experts = 5;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 6;
+    c.norm_topk_prob = true;
+    c.mlp_only_layers = {0};
+    c.shared_expert_intermediate_size = 5;
+    c.router_aux_loss_coef = 0.001;
+    return c;
+  }
   if (family == "qwen3_moe") {
     c.model_type = family;
     c.num_experts = 5;

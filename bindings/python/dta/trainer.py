@@ -529,7 +529,8 @@ class Trainer:
                     tensorboard_dir: str | os.PathLike[str] | None = None) -> Trainer:
         """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
         ``-4b``, ``-8b``, ``-14b``, ``-32b``, ``qwen2.5-1.5b``, ``llama-3.2-1b``, ``llama-3.1-8b``,
-        ``qwen3-30b-a3b``, ``qwen3-moe-small``) or a config.json (the same model at every tensor-parallel size); other arguments as the
+        ``qwen3-30b-a3b``, ``qwen3-moe-small``, ``qwen3-next-80b-a3b``, ``qwen3-next-small``) or a
+        config.json (the same model at every tensor-parallel size); other arguments as the
         constructor's.
 
         Raises:

@@ -2,7 +2,7 @@
 // Llama 3.2 1B, Llama 3.1 8B, Qwen2.5 1.5B and Qwen3-30B-A3B parse to their presets, absent fields
 // take each family's transformers defaults, every rope type (linear, llama3, yarn; both spellings)
 // is read as transformers 5 reads it, everything else is refused naming the field, and every config
-// written parses back to itself bit for bit.
+// written parses back to itself bit for bit. Qwen3-Next's own fields: qwen3_next_config_test.
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -174,7 +174,8 @@ Qwen3Config ParseOk(const std::string& json) {
 }
 
 TEST(ModelFamily, TableHasEachFamilysTraits) {
-  EXPECT_THAT(ModelFamilyTypes(), ElementsAre("llama", "qwen2", "qwen3", "qwen3_moe"));
+  EXPECT_THAT(ModelFamilyTypes(),
+              ElementsAre("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next"));
   const ModelFamily* moe = FindModelFamily("qwen3_moe");
   ASSERT_NE(moe, nullptr);
   EXPECT_EQ(moe->architecture, "Qwen3MoeForCausalLM");
@@ -200,6 +201,22 @@ TEST(ModelFamily, TableHasEachFamilysTraits) {
   EXPECT_EQ(qwen3->attention_bias, AttentionBiasRule::kNone);
   EXPECT_EQ(qwen2->attention_bias, AttentionBiasRule::kQkvAlways);
   EXPECT_EQ(llama->attention_bias, AttentionBiasRule::kFromConfig);
+  const ModelFamily* next = FindModelFamily("qwen3_next");
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->architecture, "Qwen3NextForCausalLM");
+  EXPECT_TRUE(next->qk_norm);
+  EXPECT_TRUE(next->moe);
+  EXPECT_EQ(next->attention_bias, AttentionBiasRule::kFromConfig);
+  EXPECT_EQ(next->default_head_dim, 256);
+  EXPECT_TRUE(next->zero_centred_norms && next->gated_attention && next->shared_expert &&
+              next->linear_attention && next->partial_rotary);
+  EXPECT_EQ(next->default_partial_rotary_factor, 0.25);
+  for (const ModelFamily* family : {moe, qwen3, qwen2, llama}) {
+    EXPECT_FALSE(family->zero_centred_norms || family->gated_attention || family->shared_expert ||
+                 family->linear_attention || family->partial_rotary)
+        << family->model_type;
+    EXPECT_EQ(family->default_partial_rotary_factor, 1.0) << family->model_type;
+  }
 }
 
 TEST(ModelFamily, ParsesTheHubConfigsIntoThePresets) {
@@ -252,10 +269,11 @@ TEST(ModelFamily, ParsesTheHubConfigsIntoThePresets) {
   small.num_hidden_layers = 48;
   EXPECT_EQ(small, moe);
 
-  EXPECT_THAT(Qwen3ConfigPresetNames(),
-              ElementsAre("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b",
-                          "qwen3-32b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b",
-                          "qwen3-30b-a3b", "qwen3-moe-small"));
+  EXPECT_THAT(
+      Qwen3ConfigPresetNames(),
+      ElementsAre("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+                  "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b",
+                  "qwen3-moe-small", "qwen3-next-80b-a3b", "qwen3-next-small"));
   for (const std::string& name : Qwen3ConfigPresetNames()) {
     const absl::StatusOr<Qwen3Config> preset = Qwen3ConfigPreset(name);
     ASSERT_TRUE(preset.ok()) << preset.status();
@@ -442,8 +460,8 @@ TEST(ModelFamily, RefusesWhatItCannotBuildNamingTheField) {
   const std::vector<Refusal> cases = {
       {"mistral", "{}", kUnsupported,
        "field 'model_type': 'mistral' is not supported (supported: llama, qwen2, qwen3, "
-       "qwen3_moe)"},
-      {"qwen3_next", "{}", kUnsupported, "field 'model_type': 'qwen3_next' is not supported"},
+       "qwen3_moe, qwen3_next)"},
+      {"qwen3_5", "{}", kUnsupported, "field 'model_type': 'qwen3_5' is not supported"},
       {"qwen3_moe", R"({"num_experts": 4, "num_experts_per_tok": 5})", kInvalid,
        "field 'num_experts_per_tok': 5 is more than num_experts = 4"},
       {"qwen3_moe", R"({"num_experts": 0})", kInvalid, "field 'num_experts': 0 is not positive"},
@@ -493,6 +511,13 @@ TEST(ModelFamily, RefusesWhatItCannotBuildNamingTheField) {
       {"qwen2", R"({"use_sliding_window": true})", kUnsupported, "field 'use_sliding_window'"},
       {"qwen2", R"({"layer_types": ["sliding_attention", "full_attention"]})", kUnsupported,
        "field 'layer_types': layer 0 is \"sliding_attention\""},
+      // Linear attention is Qwen3-Next's alone.
+      {"qwen3", R"({"layer_types": ["full_attention", "linear_attention"]})", kUnsupported,
+       "field 'layer_types': layer 1 is \"linear_attention\""},
+      {"qwen3_moe", R"({"layer_types": ["linear_attention", "full_attention"]})", kUnsupported,
+       "field 'layer_types': layer 0 is \"linear_attention\""},
+      {"qwen3_moe", R"({"partial_rotary_factor": 0.25})", kUnsupported,
+       "field 'partial_rotary_factor': 0.25 is not supported"},
       {"llama", R"({"hidden_act": "gelu"})", kUnsupported, "field 'hidden_act'"},
       {"qwen2", R"({"attention_dropout": 0.1})", kUnsupported, "field 'attention_dropout'"},
       {"llama", R"({"hidden_size": 66, "head_dim": 16})", kInvalid,
@@ -612,10 +637,15 @@ TEST(ModelFamily, ConfigsRoundTripBitForBitAndLookLikeTransformers) {
     EXPECT_EQ(json["architectures"], Json::array({std::string(family.architecture)}));
     EXPECT_EQ(json["head_dim"], config.head_dim);
     EXPECT_EQ(json.contains("attention_bias"), config.model_type != "qwen2");
-    EXPECT_EQ(json.contains("use_sliding_window"), config.model_type != "llama");
+    EXPECT_EQ(json.contains("use_sliding_window"), family.sliding_window_fields);
     EXPECT_EQ(json.contains("mlp_bias"), config.model_type == "llama");
-    EXPECT_EQ(json.contains("num_experts"), config.model_type == "qwen3_moe");
-    if (config.model_type == "qwen3_moe") {
+    EXPECT_EQ(json.contains("num_experts"), family.moe);
+    // Qwen3-Next's fields only for it (their values: qwen3_next_config_test).
+    for (const char* field : {"layer_types", "linear_num_key_heads", "partial_rotary_factor",
+                              "shared_expert_intermediate_size", "rope_parameters"}) {
+      EXPECT_EQ(json.contains(field), config.model_type == "qwen3_next") << field;
+    }
+    if (family.moe) {
       EXPECT_EQ(json["num_experts_per_tok"], config.num_experts_per_tok);
       EXPECT_EQ(json["moe_intermediate_size"], config.moe_intermediate_size);
       EXPECT_EQ(json["norm_topk_prob"], config.norm_topk_prob);

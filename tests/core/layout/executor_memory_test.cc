@@ -92,6 +92,60 @@ TEST(ExecutorMemory, FamiliesWithoutQkNormsKeepLessPerLayer) {
   }
 }
 
+// Qwen3-Next: convolution inputs instead of K/V on the stack at linear layers, with the recurrent
+// states at every chunk end; each linear layer's graph as gated_delta_net.cc's autograd keeps it;
+// gated attention's gate; the shared expert beside the routed ones.
+TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
+  // Tiny's attention (rotary 4 of 16), layers linear x3 then full; linear: 2 key heads and 4
+  // value heads of 8, kernel 4 (key_dim 16, value_dim 32, conv_dim 64, a state of 256); every
+  // layer sparse: 4 experts of 8, top 2, a shared expert of 12.
+  Qwen3Config c = Tiny();
+  c.model_type = "qwen3_next";
+  c.num_hidden_layers = 4;
+  c.layer_types = {LayerType::kLinearAttention, LayerType::kLinearAttention,
+                   LayerType::kLinearAttention, LayerType::kFullAttention};
+  c.partial_rotary_factor = 0.25;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 4;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 8;
+  c.linear_conv_kernel_dim = 4;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 8;
+  c.shared_expert_intermediate_size = 12;
+  ASSERT_TRUE(ValidateQwen3Config(c).ok()) << ValidateQwen3Config(c);
+  const ExecutorMemoryOptions options{
+      .longest_rollout = 100, .block_size = 32, .graph_budget = 16, .logprob_slice_rows = 8};
+  const ExecutorMemoryEstimate m = EstimateExecutorMemory(c, options);
+  // Per position: K, V, dK, dV of the attention layer (2 x 32 x 6 = 384), the convolution inputs
+  // and their accumulator of 3 linear layers (3 x 64 x 6 = 1,152), the hidden state and its
+  // accumulator (512), log-probability, entropy and theirs (16); the states and their accumulators
+  // at ceil(100 / 32) = 4 chunk ends (4 x 3 x 2 x 256 x 4).
+  EXPECT_EQ(m.stack, 100 * (384 + 1152 + 512 + 16) + 4 * 3 * 2 * 256 * 4);
+  // Attention: 512, (2 x 64 + 2 x 32 + 96 pre-norm + 128 gate and gated output) x 2 = 832, 1/rms
+  // and log-sum-exp 48: 1,392. Linear: 512, out_proj's input 32 x 2, and 4 x (5 x 64 taps and
+  // pre-activation + 32 q, k + 6 x 32 + 8 x 32 + 5 x 4 x 64 + 256 / 64 + 40) = 8,496: 9,072.
+  // Sparse: 2 x 2 x 8 x 2 = 64, (4 + 2) x 4 = 24, 4 x 2 x 8 = 64, the shared expert's
+  // 2 x 12 x 2 + 65 x 4 = 308: 460. Per chunk token 512 + 128 + 2 x 4 x 4 + 24 = 696.
+  EXPECT_EQ(m.graphs, 48 * (3 * 9072 + 1392 + 4 * 460 + 696));
+  // Seeds (32 x 2 + 3 x 64) x 2 = 512, SwiGLU 7 x max(2 x 8, 12) x 4 = 448, residual 1,024, the
+  // pairs' gradients 2 x 2 x 64 x 4 = 1,024, the convolution's backward 6 x 64 x 4 = 1,536.
+  EXPECT_EQ(m.workspace, 32 * (512 + 448 + 1024 + 1024 + 1536));
+  EXPECT_EQ(m.logprob_head, 8 * 1000 * 10);
+
+  // Qwen3-Next-80B-A3B: a linear layer keeps 497 KiB a token, 8x its attention layers.
+  const Qwen3Config next = Preset("qwen3-next-80b-a3b");
+  Qwen3Config all_full = next;
+  all_full.layer_types.assign(48, LayerType::kFullAttention);
+  const ExecutorTokens one{.stack = 0, .graphs = 1, .chunk = 1};
+  const ExecutorMemoryOptions dense{.method = ExecutorKind::kDense};
+  const int64_t per_linear_layer = (EstimateExecutorMemory(next, dense, one).graphs -
+                                    EstimateExecutorMemory(all_full, dense, one).graphs) /
+                                   36;
+  EXPECT_EQ(per_linear_layer, 509184 - 60560);
+}
+
 TEST(ExecutorMemory, MethodsAndAutomaticCapacities) {
   // Automatic B and budget: a 2,048-token chunk (or the whole rollout if shorter), no kept graphs.
   ExecutorTokens t = PlannedExecutorTokens({.longest_rollout = 8192});

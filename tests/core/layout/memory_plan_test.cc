@@ -8,6 +8,7 @@
 namespace dta {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -63,6 +64,62 @@ TEST(CountParameters, MatchesThePublishedModelsOfEachFamily) {
             16 * 2048);
 }
 
+// Qwen3-Next-80B-A3B: the parameters of transformers' Qwen3NextForCausalLM for its config.json
+// (79,674,391,296, as its published weights without the multi-token-prediction layer), 3.9B of
+// them used by a token (its top 10 of 512 experts).
+TEST(CountParameters, MatchesQwen3Next) {
+  const ParameterCount a3b = CountParameters(*Qwen3ConfigPreset("qwen3-next-80b-a3b"));
+  EXPECT_EQ(a3b.total(), 79674391296);
+  EXPECT_EQ(a3b.active(), 3874929408);
+  EXPECT_EQ(a3b.unused_per_token, int64_t{48} * (512 - 10) * 3 * 2048 * 512);
+  // Replicated: per layer 2 RMSNorms of 2048, the router (512 x 2048) and the shared expert's gate
+  // (2048); per linear layer (36) the gated norm of 128, per attention layer (12) q_norm and k_norm
+  // of 256; the final norm.
+  EXPECT_EQ(a3b.replicated, 48 * (2 * 2048 + 512 * 2048 + 2048) + 36 * 128 + 12 * 2 * 256 + 2048);
+  const ParameterCount small = CountParameters(*Qwen3ConfigPreset("qwen3-next-small"));
+  EXPECT_EQ(small.total(), 2375019584);
+  EXPECT_EQ(small.active(), 890235968);
+
+  // One layer of each kind, by hand: hidden 64, 4 heads of 16 (2 KV), Gated DeltaNet of 2 key heads
+  // and 4 value heads of 8, kernel 4; no experts (dense MLPs of 96), untied vocabulary of 10.
+  Qwen3Config c = *Qwen3ConfigPreset("qwen3-next-small");
+  c.vocab_size = 10;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 2;
+  c.layer_types = {LayerType::kLinearAttention, LayerType::kFullAttention};
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 4;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 8;
+  c.linear_conv_kernel_dim = 4;
+  c.num_experts = 0;
+  c.attention_bias = true;
+  ASSERT_TRUE(ValidateQwen3Config(c).ok()) << ValidateQwen3Config(c);
+  // key_dim 16, value_dim 32, conv_dim 64: in_proj_qkvz 96 x 64, in_proj_ba 8 x 64, conv1d 64 x 4,
+  // dt_bias and A_log 4 each, out_proj 64 x 32; its norm 8.
+  const int64_t linear = 96 * 64 + 8 * 64 + 64 * 4 + 2 * 4 + 64 * 32;
+  // q_proj 128 (queries and gates) x 64 with its bias, k_proj and v_proj 32 x 64 with theirs,
+  // o_proj 64 x 64 (its bias 64 replicated); q_norm, k_norm 16 each.
+  const int64_t attention = 128 * 64 + 128 + 2 * (32 * 64 + 32) + 64 * 64;
+  const ParameterCount count = CountParameters(c);
+  EXPECT_EQ(count.sharded, 2 * 10 * 64 + linear + attention + 2 * 3 * 64 * 96);
+  EXPECT_EQ(count.replicated, 2 * 2 * 64 + 8 + (2 * 16 + 64) + 64);
+  EXPECT_EQ(count.unused_per_token, 0);
+  // Sparse: 5 experts of 8 (top 2), a shared expert of 12 with its gate, and the router.
+  c.num_experts = 5;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 8;
+  c.shared_expert_intermediate_size = 12;
+  const ParameterCount sparse = CountParameters(c);
+  EXPECT_EQ(sparse.sharded - count.sharded, 2 * (5 * 3 * 64 * 8 + 3 * 64 * 12 - 3 * 64 * 96));
+  EXPECT_EQ(sparse.replicated - count.replicated, 2 * (5 * 64 + 64));
+  EXPECT_EQ(sparse.unused_per_token, 2 * 3 * 3 * 64 * 8);
+}
+
 TEST(EstimateMemory, CountsEighteenBytesPerParameterWithoutSharding) {
   const Qwen3Config config = Qwen3_8B();
   const int64_t p = CountParameters(config).total();
@@ -107,6 +164,23 @@ TEST(AllowedTensorParallel, DividesHeadsKvHeadsAndTheWorldWithinANode) {
   two_kv.num_key_value_heads = 2;
   EXPECT_THAT(AllowedTensorParallel(two_kv, {.world_size = 8, .gpus_per_node = 8}),
               ElementsAre(1, 2));
+  // Qwen3-Next's layers have no tensor-parallel split yet.
+  const Qwen3Config next = *Qwen3ConfigPreset("qwen3-next-80b-a3b");
+  EXPECT_THAT(AllowedTensorParallel(next, {.world_size = 8, .gpus_per_node = 8}), ElementsAre(1));
+  const absl::StatusOr<LayoutPlan> forced =
+      PlanLayout(next, {.world_size = 2, .gpu_bytes = 80 * kGiB, .tensor_parallel = 2});
+  EXPECT_EQ(forced.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(forced.status().message()),
+              HasSubstr("field 'tensor_parallel': 2 is not allowed: qwen3_next models have no "
+                        "tensor-parallel split yet"));
+  // 80B parameters whole on every GPU: nothing fits, and the message does not suggest TP.
+  const absl::StatusOr<LayoutPlan> whole =
+      PlanLayout(next, {.world_size = 8, .gpu_bytes = 141 * kGiB});
+  EXPECT_EQ(whole.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(whole.status().message()),
+              AllOf(HasSubstr("79.67B parameters"),
+                    HasSubstr("(qwen3_next has no tensor parallelism yet); allow offload, or"),
+                    Not(HasSubstr("allow offload or tensor parallelism"))));
 }
 
 TEST(PlanLayout, ASmallModelStaysWholeOnOneGpu) {

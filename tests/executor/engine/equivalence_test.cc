@@ -4,7 +4,9 @@
 // for B in {1, 3, 64, unbounded}, both leaf orders, with and without a graph budget and packing.
 // The random trees, the adversarial small trees, a 400-token chain and a 64-way branch run for
 // every model family (FamilyEquivalence): Qwen3, Llama with q/k/v/o biases and llama3 rope scaling,
-// Qwen2 with q/k/v biases and YaRN, Qwen3-MoE with top-2 of 5 experts (testing::WithFamily).
+// Qwen2 with q/k/v biases and YaRN, Qwen3-MoE with top-2 of 5 experts, Qwen3-Next with a Gated
+// DeltaNet layer whose recurrent state and convolution rows dta routes through its stack
+// (testing::WithFamily).
 #include "executor/engine/executor.h"
 
 #include "executor/optim/adamw.h"
@@ -154,8 +156,22 @@ TEST_P(FamilyEquivalence, HasTheFamilysBiasesAndNorms) {
   const auto has = [&](const std::string& name) {
     return std::find(names.begin(), names.end(), name) != names.end();
   };
+  const bool next = GetParam() == "qwen3_next";
   const bool qwen3 = GetParam() == "qwen3" || GetParam() == "qwen3_moe";
-  const bool moe = GetParam() == "qwen3_moe";
+  const bool moe = GetParam() == "qwen3_moe" || next;
+  // Qwen3-Next: layer 0 linear attention with a dense MLP; layer 1 gated attention with every
+  // bias, q/k norms and a shared expert.
+  EXPECT_EQ(has("model.layers.0.linear_attn.in_proj_qkvz.weight"), next);
+  EXPECT_EQ(has("model.layers.0.linear_attn.A_log"), next);
+  EXPECT_EQ(has("model.layers.0.self_attn.q_proj.weight"), !next);
+  EXPECT_EQ(has("model.layers.0.mlp.gate_proj.weight"), !moe || next);
+  EXPECT_EQ(has("model.layers.1.mlp.shared_expert.gate_proj.weight"), next);
+  EXPECT_EQ(has("model.layers.1.mlp.shared_expert_gate.weight"), next);
+  if (next) {
+    EXPECT_EQ(model_.parameter("model.layers.1.self_attn.q_proj.weight").size(0),
+              2 * model_.config().num_attention_heads * model_.config().head_dim)
+        << "gated attention: a query and a gate per head";
+  }
   EXPECT_EQ(has("model.layers.1.mlp.gate.weight"), moe);
   EXPECT_EQ(has("model.layers.1.mlp.experts.gate_proj"), moe);
   EXPECT_EQ(has("model.layers.1.mlp.experts.up_proj"), moe);
@@ -164,9 +180,9 @@ TEST_P(FamilyEquivalence, HasTheFamilysBiasesAndNorms) {
   EXPECT_EQ(has("model.layers.1.self_attn.q_proj.bias"), !qwen3);
   EXPECT_EQ(has("model.layers.1.self_attn.k_proj.bias"), !qwen3);
   EXPECT_EQ(has("model.layers.1.self_attn.v_proj.bias"), !qwen3);
-  EXPECT_EQ(has("model.layers.1.self_attn.o_proj.bias"), GetParam() == "llama");
-  EXPECT_EQ(has("model.layers.1.self_attn.q_norm.weight"), qwen3);
-  EXPECT_EQ(has("model.layers.1.self_attn.k_norm.weight"), qwen3);
+  EXPECT_EQ(has("model.layers.1.self_attn.o_proj.bias"), GetParam() == "llama" || next);
+  EXPECT_EQ(has("model.layers.1.self_attn.q_norm.weight"), qwen3 || next);
+  EXPECT_EQ(has("model.layers.1.self_attn.k_norm.weight"), qwen3 || next);
 }
 
 TEST_P(FamilyEquivalence, RandomTreesEveryLoss) {
@@ -219,7 +235,7 @@ TEST_P(FamilyEquivalence, SixtyFourWayBranch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyEquivalence,
-                         ::testing::Values("qwen3", "llama", "qwen2", "qwen3_moe"),
+                         ::testing::Values("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_next"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

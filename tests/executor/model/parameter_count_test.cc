@@ -123,6 +123,50 @@ TEST(ParameterCount, CountsExpertsAndRouters) {
   EXPECT_EQ(CountParameters(dense).unused_per_token, 0);
 }
 
+// Qwen3-Next: Gated DeltaNet layers instead of attention where layer_types says so (no q/k/v/o or
+// q/k norms there), gated attention (q_proj twice as tall), and a shared expert with its gate in
+// every sparse block; counted by hand from transformers' Qwen3NextForCausalLM shapes, then against
+// the model's own parameters.
+TEST(ParameterCount, CountsQwen3NextsLayers) {
+  const absl::StatusOr<Qwen3Config> c = ParseQwen3Config(
+      R"({"model_type": "qwen3_next", "vocab_size": 37, "hidden_size": 24,
+          "intermediate_size": 40, "num_hidden_layers": 4, "num_attention_heads": 6,
+          "num_key_value_heads": 2, "head_dim": 8, "attention_bias": true,
+          "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 4,
+          "linear_value_head_dim": 5, "linear_conv_kernel_dim": 3, "num_experts": 7,
+          "num_experts_per_tok": 3, "moe_intermediate_size": 11,
+          "shared_expert_intermediate_size": 13, "decoder_sparse_step": 2})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(IsLinearAttentionLayer(*c, 0) && IsLinearAttentionLayer(*c, 2));
+  ASSERT_TRUE(!IsLinearAttentionLayer(*c, 3) && IsSparseLayer(*c, 1) && IsSparseLayer(*c, 3));
+  // Linear layer (key_dim 8, value_dim 30, conv_dim 46): in_proj_qkvz 76 x 24, in_proj_ba 12 x 24,
+  // conv1d 46 x 1 x 3, dt_bias and A_log 6 each, norm 5, out_proj 24 x 30.
+  const int64_t linear = 76 * 24 + 12 * 24 + 46 * 3 + 2 * 6 + 5 + 24 * 30;
+  // Full attention: q_proj 96 x 24 (queries and gates) and its bias, k_proj and v_proj 16 x 24
+  // with theirs, o_proj 24 x 48 and its bias, q_norm and k_norm 8 each.
+  const int64_t attention = 96 * 24 + 96 + 2 * (16 * 24 + 16) + 24 * 48 + 24 + 2 * 8;
+  // Sparse block: 7 experts of 3 x 24 x 11, the router 7 x 24, the shared expert 3 x 24 x 13 and
+  // its gate 24; dense MLP 3 x 24 x 40.
+  const int64_t sparse = 7 * 3 * 24 * 11 + 7 * 24 + 3 * 24 * 13 + 24;
+  const int64_t dense = 3 * 24 * 40;
+  // Layers: linear/dense, linear/sparse, linear/dense, attention/sparse; two norms of 24 each; the
+  // final norm; embedding and lm_head 37 x 24.
+  const int64_t total =
+      3 * linear + attention + 2 * sparse + 2 * dense + 4 * 2 * 24 + 24 + 2 * 37 * 24;
+  const ParameterCount count = CountParameters(*c);
+  EXPECT_EQ(count.total(), total);
+  EXPECT_EQ(count.unused_per_token, 2 * 4 * 3 * 24 * 11);  // 4 of 7 experts, in 2 sparse layers
+
+  // The model's own parameters. Qwen3Model holds the linear layers' weights and the shared experts
+  // whole (qwen3_next has no tensor-parallel split yet, and the model refuses TP > 1), where
+  // CountParameters counts them as split by heads and rows, as they will be: the totals agree, the
+  // replicated parts do not (yet).
+  const Qwen3Model model(*c, at::TensorOptions().dtype(at::kFloat));
+  int64_t held = 0;
+  for (const auto& [name, p] : model.named_parameters()) held += p.numel();
+  EXPECT_EQ(held, total);
+}
+
 // Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card: "30.5B in total and 3.3B
 // activated").
 TEST(ParameterCount, Qwen3MoePresets) {
