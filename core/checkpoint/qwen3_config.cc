@@ -864,6 +864,14 @@ double RopeAttentionFactor(const RopeScaling& rope) {
 
 std::string RopeScalingToJson(const RopeScaling& rope) { return RopeJson(rope).dump(); }
 
+namespace {
+// The family's boolean trait; false for a model_type without a family.
+bool FamilyTrait(const Qwen3Config& config, bool ModelFamily::*trait) {
+  const ModelFamily* family = FindModelFamily(config.model_type);
+  return family != nullptr && family->*trait;
+}
+}  // namespace
+
 bool HasQkNorm(const Qwen3Config& config) {
   const ModelFamily* family = FindModelFamily(config.model_type);
   return family == nullptr || family->qk_norm;
@@ -875,10 +883,7 @@ bool HasOProjBias(const Qwen3Config& config) {
          config.attention_bias;
 }
 
-bool IsMoe(const Qwen3Config& config) {
-  const ModelFamily* family = FindModelFamily(config.model_type);
-  return family != nullptr && family->moe;
-}
+bool IsMoe(const Qwen3Config& config) { return FamilyTrait(config, &ModelFamily::moe); }
 
 bool IsSparseLayer(const Qwen3Config& config, int64_t layer) {
   if (!IsMoe(config) || config.num_experts <= 0 || config.decoder_sparse_step <= 0) return false;
@@ -897,13 +902,6 @@ int64_t RotaryDim(const Qwen3Config& config) {
   // transformers: int(head_dim * partial_rotary_factor), a truncation.
   return static_cast<int64_t>(static_cast<double>(config.head_dim) * config.partial_rotary_factor);
 }
-
-namespace {
-bool FamilyTrait(const Qwen3Config& config, bool ModelFamily::*trait) {
-  const ModelFamily* family = FindModelFamily(config.model_type);
-  return family != nullptr && family->*trait;
-}
-}  // namespace
 
 bool HasZeroCentredNorms(const Qwen3Config& config) {
   return FamilyTrait(config, &ModelFamily::zero_centred_norms);

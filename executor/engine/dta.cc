@@ -157,7 +157,7 @@ Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Te
                              .positions = at::arange(begin, end, ids.options()),
                              .state_points = std::move(offsets),
                              .prefix = StackPrefix(stack, begin, with_graph)});
-  if (stack.linear) chunk.state_points = std::move(state_points);
+  chunk.state_points = std::move(state_points);
   // Token p is predicted by the hidden state at p - 1: the stack's for the chunk's first token.
   const int64_t t = end - begin;
   const at::Tensor rows =

@@ -1161,6 +1161,8 @@ at::Tensor Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h) const {
   if (!layer.router.defined()) {
     return h + swiglu(layer.gate_proj, layer.up_proj, layer.down_proj, at::Tensor());
   }
+  // The shared expert normalises h again in its own projection (an elementwise pass over [T, H],
+  // small beside the experts' GEMMs), so that both reuse the fused norm-and-project functions.
   at::Tensor out =
       h + SparseMoe::apply(h, post_norm.weight, eps, layer.router, layer.experts_gate,
                            layer.experts_up, layer.experts_down, config_.num_experts_per_tok,
@@ -1182,15 +1184,17 @@ ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
   const ChunkContext context = MakeContext(input);
   ChunkOutput out;
   at::Tensor h = Embed(input.tokens);
+  out.point_states.resize(context.point_runs.size());
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
     LayerOutput layer = ForwardLayer(l, h, context, PrefixOfLayer(input.prefix, l));
     h = std::move(layer.hidden);
     out.keys.push_back(std::move(layer.keys));
     out.values.push_back(std::move(layer.values));
     if (has_linear_layers()) out.states.push_back(std::move(layer.state));
-    out.point_states.resize(context.point_runs.size());
-    for (size_t i = 0; i < context.point_runs.size(); ++i) {
-      out.point_states[i].push_back(is_linear_layer(l) ? layer.point_states[i] : at::Tensor());
+    // Attention layers have no states (an empty layer.point_states).
+    for (size_t i = 0; i < out.point_states.size(); ++i) {
+      out.point_states[i].push_back(layer.point_states.empty() ? at::Tensor()
+                                                               : layer.point_states[i]);
     }
   }
   out.hidden = FinalNorm(h);

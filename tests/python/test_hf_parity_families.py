@@ -236,10 +236,12 @@ class exact_float64:
         self._patch.undo()
 
 
-def reference(model, data: list[dict], dtype: str) -> dict[str, torch.Tensor]:
+def reference(model, data: list[dict], dtype: str, exact=exact_float64) -> dict[str, torch.Tensor]:
+    """transformers' log-probabilities: the model itself in float32, a float64 copy under `exact` (a
+    context manager that keeps the family's internal float32 casts in float64) in float64."""
     if dtype == "float32":
         return hf_logprobs(model, data)
-    with exact_float64():
+    with exact():
         return hf_logprobs(copy.deepcopy(model).to(torch.float64), data)
 
 
@@ -255,11 +257,11 @@ def backward_nll(model, data: list[dict]) -> None:
         (-(logp * mask).sum()).backward()
 
 
-def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
-    """backward_nll's gradients in float64."""
+def reference_gradients(model, data: list[dict], exact=exact_float64) -> dict[str, torch.Tensor]:
+    """backward_nll's gradients in float64 (under `exact`, as `reference`), under dta's names."""
     model64 = copy.deepcopy(model).to(torch.float64)
     model64.zero_grad()
-    with exact_float64():
+    with exact():
         backward_nll(model64, data)
     return dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
 

@@ -35,7 +35,8 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as modeling
 
-from test_hf_parity import METHODS, VOCAB, binary, hf_logprobs, rollouts, run_binary  # noqa: F401
+from test_hf_parity import METHODS, VOCAB, binary, rollouts, run_binary  # noqa: F401
+import test_hf_parity_families as families
 from test_hf_parity_families import assert_gradients_match, assert_logprobs_match, backward_nll, dta_gradient_names
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
@@ -153,19 +154,12 @@ class exact_float64:
 
 
 def reference(model, data: list[dict], dtype: str) -> dict[str, torch.Tensor]:
-    if dtype == "float32":
-        return hf_logprobs(model, data)
-    with exact_float64():
-        return hf_logprobs(copy.deepcopy(model).to(torch.float64), data)
+    return families.reference(model, data, dtype, exact=exact_float64)
 
 
 def reference_gradients(model, data: list[dict]) -> dict[str, torch.Tensor]:
     """d/dθ of -Σ_rollouts Σ_{t: loss_mask[t]} log p(tokens[t] | tokens[<t]), float64, under dta's names."""
-    model64 = copy.deepcopy(model).to(torch.float64)
-    model64.zero_grad()
-    with exact_float64():
-        backward_nll(model64, data)
-    return dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
+    return families.reference_gradients(model, data, exact=exact_float64)
 
 
 def test_reference_patches_keep_the_math(checkpoint, rollouts):
