@@ -60,6 +60,9 @@ ABSL_FLAG(bool, entropy_stats, false,
           "compute the entropy for the step's diagnostics even when --entropy_coef is 0");
 ABSL_FLAG(double, entropy_coef, 0.0, "entropy bonus coefficient");
 ABSL_FLAG(double, kl_coef, 0.0, "KL-to-reference coefficient (needs ref_logprobs)");
+ABSL_FLAG(double, router_aux_loss_coef, 0.0,
+          "mixture-of-experts models: coefficient of the router's load-balancing loss, per "
+          "rollout as transformers' aux_loss, averaged over the batch's rollouts (0 = off)");
 ABSL_FLAG(std::string, dtype, "float32", "float32, float64 or bfloat16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda[:N]");
 ABSL_FLAG(std::string, checkpoint_dtype, "bfloat16",
@@ -160,6 +163,7 @@ LossOptions LossFromFlags() {
     loss.rejection_sampling = *parsed;
   }
   loss.kl_coef = absl::GetFlag(FLAGS_kl_coef);
+  loss.router_aux_loss_coef = absl::GetFlag(FLAGS_router_aux_loss_coef);
   return loss;
 }
 

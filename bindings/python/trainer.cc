@@ -188,6 +188,7 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
   stats.loss = result.loss;
   stats.rollout_tokens = result.rollout_tokens;
   stats.forwarded_tokens = result.forwarded_tokens;
+  stats.router_aux_loss = result.router_aux_loss;
   return stats;
 }
 

@@ -40,6 +40,7 @@ struct GradientStats {
   int64_t rollout_tokens = 0;    // every rollout's tokens
   int64_t tree_tokens = 0;       // the batch's unique tokens (its prefix tree's)
   int64_t forwarded_tokens = 0;  // tokens pushed through the model, recomputation included
+  double router_aux_loss = 0;    // GradientResult::router_aux_loss (0 when off)
   LossDiagnostics diagnostics;   // the whole batch's
 };
 

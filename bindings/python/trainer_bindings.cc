@@ -137,6 +137,7 @@ py::dict GradientStatsDict(const GradientStats& s) {
   d["rollout_tokens"] = s.rollout_tokens;
   d["tree_tokens"] = s.tree_tokens;
   d["forwarded_tokens"] = s.forwarded_tokens;
+  d["router_aux_loss"] = s.router_aux_loss;
   const LossDiagnostics& g = s.diagnostics;
   py::dict diagnostics;
   for (const auto& [name, value] : std::initializer_list<std::pair<const char*, double>>{
@@ -260,6 +261,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("with_proximal", &LossOptions::with_proximal)
       .def_readwrite("entropy_coef", &LossOptions::entropy_coef)
       .def_readwrite("kl_coef", &LossOptions::kl_coef)
+      .def_readwrite("router_aux_loss_coef", &LossOptions::router_aux_loss_coef)
       .def_readwrite("gspo_eps_low", &LossOptions::gspo_eps_low)
       .def_readwrite("gspo_eps_high", &LossOptions::gspo_eps_high);
   py::class_<ExecutorOptions>(m, "ExecutorOptions")

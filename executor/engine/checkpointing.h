@@ -15,6 +15,8 @@ namespace dta::engine {
 struct LayerCheckpoints {
   std::vector<at::Tensor> layer_inputs;  // [num_layers], no graph
   at::Tensor last;                       // leaf: the residual stream after the last layer
+  // With ChunkInput::router_statistics: ChunkOutput's router_probs (no graph) and router_counts.
+  at::Tensor router_probs, router_counts;
 };
 
 // The decoder without a graph (no prefix), keeping each layer's input. The caller continues from
@@ -23,8 +25,11 @@ LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkI
                                            const ChunkContext& context);
 
 // Replays and backpropagates every layer (and the embedding) with the gradient that reached
-// checkpoints.last. Nothing happens if no gradient reached it.
+// checkpoints.last, and with `router_grad` [T, E] (if defined) as the gradient of every sparse
+// layer's router probabilities (ChunkOutput::router_probs is their sum). Nothing happens if no
+// gradient reached checkpoints.last.
 void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input,
-                           const ChunkContext& context, const LayerCheckpoints& checkpoints);
+                           const ChunkContext& context, const LayerCheckpoints& checkpoints,
+                           const at::Tensor& router_grad = at::Tensor());
 
 }  // namespace dta::engine

@@ -15,22 +15,31 @@ GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollo
   GradientResult result;
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
   at::Tensor total_loss;  // a device scalar, read once at the end
+  const bool balance = plan != nullptr && plan->balances_routers();
+  at::Tensor total_balance;  // the router-balance terms, part of total_loss
   int64_t total_work = 0;
   for (const Rollout& rollout : rollouts)
     total_work += (checkpointing ? 2 : 1) * static_cast<int64_t>(rollout.tokens.size());
   for (int32_t r = 0; r < static_cast<int32_t>(rollouts.size()); ++r) {
     const at::Tensor& tokens = token_tensors[r];
     const int64_t length = tokens.size(0);
-    const ChunkInput input{.tokens = tokens, .positions = at::arange(length, tokens.options())};
+    const ChunkInput input{.tokens = tokens,
+                           .positions = at::arange(length, tokens.options()),
+                           .router_statistics = balance};
     ChunkContext context;
     LayerCheckpoints saved;
-    at::Tensor hidden;
+    at::Tensor hidden, router_probs, router_counts;
     if (checkpointing) {
       context = model.MakeContext(input);
       saved = ForwardKeepingLayerInputs(model, input, context);
       hidden = model.FinalNorm(saved.last);
+      router_probs = saved.router_probs;
+      router_counts = saved.router_counts;
     } else {
-      hidden = model.Forward(input).hidden;
+      ChunkOutput out = model.Forward(input);
+      hidden = std::move(out.hidden);
+      router_probs = std::move(out.router_probs);
+      router_counts = std::move(out.router_counts);
     }
     // Token t is predicted from position t - 1; token 0 has no prediction and holds 0.
     at::Tensor entropy_tail;
@@ -44,15 +53,26 @@ GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollo
     result.rollout_tokens += length;
     result.forwarded_tokens += checkpointing ? 2 * length : length;
     if (plan) {
-      const at::Tensor loss =
+      at::Tensor loss =
           plan->Loss(r, logprobs, entropy ? at::cat({zero, entropy_tail}) : at::Tensor());
+      at::Tensor router_grad;  // every token's gradient of router_probs
+      if (balance) {
+        const at::Tensor row = plan->RouterBalanceRow(r, router_counts.sum(0));
+        // With checkpointing router_probs has no graph: the gradient is seeded layer by layer.
+        const at::Tensor term = (router_probs.sum(0) * row).sum();
+        total_balance = total_balance.defined() ? total_balance + term.detach() : term.detach();
+        loss = loss + term;
+        router_grad = row.expand_as(router_counts);
+      }
       loss.backward();
-      if (checkpointing) BackwardThroughLayers(model, input, context, saved);
+      if (checkpointing) BackwardThroughLayers(model, input, context, saved, router_grad);
       total_loss = total_loss.defined() ? total_loss + loss.detach() : loss.detach();
     }
     if (options.progress) options.progress(result.forwarded_tokens, total_work);
   }
   if (total_loss.defined()) result.loss = total_loss.item<double>();
+  if (total_balance.defined())
+    result.router_aux_loss = total_balance.item<double>() / plan->router_aux_loss_coef();
   return result;
 }
 

@@ -18,6 +18,14 @@
 // begin, its backward adds d loss / d state into their accumulators (summing over every child
 // that started there), and its own final states are seeded with the accumulators at its end.
 //
+// The router's load-balancing loss (LossOptions::router_aux_loss_coef) of a rollout needs the
+// routing of all its tokens, known once its last token is forwarded; by then every chunk holding
+// its tokens is still to be backpropagated (a token's chunk runs backward only after every rollout
+// through it is done). So per position the stack keeps the routing (expert counts and router
+// probabilities, summed over the sparse layers) and the gradient of the probabilities summed over
+// the rollouts through it, each rollout adding its row when its loss is attached; a chunk's
+// backward seeds its probabilities with those rows.
+//
 // Nothing in the loop reads a value back from the device: the schedule, the packed layouts and
 // the token ids are fixed on the host before the first kernel, and the loss stays a device scalar
 // until the end.
@@ -55,8 +63,14 @@ struct PathStack {
   std::map<int64_t, Boundary> boundaries;  // by path position p: the states after token p - 1
   bool training = false;
   bool linear = false;  // the model has linear-attention layers
+  // With the router-balance loss, [max_len, num_experts] in the compute type: per position the
+  // routing of its token (ChunkOutput::router_counts, router_probs' values) and the gradient of
+  // its router probabilities; undefined otherwise.
+  at::Tensor router_counts, router_probs, grad_router_probs;
+  bool router_statistics() const { return router_counts.defined(); }
 
-  PathStack(const Qwen3Model& model, int64_t max_len, bool with_entropy, bool training)
+  PathStack(const Qwen3Model& model, int64_t max_len, bool with_entropy, bool training,
+            bool balance)
       : training(training), linear(model.has_linear_layers()) {
     const Qwen3Config& c = model.config();
     const at::TensorOptions o = model.options();
@@ -84,6 +98,10 @@ struct PathStack {
     if (with_entropy) {
       entropy = at::zeros({max_len}, f);
       grad_entropy = at::zeros({max_len}, f);
+    }
+    if (balance) {
+      for (at::Tensor* t : {&router_counts, &router_probs, &grad_router_probs})
+        *t = at::zeros({max_len, c.num_experts}, f);
     }
   }
 
@@ -156,7 +174,8 @@ Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Te
   chunk.out = model.Forward({.tokens = ids,
                              .positions = at::arange(begin, end, ids.options()),
                              .state_points = std::move(offsets),
-                             .prefix = StackPrefix(stack, begin, with_graph)});
+                             .prefix = StackPrefix(stack, begin, with_graph),
+                             .router_statistics = stack.router_statistics()});
   chunk.state_points = std::move(state_points);
   // Token p is predicted by the hidden state at p - 1: the stack's for the chunk's first token.
   const int64_t t = end - begin;
@@ -199,6 +218,10 @@ void Push(PathStack& stack, const Chunk& chunk) {
   stack.hidden.slice(0, b, e).copy_(chunk.out.hidden);
   stack.logprobs.slice(0, b, e).copy_(chunk.logprobs);
   if (chunk.entropy.defined()) stack.entropy.slice(0, b, e).copy_(chunk.entropy);
+  if (stack.router_statistics()) {
+    stack.router_counts.slice(0, b, e).copy_(chunk.out.router_counts);
+    stack.router_probs.slice(0, b, e).copy_(chunk.out.router_probs);
+  }
 }
 
 // Backpropagates a chunk with its accumulated gradients (its attention adds the prefix K/V
@@ -214,6 +237,8 @@ void Backward(PathStack& stack, Chunk& chunk) {
   seed(chunk.logprobs, stack.grad_logprobs.slice(0, b, e));
   seed(chunk.out.hidden, stack.grad_hidden.slice(0, b, e));
   if (chunk.entropy.defined()) seed(chunk.entropy, stack.grad_entropy.slice(0, b, e));
+  if (stack.router_statistics())
+    seed(chunk.out.router_probs, stack.grad_router_probs.slice(0, b, e));
   for (size_t l = 0; l < stack.keys.size(); ++l) {
     seed(chunk.out.keys[l], stack.grad_keys[l].slice(0, b, e));
     if (chunk.out.values[l].defined())
@@ -249,6 +274,16 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
   stack.grad_hidden.slice(0, begin, end).zero_();
   stack.grad_logprobs.slice(0, begin, end).zero_();
   if (stack.grad_entropy.defined()) stack.grad_entropy.slice(0, begin, end).zero_();
+  if (stack.router_statistics()) stack.grad_router_probs.slice(0, begin, end).zero_();
+}
+
+// Rollout r's router-balance row w_r c_r (LossPlan::RouterBalanceRow) added to the gradient of
+// the router probabilities at its positions [0, length) of the stack; returns the term's value.
+at::Tensor AttachRouterBalance(PathStack& stack, const LossPlan& plan, RolloutIndex r,
+                               int64_t length) {
+  const at::Tensor row = plan.RouterBalanceRow(r, stack.router_counts.slice(0, 0, length).sum(0));
+  stack.grad_router_probs.slice(0, 0, length).add_(row);
+  return (stack.router_probs.slice(0, 0, length).sum(0) * row).sum();
 }
 
 // A kPacked step: rollouts order[first, last) share the stack's positions [0, depth) and nothing
@@ -259,7 +294,7 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
 at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack,
                          absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> group,
                          int64_t depth, const LossPlan& plan, const LogprobOptions& logprob,
-                         std::vector<at::Tensor>& logprobs_out) {
+                         std::vector<at::Tensor>& logprobs_out, at::Tensor& balance_out) {
   torch::autograd::AutoGradMode grad_mode(true);
   // The group's suffixes above `depth` as their own little tree (rollouts ending at `depth` have
   // no suffix).
@@ -277,26 +312,53 @@ at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack,
 
   const at::Tensor previous_hidden = HiddenAnchor(stack, depth, /*with_graph=*/true);
   const bool with_entropy = plan.needs_entropy();
+  const bool balance = stack.router_statistics();
   const PackedOutput packed =
       ForwardPacked(model, layout, StackPrefix(stack, depth, /*with_grad=*/true), previous_hidden,
-                    with_entropy, logprob);
+                    with_entropy, logprob, /*checkpointing=*/false, balance);
   // What the rollouts read from the stack below `depth`, as leaves whose gradients are collected.
   const at::Tensor stack_logprobs = stack.logprobs.slice(0, 0, depth).clone().requires_grad_(true);
   const at::Tensor stack_entropy =
       with_entropy ? stack.entropy.slice(0, 0, depth).clone().requires_grad_(true) : at::Tensor();
 
+  // The router-balance term: each rollout's counts are the stack's below `depth` plus its packed
+  // tokens'; its row goes into the stack's gradient below `depth` and into router_grad above.
+  at::Tensor stack_counts, stack_probs, router_grad, balance_below;
+  if (balance) {
+    stack_counts = stack.router_counts.slice(0, 0, depth).sum(0);
+    stack_probs = stack.router_probs.slice(0, 0, depth).sum(0);
+    router_grad = at::zeros_like(packed.router_counts);
+  }
   at::Tensor total;
   for (size_t k = 0; k < group.size(); ++k) {
     at::Tensor logprobs = stack_logprobs;
     at::Tensor entropy = stack_entropy;
-    if (suffix_index[k] >= 0) {
-      const at::Tensor path = IndexTensor(layout.paths[suffix_index[k]], model.options().device());
+    at::Tensor path;
+    if (suffix_index[k] >= 0)
+      path = IndexTensor(layout.paths[suffix_index[k]], model.options().device());
+    if (balance) {
+      at::Tensor counts = stack_counts;
+      if (path.defined()) counts = counts + packed.router_counts.index_select(0, path).sum(0);
+      const at::Tensor row = plan.RouterBalanceRow(group[k], counts);
+      stack.grad_router_probs.slice(0, 0, depth).add_(row);
+      if (path.defined()) router_grad.index_add_(0, path, row.expand({path.size(0), row.size(0)}));
+      // The part below `depth` is a constant here: the stack's chunks backpropagate it.
+      const at::Tensor below = (stack_probs * row).sum();
+      balance_below = balance_below.defined() ? balance_below + below : below;
+    }
+    if (path.defined()) {
       logprobs = at::cat({stack_logprobs, packed.logprobs.index_select(0, path)});
       if (with_entropy) entropy = at::cat({stack_entropy, packed.entropy.index_select(0, path)});
     }
     logprobs_out[group[k]] = logprobs.detach().clone();
     const at::Tensor loss = plan.Loss(group[k], logprobs, entropy);
     total = total.defined() ? total + loss : loss;
+  }
+  if (balance) {
+    const at::Tensor above = (packed.router_probs * router_grad).sum();
+    const at::Tensor value = balance_below + above.detach();
+    balance_out = balance_out.defined() ? balance_out + value : value;
+    total = total + above + balance_below;
   }
   total.backward();
 
@@ -412,7 +474,8 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   int64_t max_len = 0;
   for (const Rollout& rollout : rollouts)
     max_len = std::max<int64_t>(max_len, rollout.tokens.size());
-  PathStack stack(model, max_len, with_entropy, training);
+  const bool balance = training && plan->balances_routers();
+  PathStack stack(model, max_len, with_entropy, training, balance);
   const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
   const std::vector<RolloutIndex> order = options.order == LeafOrderKind::kLexicographic
                                               ? LexicographicOrder(tree)
@@ -427,6 +490,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
   auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& { return token_tensors[r]; };
   at::Tensor loss = at::zeros({}, stack.logprobs.options());
+  at::Tensor balance_total;  // the router-balance terms, part of `loss`
 
   GradientResult result;
   result.logprobs.resize(rollouts.size());
@@ -467,6 +531,11 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         stack.grad_logprobs.slice(0, 0, length).add_(g.dlogprobs);
         if (with_entropy) stack.grad_entropy.slice(0, 0, length).add_(g.dentropy);
         loss += g.loss;
+        if (balance) {
+          const at::Tensor term = AttachRouterBalance(stack, *plan, step.rollout, length);
+          balance_total = balance_total.defined() ? balance_total + term : term;
+          loss += term;
+        }
         break;
       }
       case StepKind::kBackward: {
@@ -492,7 +561,7 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
         loss += RunPackedStep(
             model, stack, rollouts,
             absl::MakeConstSpan(schedule->order).subspan(step.first, step.last - step.first),
-            step.begin, *plan, LogprobOptionsOf(options), result.logprobs);
+            step.begin, *plan, LogprobOptionsOf(options), result.logprobs, balance_total);
         result.forwarded_tokens += step.packed_tokens;
         break;
       }
@@ -501,6 +570,8 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
       options.progress(result.forwarded_tokens, total_work);
   }
   result.loss = loss.item<double>();  // the one read-back, after the last kernel is queued
+  if (balance_total.defined())
+    result.router_aux_loss = balance_total.item<double>() / plan->router_aux_loss_coef();
   return result;
 }
 

@@ -63,6 +63,33 @@ LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
     if (forward.method == Method::kDense) forward.method = Method::kDta;
     proximal_ = ComputeLogprobs(model, rollouts, forward);
   }
+  const Qwen3Config& config = model.config();
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) sparse_layers_ += IsSparseLayer(config, l);
+  experts_ = config.num_experts;
+  const double coef = options.router_aux_loss_coef;
+  TORCH_CHECK(std::isfinite(coef) && coef >= 0,
+              "router_aux_loss_coef must be finite and >= 0, got ", coef);
+  TORCH_CHECK(coef == 0 || sparse_layers_ > 0, "router_aux_loss_coef = ", coef, " but the model (",
+              config.model_type, ") has no mixture-of-experts layers to balance");
+}
+
+at::Tensor LossPlan::RouterBalanceRow(int32_t r, const at::Tensor& counts) const {
+  const double rows =
+      static_cast<double>(sparse_layers_) * static_cast<double>(rollouts_[r].tokens.size());
+  return counts * (options_.router_aux_loss_coef * static_cast<double>(experts_) /
+                   (static_cast<double>(batch_.num_rollouts) * rows * rows));
+}
+
+at::Tensor RouterBalanceRows(const LossPlan& plan, const at::Tensor& router_counts,
+                             absl::Span<const RolloutIndex> rollouts,
+                             absl::Span<const at::Tensor> paths) {
+  at::Tensor rows = at::zeros_like(router_counts);
+  for (size_t i = 0; i < rollouts.size(); ++i) {
+    const at::Tensor counts = router_counts.index_select(0, paths[i]);
+    const at::Tensor row = plan.RouterBalanceRow(rollouts[i], counts.sum(0));
+    rows.index_add_(0, paths[i], row.expand_as(counts));
+  }
+  return rows;
 }
 
 RolloutLossInputs LossPlan::Inputs(int32_t r, const at::Tensor& logprobs,

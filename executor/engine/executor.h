@@ -93,7 +93,12 @@ std::string_view MethodName(Method method);
 std::string_view LeafOrderName(LeafOrderKind order);
 
 struct GradientResult {
-  double loss = 0;                   // the batch loss: the sum of every rollout's (normalised) loss
+  double loss = 0;  // the batch loss: the sum of every rollout's (normalised) loss, and the
+                    // router-balance term (LossOptions::router_aux_loss_coef) when on
+  // With LossOptions::router_aux_loss_coef: the mean over the batch's rollouts of their
+  // load-balancing losses aux_r (without the coefficient; over R = BatchLossContext::num_rollouts,
+  // so data-parallel ranks' values add up). 0 when off.
+  double router_aux_loss = 0;
   std::vector<at::Tensor> logprobs;  // per rollout [L], current policy, detached; position 0 is 0
   int64_t rollout_tokens = 0;        // all rollout tokens
   int64_t forwarded_tokens = 0;      // tokens pushed through the model, recomputation included

@@ -31,6 +31,17 @@ class LossPlan {
   // The diagnostics of the losses computed so far (each rollout's loss is computed once).
   LossDiagnostics ReadDiagnostics() const { return diagnostics_.Read(); }
 
+  // The router's load-balancing loss (LossOptions::router_aux_loss_coef), per rollout r with c_r
+  // and p_r [E] the sums over its tokens and the sparse layers of the top-k indicators and the
+  // router probabilities (ChunkOutput::router_counts, router_probs): coef aux_r / R = w_r <c_r,
+  // p_r>, w_r = coef E / (R (sparse layers x length_r)^2). c_r is a constant, so the term is linear
+  // in the probabilities: it adds w_r c_r to d loss / d router_probs of each of r's tokens (a
+  // token shared by rollouts sums theirs), and its value is <those rows, the probabilities>.
+  bool balances_routers() const { return options_.router_aux_loss_coef != 0; }
+  double router_aux_loss_coef() const { return options_.router_aux_loss_coef; }
+  // w_r c_r given c_r = `counts` [E].
+  at::Tensor RouterBalanceRow(int32_t r, const at::Tensor& counts) const;
+
  private:
   RolloutLossInputs Inputs(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy) const;
 
@@ -39,6 +50,7 @@ class LossPlan {
   BatchLossContext batch_;
   std::vector<std::vector<float>> advantages_;
   std::vector<at::Tensor> proximal_;
+  int64_t sparse_layers_ = 0, experts_ = 0;
   // Gathered as Loss and LossAndGrad run: statistics, not state the losses depend on.
   mutable DiagnosticsAccumulator diagnostics_;
 };
@@ -60,6 +72,14 @@ PrefixTree BuildTree(absl::Span<const Rollout> rollouts);
 
 // Checks token ids against the vocabulary, naming the rollout.
 void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts);
+
+// The router-balance term of rollouts whose tokens sit at rows `paths[i]` of a forward's
+// router_counts / router_probs ([T, E]): rows [T, E] with w_r c_r added at each rollout's rows
+// (LossPlan::RouterBalanceRow), the gradient the forward's router_probs is seeded with (or, times
+// router_probs, the term's differentiable value). `rollouts[i]` is the plan's index of paths[i].
+at::Tensor RouterBalanceRows(const LossPlan& plan, const at::Tensor& router_counts,
+                             absl::Span<const RolloutIndex> rollouts,
+                             absl::Span<const at::Tensor> paths);
 
 // When `plan` is null, only log-probabilities are computed (no graph, no gradients).
 GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts,

@@ -16,21 +16,24 @@ namespace {
 // loss (a device scalar) to `total_loss`.
 void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                     absl::Span<const RolloutIndex> subset, const LossPlan* plan,
-                    const ExecutorOptions& options, GradientResult& result,
-                    at::Tensor& total_loss) {
+                    const ExecutorOptions& options, GradientResult& result, at::Tensor& total_loss,
+                    at::Tensor& total_balance) {
   const PrefixTree tree = BuildTree(rollouts, subset);
   const PackedLayout layout = MakePackedLayout(tree, 0);
   const int64_t n = tree.num_tree_tokens();
   const bool entropy = plan && plan->needs_entropy();
   const bool checkpointing = plan != nullptr && options.checkpointing;
+  const bool balance = plan != nullptr && plan->balances_routers();
   const PackedOutput packed = ForwardPacked(model, layout, {}, at::Tensor(), entropy,
-                                            LogprobOptionsOf(options), checkpointing);
+                                            LogprobOptionsOf(options), checkpointing, balance);
+  std::vector<at::Tensor> paths;  // per local rollout, on the device
 
   result.forwarded_tokens += checkpointing ? 2 * n : n;
   at::Tensor total;
   for (RolloutIndex local = 0; local < tree.num_rollouts(); ++local) {
     const RolloutIndex r = subset[local];
     const at::Tensor path = IndexTensor(layout.paths[local], model.options().device());
+    paths.push_back(path);
     const at::Tensor logprobs = packed.logprobs.index_select(0, path);
     result.logprobs[r] = logprobs.detach();
     result.rollout_tokens += tree.rollout_length(local);
@@ -40,10 +43,18 @@ void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
       total = total.defined() ? total + loss : loss;
     }
   }
+  at::Tensor router_grad;  // every packed token's gradient of router_probs
+  if (plan && total.defined() && balance) {
+    router_grad = RouterBalanceRows(*plan, packed.router_counts, subset, paths);
+    // Without checkpointing the term's graph seeds router_grad; with it, BackwardThroughLayers.
+    const at::Tensor term = (packed.router_probs * router_grad).sum();
+    total_balance = total_balance.defined() ? total_balance + term.detach() : term.detach();
+    total = total + term;
+  }
   if (plan && total.defined()) {
     total.backward();
     if (checkpointing)
-      BackwardThroughLayers(model, *packed.input, packed.context, packed.checkpoints);
+      BackwardThroughLayers(model, *packed.input, packed.context, packed.checkpoints, router_grad);
     total_loss = total_loss.defined() ? total_loss + total.detach() : total.detach();
   }
 }
@@ -57,10 +68,10 @@ GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> roll
   result.logprobs.resize(rollouts.size());
   std::vector<RolloutIndex> all(rollouts.size());
   for (size_t r = 0; r < rollouts.size(); ++r) all[r] = static_cast<RolloutIndex>(r);
-  at::Tensor total_loss;
+  at::Tensor total_loss, total_balance;
   const int64_t passes = plan != nullptr && options.checkpointing ? 2 : 1;
   if (options.token_capacity <= 0) {
-    RunPackedBatch(model, rollouts, all, plan, options, result, total_loss);
+    RunPackedBatch(model, rollouts, all, plan, options, result, total_loss, total_balance);
     if (options.progress) options.progress(result.forwarded_tokens, result.forwarded_tokens);
   } else {
     // Tree Training's partitioning: subtrees of at most token_capacity unique tokens, one packed
@@ -69,12 +80,15 @@ GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> roll
     absl::StatusOr<TreePartition> partition = PartitionTreeGreedy(tree, options.token_capacity);
     TORCH_CHECK(partition.ok(), "packed: ", std::string(partition.status().message()));
     for (const TreeBatch& batch : partition->batches) {
-      RunPackedBatch(model, rollouts, batch.rollouts, plan, options, result, total_loss);
+      RunPackedBatch(model, rollouts, batch.rollouts, plan, options, result, total_loss,
+                     total_balance);
       if (options.progress)
         options.progress(result.forwarded_tokens, passes * partition->total_tokens);
     }
   }
   if (total_loss.defined()) result.loss = total_loss.item<double>();
+  if (total_balance.defined())
+    result.router_aux_loss = total_balance.item<double>() / plan->router_aux_loss_coef();
   return result;
 }
 

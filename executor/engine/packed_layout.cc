@@ -42,7 +42,8 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& dev
 
 PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
                            const PrefixKv& prefix, const at::Tensor& previous_hidden,
-                           bool with_entropy, const LogprobOptions& logprob, bool checkpointing) {
+                           bool with_entropy, const LogprobOptions& logprob, bool checkpointing,
+                           bool router_statistics) {
   const at::Device device = model.options().device();
   PackedOutput result;
   result.token_ids = IndexTensor(layout.tokens, device);
@@ -50,15 +51,21 @@ PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
                          .positions = IndexTensor(layout.positions, device),
                          .key_end = IndexTensor(layout.key_end, device),
                          .parents = layout.previous,
-                         .prefix = prefix};
+                         .prefix = prefix,
+                         .router_statistics = router_statistics};
   at::Tensor hidden;
   if (checkpointing) {
     result.input = input;
     result.context = model.MakeContext(input);
     result.checkpoints = ForwardKeepingLayerInputs(model, input, result.context);
     hidden = model.FinalNorm(result.checkpoints.last);
+    result.router_probs = result.checkpoints.router_probs;
+    result.router_counts = result.checkpoints.router_counts;
   } else {
-    hidden = model.Forward(input).hidden;
+    ChunkOutput out = model.Forward(input);
+    hidden = std::move(out.hidden);
+    result.router_probs = std::move(out.router_probs);
+    result.router_counts = std::move(out.router_counts);
   }
   // With a previous hidden state, row 0 is it and row t + 1 is packed token t's.
   const bool has_previous = previous_hidden.defined();

@@ -37,6 +37,9 @@ struct PackedOutput {
   at::Tensor token_ids;  // [n] the serialized tokens, on the model's device
   at::Tensor logprobs;   // [n] per serialized token
   at::Tensor entropy;    // [n] when asked for, else undefined
+  // With router statistics: ChunkOutput's router_probs and router_counts [n, num_experts]
+  // (router_probs without a graph under checkpointing).
+  at::Tensor router_probs, router_counts;
   // With checkpointing: what BackwardThroughLayers needs once the loss has been backpropagated.
   std::optional<ChunkInput> input;
   ChunkContext context;
@@ -48,10 +51,11 @@ struct PackedOutput {
 // of a root child, by `previous_hidden` ([1, hidden]). With `previous_hidden` undefined the tree
 // starts at position 0 and those tokens hold 0. With `checkpointing` (no prefix), the decoder keeps
 // only its layer inputs (see checkpointing.h): after backpropagating the loss, call
-// BackwardThroughLayers(model, *out.input, out.context, out.checkpoints).
+// BackwardThroughLayers(model, *out.input, out.context, out.checkpoints). With
+// `router_statistics`, the sparse layers' routing too (ChunkInput::router_statistics).
 PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
                            const PrefixKv& prefix, const at::Tensor& previous_hidden,
                            bool with_entropy, const LogprobOptions& logprob,
-                           bool checkpointing = false);
+                           bool checkpointing = false, bool router_statistics = false);
 
 }  // namespace dta::engine

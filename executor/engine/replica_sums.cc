@@ -12,7 +12,8 @@ void SumOverReplicas(ProcessGroup& data_parallel, int replica, int replicas,
   // The sums, then each replica's ratio extremes in slots of its own (a sum of one-hot vectors
   // gathers them).
   std::vector<double> values = {result.loss, static_cast<double>(result.rollout_tokens),
-                                static_cast<double>(result.forwarded_tokens)};
+                                static_cast<double>(result.forwarded_tokens),
+                                result.router_aux_loss};
   const std::array<double, LossDiagnostics::kSums> diagnostics = result.diagnostics.Sums();
   values.insert(values.end(), diagnostics.begin(), diagnostics.end());
   const size_t extremes = values.size();
@@ -23,8 +24,9 @@ void SumOverReplicas(ProcessGroup& data_parallel, int replica, int replicas,
   result.loss = sums[0];
   result.rollout_tokens = static_cast<int64_t>(sums[1]);
   result.forwarded_tokens = static_cast<int64_t>(sums[2]);
+  result.router_aux_loss = sums[3];  // each replica's is over the global rollout count already
   std::array<double, LossDiagnostics::kSums> summed;
-  std::copy_n(sums.begin() + 3, LossDiagnostics::kSums, summed.begin());
+  std::copy_n(sums.begin() + 4, LossDiagnostics::kSums, summed.begin());
   double ratio_max = -std::numeric_limits<double>::infinity();
   double ratio_min = std::numeric_limits<double>::infinity();
   for (int k = 0; k < replicas; ++k) {

@@ -159,6 +159,15 @@ struct LossOptions {
   bool with_proximal = false;
   // When set, replaces the built-in losses: kind, the clips and the regularisers are ignored.
   CustomLoss custom = nullptr;
+  // Mixture-of-experts models: loss += router_aux_loss_coef * (1/R) sum_r aux_r (>= 0; 0 = off),
+  // the router's load-balancing loss of each rollout r as transformers computes it for that rollout
+  // alone (load_balancing_loss_func over its tokens and every sparse layer, Qwen3MoeForCausalLM's
+  // aux_loss with output_router_logits): aux_r = E sum_i f_i P_i, f_i the fraction of its (token,
+  // layer) pairs that put expert i in their top-k and P_i the mean router probability of expert i
+  // over them (E experts). Added to the batch loss beside whatever `kind` or `custom` computes,
+  // whatever the normalisation. Per rollout, not over the whole batch: a batch-wide f would need
+  // every token's routing before the first backward, which push/pop execution never has.
+  double router_aux_loss_coef = 0.0;
 };
 
 // A RejectionSampling from "key=value" pairs joined by commas (the command line's spelling):

@@ -5,6 +5,8 @@
 
 #include <limits>
 
+#include "kernels/chunk_state_recurrence.h"
+
 namespace dta {
 namespace {
 
@@ -189,17 +191,17 @@ GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q_in, const at::Tensor&
   const at::Tensor k_decayed = k * (cum.narrow(-1, chunk_size - 1, 1) - cum).exp().unsqueeze(-1);
   const at::Tensor chunk_decay = cum.select(-1, chunk_size - 1).exp();  // [H, N]
 
-  std::vector<at::Tensor> outs;
-  outs.reserve(chunks);
-  for (int64_t i = 0; i < chunks; ++i) {
-    const at::Tensor v_new = new_values.select(1, i) - at::matmul(k_cumdecay.select(1, i), state);
-    outs.push_back(at::matmul(q_decayed.select(1, i), state) +
-                   at::matmul(intra.select(1, i), v_new));
-    state = state * chunk_decay.select(1, i).view({-1, 1, 1}) +
-            at::matmul(k_decayed.select(1, i).transpose(-1, -2), v_new);
-  }
-  const at::Tensor out = at::cat(outs, /*dim=*/1).narrow(1, 0, length).transpose(0, 1);
-  return {out, state};
+  // Across chunks, the state recurrence: h_i, the state at chunk i's start, and
+  // v_new_i = new_values_i - k_cumdecay_i h_i, from one autograd function (one CUDA kernel each way
+  // on the GPU; kernels/chunk_state_recurrence.h). Each chunk's output is then
+  // q_decayed_i h_i + intra_i v_new_i, for all chunks in two batched matmuls.
+  const kernels::ChunkStates scan =
+      kernels::ChunkStateRecurrence(k_cumdecay, new_values, k_decayed, chunk_decay, state);
+  const at::Tensor out = (at::matmul(q_decayed, scan.states) + at::matmul(intra, scan.new_values))
+                             .view({q.size(0), chunks * chunk_size, v.size(-1)})
+                             .narrow(1, 0, length)
+                             .transpose(0, 1);
+  return {out, scan.final_state};
 }
 
 GatedDeltaOutput RecurrentGatedDeltaRule(const at::Tensor& q_in, const at::Tensor& k_in,

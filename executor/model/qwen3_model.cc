@@ -432,13 +432,17 @@ void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const a
 // gradient <dy, expert output> is a partial sum per rank (each sees its intermediate slice), and
 // so is the gradient of n(x) through the experts: both are summed over the ranks; the router's
 // part of n(x)'s gradient and the router's weight gradient are then whole on every rank.
+//
+// Outputs: y [T, H]; the softmax probabilities [T, E] (compute dtype), through which a gradient
+// seeded by the router's load-balancing loss reaches the router; the top-k expert indices [T, k]
+// (int64, not differentiable).
 class SparseMoe : public torch::autograd::Function<SparseMoe> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& norm_weight, double eps, const at::Tensor& router,
-                            const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
-                            int64_t top_k, bool norm_topk, int64_t group,
-                            const std::optional<at::Tensor>& norm_accumulator) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               const at::Tensor& norm_weight, double eps, const at::Tensor& router,
+                               const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                               int64_t top_k, bool norm_topk, int64_t group,
+                               const std::optional<at::Tensor>& norm_accumulator) {
     const at::ScalarType type = gate.scalar_type();
     const at::ScalarType ct = ComputeType(type);
     const int64_t t = x.size(0);
@@ -473,7 +477,8 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
     ctx->saved_data["norm_topk"] = norm_topk;
     ctx->saved_data["tensor_parallel"] = group;
     ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
-    return y;
+    ctx->mark_non_differentiable({index});
+    return {y, probs, index};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -514,7 +519,10 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
       const at::Tensor sum = top.sum(-1, true);
       dtop = (dtop - (dtop * (top / sum)).sum(-1, true)) / sum;
     }
-    const at::Tensor dprobs = at::zeros_like(probs).scatter_(1, index, dtop);
+    at::Tensor dprobs = at::zeros_like(probs).scatter_(1, index, dtop);
+    // The load-balancing loss's gradient, whole on every rank (it is computed from the routing,
+    // which every rank shares).
+    if (grads[1].defined()) dprobs.add_(grads[1].to(ct));
     const at::Tensor dlogits = (probs * (dprobs - (dprobs * probs).sum(-1, true))).to(type);
     AddMatmul(GradAccumulator(router), dlogits.t(), xb);
     if (dxb_sum != nullptr) dxb_sum->Wait();
@@ -979,6 +987,7 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
   const auto [cos, sin] = Rope(input.positions);
   context.cos = cos.unsqueeze(1);
   context.sin = sin.unsqueeze(1);
+  context.router_statistics = input.router_statistics;
   if (has_linear_layers()) {
     TORCH_CHECK(context.chain || static_cast<int64_t>(input.parents.size()) == t,
                 "a tree chunk (key_end given) of a model with linear-attention layers needs each "
@@ -1027,7 +1036,7 @@ LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const Chunk
                                      const LayerPrefix& prefix) const {
   LayerOutput out = is_linear_layer(l) ? LinearAttentionHalf(l, h, context, prefix)
                                        : AttentionHalf(l, h, context, prefix);
-  out.hidden = MlpHalf(l, out.hidden);
+  MlpHalf(l, out.hidden, context, out);
   return out;
 }
 
@@ -1139,7 +1148,8 @@ LayerOutput Qwen3Model::LinearAttentionHalf(int64_t l, const at::Tensor& h,
   return out;
 }
 
-at::Tensor Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h) const {
+void Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h, const ChunkContext& context,
+                         LayerOutput& result) const {
   const Layer& layer = layers_[l];
   const double eps = config_.rms_norm_eps;
   const int64_t group = GroupHandle(tensor_parallel());
@@ -1159,19 +1169,27 @@ at::Tensor Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h) const {
     return y;
   };
   if (!layer.router.defined()) {
-    return h + swiglu(layer.gate_proj, layer.up_proj, layer.down_proj, at::Tensor());
+    result.hidden = h + swiglu(layer.gate_proj, layer.up_proj, layer.down_proj, at::Tensor());
+    return;
   }
   // The shared expert normalises h again in its own projection (an elementwise pass over [T, H],
   // small beside the experts' GEMMs), so that both reuse the fused norm-and-project functions.
-  at::Tensor out =
-      h + SparseMoe::apply(h, post_norm.weight, eps, layer.router, layer.experts_gate,
-                           layer.experts_up, layer.experts_down, config_.num_experts_per_tok,
-                           config_.norm_topk_prob, group, Optional(post_norm.accumulator));
+  const variable_list sparse =
+      SparseMoe::apply(h, post_norm.weight, eps, layer.router, layer.experts_gate, layer.experts_up,
+                       layer.experts_down, config_.num_experts_per_tok, config_.norm_topk_prob,
+                       group, Optional(post_norm.accumulator));
+  at::Tensor out = h + sparse[0];
   if (layer.shared_gate.defined()) {
     out = out +
           swiglu(layer.shared_gate, layer.shared_up, layer.shared_down, layer.shared_expert_gate);
   }
-  return out;
+  result.hidden = std::move(out);
+  if (context.router_statistics) {
+    const at::Tensor& probs = sparse[1];
+    result.router_probs = probs;
+    result.router_counts =
+        at::zeros_like(probs, probs.options().requires_grad(false)).scatter_(1, sparse[2], 1.0);
+  }
 }
 
 // In the compute dtype: Logprobs rounds it once to lm_head's dtype, and its gradient stays wide.
@@ -1191,6 +1209,12 @@ ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
     out.keys.push_back(std::move(layer.keys));
     out.values.push_back(std::move(layer.values));
     if (has_linear_layers()) out.states.push_back(std::move(layer.state));
+    if (layer.router_probs.defined()) {
+      out.router_probs =
+          out.router_probs.defined() ? out.router_probs + layer.router_probs : layer.router_probs;
+      out.router_counts = out.router_counts.defined() ? out.router_counts + layer.router_counts
+                                                      : layer.router_counts;
+    }
     // Attention layers have no states (an empty layer.point_states).
     for (size_t i = 0; i < out.point_states.size(); ++i) {
       out.point_states[i].push_back(layer.point_states.empty() ? at::Tensor()

@@ -153,6 +153,9 @@ struct ChunkInput {
   std::vector<int64_t> state_points = {};
   // The cached prefix every chunk token attends to; empty means none.
   PrefixKv prefix = {};
+  // Sparse (MoE) layers report their routing (ChunkOutput::router_probs and router_counts): what
+  // the router's load-balancing loss is computed from.
+  bool router_statistics = false;
 };
 
 struct ChunkOutput {
@@ -165,6 +168,11 @@ struct ChunkOutput {
   std::vector<at::Tensor> states;
   // Per ChunkInput::state_points entry, the states after that many tokens (per layer, as states).
   std::vector<std::vector<at::Tensor>> point_states;
+  // With ChunkInput::router_statistics, summed over the sparse layers, per token [T, num_experts]
+  // in the compute dtype: the router's softmax probabilities (differentiable: a gradient seeded
+  // here reaches the routers and everything below them) and how many of the layers put each expert
+  // in the token's top-k (a constant). Undefined otherwise.
+  at::Tensor router_probs, router_counts;
 };
 
 // What every layer of one Forward call shares: RoPE tables and the chunk's tree mask.
@@ -179,6 +187,7 @@ struct ChunkContext {
   int64_t conv_context_rows = 0;
   // Per ChunkInput::state_points entry, the run of `runs` that ends there.
   std::vector<int64_t> point_runs;
+  bool router_statistics = false;  // ChunkInput::router_statistics
 };
 
 struct LayerOutput {
@@ -187,6 +196,9 @@ struct LayerOutput {
   at::Tensor values;                     // [T, kv_heads, head_dim]
   at::Tensor state;                      // linear-attention layers (see ChunkOutput)
   std::vector<at::Tensor> point_states;  // per ChunkContext::point_runs entry
+  // A sparse layer with ChunkContext::router_statistics: its router's softmax probabilities and
+  // top-k indicators [T, num_experts] (see ChunkOutput); undefined otherwise.
+  at::Tensor router_probs, router_counts;
 };
 
 // How one parameter is split across the tensor-parallel ranks.
@@ -315,8 +327,10 @@ class Qwen3Model {
                             const LayerPrefix& prefix) const;
   LayerOutput LinearAttentionHalf(int64_t layer, const at::Tensor& h, const ChunkContext& context,
                                   const LayerPrefix& prefix) const;
-  // The MLP half: dense SwiGLU or the sparse block (with the shared expert), added to h.
-  at::Tensor MlpHalf(int64_t layer, const at::Tensor& h) const;
+  // The MLP half: dense SwiGLU or the sparse block (with the shared expert), added to h: sets
+  // out.hidden (and, with router statistics, out.router_probs and out.router_counts).
+  void MlpHalf(int64_t layer, const at::Tensor& h, const ChunkContext& context,
+               LayerOutput& out) const;
   // A parameter of `full_shape`, split along `dim` into `range` (dim -1: whole).
   at::Tensor Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim = -1,
                  IndexRange range = {});

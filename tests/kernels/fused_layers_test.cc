@@ -16,18 +16,13 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/kernels/kernel_testing.h"
 
 namespace dta::kernels {
 namespace {
 
-const at::TensorOptions kFloat64 = at::TensorOptions().dtype(at::kDouble);
-
-double RelativeError(const at::Tensor& actual, const at::Tensor& expected) {
-  const at::Tensor a = actual.to(at::kDouble).cpu();
-  const at::Tensor e = expected.to(at::kDouble).cpu();
-  const double scale = std::max(e.abs().max().item<double>(), 1e-30);
-  return (a - e).abs().max().item<double>() / scale;
-}
+using testing::kFloat64;
+using testing::RelativeError;
 
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;

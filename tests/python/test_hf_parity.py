@@ -56,10 +56,13 @@ def binary() -> Path:
 
 
 def run_binary(binary: Path, model_dir: Path, rollouts: Path, out: Path, dtype: str, method: str,
-               *options: str) -> dict[str, list[float]]:
+               *options: str, stdout: list[str] | None = None) -> dict[str, list[float]]:
+    """The log-probabilities dta-hf-logprobs writes; its standard output appended to `stdout`."""
     result = subprocess.run([str(binary), str(model_dir), str(rollouts), str(out), dtype, method, *options],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"{binary.name} failed ({result.returncode}):\n{result.stderr}"
+    if stdout is not None:
+        stdout.append(result.stdout)
     return json.loads(out.read_text())
 
 

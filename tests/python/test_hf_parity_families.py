@@ -257,6 +257,84 @@ def backward_nll(model, data: list[dict]) -> None:
         (-(logp * mask).sum()).backward()
 
 
+def backward_router_loss(model, data: list[dict], coef: float) -> float:
+    """Adds d/dθ of coef / R Σ_r aux_r into model's .grad, aux_r transformers' router load-balancing
+    loss (aux_loss with output_router_logits: load_balancing_loss_func) of rollout r forwarded alone;
+    returns the mean of aux_r."""
+    total = 0.0
+    for r in data:
+        out = model(input_ids=torch.tensor(r["tokens"], dtype=torch.long)[None], output_router_logits=True)
+        (coef / len(data) * out.aux_loss).backward()
+        total += out.aux_loss.item()
+    return total / len(data)
+
+
+def keep_float64_on_float(patch: pytest.MonkeyPatch) -> None:
+    """Under `patch`, Tensor.float() leaves float64 tensors alone (transformers' explicit float32 casts)."""
+    to_float = torch.Tensor.float
+    patch.setattr(torch.Tensor, "float", lambda x, *a, **k: x if x.dtype == torch.float64 else to_float(x, *a, **k))
+
+
+class _Float64Zeros:
+    """The torch module as one modeling file sees it, with torch.zeros(..., dtype=float32) in float64."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, dtype=None, **kwargs):
+        return torch.zeros(*args, dtype=torch.float64 if dtype == torch.float32 else dtype, **kwargs)
+
+
+class float64_router_loss:
+    """Within the block, transformers' load_balancing_loss_func (Qwen3-MoE's and Qwen3-Next's)
+    computes in float64: its float32 accumulators (torch.zeros(..., dtype=float32), which round the
+    expert fractions count / rows) are float64, and Tensor.float() leaves float64 tensors alone."""
+
+    def __enter__(self):
+        from transformers.models.qwen3_next import modeling_qwen3_next
+        self._patch = pytest.MonkeyPatch()
+        for module in (modeling_qwen3_moe, modeling_qwen3_next):
+            self._patch.setattr(module, "torch", _Float64Zeros())
+        keep_float64_on_float(self._patch)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+
+
+def reference_gradients_with_router_loss(model, data: list[dict], coef: float,
+                                         exact=exact_float64) -> tuple[dict[str, torch.Tensor], float]:
+    """reference_gradients plus backward_router_loss's, in float64; and the mean aux_r."""
+    model64 = copy.deepcopy(model).to(torch.float64)
+    model64.zero_grad()
+    with exact():
+        backward_nll(model64, data)
+    with exact(), float64_router_loss():
+        aux = backward_router_loss(model64, data, coef)
+    grads = dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
+    return grads, aux
+
+
+def assert_router_loss_matches(binary, variant, directory, path, model, data, runs, tmp_path,
+                               exact=exact_float64, coef: float = 1.0):
+    """With --router-aux-loss-coef, every run's gradients equal transformers' NLL plus coef / R Σ_r
+    aux_r (GRADIENT_TOLERANCE) and the mean aux_r it prints equals transformers' (1e-10). The
+    loss must move every router's gradient by more than 1e-4 of its norm (10^5 times the tolerance)
+    for the comparison to mean anything."""
+    expected, aux = reference_gradients_with_router_loss(model, data, coef, exact)
+    plain = reference_gradients(model, data, exact)
+    routers = [n for n in expected if n.endswith("mlp.gate.weight")]
+    assert routers and all((expected[n] - plain[n]).norm() > 1e-4 * plain[n].norm() for n in routers), variant
+    option = ("--router-aux-loss-coef", repr(coef))
+    printed: list[str] = []
+    assert_gradients_match(binary, variant, directory, path, expected,
+                           [(method, options + option) for method, options in runs], tmp_path, stdout=printed)
+    for (method, options), output in zip(runs, printed, strict=True):
+        values = [float(line.split()[1]) for line in output.splitlines() if line.startswith("router_aux_loss ")]
+        assert len(values) == 1 and abs(values[0] - aux) <= 1e-10 * aux, f"{variant} {method} {options}: {values} vs {aux}"
+
+
 def reference_gradients(model, data: list[dict], exact=exact_float64) -> dict[str, torch.Tensor]:
     """backward_nll's gradients in float64 (under `exact`, as `reference`), under dta's names."""
     model64 = copy.deepcopy(model).to(torch.float64)
@@ -279,12 +357,13 @@ def assert_logprobs_match(binary, variant, directory, path, expected, dtype, run
         assert worst <= TOLERANCE[dtype], f"{variant} {method} {options} {dtype}: max |dta - transformers| = {worst:.3g}"
 
 
-def assert_gradients_match(binary, variant, directory, path, expected, runs, tmp_path):
-    """Every run's float64 gradients (under dta's names) equal `expected` to GRADIENT_TOLERANCE."""
+def assert_gradients_match(binary, variant, directory, path, expected, runs, tmp_path, stdout=None):
+    """Every run's float64 gradients (under dta's names) equal `expected` to GRADIENT_TOLERANCE; each
+    run's standard output is appended to `stdout` when given."""
     for method, options in runs:
         grads = tmp_path / f"{method}-grads.safetensors"
         run_binary(binary, directory, path, tmp_path / "out.json", "float64", method, "--gradients", str(grads),
-                   *options)
+                   *options, stdout=stdout)
         with safe_open(str(grads), "pt") as f:
             ours = {name: f.get_tensor(name) for name in f.keys()}
         # Tied: transformers' lm_head.weight is the embedding (one gradient, both uses).
@@ -309,6 +388,14 @@ def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
     data, path = rollouts
     runs = [(m, ()) for m in METHODS] + [("dta", ("--block-size", "3"))]
     assert_gradients_match(binary, variant, directory, path, reference_gradients(model, data), runs, tmp_path)
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3moe-norm", "qwen3moe-step"], indirect=True)
+def test_router_aux_loss_matches_transformers(binary, checkpoint, rollouts, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    runs = [(m, ()) for m in METHODS] + [("dta", ("--block-size", "3"))]
+    assert_router_loss_matches(binary, variant, directory, path, model, data, runs, tmp_path)
 
 
 # --- transformers loads what dta saves ----------------------------------------------------------

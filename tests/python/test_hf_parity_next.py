@@ -144,9 +144,7 @@ class exact_float64:
         self._patch.setattr(modeling.Qwen3NextTopKRouter, "forward", _router)
         self._patch.setattr(modeling, "torch_chunk_gated_delta_rule", _delta_rule)
         self._patch.setattr(modeling, "torch_recurrent_gated_delta_rule", _delta_rule)
-        to_float = torch.Tensor.float
-        self._patch.setattr(torch.Tensor, "float",
-                            lambda x, *a, **k: x if x.dtype == torch.float64 else to_float(x, *a, **k))
+        families.keep_float64_on_float(self._patch)
         return self
 
     def __exit__(self, *exc):
@@ -202,6 +200,14 @@ def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
     variant, model, directory = checkpoint
     data, path = rollouts
     assert_gradients_match(binary, variant, directory, path, reference_gradients(model, data), RUNS, tmp_path)
+
+
+@pytest.mark.parametrize("checkpoint", ["next-moe"], indirect=True)
+def test_router_aux_loss_matches_transformers(binary, checkpoint, rollouts, tmp_path):
+    variant, model, directory = checkpoint
+    data, path = rollouts
+    families.assert_router_loss_matches(binary, variant, directory, path, model, data, RUNS, tmp_path,
+                                        exact=exact_float64)
 
 
 def test_transformers_loads_dta_checkpoint(binary, checkpoint, rollouts, tmp_path):

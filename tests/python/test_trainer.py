@@ -591,3 +591,26 @@ def test_executor_defaults_are_the_cpp_structs():
     for name in ("method", "block_size", "graph_budget", "pack", "order", "token_capacity", "checkpointing",
                  "logprob_slice_rows"):
         assert getattr(converted, name) == getattr(core, name), name
+
+
+def test_router_aux_loss_through_the_trainer(checkpoint, trajectories, tmp_path):
+    """LossOptions.router_aux_loss_coef reaches the executor: on a Qwen3-MoE checkpoint the step's
+    router_aux_loss is the mean of transformers' per-rollout aux_loss and the loss grows by coef
+    times it; a dense model refuses the option, naming it."""
+    from test_hf_parity_families import exact_float64 as families_exact, float64_router_loss, random_model as moe_model
+    model = moe_model("qwen3moe-norm")
+    directory = tmp_path / "moe"
+    model.save_pretrained(directory, safe_serialization=True)
+    tokens = list(trajectories)
+    with families_exact(), float64_router_loss(), torch.no_grad():
+        model64 = copy.deepcopy(model).to(torch.float64)
+        want = sum(model64(input_ids=torch.tensor(t.tokens)[None], output_router_logits=True).aux_loss.item()
+                   for t in tokens) / len(tokens)
+    trainer = dta.Trainer(str(directory), dtype="float64")
+    plain = trainer.compute_gradients(tokens, "grpo", "dta", block_size=3)
+    balanced = trainer.compute_gradients(tokens, "grpo", "dta", block_size=3, router_aux_loss_coef=0.5)
+    assert plain.router_aux_loss == 0
+    assert balanced.router_aux_loss == pytest.approx(want, rel=1e-10)
+    assert balanced.loss == pytest.approx(plain.loss + 0.5 * want, rel=1e-10)
+    with pytest.raises(RuntimeError, match="router_aux_loss_coef = 0.5 but the model .* has no mixture-of-experts"):
+        dta.Trainer(checkpoint[1], dtype="float64").compute_gradients(trajectories, "grpo", router_aux_loss_coef=0.5)

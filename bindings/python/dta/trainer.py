@@ -163,8 +163,13 @@ class LossOptions:
             it (``RolloutLossInput.entropy``, differentiable) and ``TrainStats.entropy`` is set.
         with_proximal: Give a callable loss the proximal log-probabilities (the policy before this
             step; ``RolloutLossInput.proximal_logprobs``): one extra forward-only pass.
+        router_aux_loss_coef: Mixture-of-experts models: loss += coef * the mean over the batch's
+            trajectories of each one's router load-balancing loss, as transformers' ``aux_loss``
+            (``output_router_logits``) computes it for that trajectory alone; 0 = off. Reported as
+            ``TrainStats.router_aux_loss``.
 
-    Advantage options and ``with_entropy`` / ``with_proximal`` apply to callable losses too.
+    Advantage options, ``with_entropy`` / ``with_proximal`` and ``router_aux_loss_coef`` apply to
+    callable losses too.
     """
 
     normalization: str = "token-mean"
@@ -187,6 +192,7 @@ class LossOptions:
     adv_token_weighted: bool = False
     with_entropy: bool = False
     with_proximal: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def _to_core(self, kind: str | None) -> Any:
         """The C++ options; kind None: for a callable loss (only the fields that apply to one)."""
@@ -213,6 +219,7 @@ class LossOptions:
         core.advantages = advantages
         core.with_entropy = bool(self.with_entropy)
         core.with_proximal = bool(self.with_proximal)
+        core.router_aux_loss_coef = float(self.router_aux_loss_coef)
         return core
 
 
@@ -220,7 +227,8 @@ _FLOAT_LOSS_OPTIONS = ("eps_clip_low", "eps_clip_high", "dual_clip", "behave_imp
                        "kl_coef", "gspo_eps_low", "gspo_eps_high")
 # What a callable loss may be given besides itself.
 _CALLABLE_LOSS_OPTIONS = {"reward_bias", "reward_scaling", "reward_clip", "adv_mean_level", "adv_std_level",
-                          "adv_std_eps", "adv_token_weighted", "with_entropy", "with_proximal"}
+                          "adv_std_eps", "adv_token_weighted", "with_entropy", "with_proximal",
+                          "router_aux_loss_coef"}
 
 
 @dataclass(frozen=True)
@@ -351,6 +359,9 @@ class TrainStats:
         rollout_tokens: Every rollout's tokens.
         tree_tokens: The batch's unique tokens (its prefix tree's).
         forwarded_tokens: Tokens pushed through the model, recomputation included.
+        router_aux_loss: With ``router_aux_loss_coef``: the mean over the trajectories of their
+            router load-balancing losses (without the coefficient; ``loss`` includes coef times
+            it); 0 when off.
         seconds: Wall time (gradients, plus the optimizer step for train_batch).
         method: ``dta``, ``dense`` or ``packed``.
         grad_norm: Global gradient norm before clipping (train_batch only, else None).
@@ -380,6 +391,7 @@ class TrainStats:
     forwarded_tokens: int
     seconds: float
     method: str
+    router_aux_loss: float = 0.0
     grad_norm: float | None = None
     clip_coef: float | None = None
     step: int | None = None

@@ -52,6 +52,8 @@ void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& 
   SCOPED_TRACE(what);
   EXPECT_NEAR(run.result.loss, reference.result.loss,
               kTolerance * std::max(1.0, std::abs(reference.result.loss)));
+  EXPECT_NEAR(run.result.router_aux_loss, reference.result.router_aux_loss,
+              kTolerance * std::max(1.0, std::abs(reference.result.router_aux_loss)));
   ASSERT_EQ(run.result.logprobs.size(), reference.result.logprobs.size());
   for (size_t r = 0; r < run.result.logprobs.size(); ++r) {
     EXPECT_LE(RelativeError(run.result.logprobs[r], reference.result.logprobs[r]), kTolerance)
@@ -239,6 +241,138 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilyEquivalence,
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
+
+// The router's load-balancing loss (LossOptions::router_aux_loss_coef) for the mixture-of-experts
+// families: every method agrees on the adversarial trees; its value equals each rollout's own
+// loss from the router statistics of a forward over it alone; its gradient equals central finite
+// differences of that value.
+class RouterBalanceEquivalence : public FamilyEquivalence {
+ protected:
+  // The mean over rollouts of aux_r = E <c_r, p_r> / (sparse layers x length)^2, each rollout
+  // forwarded alone (no graph).
+  double PerRolloutAuxLoss(const std::vector<Rollout>& rollouts) {
+    torch::autograd::AutoGradMode no_grad(false);
+    const Qwen3Config& c = model_.config();
+    int64_t sparse = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) sparse += IsSparseLayer(c, l);
+    double sum = 0;
+    for (const Rollout& r : rollouts) {
+      const int64_t length = static_cast<int64_t>(r.tokens.size());
+      const at::Tensor tokens = at::tensor(std::vector<int64_t>(r.tokens.begin(), r.tokens.end()));
+      const ChunkOutput out = model_.Forward(
+          {.tokens = tokens, .positions = at::arange(length), .router_statistics = true});
+      // Each sparse layer puts exactly top-k experts in a token's counts; probabilities sum to 1.
+      EXPECT_TRUE(at::allclose(
+          out.router_counts.sum(1),
+          at::full({length}, double(sparse * c.num_experts_per_tok), out.router_counts.options())));
+      EXPECT_TRUE(at::allclose(out.router_probs.sum(1),
+                               at::full({length}, double(sparse), out.router_probs.options())));
+      const double rows = static_cast<double>(sparse * length);
+      sum += static_cast<double>(c.num_experts) *
+             (out.router_counts.sum(0) * out.router_probs.sum(0)).sum().item<double>() /
+             (rows * rows);
+    }
+    return sum / static_cast<double>(rollouts.size());
+  }
+};
+
+TEST_P(RouterBalanceEquivalence, EveryMethodOnTheAdversarialTrees) {
+  const LossOptions loss{.kind = LossKind::kPpo, .router_aux_loss_coef = 0.7};
+  CheckAllMethods(
+      MakeRollouts({{5}, {5, 6}, {5, 6}, {5, 6, 7}, {5}, {4}, {5, 6, 7, 8, 9, 10}, {5, 6, 7}}, 11),
+      loss, "duplicates, prefixes, one-token rollouts");
+  for (uint64_t seed = 0; seed < 4; ++seed) {
+    CheckAllMethods(MakeRollouts(testing::RandomRollouts(
+                                     seed, {.max_rollouts = 10, .max_length = 12, .vocab = 4}),
+                                 seed),
+                    loss, "seed " + std::to_string(seed));
+  }
+  std::vector<TokenId> chain(300);
+  for (size_t i = 0; i < chain.size(); ++i) chain[i] = static_cast<TokenId>((i * 7) % 19);
+  std::vector<TokenId> branch(chain.begin(), chain.begin() + 200);
+  branch.push_back(3);
+  CheckAllMethods(MakeRollouts({chain, branch}, 5), loss, "chain", {1, 64});
+}
+
+TEST_P(RouterBalanceEquivalence, ValueAndGradientAreTheLoadBalancingLoss) {
+  const std::vector<Rollout> rollouts =
+      MakeRollouts({{1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 8}, {1, 2, 3, 4, 8}, {2}, {1, 2, 9, 3}}, 4);
+  const double coef = 0.7;
+  const LossOptions with{.kind = LossKind::kPpo, .router_aux_loss_coef = coef};
+  const LossOptions without{.kind = LossKind::kPpo};
+  const ExecutorOptions dta{.method = Method::kDta, .block_size = 2};
+  const MethodRun on = RunMethod(model_, rollouts, with, dta);
+  const MethodRun off = RunMethod(model_, rollouts, without, dta);
+  const double aux = PerRolloutAuxLoss(rollouts);
+  EXPECT_GT(aux, 0.0);
+  EXPECT_NEAR(on.result.router_aux_loss, aux, 1e-12);
+  EXPECT_NEAR(on.result.loss, off.result.loss + coef * aux, 1e-12);
+  EXPECT_EQ(off.result.router_aux_loss, 0.0);
+  // d aux / d theta by central differences, for a router and for the parameters below it.
+  const Qwen3Config& c = model_.config();
+  int64_t first_sparse = 0;
+  while (!IsSparseLayer(c, first_sparse)) ++first_sparse;
+  const std::string layer = "model.layers." + std::to_string(first_sparse) + ".";
+  for (const std::string& name :
+       {layer + "mlp.gate.weight", layer + "post_attention_layernorm.weight",
+        std::string("model.embed_tokens.weight")}) {
+    SCOPED_TRACE(name);
+    size_t index = 0;
+    while (model_.named_parameters()[index].first != name) ++index;
+    const at::Tensor parameter = model_.named_parameters()[index].second;
+    const at::Tensor analytic = (on.grads[index] - off.grads[index]) / coef;
+    EXPECT_GT(analytic.abs().max().item<double>(), 1e-6);
+    for (const int64_t flat : {int64_t{0}, parameter.numel() / 2 + 1, parameter.numel() - 1}) {
+      const double h = 1e-6;
+      at::Tensor entry = parameter.detach().view({-1}).narrow(0, flat, 1);
+      const double original = entry.item<double>();
+      entry.fill_(original + h);
+      const double plus = PerRolloutAuxLoss(rollouts);
+      entry.fill_(original - h);
+      const double minus = PerRolloutAuxLoss(rollouts);
+      entry.fill_(original);
+      const double numeric = (plus - minus) / (2 * h);
+      EXPECT_NEAR(analytic.view({-1})[flat].item<double>(), numeric,
+                  1e-6 * std::max(1.0, std::abs(numeric)))
+          << "entry " << flat;
+    }
+  }
+}
+
+TEST_P(RouterBalanceEquivalence, RefusesBadCoefficients) {
+  const std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3}}, 1);
+  for (const double coef : {-0.1, std::nan("")}) {
+    EXPECT_THROW(
+        {
+          try {
+            RunMethod(model_, rollouts, {.router_aux_loss_coef = coef}, {.method = Method::kDta});
+          } catch (const c10::Error& e) {
+            EXPECT_NE(std::string(e.what()).find("router_aux_loss_coef must be finite and >= 0"),
+                      std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        c10::Error);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, RouterBalanceEquivalence,
+                         ::testing::Values("qwen3_moe", "qwen3_next"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+TEST_F(Equivalence, RouterBalanceNeedsAMixtureOfExperts) {
+  const std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3}}, 1);
+  try {
+    RunMethod(model_, rollouts, {.router_aux_loss_coef = 0.01}, {.method = Method::kDense});
+    FAIL() << "a dense model took a router-balance loss";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no mixture-of-experts layers"), std::string::npos)
+        << e.what();
+  }
+}
 
 TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
   const auto rollouts =

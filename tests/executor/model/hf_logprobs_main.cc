@@ -12,6 +12,9 @@
 //     --block-size N          dta's backward chunk size B (default unbounded)
 //     --gradients FILE        also write every parameter's gradient (safetensors, HF names) of
 //                             -sum over rollouts and loss-masked tokens of the log-probability
+//     --router-aux-loss-coef C  with --gradients: add the router's load-balancing loss
+//                             (LossOptions::router_aux_loss_coef, normalised by the number of
+//                             rollouts) and print "router_aux_loss VALUE" (the mean per rollout)
 //     --resave DIR            also save the loaded model to DIR
 //     --resave-dtype NAME     bfloat16 | float16 | float32 | float64 (default: DTYPE)
 //     --resave-shard-bytes N  shard the resaved weights above N bytes (default 5 GiB)
@@ -21,6 +24,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -40,7 +44,7 @@ constexpr int kBadArguments = 2;
 
 constexpr const char* kUsage =
     "usage: dta-hf-logprobs MODEL_DIR ROLLOUTS.jsonl OUT.json float32|float64 dense|packed|dta\n"
-    "         [--block-size N] [--gradients FILE] [--resave DIR]\n"
+    "         [--block-size N] [--gradients FILE] [--router-aux-loss-coef C] [--resave DIR]\n"
     "         [--resave-dtype bfloat16|float16|float32|float64]\n"
     "         [--resave-shard-bytes N]\n";
 
@@ -73,6 +77,7 @@ int Run(int argc, char** argv) {
   ExecutorOptions options;
   std::string resave;
   std::string gradients;
+  double router_aux_loss_coef = 0;
   std::optional<at::ScalarType> resave_dtype;
   int64_t shard_bytes = int64_t{5} << 30;
   for (int i = 1; i < argc; ++i) {
@@ -84,6 +89,11 @@ int Run(int argc, char** argv) {
         resave = value;
       } else if (arg == "--gradients") {
         gradients = value;
+      } else if (arg == "--router-aux-loss-coef") {
+        char* end = nullptr;
+        router_aux_loss_coef = std::strtod(value.c_str(), &end);
+        if (value.empty() || *end != '\0')
+          return BadArguments("--router-aux-loss-coef must be a number, not " + value);
       } else if (arg == "--resave-dtype") {
         resave_dtype = ParseDtype(value);
         if (!resave_dtype) return BadArguments("unknown --resave-dtype " + value);
@@ -145,7 +155,12 @@ int Run(int argc, char** argv) {
       LossOptions sft;
       sft.kind = LossKind::kSft;
       sft.normalization = Normalization::kSum;
-      ComputeGradients(model, *rollouts, sft, options);
+      sft.router_aux_loss_coef = router_aux_loss_coef;
+      const GradientResult result = ComputeGradients(model, *rollouts, sft, options);
+      if (router_aux_loss_coef != 0) {
+        std::cout.precision(17);
+        std::cout << "router_aux_loss " << result.router_aux_loss << "\n";
+      }
       std::vector<std::pair<std::string, at::Tensor>> grads;
       for (const auto& [name, parameter] : model.named_parameters()) {
         TORCH_CHECK(parameter.grad().defined(), "no gradient for ", name);

@@ -1,0 +1,211 @@
+// dta-linear-attention-bench: Qwen3-Next's Gated DeltaNet layer with the chunk state recurrence as
+// one CUDA kernel each way (kernels/chunk_state_recurrence.h) against the ATen loop over chunks it
+// replaces (DTA_LINEAR_ATTENTION_KERNEL=0), side by side. Two things are timed per chunk length T:
+//   - "rule": ChunkedGatedDeltaRule alone on float32 q, k, v, g, beta and a state;
+//   - "mix": GatedDeltaNetMix, the layer between its projections as the model calls it (its
+//     projections in bfloat16 on the GPU, float32 on the CPU; the delta rule in float32).
+// Shapes are Qwen3-Next's: 16 key heads, 32 value heads, Dk = Dv = 128, 64-token chunks, one chain
+// of T tokens. Times are wall-clock medians between device synchronisations (the path being
+// replaced is bound by the host's launches, which event timing would hide), forward alone and
+// forward + backward; the last column checks that both paths computed the same (the largest
+// difference of the output and of the first input's gradient, relative to the largest entry).
+// On the CPU both columns take the ATen loop (the smoke test of this program).
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "core/cli/usage.h"
+#include "executor/model/gated_delta_net.h"
+#include "kernels/chunk_state_recurrence.h"
+
+ABSL_FLAG(std::string, device, "auto", "cpu, cuda, or auto (cuda when there is a GPU)");
+ABSL_FLAG(std::string, tokens, "",
+          "comma-separated chunk lengths T (default: 1024,4096,16384 on cuda, 64,256 on cpu)");
+ABSL_FLAG(std::string, what, "rule,mix", "what to time: rule, mix or both");
+ABSL_FLAG(int32_t, runs, 0, "timed runs per number, the median printed (default: 10 cuda, 3 cpu)");
+ABSL_FLAG(int32_t, warmups, 2, "untimed runs first");
+
+namespace dta {
+namespace {
+
+constexpr int64_t kKeyHeads = 16, kValueHeads = 32, kHeadDim = 128;
+
+struct Timing {
+  double forward_ms = 0, step_ms = 0;
+  at::Tensor out, grad;  // of the last run, to compare the two paths
+};
+
+void Synchronize(const at::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize();
+}
+
+double MedianMs(const at::Device& device, int runs, const std::function<void()>& fn) {
+  for (int i = 0; i < absl::GetFlag(FLAGS_warmups); ++i) fn();
+  std::vector<double> ms;
+  for (int i = 0; i < runs; ++i) {
+    Synchronize(device);
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    Synchronize(device);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                     .count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms.size() % 2 == 1 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
+}
+
+// A forward returning (output, loss) and the leaf whose gradient is compared.
+struct Workload {
+  std::function<at::Tensor()> forward;  // the output; the loss is sum(output * seed)
+  at::Tensor leaf;
+  at::Tensor seed;
+};
+
+Workload RuleWorkload(int64_t t, const at::Device& device) {
+  at::manual_seed(1);
+  const at::TensorOptions o = at::TensorOptions().dtype(at::kFloat).device(device);
+  auto normalized = [&] {
+    const at::Tensor x = at::randn({t, kValueHeads, kHeadDim}, o);
+    return (x / x.norm(2, -1, /*keepdim=*/true)).requires_grad_(true);
+  };
+  const at::Tensor q = normalized(), k = normalized();
+  const at::Tensor v = at::randn({t, kValueHeads, kHeadDim}, o).requires_grad_(true);
+  const at::Tensor g = (-0.1 * at::rand({t, kValueHeads}, o)).requires_grad_(true);
+  const at::Tensor beta = at::sigmoid(at::randn({t, kValueHeads}, o)).requires_grad_(true);
+  const at::Tensor state = (0.1 * at::randn({kValueHeads, kHeadDim, kHeadDim}, o));
+  Workload w;
+  w.forward = [=] { return ChunkedGatedDeltaRule(q, k, v, g, beta, state).out; };
+  w.leaf = v;
+  w.seed = at::randn({t, kValueHeads, kHeadDim}, o);
+  return w;
+}
+
+Workload MixWorkload(int64_t t, const at::Device& device) {
+  at::manual_seed(2);
+  const GatedDeltaNetShape shape{.key_heads = kKeyHeads,
+                                 .value_heads = kValueHeads,
+                                 .key_head_dim = kHeadDim,
+                                 .value_head_dim = kHeadDim,
+                                 .conv_kernel = 4,
+                                 .eps = 1e-6};
+  const at::ScalarType type = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  const at::TensorOptions o = at::TensorOptions().dtype(type).device(device);
+  auto param = [&](std::vector<int64_t> sizes, double scale) {
+    return (scale * at::randn(sizes, o)).requires_grad_(true);
+  };
+  GatedDeltaNetWeights weights;
+  weights.conv1d = param({shape.conv_dim(), 1, shape.conv_kernel}, 0.5);
+  weights.dt_bias = param({kValueHeads}, 0.5);
+  // Log decays g = -exp(a_log) softplus(a + dt_bias) of about -0.07 a token: a chunk's decay stays
+  // a normal float (no denormals on the CPU).
+  weights.a_log = (-2.3 + 0.1 * at::randn({kValueHeads}, o)).requires_grad_(true);
+  weights.norm = (1.0 + 0.1 * at::randn({kHeadDim}, o)).requires_grad_(true);
+  const at::Tensor qkvz = param({t, 2 * shape.key_dim() + 2 * shape.value_dim()}, 1.0);
+  const at::Tensor ba = param({t, 2 * kValueHeads}, 1.0);
+  const at::Tensor index = ConvAncestorIndex({}, t, 0, shape.conv_kernel, device);
+  const std::vector<TokenRun> runs = ChainRuns({}, t);
+  Workload w;
+  w.forward = [=] { return GatedDeltaNetMix(weights, shape, qkvz, ba, index, runs, {}).out; };
+  w.leaf = qkvz;
+  w.seed = at::randn({t, shape.value_dim()}, o);
+  return w;
+}
+
+Timing Time(const Workload& w, const at::Device& device, int runs, bool kernel) {
+  if (kernel) {
+    unsetenv("DTA_LINEAR_ATTENTION_KERNEL");
+  } else {
+    setenv("DTA_LINEAR_ATTENTION_KERNEL", "0", 1);
+  }
+  Timing timing;
+  timing.forward_ms = MedianMs(device, runs, [&] { w.forward(); });
+  timing.step_ms = MedianMs(device, runs, [&] {
+    const at::Tensor out = w.forward();
+    timing.grad = torch::autograd::grad({(out.to(at::kFloat) * w.seed).sum()}, {w.leaf})[0];
+    timing.out = out.detach();
+  });
+  unsetenv("DTA_LINEAR_ATTENTION_KERNEL");
+  return timing;
+}
+
+double RelativeDifference(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  return (x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), 1e-30);
+}
+
+int Main() {
+  std::string device_name = absl::GetFlag(FLAGS_device);
+  if (device_name == "auto") device_name = torch::cuda::is_available() ? "cuda" : "cpu";
+  if (device_name != "cpu" && device_name != "cuda") {
+    std::fprintf(stderr, "--device must be cpu, cuda or auto, got '%s'\n", device_name.c_str());
+    return 2;
+  }
+  if (device_name == "cuda" && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "--device=cuda: no CUDA device\n");
+    return 2;
+  }
+  const at::Device device(device_name);
+  const bool cuda = device.is_cuda();
+  std::string token_list = absl::GetFlag(FLAGS_tokens);
+  if (token_list.empty()) token_list = cuda ? "1024,4096,16384" : "64,256";
+  std::vector<int64_t> lengths;
+  for (const absl::string_view part : absl::StrSplit(token_list, ',', absl::SkipEmpty())) {
+    int64_t t = 0;
+    if (!absl::SimpleAtoi(part, &t) || t < 1) {
+      std::fprintf(stderr, "--tokens: not a positive length: '%s'\n", std::string(part).c_str());
+      return 2;
+    }
+    lengths.push_back(t);
+  }
+  const std::string what = absl::GetFlag(FLAGS_what);
+  const int runs = absl::GetFlag(FLAGS_runs) > 0 ? absl::GetFlag(FLAGS_runs) : (cuda ? 10 : 3);
+  const bool kernel_possible = kernels::ChunkStateUsesKernel(
+      at::zeros({1, 1, 64, kHeadDim}, at::TensorOptions().dtype(at::kFloat).device(device)),
+      kHeadDim);
+  std::printf(
+      "Gated DeltaNet, %lld key / %lld value heads, Dk = Dv = %lld, 64-token chunks, on %s; "
+      "kernel %s; median of %d runs, wall-clock ms between synchronisations\n\n",
+      static_cast<long long>(kKeyHeads), static_cast<long long>(kValueHeads),
+      static_cast<long long>(kHeadDim), cuda ? "cuda" : "cpu",
+      kernel_possible ? "available" : "not available (both columns are the ATen loop)", runs);
+  std::printf(
+      "| what | T | fwd ms, ATen loop | fwd ms, kernel | fwd speed-up | fwd+bwd ms, ATen loop | "
+      "fwd+bwd ms, kernel | fwd+bwd speed-up | max rel. diff out / grad |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n");
+  for (const std::string name : {"rule", "mix"}) {
+    if (what.find(name) == std::string::npos) continue;
+    for (const int64_t t : lengths) {
+      const Workload w = name == "rule" ? RuleWorkload(t, device) : MixWorkload(t, device);
+      const Timing off = Time(w, device, runs, /*kernel=*/false);
+      const Timing on = Time(w, device, runs, /*kernel=*/true);
+      std::printf("| %s | %lld | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx | %.1e / %.1e |\n",
+                  name.c_str(), static_cast<long long>(t), off.forward_ms, on.forward_ms,
+                  off.forward_ms / on.forward_ms, off.step_ms, on.step_ms, off.step_ms / on.step_ms,
+                  RelativeDifference(on.out, off.out), RelativeDifference(on.grad, off.grad));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace dta
+
+int main(int argc, char** argv) {
+  dta::SetProgramUsage(
+      "dta-linear-attention-bench [--device=cuda] [--tokens=1024,4096,16384] [--what=rule,mix]: "
+      "Gated DeltaNet with the chunk state recurrence kernel against the ATen loop");
+  dta::ParseCommandLine(argc, argv);
+  return dta::Main();
+}
