@@ -20,7 +20,9 @@
 //                  the paper's recomputation), packing of small complete subtrees (-pack without -g
 //                  takes --graph_budget), lexicographic instead of backward-DFS leaf order; e.g.
 //                  dta-b2048, dta-b4096, dta-b4096-pack, dta-b4096-gauto-pack, dta-bauto-gauto-pack
-//                  (the executor's defaults, packing on)
+//                  (the executor's defaults, packing on); -m<GiB> runs it under a memory budget
+//                  (ExecutorOptions::memory_budget), -mhalf under half of dense's measured peak
+//                  (dense must be listed before it), e.g. dta-bauto-gauto-pack-mhalf
 //
 // Each timed step zeroes the gradients and calls ComputeGradients once (GRPO: PPO clip with group
 // advantages, token-mean; LossOptions' defaults, as dta-train). --warmup steps are run and
@@ -158,6 +160,8 @@ struct BadInput {
 struct MethodSpec {
   std::string name;
   ExecutorOptions options;
+  // -mhalf: options.memory_budget is set, before the method runs, to half of dense's peak.
+  bool budget_half_of_dense = false;
   // Non-empty: the method is listed as n/a with this reason and not run.
   std::string unsupported;
 };
@@ -196,15 +200,20 @@ MethodSpec ParseMethod(const std::string& name) {
                  (part == "auto" || (absl::SimpleAtoi(part, &value) && value >= 0))) {
         spec.options.graph_budget = part == "auto" ? -1 : value;
         has_budget = true;
+      } else if (part == "mhalf") {
+        spec.budget_half_of_dense = true;
+      } else if (double gib = 0; absl::ConsumePrefix(&part, "m") && absl::SimpleAtod(part, &gib) &&
+                                 gib > 0 && std::isfinite(gib)) {
+        spec.options.memory_budget = static_cast<int64_t>(gib * kGiB);
       } else if (part == "pack") {
         spec.options.pack = true;
       } else if (part == "lex") {
         spec.options.order = LeafOrderKind::kLexicographic;
       } else {
         throw BadInput{"--methods: cannot read '" + name +
-                       "': dta variants are dta-b<B>[-g<G>][-pack][-lex], e.g. "
+                       "': dta variants are dta-b<B>[-g<G>][-pack][-lex][-m<GiB>|-mhalf], e.g. "
                        "dta-b2048, dta-b4096-pack, dta-binf-g8192, dta-b4096-gauto-pack, "
-                       "dta-bauto-gauto-pack"};
+                       "dta-bauto-gauto-pack, dta-bauto-gauto-pack-mhalf"};
       }
     }
     if (!has_block) throw BadInput{"--methods: '" + name + "' needs a block size, e.g. dta-b2048"};
@@ -253,6 +262,8 @@ nlohmann::json OptionsJson(const ExecutorOptions& o) {
            {"graph_budget",
             o.graph_budget < 0 ? nlohmann::json("auto") : nlohmann::json(o.graph_budget)},
            {"pack", o.pack},
+           {"memory_budget_gib",
+            o.memory_budget > 0 ? nlohmann::json(o.memory_budget / kGiB) : nlohmann::json(nullptr)},
            {"order", o.order == LeafOrderKind::kBackwardDfs ? "backward-dfs" : "lexicographic"}};
       break;
   }
@@ -595,6 +606,7 @@ struct MethodResult {
   double median_seconds = std::nan("");
   double loss = std::nan("");
   int64_t forwarded_tokens = 0;
+  int64_t block_size = 0, graph_budget = 0;  // dta: what the step ran with, automatic ones resolved
   double memory_before_gib = 0, peak_gib = std::nan(""), peak_reserved_gib = std::nan("");
   bool ok() const { return status == "ok"; }
 };
@@ -863,6 +875,8 @@ MethodResult RunMethod(const Qwen3Model& model, const std::vector<Rollout>& roll
       (warm ? result.warmup_seconds : result.step_seconds).push_back(seconds);
       result.loss = r.loss;
       result.forwarded_tokens = r.forwarded_tokens;
+      result.block_size = r.block_size;
+      result.graph_budget = r.graph_budget;
       Progress(absl::StrFormat("%s: %s %d/%d: %.3f s, %.0f rollout tok/s, loss %.6g", tag,
                                warm ? "warm-up" : "step", warm ? step + 1 : step - warmup + 1,
                                warm ? warmup : repeats, seconds, r.rollout_tokens / seconds,
@@ -872,6 +886,11 @@ MethodResult RunMethod(const Qwen3Model& model, const std::vector<Rollout>& roll
   result.peak_gib = memory.PeakGiB();
   result.peak_reserved_gib = memory.PeakReservedGiB();
   if (result.ok()) result.median_seconds = Median(result.step_seconds);
+  if (result.ok() && spec.options.memory_budget > 0) {
+    result.note =
+        absl::StrFormat("%.2f GiB budget: B %d, graph budget %d", spec.options.memory_budget / kGiB,
+                        result.block_size, result.graph_budget);
+  }
   ZeroGrads(model);
   return result;
 }
@@ -938,7 +957,7 @@ int Run(int argc, char** argv) {
     throw BadInput{"--graph_budget must be >= 0, or -1 (automatic)"};
   if (absl::GetFlag(FLAGS_max_rollouts) < 0) throw BadInput{"--max_rollouts must be >= 0"};
   if (!(absl::GetFlag(FLAGS_peak_tflops) > 0)) throw BadInput{"--peak_tflops must be positive"};
-  const std::vector<MethodSpec> methods = ParseMethods();
+  std::vector<MethodSpec> methods = ParseMethods();
   const at::ScalarType dtype = ParseDtype(absl::GetFlag(FLAGS_dtype));
   const std::string config_name = absl::GetFlag(FLAGS_config);
   const Qwen3Config config = LoadConfig("config", config_name);
@@ -1052,6 +1071,16 @@ int Run(int argc, char** argv) {
     Synchronize(device.device);
     weights_gib = memory.CurrentGiB();
     for (size_t i = 0; i < methods.size(); ++i) {
+      if (methods[i].budget_half_of_dense) {
+        const auto dense = std::find_if(results.begin(), results.end(), [](const MethodResult& r) {
+          return r.name == "dense" && r.ok();
+        });
+        if (dense == results.end()) {
+          methods[i].unsupported = "-mhalf needs dense listed before it, and dense to have run";
+        } else {
+          methods[i].options.memory_budget = static_cast<int64_t>(dense->peak_gib / 2 * kGiB);
+        }
+      }
       results.push_back(RunMethod(model, rollouts, loss, methods[i], static_cast<int>(i + 1),
                                   static_cast<int>(methods.size()), memory, device.device));
     }
@@ -1126,6 +1155,9 @@ int Run(int argc, char** argv) {
         {"mfu_dense_counted", J(mfu_dense)},
         {"fraction_of_ideal", J(of_ideal)},
         {"loss", J(r.ok() ? Opt(r.loss) : std::nullopt)},
+        {"ran_with", r.ok() && r.block_size > 0 ? nlohmann::json{{"block_size", r.block_size},
+                                                                 {"graph_budget", r.graph_budget}}
+                                                : nlohmann::json(nullptr)},
         {"forwarded_tokens",
          r.ok() ? nlohmann::json(r.forwarded_tokens) : nlohmann::json(nullptr)}};
     m["check"] = row ? nlohmann::json({{"vs_reference", ComparisonJson(row->vs_reference)},
@@ -1282,7 +1314,8 @@ int Run(int argc, char** argv) {
       Int(stats.rollout_tokens), memory.Kind(), absl::GetFlag(FLAGS_peak_tflops), ideal,
       ideal * kCheckpointingFactor, check.ran ? check.reference_dtype : "float32");
   for (const MethodResult& r : results) {
-    if (!r.ok()) md += absl::StrFormat("\n- %s: %s: %s", r.name, r.status, r.note);
+    if (!r.ok() || !r.note.empty())
+      md += absl::StrFormat("\n- %s: %s: %s", r.name, r.status, r.note);
   }
   md += "\n";
   if (check.ran) {

@@ -76,6 +76,12 @@ ABSL_FLAG(int64_t, graph_budget, kExecutorDefaults.graph_budget,
           "dta: tokens whose graphs may be kept instead of recomputed; -1: as many as fit in 80% "
           "of the GPU's free "
           "memory (0 on the CPU)");
+ABSL_FLAG(double, memory_budget,
+          static_cast<double>(kExecutorDefaults.memory_budget) /
+              static_cast<double>(int64_t{1} << 30),
+          "dta on a GPU: the most device memory a step may hold, GiB, weights, gradients and "
+          "optimizer state included; the automatic --block_size and --graph_budget are the largest "
+          "that fit, explicit ones are lowered to fit (0 = no budget)");
 ABSL_FLAG(int64_t, token_capacity, kExecutorDefaults.token_capacity,
           "packed: the most unique tokens per packed forward (0 = the whole tree)");
 ABSL_FLAG(bool, checkpointing, kExecutorDefaults.checkpointing,
@@ -198,6 +204,10 @@ ExecutorOptions ExecutorFromFlags() {
   options.graph_budget = absl::GetFlag(FLAGS_graph_budget);
   if (options.graph_budget < kAutoGraphBudget)
     throw BadInput{"--graph_budget must be >= 0, or -1 for automatic"};
+  const double budget = absl::GetFlag(FLAGS_memory_budget);
+  if (!(budget >= 0) || !std::isfinite(budget))
+    throw BadInput{"--memory_budget must be >= 0 GiB (0 = no budget)"};
+  options.memory_budget = static_cast<int64_t>(budget * static_cast<double>(int64_t{1} << 30));
   options.pack = absl::GetFlag(FLAGS_pack);
   options.temperature = absl::GetFlag(FLAGS_temperature);
   if (!(options.temperature > 0) || !std::isfinite(options.temperature))

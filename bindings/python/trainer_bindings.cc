@@ -270,6 +270,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("block_size", &ExecutorOptions::block_size)
       .def_readwrite("order", &ExecutorOptions::order)
       .def_readwrite("graph_budget", &ExecutorOptions::graph_budget)
+      .def_readwrite("memory_budget", &ExecutorOptions::memory_budget)
       .def_readwrite("pack", &ExecutorOptions::pack)
       .def_readwrite("token_capacity", &ExecutorOptions::token_capacity)
       .def_readwrite("checkpointing", &ExecutorOptions::checkpointing)

@@ -7,18 +7,13 @@
 #include "absl/strings/str_format.h"
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
+#include "core/layout/gib.h"
 
 namespace dta {
 namespace {
 
 constexpr int64_t kGradientBytes = 4;    // float32
 constexpr int64_t kOptimizerBytes = 12;  // float32 master weights and two moments
-
-std::string GiBNumber(int64_t bytes) {
-  return absl::StrFormat("%.1f", static_cast<double>(bytes) / (int64_t{1} << 30));
-}
-
-std::string GiB(int64_t bytes) { return absl::StrCat(GiBNumber(bytes), " GiB"); }
 
 std::string LayoutName(const TrainingLayout& layout) {
   return absl::StrCat("TP ", layout.tensor_parallel, " x DP ", layout.data_parallel,

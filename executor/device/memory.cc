@@ -19,4 +19,13 @@ int64_t FreeDeviceMemory(const at::Device& device) {
   return static_cast<int64_t>(free_bytes) + cached;
 }
 
+int64_t AllocatedDeviceMemory(const at::Device& device) {
+  if (!device.is_cuda()) return 0;
+  const c10::cuda::CUDAGuard guard(device);
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(guard.current_device().index());
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+      .current;
+}
+
 }  // namespace dta

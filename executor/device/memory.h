@@ -11,4 +11,8 @@ namespace dta {
 // caching allocator holds reserved but unused. 0 for non-CUDA devices.
 int64_t FreeDeviceMemory(const at::Device& device);
 
+// Bytes PyTorch's caching allocator has handed out on `device` now (tensors alive). 0 for non-CUDA
+// devices.
+int64_t AllocatedDeviceMemory(const at::Device& device);
+
 }  // namespace dta

@@ -35,6 +35,8 @@
 #include <algorithm>
 #include <map>
 
+#include "core/layout/chunk_capacity.h"
+#include "core/layout/gib.h"
 #include "core/tree/leaf_order.h"
 #include "core/tree/prefix_tree.h"
 #include "executor/device/memory.h"
@@ -429,6 +431,30 @@ struct ChunkPlan {
   int64_t graph_budget = 0;
 };
 
+// ExecutorOptions::memory_budget: the largest B and graph budget whose estimate fits in what the
+// budget leaves above the memory allocated now (the path stack included), and in the memory free.
+ChunkPlan FitChunksInBudget(const Qwen3Model& model, const ExecutorOptions& options,
+                            int64_t longest) {
+  const at::Device device = model.options().device();
+  const int64_t allocated = AllocatedDeviceMemory(device);
+  const int64_t available = std::min(options.memory_budget - allocated, FreeDeviceMemory(device));
+  ExecutorMemoryOptions memory{
+      .method = ExecutorKind::kDta,
+      .longest_rollout = longest,
+      .block_size = options.block_size == kAutoBlockSize ? kAutomaticCapacity : options.block_size,
+      .graph_budget =
+          options.graph_budget == kAutoGraphBudget ? kAutomaticCapacity : options.graph_budget,
+      .pack = options.pack,
+      .logprob_slice_rows = options.logprob_slice_rows};
+  const absl::StatusOr<ChunkCapacity> fit = FitChunksInMemory(
+      model.config(), memory, available, model.tensor_parallel_size(),
+      static_cast<int32_t>(c10::elementSize(model.options().dtype().toScalarType())));
+  TORCH_CHECK(fit.ok(), "memory_budget of ", GiB(options.memory_budget), " with ", GiB(allocated),
+              " already allocated (weights, gradients, optimizer state, the path stack): ",
+              fit.status().message());
+  return {.block_size = fit->block_size, .graph_budget = fit->graph_budget};
+}
+
 ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& options, int64_t longest,
                            bool training) {
   const bool auto_block = options.block_size == kAutoBlockSize;
@@ -437,6 +463,8 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
               "block_size must be >= 1 or kAutoBlockSize, got ", options.block_size);
   TORCH_CHECK(auto_budget || options.graph_budget >= 0,
               "graph_budget must be >= 0 or kAutoGraphBudget, got ", options.graph_budget);
+  TORCH_CHECK(options.memory_budget >= 0, "memory_budget must be >= 0 bytes, got ",
+              options.memory_budget);
   ChunkPlan plan{.block_size = options.block_size,
                  .graph_budget = auto_budget ? 0 : options.graph_budget};
   if (!training) plan.graph_budget = 0;
@@ -445,20 +473,18 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
     if (auto_block) plan.block_size = std::max<int64_t>(longest, 1);
     return plan;
   }
+  if (options.memory_budget > 0) return FitChunksInBudget(model, options, longest);
   if (!auto_block && !auto_budget) return plan;
   const int64_t per_token = GraphBytesPerToken(
       model.config(), model.options().dtype().toScalarType(), model.tensor_parallel_size());
   const int64_t fit =
       static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
   if (auto_block) {
-    // At least kMinAutoBlock tokens: below that, chunks are too small to run efficiently, and a
-    // device that cannot hold them will say so. At most the longest rollout, or kPackedBlock if
-    // that is more: B also bounds packed steps, which run best at several thousand tokens.
-    constexpr int64_t kMinAutoBlock = 256;
-    constexpr int64_t kPackedBlock = 8192;
-    const int64_t most = std::max(longest, options.pack ? kPackedBlock : int64_t{1});
+    // Chunks of at least kLeastAutomaticBlock tokens (a device that cannot hold them will say
+    // so), at most the longest rollout, or kPackedAutomaticBlock with packing if that is more.
+    const int64_t most = std::max(longest, options.pack ? kPackedAutomaticBlock : int64_t{1});
     plan.block_size =
-        std::clamp<int64_t>(fit - plan.graph_budget, std::min(kMinAutoBlock, longest), most);
+        std::clamp<int64_t>(fit - plan.graph_budget, std::min(kLeastAutomaticBlock, longest), most);
   }
   if (auto_budget) plan.graph_budget = std::max<int64_t>(0, fit - plan.block_size);
   return plan;
@@ -493,6 +519,8 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   at::Tensor balance_total;  // the router-balance terms, part of `loss`
 
   GradientResult result;
+  result.block_size = chunks.block_size;
+  result.graph_budget = chunks.graph_budget;
   result.logprobs.resize(rollouts.size());
   for (const Rollout& rollout : rollouts) result.rollout_tokens += rollout.tokens.size();
   int64_t total_work = 0;  // what forwarded_tokens will be

@@ -63,6 +63,16 @@ struct ExecutorOptions {
   // device memory free when the step starts (after the path stack is allocated), at the model's
   // per-token graph size (GraphBytesPerToken); on the CPU it means 0.
   int64_t graph_budget = kAutoGraphBudget;
+  // kDta on a GPU: the most device memory the step may hold, in bytes, what PyTorch's allocator
+  // has allocated included (weights, gradients, optimizer state, the path stack); 0: no budget.
+  // The automatic block size and graph budget are then the largest whose estimated graphs, backward
+  // workspace and log-probability head (core/layout/chunk_capacity.h) fit in what the budget leaves
+  // once the step's path stack is allocated (and in the memory free), and explicit ones are upper
+  // bounds, lowered to fit; a budget that leaves no room for the smallest chunk is refused, naming
+  // what it needs. The planner's estimate lies 1-7% above measured peaks, so the step's peak
+  // (torch.cuda.max_memory_allocated) stays within the budget. Dense, packed, ComputeLogprobs and
+  // the CPU ignore it.
+  int64_t memory_budget = 0;
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
   // mask on top of the stack (see StepKind::kPacked).
   bool pack = false;
@@ -100,9 +110,13 @@ struct GradientResult {
   // so data-parallel ranks' values add up). 0 when off.
   double router_aux_loss = 0;
   std::vector<at::Tensor> logprobs;  // per rollout [L], current policy, detached; position 0 is 0
-  int64_t rollout_tokens = 0;        // all rollout tokens
-  int64_t forwarded_tokens = 0;      // tokens pushed through the model, recomputation included
-  LossDiagnostics diagnostics;       // of the losses (ComputeGradients only)
+  // kDta: the block size and graph budget the step ran with, automatic ones resolved (0 for dense
+  // and packed).
+  int64_t block_size = 0;
+  int64_t graph_budget = 0;
+  int64_t rollout_tokens = 0;    // all rollout tokens
+  int64_t forwarded_tokens = 0;  // tokens pushed through the model, recomputation included
+  LossDiagnostics diagnostics;   // of the losses (ComputeGradients only)
 };
 
 // Bytes of autograd state one token's forward graph keeps alive (saved activations of every

@@ -64,6 +64,23 @@ for name, r in rows.items():
     assert r["vs_reference"]["grad_rel_err"] < 1e-4, (name, r)
 PY
 
+# -mhalf: a dta variant under half of dense's measured peak (the CPU ignores the budget, but the
+# run records it and the chunk sizes the step ran with).
+"$bin/dta-bench" --rollouts="$work/small.jsonl" --config="$tiny" --device=cpu --dtype=float32 \
+  --methods=dense,dta-bauto-mhalf --check=false --warmup=0 --repeats=1 --out_dir="$work/half" \
+  >/dev/null 2>"$work/half.err" || fail "dta-bench -mhalf exited $?: $(tail -5 "$work/half.err")"
+"$python" - "$work/half/results.json" <<'PY' || fail "the -mhalf results are wrong"
+import json, sys
+methods = {m["name"]: m for m in json.load(open(sys.argv[1]))["methods"]}
+dense, half = methods["dense"], methods["dta-bauto-mhalf"]
+assert half["status"] == "ok", half
+budget = half["options"]["memory_budget_gib"]
+assert abs(budget - dense["peak_memory_gib"] / 2) <= 1e-6 * dense["peak_memory_gib"], (budget, dense)
+assert half["ran_with"]["block_size"] > 0, half
+assert "GiB budget" in half["note"], half["note"]
+PY
+grep -qF "dta-bauto-mhalf: ok:" "$work/half/results.md" || fail "results.md does not note the budget"
+
 # Tensor parallelism: two ranks on Gloo, as torchrun starts them. The same seed is the same model at
 # every TP size, so each method's loss equals the one-process run's; rank 0 alone writes results.
 port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
@@ -112,6 +129,8 @@ printf '%s\n' '{"id": "a", "group": "g", "tokens": [1, 5000], "loss_mask": [0, 1
 expect_bad "a missing file" "missing.jsonl" --rollouts="$work/missing.jsonl" --config="$tiny"
 expect_bad "an unknown method" "unknown method 'nope'" --rollouts="$work/small.jsonl" --config="$tiny" --methods=dense,nope
 expect_bad "a bad dta variant" "dta-bx" --rollouts="$work/small.jsonl" --config="$tiny" --methods=dta-bx
+expect_bad "a zero memory budget" "-m<GiB>|-mhalf" --rollouts="$work/small.jsonl" --config="$tiny" \
+  --methods=dta-b64-m0
 expect_bad "a bad config" "--config=qwen3-nope" --rollouts="$work/small.jsonl" --config=qwen3-nope
 expect_bad "a token beyond the vocabulary" "big_token.jsonl:1" --rollouts="$work/big_token.jsonl" --config="$tiny"
 

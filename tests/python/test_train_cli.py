@@ -283,7 +283,7 @@ def test_executor_flags_default_to_the_python_options():
     expected = {"block_size": str(python["block_size"]), "graph_budget": str(python["graph_budget"]),
                 "token_capacity": str(python["token_capacity"]), "pack": str(python["pack"]).lower(),
                 "checkpointing": str(python["checkpointing"]).lower(), "order": f'"{python["order"]}"',
-                "method": f'"{trainer.DEFAULT_METHOD}"'}
+                "method": f'"{trainer.DEFAULT_METHOD}"', "memory_budget": str(python["memory_budget"]).rstrip("0").rstrip(".")}
     assert expected["block_size"] == "-1", "the executor's default block size is automatic"
     for binary, flags in (("dta-train", expected), ("dta-trainer", expected),
                           ("dta-bench", {k: expected[k] for k in ("token_capacity", "graph_budget")})):
@@ -323,6 +323,8 @@ def test_objective_flags_are_checked(rollouts):
                            "batch or none, got 'token'"),
                           ("--reward_clip=0", "--reward_clip must be positive"),
                           ("--temperature=0", "--temperature must be positive and finite"),
+                          ("--memory_budget=-1", "--memory_budget must be >= 0 GiB"),
+                          ("--memory_budget=nan", "--memory_budget must be >= 0 GiB"),
                           ("--rejection_sampling=cap=3", "--rejection_sampling: unknown key 'cap'")]:
         run = train(f"--rollouts={rollouts}", flag)
         assert run.returncode == 2 and message in run.stderr, (flag, run.stderr)

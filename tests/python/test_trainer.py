@@ -588,9 +588,14 @@ def test_executor_defaults_are_the_cpp_structs():
 
     core = trainer._core.ExecutorOptions()
     converted = trainer.ExecutorOptions()._to_core(trainer.DEFAULT_METHOD)
-    for name in ("method", "block_size", "graph_budget", "pack", "order", "token_capacity", "checkpointing",
-                 "logprob_slice_rows"):
+    for name in ("method", "block_size", "graph_budget", "memory_budget", "pack", "order", "token_capacity",
+                 "checkpointing", "logprob_slice_rows"):
         assert getattr(converted, name) == getattr(core, name), name
+    budget = trainer.ExecutorOptions(memory_budget=1.5)._to_core("dta")
+    assert budget.memory_budget == 3 * 2**29
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="memory_budget must be >= 0 GiB"):
+            trainer.ExecutorOptions(memory_budget=bad)._to_core("dta")
 
 
 def test_router_aux_loss_through_the_trainer(checkpoint, trajectories, tmp_path):

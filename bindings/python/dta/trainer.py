@@ -240,6 +240,9 @@ class ExecutorOptions:
             default: the longest rollout if its graph fits in the free GPU memory, else what fits).
         graph_budget: dta: tokens whose graphs are kept instead of recomputed; -1 = from the GPU's
             free memory (0 on the CPU).
+        memory_budget: dta on a GPU: the most device memory a step may hold, GiB (weights,
+            gradients and optimizer state included); the automatic block size and graph budget are
+            the largest that fit, explicit ones are lowered to fit; 0 = no budget.
         pack: dta: pack runs of small complete subtrees into one tree-masked forward.
         order: dta: leaf order, ``backward-dfs`` (AReaL-DTA Algorithm 1) or ``lexicographic``.
         token_capacity: packed: the most unique tokens per packed forward (0 = the whole tree).
@@ -252,6 +255,7 @@ class ExecutorOptions:
     # Python, dta-train and dta-bench cannot drift apart (tests/python/test_trainer.py checks).
     block_size: int = 0 if _CORE_EXECUTOR.block_size == _core.UNBOUNDED_BLOCK else _CORE_EXECUTOR.block_size
     graph_budget: int = _CORE_EXECUTOR.graph_budget
+    memory_budget: float = _CORE_EXECUTOR.memory_budget / 2**30
     pack: bool = _CORE_EXECUTOR.pack
     order: str = _name_of(_ORDERS, _CORE_EXECUTOR.order)
     token_capacity: int = _CORE_EXECUTOR.token_capacity
@@ -261,12 +265,15 @@ class ExecutorOptions:
     def _to_core(self, method: str) -> Any:
         if self.block_size < -1 or self.graph_budget < -1 or self.token_capacity < 0:
             raise ValueError("block_size and graph_budget must be >= -1, token_capacity >= 0")
+        if not 0 <= self.memory_budget < float("inf"):
+            raise ValueError(f"memory_budget must be >= 0 GiB (0 = no budget), got {self.memory_budget}")
         if not self.temperature > 0 or self.temperature == float("inf"):
             raise ValueError(f"temperature must be positive and finite, got {self.temperature}")
         core = _core.ExecutorOptions()
         core.method = _choice("method", method, _METHODS)
         core.block_size = _core.UNBOUNDED_BLOCK if self.block_size == 0 else int(self.block_size)
         core.graph_budget = int(self.graph_budget)
+        core.memory_budget = int(self.memory_budget * 2**30)
         core.pack = bool(self.pack)
         core.order = _choice("order", self.order, _ORDERS)
         core.token_capacity = int(self.token_capacity)

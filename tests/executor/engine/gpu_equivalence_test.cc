@@ -8,6 +8,7 @@
 // GPU.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 
 #include <algorithm>
 #include <string>
@@ -199,6 +200,53 @@ TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
     EXPECT_LE(to_dense.flat, 2 * dense_error.flat) << name;
     EXPECT_LE(a.loss, 1e-3) << name;
   }
+}
+
+// ExecutorOptions::memory_budget: budgets from below the smallest chunk to above the whole tree,
+// in float64 (exact whatever the chunks). Each step either refuses, naming the budget, or runs
+// with a plan that fits: its peak allocation stays within the budget, and the gradient is dense's.
+TEST_P(GpuEquivalence, MemoryBudgetBoundsThePeakAndKeepsTheGradient) {
+  const std::vector<Rollout> rollouts = Batch(/*seed=*/7, /*max_rollouts=*/12, /*max_length=*/600);
+  int64_t longest = 0;
+  for (const Rollout& r : rollouts) longest = std::max<int64_t>(longest, r.tokens.size());
+  ASSERT_GT(longest, 300) << "the batch must allow chunks shorter than its longest rollout";
+  const Qwen3Model model = Model(at::kDouble);
+  const GradRun dense = RunOn(model, rollouts, {.method = Method::kDense});
+  const int device = model.options().device().index();
+  int refused = 0, shortened = 0, whole = 0;
+  for (int64_t megabytes = 1; megabytes <= 256; megabytes *= 2) {
+    for (const int64_t part : {int64_t{2}, int64_t{3}}) {
+      c10::cuda::CUDACachingAllocator::emptyCache();
+      const int64_t before =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(device).allocated_bytes[0].current;
+      const int64_t budget = before + megabytes * part / 2 * (int64_t{1} << 20);
+      c10::cuda::CUDACachingAllocator::resetPeakStats(device);
+      const ExecutorOptions options{.method = Method::kDta, .memory_budget = budget, .pack = true};
+      GradientResult result;
+      try {
+        result = ComputeGradients(model, rollouts, {.kind = LossKind::kSft}, options);
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("memory_budget of"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("a chunk of"), std::string::npos) << e.what();
+        ++refused;
+        continue;
+      }
+      const int64_t peak =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(device).allocated_bytes[0].peak;
+      std::printf("%s budget %lld B: B %lld, graph budget %lld, peak %lld B (%.3f of the budget)\n",
+                  GetParam().c_str(), static_cast<long long>(budget),
+                  static_cast<long long>(result.block_size),
+                  static_cast<long long>(result.graph_budget), static_cast<long long>(peak),
+                  static_cast<double>(peak) / static_cast<double>(budget));
+      EXPECT_LE(peak, budget) << megabytes * part / 2 << " MiB above the weights";
+      (result.block_size < longest ? shortened : whole) += 1;
+      const Agreement a = Compare(RunOn(model, rollouts, options), dense);
+      EXPECT_LE(a.flat, 1e-9) << "budget " << budget;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(shortened, 0);
+  EXPECT_GT(whole, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, GpuEquivalence,
