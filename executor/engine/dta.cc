@@ -42,6 +42,7 @@
 #include "executor/device/memory.h"
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
+#include "kernels/batched_copy.h"
 
 namespace dta::engine {
 namespace {
@@ -200,10 +201,25 @@ Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Te
 void Push(PathStack& stack, const Chunk& chunk) {
   torch::autograd::AutoGradMode no_grad(false);
   const int64_t b = chunk.begin, e = chunk.end;
+  // Every layer's K/V (or convolution inputs), the hidden state, log-probabilities, entropy and
+  // routing onto the stack in one batch of copies (kernels/batched_copy.h: one launch on a GPU).
+  std::vector<at::Tensor> from, to;
+  auto push = [&](const at::Tensor& value, const at::Tensor& stacked) {
+    from.push_back(value);
+    to.push_back(stacked.slice(0, b, e));
+  };
   for (size_t l = 0; l < stack.keys.size(); ++l) {
-    stack.keys[l].slice(0, b, e).copy_(chunk.out.keys[l]);
-    if (stack.values[l].defined()) stack.values[l].slice(0, b, e).copy_(chunk.out.values[l]);
+    push(chunk.out.keys[l], stack.keys[l]);
+    if (stack.values[l].defined()) push(chunk.out.values[l], stack.values[l]);
   }
+  push(chunk.out.hidden, stack.hidden);
+  push(chunk.logprobs, stack.logprobs);
+  if (chunk.entropy.defined()) push(chunk.entropy, stack.entropy);
+  if (stack.router_statistics()) {
+    push(chunk.out.router_counts, stack.router_counts);
+    push(chunk.out.router_probs, stack.router_probs);
+  }
+  kernels::CopyAll(from, to);
   auto keep = [&](int64_t position, const std::vector<at::Tensor>& states) {
     PathStack::Boundary& boundary = stack.boundaries[position];
     boundary.states.clear();
@@ -217,13 +233,6 @@ void Push(PathStack& stack, const Chunk& chunk) {
   if (!chunk.out.states.empty()) keep(e, chunk.out.states);
   for (size_t i = 0; i < chunk.state_points.size(); ++i)
     keep(chunk.state_points[i], chunk.out.point_states[i]);
-  stack.hidden.slice(0, b, e).copy_(chunk.out.hidden);
-  stack.logprobs.slice(0, b, e).copy_(chunk.logprobs);
-  if (chunk.entropy.defined()) stack.entropy.slice(0, b, e).copy_(chunk.entropy);
-  if (stack.router_statistics()) {
-    stack.router_counts.slice(0, b, e).copy_(chunk.out.router_counts);
-    stack.router_probs.slice(0, b, e).copy_(chunk.out.router_probs);
-  }
 }
 
 // Backpropagates a chunk with its accumulated gradients (its attention adds the prefix K/V
@@ -232,9 +241,17 @@ void Push(PathStack& stack, const Chunk& chunk) {
 void Backward(PathStack& stack, Chunk& chunk) {
   const int64_t b = chunk.begin, e = chunk.end;
   std::vector<at::Tensor> outputs, grads;
+  // Accumulators in another dtype than their output (float32 ones for bfloat16 K/V) are cast
+  // into one buffer per dtype, in one batch.
+  std::vector<size_t> cast_index;
+  std::vector<at::Tensor> cast_from;
   auto seed = [&](const at::Tensor& output, const at::Tensor& accumulator) {
     outputs.push_back(output);
-    grads.push_back(accumulator.to(output.scalar_type()));
+    grads.push_back(accumulator);
+    if (accumulator.scalar_type() != output.scalar_type()) {
+      cast_index.push_back(grads.size() - 1);
+      cast_from.push_back(accumulator);
+    }
   };
   seed(chunk.logprobs, stack.grad_logprobs.slice(0, b, e));
   seed(chunk.out.hidden, stack.grad_hidden.slice(0, b, e));
@@ -260,23 +277,45 @@ void Backward(PathStack& stack, Chunk& chunk) {
   // graph is kept is backpropagated whole, so nothing starts inside it).
   TORCH_CHECK(chunk.state_points.empty(),
               "internal: a backpropagated chunk has recurrent states kept inside it");
+  if (!cast_index.empty()) {
+    torch::autograd::AutoGradMode no_grad(false);
+    std::vector<at::Tensor> cast_to(cast_index.size());
+    std::map<at::ScalarType, std::vector<size_t>> by_dtype;
+    for (size_t i = 0; i < cast_index.size(); ++i)
+      by_dtype[outputs[cast_index[i]].scalar_type()].push_back(i);
+    for (const auto& [dtype, members] : by_dtype) {
+      int64_t total = 0;
+      for (size_t i : members) total += cast_from[i].numel();
+      const at::Tensor buffer = at::empty({total}, cast_from[members[0]].options().dtype(dtype));
+      int64_t offset = 0;
+      for (size_t i : members) {
+        const int64_t n = cast_from[i].numel();
+        cast_to[i] = buffer.slice(0, offset, offset + n).view(cast_from[i].sizes());
+        offset += n;
+      }
+    }
+    kernels::CopyAll(cast_from, cast_to);
+    for (size_t i = 0; i < cast_index.size(); ++i) grads[cast_index[i]] = cast_to[i];
+  }
   torch::autograd::backward(outputs, grads);
   torch::autograd::AutoGradMode no_grad(false);
   if (b > 0) Collect(chunk.previous_hidden, stack.grad_hidden.slice(0, b - 1, b));
 }
 
 void Pop(PathStack& stack, int64_t begin, int64_t end) {
-  // Accumulators are zeroed so the positions can be reused by the next path.
+  // Accumulators are zeroed so the positions can be reused by the next path (in one batch).
+  std::vector<at::Tensor> rows;
   for (size_t l = 0; l < stack.keys.size(); ++l) {
-    stack.grad_keys[l].slice(0, begin, end).zero_();
-    if (stack.grad_values[l].defined()) stack.grad_values[l].slice(0, begin, end).zero_();
+    rows.push_back(stack.grad_keys[l].slice(0, begin, end));
+    if (stack.grad_values[l].defined()) rows.push_back(stack.grad_values[l].slice(0, begin, end));
   }
+  rows.push_back(stack.grad_hidden.slice(0, begin, end));
+  rows.push_back(stack.grad_logprobs.slice(0, begin, end));
+  if (stack.grad_entropy.defined()) rows.push_back(stack.grad_entropy.slice(0, begin, end));
+  if (stack.router_statistics()) rows.push_back(stack.grad_router_probs.slice(0, begin, end));
+  kernels::ZeroAll(rows);
   // The states after positions begin .. end - 1 leave the path with them.
   stack.boundaries.erase(stack.boundaries.upper_bound(begin), stack.boundaries.upper_bound(end));
-  stack.grad_hidden.slice(0, begin, end).zero_();
-  stack.grad_logprobs.slice(0, begin, end).zero_();
-  if (stack.grad_entropy.defined()) stack.grad_entropy.slice(0, begin, end).zero_();
-  if (stack.router_statistics()) stack.grad_router_probs.slice(0, begin, end).zero_();
 }
 
 // Rollout r's router-balance row w_r c_r (LossPlan::RouterBalanceRow) added to the gradient of
