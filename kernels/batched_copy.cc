@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -12,6 +14,7 @@ namespace {
 
 using internal::CopyPiece;
 
+#ifdef DTA_KERNELS_HAVE_CUDA
 // t as rows of contiguous elements: [size(0), numel / size(0)] with row stride stride(0), when
 // every dimension after the first is contiguous; a 0-d or 1-element-per-row tensor is rows of 1.
 std::optional<CopyPiece> AsRows(const at::Tensor& t) {
@@ -29,6 +32,14 @@ std::optional<CopyPiece> AsRows(const at::Tensor& t) {
                    .destination_row_stride = t.size(0) > 1 ? t.stride(0) : expected};
 }
 
+// DTA_BATCHED_COPY=0 runs every piece through ATen (for before/after measurements in one build;
+// read at every call, so that one process can alternate).
+bool BatchedCopyEnabled() {
+  const char* value = std::getenv("DTA_BATCHED_COPY");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+#endif
+
 // Batches of kernel pieces by dtype pair; whatever the kernel does not take runs through ATen.
 class Batcher {
  public:
@@ -38,7 +49,7 @@ class Batcher {
     const std::optional<CopyPiece> to = AsRows(destination);
     const std::optional<CopyPiece> from = source ? AsRows(*source) : to;
     const at::ScalarType source_type = source ? source->scalar_type() : destination.scalar_type();
-    if (destination.is_cuda() && to && from &&
+    if (destination.is_cuda() && BatchedCopyEnabled() && to && from &&
         (source == nullptr || source->device() == destination.device()) &&
         internal::BatchedCopySupports(source_type, destination.scalar_type())) {
       CopyPiece piece = *to;

@@ -11,7 +11,8 @@
 // row stride) with float32, bfloat16, float16 or float64 elements go through one kernel per run
 // of up to kBatchedCopyMaxPieces of them; anything else (the CPU, other layouts or dtypes) through
 // ATen's copy_ and zero_, with the same result: the copy converts dtypes as copy_ does (rounding
-// to nearest even). Runs on the current stream; every tensor on one device.
+// to nearest even). Runs on the current stream; every tensor on one device. DTA_BATCHED_COPY=0 in
+// the environment sends everything through ATen (to measure the difference in one build).
 #ifndef DTA_KERNELS_BATCHED_COPY_H_
 #define DTA_KERNELS_BATCHED_COPY_H_
 
