@@ -22,6 +22,19 @@ bool FusedLayersEnabled() {
   return enabled;
 }
 
+// weight_grad += partials summed over rows: one kernel when weight_grad is a contiguous float32
+// tensor on the GPU (the accumulators of bfloat16 and float32 models), else ATen's sum and add.
+void AddPartials(const at::Tensor& partials, at::Tensor& weight_grad) {
+#ifdef DTA_KERNELS_HAVE_CUDA
+  if (weight_grad.is_cuda() && weight_grad.scalar_type() == at::kFloat &&
+      weight_grad.is_contiguous()) {
+    internal::AddColumnSumsCuda(partials, weight_grad);
+    return;
+  }
+#endif
+  weight_grad.add_(partials.sum(0).to(weight_grad.scalar_type()));
+}
+
 bool IsKernelDtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
@@ -168,7 +181,7 @@ at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::
                                     x.options().dtype(at::kFloat));
     internal::RmsNormBackwardCuda(Rows(dy), rows, weight.contiguous(), rstd.contiguous(), dx,
                                   partials);
-    weight_grad.add_(partials.sum(0).to(weight_grad.scalar_type()));
+    AddPartials(partials, weight_grad);
     return dx;
   }
   return RmsNormBackwardReference(dy, x, weight, rstd, weight_grad);
@@ -211,7 +224,7 @@ at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const 
     internal::RmsNormRopeBackwardCuda(dy.contiguous(), x.contiguous(), weight.contiguous(),
                                       rstd.contiguous(), cos.reshape({x.size(0), -1}).contiguous(),
                                       sin.reshape({x.size(0), -1}).contiguous(), dx, partials);
-    weight_grad.add_(partials.sum(0).to(weight_grad.scalar_type()));
+    AddPartials(partials, weight_grad);
     return dx;
   }
   const at::Tensor g = RopeBackwardReference(dy, cos, sin);

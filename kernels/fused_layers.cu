@@ -547,4 +547,38 @@ void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// accumulator[c] += sum over rows r of partials[r, c]: a block per 32 columns, its 8 warps each
+// summing a stride of rows for a lane's column, then the 8 sums added in warp order (deterministic:
+// the same order on every run).
+constexpr int kColumnSumWarps = 8;
+
+__global__ void __launch_bounds__(32 * kColumnSumWarps)
+    AddColumnSumsKernel(const float* __restrict__ partials, int64_t rows, int64_t cols,
+                        float* __restrict__ accumulator) {
+  __shared__ float sums[kColumnSumWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  float sum = 0.f;
+  if (col < cols) {
+    for (int64_t r = warp; r < rows; r += kColumnSumWarps) sum += partials[r * cols + col];
+  }
+  sums[warp][lane] = sum;
+  __syncthreads();
+  if (warp == 0 && col < cols) {
+    float total = 0.f;
+    for (int w = 0; w < kColumnSumWarps; ++w) total += sums[w][lane];
+    accumulator[col] += total;
+  }
+}
+
+void AddColumnSumsCuda(const at::Tensor& partials, at::Tensor& accumulator) {
+  const int64_t rows = partials.size(0), cols = partials.size(1);
+  if (cols == 0) return;
+  const c10::cuda::CUDAGuard guard(partials.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AddColumnSumsKernel<<<static_cast<unsigned>((cols + 31) / 32), 32 * kColumnSumWarps, 0, stream>>>(
+      partials.data_ptr<float>(), rows, cols, accumulator.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace dta::kernels::internal

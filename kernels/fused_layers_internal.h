@@ -36,6 +36,10 @@ void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at
                              at::Tensor& dx, at::Tensor& weight_partials);
 int64_t RmsNormRopeBackwardBlocks(int64_t rows);
 
+// accumulator [n] float32 += partials [rows, n] float32 summed over rows, in a fixed order (the
+// norms' weight gradients from their per-block partial sums, in one launch).
+void AddColumnSumsCuda(const at::Tensor& partials, at::Tensor& accumulator);
+
 void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 // product: undefined, or where SwiGluForward's result is written too.
 void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
