@@ -1,6 +1,9 @@
 // dta-attention-bench: tree attention kernels against PyTorch's flash attention (FlashAttention-2
 // inside ATen) on the GPU. Causal chains compare like for like; the packed tree (a shared prefix
-// and branches) compares one tree pass against flash over every rollout separately. Times are
+// and branches) compares one tree pass against flash over every rollout separately. Our forward
+// runs twice where the Hopper kernel exists (kernels/hopper/, compute capability 9.x, D = 128):
+// "ours FA2" with DTA_HOPPER_ATTENTION=0 and "ours Hopper" with it on; the backward is the same
+// FlashAttention-2 kernels in both rows. Times are
 // medians of 20 CUDA-event-timed runs after 5 warm-ups; TFLOP/s count only visible score entries
 // (forward 4 * D * Hq per entry, forward + backward 3.5 times that, FlashAttention's convention).
 // Prints a Markdown table.
@@ -17,6 +20,7 @@
 #include "absl/flags/flag.h"
 #include "core/cli/usage.h"
 #include "kernels/tree_attention.h"
+#include "kernels/tree_attention_internal.h"
 
 #ifdef DTA_KERNELS_HAVE_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -64,6 +68,52 @@ struct Case {
 bool Quick() { return absl::GetFlag(FLAGS_quick); }
 
 bool OursOnly() { return absl::GetFlag(FLAGS_ours_only); }
+
+// Which forward our rows run: the FlashAttention-2 kernel or the Hopper one (DTA_HOPPER_ATTENTION,
+// read by the dispatch at every call).
+enum class Kernel { kFa2, kHopper };
+
+class ScopedKernel {
+ public:
+  explicit ScopedKernel(Kernel kernel) {
+    const char* old = std::getenv("DTA_HOPPER_ATTENTION");
+    had_old_ = old != nullptr;
+    if (had_old_) old_ = old;
+    setenv("DTA_HOPPER_ATTENTION", kernel == Kernel::kHopper ? "1" : "0", 1);
+  }
+  ~ScopedKernel() {
+    if (had_old_) {
+      setenv("DTA_HOPPER_ATTENTION", old_.c_str(), 1);
+    } else {
+      unsetenv("DTA_HOPPER_ATTENTION");
+    }
+  }
+  ScopedKernel(const ScopedKernel&) = delete;
+  ScopedKernel& operator=(const ScopedKernel&) = delete;
+
+ private:
+  bool had_old_ = false;
+  std::string old_;
+};
+
+// True when this GPU and build run the Hopper forward for c's shape.
+bool HopperAvailable(const Case& c) {
+  const ScopedKernel on(Kernel::kHopper);
+  internal::TreeAttentionShape shape;
+  shape.tokens = c.tokens();
+  shape.prefix = c.prefix;
+  shape.q_heads = c.q_heads;
+  shape.kv_heads = c.kv_heads;
+  shape.head_dim = c.head_dim;
+  return internal::UsesHopperForward(
+      shape, at::empty({1, 1, c.head_dim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16)));
+}
+
+// The kernels our rows compare: FA2 always, Hopper where it runs.
+std::vector<Kernel> OurKernels(const Case& c) {
+  if (HopperAvailable(c)) return {Kernel::kFa2, Kernel::kHopper};
+  return {Kernel::kFa2};
+}
 
 double MedianMs(const std::function<void()>& fn) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -139,7 +189,9 @@ Row RunFlash(const Case& c, const std::string& name, int64_t batch, int64_t len,
   return row;
 }
 
-Row RunOurs(const Case& c, at::Tensor* out0, at::Tensor* q0, at::Tensor* k0, at::Tensor* v0) {
+Row RunOurs(const Case& c, Kernel kernel, at::Tensor* out0, at::Tensor* q0, at::Tensor* k0,
+            at::Tensor* v0) {
+  const ScopedKernel use(kernel);
   const at::TensorOptions opt = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
   const int64_t t = c.tokens(), p = c.prefix, d = c.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -155,7 +207,7 @@ Row RunOurs(const Case& c, at::Tensor* out0, at::Tensor* q0, at::Tensor* k0, at:
   const at::Tensor ends = at::tensor(ends_host, at::TensorOptions().dtype(at::kLong)).to(at::kCUDA);
   Row row;
   row.name = c.name;
-  row.method = "tree attention (ours)";
+  row.method = kernel == Kernel::kHopper ? "ours Hopper fwd" : "ours FA2";
   for (int64_t j = 0; j < t; ++j) row.visible += static_cast<double>(ends_host[j] - j);
   row.visible += static_cast<double>(p) * t;
   row.fwd_ms = MedianMs([&] { TreeAttentionForward(q, k, v, pk, pv, ends, scale); });
@@ -182,6 +234,7 @@ int Main() {
   std::vector<Row> rows;
   const std::vector<Case> chains = {
       {"chain T=4096 Hq=16 Hkv=8", 0, 4096, 0, 0, 16, 8, 128},
+      {"chain T=8192 Hq=16 Hkv=8", 0, 8192, 0, 0, 16, 8, 128},
       {"chain T=16384 Hq=16 Hkv=8", 0, 16384, 0, 0, 16, 8, 128},
       {"chain T=8192 Hq=32 Hkv=8", 0, 8192, 0, 0, 32, 8, 128},
   };
@@ -189,54 +242,69 @@ int Main() {
   for (size_t ci = 0; ci < chains.size(); ++ci) {
     const Case& c = chains[ci];
     if (only >= 0 && only != static_cast<int>(ci)) continue;
-    at::Tensor ours_out, q, k, v;
-    Row ours = RunOurs(c, &ours_out, &q, &k, &v);
+    std::vector<Row> ours;
+    std::vector<at::Tensor> ours_out;
+    at::Tensor q, k, v;
+    for (const Kernel kernel : OurKernels(c)) {
+      ours_out.emplace_back();
+      ours.push_back(RunOurs(c, kernel, &ours_out.back(), &q, &k, &v));
+    }
     if (OursOnly()) {
-      rows.push_back(ours);
+      rows.insert(rows.end(), ours.begin(), ours.end());
+      if (Quick()) break;
       continue;
     }
     Row flash = RunFlash(c, c.name, 1, c.tokens(), nullptr);
-    // Sanity at full size: flash on our inputs gives our output.
+    // Sanity at full size: flash on our inputs gives our output (each run draws its own inputs,
+    // so only the last one is checked: the Hopper kernel where it ran).
     const int64_t group = c.q_heads / c.kv_heads;
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
     const at::Tensor ref = std::get<0>(at::_scaled_dot_product_flash_attention(
         q.unsqueeze(0).transpose(1, 2), k.repeat_interleave(group, 1).unsqueeze(0).transpose(1, 2),
         v.repeat_interleave(group, 1).unsqueeze(0).transpose(1, 2), 0.0, true, false, scale));
-    const double err = (ours_out.to(at::kFloat) - ref.transpose(1, 2).squeeze(0).to(at::kFloat))
-                           .abs()
-                           .max()
-                           .item<double>();
-    std::printf("%s: max |ours - flash| of out = %.3e\n", c.name.c_str(), err);
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "fwd %.2f, fwd+bwd %.2f", ours.fwd_tflops / flash.fwd_tflops,
-                  ours.fb_tflops / flash.fb_tflops);
-    ours.vs_flash = buf;
-    rows.push_back(ours);
+    const double err =
+        (ours_out.back().to(at::kFloat) - ref.transpose(1, 2).squeeze(0).to(at::kFloat))
+            .abs()
+            .max()
+            .item<double>();
+    std::printf("%s: max |%s - flash| of out = %.3e\n", c.name.c_str(), ours.back().method.c_str(),
+                err);
+    for (Row& r : ours) {
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "fwd %.2f, fwd+bwd %.2f", r.fwd_tflops / flash.fwd_tflops,
+                    r.fb_tflops / flash.fb_tflops);
+      r.vs_flash = buf;
+      rows.push_back(r);
+    }
     rows.push_back(flash);
-    if (Quick()) return 0;
+    if (Quick()) break;
   }
-  // A packed tree: 4096 shared tokens, 16 branches of 1024; flash runs the 16 rollouts of 5120.
-  {
+  if (!Quick()) {  // --quick times one chain case only
+    // A packed tree: 4096 shared tokens, 16 branches of 1024; flash runs the 16 rollouts of 5120.
     const Case tree{"tree 4096 + 16 x 1024 Hq=16 Hkv=8", 0, 4096, 16, 1024, 16, 8, 128};
-    Row ours = RunOurs(tree, nullptr, nullptr, nullptr, nullptr);
-    if (OursOnly()) rows.push_back(ours);
-  }
-  if (!OursOnly()) {
-    const Case tree{"tree 4096 + 16 x 1024 Hq=16 Hkv=8", 0, 4096, 16, 1024, 16, 8, 128};
-    Row ours = RunOurs(tree, nullptr, nullptr, nullptr, nullptr);
-    Row flash = RunFlash(tree, "16 rollouts x 5120 (no sharing)", 16, 4096 + 1024, nullptr);
-    char buf[96];
-    std::snprintf(buf, sizeof(buf), "TFLOP/s fwd %.2f, fwd+bwd %.2f; time %.2fx, %.2fx faster",
-                  ours.fwd_tflops / flash.fwd_tflops, ours.fb_tflops / flash.fb_tflops,
-                  flash.fwd_ms / ours.fwd_ms, flash.fb_ms / ours.fb_ms);
-    ours.vs_flash = buf;
-    rows.push_back(ours);
-    rows.push_back(flash);
-  }
-  // A dta step: one 1024-token branch chunk over a cached 4096-token prefix.
-  {
+    std::vector<Row> ours;
+    for (const Kernel kernel : OurKernels(tree)) {
+      ours.push_back(RunOurs(tree, kernel, nullptr, nullptr, nullptr, nullptr));
+    }
+    if (OursOnly()) {
+      rows.insert(rows.end(), ours.begin(), ours.end());
+    } else {
+      Row flash = RunFlash(tree, "16 rollouts x 5120 (no sharing)", 16, 4096 + 1024, nullptr);
+      for (Row& r : ours) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "TFLOP/s fwd %.2f, fwd+bwd %.2f; time %.2fx, %.2fx faster",
+                      r.fwd_tflops / flash.fwd_tflops, r.fb_tflops / flash.fb_tflops,
+                      flash.fwd_ms / r.fwd_ms, flash.fb_ms / r.fb_ms);
+        r.vs_flash = buf;
+        rows.push_back(r);
+      }
+      rows.push_back(flash);
+    }
+    // A dta step: one 1024-token branch chunk over a cached 4096-token prefix.
     const Case step{"chunk T=1024 over cached P=4096 Hq=16 Hkv=8", 4096, 1024, 0, 0, 16, 8, 128};
-    rows.push_back(RunOurs(step, nullptr, nullptr, nullptr, nullptr));
+    for (const Kernel kernel : OurKernels(step)) {
+      rows.push_back(RunOurs(step, kernel, nullptr, nullptr, nullptr, nullptr));
+    }
   }
   std::printf(
       "\n| case | method | visible entries | fwd ms | fwd TFLOP/s | fwd+bwd ms | "

@@ -1,5 +1,12 @@
 #include "kernels/tree_attention.h"
 
+#include <cstdlib>
+#include <cstring>
+
+#ifdef DTA_KERNELS_HAVE_HOPPER
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include "kernels/tree_attention_internal.h"
 #include "kernels/tree_attention_reference.h"
 
@@ -106,6 +113,19 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
                 "tree attention backward: grad_prefix_k/v must be ", lse_type, " on ", q.device(),
                 ", got ", t->scalar_type(), " on ", t->device());
   }
+}
+
+bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q) {
+#ifdef DTA_KERNELS_HAVE_HOPPER
+  if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 || shape.head_dim != 128) return false;
+  const char* env = std::getenv("DTA_HOPPER_ATTENTION");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  return at::cuda::getDeviceProperties(q.get_device())->major == 9;
+#else
+  (void)shape;
+  (void)q;
+  return false;
+#endif
 }
 
 }  // namespace internal

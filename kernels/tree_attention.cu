@@ -11,6 +11,9 @@
 
 #include "kernels/tree_attention_internal.h"
 #include "kernels/tree_attention_kernel.cuh"
+#ifdef DTA_KERNELS_HAVE_HOPPER
+#include "kernels/hopper/tree_attention_hopper.h"
+#endif
 
 namespace dta::kernels::internal {
 namespace {
@@ -101,7 +104,18 @@ TreeAttentionOutput ForwardCuda(const TreeAttentionShape& shape, const at::Tenso
   p.out = MutableBf16(out);
   p.out_row_stride = RowStride(out);
   p.lse = lse.data_ptr<float>();
-  C10_CUDA_CHECK(LaunchTreeAttentionForward(p, static_cast<int>(shape.head_dim), stream));
+  const int head_dim = static_cast<int>(shape.head_dim);
+#ifdef DTA_KERNELS_HAVE_HOPPER
+  if (UsesHopperForward(shape, q)) {
+    // Same params, workspace and outputs; the backward reads out and lse alike from either. The
+    // persistent kernel's work counter lives as long as the launch in stream order.
+    at::Tensor unit_counter = at::empty({1}, q.options().dtype(at::kInt));
+    C10_CUDA_CHECK(
+        LaunchHopperTreeAttentionForward(p, head_dim, unit_counter.data_ptr<int32_t>(), stream));
+    return {out, lse};
+  }
+#endif
+  C10_CUDA_CHECK(LaunchTreeAttentionForward(p, head_dim, stream));
   return {out, lse};
 }
 

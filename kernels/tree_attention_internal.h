@@ -32,6 +32,13 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
                          const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
                          const at::Tensor& grad_prefix_k, const at::Tensor& grad_prefix_v);
 
+// True when ForwardCuda runs the Hopper forward (kernels/hopper/) rather than the
+// FlashAttention-2 one for these checked, kernel-supported inputs: a build with the CUTLASS headers
+// (DTA_KERNELS_HAVE_HOPPER), q on a device of compute capability 9.x, head dim 128, and the
+// environment variable DTA_HOPPER_ATTENTION unset or not "0". The variable is read at every call,
+// so one process can compare both kernels. The backward always runs the FlashAttention-2 kernels.
+bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q);
+
 // The CUDA path (kernels/tree_attention.cu). Inputs are already checked. Defined only when the
 // library is built with nvcc (DTA_KERNELS_HAVE_CUDA).
 TreeAttentionOutput ForwardCuda(const TreeAttentionShape& shape, const at::Tensor& q,

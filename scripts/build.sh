@@ -13,7 +13,7 @@ cmake --build build -j"$(nproc)"
 # The package builds in build/python (pyproject.toml), so a rebuild recompiles only what changed;
 # the stamp in the venv (the hash of every input) skips pip altogether when nothing did.
 stamp="$repo/.venv/.dta-package.sha256"
-inputs="$(find pyproject.toml CMakeLists.txt cmake bindings core executor kernels proto dispatcher/batch scripts/requirements.txt \
+inputs="$(find pyproject.toml CMakeLists.txt cmake bindings core executor kernels proto dispatcher/batch scripts/requirements.txt scripts/requirements-headers.txt \
             -type f -not -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$inputs" ]]; then
   echo "build: installing the Python package dta into .venv (build/python)"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Prepares .deps/: the Debian packages the GPU machines lack (Abseil, simdjson), unpacked so the
-# device's build can point CMAKE_PREFIX_PATH at .deps/usr. Run here (it needs Debian's apt); carry
+# device's build can point CMAKE_PREFIX_PATH at .deps/usr, and the CUTLASS / CuTe headers of the
+# pinned nvidia-cutlass wheel in .deps/cutlass/include for kernels/hopper/ (cmake/DtaCutlass.cmake).
+# Run here (it needs Debian's apt); carry
 # `.deps` to the device and build there with scripts/device_build.sh.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,4 +19,29 @@ fi
 if [[ ! -d "$deps/wheels" ]]; then
   "$repo/.venv/bin/python" -m pip download -q --no-deps -d "$deps/wheels" \
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 Pygments==2.21.0
+fi
+# The CUTLASS / CuTe headers (27 MB) of the nvidia-cutlass version pinned in
+# requirements-headers.txt; the
+# wheel itself is not kept, so that .deps stays small enough to carry.
+cutlass_version="$(sed -n 's/^nvidia-cutlass==//p' "$repo/scripts/requirements-headers.txt")"
+if [[ ! -f "$deps/cutlass/.done-$cutlass_version" ]]; then
+  wheel_dir="$(mktemp -d)"
+  "$repo/.venv/bin/python" -m pip download -q --no-deps -d "$wheel_dir" \
+    "nvidia-cutlass==$cutlass_version"
+  rm -rf "$deps/cutlass"
+  "$repo/.venv/bin/python" - "$wheel_dir" "$deps/cutlass" <<'PY'
+import glob, os, sys, zipfile
+wheel_dir, dest = sys.argv[1], sys.argv[2]
+prefix = "cutlass_library/source/include/"
+(wheel,) = glob.glob(os.path.join(wheel_dir, "nvidia_cutlass-*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            target = os.path.join(dest, "include", name[len(prefix):])
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with z.open(name) as src, open(target, "wb") as out:
+                out.write(src.read())
+PY
+  rm -rf "$wheel_dir"
+  touch "$deps/cutlass/.done-$cutlass_version"
 fi

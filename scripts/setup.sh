@@ -29,8 +29,9 @@ fi
 venv="$repo/.venv"
 requirements="$repo/scripts/requirements.txt"
 requirements_areal="$repo/scripts/requirements-areal.txt"
+requirements_headers="$repo/scripts/requirements-headers.txt"
 stamp="$venv/.requirements.sha256"
-want="$(cat "$requirements" "$requirements_areal" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$requirements" "$requirements_areal" "$requirements_headers" | sha256sum | cut -d' ' -f1)"
 if [[ ! -x "$venv/bin/python" ]]; then
   echo "setup: creating the Python venv in .venv"
   python3 -m venv "$venv"
@@ -41,5 +42,6 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   "$venv/bin/python" -m pip install -q -r "$requirements"
   # --no-deps: areal declares torch<2.11, and dta's extension links the venv's torch.
   "$venv/bin/python" -m pip install -q --no-deps -r "$requirements_areal"
+  "$venv/bin/python" -m pip install -q --no-deps -r "$requirements_headers"
   echo "$want" >"$stamp"
 fi

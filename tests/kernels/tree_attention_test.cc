@@ -6,7 +6,9 @@
 // reference then runs on the GPU); P in {0, 37, 700, 1000, 1200, 2500, 3000, 3001}; D in {64, 128};
 // Hq:Hkv 8:8, 16:8, 32:8, 4:2, 2:1, 8:2; diffuse and peaked softmax rows. With q = 0 the forward's
 // lse must count exactly the keys each query sees (an exact test of the mask and tile skipping).
-// Skipped without a CUDA device or without nvcc at build time.
+// Skipped without a CUDA device or without nvcc at build time. On compute capability 9.x builds
+// with the CUTLASS headers, the D = 128 forwards here run the Hopper kernel (kernels/hopper/);
+// hopper_tree_attention_test compares it with the FlashAttention-2 forward in one process.
 #include "kernels/tree_attention.h"
 
 #include <torch/cuda.h>

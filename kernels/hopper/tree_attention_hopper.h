@@ -1,0 +1,37 @@
+// The Hopper (sm_90a) forward of tree attention: FlashAttention-3 style, built on CuTe. A
+// producer warp streams Q and the visible K/V tiles with TMA into a multi-stage shared-memory
+// pipeline; two consumer warpgroups (64 query rows each) run Q K^T and P V as warpgroup MMAs
+// (wgmma, fp32 accumulation), the softmax of one key tile overlapping the next tile's Q K^T.
+// Same semantics, index spaces, tile skipping and outputs as the FlashAttention-2 forward in
+// kernels/tree_attention_kernel.cuh (which stays the fallback for every other GPU and shape).
+//
+// Framework-free: the shared TreeAttentionParams in, cudaError_t out. Thread safety: stateless.
+// Only compiled when CMake finds the CUTLASS headers (DTA_KERNELS_HAVE_HOPPER).
+#ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_H_
+#define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/tree_attention_kernel.cuh"
+
+namespace dta::kernels {
+
+// True when the Hopper forward is compiled for head_dim (128).
+bool HopperTreeAttentionSupportsHeadDim(int head_dim);
+
+// Writes p.out [T, Hq, D] and p.lse [Hq, T] exactly as LaunchTreeAttentionForward does, on a
+// device of compute capability 9.0. Requires p.key_end, p.tile_max_end and p.tile_min_end filled
+// by LaunchTreeAttentionPrepare on the same stream; q, k, v, prefix_k, prefix_v with 16-byte
+// aligned starts and row strides and contiguous heads (TMA's rules), out with 4-byte aligned rows,
+// and one int32 of device memory in unit_counter (the launch zeroes it on `stream`; the persistent
+// CTAs count their work units through it), not used by a concurrent launch.
+// Returns cudaErrorInvalidValue for an unsupported head_dim, misaligned operands or T + P >= 2^31,
+// else the error of the launch.
+cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int head_dim,
+                                             int32_t* unit_counter, cudaStream_t stream);
+
+}  // namespace dta::kernels
+
+#endif  // DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_H_

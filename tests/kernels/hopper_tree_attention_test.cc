@@ -1,0 +1,309 @@
+// The Hopper forward (kernels/hopper/) against the float64 reference and against the
+// FlashAttention-2 forward, in one process: DTA_HOPPER_ATTENTION=0 selects the latter per call.
+// Same inputs and tolerances as tree_attention_test.cc (out within 1e-2 of the reference's largest
+// magnitude, lse within 1e-3): chains, random forests and 64-leaf trees; T in {1, 3, 7, 19, 200,
+// 733, 2100, 4099, 6007, 8192, 16001}; P in {0, 37, 700, 1200, 3000, 3001}; D = 128; Hq:Hkv 16:8,
+// 32:8, 8:8, 8:2, 2:1; k and v as head slices of one projection, the prefix as the head of a larger
+// cache; diffuse and peaked rows; the exact lse-counts test with q = 0; the backward fed by the
+// Hopper forward's out and lse. Skipped without a CUDA device, on GPUs other than compute
+// capability 9.x, or in builds without the Hopper kernel.
+#include <torch/cuda.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/tree_attention.h"
+#include "kernels/tree_attention_internal.h"
+#include "kernels/tree_attention_reference.h"
+#include "tests/kernels/tree_attention_testing.h"
+
+namespace dta::kernels {
+namespace {
+
+using testing::MakeKeyEnd;
+using testing::RelativeError;
+using testing::TreeKind;
+
+constexpr double kTolerance = 1e-2;
+constexpr double kLseTolerance = 1e-3;
+
+struct Case {
+  int64_t tokens, prefix, q_heads, kv_heads;
+  TreeKind kind;
+  bool int32_key_end = false;
+  double q_std = 1;  // 4: rows dominated by a few keys (see tree_attention_test.cc)
+  std::string Name() const {
+    return "T=" + std::to_string(tokens) + " P=" + std::to_string(prefix) +
+           " Hq=" + std::to_string(q_heads) + " Hkv=" + std::to_string(kv_heads) + " " +
+           testing::TreeKindName(kind) + (int32_key_end ? " int32" : "") +
+           (q_std != 1 ? " peaky" : "");
+  }
+};
+
+constexpr int64_t kHeadDim = 128;
+
+// Sets DTA_HOPPER_ATTENTION for its lifetime and restores the previous value.
+class ScopedHopperEnv {
+ public:
+  explicit ScopedHopperEnv(const char* value) {
+    const char* old = std::getenv(kName);
+    if (old != nullptr) old_ = old;
+    setenv(kName, value, 1);
+  }
+  ~ScopedHopperEnv() {
+    if (old_) {
+      setenv(kName, old_->c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  ScopedHopperEnv(const ScopedHopperEnv&) = delete;
+  ScopedHopperEnv& operator=(const ScopedHopperEnv&) = delete;
+
+ private:
+  static constexpr const char* kName = "DTA_HOPPER_ATTENTION";
+  std::optional<std::string> old_;
+};
+
+class HopperTreeAttention : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device; the kernel needs a GPU";
+    const ScopedHopperEnv on("1");
+    const at::Tensor probe =
+        at::empty({1, 1, kHeadDim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    internal::TreeAttentionShape shape;
+    shape.tokens = 1;
+    shape.q_heads = shape.kv_heads = 1;
+    shape.head_dim = kHeadDim;
+    if (!internal::UsesHopperForward(shape, probe)) {
+      GTEST_SKIP() << "no Hopper forward here: needs a compute capability 9.x GPU and a build "
+                      "with the CUTLASS headers (DTA_KERNELS_HAVE_HOPPER)";
+    }
+  }
+};
+
+at::Tensor RandnBf16(at::IntArrayRef shape, at::Generator& gen) {
+  return at::normal(0.0, 1.0, shape, gen, at::TensorOptions().dtype(at::kFloat)).to(at::kBFloat16);
+}
+
+double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble).to(a.device())).abs().max().item<double>();
+}
+
+// The GPU operands laid out as the executor has them.
+struct GpuInputs {
+  at::Tensor q, k, v, prefix_k, prefix_v, key_end;
+};
+
+GpuInputs ToGpu(const Case& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& pk, const at::Tensor& pv, const at::Tensor& ends,
+                at::Generator& gen) {
+  const int64_t t = c.tokens, p = c.prefix, hkv = c.kv_heads, d = kHeadDim;
+  GpuInputs g;
+  g.q = q.to(at::kCUDA);
+  const at::Tensor kv =
+      at::empty({t, 2 * hkv, d}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+  g.k = kv.slice(1, 0, hkv);
+  g.v = kv.slice(1, hkv, 2 * hkv);
+  g.k.copy_(k);
+  g.v.copy_(v);
+  if (p > 0) {
+    g.prefix_k = RandnBf16({p + 9, hkv, d}, gen).to(at::kCUDA).slice(0, 0, p);
+    g.prefix_v = RandnBf16({p + 9, hkv, d}, gen).to(at::kCUDA).slice(0, 0, p);
+    g.prefix_k.copy_(pk);
+    g.prefix_v.copy_(pv);
+  }
+  g.key_end = (c.int32_key_end ? ends.to(at::kInt) : ends).to(at::kCUDA);
+  return g;
+}
+
+TreeAttentionOutput Forward(const GpuInputs& g, double scale, const char* hopper) {
+  const ScopedHopperEnv env(hopper);
+  return TreeAttentionForward(g.q, g.k, g.v, g.prefix_k, g.prefix_v, g.key_end, scale);
+}
+
+void CheckCase(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(c.Name());
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  const int64_t t = c.tokens, p = c.prefix, d = kHeadDim, hkv = c.kv_heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const at::Tensor ends = testing::KeyEndTensor(MakeKeyEnd(c.kind, t, seed));
+  const at::Tensor q =
+      (RandnBf16({t, c.q_heads, d}, gen).to(at::kFloat) * c.q_std).to(at::kBFloat16);
+  const at::Tensor k = RandnBf16({t, hkv, d}, gen);
+  const at::Tensor v = RandnBf16({t, hkv, d}, gen);
+  const at::Tensor grad_out = RandnBf16({t, c.q_heads, d}, gen);
+  const at::Tensor pk = p > 0 ? RandnBf16({p, hkv, d}, gen) : at::Tensor();
+  const at::Tensor pv = p > 0 ? RandnBf16({p, hkv, d}, gen) : at::Tensor();
+
+  const at::Device ref_device = t * (t + p) * c.q_heads > (int64_t{1} << 26) ? at::kCUDA : at::kCPU;
+  auto f64 = [&](const at::Tensor& x) { return x.defined() ? x.to(ref_device, at::kDouble) : x; };
+  const TreeAttentionOutput ref = ReferenceTreeAttentionForward(
+      f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device), scale);
+
+  const GpuInputs g = ToGpu(c, q, k, v, pk, pv, ends, gen);
+  const TreeAttentionOutput hopper = Forward(g, scale, "1");
+  const TreeAttentionOutput fa2 = Forward(g, scale, "0");
+  ASSERT_EQ(hopper.out.sizes(), fa2.out.sizes());
+  ASSERT_EQ(hopper.out.scalar_type(), at::kBFloat16);
+  ASSERT_EQ(hopper.lse.scalar_type(), at::kFloat);
+  ASSERT_EQ(hopper.lse.sizes(), (at::IntArrayRef{c.q_heads, t}));
+  ASSERT_TRUE(hopper.out.isfinite().all().item<bool>());
+  const double out_err = RelativeError(hopper.out, ref.out);
+  const double lse_err = MaxAbsDiff(hopper.lse, ref.lse);
+  const double fa2_out_err = RelativeError(fa2.out, ref.out);
+  const double vs_fa2_out = RelativeError(hopper.out, fa2.out);
+  const double vs_fa2_lse = MaxAbsDiff(hopper.lse, fa2.lse);
+  EXPECT_LE(out_err, kTolerance);
+  EXPECT_LE(lse_err, kLseTolerance);
+  EXPECT_LE(vs_fa2_out, kTolerance);
+  EXPECT_LE(vs_fa2_lse, kLseTolerance);
+
+  // The backward (FlashAttention-2 kernels) fed by the Hopper forward's out and lse.
+  at::Tensor ref_gpk = p > 0 ? at::zeros({p, hkv, d}, f64(pk).options()) : at::Tensor();
+  at::Tensor ref_gpv = p > 0 ? at::zeros({p, hkv, d}, f64(pk).options()) : at::Tensor();
+  const TreeAttentionGrads ref_grads = ReferenceTreeAttentionBackward(
+      f64(grad_out), f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device), ref.out,
+      ref.lse, scale, ref_gpk, ref_gpv);
+  at::Tensor gpk = p > 0 ? at::zeros({p, hkv, d}, g.q.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor gpv = p > 0 ? at::zeros({p, hkv, d}, g.q.options().dtype(at::kFloat)) : at::Tensor();
+  const TreeAttentionGrads grads =
+      TreeAttentionBackward(grad_out.to(at::kCUDA), g.q, g.k, g.v, g.prefix_k, g.prefix_v,
+                            g.key_end, hopper.out, hopper.lse, scale, gpk, gpv);
+  const double dq_err = RelativeError(grads.dq, ref_grads.dq);
+  const double dk_err = RelativeError(grads.dk, ref_grads.dk);
+  const double dv_err = RelativeError(grads.dv, ref_grads.dv);
+  EXPECT_LE(dq_err, kTolerance);
+  EXPECT_LE(dk_err, kTolerance);
+  EXPECT_LE(dv_err, kTolerance);
+  if (p > 0) {
+    EXPECT_LE(RelativeError(gpk, ref_gpk), kTolerance);
+    EXPECT_LE(RelativeError(gpv, ref_gpv), kTolerance);
+  }
+  std::printf(
+      "%-40s hopper out %.2e lse %.2e | fa2 out %.2e | vs fa2 out %.2e lse %.2e | "
+      "dq %.2e dk %.2e dv %.2e\n",
+      c.Name().c_str(), out_err, lse_err, fa2_out_err, vs_fa2_out, vs_fa2_lse, dq_err, dk_err,
+      dv_err);
+}
+
+TEST_F(HopperTreeAttention, SmallChunks) {
+  CheckCase({1, 0, 16, 8, TreeKind::kChain}, 1);
+  CheckCase({3, 0, 16, 8, TreeKind::kChain}, 2);
+  CheckCase({7, 3000, 16, 8, TreeKind::kChain}, 3);
+  CheckCase({19, 0, 32, 8, TreeKind::kRandom}, 4);
+  CheckCase({19, 3001, 8, 8, TreeKind::kRandom, true}, 5);
+  CheckCase({1, 3000, 16, 8, TreeKind::kChain}, 6);
+  CheckCase({3, 37, 32, 8, TreeKind::kRandom}, 7);
+}
+
+TEST_F(HopperTreeAttention, Chains) {
+  CheckCase({733, 0, 16, 8, TreeKind::kChain}, 11);
+  CheckCase({733, 3001, 16, 8, TreeKind::kChain}, 13);
+  CheckCase({200, 37, 32, 8, TreeKind::kChain}, 14);
+  CheckCase({8192, 0, 16, 8, TreeKind::kChain}, 15);
+  CheckCase({4099, 0, 32, 8, TreeKind::kChain, true}, 16);
+}
+
+// The benchmark's 8K chain with 32 query heads, whose float64 reference would not fit next to the
+// kernels: the Hopper forward against the FlashAttention-2 one only.
+TEST_F(HopperTreeAttention, LongChainMatchesTheFa2Forward) {
+  at::Generator gen = at::detail::createCPUGenerator(17);
+  const int64_t t = 8192;
+  const Case c{t, 0, 32, 8, TreeKind::kChain};
+  const at::Tensor ends = testing::KeyEndTensor(MakeKeyEnd(c.kind, t, 17));
+  const at::Tensor q = RandnBf16({t, c.q_heads, kHeadDim}, gen);
+  const at::Tensor k = RandnBf16({t, c.kv_heads, kHeadDim}, gen);
+  const at::Tensor v = RandnBf16({t, c.kv_heads, kHeadDim}, gen);
+  const GpuInputs g = ToGpu(c, q, k, v, {}, {}, ends, gen);
+  const double scale = 1.0 / std::sqrt(double{kHeadDim});
+  const TreeAttentionOutput hopper = Forward(g, scale, "1");
+  const TreeAttentionOutput fa2 = Forward(g, scale, "0");
+  const double out_err = RelativeError(hopper.out, fa2.out);
+  const double lse_err = MaxAbsDiff(hopper.lse, fa2.lse);
+  EXPECT_LE(out_err, kTolerance);
+  EXPECT_LE(lse_err, kLseTolerance);
+  std::printf("%-40s vs fa2 out %.2e lse %.2e\n", c.Name().c_str(), out_err, lse_err);
+}
+
+TEST_F(HopperTreeAttention, RandomTrees) {
+  CheckCase({733, 3000, 8, 8, TreeKind::kRandom}, 22);
+  CheckCase({200, 37, 32, 8, TreeKind::kRandom}, 23);
+  CheckCase({733, 1000, 32, 8, TreeKind::kRandom, true}, 24);
+  CheckCase({2100, 700, 16, 8, TreeKind::kRandom}, 25);
+}
+
+TEST_F(HopperTreeAttention, ManyShortBranches) {
+  CheckCase({733, 0, 32, 8, TreeKind::kBranches}, 31);
+  CheckCase({733, 3000, 8, 8, TreeKind::kBranches}, 33);
+  CheckCase({2100, 0, 16, 8, TreeKind::kBranches, false, 4.0}, 34);
+}
+
+TEST_F(HopperTreeAttention, PackedTreeSizes) {
+  CheckCase({16001, 0, 2, 1, TreeKind::kRandom}, 62);
+  CheckCase({6007, 1200, 8, 2, TreeKind::kRandom, false, 4.0}, 65);
+}
+
+// q = 0: lse_i = log(P + keys visible to i), exact in float32 up to rounding (see
+// tree_attention_test.cc): the Hopper kernel's tile walk and mask against the definition.
+TEST_F(HopperTreeAttention, LseCountsExactlyTheVisibleKeys) {
+  for (const Case& c :
+       {Case{733, 0, 4, 2, TreeKind::kRandom}, Case{2100, 700, 16, 8, TreeKind::kBranches},
+        Case{16001, 3000, 2, 1, TreeKind::kRandom}, Case{5000, 0, 32, 8, TreeKind::kRandom},
+        Case{8192, 0, 16, 8, TreeKind::kChain}, Case{301, 129, 16, 8, TreeKind::kBranches}}) {
+    SCOPED_TRACE(c.Name());
+    const std::vector<int64_t> key_end = MakeKeyEnd(c.kind, c.tokens, 70);
+    std::vector<double> visible(c.tokens, static_cast<double>(c.prefix));
+    for (int64_t j = 0; j < c.tokens; ++j) {
+      for (int64_t i = j; i < key_end[j]; ++i) visible[i] += 1;
+    }
+    std::vector<double> expected(c.tokens);
+    for (int64_t i = 0; i < c.tokens; ++i) expected[i] = std::log(visible[i]);
+    const at::Tensor want = at::tensor(expected, at::TensorOptions().dtype(at::kDouble))
+                                .unsqueeze(0)
+                                .expand({c.q_heads, c.tokens});
+    at::Generator gen = at::detail::createCPUGenerator(71);
+    const at::TensorOptions bf16 = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+    const at::Tensor q = at::zeros({c.tokens, c.q_heads, kHeadDim}, bf16);
+    const at::Tensor k = RandnBf16({c.tokens, c.kv_heads, kHeadDim}, gen).to(at::kCUDA);
+    const at::Tensor v = RandnBf16({c.tokens, c.kv_heads, kHeadDim}, gen).to(at::kCUDA);
+    const at::Tensor pk = c.prefix > 0
+                              ? RandnBf16({c.prefix, c.kv_heads, kHeadDim}, gen).to(at::kCUDA)
+                              : at::Tensor();
+    const GpuInputs g{q, k, v, pk, pk, testing::KeyEndTensor(key_end).to(at::kCUDA)};
+    const TreeAttentionOutput out = Forward(g, 1.0 / std::sqrt(double{kHeadDim}), "1");
+    const double err = MaxAbsDiff(out.lse.cpu(), want);
+    EXPECT_LE(err, 1e-5);
+    std::printf("%-40s lse counts max err %.2e\n", c.Name().c_str(), err);
+  }
+}
+
+// The switch: "0" runs the FlashAttention-2 forward, anything else (or unset) the Hopper one.
+TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
+  const at::Tensor q =
+      at::zeros({5, 16, kHeadDim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+  internal::TreeAttentionShape shape;
+  shape.tokens = 5;
+  shape.q_heads = 16;
+  shape.kv_heads = 8;
+  shape.head_dim = kHeadDim;
+  {
+    const ScopedHopperEnv off("0");
+    EXPECT_FALSE(internal::UsesHopperForward(shape, q));
+  }
+  {
+    const ScopedHopperEnv on("1");
+    EXPECT_TRUE(internal::UsesHopperForward(shape, q));
+    shape.head_dim = 64;
+    EXPECT_FALSE(internal::UsesHopperForward(shape, q.narrow(2, 0, 64)));
+  }
+}
+
+}  // namespace
+}  // namespace dta::kernels
