@@ -71,7 +71,8 @@ struct ExecutorOptions {
   // bounds, lowered to fit; a budget that leaves no room for the smallest chunk is refused, naming
   // what it needs. The planner's estimate lies 1-7% above measured peaks, so the step's peak
   // (torch.cuda.max_memory_allocated) stays within the budget. Dense, packed, ComputeLogprobs and
-  // the CPU ignore it.
+  // the CPU ignore it. The estimate models the GPU's kernels (bfloat16 models); float32 and float64
+  // attention on a GPU runs a reference that holds [T, P + T] scores, which it does not count.
   int64_t memory_budget = 0;
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
   // mask on top of the stack (see StepKind::kPacked).

@@ -9,7 +9,9 @@ mkdir -p "$out"
 start=$SECONDS
 stage() { echo "== $1 at $((SECONDS - start)) s"; }
 stage build
-timeout 300 scripts/device_build.sh -DDTA_BUILD_PYTHON=ON >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+# The machines lack grpc_tools, so the dta.v1 Python stubs fail to build; nothing here needs them.
+timeout 300 scripts/device_build.sh -DDTA_BUILD_PYTHON=ON -DDTA_BUILD_SERVICES=OFF >"$out/build.log" 2>&1 ||
+  grep -q "No module named 'grpc_tools'" "$out/build.log" || { tail -30 "$out/build.log"; exit 1; }
 grep -E "CUTLASS" "$out/build.log" | head -2
 site=build-device/site && rm -rf "$site" && mkdir -p "$site" && cp -r bindings/python/dta "$site/dta" &&
   cp build-device/python/dta/_core*.so "$site/dta/"
