@@ -12,9 +12,9 @@
 // deterministic (bitwise equal across runs). On Hopper (compute capability 9.x) the forward at head
 // dim 128 runs a FlashAttention-3 style kernel instead (kernels/hopper/: TMA, warp specialisation,
 // wgmma; same mask, tile skipping, out and lse), when the build found the CUTLASS headers and
-// DTA_HOPPER_ATTENTION is not "0" (read at every call). Every other input (CPU, float32/float64, other head
-// dims) runs the exact ATen reference in kernels/tree_attention_reference.h, which builds the
-// [T, P + T] mask and computes in float64 for float64 inputs, float32 otherwise.
+// DTA_HOPPER_ATTENTION is not "0" (read at every call). Every other input (CPU, float32/float64,
+// other head dims) runs the exact ATen reference in kernels/tree_attention_reference.h, which
+// builds the [T, P + T] mask and computes in float64 for float64 inputs, float32 otherwise.
 //
 // Usage, one layer of one chunk:
 //   TreeAttentionOutput fwd = TreeAttentionForward(q, k, v, cache_k.slice(0, 0, P),
