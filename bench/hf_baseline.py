@@ -7,6 +7,11 @@ batch's gradients (forward and backward of every rollout, no optimizer step) wit
 - ``hf-sdpa``, ``hf-flex``: transformers' Qwen3ForCausalLM, one rollout at a time (each rollout is
   its own sequence, as trainers run them), attention through SDPA or flex attention; log-probs of
   the rollout's tokens, a GRPO-style surrogate on its trained tokens, backward;
+- ``hf-sdpa-packed``, ``hf-flex-packed``: the same model and loss on packed sequences, as a
+  dense trainer with packing runs them: rollouts concatenated in file order into packs of at most
+  --pack_tokens tokens (a longer rollout alone), position ids restarting at each rollout, from
+  which transformers builds a mask that keeps the rollouts apart (its packed-sequence detection;
+  SDPA then takes a dense [L, L] mask, flex attention a block mask);
 - ``dta-dense``, ``dta``: dta.Trainer.compute_gradients with the same loss, dense (every rollout
   on its own) and dta (push/pop over the prefix tree).
 
@@ -43,10 +48,49 @@ def hf_gradients(model, trajectories, advantages: list[float], device: torch.dev
     total = sum(sum(t.loss_mask) for t in trajectories)
     for t, advantage in zip(trajectories, advantages):
         ids = torch.tensor(t.tokens, device=device)[None]
-        logits = model(input_ids=ids).logits[0, :-1].float()
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
         mask = torch.tensor(t.loss_mask[1:], device=device, dtype=torch.bool)
         loss = (-advantage * torch.exp(lp - lp.detach()))[mask].sum() / total
+        loss.backward()
+
+
+def packs(trajectories, pack_tokens: int) -> list[list[int]]:
+    """Indices of the trajectories in each pack: file order, at most pack_tokens tokens a pack
+    (a longer trajectory alone)."""
+    out: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(trajectories):
+        if not out or size + len(t.tokens) > pack_tokens:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += len(t.tokens)
+    return out
+
+
+def hf_packed_gradients(model, trajectories, advantages: list[float], device: torch.device,
+                        pack_tokens: int) -> None:
+    """hf_gradients' loss on packed sequences: each pack is one sequence whose position ids restart
+    at every rollout (transformers then keeps the rollouts apart); the prediction across a
+    boundary is not trained."""
+    total = sum(sum(t.loss_mask) for t in trajectories)
+    for pack in packs(trajectories, pack_tokens):
+        ids = torch.tensor([x for i in pack for x in trajectories[i].tokens], device=device)
+        positions = torch.cat([torch.arange(len(trajectories[i].tokens), device=device) for i in pack])
+        # Per predicted token (position p predicts p + 1): its rollout's advantage, and whether it
+        # is trained (the rollout's loss mask; never across a boundary).
+        weight, trained = [], []
+        for i in pack:
+            t = trajectories[i]
+            weight += [advantages[i]] * len(t.tokens)
+            trained += [bool(m) for m in t.loss_mask[1:]] + [False]
+        weight = torch.tensor(weight[:-1], device=device)
+        mask = torch.tensor(trained[:-1], device=device, dtype=torch.bool)
+        # No cache: transformers detects packing from the position ids only without one.
+        logits = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(1, ids[1:, None])[:, 0]
+        loss = (-weight * torch.exp(lp - lp.detach()))[mask].sum() / total
         loss.backward()
 
 
@@ -149,12 +193,16 @@ def main() -> int:
                                                  "qwen3-tiny.json"), help="a dta preset or a config.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--methods", default="hf-sdpa,hf-flex,dta-dense,dta")
+    parser.add_argument("--methods", default="hf-sdpa,hf-flex,hf-sdpa-packed,hf-flex-packed,dta-dense,dta")
+    parser.add_argument("--pack_tokens", type=int, default=16384,
+                        help="hf-*-packed: the most tokens in one packed sequence")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="a JSON line per method")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more run of each method (launches, GPU time by kind)")
     args = parser.parse_args()
+    if args.pack_tokens < 1:
+        parser.error(f"--pack_tokens must be >= 1, got {args.pack_tokens}")
 
     import dta
     from transformers import Qwen3ForCausalLM
@@ -174,11 +222,15 @@ def main() -> int:
         trainer.save(scratch, dtype=None, optimizer=False)
         for method in args.methods.split(","):
             if method.startswith("hf-"):
-                attention = {"hf-sdpa": "sdpa", "hf-flex": "flex_attention"}[method]
+                attention = {"sdpa": "sdpa", "flex": "flex_attention"}[method.split("-")[1]]
                 model = Qwen3ForCausalLM.from_pretrained(Path(scratch) / "model", dtype=dtype,
                                                          attn_implementation=attention).to(device)
                 model.train()
-                run = lambda: hf_gradients(model, trajectories, advantages, device)  # noqa: E731
+                if method.endswith("-packed"):
+                    run = lambda: hf_packed_gradients(model, trajectories, advantages, device,  # noqa: E731
+                                                      args.pack_tokens)
+                else:
+                    run = lambda: hf_gradients(model, trajectories, advantages, device)  # noqa: E731
                 try:
                     seconds = timed(run, device, args.repeats)
                     profiled = kernel_profile(run, device) if args.profile else None
@@ -200,15 +252,15 @@ def main() -> int:
             if profiled is not None:
                 result["profile"] = profiled
             results.append(result)
-    dense = [r["seconds"] for r in results if r["method"] in ("hf-sdpa", "hf-flex", "dta-dense")]
+    dense = [r["seconds"] for r in results if r["method"] != "dta"]
     fastest_dense = min(dense) if dense else math.nan
     where = results[0]["device"] if results else args.device
     print(f"{len(trajectories)} rollouts, {tokens} rollout tokens, {tree.tree_tokens} tree tokens "
           f"(C = {tokens / tree.tree_tokens:.2f}), {args.config} {args.dtype} on {where}")
-    print(f"{'method':<10} {'seconds':>9} {'rollout tok/s':>14} {'vs fastest dense':>17}")
+    print(f"{'method':<15} {'seconds':>9} {'rollout tok/s':>14} {'vs fastest dense':>17}")
     for r in results:
         r["vs_fastest_dense"] = fastest_dense / r["seconds"]
-        print(f"{r['method']:<10} {r['seconds']:>9.3f} {r['rollout_tokens_per_second']:>14,.0f} "
+        print(f"{r['method']:<15} {r['seconds']:>9.3f} {r['rollout_tokens_per_second']:>14,.0f} "
               f"{r['vs_fastest_dense']:>16.2f}x")
         if args.json:
             print(json.dumps(r))

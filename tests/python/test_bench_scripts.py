@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import dta
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import hf_baseline  # noqa: E402
 
 
 def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
@@ -24,17 +29,62 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
     rollouts = tmp_path / "rollouts.jsonl"
     dta.write_jsonl(rollouts, batch)
     run = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
-                          "--device=cpu", "--dtype=float32", "--repeats=1", "--methods=hf-sdpa,dta-dense,dta",
+                          "--device=cpu", "--dtype=float32", "--repeats=1", "--methods=hf-sdpa,hf-sdpa-packed,dta-dense,dta",
                           "--json", "--profile"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert [r["method"] for r in records] == ["hf-sdpa", "dta-dense", "dta"]
+    assert [r["method"] for r in records] == ["hf-sdpa", "hf-sdpa-packed", "dta-dense", "dta"]
     tokens = sum(len(t.tokens) for t in batch)
     for r in records:
         assert r["rollout_tokens"] == tokens and r["tree_tokens"] == 40 + sum(20 + 5 * i for i in range(4))
         assert r["seconds"] > 0 and r["rollout_tokens_per_second"] == tokens / r["seconds"]
         # On the CPU the profiler sees no kernels: only the report's shape is checked here.
         assert r["profile"]["kernel_launches"] == 0 and set(r["profile"]["gpu_ms"]) == {"attention", "gemm", "other"}
-    assert run.stdout.count("profile of ") == 3
+    assert run.stdout.count("profile of ") == 4
     fastest = min(r["seconds"] for r in records if r["method"] != "dta")
     assert all(abs(r["vs_fastest_dense"] - fastest / r["seconds"]) < 1e-12 for r in records)
+
+
+def test_packed_transformers_computes_the_per_rollout_gradient():
+    """hf-*-packed is the same baseline: transformers keeps packed rollouts apart (position ids
+    restarting at each), so the packed loss's gradient is the per-rollout one (float64; SDPA
+    exactly, eager up to its float32 softmax; flex attention has no backward on the CPU)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    rng = random.Random(5)
+    batch = []
+    for i in range(7):
+        tokens = [rng.randrange(64) for _ in range(3 + 4 * i)]
+        batch.append(dta.Trajectory(id=f"r{i}", group=f"g{i % 2}", tokens=tokens,
+                                    loss_mask=[0] + [rng.randrange(2) or 1 for _ in tokens[1:]],
+                                    logprobs=[-1.0] * len(tokens), reward=float(i % 3)))
+    advantages = hf_baseline.group_advantages(batch)
+    assert any(a != 0 for a in advantages)
+    grads = {}
+    for attention in ("sdpa", "eager"):
+        model = Qwen3ForCausalLM(config).to(torch.float64)
+        model.config._attn_implementation = attention
+        torch.manual_seed(1)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        for name, run in [("each", lambda: hf_baseline.hf_gradients(model, batch, advantages, torch.device("cpu"))),
+                          ("packed", lambda: hf_baseline.hf_packed_gradients(model, batch, advantages,
+                                                                             torch.device("cpu"), pack_tokens=40))]:
+            model.zero_grad()
+            run()
+            grads[attention, name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert len(hf_baseline.packs(batch, 40)) < len(batch)  # some packs hold several rollouts
+    for attention, tolerance in (("sdpa", 1e-10), ("eager", 1e-6)):
+        each, packed = grads[attention, "each"], grads[attention, "packed"]
+        assert each.norm() > 0
+        assert (packed - each).norm() <= tolerance * each.norm(), attention
+
+
+def test_packs_keep_file_order_under_the_cap():
+    batch = [dta.Trajectory(id=str(i), group="g", tokens=[1] * n, loss_mask=[0] + [1] * (n - 1),
+                            logprobs=[-1.0] * n, reward=0.0) for i, n in enumerate([5, 5, 9, 30, 2, 2])]
+    assert hf_baseline.packs(batch, 10) == [[0, 1], [2], [3], [4, 5]]
+    assert hf_baseline.packs(batch, 1000) == [[0, 1, 2, 3, 4, 5]]
