@@ -55,6 +55,8 @@ class Batcher {
       CopyPiece piece = *to;
       piece.source = source ? source->const_data_ptr() : nullptr;
       piece.destination = destination.data_ptr();
+      // As ATen's in-place ops do, so that autograd notices a write into a tensor it saved.
+      destination.unsafeGetTensorImpl()->bump_version();
       piece.source_row_stride = from->source_row_stride;
       Group& group = GroupOf(source_type, destination.scalar_type(), destination.device());
       group.pieces.push_back(piece);

@@ -115,6 +115,21 @@ TEST(BatchedCopy, ZeroesExactlyThePieces) {
   }
 }
 
+// Like copy_ and zero_, the batch bumps each destination's version, so autograd refuses a
+// backward through a tensor it saved and that was overwritten since.
+TEST(BatchedCopy, BumpsTheVersionOfWhatItWrites) {
+  for (const at::Device& device : Devices()) {
+    const at::Tensor buffer = at::randn({8, 16}, at::TensorOptions().device(device));
+    at::Tensor rows = buffer.slice(0, 2, 5);
+    const auto before = rows._version();
+    CopyAll({at::randn({3, 16}, buffer.options())}, {rows});
+    EXPECT_GT(rows._version(), before) << device;
+    const auto copied = rows._version();
+    ZeroAll({rows});
+    EXPECT_GT(rows._version(), copied) << device;
+  }
+}
+
 TEST(BatchedCopy, EmptyPiecesAndMismatchedShapes) {
   const at::Tensor x = at::randn({4, 8});
   CopyAll({x.slice(0, 0, 0)}, {at::empty({0, 8})});
