@@ -317,34 +317,6 @@ std::optional<bool> LayoutChoiceFlag(const char* flag, const std::string& value)
 
 }  // namespace
 
-ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t longest_rollout,
-                                       int64_t tree_tokens) {
-  ExecutorMemoryOptions memory;
-  switch (executor.method) {
-    case Method::kDta:
-      memory.method = ExecutorKind::kDta;
-      break;
-    case Method::kDense:
-      memory.method = ExecutorKind::kDense;
-      break;
-    case Method::kPacked:
-      memory.method = ExecutorKind::kPacked;
-      break;
-  }
-  memory.longest_rollout = longest_rollout > 0 ? longest_rollout : kDefaultPlannedRollout;
-  // ExecutorOptions' automatic values are core/layout's (-1); kUnboundedBlock stays unbounded.
-  memory.block_size =
-      executor.block_size == kAutoBlockSize ? kAutomaticCapacity : executor.block_size;
-  memory.graph_budget =
-      executor.graph_budget == kAutoGraphBudget ? kAutomaticCapacity : executor.graph_budget;
-  memory.pack = executor.pack;
-  memory.token_capacity = executor.token_capacity;
-  memory.tree_tokens = tree_tokens;
-  memory.checkpointing = executor.checkpointing;
-  memory.logprob_slice_rows = executor.logprob_slice_rows;
-  return memory;
-}
-
 LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
                            const PlannedWorkload& workload) {
   LayoutOverrides overrides;

@@ -48,10 +48,6 @@ struct PlannedWorkload {
   int64_t longest_rollout = 0;  // tokens
   int64_t tree_tokens = 0;      // the batch's unique tokens
 };
-// The executor's options and workload as core/layout's estimate of its memory sees them; a
-// longest_rollout of 0 plans for kDefaultPlannedRollout tokens.
-ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t longest_rollout,
-                                       int64_t tree_tokens = 0);
 // The layout (tensor parallelism, optimizer sharding and offload) for `world_size` ranks on
 // `device`, from --tensor_parallel, --shard_optimizer, --offload_optimizer, --gpu_memory_gb and
 // --activation_gb and the device's memory (core/layout's planner). Without --activation_gb the

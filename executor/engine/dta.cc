@@ -477,14 +477,7 @@ ChunkPlan FitChunksInBudget(const Qwen3Model& model, const ExecutorOptions& opti
   const at::Device device = model.options().device();
   const int64_t allocated = AllocatedDeviceMemory(device);
   const int64_t available = std::min(options.memory_budget - allocated, FreeDeviceMemory(device));
-  ExecutorMemoryOptions memory{
-      .method = ExecutorKind::kDta,
-      .longest_rollout = longest,
-      .block_size = options.block_size == kAutoBlockSize ? kAutomaticCapacity : options.block_size,
-      .graph_budget =
-          options.graph_budget == kAutoGraphBudget ? kAutomaticCapacity : options.graph_budget,
-      .pack = options.pack,
-      .logprob_slice_rows = options.logprob_slice_rows};
+  const ExecutorMemoryOptions memory = ExecutorMemoryOf(options, longest);
   const absl::StatusOr<ChunkCapacity> fit = FitChunksInMemory(
       model.config(), memory, available, model.tensor_parallel_size(),
       static_cast<int32_t>(c10::elementSize(model.options().dtype().toScalarType())));

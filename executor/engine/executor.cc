@@ -136,6 +136,34 @@ std::string_view LeafOrderName(LeafOrderKind order) {
   TORCH_CHECK(false, "LeafOrderName: unknown order ", static_cast<int>(order));
 }
 
+ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t longest_rollout,
+                                       int64_t tree_tokens) {
+  ExecutorMemoryOptions memory;
+  switch (executor.method) {
+    case Method::kDta:
+      memory.method = ExecutorKind::kDta;
+      break;
+    case Method::kDense:
+      memory.method = ExecutorKind::kDense;
+      break;
+    case Method::kPacked:
+      memory.method = ExecutorKind::kPacked;
+      break;
+  }
+  memory.longest_rollout = longest_rollout > 0 ? longest_rollout : kDefaultPlannedRollout;
+  // ExecutorOptions' automatic values are core/layout's (-1); kUnboundedBlock stays unbounded.
+  memory.block_size =
+      executor.block_size == kAutoBlockSize ? kAutomaticCapacity : executor.block_size;
+  memory.graph_budget =
+      executor.graph_budget == kAutoGraphBudget ? kAutomaticCapacity : executor.graph_budget;
+  memory.pack = executor.pack;
+  memory.token_capacity = executor.token_capacity;
+  memory.tree_tokens = tree_tokens;
+  memory.checkpointing = executor.checkpointing;
+  memory.logprob_slice_rows = executor.logprob_slice_rows;
+  return memory;
+}
+
 int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype, int tensor_parallel) {
   // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
   // inputs (the residual stream, at least float32, whole on every rank), q and k before their norms

@@ -30,6 +30,7 @@
 
 #include "absl/types/span.h"
 #include "core/io/rollout.h"
+#include "core/layout/executor_memory.h"
 #include "core/tree/schedule.h"
 #include "executor/loss/loss.h"
 #include "executor/model/qwen3_model.h"
@@ -125,6 +126,11 @@ struct GradientResult {
 // one of `tensor_parallel` ranks (heads and the MLP's intermediate split across them).
 int64_t GraphBytesPerToken(const Qwen3Config& config, at::ScalarType dtype,
                            int tensor_parallel = 1);
+
+// The executor's options and workload as core/layout's estimate of its memory sees them; a
+// longest_rollout of 0 plans for kDefaultPlannedRollout tokens.
+ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t longest_rollout,
+                                       int64_t tree_tokens = 0);
 
 // Computes the batch loss and adds d loss / d parameter into each parameter's .grad (callers zero
 // the gradients between steps). Rollouts must be valid (ValidateRollout) with token ids below the

@@ -29,8 +29,8 @@ using testing::MakeKeyEnd;
 using testing::RelativeError;
 using testing::TreeKind;
 
-constexpr double kTolerance = 1e-2;
-constexpr double kLseTolerance = 1e-3;
+using testing::kLseTolerance;
+using testing::kTolerance;
 
 struct Case {
   int64_t tokens, prefix, q_heads, kv_heads;
