@@ -1,11 +1,12 @@
 // dta-attention-bench: tree attention kernels against PyTorch's flash attention (FlashAttention-2
 // inside ATen) on the GPU. Causal chains compare like for like; the packed tree (a shared prefix
-// and branches) compares one tree pass against flash over every rollout separately. Our forward
-// runs twice where the Hopper kernel exists (kernels/hopper/, compute capability 9.x, D = 128):
-// "ours FA2" with DTA_HOPPER_ATTENTION=0 and "ours Hopper" with it on; the backward is the same
-// FlashAttention-2 kernels in both rows. Times are
+// and branches) compares one tree pass against flash over every rollout separately. Where the
+// Hopper kernels exist (kernels/hopper/, compute capability 9.x, D = 128) ours run three times:
+// "ours FA2" (DTA_HOPPER_ATTENTION=0, DTA_HOPPER_ATTENTION_BACKWARD=0), "ours Hopper fwd" (the
+// Hopper forward, the FlashAttention-2 backward) and "ours Hopper fwd + Hopper bwd". Times are
 // medians of 20 CUDA-event-timed runs after 5 warm-ups; TFLOP/s count only visible score entries
-// (forward 4 * D * Hq per entry, forward + backward 3.5 times that, FlashAttention's convention).
+// (forward 4 * D * Hq per entry, forward + backward 3.5 times that, FlashAttention's convention);
+// the backward's column is forward + backward minus forward, at 2.5 times the forward's work.
 // Prints a Markdown table.
 #include <ATen/ATen.h>
 
@@ -69,49 +70,64 @@ bool Quick() { return absl::GetFlag(FLAGS_quick); }
 
 bool OursOnly() { return absl::GetFlag(FLAGS_ours_only); }
 
-// Which forward our rows run: the FlashAttention-2 kernel or the Hopper one (DTA_HOPPER_ATTENTION,
-// read by the dispatch at every call).
-enum class Kernel { kFa2, kHopper };
+// Which kernels our rows run: FlashAttention-2 both ways, the Hopper forward with the
+// FlashAttention-2 backward, or Hopper both ways (DTA_HOPPER_ATTENTION and
+// DTA_HOPPER_ATTENTION_BACKWARD, read by the dispatch at every call).
+enum class Kernel { kFa2, kHopper, kHopperBoth };
 
-class ScopedKernel {
+// Sets one environment variable for its lifetime and restores the previous value.
+class ScopedEnv {
  public:
-  explicit ScopedKernel(Kernel kernel) {
-    const char* old = std::getenv("DTA_HOPPER_ATTENTION");
+  ScopedEnv(const char* name, bool on) : name_(name) {
+    const char* old = std::getenv(name);
     had_old_ = old != nullptr;
     if (had_old_) old_ = old;
-    setenv("DTA_HOPPER_ATTENTION", kernel == Kernel::kHopper ? "1" : "0", 1);
+    setenv(name, on ? "1" : "0", 1);
   }
-  ~ScopedKernel() {
+  ~ScopedEnv() {
     if (had_old_) {
-      setenv("DTA_HOPPER_ATTENTION", old_.c_str(), 1);
+      setenv(name_, old_.c_str(), 1);
     } else {
-      unsetenv("DTA_HOPPER_ATTENTION");
+      unsetenv(name_);
     }
   }
-  ScopedKernel(const ScopedKernel&) = delete;
-  ScopedKernel& operator=(const ScopedKernel&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
+  const char* name_;
   bool had_old_ = false;
   std::string old_;
 };
 
-// True when this GPU and build run the Hopper forward for c's shape.
+class ScopedKernel {
+ public:
+  explicit ScopedKernel(Kernel kernel)
+      : forward_("DTA_HOPPER_ATTENTION", kernel != Kernel::kFa2),
+        backward_("DTA_HOPPER_ATTENTION_BACKWARD", kernel == Kernel::kHopperBoth) {}
+
+ private:
+  ScopedEnv forward_;
+  ScopedEnv backward_;
+};
+
+// True when this GPU and build run the Hopper kernels for c's shape.
 bool HopperAvailable(const Case& c) {
-  const ScopedKernel on(Kernel::kHopper);
+  const ScopedKernel on(Kernel::kHopperBoth);
   internal::TreeAttentionShape shape;
   shape.tokens = c.tokens();
   shape.prefix = c.prefix;
   shape.q_heads = c.q_heads;
   shape.kv_heads = c.kv_heads;
   shape.head_dim = c.head_dim;
-  return internal::UsesHopperForward(
-      shape, at::empty({1, 1, c.head_dim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16)));
+  const at::Tensor probe =
+      at::empty({1, 1, c.head_dim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+  return internal::UsesHopperForward(shape, probe) && internal::UsesHopperBackward(shape, probe);
 }
 
 // The kernels our rows compare: FA2 always, Hopper where it runs.
 std::vector<Kernel> OurKernels(const Case& c) {
-  if (HopperAvailable(c)) return {Kernel::kFa2, Kernel::kHopper};
+  if (HopperAvailable(c)) return {Kernel::kFa2, Kernel::kHopper, Kernel::kHopperBoth};
   return {Kernel::kFa2};
 }
 
@@ -151,7 +167,7 @@ std::vector<int64_t> KeyEnd(const Case& c) {
 
 struct Row {
   std::string name, method;
-  double visible = 0, fwd_ms = 0, fwd_tflops = 0, fb_ms = 0, fb_tflops = 0;
+  double visible = 0, fwd_ms = 0, fwd_tflops = 0, fb_ms = 0, fb_tflops = 0, bwd_tflops = 0;
   std::string vs_flash;
 };
 
@@ -185,6 +201,7 @@ Row RunFlash(const Case& c, const std::string& name, int64_t batch, int64_t len,
   row.fb_ms = MedianMs(fb);
   row.fwd_tflops = Tflops(row.visible, c, row.fwd_ms, 1.0);
   row.fb_tflops = Tflops(row.visible, c, row.fb_ms, 3.5);
+  row.bwd_tflops = Tflops(row.visible, c, row.fb_ms - row.fwd_ms, 2.5);
   if (out0 != nullptr) *out0 = std::get<0>(fwd());
   return row;
 }
@@ -207,7 +224,9 @@ Row RunOurs(const Case& c, Kernel kernel, at::Tensor* out0, at::Tensor* q0, at::
   const at::Tensor ends = at::tensor(ends_host, at::TensorOptions().dtype(at::kLong)).to(at::kCUDA);
   Row row;
   row.name = c.name;
-  row.method = kernel == Kernel::kHopper ? "ours Hopper fwd" : "ours FA2";
+  row.method = kernel == Kernel::kHopperBoth ? "ours Hopper fwd + Hopper bwd"
+               : kernel == Kernel::kHopper   ? "ours Hopper fwd"
+                                             : "ours FA2";
   for (int64_t j = 0; j < t; ++j) row.visible += static_cast<double>(ends_host[j] - j);
   row.visible += static_cast<double>(p) * t;
   row.fwd_ms = MedianMs([&] { TreeAttentionForward(q, k, v, pk, pv, ends, scale); });
@@ -217,6 +236,7 @@ Row RunOurs(const Case& c, Kernel kernel, at::Tensor* out0, at::Tensor* q0, at::
   });
   row.fwd_tflops = Tflops(row.visible, c, row.fwd_ms, 1.0);
   row.fb_tflops = Tflops(row.visible, c, row.fb_ms, 3.5);
+  row.bwd_tflops = Tflops(row.visible, c, row.fb_ms - row.fwd_ms, 2.5);
   if (out0 != nullptr) {
     *out0 = TreeAttentionForward(q, k, v, pk, pv, ends, scale).out;
     *q0 = q;
@@ -271,7 +291,8 @@ int Main() {
                 err);
     for (Row& r : ours) {
       char buf[64];
-      std::snprintf(buf, sizeof(buf), "fwd %.2f, fwd+bwd %.2f", r.fwd_tflops / flash.fwd_tflops,
+      std::snprintf(buf, sizeof(buf), "fwd %.2f, bwd %.2f, fwd+bwd %.2f",
+                    r.fwd_tflops / flash.fwd_tflops, r.bwd_tflops / flash.bwd_tflops,
                     r.fb_tflops / flash.fb_tflops);
       r.vs_flash = buf;
       rows.push_back(r);
@@ -308,12 +329,12 @@ int Main() {
   }
   std::printf(
       "\n| case | method | visible entries | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
-      "fwd+bwd TFLOP/s | ours / flash |\n");
-  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |\n");
+      "fwd+bwd TFLOP/s | bwd TFLOP/s | ours / flash |\n");
+  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n");
   for (const Row& r : rows) {
-    std::printf("| %s | %s | %.3g | %.3f | %.1f | %.3f | %.1f | %s |\n", r.name.c_str(),
+    std::printf("| %s | %s | %.3g | %.3f | %.1f | %.3f | %.1f | %.1f | %s |\n", r.name.c_str(),
                 r.method.c_str(), r.visible, r.fwd_ms, r.fwd_tflops, r.fb_ms, r.fb_tflops,
-                r.vs_flash.c_str());
+                r.bwd_tflops, r.vs_flash.c_str());
   }
   return 0;
 }

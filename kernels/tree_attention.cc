@@ -115,17 +115,32 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
   }
 }
 
-bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q) {
+namespace {
+
+// The Hopper kernels run for bf16 CUDA inputs at head dim 128 on compute capability 9.x in builds
+// with the CUTLASS headers, unless the environment variable `env` is "0" (read at every call).
+bool UsesHopper(const TreeAttentionShape& shape, const at::Tensor& q, const char* env) {
 #ifdef DTA_KERNELS_HAVE_HOPPER
   if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 || shape.head_dim != 128) return false;
-  const char* env = std::getenv("DTA_HOPPER_ATTENTION");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  const char* value = std::getenv(env);
+  if (value != nullptr && std::strcmp(value, "0") == 0) return false;
   return at::cuda::getDeviceProperties(q.get_device())->major == 9;
 #else
   (void)shape;
   (void)q;
+  (void)env;
   return false;
 #endif
+}
+
+}  // namespace
+
+bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q) {
+  return UsesHopper(shape, q, "DTA_HOPPER_ATTENTION");
+}
+
+bool UsesHopperBackward(const TreeAttentionShape& shape, const at::Tensor& q) {
+  return UsesHopper(shape, q, "DTA_HOPPER_ATTENTION_BACKWARD");
 }
 
 }  // namespace internal

@@ -1,5 +1,6 @@
 // The CUDA path of kernels/tree_attention.h: checks, device guard, current stream, workspace,
-// launch, launch check. The kernels themselves are in tree_attention_kernel.cuh.
+// launch, launch check. The kernels themselves are in tree_attention_kernel.cuh and, for Hopper,
+// kernels/hopper/.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
@@ -166,14 +167,23 @@ TreeAttentionGrads BackwardCuda(const TreeAttentionShape& shape, const at::Tenso
   // kernel's tail fills with the other's blocks. The caller's stream waits for both, so every
   // tensor used here is released in stream order.
   const int head_dim = static_cast<int>(shape.head_dim);
+  const bool hopper = UsesHopperBackward(shape, q);
+  (void)hopper;  // unused in builds without the Hopper kernels
   C10_CUDA_CHECK(
       LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, q.device().index());
   at::cuda::CUDAEvent row_dot_ready;
   row_dot_ready.record(at::cuda::getCurrentCUDAStream());
   row_dot_ready.block(side);
-  C10_CUDA_CHECK(LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kDkDv, side));
-  C10_CUDA_CHECK(LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kDq, stream));
+  // The Hopper kernels take the same params and the same row_dot, and keep the same split.
+  auto launch = [&](TreeAttentionBackwardPart part, cudaStream_t on) {
+#ifdef DTA_KERNELS_HAVE_HOPPER
+    if (hopper) return LaunchHopperTreeAttentionBackward(p, head_dim, part, on);
+#endif
+    return LaunchTreeAttentionBackward(p, head_dim, part, on);
+  };
+  C10_CUDA_CHECK(launch(TreeAttentionBackwardPart::kDkDv, side));
+  C10_CUDA_CHECK(launch(TreeAttentionBackwardPart::kDq, stream));
   at::cuda::CUDAEvent dkdv_done;
   dkdv_done.record(side);
   dkdv_done.block(at::cuda::getCurrentCUDAStream());

@@ -36,8 +36,14 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
 // FlashAttention-2 one for these checked, kernel-supported inputs: a build with the CUTLASS headers
 // (DTA_KERNELS_HAVE_HOPPER), q on a device of compute capability 9.x, head dim 128, and the
 // environment variable DTA_HOPPER_ATTENTION unset or not "0". The variable is read at every call,
-// so one process can compare both kernels. The backward always runs the FlashAttention-2 kernels.
+// so one process can compare both kernels.
 bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q);
+
+// True when BackwardCuda runs the Hopper dQ and dK/dV kernels (kernels/hopper/) rather than the
+// FlashAttention-2 ones: the same requirements as UsesHopperForward, with the environment variable
+// DTA_HOPPER_ATTENTION_BACKWARD (unset or not "0"; read at every call) in place of
+// DTA_HOPPER_ATTENTION. Either direction may run either kernel: out and lse are the same contract.
+bool UsesHopperBackward(const TreeAttentionShape& shape, const at::Tensor& q);
 
 // The CUDA path (kernels/tree_attention.cu). Inputs are already checked. Defined only when the
 // library is built with nvcc (DTA_KERNELS_HAVE_CUDA).

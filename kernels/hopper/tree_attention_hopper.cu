@@ -11,54 +11,15 @@ namespace dta::kernels {
 namespace hopper_detail {
 namespace {
 
-bool Aligned16(const void* ptr, int64_t row_stride) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 &&
-         (row_stride * static_cast<int64_t>(sizeof(bf16))) % 16 == 0;
-}
-
-// (rows, D, heads) over rows of `heads` contiguous heads. A single row has stride 0 in the
-// params; TMA wants a positive multiple of 16 bytes and never steps past row 0 there.
-template <int D>
-typename ForwardTraits<D>::GmemTensor Gmem(const bf16* ptr, int rows, int heads,
-                                           int64_t row_stride) {
-  const int64_t stride = row_stride > 0 ? row_stride : static_cast<int64_t>(heads) * D;
-  return make_tensor(make_gmem_ptr(reinterpret_cast<const Element*>(ptr)),
-                     make_shape(rows, static_cast<int32_t>(D), heads),
-                     make_stride(stride, _1{}, static_cast<int64_t>(D)));
-}
-
 template <int D>
 cudaError_t LaunchForward(const TreeAttentionParams& p, int32_t* unit_counter,
                           cudaStream_t stream) {
   using Traits = ForwardTraits<D>;
-  const bool has_prefix = p.prefix > 0;
-  if (!Aligned16(p.q, p.q_row_stride) || !Aligned16(p.k, p.k_row_stride) ||
-      !Aligned16(p.v, p.v_row_stride) ||
-      (has_prefix && (!Aligned16(p.prefix_k, p.prefix_k_row_stride) ||
-                      !Aligned16(p.prefix_v, p.prefix_v_row_stride))) ||
-      static_cast<int64_t>(p.tokens) + p.prefix >= std::numeric_limits<int32_t>::max()) {
-    return cudaErrorInvalidValue;
-  }
+  if (!OperandsFitTma(p)) return cudaErrorInvalidValue;
   ForwardParams<D> fp;
-  const auto slayout_kv = take<0, 2>(typename Traits::SmemLayoutKV{});
-  const auto tile_kv = typename Traits::TileKV{};
   fp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, Gmem<D>(p.q, p.tokens, p.q_heads, p.q_row_stride),
                            typename Traits::SmemLayoutQ{}, typename Traits::TileQ{}, _1{});
-  fp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, Gmem<D>(p.k, p.tokens, p.kv_heads, p.k_row_stride),
-                           slayout_kv, tile_kv, _1{});
-  fp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, Gmem<D>(p.v, p.tokens, p.kv_heads, p.v_row_stride),
-                           slayout_kv, tile_kv, _1{});
-  if (has_prefix) {
-    fp.tma_prefix_k = make_tma_copy(
-        SM90_TMA_LOAD{}, Gmem<D>(p.prefix_k, p.prefix, p.kv_heads, p.prefix_k_row_stride),
-        slayout_kv, tile_kv, _1{});
-    fp.tma_prefix_v = make_tma_copy(
-        SM90_TMA_LOAD{}, Gmem<D>(p.prefix_v, p.prefix, p.kv_heads, p.prefix_v_row_stride),
-        slayout_kv, tile_kv, _1{});
-  } else {
-    fp.tma_prefix_k = fp.tma_k;  // never used: no prefix tile is visited
-    fp.tma_prefix_v = fp.tma_v;
-  }
+  SetKeyValueTmas<D>(p, fp);
   fp.key_end = p.key_end;
   fp.tile_max_end = p.tile_max_end;
   fp.tile_min_end = p.tile_min_end;

@@ -1,9 +1,12 @@
-// The Hopper (sm_90a) forward of tree attention: FlashAttention-3 style, built on CuTe. A
-// producer warp streams Q and the visible K/V tiles with TMA into a multi-stage shared-memory
-// pipeline; two consumer warpgroups (64 query rows each) run Q K^T and P V as warpgroup MMAs
-// (wgmma, fp32 accumulation), the softmax of one key tile overlapping the next tile's Q K^T.
-// Same semantics, index spaces, tile skipping and outputs as the FlashAttention-2 forward in
-// kernels/tree_attention_kernel.cuh (which stays the fallback for every other GPU and shape).
+// The Hopper (sm_90a) forward and backward of tree attention: FlashAttention-3 style, built on
+// CuTe. The forward: a producer warp streams Q and the visible K/V tiles with TMA into a
+// multi-stage shared-memory pipeline; two consumer warpgroups (64 query rows each) run Q K^T and
+// P V as warpgroup MMAs (wgmma, fp32 accumulation), the softmax of one key tile overlapping the
+// next tile's Q K^T. The backward: the same producer / consumer split in a dQ kernel (query-tile
+// major) and a dK/dV kernel (key-tile major), no atomics, hence deterministic
+// (tree_attention_hopper_backward_kernel.cuh). Same semantics, index spaces, tile skipping and
+// outputs as the FlashAttention-2 kernels in kernels/tree_attention_kernel.cuh (which stay the
+// fallback for every other GPU and shape).
 //
 // Framework-free: the shared TreeAttentionParams in, cudaError_t out. Thread safety: stateless.
 // Only compiled when CMake finds the CUTLASS headers (DTA_KERNELS_HAVE_HOPPER).
@@ -31,6 +34,18 @@ bool HopperTreeAttentionSupportsHeadDim(int head_dim);
 // else the error of the launch.
 cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int head_dim,
                                              int32_t* unit_counter, cudaStream_t stream);
+
+// One part of the backward on a device of compute capability 9.0, with the effects
+// LaunchTreeAttentionBackward documents: kDq writes p.dq; kDkDv writes p.dk and p.dv and adds into
+// p.grad_prefix_k / p.grad_prefix_v. Both read p.lse and p.row_dot, so kRowDot (the
+// FlashAttention-2 launch, not this one) runs first on the stream; the two parts may then run
+// concurrently. Each gradient element is summed by one thread in a fixed order: bitwise
+// deterministic. Requires the prepare kernel's workspace as the forward does, q, k, v, the prefix
+// and grad_out under TMA's rules, dq/dk/dv with 4-byte aligned rows and grad_prefix_k/v with
+// 8-byte aligned rows. Returns cudaErrorInvalidValue for an unsupported head_dim or part,
+// misaligned operands or T + P >= 2^31, else the error of the launch.
+cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int head_dim,
+                                              TreeAttentionBackwardPart part, cudaStream_t stream);
 
 }  // namespace dta::kernels
 

@@ -1,5 +1,7 @@
-// The Hopper tree-attention forward kernel (see tree_attention_hopper.h): CuTe / CUTLASS device
-// code, included only by tree_attention_hopper.cu (compiled for sm_90a).
+// The Hopper tree-attention forward kernel (see tree_attention_hopper.h) and the building blocks
+// the backward kernels share with it (MMA and shared-memory types, TileWalk, KeyTileLoader,
+// WarpgroupGemm, MaskTile, the host-side TMA helpers): CuTe / CUTLASS code, included only by
+// tree_attention_hopper.cu and tree_attention_hopper_backward.cu (compiled for sm_90a).
 //
 // Persistent: one CTA per SM runs work units (a 128-row query tile of one query head) handed out
 // in order, longest first under causal masks (UnitAt; the first wave by blockIdx.x, then through
@@ -45,6 +47,33 @@ namespace dta::kernels::hopper_detail {
 using namespace cute;
 using Element = cutlass::bfloat16_t;
 
+// The building blocks of both directions' kernels. Two consumer warpgroups stack along M.
+using WarpgroupPair = Layout<Shape<_2, _1, _1>>;
+
+// wgmma of (64 rows per warpgroup) x N, K deep, both operands in shared memory.
+template <int N, int K>
+using SmemSmemMma = decltype(make_tiled_mma(
+    GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<N>, Int<K>>>(), WarpgroupPair{}));
+
+// The same with A from registers (K-major) and B an MN-major view of shared memory.
+template <int N, int K>
+using RegSmemMma = decltype(make_tiled_mma(
+    GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<N>, Int<K>>, GMMA::Major::K,
+                         GMMA::Major::MN>(),
+    WarpgroupPair{}));
+
+// kStages tiles of kRows rows of D elements, 128-byte swizzled: the K-major operand of a wgmma
+// and TMA's destination.
+template <int kRows, int D, int kStages>
+using StagedTiles = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                           Shape<Int<kRows>, Int<D>, Int<kStages>>{}));
+
+// The same memory as kStages (D, kRows) tiles, D contiguous: the MN-major B operand (V^T in P V).
+template <int kRows, int D, int kStages>
+using StagedTilesT = decltype(composition(
+    StagedTiles<kRows, D, kStages>{},
+    make_ordered_layout(Shape<Int<D>, Int<kRows>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
 template <int D>
 struct ForwardTraits {
   static constexpr int kBM = 128;    // query rows per CTA: two consumer warpgroups of 64
@@ -57,21 +86,12 @@ struct ForwardTraits {
 
   using TileQ = Shape<Int<kBM>, Int<D>>;
   using TileKV = Shape<Int<kBN>, Int<D>>;
-  using AtomLayout = Layout<Shape<_2, _1, _1>>;  // the two consumer warpgroups stacked along M
-  using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBN>, Int<D>>>(), AtomLayout{}));
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<D>, Int<kBN>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      AtomLayout{}));
+  using TiledMmaQK = SmemSmemMma<kBN, D>;
+  using TiledMmaPV = RegSmemMma<D, kBN>;
 
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, TileQ{}));
-  using SmemLayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                              Shape<Int<kBN>, Int<D>, Int<kStages>>{}));
-  // V^T as the (D, keys) B operand of P V: a view of the same shared memory, D contiguous.
-  using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{},
-      make_ordered_layout(Shape<Int<D>, Int<kBN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKV = StagedTiles<kBN, D, kStages>;
+  using SmemLayoutVt = StagedTilesT<kBN, D, kStages>;  // V^T, the B operand of P V
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
@@ -125,6 +145,51 @@ struct ForwardParams {
   float* lse = nullptr;  // [Hq, T]
 };
 
+// Host side, shared by the launchers: TMA's rules for a [rows, heads, D] operand (16-byte aligned
+// start and row stride), and the operand as TMA sees it, (rows, D, heads) with strides
+// (row_stride, 1, D). A single row has stride 0 in the params; TMA wants a positive multiple of
+// 16 bytes and never steps past row 0 there.
+inline bool Aligned16(const void* ptr, int64_t row_stride) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 &&
+         (row_stride * static_cast<int64_t>(sizeof(bf16))) % 16 == 0;
+}
+
+// True when q, k, v and the prefix (when P > 0) fit TMA and T + P fits int32.
+inline bool OperandsFitTma(const TreeAttentionParams& p) {
+  return Aligned16(p.q, p.q_row_stride) && Aligned16(p.k, p.k_row_stride) &&
+         Aligned16(p.v, p.v_row_stride) &&
+         (p.prefix == 0 || (Aligned16(p.prefix_k, p.prefix_k_row_stride) &&
+                            Aligned16(p.prefix_v, p.prefix_v_row_stride))) &&
+         static_cast<int64_t>(p.tokens) + p.prefix < INT32_MAX;
+}
+
+template <int D>
+typename ForwardTraits<D>::GmemTensor Gmem(const bf16* ptr, int rows, int heads,
+                                           int64_t row_stride) {
+  const int64_t stride = row_stride > 0 ? row_stride : static_cast<int64_t>(heads) * D;
+  return make_tensor(make_gmem_ptr(reinterpret_cast<const Element*>(ptr)),
+                     make_shape(rows, static_cast<int32_t>(D), heads),
+                     make_stride(stride, _1{}, static_cast<int64_t>(D)));
+}
+
+// Sets params.tma_k, tma_v, tma_prefix_k and tma_prefix_v ((kBN, D) boxes) from p; the prefix
+// ones alias the chunk's when P = 0 (no prefix tile is visited then).
+template <int D, class Params>
+void SetKeyValueTmas(const TreeAttentionParams& p, Params& params) {
+  const auto slayout = take<0, 2>(typename ForwardTraits<D>::SmemLayoutKV{});
+  const auto tile = typename ForwardTraits<D>::TileKV{};
+  auto tma = [&](const bf16* ptr, int rows, int64_t row_stride) {
+    return make_tma_copy(SM90_TMA_LOAD{}, Gmem<D>(ptr, rows, p.kv_heads, row_stride), slayout, tile,
+                         _1{});
+  };
+  params.tma_k = tma(p.k, p.tokens, p.k_row_stride);
+  params.tma_v = tma(p.v, p.tokens, p.v_row_stride);
+  params.tma_prefix_k =
+      p.prefix > 0 ? tma(p.prefix_k, p.prefix, p.prefix_k_row_stride) : params.tma_k;
+  params.tma_prefix_v =
+      p.prefix > 0 ? tma(p.prefix_v, p.prefix, p.prefix_v_row_stride) : params.tma_v;
+}
+
 // The key tiles one query tile [i0, i1) visits, in order: prefix tiles [0, n_pre), then chunk
 // tile c as index n_pre + c for the c that some query of the tile may see.
 template <int kBN, int kSubTiles>
@@ -151,6 +216,61 @@ struct TileWalk {
     return it;
   }
 };
+
+// The TMA loads of kv head hk's key (or value) tiles into the stages of s ((kBN, D, stages)), in
+// TileWalk's index space: load(it, stage, barrier) copies prefix tile it < n_pre or chunk tile
+// it - n_pre. chunk and prefix are the params' descriptors (tma_k and tma_prefix_k, or the v ones).
+template <int D, class Tma, class Params, class SmemTensor>
+__device__ __forceinline__ auto KeyTileLoader(const Tma& chunk, const Tma& prefix, const Params& p,
+                                              int hk, int n_pre, SmemTensor& s) {
+  const auto tile = typename ForwardTraits<D>::TileKV{};
+  Tensor m_chunk = chunk.get_tma_tensor(make_shape(p.tokens, D, p.kv_heads));
+  Tensor m_prefix = prefix.get_tma_tensor(make_shape(max(p.prefix, 1), D, p.kv_heads));
+  auto t_chunk =
+      tma_partition(chunk, _0{}, Layout<_1>{}, group_modes<0, 2>(s),
+                    group_modes<0, 2>(local_tile(m_chunk(_, _, hk), tile, make_coord(_, _0{}))));
+  auto t_prefix =
+      tma_partition(prefix, _0{}, Layout<_1>{}, group_modes<0, 2>(s),
+                    group_modes<0, 2>(local_tile(m_prefix(_, _, hk), tile, make_coord(_, _0{}))));
+  return [=, &chunk, &prefix](int it, int stage, uint64_t& barrier) {
+    if (it < n_pre) {
+      copy(prefix.with(barrier, 0), get<0>(t_prefix)(_, it), get<1>(t_prefix)(_, stage));
+    } else {
+      copy(chunk.with(barrier, 0), get<0>(t_chunk)(_, it - n_pre), get<1>(t_chunk)(_, stage));
+    }
+  };
+}
+
+// True when tile `it` of a TileWalk (prefix tiles [0, n_pre) of kBN rows, then chunk tiles) hides
+// some key from some of the query rows [w0, w1) (w1 <= T): the tile then needs the mask.
+template <int kBN, int kSubTiles, class Params>
+__device__ __forceinline__ bool TileNeedsMask(const Params& p, int it, int n_pre, int w0, int w1) {
+  if (it < n_pre) return (it + 1) * kBN > p.prefix;
+  const int c = it - n_pre;
+  const int j1 = (c + 1) * kBN;
+  if (w0 >= p.tokens || j1 > p.tokens || j1 - 1 > w0) return true;
+  int min_end = p.tokens;
+#pragma unroll
+  for (int s = 0; s < kSubTiles; ++s)
+    min_end = min(min_end, __ldg(p.tile_min_end + c * kSubTiles + s));
+  return w1 > min_end;
+}
+
+// Writes the fp32 accumulator acc (element i at (row, col) = coords(i) of its tile) as bf16 to
+// rows row0 + row < rows of dst (row stride in elements), each pair of columns scaled by
+// scale_of(i).
+template <class TA, class TC, class Scale>
+__device__ __forceinline__ void StoreBf16Rows(const TA& acc, const TC& coords, int row0, int rows,
+                                              bf16* dst, int64_t row_stride, Scale&& scale_of) {
+#pragma unroll
+  for (int i = 0; i < size(acc); i += 2) {
+    const int row = row0 + get<0>(coords(i));
+    if (row >= rows) continue;
+    const float s = scale_of(i);
+    *reinterpret_cast<__nv_bfloat162*>(dst + row * row_stride + get<1>(coords(i))) =
+        __floats2bfloat162_rn(acc(i) * s, acc(i + 1) * s);
+  }
+}
 
 // FlashAttention-3's warpgroup GEMM: fences, arrive, one wgmma per k block, commit; waits for
 // all but kWait batches when kWait >= 0.
@@ -349,12 +469,7 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x != 0) return;
-    const int prefix_rows = max(p.prefix, 1);
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(tokens, D, p.q_heads));
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(tokens, D, p.kv_heads));
-    Tensor mV = p.tma_v.get_tma_tensor(make_shape(tokens, D, p.kv_heads));
-    Tensor mPK = p.tma_prefix_k.get_tma_tensor(make_shape(prefix_rows, D, p.kv_heads));
-    Tensor mPV = p.tma_prefix_v.get_tma_tensor(make_shape(prefix_rows, D, p.kv_heads));
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
     // Units are handed out in order, the first wave by blockIdx.x and then one at a time to the
     // CTA that asks first (greedy longest-first, and the units in flight stay close in the order,
@@ -374,40 +489,17 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
           local_tile(mQ(_, _, unit.h), typename Traits::TileQ{}, make_coord(unit.m_block, _0{}));
       auto [tQgQ, tQsQ] =
           tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto tile = typename Traits::TileKV{};
-      Tensor gK = local_tile(mK(_, _, hk), tile, make_coord(_, _0{}));  // (kBN, D, tiles)
-      Tensor gV = local_tile(mV(_, _, hk), tile, make_coord(_, _0{}));
-      Tensor gPK = local_tile(mPK(_, _, hk), tile, make_coord(_, _0{}));
-      Tensor gPV = local_tile(mPV(_, _, hk), tile, make_coord(_, _0{}));
-      auto [tKgK, tKsK] =
-          tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] =
-          tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      auto [tPKg, tPKs] = tma_partition(p.tma_prefix_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                        group_modes<0, 2>(gPK));
-      auto [tPVg, tPVs] = tma_partition(p.tma_prefix_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                        group_modes<0, 2>(gPV));
+      auto load_k_tile = KeyTileLoader<D>(p.tma_k, p.tma_prefix_k, p, hk, n_pre, sK);
+      auto load_v_tile = KeyTileLoader<D>(p.tma_v, p.tma_prefix_v, p, hk, n_pre, sV);
       auto load_k = [&](int it) {
         const int stage = write.index();
         pipeline_k.producer_acquire(write);
-        if (it < n_pre) {
-          copy(p.tma_prefix_k.with(*pipeline_k.producer_get_barrier(write), 0), tPKg(_, it),
-               tPKs(_, stage));
-        } else {
-          copy(p.tma_k.with(*pipeline_k.producer_get_barrier(write), 0), tKgK(_, it - n_pre),
-               tKsK(_, stage));
-        }
+        load_k_tile(it, stage, *pipeline_k.producer_get_barrier(write));
       };
       auto load_v = [&](int it) {
         const int stage = write.index();
         pipeline_v.producer_acquire(write);
-        if (it < n_pre) {
-          copy(p.tma_prefix_v.with(*pipeline_v.producer_get_barrier(write), 0), tPVg(_, it),
-               tPVs(_, stage));
-        } else {
-          copy(p.tma_v.with(*pipeline_v.producer_get_barrier(write), 0), tVgV(_, it - n_pre),
-               tVsV(_, stage));
-        }
+        load_v_tile(it, stage, *pipeline_v.producer_get_barrier(write));
       };
       // The unit's first K tile may load while the consumers finish the previous unit; its Q
       // waits until they have read the previous Q.
@@ -483,15 +575,7 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
     // True when tile `it` needs the mask for this warpgroup's rows (some key of it is hidden from
     // some row). Its global loads are issued while the tile's Q K^T runs.
     auto needs_mask = [&](int it) {
-      if (it < n_pre) return (it + 1) * kBN > p.prefix;
-      const int c = it - n_pre;
-      const int j1 = (c + 1) * kBN;
-      if (w0 >= tokens || j1 > tokens || j1 - 1 > w0) return true;
-      int min_end = tokens;
-#pragma unroll
-      for (int s = 0; s < Traits::kSubTiles; ++s)
-        min_end = min(min_end, __ldg(p.tile_min_end + c * Traits::kSubTiles + s));
-      return w1 > min_end;
+      return TileNeedsMask<kBN, Traits::kSubTiles>(p, it, n_pre, w0, w1);
     };
     auto mask = [&](int it) {
       const bool is_prefix = it < n_pre;
@@ -572,15 +656,8 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
       inv[q] = sum > 0.f ? 1.f / sum : 0.f;
       lse[q] = sum > 0.f ? st.max[q] * p.scale + logf(sum) : -INFINITY;
     }
-#pragma unroll
-    for (int i = 0; i < size(acc_o); i += 2) {
-      const int row = i0 + get<0>(coords_o(i));
-      if (row >= tokens) continue;
-      const int col = get<1>(coords_o(i));
-      const float s = inv[(i >> 1) & 1];
-      __nv_bfloat162 v = __floats2bfloat162_rn(acc_o(i) * s, acc_o(i + 1) * s);
-      *reinterpret_cast<__nv_bfloat162*>(p.out + row * p.out_row_stride + h * D + col) = v;
-    }
+    StoreBf16Rows(acc_o, coords_o, i0, tokens, p.out + h * D, p.out_row_stride,
+                  [&](int i) { return inv[(i >> 1) & 1]; });
     if ((threadIdx.x & 3) == 0) {
 #pragma unroll
       for (int q = 0; q < 2; ++q) {

@@ -1,12 +1,15 @@
-// The Hopper forward (kernels/hopper/) against the float64 reference and against the
-// FlashAttention-2 forward, in one process: DTA_HOPPER_ATTENTION=0 selects the latter per call.
-// Same inputs and tolerances as tree_attention_test.cc (out within 1e-2 of the reference's largest
-// magnitude, lse within 1e-3): chains, random forests and 64-leaf trees; T in {1, 3, 7, 19, 200,
-// 733, 2100, 4099, 6007, 8192, 16001}; P in {0, 37, 700, 1200, 3000, 3001}; D = 128; Hq:Hkv 16:8,
-// 32:8, 8:8, 8:2, 2:1; k and v as head slices of one projection, the prefix as the head of a larger
-// cache; diffuse and peaked rows; the exact lse-counts test with q = 0; the backward fed by the
-// Hopper forward's out and lse. Skipped without a CUDA device, on GPUs other than compute
-// capability 9.x, or in builds without the Hopper kernel.
+// The Hopper kernels (kernels/hopper/) against the float64 reference and against the
+// FlashAttention-2 kernels, in one process: DTA_HOPPER_ATTENTION=0 selects the FlashAttention-2
+// forward and DTA_HOPPER_ATTENTION_BACKWARD=0 the FlashAttention-2 backward, per call.
+// Same inputs and tolerances as tree_attention_test.cc (out and gradients within 1e-2 of the
+// reference's largest magnitude, lse within 1e-3): chains, random forests and 64-leaf trees;
+// T in {1, 3, 7, 19, 200, 733, 2100, 4099, 6007, 8192, 16001}; P in {0, 37, 700, 1200, 3000,
+// 3001}; D = 128; Hq:Hkv 16:8, 32:8, 8:8, 8:2, 2:1; k and v as head slices of one projection, the
+// prefix as the head of a larger cache; diffuse and peaked rows; the exact lse-counts test with
+// q = 0. The Hopper backward (fed by the Hopper forward's out and lse) adds the prefix gradients
+// into strided views of larger accumulators without touching their other rows, and is bitwise
+// equal across two runs. Skipped without a CUDA device, on GPUs other than compute capability
+// 9.x, or in builds without the Hopper kernels.
 #include <torch/cuda.h>
 
 #include <cmath>
@@ -47,26 +50,29 @@ struct Case {
 
 constexpr int64_t kHeadDim = 128;
 
-// Sets DTA_HOPPER_ATTENTION for its lifetime and restores the previous value.
-class ScopedHopperEnv {
+constexpr const char* kForwardEnv = "DTA_HOPPER_ATTENTION";
+constexpr const char* kBackwardEnv = "DTA_HOPPER_ATTENTION_BACKWARD";
+
+// Sets an environment variable for its lifetime and restores the previous value.
+class ScopedEnv {
  public:
-  explicit ScopedHopperEnv(const char* value) {
-    const char* old = std::getenv(kName);
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
     if (old != nullptr) old_ = old;
-    setenv(kName, value, 1);
+    setenv(name, value, 1);
   }
-  ~ScopedHopperEnv() {
+  ~ScopedEnv() {
     if (old_) {
-      setenv(kName, old_->c_str(), 1);
+      setenv(name_, old_->c_str(), 1);
     } else {
-      unsetenv(kName);
+      unsetenv(name_);
     }
   }
-  ScopedHopperEnv(const ScopedHopperEnv&) = delete;
-  ScopedHopperEnv& operator=(const ScopedHopperEnv&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
-  static constexpr const char* kName = "DTA_HOPPER_ATTENTION";
+  const char* name_;
   std::optional<std::string> old_;
 };
 
@@ -74,15 +80,16 @@ class HopperTreeAttention : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device; the kernel needs a GPU";
-    const ScopedHopperEnv on("1");
+    const ScopedEnv on(kForwardEnv, "1");
+    const ScopedEnv on_backward(kBackwardEnv, "1");
     const at::Tensor probe =
         at::empty({1, 1, kHeadDim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
     internal::TreeAttentionShape shape;
     shape.tokens = 1;
     shape.q_heads = shape.kv_heads = 1;
     shape.head_dim = kHeadDim;
-    if (!internal::UsesHopperForward(shape, probe)) {
-      GTEST_SKIP() << "no Hopper forward here: needs a compute capability 9.x GPU and a build "
+    if (!internal::UsesHopperForward(shape, probe) || !internal::UsesHopperBackward(shape, probe)) {
+      GTEST_SKIP() << "no Hopper kernels here: needs a compute capability 9.x GPU and a build "
                       "with the CUTLASS headers (DTA_KERNELS_HAVE_HOPPER)";
     }
   }
@@ -124,8 +131,47 @@ GpuInputs ToGpu(const Case& c, const at::Tensor& q, const at::Tensor& k, const a
 }
 
 TreeAttentionOutput Forward(const GpuInputs& g, double scale, const char* hopper) {
-  const ScopedHopperEnv env(hopper);
+  const ScopedEnv env(kForwardEnv, hopper);
   return TreeAttentionForward(g.q, g.k, g.v, g.prefix_k, g.prefix_v, g.key_end, scale);
+}
+
+// The backward into views of clones of acc_k0 / acc_v0 (see testing::RunIntoViews): Hopper twice,
+// FlashAttention-2 once (DTA_HOPPER_ATTENTION_BACKWARD = 1, 1, 0).
+struct BackwardRuns {
+  testing::GradsIntoViews hopper, hopper_again, fa2;
+};
+
+BackwardRuns RunBackwards(const GpuInputs& g, const at::Tensor& grad_out,
+                          const TreeAttentionOutput& fwd, double scale, const at::Tensor& acc_k0,
+                          const at::Tensor& acc_v0) {
+  const int64_t prefix = g.prefix_k.defined() ? g.prefix_k.size(0) : 0;
+  auto run = [&](const char* hopper) {
+    const ScopedEnv env(kBackwardEnv, hopper);
+    return testing::RunIntoViews(acc_k0, acc_v0, prefix, [&](at::Tensor& gk, at::Tensor& gv) {
+      return TreeAttentionBackward(grad_out, g.q, g.k, g.v, g.prefix_k, g.prefix_v, g.key_end,
+                                   fwd.out, fwd.lse, scale, gk, gv);
+    });
+  };
+  BackwardRuns runs{run("1"), run("1"), run("0")};
+  EXPECT_TRUE(testing::BitwiseEqual(runs.hopper, runs.hopper_again))
+      << "the Hopper backward is not deterministic";
+  EXPECT_TRUE(runs.hopper.neighbours_untouched) << "rows outside the prefix views changed";
+  return runs;
+}
+
+// Relative errors of a's dq, dk, dv against want's, each expected within kTolerance.
+struct GradErrors {
+  double dq, dk, dv;
+};
+
+template <typename Grads>
+GradErrors ExpectGradsClose(const testing::GradsIntoViews& a, const Grads& want) {
+  const GradErrors e{RelativeError(a.dq, want.dq), RelativeError(a.dk, want.dk),
+                     RelativeError(a.dv, want.dv)};
+  EXPECT_LE(e.dq, kTolerance);
+  EXPECT_LE(e.dk, kTolerance);
+  EXPECT_LE(e.dv, kTolerance);
+  return e;
 }
 
 void CheckCase(const Case& c, uint64_t seed) {
@@ -165,32 +211,38 @@ void CheckCase(const Case& c, uint64_t seed) {
   EXPECT_LE(vs_fa2_out, kTolerance);
   EXPECT_LE(vs_fa2_lse, kLseTolerance);
 
-  // The backward (FlashAttention-2 kernels) fed by the Hopper forward's out and lse.
+  // The backward fed by the Hopper forward's out and lse: Hopper twice, FlashAttention-2 once.
   at::Tensor ref_gpk = p > 0 ? at::zeros({p, hkv, d}, f64(pk).options()) : at::Tensor();
   at::Tensor ref_gpv = p > 0 ? at::zeros({p, hkv, d}, f64(pk).options()) : at::Tensor();
   const TreeAttentionGrads ref_grads = ReferenceTreeAttentionBackward(
       f64(grad_out), f64(q), f64(k), f64(v), f64(pk), f64(pv), ends.to(ref_device), ref.out,
       ref.lse, scale, ref_gpk, ref_gpv);
-  at::Tensor gpk = p > 0 ? at::zeros({p, hkv, d}, g.q.options().dtype(at::kFloat)) : at::Tensor();
-  at::Tensor gpv = p > 0 ? at::zeros({p, hkv, d}, g.q.options().dtype(at::kFloat)) : at::Tensor();
-  const TreeAttentionGrads grads =
-      TreeAttentionBackward(grad_out.to(at::kCUDA), g.q, g.k, g.v, g.prefix_k, g.prefix_v,
-                            g.key_end, hopper.out, hopper.lse, scale, gpk, gpv);
-  const double dq_err = RelativeError(grads.dq, ref_grads.dq);
-  const double dk_err = RelativeError(grads.dk, ref_grads.dk);
-  const double dv_err = RelativeError(grads.dv, ref_grads.dv);
-  EXPECT_LE(dq_err, kTolerance);
-  EXPECT_LE(dk_err, kTolerance);
-  EXPECT_LE(dv_err, kTolerance);
+  const at::Tensor acc_k0 = at::randn({p + 7, hkv, d}, gen, at::kFloat).to(at::kCUDA);
+  const at::Tensor acc_v0 = at::randn({p + 7, hkv, d}, gen, at::kFloat).to(at::kCUDA);
+  const at::Tensor d_out = grad_out.to(at::kCUDA);
+  const BackwardRuns runs = RunBackwards(g, d_out, hopper, scale, acc_k0, acc_v0);
+  const testing::GradsIntoViews& hb = runs.hopper;
+  ASSERT_EQ(hb.dq.sizes(), q.sizes());
+  ASSERT_EQ(hb.dk.sizes(), k.sizes());
+  ASSERT_EQ(hb.dv.sizes(), v.sizes());
+  ASSERT_EQ(hb.dq.scalar_type(), at::kBFloat16);
+  const GradErrors vs_ref = ExpectGradsClose(hb, ref_grads);
+  const GradErrors fa2_vs_ref = ExpectGradsClose(runs.fa2, ref_grads);
+  ExpectGradsClose(hb, runs.fa2);
+  double dpk_err = 0, dpv_err = 0;
   if (p > 0) {
-    EXPECT_LE(RelativeError(gpk, ref_gpk), kTolerance);
-    EXPECT_LE(RelativeError(gpv, ref_gpv), kTolerance);
+    dpk_err = RelativeError(hb.added_k, ref_gpk);
+    dpv_err = RelativeError(hb.added_v, ref_gpv);
+    EXPECT_LE(dpk_err, kTolerance);
+    EXPECT_LE(dpv_err, kTolerance);
+    EXPECT_LE(RelativeError(hb.added_k, runs.fa2.added_k), kTolerance);
+    EXPECT_LE(RelativeError(hb.added_v, runs.fa2.added_v), kTolerance);
   }
   std::printf(
       "%-40s hopper out %.2e lse %.2e | fa2 out %.2e | vs fa2 out %.2e lse %.2e | "
-      "dq %.2e dk %.2e dv %.2e\n",
-      c.Name().c_str(), out_err, lse_err, fa2_out_err, vs_fa2_out, vs_fa2_lse, dq_err, dk_err,
-      dv_err);
+      "hopper bwd dq %.2e dk %.2e dv %.2e dpk %.2e dpv %.2e | fa2 bwd dq %.2e dk %.2e\n",
+      c.Name().c_str(), out_err, lse_err, fa2_out_err, vs_fa2_out, vs_fa2_lse, vs_ref.dq, vs_ref.dk,
+      vs_ref.dv, dpk_err, dpv_err, fa2_vs_ref.dq, fa2_vs_ref.dk);
 }
 
 TEST_F(HopperTreeAttention, SmallChunks) {
@@ -212,7 +264,7 @@ TEST_F(HopperTreeAttention, Chains) {
 }
 
 // The benchmark's 8K chain with 32 query heads, whose float64 reference would not fit next to the
-// kernels: the Hopper forward against the FlashAttention-2 one only.
+// kernels: the Hopper forward and backward against the FlashAttention-2 ones only.
 TEST_F(HopperTreeAttention, LongChainMatchesTheFa2Forward) {
   at::Generator gen = at::detail::createCPUGenerator(17);
   const int64_t t = 8192;
@@ -229,7 +281,13 @@ TEST_F(HopperTreeAttention, LongChainMatchesTheFa2Forward) {
   const double lse_err = MaxAbsDiff(hopper.lse, fa2.lse);
   EXPECT_LE(out_err, kTolerance);
   EXPECT_LE(lse_err, kLseTolerance);
-  std::printf("%-40s vs fa2 out %.2e lse %.2e\n", c.Name().c_str(), out_err, lse_err);
+  const at::Tensor d_out = RandnBf16({t, c.q_heads, kHeadDim}, gen).to(at::kCUDA);
+  const at::Tensor acc =  // P = 0: no rows of the accumulators are views
+      at::zeros({7, c.kv_heads, kHeadDim}, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
+  const BackwardRuns runs = RunBackwards(g, d_out, hopper, scale, acc, acc);
+  const GradErrors vs_fa2 = ExpectGradsClose(runs.hopper, runs.fa2);
+  std::printf("%-40s vs fa2 out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", c.Name().c_str(), out_err,
+              lse_err, vs_fa2.dq, vs_fa2.dk, vs_fa2.dv);
 }
 
 TEST_F(HopperTreeAttention, RandomTrees) {
@@ -284,7 +342,8 @@ TEST_F(HopperTreeAttention, LseCountsExactlyTheVisibleKeys) {
   }
 }
 
-// The switch: "0" runs the FlashAttention-2 forward, anything else (or unset) the Hopper one.
+// The switches, one per direction: "0" runs the FlashAttention-2 kernel, anything else (or unset)
+// the Hopper one.
 TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
   const at::Tensor q =
       at::zeros({5, 16, kHeadDim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
@@ -294,14 +353,23 @@ TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
   shape.kv_heads = 8;
   shape.head_dim = kHeadDim;
   {
-    const ScopedHopperEnv off("0");
+    const ScopedEnv off(kForwardEnv, "0");
+    const ScopedEnv on(kBackwardEnv, "1");
     EXPECT_FALSE(internal::UsesHopperForward(shape, q));
+    EXPECT_TRUE(internal::UsesHopperBackward(shape, q));
   }
   {
-    const ScopedHopperEnv on("1");
+    const ScopedEnv on(kForwardEnv, "1");
+    const ScopedEnv off(kBackwardEnv, "0");
     EXPECT_TRUE(internal::UsesHopperForward(shape, q));
+    EXPECT_FALSE(internal::UsesHopperBackward(shape, q));
+  }
+  {
+    const ScopedEnv on(kForwardEnv, "1");
+    const ScopedEnv on_backward(kBackwardEnv, "1");
     shape.head_dim = 64;
     EXPECT_FALSE(internal::UsesHopperForward(shape, q.narrow(2, 0, 64)));
+    EXPECT_FALSE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 64)));
   }
 }
 

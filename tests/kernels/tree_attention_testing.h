@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dta::kernels::testing {
@@ -106,6 +107,47 @@ inline double RelativeError(const at::Tensor& a, const at::Tensor& b) {
   const double diff = (x - y).abs().max().item<double>();
   const double ref = y.abs().max().item<double>();
   return ref > 0 ? diff / ref : diff;
+}
+
+// Gradients of one backward run whose prefix gradients were added into rows [3, 3 + P) of
+// [P + 7]-row float32 accumulators (strided views, as the trainer passes them).
+struct GradsIntoViews {
+  at::Tensor dq, dk, dv;
+  at::Tensor acc_k, acc_v;           // the whole accumulators after the run
+  at::Tensor added_k, added_v;       // what the run added into the views; undefined when P = 0
+  bool neighbours_untouched = true;  // rows outside the views kept their values bitwise
+};
+
+// Runs `backward(grad_prefix_k_view, grad_prefix_v_view)` on clones of acc_k0 / acc_v0
+// ([P + 7, Hkv, D] float32) and collects the results.
+template <typename Backward>
+GradsIntoViews RunIntoViews(const at::Tensor& acc_k0, const at::Tensor& acc_v0, int64_t prefix,
+                            Backward&& backward) {
+  GradsIntoViews r;
+  r.acc_k = acc_k0.clone();
+  r.acc_v = acc_v0.clone();
+  at::Tensor gk = prefix > 0 ? r.acc_k.slice(0, 3, 3 + prefix) : at::Tensor();
+  at::Tensor gv = prefix > 0 ? r.acc_v.slice(0, 3, 3 + prefix) : at::Tensor();
+  const auto grads = backward(gk, gv);
+  r.dq = grads.dq;
+  r.dk = grads.dk;
+  r.dv = grads.dv;
+  if (prefix > 0) {
+    r.added_k = r.acc_k.slice(0, 3, 3 + prefix) - acc_k0.slice(0, 3, 3 + prefix);
+    r.added_v = r.acc_v.slice(0, 3, 3 + prefix) - acc_v0.slice(0, 3, 3 + prefix);
+  }
+  for (const auto& [acc, init] : {std::pair{r.acc_k, acc_k0}, std::pair{r.acc_v, acc_v0}}) {
+    r.neighbours_untouched = r.neighbours_untouched &&
+                             at::equal(acc.slice(0, 0, 3), init.slice(0, 0, 3)) &&
+                             at::equal(acc.slice(0, 3 + prefix), init.slice(0, 3 + prefix));
+  }
+  return r;
+}
+
+// True when two runs are bitwise equal, accumulators included.
+inline bool BitwiseEqual(const GradsIntoViews& a, const GradsIntoViews& b) {
+  return at::equal(a.dq, b.dq) && at::equal(a.dk, b.dk) && at::equal(a.dv, b.dv) &&
+         at::equal(a.acc_k, b.acc_k) && at::equal(a.acc_v, b.acc_v);
 }
 
 }  // namespace dta::kernels::testing

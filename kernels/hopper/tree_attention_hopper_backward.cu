@@ -1,0 +1,77 @@
+// Host side of the Hopper backward: TMA descriptors from the shared params, then the launches.
+#include <cstdint>
+
+#include "kernels/hopper/tree_attention_hopper.h"
+#include "kernels/hopper/tree_attention_hopper_backward_kernel.cuh"
+
+namespace dta::kernels {
+namespace hopper_detail {
+namespace {
+
+template <int D>
+BackwardParams<D> MakeBackwardParams(const TreeAttentionParams& p) {
+  using Traits = BackwardTraits<D>;
+  using Forward = typename Traits::Forward;
+  BackwardParams<D> bp;
+  static_cast<TreeAttentionParams&>(bp) = p;
+  const auto slayout_q = typename Forward::SmemLayoutQ{};
+  const auto slayout_q64 = take<0, 2>(typename Traits::SmemLayoutQdO{});
+  const auto tile_q = typename Forward::TileQ{};
+  const auto tile_q64 = Shape<Int<Traits::kKvBM>, Int<D>>{};
+  const auto q = Gmem<D>(p.q, p.tokens, p.q_heads, p.q_row_stride);
+  const auto d_out = Gmem<D>(p.grad_out, p.tokens, p.q_heads, p.grad_out_row_stride);
+  bp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, slayout_q, tile_q, _1{});
+  bp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, d_out, slayout_q, tile_q, _1{});
+  bp.tma_q64 = make_tma_copy(SM90_TMA_LOAD{}, q, slayout_q64, tile_q64, _1{});
+  bp.tma_do64 = make_tma_copy(SM90_TMA_LOAD{}, d_out, slayout_q64, tile_q64, _1{});
+  SetKeyValueTmas<D>(p, bp);
+  return bp;
+}
+
+template <class Kernel, class Params>
+cudaError_t Launch(Kernel kernel, int64_t ctas, int smem, const Params& params,
+                   cudaStream_t stream) {
+  if (ctas <= 0 || ctas > INT32_MAX) return cudaErrorInvalidValue;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(ctas), BackwardTraits<128>::kThreads, smem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPart part,
+                           cudaStream_t stream) {
+  using Traits = BackwardTraits<D>;
+  if (!OperandsFitTma(p) || !Aligned16(p.grad_out, p.grad_out_row_stride)) {
+    return cudaErrorInvalidValue;
+  }
+  const BackwardParams<D> bp = MakeBackwardParams<D>(p);
+  switch (part) {
+    case TreeAttentionBackwardPart::kDq: {
+      const int64_t m_blocks = (p.tokens + Traits::kDqBM - 1) / Traits::kDqBM;
+      return Launch(HopperDqKernel<D>, m_blocks * p.q_heads, Traits::kDqSmemBytes, bp, stream);
+    }
+    case TreeAttentionBackwardPart::kDkDv: {
+      constexpr int kBN = Traits::kKvBN;
+      const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
+      return Launch(HopperDkDvKernel<D>, tiles * p.kv_heads, Traits::kDkDvSmemBytes, bp, stream);
+    }
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+}  // namespace hopper_detail
+
+cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int head_dim,
+                                              TreeAttentionBackwardPart part, cudaStream_t stream) {
+  switch (head_dim) {
+    case 128:
+      return hopper_detail::LaunchBackward<128>(p, part, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace dta::kernels

@@ -1,0 +1,554 @@
+// The Hopper tree-attention backward kernels (see tree_attention_hopper.h): CuTe / CUTLASS device
+// code, included only by tree_attention_hopper_backward.cu (compiled for sm_90a).
+//
+// Two kernels, as in the FlashAttention-2 backward of kernels/tree_attention_kernel.cuh, so that
+// every gradient element is owned by one thread that sums in a fixed order (no atomics: bitwise
+// deterministic). Both read row_dot (rowsum(dO * O), written by the FlashAttention-2 RowDotKernel)
+// and lse, and recompute P = exp(scale * Q K^T - lse). Three warpgroups each, one CTA per SM:
+//   warpgroup 0    producer: one thread issues TMA loads into a PipelineTmaAsync ring; its
+//                  registers go to the consumers (setmaxnreg).
+//   warpgroups 1-2 consumers running warpgroup MMAs (wgmma) with fp32 accumulators.
+//
+// HopperDqKernel: one CTA per (128-row query tile, query head); each consumer warpgroup owns 64
+// query rows. Q and dO load once; K and V of every visible key tile (the forward's TileWalk)
+// stream through the ring. Per tile: S = Q K^T, dP = dO V^T (both operands in shared memory),
+// dS = P * (dP - row_dot) in registers, dQ += dS K (dS from registers, K^T as a view of the K
+// tile). dQ is scaled and written from registers.
+//
+// HopperDkDvKernel: one CTA per (128-key tile, kv head); each consumer warpgroup owns 64 keys,
+// K and V load once. For each query head of the kv head's group, for each 64-row query tile that
+// sees the key tile (prefix tiles: all of them; chunk tile c: [c * 128, max key_end over it)), Q
+// and dO stream through the ring. Per query tile: S^T = K Q^T and dP^T = V dO^T (shared memory
+// operands), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (dO^T and Q^T as views of
+// the stage). Chunk rows are written in bf16; prefix rows are added into the float32
+// accumulators, each element by its one thread.
+//
+// Both kernels sum in the FlashAttention-2 kernels' order (64-row query tiles, keys in 16-wide
+// steps, prefix tiles first), so their gradients came out bitwise equal to those kernels' on the
+// tests' cases. The price of determinism is 7 GEMMs per score tile instead of 5 (dQ recomputes S
+// and dP); on an H100 the backward alone runs at about 295 TFLOP/s (counting 5) on the 8K causal
+// chain, 1.08 times PyTorch's flash backward. Not yet done: overlapping one warpgroup's
+// elementwise work with its own next GEMMs (FlashAttention-3's intra-warpgroup pipelining needs
+// registers these tiles do not leave; the dQ kernel queues the next tile's S behind dQ), and
+// FlashAttention-3's single kernel with a fixed-order dQ reduction.
+#ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
+#define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
+
+#include "kernels/hopper/tree_attention_hopper_kernel.cuh"
+
+namespace dta::kernels::hopper_detail {
+
+template <int D>
+struct BackwardTraits {
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  using Forward = ForwardTraits<D>;
+
+  // dQ kernel: 128 query rows (2 x 64), 128-key tiles, K and V per stage. The forward's TMA boxes
+  // (Q and dO as the forward's Q, K and V as its K and V).
+  static constexpr int kDqBM = 128;
+  static constexpr int kDqBN = 128;
+  static constexpr int kDqStages = 2;  // Q + dO 64 KiB, 2 x (K + V) 128 KiB
+  static constexpr int kDqSubTiles = kDqBN / tree_attention_detail::kKeyTile;
+  static_assert(kDqBM == Forward::kBM && kDqBN == Forward::kBN, "the forward's TMA boxes");
+  using TiledMmaS = SmemSmemMma<kDqBN, D>;            // S = Q K^T and dP = dO V^T
+  using TiledMmaDq = RegSmemMma<D, kDqBN>;            // dQ += dS K
+  using SmemLayoutQ = typename Forward::SmemLayoutQ;  // (128, D), also dO
+  using SmemLayoutKV = StagedTiles<kDqBN, D, kDqStages>;
+  using SmemLayoutKt = StagedTilesT<kDqBN, D, kDqStages>;  // K^T, the B operand of dS K
+  using PipelineDq = cutlass::PipelineTmaAsync<kDqStages>;
+  static constexpr uint32_t kDqTileBytes = kDqBN * D * sizeof(Element);
+  static constexpr uint32_t kDqQBytes = kDqBM * D * sizeof(Element);
+
+  struct DqSharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> d_out;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
+    typename PipelineDq::SharedStorage pipeline;
+    cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q and dO landed
+  };
+  static constexpr int kDqSmemBytes = static_cast<int>(sizeof(DqSharedStorage));
+
+  // dK/dV kernel: 128 keys (2 x 64) in the forward's key tiles, 64-row query tiles, Q and dO per
+  // stage.
+  static constexpr int kKvBN = Forward::kBN;
+  static constexpr int kKvBM = 64;
+  static constexpr int kKvStages = 4;  // K + V 64 KiB, 4 x (Q + dO) 128 KiB
+  static constexpr int kKvSubTiles = kKvBN / tree_attention_detail::kKeyTile;
+  using TiledMmaSt = SmemSmemMma<kKvBM, D>;      // S^T = K Q^T and dP^T = V dO^T
+  using TiledMmaDkv = RegSmemMma<D, kKvBM>;      // dV += P^T dO and dK += dS^T Q
+  using SmemLayoutK = StagedTiles<kKvBN, D, 1>;  // also V; one stage
+  using SmemLayoutQdO = StagedTiles<kKvBM, D, kKvStages>;
+  using SmemLayoutQdOt = StagedTilesT<kKvBM, D, kKvStages>;  // Q^T and dO^T, B operands
+  using PipelineKv = cutlass::PipelineTmaAsync<kKvStages>;
+  static constexpr uint32_t kKvTileBytes = kKvBN * D * sizeof(Element);
+  static constexpr uint32_t kKvQBytes = kKvBM * D * sizeof(Element);
+
+  struct DkDvSharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> d_out;
+    typename PipelineKv::SharedStorage pipeline;
+    cutlass::arch::ClusterTransactionBarrier barrier_kv;  // K and V landed
+  };
+  static constexpr int kDkDvSmemBytes = static_cast<int>(sizeof(DkDvSharedStorage));
+
+  using TmaQ = typename Forward::TmaQ;    // (128, D) boxes: Q and dO of the dQ kernel
+  using TmaKV = typename Forward::TmaKV;  // (128, D) boxes: K, V, prefix K and V
+  using TmaQ64 =
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, typename Forward::GmemTensor{},
+                             take<0, 2>(SmemLayoutQdO{}), Shape<Int<kKvBM>, Int<D>>{}, _1{}));
+};
+
+// The shared params (sizes, workspace, lse, row_dot, gradients; their pointers to q, k, v and
+// grad_out are the TMA descriptors' sources) and the TMA descriptors of both kernels.
+template <int D>
+struct BackwardParams : TreeAttentionParams {
+  using Traits = BackwardTraits<D>;
+  typename Traits::TmaQ tma_q;          // Q [T, Hq, D], 128-row boxes
+  typename Traits::TmaQ tma_do;         // dO [T, Hq, D], 128-row boxes
+  typename Traits::TmaQ64 tma_q64;      // Q, 64-row boxes
+  typename Traits::TmaQ64 tma_do64;     // dO, 64-row boxes
+  typename Traits::TmaKV tma_k;         // chunk keys [T, Hkv, D]
+  typename Traits::TmaKV tma_v;         // chunk values
+  typename Traits::TmaKV tma_prefix_k;  // prefix keys [P, Hkv, D]; the chunk's when P = 0
+  typename Traits::TmaKV tma_prefix_v;
+};
+
+// Sets up the TMA-fed pipeline of a backward kernel: warpgroup 0 produces, the rest consume.
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params BackwardPipelineParams(uint32_t bytes,
+                                                                            int consumers) {
+  typename Pipeline::Params params;
+  params.transaction_bytes = bytes;
+  params.role =
+      threadIdx.x < 128 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = consumers;
+  return params;
+}
+
+// Adds the fp32 accumulator acc times scale into float32 rows row0 + row < rows of dst (row stride
+// in elements, 8-byte aligned rows): element i at (row, col) = coords(i), one thread per element.
+template <class TA, class TC>
+__device__ __forceinline__ void AddFloatRows(const TA& acc, const TC& coords, int row0, int rows,
+                                             float* dst, int64_t row_stride, float scale) {
+#pragma unroll
+  for (int i = 0; i < size(acc); i += 2) {
+    const int row = row0 + get<0>(coords(i));
+    if (row >= rows) continue;
+    float2* d = reinterpret_cast<float2*>(dst + row * row_stride + get<1>(coords(i)));
+    float2 a = *d;
+    a.x += acc(i) * scale;
+    a.y += acc(i + 1) * scale;
+    *d = a;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ.
+
+template <int D>
+__global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
+    HopperDqKernel(const __grid_constant__ BackwardParams<D> p) {
+  using Traits = BackwardTraits<D>;
+  using Pipeline = typename Traits::PipelineDq;
+  using PipelineState = cutlass::PipelineState<Traits::kDqStages>;
+  using Walk = TileWalk<Traits::kDqBN, Traits::kDqSubTiles>;
+  constexpr int kBM = Traits::kDqBM;
+  constexpr int kBN = Traits::kDqBN;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::DqSharedStorage*>(smem_raw);
+
+  const int warpgroup = threadIdx.x / 128;
+  const int tokens = p.tokens;
+  const int m_blocks = (tokens + kBM - 1) / kBM;
+  // Later (heavier under causal masks) query tiles first, heads fastest.
+  const int h = blockIdx.x % p.q_heads;
+  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x / p.q_heads);
+  const int hk = h / (p.q_heads / p.kv_heads);
+  const int i0 = m_block * kBM;
+  const int i1 = min(i0 + kBM, tokens);
+  const int n_pre = (p.prefix + kBN - 1) / kBN;
+  const int n_sub =
+      (tokens + tree_attention_detail::kKeyTile - 1) / tree_attention_detail::kKeyTile;
+  const Walk walk{p.tile_max_end, n_pre, n_pre + (i1 + kBN - 1) / kBN, n_sub, i0};
+
+  if (threadIdx.x == 0) {
+    smem.barrier_q.init(1);
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  }
+  Pipeline pipeline(
+      smem.pipeline,
+      BackwardPipelineParams<Pipeline>(2 * Traits::kDqTileBytes, Traits::kConsumerThreads),
+      Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_out.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x != 0) return;
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(tokens, D, p.q_heads));
+    Tensor mdO = p.tma_do.get_tma_tensor(make_shape(tokens, D, p.q_heads));
+    auto tile_q = typename Traits::Forward::TileQ{};
+    Tensor gQ = local_tile(mQ(_, _, h), tile_q, make_coord(m_block, _0{}));
+    Tensor gdO = local_tile(mdO(_, _, h), tile_q, make_coord(m_block, _0{}));
+    auto [tQg, tQs] =
+        tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOg, tdOs] =
+        tma_partition(p.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    smem.barrier_q.arrive_and_expect_tx(2 * Traits::kDqQBytes);
+    auto& bar_q =
+        reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(smem.barrier_q);
+    copy(p.tma_q.with(bar_q, 0), tQg, tQs);
+    copy(p.tma_do.with(bar_q, 0), tdOg, tdOs);
+    auto load_k = KeyTileLoader<D>(p.tma_k, p.tma_prefix_k, p, hk, n_pre, sK);
+    auto load_v = KeyTileLoader<D>(p.tma_v, p.tma_prefix_v, p, hk, n_pre, sV);
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+    for (int it = walk.Next(0); it < walk.n_total; it = walk.Next(it + 1)) {
+      pipeline.producer_acquire(write);
+      const int stage = write.index();
+      auto& bar = *pipeline.producer_get_barrier(write);
+      load_k(it, stage, bar);
+      load_v(it, stage, bar);
+      ++write;
+    }
+    return;
+  }
+
+  // Consumers.
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ctid = threadIdx.x - 128;
+  const int wg = warpgroup - 1;
+  typename Traits::TiledMmaS mma_s;
+  typename Traits::TiledMmaDq mma_dq;
+  auto thr_s = mma_s.get_thread_slice(ctid);
+  auto thr_dq = mma_dq.get_thread_slice(ctid);
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tSrdO = thr_s.partition_fragment_A(sdO);
+  Tensor tSrK = thr_s.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tSrV = thr_s.partition_fragment_B(sV);
+  Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBM>, Int<kBN>>{});
+  Tensor acc_dp = partition_fragment_C(mma_s, Shape<Int<kBM>, Int<kBN>>{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
+  static_assert(decltype(size(acc_s))::value == kBN / 2, "64 x kBN per warpgroup");
+  static_assert(decltype(size(acc_dq))::value == D / 2, "64 x D per warpgroup");
+  Tensor coords_s = thr_s.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  Tensor coords_dq = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<D>>{}));
+  Tensor r_ds = make_tensor<Element>(acc_s.layout());
+  Tensor tDqrDs = make_tensor(r_ds.data(), AccLayoutAsA(acc_s.layout()));
+  const float scale_log2 = p.scale_log2;
+
+  // This thread's two query rows (element i holds row r = (i / 2) % 2 of its pair): log2-domain
+  // lse and row_dot; rows past the chunk get lse = +inf, so that their P is 0.
+  float lse2[2];
+  float rdot[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = i0 + get<0>(coords_s(2 * r));
+    const int64_t at = static_cast<int64_t>(h) * tokens + row;
+    lse2[r] = row < tokens ? __ldg(p.lse + at) * tree_attention_detail::kLog2e : INFINITY;
+    rdot[r] = row < tokens ? __ldg(p.row_dot + at) : 0.f;
+  }
+  const int w0 = i0 + wg * 64;
+  const int w1 = min(w0 + 64, tokens);
+  auto needs_mask = [&](int it) {
+    return TileNeedsMask<kBN, Traits::kDqSubTiles>(p, it, n_pre, w0, w1);
+  };
+
+  clear(acc_dq);
+  smem.barrier_q.wait(0);
+  // Tile n + 1's S GEMM is queued behind tile n's dQ GEMM, so that the tensor cores have work
+  // while this warpgroup waits for dQ (whose K tile's stage is then released); its dP GEMM
+  // follows (both at once would not fit the registers next to dQ's operands).
+  PipelineState read;
+  int it = walk.Next(0);
+  if (it < walk.n_total) {
+    pipeline.consumer_wait(read);
+    WarpgroupGemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read.index()), acc_s);
+  }
+  while (it < walk.n_total) {
+    const int stage = read.index();
+    WarpgroupGemm<true, -1>(mma_s, tSrdO, tSrV(_, _, _, stage), acc_dp);
+    const bool masked = needs_mask(it);
+    const int next = walk.Next(it + 1);
+    warpgroup_wait<0>();  // this tile's S and dP
+    warpgroup_fence_operand(acc_s);
+    warpgroup_fence_operand(acc_dp);
+    if (masked) {
+      const bool is_prefix = it < n_pre;
+      const int j0 = (is_prefix ? it : it - n_pre) * kBN;
+      MaskTile(acc_s, coords_s, is_prefix, i0, j0, tokens, p.prefix, p.key_end);
+    }
+    // dS = P * (dP - row_dot), two columns per cvt.rn.bf16x2.
+    Tensor r_ds32 = recast<uint32_t>(r_ds);
+#pragma unroll
+    for (int i = 0; i < size(r_ds32); ++i) {
+      const int r = i & 1;  // element 2i holds row (i % 2) of the pair
+      float ds[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pr = Exp2(fmaf(acc_s(2 * i + e), scale_log2, -lse2[r]));
+        ds[e] = pr * (acc_dp(2 * i + e) - rdot[r]);
+      }
+      __nv_bfloat162 v = __floats2bfloat162_rn(ds[0], ds[1]);
+      r_ds32(i) = reinterpret_cast<uint32_t&>(v);
+    }
+    WarpgroupGemm<false, -1>(mma_dq, tDqrDs, tDqrKt(_, _, _, stage), acc_dq);
+    const PipelineState done = read;
+    ++read;
+    if (next < walk.n_total) {
+      pipeline.consumer_wait(read);
+      WarpgroupGemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read.index()), acc_s);
+      warpgroup_wait<1>();  // this tile's dQ; the next tile's S may run on
+    } else {
+      warpgroup_wait<0>();
+    }
+    warpgroup_fence_operand(acc_dq);
+    warpgroup_fence_operand(r_ds);
+    pipeline.consumer_release(done);
+    it = next;
+  }
+
+  StoreBf16Rows(acc_dq, coords_dq, i0, tokens, p.dq + h * D, p.dq_row_stride,
+                [&](int) { return p.scale; });
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK and dV.
+
+template <int D>
+__global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
+    HopperDkDvKernel(const __grid_constant__ BackwardParams<D> p) {
+  using Traits = BackwardTraits<D>;
+  using Pipeline = typename Traits::PipelineKv;
+  using PipelineState = cutlass::PipelineState<Traits::kKvStages>;
+  constexpr int kBM = Traits::kKvBM;
+  constexpr int kBN = Traits::kKvBN;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::DkDvSharedStorage*>(smem_raw);
+
+  const int warpgroup = threadIdx.x / 128;
+  const int tokens = p.tokens;
+  const int group = p.q_heads / p.kv_heads;
+  // Prefix tiles first, then chunk tiles from the start (heavier under causal masks first).
+  const int tile = blockIdx.x / p.kv_heads;
+  const int hk = blockIdx.x % p.kv_heads;
+  const int n_pre = (p.prefix + kBN - 1) / kBN;
+  const bool is_prefix = tile < n_pre;
+  const int j0 = (is_prefix ? tile : tile - n_pre) * kBN;  // within the prefix or the chunk
+  const int n_sub =
+      (tokens + tree_attention_detail::kKeyTile - 1) / tree_attention_detail::kKeyTile;
+  int q_first = 0;
+  int q_last = (tokens + kBM - 1) / kBM;
+  int tile_min_end = 0;  // min key_end over the tile's keys (chunk tiles whole in the chunk)
+  if (!is_prefix) {
+    int max_end = 0;
+    tile_min_end = tokens;
+#pragma unroll
+    for (int s = 0; s < Traits::kKvSubTiles; ++s) {
+      const int sub = j0 / tree_attention_detail::kKeyTile + s;
+      if (sub < n_sub) {
+        max_end = max(max_end, __ldg(p.tile_max_end + sub));
+        tile_min_end = min(tile_min_end, __ldg(p.tile_min_end + sub));
+      }
+    }
+    q_first = j0 / kBM;
+    q_last = (max_end + kBM - 1) / kBM;
+  }
+  const int nq = max(q_last - q_first, 0);
+  const int n_iter = group * nq;
+
+  if (threadIdx.x == 0) {
+    smem.barrier_kv.init(1);
+    cute::prefetch_tma_descriptor(p.tma_q64.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do64.get_tma_descriptor());
+  }
+  Pipeline pipeline(
+      smem.pipeline,
+      BackwardPipelineParams<Pipeline>(2 * Traits::kKvQBytes, Traits::kConsumerThreads),
+      Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQdO{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_out.data()), typename Traits::SmemLayoutQdO{});
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x != 0) return;
+    auto& bar_kv =
+        reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(smem.barrier_kv);
+    smem.barrier_kv.arrive_and_expect_tx(2 * Traits::kKvTileBytes);
+    KeyTileLoader<D>(p.tma_k, p.tma_prefix_k, p, hk, n_pre, sK)(tile, 0, bar_kv);
+    KeyTileLoader<D>(p.tma_v, p.tma_prefix_v, p, hk, n_pre, sV)(tile, 0, bar_kv);
+    Tensor mQ = p.tma_q64.get_tma_tensor(make_shape(tokens, D, p.q_heads));
+    Tensor mdO = p.tma_do64.get_tma_tensor(make_shape(tokens, D, p.q_heads));
+    auto tile_q = Shape<Int<kBM>, Int<D>>{};
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+    for (int iter = 0; iter < n_iter; ++iter) {
+      const int h = hk * group + iter / nq;
+      const int m = q_first + iter % nq;
+      Tensor gQ = local_tile(mQ(_, _, h), tile_q, make_coord(m, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, h), tile_q, make_coord(m, _0{}));
+      auto [tQg, tQs] = tma_partition(p.tma_q64, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+      auto [tdOg, tdOs] = tma_partition(p.tma_do64, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                        group_modes<0, 2>(gdO));
+      pipeline.producer_acquire(write);
+      const int stage = write.index();
+      auto* bar = pipeline.producer_get_barrier(write);
+      copy(p.tma_q64.with(*bar, 0), tQg, tQs(_, stage));
+      copy(p.tma_do64.with(*bar, 0), tdOg, tdOs(_, stage));
+      ++write;
+    }
+    return;
+  }
+
+  // Consumers.
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ctid = threadIdx.x - 128;
+  typename Traits::TiledMmaSt mma_st;
+  typename Traits::TiledMmaDkv mma_dkv;
+  auto thr_st = mma_st.get_thread_slice(ctid);
+  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQdOt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.d_out.data()), typename Traits::SmemLayoutQdOt{});
+  Tensor tSrK = thr_st.partition_fragment_A(sK)(_, _, _, 0);
+  Tensor tSrV = thr_st.partition_fragment_A(sV)(_, _, _, 0);
+  Tensor tSrQ = thr_st.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tSrdO = thr_st.partition_fragment_B(sdO);
+  Tensor tKvrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tKvrdOt = thr_dkv.partition_fragment_B(sdOt);
+  Tensor acc_st = partition_fragment_C(mma_st, Shape<Int<kBN>, Int<kBM>>{});
+  Tensor acc_dpt = partition_fragment_C(mma_st, Shape<Int<kBN>, Int<kBM>>{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBN>, Int<D>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBN>, Int<D>>{});
+  static_assert(decltype(size(acc_st))::value == kBM / 2, "64 x kBM per warpgroup");
+  static_assert(decltype(size(acc_dk))::value == D / 2, "64 x D per warpgroup");
+  Tensor coords_st = thr_st.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<kBM>>{}));
+  Tensor coords_dkv = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<D>>{}));
+  Tensor r_pt = make_tensor<Element>(acc_st.layout());
+  Tensor r_dst = make_tensor<Element>(acc_st.layout());
+  Tensor tKvrPt = make_tensor(r_pt.data(), AccLayoutAsA(acc_st.layout()));
+  Tensor tKvrdSt = make_tensor(r_dst.data(), AccLayoutAsA(acc_st.layout()));
+  const float scale_log2 = p.scale_log2;
+
+  // This thread's two keys (rows) and their key_end (0 past the chunk or in the prefix).
+  int key[2];
+  int key_end[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    key[r] = j0 + get<0>(coords_st(2 * r));
+    key_end[r] = (!is_prefix && key[r] < tokens) ? __ldg(p.key_end + key[r]) : 0;
+  }
+  const bool key_tile_partial = is_prefix ? j0 + kBN > p.prefix : j0 + kBN > tokens;
+
+  clear(acc_dk);
+  clear(acc_dv);
+  smem.barrier_kv.wait(0);
+  // lse and row_dot of query tile n + 1 are prefetched into L1 while tile n computes. (Queueing
+  // tile n + 1's S^T GEMM behind tile n's dV and dK, as the dQ kernel does, spills registers.)
+  auto prefetch_rows = [&](int iter) {
+    const int lane = ctid & 127;  // one thread per 128-byte line of each warpgroup
+    if (lane >= 2 * (kBM / 32)) return;
+    const int hh = hk * group + iter / nq;
+    const int query = (q_first + iter % nq) * kBM + (lane >> 1) * 32;
+    if (query >= tokens) return;
+    const float* base = (lane & 1) ? p.row_dot : p.lse;
+    asm volatile(
+        "prefetch.global.L1 [%0];" ::"l"(base + static_cast<int64_t>(hh) * tokens + query));
+  };
+  PipelineState read;
+  if (n_iter > 0) prefetch_rows(0);
+  for (int iter = 0; iter < n_iter; ++iter) {
+    const int h = hk * group + iter / nq;
+    const int q0 = (q_first + iter % nq) * kBM;
+    pipeline.consumer_wait(read);
+    const int stage = read.index();
+    WarpgroupGemm<true, -1>(mma_st, tSrK, tSrQ(_, _, _, stage), acc_st);
+    WarpgroupGemm<true, -1>(mma_st, tSrV, tSrdO(_, _, _, stage), acc_dpt);
+    // Unmasked iff every key of the tile sees every query of the tile.
+    const bool masked = key_tile_partial || q0 + kBM > tokens ||
+                        (!is_prefix && (j0 + kBN - 1 > q0 || q0 + kBM > tile_min_end));
+    if (iter + 1 < n_iter) prefetch_rows(iter + 1);
+    warpgroup_wait<0>();  // this tile's S^T and dP^T
+    warpgroup_fence_operand(acc_st);
+    warpgroup_fence_operand(acc_dpt);
+    // Element i holds key row (i / 2) % 2 of the pair and query column 8 (i / 4) + 2 t + i % 2:
+    // elements 2 i and 2 i + 1 are columns 8 (i / 2) + 2 t + {0, 1} of row i % 2.
+    Tensor r_pt32 = recast<uint32_t>(r_pt);
+    Tensor r_dst32 = recast<uint32_t>(r_dst);
+#pragma unroll
+    for (int n = 0; n < kBM / 8; ++n) {
+      float lse2[2];
+      float rdot[2];
+      int query[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        query[e] = q0 + get<1>(coords_st(4 * n + e));
+        const int64_t at = static_cast<int64_t>(h) * tokens + query[e];
+        lse2[e] = query[e] < tokens ? __ldg(p.lse + at) * tree_attention_detail::kLog2e : INFINITY;
+        rdot[e] = query[e] < tokens ? __ldg(p.row_dot + at) : 0.f;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = 2 * n + r;
+        float pr[2];
+        float ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = fmaf(acc_st(2 * i + e), scale_log2, -lse2[e]);
+          if (masked) {
+            const bool visible = is_prefix ? (key[r] < p.prefix && query[e] < tokens)
+                                           : (key[r] <= query[e] && query[e] < key_end[r]);
+            if (!visible) x = -INFINITY;
+          }
+          pr[e] = Exp2(x);
+          ds[e] = pr[e] * (acc_dpt(2 * i + e) - rdot[e]);
+        }
+        __nv_bfloat162 vp = __floats2bfloat162_rn(pr[0], pr[1]);
+        __nv_bfloat162 vs = __floats2bfloat162_rn(ds[0], ds[1]);
+        r_pt32(i) = reinterpret_cast<uint32_t&>(vp);
+        r_dst32(i) = reinterpret_cast<uint32_t&>(vs);
+      }
+    }
+    WarpgroupGemm<false, -1>(mma_dkv, tKvrPt, tKvrdOt(_, _, _, stage), acc_dv);
+    WarpgroupGemm<false, 0>(mma_dkv, tKvrdSt, tKvrQt(_, _, _, stage), acc_dk);
+    warpgroup_fence_operand(acc_dv);
+    pipeline.consumer_release(read);
+    ++read;
+  }
+
+  if (is_prefix) {
+    AddFloatRows(acc_dk, coords_dkv, j0, p.prefix, p.grad_prefix_k + hk * D,
+                 p.grad_prefix_k_row_stride, p.scale);
+    AddFloatRows(acc_dv, coords_dkv, j0, p.prefix, p.grad_prefix_v + hk * D,
+                 p.grad_prefix_v_row_stride, 1.f);
+  } else {
+    StoreBf16Rows(acc_dk, coords_dkv, j0, tokens, p.dk + hk * D, p.dk_row_stride,
+                  [&](int) { return p.scale; });
+    StoreBf16Rows(acc_dv, coords_dkv, j0, tokens, p.dv + hk * D, p.dv_row_stride,
+                  [](int) { return 1.f; });
+  }
+}
+
+}  // namespace dta::kernels::hopper_detail
+
+#endif  // DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
