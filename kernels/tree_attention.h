@@ -9,10 +9,12 @@
 // On CUDA with bf16 inputs and head dim 64 or 128 (TreeAttentionKernelSupports), both directions
 // run FlashAttention-2 style kernels (kernels/tree_attention_kernel.cuh): O(T * D) memory, tiles
 // that no query of a tile can see are skipped without being loaded, and the backward is
-// deterministic (bitwise equal across runs). On Hopper (compute capability 9.x) the forward at head
-// dim 128 runs a FlashAttention-3 style kernel instead (kernels/hopper/: TMA, warp specialisation,
-// wgmma; same mask, tile skipping, out and lse), when the build found the CUTLASS headers and
-// DTA_HOPPER_ATTENTION is not "0" (read at every call). Every other input (CPU, float32/float64,
+// deterministic (bitwise equal across runs). On Hopper (compute capability 9.x) at head dim 128
+// FlashAttention-3 style kernels run instead (kernels/hopper/: TMA, warp specialisation, wgmma;
+// same mask, tile skipping, out and lse; a deterministic backward bitwise equal to the
+// FlashAttention-2 one), when the build found the CUTLASS headers: the forward unless
+// DTA_HOPPER_ATTENTION is "0", the backward unless DTA_HOPPER_ATTENTION_BACKWARD is "0" (both
+// read at every call). Every other input (CPU, float32/float64,
 // other head dims) runs the exact ATen reference in kernels/tree_attention_reference.h, which
 // builds the [T, P + T] mask and computes in float64 for float64 inputs, float32 otherwise.
 //

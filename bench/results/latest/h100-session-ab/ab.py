@@ -51,7 +51,8 @@ for name in settings:
     by_kind = {"attention": 0.0, "gemm": 0.0, "copy/cast/fill": 0.0, "other": 0.0}
     for e in kernels:
         n = e.name.lower()
-        kind = ("attention" if any(w in n for w in ("attention", "sdpa", "flash", "fmha", "hopperforward"))
+        attention_names = ("attention", "sdpa", "flash", "fmha", "hopperforward", "hopperdq", "hopperdkdv")
+        kind = ("attention" if any(w in n for w in attention_names)
                 else "gemm" if "gemm" in n or "nvjet" in n or "cutlass" in n
                 else "copy/cast/fill" if "copy" in n or "fill" in n or "memset" in n or "memcpy" in n
                 else "other")
