@@ -12,8 +12,10 @@ batch's gradients (forward and backward of every rollout, no optimizer step) wit
   --pack_tokens tokens (a longer rollout alone), position ids restarting at each rollout, from
   which transformers builds a mask that keeps the rollouts apart (its packed-sequence detection;
   SDPA then takes a dense [L, L] mask, flex attention a block mask);
-- ``dta-dense``, ``dta``: dta.Trainer.compute_gradients with the same loss, dense (every rollout
-  on its own) and dta (push/pop over the prefix tree).
+- ``dta-dense``, ``dta``, ``dta-pack``: dta.Trainer.compute_gradients with the same loss, dense
+  (every rollout on its own) and dta (push/pop over the prefix tree) with its default options and
+  with ``pack=True`` (small complete subtrees in one tree-masked forward: dta-bench's
+  ``dta-bauto-gauto-pack``).
 
 Prints a table (rollout tokens / s and the ratio to the fastest dense) and, with --json, a JSON
 line per method. With --profile, one more run of each method under torch.profiler counts its
@@ -186,6 +188,24 @@ def kernel_profile(fn, device: torch.device, top: int = 12) -> dict:
                          for e in host_ops]}
 
 
+def print_profile(r: dict) -> None:
+    p = r["profile"]
+    ms = p["gpu_ms"]
+    total = sum(ms.values())
+    print(f"\nprofile of {r['method']}: {p['kernel_launches']:,} kernel launches, GPU {total:.1f} ms: "
+          + ", ".join(f"{kind} {t:.1f} ms ({t / max(total, 1e-9):.0%})" for kind, t in ms.items()))
+    for k in p["costliest"]:
+        print(f"  {k['ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
+    print(f"  wall {p['wall_ms']:.1f} ms under the profiler, GPU busy {p['gpu_busy_ms']:.1f} ms "
+          f"({p['gpu_busy_ms'] / max(p['wall_ms'], 1e-9):.0%}); CUDA runtime calls on the host:")
+    for k in p["runtime_calls"]:
+        print(f"  {k['ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
+    print("  host operations by their own time:")
+    for k in p["host_ops"]:
+        print(f"  {k['self_ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
+    print(flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", required=True, help="a JSON Lines rollout file (dta-workload writes them)")
@@ -193,16 +213,25 @@ def main() -> int:
                                                  "qwen3-tiny.json"), help="a dta preset or a config.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--methods", default="hf-sdpa,hf-flex,hf-sdpa-packed,hf-flex-packed,dta-dense,dta")
+    parser.add_argument("--methods",
+                        default="hf-sdpa,hf-flex,hf-sdpa-packed,hf-flex-packed,dta-dense,dta,dta-pack")
     parser.add_argument("--pack_tokens", type=int, default=16384,
                         help="hf-*-packed: the most tokens in one packed sequence")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="a JSON line per method")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile one more run of each method (launches, GPU time by kind)")
+    parser.add_argument("--profile", nargs="?", const="all", default="",
+                        help="profile one more run of each method, or of the methods listed "
+                             "(--profile=dta,dta-dense): launches, GPU time by kind, host operations")
     args = parser.parse_args()
     if args.pack_tokens < 1:
         parser.error(f"--pack_tokens must be >= 1, got {args.pack_tokens}")
+    methods = args.methods.split(",")
+    known = {"hf-sdpa", "hf-flex", "hf-sdpa-packed", "hf-flex-packed", "dta-dense", "dta", "dta-pack"}
+    if set(methods) - known:
+        parser.error(f"--methods: unknown {sorted(set(methods) - known)} (known: {', '.join(sorted(known))})")
+    profiled_methods = set(methods if args.profile == "all" else args.profile.split(",") if args.profile else [])
+    if not profiled_methods <= set(methods):
+        parser.error(f"--profile names methods not in --methods: {sorted(profiled_methods - set(methods))}")
 
     import dta
     from transformers import Qwen3ForCausalLM
@@ -220,7 +249,8 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         trainer.save(scratch, dtype=None, optimizer=False)
-        for method in args.methods.split(","):
+        for method in methods:
+            profile = method in profiled_methods
             if method.startswith("hf-"):
                 attention = {"sdpa": "sdpa", "flex": "flex_attention"}[method.split("-")[1]]
                 model = Qwen3ForCausalLM.from_pretrained(Path(scratch) / "model", dtype=dtype,
@@ -233,17 +263,18 @@ def main() -> int:
                     run = lambda: hf_gradients(model, trajectories, advantages, device)  # noqa: E731
                 try:
                     seconds = timed(run, device, args.repeats)
-                    profiled = kernel_profile(run, device) if args.profile else None
+                    profiled = kernel_profile(run, device) if profile else None
                 except (NotImplementedError, RuntimeError) as e:  # e.g. flex attention's backward on a CPU
                     print(f"hf_baseline: {method} cannot run here: {str(e).splitlines()[0]}", file=sys.stderr)
                     continue
                 finally:
                     del model, run
             else:
-                name = {"dta-dense": "dense", "dta": "dta"}[method]
-                run = lambda: trainer.compute_gradients(trajectories, "grpo", name)  # noqa: E731
+                name, options = {"dta-dense": ("dense", {}), "dta": ("dta", {}),
+                                 "dta-pack": ("dta", {"pack": True})}[method]
+                run = lambda: trainer.compute_gradients(trajectories, "grpo", name, **options)  # noqa: E731
                 seconds = timed(run, device, args.repeats)
-                profiled = kernel_profile(run, device) if args.profile else None
+                profiled = kernel_profile(run, device) if profile else None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             result = {"method": method, "seconds": seconds, "rollout_tokens_per_second": tokens / seconds,
@@ -251,8 +282,11 @@ def main() -> int:
                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
             if profiled is not None:
                 result["profile"] = profiled
+                print_profile(result)
             results.append(result)
-    dense = [r["seconds"] for r in results if r["method"] != "dta"]
+            # As each method finishes, so that a run cut short still reports what it measured.
+            print(f"hf_baseline: {method} {seconds:.3f} s", file=sys.stderr, flush=True)
+    dense = [r["seconds"] for r in results if not r["method"].startswith("dta") or r["method"] == "dta-dense"]
     fastest_dense = min(dense) if dense else math.nan
     where = results[0]["device"] if results else args.device
     print(f"{len(trajectories)} rollouts, {tokens} rollout tokens, {tree.tree_tokens} tree tokens "
@@ -264,23 +298,6 @@ def main() -> int:
               f"{r['vs_fastest_dense']:>16.2f}x")
         if args.json:
             print(json.dumps(r))
-    for r in results:
-        if "profile" not in r:
-            continue
-        p = r["profile"]
-        ms = p["gpu_ms"]
-        total = sum(ms.values())
-        print(f"\nprofile of {r['method']}: {p['kernel_launches']:,} kernel launches, GPU {total:.1f} ms: "
-              + ", ".join(f"{kind} {t:.1f} ms ({t / max(total, 1e-9):.0%})" for kind, t in ms.items()))
-        for k in p["costliest"]:
-            print(f"  {k['ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
-        print(f"  wall {p['wall_ms']:.1f} ms under the profiler, GPU busy {p['gpu_busy_ms']:.1f} ms "
-              f"({p['gpu_busy_ms'] / max(p['wall_ms'], 1e-9):.0%}); CUDA runtime calls on the host:")
-        for k in p["runtime_calls"]:
-            print(f"  {k['ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
-        print("  host operations by their own time:")
-        for k in p["host_ops"]:
-            print(f"  {k['self_ms']:>9.2f} ms {k['count']:>7} x  {k['name']}")
     return 0
 
 

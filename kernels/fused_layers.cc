@@ -231,11 +231,36 @@ at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const 
   return RmsNormBackwardReference(g, x, weight, rstd, weight_grad).to(x.scalar_type());
 }
 
+namespace {
+
+// The distance between rows of a [..., cols] tensor that the kernels can read in place: cols when
+// it is contiguous, the row stride of a 2-D view with unit column stride (one half of a stacked
+// projection's output), -1 otherwise.
+int64_t RowStride(const at::Tensor& t) {
+  if (t.is_contiguous()) return t.size(-1);
+  if (t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= t.size(1)) return t.stride(0);
+  return -1;
+}
+
+// gate and up with one row stride the kernels can read, copied to contiguous if need be.
+struct GateUp {
+  at::Tensor gate, up;
+  int64_t ld;
+};
+GateUp ReadableGateUp(const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t ld = RowStride(gate);
+  if (ld >= 0 && ld == RowStride(up)) return {gate, up, ld};
+  return {gate.contiguous(), up.contiguous(), gate.size(-1)};
+}
+
+}  // namespace
+
 at::Tensor SwiGluForward(const at::Tensor& gate, const at::Tensor& up) {
   CheckSameShape("SwiGluForward", "up", up, gate);
   if (UseCuda({&gate, &up})) {
     at::Tensor out = at::empty(gate.sizes(), gate.options());
-    internal::SwiGluForwardCuda(gate.contiguous(), up.contiguous(), out);
+    const GateUp in = ReadableGateUp(gate, up);
+    internal::SwiGluForwardCuda(in.gate, in.up, in.ld, out);
     return out;
   }
   const at::ScalarType ct = ComputeType(gate.scalar_type());
@@ -243,16 +268,28 @@ at::Tensor SwiGluForward(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
-                           bool with_product) {
+                           bool with_product, bool stacked) {
   CheckSameShape("SwiGluBackward", "up", up, gate);
   CheckSameShape("SwiGluBackward", "d", d, gate);
+  TORCH_CHECK(!stacked || (gate.dim() == 2 && gate.scalar_type() == up.scalar_type()),
+              "SwiGluBackward: stacked gradients need 2-D gate and up of one dtype, got ",
+              gate.sizes(), " ", gate.scalar_type(), " and ", up.scalar_type());
   if (UseCuda({&d, &gate, &up})) {
-    SwiGluGrads grads{
-        .dgate = at::empty(gate.sizes(), gate.options()),
-        .dup = at::empty(up.sizes(), up.options()),
-        .product = with_product ? at::empty(gate.sizes(), gate.options()) : at::Tensor()};
-    internal::SwiGluBackwardCuda(d.contiguous(), gate.contiguous(), up.contiguous(), grads.dgate,
-                                 grads.dup, grads.product);
+    SwiGluGrads grads{.product =
+                          with_product ? at::empty(gate.sizes(), gate.options()) : at::Tensor()};
+    int64_t out_ld = gate.size(-1);
+    if (stacked) {
+      grads.stacked = at::empty({gate.size(0), 2 * gate.size(1)}, gate.options());
+      grads.dgate = grads.stacked.narrow(1, 0, gate.size(1));
+      grads.dup = grads.stacked.narrow(1, gate.size(1), gate.size(1));
+      out_ld = 2 * gate.size(1);
+    } else {
+      grads.dgate = at::empty(gate.sizes(), gate.options());
+      grads.dup = at::empty(up.sizes(), up.options());
+    }
+    const GateUp in = ReadableGateUp(gate, up);
+    internal::SwiGluBackwardCuda(d.contiguous(), in.gate, in.up, in.ld, grads.dgate, grads.dup,
+                                 out_ld, grads.product);
     return grads;
   }
   const at::ScalarType ct = ComputeType(gate.scalar_type());
@@ -262,9 +299,15 @@ SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at
   const at::Tensor sigmoid = at::sigmoid(gc);
   // d silu / d gate = sigmoid * (1 + gate * (1 - sigmoid)).
   const at::Tensor dgate = g * uc * sigmoid * (1 + gc * (1 - sigmoid));
-  return {.dgate = dgate.to(gate.scalar_type()),
-          .dup = (g * gc * sigmoid).to(up.scalar_type()),
-          .product = with_product ? SwiGluForward(gate, up) : at::Tensor()};
+  SwiGluGrads grads{.dgate = dgate.to(gate.scalar_type()),
+                    .dup = (g * gc * sigmoid).to(up.scalar_type()),
+                    .product = with_product ? SwiGluForward(gate, up) : at::Tensor()};
+  if (stacked) {
+    grads.stacked = at::cat({grads.dgate, grads.dup}, 1);
+    grads.dgate = grads.stacked.narrow(1, 0, gate.size(1));
+    grads.dup = grads.stacked.narrow(1, gate.size(1), gate.size(1));
+  }
+  return grads;
 }
 
 }  // namespace dta::kernels

@@ -326,51 +326,64 @@ __device__ __forceinline__ void Store8(Out out, int64_t i, const float (&v)[kVec
 
 // kVectorized: every tensor is 16-byte aligned, n is a multiple of 8, the outputs and gate/up are
 // bfloat16 and d is bfloat16 or float32.
+// gate and up are [rows, cols] at row stride `in_ld` (their own, or the two halves of one
+// [rows, 2 cols] projection); d, out and product are contiguous [rows, cols]; dgate and dup are at
+// row stride `out_ld`. Element i of the contiguous ones sits at row i / cols, column i % cols.
+struct SwiGluLayout {
+  int64_t cols, in_ld, out_ld;
+  __device__ __forceinline__ int64_t In(int64_t i) const { return i / cols * in_ld + i % cols; }
+  __device__ __forceinline__ int64_t Out(int64_t i) const { return i / cols * out_ld + i % cols; }
+};
+
 template <bool kVectorized>
-__global__ void SwiGluForwardKernel(In gate, In up, Out out, int64_t n) {
+__global__ void SwiGluForwardKernel(In gate, In up, Out out, int64_t n, SwiGluLayout layout) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if constexpr (kVectorized) {
     for (int64_t i = first * kVector; i < n; i += stride * kVector) {
       float g[kVector], u[kVector];
-      Load8(gate, i, g);
-      Load8(up, i, u);
+      const int64_t at = layout.In(i);  // eight elements of one row (cols % 8 == 0)
+      Load8(gate, at, g);
+      Load8(up, at, u);
 #pragma unroll
       for (int k = 0; k < kVector; ++k) g[k] = __fmul_rn(Silu(g[k]), u[k]);
       Store8(out, i, g);
     }
   } else {
     for (int64_t i = first; i < n; i += stride) {
-      Store(out, i, __fmul_rn(Silu(Load(gate, i)), Load(up, i)));
+      const int64_t at = layout.In(i);
+      Store(out, i, __fmul_rn(Silu(Load(gate, at)), Load(up, at)));
     }
   }
 }
 
 template <bool kVectorized>
 __global__ void SwiGluBackwardKernel(In d, In gate, In up, Out dgate, Out dup, Out product,
-                                     int64_t n) {
+                                     int64_t n, SwiGluLayout layout) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if constexpr (kVectorized) {
     for (int64_t i = first * kVector; i < n; i += stride * kVector) {
       float g[kVector], x[kVector], u[kVector], dg[kVector], du[kVector], pr[kVector];
+      const int64_t in = layout.In(i), out = layout.Out(i);
       Load8(d, i, g);
-      Load8(gate, i, x);
-      Load8(up, i, u);
+      Load8(gate, in, x);
+      Load8(up, in, u);
 #pragma unroll
       for (int k = 0; k < kVector; ++k) {
         const SwiGluGradient r = SwiGluAt(g[k], x[k], u[k]);
         dg[k] = r.dgate, du[k] = r.dup, pr[k] = r.product;
       }
-      Store8(dgate, i, dg);
-      Store8(dup, i, du);
+      Store8(dgate, out, dg);
+      Store8(dup, out, du);
       if (product.data != nullptr) Store8(product, i, pr);
     }
   } else {
     for (int64_t i = first; i < n; i += stride) {
-      const SwiGluGradient r = SwiGluAt(Load(d, i), Load(gate, i), Load(up, i));
-      Store(dgate, i, r.dgate);
-      Store(dup, i, r.dup);
+      const int64_t in = layout.In(i), out = layout.Out(i);
+      const SwiGluGradient r = SwiGluAt(Load(d, i), Load(gate, in), Load(up, in));
+      Store(dgate, out, r.dgate);
+      Store(dup, out, r.dup);
       if (product.data != nullptr) Store(product, i, r.product);
     }
   }
@@ -508,41 +521,47 @@ bool Vectorizable(int64_t n, std::initializer_list<const at::Tensor*> tensors) {
 
 }  // namespace
 
-void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
+void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, int64_t in_ld,
+                       at::Tensor& out) {
   const int64_t n = gate.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(gate.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const SwiGluLayout layout{.cols = gate.size(-1), .in_ld = in_ld, .out_ld = gate.size(-1)};
   const bool bf16 = gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
                     out.scalar_type() == at::kBFloat16;
-  if (bf16 && Vectorizable(n, {&gate, &up, &out})) {
+  if (bf16 && layout.cols % kVector == 0 && in_ld % kVector == 0 &&
+      Vectorizable(n, {&gate, &up, &out})) {
     SwiGluForwardKernel<true><<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
-        InOf(gate), InOf(up), OutOf(out), n);
+        InOf(gate), InOf(up), OutOf(out), n, layout);
   } else {
     SwiGluForwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
-        InOf(gate), InOf(up), OutOf(out), n);
+        InOf(gate), InOf(up), OutOf(out), n, layout);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
-                        at::Tensor& dgate, at::Tensor& dup, at::Tensor& product) {
+                        int64_t in_ld, at::Tensor& dgate, at::Tensor& dup, int64_t out_ld,
+                        at::Tensor& product) {
   const int64_t n = gate.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(gate.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const Out product_out = product.defined() ? OutOf(product) : Out{nullptr, Dtype::kFloat};
+  const SwiGluLayout layout{.cols = gate.size(-1), .in_ld = in_ld, .out_ld = out_ld};
   bool bf16 = true;
   for (const at::Tensor* t :
        std::initializer_list<const at::Tensor*>{&gate, &up, &dgate, &dup, &product}) {
     if (t->defined() && t->scalar_type() != at::kBFloat16) bf16 = false;
   }
-  if (bf16 && Vectorizable(n, {&d, &gate, &up, &dgate, &dup, &product})) {
+  if (bf16 && layout.cols % kVector == 0 && in_ld % kVector == 0 && out_ld % kVector == 0 &&
+      Vectorizable(n, {&d, &gate, &up, &dgate, &dup, &product})) {
     SwiGluBackwardKernel<true><<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
-        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n);
+        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout);
   } else {
     SwiGluBackwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
-        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n);
+        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -68,20 +68,24 @@ at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const 
                                const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& weight_grad);
 
-// silu(gate) * up in the compute type, rounded to gate's dtype. gate and up of one shape.
+// silu(gate) * up in the compute type, rounded to gate's dtype. gate and up of one shape; on CUDA
+// the two halves of one stacked [rows, 2 n] projection output are read in place.
 at::Tensor SwiGluForward(const at::Tensor& gate, const at::Tensor& up);
 
 struct SwiGluGrads {
   at::Tensor dgate;    // gate's dtype
   at::Tensor dup;      // up's dtype
   at::Tensor product;  // SwiGluForward(gate, up), bitwise, when asked for; else undefined
+  at::Tensor stacked;  // with `stacked`: [rows, 2 n], dgate and dup its two halves (views)
 };
 
 // The gradients of gate and up given d, the product's gradient (gate's shape, any floating dtype).
 // with_product also recomputes the forward's product in the same pass over gate and up (what
-// backward needs for the next projection's weight gradient).
+// backward needs for the next projection's weight gradient). stacked (2-D gate and up) writes
+// dgate and dup side by side into one [rows, 2 n] tensor, the gradient of a stacked gate/up
+// projection's output, which then needs no concatenation.
 SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
-                           bool with_product = false);
+                           bool with_product = false, bool stacked = false);
 
 }  // namespace dta::kernels
 

@@ -40,10 +40,15 @@ int64_t RmsNormRopeBackwardBlocks(int64_t rows);
 // norms' weight gradients from their per-block partial sums, in one launch).
 void AddColumnSumsCuda(const at::Tensor& partials, at::Tensor& accumulator);
 
-void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
+// gate and up: [..., cols] with rows `in_ld` elements apart (cols when contiguous; 2 cols for the
+// halves of one [rows, 2 cols] tensor); out, d and product contiguous; dgate and dup rows `out_ld`
+// apart.
+void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, int64_t in_ld,
+                       at::Tensor& out);
 // product: undefined, or where SwiGluForward's result is written too.
 void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
-                        at::Tensor& dgate, at::Tensor& dup, at::Tensor& product);
+                        int64_t in_ld, at::Tensor& dgate, at::Tensor& dup, int64_t out_ld,
+                        at::Tensor& product);
 
 }  // namespace dta::kernels::internal
 

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/base/parallel_for.h"
 #include "executor/model/rope.h"
@@ -95,6 +97,72 @@ at::Tensor NormWeightAccumulator(AutogradContext* ctx, const at::Tensor& weight)
   return accumulator.defined() ? accumulator : GradAccumulator(weight);
 }
 
+// Tensors [r_i, cols], contiguous, one after the other in one buffer (the stacked gate_proj and
+// up_proj, or their gradients): one [sum r_i, cols] view of them all; undefined otherwise.
+at::Tensor StackedRows(at::TensorList parts) {
+  if (parts.size() < 2) return at::Tensor();
+  const at::Tensor& first = parts[0];
+  int64_t rows = 0;
+  for (const at::Tensor& t : parts) {
+    if (!t.defined() || t.dim() != 2 || !t.is_contiguous() || t.size(1) != first.size(1) ||
+        t.scalar_type() != first.scalar_type() || !t.is_alias_of(first) ||
+        t.storage_offset() != first.storage_offset() + rows * first.size(1)) {
+      return at::Tensor();
+    }
+    rows += t.size(0);
+  }
+  return first.detach().as_strided({rows, first.size(1)}, {first.size(1), 1});
+}
+
+// Tensors [rows, c_i] side by side in one buffer's rows (the halves of a stacked projection's
+// output, or of their gradient from SwiGluBackward): one [rows, sum c_i] view; undefined otherwise.
+at::Tensor StackedColumns(at::TensorList parts) {
+  if (parts.size() < 2) return at::Tensor();
+  const at::Tensor& first = parts[0];
+  if (!first.defined() || first.dim() != 2 || first.size(0) < 2) return at::Tensor();
+  int64_t cols = 0;
+  for (const at::Tensor& t : parts) {
+    if (!t.defined() || t.dim() != 2 || t.size(0) != first.size(0) || t.stride(1) != 1 ||
+        t.stride(0) != first.stride(0) || t.scalar_type() != first.scalar_type() ||
+        !t.is_alias_of(first) || t.storage_offset() != first.storage_offset() + cols) {
+      return at::Tensor();
+    }
+    cols += t.size(1);
+  }
+  if (cols > first.stride(0)) return at::Tensor();
+  return first.detach().as_strided({first.size(0), cols}, {first.stride(0), 1});
+}
+
+// The weights' gradient accumulators as one stacked [sum r_i, cols] tensor: when none exists yet
+// they are created so; when they exist but are not stacked (a caller replaced them), undefined.
+at::Tensor StackedGradAccumulator(at::TensorList weights) {
+  bool none = true;
+  for (const at::Tensor& w : weights) none = none && !w.grad().defined();
+  if (!none) {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& w : weights) grads.push_back(w.grad());
+    return StackedRows(grads);
+  }
+  int64_t rows = 0;
+  for (const at::Tensor& w : weights) rows += w.size(0);
+  const at::Tensor& first = weights[0];
+  at::Tensor stack =
+      at::zeros({rows, first.size(1)}, first.options().dtype(AccumulatorType(first.scalar_type())));
+  rows = 0;
+  for (const at::Tensor& w : weights) {
+    const_cast<at::Tensor&>(w).mutable_grad() = stack.narrow(0, rows, w.size(0));
+    rows += w.size(0);
+  }
+  return stack;
+}
+
+// DTA_STACKED_PROJECTIONS=0 projects onto stacked weights one weight at a time, as for separate
+// ones (for before/after measurements in one build; read at every call).
+bool StackedProjectionsEnabled() {
+  const char* value = std::getenv("DTA_STACKED_PROJECTIONS");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
 // How a projection sits in a tensor-parallel layer (Megatron's column- and row-parallel linear).
 enum class ProjectionKind : int64_t {
   kColumnParallel,  // replicated input, output split by columns: all-reduce dx in backward
@@ -145,6 +213,22 @@ class Projections : public torch::autograd::Function<Projections> {
     ctx->saved_data["tensor_parallel"] =
         kind == ProjectionKind::kColumnParallel ? group : int64_t{0};
     variable_list out;
+    // Weights stored stacked (gate_proj over up_proj): one GEMM, its output's column blocks the
+    // projections (read in place by SwiGLU; their gradients come back side by side).
+    const at::Tensor stacked = biases.empty() && !wide_output &&
+                                       kind == ProjectionKind::kColumnParallel &&
+                                       StackedProjectionsEnabled()
+                                   ? StackedRows(weights)
+                                   : at::Tensor();
+    if (stacked.defined()) {
+      const at::Tensor y = at::mm(xb, stacked.t());
+      int64_t column = 0;
+      for (const at::Tensor& weight : weights) {
+        out.push_back(y.narrow(1, column, weight.size(0)));
+        column += weight.size(0);
+      }
+      return out;
+    }
     for (size_t i = 0; i < weights.size(); ++i) {
       const at::Tensor& weight = weights[i];
       const at::Tensor bias = biases.empty() ? at::Tensor() : biases[i];
@@ -171,14 +255,26 @@ class Projections : public torch::autograd::Function<Projections> {
     const at::Tensor xb =
         has_norm ? kernels::RmsNormApply(saved[0], norm_weight, rstd, type) : saved[0];
     std::vector<at::Tensor> dys;
+    for (size_t i = 0; i < count; ++i) dys.push_back(grads[i].to(type));
+    const at::TensorList weights = at::TensorList(saved).slice(3, count);
+    // Stacked weights whose outputs' gradients came back side by side: one GEMM for dx and one
+    // for the weights' gradients.
+    at::Tensor stacked, dy_stacked;
+    if (!has_biases && StackedProjectionsEnabled()) {
+      stacked = StackedRows(weights);
+      if (stacked.defined()) dy_stacked = StackedColumns(dys);
+    }
+    const at::ScalarType dx_type = has_norm ? rstd.scalar_type() : x_type;
     at::Tensor dx;
-    for (size_t i = 0; i < count; ++i) {
-      const at::Tensor& weight = saved[i + 3];
-      dys.push_back(grads[i].to(type));
-      if (!dx.defined()) {
-        dx = MatmulTo(dys[i], weight, has_norm ? rstd.scalar_type() : x_type);
-      } else {
-        AddMatmul(dx, dys[i], weight);
+    if (dy_stacked.defined()) {
+      dx = MatmulTo(dy_stacked, stacked, dx_type);
+    } else {
+      for (size_t i = 0; i < count; ++i) {
+        if (!dx.defined()) {
+          dx = MatmulTo(dys[i], weights[i], dx_type);
+        } else {
+          AddMatmul(dx, dys[i], weights[i]);
+        }
       }
     }
     // A column-parallel layer's input feeds every rank's columns: its gradient is their sum, taken
@@ -186,13 +282,18 @@ class Projections : public torch::autograd::Function<Projections> {
     // while the weight gradients, which do not need it, are computed (Megatron's overlap of the
     // input gradient's all-reduce with the weight-gradient GEMMs).
     std::unique_ptr<PendingCollective> dx_sum = StartSumOverRanks(GroupOf(ctx), dx);
-    for (size_t i = 0; i < count; ++i) {
-      AddMatmul(GradAccumulator(saved[i + 3]), dys[i].t(), xb);
-      if (has_biases) {
-        at::Tensor& accumulator = GradAccumulator(saved[i + 3 + count]);
-        // Summed from the output's gradient as it came (float32 for o_proj), in the
-        // accumulator's precision.
-        accumulator.add_(at::sum(grads[i], {0}, false, accumulator.scalar_type()));
+    at::Tensor stacked_grad = dy_stacked.defined() ? StackedGradAccumulator(weights) : at::Tensor();
+    if (stacked_grad.defined()) {
+      AddMatmul(stacked_grad, dy_stacked.t(), xb);
+    } else {
+      for (size_t i = 0; i < count; ++i) {
+        AddMatmul(GradAccumulator(weights[i]), dys[i].t(), xb);
+        if (has_biases) {
+          at::Tensor& accumulator = GradAccumulator(saved[i + 3 + count]);
+          // Summed from the output's gradient as it came (float32 for o_proj), in the
+          // accumulator's precision.
+          accumulator.add_(at::sum(grads[i], {0}, false, accumulator.scalar_type()));
+        }
       }
     }
     if (dx_sum != nullptr) dx_sum->Wait();
@@ -349,8 +450,11 @@ class SwiGluDown : public torch::autograd::Function<SwiGluDown> {
     const at::Tensor& down = saved[2];
     const at::ScalarType ct = ComputeType(down.scalar_type());
     const at::Tensor dy = grads[0].to(down.scalar_type());
+    // gate and up side by side (a stacked projection's output): their gradients too, so that
+    // the projection's backward takes them as one.
+    const bool stacked = StackedColumns({saved[0], saved[1]}).defined();
     kernels::SwiGluGrads g = kernels::SwiGluBackward(MatmulTo(dy, down, ct), saved[0], saved[1],
-                                                     /*with_product=*/true);
+                                                     /*with_product=*/true, stacked);
     AddMatmul(GradAccumulator(down), dy.t(), g.product);
     return {g.dgate, g.dup, at::Tensor(), at::Tensor()};
   }
@@ -823,8 +927,11 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
         layer.shared_expert_gate = Add(p + "mlp.shared_expert_gate.weight", {1, hidden});
       }
     } else {
-      layer.gate_proj = Add(p + "mlp.gate_proj.weight", {inter, hidden}, 0, intermediate_);
-      layer.up_proj = Add(p + "mlp.up_proj.weight", {inter, hidden}, 0, intermediate_);
+      const std::vector<at::Tensor> gate_up =
+          AddStacked({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"},
+                     {{inter, hidden}, {inter, hidden}}, intermediate_);
+      layer.gate_proj = gate_up[0];
+      layer.up_proj = gate_up[1];
       layer.down_proj = Add(p + "mlp.down_proj.weight", {hidden, inter}, 1, intermediate_);
     }
     layers_.push_back(std::move(layer));
@@ -849,6 +956,28 @@ at::Tensor Qwen3Model::Add(const std::string& name, std::vector<int64_t> full_sh
   named_.emplace_back(name, parameter);
   splits_.push_back({.dim = dim, .full_shape = std::move(full_shape), .range = range});
   return parameter;
+}
+
+std::vector<at::Tensor> Qwen3Model::AddStacked(const std::vector<std::string>& names,
+                                               const std::vector<std::vector<int64_t>>& full_shapes,
+                                               IndexRange range) {
+  TORCH_CHECK(names.size() == full_shapes.size() && !names.empty(),
+              "AddStacked: one shape per name");
+  const int64_t cols = full_shapes[0].at(1);
+  at::Tensor stack = at::zeros({static_cast<int64_t>(names.size()) * range.size(), cols}, options_);
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < names.size(); ++i) {
+    TORCH_CHECK(full_shapes[i].size() == 2 && full_shapes[i][1] == cols,
+                "AddStacked: the parts must be [rows, ", cols, "], got ", full_shapes[i].size(),
+                "-D for ", names[i]);
+    // A view of the stack that is a leaf of its own (the stack itself needs no gradient).
+    at::Tensor parameter =
+        stack.narrow(0, static_cast<int64_t>(i) * range.size(), range.size()).requires_grad_(true);
+    named_.emplace_back(names[i], parameter);
+    splits_.push_back({.dim = 0, .full_shape = full_shapes[i], .range = range});
+    parts.push_back(std::move(parameter));
+  }
+  return parts;
 }
 
 at::Tensor Qwen3Model::parameter(const std::string& name) const {

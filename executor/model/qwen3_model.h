@@ -334,6 +334,12 @@ class Qwen3Model {
   // A parameter of `full_shape`, split along `dim` into `range` (dim -1: whole).
   at::Tensor Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim = -1,
                  IndexRange range = {});
+  // Parameters of [rows, cols] split by rows (dim 0) into `range` like Add's, each its own leaf but
+  // stored as consecutive row blocks of one tensor (gate_proj over up_proj): a projection onto all
+  // of them is then one GEMM, and their gradients one accumulation (Projections).
+  std::vector<at::Tensor> AddStacked(const std::vector<std::string>& names,
+                                     const std::vector<std::vector<int64_t>>& full_shapes,
+                                     IndexRange range);
   // out_type: the result's dtype; default the weight's.
   // accumulator: where the weight's gradient goes (default: its .grad).
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight,

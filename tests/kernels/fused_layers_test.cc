@@ -104,6 +104,29 @@ TEST(FusedLayers, SwiGluBackwardIsTheGradientOfTheForward) {
   EXPECT_FALSE(SwiGluBackward(d, gate, up).product.defined());
 }
 
+TEST(FusedLayers, SwiGluReadsAndWritesTheHalvesOfAStackedProjection) {
+  at::manual_seed(4);
+  const at::Tensor gate_up = at::randn({9, 2 * 17}, kFloat64);
+  const at::Tensor gate = gate_up.narrow(1, 0, 17), up = gate_up.narrow(1, 17, 17);
+  const at::Tensor d = at::randn({9, 17}, kFloat64);
+  // (ATen's CPU kernels vectorize strided and contiguous operands differently: last-bit
+  // differences.)
+  EXPECT_LT(
+      RelativeError(SwiGluForward(gate, up), SwiGluForward(gate.contiguous(), up.contiguous())),
+      1e-15);
+  const SwiGluGrads separate = SwiGluBackward(d, gate.contiguous(), up.contiguous());
+  const SwiGluGrads stacked = SwiGluBackward(d, gate, up, /*with_product=*/false, /*stacked=*/true);
+  ASSERT_EQ(stacked.stacked.sizes(), gate_up.sizes());
+  EXPECT_LT(RelativeError(stacked.stacked, at::cat({separate.dgate, separate.dup}, 1)), 1e-15);
+  // dgate and dup are the stacked tensor's halves, not copies.
+  EXPECT_EQ(stacked.dgate.data_ptr(), stacked.stacked.data_ptr());
+  EXPECT_EQ(stacked.dup.data_ptr<double>(), stacked.stacked.data_ptr<double>() + 17);
+  EXPECT_FALSE(SwiGluBackward(d, gate, up).stacked.defined());
+  EXPECT_THROW(SwiGluBackward(d.view({9, 1, 17}), gate.contiguous().view({9, 1, 17}),
+                              up.contiguous().view({9, 1, 17}), false, /*stacked=*/true),
+               c10::Error);
+}
+
 TEST(FusedLayers, BadShapesAreNamed) {
   const at::Tensor x = at::randn({4, 8}, kFloat64);
   EXPECT_THAT([&] { RmsNormForward(x, at::ones({7}, kFloat64), 1e-6, at::kDouble); },
@@ -247,6 +270,27 @@ TEST_F(FusedLayersCuda, SwiGluMatchesTheCpu) {
     EXPECT_LT(RelativeError(gpu.dgate, cpu.dgate), Tolerance(at::kBFloat16)) << name;
     EXPECT_LT(RelativeError(gpu.dup, cpu.dup), Tolerance(at::kBFloat16)) << name;
     EXPECT_TRUE(at::equal(gpu.product, gpu_product)) << name;
+  }
+}
+
+TEST_F(FusedLayersCuda, SwiGluOnAStackedProjectionIsBitwiseTheSeparateOne) {
+  at::manual_seed(7);
+  // Rows of 8-element vectors (cols 3,072 and 24) and of single elements (cols 13); one row.
+  for (const auto& [rows, cols] :
+       std::vector<std::pair<int64_t, int64_t>>{{300, 3072}, {5, 24}, {7, 13}, {1, 3072}}) {
+    const std::string name = std::to_string(rows) + " x " + std::to_string(cols);
+    const at::Tensor gate_up = Cuda((3 * at::randn({rows, 2 * cols})).to(at::kBFloat16));
+    const at::Tensor gate = gate_up.narrow(1, 0, cols), up = gate_up.narrow(1, cols, cols);
+    const at::Tensor d = Cuda(at::randn({rows, cols}));
+    EXPECT_TRUE(
+        at::equal(SwiGluForward(gate, up), SwiGluForward(gate.contiguous(), up.contiguous())))
+        << name;
+    const SwiGluGrads separate =
+        SwiGluBackward(d, gate.contiguous(), up.contiguous(), /*with_product=*/true);
+    const SwiGluGrads stacked =
+        SwiGluBackward(d, gate, up, /*with_product=*/true, /*stacked=*/true);
+    EXPECT_TRUE(at::equal(stacked.stacked, at::cat({separate.dgate, separate.dup}, 1))) << name;
+    EXPECT_TRUE(at::equal(stacked.product, separate.product)) << name;
   }
 }
 

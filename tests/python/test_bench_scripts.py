@@ -29,19 +29,32 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
     rollouts = tmp_path / "rollouts.jsonl"
     dta.write_jsonl(rollouts, batch)
     run = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
-                          "--device=cpu", "--dtype=float32", "--repeats=1", "--methods=hf-sdpa,hf-sdpa-packed,dta-dense,dta",
-                          "--json", "--profile"], capture_output=True, text=True, timeout=300)
+                          "--device=cpu", "--dtype=float32", "--repeats=1", "--methods=hf-sdpa,hf-sdpa-packed,dta-dense,dta,dta-pack",
+                          "--json", "--profile=hf-sdpa-packed,dta"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert [r["method"] for r in records] == ["hf-sdpa", "hf-sdpa-packed", "dta-dense", "dta"]
+    assert [r["method"] for r in records] == ["hf-sdpa", "hf-sdpa-packed", "dta-dense", "dta", "dta-pack"]
     tokens = sum(len(t.tokens) for t in batch)
     for r in records:
         assert r["rollout_tokens"] == tokens and r["tree_tokens"] == 40 + sum(20 + 5 * i for i in range(4))
         assert r["seconds"] > 0 and r["rollout_tokens_per_second"] == tokens / r["seconds"]
+        if r["method"] not in ("hf-sdpa-packed", "dta"):
+            assert "profile" not in r, r["method"]
+            continue
         # On the CPU the profiler sees no kernels: only the report's shape is checked here.
         assert r["profile"]["kernel_launches"] == 0 and set(r["profile"]["gpu_ms"]) == {"attention", "gemm", "other"}
-    assert run.stdout.count("profile of ") == 4
-    fastest = min(r["seconds"] for r in records if r["method"] != "dta")
+        assert r["profile"]["host_ops"], "the host's operations are listed"
+    assert run.stdout.count("profile of ") == 2
+    # Each method reports as it finishes, so that a run cut short keeps what it measured.
+    assert [line.split()[1] for line in run.stderr.splitlines() if line.startswith("hf_baseline: ")] == \
+        ["hf-sdpa", "hf-sdpa-packed", "dta-dense", "dta", "dta-pack"]
+    unknown = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
+                              "--methods=dta", "--profile=hf-sdpa"], capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "--profile names methods not in --methods: ['hf-sdpa']" in unknown.stderr
+    typo = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
+                           "--methods=dta,dta-packed"], capture_output=True, text=True, timeout=120)
+    assert typo.returncode == 2 and "--methods: unknown ['dta-packed']" in typo.stderr
+    fastest = min(r["seconds"] for r in records if r["method"] in ("hf-sdpa", "hf-sdpa-packed", "dta-dense"))
     assert all(abs(r["vs_fastest_dense"] - fastest / r["seconds"]) < 1e-12 for r in records)
 
 

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <random>
 #include <string>
 
@@ -410,6 +411,35 @@ TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
           << "method " << m << " " << name;
     }
   }
+}
+
+// gate_proj and up_proj live stacked in one tensor, so that a projection onto both is one GEMM and
+// their gradients one accumulation into one stacked buffer. The stacked path computes the
+// gradient of the one-weight-at-a-time path (DTA_STACKED_PROJECTIONS=0), and still does when a
+// caller has replaced the gradients by separate tensors.
+TEST_F(Equivalence, StackedProjectionsGiveTheSameGradient) {
+  const auto rollouts =
+      MakeRollouts(testing::RandomRollouts(23, {.max_rollouts = 6, .vocab = 4}), 19);
+  const LossOptions loss{.kind = LossKind::kPpo};
+  const ExecutorOptions dta{.method = Method::kDta, .block_size = 3, .pack = true};
+  const at::Tensor gate = model_.parameter("model.layers.1.mlp.gate_proj.weight");
+  const at::Tensor up = model_.parameter("model.layers.1.mlp.up_proj.weight");
+  ASSERT_EQ(up.data_ptr<double>(), gate.data_ptr<double>() + gate.numel());
+  for (const auto& [name, p] : model_.named_parameters())
+    const_cast<at::Tensor&>(p).mutable_grad() = at::Tensor();
+  const MethodRun stacked = RunMethod(model_, rollouts, loss, dta);
+  EXPECT_EQ(up.grad().data_ptr<double>(), gate.grad().data_ptr<double>() + gate.numel())
+      << "the gradients are allocated stacked too";
+  ASSERT_EQ(setenv("DTA_STACKED_PROJECTIONS", "0", 1), 0);
+  const MethodRun separate = RunMethod(model_, rollouts, loss, dta);
+  ASSERT_EQ(unsetenv("DTA_STACKED_PROJECTIONS"), 0);
+  ExpectSame(model_, stacked, separate, "stacked vs one weight at a time");
+  const_cast<at::Tensor&>(gate).mutable_grad() = at::zeros_like(gate);
+  const_cast<at::Tensor&>(up).mutable_grad() = at::zeros_like(up);
+  ExpectSame(model_, RunMethod(model_, rollouts, loss, dta), separate,
+             "stacked weights, separate gradients");
+  ExpectSame(model_, RunMethod(model_, rollouts, loss, {.method = Method::kDense}), separate,
+             "dense");
 }
 
 // Data parallelism's contract on one process: the batch cut into contiguous parts, each part's
