@@ -54,6 +54,27 @@ def _finite_float32(value: float) -> bool:
     return math.isfinite(value) and abs(value) < _FLOAT32_OVERFLOW
 
 
+# Whole-list checks for the common case, plain Python numbers, each one pass in C (map, set, min,
+# max, all): True means every value passes the per-value rule below; False sends validate() to its
+# per-value loop, which names the first value that breaks it (and accepts what these do not
+# cover, such as numpy scalars).
+def _plain_ints_within(values: Any, low: int, high: int) -> bool:
+    """Every value a Python int (not a bool) in [low, high)."""
+    return len(values) == 0 or (set(map(type, values)) <= {int} and low <= min(values)
+                                and max(values) < high)
+
+
+def _plain_finite_float32s(values: Any) -> bool:
+    """Every value a Python float or int (not a bool), finite in float32."""
+    return len(values) == 0 or (set(map(type, values)) <= {float, int} and all(map(math.isfinite, values))
+                                and max(map(abs, values)) < _FLOAT32_OVERFLOW)
+
+
+def _plain_zeros_and_ones(values: Any) -> bool:
+    """Every value a Python int or bool equal to 0 or 1."""
+    return set(map(type, values)) <= {int, bool} and set(values) <= {0, 1}
+
+
 @dataclass
 class Trajectory:
     """One rollout: token ids and per-token training data.
@@ -109,7 +130,10 @@ class Trajectory:
         if n == 0:
             raise _field_error("tokens", "empty rollout")
         limit = vocab_size if vocab_size is not None and vocab_size > 0 else None
-        for i, token in enumerate(self.tokens):
+        # Each per-value loop below runs only where a whole-list check did not already pass every
+        # value, and then names the first value that breaks its rule.
+        unchecked = () if _plain_ints_within(self.tokens, 0, limit or _TOKEN_LIMIT) else self.tokens
+        for i, token in enumerate(unchecked):
             if not _is_int(token) or isinstance(token, bool):
                 raise _field_error("tokens", f"value {i} is not an integer")
             if token < 0 or token >= (limit or _TOKEN_LIMIT):
@@ -122,18 +146,22 @@ class Trajectory:
             if len(values) != n:
                 raise _field_error(name, f"{len(values)} values for {n} tokens")
         for name in ("logprobs", "advantages", "ref_logprobs"):
-            for i, value in enumerate(getattr(self, name)):
+            values = getattr(self, name)
+            unchecked = () if _plain_finite_float32s(values) else values
+            for i, value in enumerate(unchecked):
                 if not _is_number(value):
                     raise _field_error(name, f"value {i} is not a number")
                 if not _finite_float32(value):
                     raise _field_error(name, f"value {i} is not finite")
-        for i, value in enumerate(self.loss_mask):
+        unchecked = () if _plain_zeros_and_ones(self.loss_mask) else self.loss_mask
+        for i, value in enumerate(unchecked):
             if not _is_int(value) or value not in (0, 1):
                 raise _field_error("loss_mask", f"value {i} is {value!r}, not 0 or 1")
         if self.loss_mask[0] != 0:
             raise _field_error("loss_mask",
                                "value 0 is 1, but the first token has no context to be predicted from")
-        for i, value in enumerate(self.versions):
+        unchecked = () if _plain_ints_within(self.versions, -1, _TOKEN_LIMIT) else self.versions
+        for i, value in enumerate(unchecked):
             if not _is_int(value) or isinstance(value, bool):
                 raise _field_error("versions", f"value {i} is not an integer")
             if value < -1:
