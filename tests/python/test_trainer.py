@@ -619,3 +619,26 @@ def test_router_aux_loss_through_the_trainer(checkpoint, trajectories, tmp_path)
     assert balanced.loss == pytest.approx(plain.loss + 0.5 * want, rel=1e-10)
     with pytest.raises(RuntimeError, match="router_aux_loss_coef = 0.5 but the model .* has no mixture-of-experts"):
         dta.Trainer(checkpoint[1], dtype="float64").compute_gradients(trajectories, "grpo", router_aux_loss_coef=0.5)
+
+
+def test_gate_and_up_are_stacked_views_that_save_and_train_as_two():
+    """A dense MLP's gate_proj and up_proj are views of one tensor (one GEMM for both), as
+    Trainer.parameters says; each is still its own parameter, written alone and with a gradient
+    of its own."""
+    trainer = dta.Trainer.from_config(str(Path(__file__).resolve().parents[2] / "examples" / "configs" /
+                                          "qwen3-tiny.json"), dtype="float32", device="cpu", progress="never")
+    params = trainer.parameters()
+    gate, up = params["model.layers.0.mlp.gate_proj.weight"], params["model.layers.0.mlp.up_proj.weight"]
+    assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+    assert up.data_ptr() == gate.data_ptr() + gate.numel() * gate.element_size()
+    before = up.detach().clone()
+    with torch.no_grad():
+        gate.fill_(0.5)
+    assert torch.equal(up, before) and bool((gate == 0.5).all())
+    rng = random.Random(2)
+    batch = [dta.Trajectory(id=f"r{i}", group="g", tokens=[rng.randrange(1024) for _ in range(9)],
+                            loss_mask=[0] + [1] * 8, logprobs=[-1.0] * 9, reward=float(i)) for i in range(3)]
+    trainer.compute_gradients(batch, "grpo", "dta")
+    grads = trainer.gradients()
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert grads[name].shape == params[name].shape and grads[name].abs().sum() > 0, name

@@ -747,7 +747,10 @@ class Trainer:
         """Every parameter under its Hugging Face name, as live tensors (``.grad`` holds the
         gradient; distributed, this rank's part of the batch's until ``step`` sums it over the
         replicas). lm_head.weight is absent when the embeddings are tied. With tensor parallelism
-        each is this rank's part (``save`` gathers them)."""
+        each is this rank's part (``save`` gathers them). A dense MLP's gate_proj and up_proj are
+        views of one stacked tensor (one GEMM for both): write them in place, and clone them
+        before handing them to writers that refuse shared storage (``safetensors.torch.save_file``;
+        ``save`` does not need it)."""
         return dict(self._core.named_parameters())
 
     def gradients(self) -> dict[str, torch.Tensor]:
