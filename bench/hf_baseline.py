@@ -123,6 +123,10 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
+METHODS = ("hf-sdpa", "hf-flex", "hf-sdpa-packed", "hf-flex-packed", "dta-dense", "dta", "dta-pack")
+# dta's methods: (Trainer.compute_gradients method, its options).
+DTA_METHODS = {"dta-dense": ("dense", {}), "dta": ("dta", {}), "dta-pack": ("dta", {"pack": True})}
+
 # Kernel names by what they compute (cuBLAS/cuBLASLt's GEMMs, FlashAttention/cuDNN/our attention).
 _ATTENTION = re.compile(r"attention|flash|fmha|sdpa|TreeAttention|tree_attention", re.IGNORECASE)
 _GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|ampere_|sm80_|sm90_|splitK|Kernel2", re.IGNORECASE)
@@ -213,8 +217,7 @@ def main() -> int:
                                                  "qwen3-tiny.json"), help="a dta preset or a config.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--methods",
-                        default="hf-sdpa,hf-flex,hf-sdpa-packed,hf-flex-packed,dta-dense,dta,dta-pack")
+    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--pack_tokens", type=int, default=16384,
                         help="hf-*-packed: the most tokens in one packed sequence")
     parser.add_argument("--repeats", type=int, default=2)
@@ -226,9 +229,9 @@ def main() -> int:
     if args.pack_tokens < 1:
         parser.error(f"--pack_tokens must be >= 1, got {args.pack_tokens}")
     methods = args.methods.split(",")
-    known = {"hf-sdpa", "hf-flex", "hf-sdpa-packed", "hf-flex-packed", "dta-dense", "dta", "dta-pack"}
-    if set(methods) - known:
-        parser.error(f"--methods: unknown {sorted(set(methods) - known)} (known: {', '.join(sorted(known))})")
+    if set(methods) - set(METHODS):
+        parser.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))} "
+                     f"(known: {', '.join(sorted(METHODS))})")
     profiled_methods = set(methods if args.profile == "all" else args.profile.split(",") if args.profile else [])
     if not profiled_methods <= set(methods):
         parser.error(f"--profile names methods not in --methods: {sorted(profiled_methods - set(methods))}")
@@ -270,8 +273,7 @@ def main() -> int:
                 finally:
                     del model, run
             else:
-                name, options = {"dta-dense": ("dense", {}), "dta": ("dta", {}),
-                                 "dta-pack": ("dta", {"pack": True})}[method]
+                name, options = DTA_METHODS[method]
                 run = lambda: trainer.compute_gradients(trajectories, "grpo", name, **options)  # noqa: E731
                 seconds = timed(run, device, args.repeats)
                 profiled = kernel_profile(run, device) if profile else None
@@ -286,7 +288,7 @@ def main() -> int:
             results.append(result)
             # As each method finishes, so that a run cut short still reports what it measured.
             print(f"hf_baseline: {method} {seconds:.3f} s", file=sys.stderr, flush=True)
-    dense = [r["seconds"] for r in results if not r["method"].startswith("dta") or r["method"] == "dta-dense"]
+    dense = [r["seconds"] for r in results if DTA_METHODS.get(r["method"], ("dense",))[0] == "dense"]
     fastest_dense = min(dense) if dense else math.nan
     where = results[0]["device"] if results else args.device
     print(f"{len(trajectories)} rollouts, {tokens} rollout tokens, {tree.tree_tokens} tree tokens "

@@ -282,8 +282,10 @@ class Projections : public torch::autograd::Function<Projections> {
     // while the weight gradients, which do not need it, are computed (Megatron's overlap of the
     // input gradient's all-reduce with the weight-gradient GEMMs).
     std::unique_ptr<PendingCollective> dx_sum = StartSumOverRanks(GroupOf(ctx), dx);
-    at::Tensor stacked_grad = dy_stacked.defined() ? StackedGradAccumulator(weights) : at::Tensor();
-    if (stacked_grad.defined()) {
+    // Stacked weights get stacked gradients even when this call's dy is not side by side (a
+    // one-row chunk), so that later calls can still accumulate into both with one GEMM.
+    at::Tensor stacked_grad = stacked.defined() ? StackedGradAccumulator(weights) : at::Tensor();
+    if (dy_stacked.defined() && stacked_grad.defined()) {
       AddMatmul(stacked_grad, dy_stacked.t(), xb);
     } else {
       for (size_t i = 0; i < count; ++i) {
