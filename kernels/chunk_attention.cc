@@ -73,17 +73,18 @@ TreeAttentionGrads TreeBackward(const at::Tensor& grad_out, const at::Tensor& q,
                                KeyEndOrChain(key_end, q), out, lse, scale, grad_k, grad_v);
 }
 
-// DTA_CUDNN_PREFIX=1 in the environment lets kAuto split (off by default: see the header), read at
-// every call (a few hundred per step) so that one process can alternate for a benchmark.
-bool PrefixSplitEnabled() {
+// Whether kAuto splits: cuDNN takes the prefix part, and the chunk is a causal chain of at least
+// kMinSplitChain tokens, or DTA_CUDNN_PREFIX=1 asks for every prefix of kMinSplitPrefix rows;
+// DTA_CUDNN_PREFIX=0 never splits. Read at every call (a few hundred per step), so that one process
+// can alternate for a benchmark.
+bool AutoSplits(const at::Tensor& q, const at::Tensor& prefix_k, const at::Tensor& key_end) {
   const char* value = std::getenv("DTA_CUDNN_PREFIX");
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
-
-// Whether kAuto splits: a long enough prefix and cuDNN for its part.
-bool AutoSplits(const at::Tensor& q, const at::Tensor& prefix_k) {
-  return PrefixSplitEnabled() && HasRows(prefix_k) && prefix_k.size(0) >= kMinSplitPrefix &&
-         ChainAttentionSupports(q, prefix_k);
+  const bool never = value != nullptr && std::strcmp(value, "0") == 0;
+  const bool every = value != nullptr && std::strcmp(value, "1") == 0;
+  if (never || !HasRows(prefix_k)) return false;
+  const bool long_chain = !key_end.defined() && q.size(0) >= kMinSplitChain;
+  const bool asked = every && prefix_k.size(0) >= kMinSplitPrefix;
+  return (long_chain || asked) && ChainAttentionSupports(q, prefix_k);
 }
 
 ChunkAttentionResult SplitForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -171,7 +172,8 @@ ChunkAttentionResult ChunkAttentionForward(const at::Tensor& q, const at::Tensor
   const bool has_prefix = HasRows(prefix_k);
   if (options.path != AttentionPath::kTree) {
     try {
-      if (has_prefix && (options.path == AttentionPath::kSplit || AutoSplits(q, prefix_k))) {
+      if (has_prefix &&
+          (options.path == AttentionPath::kSplit || AutoSplits(q, prefix_k, key_end))) {
         return SplitForward(q, k, v, prefix_k, prefix_v, key_end, scale);
       }
       if (!has_prefix && !key_end.defined() && ChainAttentionSupports(q, k)) {

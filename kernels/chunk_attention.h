@@ -15,13 +15,15 @@
 //
 // Paths, by AttentionPath (ChunkAttentionOptions::path):
 //   kAuto: cuDNN's causal attention for a chain without a prefix (where cuDNN takes the inputs:
-//     ChainAttentionSupports), tree attention otherwise (everything on the CPU, in float32/float64,
-//     or with DTA_CUDNN_ATTENTION=0). With DTA_CUDNN_PREFIX=1 in the environment (read at every
-//     call), also the split for prefixes of at least kMinSplitPrefix rows. It is off by default:
-//     on an H100 it cuts dta's attention GPU time 2.6x, but the step is bound by the host's
-//     launches, which the split adds to (two cuDNN calls, K/V head copies, a merge), and the
-//     step takes 19% longer (docs/benchmarks.md). It becomes the default once the host side
-//     is leaner.
+//     ChainAttentionSupports), and the split for a causal chain of at least kMinSplitChain tokens
+//     on any prefix (a long rollout after its short shared prompt: the chain's attention dominates
+//     and cuDNN's causal kernel is the fastest there is); tree attention otherwise (everything on
+//     the CPU, in float32/float64, or with DTA_CUDNN_ATTENTION=0). The environment (read at every
+//     call) widens or narrows this: DTA_CUDNN_PREFIX=1 also splits shorter chunks and trees on
+//     prefixes of at least kMinSplitPrefix rows, DTA_CUDNN_PREFIX=0 never splits. Splitting short
+//     chunks is not the default: on an H100 it cut dta's attention GPU time 2.6x but made a
+//     host-bound step 19% longer (two cuDNN calls, K/V head copies and a merge per call;
+//     docs/benchmarks.md).
 //   kTree: tree attention for everything (the reference path of tests and benchmarks).
 //   kSplit: the split whenever there is a prefix, its parts through cuDNN where it takes them and
 //     through exact ATen code otherwise (so that the split's algebra is tested on the CPU in
@@ -59,6 +61,10 @@ struct ChunkAttentionOptions {
 // The shortest prefix kAuto splits off: below it the split's extra launches and copies cost more
 // than the faster kernel saves.
 inline constexpr int64_t kMinSplitPrefix = 128;
+
+// The shortest causal chain (a chunk without a tree mask) that kAuto splits off any prefix by
+// default: its causal attention, quadratic in the chunk, outweighs the split's extra launches.
+inline constexpr int64_t kMinSplitChain = 4096;
 
 // What ChunkAttentionBackward needs besides the inputs. Opaque to callers: keep it whole.
 struct ChunkAttentionSaved {

@@ -13,6 +13,7 @@
 #include <torch/cuda.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <vector>
@@ -187,6 +188,30 @@ TEST_F(ChunkAttentionCuda, SplitMatchesTheReference) {
                                          {64, 200, 4, 4, 64, TreeKind::kChain, false}}) {
     ExpectMatchesReference(c, bf16, AttentionPath::kSplit, 1e-2, /*expect_split=*/true);
   }
+  ASSERT_FALSE(CudnnAttentionFailed()) << "cuDNN failed: the tree fallback ran instead";
+}
+
+// kAuto's policy: a causal chain of kMinSplitChain tokens splits off even a short prefix (a long
+// rollout after its shared prompt); a shorter chain or a tree on a short prefix does not, and
+// DTA_CUDNN_PREFIX=0 turns the split off.
+TEST_F(ChunkAttentionCuda, AutoSplitsLongChainsOnAnyPrefix) {
+  using testing::TreeKind;
+  const at::TensorOptions bf16 = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
+  ASSERT_EQ(unsetenv("DTA_CUDNN_PREFIX"), 0);
+  const Case long_chain{kMinSplitChain, 100, 4, 2, 128, TreeKind::kChain};
+  ExpectMatchesReference(long_chain, bf16, AttentionPath::kAuto, 1e-2, /*expect_split=*/true);
+  auto path_of = [&](const Case& c) {
+    const Inputs in = MakeInputs(c, bf16);
+    return ChunkAttentionForward(in.q, in.k, in.v, in.prefix_k, in.prefix_v, in.key_end, 0.1)
+        .saved.path;
+  };
+  EXPECT_EQ(path_of({kMinSplitChain - 1, 100, 4, 2, 128, TreeKind::kChain}), 0);
+  EXPECT_EQ(path_of({kMinSplitChain, 100, 4, 2, 128, TreeKind::kRandom}), 0);
+  ASSERT_EQ(setenv("DTA_CUDNN_PREFIX", "0", 1), 0);
+  EXPECT_EQ(path_of(long_chain), 0);
+  ASSERT_EQ(setenv("DTA_CUDNN_PREFIX", "1", 1), 0);
+  EXPECT_NE(path_of({kMinSplitChain - 1, kMinSplitPrefix, 4, 2, 128, TreeKind::kRandom}), 0);
+  ASSERT_EQ(unsetenv("DTA_CUDNN_PREFIX"), 0);
   ASSERT_FALSE(CudnnAttentionFailed()) << "cuDNN failed: the tree fallback ran instead";
 }
 
