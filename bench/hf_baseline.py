@@ -110,17 +110,17 @@ def group_advantages(trajectories) -> list[float]:
     return out
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """The fastest of `repeats` runs after one warm-up, seconds."""
-    fn()
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+    """The fastest of `repeats` runs after one warm-up, seconds, and what the last run returned."""
+    value = fn()
     _sync(device)
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        value = fn()
         _sync(device)
         best = min(best, time.perf_counter() - start)
-    return best
+    return best, value
 
 
 METHODS = ("hf-sdpa", "hf-flex", "hf-sdpa-packed", "hf-flex-packed", "dta-dense", "dta", "dta-pack")
@@ -128,7 +128,8 @@ METHODS = ("hf-sdpa", "hf-flex", "hf-sdpa-packed", "hf-flex-packed", "dta-dense"
 DTA_METHODS = {"dta-dense": ("dense", {}), "dta": ("dta", {}), "dta-pack": ("dta", {"pack": True})}
 
 # Kernel names by what they compute (cuBLAS/cuBLASLt's GEMMs, FlashAttention/cuDNN/our attention).
-_ATTENTION = re.compile(r"attention|flash|fmha|sdpa|TreeAttention|tree_attention", re.IGNORECASE)
+_ATTENTION = re.compile(r"attention|flash|fmha|sdpa|TreeAttention|tree_attention|hopper_detail::Hopper",
+                        re.IGNORECASE)
 _GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|ampere_|sm80_|sm90_|splitK|Kernel2", re.IGNORECASE)
 
 
@@ -142,14 +143,17 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     return busy / 1e3
 
 
-def kernel_profile(fn, device: torch.device, top: int = 12) -> dict:
+def kernel_profile(fn, device: torch.device, host: bool = True, top: int = 12) -> dict:
     """One run of fn under torch.profiler: kernel launches, GPU time by kind, the costliest kernels,
     and where the host's time goes: the run's wall time, how much of it the GPU was busy, and the
-    CUDA runtime calls (launches, copies, synchronizations) by name with their host time."""
+    CUDA runtime calls (launches, copies, synchronizations) by name with their host time. Without
+    `host`, only the GPU's activity is recorded (no host operations or runtime calls): recording
+    every host operation of a large batch slows the host enough to hide whether it bounds the step."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         fn()
         _sync(device)
     kinds = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
@@ -180,7 +184,7 @@ def kernel_profile(fn, device: torch.device, top: int = 12) -> dict:
         entry[0] += 1
         entry[1] += us / 1e3
     costliest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-    host_ops = sorted((e for e in prof.key_averages() if not e.key.startswith("cuda")),
+    host_ops = sorted((e for e in prof.key_averages() if host and not e.key.startswith("cuda")),
                       key=lambda e: -e.self_cpu_time_total)[:top]
     host_calls = sorted(runtime.items(), key=lambda item: -item[1][1])[:top]
     return {"kernel_launches": launches, "gpu_ms": kinds,
@@ -225,6 +229,11 @@ def main() -> int:
     parser.add_argument("--profile", nargs="?", const="all", default="",
                         help="profile one more run of each method, or of the methods listed "
                              "(--profile=dta,dta-dense): launches, GPU time by kind, host operations")
+    parser.add_argument("--profile_top", type=int, default=12,
+                        help="with --profile: how many of the costliest kernels and host operations to list")
+    parser.add_argument("--profile_host", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-profile_host records the GPU's activity only (for large batches, "
+                             "whose host operations the profiler would slow down)")
     args = parser.parse_args()
     if args.pack_tokens < 1:
         parser.error(f"--pack_tokens must be >= 1, got {args.pack_tokens}")
@@ -232,6 +241,8 @@ def main() -> int:
     if set(methods) - set(METHODS):
         parser.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))} "
                      f"(known: {', '.join(sorted(METHODS))})")
+    if not args.profile_host and not args.device.startswith("cuda"):
+        parser.error(f"--no-profile_host records the GPU's activity only: --device={args.device} has none")
     profiled_methods = set(methods if args.profile == "all" else args.profile.split(",") if args.profile else [])
     if not profiled_methods <= set(methods):
         parser.error(f"--profile names methods not in --methods: {sorted(profiled_methods - set(methods))}")
@@ -265,8 +276,8 @@ def main() -> int:
                 else:
                     run = lambda: hf_gradients(model, trajectories, advantages, device)  # noqa: E731
                 try:
-                    seconds = timed(run, device, args.repeats)
-                    profiled = kernel_profile(run, device) if profile else None
+                    seconds, _ = timed(run, device, args.repeats)
+                    profiled = kernel_profile(run, device, args.profile_host, args.profile_top) if profile else None
                 except (NotImplementedError, RuntimeError) as e:  # e.g. flex attention's backward on a CPU
                     print(f"hf_baseline: {method} cannot run here: {str(e).splitlines()[0]}", file=sys.stderr)
                     continue
@@ -275,19 +286,27 @@ def main() -> int:
             else:
                 name, options = DTA_METHODS[method]
                 run = lambda: trainer.compute_gradients(trajectories, "grpo", name, **options)  # noqa: E731
-                seconds = timed(run, device, args.repeats)
-                profiled = kernel_profile(run, device) if profile else None
+                seconds, stats = timed(run, device, args.repeats)
+                # Inside compute_gradients after validation (the conversion to C++ included),
+                # and the tokens forwarded (recomputed ones included): beside dta-bench's step.
+                inner = {"executor_seconds": stats.seconds, "forwarded_tokens": stats.forwarded_tokens}
+                profiled = kernel_profile(run, device, args.profile_host, args.profile_top) if profile else None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             result = {"method": method, "seconds": seconds, "rollout_tokens_per_second": tokens / seconds,
                       "rollout_tokens": tokens, "tree_tokens": tree.tree_tokens, "config": args.config,
                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+            if not method.startswith("hf-"):
+                result.update(inner)
             if profiled is not None:
                 result["profile"] = profiled
                 print_profile(result)
             results.append(result)
             # As each method finishes, so that a run cut short still reports what it measured.
-            print(f"hf_baseline: {method} {seconds:.3f} s", file=sys.stderr, flush=True)
+            detail = "" if method.startswith("hf-") else (
+                f" (last run: {inner['executor_seconds']:.3f} s in compute_gradients, "
+                f"{inner['forwarded_tokens']:,} tokens forwarded)")
+            print(f"hf_baseline: {method} {seconds:.3f} s{detail}", file=sys.stderr, flush=True)
     dense = [r["seconds"] for r in results if DTA_METHODS.get(r["method"], ("dense",))[0] == "dense"]
     fastest_dense = min(dense) if dense else math.nan
     where = results[0]["device"] if results else args.device

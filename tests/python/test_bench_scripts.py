@@ -38,6 +38,10 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
     for r in records:
         assert r["rollout_tokens"] == tokens and r["tree_tokens"] == 40 + sum(20 + 5 * i for i in range(4))
         assert r["seconds"] > 0 and r["rollout_tokens_per_second"] == tokens / r["seconds"]
+        if r["method"].startswith("dta"):  # what the executor did, beside dta-bench's step
+            assert 0 < r["executor_seconds"] and r["forwarded_tokens"] >= r["tree_tokens"], r
+        else:
+            assert "forwarded_tokens" not in r, r["method"]
         if r["method"] not in ("hf-sdpa-packed", "dta"):
             assert "profile" not in r, r["method"]
             continue
@@ -48,6 +52,10 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
     # Each method reports as it finishes, so that a run cut short keeps what it measured.
     assert [line.split()[1] for line in run.stderr.splitlines() if line.startswith("hf_baseline: ")] == \
         ["hf-sdpa", "hf-sdpa-packed", "dta-dense", "dta", "dta-pack"]
+    gpu_only = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
+                               "--device=cpu", "--dtype=float32", "--repeats=1", "--methods=dta", "--json",
+                               "--profile", "--no-profile_host"], capture_output=True, text=True, timeout=120)
+    assert gpu_only.returncode == 2 and "--device=cpu has none" in gpu_only.stderr
     unknown = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
                               "--methods=dta", "--profile=hf-sdpa"], capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "--profile names methods not in --methods: ['hf-sdpa']" in unknown.stderr
