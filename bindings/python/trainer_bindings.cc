@@ -275,6 +275,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("token_capacity", &ExecutorOptions::token_capacity)
       .def_readwrite("checkpointing", &ExecutorOptions::checkpointing)
       .def_readwrite("logprob_slice_rows", &ExecutorOptions::logprob_slice_rows)
+      .def_readwrite("unshared_prefix_fraction", &ExecutorOptions::unshared_prefix_fraction)
       .def_readwrite("temperature", &ExecutorOptions::temperature);
   py::class_<LayoutOverrides>(m, "LayoutOverrides")
       .def(py::init<>())

@@ -39,10 +39,12 @@
 #include "core/layout/gib.h"
 #include "core/tree/leaf_order.h"
 #include "core/tree/prefix_tree.h"
+#include "core/tree/sharing_groups.h"
 #include "executor/device/memory.h"
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
 #include "kernels/batched_copy.h"
+#include "kernels/chunk_attention.h"
 
 namespace dta::engine {
 namespace {
@@ -522,31 +524,64 @@ ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& optio
   return plan;
 }
 
+// One push/pop pass: the schedule of one tree, over some of the batch's rollouts (batch_index maps
+// the tree's rollout indices to the batch's).
+struct Pass {
+  std::vector<RolloutIndex> batch_index;
+  Schedule schedule;
+  std::vector<RolloutIndex> batch_order;  // schedule.order in the batch's indices
+};
+
+// The batch's passes: one over its whole tree, or one per sharing group (core/tree/
+// sharing_groups.h) when a short prefix before long chains is cheaper recomputed than shared.
+std::vector<Pass> PlanPasses(absl::Span<const Rollout> rollouts, const ExecutorOptions& options,
+                             const ChunkPlan& chunks, bool training) {
+  PrefixTree whole = BuildTree(rollouts);
+  const std::vector<std::vector<RolloutIndex>> groups =
+      SharingGroups(whole, {.max_unshared_fraction = options.unshared_prefix_fraction,
+                            .min_suffix = kernels::kMinSplitChain});
+  std::vector<Pass> passes;
+  for (size_t g = 0; g < std::max<size_t>(groups.size(), 1); ++g) {
+    Pass pass;
+    PrefixTree tree = groups.size() > 1 ? BuildTree(rollouts, groups[g]) : std::move(whole);
+    if (groups.size() > 1) {
+      pass.batch_index = groups[g];
+    } else {
+      pass.batch_index.resize(rollouts.size());
+      for (size_t r = 0; r < rollouts.size(); ++r)
+        pass.batch_index[r] = static_cast<RolloutIndex>(r);
+    }
+    const std::vector<RolloutIndex> order = options.order == LeafOrderKind::kLexicographic
+                                                ? LexicographicOrder(tree)
+                                                : BackwardDfsOrder(tree);
+    absl::StatusOr<Schedule> schedule = BuildSchedule(tree, order,
+                                                      {.block_size = chunks.block_size,
+                                                       .graph_budget = chunks.graph_budget,
+                                                       .pack = options.pack,
+                                                       .training = training});
+    TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
+    pass.schedule = *std::move(schedule);
+    for (RolloutIndex r : pass.schedule.order) pass.batch_order.push_back(pass.batch_index[r]);
+    passes.push_back(std::move(pass));
+  }
+  return passes;
+}
+
 }  // namespace
 
 GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                       const LossPlan* plan, const ExecutorOptions& options) {
   const bool training = plan != nullptr;
   const bool with_entropy = training && plan->needs_entropy();
-  const PrefixTree tree = BuildTree(rollouts);
   int64_t max_len = 0;
   for (const Rollout& rollout : rollouts)
     max_len = std::max<int64_t>(max_len, rollout.tokens.size());
   const bool balance = training && plan->balances_routers();
   PathStack stack(model, max_len, with_entropy, training, balance);
   const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
-  const std::vector<RolloutIndex> order = options.order == LeafOrderKind::kLexicographic
-                                              ? LexicographicOrder(tree)
-                                              : BackwardDfsOrder(tree);
-  absl::StatusOr<Schedule> schedule = BuildSchedule(tree, order,
-                                                    {.block_size = chunks.block_size,
-                                                     .graph_budget = chunks.graph_budget,
-                                                     .pack = options.pack,
-                                                     .training = training});
-  TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
+  const std::vector<Pass> passes = PlanPasses(rollouts, options, chunks, training);
 
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
-  auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& { return token_tensors[r]; };
   at::Tensor loss = at::zeros({}, stack.logprobs.options());
   at::Tensor balance_total;  // the router-balance terms, part of `loss`
 
@@ -557,77 +592,87 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
   for (const Rollout& rollout : rollouts) result.rollout_tokens += rollout.tokens.size();
   int64_t total_work = 0;  // what forwarded_tokens will be
   if (options.progress) {
-    for (const Step& step : schedule->steps) {
-      if (step.kind == StepKind::kForward ||
-          (step.kind == StepKind::kBackward && !step.reuses_graph))
-        total_work += step.size();
-      if (step.kind == StepKind::kPacked) total_work += step.packed_tokens;
+    for (const Pass& pass : passes) {
+      for (const Step& step : pass.schedule.steps) {
+        if (step.kind == StepKind::kForward ||
+            (step.kind == StepKind::kBackward && !step.reuses_graph))
+          total_work += step.size();
+        if (step.kind == StepKind::kPacked) total_work += step.packed_tokens;
+      }
     }
   }
-  const std::vector<std::vector<int64_t>> state_points =
-      stack.linear ? StatePoints(*schedule) : std::vector<std::vector<int64_t>>();
-  std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
-  for (size_t s = 0; s < schedule->steps.size(); ++s) {
-    const Step& step = schedule->steps[s];
-    const int64_t forwarded_before = result.forwarded_tokens;
-    switch (step.kind) {
-      case StepKind::kForward: {
-        Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
-                                   step.with_graph, with_entropy, LogprobOptionsOf(options),
-                                   stack.linear ? state_points[s] : std::vector<int64_t>());
-        Push(stack, chunk);
-        result.forwarded_tokens += step.size();
-        if (step.with_graph) kept.push_back(std::move(chunk));
-        break;
-      }
-      case StepKind::kAttachLoss: {
-        const int64_t length = step.end;
-        result.logprobs[step.rollout] = stack.logprobs.slice(0, 0, length).clone();
-        if (!training) break;
-        const at::Tensor entropy =
-            with_entropy ? stack.entropy.slice(0, 0, length).clone() : at::Tensor();
-        const RolloutLossGrad g =
-            plan->LossAndGrad(step.rollout, result.logprobs[step.rollout], entropy);
-        stack.grad_logprobs.slice(0, 0, length).add_(g.dlogprobs);
-        if (with_entropy) stack.grad_entropy.slice(0, 0, length).add_(g.dentropy);
-        loss += g.loss;
-        if (balance) {
-          const at::Tensor term = AttachRouterBalance(stack, *plan, step.rollout, length);
-          balance_total = balance_total.defined() ? balance_total + term : term;
-          loss += term;
-        }
-        break;
-      }
-      case StepKind::kBackward: {
-        if (step.reuses_graph) {
-          TORCH_CHECK(
-              !kept.empty() && kept.back().begin == step.begin && kept.back().end == step.end,
-              "schedule: no graph to reuse");
-          Backward(stack, kept.back());
-          kept.pop_back();
-        } else {
+  for (const Pass& pass : passes) {
+    const Schedule* schedule = &pass.schedule;
+    auto batch_of = [&](RolloutIndex r) { return pass.batch_index[r]; };
+    auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& {
+      return token_tensors[batch_of(r)];
+    };
+    const std::vector<std::vector<int64_t>> state_points =
+        stack.linear ? StatePoints(*schedule) : std::vector<std::vector<int64_t>>();
+    std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
+    for (size_t s = 0; s < schedule->steps.size(); ++s) {
+      const Step& step = schedule->steps[s];
+      const int64_t forwarded_before = result.forwarded_tokens;
+      switch (step.kind) {
+        case StepKind::kForward: {
           Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
-                                     /*with_graph=*/true, with_entropy, LogprobOptionsOf(options));
+                                     step.with_graph, with_entropy, LogprobOptionsOf(options),
+                                     stack.linear ? state_points[s] : std::vector<int64_t>());
+          Push(stack, chunk);
           result.forwarded_tokens += step.size();
-          Backward(stack, chunk);
+          if (step.with_graph) kept.push_back(std::move(chunk));
+          break;
         }
-        break;
+        case StepKind::kAttachLoss: {
+          const int64_t length = step.end;
+          const RolloutIndex r = batch_of(step.rollout);
+          result.logprobs[r] = stack.logprobs.slice(0, 0, length).clone();
+          if (!training) break;
+          const at::Tensor entropy =
+              with_entropy ? stack.entropy.slice(0, 0, length).clone() : at::Tensor();
+          const RolloutLossGrad g = plan->LossAndGrad(r, result.logprobs[r], entropy);
+          stack.grad_logprobs.slice(0, 0, length).add_(g.dlogprobs);
+          if (with_entropy) stack.grad_entropy.slice(0, 0, length).add_(g.dentropy);
+          loss += g.loss;
+          if (balance) {
+            const at::Tensor term = AttachRouterBalance(stack, *plan, r, length);
+            balance_total = balance_total.defined() ? balance_total + term : term;
+            loss += term;
+          }
+          break;
+        }
+        case StepKind::kBackward: {
+          if (step.reuses_graph) {
+            TORCH_CHECK(
+                !kept.empty() && kept.back().begin == step.begin && kept.back().end == step.end,
+                "schedule: no graph to reuse");
+            Backward(stack, kept.back());
+            kept.pop_back();
+          } else {
+            Chunk chunk =
+                ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
+                             /*with_graph=*/true, with_entropy, LogprobOptionsOf(options));
+            result.forwarded_tokens += step.size();
+            Backward(stack, chunk);
+          }
+          break;
+        }
+        case StepKind::kPop:
+          Pop(stack, step.begin, step.end);
+          break;
+        case StepKind::kPacked: {
+          TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
+          loss += RunPackedStep(
+              model, stack, rollouts,
+              absl::MakeConstSpan(pass.batch_order).subspan(step.first, step.last - step.first),
+              step.begin, *plan, LogprobOptionsOf(options), result.logprobs, balance_total);
+          result.forwarded_tokens += step.packed_tokens;
+          break;
+        }
       }
-      case StepKind::kPop:
-        Pop(stack, step.begin, step.end);
-        break;
-      case StepKind::kPacked: {
-        TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
-        loss += RunPackedStep(
-            model, stack, rollouts,
-            absl::MakeConstSpan(schedule->order).subspan(step.first, step.last - step.first),
-            step.begin, *plan, LogprobOptionsOf(options), result.logprobs, balance_total);
-        result.forwarded_tokens += step.packed_tokens;
-        break;
-      }
+      if (options.progress && result.forwarded_tokens != forwarded_before)
+        options.progress(result.forwarded_tokens, total_work);
     }
-    if (options.progress && result.forwarded_tokens != forwarded_before)
-      options.progress(result.forwarded_tokens, total_work);
   }
   result.loss = loss.item<double>();  // the one read-back, after the last kernel is queued
   if (balance_total.defined())

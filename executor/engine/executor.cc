@@ -227,6 +227,9 @@ namespace engine {
 GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
                    const LossPlan* plan, const ExecutorOptions& options) {
   TORCH_CHECK(options.logprob_slice_rows > 0, "logprob_slice_rows must be positive");
+  TORCH_CHECK(
+      options.unshared_prefix_fraction >= 0 && std::isfinite(options.unshared_prefix_fraction),
+      "unshared_prefix_fraction must be >= 0 and finite, got ", options.unshared_prefix_fraction);
   TORCH_CHECK(options.temperature > 0 && std::isfinite(options.temperature),
               "ExecutorOptions.temperature must be positive and finite, got ", options.temperature);
   GradientResult result;

@@ -78,6 +78,14 @@ struct ExecutorOptions {
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
   // mask on top of the stack (see StepKind::kPacked).
   bool pack = false;
+  // kDta: a prefix that lexicographically consecutive rollouts share is recomputed for each of them
+  // instead of shared when it is at most this fraction of the shorter rollout and that one
+  // continues past it for at least kernels::kMinSplitChain tokens: the batch then runs as separate
+  // trees (core/tree/sharing_groups.h). A short prompt before long answers costs less recomputed
+  // than shared: the answers then run as causal chains without a prefix, as dense runs them, where
+  // on the prompt each would take the split attention path (kernels/chunk_attention.h). 0 shares
+  // every prefix. The gradient is the same either way.
+  double unshared_prefix_fraction = 1.0 / 64;
   // kPacked: the most unique tokens in one packed forward; larger trees are split by Tree
   // Training's greedy partitioning. 0 (the default): the whole tree at once.
   int64_t token_capacity = 0;

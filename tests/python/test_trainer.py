@@ -589,8 +589,10 @@ def test_executor_defaults_are_the_cpp_structs():
     core = trainer._core.ExecutorOptions()
     converted = trainer.ExecutorOptions()._to_core(trainer.DEFAULT_METHOD)
     for name in ("method", "block_size", "graph_budget", "memory_budget", "pack", "order", "token_capacity",
-                 "checkpointing", "logprob_slice_rows"):
+                 "checkpointing", "logprob_slice_rows", "unshared_prefix_fraction"):
         assert getattr(converted, name) == getattr(core, name), name
+    with pytest.raises(ValueError, match="unshared_prefix_fraction must be >= 0 and finite, got -0.5"):
+        trainer.ExecutorOptions(unshared_prefix_fraction=-0.5)._to_core("dta")
     budget = trainer.ExecutorOptions(memory_budget=1.5)._to_core("dta")
     assert budget.memory_budget == 3 * 2**29
     for bad in (-1.0, float("nan"), float("inf")):

@@ -245,6 +245,10 @@ class ExecutorOptions:
             the largest that fit, explicit ones are lowered to fit; 0 = no budget.
         pack: dta: pack runs of small complete subtrees into one tree-masked forward.
         order: dta: leaf order, ``backward-dfs`` (AReaL-DTA Algorithm 1) or ``lexicographic``.
+        unshared_prefix_fraction: dta: a prefix shared by rollouts is recomputed for each instead
+            when it is at most this fraction of the shorter one and that one continues past it for
+            at least 4096 tokens (a short prompt before long answers: they then run as chains, as
+            dense runs them); 0 shares every prefix. The gradient is the same either way.
         token_capacity: packed: the most unique tokens per packed forward (0 = the whole tree).
         checkpointing: dense and packed: activation checkpointing.
         temperature: Log-probabilities (and entropy) of softmax(logits / temperature): the
@@ -258,6 +262,7 @@ class ExecutorOptions:
     memory_budget: float = _CORE_EXECUTOR.memory_budget / 2**30
     pack: bool = _CORE_EXECUTOR.pack
     order: str = _name_of(_ORDERS, _CORE_EXECUTOR.order)
+    unshared_prefix_fraction: float = _CORE_EXECUTOR.unshared_prefix_fraction
     token_capacity: int = _CORE_EXECUTOR.token_capacity
     checkpointing: bool = _CORE_EXECUTOR.checkpointing
     temperature: float = _CORE_EXECUTOR.temperature
@@ -267,6 +272,8 @@ class ExecutorOptions:
             raise ValueError("block_size and graph_budget must be >= -1, token_capacity >= 0")
         if not 0 <= self.memory_budget < float("inf"):
             raise ValueError(f"memory_budget must be >= 0 GiB (0 = no budget), got {self.memory_budget}")
+        if not 0 <= self.unshared_prefix_fraction < float("inf"):
+            raise ValueError(f"unshared_prefix_fraction must be >= 0 and finite, got {self.unshared_prefix_fraction}")
         if not self.temperature > 0 or self.temperature == float("inf"):
             raise ValueError(f"temperature must be positive and finite, got {self.temperature}")
         core = _core.ExecutorOptions()
@@ -276,6 +283,7 @@ class ExecutorOptions:
         core.memory_budget = int(self.memory_budget * 2**30)
         core.pack = bool(self.pack)
         core.order = _choice("order", self.order, _ORDERS)
+        core.unshared_prefix_fraction = float(self.unshared_prefix_fraction)
         core.token_capacity = int(self.token_capacity)
         core.checkpointing = bool(self.checkpointing)
         core.temperature = float(self.temperature)

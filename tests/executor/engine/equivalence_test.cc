@@ -134,6 +134,71 @@ TEST_F(Equivalence, LongChain) {
   CheckAllMethods(MakeRollouts({chain, branch}, 5), {.kind = LossKind::kPpo}, "chain", {1024});
 }
 
+// A short prompt before long answers (AIME-like) runs as separate trees, the prompt recomputed
+// for each answer (ExecutorOptions::unshared_prefix_fraction): the gradient is dense's either way,
+// beside rollouts that stay shared (a duplicate, a rollout that is a prefix of a long one, a short
+// answer), for B unbounded and 1000, both leaf orders, with and without packing, and a
+// sequence-level loss (GSPO).
+TEST_F(Equivalence, ShortPromptBeforeLongAnswersIsRecomputedExactly) {
+  std::vector<TokenId> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>((i * 5 + 1) % 19);
+  auto answer = [&](TokenId first, int64_t length) {
+    std::vector<TokenId> tokens = prompt;
+    tokens.push_back(first);
+    for (int64_t i = 1; i < length; ++i)
+      tokens.push_back(static_cast<TokenId>((first * 7 + i * 3 + i / 5) % 19));
+    return tokens;
+  };
+  const std::vector<TokenId> first = answer(2, 4200);
+  const std::vector<TokenId> prefix_of_first(first.begin(), first.begin() + 240);
+  const std::vector<std::vector<TokenId>> sequences = {first, answer(9, 4150), answer(5, 4300),
+                                                       first, prefix_of_first, answer(11, 30)};
+  const std::vector<Rollout> rollouts = MakeRollouts(sequences, 3);
+  // Lexicographic order: 2..., 5..., 9..., 11...; the long answers are cut apart (40 shared tokens
+  // of 4,200 is under 1/64), the short one stays on the prompt of the answer before it.
+  int64_t tree_tokens = static_cast<int64_t>(prompt.size());
+  for (const auto& s : {first, answer(9, 4150), answer(5, 4300), answer(11, 30)})
+    tree_tokens += static_cast<int64_t>(s.size() - prompt.size());
+  const MethodRun dense =
+      RunMethod(model_, rollouts, {.kind = LossKind::kPpo}, {.method = Method::kDense});
+  // Unbounded B: each answer one chunk, as on a GPU (no graphs kept, so that a CPU holds the
+  // scores).
+  ExpectSame(model_,
+             RunMethod(model_, rollouts, {.kind = LossKind::kPpo},
+                       {.method = Method::kDta, .block_size = kUnboundedBlock, .graph_budget = 0}),
+             dense, "B inf");
+  for (const double fraction : {1.0 / 64, 0.0}) {
+    for (const auto& [pack, order] : {std::pair{false, LeafOrderKind::kBackwardDfs},
+                                      std::pair{true, LeafOrderKind::kLexicographic}}) {
+      const MethodRun run = RunMethod(model_, rollouts, {.kind = LossKind::kPpo},
+                                      {.method = Method::kDta,
+                                       .block_size = 1000,
+                                       .order = order,
+                                       .graph_budget = 1 << 20,
+                                       .pack = pack,
+                                       .unshared_prefix_fraction = fraction});
+      const std::string what =
+          "fraction " + std::to_string(fraction) + " B 1000" + (pack ? " packed lex" : " bdfs");
+      ExpectSame(model_, run, dense, what);
+      // Every graph kept: each tree's tokens are forwarded once, and with the default the prompt
+      // once more for each of the two answers cut off the first tree.
+      const int64_t recomputed = fraction > 0 ? 2 * static_cast<int64_t>(prompt.size()) : 0;
+      EXPECT_EQ(run.result.forwarded_tokens, tree_tokens + recomputed) << what;
+    }
+  }
+  // A sequence-level loss: each tree's rollouts are normalised with the whole batch's context.
+  const LossOptions gspo{.kind = LossKind::kGspo};
+  ExpectSame(
+      model_,
+      RunMethod(
+          model_, rollouts, gspo,
+          {.method = Method::kDta, .block_size = 1000, .graph_budget = 1 << 20, .pack = true}),
+      RunMethod(model_, rollouts, gspo, {.method = Method::kDense}), "gspo");
+  EXPECT_THROW(RunMethod(model_, rollouts, {.kind = LossKind::kPpo},
+                         {.method = Method::kDta, .unshared_prefix_fraction = -1}),
+               c10::Error);
+}
+
 class WideEquivalence : public Equivalence {
  protected:
   WideEquivalence() : Equivalence(TinyConfig(/*vocab=*/530)) {}
