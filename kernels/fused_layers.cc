@@ -310,4 +310,90 @@ SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at
   return grads;
 }
 
+namespace {
+
+// Whether the log-probability head's kernels take these float32 tensors on one CUDA device.
+bool UseLogitKernels(const at::Tensor& logits, std::initializer_list<const at::Tensor*> rows,
+                     at::ScalarType out_type = at::kFloat) {
+  if (logits.scalar_type() != at::kFloat || !UseCuda({&logits}, {out_type})) return false;
+  for (const at::Tensor* t : rows) {
+    if (t->defined() && (t->scalar_type() != at::kFloat || t->device() != logits.device()))
+      return false;
+  }
+  return true;
+}
+
+void CheckLogitInputs(const char* what, const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.dim() == 2 && at::isFloatingType(logits.scalar_type()), what,
+              ": logits must be a floating [rows, vocab] tensor, got ", logits.scalar_type(), " ",
+              logits.sizes());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0) &&
+                  targets.scalar_type() == at::kLong && targets.device() == logits.device(),
+              what, ": targets must be int64 [", logits.size(0), "] on ", logits.device(), ", got ",
+              targets.scalar_type(), " ", targets.sizes(), " on ", targets.device());
+}
+
+}  // namespace
+
+LogitRowStats LogitRowStatsForward(const at::Tensor& logits, const at::Tensor& targets,
+                                   bool with_mean) {
+  CheckLogitInputs("LogitRowStatsForward", logits, targets);
+  LogitRowStats stats;
+  if (UseLogitKernels(logits, {})) {
+#ifdef DTA_KERNELS_HAVE_CUDA
+    const at::Tensor z = logits.contiguous();
+    stats.lse = at::empty({z.size(0)}, z.options());
+    stats.target = at::empty({z.size(0)}, z.options());
+    if (with_mean) stats.mean = at::empty({z.size(0)}, z.options());
+    internal::LogitRowStatsCuda(z, targets.contiguous(), stats.lse, stats.target, stats.mean);
+    return stats;
+#endif
+  }
+  const at::Tensor max = logits.amax(-1);
+  const at::Tensor exp = (logits - max.unsqueeze(1)).exp_();
+  const at::Tensor sum = exp.sum(-1);
+  stats.lse = max + sum.log();
+  stats.target = logits.gather(1, targets.unsqueeze(1)).squeeze(1);
+  if (with_mean) stats.mean = (exp * logits).sum(-1) / sum;
+  return stats;
+}
+
+at::Tensor LogitGradient(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
+                         const at::Tensor& target_weight, const at::Tensor& grad_logprob,
+                         const at::Tensor& mean, const at::Tensor& grad_entropy, double scale,
+                         at::ScalarType out_type) {
+  CheckLogitInputs("LogitGradient", logits, targets);
+  TORCH_CHECK(mean.defined() == grad_entropy.defined(),
+              "LogitGradient: mean and grad_entropy go together");
+  for (const at::Tensor* t : {&lse, &grad_logprob, &target_weight, &mean, &grad_entropy}) {
+    TORCH_CHECK(!t->defined() || (t->dim() == 1 && t->size(0) == logits.size(0)),
+                "LogitGradient: per-row tensors must be [", logits.size(0), "], got ", t->sizes());
+  }
+  if (UseLogitKernels(logits, {&lse, &grad_logprob, &target_weight, &mean, &grad_entropy},
+                      out_type)) {
+#ifdef DTA_KERNELS_HAVE_CUDA
+    at::Tensor out = at::empty(logits.sizes(), logits.options().dtype(out_type));
+    const auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
+    internal::LogitGradCuda(logits.contiguous(), contiguous(lse), targets.contiguous(),
+                            contiguous(target_weight), contiguous(grad_logprob), contiguous(mean),
+                            contiguous(grad_entropy), scale, out);
+    return out;
+#endif
+  }
+  // In place on two slices: the logits' copy, and the softmax that becomes the gradient.
+  at::Tensor grad = (logits - lse.unsqueeze(1)).exp_();  // p
+  const at::Tensor g = grad_logprob.to(logits.scalar_type()).unsqueeze(1);
+  if (mean.defined()) {
+    const at::Tensor t = logits - mean.unsqueeze(1);
+    t.mul_(grad_entropy.to(logits.scalar_type()).unsqueeze(1)).add_(g);
+    grad.mul_(t).neg_();
+  } else {
+    grad.mul_(g).neg_();
+  }
+  grad.scatter_add_(1, targets.unsqueeze(1),
+                    target_weight.defined() ? g * target_weight.unsqueeze(1) : g);
+  if (scale != 1.0) grad.mul_(scale);
+  return grad.to(out_type);
+}
+
 }  // namespace dta::kernels

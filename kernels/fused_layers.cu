@@ -412,6 +412,113 @@ void LaunchRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The log-probability head (one slice of float32 logits [rows, vocab]). Row statistics: one block
+// per row, each thread an online softmax over its strided elements (its max, sum exp(z - max) and
+// sum exp(z - max) z, rescaled when the max grows), merged over the block.
+constexpr int kRowStatsThreads = 512;
+
+struct SoftmaxPartial {
+  float max, sum, dot;
+};
+
+template <bool kWithDot>
+__device__ __forceinline__ void AddLogit(SoftmaxPartial& p, float z) {
+  if (z > p.max) {
+    const float r = expf(p.max - z);  // 0 for the first element (max = -inf)
+    p.sum *= r;
+    if constexpr (kWithDot) p.dot *= r;
+    p.max = z;
+  }
+  const float e = expf(z - p.max);
+  p.sum += e;
+  if constexpr (kWithDot) p.dot += e * z;
+}
+
+__device__ __forceinline__ SoftmaxPartial Merge(SoftmaxPartial a, SoftmaxPartial b) {
+  if (b.max > a.max) {
+    const SoftmaxPartial t = a;
+    a = b;
+    b = t;
+  }
+  if (b.max == -INFINITY) return a;
+  const float r = expf(b.max - a.max);
+  return {a.max, a.sum + b.sum * r, a.dot + b.dot * r};
+}
+
+__device__ __forceinline__ SoftmaxPartial MergeWarp(SoftmaxPartial p) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    p = Merge(p, {__shfl_xor_sync(0xffffffffu, p.max, offset),
+                  __shfl_xor_sync(0xffffffffu, p.sum, offset),
+                  __shfl_xor_sync(0xffffffffu, p.dot, offset)});
+  }
+  return p;
+}
+
+template <bool kWithDot>
+__global__ void LogitRowStatsKernel(const float* __restrict__ logits, int64_t vocab,
+                                    bool vectorized, const int64_t* __restrict__ targets,
+                                    float* __restrict__ lse, float* __restrict__ target,
+                                    float* __restrict__ mean) {
+  const int64_t row = blockIdx.x;
+  const float* z = logits + row * vocab;
+  SoftmaxPartial p{-INFINITY, 0.f, 0.f};
+  if (vectorized) {  // vocab % 4 == 0, 16-byte aligned rows
+    const float4* z4 = reinterpret_cast<const float4*>(z);
+    for (int64_t i = threadIdx.x; i < vocab / 4; i += blockDim.x) {
+      const float4 v = z4[i];
+      AddLogit<kWithDot>(p, v.x);
+      AddLogit<kWithDot>(p, v.y);
+      AddLogit<kWithDot>(p, v.z);
+      AddLogit<kWithDot>(p, v.w);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) AddLogit<kWithDot>(p, z[i]);
+  }
+  p = MergeWarp(p);
+  __shared__ SoftmaxPartial warps[kRowStatsThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warps[warp] = p;
+  __syncthreads();
+  if (warp != 0) return;
+  p = lane < static_cast<int>(blockDim.x / 32) ? warps[lane] : SoftmaxPartial{-INFINITY, 0.f, 0.f};
+  p = MergeWarp(p);
+  if (lane == 0) {
+    lse[row] = p.max + logf(p.sum);
+    target[row] = z[targets[row]];
+    if constexpr (kWithDot) mean[row] = p.dot / p.sum;
+  }
+}
+
+// The logits' gradient, elementwise in the ATen path's order and rounding (see LogitGradient):
+// p = exp(z - lse); t = (z - mean) g_entropy + g_logprob, or g_logprob; d = -(p t); the target
+// gets + g_logprob (times its weight); then times scale.
+template <bool kWithEntropy>
+__global__ void LogitGradKernel(const float* __restrict__ logits, int64_t vocab,
+                                const float* __restrict__ lse, const int64_t* __restrict__ targets,
+                                const float* __restrict__ target_weight,
+                                const float* __restrict__ grad_logprob,
+                                const float* __restrict__ mean,
+                                const float* __restrict__ grad_entropy, float scale, bool scaled,
+                                Out out) {
+  const int64_t row = blockIdx.y;
+  const float l = lse[row], g = grad_logprob[row];
+  const float m = kWithEntropy ? mean[row] : 0.f, ge = kWithEntropy ? grad_entropy[row] : 0.f;
+  const int64_t y = targets[row];
+  const float at_target = target_weight != nullptr ? __fmul_rn(g, target_weight[row]) : g;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vocab;
+       i += stride) {
+    const float z = logits[row * vocab + i];
+    const float p = expf(__fsub_rn(z, l));
+    const float t = kWithEntropy ? __fadd_rn(__fmul_rn(__fsub_rn(z, m), ge), g) : g;
+    float d = -__fmul_rn(p, t);
+    if (i == y) d = __fadd_rn(d, at_target);
+    if (scaled) d = __fmul_rn(d, scale);
+    Store(out, row * vocab + i, d);
+  }
+}
+
 }  // namespace
 
 void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
@@ -597,6 +704,56 @@ void AddColumnSumsCuda(const at::Tensor& partials, at::Tensor& accumulator) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AddColumnSumsKernel<<<static_cast<unsigned>((cols + 31) / 32), 32 * kColumnSumWarps, 0, stream>>>(
       partials.data_ptr<float>(), rows, cols, accumulator.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void LogitRowStatsCuda(const at::Tensor& logits, const at::Tensor& targets, at::Tensor& lse,
+                       at::Tensor& target, at::Tensor& mean) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool vectorized =
+      vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+  const auto launch = [&](auto kernel) {
+    kernel<<<rows, kRowStatsThreads, 0, stream>>>(
+        logits.data_ptr<float>(), vocab, vectorized, targets.data_ptr<int64_t>(),
+        lse.data_ptr<float>(), target.data_ptr<float>(),
+        mean.defined() ? mean.data_ptr<float>() : nullptr);
+  };
+  if (mean.defined()) {
+    launch(LogitRowStatsKernel<true>);
+  } else {
+    launch(LogitRowStatsKernel<false>);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void LogitGradCuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
+                   const at::Tensor& target_weight, const at::Tensor& grad_logprob,
+                   const at::Tensor& mean, const at::Tensor& grad_entropy, double scale,
+                   at::Tensor& out) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  if (rows == 0 || vocab == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(
+                      (vocab + kElementwiseThreads - 1) / kElementwiseThreads, 1024)),
+                  static_cast<unsigned>(rows));
+  const bool with_entropy = mean.defined();
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, kElementwiseThreads, 0, stream>>>(
+        logits.data_ptr<float>(), vocab, lse.data_ptr<float>(), targets.data_ptr<int64_t>(),
+        target_weight.defined() ? target_weight.data_ptr<float>() : nullptr,
+        grad_logprob.data_ptr<float>(), with_entropy ? mean.data_ptr<float>() : nullptr,
+        with_entropy ? grad_entropy.data_ptr<float>() : nullptr, static_cast<float>(scale),
+        scale != 1.0, OutOf(out));
+  };
+  if (with_entropy) {
+    launch(LogitGradKernel<true>);
+  } else {
+    launch(LogitGradKernel<false>);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

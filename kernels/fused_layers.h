@@ -1,7 +1,8 @@
 // The Qwen3 decoder's elementwise layers, each direction in one CUDA kernel instead of the 5 to 15
 // ATen kernels of their composition: RMSNorm (the input and post-attention norms over the float32
 // residual stream, the final norm), RMSNorm followed by rotary embedding (the per-head q/k norms),
-// and SwiGLU. The model calls these functions; on the GPU they cut a layer's launches and its
+// SwiGLU, and the log-probability head's softmax statistics and logits gradient. The model calls
+// these functions; on the GPU they cut a layer's launches and its
 // passes over activations, which bounded the step at small chunks (kernel launches, not FLOPs).
 //
 // Numerics are the model's (executor/model/qwen3_model.h): the compute type is float64 for
@@ -86,6 +87,29 @@ struct SwiGluGrads {
 // projection's output, which then needs no concatenation.
 SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
                            bool with_product = false, bool stacked = false);
+
+// The log-probability head's elementwise work on one slice of logits z [rows, vocab] (float32 or
+// float64, from the lm_head GEMM; the model keeps no [tokens x vocab] tensor beyond a slice).
+// The CUDA kernels take float32 logits: statistics in one pass over each row (an online softmax),
+// the gradient in one pass writing out_type, where ATen makes 4 to 8 passes and keeps a second
+// float32 slice.
+struct LogitRowStats {
+  at::Tensor lse;     // [rows] log sum_v exp(z_v)
+  at::Tensor target;  // [rows] z at the row's target
+  at::Tensor mean;    // [rows] E_p[z] = sum_v p_v z_v (with_mean), else undefined
+};
+// targets [rows] int64, each in [0, vocab).
+LogitRowStats LogitRowStatsForward(const at::Tensor& logits, const at::Tensor& targets,
+                                   bool with_mean);
+
+// d/dz of sum over rows of g_logprob log p(target) + g_entropy H(p), p = softmax(z), times scale,
+// in out_type: scale (-p (g_logprob + (z - mean) g_entropy) + onehot(target) g_logprob w) with
+// w = target_weight (the rows whose target this slice holds: 1 or 0; undefined = 1).
+// grad_logprob, lse [rows]; mean and grad_entropy both undefined (no entropy term) or [rows].
+at::Tensor LogitGradient(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
+                         const at::Tensor& target_weight, const at::Tensor& grad_logprob,
+                         const at::Tensor& mean, const at::Tensor& grad_entropy, double scale,
+                         at::ScalarType out_type);
 
 }  // namespace dta::kernels
 

@@ -50,6 +50,18 @@ void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::T
                         int64_t in_ld, at::Tensor& dgate, at::Tensor& dup, int64_t out_ld,
                         at::Tensor& product);
 
+// logits [rows, vocab] float32 contiguous, targets [rows] int64; lse, target [rows] float32, mean
+// [rows] float32 or undefined (not computed).
+void LogitRowStatsCuda(const at::Tensor& logits, const at::Tensor& targets, at::Tensor& lse,
+                       at::Tensor& target, at::Tensor& mean);
+// out [rows, vocab] (float32, bfloat16 or float16); lse, grad_logprob [rows] float32;
+// target_weight, mean and grad_entropy [rows] float32 or undefined (mean and grad_entropy both or
+// neither).
+void LogitGradCuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
+                   const at::Tensor& target_weight, const at::Tensor& grad_logprob,
+                   const at::Tensor& mean, const at::Tensor& grad_entropy, double scale,
+                   at::Tensor& out);
+
 }  // namespace dta::kernels::internal
 
 #endif  // DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_

@@ -734,26 +734,37 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     at::Tensor lse = at::empty({rows}, hidden.options().dtype(ct));
     at::Tensor mean_logit =
         want_entropy ? at::empty({rows}, hidden.options().dtype(ct)) : at::Tensor();
-    // At most two [slice, vocab] tensors at a time: the logits and exp(z - m).
+    // At most two [slice, vocab] tensors at a time: the logits and exp(z - m) (one on one rank,
+    // where the fused row statistics read the logits once).
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
       at::Tensor logits = MatmulTo(hidden.slice(0, begin, end), weight.t(), ct);
       if (inverse_temperature != 1.0) logits.mul_(inverse_temperature);
-      at::Tensor max = logits.amax(-1);
-      if (ranks != nullptr) ranks->AllReduce(max, TensorParallelReduce::kMax);
-      const at::Tensor exp = (logits - max.unsqueeze(1)).exp_();
-      at::Tensor target =
-          logits.gather(1, target_rows.rows.slice(0, begin, end).unsqueeze(1)).squeeze(1);
-      if (target_rows.owned.defined()) target.mul_(target_rows.owned.slice(0, begin, end));
-      std::vector<at::Tensor> sums = {exp.sum(-1), target};
-      if (want_entropy) sums.push_back(RowDot(exp, logits));
-      at::Tensor summed = at::stack(sums);
-      SumOverRanks(ranks, summed);
-      const at::Tensor row_lse = max + summed[0].log();
+      const at::Tensor slice_targets = target_rows.rows.slice(0, begin, end);
+      at::Tensor row_lse, target, mean;
+      if (ranks == nullptr) {
+        kernels::LogitRowStats stats =
+            kernels::LogitRowStatsForward(logits, slice_targets, want_entropy);
+        row_lse = std::move(stats.lse);
+        target = std::move(stats.target);
+        mean = std::move(stats.mean);
+      } else {
+        at::Tensor max = logits.amax(-1);
+        ranks->AllReduce(max, TensorParallelReduce::kMax);
+        const at::Tensor exp = (logits - max.unsqueeze(1)).exp_();
+        target = logits.gather(1, slice_targets.unsqueeze(1)).squeeze(1);
+        if (target_rows.owned.defined()) target.mul_(target_rows.owned.slice(0, begin, end));
+        std::vector<at::Tensor> sums = {exp.sum(-1), target};
+        if (want_entropy) sums.push_back(RowDot(exp, logits));
+        at::Tensor summed = at::stack(sums);
+        SumOverRanks(ranks, summed);
+        row_lse = max + summed[0].log();
+        target = summed[1];
+        if (want_entropy) mean = summed[2] / summed[0];
+      }
       lse.slice(0, begin, end).copy_(row_lse);
-      logprobs.slice(0, begin, end).copy_(summed[1] - row_lse);
+      logprobs.slice(0, begin, end).copy_(target - row_lse);
       if (want_entropy) {
-        const at::Tensor mean = summed[2] / summed[0];
         mean_logit.slice(0, begin, end).copy_(mean);
         entropy.slice(0, begin, end).copy_(row_lse - mean);
       }
@@ -782,34 +793,25 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
     at::Tensor grad_hidden = at::empty(hidden.sizes(), hidden.options().dtype(hidden_type));
     const int64_t rows = hidden.size(0);
     std::vector<std::unique_ptr<PendingCollective>> pending;
-    // In place on two [slice, vocab] float32 tensors (the logits and the softmax, which becomes
-    // the logits' gradient) and one in the model dtype.
+    // Per slice: the float32 logits and their gradient in the model dtype (on the CPU and in
+    // float64, a second float32 slice: kernels/fused_layers.h).
     for (int64_t begin = 0; begin < rows; begin += slice_rows) {
       const int64_t end = std::min(rows, begin + slice_rows);
       const at::Tensor h = hidden.slice(0, begin, end);
       at::Tensor logits = MatmulTo(h, weight.t(), ct);
       if (inverse_temperature != 1.0) logits.mul_(inverse_temperature);
-      at::Tensor grad_logits = (logits - lse.slice(0, begin, end).unsqueeze(1)).exp_();  // p
-      // d logp(y) / d z = onehot(y) - p;  d entropy / d z = -p (z - E_p[z]). Together:
-      // d/dz = onehot(y) g_logp - p (g_logp + (z - E_p[z]) g_entropy).
-      const at::Tensor g_logprob = grads[0].slice(0, begin, end).to(ct).unsqueeze(1);
-      if (mean_logit.defined() && grads[1].defined()) {
-        const at::Tensor g_entropy = grads[1].slice(0, begin, end).to(ct).unsqueeze(1);
-        logits.sub_(mean_logit.slice(0, begin, end).unsqueeze(1)).mul_(g_entropy).add_(g_logprob);
-        grad_logits.mul_(logits).neg_();
-      } else {
-        grad_logits.mul_(g_logprob).neg_();
-      }
+      // d logp(y) / d z = onehot(y) - p;  d entropy / d z = -p (z - E_p[z]); the gradient so far
+      // is with respect to z / T. The two matmuls run in the model dtype (bfloat16 tensor cores
+      // on the GPU), d hidden comes out in hidden's dtype.
+      const bool with_entropy = mean_logit.defined() && grads[1].defined();
+      const at::Tensor g =
+          kernels::LogitGradient(logits, lse.slice(0, begin, end), targets.slice(0, begin, end),
+                                 owned.defined() ? owned.slice(0, begin, end).to(ct) : at::Tensor(),
+                                 grads[0].slice(0, begin, end).to(ct),
+                                 with_entropy ? mean_logit.slice(0, begin, end) : at::Tensor(),
+                                 with_entropy ? grads[1].slice(0, begin, end).to(ct) : at::Tensor(),
+                                 inverse_temperature, hidden.scalar_type());
       logits.reset();
-      grad_logits.scatter_add_(
-          1, targets.slice(0, begin, end).unsqueeze(1),
-          owned.defined() ? g_logprob * owned.slice(0, begin, end).unsqueeze(1) : g_logprob);
-      // The gradient so far is with respect to z / T.
-      if (inverse_temperature != 1.0) grad_logits.mul_(inverse_temperature);
-      // The two matmuls run in the model dtype (bfloat16 tensor cores on the GPU), d hidden comes
-      // out in hidden's dtype.
-      const at::Tensor g = grad_logits.to(hidden.scalar_type());
-      grad_logits.reset();
       at::Tensor grad_rows = grad_hidden.slice(0, begin, end);
       grad_rows.copy_(MatmulTo(g, weight, hidden_type));
       // Each rank's vocabulary slice contributes its part of d hidden: the rows' sum runs while

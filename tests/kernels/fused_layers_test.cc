@@ -154,6 +154,47 @@ TEST(FusedLayers, BadShapesAreNamed) {
       ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("up [3, 2]")));
 }
 
+// The log-probability head's pieces are the log-softmax's values and its gradient (float64
+// autograd): log p(target), the entropy, and d/dz of g_logprob log p + g_entropy H, with a target
+// weight (tensor parallelism: the ranks not holding a row's target weigh it 0) and a scale.
+TEST(FusedLayers, LogitHeadIsTheLogSoftmaxAndItsGradient) {
+  at::manual_seed(11);
+  const int64_t rows = 7, vocab = 23;
+  const at::Tensor z = 3 * at::randn({rows, vocab}, kFloat64);
+  const at::Tensor targets = at::randint(vocab, {rows}, at::kLong);
+  const at::Tensor weight = at::tensor({1., 0., 1., 1., 0., 1., 1.}, kFloat64);
+  const at::Tensor g_logprob = at::randn({rows}, kFloat64), g_entropy = at::randn({rows}, kFloat64);
+  const LogitRowStats stats = LogitRowStatsForward(z, targets, /*with_mean=*/true);
+  const at::Tensor zg = z.clone().requires_grad_(true);
+  const at::Tensor logp = at::log_softmax(zg, -1);
+  const at::Tensor target_logp = logp.gather(1, targets.unsqueeze(1)).squeeze(1);
+  const at::Tensor entropy = -(logp.exp() * logp).sum(-1);
+  EXPECT_LT(RelativeError(stats.target - stats.lse, target_logp.detach()), 1e-14);
+  EXPECT_LT(RelativeError(stats.lse - stats.mean, entropy.detach()), 1e-14);
+  EXPECT_FALSE(LogitRowStatsForward(z, targets, /*with_mean=*/false).mean.defined());
+  const double scale = 0.7;
+  for (const bool with_entropy : {false, true}) {
+    SCOPED_TRACE(with_entropy ? "with entropy" : "log p only");
+    at::Tensor objective = (g_logprob * weight * target_logp).sum();
+    if (with_entropy) objective = objective + (g_entropy * entropy).sum();
+    const at::Tensor expected =
+        scale * torch::autograd::grad({objective}, {zg}, {}, /*retain_graph=*/true)[0];
+    // The unweighted targets' softmax part stays: the weight only drops the one-hot term.
+    const at::Tensor softmax_part = -at::softmax(z, -1) * (g_logprob * (1 - weight)).unsqueeze(1);
+    const at::Tensor got = LogitGradient(
+        z, stats.lse, targets, weight, g_logprob, with_entropy ? stats.mean : at::Tensor(),
+        with_entropy ? g_entropy : at::Tensor(), scale, at::kDouble);
+    EXPECT_LT(RelativeError(got, expected + scale * softmax_part), 1e-13);
+  }
+  EXPECT_THAT([&] { LogitRowStatsForward(z, targets.to(at::kInt), true); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("targets must be int64")));
+  EXPECT_THAT(
+      [&] {
+        LogitGradient(z, stats.lse, targets, {}, g_logprob, stats.mean, {}, 1.0, at::kDouble);
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("go together")));
+}
+
 class FusedLayersCuda : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -291,6 +332,45 @@ TEST_F(FusedLayersCuda, SwiGluOnAStackedProjectionIsBitwiseTheSeparateOne) {
         SwiGluBackward(d, gate, up, /*with_product=*/true, /*stacked=*/true);
     EXPECT_TRUE(at::equal(stacked.stacked, at::cat({separate.dgate, separate.dup}, 1))) << name;
     EXPECT_TRUE(at::equal(stacked.product, separate.product)) << name;
+  }
+}
+
+// The log-probability head's kernels against the ATen path on the CPU (float32 logits from a
+// bfloat16 model's lm_head, 151,936-wide rows and an odd width that takes the scalar loads): the
+// statistics up to the sums' order, the gradient elementwise, in float32 and rounded to bfloat16.
+TEST_F(FusedLayersCuda, LogitHeadMatchesTheCpu) {
+  at::manual_seed(12);
+  for (const int64_t vocab : {int64_t{151936}, int64_t{1001}}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const int64_t rows = 37;
+    const at::Tensor z = 4 * at::randn({rows, vocab});
+    const at::Tensor targets = at::randint(vocab, {rows}, at::kLong);
+    const at::Tensor weight = (at::rand({rows}) > 0.3).to(at::kFloat);
+    const at::Tensor g_logprob = at::randn({rows}), g_entropy = at::randn({rows});
+    const LogitRowStats cpu = LogitRowStatsForward(z, targets, true);
+    const LogitRowStats gpu = LogitRowStatsForward(Cuda(z), Cuda(targets), true);
+    EXPECT_TRUE(gpu.lse.is_cuda());
+    EXPECT_LT(RelativeError(gpu.lse.cpu(), cpu.lse), 1e-6);
+    EXPECT_TRUE(at::equal(gpu.target.cpu(), cpu.target));
+    EXPECT_LT(RelativeError(gpu.mean.cpu(), cpu.mean), 1e-5);
+    EXPECT_FALSE(LogitRowStatsForward(Cuda(z), Cuda(targets), false).mean.defined());
+    for (const bool with_entropy : {false, true}) {
+      SCOPED_TRACE(with_entropy ? "with entropy" : "log p only");
+      const at::Tensor mean = with_entropy ? cpu.mean : at::Tensor();
+      const at::Tensor g_ent = with_entropy ? g_entropy : at::Tensor();
+      const at::Tensor expected =
+          LogitGradient(z, cpu.lse, targets, weight, g_logprob, mean, g_ent, 0.5, at::kFloat);
+      const auto cuda_or_undefined = [](const at::Tensor& t) { return t.defined() ? Cuda(t) : t; };
+      const at::Tensor got =
+          LogitGradient(Cuda(z), Cuda(cpu.lse), Cuda(targets), Cuda(weight), Cuda(g_logprob),
+                        cuda_or_undefined(mean), cuda_or_undefined(g_ent), 0.5, at::kFloat);
+      EXPECT_LT((got.cpu() - expected).abs().max().item<double>(),
+                1e-6 * expected.abs().max().item<double>());
+      const at::Tensor bf16 =
+          LogitGradient(Cuda(z), Cuda(cpu.lse), Cuda(targets), Cuda(weight), Cuda(g_logprob),
+                        cuda_or_undefined(mean), cuda_or_undefined(g_ent), 0.5, at::kBFloat16);
+      EXPECT_TRUE(at::equal(bf16, got.to(at::kBFloat16))) << "rounded once from float32";
+    }
   }
 }
 
