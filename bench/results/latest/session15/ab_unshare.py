@@ -13,7 +13,7 @@ repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 trainer = dta.Trainer.from_config("qwen3-1.7b", dtype="bfloat16", device="cuda", progress="never")
 times = {"unshared": [], "shared": []}
 for round in range(repeats + 1):  # round 0 warms up
-    for name, fraction in (("unshared", dta.ExecutorOptions().unshared_prefix_fraction), ("shared", 0.0)):
+    for name, fraction in (("unshared", dta.trainer.ExecutorOptions().unshared_prefix_fraction), ("shared", 0.0)):
         torch.cuda.synchronize()
         start = time.perf_counter()
         stats = trainer.compute_gradients(trajectories, "grpo", "dta", pack=True, unshared_prefix_fraction=fraction)
