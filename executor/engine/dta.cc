@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
 #include "core/layout/chunk_capacity.h"
 #include "core/layout/gib.h"
@@ -532,38 +533,40 @@ struct Pass {
   std::vector<RolloutIndex> batch_order;  // schedule.order in the batch's indices
 };
 
+// A pass over `tree`, whose rollout r is the batch's batch_index[r].
+Pass PlanPass(const PrefixTree& tree, std::vector<RolloutIndex> batch_index,
+              const ExecutorOptions& options, const ChunkPlan& chunks, bool training) {
+  const std::vector<RolloutIndex> order = options.order == LeafOrderKind::kLexicographic
+                                              ? LexicographicOrder(tree)
+                                              : BackwardDfsOrder(tree);
+  absl::StatusOr<Schedule> schedule = BuildSchedule(tree, order,
+                                                    {.block_size = chunks.block_size,
+                                                     .graph_budget = chunks.graph_budget,
+                                                     .pack = options.pack,
+                                                     .training = training});
+  TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
+  Pass pass{.batch_index = std::move(batch_index), .schedule = *std::move(schedule)};
+  for (RolloutIndex r : pass.schedule.order) pass.batch_order.push_back(pass.batch_index[r]);
+  return pass;
+}
+
 // The batch's passes: one over its whole tree, or one per sharing group (core/tree/
 // sharing_groups.h) when a short prefix before long chains is cheaper recomputed than shared.
 std::vector<Pass> PlanPasses(absl::Span<const Rollout> rollouts, const ExecutorOptions& options,
                              const ChunkPlan& chunks, bool training) {
-  PrefixTree whole = BuildTree(rollouts);
+  const PrefixTree whole = BuildTree(rollouts);
   const std::vector<std::vector<RolloutIndex>> groups =
       SharingGroups(whole, {.max_unshared_fraction = options.unshared_prefix_fraction,
                             .min_suffix = kernels::kMinSplitChain});
   std::vector<Pass> passes;
-  for (size_t g = 0; g < std::max<size_t>(groups.size(), 1); ++g) {
-    Pass pass;
-    PrefixTree tree = groups.size() > 1 ? BuildTree(rollouts, groups[g]) : std::move(whole);
-    if (groups.size() > 1) {
-      pass.batch_index = groups[g];
-    } else {
-      pass.batch_index.resize(rollouts.size());
-      for (size_t r = 0; r < rollouts.size(); ++r)
-        pass.batch_index[r] = static_cast<RolloutIndex>(r);
-    }
-    const std::vector<RolloutIndex> order = options.order == LeafOrderKind::kLexicographic
-                                                ? LexicographicOrder(tree)
-                                                : BackwardDfsOrder(tree);
-    absl::StatusOr<Schedule> schedule = BuildSchedule(tree, order,
-                                                      {.block_size = chunks.block_size,
-                                                       .graph_budget = chunks.graph_budget,
-                                                       .pack = options.pack,
-                                                       .training = training});
-    TORCH_CHECK(schedule.ok(), std::string(schedule.status().message()));
-    pass.schedule = *std::move(schedule);
-    for (RolloutIndex r : pass.schedule.order) pass.batch_order.push_back(pass.batch_index[r]);
-    passes.push_back(std::move(pass));
+  if (groups.size() <= 1) {
+    std::vector<RolloutIndex> identity(rollouts.size());
+    std::iota(identity.begin(), identity.end(), RolloutIndex{0});
+    passes.push_back(PlanPass(whole, std::move(identity), options, chunks, training));
+    return passes;
   }
+  for (const std::vector<RolloutIndex>& group : groups)
+    passes.push_back(PlanPass(BuildTree(rollouts, group), group, options, chunks, training));
   return passes;
 }
 
@@ -602,16 +605,15 @@ GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollout
     }
   }
   for (const Pass& pass : passes) {
-    const Schedule* schedule = &pass.schedule;
     auto batch_of = [&](RolloutIndex r) { return pass.batch_index[r]; };
     auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& {
       return token_tensors[batch_of(r)];
     };
     const std::vector<std::vector<int64_t>> state_points =
-        stack.linear ? StatePoints(*schedule) : std::vector<std::vector<int64_t>>();
+        stack.linear ? StatePoints(pass.schedule) : std::vector<std::vector<int64_t>>();
     std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
-    for (size_t s = 0; s < schedule->steps.size(); ++s) {
-      const Step& step = schedule->steps[s];
+    for (size_t s = 0; s < pass.schedule.steps.size(); ++s) {
+      const Step& step = pass.schedule.steps[s];
       const int64_t forwarded_before = result.forwarded_tokens;
       switch (step.kind) {
         case StepKind::kForward: {

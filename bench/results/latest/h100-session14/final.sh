@@ -6,15 +6,7 @@
 #  4. dta-bench on the same batch (dense, dense-ckpt, dta: MFU), and GSM8K- and AIME-like batches.
 # Logs under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-out="${OUT:-/tmp/out}"
-mkdir -p "$out"
-start=$SECONDS
-timeout 280 scripts/device_build.sh -DDTA_BUILD_PYTHON=ON -DDTA_BUILD_SERVICES=OFF >"$out/build.log" 2>&1 ||
-  grep -q "No module named 'grpc_tools'" "$out/build.log" || { tail -30 "$out/build.log"; exit 1; }
-site=build-device/site && rm -rf "$site" && mkdir -p "$site" && cp -r bindings/python/dta "$site/dta" &&
-  cp build-device/python/dta/_core*.so "$site/dta/"
-echo "built at $((SECONDS - start)) s"
+source scripts/device_session.sh
 for t in fused_layers_test hopper_tree_attention_test gpu_equivalence_test; do
   timeout 150 build-device/tests/$t >"$out/$t.log" 2>&1
   echo "$t exit $?: $(grep -a -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$t.log" | tr '\n' ' ')"

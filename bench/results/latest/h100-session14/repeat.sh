@@ -2,15 +2,7 @@
 # Session 14, the last call: transformers' SDPA beside dta with pack=True through the Python API on
 # tau2 at scale 0.25, and the AIME-like batch again (three timed steps, with the B it ran with).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-out="${OUT:-/tmp/out}"
-mkdir -p "$out"
-start=$SECONDS
-timeout 280 scripts/device_build.sh -DDTA_BUILD_PYTHON=ON -DDTA_BUILD_SERVICES=OFF >"$out/build.log" 2>&1 ||
-  grep -q "No module named 'grpc_tools'" "$out/build.log" || { tail -30 "$out/build.log"; exit 1; }
-site=build-device/site && rm -rf "$site" && mkdir -p "$site" && cp -r bindings/python/dta "$site/dta" &&
-  cp build-device/python/dta/_core*.so "$site/dta/"
-echo "built at $((SECONDS - start)) s"
+source scripts/device_session.sh
 PYTHONPATH="$site" timeout 120 python3 bench/hf_baseline.py --rollouts=device-inputs/tau2-s0.25.jsonl \
   --config=qwen3-1.7b --device=cuda --dtype=bfloat16 --json --repeats=2 --methods=hf-sdpa,dta-pack \
   >"$out/hf-s0.25.txt" 2>"$out/hf-s0.25.err"
