@@ -168,7 +168,12 @@ TreeAttentionGrads BackwardCuda(const TreeAttentionShape& shape, const at::Tenso
   // tensor used here is released in stream order.
   const int head_dim = static_cast<int>(shape.head_dim);
   const bool hopper = UsesHopperBackward(shape, q);
-  (void)hopper;  // unused in builds without the Hopper kernels
+  at::Tensor row_stats;
+  if (hopper) {
+    row_stats =
+        at::empty({shape.q_heads, (shape.tokens + 63) / 64, 2, 64}, q.options().dtype(at::kFloat));
+    p.row_stats = row_stats.data_ptr<float>();
+  }
   C10_CUDA_CHECK(
       LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, q.device().index());

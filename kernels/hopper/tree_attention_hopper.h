@@ -39,11 +39,12 @@ cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int h
 // LaunchTreeAttentionBackward documents: kDq writes p.dq; kDkDv writes p.dk and p.dv and adds into
 // p.grad_prefix_k / p.grad_prefix_v. Both read p.lse and p.row_dot, so kRowDot (the
 // FlashAttention-2 launch, not this one) runs first on the stream; the two parts may then run
-// concurrently. Each gradient element is summed by one thread in a fixed order: bitwise
-// deterministic. Requires the prepare kernel's workspace as the forward does, q, k, v, the prefix
-// and grad_out under TMA's rules, dq/dk/dv with 4-byte aligned rows and grad_prefix_k/v with
-// 8-byte aligned rows. Returns cudaErrorInvalidValue for an unsupported head_dim or part,
-// misaligned operands or T + P >= 2^31, else the error of the launch.
+// concurrently. kDkDv first fills p.row_stats (its workspace, required) from them. Each gradient
+// element is summed by one thread in a fixed order: bitwise deterministic. Requires the prepare
+// kernel's workspace as the forward does, q, k, v, the prefix and grad_out under TMA's rules,
+// dq/dk/dv with 4-byte aligned rows and grad_prefix_k/v with 8-byte aligned rows. Returns
+// cudaErrorInvalidValue for an unsupported head_dim or part, misaligned operands or T + P >= 2^31,
+// else the error of the launch.
 cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int head_dim,
                                               TreeAttentionBackwardPart part, cudaStream_t stream);
 

@@ -52,7 +52,15 @@ cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPa
       return Launch(HopperDqKernel<D>, m_blocks * p.q_heads, Traits::kDqSmemBytes, bp, stream);
     }
     case TreeAttentionBackwardPart::kDkDv: {
+      if (p.row_stats == nullptr) return cudaErrorInvalidValue;
+      constexpr int kBM = Traits::kKvBM;
       constexpr int kBN = Traits::kKvBN;
+      constexpr int kStatThreads = 256;
+      const int64_t rows = static_cast<int64_t>(p.q_heads) * ((p.tokens + kBM - 1) / kBM) * kBM;
+      HopperRowStatsKernel<kBM><<<static_cast<unsigned>((rows + kStatThreads - 1) / kStatThreads),
+                                  kStatThreads, 0, stream>>>(p);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
       const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
       return Launch(HopperDkDvKernel<D>, tiles * p.kv_heads, Traits::kDkDvSmemBytes, bp, stream);
     }

@@ -11,26 +11,27 @@
 //
 // HopperDqKernel: one CTA per (128-row query tile, query head); each consumer warpgroup owns 64
 // query rows. Q and dO load once; K and V of every visible key tile (the forward's TileWalk)
-// stream through the ring. Per tile: S = Q K^T, dP = dO V^T (both operands in shared memory),
-// dS = P * (dP - row_dot) in registers, dQ += dS K (dS from registers, K^T as a view of the K
-// tile). dQ is scaled and written from registers.
+// stream through the ring. Per tile: S = Q K^T and dP = dO V^T issued together (both operands in
+// shared memory), P = exp(S - lse) once S is done, dS = P * (dP - row_dot) in registers, dQ += dS K
+// (dS from registers, K^T as a view of the K tile). dQ is scaled and written from registers.
 //
 // HopperDkDvKernel: one CTA per (128-key tile, kv head); each consumer warpgroup owns 64 keys,
 // K and V load once. For each query head of the kv head's group, for each 64-row query tile that
-// sees the key tile (prefix tiles: all of them; chunk tile c: [c * 128, max key_end over it)), Q
-// and dO stream through the ring. Per query tile: S^T = K Q^T and dP^T = V dO^T (shared memory
-// operands), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (dO^T and Q^T as views of
-// the stage). Chunk rows are written in bf16; prefix rows are added into the float32
+// sees the key tile (prefix tiles: all of them; chunk tile c: [c * 128, max key_end over it)), Q,
+// dO and the tile's row statistics (lse * log2(e) and row_dot, which HopperRowStatsKernel lays
+// out per tile, padded) stream through the ring. Per query tile: S^T = K Q^T and dP^T = V dO^T
+// (shared memory operands) issued together; P^T as soon as S^T is done, while dP^T runs, in one
+// of two copies of the loop (tiles every query of which every key sees skip the mask); dV += P^T
+// dO issued at once; dS^T while dV runs; dK += dS^T Q (P^T and dS^T from registers, dO^T and Q^T
+// as views of the stage). Chunk rows are written in bf16; prefix rows are added into the float32
 // accumulators, each element by its one thread.
 //
 // Both kernels sum in the FlashAttention-2 kernels' order (64-row query tiles, keys in 16-wide
-// steps, prefix tiles first), so their gradients came out bitwise equal to those kernels' on the
-// tests' cases. The price of determinism is 7 GEMMs per score tile instead of 5 (dQ recomputes S
-// and dP); on an H100 the backward alone runs at about 295 TFLOP/s (counting 5) on the 8K causal
-// chain, 1.08 times PyTorch's flash backward. Not yet done: overlapping one warpgroup's
-// elementwise work with its own next GEMMs (FlashAttention-3's intra-warpgroup pipelining needs
-// registers these tiles do not leave; the dQ kernel queues the next tile's S behind dQ), and
-// FlashAttention-3's single kernel with a fixed-order dQ reduction.
+// steps, prefix tiles first), so their gradients come out bitwise equal to those kernels' on the
+// tests' cases. No GEMM stays in flight across a loop's back edge: ptxas then waits for it anyway
+// (C7517), or serialises every GEMM of the loop. The price of determinism is 7 GEMMs per score
+// tile instead of 5 (dQ recomputes S and dP). Not yet done: FlashAttention-3's single kernel with
+// a fixed-order dQ reduction.
 #ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 #define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 
@@ -84,12 +85,18 @@ struct BackwardTraits {
   using PipelineKv = cutlass::PipelineTmaAsync<kKvStages>;
   static constexpr uint32_t kKvTileBytes = kKvBN * D * sizeof(Element);
   static constexpr uint32_t kKvQBytes = kKvBM * D * sizeof(Element);
+  // A query tile's row statistics (row_stats: lse * log2(e), then row_dot), bulk-copied with its
+  // Q and dO.
+  static constexpr int kKvStatFloats = 2 * kKvBM;
+  static constexpr uint32_t kKvStatBytes = kKvStatFloats * sizeof(float);
+  static constexpr uint32_t kKvStageBytes = 2 * kKvQBytes + kKvStatBytes;
 
   struct DkDvSharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> v;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> d_out;
+    cute::array_aligned<float, kKvStages * kKvStatFloats, 16> row_stats;
     typename PipelineKv::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier barrier_kv;  // K and V landed
   };
@@ -145,6 +152,25 @@ __device__ __forceinline__ void AddFloatRows(const TA& acc, const TC& coords, in
     a.y += acc(i + 1) * scale;
     *d = a;
   }
+}
+
+// Fills p.row_stats from p.lse and p.row_dot (one thread per padded row): the dK/dV kernel's
+// producer then copies a query tile's statistics with one bulk copy, and its consumers read them
+// from shared memory without bounds tests. lse * log2(e) is the multiply the kernels did in
+// registers, so P comes out in the same bits.
+template <int BM>
+__global__ void HopperRowStatsKernel(const TreeAttentionParams p) {
+  const int m_blocks = (p.tokens + BM - 1) / BM;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(p.q_heads) * m_blocks * BM) return;
+  const int64_t tile = idx / BM;  // h * m_blocks + m
+  const int column = static_cast<int>(idx % BM);
+  const int h = static_cast<int>(tile / m_blocks);
+  const int row = static_cast<int>(tile % m_blocks) * BM + column;
+  const int64_t at = static_cast<int64_t>(h) * p.tokens + row;
+  float* stats = p.row_stats + tile * 2 * BM;
+  stats[column] = row < p.tokens ? p.lse[at] * tree_attention_detail::kLog2e : INFINITY;
+  stats[BM + column] = row < p.tokens ? p.row_dot[at] : 0.f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,56 +297,44 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 
   clear(acc_dq);
   smem.barrier_q.wait(0);
-  // Tile n + 1's S GEMM is queued behind tile n's dQ GEMM, so that the tensor cores have work
-  // while this warpgroup waits for dQ (whose K tile's stage is then released); its dP GEMM
-  // follows (both at once would not fit the registers next to dQ's operands).
+  // Per tile: S and dP issued together, P = exp(S - lse) while dP runs (FlashAttention-3's
+  // intra-warpgroup overlap), dS, then dQ += dS K, waited before the next tile: a GEMM kept in
+  // flight across the loop's back edge makes ptxas wait for it anyway (C7517), and the other
+  // warpgroup's GEMMs fill the tensor cores meanwhile.
   PipelineState read;
-  int it = walk.Next(0);
-  if (it < walk.n_total) {
+  for (int it = walk.Next(0); it < walk.n_total; it = walk.Next(it + 1)) {
     pipeline.consumer_wait(read);
-    WarpgroupGemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read.index()), acc_s);
-  }
-  while (it < walk.n_total) {
     const int stage = read.index();
+    WarpgroupGemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
     WarpgroupGemm<true, -1>(mma_s, tSrdO, tSrV(_, _, _, stage), acc_dp);
     const bool masked = needs_mask(it);
-    const int next = walk.Next(it + 1);
-    warpgroup_wait<0>();  // this tile's S and dP
+    warpgroup_wait<1>();  // this tile's S
     warpgroup_fence_operand(acc_s);
-    warpgroup_fence_operand(acc_dp);
     if (masked) {
       const bool is_prefix = it < n_pre;
       const int j0 = (is_prefix ? it : it - n_pre) * kBN;
       MaskTile(acc_s, coords_s, is_prefix, i0, j0, tokens, p.prefix, p.key_end);
     }
+#pragma unroll
+    for (int i = 0; i < size(acc_s); ++i) {
+      acc_s(i) = Exp2(fmaf(acc_s(i), scale_log2, -lse2[(i >> 1) & 1]));
+    }
+    warpgroup_fence_operand(acc_s);  // P before the wait, not sunk past it
+    warpgroup_wait<0>();             // this tile's dP
+    warpgroup_fence_operand(acc_dp);
     // dS = P * (dP - row_dot), two columns per cvt.rn.bf16x2.
     Tensor r_ds32 = recast<uint32_t>(r_ds);
 #pragma unroll
     for (int i = 0; i < size(r_ds32); ++i) {
       const int r = i & 1;  // element 2i holds row (i % 2) of the pair
-      float ds[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pr = Exp2(fmaf(acc_s(2 * i + e), scale_log2, -lse2[r]));
-        ds[e] = pr * (acc_dp(2 * i + e) - rdot[r]);
-      }
-      __nv_bfloat162 v = __floats2bfloat162_rn(ds[0], ds[1]);
+      __nv_bfloat162 v = __floats2bfloat162_rn(acc_s(2 * i) * (acc_dp(2 * i) - rdot[r]),
+                                               acc_s(2 * i + 1) * (acc_dp(2 * i + 1) - rdot[r]));
       r_ds32(i) = reinterpret_cast<uint32_t&>(v);
     }
-    WarpgroupGemm<false, -1>(mma_dq, tDqrDs, tDqrKt(_, _, _, stage), acc_dq);
-    const PipelineState done = read;
-    ++read;
-    if (next < walk.n_total) {
-      pipeline.consumer_wait(read);
-      WarpgroupGemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read.index()), acc_s);
-      warpgroup_wait<1>();  // this tile's dQ; the next tile's S may run on
-    } else {
-      warpgroup_wait<0>();
-    }
-    warpgroup_fence_operand(acc_dq);
+    WarpgroupGemm<false, 0>(mma_dq, tDqrDs, tDqrKt(_, _, _, stage), acc_dq);
     warpgroup_fence_operand(r_ds);
-    pipeline.consumer_release(done);
-    it = next;
+    pipeline.consumer_release(read);
+    ++read;
   }
 
   StoreBf16Rows(acc_dq, coords_dq, i0, tokens, p.dq + h * D, p.dq_row_stride,
@@ -380,7 +394,7 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
   }
   Pipeline pipeline(
       smem.pipeline,
-      BackwardPipelineParams<Pipeline>(2 * Traits::kKvQBytes, Traits::kConsumerThreads),
+      BackwardPipelineParams<Pipeline>(Traits::kKvStageBytes, Traits::kConsumerThreads),
       Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -401,6 +415,7 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
     Tensor mQ = p.tma_q64.get_tma_tensor(make_shape(tokens, D, p.q_heads));
     Tensor mdO = p.tma_do64.get_tma_tensor(make_shape(tokens, D, p.q_heads));
     auto tile_q = Shape<Int<kBM>, Int<D>>{};
+    const int m_blocks = (tokens + kBM - 1) / kBM;
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
     for (int iter = 0; iter < n_iter; ++iter) {
       const int h = hk * group + iter / nq;
@@ -416,6 +431,9 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
       auto* bar = pipeline.producer_get_barrier(write);
       copy(p.tma_q64.with(*bar, 0), tQg, tQs(_, stage));
       copy(p.tma_do64.with(*bar, 0), tdOg, tdOs(_, stage));
+      SM90_BULK_COPY_G2S::copy(
+          p.row_stats + (static_cast<int64_t>(h) * m_blocks + m) * Traits::kKvStatFloats, bar,
+          smem.row_stats.data() + stage * Traits::kKvStatFloats, Traits::kKvStatBytes);
       ++write;
     }
     return;
@@ -463,22 +481,8 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
   clear(acc_dk);
   clear(acc_dv);
   smem.barrier_kv.wait(0);
-  // lse and row_dot of query tile n + 1 are prefetched into L1 while tile n computes. (Queueing
-  // tile n + 1's S^T GEMM behind tile n's dV and dK, as the dQ kernel does, spills registers.)
-  auto prefetch_rows = [&](int iter) {
-    const int lane = ctid & 127;  // one thread per 128-byte line of each warpgroup
-    if (lane >= 2 * (kBM / 32)) return;
-    const int hh = hk * group + iter / nq;
-    const int query = (q_first + iter % nq) * kBM + (lane >> 1) * 32;
-    if (query >= tokens) return;
-    const float* base = (lane & 1) ? p.row_dot : p.lse;
-    asm volatile(
-        "prefetch.global.L1 [%0];" ::"l"(base + static_cast<int64_t>(hh) * tokens + query));
-  };
   PipelineState read;
-  if (n_iter > 0) prefetch_rows(0);
   for (int iter = 0; iter < n_iter; ++iter) {
-    const int h = hk * group + iter / nq;
     const int q0 = (q_first + iter % nq) * kBM;
     pipeline.consumer_wait(read);
     const int stage = read.index();
@@ -487,49 +491,64 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
     // Unmasked iff every key of the tile sees every query of the tile.
     const bool masked = key_tile_partial || q0 + kBM > tokens ||
                         (!is_prefix && (j0 + kBN - 1 > q0 || q0 + kBM > tile_min_end));
-    if (iter + 1 < n_iter) prefetch_rows(iter + 1);
-    warpgroup_wait<0>();  // this tile's S^T and dP^T
-    warpgroup_fence_operand(acc_st);
-    warpgroup_fence_operand(acc_dpt);
+    const float* stats = smem.row_stats.data() + stage * Traits::kKvStatFloats;
     // Element i holds key row (i / 2) % 2 of the pair and query column 8 (i / 4) + 2 t + i % 2:
-    // elements 2 i and 2 i + 1 are columns 8 (i / 2) + 2 t + {0, 1} of row i % 2.
+    // elements 2 i and 2 i + 1 are columns 8 (i / 2) + 2 t + {0, 1} of row i % 2, so each
+    // float2 of the statistics serves four elements.
+    auto stat_pair = [&](int n, int offset) {
+      return *reinterpret_cast<const float2*>(stats + offset + get<1>(coords_st(4 * n)));
+    };
+    // P^T in place of S^T (and in bf16 for dV), while dP^T is still in flight (FlashAttention-3's
+    // intra-warpgroup overlap). Two copies of the loop, chosen once per tile: the unmasked one is
+    // the math alone.
+    warpgroup_wait<1>();  // this tile's S^T
+    warpgroup_fence_operand(acc_st);
     Tensor r_pt32 = recast<uint32_t>(r_pt);
+    auto probabilities = [&](auto masked_tile) {
+#pragma unroll
+      for (int n = 0; n < kBM / 8; ++n) {
+        const float2 lse2 = stat_pair(n, 0);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = 2 * n + r;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = fmaf(acc_st(2 * i + e), scale_log2, -(e == 0 ? lse2.x : lse2.y));
+            if constexpr (decltype(masked_tile)::value) {
+              const int query = q0 + get<1>(coords_st(4 * n)) + e;
+              const bool visible = is_prefix ? (key[r] < p.prefix && query < tokens)
+                                             : (key[r] <= query && query < key_end[r]);
+              if (!visible) x = -INFINITY;
+            }
+            acc_st(2 * i + e) = Exp2(x);
+          }
+          __nv_bfloat162 vp = __floats2bfloat162_rn(acc_st(2 * i), acc_st(2 * i + 1));
+          r_pt32(i) = reinterpret_cast<uint32_t&>(vp);
+        }
+      }
+    };
+    if (masked) {
+      probabilities(cute::true_type{});
+    } else {
+      probabilities(cute::false_type{});
+    }
+    WarpgroupGemm<false, -1>(mma_dkv, tKvrPt, tKvrdOt(_, _, _, stage), acc_dv);
+    // dS^T = P^T * (dP^T - row_dot) while dV runs.
+    warpgroup_wait<1>();  // this tile's dP^T
+    warpgroup_fence_operand(acc_dpt);
     Tensor r_dst32 = recast<uint32_t>(r_dst);
 #pragma unroll
     for (int n = 0; n < kBM / 8; ++n) {
-      float lse2[2];
-      float rdot[2];
-      int query[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        query[e] = q0 + get<1>(coords_st(4 * n + e));
-        const int64_t at = static_cast<int64_t>(h) * tokens + query[e];
-        lse2[e] = query[e] < tokens ? __ldg(p.lse + at) * tree_attention_detail::kLog2e : INFINITY;
-        rdot[e] = query[e] < tokens ? __ldg(p.row_dot + at) : 0.f;
-      }
+      const float2 rdot = stat_pair(n, kBM);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = 2 * n + r;
-        float pr[2];
-        float ds[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = fmaf(acc_st(2 * i + e), scale_log2, -lse2[e]);
-          if (masked) {
-            const bool visible = is_prefix ? (key[r] < p.prefix && query[e] < tokens)
-                                           : (key[r] <= query[e] && query[e] < key_end[r]);
-            if (!visible) x = -INFINITY;
-          }
-          pr[e] = Exp2(x);
-          ds[e] = pr[e] * (acc_dpt(2 * i + e) - rdot[e]);
-        }
-        __nv_bfloat162 vp = __floats2bfloat162_rn(pr[0], pr[1]);
-        __nv_bfloat162 vs = __floats2bfloat162_rn(ds[0], ds[1]);
-        r_pt32(i) = reinterpret_cast<uint32_t&>(vp);
+        const float ds0 = acc_st(2 * i) * (acc_dpt(2 * i) - rdot.x);
+        const float ds1 = acc_st(2 * i + 1) * (acc_dpt(2 * i + 1) - rdot.y);
+        __nv_bfloat162 vs = __floats2bfloat162_rn(ds0, ds1);
         r_dst32(i) = reinterpret_cast<uint32_t&>(vs);
       }
     }
-    WarpgroupGemm<false, -1>(mma_dkv, tKvrPt, tKvrdOt(_, _, _, stage), acc_dv);
     WarpgroupGemm<false, 0>(mma_dkv, tKvrdSt, tKvrQt(_, _, _, stage), acc_dk);
     warpgroup_fence_operand(acc_dv);
     pipeline.consumer_release(read);

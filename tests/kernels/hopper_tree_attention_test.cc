@@ -238,11 +238,17 @@ void CheckCase(const Case& c, uint64_t seed) {
     EXPECT_LE(RelativeError(hb.added_k, runs.fa2.added_k), kTolerance);
     EXPECT_LE(RelativeError(hb.added_v, runs.fa2.added_v), kTolerance);
   }
+  // Which gradients came out in the FlashAttention-2 kernels' bits (the two sum in the same order,
+  // so a change to a kernel's arithmetic shows here first; not required).
+  auto same = [](const at::Tensor& a, const at::Tensor& b) { return at::equal(a, b) ? '=' : '~'; };
   std::printf(
       "%-40s hopper out %.2e lse %.2e | fa2 out %.2e | vs fa2 out %.2e lse %.2e | "
-      "hopper bwd dq %.2e dk %.2e dv %.2e dpk %.2e dpv %.2e | fa2 bwd dq %.2e dk %.2e\n",
+      "hopper bwd dq %.2e dk %.2e dv %.2e dpk %.2e dpv %.2e | fa2 bwd dq %.2e dk %.2e | "
+      "bits vs fa2 dq%c dk%c dv%c pk%c pv%c\n",
       c.Name().c_str(), out_err, lse_err, fa2_out_err, vs_fa2_out, vs_fa2_lse, vs_ref.dq, vs_ref.dk,
-      vs_ref.dv, dpk_err, dpv_err, fa2_vs_ref.dq, fa2_vs_ref.dk);
+      vs_ref.dv, dpk_err, dpv_err, fa2_vs_ref.dq, fa2_vs_ref.dk, same(hb.dq, runs.fa2.dq),
+      same(hb.dk, runs.fa2.dk), same(hb.dv, runs.fa2.dv), same(hb.acc_k, runs.fa2.acc_k),
+      same(hb.acc_v, runs.fa2.acc_v));
 }
 
 TEST_F(HopperTreeAttention, SmallChunks) {
