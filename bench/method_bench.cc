@@ -20,7 +20,8 @@
 //                  the paper's recomputation), packing of small complete subtrees (-pack without -g
 //                  takes --graph_budget), lexicographic instead of backward-DFS leaf order; e.g.
 //                  dta-b2048, dta-b4096, dta-b4096-pack, dta-b4096-gauto-pack, dta-bauto-gauto-pack
-//                  (the executor's defaults, packing on); -m<GiB> runs it under a memory budget
+//                  (the executor's defaults). A name without -pack runs without packing, although
+//                  the executor packs by default; -m<GiB> runs it under a memory budget
 //                  (ExecutorOptions::memory_budget), -mhalf under half of dense's measured peak
 //                  (dense must be listed before it), e.g. dta-bauto-gauto-pack-mhalf
 //
@@ -187,6 +188,8 @@ MethodSpec ParseMethod(const std::string& name) {
     spec.options.checkpointing = name == "packed-ckpt";
   } else if (absl::StartsWith(name, "dta-")) {
     spec.options.method = Method::kDta;
+    // The name says everything: no -pack means no packing, whatever the executor's default.
+    spec.options.pack = false;
     bool has_block = false, has_budget = false;
     for (absl::string_view part : absl::StrSplit(name.substr(4), '-')) {
       int64_t value = 0;

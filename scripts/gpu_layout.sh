@@ -4,6 +4,7 @@
 # GPU). Shows what offloading AdamW's state costs per step (streamed through the GPU or updated on
 # the host, side by side with the GPU-resident optimizer where that fits), tensor against data
 # parallelism on the same GPUs, and the planner's memory per GPU against the measured peak.
+# dta runs without packing (--nopack), as when docs/benchmarks.md's layout numbers were measured.
 # Run on a GPU machine from the repo root, with .deps/ carried (scripts/device_deps.sh):
 #
 #   scripts/gpu_layout.sh [--runs=1.7b:gpu,1.7b:offload,8b:auto] [--tokens=140000] [--steps=3]
@@ -87,7 +88,7 @@ for pair in "${pairs[@]}"; do
   rm -f "$out/$name.jsonl"
   echo "gpu_layout: qwen3-$model, $layout on $ranks GPU(s)" >&2
   args=(--config="qwen3-$model" --rollouts="$workload" --dtype=bfloat16 --device=cuda
-        --method=dta --token_capacity=24576 --graph_budget=4096 --lr=1e-6 --steps="$steps" --json
+        --method=dta --nopack --token_capacity=24576 --graph_budget=4096 --lr=1e-6 --steps="$steps" --json
         --metrics="$out/$name.jsonl" "${flags[@]}")
   status=0
   if ((ranks == 1)); then

@@ -41,7 +41,9 @@ ABSL_FLAG(int64_t, block_size, dta::kAutomaticCapacity,
           "dta's B, tokens per chunk (-1: automatic, planned at min(longest rollout, 2048))");
 ABSL_FLAG(int64_t, graph_budget, dta::kAutomaticCapacity,
           "dta's kept graphs, tokens (-1: automatic, planned as 0)");
-ABSL_FLAG(bool, pack, false, "dta: packed steps of up to B tokens");
+ABSL_FLAG(bool, pack, dta::ExecutorMemoryOptions{}.pack,
+          "dta: packed steps of up to B tokens, as dta-train's default (--nopack: the paper's "
+          "schedule)");
 ABSL_FLAG(double, host_gb, 0,
           "host memory per node for offloaded optimizer state, GiB (0: not checked)");
 ABSL_FLAG(int32_t, tensor_parallel, 0, "the TP degree (0: choose)");

@@ -86,7 +86,9 @@ ABSL_FLAG(int64_t, token_capacity, kExecutorDefaults.token_capacity,
           "packed: the most unique tokens per packed forward (0 = the whole tree)");
 ABSL_FLAG(bool, checkpointing, kExecutorDefaults.checkpointing,
           "dense and packed: activation checkpointing (recompute each layer in backward)");
-ABSL_FLAG(bool, pack, kExecutorDefaults.pack, "dta: pack small complete subtrees into one forward");
+ABSL_FLAG(bool, pack, kExecutorDefaults.pack,
+          "dta: pack small complete subtrees into one forward (--nopack or --pack=false: the "
+          "paper's schedule, one rollout's chunks at a time)");
 ABSL_FLAG(std::string, order, std::string(dta::LeafOrderName(kExecutorDefaults.order)),
           "dta: leaf order, backward-dfs or lexicographic");
 ABSL_FLAG(

@@ -87,8 +87,9 @@ struct ExecutorMemoryOptions {
   // kAutomaticCapacity (planned as 0: the automatic budget takes what the plan leaves).
   int64_t graph_budget = kAutomaticCapacity;
   // dta: packed steps of up to B tokens above the stack (they may exceed the longest rollout;
-  // with an unbounded B, the tree when it is known, else one longest rollout: give B).
-  bool pack = false;
+  // with an unbounded B, the tree when it is known, else one longest rollout: give B). Default:
+  // on, as ExecutorOptions::pack.
+  bool pack = true;
   // packed: the most unique tokens per packed forward (>= 0); 0: the whole tree at once.
   int64_t token_capacity = 0;
   // The batch's unique tokens when known (packed with token_capacity 0); 0: unknown, and then the

@@ -76,8 +76,10 @@ struct ExecutorOptions {
   // attention on a GPU runs a reference that holds [T, P + T] scores, which it does not count.
   int64_t memory_budget = 0;
   // kDta: pack runs of small complete subtrees into one forward of at most B tokens with a tree
-  // mask on top of the stack (see StepKind::kPacked).
-  bool pack = false;
+  // mask on top of the stack (see StepKind::kPacked). Default: on, the fastest on a GPU
+  // (docs/benchmarks.md); false runs AReaL-DTA's schedule as the paper gives it, one rollout's
+  // chunks at a time. The gradient is the same either way.
+  bool pack = true;
   // kDta: a prefix that lexicographically consecutive rollouts share is recomputed for each of them
   // instead of shared when it is at most this fraction of the shorter rollout and that one
   // continues past it for at least kernels::kMinSplitChain tokens: the batch then runs as separate

@@ -52,6 +52,8 @@ for name, m in methods.items():
     # Same loss for every method (float32 rounding).
     assert abs(m["loss"] - methods["dense"]["loss"]) <= 1e-4 * abs(methods["dense"]["loss"]), name
 assert methods["dense"]["speedup_vs_dense"] == 1.0
+# A name without -pack runs without packing, although the executor packs by default.
+assert methods["dta-b2048"]["options"]["pack"] is False, methods["dta-b2048"]["options"]
 assert out["flops"]["ideal_speedup_vs_dense"] > 1
 assert out["dtype"] == "float32" and out["torch_version"] and "dta-bench" in out["command"]
 check = out["check"]

@@ -54,6 +54,9 @@ from test_hf_parity import (METHODS, TOLERANCE, VOCAB, _rms_norm_in_input_dtype,
                             binary, hf_logprobs, max_difference, rollouts, run_binary)
 
 GRADIENT_TOLERANCE = 1e-9
+# Beside METHODS' "dta" (the executor's defaults, packing on): small chunks without packing, so that
+# gradients are checked against transformers both ways.
+UNPACKED_SMALL_CHUNKS = ("--block-size", "3", "--pack", "false")
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -386,7 +389,7 @@ def test_logprobs_match_transformers(binary, checkpoint, rollouts, dtype, tmp_pa
 def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
     variant, model, directory = checkpoint
     data, path = rollouts
-    runs = [(m, ()) for m in METHODS] + [("dta", ("--block-size", "3"))]
+    runs = [(m, ()) for m in METHODS] + [("dta", UNPACKED_SMALL_CHUNKS)]
     assert_gradients_match(binary, variant, directory, path, reference_gradients(model, data), runs, tmp_path)
 
 
@@ -394,7 +397,7 @@ def test_gradients_match_transformers(binary, checkpoint, rollouts, tmp_path):
 def test_router_aux_loss_matches_transformers(binary, checkpoint, rollouts, tmp_path):
     variant, model, directory = checkpoint
     data, path = rollouts
-    runs = [(m, ()) for m in METHODS] + [("dta", ("--block-size", "3"))]
+    runs = [(m, ()) for m in METHODS] + [("dta", UNPACKED_SMALL_CHUNKS)]
     assert_router_loss_matches(binary, variant, directory, path, model, data, runs, tmp_path)
 
 

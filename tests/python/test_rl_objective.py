@@ -24,7 +24,9 @@ import dta
 from test_hf_parity import exact_float64, make_rollouts, random_model
 from test_trainer import RELATIVE, assert_gradients_match, f32
 
-METHODS = [("dense", {}), ("packed", {}), ("dta", {"block_size": 7}), ("dta", {"block_size": 16, "pack": True})]
+# dta both ways, packing stated (the executor packs by default).
+METHODS = [("dense", {}), ("packed", {}), ("dta", {"block_size": 7, "pack": False}),
+           ("dta", {"block_size": 16, "pack": True})]
 
 
 @pytest.fixture(scope="module")

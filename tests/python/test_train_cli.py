@@ -49,8 +49,9 @@ def train(*args: str) -> subprocess.CompletedProcess:
 
 def test_methods_dump_identical_float64_gradients(rollouts, tmp_path):
     grads = {}
-    for method, extra in [("dense", []), ("packed", []), ("dta", ["--block_size=64"]),
-                          ("dta", ["--block_size=64", "--pack", "--graph_budget=200"])]:
+    # dta without packing (--nopack), and with it (the default).
+    for method, extra in [("dense", []), ("packed", []), ("dta", ["--block_size=64", "--nopack"]),
+                          ("dta", ["--block_size=64", "--graph_budget=200"])]:
         out = tmp_path / f"{method}{len(grads)}.safetensors"
         run = train(f"--rollouts={rollouts}", f"--method={method}", "--dtype=float64", "--init_std=0.2",
                     f"--dump_grads={out}", "--json", *extra)
@@ -285,11 +286,14 @@ def test_executor_flags_default_to_the_python_options():
                 "checkpointing": str(python["checkpointing"]).lower(), "order": f'"{python["order"]}"',
                 "method": f'"{trainer.DEFAULT_METHOD}"', "memory_budget": str(python["memory_budget"]).rstrip("0").rstrip(".")}
     assert expected["block_size"] == "-1", "the executor's default block size is automatic"
+    assert expected["pack"] == "true", "dta packs by default"
     for binary, flags in (("dta-train", expected), ("dta-trainer", expected),
                           ("dta-bench", {k: expected[k] for k in ("token_capacity", "graph_budget")})):
         defaults = _help_defaults(tool(binary))
         for name, value in flags.items():
             assert defaults.get(name) == value, f"{binary} --{name}: {defaults.get(name)} != {value}"
+    # dta-layout plans for what dta-train runs by default.
+    assert _help_defaults(tool("dta-layout")).get("pack") == "true"
 
 
 def test_a_dumped_flag_file_replays_the_run(rollouts, tmp_path):

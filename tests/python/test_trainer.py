@@ -29,7 +29,9 @@ from test_hf_parity import VOCAB, exact_float64, make_rollouts, random_model
 
 RELATIVE = 1e-9
 TINY_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3-tiny.json")
-METHODS = [("dense", {}), ("packed", {}), ("dta", {"block_size": 7}), ("dta", {"block_size": 16, "pack": True})]
+# dta both ways, packing stated (the executor packs by default).
+METHODS = [("dense", {}), ("packed", {}), ("dta", {"block_size": 7, "pack": False}),
+           ("dta", {"block_size": 16, "pack": True})]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -588,6 +590,9 @@ def test_executor_defaults_are_the_cpp_structs():
 
     core = trainer._core.ExecutorOptions()
     converted = trainer.ExecutorOptions()._to_core(trainer.DEFAULT_METHOD)
+    # dta packs by default (the fastest on a GPU, docs/benchmarks.md), here as in C++.
+    assert core.pack is True and trainer.ExecutorOptions().pack is True
+    assert trainer.ExecutorOptions(pack=False)._to_core("dta").pack is False
     for name in ("method", "block_size", "graph_budget", "memory_budget", "pack", "order", "token_capacity",
                  "checkpointing", "logprob_slice_rows", "unshared_prefix_fraction"):
         assert getattr(converted, name) == getattr(core, name), name

@@ -17,7 +17,9 @@ from test_trainer import checkpoint, trajectories  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-METHODS = [("dense", {}), ("packed", {}), ("dta", {"block_size": 7}), ("dta", {"block_size": 16, "pack": True})]
+# dta both ways, packing stated (the executor packs by default).
+METHODS = [("dense", {}), ("packed", {}), ("dta", {"block_size": 7, "pack": False}),
+           ("dta", {"block_size": 16, "pack": True})]
 
 
 def grpo_callable(logprobs: torch.Tensor, rollout: dta.trainer.RolloutLossInput) -> torch.Tensor:

@@ -243,7 +243,8 @@ class ExecutorOptions:
         memory_budget: dta on a GPU: the most device memory a step may hold, GiB (weights,
             gradients and optimizer state included); the automatic block size and graph budget are
             the largest that fit, explicit ones are lowered to fit; 0 = no budget.
-        pack: dta: pack runs of small complete subtrees into one tree-masked forward.
+        pack: dta: pack runs of small complete subtrees into one tree-masked forward (the default,
+            the fastest on a GPU); False runs AReaL-DTA's schedule as the paper gives it.
         order: dta: leaf order, ``backward-dfs`` (AReaL-DTA Algorithm 1) or ``lexicographic``.
         unshared_prefix_fraction: dta: a prefix shared by rollouts is recomputed for each instead
             when it is at most this fraction of the shorter one and that one continues past it for

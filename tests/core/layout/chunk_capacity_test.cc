@@ -64,7 +64,8 @@ TEST(FitChunksInMemory, TakesTheLargestBlockThenTheLargestGraphBudgetThatFit) {
 
 TEST(FitChunksInMemory, GrowsWithTheMemoryAndStopsAtTheLongestRollout) {
   const Qwen3Config config = Preset("qwen3-1.7b");
-  const ExecutorMemoryOptions options{.longest_rollout = 3000};
+  // Without packing (which lets B reach kPackedAutomaticBlock).
+  const ExecutorMemoryOptions options{.longest_rollout = 3000, .pack = false};
   ChunkCapacity previous{};
   for (int64_t available = kGiB; available <= 64 * kGiB; available *= 2) {
     const ChunkCapacity fit = Fit(config, options, available);

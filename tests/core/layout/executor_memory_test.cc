@@ -44,9 +44,13 @@ Qwen3Config Tiny() {
 }
 
 TEST(ExecutorMemory, MatchesAHandCountForASmallConfig) {
-  // dta, rollouts of up to 100 tokens, B 32, 16 tokens of kept graphs, 8-row logit slices.
-  const ExecutorMemoryOptions options{
-      .longest_rollout = 100, .block_size = 32, .graph_budget = 16, .logprob_slice_rows = 8};
+  // dta without packing, rollouts of up to 100 tokens, B 32, 16 tokens of kept graphs, 8-row
+  // logit slices.
+  const ExecutorMemoryOptions options{.longest_rollout = 100,
+                                      .block_size = 32,
+                                      .graph_budget = 16,
+                                      .pack = false,
+                                      .logprob_slice_rows = 8};
   const ExecutorTokens tokens = PlannedExecutorTokens(options);
   EXPECT_EQ(tokens.stack, 100);
   EXPECT_EQ(tokens.chunk, 32);
@@ -155,8 +159,10 @@ TEST(ExecutorMemory, MethodsAndAutomaticCapacities) {
   t = PlannedExecutorTokens({.longest_rollout = 733});
   EXPECT_EQ(t.chunk, 733);
   EXPECT_EQ(t.graphs, 733);
-  // Kept graphs and the chunk lie on one path: never more than the longest rollout.
-  t = PlannedExecutorTokens({.longest_rollout = 7821, .block_size = 4096, .graph_budget = 4096});
+  // Without packing, kept graphs and the chunk lie on one path: never more than the longest
+  // rollout.
+  t = PlannedExecutorTokens(
+      {.longest_rollout = 7821, .block_size = 4096, .graph_budget = 4096, .pack = false});
   EXPECT_EQ(t.graphs, 7821);
   // Packed steps sit above the kept graphs and may exceed a rollout.
   t = PlannedExecutorTokens(
@@ -364,7 +370,7 @@ TEST(ExecutorMemory, EstimatesTheDenseAndPackedH100PeaksWithinTenPercent) {
       {"packed-ckpt",
        {.method = ExecutorKind::kPacked, .token_capacity = 24576, .checkpointing = true},
        21.99},
-      {"dta-b2048", {.block_size = 2048, .graph_budget = 0}, 15.74},
+      {"dta-b2048", {.block_size = 2048, .graph_budget = 0, .pack = false}, 15.74},
       {"dta-b4096-pack", {.block_size = 4096, .graph_budget = 4096, .pack = true}, 24.46},
       {"dta-b8192-pack", {.block_size = 8192, .graph_budget = 4096, .pack = true}, 27.97},
   };

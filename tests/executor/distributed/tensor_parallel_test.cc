@@ -71,7 +71,7 @@ std::vector<std::pair<std::string, ExecutorOptions>> Methods(int64_t longest) {
   };
   for (int64_t block : {int64_t{1}, int64_t{3}, kUnboundedBlock}) {
     const std::string b = block == kUnboundedBlock ? "inf" : std::to_string(block);
-    methods.push_back({"dta B=" + b, {.method = Method::kDta, .block_size = block}});
+    methods.push_back({"dta B=" + b, {.method = Method::kDta, .block_size = block, .pack = false}});
     methods.push_back({"dta B=" + b + " lex budget=6 packed",
                        {.method = Method::kDta,
                         .block_size = block,

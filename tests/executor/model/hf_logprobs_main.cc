@@ -10,6 +10,7 @@
 //     METHOD  dense | packed | dta
 //   options:
 //     --block-size N          dta's backward chunk size B (default unbounded)
+//     --pack true|false       dta's packing (ExecutorOptions::pack; default: its default, on)
 //     --gradients FILE        also write every parameter's gradient (safetensors, HF names) of
 //                             -sum over rollouts and loss-masked tokens of the log-probability
 //     --router-aux-loss-coef C  with --gradients: add the router's load-balancing loss
@@ -44,7 +45,8 @@ constexpr int kBadArguments = 2;
 
 constexpr const char* kUsage =
     "usage: dta-hf-logprobs MODEL_DIR ROLLOUTS.jsonl OUT.json float32|float64 dense|packed|dta\n"
-    "         [--block-size N] [--gradients FILE] [--router-aux-loss-coef C] [--resave DIR]\n"
+    "         [--block-size N] [--pack true|false] [--gradients FILE] [--router-aux-loss-coef C]\n"
+    "         [--resave DIR]\n"
     "         [--resave-dtype bfloat16|float16|float32|float64]\n"
     "         [--resave-shard-bytes N]\n";
 
@@ -94,6 +96,10 @@ int Run(int argc, char** argv) {
         router_aux_loss_coef = std::strtod(value.c_str(), &end);
         if (value.empty() || *end != '\0')
           return BadArguments("--router-aux-loss-coef must be a number, not " + value);
+      } else if (arg == "--pack") {
+        if (value != "true" && value != "false")
+          return BadArguments("--pack must be true or false, not " + value);
+        options.pack = value == "true";
       } else if (arg == "--resave-dtype") {
         resave_dtype = ParseDtype(value);
         if (!resave_dtype) return BadArguments("unknown --resave-dtype " + value);
