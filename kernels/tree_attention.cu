@@ -169,11 +169,13 @@ TreeAttentionGrads BackwardCuda(const TreeAttentionShape& shape, const at::Tenso
   const int head_dim = static_cast<int>(shape.head_dim);
   const bool hopper = UsesHopperBackward(shape, q);
   at::Tensor row_stats;
+#ifdef DTA_KERNELS_HAVE_HOPPER
   if (hopper) {
-    row_stats =
-        at::empty({shape.q_heads, (shape.tokens + 63) / 64, 2, 64}, q.options().dtype(at::kFloat));
+    row_stats = at::empty({HopperBackwardRowStatsFloats(shape.tokens, shape.q_heads)},
+                          q.options().dtype(at::kFloat));
     p.row_stats = row_stats.data_ptr<float>();
   }
+#endif
   C10_CUDA_CHECK(
       LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, q.device().index());

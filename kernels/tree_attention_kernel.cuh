@@ -70,8 +70,9 @@ struct TreeAttentionParams {
   const bf16* grad_out = nullptr;  // [T, Hq, D]
   int64_t grad_out_row_stride = 0;
   float* row_dot = nullptr;  // [Hq, T] workspace
-  // The Hopper dK/dV kernel's workspace: [Hq, ceil(T / 64), 2, 64], per 64-row query tile its
-  // rows' lse * log2(e) (+inf past T), then their row_dot (0 past T). Unused by these kernels.
+  // The Hopper dK/dV kernel's workspace (HopperBackwardRowStatsFloats): per query head and 64-row
+  // query tile its rows' lse * log2(e) (+inf past T), then their row_dot (0 past T). Unused by
+  // these kernels.
   float* row_stats = nullptr;
   bf16* dq = nullptr;  // [T, Hq, D]
   int64_t dq_row_stride = 0;

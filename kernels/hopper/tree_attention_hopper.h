@@ -35,6 +35,15 @@ bool HopperTreeAttentionSupportsHeadDim(int head_dim);
 cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int head_dim,
                                              int32_t* unit_counter, cudaStream_t stream);
 
+// The query tile of the backward's dK/dV kernel, and the floats of the row statistics workspace
+// (p.row_stats) its kDkDv part needs: per query head and tile, the tile's lse * log2(e), then its
+// row_dot.
+constexpr int kHopperBackwardQueryTile = 64;
+inline int64_t HopperBackwardRowStatsFloats(int64_t tokens, int64_t q_heads) {
+  const int64_t tiles = (tokens + kHopperBackwardQueryTile - 1) / kHopperBackwardQueryTile;
+  return q_heads * tiles * 2 * kHopperBackwardQueryTile;
+}
+
 // One part of the backward on a device of compute capability 9.0, with the effects
 // LaunchTreeAttentionBackward documents: kDq writes p.dq; kDkDv writes p.dk and p.dv and adds into
 // p.grad_prefix_k / p.grad_prefix_v. Both read p.lse and p.row_dot, so kRowDot (the

@@ -12,7 +12,7 @@
 // HopperDqKernel: one CTA per (128-row query tile, query head); each consumer warpgroup owns 64
 // query rows. Q and dO load once; K and V of every visible key tile (the forward's TileWalk)
 // stream through the ring. Per tile: S = Q K^T and dP = dO V^T issued together (both operands in
-// shared memory), P = exp(S - lse) once S is done, dS = P * (dP - row_dot) in registers, dQ += dS K
+// shared memory), P = exp(S - lse), dS = P * (dP - row_dot) in registers, dQ += dS K
 // (dS from registers, K^T as a view of the K tile). dQ is scaled and written from registers.
 //
 // HopperDkDvKernel: one CTA per (128-key tile, kv head); each consumer warpgroup owns 64 keys,
@@ -35,6 +35,7 @@
 #ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 #define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 
+#include "kernels/hopper/tree_attention_hopper.h"
 #include "kernels/hopper/tree_attention_hopper_kernel.cuh"
 
 namespace dta::kernels::hopper_detail {
@@ -74,7 +75,7 @@ struct BackwardTraits {
   // dK/dV kernel: 128 keys (2 x 64) in the forward's key tiles, 64-row query tiles, Q and dO per
   // stage.
   static constexpr int kKvBN = Forward::kBN;
-  static constexpr int kKvBM = 64;
+  static constexpr int kKvBM = kHopperBackwardQueryTile;
   static constexpr int kKvStages = 4;  // K + V 64 KiB, 4 x (Q + dO) 128 KiB
   static constexpr int kKvSubTiles = kKvBN / tree_attention_detail::kKeyTile;
   using TiledMmaSt = SmemSmemMma<kKvBM, D>;      // S^T = K Q^T and dP^T = V dO^T
@@ -297,10 +298,10 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 
   clear(acc_dq);
   smem.barrier_q.wait(0);
-  // Per tile: S and dP issued together, P = exp(S - lse) while dP runs (FlashAttention-3's
-  // intra-warpgroup overlap), dS, then dQ += dS K, waited before the next tile: a GEMM kept in
-  // flight across the loop's back edge makes ptxas wait for it anyway (C7517), and the other
-  // warpgroup's GEMMs fill the tensor cores meanwhile.
+  // Per tile: S and dP issued together, P = exp(S - lse), dS, then dQ += dS K, waited before the
+  // next tile: a GEMM kept in flight across the loop's back edge makes ptxas wait for it anyway
+  // (C7517), and the other warpgroup's GEMMs fill the tensor cores meanwhile. ptxas schedules the
+  // exp after the wait for dP (pinning it before spills: P, dP and dQ do not fit the registers).
   PipelineState read;
   for (int it = walk.Next(0); it < walk.n_total; it = walk.Next(it + 1)) {
     pipeline.consumer_wait(read);
@@ -319,8 +320,7 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
     for (int i = 0; i < size(acc_s); ++i) {
       acc_s(i) = Exp2(fmaf(acc_s(i), scale_log2, -lse2[(i >> 1) & 1]));
     }
-    warpgroup_fence_operand(acc_s);  // P before the wait, not sunk past it
-    warpgroup_wait<0>();             // this tile's dP
+    warpgroup_wait<0>();  // this tile's dP
     warpgroup_fence_operand(acc_dp);
     // dS = P * (dP - row_dot), two columns per cvt.rn.bf16x2.
     Tensor r_ds32 = recast<uint32_t>(r_ds);
