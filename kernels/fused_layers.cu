@@ -1,9 +1,10 @@
 // The CUDA kernels of kernels/fused_layers.h. Memory-bound row and elementwise kernels: one block
-// per residual-stream row for RMSNorm, one warp per (token, head) for the q/k norm with RoPE, a
-// grid-stride loop for SwiGLU. Elementwise arithmetic uses explicitly rounded float32 operations
-// (__fmul_rn and friends, never contracted into FMAs) in the ATen path's order, so the two paths
-// differ only in how a row's sums are ordered. Norm weight gradients are per-block partial sums
-// over a fixed number of row blocks, summed by the caller: deterministic, without atomics.
+// per run of a few residual-stream rows for RMSNorm, one warp per (token, head) for the q/k norm
+// with RoPE, a grid-stride loop for SwiGLU. Elementwise arithmetic uses explicitly rounded float32
+// operations (__fmul_rn and friends, never contracted into FMAs) in the ATen path's order, so the
+// two paths differ only in how a row's sums are ordered. Norm weight gradients are per-block
+// partial sums over row blocks whose number depends only on the row count, summed by the caller:
+// deterministic, without atomics.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/fused_layers_internal.h"
 
@@ -105,165 +107,260 @@ __device__ float BlockSum(float v, float* shared) {
   return v;
 }
 
+// The RMSNorm kernels over [rows, n]: a block of kNormThreads threads takes a run of
+// kNormRowsPerBlock rows (more when the rows outnumber kNormMaxBlocks of them), thread t columns
+// t + kNormThreads k (k < E), which it reads once per row into registers (and the norm's weight
+// once per block). Several blocks per SM overlap one block's row-wide sum with the others' loads;
+// the backward's weight-gradient partials ([blocks, n]) stay a small fraction of the rows' bytes.
+// A thread sums its columns in increasing order, as a strided loop over the row would.
 constexpr int kNormThreads = 256;
-// The weight gradient's row blocks: each sums a contiguous run of rows for 32 columns, so that
-// the partials stay small ([blocks, n]) while the grid (n / 32 x blocks) fills the GPU.
-constexpr int64_t kNormBackwardBlocks = 128;
-constexpr int kWeightGradRowThreads = 8;
+constexpr int64_t kNormRowsPerBlock = 4;
+constexpr int64_t kNormMaxBlocks = 1024;
 
-// One block per row: rstd = rsqrt(mean(x^2) + eps), y = w * (x * rstd).
-__global__ void RmsNormForwardKernel(In x, In w, Out y, float* rstd, int64_t n, float eps) {
+int64_t NormRowBlocks(int64_t rows) {
+  return std::clamp<int64_t>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock, 1, kNormMaxBlocks);
+}
+
+// Calls launch(std::integral_constant<int, E>{}) with the smallest instance E (columns per
+// thread) of the RMSNorm kernels that covers a row of n <= kFusedNormMaxRow.
+template <typename Launch>
+void WithColumnsPerThread(int64_t n, const Launch& launch) {
+  static_assert(kFusedNormMaxRow <= 32 * kNormThreads, "the largest instance covers a row");
+  const int64_t per_thread = (n + kNormThreads - 1) / kNormThreads;
+  if (per_thread <= 4) return launch(std::integral_constant<int, 4>{});
+  if (per_thread <= 8) return launch(std::integral_constant<int, 8>{});
+  if (per_thread <= 12) return launch(std::integral_constant<int, 12>{});
+  if (per_thread <= 16) return launch(std::integral_constant<int, 16>{});
+  if (per_thread <= 24) return launch(std::integral_constant<int, 24>{});
+  return launch(std::integral_constant<int, 32>{});
+}
+
+__device__ __forceinline__ int64_t NormColumn(int k) {
+  return threadIdx.x + static_cast<int64_t>(kNormThreads) * k;
+}
+
+// This thread's E columns of the row of n elements at `base` (0 past the row): the norm's weight
+// (base 0), or a row of x or dy.
+template <int E>
+__device__ __forceinline__ void LoadNormColumns(In t, int64_t base, int64_t n, float (&values)[E]) {
+#pragma unroll
+  for (int k = 0; k < E; ++k) values[k] = NormColumn(k) < n ? Load(t, base + NormColumn(k)) : 0.0f;
+}
+
+// y = w * (x * rstd) for this thread's columns of the row at `base`.
+template <int E>
+__device__ __forceinline__ void StoreNormed(Out y, int64_t base, int64_t n,
+                                            const float (&weight)[E], const float (&xs)[E],
+                                            float r) {
+#pragma unroll
+  for (int k = 0; k < E; ++k) {
+    if (NormColumn(k) < n)
+      Store(y, base + NormColumn(k), __fmul_rn(weight[k], __fmul_rn(xs[k], r)));
+  }
+}
+
+// The first row of this block's run and the end of the run.
+__device__ __forceinline__ int64_t FirstNormRow(int64_t rows_per_block) {
+  return static_cast<int64_t>(blockIdx.x) * rows_per_block;
+}
+__device__ __forceinline__ int64_t NormRowsEnd(int64_t rows, int64_t rows_per_block) {
+  const int64_t end = FirstNormRow(rows_per_block) + rows_per_block;
+  return end < rows ? end : rows;
+}
+
+// rstd = rsqrt(mean(x^2) + eps), y = w * (x * rstd), per row.
+template <int E>
+__global__ void __launch_bounds__(kNormThreads)
+    RmsNormForwardKernel(In x, In w, Out y, float* rstd, int64_t rows, int64_t n,
+                         int64_t rows_per_block, float eps) {
   __shared__ float shared[32];
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
-  float sum = 0.0f;
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    const float v = Load(x, base + c);
-    sum = __fadd_rn(sum, __fmul_rn(v, v));
-  }
-  const float r = rsqrtf(__fadd_rn(__fmul_rn(BlockSum(sum, shared), 1.0f / n), eps));
-  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    Store(y, base + c, __fmul_rn(Load(w, c), __fmul_rn(Load(x, base + c), r)));
-  }
-}
-
-__global__ void RmsNormApplyKernel(In x, In w, const float* rstd, Out y, int64_t n) {
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
-  const float r = rstd[blockIdx.x];
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    Store(y, base + c, __fmul_rn(Load(w, c), __fmul_rn(Load(x, base + c), r)));
+  float weight[E];
+  LoadNormColumns(w, 0, n, weight);
+  for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
+    float xs[E];
+    LoadNormColumns(x, row * n, n, xs);
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; ++k) sum = __fadd_rn(sum, __fmul_rn(xs[k], xs[k]));
+    const float r = rsqrtf(__fadd_rn(__fmul_rn(BlockSum(sum, shared), 1.0f / n), eps));
+    if (threadIdx.x == 0) rstd[row] = r;
+    StoreNormed(y, row * n, n, weight, xs, r);
   }
 }
 
-// One block per row: dx = rstd (dn - normed mean(dn normed)), dn = dy w, normed = x rstd.
-__global__ void RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, float* dx, int64_t n) {
+// The forward's y from its rstd.
+template <int E>
+__global__ void __launch_bounds__(kNormThreads)
+    RmsNormApplyKernel(In x, In w, const float* rstd, Out y, int64_t rows, int64_t n,
+                       int64_t rows_per_block) {
+  float weight[E];
+  LoadNormColumns(w, 0, n, weight);
+  for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
+    const float r = rstd[row];
+    float xs[E];
+    LoadNormColumns(x, row * n, n, xs);
+    StoreNormed(y, row * n, n, weight, xs, r);
+  }
+}
+
+// dx and the weight gradient's partial sums in one pass over dy and x: per row, dot = sum of
+// dn normed (one block-wide sum), then dx = rstd (dn - normed dot / n), dn = dy w, normed = x rstd;
+// each thread adds its columns' dy normed over the block's rows in registers and writes them as the
+// block's row of partials.
+template <int E>
+__global__ void __launch_bounds__(kNormThreads)
+    RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, float* dx, float* partials,
+                          int64_t rows, int64_t n, int64_t rows_per_block) {
   __shared__ float shared[32];
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
-  const float r = rstd[blockIdx.x];
-  float dot = 0.0f;
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    const float normed = __fmul_rn(Load(x, base + c), r);
-    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(Load(dy, base + c), Load(w, c)), normed));
-  }
-  const float mean = __fmul_rn(BlockSum(dot, shared), 1.0f / n);
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    const float normed = __fmul_rn(Load(x, base + c), r);
-    const float dn = __fmul_rn(Load(dy, base + c), Load(w, c));
-    dx[base + c] = __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean)));
-  }
-}
-
-// The weight gradient's partial sums, sum over rows of dy * normed: block (bx, by) takes columns
-// [32 bx, 32 bx + 32) (one per lane: each warp reads a row's 32 consecutive columns) and rows
-// [by rows_per_block, (by + 1) rows_per_block), its kWeightGradRowThreads warps striding over
-// them; the warps' sums are then added in warp order. A separate pass from dx's because a row's
-// kernel would need a [rows, n] buffer of per-row products, and a kernel looping rows per block
-// serialises each row's loads behind the previous row's block-wide sum (7x the memory time).
-__global__ void RmsNormWeightGradKernel(In dy, In x, const float* rstd, float* partials,
-                                        int64_t rows, int64_t n, int64_t rows_per_block) {
-  __shared__ float sums[kWeightGradRowThreads][33];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.y) * rows_per_block;
-  const int64_t last = first + rows_per_block < rows ? first + rows_per_block : rows;
-  float acc = 0.0f;
-  if (c < n) {
-    for (int64_t row = first + threadIdx.y; row < last; row += kWeightGradRowThreads) {
-      const float normed = __fmul_rn(Load(x, row * n + c), rstd[row]);
-      acc = __fadd_rn(acc, __fmul_rn(Load(dy, row * n + c), normed));
+  float weight[E], acc[E];
+  LoadNormColumns(w, 0, n, weight);
+#pragma unroll
+  for (int k = 0; k < E; ++k) acc[k] = 0.0f;
+  for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
+    const int64_t base = row * n;
+    const float r = rstd[row];
+    float xs[E], dys[E];
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int64_t c = NormColumn(k);
+      xs[k] = c < n ? Load(x, base + c) : 0.0f;
+      dys[k] = c < n ? Load(dy, base + c) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dys[k], weight[k]), __fmul_rn(xs[k], r)));
+    }
+    const float mean = __fmul_rn(BlockSum(dot, shared), 1.0f / n);
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int64_t c = NormColumn(k);
+      if (c < n) {
+        const float normed = __fmul_rn(xs[k], r);
+        dx[base + c] =
+            __fmul_rn(r, __fsub_rn(__fmul_rn(dys[k], weight[k]), __fmul_rn(normed, mean)));
+        acc[k] = __fadd_rn(acc[k], __fmul_rn(dys[k], normed));
+      }
     }
   }
-  sums[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < n) {
 #pragma unroll
-    for (int k = 1; k < kWeightGradRowThreads; ++k) acc = __fadd_rn(acc, sums[k][threadIdx.x]);
-    partials[static_cast<int64_t>(blockIdx.y) * n + c] = acc;
+  for (int k = 0; k < E; ++k) {
+    if (NormColumn(k) < n) partials[static_cast<int64_t>(blockIdx.x) * n + NormColumn(k)] = acc[k];
   }
 }
 
 constexpr int kRopeWarps = 4;
 constexpr int64_t kRopeBackwardBlocks = 1024;
+// Rows a warp takes at once: their loads are all issued before the first row's warp-wide sum, so
+// that enough bytes are in flight (a warp's row is only D elements). The rotary tables are read
+// where used: consecutive rows are mostly one token's heads, whose table row is then in L1.
+constexpr int kRopeRowsPerWarp = 4;
 
-// One warp per (token, head) row of D = 32 E columns; lane l holds columns l + 32 e, so the
-// rotate-half partner of column c (c +- D/2) is element e +- E/2 of the same lane.
+// A warp per kRopeRowsPerWarp consecutive (token, head) rows of D = 32 E columns; lane l holds
+// columns l + 32 e, so the rotate-half partner of column c (c +- D/2) is element e +- E/2 of the
+// same lane.
 template <int E>
 __global__ void RmsNormRopeForwardKernel(In x, In w, const float* cos, const float* sin, Out y,
                                          float* rstd, int64_t rows, int64_t heads, float eps) {
   constexpr int D = 32 * E;
+  constexpr int R = kRopeRowsPerWarp;
   const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRopeWarps + threadIdx.x / 32;
-  if (row >= rows) return;
-  const int64_t base = row * D;
-  const int64_t table = (row / heads) * D;
-  float v[E];
-  float sum = 0.0f;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kRopeWarps + threadIdx.x / 32) * R;
+  if (first >= rows) return;
+  float weight[E], v[R][E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    v[e] = Load(x, base + lane + 32 * e);
-    sum = __fadd_rn(sum, __fmul_rn(v[e], v[e]));
-  }
-  const float r = rsqrtf(__fadd_rn(__fmul_rn(WarpSum(sum), 1.0f / D), eps));
-  if (lane == 0) rstd[row] = r;
-  float normed[E];
+  for (int e = 0; e < E; ++e) weight[e] = Load(w, lane + 32 * e);
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    normed[e] = Round(__fmul_rn(Load(w, lane + 32 * e), __fmul_rn(v[e], r)), x.type);
+  for (int i = 0; i < R; ++i) {
+    const int64_t row = first + i < rows ? first + i : first;  // past the end: a row read twice
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[i][e] = Load(x, row * D + lane + 32 * e);
   }
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int c = lane + 32 * e;
-    const float rotated = e < E / 2 ? -normed[e + E / 2] : normed[e - E / 2];
-    Store(y, base + c,
-          __fadd_rn(__fmul_rn(normed[e], cos[table + c]), __fmul_rn(rotated, sin[table + c])));
+  for (int i = 0; i < R; ++i) {
+    const int64_t row = first + i;
+    if (row >= rows) break;
+    const int64_t table = (row / heads) * D;
+    float sum = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) sum = __fadd_rn(sum, __fmul_rn(v[i][e], v[i][e]));
+    const float r = rsqrtf(__fadd_rn(__fmul_rn(WarpSum(sum), 1.0f / D), eps));
+    if (lane == 0) rstd[row] = r;
+    float normed[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      normed[e] = Round(__fmul_rn(weight[e], __fmul_rn(v[i][e], r)), x.type);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int c = lane + 32 * e;
+      const float rotated = e < E / 2 ? -normed[e + E / 2] : normed[e - E / 2];
+      Store(y, row * D + c,
+            __fadd_rn(__fmul_rn(normed[e], cos[table + c]), __fmul_rn(rotated, sin[table + c])));
+    }
   }
 }
 
-// RoPE's backward (rounded to dy's dtype), then the norm's; each warp keeps its lanes' share of the
-// weight gradient, and the block's warps add theirs into its partial row.
+// RoPE's backward (rounded to dy's dtype), then the norm's; the warps stride over groups of
+// kRopeRowsPerWarp rows (all their loads first), each keeping its lanes' share of the weight
+// gradient, and the block's warps add theirs into its partial row.
 template <int E>
 __global__ void RmsNormRopeBackwardKernel(In dy, In x, In w, const float* rstd, const float* cos,
                                           const float* sin, Out dx, float* partials, int64_t rows,
                                           int64_t heads) {
   constexpr int D = 32 * E;
+  constexpr int R = kRopeRowsPerWarp;
   __shared__ float block_acc[kRopeWarps][D];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  float acc[E];
+  float acc[E], weight[E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRopeWarps + warp; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * kRopeWarps) {
-    const int64_t base = row * D;
-    const int64_t table = (row / heads) * D;
-    const float r = rstd[row];
-    float d[E];
+  for (int e = 0; e < E; ++e) {
+    acc[e] = 0.0f;
+    weight[e] = Load(w, lane + 32 * e);
+  }
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kRopeWarps + warp) * R; first < rows;
+       first += static_cast<int64_t>(gridDim.x) * kRopeWarps * R) {
+    float d[R][E], xs[R][E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) d[e] = Load(dy, base + lane + 32 * e);
-    float g[E];
+    for (int i = 0; i < R; ++i) {
+      const int64_t row = first + i < rows ? first + i : first;  // past the end: a row read twice
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int c = lane + 32 * e;
-      // g cos + [g2 sin2, -g1 sin1].
-      const int partner = e < E / 2 ? e + E / 2 : e - E / 2;
-      const int pc = lane + 32 * partner;
-      const float gs = __fmul_rn(d[partner], sin[table + pc]);
-      g[e] = Round(__fadd_rn(__fmul_rn(d[e], cos[table + c]), e < E / 2 ? gs : -gs), dy.type);
+      for (int e = 0; e < E; ++e) {
+        d[i][e] = Load(dy, row * D + lane + 32 * e);
+        xs[i][e] = Load(x, row * D + lane + 32 * e);
+      }
     }
-    float dot = 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int c = lane + 32 * e;
-      const float normed = __fmul_rn(Load(x, base + c), r);
-      dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(g[e], Load(w, c)), normed));
-      acc[e] = __fadd_rn(acc[e], __fmul_rn(g[e], normed));
-    }
-    const float mean = __fmul_rn(WarpSum(dot), 1.0f / D);
+    for (int i = 0; i < R; ++i) {
+      const int64_t row = first + i;
+      if (row >= rows) break;
+      const int64_t base = row * D;
+      const int64_t table = (row / heads) * D;
+      const float r = rstd[row];
+      float g[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int c = lane + 32 * e;
-      const float normed = __fmul_rn(Load(x, base + c), r);
-      const float dn = __fmul_rn(g[e], Load(w, c));
-      Store(dx, base + c, __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean))));
+      for (int e = 0; e < E; ++e) {
+        const int c = lane + 32 * e;
+        // g cos + [g2 sin2, -g1 sin1].
+        const int partner = e < E / 2 ? e + E / 2 : e - E / 2;
+        const int pc = lane + 32 * partner;
+        const float gs = __fmul_rn(d[i][partner], sin[table + pc]);
+        g[e] = Round(__fadd_rn(__fmul_rn(d[i][e], cos[table + c]), e < E / 2 ? gs : -gs), dy.type);
+      }
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float normed = __fmul_rn(xs[i][e], r);
+        dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(g[e], weight[e]), normed));
+        acc[e] = __fadd_rn(acc[e], __fmul_rn(g[e], normed));
+      }
+      const float mean = __fmul_rn(WarpSum(dot), 1.0f / D);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float normed = __fmul_rn(xs[i][e], r);
+        const float dn = __fmul_rn(g[e], weight[e]);
+        Store(dx, base + lane + 32 * e, __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean))));
+      }
     }
   }
 #pragma unroll
@@ -394,7 +491,8 @@ void LaunchRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps
                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
                        at::Tensor& rstd, cudaStream_t stream) {
   const int64_t rows = x.size(0) * x.size(1);
-  const int blocks = static_cast<int>((rows + kRopeWarps - 1) / kRopeWarps);
+  const int64_t rows_per_block = kRopeWarps * kRopeRowsPerWarp;
+  const int blocks = static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
   RmsNormRopeForwardKernel<E><<<blocks, 32 * kRopeWarps, 0, stream>>>(
       InOf(x), InOf(weight), cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
       rstd.data_ptr<float>(), rows, x.size(1), static_cast<float>(eps));
@@ -492,8 +590,12 @@ __global__ void LogitRowStatsKernel(const float* __restrict__ logits, int64_t vo
 
 // The logits' gradient, elementwise in the ATen path's order and rounding (see LogitGradient):
 // p = exp(z - lse); t = (z - mean) g_entropy + g_logprob, or g_logprob; d = -(p t); the target
-// gets + g_logprob (times its weight); then times scale.
-template <bool kWithEntropy>
+// gets + g_logprob (times its weight); then times scale. Blocks (x, row) stride over the row.
+// kVectorized (a bfloat16 output, the vocabulary a multiple of 8, both rows 16-byte aligned): eight
+// elements per access, the float32 logits read as two float4 and the gradient written as one
+// 16-byte store; each thread takes many such groups, so that a block's per-row set-up is paid once
+// per thousands of elements, not per 256 (the scalar kernel ran at a third of the bandwidth).
+template <bool kWithEntropy, bool kVectorized>
 __global__ void LogitGradKernel(const float* __restrict__ logits, int64_t vocab,
                                 const float* __restrict__ lse, const int64_t* __restrict__ targets,
                                 const float* __restrict__ target_weight,
@@ -506,16 +608,31 @@ __global__ void LogitGradKernel(const float* __restrict__ logits, int64_t vocab,
   const float m = kWithEntropy ? mean[row] : 0.f, ge = kWithEntropy ? grad_entropy[row] : 0.f;
   const int64_t y = targets[row];
   const float at_target = target_weight != nullptr ? __fmul_rn(g, target_weight[row]) : g;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vocab;
-       i += stride) {
-    const float z = logits[row * vocab + i];
+  const auto gradient = [&](float z, int64_t i) {
     const float p = expf(__fsub_rn(z, l));
     const float t = kWithEntropy ? __fadd_rn(__fmul_rn(__fsub_rn(z, m), ge), g) : g;
     float d = -__fmul_rn(p, t);
     if (i == y) d = __fadd_rn(d, at_target);
     if (scaled) d = __fmul_rn(d, scale);
-    Store(out, row * vocab + i, d);
+    return d;
+  };
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if constexpr (kVectorized) {
+    const In row_logits{logits + row * vocab, Dtype::kFloat};
+    const Out row_out{static_cast<__nv_bfloat16*>(out.data) + row * vocab, Dtype::kBFloat16};
+    for (int64_t group = first; group < vocab / kVector; group += stride) {
+      const int64_t i = group * kVector;
+      float d[kVector];
+      Load8(row_logits, i, d);
+#pragma unroll
+      for (int k = 0; k < kVector; ++k) d[k] = gradient(d[k], i + k);
+      Store8(row_out, i, d);
+    }
+  } else {
+    for (int64_t i = first; i < vocab; i += stride) {
+      Store(out, row * vocab + i, gradient(logits[row * vocab + i], i));
+    }
   }
 }
 
@@ -525,9 +642,13 @@ void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double ep
                         at::Tensor& rstd) {
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  RmsNormForwardKernel<<<static_cast<int>(x.size(0)), kNormThreads, 0,
-                         at::cuda::getCurrentCUDAStream()>>>(
-      InOf(x), InOf(weight), OutOf(y), rstd.data_ptr<float>(), x.size(1), static_cast<float>(eps));
+  const int64_t rows = x.size(0), n = x.size(1), blocks = NormRowBlocks(rows);
+  WithColumnsPerThread(n, [&](auto columns) {
+    RmsNormForwardKernel<decltype(columns)::value>
+        <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            InOf(x), InOf(weight), OutOf(y), rstd.data_ptr<float>(), rows, n,
+            (rows + blocks - 1) / blocks, static_cast<float>(eps));
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -535,15 +656,17 @@ void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::T
                       at::Tensor& y) {
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  RmsNormApplyKernel<<<static_cast<int>(x.size(0)), kNormThreads, 0,
-                       at::cuda::getCurrentCUDAStream()>>>(
-      InOf(x), InOf(weight), rstd.data_ptr<float>(), OutOf(y), x.size(1));
+  const int64_t rows = x.size(0), n = x.size(1), blocks = NormRowBlocks(rows);
+  WithColumnsPerThread(n, [&](auto columns) {
+    RmsNormApplyKernel<decltype(columns)::value>
+        <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            InOf(x), InOf(weight), rstd.data_ptr<float>(), OutOf(y), rows, n,
+            (rows + blocks - 1) / blocks);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int64_t RmsNormBackwardBlocks(int64_t rows) {
-  return std::max<int64_t>(1, std::min(rows, kNormBackwardBlocks));
-}
+int64_t RmsNormBackwardBlocks(int64_t rows) { return NormRowBlocks(rows); }
 
 void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                          const at::Tensor& rstd, at::Tensor& dx, at::Tensor& weight_partials) {
@@ -555,14 +678,13 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t rows = x.size(0);
   const int64_t n = x.size(1);
-  RmsNormBackwardKernel<<<static_cast<int>(rows), kNormThreads, 0, stream>>>(
-      InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(), n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t blocks = weight_partials.size(0);
-  const dim3 grid(static_cast<unsigned>((n + 31) / 32), static_cast<unsigned>(blocks));
-  RmsNormWeightGradKernel<<<grid, dim3(32, kWeightGradRowThreads), 0, stream>>>(
-      InOf(dy), InOf(x), rstd.data_ptr<float>(), weight_partials.data_ptr<float>(), rows, n,
-      (rows + blocks - 1) / blocks);
+  WithColumnsPerThread(n, [&](auto columns) {
+    RmsNormBackwardKernel<decltype(columns)::value>
+        <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
+            InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(),
+            weight_partials.data_ptr<float>(), rows, n, (rows + blocks - 1) / blocks);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -587,7 +709,9 @@ void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, doubl
 }
 
 int64_t RmsNormRopeBackwardBlocks(int64_t rows) {
-  return std::max<int64_t>(1, std::min((rows + kRopeWarps - 1) / kRopeWarps, kRopeBackwardBlocks));
+  const int64_t rows_per_block = kRopeWarps * kRopeRowsPerWarp;
+  return std::max<int64_t>(
+      1, std::min((rows + rows_per_block - 1) / rows_per_block, kRopeBackwardBlocks));
 }
 
 void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
@@ -737,8 +861,16 @@ void LogitGradCuda(const at::Tensor& logits, const at::Tensor& lse, const at::Te
   if (rows == 0 || vocab == 0) return;
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool vectorized = vocab % kVector == 0 && out.scalar_type() == at::kBFloat16 &&
+                          reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  // Vectorized: about kLogitGradBlocks blocks in all (a few waves of the largest GPUs), at least
+  // one per row; scalar: a block per 256 elements of a row (at most 1,024 per row).
+  constexpr int64_t kLogitGradBlocks = 2048;
+  const int64_t units = vectorized ? vocab / kVector : vocab;
+  const int64_t per_row_limit = vectorized ? std::max<int64_t>(1, kLogitGradBlocks / rows) : 1024;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(
-                      (vocab + kElementwiseThreads - 1) / kElementwiseThreads, 1024)),
+                      (units + kElementwiseThreads - 1) / kElementwiseThreads, per_row_limit)),
                   static_cast<unsigned>(rows));
   const bool with_entropy = mean.defined();
   const auto launch = [&](auto kernel) {
@@ -750,9 +882,9 @@ void LogitGradCuda(const at::Tensor& logits, const at::Tensor& lse, const at::Te
         scale != 1.0, OutOf(out));
   };
   if (with_entropy) {
-    launch(LogitGradKernel<true>);
+    vectorized ? launch(LogitGradKernel<true, true>) : launch(LogitGradKernel<true, false>);
   } else {
-    launch(LogitGradKernel<false>);
+    vectorized ? launch(LogitGradKernel<false, true>) : launch(LogitGradKernel<false, false>);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -41,7 +41,10 @@ int64_t RowStride(const at::Tensor& t) { return t.size(0) <= 1 ? 0 : t.stride(0)
 // The operands both directions share, and the workspace the prepare kernel fills.
 struct Operands {
   at::Tensor q, k, v, prefix_k, prefix_v;
-  at::Tensor workspace;  // int32 [T + 2 * ceil(T / 64)]
+  // int32 [T + 2 * ceil(T / 64) + 1]: key_end, the tiles' max and min of it, and a counter the
+  // prepare kernel zeroes (the Hopper forward's work counter).
+  at::Tensor workspace;
+  int32_t* zeroed_counter = nullptr;
   TreeAttentionParams params;
 };
 
@@ -78,15 +81,16 @@ Operands Prepare(const TreeAttentionShape& shape, const at::Tensor& q, const at:
 
   const int64_t tiles =
       (shape.tokens + tree_attention_detail::kKeyTile - 1) / tree_attention_detail::kKeyTile;
-  o.workspace = at::empty({shape.tokens + 2 * tiles}, q.options().dtype(at::kInt));
+  o.workspace = at::empty({shape.tokens + 2 * tiles + 1}, q.options().dtype(at::kInt));
   int32_t* ws = o.workspace.data_ptr<int32_t>();
   p.key_end = ws;
   p.tile_max_end = ws + shape.tokens;
   p.tile_min_end = ws + shape.tokens + tiles;
+  o.zeroed_counter = ws + shape.tokens + 2 * tiles;
   const at::Tensor ends = key_end.is_contiguous() ? key_end : key_end.contiguous();
   C10_CUDA_CHECK(LaunchTreeAttentionPrepare(ends.data_ptr(), ends.scalar_type() == at::kLong,
                                             p.tokens, ws, ws + shape.tokens,
-                                            ws + shape.tokens + tiles, stream));
+                                            ws + shape.tokens + tiles, o.zeroed_counter, stream));
   return o;
 }
 
@@ -109,10 +113,9 @@ TreeAttentionOutput ForwardCuda(const TreeAttentionShape& shape, const at::Tenso
 #ifdef DTA_KERNELS_HAVE_HOPPER
   if (UsesHopperForward(shape, q)) {
     // Same params, workspace and outputs; the backward reads out and lse alike from either. The
-    // persistent kernel's work counter lives as long as the launch in stream order.
-    at::Tensor unit_counter = at::empty({1}, q.options().dtype(at::kInt));
-    C10_CUDA_CHECK(
-        LaunchHopperTreeAttentionForward(p, head_dim, unit_counter.data_ptr<int32_t>(), stream));
+    // persistent kernel's work counter is the workspace's, zeroed by the prepare kernel and alive
+    // as long as the launch in stream order.
+    C10_CUDA_CHECK(LaunchHopperTreeAttentionForward(p, head_dim, o.zeroed_counter, stream));
     return {out, lse};
   }
 #endif

@@ -266,14 +266,16 @@ __device__ __forceinline__ void MaskQueryMajor(float (&s)[MT][NT][4], const Tree
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prepare: int32 key_end and per key tile max / min.
+// Prepare: int32 key_end and per key tile max / min, and a zeroed counter (for the Hopper forward's
+// persistent CTAs) when one is given: one launch fewer than a memset of its own.
 
 template <typename Index>
 __global__ void PrepareKernel(const Index* key_end, int tokens, int32_t* key_end32,
-                              int32_t* tile_max, int32_t* tile_min) {
+                              int32_t* tile_max, int32_t* tile_min, int32_t* zeroed_counter) {
   static_assert(kKeyTile == 64, "two warps per tile");
   __shared__ int32_t smax[2], smin[2];
   const int j = blockIdx.x * kKeyTile + threadIdx.x;
+  if (j == 0 && zeroed_counter != nullptr) *zeroed_counter = 0;
   int32_t hi = -1, lo = 0x7fffffff;
   if (j < tokens) {
     const int32_t e = static_cast<int32_t>(key_end[j]);
@@ -988,18 +990,22 @@ cudaError_t LaunchDkDv(const TreeAttentionParams& p, cudaStream_t stream) {
 }  // namespace tree_attention_detail
 
 // Fills key_end32 [T], tile_max_end and tile_min_end [ceil(T / 64)] from key_end [T] (int64 when
-// key_end_is_int64, else int32). Run before the forward and the backward.
+// key_end_is_int64, else int32), and sets *zeroed_counter to 0 unless it is null (the Hopper
+// forward's work counter). Run before the forward and the backward.
 inline cudaError_t LaunchTreeAttentionPrepare(const void* key_end, bool key_end_is_int64,
                                               int tokens, int32_t* key_end32, int32_t* tile_max_end,
-                                              int32_t* tile_min_end, cudaStream_t stream) {
+                                              int32_t* tile_min_end, int32_t* zeroed_counter,
+                                              cudaStream_t stream) {
   using tree_attention_detail::kKeyTile;
   const int blocks = (tokens + kKeyTile - 1) / kKeyTile;
   if (key_end_is_int64) {
-    tree_attention_detail::PrepareKernel<int64_t><<<blocks, kKeyTile, 0, stream>>>(
-        static_cast<const int64_t*>(key_end), tokens, key_end32, tile_max_end, tile_min_end);
+    tree_attention_detail::PrepareKernel<int64_t>
+        <<<blocks, kKeyTile, 0, stream>>>(static_cast<const int64_t*>(key_end), tokens, key_end32,
+                                          tile_max_end, tile_min_end, zeroed_counter);
   } else {
-    tree_attention_detail::PrepareKernel<int32_t><<<blocks, kKeyTile, 0, stream>>>(
-        static_cast<const int32_t*>(key_end), tokens, key_end32, tile_max_end, tile_min_end);
+    tree_attention_detail::PrepareKernel<int32_t>
+        <<<blocks, kKeyTile, 0, stream>>>(static_cast<const int32_t*>(key_end), tokens, key_end32,
+                                          tile_max_end, tile_min_end, zeroed_counter);
   }
   return cudaGetLastError();
 }

@@ -57,8 +57,6 @@ cudaError_t LaunchForward(const TreeAttentionParams& p, int32_t* unit_counter,
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(units, sms)));
-  err = cudaMemsetAsync(unit_counter, 0, sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(fp);
   return cudaGetLastError();
 }

@@ -28,8 +28,9 @@ bool HopperTreeAttentionSupportsHeadDim(int head_dim);
 // device of compute capability 9.0. Requires p.key_end, p.tile_max_end and p.tile_min_end filled
 // by LaunchTreeAttentionPrepare on the same stream; q, k, v, prefix_k, prefix_v with 16-byte
 // aligned starts and row strides and contiguous heads (TMA's rules), out with 4-byte aligned rows,
-// and one int32 of device memory in unit_counter (the launch zeroes it on `stream`; the persistent
-// CTAs count their work units through it), not used by a concurrent launch.
+// and one int32 of device memory in unit_counter that holds 0 when the launch runs in `stream`'s
+// order (LaunchTreeAttentionPrepare's zeroed_counter: the persistent CTAs count their work units
+// through it), not used by a concurrent launch.
 // Returns cudaErrorInvalidValue for an unsupported head_dim, misaligned operands or T + P >= 2^31,
 // else the error of the launch.
 cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int head_dim,

@@ -4,8 +4,8 @@
 // results within 1e-5 (relative to the tensor's largest magnitude), bfloat16 results within one
 // bfloat16 step of it; weight gradients within 1e-4; backward bitwise deterministic. Shapes cover
 // one row, rows longer than a block, lengths that no block size divides, more rows than the
-// backward's fixed row blocks, every fused head dim (64, 128, 192, 256) and the ones the kernels
-// leave to ATen (96, rows longer than 8,192). The GPU tests skip without a CUDA device.
+// backward has blocks of four rows, every fused head dim (64, 128, 192, 256) and the ones the
+// kernels leave to ATen (96, rows longer than 8,192). The GPU tests skip without a CUDA device.
 #include "kernels/fused_layers.h"
 
 #include <torch/csrc/autograd/autograd.h>
@@ -214,10 +214,16 @@ TEST_F(FusedLayersCuda, RmsNormMatchesTheCpu) {
     at::ScalarType x_type, out_type;
   };
   const std::vector<Case> cases = {
-      {1, 2048, at::kFloat, at::kBFloat16},  {3000, 2048, at::kFloat, at::kBFloat16},
-      {37, 1000, at::kFloat, at::kFloat},    {513, 5120, at::kBFloat16, at::kBFloat16},
-      {64, 8192, at::kFloat, at::kBFloat16}, {5, 9000, at::kFloat, at::kBFloat16},
+      {1, 2048, at::kFloat, at::kBFloat16},
+      {3000, 2048, at::kFloat, at::kBFloat16},
+      {37, 1000, at::kFloat, at::kFloat},
+      {513, 5120, at::kBFloat16, at::kBFloat16},
+      {64, 8192, at::kFloat, at::kBFloat16},
+      {5, 9000, at::kFloat, at::kBFloat16},
       {700, 4096, at::kFloat, at::kFloat},
+      {2, 2560, at::kFloat, at::kBFloat16},
+      // More rows than the backward has blocks of four: five rows a block, the last one short.
+      {5001, 1536, at::kFloat, at::kBFloat16},
   };
   for (const Case& c : cases) {
     const std::string name = std::to_string(c.rows) + " x " + std::to_string(c.n) + " " +
