@@ -42,7 +42,10 @@ if [[ ! -f "$build/build.ninja" ]]; then
     -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" -DDTA_BUILD_TORCH=OFF -DDTA_BUILD_CUDA=OFF \
     -DDTA_BUILD_BENCH=OFF -DDTA_BUILD_FUZZERS=ON >/dev/null
 fi
-if ! ninja -C "$build" -t targets all | grep -q '^trajectory_fuzzer:'; then
+# The target list is read whole before grep looks at it: `ninja ... | grep -q` under pipefail fails
+# whenever grep stops reading at its first match while ninja still writes (SIGPIPE).
+targets="$(ninja -C "$build" -t targets all)"
+if ! grep -q '^trajectory_fuzzer:' <<<"$targets"; then
   echo "fuzz: $build has no trajectory_fuzzer target: is tests/fuzz added in tests/CMakeLists.txt" \
        "(with DTA_BUILD_FUZZERS and gRPC found)?" >&2
   exit 1
