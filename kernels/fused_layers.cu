@@ -121,6 +121,9 @@ int64_t NormRowBlocks(int64_t rows) {
   return std::clamp<int64_t>((rows + kNormRowsPerBlock - 1) / kNormRowsPerBlock, 1, kNormMaxBlocks);
 }
 
+// The rows each of `blocks` blocks takes (the last one possibly fewer).
+int64_t NormRowsPerBlock(int64_t rows, int64_t blocks) { return (rows + blocks - 1) / blocks; }
+
 // Calls launch(std::integral_constant<int, E>{}) with the smallest instance E (columns per
 // thread) of the RMSNorm kernels that covers a row of n <= kFusedNormMaxRow.
 template <typename Launch>
@@ -255,6 +258,7 @@ constexpr int64_t kRopeBackwardBlocks = 1024;
 // that enough bytes are in flight (a warp's row is only D elements). The rotary tables are read
 // where used: consecutive rows are mostly one token's heads, whose table row is then in L1.
 constexpr int kRopeRowsPerWarp = 4;
+constexpr int64_t kRopeRowsPerBlock = kRopeWarps * kRopeRowsPerWarp;
 
 // A warp per kRopeRowsPerWarp consecutive (token, head) rows of D = 32 E columns; lane l holds
 // columns l + 32 e, so the rotate-half partner of column c (c +- D/2) is element e +- E/2 of the
@@ -491,8 +495,7 @@ void LaunchRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps
                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
                        at::Tensor& rstd, cudaStream_t stream) {
   const int64_t rows = x.size(0) * x.size(1);
-  const int64_t rows_per_block = kRopeWarps * kRopeRowsPerWarp;
-  const int blocks = static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
+  const int blocks = static_cast<int>((rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock);
   RmsNormRopeForwardKernel<E><<<blocks, 32 * kRopeWarps, 0, stream>>>(
       InOf(x), InOf(weight), cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
       rstd.data_ptr<float>(), rows, x.size(1), static_cast<float>(eps));
@@ -647,7 +650,7 @@ void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double ep
     RmsNormForwardKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             InOf(x), InOf(weight), OutOf(y), rstd.data_ptr<float>(), rows, n,
-            (rows + blocks - 1) / blocks, static_cast<float>(eps));
+            NormRowsPerBlock(rows, blocks), static_cast<float>(eps));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -661,7 +664,7 @@ void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::T
     RmsNormApplyKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             InOf(x), InOf(weight), rstd.data_ptr<float>(), OutOf(y), rows, n,
-            (rows + blocks - 1) / blocks);
+            NormRowsPerBlock(rows, blocks));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -683,7 +686,7 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
     RmsNormBackwardKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
             InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(),
-            weight_partials.data_ptr<float>(), rows, n, (rows + blocks - 1) / blocks);
+            weight_partials.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -709,9 +712,8 @@ void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, doubl
 }
 
 int64_t RmsNormRopeBackwardBlocks(int64_t rows) {
-  const int64_t rows_per_block = kRopeWarps * kRopeRowsPerWarp;
   return std::max<int64_t>(
-      1, std::min((rows + rows_per_block - 1) / rows_per_block, kRopeBackwardBlocks));
+      1, std::min((rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock, kRopeBackwardBlocks));
 }
 
 void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
