@@ -72,14 +72,18 @@ def packs(trajectories, pack_tokens: int) -> list[list[int]]:
 
 
 def hf_packed_gradients(model, trajectories, advantages: list[float], device: torch.device,
-                        pack_tokens: int) -> None:
+                        pack_tokens: int, pad: bool = False) -> None:
     """hf_gradients' loss on packed sequences: each pack is one sequence whose position ids restart
     at every rollout (transformers then keeps the rollouts apart); the prediction across a
-    boundary is not trained."""
+    boundary is not trained. With `pad`, a pack shorter than pack_tokens is filled up to it with
+    an untrained sequence of token 0 (its own positions, so nothing attends across): every pack
+    then has one shape, which flex attention (compiled with static shapes) compiles once instead
+    of once per pack length."""
     total = sum(sum(t.loss_mask) for t in trajectories)
     for pack in packs(trajectories, pack_tokens):
         ids = torch.tensor([x for i in pack for x in trajectories[i].tokens], device=device)
         positions = torch.cat([torch.arange(len(trajectories[i].tokens), device=device) for i in pack])
+        fill = pack_tokens - len(ids) if pad else 0
         # Per predicted token (position p predicts p + 1): its rollout's advantage, and whether it
         # is trained (the rollout's loss mask; never across a boundary).
         weight, trained = [], []
@@ -87,6 +91,11 @@ def hf_packed_gradients(model, trajectories, advantages: list[float], device: to
             t = trajectories[i]
             weight += [advantages[i]] * len(t.tokens)
             trained += [bool(m) for m in t.loss_mask[1:]] + [False]
+        if fill > 0:
+            ids = torch.cat([ids, torch.zeros(fill, dtype=ids.dtype, device=device)])
+            positions = torch.cat([positions, torch.arange(fill, device=device)])
+            weight += [0.0] * fill
+            trained += [False] * fill
         weight = torch.tensor(weight[:-1], device=device)
         mask = torch.tensor(trained[:-1], device=device, dtype=torch.bool)
         # No cache: transformers detects packing from the position ids only without one.
@@ -273,7 +282,7 @@ def main() -> int:
                 model.train()
                 if method.endswith("-packed"):
                     run = lambda: hf_packed_gradients(model, trajectories, advantages, device,  # noqa: E731
-                                                      args.pack_tokens)
+                                                      args.pack_tokens, pad=attention == "flex_attention")
                 else:
                     run = lambda: hf_gradients(model, trajectories, advantages, device)  # noqa: E731
                 try:

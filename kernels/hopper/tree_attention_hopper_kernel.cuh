@@ -200,20 +200,40 @@ struct TileWalk {
   int n_sub;  // ceil(T / 64)
   int i0;
 
-  __device__ __forceinline__ bool ChunkTileSeen(int c) const {
-    int max_end = -1;
+  // tile_max_end of chunk tile c's sub-tiles (-1 past the chunk), loaded together.
+  __device__ __forceinline__ void LoadMaxEnds(int c, int (&max_end)[kSubTiles]) const {
 #pragma unroll
     for (int s = 0; s < kSubTiles; ++s) {
       const int sub = c * kSubTiles + s;
-      if (sub < n_sub) max_end = max(max_end, __ldg(tile_max_end + sub));
+      max_end[s] = c >= 0 && sub < n_sub ? __ldg(tile_max_end + sub) : -1;
     }
-    return max_end > i0;
+  }
+
+  __device__ __forceinline__ bool SeenGiven(const int (&max_end)[kSubTiles]) const {
+    int m = -1;
+#pragma unroll
+    for (int s = 0; s < kSubTiles; ++s) m = max(m, max_end[s]);
+    return m > i0;
+  }
+
+  __device__ __forceinline__ bool ChunkTileSeen(int c) const {
+    int max_end[kSubTiles];
+    LoadMaxEnds(c, max_end);
+    return SeenGiven(max_end);
   }
 
   // The first visited tile index >= it, or n_total.
   __device__ __forceinline__ int Next(int it) const {
     while (it < n_total && it >= n_pre && !ChunkTileSeen(it - n_pre)) ++it;
     return it;
+  }
+
+  // Next(it + 1) from the tile_max_end of tile it + 1 loaded earlier (LoadMaxEnds(it + 1 - n_pre)):
+  // no load waited for unless tile it + 1 is skipped (a tree's hidden tile, rare).
+  __device__ __forceinline__ int NextGiven(int it, const int (&max_end_after)[kSubTiles]) const {
+    const int after = it + 1;
+    if (after >= n_total || after < n_pre || SeenGiven(max_end_after)) return min(after, n_total);
+    return Next(after + 1);
   }
 };
 
@@ -241,19 +261,39 @@ __device__ __forceinline__ auto KeyTileLoader(const Tma& chunk, const Tma& prefi
   };
 }
 
-// True when tile `it` of a TileWalk (prefix tiles [0, n_pre) of kBN rows, then chunk tiles) hides
-// some key from some of the query rows [w0, w1) (w1 <= T): the tile then needs the mask.
+// tile_min_end of tile `it`'s sub-tiles when it is a chunk tile wholly inside the chunk (T
+// otherwise: TileNeedsMaskGiven does not read them then), loaded together.
 template <int kBN, int kSubTiles, class Params>
-__device__ __forceinline__ bool TileNeedsMask(const Params& p, int it, int n_pre, int w0, int w1) {
+__device__ __forceinline__ void LoadMinEnds(const Params& p, int it, int n_pre,
+                                            int (&min_end)[kSubTiles]) {
+  const int c = it - n_pre;
+  const bool inside = c >= 0 && (c + 1) * kBN <= p.tokens;
+#pragma unroll
+  for (int s = 0; s < kSubTiles; ++s)
+    min_end[s] = inside ? __ldg(p.tile_min_end + c * kSubTiles + s) : p.tokens;
+}
+
+// True when tile `it` of a TileWalk (prefix tiles [0, n_pre) of kBN rows, then chunk tiles) hides
+// some key from some of the query rows [w0, w1) (w1 <= T): the tile then needs the mask. min_end:
+// LoadMinEnds(it).
+template <int kBN, int kSubTiles, class Params>
+__device__ __forceinline__ bool TileNeedsMaskGiven(const Params& p, int it, int n_pre, int w0,
+                                                   int w1, const int (&min_end)[kSubTiles]) {
   if (it < n_pre) return (it + 1) * kBN > p.prefix;
   const int c = it - n_pre;
   const int j1 = (c + 1) * kBN;
   if (w0 >= p.tokens || j1 > p.tokens || j1 - 1 > w0) return true;
-  int min_end = p.tokens;
+  int m = p.tokens;
 #pragma unroll
-  for (int s = 0; s < kSubTiles; ++s)
-    min_end = min(min_end, __ldg(p.tile_min_end + c * kSubTiles + s));
-  return w1 > min_end;
+  for (int s = 0; s < kSubTiles; ++s) m = min(m, min_end[s]);
+  return w1 > m;
+}
+
+template <int kBN, int kSubTiles, class Params>
+__device__ __forceinline__ bool TileNeedsMask(const Params& p, int it, int n_pre, int w0, int w1) {
+  int min_end[kSubTiles];
+  LoadMinEnds<kBN, kSubTiles>(p, it, n_pre, min_end);
+  return TileNeedsMaskGiven<kBN, kSubTiles>(p, it, n_pre, w0, w1, min_end);
 }
 
 // Writes the fp32 accumulator acc (element i at (row, col) = coords(i) of its tile) as bf16 to
@@ -383,22 +423,47 @@ __device__ __forceinline__ void RescaleRows(TO& o, const float (&alpha)[2]) {
 }
 
 // Sets s to -inf where query row i0 + row does not see key j0 + col of the tile; coords holds
-// each element's (row, col) within the (kBM, kBN) tile.
+// each element's (row, col) within the (kBM, kBN) tile. s is a 64 x N wgmma accumulator: elements
+// 4n + {0, 1} of a thread hold columns c, c + 1 of one row and 4n + {2, 3} the same columns of
+// another, c even. So a thread's key_end entries are one pair of adjacent keys per n, read with
+// one 8-byte load (key_end is 16-byte aligned, j0 even), a batch of pairs issued before their
+// compares: their latencies overlap instead of adding up (ncu: one load waited for per column
+// before).
 template <class TS, class TC>
 __device__ __forceinline__ void MaskTile(TS& s, const TC& coords, bool is_prefix, int i0, int j0,
                                          int tokens, int prefix, const int32_t* key_end) {
+  constexpr int kPairs = decltype(size(s))::value / 4;
+  static_assert(kPairs * 4 == decltype(size(s))::value, "a wgmma accumulator: 4 elements per n");
+  if (is_prefix) {
 #pragma unroll
-  for (int i = 0; i < size(s); ++i) {
-    const int query = i0 + get<0>(coords(i));
-    const int key = j0 + get<1>(coords(i));
-    bool visible;
-    if (is_prefix) {
-      visible = key < prefix;
-    } else {
-      const int end = key < tokens ? __ldg(key_end + key) : 0;
-      visible = key <= query && query < end;
+    for (int i = 0; i < size(s); ++i) {
+      if (j0 + get<1>(coords(i)) >= prefix) s(i) = -INFINITY;
     }
-    if (!visible) s(i) = -INFINITY;
+    return;
+  }
+  // kBatch pairs at a time: more would hold more registers across the loads and spill the
+  // forward's consumers (8 pairs spilled the dQ kernel's, all 16 the forward's).
+  constexpr int kBatch = kPairs < 4 ? kPairs : 4;
+  static_assert(kPairs % kBatch == 0, "whole batches of pairs");
+#pragma unroll
+  for (int n0 = 0; n0 < kPairs; n0 += kBatch) {
+    int2 end[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int key = j0 + get<1>(coords(4 * (n0 + b)));
+      if (key + 1 < tokens) {
+        end[b] = __ldg(reinterpret_cast<const int2*>(key_end + key));
+      } else {
+        end[b] = make_int2(key < tokens ? __ldg(key_end + key) : 0, 0);  // keys >= T: hidden
+      }
+    }
+#pragma unroll
+    for (int i = 4 * n0; i < 4 * (n0 + kBatch); ++i) {
+      const int query = i0 + get<0>(coords(i));
+      const int key = j0 + get<1>(coords(i));
+      const int e = i % 2 == 0 ? end[i / 4 - n0].x : end[i / 4 - n0].y;
+      if (!(key <= query && query < e)) s(i) = -INFINITY;
+    }
   }
 }
 
@@ -573,7 +638,7 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
     const int w1 = min(w0 + 64, tokens);
 
     // True when tile `it` needs the mask for this warpgroup's rows (some key of it is hidden from
-    // some row). Its global loads are issued while the tile's Q K^T runs.
+    // some row). Asked directly for a unit's first tile, whose Q K^T runs meanwhile.
     auto needs_mask = [&](int it) {
       return TileNeedsMask<kBN, Traits::kSubTiles>(p, it, n_pre, w0, w1);
     };
@@ -592,6 +657,17 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
       }
     };
 
+    // The facts of the tile after the current one (does it need the mask, which tile follows
+    // it) come from global loads issued one tile early, while the GEMMs run, and read a tile
+    // later: their latency never sits between a tile's Q K^T and its softmax (ncu: the walk's
+    // dependent loads stalled the consumers for a tenth of the samples before).
+    int min_end_ahead[Traits::kSubTiles];  // tile_min_end of `next`
+    int max_end_ahead[Traits::kSubTiles];  // tile_max_end of `next + 1`
+    auto load_ahead = [&](int next) {
+      LoadMinEnds<kBN, Traits::kSubTiles>(p, next, n_pre, min_end_ahead);
+      walk.LoadMaxEnds(next + 1 - n_pre, max_end_ahead);
+    };
+
     RowState<kBN> st;
     float alpha[2];
     clear(acc_o);
@@ -603,6 +679,7 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
       scheduler_arrive();
       bool masked = needs_mask(it);
       int next = walk.Next(it + 1);
+      load_ahead(next);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       pipeline_k.consumer_release(read_k);
@@ -612,14 +689,15 @@ __global__ void __launch_bounds__(ForwardTraits<D>::kThreads, 1)
       to_p();
       it = next;
       while (it < walk.n_total) {
+        masked = TileNeedsMaskGiven<kBN, Traits::kSubTiles>(p, it, n_pre, w0, w1, min_end_ahead);
+        next = walk.NextGiven(it, max_end_ahead);
         pipeline_k.consumer_wait(read_k);
         scheduler_sync();
         WarpgroupGemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         pipeline_v.consumer_wait(read_v);
         WarpgroupGemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         scheduler_arrive();
-        masked = needs_mask(it);
-        next = walk.Next(it + 1);
+        load_ahead(next);
         warpgroup_wait<1>();  // Q K^T of this tile done; P V of the previous one may run on
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);

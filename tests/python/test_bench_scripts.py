@@ -68,7 +68,8 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
 
 def test_packed_transformers_computes_the_per_rollout_gradient():
     """hf-*-packed is the same baseline: transformers keeps packed rollouts apart (position ids
-    restarting at each), so the packed loss's gradient is the per-rollout one (float64; SDPA
+    restarting at each), so the packed loss's gradient is the per-rollout one, with packs padded to
+    one length too (float64; SDPA
     exactly, eager up to its float32 softmax; flex attention has no backward on the CPU)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -93,15 +94,19 @@ def test_packed_transformers_computes_the_per_rollout_gradient():
             torch.nn.init.normal_(p, std=0.3)
         for name, run in [("each", lambda: hf_baseline.hf_gradients(model, batch, advantages, torch.device("cpu"))),
                           ("packed", lambda: hf_baseline.hf_packed_gradients(model, batch, advantages,
-                                                                             torch.device("cpu"), pack_tokens=40))]:
+                                                                             torch.device("cpu"), pack_tokens=40)),
+                          ("padded", lambda: hf_baseline.hf_packed_gradients(model, batch, advantages,
+                                                                             torch.device("cpu"), pack_tokens=40,
+                                                                             pad=True))]:
             model.zero_grad()
             run()
             grads[attention, name] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert len(hf_baseline.packs(batch, 40)) < len(batch)  # some packs hold several rollouts
     for attention, tolerance in (("sdpa", 1e-10), ("eager", 1e-6)):
-        each, packed = grads[attention, "each"], grads[attention, "packed"]
+        each = grads[attention, "each"]
         assert each.norm() > 0
-        assert (packed - each).norm() <= tolerance * each.norm(), attention
+        for packing in ("packed", "padded"):
+            assert (grads[attention, packing] - each).norm() <= tolerance * each.norm(), (attention, packing)
 
 
 def test_packs_keep_file_order_under_the_cap():
