@@ -16,4 +16,5 @@ PYBIND11_MODULE(_core, m) {
   });
   dta::python::RegisterTree(m);
   dta::python::RegisterTrainer(m);
+  dta::python::RegisterRolloutConversion(m);
 }

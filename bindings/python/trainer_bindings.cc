@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bindings/python/bindings.h"
+#include "bindings/python/rollout_conversion.h"
 #include "bindings/python/trainer.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
@@ -29,29 +30,6 @@ namespace py = pybind11;
 
 namespace dta::python {
 namespace {
-
-// One rollout from a dta.Trajectory (already validated by the Python side). Conversion failures
-// (a value outside int32, say) raise TypeError through pybind11.
-Rollout ToRollout(py::handle t) {
-  Rollout r;
-  r.id = t.attr("id").cast<std::string>();
-  r.group = t.attr("group").cast<std::string>();
-  r.tokens = t.attr("tokens").cast<std::vector<TokenId>>();
-  r.loss_mask = t.attr("loss_mask").cast<std::vector<uint8_t>>();
-  r.logprobs = t.attr("logprobs").cast<std::vector<float>>();
-  r.versions = t.attr("versions").cast<std::vector<int32_t>>();
-  r.reward = t.attr("reward").cast<std::optional<double>>();
-  r.advantages = t.attr("advantages").cast<std::vector<float>>();
-  r.ref_logprobs = t.attr("ref_logprobs").cast<std::vector<float>>();
-  return r;
-}
-
-std::vector<Rollout> ToRollouts(const py::sequence& trajectories) {
-  std::vector<Rollout> rollouts;
-  rollouts.reserve(trajectories.size());
-  for (py::handle t : trajectories) rollouts.push_back(ToRollout(t));
-  return rollouts;
-}
 
 // A Python loss behind LossOptions::custom. `fn(index, logprobs, advantages, total_loss_tokens,
 // num_rollouts, entropy, proximal_logprobs)` (None for what was not computed) is dta.trainer's

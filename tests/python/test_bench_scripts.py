@@ -114,3 +114,21 @@ def test_packs_keep_file_order_under_the_cap():
                             logprobs=[-1.0] * n, reward=0.0) for i, n in enumerate([5, 5, 9, 30, 2, 2])]
     assert hf_baseline.packs(batch, 10) == [[0, 1], [2], [3], [4, 5]]
     assert hf_baseline.packs(batch, 1000) == [[0, 1, 2, 3, 4, 5]]
+
+
+def test_python_overhead_times_both_checks_of_a_batch(tmp_path):
+    batch = [dta.Trajectory(id=f"r{i}", group="g", tokens=list(range(1, 30 + i)), loss_mask=[0] + [1] * (28 + i),
+                            logprobs=[-1.0] * (29 + i), reward=float(i)) for i in range(5)]
+    rollouts = tmp_path / "rollouts.jsonl"
+    dta.write_jsonl(rollouts, batch)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "python_overhead.py"), f"--rollouts={rollouts}",
+                          "--repeats=2"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == f"5 trajectories, {sum(29 + i for i in range(5))} tokens, vocabulary 151,936"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        "Python validation of every trajectory (before)", "C++ check of plain trajectories (now)",
+        "Trainer._checked, all of it (now)"]
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "python_overhead.py"), f"--rollouts={rollouts}",
+                          "--repeats=0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr

@@ -67,3 +67,63 @@ def test_whole_list_checks_accept_exactly_what_the_per_value_rules_accept(monkey
                                               ([0, 1000], False), ([-1, 5], False), ([np.int64(1)], False)])
 def test_plain_ints_within(values, expected):
     assert trajectory._plain_ints_within(values, 0, 1000) is expected
+
+
+# dta.Trainer skips Python's validation for the trajectories _core.first_unchecked_trajectory
+# passes (plain Python values checked in C++). Values of plain types only: there it must agree with
+# validate exactly; with any values (numpy's, strings, None) it may only fail more.
+PLAIN_TYPES = (int, float, bool, type(None))
+OTHER_FIELDS = {
+    "id": ["t", "", 7],
+    "group": ["g", "", None],
+    "reward": [None, 1.0, 2, -3.5, 1e30, -1e31, math.nan, math.inf, True, "1", np.float64(1.0)],
+    "metadata": [{}, {"k": "v"}, {"k": 1}, {2: "v"}],
+}
+
+
+def with_other_fields(t: Trajectory, rng: random.Random) -> Trajectory:
+    for name, values in OTHER_FIELDS.items():
+        if rng.random() < 0.2:
+            setattr(t, name, rng.choice(values))
+    return t
+
+
+def is_plain(t: Trajectory) -> bool:
+    lists = (t.tokens, t.loss_mask, t.logprobs, t.versions, t.advantages, t.ref_logprobs)
+    return (all(type(x) in PLAIN_TYPES for values in lists for x in values) and type(t.reward) in PLAIN_TYPES
+            and type(t.id) in (str, int) and type(t.group) in (str, type(None))
+            and all(type(x) in (str, int) for item in t.metadata.items() for x in item))
+
+
+def test_the_cpp_check_passes_only_what_validate_accepts():
+    from dta import _core
+
+    rng = random.Random(12)
+    counts = {"plain passed": 0, "plain refused": 0, "other refused": 0}
+    for _ in range(4000):
+        t, vocab = with_other_fields(random_trajectory(rng), rng), rng.choice([None, 1000])
+        passed = _core.first_unchecked_trajectory([t], 0, vocab or 0, Trajectory) == 1
+        ok = outcome(t, vocab) == "ok"
+        if is_plain(t):
+            assert passed == ok, (t, vocab, outcome(t, vocab))
+            counts["plain passed" if passed else "plain refused"] += 1
+        else:
+            assert not passed or ok, (t, vocab)
+            counts["other refused"] += not passed
+    assert min(counts.values()) > 300, counts
+
+
+def test_the_cpp_check_leaves_subclasses_and_other_objects_to_python():
+    from dta import _core
+
+    class Tagged(Trajectory):
+        pass
+
+    good = dict(id="a", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0])
+    batch = [Trajectory(**good), Tagged(**good), Trajectory(**good), "not a trajectory", Trajectory(**good)]
+    assert [_core.first_unchecked_trajectory(batch, start, 0, Trajectory) for start in range(6)] == [1, 1, 3, 3, 5, 5]
+    # tuples and numpy arrays are valid but not plain lists: Python's validate decides.
+    for field, value in (("tokens", (1, 2)), ("logprobs", np.array([0.0, -1.0]))):
+        t = Trajectory(**{**good, field: value})
+        t.validate()
+        assert _core.first_unchecked_trajectory([t], 0, 0, Trajectory) == 0

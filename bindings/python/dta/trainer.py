@@ -858,14 +858,21 @@ class Trainer:
         non-empty with at least one trained token (so that no optimizer step follows a batch that
         trains nothing)."""
         batch = list(trajectories)
+        # Trajectories of plain Python values are checked in C++ by the same rules, one pass over
+        # each list (about 3x faster on long rollouts); `unchecked` is the next one it does not
+        # pass, validated here, which names the broken rule or accepts what the C++ check does not
+        # cover (numpy values, subclasses).
+        unchecked = _core.first_unchecked_trajectory(batch, 0, self.vocab_size, Trajectory)
         first_of: dict[str, int] = {}
         for i, t in enumerate(batch):
-            if not isinstance(t, Trajectory):
-                raise TypeError(f"trajectory {i}: expected dta.Trajectory, got {type(t).__name__}")
-            try:
-                t.validate(self.vocab_size)
-            except ValueError as e:
-                raise ValueError(f"trajectory {i} ({t.id!r}): {e}") from None
+            if i == unchecked:
+                if not isinstance(t, Trajectory):
+                    raise TypeError(f"trajectory {i}: expected dta.Trajectory, got {type(t).__name__}")
+                try:
+                    t.validate(self.vocab_size)
+                except ValueError as e:
+                    raise ValueError(f"trajectory {i} ({t.id!r}): {e}") from None
+                unchecked = _core.first_unchecked_trajectory(batch, i + 1, self.vocab_size, Trajectory)
             if t.id in first_of:
                 raise ValueError(f"trajectory {i} ({t.id!r}): field 'id': the same id as trajectory "
                                  f"{first_of[t.id]} (ids must be unique within a batch)")

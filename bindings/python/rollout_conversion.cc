@@ -1,0 +1,207 @@
+// dta.Trajectory -> Rollout through the CPython C API where the values are plain Python objects
+// (bindings/python/rollout_conversion.h).
+#include "bindings/python/rollout_conversion.h"
+
+#include "bindings/python/bindings.h"
+
+#include <Python.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace dta::python {
+namespace {
+
+// dta.trajectory's limits: token ids and versions below 2^31, per-token floats finite in float32
+// (below FLT_MAX plus half an ulp, the smallest magnitude that rounds to infinity).
+constexpr int64_t kTokenLimit = int64_t{1} << 31;
+constexpr double kFloat32Overflow = 3.4028235677973366e38;
+// Ints in float fields are checked exactly only below 2^53 (where a double holds them).
+constexpr int64_t kExactDoubleInt = int64_t{1} << 53;
+
+// The value of an exact Python int (not a bool, whose type is a subclass), if it fits int64.
+std::optional<int64_t> PlainInt(PyObject* item) {
+  if (!PyLong_CheckExact(item)) return std::nullopt;
+  int overflow = 0;
+  const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+  if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return value;
+}
+
+// The value of an exact Python float, or of an exact int below 2^53 in magnitude.
+std::optional<double> PlainNumber(PyObject* item) {
+  if (PyFloat_CheckExact(item)) return PyFloat_AS_DOUBLE(item);
+  const std::optional<int64_t> i = PlainInt(item);
+  if (i && *i > -kExactDoubleInt && *i < kExactDoubleInt) return static_cast<double>(*i);
+  return std::nullopt;
+}
+
+// 0 or 1 from False, True, 0 or 1 (the loss mask's plain values).
+std::optional<uint8_t> PlainBit(PyObject* item) {
+  if (item == Py_False) return 0;
+  if (item == Py_True) return 1;
+  const std::optional<int64_t> i = PlainInt(item);
+  if (i && (*i == 0 || *i == 1)) return static_cast<uint8_t>(*i);
+  return std::nullopt;
+}
+
+// The attribute `name` of t (a new reference, released with the object).
+py::object Field(py::handle t, const char* name) { return t.attr(name); }
+
+// True when `values` is an exact list whose length is n (or 0 where `optional`) and every item
+// passes `ok`.
+template <class Ok>
+bool PlainList(py::handle values, Py_ssize_t n, bool optional, Ok&& ok) {
+  PyObject* list = values.ptr();
+  if (!PyList_CheckExact(list)) return false;
+  const Py_ssize_t size = PyList_GET_SIZE(list);
+  if (size != n && !(optional && size == 0)) return false;
+  for (Py_ssize_t i = 0; i < size; ++i) {
+    if (!ok(PyList_GET_ITEM(list, i))) return false;
+  }
+  return true;
+}
+
+bool FiniteFloat32(PyObject* item) {
+  const std::optional<double> v = PlainNumber(item);
+  return v && std::isfinite(*v) && std::fabs(*v) < kFloat32Overflow;
+}
+
+bool PassesPlainChecks(py::handle t, int64_t vocab_size) {
+  const py::object id = Field(t, "id");
+  if (!PyUnicode_CheckExact(id.ptr()) || PyUnicode_GET_LENGTH(id.ptr()) == 0) return false;
+  if (!PyUnicode_CheckExact(Field(t, "group").ptr())) return false;
+  const py::object tokens = Field(t, "tokens");
+  if (!PyList_CheckExact(tokens.ptr())) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(tokens.ptr());
+  if (n == 0) return false;
+  const int64_t limit = vocab_size > 0 ? vocab_size : kTokenLimit;
+  const auto token_ok = [limit](PyObject* item) {
+    const std::optional<int64_t> v = PlainInt(item);
+    return v && *v >= 0 && *v < limit;
+  };
+  if (!PlainList(tokens, n, false, token_ok)) return false;
+  const py::object mask = Field(t, "loss_mask");
+  if (!PlainList(mask, n, false, [](PyObject* item) { return PlainBit(item).has_value(); }) ||
+      *PlainBit(PyList_GET_ITEM(mask.ptr(), 0)) != 0) {
+    return false;
+  }
+  if (!PlainList(Field(t, "logprobs"), n, false, FiniteFloat32) ||
+      !PlainList(Field(t, "advantages"), n, true, FiniteFloat32) ||
+      !PlainList(Field(t, "ref_logprobs"), n, true, FiniteFloat32)) {
+    return false;
+  }
+  const auto version_ok = [](PyObject* item) {
+    const std::optional<int64_t> v = PlainInt(item);
+    return v && *v >= -1 && *v < kTokenLimit;
+  };
+  if (!PlainList(Field(t, "versions"), n, true, version_ok)) return false;
+  const py::object reward = Field(t, "reward");
+  if (!reward.is_none()) {
+    const std::optional<double> r = PlainNumber(reward.ptr());
+    if (!r || !std::isfinite(*r) || std::fabs(*r) > kMaxAbsReward) return false;
+  }
+  const py::object metadata = Field(t, "metadata");
+  if (!PyDict_CheckExact(metadata.ptr())) return false;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t at = 0;
+  while (PyDict_Next(metadata.ptr(), &at, &key, &value)) {
+    if (!PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(value)) return false;
+  }
+  return true;
+}
+
+// A list's items as T through `plain` when every item is a plain value it takes; else nullopt.
+template <class T, class Plain>
+std::optional<std::vector<T>> PlainValues(py::handle values, Plain&& plain) {
+  PyObject* list = values.ptr();
+  if (!PyList_CheckExact(list)) return std::nullopt;
+  const Py_ssize_t size = PyList_GET_SIZE(list);
+  std::vector<T> out(static_cast<size_t>(size));
+  for (Py_ssize_t i = 0; i < size; ++i) {
+    const std::optional<T> v = plain(PyList_GET_ITEM(list, i));
+    if (!v) return std::nullopt;
+    out[static_cast<size_t>(i)] = *v;
+  }
+  return out;
+}
+
+// values as std::vector<T>: the plain path, else pybind11's cast (which raises on what it cannot
+// convert, as it always did here).
+template <class T, class Plain>
+std::vector<T> Values(py::handle values, Plain&& plain) {
+  std::optional<std::vector<T>> out = PlainValues<T>(values, plain);
+  return out ? std::move(*out) : values.cast<std::vector<T>>();
+}
+
+// An int32 from a plain int in int32's range (pybind11's cast raises outside it).
+std::optional<int32_t> PlainInt32(PyObject* item) {
+  const std::optional<int64_t> v = PlainInt(item);
+  if (!v || *v < INT32_MIN || *v > INT32_MAX) return std::nullopt;
+  return static_cast<int32_t>(*v);
+}
+
+// A float from a plain float or int, rounded as pybind11's float cast rounds (double -> float).
+std::optional<float> PlainFloat(PyObject* item) {
+  const std::optional<double> v = PlainNumber(item);
+  if (!v) return std::nullopt;
+  return static_cast<float>(*v);
+}
+
+Rollout ToRollout(py::handle t) {
+  Rollout r;
+  r.id = t.attr("id").cast<std::string>();
+  r.group = t.attr("group").cast<std::string>();
+  r.tokens = Values<TokenId>(Field(t, "tokens"), PlainInt32);
+  r.loss_mask = Values<uint8_t>(Field(t, "loss_mask"), PlainBit);
+  r.logprobs = Values<float>(Field(t, "logprobs"), PlainFloat);
+  r.versions = Values<int32_t>(Field(t, "versions"), PlainInt32);
+  r.reward = t.attr("reward").cast<std::optional<double>>();
+  r.advantages = Values<float>(Field(t, "advantages"), PlainFloat);
+  r.ref_logprobs = Values<float>(Field(t, "ref_logprobs"), PlainFloat);
+  return r;
+}
+
+}  // namespace
+
+std::vector<Rollout> ToRollouts(const py::sequence& trajectories) {
+  std::vector<Rollout> rollouts;
+  rollouts.reserve(trajectories.size());
+  for (py::handle t : trajectories) rollouts.push_back(ToRollout(t));
+  return rollouts;
+}
+
+int64_t FirstUncheckedTrajectory(const py::sequence& trajectories, int64_t start,
+                                 int64_t vocab_size, py::handle cls) {
+  const int64_t size = static_cast<int64_t>(trajectories.size());
+  for (int64_t i = std::max<int64_t>(start, 0); i < size; ++i) {
+    const py::object t = trajectories[static_cast<size_t>(i)];
+    if (Py_TYPE(t.ptr()) != reinterpret_cast<PyTypeObject*>(cls.ptr()) ||
+        !PassesPlainChecks(t, vocab_size)) {
+      return i;
+    }
+  }
+  return size;
+}
+
+void RegisterRolloutConversion(py::module_& m) {
+  m.def("first_unchecked_trajectory", &FirstUncheckedTrajectory, py::arg("trajectories"),
+        py::arg("start"), py::arg("vocab_size"), py::arg("cls"),
+        "The index of the first trajectory in trajectories[start:] made of other than plain "
+        "Python values or breaking a rule of dta.Trajectory.validate, else len(trajectories).");
+}
+
+}  // namespace dta::python
