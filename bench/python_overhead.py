@@ -1,8 +1,10 @@
 """The host time dta.Trainer spends checking a batch before its executor runs: the per-trajectory
 Python validation it ran on every trajectory until session 18, beside the C++ check it runs now
 (`_core.first_unchecked_trajectory`, with the Python validation only for trajectories the check
-does not pass) and the whole of `Trainer._checked`. Nothing here needs a GPU or a model: the
-vocabulary size is the only part of the trainer the checks read.
+does not pass) and the whole of `Trainer._checked`; and `dta.from_areal` of every trajectory
+(AReaL's [1, L] tensors to a validated Trajectory, what dta's AReaL engine runs on each batch).
+Nothing here needs a GPU or a model: the vocabulary size is the only part of the trainer the
+checks read.
 
   build/bin/dta-workload --preset=tau2 --seed=1 --scale=0.25 --out=tau2.jsonl
   python bench/python_overhead.py --rollouts=tau2.jsonl [--vocab_size=151936] [--repeats=5]
@@ -44,10 +46,14 @@ def main() -> int:
     python = best_ms(lambda: [t.validate(args.vocab_size) for t in batch], args.repeats)
     cpp = best_ms(lambda: _core.first_unchecked_trajectory(batch, 0, args.vocab_size, Trajectory), args.repeats)
     checked = best_ms(lambda: dta.Trainer._checked(trainer, batch, training=True), args.repeats)
+    areal = [dta.to_areal(t, shifted=False) for t in batch]
+    converted = best_ms(lambda: [dta.from_areal(d, id=t.id, group=t.group, shifted=False, vocab_size=args.vocab_size)
+                                 for d, t in zip(areal, batch)], args.repeats)
     print(f"{len(batch)} trajectories, {tokens:,} tokens, vocabulary {args.vocab_size:,}")
     print(f"Python validation of every trajectory (before): {python:8.2f} ms")
     print(f"C++ check of plain trajectories (now):          {cpp:8.2f} ms ({python / max(cpp, 1e-9):.0f}x)")
     print(f"Trainer._checked, all of it (now):              {checked:8.2f} ms")
+    print(f"from_areal of every trajectory:                 {converted:8.2f} ms")
     return 0
 
 

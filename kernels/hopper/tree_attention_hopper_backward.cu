@@ -28,13 +28,14 @@ BackwardParams<D> MakeBackwardParams(const TreeAttentionParams& p) {
   return bp;
 }
 
-template <class Kernel, class Params>
+// kernel on ctas CTAs of BackwardTraits<D>::kThreads threads.
+template <int D, class Kernel, class Params>
 cudaError_t Launch(Kernel kernel, int64_t ctas, int smem, const Params& params,
                    cudaStream_t stream) {
   if (ctas <= 0 || ctas > INT32_MAX) return cudaErrorInvalidValue;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(ctas), BackwardTraits<128>::kThreads, smem, stream>>>(params);
+  kernel<<<static_cast<unsigned>(ctas), BackwardTraits<D>::kThreads, smem, stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -49,7 +50,7 @@ cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPa
   switch (part) {
     case TreeAttentionBackwardPart::kDq: {
       const int64_t m_blocks = (p.tokens + Traits::kDqBM - 1) / Traits::kDqBM;
-      return Launch(HopperDqKernel<D>, m_blocks * p.q_heads, Traits::kDqSmemBytes, bp, stream);
+      return Launch<D>(HopperDqKernel<D>, m_blocks * p.q_heads, Traits::kDqSmemBytes, bp, stream);
     }
     case TreeAttentionBackwardPart::kDkDv: {
       if (p.row_stats == nullptr) return cudaErrorInvalidValue;
@@ -62,7 +63,7 @@ cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPa
       const cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
       const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
-      return Launch(HopperDkDvKernel<D>, tiles * p.kv_heads, Traits::kDkDvSmemBytes, bp, stream);
+      return Launch<D>(HopperDkDvKernel<D>, tiles * p.kv_heads, Traits::kDkDvSmemBytes, bp, stream);
     }
     default:
       return cudaErrorInvalidValue;

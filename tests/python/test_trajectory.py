@@ -248,6 +248,35 @@ def test_areal_round_trip(shifted):
         assert from_areal(d, id=t.id, group=t.group, shifted=shifted) == dataclasses.replace(t, metadata={})
 
 
+def test_from_areal_converts_every_dtype_as_int_and_float_do():
+    """from_areal converts through the tensors (a cast, then tolist); the values must be those of
+    int() and float() of each element, for the dtypes AReaL and users hand over."""
+    gen = torch.Generator().manual_seed(3)
+    n = 40
+    ids = torch.randint(0, 1000, (1, n), generator=gen)
+    mask = torch.rand(1, n, generator=gen) < 0.5
+    mask[0, 0] = False
+    logprobs = -torch.rand(1, n, generator=gen, dtype=torch.float64) * 5
+    for ids_dtype, mask_dtype, float_dtype in [(torch.int64, torch.bool, torch.float32),
+                                               (torch.int32, torch.float32, torch.bfloat16),
+                                               (torch.int16, torch.int64, torch.float16),
+                                               (torch.uint8, torch.uint8, torch.float64)]:
+        d = {"input_ids": (ids % 256).to(ids_dtype), "loss_mask": mask.to(mask_dtype),
+             "logprobs": logprobs.to(float_dtype), "versions": torch.where(mask, 3.0, -1.0).to(float_dtype),
+             "advantages": (logprobs * -0.3).to(float_dtype), "ref_logp": (logprobs * 1.1).to(float_dtype)}
+        t = from_areal(d, id="x", shifted=False)
+        expected = Trajectory(id="x", tokens=[int(v) for v in d["input_ids"][0].tolist()],
+                              loss_mask=[int(v) for v in d["loss_mask"][0].tolist()],
+                              logprobs=[float(v) for v in d["logprobs"][0].tolist()],
+                              versions=[int(v) for v in d["versions"][0].tolist()],
+                              advantages=[float(v) for v in d["advantages"][0].tolist()],
+                              ref_logprobs=[float(v) for v in d["ref_logp"][0].tolist()])
+        assert t == expected, (ids_dtype, mask_dtype, float_dtype)
+        for name in ("tokens", "loss_mask", "logprobs", "versions", "advantages", "ref_logprobs"):
+            kinds = {type(v) for v in getattr(t, name)}
+            assert kinds == ({int} if name in ("tokens", "loss_mask", "versions") else {float}), (name, kinds)
+
+
 def test_areal_conventions_match_areals_own_tensors():
     t = without_extras(full(7, length=12))
     workflow = areal_rollout(t)
