@@ -57,9 +57,6 @@ std::optional<uint8_t> PlainBit(PyObject* item) {
   return std::nullopt;
 }
 
-// The attribute `name` of t (a new reference, released with the object).
-py::object Field(py::handle t, const char* name) { return t.attr(name); }
-
 // True when `values` is an exact list whose length is n (or 0 where `optional`) and every item
 // passes `ok`.
 template <class Ok>
@@ -80,10 +77,10 @@ bool FiniteFloat32(PyObject* item) {
 }
 
 bool PassesPlainChecks(py::handle t, int64_t vocab_size) {
-  const py::object id = Field(t, "id");
+  const py::object id = t.attr("id");
   if (!PyUnicode_CheckExact(id.ptr()) || PyUnicode_GET_LENGTH(id.ptr()) == 0) return false;
-  if (!PyUnicode_CheckExact(Field(t, "group").ptr())) return false;
-  const py::object tokens = Field(t, "tokens");
+  if (!PyUnicode_CheckExact(t.attr("group").ptr())) return false;
+  const py::object tokens = t.attr("tokens");
   if (!PyList_CheckExact(tokens.ptr())) return false;
   const Py_ssize_t n = PyList_GET_SIZE(tokens.ptr());
   if (n == 0) return false;
@@ -93,27 +90,27 @@ bool PassesPlainChecks(py::handle t, int64_t vocab_size) {
     return v && *v >= 0 && *v < limit;
   };
   if (!PlainList(tokens, n, false, token_ok)) return false;
-  const py::object mask = Field(t, "loss_mask");
+  const py::object mask = t.attr("loss_mask");
   if (!PlainList(mask, n, false, [](PyObject* item) { return PlainBit(item).has_value(); }) ||
       *PlainBit(PyList_GET_ITEM(mask.ptr(), 0)) != 0) {
     return false;
   }
-  if (!PlainList(Field(t, "logprobs"), n, false, FiniteFloat32) ||
-      !PlainList(Field(t, "advantages"), n, true, FiniteFloat32) ||
-      !PlainList(Field(t, "ref_logprobs"), n, true, FiniteFloat32)) {
+  if (!PlainList(t.attr("logprobs"), n, false, FiniteFloat32) ||
+      !PlainList(t.attr("advantages"), n, true, FiniteFloat32) ||
+      !PlainList(t.attr("ref_logprobs"), n, true, FiniteFloat32)) {
     return false;
   }
   const auto version_ok = [](PyObject* item) {
     const std::optional<int64_t> v = PlainInt(item);
     return v && *v >= -1 && *v < kTokenLimit;
   };
-  if (!PlainList(Field(t, "versions"), n, true, version_ok)) return false;
-  const py::object reward = Field(t, "reward");
+  if (!PlainList(t.attr("versions"), n, true, version_ok)) return false;
+  const py::object reward = t.attr("reward");
   if (!reward.is_none()) {
     const std::optional<double> r = PlainNumber(reward.ptr());
     if (!r || !std::isfinite(*r) || std::fabs(*r) > kMaxAbsReward) return false;
   }
-  const py::object metadata = Field(t, "metadata");
+  const py::object metadata = t.attr("metadata");
   if (!PyDict_CheckExact(metadata.ptr())) return false;
   PyObject* key = nullptr;
   PyObject* value = nullptr;
@@ -165,13 +162,13 @@ Rollout ToRollout(py::handle t) {
   Rollout r;
   r.id = t.attr("id").cast<std::string>();
   r.group = t.attr("group").cast<std::string>();
-  r.tokens = Values<TokenId>(Field(t, "tokens"), PlainInt32);
-  r.loss_mask = Values<uint8_t>(Field(t, "loss_mask"), PlainBit);
-  r.logprobs = Values<float>(Field(t, "logprobs"), PlainFloat);
-  r.versions = Values<int32_t>(Field(t, "versions"), PlainInt32);
+  r.tokens = Values<TokenId>(t.attr("tokens"), PlainInt32);
+  r.loss_mask = Values<uint8_t>(t.attr("loss_mask"), PlainBit);
+  r.logprobs = Values<float>(t.attr("logprobs"), PlainFloat);
+  r.versions = Values<int32_t>(t.attr("versions"), PlainInt32);
   r.reward = t.attr("reward").cast<std::optional<double>>();
-  r.advantages = Values<float>(Field(t, "advantages"), PlainFloat);
-  r.ref_logprobs = Values<float>(Field(t, "ref_logprobs"), PlainFloat);
+  r.advantages = Values<float>(t.attr("advantages"), PlainFloat);
+  r.ref_logprobs = Values<float>(t.attr("ref_logprobs"), PlainFloat);
   return r;
 }
 

@@ -421,7 +421,8 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
         if not isinstance(rewards, torch.Tensor) or rewards.numel() != 1:
             raise _field_error("rewards", "must be a tensor with one value ([1])")
         reward = float(rewards.reshape(()).item())
-    versions = per_token("versions") if d.get("versions") is not None else None
+    mask = mask.to(torch.int64)
+    versions = per_token("versions").to(torch.int64) if d.get("versions") is not None else None
     trajectory = Trajectory(
         id=id,
         group=group,
@@ -435,7 +436,7 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
     )
     _validate(trajectory, vocab_size)
     if versions is not None:
-        _check_trained_tokens_generated(mask.to(torch.int64), versions.to(torch.int64), shifted)
+        _check_trained_tokens_generated(mask, versions, shifted)
     return trajectory
 
 
