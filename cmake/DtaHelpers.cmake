@@ -6,7 +6,15 @@
 
 include(GoogleTest)
 
-set(DTA_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare)
+# -Wno-missing-field-initializers: GCC before 14 warns about every member a C++20 designated
+# initializer leaves to its default member initializer, which is how options structs are written
+# here (GCC bug 96868).
+set(DTA_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare -Wno-missing-field-initializers)
+# GCC 12 at -O3 (Release) reports -Wrestrict overlaps inside std::string's operator+ that cannot
+# happen (GCC bug 105651, fixed in 13).
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
+  list(APPEND DTA_WARNINGS -Wno-restrict)
+endif()
 
 function(dta_cc_library)
   cmake_parse_arguments(DTA "" "NAME" "SRCS;HDRS;DEPS" ${ARGN})

@@ -275,8 +275,8 @@ SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at
               "SwiGluBackward: stacked gradients need 2-D gate and up of one dtype, got ",
               gate.sizes(), " ", gate.scalar_type(), " and ", up.scalar_type());
   if (UseCuda({&d, &gate, &up})) {
-    SwiGluGrads grads{.product =
-                          with_product ? at::empty(gate.sizes(), gate.options()) : at::Tensor()};
+    SwiGluGrads grads;
+    if (with_product) grads.product = at::empty(gate.sizes(), gate.options());
     int64_t out_ld = gate.size(-1);
     if (stacked) {
       grads.stacked = at::empty({gate.size(0), 2 * gate.size(1)}, gate.options());
@@ -301,7 +301,8 @@ SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at
   const at::Tensor dgate = g * uc * sigmoid * (1 + gc * (1 - sigmoid));
   SwiGluGrads grads{.dgate = dgate.to(gate.scalar_type()),
                     .dup = (g * gc * sigmoid).to(up.scalar_type()),
-                    .product = with_product ? SwiGluForward(gate, up) : at::Tensor()};
+                    .product = with_product ? SwiGluForward(gate, up) : at::Tensor(),
+                    .stacked = at::Tensor()};
   if (stacked) {
     grads.stacked = at::cat({grads.dgate, grads.dup}, 1);
     grads.dgate = grads.stacked.narrow(1, 0, gate.size(1));

@@ -1,5 +1,7 @@
 #include "kernels/tree_attention_reference.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 
 #include "kernels/tree_attention_internal.h"
@@ -44,12 +46,55 @@ at::Tensor AllKeysPerQueryHead(const at::Tensor& prefix, const at::Tensor& chunk
   return rows.permute({1, 0, 2});
 }
 
-// Scaled scores [Hq, T, L] of q against keys [Hq, L, D]; entries that `visible` ([T, L] bool, or
-// undefined: all) hides are -inf.
-at::Tensor Scores(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& visible,
-                  double scale, at::ScalarType type) {
-  const at::Tensor scores = at::matmul(q.to(type).permute({1, 0, 2}), keys.transpose(1, 2)) * scale;
-  if (!visible.defined()) return scores;
+// Which keys the queries see: a tree mask over the prefix and the chunk (key_end defined, as
+// kLong), or every key (undefined). Under a tree mask chunk key j is hidden from every query i < j,
+// so query rows [r0, r1) see at most the first P + r1 keys.
+struct Visibility {
+  at::Tensor key_end;
+  int64_t prefix = 0;
+};
+
+Visibility TreeVisibility(const at::Tensor& key_end, int64_t prefix) {
+  return {.key_end = key_end.to(at::kLong), .prefix = prefix};
+}
+
+// The keys (of `keys` in all) that query rows [r0, r1) may see.
+int64_t VisibleKeys(const Visibility& visibility, int64_t keys, int64_t r1) {
+  return visibility.key_end.defined() ? visibility.prefix + r1 : keys;
+}
+
+// Rows [r0, r1) of TreeAttentionMask over the keys they may see: [r1 - r0, P + r1] bool.
+at::Tensor MaskRows(const at::Tensor& ends, int64_t prefix, int64_t r0, int64_t r1) {
+  const at::Tensor query = at::arange(r0, r1, ends.options()).unsqueeze(1);  // i
+  const at::Tensor key = at::arange(r1, ends.options()).unsqueeze(0);        // j
+  const at::Tensor chunk = key.le(query).logical_and(query.lt(ends.slice(0, 0, r1).unsqueeze(0)));
+  if (prefix == 0) return chunk;
+  return at::cat({at::ones({r1 - r0, prefix}, chunk.options()), chunk}, 1);
+}
+
+// Attention runs over blocks of query rows whose [Hq, rows, L] scores hold about kBlockScores
+// values (at least kMinBlockRows rows), so memory is O(Hq * rows * L) instead of O(Hq * T * L)
+// (a 10,000-token chain's full scores take gigabytes) and a tree mask's block skips the keys no row
+// of it sees. A row's softmax never spans blocks; only dK and dV sum over them.
+constexpr int64_t kBlockScores = int64_t{1} << 22;
+constexpr int64_t kMinBlockRows = 64;
+
+template <class Body>
+void ForEachRowBlock(int64_t tokens, int64_t heads, int64_t keys, const Body& body) {
+  const int64_t rows =
+      std::max<int64_t>(kMinBlockRows, kBlockScores / std::max<int64_t>(1, heads * keys));
+  for (int64_t r0 = 0; r0 < tokens; r0 += rows) body(r0, std::min(tokens, r0 + rows));
+}
+
+// Scaled scores [Hq, r1 - r0, l] of query rows [r0, r1) of q_heads [Hq, T, D] against the first l
+// keys of keys [Hq, L, D]; entries the visibility hides are -inf.
+at::Tensor BlockScores(const at::Tensor& q_heads, const at::Tensor& keys,
+                       const Visibility& visibility, int64_t r0, int64_t r1, int64_t l,
+                       double scale) {
+  const at::Tensor scores =
+      at::matmul(q_heads.slice(1, r0, r1), keys.slice(1, 0, l).transpose(1, 2)) * scale;
+  if (!visibility.key_end.defined()) return scores;
+  const at::Tensor visible = MaskRows(visibility.key_end, visibility.prefix, r0, r1);
   return scores.masked_fill(visible.to(scores.device()).logical_not().unsqueeze(0),
                             -std::numeric_limits<double>::infinity());
 }
@@ -62,15 +107,24 @@ at::Tensor SumGroups(const at::Tensor& per_q_head, int64_t kv_heads) {
       .permute({1, 0, 2});
 }
 
-// Softmax attention of q [T, Hq, D] over keys and values [Hq, L, D] with the `visible` mask.
+// Softmax attention of q [T, Hq, D] over keys and values [Hq, L, D] as `visibility` allows.
 TreeAttentionOutput Attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& visible, double scale) {
+                           const Visibility& visibility, double scale) {
   const at::ScalarType type = ComputeType(q);
-  const at::Tensor scores = Scores(q, keys, visible, scale, type);
-  const at::Tensor lse = at::logsumexp(scores, -1);  // [Hq, T]
-  const at::Tensor probs = at::exp(scores - lse.unsqueeze(-1));
-  const at::Tensor out = at::matmul(probs, values).permute({1, 0, 2});  // [T, Hq, D]
-  return {out.to(q.scalar_type()).contiguous(), lse.contiguous()};
+  const at::Tensor q_heads = q.to(type).permute({1, 0, 2});  // [Hq, T, D]
+  const int64_t heads = q_heads.size(0);
+  const int64_t tokens = q_heads.size(1);
+  at::Tensor out = at::empty({heads, tokens, values.size(2)}, q_heads.options());
+  at::Tensor lse = at::empty({heads, tokens}, q_heads.options());
+  ForEachRowBlock(tokens, heads, keys.size(1), [&](int64_t r0, int64_t r1) {
+    const int64_t l = VisibleKeys(visibility, keys.size(1), r1);
+    const at::Tensor scores = BlockScores(q_heads, keys, visibility, r0, r1, l, scale);
+    const at::Tensor block_lse = at::logsumexp(scores, -1);  // [Hq, rows]
+    lse.slice(1, r0, r1).copy_(block_lse);
+    out.slice(1, r0, r1).copy_(
+        at::matmul(at::exp(scores - block_lse.unsqueeze(-1)), values.slice(1, 0, l)));
+  });
+  return {out.permute({1, 0, 2}).to(q.scalar_type()).contiguous(), lse};
 }
 
 // Attend's gradients in the compute dtype: dq [T, Hq, D], and dk, dv [L, Hkv, D]. out and lse may
@@ -80,34 +134,42 @@ struct AttendGrads {
   at::Tensor dq, dk, dv;
 };
 AttendGrads AttendBackward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& keys,
-                           const at::Tensor& values, const at::Tensor& visible,
+                           const at::Tensor& values, const Visibility& visibility,
                            const at::Tensor& out, const at::Tensor& lse, double scale,
                            int64_t kv_heads) {
   const at::ScalarType type = ComputeType(q);
-  const at::Tensor scores = Scores(q, keys, visible, scale, type);
-  const at::Tensor probs = at::exp(scores - lse.to(type).unsqueeze(-1));  // [Hq, T, L]
-  const at::Tensor d_out = grad_out.to(type).permute({1, 0, 2});          // [Hq, T, D]
-  const at::Tensor row_dot = (d_out * out.to(type).permute({1, 0, 2})).sum(-1, true);
-  const at::Tensor d_probs = at::matmul(d_out, values.transpose(1, 2));  // [Hq, T, L]
-  const at::Tensor d_scores = probs * (d_probs - row_dot);
+  const at::Tensor q_heads = q.to(type).permute({1, 0, 2});       // [Hq, T, D]
+  const at::Tensor d_out = grad_out.to(type).permute({1, 0, 2});  // [Hq, T, D]
+  const at::Tensor out_heads = out.to(type).permute({1, 0, 2});   // [Hq, T, D]
+  const at::Tensor lse_type = lse.to(type);                       // [Hq, T]
+  const int64_t heads = q_heads.size(0);
+  const int64_t tokens = q_heads.size(1);
+  at::Tensor dq = at::empty({heads, tokens, q_heads.size(2)}, q_heads.options());
+  at::Tensor dk = at::zeros({heads, keys.size(1), keys.size(2)}, q_heads.options());
+  at::Tensor dv = at::zeros({heads, values.size(1), values.size(2)}, q_heads.options());
+  ForEachRowBlock(tokens, heads, keys.size(1), [&](int64_t r0, int64_t r1) {
+    const int64_t l = VisibleKeys(visibility, keys.size(1), r1);
+    const at::Tensor block_keys = keys.slice(1, 0, l);
+    const at::Tensor block_q = q_heads.slice(1, r0, r1);
+    const at::Tensor block_d_out = d_out.slice(1, r0, r1);
+    const at::Tensor scores = BlockScores(q_heads, keys, visibility, r0, r1, l, scale);
+    const at::Tensor probs = at::exp(scores - lse_type.slice(1, r0, r1).unsqueeze(-1));
+    const at::Tensor row_dot = (block_d_out * out_heads.slice(1, r0, r1)).sum(-1, true);
+    const at::Tensor d_probs = at::matmul(block_d_out, values.slice(1, 0, l).transpose(1, 2));
+    const at::Tensor d_scores = probs * (d_probs - row_dot);
+    dq.slice(1, r0, r1).copy_(at::matmul(d_scores, block_keys) * scale);
+    dk.slice(1, 0, l).add_(at::matmul(d_scores.transpose(1, 2), block_q) * scale);
+    dv.slice(1, 0, l).add_(at::matmul(probs.transpose(1, 2), block_d_out));
+  });
   return {
-      .dq = (at::matmul(d_scores, keys) * scale).permute({1, 0, 2}),
-      .dk = SumGroups(at::matmul(d_scores.transpose(1, 2), q.to(type).permute({1, 0, 2})) * scale,
-                      kv_heads),
-      .dv = SumGroups(at::matmul(probs.transpose(1, 2), d_out), kv_heads)};
+      .dq = dq.permute({1, 0, 2}), .dk = SumGroups(dk, kv_heads), .dv = SumGroups(dv, kv_heads)};
 }
 
 }  // namespace
 
 at::Tensor TreeAttentionMask(const at::Tensor& key_end, int64_t prefix_len) {
   const int64_t tokens = key_end.size(0);
-  const at::Tensor ends = key_end.to(at::kLong);
-  const at::Tensor idx = at::arange(tokens, ends.options());
-  const at::Tensor query = idx.unsqueeze(1);  // i
-  const at::Tensor key = idx.unsqueeze(0);    // j
-  const at::Tensor chunk = key.le(query).logical_and(query.lt(ends.unsqueeze(0)));
-  if (prefix_len == 0) return chunk;
-  return at::cat({at::ones({tokens, prefix_len}, chunk.options()), chunk}, 1);
+  return MaskRows(key_end.to(at::kLong), prefix_len, 0, tokens);
 }
 
 TreeAttentionOutput ReferenceTreeAttentionForward(const at::Tensor& q, const at::Tensor& k,
@@ -120,7 +182,7 @@ TreeAttentionOutput ReferenceTreeAttentionForward(const at::Tensor& q, const at:
   const at::ScalarType type = ComputeType(q);
   const int64_t group = s.q_heads / s.kv_heads;
   return Attend(q, AllKeysPerQueryHead(prefix_k, k, group, type),
-                AllKeysPerQueryHead(prefix_v, v, group, type), TreeAttentionMask(key_end, s.prefix),
+                AllKeysPerQueryHead(prefix_v, v, group, type), TreeVisibility(key_end, s.prefix),
                 scale);
 }
 
@@ -138,7 +200,7 @@ TreeAttentionGrads ReferenceTreeAttentionBackward(
   const AttendGrads g =
       AttendBackward(grad_out, q, AllKeysPerQueryHead(prefix_k, k, group, type),
                      AllKeysPerQueryHead(prefix_v, v, group, type),
-                     TreeAttentionMask(key_end, s.prefix), out, lse, scale, s.kv_heads);
+                     TreeVisibility(key_end, s.prefix), out, lse, scale, s.kv_heads);
   if (s.prefix > 0) {
     grad_prefix_k.add_(g.dk.slice(0, 0, s.prefix).to(grad_prefix_k.scalar_type()));
     grad_prefix_v.add_(g.dv.slice(0, 0, s.prefix).to(grad_prefix_v.scalar_type()));
@@ -154,7 +216,7 @@ TreeAttentionOutput ReferencePrefixAttentionForward(const at::Tensor& q, const a
   const at::ScalarType type = ComputeType(q);
   const int64_t group = q.size(1) / prefix_k.size(1);
   return Attend(q, AllKeysPerQueryHead(at::Tensor(), prefix_k, group, type),
-                AllKeysPerQueryHead(at::Tensor(), prefix_v, group, type), at::Tensor(), scale);
+                AllKeysPerQueryHead(at::Tensor(), prefix_v, group, type), Visibility{}, scale);
 }
 
 at::Tensor ReferencePrefixAttentionBackward(const at::Tensor& grad_out, const at::Tensor& q,
@@ -170,7 +232,7 @@ at::Tensor ReferencePrefixAttentionBackward(const at::Tensor& grad_out, const at
   const int64_t group = q.size(1) / prefix_k.size(1);
   const AttendGrads g =
       AttendBackward(grad_out, q, AllKeysPerQueryHead(at::Tensor(), prefix_k, group, type),
-                     AllKeysPerQueryHead(at::Tensor(), prefix_v, group, type), at::Tensor(), out,
+                     AllKeysPerQueryHead(at::Tensor(), prefix_v, group, type), Visibility{}, out,
                      lse, scale, prefix_k.size(1));
   if (grad_prefix_k.defined()) {
     at::Tensor(grad_prefix_k).add_(g.dk.to(grad_prefix_k.scalar_type()));

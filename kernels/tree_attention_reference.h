@@ -1,7 +1,8 @@
 // The exact ATen reference of kernels/tree_attention.h: any device, any floating dtype, with the
-// same contracts as TreeAttentionForward / TreeAttentionBackward. It materializes the [T, P + T]
-// visibility mask and the [Hq, T, P + T] scores, so memory is O(Hq * T * (P + T)); it computes in
-// float64 for float64 inputs and in float32 otherwise. The backward uses the explicit formulas
+// same contracts as TreeAttentionForward / TreeAttentionBackward. It materializes the mask and the
+// scores for a block of query rows at a time (about 4M scores a block, over the keys the block's
+// rows may see), so memory is O(Hq * rows * (P + T)) beyond the inputs; it computes in float64 for
+// float64 inputs and in float32 otherwise. The backward uses the explicit formulas
 // dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO.
 #ifndef DTA_KERNELS_TREE_ATTENTION_REFERENCE_H_
 #define DTA_KERNELS_TREE_ATTENTION_REFERENCE_H_

@@ -3,13 +3,24 @@
 # formatting checks), clang's -Wthread-safety over the dispatcher (scripts/thread_safety.sh, in
 # build-tsa/), a short fuzzing run (scripts/fuzz.sh, clang's libFuzzer, in build-fuzz/) and pytest
 # (tests/python: parity with Hugging Face transformers, using the binaries in build/).
+# Each step prints how long it took, so a slow CI run shows where its time went.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$repo/scripts/setup.sh"
-"$repo/scripts/build.sh"
 cd "$repo"
-ctest --test-dir build --output-on-failure -j"$(nproc)"
-"$repo/scripts/thread_safety.sh"
+
+step() {
+  local name="$1" start=$SECONDS
+  shift
+  "$@"
+  echo "test.sh: $name took $((SECONDS - start)) s (total $SECONDS s)"
+}
+
+step setup "$repo/scripts/setup.sh"
+step build "$repo/scripts/build.sh"
+# One thread per test: CTest runs nproc tests at once, and LibTorch's OpenMP pool of nproc threads in
+# each (spinning while it waits) made the float64 equivalence tests 4-5x slower than alone.
+step ctest env OMP_NUM_THREADS=1 ctest --test-dir build --output-on-failure -j"$(nproc)"
+step thread_safety "$repo/scripts/thread_safety.sh"
 # A short libFuzzer run on trajectory validation and tree building (scripts/fuzz.sh 3600 for more).
-"$repo/scripts/fuzz.sh" 20
-DTA_BUILD_DIR="$repo/build" "$repo/.venv/bin/python" -m pytest -q "$repo/tests/python"
+step fuzz "$repo/scripts/fuzz.sh" 20
+step pytest env DTA_BUILD_DIR="$repo/build" "$repo/.venv/bin/python" -m pytest -q --durations=10 "$repo/tests/python"

@@ -69,7 +69,8 @@ void PrometheusText::Add(MetricType type, std::string_view name, std::string_vie
     }
     sample += '}';
   }
-  sample += " " + FormatValue(value);
+  sample += ' ';
+  sample += FormatValue(value);
   for (Family& family : families_) {
     if (family.name != name) continue;
     if (family.type != type) {

@@ -125,6 +125,14 @@ TEST(TreeAttentionReference, BranchyTreeWithPrefix) {
   CheckCase({200, 37, 4, 2, 16, TreeKind::kBranches}, 7);
 }
 
+// Enough query rows and keys that the reference runs in several blocks of rows (about 4M scores
+// each: here 551 rows of 4 heads x 1,900 keys, the last block shorter), each over only the keys its
+// rows may see, and sums dK and dV across them.
+TEST(TreeAttentionReference, BlocksOfQueryRowsMatchTheDefinition) {
+  CheckCase({1500, 400, 4, 2, 8, TreeKind::kBranches}, 11);
+  CheckCase({1500, 0, 4, 4, 8, TreeKind::kChain}, 12);
+}
+
 TEST(TreeAttentionReference, MaskMatchesDefinition) {
   for (const TreeKind kind : {TreeKind::kChain, TreeKind::kRandom, TreeKind::kBranches}) {
     const std::vector<int64_t> key_end = MakeKeyEnd(kind, 97, 3);

@@ -36,8 +36,12 @@ class FakeSession : public TrainerSession {
     prepared.push_back(step);
     if (policy_version != nullptr) *policy_version = 100 + step.step;
     if (decisions.empty()) return StepDecision::kCommit;
-    absl::StatusOr<StepDecision> next = std::move(decisions.front());
+    // The decision by value (not the StatusOr moved): GCC 12 at -O3 warns that a moved
+    // StatusOr<enum> may be uninitialized.
+    const absl::Status status = decisions.front().status();
+    const StepDecision next = status.ok() ? *decisions.front() : StepDecision::kCommit;
     decisions.pop_front();
+    if (!status.ok()) return status;
     return next;
   }
   void Failed(int64_t step, const std::string& error) override { failed.emplace_back(step, error); }

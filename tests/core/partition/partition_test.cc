@@ -64,7 +64,9 @@ TEST(Partition, OptimalAmongContiguousSplits) {
       for (size_t g = 0; g < p.groups.size(); ++g) {
         joined.insert(joined.end(), p.groups[g].begin(), p.groups[g].end());
         EXPECT_EQ(p.cost[g], OwnTreeTokens(rollouts, p.groups[g]));
-        if (static_cast<int>(rollouts.size()) >= k) EXPECT_FALSE(p.groups[g].empty());
+        if (static_cast<int>(rollouts.size()) >= k) {
+          EXPECT_FALSE(p.groups[g].empty());
+        }
       }
       EXPECT_EQ(joined, order);
       EXPECT_EQ(p.max_cost, *std::max_element(p.cost.begin(), p.cost.end()));

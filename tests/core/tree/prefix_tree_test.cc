@@ -124,8 +124,12 @@ void CheckAgainstBruteForce(const Rollouts& rollouts) {
       EXPECT_EQ(tree.depth(v), tree.end_depth(tree.parent(v)));
       EXPECT_EQ(tree.level(v), tree.level(tree.parent(v)) + 1);
       // Radix compression: a node with one child must end a rollout.
-      if (tree.children(v).size() == 1) EXPECT_FALSE(tree.rollouts_ending_at(v).empty()) << v;
-      if (tree.is_leaf(v)) EXPECT_FALSE(tree.rollouts_ending_at(v).empty()) << v;
+      if (tree.children(v).size() == 1) {
+        EXPECT_FALSE(tree.rollouts_ending_at(v).empty()) << v;
+      }
+      if (tree.is_leaf(v)) {
+        EXPECT_FALSE(tree.rollouts_ending_at(v).empty()) << v;
+      }
     }
     int32_t through = 0;
     for (const auto& r : rollouts) through += StartsWith(r, path);
@@ -133,7 +137,9 @@ void CheckAgainstBruteForce(const Rollouts& rollouts) {
     const auto kids = tree.children(v);
     for (size_t i = 0; i < kids.size(); ++i) {
       EXPECT_EQ(tree.parent(kids[i]), v);
-      if (i > 0) EXPECT_LT(tree.segment(kids[i - 1])[0], tree.segment(kids[i])[0]);
+      if (i > 0) {
+        EXPECT_LT(tree.segment(kids[i - 1])[0], tree.segment(kids[i])[0]);
+      }
     }
     // The subtree is exactly the nodes whose paths extend this one.
     for (NodeId u = 0; u < tree.num_nodes(); ++u) {

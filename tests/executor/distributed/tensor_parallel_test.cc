@@ -169,7 +169,9 @@ TEST(TensorParallel, ExpertsSplitTheirIntermediateRowsAndTheRouterIsWhole) {
     const TensorParallelNorm scope = model.gradient_norm_scope();
     for (size_t i = 0; i < model.named_parameters().size(); ++i) {
       const std::string& name = model.named_parameters()[i].first;
-      if (name.ends_with("mlp.gate.weight")) EXPECT_TRUE(scope.replicated[i]) << name;
+      if (name.ends_with("mlp.gate.weight")) {
+        EXPECT_TRUE(scope.replicated[i]) << name;
+      }
       if (name.find("mlp.experts.") != std::string::npos) {
         EXPECT_FALSE(scope.replicated[i]) << name;
       }

@@ -590,10 +590,13 @@ TEST_F(Equivalence, ProgressCountsForwardedTokensUpToTheirTotal) {
     for (size_t i = 0; i < calls.size(); ++i) {
       EXPECT_EQ(calls[i].second, result.forwarded_tokens) << what;
       EXPECT_LE(calls[i].first, calls[i].second) << what;
-      if (i > 0) EXPECT_GT(calls[i].first, calls[i - 1].first) << what;
+      if (i > 0) {
+        EXPECT_GT(calls[i].first, calls[i - 1].first) << what;
+      }
     }
-    if (options.method == Method::kDta && options.block_size == 1 && !options.pack)
+    if (options.method == Method::kDta && options.block_size == 1 && !options.pack) {
       EXPECT_GT(calls.size(), rollouts.size()) << "one call per chunk";
+    }
   }
 }
 
