@@ -63,13 +63,12 @@ int64_t VisibleKeys(const Visibility& visibility, int64_t keys, int64_t r1) {
   return visibility.key_end.defined() ? visibility.prefix + r1 : keys;
 }
 
-// Rows [r0, r1) of TreeAttentionMask over the keys they may see: [r1 - r0, P + r1] bool.
-at::Tensor MaskRows(const at::Tensor& ends, int64_t prefix, int64_t r0, int64_t r1) {
+// Which of the chunk's first r1 keys query rows [r0, r1) see (key j <= i < key_end[j]):
+// [r1 - r0, r1] bool. Every query sees every prefix key.
+at::Tensor ChunkMaskRows(const at::Tensor& ends, int64_t r0, int64_t r1) {
   const at::Tensor query = at::arange(r0, r1, ends.options()).unsqueeze(1);  // i
   const at::Tensor key = at::arange(r1, ends.options()).unsqueeze(0);        // j
-  const at::Tensor chunk = key.le(query).logical_and(query.lt(ends.slice(0, 0, r1).unsqueeze(0)));
-  if (prefix == 0) return chunk;
-  return at::cat({at::ones({r1 - r0, prefix}, chunk.options()), chunk}, 1);
+  return key.le(query).logical_and(query.lt(ends.slice(0, 0, r1).unsqueeze(0)));
 }
 
 // Attention runs over blocks of query rows whose [Hq, rows, L] scores hold about kBlockScores
@@ -94,9 +93,12 @@ at::Tensor BlockScores(const at::Tensor& q_heads, const at::Tensor& keys,
   const at::Tensor scores =
       at::matmul(q_heads.slice(1, r0, r1), keys.slice(1, 0, l).transpose(1, 2)) * scale;
   if (!visibility.key_end.defined()) return scores;
-  const at::Tensor visible = MaskRows(visibility.key_end, visibility.prefix, r0, r1);
-  return scores.masked_fill(visible.to(scores.device()).logical_not().unsqueeze(0),
-                            -std::numeric_limits<double>::infinity());
+  // Only the chunk's keys can be hidden: the prefix's columns are left as they are.
+  const at::Tensor visible = ChunkMaskRows(visibility.key_end, r0, r1);
+  scores.slice(2, visibility.prefix, l)
+      .masked_fill_(visible.to(scores.device()).logical_not().unsqueeze(0),
+                    -std::numeric_limits<double>::infinity());
+  return scores;
 }
 
 // [Hq, L, D] summed over each kv head's group of query heads -> [L, Hkv, D].
@@ -169,7 +171,9 @@ AttendGrads AttendBackward(const at::Tensor& grad_out, const at::Tensor& q, cons
 
 at::Tensor TreeAttentionMask(const at::Tensor& key_end, int64_t prefix_len) {
   const int64_t tokens = key_end.size(0);
-  return MaskRows(key_end.to(at::kLong), prefix_len, 0, tokens);
+  const at::Tensor chunk = ChunkMaskRows(key_end.to(at::kLong), 0, tokens);
+  if (prefix_len == 0) return chunk;
+  return at::cat({at::ones({tokens, prefix_len}, chunk.options()), chunk}, 1);
 }
 
 TreeAttentionOutput ReferenceTreeAttentionForward(const at::Tensor& q, const at::Tensor& k,
