@@ -1,9 +1,9 @@
 // dta-attention-bench: tree attention kernels against PyTorch's flash attention (FlashAttention-2
 // inside ATen) on the GPU. Causal chains compare like for like; the packed tree (a shared prefix
 // and branches) compares one tree pass against flash over every rollout separately. Where the
-// Hopper kernels exist (kernels/hopper/, compute capability 9.x, D = 128) ours run three times:
-// "ours FA2" (DTA_HOPPER_ATTENTION=0, DTA_HOPPER_ATTENTION_BACKWARD=0), "ours Hopper fwd" (the
-// Hopper forward, the FlashAttention-2 backward) and "ours Hopper fwd + Hopper bwd". Times are
+// Hopper kernels exist (kernels/hopper/, compute capability 9.x, D = 64 or 128) ours run three
+// times: "ours FA2" (DTA_HOPPER_ATTENTION=0, DTA_HOPPER_ATTENTION_BACKWARD=0), "ours Hopper fwd"
+// (the Hopper forward, the FlashAttention-2 backward) and "ours Hopper fwd + Hopper bwd". Times are
 // medians of 20 CUDA-event-timed runs after 5 warm-ups; TFLOP/s count only visible score entries
 // (forward 4 * D * Hq per entry, forward + backward 3.5 times that, FlashAttention's convention);
 // the backward's column is forward + backward minus forward, at 2.5 times the forward's work.
@@ -50,6 +50,8 @@ ABSL_FLAG(bool, ours_only, EnvIsOne("DTA_ATTENTION_BENCH_OURS_ONLY"),
           "skip PyTorch's flash attention (default: DTA_ATTENTION_BENCH_OURS_ONLY=1)");
 ABSL_FLAG(int32_t, chain_case, EnvInt("DTA_ATTENTION_BENCH_CASE", -1),
           "with --quick: only chain case i, -1 all (default: DTA_ATTENTION_BENCH_CASE)");
+ABSL_FLAG(int32_t, head_dim, EnvInt("DTA_ATTENTION_BENCH_HEAD_DIM", 128),
+          "head dim of every case: 64 or 128 (default: DTA_ATTENTION_BENCH_HEAD_DIM, else 128)");
 
 namespace dta::kernels {
 namespace {
@@ -251,12 +253,20 @@ int Main() {
     std::printf("dta-attention-bench needs a CUDA device\n");
     return 1;
   }
+  const int64_t d = absl::GetFlag(FLAGS_head_dim);
+  if (d != 64 && d != 128) {
+    std::fprintf(stderr, "dta-attention-bench: --head_dim must be 64 or 128, got %lld\n",
+                 static_cast<long long>(d));
+    return 2;
+  }
+  // Case names carry the head dim when it is not the default 128.
+  const std::string dim = d == 128 ? "" : " D=" + std::to_string(d);
   std::vector<Row> rows;
   const std::vector<Case> chains = {
-      {"chain T=4096 Hq=16 Hkv=8", 0, 4096, 0, 0, 16, 8, 128},
-      {"chain T=8192 Hq=16 Hkv=8", 0, 8192, 0, 0, 16, 8, 128},
-      {"chain T=16384 Hq=16 Hkv=8", 0, 16384, 0, 0, 16, 8, 128},
-      {"chain T=8192 Hq=32 Hkv=8", 0, 8192, 0, 0, 32, 8, 128},
+      {"chain T=4096 Hq=16 Hkv=8" + dim, 0, 4096, 0, 0, 16, 8, d},
+      {"chain T=8192 Hq=16 Hkv=8" + dim, 0, 8192, 0, 0, 16, 8, d},
+      {"chain T=16384 Hq=16 Hkv=8" + dim, 0, 16384, 0, 0, 16, 8, d},
+      {"chain T=8192 Hq=32 Hkv=8" + dim, 0, 8192, 0, 0, 32, 8, d},
   };
   const int32_t only = absl::GetFlag(FLAGS_chain_case);
   for (size_t ci = 0; ci < chains.size(); ++ci) {
@@ -302,7 +312,7 @@ int Main() {
   }
   if (!Quick()) {  // --quick times one chain case only
     // A packed tree: 4096 shared tokens, 16 branches of 1024; flash runs the 16 rollouts of 5120.
-    const Case tree{"tree 4096 + 16 x 1024 Hq=16 Hkv=8", 0, 4096, 16, 1024, 16, 8, 128};
+    const Case tree{"tree 4096 + 16 x 1024 Hq=16 Hkv=8" + dim, 0, 4096, 16, 1024, 16, 8, d};
     std::vector<Row> ours;
     for (const Kernel kernel : OurKernels(tree)) {
       ours.push_back(RunOurs(tree, kernel, nullptr, nullptr, nullptr, nullptr));
@@ -322,7 +332,8 @@ int Main() {
       rows.push_back(flash);
     }
     // A dta step: one 1024-token branch chunk over a cached 4096-token prefix.
-    const Case step{"chunk T=1024 over cached P=4096 Hq=16 Hkv=8", 4096, 1024, 0, 0, 16, 8, 128};
+    const Case step{
+        "chunk T=1024 over cached P=4096 Hq=16 Hkv=8" + dim, 4096, 1024, 0, 0, 16, 8, d};
     for (const Kernel kernel : OurKernels(step)) {
       rows.push_back(RunOurs(step, kernel, nullptr, nullptr, nullptr, nullptr));
     }
@@ -353,8 +364,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
-      "dta-attention-bench [--quick] [--ours_only]: tree-attention kernels against PyTorch's flash "
-      "attention");
+      "dta-attention-bench [--quick] [--ours_only] [--head_dim=64|128]: tree-attention kernels "
+      "against PyTorch's flash attention");
   dta::ParseCommandLine(argc, argv);
   return dta::kernels::Main();
 }

@@ -7,6 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include "kernels/hopper/head_dims.h"
 #include "kernels/tree_attention_internal.h"
 #include "kernels/tree_attention_reference.h"
 
@@ -117,11 +118,15 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
 
 namespace {
 
-// The Hopper kernels run for bf16 CUDA inputs at head dim 128 on compute capability 9.x in builds
-// with the CUTLASS headers, unless the environment variable `env` is "0" (read at every call).
+// The Hopper kernels run for bf16 CUDA inputs at a head dim they are compiled for (64, 128) on
+// compute capability 9.x in builds with the CUTLASS headers, unless the environment variable `env`
+// is "0" (read at every call).
 bool UsesHopper(const TreeAttentionShape& shape, const at::Tensor& q, const char* env) {
 #ifdef DTA_KERNELS_HAVE_HOPPER
-  if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 || shape.head_dim != 128) return false;
+  if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 ||
+      !HopperTreeAttentionSupportsHeadDim(static_cast<int>(shape.head_dim))) {
+    return false;
+  }
   const char* value = std::getenv(env);
   if (value != nullptr && std::strcmp(value, "0") == 0) return false;
   return at::cuda::getDeviceProperties(q.get_device())->major == 9;

@@ -9,8 +9,8 @@
 // On CUDA with bf16 inputs and head dim 64 or 128 (TreeAttentionKernelSupports), both directions
 // run FlashAttention-2 style kernels (kernels/tree_attention_kernel.cuh): O(T * D) memory, tiles
 // that no query of a tile can see are skipped without being loaded, and the backward is
-// deterministic (bitwise equal across runs). On Hopper (compute capability 9.x) at head dim 128
-// FlashAttention-3 style kernels run instead (kernels/hopper/: TMA, warp specialisation, wgmma;
+// deterministic (bitwise equal across runs). On Hopper (compute capability 9.x) at head dim 64 or
+// 128 FlashAttention-3 style kernels run instead (kernels/hopper/: TMA, warp specialisation, wgmma;
 // same mask, tile skipping, out and lse; a deterministic backward bitwise equal to the
 // FlashAttention-2 one), when the build found the CUTLASS headers: the forward unless
 // DTA_HOPPER_ATTENTION is "0", the backward unless DTA_HOPPER_ATTENTION_BACKWARD is "0" (both

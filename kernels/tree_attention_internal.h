@@ -34,7 +34,7 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
 
 // True when ForwardCuda runs the Hopper forward (kernels/hopper/) rather than the
 // FlashAttention-2 one for these checked, kernel-supported inputs: a build with the CUTLASS headers
-// (DTA_KERNELS_HAVE_HOPPER), q on a device of compute capability 9.x, head dim 128, and the
+// (DTA_KERNELS_HAVE_HOPPER), q on a device of compute capability 9.x, head dim 64 or 128, and the
 // environment variable DTA_HOPPER_ATTENTION unset or not "0". The variable is read at every call,
 // so one process can compare both kernels.
 bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q);

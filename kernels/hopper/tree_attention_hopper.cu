@@ -64,11 +64,11 @@ cudaError_t LaunchForward(const TreeAttentionParams& p, int32_t* unit_counter,
 }  // namespace
 }  // namespace hopper_detail
 
-bool HopperTreeAttentionSupportsHeadDim(int head_dim) { return head_dim == 128; }
-
 cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int head_dim,
                                              int32_t* unit_counter, cudaStream_t stream) {
   switch (head_dim) {
+    case 64:
+      return hopper_detail::LaunchForward<64>(p, unit_counter, stream);
     case 128:
       return hopper_detail::LaunchForward<128>(p, unit_counter, stream);
     default:

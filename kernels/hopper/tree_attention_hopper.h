@@ -17,12 +17,10 @@
 
 #include <cstdint>
 
+#include "kernels/hopper/head_dims.h"
 #include "kernels/tree_attention_kernel.cuh"
 
 namespace dta::kernels {
-
-// True when the Hopper forward is compiled for head_dim (128).
-bool HopperTreeAttentionSupportsHeadDim(int head_dim);
 
 // Writes p.out [T, Hq, D] and p.lse [Hq, T] exactly as LaunchTreeAttentionForward does, on a
 // device of compute capability 9.0. Requires p.key_end, p.tile_max_end and p.tile_min_end filled
@@ -31,8 +29,8 @@ bool HopperTreeAttentionSupportsHeadDim(int head_dim);
 // and one int32 of device memory in unit_counter that holds 0 when the launch runs in `stream`'s
 // order (LaunchTreeAttentionPrepare's zeroed_counter: the persistent CTAs count their work units
 // through it), not used by a concurrent launch.
-// Returns cudaErrorInvalidValue for an unsupported head_dim, misaligned operands or T + P >= 2^31,
-// else the error of the launch.
+// Returns cudaErrorInvalidValue for a head_dim HopperTreeAttentionSupportsHeadDim rejects,
+// misaligned operands or T + P >= 2^31, else the error of the launch.
 cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int head_dim,
                                              int32_t* unit_counter, cudaStream_t stream);
 

@@ -76,6 +76,8 @@ cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPa
 cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int head_dim,
                                               TreeAttentionBackwardPart part, cudaStream_t stream) {
   switch (head_dim) {
+    case 64:
+      return hopper_detail::LaunchBackward<64>(p, part, stream);
     case 128:
       return hopper_detail::LaunchBackward<128>(p, part, stream);
     default:

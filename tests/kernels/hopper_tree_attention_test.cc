@@ -4,12 +4,12 @@
 // Same inputs and tolerances as tree_attention_test.cc (out and gradients within 1e-2 of the
 // reference's largest magnitude, lse within 1e-3): chains, random forests and 64-leaf trees;
 // T in {1, 3, 7, 19, 200, 733, 2100, 4099, 6007, 8192, 16001}; P in {0, 37, 700, 1200, 3000,
-// 3001}; D = 128; Hq:Hkv 16:8, 32:8, 8:8, 8:2, 2:1; k and v as head slices of one projection, the
-// prefix as the head of a larger cache; diffuse and peaked rows; the exact lse-counts test with
-// q = 0. The Hopper backward (fed by the Hopper forward's out and lse) adds the prefix gradients
-// into strided views of larger accumulators without touching their other rows, and is bitwise
-// equal across two runs. Skipped without a CUDA device, on GPUs other than compute capability
-// 9.x, or in builds without the Hopper kernels.
+// 3001}; D = 128 and 64; Hq:Hkv 16:8, 32:8, 8:8, 8:2, 14:2, 2:1; k and v as head slices of one
+// projection, the prefix as the head of a larger cache; diffuse and peaked rows; the exact
+// lse-counts test with q = 0. The Hopper backward (fed by the Hopper forward's out and lse) adds
+// the prefix gradients into strided views of larger accumulators without touching their other rows,
+// and is bitwise equal across two runs. Skipped without a CUDA device, on GPUs other than compute
+// capability 9.x, or in builds without the Hopper kernels.
 #include <torch/cuda.h>
 
 #include <cmath>
@@ -40,14 +40,18 @@ struct Case {
   TreeKind kind;
   bool int32_key_end = false;
   double q_std = 1;  // 4: rows dominated by a few keys (see tree_attention_test.cc)
+  int64_t head_dim = 128;
   std::string Name() const {
     return "T=" + std::to_string(tokens) + " P=" + std::to_string(prefix) +
-           " Hq=" + std::to_string(q_heads) + " Hkv=" + std::to_string(kv_heads) + " " +
-           testing::TreeKindName(kind) + (int32_key_end ? " int32" : "") +
-           (q_std != 1 ? " peaky" : "");
+           " Hq=" + std::to_string(q_heads) + " Hkv=" + std::to_string(kv_heads) +
+           " D=" + std::to_string(head_dim) + " " + testing::TreeKindName(kind) +
+           (int32_key_end ? " int32" : "") + (q_std != 1 ? " peaky" : "");
   }
 };
 
+// The head dims the Hopper kernels are compiled for; the fixture probes both.
+constexpr int64_t kHeadDims[] = {64, 128};
+// The long-chain test's head dim (the benchmark's).
 constexpr int64_t kHeadDim = 128;
 
 constexpr const char* kForwardEnv = "DTA_HOPPER_ATTENTION";
@@ -82,15 +86,19 @@ class HopperTreeAttention : public ::testing::Test {
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device; the kernel needs a GPU";
     const ScopedEnv on(kForwardEnv, "1");
     const ScopedEnv on_backward(kBackwardEnv, "1");
-    const at::Tensor probe =
-        at::empty({1, 1, kHeadDim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
-    internal::TreeAttentionShape shape;
-    shape.tokens = 1;
-    shape.q_heads = shape.kv_heads = 1;
-    shape.head_dim = kHeadDim;
-    if (!internal::UsesHopperForward(shape, probe) || !internal::UsesHopperBackward(shape, probe)) {
-      GTEST_SKIP() << "no Hopper kernels here: needs a compute capability 9.x GPU and a build "
-                      "with the CUTLASS headers (DTA_KERNELS_HAVE_HOPPER)";
+    for (const int64_t d : kHeadDims) {
+      const at::Tensor probe =
+          at::empty({1, 1, d}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+      internal::TreeAttentionShape shape;
+      shape.tokens = 1;
+      shape.q_heads = shape.kv_heads = 1;
+      shape.head_dim = d;
+      if (!internal::UsesHopperForward(shape, probe) ||
+          !internal::UsesHopperBackward(shape, probe)) {
+        GTEST_SKIP() << "no Hopper kernels for head dim " << d
+                     << " here: needs a compute capability 9.x GPU and a build with the CUTLASS "
+                        "headers (DTA_KERNELS_HAVE_HOPPER)";
+      }
     }
   }
 };
@@ -111,7 +119,7 @@ struct GpuInputs {
 GpuInputs ToGpu(const Case& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& pk, const at::Tensor& pv, const at::Tensor& ends,
                 at::Generator& gen) {
-  const int64_t t = c.tokens, p = c.prefix, hkv = c.kv_heads, d = kHeadDim;
+  const int64_t t = c.tokens, p = c.prefix, hkv = c.kv_heads, d = c.head_dim;
   GpuInputs g;
   g.q = q.to(at::kCUDA);
   const at::Tensor kv =
@@ -177,7 +185,7 @@ GradErrors ExpectGradsClose(const testing::GradsIntoViews& a, const Grads& want)
 void CheckCase(const Case& c, uint64_t seed) {
   SCOPED_TRACE(c.Name());
   at::Generator gen = at::detail::createCPUGenerator(seed);
-  const int64_t t = c.tokens, p = c.prefix, d = kHeadDim, hkv = c.kv_heads;
+  const int64_t t = c.tokens, p = c.prefix, d = c.head_dim, hkv = c.kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const at::Tensor ends = testing::KeyEndTensor(MakeKeyEnd(c.kind, t, seed));
   const at::Tensor q =
@@ -270,30 +278,53 @@ TEST_F(HopperTreeAttention, Chains) {
 }
 
 // The benchmark's 8K chain with 32 query heads, whose float64 reference would not fit next to the
-// kernels: the Hopper forward and backward against the FlashAttention-2 ones only.
+// kernels: the Hopper forward and backward against the FlashAttention-2 ones only, at each head
+// dim.
 TEST_F(HopperTreeAttention, LongChainMatchesTheFa2Forward) {
-  at::Generator gen = at::detail::createCPUGenerator(17);
-  const int64_t t = 8192;
-  const Case c{t, 0, 32, 8, TreeKind::kChain};
-  const at::Tensor ends = testing::KeyEndTensor(MakeKeyEnd(c.kind, t, 17));
-  const at::Tensor q = RandnBf16({t, c.q_heads, kHeadDim}, gen);
-  const at::Tensor k = RandnBf16({t, c.kv_heads, kHeadDim}, gen);
-  const at::Tensor v = RandnBf16({t, c.kv_heads, kHeadDim}, gen);
-  const GpuInputs g = ToGpu(c, q, k, v, {}, {}, ends, gen);
-  const double scale = 1.0 / std::sqrt(double{kHeadDim});
-  const TreeAttentionOutput hopper = Forward(g, scale, "1");
-  const TreeAttentionOutput fa2 = Forward(g, scale, "0");
-  const double out_err = RelativeError(hopper.out, fa2.out);
-  const double lse_err = MaxAbsDiff(hopper.lse, fa2.lse);
-  EXPECT_LE(out_err, kTolerance);
-  EXPECT_LE(lse_err, kLseTolerance);
-  const at::Tensor d_out = RandnBf16({t, c.q_heads, kHeadDim}, gen).to(at::kCUDA);
-  const at::Tensor acc =  // P = 0: no rows of the accumulators are views
-      at::zeros({7, c.kv_heads, kHeadDim}, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
-  const BackwardRuns runs = RunBackwards(g, d_out, hopper, scale, acc, acc);
-  const GradErrors vs_fa2 = ExpectGradsClose(runs.hopper, runs.fa2);
-  std::printf("%-40s vs fa2 out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", c.Name().c_str(), out_err,
-              lse_err, vs_fa2.dq, vs_fa2.dk, vs_fa2.dv);
+  for (const int64_t d : kHeadDims) {
+    at::Generator gen = at::detail::createCPUGenerator(17);
+    const int64_t t = 8192;
+    Case c{t, 0, 32, 8, TreeKind::kChain};
+    c.head_dim = d;
+    SCOPED_TRACE(c.Name());
+    const at::Tensor ends = testing::KeyEndTensor(MakeKeyEnd(c.kind, t, 17));
+    const at::Tensor q = RandnBf16({t, c.q_heads, d}, gen);
+    const at::Tensor k = RandnBf16({t, c.kv_heads, d}, gen);
+    const at::Tensor v = RandnBf16({t, c.kv_heads, d}, gen);
+    const GpuInputs g = ToGpu(c, q, k, v, {}, {}, ends, gen);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const TreeAttentionOutput hopper = Forward(g, scale, "1");
+    const TreeAttentionOutput fa2 = Forward(g, scale, "0");
+    const double out_err = RelativeError(hopper.out, fa2.out);
+    const double lse_err = MaxAbsDiff(hopper.lse, fa2.lse);
+    EXPECT_LE(out_err, kTolerance);
+    EXPECT_LE(lse_err, kLseTolerance);
+    const at::Tensor d_out = RandnBf16({t, c.q_heads, d}, gen).to(at::kCUDA);
+    const at::Tensor acc =  // P = 0: no rows of the accumulators are views
+        at::zeros({7, c.kv_heads, d}, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
+    const BackwardRuns runs = RunBackwards(g, d_out, hopper, scale, acc, acc);
+    const GradErrors vs_fa2 = ExpectGradsClose(runs.hopper, runs.fa2);
+    std::printf("%-40s vs fa2 out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", c.Name().c_str(),
+                out_err, lse_err, vs_fa2.dq, vs_fa2.dk, vs_fa2.dv);
+  }
+}
+
+// Head dim 64 (Llama-style small models, Qwen2.5-0.5B's 64-wide heads): the same kernels
+// instantiated at D = 64, through every shape class the D = 128 tests cover.
+TEST_F(HopperTreeAttention, HeadDim64) {
+  auto d64 = [](Case c) {
+    c.head_dim = 64;
+    return c;
+  };
+  CheckCase(d64({1, 0, 16, 8, TreeKind::kChain}), 81);
+  CheckCase(d64({7, 3000, 16, 8, TreeKind::kChain}), 82);
+  CheckCase(d64({19, 3001, 8, 8, TreeKind::kRandom, true}), 83);
+  CheckCase(d64({733, 3001, 16, 8, TreeKind::kChain}), 84);
+  CheckCase(d64({8192, 0, 16, 8, TreeKind::kChain}), 85);
+  CheckCase(d64({733, 1000, 32, 8, TreeKind::kRandom, true}), 86);
+  CheckCase(d64({2100, 700, 14, 2, TreeKind::kRandom}), 87);
+  CheckCase(d64({2100, 0, 16, 8, TreeKind::kBranches, false, 4.0}), 88);
+  CheckCase(d64({6007, 1200, 8, 2, TreeKind::kRandom, false, 4.0}), 89);
 }
 
 TEST_F(HopperTreeAttention, RandomTrees) {
@@ -320,7 +351,9 @@ TEST_F(HopperTreeAttention, LseCountsExactlyTheVisibleKeys) {
   for (const Case& c :
        {Case{733, 0, 4, 2, TreeKind::kRandom}, Case{2100, 700, 16, 8, TreeKind::kBranches},
         Case{16001, 3000, 2, 1, TreeKind::kRandom}, Case{5000, 0, 32, 8, TreeKind::kRandom},
-        Case{8192, 0, 16, 8, TreeKind::kChain}, Case{301, 129, 16, 8, TreeKind::kBranches}}) {
+        Case{8192, 0, 16, 8, TreeKind::kChain}, Case{301, 129, 16, 8, TreeKind::kBranches},
+        Case{2100, 700, 16, 8, TreeKind::kBranches, false, 1, 64},
+        Case{5000, 0, 32, 8, TreeKind::kRandom, false, 1, 64}}) {
     SCOPED_TRACE(c.Name());
     const std::vector<int64_t> key_end = MakeKeyEnd(c.kind, c.tokens, 70);
     std::vector<double> visible(c.tokens, static_cast<double>(c.prefix));
@@ -334,14 +367,15 @@ TEST_F(HopperTreeAttention, LseCountsExactlyTheVisibleKeys) {
                                 .expand({c.q_heads, c.tokens});
     at::Generator gen = at::detail::createCPUGenerator(71);
     const at::TensorOptions bf16 = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
-    const at::Tensor q = at::zeros({c.tokens, c.q_heads, kHeadDim}, bf16);
-    const at::Tensor k = RandnBf16({c.tokens, c.kv_heads, kHeadDim}, gen).to(at::kCUDA);
-    const at::Tensor v = RandnBf16({c.tokens, c.kv_heads, kHeadDim}, gen).to(at::kCUDA);
+    const at::Tensor q = at::zeros({c.tokens, c.q_heads, c.head_dim}, bf16);
+    const at::Tensor k = RandnBf16({c.tokens, c.kv_heads, c.head_dim}, gen).to(at::kCUDA);
+    const at::Tensor v = RandnBf16({c.tokens, c.kv_heads, c.head_dim}, gen).to(at::kCUDA);
     const at::Tensor pk = c.prefix > 0
-                              ? RandnBf16({c.prefix, c.kv_heads, kHeadDim}, gen).to(at::kCUDA)
+                              ? RandnBf16({c.prefix, c.kv_heads, c.head_dim}, gen).to(at::kCUDA)
                               : at::Tensor();
     const GpuInputs g{q, k, v, pk, pk, testing::KeyEndTensor(key_end).to(at::kCUDA)};
-    const TreeAttentionOutput out = Forward(g, 1.0 / std::sqrt(double{kHeadDim}), "1");
+    const TreeAttentionOutput out =
+        Forward(g, 1.0 / std::sqrt(static_cast<double>(c.head_dim)), "1");
     const double err = MaxAbsDiff(out.lse.cpu(), want);
     EXPECT_LE(err, 1e-5);
     std::printf("%-40s lse counts max err %.2e\n", c.Name().c_str(), err);
@@ -374,8 +408,11 @@ TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
     const ScopedEnv on(kForwardEnv, "1");
     const ScopedEnv on_backward(kBackwardEnv, "1");
     shape.head_dim = 64;
-    EXPECT_FALSE(internal::UsesHopperForward(shape, q.narrow(2, 0, 64)));
-    EXPECT_FALSE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 64)));
+    EXPECT_TRUE(internal::UsesHopperForward(shape, q.narrow(2, 0, 64)));
+    EXPECT_TRUE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 64)));
+    shape.head_dim = 96;  // compiled for neither kernel family
+    EXPECT_FALSE(internal::UsesHopperForward(shape, q.narrow(2, 0, 96)));
+    EXPECT_FALSE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 96)));
   }
 }
 

@@ -1,0 +1,16 @@
+// The head dims the Hopper tree-attention kernels are compiled for: the one list the launchers'
+// switches (tree_attention_hopper*.cu) and the host-side dispatch (kernels/tree_attention.cc)
+// share. Plain C++: includable from files compiled without nvcc or CUTLASS.
+#ifndef DTA_KERNELS_HOPPER_HEAD_DIMS_H_
+#define DTA_KERNELS_HOPPER_HEAD_DIMS_H_
+
+namespace dta::kernels {
+
+// True when LaunchHopperTreeAttentionForward / Backward are instantiated for head_dim.
+constexpr bool HopperTreeAttentionSupportsHeadDim(int head_dim) {
+  return head_dim == 64 || head_dim == 128;
+}
+
+}  // namespace dta::kernels
+
+#endif  // DTA_KERNELS_HOPPER_HEAD_DIMS_H_
