@@ -167,24 +167,34 @@ at::Tensor RmsNormApply(const at::Tensor& x, const at::Tensor& weight, const at:
 }
 
 at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& rstd, at::Tensor& weight_grad) {
+                           const at::Tensor& rstd, at::Tensor& weight_grad,
+                           const at::Tensor& residual_grad) {
   CheckNormInputs("RmsNormBackward", x, weight);
   CheckSameShape("RmsNormBackward", "dy", dy, x);
   CheckRstd("RmsNormBackward", rstd, x);
   TORCH_CHECK(weight_grad.defined() && weight_grad.sizes() == weight.sizes(),
               "RmsNormBackward: weight_grad must have weight's shape ", weight.sizes());
+  const bool residual = residual_grad.defined();
+  if (residual) {
+    CheckSameShape("RmsNormBackward", "residual_grad", residual_grad, x);
+    TORCH_CHECK(residual_grad.scalar_type() == rstd.scalar_type(),
+                "RmsNormBackward: residual_grad must be in the compute type ", rstd.scalar_type(),
+                ", got ", residual_grad.scalar_type());
+  }
   if (UseCuda({&dy, &x, &weight, &rstd}) && rstd.scalar_type() == at::kFloat &&
       x.size(-1) <= internal::kFusedNormMaxRow) {
     const at::Tensor rows = Rows(x);
     at::Tensor dx = at::empty(x.sizes(), x.options().dtype(at::kFloat));
     at::Tensor partials = at::empty({internal::RmsNormBackwardBlocks(rows.size(0)), x.size(-1)},
                                     x.options().dtype(at::kFloat));
-    internal::RmsNormBackwardCuda(Rows(dy), rows, weight.contiguous(), rstd.contiguous(), dx,
-                                  partials);
+    internal::RmsNormBackwardCuda(Rows(dy), rows, weight.contiguous(), rstd.contiguous(),
+                                  residual ? Rows(residual_grad) : at::Tensor(), dx, partials);
     AddPartials(partials, weight_grad);
     return dx;
   }
-  return RmsNormBackwardReference(dy, x, weight, rstd, weight_grad);
+  at::Tensor dx = RmsNormBackwardReference(dy, x, weight, rstd, weight_grad);
+  if (residual) dx.add_(residual_grad);
+  return dx;
 }
 
 RmsNormResult RmsNormRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps,

@@ -209,11 +209,13 @@ __global__ void __launch_bounds__(kNormThreads)
 // dx and the weight gradient's partial sums in one pass over dy and x: per row, dot = sum of
 // dn normed (one block-wide sum), then dx = rstd (dn - normed dot / n), dn = dy w, normed = x rstd;
 // each thread adds its columns' dy normed over the block's rows in registers and writes them as the
-// block's row of partials.
+// block's row of partials. A residual gradient (may be null) is loaded with the row, before the
+// block-wide sum, so that its latency hides under the sum's.
 template <int E>
 __global__ void __launch_bounds__(kNormThreads)
-    RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, float* dx, float* partials,
-                          int64_t rows, int64_t n, int64_t rows_per_block) {
+    RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, const float* __restrict__ residual,
+                          float* __restrict__ dx, float* partials, int64_t rows, int64_t n,
+                          int64_t rows_per_block) {
   __shared__ float shared[32];
   float weight[E], acc[E];
   LoadNormColumns(w, 0, n, weight);
@@ -222,13 +224,14 @@ __global__ void __launch_bounds__(kNormThreads)
   for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
     const int64_t base = row * n;
     const float r = rstd[row];
-    float xs[E], dys[E];
+    float xs[E], dys[E], res[E];
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int64_t c = NormColumn(k);
       xs[k] = c < n ? Load(x, base + c) : 0.0f;
       dys[k] = c < n ? Load(dy, base + c) : 0.0f;
+      res[k] = residual != nullptr && c < n ? residual[base + c] : 0.0f;
     }
 #pragma unroll
     for (int k = 0; k < E; ++k) {
@@ -240,8 +243,11 @@ __global__ void __launch_bounds__(kNormThreads)
       const int64_t c = NormColumn(k);
       if (c < n) {
         const float normed = __fmul_rn(xs[k], r);
-        dx[base + c] =
+        const float d =
             __fmul_rn(r, __fsub_rn(__fmul_rn(dys[k], weight[k]), __fmul_rn(normed, mean)));
+        // The residual connection's gradient, one rounded add: the bits autograd's sum of the two
+        // would give.
+        dx[base + c] = residual != nullptr ? __fadd_rn(d, res[k]) : d;
         acc[k] = __fadd_rn(acc[k], __fmul_rn(dys[k], normed));
       }
     }
@@ -672,7 +678,8 @@ void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::T
 int64_t RmsNormBackwardBlocks(int64_t rows) { return NormRowBlocks(rows); }
 
 void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                         const at::Tensor& rstd, at::Tensor& dx, at::Tensor& weight_partials) {
+                         const at::Tensor& rstd, const at::Tensor& residual, at::Tensor& dx,
+                         at::Tensor& weight_partials) {
   if (x.numel() == 0) {
     weight_partials.zero_();
     return;
@@ -685,7 +692,8 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
   WithColumnsPerThread(n, [&](auto columns) {
     RmsNormBackwardKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
-            InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(),
+            InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(),
+            residual.defined() ? residual.data_ptr<float>() : nullptr, dx.data_ptr<float>(),
             weight_partials.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -52,9 +52,13 @@ at::Tensor RmsNormApply(const at::Tensor& x, const at::Tensor& weight, const at:
 
 // The gradient of x (compute type, x's shape) given dy (x's shape, any floating dtype: taken in the
 // compute type) and RmsNormForward's rstd. Adds the weight's gradient, the sum over rows of
-// dy * x * rstd, into weight_grad ([n], floating: a .grad accumulator or a view of one).
+// dy * x * rstd, into weight_grad ([n], floating: a .grad accumulator or a view of one). With
+// residual_grad (x's shape, compute type) the result is the norm's gradient plus residual_grad,
+// one rounded add per element: the gradient of x when x also feeds a residual connection,
+// summed in the same kernel instead of by autograd afterwards (bitwise the same).
 at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& rstd, at::Tensor& weight_grad);
+                           const at::Tensor& rstd, at::Tensor& weight_grad,
+                           const at::Tensor& residual_grad = at::Tensor());
 
 // Qwen3's per-head q/k norm and rotary embedding: n = RmsNormForward(x, weight, eps, x's dtype).y
 // over head_dim, y = (n cos + rotate_half(n) sin).to(x's dtype), rotate_half(n) = [-n2, n1].

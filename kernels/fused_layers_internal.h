@@ -20,10 +20,12 @@ void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double ep
 // y from a known rstd.
 void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
                       at::Tensor& y);
-// dx [rows, n] float32; weight_partials [RmsNormBackwardBlocks(rows), n] float32, summed by the
-// caller. One kernel: the rows are read once for both.
+// dx [rows, n] float32, plus residual ([rows, n] float32, contiguous) when defined;
+// weight_partials [RmsNormBackwardBlocks(rows), n] float32, summed by the caller. One kernel: the
+// rows are read once for both.
 void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                         const at::Tensor& rstd, at::Tensor& dx, at::Tensor& weight_partials);
+                         const at::Tensor& rstd, const at::Tensor& residual, at::Tensor& dx,
+                         at::Tensor& weight_partials);
 // The number of row blocks (weight_partials' rows) RmsNormBackwardCuda uses for `rows` rows.
 int64_t RmsNormBackwardBlocks(int64_t rows);
 

@@ -156,12 +156,20 @@ at::Tensor StackedGradAccumulator(at::TensorList weights) {
   return stack;
 }
 
-// DTA_STACKED_PROJECTIONS=0 projects onto stacked weights one weight at a time, as for separate
-// ones (for before/after measurements in one build; read at every call).
-bool StackedProjectionsEnabled() {
-  const char* value = std::getenv("DTA_STACKED_PROJECTIONS");
+// False when the environment variable `name` is "0": the switches below, for before/after
+// measurements in one build (read at every call).
+bool SwitchedOn(const char* name) {
+  const char* value = std::getenv(name);
   return value == nullptr || std::strcmp(value, "0") != 0;
 }
+
+// DTA_STACKED_PROJECTIONS=0 projects onto stacked weights one weight at a time, as for separate
+// ones.
+bool StackedProjectionsEnabled() { return SwitchedOn("DTA_STACKED_PROJECTIONS"); }
+
+// DTA_FUSED_RESIDUAL=0 leaves the residual stream's gradient to autograd's sum instead of the
+// norm's backward kernel (see Projections' `residual`).
+bool FusedResidualEnabled() { return SwitchedOn("DTA_FUSED_RESIDUAL"); }
 
 // How a projection sits in a tensor-parallel layer (Megatron's column- and row-parallel linear).
 enum class ProjectionKind : int64_t {
@@ -184,16 +192,24 @@ enum class ProjectionKind : int64_t {
 // bias's gradient, the sum of its output's gradient over the rows, is accumulated into its .grad
 // like the weights'. The norm weight's gradient goes into `norm_accumulator` when given (a
 // zero-centred norm's 1 + w: into w's .grad), else into the norm weight's .grad.
+//
+// With `residual` (a norm required), x itself comes back as one more output, after the
+// projections: the residual connection x + f(n(x)) takes it in place of x, so that the residual's
+// gradient reaches this backward, which adds it to dx inside the norm's backward kernel instead
+// of autograd adding the two afterwards (one launch and one pass over [T, hidden] fewer per
+// norm; the same bits). Autograd returns it as a view of x (no copy).
 class Projections : public torch::autograd::Function<Projections> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const std::optional<at::Tensor>& norm, double eps, bool wide_output,
                                int64_t group, ProjectionKind kind, at::TensorList weights,
                                at::TensorList biases,
-                               const std::optional<at::Tensor>& norm_accumulator) {
+                               const std::optional<at::Tensor>& norm_accumulator, bool residual) {
     TORCH_CHECK(!weights.empty() && (biases.empty() || biases.size() == weights.size()),
                 "Projections: one bias per weight, or none");
+    TORCH_CHECK(!residual || norm.has_value(), "Projections: a residual output needs a norm");
     ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
+    ctx->saved_data["residual"] = residual;
     const at::Tensor norm_weight = norm.value_or(at::Tensor());
     const at::ScalarType type = weights[0].scalar_type();
     std::vector<at::Tensor> saved;
@@ -227,6 +243,7 @@ class Projections : public torch::autograd::Function<Projections> {
         out.push_back(y.narrow(1, column, weight.size(0)));
         column += weight.size(0);
       }
+      if (residual) out.push_back(x);
       return out;
     }
     for (size_t i = 0; i < weights.size(); ++i) {
@@ -241,6 +258,7 @@ class Projections : public torch::autograd::Function<Projections> {
       if (bias.defined() && !bias_in_matmul) y.add_(bias);
       out.push_back(std::move(y));
     }
+    if (residual) out.push_back(x);
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -250,6 +268,13 @@ class Projections : public torch::autograd::Function<Projections> {
     const at::ScalarType type = saved[3].scalar_type();
     const auto x_type = static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt());
     const bool has_norm = norm_weight.defined();
+    // The residual output's gradient (materialised: zeros when it got none), then the
+    // projections'.
+    at::Tensor residual_grad;
+    if (ctx->saved_data["residual"].toBool()) {
+      residual_grad = grads.back();
+      grads.pop_back();
+    }
     const size_t count = grads.size();
     const bool has_biases = saved.size() == 3 + 2 * count;
     const at::Tensor xb =
@@ -301,11 +326,15 @@ class Projections : public torch::autograd::Function<Projections> {
     if (dx_sum != nullptr) dx_sum->Wait();
     if (has_norm) {
       at::Tensor accumulator = NormWeightAccumulator(ctx, norm_weight);
-      dx = kernels::RmsNormBackward(dx, saved[0], norm_weight, rstd, accumulator).to(x_type);
+      // In the compute type, as autograd would have summed dx.to(x_type) and the residual's
+      // gradient (x_type is the compute type wherever a residual stream feeds a norm).
+      if (residual_grad.defined()) residual_grad = residual_grad.to(rstd.scalar_type());
+      dx = kernels::RmsNormBackward(dx, saved[0], norm_weight, rstd, accumulator, residual_grad)
+               .to(x_type);
     }
     variable_list result = {dx};
     // No gradient for the weights and biases: accumulated above.
-    result.resize(7 + 2 * count);
+    result.resize(8 + 2 * count);
     return result;
   }
 };
@@ -318,7 +347,7 @@ at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight, const at::
   if (bias.defined()) biases.push_back(bias);
   return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, group,
                             ProjectionKind::kRowParallel, at::TensorList(weight),
-                            at::TensorList(biases), std::nullopt)[0];
+                            at::TensorList(biases), std::nullopt, /*residual=*/false)[0];
 }
 
 // Token ids relative to this rank's vocabulary slice [first, first + rows): the row of each id
@@ -1186,10 +1215,12 @@ LayerOutput Qwen3Model::AttentionHalf(int64_t l, const at::Tensor& h, const Chun
   if (layer.q_bias.defined()) qkv_biases = {layer.q_bias, layer.k_bias, layer.v_bias};
   const at::Tensor qkv_weights[] = {layer.q_proj, layer.k_proj, layer.v_proj};
   const NormScale input_norm = ScaleOf(layer.input_norm);
+  // With the fused residual, qkv[3] is h itself, for the residual connection (see Projections).
+  const bool fused_residual = FusedResidualEnabled();
   const variable_list qkv = Projections::apply(
       h, std::optional<at::Tensor>(input_norm.weight), eps, /*wide_output=*/false, group,
       ProjectionKind::kColumnParallel, at::TensorList(qkv_weights), at::TensorList(qkv_biases),
-      Optional(input_norm.accumulator));
+      Optional(input_norm.accumulator), fused_residual);
   // Gated attention: each head's rows are [query, output gate].
   const bool gated = HasGatedAttention(config_);
   const at::Tensor q_rows = gated ? qkv[0].view({t, heads, 2 * dim}) : qkv[0].view({t, heads, dim});
@@ -1232,8 +1263,8 @@ LayerOutput Qwen3Model::AttentionHalf(int64_t l, const at::Tensor& h, const Chun
         (attention.to(ct) * at::sigmoid(q_rows.slice(-1, dim).to(ct))).to(attention.scalar_type());
   }
   LayerOutput out;
-  out.hidden =
-      h + ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, layer.o_bias, group);
+  out.hidden = (fused_residual ? qkv[3] : h) +
+               ProjectWide(attention.reshape({t, heads * dim}), layer.o_proj, layer.o_bias, group);
   out.keys = k;
   out.values = v;
   return out;
@@ -1246,10 +1277,14 @@ LayerOutput Qwen3Model::LinearAttentionHalf(int64_t l, const at::Tensor& h,
   const GatedDeltaNetWeights& w = layer.linear;
   const NormScale input_norm = ScaleOf(layer.input_norm);
   const at::Tensor in_weights[] = {w.in_proj_qkvz, w.in_proj_ba};
-  const variable_list projected = Projections::apply(
-      h, std::optional<at::Tensor>(input_norm.weight), config_.rms_norm_eps,
-      /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
-      at::TensorList(in_weights), at::TensorList(), Optional(input_norm.accumulator));
+  // With the fused residual, projected[2] is h itself, for the residual connection (see
+  // Projections).
+  const bool fused_residual = FusedResidualEnabled();
+  const variable_list projected =
+      Projections::apply(h, std::optional<at::Tensor>(input_norm.weight), config_.rms_norm_eps,
+                         /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
+                         at::TensorList(in_weights), at::TensorList(),
+                         Optional(input_norm.accumulator), fused_residual);
   // The small parameters enter as float32 (float64) leaves whose gradients go straight into their
   // .grad accumulators (autograd would otherwise round them to the parameters' dtype).
   auto trainable = [&](const at::Tensor& p) {
@@ -1274,7 +1309,8 @@ LayerOutput Qwen3Model::LinearAttentionHalf(int64_t l, const at::Tensor& h,
   LinearMixerOutput mixed = GatedDeltaNetMix(small, linear_shape_, projected[0], projected[1],
                                              context.conv_index, context.runs, linear);
   LayerOutput out;
-  out.hidden = h + ProjectWide(mixed.out, w.out_proj, at::Tensor(), /*group=*/0);
+  out.hidden = (fused_residual ? projected[2] : h) +
+               ProjectWide(mixed.out, w.out_proj, at::Tensor(), /*group=*/0);
   out.keys = std::move(mixed.conv_inputs);
   out.state = std::move(mixed.final_state);
   for (const int64_t run : context.point_runs) out.point_states.push_back(mixed.run_states[run]);
@@ -1287,22 +1323,26 @@ void Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h, const ChunkContext& con
   const double eps = config_.rms_norm_eps;
   const int64_t group = GroupHandle(tensor_parallel());
   const NormScale post_norm = ScaleOf(layer.post_norm);
+  // The MLP's output, and h for the residual connection: h as the projections' function returns
+  // it (see Projections) when `residual`, else h.
   auto swiglu = [&](const at::Tensor& gate_proj, const at::Tensor& up_proj,
-                    const at::Tensor& down_proj, const at::Tensor& gate_of_output) {
+                    const at::Tensor& down_proj, const at::Tensor& gate_of_output, bool residual) {
     std::vector<at::Tensor> weights = {gate_proj, up_proj};
     if (gate_of_output.defined()) weights.push_back(gate_of_output);
     const variable_list gate_up = Projections::apply(
         h, std::optional<at::Tensor>(post_norm.weight), eps, /*wide_output=*/false, group,
         ProjectionKind::kColumnParallel, at::TensorList(weights), at::TensorList(),
-        Optional(post_norm.accumulator));
+        Optional(post_norm.accumulator), residual);
     at::Tensor y = SwiGluDown::apply(gate_up[0], gate_up[1], down_proj, group);
     // The shared expert's output scaled by sigmoid(x @ shared_expert_gate^T), in y's (compute)
     // dtype.
     if (gate_of_output.defined()) y = y * at::sigmoid(gate_up[2].to(y.scalar_type()));
-    return y;
+    return std::make_pair(y, residual ? gate_up.back() : h);
   };
   if (!layer.router.defined()) {
-    result.hidden = h + swiglu(layer.gate_proj, layer.up_proj, layer.down_proj, at::Tensor());
+    auto [y, residual] = swiglu(layer.gate_proj, layer.up_proj, layer.down_proj, at::Tensor(),
+                                FusedResidualEnabled());
+    result.hidden = residual + y;
     return;
   }
   // The shared expert normalises h again in its own projection (an elementwise pass over [T, H],
@@ -1313,8 +1353,9 @@ void Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h, const ChunkContext& con
                        group, Optional(post_norm.accumulator));
   at::Tensor out = h + sparse[0];
   if (layer.shared_gate.defined()) {
-    out = out +
-          swiglu(layer.shared_gate, layer.shared_up, layer.shared_down, layer.shared_expert_gate);
+    out = out + swiglu(layer.shared_gate, layer.shared_up, layer.shared_down,
+                       layer.shared_expert_gate, /*residual=*/false)
+                    .first;
   }
   result.hidden = std::move(out);
   if (context.router_statistics) {

@@ -65,6 +65,14 @@ TEST(FusedLayers, RmsNormBackwardIsTheGradientOfTheForward) {
         [](at::Tensor a, at::Tensor b) { return RmsNormExpression(a, b, 1e-6); }, x, w, dy);
     EXPECT_LT(RelativeError(dx, expected[0]), 1e-12) << "n " << n;
     EXPECT_LT(RelativeError(weight_grad - 0.5, expected[1]), 1e-12) << "n " << n;
+    // x feeding a residual connection as well: the residual's gradient added in, the weight's
+    // gradient the same.
+    const at::Tensor residual = at::randn({5, 3, n}, kFloat64);
+    at::Tensor weight_grad_too = at::full({n}, 0.5, kFloat64);
+    const at::Tensor dx_residual =
+        RmsNormBackward(dy, x, w, forward.rstd, weight_grad_too, residual);
+    EXPECT_TRUE(at::equal(dx_residual, dx + residual)) << "n " << n;
+    EXPECT_TRUE(at::equal(weight_grad_too, weight_grad)) << "n " << n;
   }
 }
 
@@ -138,6 +146,18 @@ TEST(FusedLayers, BadShapesAreNamed) {
         RmsNormBackward(at::ones({4, 7}, kFloat64), x, at::ones({8}, kFloat64), r.rstd, grad);
       },
       ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("dy [4, 7]")));
+  EXPECT_THAT(
+      [&] {
+        RmsNormBackward(at::ones({4, 8}, kFloat64), x, at::ones({8}, kFloat64), r.rstd, grad,
+                        at::ones({8, 4}, kFloat64));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("residual_grad [8, 4]")));
+  EXPECT_THAT(
+      [&] {
+        RmsNormBackward(at::ones({4, 8}, kFloat64), x, at::ones({8}, kFloat64), r.rstd, grad,
+                        at::ones({4, 8}));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("residual_grad must be in")));
   EXPECT_THAT(
       [&] { RmsNormApply(x, at::ones({8}, kFloat64), at::ones({4}, kFloat64), at::kDouble); },
       ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("rstd [4] must be [4, 1]")));
@@ -246,6 +266,14 @@ TEST_F(FusedLayersCuda, RmsNormMatchesTheCpu) {
     at::Tensor again = at::ones({c.n}, at::kCUDA);
     EXPECT_TRUE(at::equal(RmsNormBackward(Cuda(dy), Cuda(x), Cuda(w), gpu.rstd, again), gpu_dx));
     EXPECT_TRUE(at::equal(again, gpu_grad)) << name << ": the weight gradient is not deterministic";
+    // The residual's gradient summed in the kernel: the bits of the separate add.
+    const at::Tensor residual = at::randn({c.rows, c.n}, at::kCUDA);
+    at::Tensor with_residual = at::ones({c.n}, at::kCUDA);
+    EXPECT_TRUE(
+        at::equal(RmsNormBackward(Cuda(dy), Cuda(x), Cuda(w), gpu.rstd, with_residual, residual),
+                  gpu_dx + residual))
+        << name;
+    EXPECT_TRUE(at::equal(with_residual, gpu_grad)) << name;
   }
 }
 

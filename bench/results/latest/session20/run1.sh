@@ -10,11 +10,7 @@ set -uo pipefail
 source scripts/device_session.sh
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1
 mkdir -p "$out/all"
-for t in hopper_tree_attention_test tree_attention_test chunk_attention_test gpu_equivalence_test; do
-  timeout 200 build-device/tests/$t >"$out/all/$t.log" 2>&1
-  echo "$t exit $?: $(grep -a -c -E '^\[       OK' "$out/all/$t.log") ok, $(grep -a -c -E '^\[  FAILED' "$out/all/$t.log") failed at $((SECONDS - start)) s"
-  grep -a -E "Failure" -A4 "$out/all/$t.log" | head -12
-done
+run_gtests hopper_tree_attention_test tree_attention_test chunk_attention_test gpu_equivalence_test
 grep -a "D=64" "$out/all/hopper_tree_attention_test.log" | cut -c1-200 | head -14
 for d in 64 128; do
   timeout 100 build-device/bin/dta-attention-bench --head_dim=$d >"$out/all/attention_bench_d$d.log" 2>&1
