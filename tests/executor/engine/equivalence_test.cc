@@ -511,6 +511,30 @@ TEST_F(Equivalence, StackedProjectionsGiveTheSameGradient) {
              "dense");
 }
 
+// The residual stream's gradient summed inside the norm's backward (the default) is bitwise
+// autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0), for dta and for dense.
+TEST_F(Equivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
+  const auto rollouts =
+      MakeRollouts(testing::RandomRollouts(29, {.max_rollouts = 6, .vocab = 4}), 31);
+  const LossOptions loss{.kind = LossKind::kPpo};
+  for (const ExecutorOptions& options :
+       {ExecutorOptions{.method = Method::kDta, .block_size = 3, .pack = true},
+        ExecutorOptions{.method = Method::kDense}}) {
+    const MethodRun fused = RunMethod(model_, rollouts, loss, options);
+    ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL", "0", 1), 0);
+    const MethodRun autograd_sum = RunMethod(model_, rollouts, loss, options);
+    ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL"), 0);
+    EXPECT_EQ(fused.result.loss, autograd_sum.result.loss);
+    ASSERT_EQ(fused.grads.size(), autograd_sum.grads.size());
+    for (size_t i = 0; i < fused.grads.size(); ++i) {
+      EXPECT_GT(fused.grads[i].norm().item<double>(), 0.0) << model_.named_parameters()[i].first;
+      EXPECT_TRUE(at::equal(fused.grads[i], autograd_sum.grads[i]))
+          << model_.named_parameters()[i].first << ": differs by "
+          << RelativeError(fused.grads[i], autograd_sum.grads[i]);
+    }
+  }
+}
+
 // Data parallelism's contract on one process: the batch cut into contiguous parts, each part's
 // rollouts carrying the whole batch's group advantages and each part run with the whole batch's
 // normalisers, give gradients that sum to the whole batch's gradient, for every loss.
