@@ -22,6 +22,13 @@ bool FusedLayersEnabled() {
   return enabled;
 }
 
+// DTA_FUSED_ROPE=0: RoPE alone takes the ATen path (read at every call: before/after measurements
+// of its kernel in one process).
+bool FusedRopeEnabled() {
+  const char* value = std::getenv("DTA_FUSED_ROPE");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
 // weight_grad += partials summed over rows: one kernel when weight_grad is a contiguous float32
 // tensor on the GPU (the accumulators of bfloat16 and float32 models), else ATen's sum and add.
 void AddPartials(const at::Tensor& partials, at::Tensor& weight_grad) {
@@ -197,22 +204,58 @@ at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::
   return dx;
 }
 
+namespace {
+
+// True when the RoPE kernels' shape and table rules admit x [T, H, D] (UseCuda decides the rest).
+bool RopeKernelShape(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+         internal::FusedRopeHeadDim(x.size(2));
+}
+
+// A [T, 1, D] rotary table as the kernels read it: [T, D], contiguous.
+at::Tensor KernelTable(const at::Tensor& table) {
+  return table.reshape({table.size(0), -1}).contiguous();
+}
+
+}  // namespace
+
 RmsNormResult RmsNormRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const at::Tensor& cos, const at::Tensor& sin) {
   CheckNormInputs("RmsNormRopeForward", x, weight);
   CheckRopeTables("RmsNormRopeForward", cos, sin, x);
-  if (UseCuda({&x, &weight, &cos, &sin}) && cos.scalar_type() == at::kFloat &&
-      sin.scalar_type() == at::kFloat && internal::FusedRopeHeadDim(x.size(2))) {
-    const at::Tensor xc = x.contiguous();
+  if (UseCuda({&x, &weight, &cos, &sin}) && RopeKernelShape(x, cos, sin)) {
     at::Tensor y = at::empty(x.sizes(), x.options());
     at::Tensor rstd = at::empty({x.size(0), x.size(1), 1}, x.options().dtype(at::kFloat));
-    internal::RmsNormRopeForwardCuda(xc, weight.contiguous(), eps,
-                                     cos.reshape({x.size(0), -1}).contiguous(),
-                                     sin.reshape({x.size(0), -1}).contiguous(), y, rstd);
+    internal::RmsNormRopeForwardCuda(x.contiguous(), weight.contiguous(), eps, KernelTable(cos),
+                                     KernelTable(sin), y, rstd);
     return {y, rstd};
   }
   RmsNormResult normed = RmsNormForward(x, weight, eps, x.scalar_type());
   return {RopeReference(normed.y, cos, sin), normed.rstd};
+}
+
+at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  CheckRopeTables("RopeForward", cos, sin, x);
+  if (FusedRopeEnabled() && UseCuda({&x, &cos, &sin}) && RopeKernelShape(x, cos, sin)) {
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    at::Tensor no_rstd;
+    internal::RmsNormRopeForwardCuda(x.contiguous(), at::Tensor(), 0.0, KernelTable(cos),
+                                     KernelTable(sin), y, no_rstd);
+    return y;
+  }
+  return RopeReference(x, cos, sin);
+}
+
+at::Tensor RopeBackward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin) {
+  CheckRopeTables("RopeBackward", cos, sin, dy);
+  if (FusedRopeEnabled() && UseCuda({&dy, &cos, &sin}) && RopeKernelShape(dy, cos, sin)) {
+    at::Tensor dx = at::empty(dy.sizes(), dy.options());
+    at::Tensor no_partials;
+    internal::RmsNormRopeBackwardCuda(dy.contiguous(), at::Tensor(), at::Tensor(), at::Tensor(),
+                                      KernelTable(cos), KernelTable(sin), dx, no_partials);
+    return dx;
+  }
+  return RopeBackwardReference(dy, cos, sin);
 }
 
 at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
@@ -225,15 +268,14 @@ at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const 
   TORCH_CHECK(weight_grad.defined() && weight_grad.sizes() == weight.sizes(),
               "RmsNormRopeBackward: weight_grad must have weight's shape ", weight.sizes());
   if (UseCuda({&dy, &x, &weight, &rstd, &cos, &sin}) && rstd.scalar_type() == at::kFloat &&
-      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-      dy.scalar_type() == x.scalar_type() && internal::FusedRopeHeadDim(x.size(2))) {
+      dy.scalar_type() == x.scalar_type() && RopeKernelShape(x, cos, sin)) {
     at::Tensor dx = at::empty(x.sizes(), x.options());
     at::Tensor partials =
         at::empty({internal::RmsNormRopeBackwardBlocks(x.size(0) * x.size(1)), x.size(2)},
                   x.options().dtype(at::kFloat));
     internal::RmsNormRopeBackwardCuda(dy.contiguous(), x.contiguous(), weight.contiguous(),
-                                      rstd.contiguous(), cos.reshape({x.size(0), -1}).contiguous(),
-                                      sin.reshape({x.size(0), -1}).contiguous(), dx, partials);
+                                      rstd.contiguous(), KernelTable(cos), KernelTable(sin), dx,
+                                      partials);
     AddPartials(partials, weight_grad);
     return dx;
   }

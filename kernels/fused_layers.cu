@@ -268,18 +268,22 @@ constexpr int64_t kRopeRowsPerBlock = kRopeWarps * kRopeRowsPerWarp;
 
 // A warp per kRopeRowsPerWarp consecutive (token, head) rows of D = 32 E columns; lane l holds
 // columns l + 32 e, so the rotate-half partner of column c (c +- D/2) is element e +- E/2 of the
-// same lane.
-template <int E>
-__global__ void RmsNormRopeForwardKernel(In x, In w, const float* cos, const float* sin, Out y,
-                                         float* rstd, int64_t rows, int64_t heads, float eps) {
+// same lane. With kNorm the q/k norm first (its output rounded to x's dtype, rstd written), else
+// RoPE alone (the families without a q/k norm; w and rstd unused).
+template <int E, bool kNorm>
+__global__ void RopeForwardKernel(In x, In w, const float* cos, const float* sin, Out y,
+                                  float* rstd, int64_t rows, int64_t heads, float eps) {
   constexpr int D = 32 * E;
   constexpr int R = kRopeRowsPerWarp;
   const int lane = threadIdx.x % 32;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * kRopeWarps + threadIdx.x / 32) * R;
   if (first >= rows) return;
-  float weight[E], v[R][E];
+  [[maybe_unused]] float weight[E];
+  float v[R][E];
+  if constexpr (kNorm) {
 #pragma unroll
-  for (int e = 0; e < E; ++e) weight[e] = Load(w, lane + 32 * e);
+    for (int e = 0; e < E; ++e) weight[e] = Load(w, lane + 32 * e);
+  }
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int64_t row = first + i < rows ? first + i : first;  // past the end: a row read twice
@@ -291,15 +295,20 @@ __global__ void RmsNormRopeForwardKernel(In x, In w, const float* cos, const flo
     const int64_t row = first + i;
     if (row >= rows) break;
     const int64_t table = (row / heads) * D;
-    float sum = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) sum = __fadd_rn(sum, __fmul_rn(v[i][e], v[i][e]));
-    const float r = rsqrtf(__fadd_rn(__fmul_rn(WarpSum(sum), 1.0f / D), eps));
-    if (lane == 0) rstd[row] = r;
     float normed[E];
+    if constexpr (kNorm) {
+      float sum = 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-      normed[e] = Round(__fmul_rn(weight[e], __fmul_rn(v[i][e], r)), x.type);
+      for (int e = 0; e < E; ++e) sum = __fadd_rn(sum, __fmul_rn(v[i][e], v[i][e]));
+      const float r = rsqrtf(__fadd_rn(__fmul_rn(WarpSum(sum), 1.0f / D), eps));
+      if (lane == 0) rstd[row] = r;
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        normed[e] = Round(__fmul_rn(weight[e], __fmul_rn(v[i][e], r)), x.type);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) normed[e] = v[i][e];
+    }
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const int c = lane + 32 * e;
@@ -310,34 +319,37 @@ __global__ void RmsNormRopeForwardKernel(In x, In w, const float* cos, const flo
   }
 }
 
-// RoPE's backward (rounded to dy's dtype), then the norm's; the warps stride over groups of
-// kRopeRowsPerWarp rows (all their loads first), each keeping its lanes' share of the weight
-// gradient, and the block's warps add theirs into its partial row.
-template <int E>
-__global__ void RmsNormRopeBackwardKernel(In dy, In x, In w, const float* rstd, const float* cos,
-                                          const float* sin, Out dx, float* partials, int64_t rows,
-                                          int64_t heads) {
+// RoPE's backward (rounded to dy's dtype), then, with kNorm, the norm's; the warps stride over
+// groups of kRopeRowsPerWarp rows (all their loads first), each keeping its lanes' share of the
+// weight gradient, and the block's warps add theirs into its partial row. Without kNorm, RoPE's
+// gradient is dx (x, w, rstd and partials unused).
+template <int E, bool kNorm>
+__global__ void RopeBackwardKernel(In dy, In x, In w, const float* rstd, const float* cos,
+                                   const float* sin, Out dx, float* partials, int64_t rows,
+                                   int64_t heads) {
   constexpr int D = 32 * E;
   constexpr int R = kRopeRowsPerWarp;
-  __shared__ float block_acc[kRopeWarps][D];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  float acc[E], weight[E];
+  [[maybe_unused]] float acc[E], weight[E];
+  if constexpr (kNorm) {
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    acc[e] = 0.0f;
-    weight[e] = Load(w, lane + 32 * e);
+    for (int e = 0; e < E; ++e) {
+      acc[e] = 0.0f;
+      weight[e] = Load(w, lane + 32 * e);
+    }
   }
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kRopeWarps + warp) * R; first < rows;
        first += static_cast<int64_t>(gridDim.x) * kRopeWarps * R) {
-    float d[R][E], xs[R][E];
+    float d[R][E];
+    [[maybe_unused]] float xs[R][E];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int64_t row = first + i < rows ? first + i : first;  // past the end: a row read twice
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         d[i][e] = Load(dy, row * D + lane + 32 * e);
-        xs[i][e] = Load(x, row * D + lane + 32 * e);
+        if constexpr (kNorm) xs[i][e] = Load(x, row * D + lane + 32 * e);
       }
     }
 #pragma unroll
@@ -346,7 +358,6 @@ __global__ void RmsNormRopeBackwardKernel(In dy, In x, In w, const float* rstd, 
       if (row >= rows) break;
       const int64_t base = row * D;
       const int64_t table = (row / heads) * D;
-      const float r = rstd[row];
       float g[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) {
@@ -357,30 +368,39 @@ __global__ void RmsNormRopeBackwardKernel(In dy, In x, In w, const float* rstd, 
         const float gs = __fmul_rn(d[i][partner], sin[table + pc]);
         g[e] = Round(__fadd_rn(__fmul_rn(d[i][e], cos[table + c]), e < E / 2 ? gs : -gs), dy.type);
       }
-      float dot = 0.0f;
+      if constexpr (!kNorm) {
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float normed = __fmul_rn(xs[i][e], r);
-        dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(g[e], weight[e]), normed));
-        acc[e] = __fadd_rn(acc[e], __fmul_rn(g[e], normed));
-      }
-      const float mean = __fmul_rn(WarpSum(dot), 1.0f / D);
+        for (int e = 0; e < E; ++e) Store(dx, base + lane + 32 * e, g[e]);
+      } else {
+        const float r = rstd[row];
+        float dot = 0.0f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float normed = __fmul_rn(xs[i][e], r);
-        const float dn = __fmul_rn(g[e], weight[e]);
-        Store(dx, base + lane + 32 * e, __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean))));
+        for (int e = 0; e < E; ++e) {
+          const float normed = __fmul_rn(xs[i][e], r);
+          dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(g[e], weight[e]), normed));
+          acc[e] = __fadd_rn(acc[e], __fmul_rn(g[e], normed));
+        }
+        const float mean = __fmul_rn(WarpSum(dot), 1.0f / D);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float normed = __fmul_rn(xs[i][e], r);
+          const float dn = __fmul_rn(g[e], weight[e]);
+          Store(dx, base + lane + 32 * e, __fmul_rn(r, __fsub_rn(dn, __fmul_rn(normed, mean))));
+        }
       }
     }
   }
+  if constexpr (kNorm) {
+    __shared__ float block_acc[kRopeWarps][D];
 #pragma unroll
-  for (int e = 0; e < E; ++e) block_acc[warp][lane + 32 * e] = acc[e];
-  __syncthreads();
-  for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    float total = 0.0f;
+    for (int e = 0; e < E; ++e) block_acc[warp][lane + 32 * e] = acc[e];
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+      float total = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kRopeWarps; ++k) total = __fadd_rn(total, block_acc[k][c]);
-    partials[static_cast<int64_t>(blockIdx.x) * D + c] = total;
+      for (int k = 0; k < kRopeWarps; ++k) total = __fadd_rn(total, block_acc[k][c]);
+      partials[static_cast<int64_t>(blockIdx.x) * D + c] = total;
+    }
   }
 }
 
@@ -502,9 +522,15 @@ void LaunchRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps
                        at::Tensor& rstd, cudaStream_t stream) {
   const int64_t rows = x.size(0) * x.size(1);
   const int blocks = static_cast<int>((rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock);
-  RmsNormRopeForwardKernel<E><<<blocks, 32 * kRopeWarps, 0, stream>>>(
-      InOf(x), InOf(weight), cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
-      rstd.data_ptr<float>(), rows, x.size(1), static_cast<float>(eps));
+  if (weight.defined()) {
+    RopeForwardKernel<E, true><<<blocks, 32 * kRopeWarps, 0, stream>>>(
+        InOf(x), InOf(weight), cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
+        rstd.data_ptr<float>(), rows, x.size(1), static_cast<float>(eps));
+  } else {
+    RopeForwardKernel<E, false><<<blocks, 32 * kRopeWarps, 0, stream>>>(
+        InOf(x), In{nullptr, Dtype::kFloat}, cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
+        nullptr, rows, x.size(1), 0.0f);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -512,10 +538,20 @@ template <int E>
 void LaunchRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                         const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor& dx, at::Tensor& partials, cudaStream_t stream) {
-  const int64_t rows = x.size(0) * x.size(1);
-  RmsNormRopeBackwardKernel<E><<<static_cast<int>(partials.size(0)), 32 * kRopeWarps, 0, stream>>>(
-      InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), cos.data_ptr<float>(),
-      sin.data_ptr<float>(), OutOf(dx), partials.data_ptr<float>(), rows, x.size(1));
+  const int64_t rows = dy.size(0) * dy.size(1);
+  // One row of partials per block when there is a norm.
+  const int blocks =
+      static_cast<int>(weight.defined() ? partials.size(0) : RmsNormRopeBackwardBlocks(rows));
+  if (weight.defined()) {
+    RopeBackwardKernel<E, true><<<blocks, 32 * kRopeWarps, 0, stream>>>(
+        InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), cos.data_ptr<float>(),
+        sin.data_ptr<float>(), OutOf(dx), partials.data_ptr<float>(), rows, dy.size(1));
+  } else {
+    const In none{nullptr, Dtype::kFloat};
+    RopeBackwardKernel<E, false><<<blocks, 32 * kRopeWarps, 0, stream>>>(
+        InOf(dy), none, none, nullptr, cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(dx),
+        nullptr, rows, dy.size(1));
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -715,7 +751,7 @@ void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, doubl
     case 256:
       return LaunchRopeForward<8>(x, weight, eps, cos, sin, y, rstd, stream);
     default:
-      TORCH_CHECK(false, "RmsNormRopeForward: no kernel for head_dim ", x.size(2));
+      TORCH_CHECK(false, "RopeForward: no kernel for head_dim ", x.size(2));
   }
 }
 
@@ -727,13 +763,13 @@ int64_t RmsNormRopeBackwardBlocks(int64_t rows) {
 void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
                              at::Tensor& dx, at::Tensor& weight_partials) {
-  if (x.numel() == 0) {
-    weight_partials.zero_();
+  if (dy.numel() == 0) {
+    if (weight_partials.defined()) weight_partials.zero_();
     return;
   }
-  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::cuda::CUDAGuard guard(dy.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  switch (x.size(2)) {
+  switch (dy.size(2)) {
     case 64:
       return LaunchRopeBackward<2>(dy, x, weight, rstd, cos, sin, dx, weight_partials, stream);
     case 128:
@@ -743,7 +779,7 @@ void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at
     case 256:
       return LaunchRopeBackward<8>(dy, x, weight, rstd, cos, sin, dx, weight_partials, stream);
     default:
-      TORCH_CHECK(false, "RmsNormRopeBackward: no kernel for head_dim ", x.size(2));
+      TORCH_CHECK(false, "RopeBackward: no kernel for head_dim ", dy.size(2));
   }
 }
 

@@ -1,7 +1,8 @@
 // The Qwen3 decoder's elementwise layers, each direction in one CUDA kernel instead of the 5 to 15
 // ATen kernels of their composition: RMSNorm (the input and post-attention norms over the float32
 // residual stream, the final norm), RMSNorm followed by rotary embedding (the per-head q/k norms),
-// SwiGLU, and the log-probability head's softmax statistics and logits gradient. The model calls
+// rotary embedding alone (families without q/k norms), SwiGLU, and the log-probability head's
+// softmax statistics and logits gradient. The model calls
 // these functions; on the GPU they cut a layer's launches and its
 // passes over activations, which bounded the step at small chunks (kernel launches, not FLOPs).
 //
@@ -16,9 +17,10 @@
 // CUDA kernels run when the library is built with nvcc, the tensors are on a CUDA device, the
 // compute type is float32 (x, weight and outputs float32, bfloat16 or float16), and:
 //   - RMSNorm: the row length is at most 8,192;
-//   - RMSNorm + RoPE: head_dim is a multiple of 64, at most 256.
+//   - RMSNorm + RoPE, RoPE: head_dim is a multiple of 64, at most 256.
 // DTA_FUSED_LAYERS=0 in the environment (read once) makes every call take the ATen path: the
 // before/after switch of benchmarks, and a way to rule the kernels out when debugging.
+// DTA_FUSED_ROPE=0 (read at every call) does the same for RopeForward / RopeBackward alone.
 //
 // Example, a norm over the residual stream h [T, hidden] (float32) of a bfloat16 model:
 //   RmsNormResult n = RmsNormForward(h, norm_weight, 1e-6, at::kBFloat16);   // n.y bf16
@@ -72,6 +74,15 @@ RmsNormResult RmsNormRopeForward(const at::Tensor& x, const at::Tensor& weight, 
 at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& weight_grad);
+
+// RoPE alone (the families without a q/k norm: Qwen2, Llama): y = (x cos + rotate_half(x) sin)
+// computed in cos's dtype and rounded once to x's dtype; RmsNormRopeForward's RoPE without the
+// norm. x [T, H, D]; cos, sin [T, 1, D].
+at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// RopeForward's input gradient given dy [T, H, D]: dy cos + [(dy sin)2, -(dy sin)1] in cos's
+// dtype, rounded to dy's dtype.
+at::Tensor RopeBackward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin);
 
 // silu(gate) * up in the compute type, rounded to gate's dtype. gate and up of one shape; on CUDA
 // the two halves of one stacked [rows, 2 n] projection output are read in place.

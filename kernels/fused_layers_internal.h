@@ -29,11 +29,13 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
 // The number of row blocks (weight_partials' rows) RmsNormBackwardCuda uses for `rows` rows.
 int64_t RmsNormBackwardBlocks(int64_t rows);
 
-// x [T, H, D]; cos, sin [T, D] float32; y [T, H, D] in x's dtype; rstd [T * H].
+// x [T, H, D]; cos, sin [T, D] float32; y [T, H, D] in x's dtype; rstd [T * H]. With weight
+// undefined, RoPE alone (eps and rstd unused).
 void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps,
                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
                             at::Tensor& rstd);
-// dx [T, H, D] in x's dtype; weight_partials [RmsNormRopeBackwardBlocks(T * H), D] float32.
+// dx [T, H, D] in x's dtype; weight_partials [RmsNormRopeBackwardBlocks(T * H), D] float32. With
+// weight undefined, RoPE's backward alone: dx in dy's dtype (x, rstd and weight_partials unused).
 void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
                              at::Tensor& dx, at::Tensor& weight_partials);

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "kernels/fused_layers.h"
+
 namespace dta {
 namespace {
 
@@ -65,11 +67,6 @@ at::Tensor YarnFrequencies(double base, int64_t dim, const RopeScaling& rope,
   return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
 }
 
-at::Tensor RotateHalf(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-}
-
 void CheckTables(const char* what, const at::Tensor& x, const at::Tensor& cos,
                  const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3, what, ": x must be [T, H, D], got ", x.sizes());
@@ -127,19 +124,12 @@ std::pair<at::Tensor, at::Tensor> RopeTables(const at::Tensor& inv_freq,
 
 at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   CheckTables("RopeForward", x, cos, sin);
-  const at::Tensor xc = x.slice(-1, 0, cos.size(-1)).to(cos.scalar_type());
-  return JoinUnrotated((xc * cos + RotateHalf(xc) * sin).to(x.scalar_type()), x);
+  return JoinUnrotated(kernels::RopeForward(x.slice(-1, 0, cos.size(-1)), cos, sin), x);
 }
 
 at::Tensor RopeBackward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin) {
   CheckTables("RopeBackward", dy, cos, sin);
-  const at::Tensor g = dy.slice(-1, 0, cos.size(-1)).to(cos.scalar_type());
-  // rotate_half is x -> [-x2, x1]; its transpose is z -> [z2, -z1].
-  const at::Tensor gs = g * sin;
-  const int64_t half = gs.size(-1) / 2;
-  return JoinUnrotated(
-      (g * cos + at::cat({gs.slice(-1, half), -gs.slice(-1, 0, half)}, -1)).to(dy.scalar_type()),
-      dy);
+  return JoinUnrotated(kernels::RopeBackward(dy.slice(-1, 0, cos.size(-1)), cos, sin), dy);
 }
 
 }  // namespace dta

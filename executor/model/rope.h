@@ -2,7 +2,8 @@
 // (transformers' rope_init_fn of "default", "linear", "llama3" and "yarn" in
 // modeling_rope_utils.py, the same expressions in the given dtype), the cos/sin tables of a chunk,
 // and RoPE on its own (the families without a q/k norm; Qwen3's norm and RoPE run fused in
-// kernels/fused_layers.h). ATen only: the CPU, float64 and, for now, the GPU.
+// kernels/fused_layers.h). RoPE itself is kernels/fused_layers.h's RopeForward / RopeBackward
+// (one CUDA kernel per direction on the GPU) on the rotated part of each head.
 //
 // Example:
 //   const at::Tensor inv_freq = RopeInverseFrequencies(config, at::TensorOptions(at::kFloat));

@@ -5,7 +5,8 @@
 // bfloat16 step of it; weight gradients within 1e-4; backward bitwise deterministic. Shapes cover
 // one row, rows longer than a block, lengths that no block size divides, more rows than the
 // backward has blocks of four rows, every fused head dim (64, 128, 192, 256) and the ones the
-// kernels leave to ATen (96, rows longer than 8,192). The GPU tests skip without a CUDA device.
+// kernels leave to ATen (96, rows longer than 8,192). RoPE alone is bitwise the CPU's. The GPU
+// tests skip without a CUDA device.
 #include "kernels/fused_layers.h"
 
 #include <torch/csrc/autograd/autograd.h>
@@ -94,6 +95,22 @@ TEST(FusedLayers, RmsNormRopeBackwardIsTheGradientOfTheForward) {
     const auto expected = AutogradOf(expression, x, w, dy);
     EXPECT_LT(RelativeError(dx, expected[0]), 1e-12) << "D " << d;
     EXPECT_LT(RelativeError(weight_grad, expected[1]), 1e-12) << "D " << d;
+  }
+}
+
+// RoPE alone (Qwen2, Llama): the rotation and its transpose.
+TEST(FusedLayers, RopeBackwardIsTheGradientOfTheForward) {
+  at::manual_seed(12);
+  for (int64_t d : {2, 8, 64}) {
+    const at::Tensor x = at::randn({6, 4, d}, kFloat64);
+    const at::Tensor dy = at::randn({6, 4, d}, kFloat64);
+    const auto [cos, sin] = RopeTables(6, d, kFloat64);
+    const at::Tensor expected_y = x * cos + RotateHalf(x) * sin;
+    EXPECT_LT(RelativeError(RopeForward(x, cos, sin), expected_y), 1e-14) << "D " << d;
+    at::Tensor xr = x.clone().requires_grad_(true);
+    const at::Tensor expected_dx =
+        torch::autograd::grad({((xr * cos + RotateHalf(xr) * sin) * dy).sum()}, {xr})[0];
+    EXPECT_LT(RelativeError(RopeBackward(dy, cos, sin), expected_dx), 1e-12) << "D " << d;
   }
 }
 
@@ -312,6 +329,39 @@ TEST_F(FusedLayersCuda, RmsNormRopeMatchesTheCpu) {
     at::Tensor again = at::zeros({c.dim}, at::kCUDA);
     RmsNormRopeBackward(Cuda(dy), Cuda(x), Cuda(w), gpu.rstd, Cuda(cos), Cuda(sin), again);
     EXPECT_TRUE(at::equal(again, gpu_grad)) << name << ": the weight gradient is not deterministic";
+  }
+}
+
+// RoPE alone has no sums: the kernels' rounded float32 operations give the ATen path's bits, in
+// bfloat16 and float32, at every fused head dim and the ATen fallback's (96).
+TEST_F(FusedLayersCuda, RopeIsBitwiseTheCpu) {
+  at::manual_seed(13);
+  struct Case {
+    int64_t tokens, heads, dim;
+    at::ScalarType type;
+  };
+  for (const Case& c : std::vector<Case>{{1, 1, 128, at::kBFloat16},
+                                         {37, 5, 128, at::kBFloat16},
+                                         {700, 8, 64, at::kBFloat16},
+                                         {19, 3, 192, at::kFloat},
+                                         {9, 2, 256, at::kBFloat16},
+                                         {11, 4, 96, at::kBFloat16},
+                                         {2100, 8, 128, at::kFloat}}) {
+    const std::string name = "T " + std::to_string(c.tokens) + " H " + std::to_string(c.heads) +
+                             " D " + std::to_string(c.dim) + " " + c10::toString(c.type);
+    const at::Tensor x = (2 * at::randn({c.tokens, c.heads, c.dim})).to(c.type);
+    const at::Tensor dy = at::randn({c.tokens, c.heads, c.dim}).to(c.type);
+    const auto [cos, sin] = RopeTables(c.tokens, c.dim, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor gpu_y = RopeForward(Cuda(x), Cuda(cos), Cuda(sin));
+    const at::Tensor gpu_dx = RopeBackward(Cuda(dy), Cuda(cos), Cuda(sin));
+    EXPECT_EQ(gpu_y.scalar_type(), c.type) << name;
+    EXPECT_EQ(gpu_dx.scalar_type(), c.type) << name;
+    const at::Tensor cpu_y = RopeForward(x, cos, sin);
+    const at::Tensor cpu_dx = RopeBackward(dy, cos, sin);
+    EXPECT_TRUE(at::equal(gpu_y.cpu(), cpu_y))
+        << name << ": forward differs by " << RelativeError(gpu_y, cpu_y);
+    EXPECT_TRUE(at::equal(gpu_dx.cpu(), cpu_dx))
+        << name << ": backward differs by " << RelativeError(gpu_dx, cpu_dx);
   }
 }
 
