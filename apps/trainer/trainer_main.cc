@@ -42,6 +42,7 @@
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -121,6 +122,32 @@ std::string TrainerId() {
                           .count());
 }
 
+// True on every rank when the ranks that registered with the dispatcher (`generation` set on
+// those, `registered` of them) hold one generation. Per 8-bit piece c of the generation,
+// n sum(c^2) == (sum c)^2 over the n registered ranks exactly when their pieces are equal
+// (Cauchy-Schwarz), and every rank computes both sums: one verdict everywhere, exact in float64
+// below 2^18 registered ranks.
+bool RegisteredInOneGeneration(ProcessGroup& world, std::optional<int64_t> generation,
+                               int64_t registered) {
+  constexpr int kPieces = 8;
+  std::vector<double> sums(2 * kPieces, 0.0);
+  if (generation.has_value()) {
+    const auto bits = static_cast<uint64_t>(*generation);
+    for (int i = 0; i < kPieces; ++i) {
+      const double piece = static_cast<double>((bits >> (8 * i)) & 0xff);
+      sums[2 * i] = piece;
+      sums[2 * i + 1] = piece * piece;
+    }
+  }
+  sums = world.AllReduceScalars(sums);
+  for (int i = 0; i < kPieces; ++i) {
+    if (static_cast<double>(registered) * sums[2 * i + 1] != sums[2 * i] * sums[2 * i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
 int Run() {
   struct sigaction on_request = {};
   on_request.sa_handler = RequestCheckpoint;
@@ -179,24 +206,19 @@ int Run() {
   // Each replica's TP rank 0 registers as the dispatcher's rank `replica` of `replicas`; its TP
   // peers follow it (apps/trainer/replica_session.h).
   std::unique_ptr<TrainerSession> session;
-  if (tensor_parallel_rank == 0) {
-    ClientOptions client_options;
-    client_options.address = absl::GetFlag(FLAGS_dispatcher);
-    // Waiting for rollouts is normal (generation may be slower than training): retry for long.
-    client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
-    client_options.token =
-        CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
-    client_options.tls_root_certificates =
-        CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
+  ClientOptions client_options;
+  const TrainerIdentity identity = {.rank = replica,
+                                    .world_size = replicas,
+                                    .device = options.device().str(),
+                                    .resume_step = step,
+                                    .trainer_id = TrainerId(),
+                                    .vocab_size = config.vocab_size,
+                                    .needs_ref_logprobs = loss.kl_coef != 0,
+                                    .needs_advantages = loss.kind != LossKind::kSft};
+  // Registers (again: the same identity) and says so.
+  const auto register_with_dispatcher = [&] {
     absl::StatusOr<std::unique_ptr<TrainerSession>> registered =
-        TrainerSession::Register(client_options, {.rank = replica,
-                                                  .world_size = replicas,
-                                                  .device = options.device().str(),
-                                                  .resume_step = step,
-                                                  .trainer_id = TrainerId(),
-                                                  .vocab_size = config.vocab_size,
-                                                  .needs_ref_logprobs = loss.kl_coef != 0,
-                                                  .needs_advantages = loss.kind != LossKind::kSft});
+        TrainerSession::Register(client_options, identity);
     if (!registered.ok()) {
       // A dispatcher that accepts what this trainer cannot train: restarting would not help.
       if (registered.status().code() == absl::StatusCode::kFailedPrecondition) {
@@ -217,6 +239,16 @@ int Run() {
     std::fprintf(stderr, "%s: registered as rank %d of %d (%lld steps committed), next step %lld\n",
                  prefix.c_str(), replica, replicas,
                  static_cast<long long>(session->committed_steps()), static_cast<long long>(step));
+  };
+  if (tensor_parallel_rank == 0) {
+    client_options.address = absl::GetFlag(FLAGS_dispatcher);
+    // Waiting for rollouts is normal (generation may be slower than training): retry for long.
+    client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
+    client_options.token =
+        CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
+    client_options.tls_root_certificates =
+        CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
+    register_with_dispatcher();
   }
 
   const std::chrono::milliseconds timeout(int64_t{1000} * absl::GetFlag(FLAGS_timeout_s));
@@ -235,6 +267,26 @@ int Run() {
     throw TrainerRestart{absl::StrFormat(
         "the ranks resumed from different checkpoints (this one from step %d, mean %.2f)", step,
         sums[0] / env->world_size)};
+  }
+  // Registering is not atomic across the ranks. After a launcher restarts the group, a rank that
+  // registers while the dispatcher still lists a dead rank of the last attempt completes a
+  // generation that the live rank's registration then ends (it replaces the dead one), and its
+  // first fetch would fail. The ranks agree before the first step instead: while they hold
+  // different generations, each registers again (same identity: the dispatcher lists it in the
+  // current generation, changing nothing for the others).
+  for (int round = 0; !RegisteredInOneGeneration(
+           **world,
+           session != nullptr ? std::optional<int64_t>(session->generation()) : std::nullopt,
+           replicas);
+       ++round) {
+    if (round == 3) {
+      throw TrainerRestart{"the ranks registered into different dispatcher generations 3 times"};
+    }
+    if (session != nullptr) {
+      std::fprintf(stderr, "%s: the ranks registered into different generations: again\n",
+                   prefix.c_str());
+      register_with_dispatcher();
+    }
   }
   const ParallelGroups groups(**world, tensor_parallel, group_options);
   if (tensor_parallel > 1) {

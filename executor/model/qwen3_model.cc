@@ -570,14 +570,15 @@ void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const a
 //
 // Outputs: y [T, H]; the softmax probabilities [T, E] (compute dtype), through which a gradient
 // seeded by the router's load-balancing loss reaches the router; the top-k expert indices [T, k]
-// (int64, not differentiable).
+// (int64, not differentiable); with `residual`, x itself for the residual connection, whose
+// gradient the norm's backward kernel then adds (as Projections' `residual`).
 class SparseMoe : public torch::autograd::Function<SparseMoe> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const at::Tensor& norm_weight, double eps, const at::Tensor& router,
                                const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
                                int64_t top_k, bool norm_topk, int64_t group,
-                               const std::optional<at::Tensor>& norm_accumulator) {
+                               const std::optional<at::Tensor>& norm_accumulator, bool residual) {
     const at::ScalarType type = gate.scalar_type();
     const at::ScalarType ct = ComputeType(type);
     const int64_t t = x.size(0);
@@ -612,7 +613,9 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
     ctx->saved_data["norm_topk"] = norm_topk;
     ctx->saved_data["tensor_parallel"] = group;
     ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
+    ctx->saved_data["residual"] = residual;
     ctx->mark_non_differentiable({index});
+    if (residual) return {y, probs, index, x};
     return {y, probs, index};
   }
 
@@ -663,11 +666,14 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
     if (dxb_sum != nullptr) dxb_sum->Wait();
     AddMatmul(dxb, dlogits, router);
     at::Tensor norm_accumulator = NormWeightAccumulator(ctx, norm_weight);
-    const at::Tensor dx =
-        kernels::RmsNormBackward(dxb.to(rstd.scalar_type()), x, norm_weight, rstd, norm_accumulator)
-            .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
+    // The residual output's gradient (materialised: zeros when it got none).
+    const at::Tensor residual_grad =
+        ctx->saved_data["residual"].toBool() ? grads[3].to(rstd.scalar_type()) : at::Tensor();
+    const at::Tensor dx = kernels::RmsNormBackward(dxb.to(rstd.scalar_type()), x, norm_weight, rstd,
+                                                   norm_accumulator, residual_grad)
+                              .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
     variable_list result = {dx};
-    result.resize(11);  // the weights' gradients are accumulated above
+    result.resize(12);  // the weights' gradients are accumulated above
     return result;
   }
 };
@@ -1347,11 +1353,15 @@ void Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h, const ChunkContext& con
   }
   // The shared expert normalises h again in its own projection (an elementwise pass over [T, H],
   // small beside the experts' GEMMs), so that both reuse the fused norm-and-project functions.
+  // With the fused residual, sparse[3] is h itself, for the residual connection. Not beside a
+  // shared expert: h's gradient is then a sum of three, and autograd's order of it is kept (the
+  // same bits either way).
+  const bool fused_residual = FusedResidualEnabled() && !layer.shared_gate.defined();
   const variable_list sparse =
       SparseMoe::apply(h, post_norm.weight, eps, layer.router, layer.experts_gate, layer.experts_up,
                        layer.experts_down, config_.num_experts_per_tok, config_.norm_topk_prob,
-                       group, Optional(post_norm.accumulator));
-  at::Tensor out = h + sparse[0];
+                       group, Optional(post_norm.accumulator), fused_residual);
+  at::Tensor out = (fused_residual ? sparse[3] : h) + sparse[0];
   if (layer.shared_gate.defined()) {
     out = out + swiglu(layer.shared_gate, layer.shared_up, layer.shared_down,
                        layer.shared_expert_gate, /*residual=*/false)

@@ -371,6 +371,48 @@ TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {
   ExpectEveryRolloutTrainedOnce(faulty);
 }
 
+// Waits until `process`'s log holds `line`; false if it exits first or `timeout` passes.
+bool WaitForLine(Process& process, const std::string& line, std::chrono::seconds timeout) {
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  while (process.Log().find(line) == std::string::npos) {
+    if (process.Wait(std::chrono::milliseconds(50)) != -1 ||
+        std::chrono::steady_clock::now() > give_up) {
+      return process.Log().find(line) != std::string::npos;
+    }
+  }
+  return true;
+}
+
+// After a launcher restart the dispatcher may still list a dead rank of the last attempt (here:
+// a rank 0 that registered and was killed before its rank 1 started). The next attempt's rank 1
+// registers first, beside the dead rank 0, into a generation that the live rank 0's registration
+// then ends. The ranks agree on one generation before the first step (each registers again), so
+// the group trains without a restart, exactly what one trainer trains.
+TEST_F(TrainerDaemonTest, ARankRegisteringBesideADeadRankOfTheLastAttemptTrainsWithTheGroup) {
+  Run reference = TrainedReference();
+  Run run = NewRun("dead-rank-listed");
+  Send(run);
+  {
+    std::unique_ptr<Process> dead = StartTrainer(run, 0, 2, testing::FreeLoopbackPort(), 0);
+    ASSERT_TRUE(WaitForLine(*dead, "registered as rank 0 of 2", std::chrono::seconds(60)))
+        << dead->Log();
+    dead->Kill(SIGKILL);
+    dead->Wait(std::chrono::seconds(10));
+  }
+  const int master_port = testing::FreeLoopbackPort();
+  std::unique_ptr<Process> rank1 = StartTrainer(run, 1, 2, master_port, 0);
+  ASSERT_TRUE(WaitForLine(*rank1, "registered as rank 1 of 2", std::chrono::seconds(60)))
+      << rank1->Log();
+  std::unique_ptr<Process> rank0 = StartTrainer(run, 0, 2, master_port, 0);
+  EXPECT_EQ(rank1->Wait(std::chrono::seconds(120)), 0) << rank1->Log();
+  EXPECT_EQ(rank0->Wait(std::chrono::seconds(120)), 0) << rank0->Log();
+  EXPECT_NE(rank1->Log().find("registered into different generations: again"), std::string::npos)
+      << "the race this test is about did not happen:\n"
+      << rank1->Log();
+  ExpectSameModel(run, reference);
+  ExpectEveryRolloutTrainedOnce(run);
+}
+
 // The pid of `rank`'s process in the launcher's attempt `attempt`, from its "started" line.
 std::optional<pid_t> TrainerPid(const std::string& log, int rank, int world, int attempt) {
   const std::string prefix =

@@ -512,8 +512,9 @@ TEST_F(Equivalence, StackedProjectionsGiveTheSameGradient) {
 }
 
 // The residual stream's gradient summed inside the norm's backward (the default) is bitwise
-// autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0), for dta and for dense.
-TEST_F(Equivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
+// autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0), for dta and for dense, in every
+// family (biases, linear attention, a mixture of experts with and without a shared expert).
+TEST_P(FamilyEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
   const auto rollouts =
       MakeRollouts(testing::RandomRollouts(29, {.max_rollouts = 6, .vocab = 4}), 31);
   const LossOptions loss{.kind = LossKind::kPpo};
