@@ -2,11 +2,10 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <vector>
 
+#include "core/base/env_switch.h"
 #include "kernels/batched_copy_internal.h"
 
 namespace dta::kernels {
@@ -34,10 +33,7 @@ std::optional<CopyPiece> AsRows(const at::Tensor& t) {
 
 // DTA_BATCHED_COPY=0 runs every piece through ATen (for before/after measurements in one build;
 // read at every call, so that one process can alternate).
-bool BatchedCopyEnabled() {
-  const char* value = std::getenv("DTA_BATCHED_COPY");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
+bool BatchedCopyEnabled() { return EnvSwitchOn("DTA_BATCHED_COPY"); }
 #endif
 
 // Batches of kernel pieces by dtype pair; whatever the kernel does not take runs through ATen.

@@ -4,10 +4,10 @@
 
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <tuple>
+
+#include "core/base/env_switch.h"
 
 namespace dta::kernels {
 namespace {
@@ -15,10 +15,7 @@ namespace {
 std::atomic<bool> cudnn_failed{false};
 
 bool CudnnAttentionEnabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("DTA_CUDNN_ATTENTION");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
+  static const bool enabled = EnvSwitchOn("DTA_CUDNN_ATTENTION");
   return enabled && !cudnn_failed.load(std::memory_order_relaxed);
 }
 

@@ -3,8 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <cstdlib>
-#include <cstring>
+#include "core/base/env_switch.h"
 
 namespace dta::kernels {
 
@@ -28,10 +27,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool KernelEnabled() {
-  const char* value = std::getenv("DTA_LINEAR_ATTENTION_KERNEL");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
+bool KernelEnabled() { return EnvSwitchOn("DTA_LINEAR_ATTENTION_KERNEL"); }
 
 struct Sizes {
   int64_t heads = 0, chunks = 0, chunk = 0, dk = 0, dv = 0;

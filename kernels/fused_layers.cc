@@ -2,9 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
-#include <cstring>
-
+#include "core/base/env_switch.h"
 #include "kernels/fused_layers_internal.h"
 
 namespace dta::kernels {
@@ -15,19 +13,13 @@ at::ScalarType ComputeType(at::ScalarType dtype) {
 }
 
 bool FusedLayersEnabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("DTA_FUSED_LAYERS");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
+  static const bool enabled = EnvSwitchOn("DTA_FUSED_LAYERS");
   return enabled;
 }
 
 // DTA_FUSED_ROPE=0: RoPE alone takes the ATen path (read at every call: before/after measurements
 // of its kernel in one process).
-bool FusedRopeEnabled() {
-  const char* value = std::getenv("DTA_FUSED_ROPE");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
+bool FusedRopeEnabled() { return EnvSwitchOn("DTA_FUSED_ROPE"); }
 
 // weight_grad += partials summed over rows: one kernel when weight_grad is a contiguous float32
 // tensor on the GPU (the accumulators of bfloat16 and float32 models), else ATen's sum and add.

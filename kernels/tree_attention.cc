@@ -1,12 +1,10 @@
 #include "kernels/tree_attention.h"
 
-#include <cstdlib>
-#include <cstring>
-
 #ifdef DTA_KERNELS_HAVE_HOPPER
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include "core/base/env_switch.h"
 #include "kernels/hopper/head_dims.h"
 #include "kernels/tree_attention_internal.h"
 #include "kernels/tree_attention_reference.h"
@@ -127,8 +125,7 @@ bool UsesHopper(const TreeAttentionShape& shape, const at::Tensor& q, const char
       !HopperTreeAttentionSupportsHeadDim(static_cast<int>(shape.head_dim))) {
     return false;
   }
-  const char* value = std::getenv(env);
-  if (value != nullptr && std::strcmp(value, "0") == 0) return false;
+  if (!EnvSwitchOn(env)) return false;
   return at::cuda::getDeviceProperties(q.get_device())->major == 9;
 #else
   (void)shape;

@@ -8,9 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
+#include "core/base/env_switch.h"
 #include "core/base/parallel_for.h"
 #include "executor/model/rope.h"
 #include "kernels/chunk_attention.h"
@@ -156,20 +155,14 @@ at::Tensor StackedGradAccumulator(at::TensorList weights) {
   return stack;
 }
 
-// False when the environment variable `name` is "0": the switches below, for before/after
-// measurements in one build (read at every call).
-bool SwitchedOn(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
-
+// The switches below are for before/after measurements in one build (read at every call).
 // DTA_STACKED_PROJECTIONS=0 projects onto stacked weights one weight at a time, as for separate
 // ones.
-bool StackedProjectionsEnabled() { return SwitchedOn("DTA_STACKED_PROJECTIONS"); }
+bool StackedProjectionsEnabled() { return EnvSwitchOn("DTA_STACKED_PROJECTIONS"); }
 
 // DTA_FUSED_RESIDUAL=0 leaves the residual stream's gradient to autograd's sum instead of the
 // norm's backward kernel (see Projections' `residual`).
-bool FusedResidualEnabled() { return SwitchedOn("DTA_FUSED_RESIDUAL"); }
+bool FusedResidualEnabled() { return EnvSwitchOn("DTA_FUSED_RESIDUAL"); }
 
 // How a projection sits in a tensor-parallel layer (Megatron's column- and row-parallel linear).
 enum class ProjectionKind : int64_t {
