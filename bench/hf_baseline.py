@@ -4,7 +4,8 @@ One process, one device, the same random weights (dta.Trainer.from_config, saved
 by transformers) and the same rollouts (a JSON Lines file, e.g. from dta-workload): the time of one
 batch's gradients (forward and backward of every rollout, no optimizer step) with
 
-- ``hf-sdpa``, ``hf-flex``: transformers' Qwen3ForCausalLM, one rollout at a time (each rollout is
+- ``hf-sdpa``, ``hf-flex``: transformers' model of the config's family (``AutoModelForCausalLM``:
+  Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, ...), one rollout at a time (each rollout is
   its own sequence, as trainers run them), attention through SDPA or flex attention; log-probs of
   the rollout's tokens, a GRPO-style surrogate on its trained tokens, backward;
 - ``hf-sdpa-packed``, ``hf-flex-packed``: the same model and loss on packed sequences, as a
@@ -258,7 +259,7 @@ def main() -> int:
         parser.error(f"--profile names methods not in --methods: {sorted(profiled_methods - set(methods))}")
 
     import dta
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -277,8 +278,11 @@ def main() -> int:
             profile = method in profiled_methods
             if method.startswith("hf-"):
                 attention = {"sdpa": "sdpa", "flex": "flex_attention"}[method.split("-")[1]]
-                model = Qwen3ForCausalLM.from_pretrained(Path(scratch) / "model", dtype=dtype,
-                                                         attn_implementation=attention).to(device)
+                # dta saves each family under its transformers model_type, so the Auto class
+                # loads the matching model (Llama's for a Llama config).
+                model = AutoModelForCausalLM.from_pretrained(Path(scratch) / "model", dtype=dtype,
+                                                             attn_implementation=attention).to(device)
+                hf_class = type(model).__name__
                 model.train()
                 if method.endswith("-packed"):
                     run = lambda: hf_packed_gradients(model, trajectories, advantages, device,  # noqa: E731
@@ -306,7 +310,9 @@ def main() -> int:
             result = {"method": method, "seconds": seconds, "rollout_tokens_per_second": tokens / seconds,
                       "rollout_tokens": tokens, "tree_tokens": tree.tree_tokens, "config": args.config,
                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-            if not method.startswith("hf-"):
+            if method.startswith("hf-"):
+                result["hf_class"] = hf_class
+            else:
                 result.update(inner)
             if profiled is not None:
                 result["profile"] = profiled

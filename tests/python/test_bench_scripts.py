@@ -40,8 +40,10 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
         assert r["seconds"] > 0 and r["rollout_tokens_per_second"] == tokens / r["seconds"]
         if r["method"].startswith("dta"):  # what the executor did, beside dta-bench's step
             assert 0 < r["executor_seconds"] and r["forwarded_tokens"] >= r["tree_tokens"], r
+            assert "hf_class" not in r, r["method"]
         else:
             assert "forwarded_tokens" not in r, r["method"]
+            assert r["hf_class"] == "Qwen3ForCausalLM", r  # the default config's family
         if r["method"] not in ("hf-sdpa-packed", "dta"):
             assert "profile" not in r, r["method"]
             continue
@@ -64,6 +66,29 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
     assert typo.returncode == 2 and "--methods: unknown ['dta-packed']" in typo.stderr
     fastest = min(r["seconds"] for r in records if r["method"] in ("hf-sdpa", "hf-sdpa-packed", "dta-dense"))
     assert all(abs(r["vs_fastest_dense"] - fastest / r["seconds"]) < 1e-12 for r in records)
+
+
+def test_hf_baseline_loads_transformers_model_of_the_configs_family(tmp_path):
+    """A Llama config runs transformers' LlamaForCausalLM beside dta on the same saved weights
+    (transformers' Auto class, from the model_type dta saves), not Qwen3's."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 512,
+              "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rng = random.Random(4)
+    batch = [dta.Trajectory(id=f"r{i}", group="g", tokens=[rng.randrange(256) for _ in range(12 + i)],
+                            loss_mask=[0] * 4 + [1] * (8 + i), logprobs=[-1.0] * (12 + i), reward=float(i))
+             for i in range(3)]
+    dta.write_jsonl(tmp_path / "rollouts.jsonl", batch)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"),
+                          f"--rollouts={tmp_path / 'rollouts.jsonl'}", f"--config={tmp_path / 'config.json'}",
+                          "--device=cpu", "--dtype=float32", "--repeats=1", "--methods=hf-sdpa,hf-sdpa-packed,dta",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    records = {r["method"]: r for r in (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
+    assert set(records) == {"hf-sdpa", "hf-sdpa-packed", "dta"}
+    assert records["hf-sdpa"]["hf_class"] == records["hf-sdpa-packed"]["hf_class"] == "LlamaForCausalLM"
 
 
 def test_packed_transformers_computes_the_per_rollout_gradient():
