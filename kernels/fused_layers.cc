@@ -204,9 +204,10 @@ bool RopeKernelShape(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
          internal::FusedRopeHeadDim(x.size(2));
 }
 
-// A [T, 1, D] rotary table as the kernels read it: [T, D], contiguous.
+// A [T, 1, D] rotary table as the kernels read it: [T, D], contiguous (D named, not inferred:
+// a chunk of no tokens has a [0, 1, D] table).
 at::Tensor KernelTable(const at::Tensor& table) {
-  return table.reshape({table.size(0), -1}).contiguous();
+  return table.reshape({table.size(0), table.size(-1)}).contiguous();
 }
 
 }  // namespace

@@ -365,6 +365,34 @@ TEST_F(FusedLayersCuda, RopeIsBitwiseTheCpu) {
   }
 }
 
+// A chunk of no tokens: every fused layer returns empty results of the right shape and dtype and
+// adds nothing to the weights' gradients (the rotary tables are [0, 1, D]).
+TEST_F(FusedLayersCuda, EveryLayerTakesAChunkOfNoTokens) {
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  const at::Tensor x = at::empty({0, 4, 128}, bf16);
+  const at::Tensor w = at::ones({128}, bf16);
+  const auto [cos, sin] = RopeTables(0, 128, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor y = RopeForward(x, Cuda(cos), Cuda(sin));
+  const at::Tensor dx = RopeBackward(x, Cuda(cos), Cuda(sin));
+  EXPECT_EQ(y.sizes(), x.sizes());
+  EXPECT_EQ(dx.sizes(), x.sizes());
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  const RmsNormResult normed = RmsNormRopeForward(x, w, 1e-6, Cuda(cos), Cuda(sin));
+  EXPECT_EQ(normed.y.sizes(), x.sizes());
+  at::Tensor grad = at::zeros({128}, at::kCUDA);
+  const at::Tensor norm_dx = RmsNormRopeBackward(x, x, w, normed.rstd, Cuda(cos), Cuda(sin), grad);
+  EXPECT_EQ(norm_dx.sizes(), x.sizes());
+  EXPECT_TRUE(at::equal(grad, at::zeros_like(grad)));
+  const at::Tensor h = at::empty({0, 256}, bf16.dtype(at::kFloat));
+  const at::Tensor hw = at::ones({256}, bf16);
+  const RmsNormResult n = RmsNormForward(h, hw, 1e-6, at::kBFloat16);
+  EXPECT_EQ(n.y.sizes(), h.sizes());
+  at::Tensor hgrad = at::zeros({256}, at::kCUDA);
+  const at::Tensor residual = at::empty({0, 256}, h.options());
+  EXPECT_EQ(RmsNormBackward(n.y, h, hw, n.rstd, hgrad, residual).sizes(), h.sizes());
+  EXPECT_TRUE(at::equal(hgrad, at::zeros_like(hgrad)));
+}
+
 TEST_F(FusedLayersCuda, SwiGluMatchesTheCpu) {
   at::manual_seed(6);
   // 8-element vectors (sizes that 8 divides, aligned), elementwise otherwise; d in float32 (as the
