@@ -1,6 +1,7 @@
 #include "executor/engine/packed_layout.h"
 
 #include "executor/device/host_to_device.h"
+#include "executor/model/gather_rows.h"
 
 namespace dta::engine {
 
@@ -78,7 +79,9 @@ PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
   }
   const at::Tensor predicted_ids = IndexTensor(predicted, device);
   at::Tensor entropy_values;
-  const at::Tensor values = model.Logprobs(rows.index_select(0, IndexTensor(predictor, device)),
+  // A branch point's row predicts each of its children: GatherRows sums their gradients in a
+  // fixed order.
+  const at::Tensor values = model.Logprobs(GatherRows(rows, IndexTensor(predictor, device)),
                                            result.token_ids.index_select(0, predicted_ids),
                                            with_entropy ? &entropy_values : nullptr, logprob);
   const at::Tensor zeros =

@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "executor/model/gather_rows.h"
 #include "kernels/chunk_state_recurrence.h"
 
 namespace dta {
@@ -137,7 +138,9 @@ at::Tensor TreeCausalConv(const at::Tensor& x, const at::Tensor& weight, const a
   }
   rows.push_back(x.to(type));
   const at::Tensor table = at::cat(rows);
-  const at::Tensor taps = table.index_select(0, index.reshape({-1})).view({t, kernel, channels});
+  // Each row is read by up to `kernel` taps (more at a branch point): GatherRows sums their
+  // gradients in a fixed order.
+  const at::Tensor taps = GatherRows(table, index.reshape({-1})).view({t, kernel, channels});
   const at::Tensor summed = (taps * weight.to(type).t().unsqueeze(0)).sum(1);
   return at::silu(summed).to(x.scalar_type());
 }

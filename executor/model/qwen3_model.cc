@@ -11,6 +11,7 @@
 
 #include "core/base/env_switch.h"
 #include "core/base/parallel_for.h"
+#include "executor/model/gather_rows.h"
 #include "executor/model/rope.h"
 #include "kernels/chunk_attention.h"
 #include "kernels/fused_layers.h"
@@ -377,7 +378,7 @@ class Embedding : public torch::autograd::Function<Embedding> {
     at::Tensor& accumulator = GradAccumulator(saved[0]);
     at::Tensor g = grads[0].to(accumulator.scalar_type());
     if (saved[2].defined()) g = g * saved[2].unsqueeze(1);
-    accumulator.index_add_(0, saved[1], g);
+    AddRowsInto(accumulator, saved[1], g);  // repeated ids summed in a fixed order
     return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

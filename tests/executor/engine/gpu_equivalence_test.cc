@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -200,6 +201,66 @@ TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
     EXPECT_LE(a.flat, slack * dense_error.flat + 1e-3) << name;
     EXPECT_LE(to_dense.flat, 2 * dense_error.flat) << name;
     EXPECT_LE(a.loss, 1e-3) << name;
+  }
+}
+
+// The methods of the bitwise checks below, with a fixed block size and graph budget: automatic
+// ones follow the free memory, which may differ between two runs and change the summation order.
+std::vector<std::pair<std::string, ExecutorOptions>> FixedPlanMethods() {
+  return {{"dta B=64 pack",
+           {.method = Method::kDta, .block_size = 64, .graph_budget = 512, .pack = true}},
+          {"packed", {.method = Method::kPacked}},
+          {"dense", {.method = Method::kDense}}};
+}
+
+// Every gradient of `run` bitwise `other`'s, and none of them zero (a vacuous comparison).
+void ExpectBitwiseEqual(const Qwen3Model& model, const GradRun& run, const GradRun& other,
+                        const std::string& where) {
+  EXPECT_EQ(run.loss, other.loss) << where;
+  const auto parameters = model.named_parameters();
+  ASSERT_EQ(run.grads.size(), parameters.size());
+  ASSERT_EQ(other.grads.size(), parameters.size());
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const std::string& parameter = parameters[i].first;
+    EXPECT_GT(run.grads[i].norm().item<double>(), 0.0) << where << " " << parameter;
+    EXPECT_TRUE(at::equal(run.grads[i], other.grads[i]))
+        << where << " " << parameter << ": differs by "
+        << RelativeError(run.grads[i], other.grads[i]);
+  }
+}
+
+// The same step twice gives the same bits in every gradient, float32 and bfloat16, dta, packed and
+// dense: the attention backward has no atomics, and gathers sum repeated rows in a fixed order
+// (executor/model/gather_rows.h: the embedding, Qwen3-Next's convolution, a branch point's
+// predictions; index_add_'s atomics made the embedding's and in_proj_qkvz's float32 gradients
+// differ from run to run).
+TEST_P(GpuEquivalence, EveryGradientIsBitwiseReproducible) {
+  const std::vector<Rollout> rollouts = Batch(/*seed=*/9, /*max_rollouts=*/16, /*max_length=*/80);
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const Qwen3Model model = Model(dtype);
+    for (const auto& [name, options] : FixedPlanMethods()) {
+      const GradRun first = RunOn(model, rollouts, options);
+      ExpectBitwiseEqual(model, first, RunOn(model, rollouts, options),
+                         name + " " + c10::toString(dtype));
+    }
+  }
+}
+
+// The residual stream's gradient summed inside the norm's backward kernel (the default) against
+// autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0), in float32 and bfloat16 (the CUDA
+// kernels' path): the kernel adds with one rounding in float32, as autograd's add does, so every
+// gradient is bitwise the same (the step being reproducible, above).
+TEST_P(GpuEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
+  const std::vector<Rollout> rollouts = Batch(/*seed=*/8, /*max_rollouts=*/12, /*max_length=*/80);
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const Qwen3Model model = Model(dtype);
+    for (const auto& [name, options] : FixedPlanMethods()) {
+      const GradRun fused = RunOn(model, rollouts, options);
+      ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL", "0", 1), 0);
+      const GradRun autograd_sum = RunOn(model, rollouts, options);
+      ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL"), 0);
+      ExpectBitwiseEqual(model, fused, autograd_sum, name + " " + c10::toString(dtype));
+    }
   }
 }
 
