@@ -1,7 +1,8 @@
 """The host time dta.Trainer spends checking a batch before its executor runs: the per-trajectory
-Python validation it ran on every trajectory until session 18, beside the C++ check it runs now
-(`_core.first_unchecked_trajectory`, with the Python validation only for trajectories the check
-does not pass) and the whole of `Trainer._checked`; and `dta.from_areal` of every trajectory
+Python validation it ran on every trajectory until session 18, beside the C++ check
+(`_core.first_unchecked_trajectory`, what Trajectory.validate runs first) and the whole of
+`Trainer._checked`, which since session 21 also converts the batch for the executor in the same
+pass (`_core.convert_checked`); and `dta.from_areal` of every trajectory
 (AReaL's [1, L] tensors to a validated Trajectory, what dta's AReaL engine runs on each batch).
 Nothing here needs a GPU or a model: the vocabulary size is the only part of the trainer the
 checks read.
@@ -52,7 +53,7 @@ def main() -> int:
     print(f"{len(batch)} trajectories, {tokens:,} tokens, vocabulary {args.vocab_size:,}")
     print(f"Python validation of every trajectory (before): {python:8.2f} ms")
     print(f"C++ check of plain trajectories (now):          {cpp:8.2f} ms ({python / max(cpp, 1e-9):.0f}x)")
-    print(f"Trainer._checked, all of it (now):              {checked:8.2f} ms")
+    print(f"Trainer._checked, checked and converted (now): {checked:8.2f} ms")
     print(f"from_areal of every trajectory:                 {converted:8.2f} ms")
     return 0
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,58 +58,79 @@ std::optional<uint8_t> PlainBit(PyObject* item) {
   return std::nullopt;
 }
 
-// True when `values` is an exact list whose length is n (or 0 where `optional`) and every item
-// passes `ok`.
-template <class Ok>
-bool PlainList(py::handle values, Py_ssize_t n, bool optional, Ok&& ok) {
+// Reads `values` when it is an exact list whose length is n (or 0 where `optional`) and every item
+// gives a value through `plain` (which applies the field's rule): into *out when out is not null.
+// False at the first item that does not (out is then partly written).
+template <class T, class Plain>
+bool ReadPlainList(py::handle values, Py_ssize_t n, bool optional, Plain&& plain,
+                   std::vector<T>* out) {
   PyObject* list = values.ptr();
   if (!PyList_CheckExact(list)) return false;
   const Py_ssize_t size = PyList_GET_SIZE(list);
   if (size != n && !(optional && size == 0)) return false;
+  if (out != nullptr) out->resize(static_cast<size_t>(size));
   for (Py_ssize_t i = 0; i < size; ++i) {
-    if (!ok(PyList_GET_ITEM(list, i))) return false;
+    const std::optional<T> v = plain(PyList_GET_ITEM(list, i));
+    if (!v) return false;
+    if (out != nullptr) (*out)[static_cast<size_t>(i)] = *v;
   }
   return true;
 }
 
-bool FiniteFloat32(PyObject* item) {
+// A float from a plain float or int that is finite in float32, rounded as pybind11's float cast
+// rounds (double -> float).
+std::optional<float> FiniteFloat32(PyObject* item) {
   const std::optional<double> v = PlainNumber(item);
-  return v && std::isfinite(*v) && std::fabs(*v) < kFloat32Overflow;
+  if (!v || !std::isfinite(*v) || std::fabs(*v) >= kFloat32Overflow) return std::nullopt;
+  return static_cast<float>(*v);
 }
 
-bool PassesPlainChecks(py::handle t, int64_t vocab_size) {
+// When t's fields are plain Python values (str, list, int, float, bool, None, dict) that keep
+// every rule of dta.Trajectory.validate(vocab_size) (vocab_size <= 0: no upper bound on token
+// ids): true, with t as a Rollout in *out when out is not null. One pass over each list checks
+// and converts every item.
+bool PlainRollout(py::handle t, int64_t vocab_size, Rollout* out) {
   const py::object id = t.attr("id");
   if (!PyUnicode_CheckExact(id.ptr()) || PyUnicode_GET_LENGTH(id.ptr()) == 0) return false;
-  if (!PyUnicode_CheckExact(t.attr("group").ptr())) return false;
+  const py::object group = t.attr("group");
+  if (!PyUnicode_CheckExact(group.ptr())) return false;
   const py::object tokens = t.attr("tokens");
   if (!PyList_CheckExact(tokens.ptr())) return false;
   const Py_ssize_t n = PyList_GET_SIZE(tokens.ptr());
   if (n == 0) return false;
   const int64_t limit = vocab_size > 0 ? vocab_size : kTokenLimit;
-  const auto token_ok = [limit](PyObject* item) {
+  const auto token = [limit](PyObject* item) -> std::optional<TokenId> {
     const std::optional<int64_t> v = PlainInt(item);
-    return v && *v >= 0 && *v < limit;
+    if (!v || *v < 0 || *v >= limit) return std::nullopt;
+    return static_cast<TokenId>(*v);
   };
-  if (!PlainList(tokens, n, false, token_ok)) return false;
+  const auto version = [](PyObject* item) -> std::optional<int32_t> {
+    const std::optional<int64_t> v = PlainInt(item);
+    if (!v || *v < -1 || *v >= kTokenLimit) return std::nullopt;
+    return static_cast<int32_t>(*v);
+  };
   const py::object mask = t.attr("loss_mask");
-  if (!PlainList(mask, n, false, [](PyObject* item) { return PlainBit(item).has_value(); }) ||
-      *PlainBit(PyList_GET_ITEM(mask.ptr(), 0)) != 0) {
+  // Rollout's vectors to fill, or nulls to check only.
+  Rollout* r = out;
+  if (!ReadPlainList<TokenId>(tokens, n, false, token, r ? &r->tokens : nullptr) ||
+      !ReadPlainList<uint8_t>(mask, n, false, PlainBit, r ? &r->loss_mask : nullptr) ||
+      *PlainBit(PyList_GET_ITEM(mask.ptr(), 0)) != 0 ||
+      !ReadPlainList<float>(t.attr("logprobs"), n, false, FiniteFloat32,
+                            r ? &r->logprobs : nullptr) ||
+      !ReadPlainList<float>(t.attr("advantages"), n, true, FiniteFloat32,
+                            r ? &r->advantages : nullptr) ||
+      !ReadPlainList<float>(t.attr("ref_logprobs"), n, true, FiniteFloat32,
+                            r ? &r->ref_logprobs : nullptr) ||
+      !ReadPlainList<int32_t>(t.attr("versions"), n, true, version, r ? &r->versions : nullptr)) {
     return false;
   }
-  if (!PlainList(t.attr("logprobs"), n, false, FiniteFloat32) ||
-      !PlainList(t.attr("advantages"), n, true, FiniteFloat32) ||
-      !PlainList(t.attr("ref_logprobs"), n, true, FiniteFloat32)) {
-    return false;
-  }
-  const auto version_ok = [](PyObject* item) {
-    const std::optional<int64_t> v = PlainInt(item);
-    return v && *v >= -1 && *v < kTokenLimit;
-  };
-  if (!PlainList(t.attr("versions"), n, true, version_ok)) return false;
   const py::object reward = t.attr("reward");
+  std::optional<double> reward_value;
   if (!reward.is_none()) {
-    const std::optional<double> r = PlainNumber(reward.ptr());
-    if (!r || !std::isfinite(*r) || std::fabs(*r) > kMaxAbsReward) return false;
+    reward_value = PlainNumber(reward.ptr());
+    if (!reward_value || !std::isfinite(*reward_value) || std::fabs(*reward_value) > kMaxAbsReward) {
+      return false;
+    }
   }
   const py::object metadata = t.attr("metadata");
   if (!PyDict_CheckExact(metadata.ptr())) return false;
@@ -118,20 +140,21 @@ bool PassesPlainChecks(py::handle t, int64_t vocab_size) {
   while (PyDict_Next(metadata.ptr(), &at, &key, &value)) {
     if (!PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(value)) return false;
   }
+  if (r != nullptr) {
+    r->id = id.cast<std::string>();
+    r->group = group.cast<std::string>();
+    r->reward = reward_value;
+  }
   return true;
 }
 
 // A list's items as T through `plain` when every item is a plain value it takes; else nullopt.
 template <class T, class Plain>
 std::optional<std::vector<T>> PlainValues(py::handle values, Plain&& plain) {
-  PyObject* list = values.ptr();
-  if (!PyList_CheckExact(list)) return std::nullopt;
-  const Py_ssize_t size = PyList_GET_SIZE(list);
-  std::vector<T> out(static_cast<size_t>(size));
-  for (Py_ssize_t i = 0; i < size; ++i) {
-    const std::optional<T> v = plain(PyList_GET_ITEM(list, i));
-    if (!v) return std::nullopt;
-    out[static_cast<size_t>(i)] = *v;
+  if (!PyList_CheckExact(values.ptr())) return std::nullopt;
+  std::vector<T> out;
+  if (!ReadPlainList<T>(values, PyList_GET_SIZE(values.ptr()), false, plain, &out)) {
+    return std::nullopt;
   }
   return out;
 }
@@ -174,11 +197,51 @@ Rollout ToRollout(py::handle t) {
 
 }  // namespace
 
-std::vector<Rollout> ToRollouts(const py::sequence& trajectories) {
-  std::vector<Rollout> rollouts;
-  rollouts.reserve(trajectories.size());
-  for (py::handle t : trajectories) rollouts.push_back(ToRollout(t));
-  return rollouts;
+ConvertedBatch ConvertedBatch::FromTrajectories(const py::sequence& trajectories,
+                                                int64_t vocab_size, py::handle cls) {
+  ConvertedBatch batch;
+  const size_t size = trajectories.size();
+  batch.rollouts_.resize(size);
+  batch.pending_.assign(size, false);
+  for (size_t i = 0; i < size; ++i) {
+    const py::object t = trajectories[i];
+    if (Py_TYPE(t.ptr()) != reinterpret_cast<PyTypeObject*>(cls.ptr()) ||
+        !PlainRollout(t, vocab_size, &batch.rollouts_[i])) {
+      batch.rollouts_[i] = Rollout();
+      batch.pending_[i] = true;
+      batch.unchecked_.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return batch;
+}
+
+void ConvertedBatch::Convert(int64_t index, py::handle trajectory) {
+  if (index < 0 || index >= static_cast<int64_t>(rollouts_.size()) ||
+      !pending_[static_cast<size_t>(index)]) {
+    throw py::index_error("ConvertedBatch.convert: " + std::to_string(index) +
+                          " is not an unchecked trajectory of the batch");
+  }
+  rollouts_[static_cast<size_t>(index)] = ToRollout(trajectory);
+  pending_[static_cast<size_t>(index)] = false;
+}
+
+const std::vector<Rollout>& ConvertedBatch::rollouts() const {
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (pending_[i]) {
+      throw std::logic_error("trajectory " + std::to_string(i) +
+                             " was neither checked nor validated and converted");
+    }
+  }
+  return rollouts_;
+}
+
+bool ConvertedBatch::HasTrainedToken() const {
+  for (const Rollout& r : rollouts()) {
+    for (const uint8_t bit : r.loss_mask) {
+      if (bit != 0) return true;
+    }
+  }
+  return false;
 }
 
 int64_t FirstUncheckedTrajectory(const py::sequence& trajectories, int64_t start,
@@ -187,7 +250,7 @@ int64_t FirstUncheckedTrajectory(const py::sequence& trajectories, int64_t start
   for (int64_t i = std::max<int64_t>(start, 0); i < size; ++i) {
     const py::object t = trajectories[static_cast<size_t>(i)];
     if (Py_TYPE(t.ptr()) != reinterpret_cast<PyTypeObject*>(cls.ptr()) ||
-        !PassesPlainChecks(t, vocab_size)) {
+        !PlainRollout(t, vocab_size, nullptr)) {
       return i;
     }
   }
@@ -199,6 +262,19 @@ void RegisterRolloutConversion(py::module_& m) {
         py::arg("start"), py::arg("vocab_size"), py::arg("cls"),
         "The index of the first trajectory in trajectories[start:] made of other than plain "
         "Python values or breaking a rule of dta.Trajectory.validate, else len(trajectories).");
+  py::class_<ConvertedBatch>(m, "ConvertedBatch",
+                             "A batch converted for the executor in one pass that also checks it; "
+                             "`unchecked` lists the trajectories to validate in Python and then "
+                             "`convert`.")
+      .def_property_readonly("unchecked", &ConvertedBatch::unchecked)
+      .def("convert", &ConvertedBatch::Convert, py::arg("index"), py::arg("trajectory"))
+      .def("has_trained_token", &ConvertedBatch::HasTrainedToken)
+      .def("__len__", &ConvertedBatch::size);
+  m.def("convert_checked", &ConvertedBatch::FromTrajectories, py::arg("trajectories"),
+        py::arg("vocab_size"), py::arg("cls"),
+        "The batch as a ConvertedBatch: each trajectory of exactly type `cls` made of plain Python "
+        "values that keeps dta.Trajectory.validate's rules is checked and converted in one pass; "
+        "the others are listed in `unchecked`.");
 }
 
 }  // namespace dta::python

@@ -138,10 +138,10 @@ py::dict GradientStatsDict(const GradientStats& s) {
   return d;
 }
 
-py::dict ComputeGradientsBinding(BoundTrainer& self, const py::sequence& trajectories,
+py::dict ComputeGradientsBinding(BoundTrainer& self, const ConvertedBatch& batch,
                                  LossOptions loss, const std::optional<py::function>& custom,
                                  const ExecutorOptions& executor) {
-  const std::vector<Rollout> rollouts = ToRollouts(trajectories);
+  const std::vector<Rollout>& rollouts = batch.rollouts();
   std::shared_ptr<PythonLoss> python_loss;
   if (custom) {
     python_loss = std::make_shared<PythonLoss>();
@@ -324,7 +324,7 @@ void RegisterTrainer(py::module_& m) {
           },
           py::arg("config"), py::arg("seed"), py::arg("init_std"), py::arg("dtype"),
           py::arg("device"), py::arg("adamw"), py::arg("parallel"))
-      .def("compute_gradients", &ComputeGradientsBinding, py::arg("trajectories"), py::arg("loss"),
+      .def("compute_gradients", &ComputeGradientsBinding, py::arg("batch"), py::arg("loss"),
            py::arg("custom"), py::arg("executor"))
       .def(
           "step",
@@ -361,15 +361,14 @@ void RegisterTrainer(py::module_& m) {
            [](BoundTrainer& self) { WithoutGil(self, [](Trainer& t) { t.ZeroGrad(); }); })
       .def(
           "compute_logprobs",
-          [](BoundTrainer& self, const py::sequence& trajectories,
-             const ExecutorOptions& executor) {
-            const std::vector<Rollout> rollouts = ToRollouts(trajectories);
+          [](BoundTrainer& self, const ConvertedBatch& batch, const ExecutorOptions& executor) {
+            const std::vector<Rollout>& rollouts = batch.rollouts();
             return WithoutGil(self, [&](Trainer& t) {
               const CallProgress progress(self, "compute_logprobs", executor);
               return t.ComputeLogprobs(rollouts, progress.executor());
             });
           },
-          py::arg("trajectories"), py::arg("executor"))
+          py::arg("batch"), py::arg("executor"))
       .def(
           "save",
           [](BoundTrainer& self, const std::string& directory, std::optional<at::ScalarType> dtype,

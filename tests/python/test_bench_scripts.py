@@ -153,7 +153,7 @@ def test_python_overhead_times_both_checks_of_a_batch(tmp_path):
     assert lines[0] == f"5 trajectories, {sum(29 + i for i in range(5))} tokens, vocabulary 151,936"
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
         "Python validation of every trajectory (before)", "C++ check of plain trajectories (now)",
-        "Trainer._checked, all of it (now)", "from_areal of every trajectory"]
+        "Trainer._checked, checked and converted (now)", "from_areal of every trajectory"]
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "python_overhead.py"), f"--rollouts={rollouts}",
                           "--repeats=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr

@@ -203,6 +203,64 @@ def test_python_loss_errors_propagate(checkpoint, trajectories):
     assert trainer.compute_gradients(trajectories, "sft", "dta").loss > 0
 
 
+def test_one_pass_conversion_gives_the_general_paths_rollouts(checkpoint, trajectories):
+    """Trajectories of plain values are checked and converted for the executor in one pass in C++;
+    the same trajectories with numpy and tuple values (and a subclass) are validated in Python and
+    converted through pybind11's casts. Both give the same rollouts: the same log-probabilities,
+    loss and gradients, bitwise, with versions, advantages and reference log-probabilities too."""
+    import numpy as np
+
+    class Tagged(dta.Trajectory):
+        pass
+
+    rng = random.Random(4)
+    plain = [dataclasses.replace(t, versions=[-1] + [rng.randrange(3) for _ in t.tokens[1:]],
+                                 advantages=[rng.uniform(-1, 1) for _ in t.tokens],
+                                 ref_logprobs=[lp - 0.1 for lp in t.logprobs]) for t in trajectories]
+    other = []
+    for i, t in enumerate(plain):
+        if i % 3 == 0:
+            other.append(dataclasses.replace(t, tokens=np.array(t.tokens), logprobs=np.array(t.logprobs)))
+        elif i % 3 == 1:
+            other.append(Tagged(**dataclasses.asdict(t)))
+        else:
+            other.append(dataclasses.replace(t, loss_mask=tuple(t.loss_mask), versions=np.array(t.versions),
+                                             advantages=tuple(t.advantages)))
+    trainer = dta.Trainer(checkpoint[1], dtype="float64")
+    assert trainer._checked(plain)[1].unchecked == []
+    assert trainer._checked(other)[1].unchecked == list(range(len(other)))
+    runs = []
+    for batch in (plain, other):
+        logprobs = trainer.compute_logprobs(batch, "dta")
+        stats = trainer.compute_gradients(batch, "grpo", "dta", kl_coef=0.1)  # ref_logprobs count
+        runs.append((logprobs, stats.loss, {n: g.clone() for n, g in trainer.gradients().items()}))
+    (lp_plain, loss_plain, grads_plain), (lp_other, loss_other, grads_other) = runs
+    assert all(torch.equal(a, b) for a, b in zip(lp_plain, lp_other))
+    assert loss_plain == loss_other != 0
+    assert all(torch.equal(grads_plain[n], grads_other[n]) for n in grads_plain)
+
+
+def test_a_converted_batch_refuses_a_trajectory_nobody_validated(checkpoint, trajectories):
+    """What the C++ check does not pass stays pending until dta.Trainer has validated and converted
+    it: the executor's entry points refuse a batch that still holds one."""
+    import numpy as np
+
+    trainer = dta.Trainer(checkpoint[1], dtype="float64")
+    batch = [trajectories[0], dataclasses.replace(trajectories[1], tokens=np.array(trajectories[1].tokens))]
+    converted = dta._core.convert_checked(batch, trainer.vocab_size, dta.Trajectory)
+    assert converted.unchecked == [1] and len(converted) == 2
+    executor = dta.trainer.ExecutorOptions()._to_core("dta")
+    with pytest.raises(RuntimeError, match="trajectory 1 was neither checked nor validated and converted"):
+        trainer._core.compute_logprobs(converted, executor)
+    with pytest.raises(IndexError, match="0 is not an unchecked trajectory"):
+        converted.convert(0, batch[0])
+    converted.convert(1, batch[1])
+    with pytest.raises(IndexError, match="1 is not an unchecked trajectory"):
+        converted.convert(1, batch[1])
+    assert [lp.tolist() for lp in trainer._core.compute_logprobs(converted, executor)] == \
+        [lp.tolist() for lp in trainer.compute_logprobs(batch, "dta")]
+
+
 def test_cpp_errors_that_format_numbers_reach_python(checkpoint, trajectories):
     """A C++ check whose message streams an integer (c10 formats it with an ostream) raises
     RuntimeError with the number in it. On the GPU machines' toolchain, which links libstdc++
@@ -212,7 +270,7 @@ def test_cpp_errors_that_format_numbers_reach_python(checkpoint, trajectories):
     executor = dta.trainer.ExecutorOptions()._to_core("dta")
     executor.block_size = -5  # past the Python-side check, to reach the C++ one
     with pytest.raises(RuntimeError, match="block_size must be >= 1 or kAutoBlockSize, got -5"):
-        trainer._core.compute_gradients(trainer._checked(trajectories), dta._core.LossOptions(), None, executor)
+        trainer._core.compute_gradients(trainer._checked(trajectories)[1], dta._core.LossOptions(), None, executor)
 
 
 def test_train_batch_is_one_unit_across_threads(checkpoint, trajectories):

@@ -634,7 +634,7 @@ class Trainer:
                           method: str = DEFAULT_METHOD, *, accumulate: bool = False, **options: Any) -> TrainStats:
         """Like :meth:`train_batch` without the optimizer step; with ``accumulate`` the gradients
         are added to the current ones instead of replacing them."""
-        batch = self._checked(trajectories, training=True)
+        batch, converted = self._checked(trajectories, training=True)
         loss_options, executor_options = _split_options(options)
         executor = ExecutorOptions(**executor_options)._to_core(method)
         custom = None
@@ -654,7 +654,7 @@ class Trainer:
         start = time.perf_counter()
         if not accumulate:
             self._core.zero_grad()
-        result = self._core.compute_gradients(batch, core_loss, custom, executor)
+        result = self._core.compute_gradients(converted, core_loss, custom, executor)
         self._synchronize()
         diagnostics = _diagnostics(result.pop("diagnostics"))
         return TrainStats(seconds=time.perf_counter() - start, method=method, **result, **diagnostics)
@@ -668,11 +668,11 @@ class Trainer:
         device; ``result[i][0]`` is 0. With ``dta`` and ``packed`` each unique token is computed
         once. ``options``: fields of :class:`ExecutorOptions`.
         """
-        batch = self._checked(trajectories)
+        _, converted = self._checked(trajectories)
         _, executor_options = _split_options(options)
         if set(options) - _EXECUTOR_OPTION_NAMES:
             raise TypeError(f"compute_logprobs takes executor options only, got {sorted(options)}")
-        return self._core.compute_logprobs(batch, ExecutorOptions(**executor_options)._to_core(method))
+        return self._core.compute_logprobs(converted, ExecutorOptions(**executor_options)._to_core(method))
 
     @_serialized
     def zero_grad(self) -> None:
@@ -853,36 +853,38 @@ class Trainer:
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _checked(self, trajectories: Sequence[Trajectory], *, training: bool = False) -> list[Trajectory]:
+    def _checked(self, trajectories: Sequence[Trajectory], *,
+                 training: bool = False) -> tuple[list[Trajectory], _core.ConvertedBatch]:
         """The batch as a list, every trajectory validated and every id unique; for training also
         non-empty with at least one trained token (so that no optimizer step follows a batch that
-        trains nothing)."""
+        trains nothing). With it, the batch converted for the executor."""
         batch = list(trajectories)
-        # Trajectories of plain Python values are checked in C++ by the same rules, one pass over
-        # each list (about 3x faster on long rollouts); `unchecked` is the next one it does not
-        # pass, validated here, which names the broken rule or accepts what the C++ check does not
-        # cover (numpy values, subclasses).
-        unchecked = _core.first_unchecked_trajectory(batch, 0, self.vocab_size, Trajectory)
+        # Trajectories of plain Python values are checked by the same rules in C++ while they are
+        # converted for the executor, one pass over each list; `unchecked` are the others,
+        # validated here, which names the broken rule or accepts what the C++ check does not
+        # cover (numpy values, subclasses), and then converted.
+        converted = _core.convert_checked(batch, self.vocab_size, Trajectory)
+        unchecked = set(converted.unchecked)
         first_of: dict[str, int] = {}
         for i, t in enumerate(batch):
-            if i == unchecked:
+            if i in unchecked:
                 if not isinstance(t, Trajectory):
                     raise TypeError(f"trajectory {i}: expected dta.Trajectory, got {type(t).__name__}")
                 try:
                     t.validate(self.vocab_size)
                 except ValueError as e:
                     raise ValueError(f"trajectory {i} ({t.id!r}): {e}") from None
-                unchecked = _core.first_unchecked_trajectory(batch, i + 1, self.vocab_size, Trajectory)
+                converted.convert(i, t)
             if t.id in first_of:
                 raise ValueError(f"trajectory {i} ({t.id!r}): field 'id': the same id as trajectory "
                                  f"{first_of[t.id]} (ids must be unique within a batch)")
             first_of[t.id] = i
         if training and not batch:
             raise ValueError("the batch is empty: nothing to train (no gradient computed, no step taken)")
-        if training and not any(any(t.loss_mask) for t in batch):
+        if training and not converted.has_trained_token():
             raise ValueError(f"no trajectory of the {len(batch)} has a trained token (every loss_mask is 0): "
                              "nothing to train (no gradient computed, no step taken)")
-        return batch
+        return batch, converted
 
     def _synchronize(self) -> None:
         if self._device.type == "cuda":
