@@ -110,25 +110,25 @@ bool PlainRollout(py::handle t, int64_t vocab_size, Rollout* out) {
     return static_cast<int32_t>(*v);
   };
   const py::object mask = t.attr("loss_mask");
-  // Rollout's vectors to fill, or nulls to check only.
-  Rollout* r = out;
-  if (!ReadPlainList<TokenId>(tokens, n, false, token, r ? &r->tokens : nullptr) ||
-      !ReadPlainList<uint8_t>(mask, n, false, PlainBit, r ? &r->loss_mask : nullptr) ||
+  if (!ReadPlainList<TokenId>(tokens, n, false, token, out ? &out->tokens : nullptr) ||
+      !ReadPlainList<uint8_t>(mask, n, false, PlainBit, out ? &out->loss_mask : nullptr) ||
       *PlainBit(PyList_GET_ITEM(mask.ptr(), 0)) != 0 ||
       !ReadPlainList<float>(t.attr("logprobs"), n, false, FiniteFloat32,
-                            r ? &r->logprobs : nullptr) ||
+                            out ? &out->logprobs : nullptr) ||
       !ReadPlainList<float>(t.attr("advantages"), n, true, FiniteFloat32,
-                            r ? &r->advantages : nullptr) ||
+                            out ? &out->advantages : nullptr) ||
       !ReadPlainList<float>(t.attr("ref_logprobs"), n, true, FiniteFloat32,
-                            r ? &r->ref_logprobs : nullptr) ||
-      !ReadPlainList<int32_t>(t.attr("versions"), n, true, version, r ? &r->versions : nullptr)) {
+                            out ? &out->ref_logprobs : nullptr) ||
+      !ReadPlainList<int32_t>(t.attr("versions"), n, true, version,
+                              out ? &out->versions : nullptr)) {
     return false;
   }
   const py::object reward = t.attr("reward");
   std::optional<double> reward_value;
   if (!reward.is_none()) {
     reward_value = PlainNumber(reward.ptr());
-    if (!reward_value || !std::isfinite(*reward_value) || std::fabs(*reward_value) > kMaxAbsReward) {
+    if (!reward_value || !std::isfinite(*reward_value) ||
+        std::fabs(*reward_value) > kMaxAbsReward) {
       return false;
     }
   }
@@ -140,10 +140,10 @@ bool PlainRollout(py::handle t, int64_t vocab_size, Rollout* out) {
   while (PyDict_Next(metadata.ptr(), &at, &key, &value)) {
     if (!PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(value)) return false;
   }
-  if (r != nullptr) {
-    r->id = id.cast<std::string>();
-    r->group = group.cast<std::string>();
-    r->reward = reward_value;
+  if (out != nullptr) {
+    out->id = id.cast<std::string>();
+    out->group = group.cast<std::string>();
+    out->reward = reward_value;
   }
   return true;
 }

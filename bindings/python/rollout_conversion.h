@@ -29,8 +29,8 @@ namespace dta::python {
 // converted in a second; now it is read once.
 class ConvertedBatch {
  public:
-  static ConvertedBatch FromTrajectories(const pybind11::sequence& trajectories,
-                                         int64_t vocab_size, pybind11::handle cls);
+  static ConvertedBatch FromTrajectories(const pybind11::sequence& trajectories, int64_t vocab_size,
+                                         pybind11::handle cls);
   // Converts the pending trajectory at `index` (IndexError if it is not pending).
   void Convert(int64_t index, pybind11::handle trajectory);
   // Every rollout, in order; std::logic_error while one is pending.

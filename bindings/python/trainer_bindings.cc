@@ -138,8 +138,8 @@ py::dict GradientStatsDict(const GradientStats& s) {
   return d;
 }
 
-py::dict ComputeGradientsBinding(BoundTrainer& self, const ConvertedBatch& batch,
-                                 LossOptions loss, const std::optional<py::function>& custom,
+py::dict ComputeGradientsBinding(BoundTrainer& self, const ConvertedBatch& batch, LossOptions loss,
+                                 const std::optional<py::function>& custom,
                                  const ExecutorOptions& executor) {
   const std::vector<Rollout>& rollouts = batch.rollouts();
   std::shared_ptr<PythonLoss> python_loss;
