@@ -85,11 +85,12 @@ std::optional<float> FiniteFloat32(PyObject* item) {
   return static_cast<float>(*v);
 }
 
-// When t's fields are plain Python values (str, list, int, float, bool, None, dict) that keep
-// every rule of dta.Trajectory.validate(vocab_size) (vocab_size <= 0: no upper bound on token
-// ids): true, with t as a Rollout in *out when out is not null. One pass over each list checks
-// and converts every item.
-bool PlainRollout(py::handle t, int64_t vocab_size, Rollout* out) {
+// When t's type is exactly `cls` and its fields are plain Python values (str, list, int, float,
+// bool, None, dict) that keep every rule of dta.Trajectory.validate(vocab_size) (vocab_size <= 0:
+// no upper bound on token ids): true, with t as a Rollout in *out when out is not null. One pass
+// over each list checks and converts every item.
+bool PlainRollout(py::handle t, py::handle cls, int64_t vocab_size, Rollout* out) {
+  if (Py_TYPE(t.ptr()) != reinterpret_cast<PyTypeObject*>(cls.ptr())) return false;
   const py::object id = t.attr("id");
   if (!PyUnicode_CheckExact(id.ptr()) || PyUnicode_GET_LENGTH(id.ptr()) == 0) return false;
   const py::object group = t.attr("group");
@@ -205,8 +206,7 @@ ConvertedBatch ConvertedBatch::FromTrajectories(const py::sequence& trajectories
   batch.pending_.assign(size, false);
   for (size_t i = 0; i < size; ++i) {
     const py::object t = trajectories[i];
-    if (Py_TYPE(t.ptr()) != reinterpret_cast<PyTypeObject*>(cls.ptr()) ||
-        !PlainRollout(t, vocab_size, &batch.rollouts_[i])) {
+    if (!PlainRollout(t, cls, vocab_size, &batch.rollouts_[i])) {
       batch.rollouts_[i] = Rollout();
       batch.pending_[i] = true;
       batch.unchecked_.push_back(static_cast<int64_t>(i));
@@ -249,10 +249,7 @@ int64_t FirstUncheckedTrajectory(const py::sequence& trajectories, int64_t start
   const int64_t size = static_cast<int64_t>(trajectories.size());
   for (int64_t i = std::max<int64_t>(start, 0); i < size; ++i) {
     const py::object t = trajectories[static_cast<size_t>(i)];
-    if (Py_TYPE(t.ptr()) != reinterpret_cast<PyTypeObject*>(cls.ptr()) ||
-        !PlainRollout(t, vocab_size, nullptr)) {
-      return i;
-    }
+    if (!PlainRollout(t, cls, vocab_size, nullptr)) return i;
   }
   return size;
 }
