@@ -41,9 +41,13 @@ function(dta_cc_test)
   target_link_libraries(${DTA_NAME} PRIVATE ${DTA_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   target_compile_options(${DTA_NAME} PRIVATE ${DTA_WARNINGS})
   set_target_properties(${DTA_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
-  # One CTest entry per test case, so CTest's closing line counts the real cases.
+  # One CTest entry per test case, so CTest's closing line counts the real cases. Discovery runs
+  # each binary (--gtest_list_tests) when CTest starts; a LibTorch binary on a loaded 2-core machine
+  # can take longer than CMake's default 5 s to start, which failed the whole CTest run before any
+  # test ran, so the timeout is generous.
   gtest_discover_tests(${DTA_NAME}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
     DISCOVERY_MODE PRE_TEST
+    DISCOVERY_TIMEOUT 300
     PROPERTIES LABELS "${DTA_LABELS}")
 endfunction()

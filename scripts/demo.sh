@@ -32,7 +32,7 @@ echo; echo "== 4. dta against dense"
 echo; echo "== 5. The services: a dispatcher, two trainer ranks (Gloo on CPU) and a rollout worker"
 if [[ -x build/bin/dta-dispatcher && -x build/bin/dta-trainer ]]; then
   services="$out/services"
-  rm -rf "$services" && mkdir -p "$services"
+  rm -rf "$services" && mkdir -p -m 700 "$services"  # private: the trainer token is created here
   port=$((50100 + RANDOM % 800))
   master=$((29100 + RANDOM % 800))
   build/bin/dta-dispatcher --wal="$services/dispatcher.wal" --listen="127.0.0.1:$port" --batch_rollouts=4 \

@@ -10,7 +10,7 @@ apt_packages=(
   build-essential cmake ninja-build ccache git pkg-config python3 python3-venv python3-dev
   libabsl-dev libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   libgtest-dev libgmock-dev libbenchmark-dev libsimdjson-dev nlohmann-json3-dev zlib1g-dev libxxhash-dev
-  clang clang-format libclang-rt-14-dev openssl libcurl4-openssl-dev libcpp-httplib-dev
+  clang clang-format libclang-rt-14-dev openssl libcurl4-openssl-dev
 )
 missing=()
 for package in "${apt_packages[@]}"; do

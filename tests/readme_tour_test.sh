@@ -39,8 +39,9 @@ for block in "${blocks[@]}"; do
 done
 
 # The services part trained two steps and published checkpoints.
-ls "$work/ckpt" 2>/dev/null | grep -qx "step-0*2" || fail "the tour's trainers left no step-2 checkpoint: $(ls "$work/ckpt" 2>&1)"
-grep -q '"step": *2' "$work/ckpt/latest.json" 2>/dev/null || fail "latest.json does not name step 2: $(cat "$work/ckpt/latest.json" 2>&1)"
+ckpt="$work/dta-tour/ckpt"
+ls "$ckpt" 2>/dev/null | grep -qx "step-0*2" || fail "the tour's trainers left no step-2 checkpoint: $(ls "$ckpt" 2>&1)"
+grep -q '"step": *2' "$ckpt/latest.json" 2>/dev/null || fail "latest.json does not name step 2: $(cat "$ckpt/latest.json" 2>&1)"
 
 if ((failures)); then
   echo "$failures failure(s)"

@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "core/base/private_files.h"
 #include "dispatcher/client/client_options.h"
 
 ABSL_FLAG(std::string, metrics_listen, "",
@@ -24,7 +25,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServerFromFlags(
   if (address.empty()) return nullptr;
   std::string token;
   if (const std::string path = absl::GetFlag(FLAGS_metrics_token_file); !path.empty()) {
-    absl::StatusOr<std::string> read = ReadCredentialFile(path, /*trim=*/true);
+    absl::StatusOr<std::string> read = ReadPrivateFile(path);
     if (!read.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--metrics_token_file: ", read.status().message()));

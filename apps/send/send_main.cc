@@ -15,6 +15,7 @@
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
 #include "core/base/exit_codes.h"
+#include "core/base/private_files.h"
 #include "core/cli/usage.h"
 #include "core/io/rollout_jsonl.h"
 #include "dispatcher/client/dispatcher_client.h"
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
   options.address = absl::GetFlag(FLAGS_dispatcher);
   options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_retry_s));
   if (const std::string token_path = absl::GetFlag(FLAGS_token_file); !token_path.empty()) {
-    absl::StatusOr<std::string> token = dta::ReadCredentialFile(token_path, /*trim=*/true);
+    absl::StatusOr<std::string> token = dta::ReadPrivateFile(token_path);
     if (!token.ok()) {
       std::fprintf(stderr, "dta-send: --token_file: %s\n",
                    std::string(token.status().message()).c_str());

@@ -206,9 +206,10 @@ int Run() {
         "%s: %d rollouts, %d rollout tokens, %d tree tokens (C = %.2fx); method %s, %s on %s\n",
         path, stats.num_rollouts, stats.rollout_tokens, stats.tree_tokens, stats.compression,
         absl::GetFlag(FLAGS_method), absl::GetFlag(FLAGS_dtype), absl::GetFlag(FLAGS_device));
-    std::cout << absl::StrFormat("%5s %14s %10s %12s %12s %9s %9s %14s %10s %10s\n", "step", "loss",
-                                 "grad norm", "rollout tok", "forwarded", "time s", "optim s",
-                                 "rollout tok/s", "peak GiB", "host GiB");
+    std::cout << absl::StrFormat("%5s %14s %10s %12s %12s %9s %9s %14s %10s %10s%s\n", "step",
+                                 "loss", "grad norm", "rollout tok", "forwarded", "time s",
+                                 "optim s", "rollout tok/s", "peak GiB", "host GiB",
+                                 loss.router_aux_loss_coef > 0 ? "     router aux" : "");
   }
   const at::Device device = options.device();
   std::ofstream metrics;
@@ -265,24 +266,28 @@ int Run() {
     const double peak = PeakMemoryGiB(device);
     const double host_peak = PeakMemoryGiB(at::kCPU);
     const double throughput = result.rollout_tokens / seconds;
-    nlohmann::json record({{"step", step},
-                           {"method", absl::GetFlag(FLAGS_method)},
-                           {"loss", result.loss},
-                           {"grad_norm", step_stats.grad_norm},
-                           {"lr", step_stats.lr},
-                           {"rollout_tokens", result.rollout_tokens},
-                           {"tree_tokens", stats.tree_tokens},
-                           {"forwarded_tokens", result.forwarded_tokens},
-                           {"compression", stats.compression},
-                           {"seconds", seconds},
-                           {"executor_seconds", seconds - optimizer_seconds},
-                           {"optimizer_seconds", optimizer_seconds},
-                           {"offload_update_seconds", optimizer.offload_times().update},
-                           {"offload_copy_wait_seconds", optimizer.offload_times().copy_wait},
-                           {"rollout_tokens_per_second", throughput},
-                           {"peak_memory_gib", peak},
-                           {"host_peak_memory_gib", host_peak},
-                           {"skipped", step_stats.skipped}});
+    nlohmann::json record(
+        {{"step", step},
+         {"method", absl::GetFlag(FLAGS_method)},
+         {"loss", result.loss},
+         // The mean router load-balancing loss `loss` includes (null when off).
+         {"router_aux_loss", loss.router_aux_loss_coef > 0 ? nlohmann::json(result.router_aux_loss)
+                                                           : nlohmann::json(nullptr)},
+         {"grad_norm", step_stats.grad_norm},
+         {"lr", step_stats.lr},
+         {"rollout_tokens", result.rollout_tokens},
+         {"tree_tokens", stats.tree_tokens},
+         {"forwarded_tokens", result.forwarded_tokens},
+         {"compression", stats.compression},
+         {"seconds", seconds},
+         {"executor_seconds", seconds - optimizer_seconds},
+         {"optimizer_seconds", optimizer_seconds},
+         {"offload_update_seconds", optimizer.offload_times().update},
+         {"offload_copy_wait_seconds", optimizer.offload_times().copy_wait},
+         {"rollout_tokens_per_second", throughput},
+         {"peak_memory_gib", peak},
+         {"host_peak_memory_gib", host_peak},
+         {"skipped", step_stats.skipped}});
     if (!leader) continue;
     // The RL diagnostics (null where they do not apply, e.g. a ratio under SFT).
     for (const char* name :
@@ -304,10 +309,11 @@ int Run() {
     if (json) {
       std::cout << record.dump() << "\n";
     } else {
-      std::cout << absl::StrFormat("%5d %14.8g %10.4g %12d %12d %9.3f %9.3f %14.0f %10.3f %10.3f\n",
-                                   step, result.loss, step_stats.grad_norm, result.rollout_tokens,
-                                   result.forwarded_tokens, seconds, optimizer_seconds, throughput,
-                                   peak, host_peak);
+      std::cout << absl::StrFormat(
+          "%5d %14.8g %10.4g %12d %12d %9.3f %9.3f %14.0f %10.3f %10.3f%s\n", step, result.loss,
+          step_stats.grad_norm, result.rollout_tokens, result.forwarded_tokens, seconds,
+          optimizer_seconds, throughput, peak, host_peak,
+          loss.router_aux_loss_coef > 0 ? absl::StrFormat(" %14.8g", result.router_aux_loss) : "");
     }
   }
   if (!absl::GetFlag(FLAGS_save).empty()) {

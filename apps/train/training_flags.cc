@@ -10,18 +10,21 @@
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/checkpoint/model_family.h"
 #include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
 #include "executor/distributed/device_layout.h"
 #include "executor/model/qwen3_checkpoint.h"
 
 ABSL_FLAG(std::string, model, "",
-          "Hugging Face Qwen3, Qwen2/Qwen2.5 or Llama 3 directory to load (config.json + "
-          "safetensors)");
+          absl::StrCat("Hugging Face model directory to load (config.json + safetensors) of a "
+                       "family dta builds, by config.json's model_type: ",
+                       dta::DescribeModelFamilies()));
 ABSL_FLAG(std::string, config, "",
-          "instead of --model: a preset (qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b, qwen2.5-1.5b, "
-          "llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, qwen3-moe-small, qwen3-next-80b-a3b, "
-          "qwen3-next-small) or config.json, with random weights");
+          absl::StrCat("instead of --model: a preset (",
+                       absl::StrJoin(dta::Qwen3ConfigPresetNames(), ", "),
+                       ") or a config.json of one of the families, with random weights"));
 ABSL_FLAG(uint64_t, init_seed, 1, "seed of the random weights (--config)");
 ABSL_FLAG(double, init_std, 0.02, "standard deviation of the random weights (--config)");
 namespace {
@@ -98,18 +101,30 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, nonfinite_gradients, "raise",
           "a step whose gradient norm is NaN or infinite: raise (stop with an error naming the "
           "parameter) or skip (update nothing, say so, go on); nothing is updated either way");
-ABSL_FLAG(double, lr, 1e-6, "AdamW learning rate (the peak, with a schedule)");
+ABSL_FLAG(double, lr, 1e-6,
+          "AdamW learning rate (the peak, with a schedule); AdamW's betas are (0.9, 0.999) and its "
+          "eps 1e-8, as torch.optim.AdamW's defaults");
 ABSL_FLAG(std::string, lr_schedule, "constant",
           "learning-rate decay after the warmup: constant, linear or cosine");
 ABSL_FLAG(int64_t, warmup_steps, 0, "optimizer steps of linear warmup, from lr/N to lr");
 ABSL_FLAG(int64_t, decay_steps, 0,
-          "the optimizer step where a linear or cosine decay ends (0: the run's last step)");
+          "the optimizer step where a linear or cosine decay ends, counted from the first step "
+          "(0: the run's last step: dta-train's resumed steps plus --steps, dta-trainer's "
+          "--max_steps); the rate stays at --min_lr_ratio after it");
 ABSL_FLAG(double, min_lr_ratio, 0.0, "the decayed learning rate's floor, as a fraction of --lr");
-ABSL_FLAG(double, weight_decay, 0.01, "AdamW decoupled weight decay");
-ABSL_FLAG(double, max_grad_norm, 1.0, "global gradient norm clip (<= 0: off)");
+ABSL_FLAG(double, weight_decay, 0.01,
+          "AdamW decoupled weight decay (w *= 1 - lr * weight_decay each step), applied to every "
+          "parameter: norms, biases and embeddings included");
+ABSL_FLAG(double, max_grad_norm, 1.0,
+          "global gradient norm clip: every gradient is scaled by min(1, max_grad_norm / (norm + "
+          "1e-6)), norm being the 2-norm of all gradients together, as "
+          "torch.nn.utils.clip_grad_norm_ (<= 0: off)");
 ABSL_FLAG(std::string, shard_optimizer, "auto",
           "auto, true or false: AdamW's state split across the data-parallel ranks (ZeRO-1); auto "
-          "shards whenever there are several ranks");
+          "shards whenever there are several ranks. A state saved sharded "
+          "(optimizer-*-of-*.safetensors) resumes only into a sharded or offloaded optimizer "
+          "(--shard_optimizer=true or --offload_optimizer=true), a replicated one "
+          "(optimizer.safetensors) only with both false");
 ABSL_FLAG(std::string, offload_optimizer, "auto",
           "auto, true or false: AdamW's state in host memory, updated there; auto offloads only "
           "when the layout does not fit on the GPU otherwise");

@@ -2,8 +2,11 @@
 
 #include <curl/curl.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstdio>
-#include <memory>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,57 +17,38 @@
 namespace dta {
 namespace {
 
+using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
 
-struct HttpAnswer {
-  long status = 0;
-  std::string body;
-};
-
-size_t AppendBody(char* data, size_t size, size_t count, void* out) {
-  static_cast<std::string*>(out)->append(data, size * count);
-  return size * count;
-}
-
-// One JSON POST through libcurl; an error status when no HTTP answer came back.
-absl::StatusOr<HttpAnswer> PostJson(const std::string& url, const std::string& body,
-                                    const std::string& bearer_token,
-                                    std::chrono::milliseconds timeout) {
+// libcurl's process-wide start, once, before the first worker's handle.
+absl::Status CurlReady() {
   static const CURLcode initialized = curl_global_init(CURL_GLOBAL_DEFAULT);
   if (initialized != CURLE_OK) {
     return absl::InternalError(
         absl::StrCat("libcurl cannot start: ", curl_easy_strerror(initialized)));
   }
-  std::unique_ptr<CURL, decltype(&curl_easy_cleanup)> curl(curl_easy_init(), curl_easy_cleanup);
-  if (curl == nullptr) return absl::InternalError("libcurl cannot make a handle");
-  curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
-  if (!bearer_token.empty()) {
-    headers =
-        curl_slist_append(headers, absl::StrCat("Authorization: Bearer ", bearer_token).c_str());
+  return absl::OkStatus();
+}
+
+// An answer's body, cut at `limit`: the write callback refuses the bytes past it, which ends the
+// transfer (CURLE_WRITE_ERROR) rather than buffering whatever an engine sends.
+struct BodySink {
+  std::string body;
+  size_t limit = 0;
+  bool overflowed = false;
+};
+
+size_t AppendBody(char* data, size_t size, size_t count, void* out) {
+  auto* sink = static_cast<BodySink*>(out);
+  const size_t bytes = size * count;
+  const size_t room = sink->limit - sink->body.size();
+  if (bytes > room) {
+    sink->body.append(data, room);  // kept for the excerpt
+    sink->overflowed = true;
+    return 0;
   }
-  std::unique_ptr<curl_slist, decltype(&curl_slist_free_all)> header_list(headers,
-                                                                          curl_slist_free_all);
-  HttpAnswer answer;
-  char error[CURL_ERROR_SIZE] = "";
-  CURL* handle = curl.get();
-  curl_easy_setopt(handle, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(handle, CURLOPT_PROTOCOLS_STR, "http,https");
-  curl_easy_setopt(handle, CURLOPT_NOSIGNAL, 1L);  // timeouts without signals: a worker thread
-  curl_easy_setopt(handle, CURLOPT_POST, 1L);
-  curl_easy_setopt(handle, CURLOPT_POSTFIELDS, body.data());
-  curl_easy_setopt(handle, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
-  curl_easy_setopt(handle, CURLOPT_HTTPHEADER, header_list.get());
-  curl_easy_setopt(handle, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout.count()));
-  curl_easy_setopt(handle, CURLOPT_WRITEFUNCTION, AppendBody);
-  curl_easy_setopt(handle, CURLOPT_WRITEDATA, &answer.body);
-  curl_easy_setopt(handle, CURLOPT_ERRORBUFFER, error);
-  const CURLcode code = curl_easy_perform(handle);
-  if (code != CURLE_OK) {
-    return absl::UnavailableError(
-        absl::StrCat(url, ": ", error[0] != '\0' ? error : curl_easy_strerror(code)));
-  }
-  curl_easy_getinfo(handle, CURLINFO_RESPONSE_CODE, &answer.status);
-  return answer;
+  sink->body.append(data, bytes);
+  return bytes;
 }
 
 const char* KindName(EngineKind kind) {
@@ -79,10 +63,51 @@ const char* KindName(EngineKind kind) {
   return "?";
 }
 
-// The first bytes of an answer, for an error message.
-std::string Excerpt(const std::string& body) {
-  constexpr size_t kShown = 300;
-  return body.size() <= kShown ? body : absl::StrCat(body.substr(0, kShown), "...");
+// The first bytes of an answer on one line, for an error message.
+std::string Excerpt(std::string_view body) {
+  if (body.empty()) return "(empty answer)";
+  constexpr size_t kShown = 200;
+  std::string excerpt(body.substr(0, kShown));
+  for (char& c : excerpt) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = ' ';
+  }
+  if (body.size() > kShown) excerpt += "...";
+  return excerpt;
+}
+
+// Whether a complete answer says the engine reloaded (the header gives each kind's protocol).
+absl::Status CheckAnswer(EngineKind kind, const std::string& url, long status,
+                         const std::string& body) {
+  const std::string where = absl::StrCat(url, ": HTTP ", status, ": ");
+  if (status < 200 || status >= 300) {
+    return absl::UnavailableError(absl::StrCat(where, Excerpt(body)));
+  }
+  // collective_rpc answers 2xx only once every worker ran reload_weights (a worker's exception is
+  // a 5xx); its body holds the workers' return values, which say nothing about success.
+  if (kind == EngineKind::kVllm) return absl::OkStatus();
+  const Json json = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object()) {
+    return absl::UnavailableError(
+        absl::StrCat(where, "the answer is not a JSON object: ", Excerpt(body)));
+  }
+  const auto success = json.find("success");
+  if (success == json.end()) return absl::OkStatus();
+  if (!success->is_boolean()) {
+    return absl::UnavailableError(
+        absl::StrCat(where, "\"success\" is not true or false: ", Excerpt(body)));
+  }
+  if (!success->get<bool>()) {
+    return absl::UnavailableError(absl::StrCat(where, "the engine refused: ", Excerpt(body)));
+  }
+  return absl::OkStatus();
+}
+
+// Milliseconds from now until `until` for curl_multi_poll, at most `cap`, at least 0.
+int PollMs(Clock::time_point until, std::chrono::milliseconds cap) {
+  const Clock::time_point now = Clock::now();
+  if (until <= now) return 0;
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - now);
+  return static_cast<int>(std::min(left, cap).count());
 }
 
 }  // namespace
@@ -145,83 +170,231 @@ EngineRequest ReloadRequest(const EngineEndpoint& engine, const std::string& mod
   return {};
 }
 
-EngineNotifier::EngineNotifier(EngineNotifierOptions options) : options_(std::move(options)) {
-  if (!options_.engines.empty()) worker_ = std::thread([this] { Run(); });
-}
-
-EngineNotifier::~EngineNotifier() {
-  if (!worker_.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+// One engine's worker: a thread, a queue of depth one, and a libcurl multi handle whose transfers
+// a Stop from another thread wakes (curl_multi_wakeup), so that shutdown cuts a hung request at
+// once rather than at its timeout.
+class EngineNotifier::Worker {
+ public:
+  Worker(EngineEndpoint engine, const EngineNotifierOptions& options)
+      : engine_(std::move(engine)),
+        options_(options),
+        multi_(CurlReady().ok() ? curl_multi_init() : nullptr),
+        thread_([this] { Run(); }) {}
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+  ~Worker() {
+    Stop(Clock::now());
+    Join();
+    if (multi_ != nullptr) curl_multi_cleanup(multi_);
   }
-  changed_.notify_all();
-  worker_.join();  // after the newest waiting checkpoint is announced
-}
 
-void EngineNotifier::Publish(const std::string& model_path, int64_t policy_version) {
-  if (options_.engines.empty()) return;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    waiting_ = Pending{model_path, policy_version};
+  void Publish(std::string model_path, int64_t policy_version) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) return;
+      waiting_ = Pending{std::move(model_path), policy_version};
+    }
+    changed_.notify_all();
   }
-  changed_.notify_all();
-}
 
-void EngineNotifier::Run() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    changed_.wait(lock, [this] { return waiting_.has_value() || stopping_; });
-    if (!waiting_.has_value()) return;  // stopping with nothing left to say
-    const Pending pending = *std::move(waiting_);
-    waiting_.reset();
-    lock.unlock();
-    for (const EngineEndpoint& engine : options_.engines) {
-      const absl::Status status = Announce(engine, pending);
-      Log(status.ok()
-              ? absl::StrCat("the ", KindName(engine.kind), " engine at ", engine.url,
-                             " reloaded policy version ", pending.policy_version, " from ",
-                             pending.model_path)
-              : absl::StrCat("could not tell the ", KindName(engine.kind), " engine at ",
-                             engine.url, " to reload ", pending.model_path, " (policy version ",
-                             pending.policy_version, "): ", status.message()));
+  // Asks the thread to finish by `deadline` (the first call's deadline holds).
+  void Stop(Clock::time_point deadline) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) return;
+      stopping_ = true;
+      deadline_ = deadline;
     }
-    lock.lock();
+    changed_.notify_all();
+    if (multi_ != nullptr) curl_multi_wakeup(multi_);  // thread-safe; wakes the current poll
   }
-}
 
-absl::Status EngineNotifier::Announce(const EngineEndpoint& engine, const Pending& pending) const {
-  const EngineRequest request = ReloadRequest(engine, pending.model_path, pending.policy_version);
-  absl::Status last;
-  for (int attempt = 1; attempt <= std::max(1, options_.attempts); ++attempt) {
-    if (attempt > 1) std::this_thread::sleep_for(options_.retry_delay);
-    absl::StatusOr<HttpAnswer> answer =
-        PostJson(request.url, request.body, options_.bearer_token, options_.timeout);
-    if (!answer.ok()) {
-      last = answer.status();
-      continue;
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct Pending {
+    std::string model_path;
+    int64_t policy_version = 0;
+  };
+
+  void Run() {
+    while (true) {
+      Pending pending;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [this] { return waiting_.has_value() || stopping_; });
+        if (!waiting_.has_value()) return;  // stopping with nothing left to say
+        pending = *std::move(waiting_);
+        waiting_.reset();
+      }
+      Report(pending, Announce(pending));
     }
-    if (answer->status < 200 || answer->status >= 300) {
-      last = absl::UnavailableError(
-          absl::StrCat(request.url, ": HTTP ", answer->status, ": ", Excerpt(answer->body)));
-      continue;
+  }
+
+  // Up to `attempts` attempts, `retry_delay` apart; none after the first once shutting down.
+  absl::Status Announce(const Pending& pending) {
+    const EngineRequest request =
+        ReloadRequest(engine_, pending.model_path, pending.policy_version);
+    const int attempts = std::max(1, options_.attempts);
+    absl::Status last;
+    int made = 0;
+    while (made < attempts) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (made > 0) {
+          changed_.wait_until(lock, Clock::now() + options_.retry_delay,
+                              [this] { return stopping_; });
+          if (stopping_) break;
+        }
+        if (stopping_ && Clock::now() >= deadline_) {
+          return absl::CancelledError("shutdown came before the request was sent");
+        }
+      }
+      ++made;
+      last = Attempt(request);
+      if (last.ok() || absl::IsCancelled(last)) return last;
     }
-    if (engine.kind == EngineKind::kSglang) {
-      const Json json = Json::parse(answer->body, nullptr, /*allow_exceptions=*/false);
-      if (json.is_object() && json.contains("success") && json["success"] == false) {
-        last = absl::UnavailableError(
-            absl::StrCat(request.url, ": the engine refused: ", Excerpt(answer->body)));
-        continue;
+    return absl::Status(last.code(), absl::StrCat(last.message(), " (after ", made,
+                                                  made == 1 ? " attempt)" : " attempts)"));
+  }
+
+  // One POST, cut at `timeout` (libcurl's own) or at the shutdown deadline (CANCELLED), and its
+  // answer checked.
+  absl::Status Attempt(const EngineRequest& request) {
+    if (multi_ == nullptr) {
+      if (absl::Status ready = CurlReady(); !ready.ok()) return ready;
+      return absl::InternalError("libcurl cannot make a multi handle");
+    }
+    std::unique_ptr<CURL, decltype(&curl_easy_cleanup)> curl(curl_easy_init(), curl_easy_cleanup);
+    if (curl == nullptr) return absl::InternalError("libcurl cannot make a handle");
+    curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
+    headers = curl_slist_append(headers, "Expect:");  // no 100-continue round trip
+    if (!options_.bearer_token.empty()) {
+      headers = curl_slist_append(
+          headers, absl::StrCat("Authorization: Bearer ", options_.bearer_token).c_str());
+    }
+    std::unique_ptr<curl_slist, decltype(&curl_slist_free_all)> header_list(headers,
+                                                                            curl_slist_free_all);
+    const long timeout_ms = std::max<long>(1, options_.timeout.count());
+    const long connect_ms =
+        std::max<long>(1, std::min<long>(options_.connect_timeout.count(), timeout_ms));
+    BodySink sink{.limit = options_.max_answer_bytes};
+    char error[CURL_ERROR_SIZE] = "";
+    CURL* handle = curl.get();
+    curl_easy_setopt(handle, CURLOPT_URL, request.url.c_str());
+    curl_easy_setopt(handle, CURLOPT_PROTOCOLS_STR, "http,https");
+    curl_easy_setopt(handle, CURLOPT_NOSIGNAL, 1L);  // timeouts without signals: a worker thread
+    curl_easy_setopt(handle, CURLOPT_POST, 1L);
+    curl_easy_setopt(handle, CURLOPT_POSTFIELDS, request.body.data());
+    curl_easy_setopt(handle, CURLOPT_POSTFIELDSIZE_LARGE,
+                     static_cast<curl_off_t>(request.body.size()));
+    curl_easy_setopt(handle, CURLOPT_HTTPHEADER, header_list.get());
+    curl_easy_setopt(handle, CURLOPT_TIMEOUT_MS, timeout_ms);
+    curl_easy_setopt(handle, CURLOPT_CONNECTTIMEOUT_MS, connect_ms);
+    curl_easy_setopt(handle, CURLOPT_WRITEFUNCTION, AppendBody);
+    curl_easy_setopt(handle, CURLOPT_WRITEDATA, &sink);
+    curl_easy_setopt(handle, CURLOPT_ERRORBUFFER, error);
+    if (const CURLMcode added = curl_multi_add_handle(multi_, handle); added != CURLM_OK) {
+      return absl::InternalError(
+          absl::StrCat("libcurl cannot start a transfer: ", curl_multi_strerror(added)));
+    }
+    const std::unique_ptr<CURL, std::function<void(CURL*)>> in_multi(
+        handle, [this](CURL* h) { curl_multi_remove_handle(multi_, h); });
+    while (true) {
+      int running = 0;
+      if (const CURLMcode performed = curl_multi_perform(multi_, &running); performed != CURLM_OK) {
+        return absl::InternalError(
+            absl::StrCat(request.url, ": libcurl: ", curl_multi_strerror(performed)));
+      }
+      if (running == 0) break;
+      Clock::time_point deadline;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        deadline = stopping_ ? deadline_ : Clock::time_point::max();
+      }
+      if (Clock::now() >= deadline) {
+        return absl::CancelledError(absl::StrCat(request.url, ": no answer before shutdown"));
+      }
+      // Stop's wakeup ends the poll early; the cap only bounds how stale `deadline` can get.
+      curl_multi_poll(multi_, nullptr, 0, PollMs(deadline, std::chrono::seconds(1)), nullptr);
+    }
+    CURLcode code = CURLE_OK;
+    bool done = false;
+    int queued = 0;
+    while (CURLMsg* message = curl_multi_info_read(multi_, &queued)) {
+      if (message->msg == CURLMSG_DONE && message->easy_handle == handle) {
+        code = message->data.result;
+        done = true;
       }
     }
-    return absl::OkStatus();
+    if (!done) return absl::InternalError(absl::StrCat(request.url, ": libcurl lost the transfer"));
+    long status = 0;
+    curl_easy_getinfo(handle, CURLINFO_RESPONSE_CODE, &status);
+    if (sink.overflowed) {
+      return absl::UnavailableError(absl::StrCat(request.url, ": HTTP ", status,
+                                                 ": the answer is longer than ", sink.limit,
+                                                 " bytes: ", Excerpt(sink.body)));
+    }
+    if (code != CURLE_OK) {
+      return absl::UnavailableError(
+          absl::StrCat(request.url, ": ", error[0] != '\0' ? error : curl_easy_strerror(code)));
+    }
+    return CheckAnswer(engine_.kind, request.url, status, sink.body);
   }
-  return absl::Status(last.code(), absl::StrCat(last.message(), " (after ",
-                                                std::max(1, options_.attempts), " attempts)"));
+
+  void Report(const Pending& pending, const absl::Status& status) const {
+    const std::string engine =
+        absl::StrCat("the ", KindName(engine_.kind), " engine at ", engine_.url);
+    const std::string what =
+        absl::StrCat(pending.model_path, " (policy version ", pending.policy_version, ")");
+    std::string line;
+    if (status.ok()) {
+      line = absl::StrCat(engine, " reloaded policy version ", pending.policy_version, " from ",
+                          pending.model_path);
+    } else if (absl::IsCancelled(status)) {
+      line = absl::StrCat("gave up at shutdown on telling ", engine, " to reload ", what, ": ",
+                          status.message());
+    } else {
+      line = absl::StrCat("could not tell ", engine, " to reload ", what, ": ", status.message());
+    }
+    std::fprintf(stderr, "%s: %s\n", options_.log_prefix.c_str(), line.c_str());
+    if (options_.on_outcome) {
+      options_.on_outcome({engine_, pending.model_path, pending.policy_version, status});
+    }
+  }
+
+  const EngineEndpoint engine_;
+  const EngineNotifierOptions& options_;  // the notifier's, which outlives its workers
+  CURLM* const multi_;                    // null when libcurl cannot start (each attempt says so)
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::optional<Pending> waiting_;                         // guarded by mutex_
+  bool stopping_ = false;                                  // guarded by mutex_
+  Clock::time_point deadline_ = Clock::time_point::max();  // guarded by mutex_; set by Stop
+  std::thread thread_;  // last, so that it starts after the members it uses
+};
+
+EngineNotifier::EngineNotifier(EngineNotifierOptions options) : options_(std::move(options)) {
+  workers_.reserve(options_.engines.size());
+  for (const EngineEndpoint& engine : options_.engines) {
+    workers_.push_back(std::make_unique<Worker>(engine, options_));
+  }
 }
 
-void EngineNotifier::Log(const std::string& line) const {
-  std::fprintf(stderr, "%s: %s\n", options_.log_prefix.c_str(), line.c_str());
+EngineNotifier::~EngineNotifier() { Shutdown(Clock::now() + options_.timeout); }
+
+void EngineNotifier::Publish(const std::string& model_path, int64_t policy_version) {
+  for (const std::unique_ptr<Worker>& worker : workers_)
+    worker->Publish(model_path, policy_version);
+}
+
+void EngineNotifier::Shutdown(std::chrono::steady_clock::time_point deadline) {
+  std::call_once(shut_down_, [&] {
+    for (const std::unique_ptr<Worker>& worker : workers_) worker->Stop(deadline);
+    for (const std::unique_ptr<Worker>& worker : workers_) worker->Join();
+  });
 }
 
 }  // namespace dta

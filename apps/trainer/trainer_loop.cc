@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "apps/train/training_flags.h"
 
 namespace dta {
@@ -97,14 +98,18 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
     const double optimizer_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_start).count();
     ++step;
+    const std::optional<double> router_aux_loss =
+        options.loss.router_aux_loss_coef > 0 ? std::optional<double>(result.router_aux_loss)
+                                              : std::nullopt;
     std::fprintf(
         stderr,
-        "%s: step %lld%s: %d rollouts, loss %.6g, grad norm %.4g%s, lr %.4g, %.2f s, optimizer "
+        "%s: step %lld%s: %d rollouts, loss %.6g%s, grad norm %.4g%s, lr %.4g, %.2f s, optimizer "
         "%.2f s%s\n",
         prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
-        static_cast<int>(rollouts.size()), result.loss, stats.grad_norm,
-        stats.skipped ? " (not finite: step skipped, nothing updated)" : "", stats.lr, seconds,
-        optimizer_seconds, DiagnosticsSuffix(result.diagnostics).c_str());
+        static_cast<int>(rollouts.size()), result.loss,
+        router_aux_loss ? absl::StrFormat(" (router aux loss %.6g)", *router_aux_loss).c_str() : "",
+        stats.grad_norm, stats.skipped ? " (not finite: step skipped, nothing updated)" : "",
+        stats.lr, seconds, optimizer_seconds, DiagnosticsSuffix(result.diagnostics).c_str());
     if (options.on_step) {
       options.on_step({.step = step - 1,
                        .replay = partition.replay,
@@ -113,6 +118,7 @@ int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOpti
                        .forwarded_tokens = result.forwarded_tokens,
                        .tree_tokens = partition.tree_tokens,
                        .loss = result.loss,
+                       .router_aux_loss = router_aux_loss,
                        .grad_norm = stats.grad_norm,
                        .lr = stats.lr,
                        .seconds = seconds,

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "apps/trainer/checkpoints.h"
@@ -52,7 +53,10 @@ struct StepReport {
   int64_t forwarded_tokens = 0;
   int64_t tree_tokens = 0;  // of this rank's partition
   double loss = 0;          // this rank's share
-  double grad_norm = 0;     // of the whole model, after synchronisation
+  // This rank's share of the router load-balancing loss that `loss` includes (mixture-of-experts
+  // models with --router_aux_loss_coef > 0); unset when the loss has none.
+  std::optional<double> router_aux_loss;
+  double grad_norm = 0;  // of the whole model, after synchronisation
   double lr = 0;
   double seconds = 0;  // fetch to gradients synchronised
   double optimizer_seconds = 0;

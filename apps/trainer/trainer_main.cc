@@ -59,6 +59,7 @@
 #include "apps/trainer/trainer_loop.h"
 #include "apps/trainer/trainer_metrics.h"
 #include "core/base/exit_codes.h"
+#include "core/base/private_files.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/trainer_session.h"
 #include "executor/checkpoint/training_checkpoint.h"
@@ -92,7 +93,9 @@ ABSL_FLAG(std::string, notify_token_file, "",
           "file holding the bearer token the engines expect (SGLang's --api-key or "
           "--admin-api-key)");
 ABSL_FLAG(int32_t, notify_attempts, 3, "attempts per engine and checkpoint (1 s apart)");
-ABSL_FLAG(int32_t, notify_timeout_s, 600, "timeout of one reload request, seconds");
+ABSL_FLAG(int32_t, notify_timeout_s, 30,
+          "timeout of one reload request, the engine's load included, seconds (raise it for models "
+          "that load slower); at exit the trainer waits at most this long for reloads in flight");
 ABSL_FLAG(int32_t, slow_step_ms, 0,
           "testing: sleep this long before the all-reduce (fault-injection tests)");
 
@@ -105,10 +108,14 @@ std::atomic<bool> checkpoint_requested{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
 extern "C" void RequestCheckpoint(int) { checkpoint_requested.store(true); }
 
-// The contents of a credential flag's file, or "" when the flag is empty.
-std::string CredentialFromFlag(const std::string& path, const char* flag, bool trim) {
+// The contents of a credential flag's file, or "" when the flag is empty. A secret (a token) must
+// be a private file of this user's (core/base/private_files.h); certificates are public.
+enum class Credential { kSecret, kCertificates };
+std::string CredentialFromFlag(const std::string& path, const char* flag, Credential kind) {
   if (path.empty()) return "";
-  absl::StatusOr<std::string> contents = ReadCredentialFile(path, trim);
+  absl::StatusOr<std::string> contents = kind == Credential::kSecret
+                                             ? ReadPrivateFile(path, /*trim=*/true)
+                                             : ReadCredentialFile(path, /*trim=*/false);
   if (!contents.ok()) throw BadInput{absl::StrCat("--", flag, ": ", contents.status().message())};
   return *std::move(contents);
 }
@@ -153,8 +160,17 @@ int Run() {
   on_request.sa_handler = RequestCheckpoint;
   on_request.sa_flags = SA_RESTART;  // the signal must not fail a read or a collective in progress
   sigaction(SIGUSR1, &on_request, nullptr);
+  // A file-size limit (ulimit -f) would kill the trainer mid-checkpoint with SIGXFSZ and no word;
+  // ignored, the write fails with EFBIG and the trainer exits 1 naming the file and the reason, as
+  // on a full disk.
+  std::signal(SIGXFSZ, SIG_IGN);
   const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (checkpoint_dir.empty()) throw BadInput{"--checkpoint_dir is required"};
+  // The checkpoints are what a restart resumes from and what rollout engines load (latest.json):
+  // a directory another user created first, or one others can write, could hand both forged
+  // weights, so it must be this user's and closed to others' writes (core/base/private_files.h).
+  if (absl::Status owned = MakeOwnedDirectory(checkpoint_dir); !owned.ok())
+    throw BadInput{absl::StrCat("--checkpoint_dir: ", owned.message())};
   if (absl::GetFlag(FLAGS_save_every) < 1) throw BadInput{"--save_every must be >= 1"};
   absl::StatusOr<LaunchEnvironment> env = LaunchEnvironmentFromEnv();
   if (!env.ok()) throw BadInput{std::string(env.status().message())};
@@ -169,8 +185,8 @@ int Run() {
   if (!engines.ok()) throw BadInput{absl::StrCat("--notify_engines: ", engines.status().message())};
   if (absl::GetFlag(FLAGS_notify_attempts) < 1) throw BadInput{"--notify_attempts must be >= 1"};
   if (absl::GetFlag(FLAGS_notify_timeout_s) < 1) throw BadInput{"--notify_timeout_s must be >= 1"};
-  const std::string notify_token =
-      CredentialFromFlag(absl::GetFlag(FLAGS_notify_token_file), "notify_token_file", true);
+  const std::string notify_token = CredentialFromFlag(absl::GetFlag(FLAGS_notify_token_file),
+                                                      "notify_token_file", Credential::kSecret);
   at::TensorOptions options = TensorOptionsFromFlags();
   if (options.device().is_cuda() && !options.device().has_index()) {
     options = options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank)));
@@ -245,9 +261,9 @@ int Run() {
     // Waiting for rollouts is normal (generation may be slower than training): retry for long.
     client_options.retry_for = absl::Seconds(absl::GetFlag(FLAGS_wait_s));
     client_options.token =
-        CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", /*trim=*/true);
+        CredentialFromFlag(absl::GetFlag(FLAGS_token_file), "token_file", Credential::kSecret);
     client_options.tls_root_certificates =
-        CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", false);
+        CredentialFromFlag(absl::GetFlag(FLAGS_tls_roots), "tls_roots", Credential::kCertificates);
     register_with_dispatcher();
   }
 
@@ -313,8 +329,9 @@ int Run() {
   }
   optimizer.set_schedule(schedule);  // on the committed steps' curve, resumed or not
 
-  // World rank 0 publishes checkpoints, so it tells the engines (the destructor waits for the
-  // newest to be announced).
+  // World rank 0 publishes checkpoints, so it tells the engines. Every exit (the last step, a
+  // restart's exception) passes the destructor, which waits at most --notify_timeout_s for reloads
+  // in flight and reports on stderr what no engine confirmed.
   EngineNotifier notifier({.engines = env->rank == 0 ? *engines : std::vector<EngineEndpoint>{},
                            .bearer_token = notify_token,
                            .attempts = absl::GetFlag(FLAGS_notify_attempts),

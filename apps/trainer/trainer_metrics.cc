@@ -24,6 +24,7 @@ Scalars StepScalars(const StepReport& report) {
                           : 0},
       {"peak_memory_gib", report.peak_memory_gib},
       {"skipped", report.skipped ? 1.0 : 0.0}};
+  if (report.router_aux_loss) scalars.emplace_back("router_aux_loss", *report.router_aux_loss);
   for (const auto& [name, value] : report.diagnostics.Applicable())
     scalars.emplace_back("rl/" + name, value);
   return scalars;

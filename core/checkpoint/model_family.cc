@@ -89,4 +89,13 @@ std::vector<std::string> ModelFamilyTypes() {
   return types;
 }
 
+std::string DescribeModelFamilies() {
+  std::string out;
+  for (const ModelFamily& family : kFamilies) {
+    if (!out.empty()) out += ", ";
+    out += std::string(family.model_type) + " (" + std::string(family.name) + ")";
+  }
+  return out;
+}
+
 }  // namespace dta

@@ -90,4 +90,7 @@ const ModelFamily* FindModelFamily(std::string_view model_type);
 // Every supported model_type, sorted: "llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next".
 std::vector<std::string> ModelFamilyTypes();
 
+// Every family for help texts, sorted by model_type: "llama (Llama), qwen2 (Qwen2/Qwen2.5), ...".
+std::string DescribeModelFamilies();
+
 }  // namespace dta

@@ -18,14 +18,24 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace dta {
 
 void SetProgramUsage(std::string_view usage);
 
-// absl::ParseCommandLine, then --dump_flags: the file is written (replaced) before the program
-// runs; a file that cannot be written ends the program with status 2 (bad input), naming it.
-// Returns the positional arguments (argv[0] first).
+// CheckFlagFiles, absl::ParseCommandLine, then --dump_flags: the file is written (replaced) before
+// the program runs. A flag file CheckFlagFiles refuses, or a --dump_flags file that cannot be
+// written, ends the program with status 2 (bad input), naming it. Returns the positional arguments
+// (argv[0] first).
 std::vector<char*> ParseCommandLine(int argc, char** argv);
+
+// The flag files the command line names (--flagfile=A[,B...], also inside flag files), checked
+// before Abseil reads them, which it does without these checks: a file that cannot be read or is
+// not a regular file (a directory would be skipped silently and the run start on defaults), and a
+// file that includes itself, directly or through others (Abseil would read it forever).
+// INVALID_ARGUMENT naming the file (and the chain of inclusions for a cycle); OK otherwise.
+absl::Status CheckFlagFiles(int argc, const char* const* argv);
 
 // The flag file of the flags that differ from their defaults, sorted by name (what --dump_flags
 // writes).

@@ -232,12 +232,11 @@ absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutReq
                      GiB(request.host_bytes_per_node));
   }
   return absl::ResourceExhaustedError(absl::StrCat(
-      "a model of ", absl::StrFormat("%.2fB", static_cast<double>(parameters.total()) / 1e9),
-      " parameters cannot be trained on ", request.world_size, " GPU(s) of ",
-      GiB(request.gpu_bytes), ": the smallest layout allowed (", LayoutName(smallest->layout),
-      ") needs ", GiB(m.gpu_total()), " per GPU (weights ", GiB(m.weights), ", gradients ",
-      GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ", GiB(m.activations),
-      ExecutorTerms(m), ")", host,
+      "a model of ", FormatParameterCount(parameters.total()), " parameters cannot be trained on ",
+      request.world_size, " GPU(s) of ", GiB(request.gpu_bytes), ": the smallest layout allowed (",
+      LayoutName(smallest->layout), ") needs ", GiB(m.gpu_total()), " per GPU (weights ",
+      GiB(m.weights), ", gradients ", GiB(m.gradients), ", optimizer ", GiB(m.optimizer),
+      ", activations ", GiB(m.activations), ExecutorTerms(m), ")", host,
       HasTensorParallelGap(config)
           ? absl::StrCat(" (", config.model_type,
                          " has no tensor parallelism yet); allow offload, or ")
@@ -256,14 +255,21 @@ absl::StatusOr<std::optional<bool>> ParseLayoutChoice(std::string_view flag,
       "--", std::string(flag), " must be auto, true or false, got '", std::string(value), "'"));
 }
 
+std::string FormatParameterCount(int64_t count) {
+  const double n = static_cast<double>(count);
+  if (n >= 1e9) return absl::StrFormat("%.2fB", n / 1e9);
+  if (n >= 1e6) return absl::StrFormat("%.2fM", n / 1e6);
+  if (n >= 1e3) return absl::StrFormat("%.1fK", n / 1e3);
+  return absl::StrCat(count);
+}
+
 std::string DescribeLayout(const LayoutPlan& plan) {
   const MemoryEstimate& m = plan.memory;
   std::string out = absl::StrCat(
-      "layout: ", LayoutName(plan.layout), " for ",
-      absl::StrFormat("%.2fB", static_cast<double>(plan.parameters.total()) / 1e9), " parameters",
+      "layout: ", LayoutName(plan.layout), " for ", FormatParameterCount(plan.parameters.total()),
+      " parameters",
       plan.parameters.unused_per_token > 0
-          ? absl::StrFormat(" (%.2fB active per token)",
-                            static_cast<double>(plan.parameters.active()) / 1e9)
+          ? absl::StrCat(" (", FormatParameterCount(plan.parameters.active()), " active per token)")
           : std::string(),
       "; per GPU ", GiB(m.gpu_total()), " of ", GiB(plan.gpu_bytes), ": weights ", GiB(m.weights),
       ", gradients ", GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ",

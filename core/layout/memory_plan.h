@@ -131,4 +131,7 @@ absl::StatusOr<std::optional<bool>> ParseLayoutChoice(std::string_view flag,
 // training binaries to print at start.
 std::string DescribeLayout(const LayoutPlan& plan);
 
+// A parameter count as people write it: "8.19B", "596.05M", "12.3K", "950".
+std::string FormatParameterCount(int64_t count);
+
 }  // namespace dta

@@ -1,12 +1,9 @@
 #include "dispatcher/client/client_options.h"
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/random.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -17,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "core/base/private_files.h"
 
 namespace dta {
 
@@ -66,45 +64,24 @@ bool IsLoopbackAddress(const std::string& address) {
 }
 
 absl::StatusOr<std::string> ReadOrCreateTokenFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd >= 0) {
-    unsigned char bytes[32];
-    ssize_t got = 0;
-    while (got < static_cast<ssize_t>(sizeof(bytes))) {
-      const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        ::close(fd);
-        ::unlink(path.c_str());
-        return absl::InternalError(
-            absl::StrCat("cannot draw a token for ", path, ": ", std::strerror(errno)));
-      }
-      got += n;
+  unsigned char bytes[32];
+  for (size_t got = 0; got < sizeof(bytes);) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return absl::InternalError(
+          absl::StrCat("cannot draw a token for ", path, ": ", std::strerror(errno)));
     }
-    std::string token;
-    for (unsigned char b : bytes) absl::StrAppend(&token, absl::Hex(b, absl::kZeroPad2));
-    const std::string line = token + "\n";
-    const bool written = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
-    const bool synced = ::fsync(fd) == 0;
-    ::close(fd);
-    if (!written || !synced) {
-      ::unlink(path.c_str());
-      return absl::InternalError(absl::StrCat("cannot write the token file ", path));
-    }
-    return token;
+    got += static_cast<size_t>(n);
   }
-  if (errno != EEXIST) {
-    return absl::InternalError(
-        absl::StrCat("cannot create the token file ", path, ": ", std::strerror(errno)));
-  }
-  struct stat info {};
-  if (::stat(path.c_str(), &info) == 0 && (info.st_mode & 077) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, " is readable or writable by other users (mode ",
-                     absl::StrFormat("%04o", info.st_mode & 0777),
-                     "): a credential must be private (chmod 600)"));
-  }
-  return ReadCredentialFile(path, /*trim=*/true);
+  std::string token;
+  for (unsigned char b : bytes) absl::StrAppend(&token, absl::Hex(b, absl::kZeroPad2));
+  const absl::Status created = CreatePrivateFile(path, token + "\n");
+  if (created.ok()) return token;
+  // A file that was there first (ours from an earlier start, or one planted by someone else) is
+  // used only when it passes the private-file rule.
+  if (absl::IsAlreadyExists(created)) return ReadPrivateFile(path);
+  return created;
 }
 
 }  // namespace dta

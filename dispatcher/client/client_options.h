@@ -23,8 +23,10 @@ struct ClientOptions {
   absl::Duration retry_for = absl::Minutes(10);
 };
 
-// The contents of a token, key or certificate file; `trim` strips surrounding whitespace (tokens).
-// NOT_FOUND naming the path if it cannot be read; INVALID_ARGUMENT if it is empty.
+// The contents of a public credential file (TLS certificates); `trim` strips surrounding
+// whitespace. Secrets (tokens, private keys) are read with ReadPrivateFile
+// (core/base/private_files.h), which also checks the file's owner and mode. NOT_FOUND naming the
+// path if it cannot be read; INVALID_ARGUMENT if it is empty.
 absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, bool trim);
 
 // Whether a listening address (host:port, [v6]:port or unix:path) is reachable from this machine
@@ -34,10 +36,11 @@ absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, bool tri
 bool IsLoopbackAddress(const std::string& address);
 
 // The token in `path`, created first when the file does not exist: 32 random bytes from the
-// kernel as 64 hex digits, in a new file of mode 0600 (O_EXCL: a file that appears meanwhile is
-// read instead). FAILED_PRECONDITION naming the path when an existing file is readable by group
-// or others (a credential must be private); the errors of ReadCredentialFile; INTERNAL naming the
-// path when it cannot be created.
+// kernel as 64 hex digits, in a new file of mode 0600 (CreatePrivateFile: O_EXCL, in a directory
+// only its owner can write). An existing file is read only when it is this user's and closed to
+// others (ReadPrivateFile). FAILED_PRECONDITION naming the path, its owner and mode otherwise, or
+// naming the directory when it is writable by others (e.g. /tmp itself); INTERNAL naming the path
+// when it cannot be created.
 absl::StatusOr<std::string> ReadOrCreateTokenFile(const std::string& path);
 
 }  // namespace dta

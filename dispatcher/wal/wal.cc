@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/base/private_files.h"
 #include "core/base/status_macros.h"
 
 namespace dta {
@@ -328,11 +329,21 @@ absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOpti
   if (!replay)
     return absl::InvalidArgumentError(absl::StrCat("wal ", path, ": no replay function"));
 
-  // The log holds every trajectory (prompts, rewards): readable by its owner only, an existing
-  // one included (fchmod fails harmlessly on a file of another owner, whom open already let in).
-  ScopedFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  // The log holds every trajectory (prompts, rewards): created readable by its owner only, and an
+  // existing one is used only when it is this user's and closed to others (core/base/
+  // private_files.h): a log another user planted in a shared directory, or one others could read
+  // meanwhile, is refused rather than trusted or silently tightened.
+  int opened = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (opened < 0 && errno == EEXIST) opened = open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  ScopedFd fd(opened);
+  if (fd.get() < 0 && errno == ELOOP) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("wal ", path, ": a symbolic link; give the log's own path"));
+  }
   if (fd.get() < 0) return ErrnoError(errno, path, "open");
-  fchmod(fd.get(), 0600);
+  if (absl::Status s = CheckPrivateDescriptor(fd.get(), path); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("wal ", s.message()));
+  }
   if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK) {
       return absl::FailedPreconditionError(
@@ -569,7 +580,9 @@ absl::Status WriteAheadLog::WriteAndSync(std::string_view bytes, bool& synced) {
 
 absl::Status WriteAheadLog::RewriteFile(const RecordSource& live, bool& failed) {
   const std::string tmp = options_.path + ".tmp";
-  ScopedFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  // A fresh file (O_EXCL, never a link): whatever stood under the temporary name goes first.
+  if (unlink(tmp.c_str()) != 0 && errno != ENOENT) return ErrnoError(errno, tmp, "unlink");
+  ScopedFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
   if (fd.get() < 0) return ErrnoError(errno, tmp, "open");
   // Until the rename, the old log is untouched: on failure drop the temp file and carry on.
   auto abandon = [&](absl::Status s) {

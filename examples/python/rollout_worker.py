@@ -18,7 +18,8 @@ Two policies:
   published (``DIR/latest.json``'s ``model_path``) into that model, waiting for the checkpoint of the
   new version, as an inference engine does.
 
-    build/bin/dta-dispatcher --wal=/tmp/d.wal --batch_rollouts=16 --vocab_size=1024 &
+    mkdir -p -m 700 /tmp/dta-worker     # a private directory: the trainer token is created there
+    build/bin/dta-dispatcher --wal=/tmp/dta-worker/d.wal --batch_rollouts=16 --vocab_size=1024 &
     .venv/bin/python examples/python/rollout_worker.py --dispatcher=127.0.0.1:50051 \\
         --groups=8 --group_size=4 --vocab_size=1024     # the venv has dta (scripts/build.sh)
 

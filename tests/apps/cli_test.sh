@@ -71,6 +71,32 @@ for pair in dta-tree:--partitions dta-workload:--preset dta-layout:--world_size 
   ! grep -qF -- "--flagfile" "$work/help.txt" || fail "$binary --help lists Abseil's own flags"
 done
 
+# --help names every model family (not only the first three) and says how AdamW behaves.
+if [[ -x "$bin/dta-train" ]]; then
+  # Abseil wraps help lines at 80 columns: compare on the text with its whitespace collapsed.
+  "$bin/dta-train" --help 2>&1 | tr -s ' \n' '  ' >"$work/help.txt"
+  for expected in "llama (Llama)" "qwen2 (Qwen2/Qwen2.5)" "qwen3 (Qwen3)" "qwen3_moe (Qwen3-MoE)" \
+                  "qwen3_next (Qwen3-Next)" "qwen3-next-small" "betas are (0.9, 0.999)" "eps 1e-8" \
+                  "max_grad_norm / (norm + 1e-6)" "applied to every parameter" \
+                  "the rate stays at --min_lr_ratio after it" "resumes only into a sharded"; do
+    grep -qF -- "$expected" "$work/help.txt" || fail "dta-train --help does not say '$expected'"
+  done
+fi
+
+# Flag files: one that includes itself used to be read forever, a directory to be skipped silently.
+echo "--flagfile=$work/self.flags" >"$work/self.flags"
+timeout 60 "$bin/dta-tree" --flagfile="$work/self.flags" "$work/tau2.jsonl" >/dev/null 2>"$work/flags.err"
+[[ $? -eq 2 ]] || fail "a flag file that includes itself must exit 2"
+grep -qF "includes itself" "$work/flags.err" || fail "the self-including flag file is not named: $(cat "$work/flags.err")"
+timeout 60 "$bin/dta-tree" --flagfile="$work" "$work/tau2.jsonl" >/dev/null 2>"$work/flags.err"
+[[ $? -eq 2 ]] || fail "a directory as a flag file must exit 2"
+grep -qF "is not a regular file" "$work/flags.err" || fail "the directory flag file is not named: $(cat "$work/flags.err")"
+
+# A small model's size reads as a count, not "0.00B".
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+"$bin/dta-layout" --config="$repo/examples/configs/qwen3-tiny.json" --gpu_gb=80 >"$work/layout.txt" 2>&1 || fail "dta-layout (tiny) exited $?"
+grep -qE "for [0-9.]+[KM] parameters" "$work/layout.txt" || fail "dta-layout's tiny model count: $(cat "$work/layout.txt")"
+
 # dta-layout: a plan, a refusal naming the numbers (exit 1), bad flags (exit 2), the table.
 "$bin/dta-layout" --config=qwen3-8b --gpu_gb=80 >"$work/layout.txt" 2>&1 || fail "dta-layout exited $?"
 grep -qF "layout: TP 1 x DP 1, optimizer offloaded to the host for 8.19B parameters" "$work/layout.txt" ||

@@ -38,6 +38,13 @@ def tool(name: str) -> Path:
     return path
 
 
+def secret(path: Path, text: str) -> Path:
+    """A credential file as dta requires it: the user's own, mode 0600."""
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,7 +212,7 @@ def test_rejections_name_the_field_and_the_stream_goes_on(dispatcher):
 
 
 def test_the_token_is_required_when_the_dispatcher_has_one(dispatcher, tmp_path):
-    (tmp_path / "token").write_text("s3cret\n")
+    secret(tmp_path / "token", "s3cret\n")
     d = dispatcher(f"--rollout_token_file={tmp_path / 'token'}")
     for token in (None, "wrong"):
         with RolloutClient(d.address, token=token, **BOUNDED) as client:
@@ -228,7 +235,7 @@ def test_the_token_is_required_when_the_dispatcher_has_one(dispatcher, tmp_path)
 def test_a_rogue_local_process_cannot_train_commit_or_abort(dispatcher, tmp_path):
     """The trainers' calls need the trainer credential even on loopback: a local process without
     it (or with the rollout token) can neither register, take a batch, nor report a step."""
-    (tmp_path / "rollout.token").write_text("rollout-secret\n")
+    secret(tmp_path / "rollout.token", "rollout-secret\n")
     d = dispatcher(f"--rollout_token_file={tmp_path / 'rollout.token'}")
     token_file = Path(f"{d.wal}.trainer-token")
     assert token_file.stat().st_mode & 0o777 == 0o600
@@ -250,12 +257,58 @@ def test_a_rogue_local_process_cannot_train_commit_or_abort(dispatcher, tmp_path
         assert stub.RegisterTrainer(calls[0][1], timeout=30, metadata=d.trainer_metadata).generation >= 0
 
 
+def refused_start(directory: Path, *flags: str) -> subprocess.CompletedProcess:
+    """dta-dispatcher started with `flags` on a log in `directory`, expected to refuse (exit 2)."""
+    run = subprocess.run([tool("dta-dispatcher"), f"--wal={directory / 'dispatcher.wal'}",
+                          f"--listen=127.0.0.1:{free_port()}", "--batch_rollouts=4", f"--vocab_size={VOCAB}",
+                          *flags], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    return run
+
+
+@pytest.mark.parametrize("flag", ["rollout_token_file", "trainer_token_file", "metrics_token_file"])
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_every_token_file_must_be_private(tmp_path, flag, mode):
+    """One rule for every credential file: the user's own and closed to group and others (0644 and
+    0640 alike), refused naming the flag, the file and its mode; the dispatcher does not start."""
+    token = secret(tmp_path / "token", "s3cret\n")
+    token.chmod(mode)
+    extra = ["--metrics_listen=127.0.0.1:0"] if flag == "metrics_token_file" else []
+    run = refused_start(tmp_path, f"--{flag}={token}", *extra)
+    assert f"--{flag}: {token} is open to group or others (mode {mode:04o}" in run.stderr
+    assert "listening on" not in run.stderr
+
+
+def test_credentials_and_logs_another_user_planted_are_refused(tmp_path):
+    """Another local user who creates the trainer token or the log before the dispatcher starts
+    (e.g. in /tmp) learns nothing: both are refused naming the owner, and a token is only created in
+    a directory that only its owner can write (so never in /tmp itself)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    run = refused_start(shared)
+    assert f"will not create {shared / 'dispatcher.wal.trainer-token'}" in run.stderr
+    assert "writable by group or others (mode 1777" in run.stderr
+    assert not (shared / "dispatcher.wal.trainer-token").exists()
+    if os.geteuid() != 0:
+        pytest.skip("planting a file of another user needs root")
+    for planted in ("dispatcher.wal.trainer-token", "dispatcher.wal"):
+        private = tmp_path / planted.replace(".", "_")
+        private.mkdir()
+        secret(private / planted, "the attacker knows this\n")
+        os.chown(private / planted, 65534, 65534)
+        run = refused_start(private)
+        assert f"{private / planted} is owned by uid 65534" in run.stderr
+        assert "mode 0600" in run.stderr
+        assert "the attacker knows this" not in run.stderr
+
+
 def test_tls_with_the_token(dispatcher, tmp_path):
     key, cert, token = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "token"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
-    token.write_text("s3cret")
+    secret(token, "s3cret")
     d = dispatcher(f"--tls_cert={cert}", f"--tls_key={key}", f"--rollout_token_file={token}")
     with RolloutClient(d.address, token="s3cret", root_certificates=cert.read_bytes(), **BOUNDED) as client:
         assert client.send(make(0), timeout=60).accepted
@@ -558,8 +611,7 @@ def test_metrics_and_tensorboard_show_the_queue_rejections_and_steps(dispatcher,
 def test_metrics_off_loopback_need_a_token(dispatcher, tmp_path):
     """A bearer token file guards /metrics (401 without it); off loopback it is required."""
     token = tmp_path / "metrics.token"
-    token.write_text("scrape-secret\n")
-    token.chmod(0o600)
+    secret(token, "scrape-secret\n")
     d = dispatcher("--metrics_listen=127.0.0.1:0", f"--metrics_token_file={token}")
     url = metrics_url(d)
     assert scrape(url)[0] == 401

@@ -114,6 +114,7 @@ def run(source_model, tmp_path_factory) -> dict:
             for i in range(4 * STEPS):
                 client.send(make(i))
         (directory / "engine.token").write_text(TOKEN + "\n")
+        (directory / "engine.token").chmod(0o600)  # a credential: the user's own, closed to others
         absent = f"http://127.0.0.1:{free_port()}"
         notify = ",".join([f"sglang={engines['sglang'].url}", f"vllm={engines['vllm'].url}/",
                            f"areal-vllm={engines['areal-vllm'].url}", f"sglang={absent}"])

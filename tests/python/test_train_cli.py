@@ -382,3 +382,34 @@ def test_tensorboard_event_files_hold_every_steps_numbers(rollouts, tmp_path):
     (tmp_path / "file").write_text("x")
     refused = train(f"--rollouts={rollouts}", "--steps=1", f"--tensorboard_dir={tmp_path / 'file' / 'sub'}")
     assert refused.returncode == 2 and "--tensorboard_dir" in refused.stderr, refused.stderr
+
+
+def test_the_router_aux_loss_is_reported_where_the_loss_is(rollouts, tmp_path):
+    """A mixture-of-experts run with --router_aux_loss_coef reports the mean load-balancing loss its
+    loss includes (the difference from the same run without it is coef times that mean) in --json,
+    --metrics and the table; null without the coefficient."""
+    config = json.loads(CONFIG.read_text())
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)
+    moe = tmp_path / "moe.json"
+    moe.write_text(json.dumps(config))
+    coef = 0.25
+    common = [tool("dta-train"), f"--config={moe}", f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2"]
+    runs = {}
+    for c in (0.0, coef):
+        metrics = tmp_path / f"metrics-{c}.jsonl"
+        run = subprocess.run([*common, f"--router_aux_loss_coef={c}", "--json", f"--metrics={metrics}"],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        record = json.loads(run.stdout.splitlines()[-1])
+        assert json.loads(metrics.read_text().splitlines()[-1])["router_aux_loss"] == record["router_aux_loss"]
+        runs[c] = record
+    assert runs[0.0]["router_aux_loss"] is None
+    aux = runs[coef]["router_aux_loss"]
+    assert aux > 0
+    assert runs[coef]["loss"] - runs[0.0]["loss"] == pytest.approx(coef * aux, rel=1e-9)
+    table = subprocess.run([*common, f"--router_aux_loss_coef={coef}"], capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr
+    header, row = [line for line in table.stdout.splitlines() if line.strip()][-2:]
+    assert header.split()[-2:] == ["router", "aux"]
+    assert float(row.split()[-1]) == pytest.approx(aux, rel=1e-6)

@@ -3,10 +3,14 @@
 // process is killed (kill -9), the final parameters equal those of one trainer training the same
 // batches without interruption (float64, relative error <= 1e-10), and every acknowledged
 // trajectory is trained exactly once.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/types.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
-
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -530,6 +534,7 @@ TEST_F(TrainerDaemonTest, ATrainerThatCannotTrainWhatIsAcceptedIsRefused) {
 TEST_F(TrainerDaemonTest, ATrainerWithoutTheTrainerTokenIsRefused) {
   Run run = NewRun("no_token");
   std::ofstream(root_ / "other.token") << "not-the-trainer-secret\n";
+  fs::permissions(root_ / "other.token", fs::perms::owner_read | fs::perms::owner_write);
   for (const std::string& token : {std::string(""), (root_ / "other.token").string()}) {
     std::unique_ptr<Process> trainer = StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0,
                                                     "ckpt", 1, {"--token_file=" + token});
@@ -538,6 +543,61 @@ TEST_F(TrainerDaemonTest, ATrainerWithoutTheTrainerTokenIsRefused) {
     if (token.empty()) {
       EXPECT_THAT(trainer->Log(), ::testing::HasSubstr("pass --token_file"));
     }
+  }
+  EXPECT_FALSE(fs::exists(run.dir / "ckpt" / "latest.json"));
+}
+
+// Files of the trainer's that another local user could plant or read: a token file open to group
+// or others (0644 and 0640 alike), and a checkpoint directory others can write or that another user
+// created, are refused before anything is read from them or trained (exit 2, naming the file and
+// its mode or owner).
+TEST_F(TrainerDaemonTest, LooseCredentialsAndForeignCheckpointDirectoriesAreRefused) {
+  Run run = NewRun("loose_files");
+  for (const fs::perms mode : {fs::perms::group_read, fs::perms::others_read}) {
+    const fs::path token = run.dir / "loose.token";
+    std::ofstream(token) << "trainer-secret\n";
+    fs::permissions(token, fs::perms::owner_read | fs::perms::owner_write | mode);
+    std::unique_ptr<Process> trainer = StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0,
+                                                    "ckpt", 1, {"--token_file=" + token.string()});
+    EXPECT_EQ(trainer->Wait(std::chrono::seconds(60)), 2) << trainer->Log();
+    EXPECT_THAT(trainer->Log(), ::testing::AllOf(::testing::HasSubstr("--token_file: "),
+                                                 ::testing::HasSubstr(token.string()),
+                                                 ::testing::HasSubstr("open to group or others")));
+  }
+  fs::create_directories(run.dir / "shared");
+  fs::permissions(run.dir / "shared", fs::perms::all);
+  std::unique_ptr<Process> shared =
+      StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0, "shared");
+  EXPECT_EQ(shared->Wait(std::chrono::seconds(60)), 2) << shared->Log();
+  EXPECT_THAT(shared->Log(), ::testing::AllOf(::testing::HasSubstr("--checkpoint_dir: "),
+                                              ::testing::HasSubstr("writable by group or others"),
+                                              ::testing::HasSubstr("mode 0777")));
+  if (geteuid() == 0) {  // a directory another user made first (root can make one to test with)
+    fs::create_directories(run.dir / "planted");
+    ASSERT_EQ(chown((run.dir / "planted").c_str(), 65534, 65534), 0);
+    std::unique_ptr<Process> planted =
+        StartTrainer(run, 0, 1, testing::FreeLoopbackPort(), 0, "planted");
+    EXPECT_EQ(planted->Wait(std::chrono::seconds(60)), 2) << planted->Log();
+    EXPECT_THAT(planted->Log(), ::testing::HasSubstr("is owned by uid 65534"));
+  }
+  for (const char* name : {"ckpt", "shared", "planted"}) {  // nothing trained, nothing published
+    EXPECT_FALSE(fs::exists(run.dir / name / "latest.json"));
+  }
+}
+
+// A checkpoint that cannot be written (a file-size limit here; a full disk fails the same way) ends
+// the trainer with status 1 and a message naming the file and the reason, instead of a silent kill
+// by SIGXFSZ; a restart on the still-limited disk says the same again.
+TEST_F(TrainerDaemonTest, ACheckpointThatCannotBeWrittenIsReported) {
+  Run run = NewRun("file_size_limit");
+  Send(run);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::vector<std::string> command = {"/usr/bin/prlimit", "--fsize=16384", "--"};
+    for (const std::string& arg : TrainerCommand(run, 0)) command.push_back(arg);
+    Process trainer(command, (run.dir / ("trainer-" + std::to_string(attempt) + ".log")).string());
+    EXPECT_EQ(trainer.Wait(std::chrono::seconds(120)), 1) << trainer.Log();
+    EXPECT_THAT(trainer.Log(), ::testing::AllOf(::testing::HasSubstr("File too large"),
+                                                ::testing::HasSubstr((run.dir / "ckpt").string())));
   }
   EXPECT_FALSE(fs::exists(run.dir / "ckpt" / "latest.json"));
 }
@@ -577,6 +637,53 @@ TEST_F(TrainerDaemonTest, TheTrainerServesMetricsAndWritesEventFiles) {
   ASSERT_EQ(records.size(), 1u + kSteps);  // the version, then one event per step
   for (const char* tag : {"loss", "grad_norm", "rollout_tokens_per_second", "rl/approx_kl"})
     EXPECT_NE(records.back().find(tag), std::string::npos) << tag;
+}
+
+// An engine that accepts reload requests and never answers (here: a socket that listens and never
+// accepts) must not hold the trainer: its steps keep their pace, and after the last one it exits 0
+// within one --notify_timeout_s, saying which reload it gave up on (it used to wait forever).
+TEST_F(TrainerDaemonTest, AHungEngineNeverHoldsTheTrainer) {
+  const int hung = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(hung, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(bind(hung, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(listen(hung, 64), 0);
+  ASSERT_EQ(getsockname(hung, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const std::string engine = "sglang=http://127.0.0.1:" + std::to_string(ntohs(address.sin_port));
+
+  Run run = NewRun("hung_engine");
+  Send(run);
+  constexpr int kNotifyTimeoutS = 3;
+  std::unique_ptr<Process> trainer = StartTrainer(
+      run, 0, 1, testing::FreeLoopbackPort(), 0, "ckpt", 1,
+      {"--notify_engines=" + engine, "--notify_timeout_s=" + std::to_string(kNotifyTimeoutS),
+       "--notify_attempts=3"});
+  using Clock = std::chrono::steady_clock;
+  const auto give_up = Clock::now() + std::chrono::seconds(120);
+  auto wait_for = [&](const std::string& line) {
+    while (trainer->Log().find(line) == std::string::npos) {
+      if (Clock::now() > give_up || trainer->Wait(std::chrono::milliseconds(20)) != -1) break;
+    }
+    return Clock::now();
+  };
+  const Clock::time_point first = wait_for("step 1:");
+  const Clock::time_point last = wait_for("step " + std::to_string(kSteps) + ":");
+  const int status = trainer->Wait(std::chrono::seconds(60));
+  const double exit_seconds = std::chrono::duration<double>(Clock::now() - last).count();
+  close(hung);
+  ASSERT_EQ(status, 0) << trainer->Log();
+  // Every step publishes a checkpoint the hung engine never loads: none of them waits for it.
+  EXPECT_LT(std::chrono::duration<double>(last - first).count(), kNotifyTimeoutS * (kSteps - 1))
+      << trainer->Log();
+  // At most one bounded attempt at exit (it used to retry the hung request --notify_attempts
+  // times).
+  EXPECT_LT(exit_seconds, 2 * kNotifyTimeoutS + 2) << trainer->Log();
+  EXPECT_THAT(trainer->Log(), ::testing::HasSubstr("gave up at shutdown on telling the sglang "
+                                                   "engine at http://127.0.0.1:"));
+  EXPECT_TRUE(fs::exists(run.dir / "ckpt" / "latest.json"));
 }
 
 // Ranks that load different checkpoints (one sees a shared directory late) must not train together:

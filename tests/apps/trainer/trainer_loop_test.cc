@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "apps/trainer/checkpoints.h"
+#include "apps/trainer/trainer_metrics.h"
 #include "core/base/remove_tree.h"
 #include "core/loss/batch_context.h"
 #include "executor/model/qwen3_checkpoint.h"
@@ -519,6 +520,20 @@ TEST_F(TrainerLoopTest, NoRequestSavesNothingBetweenSaveEverys) {
                std::runtime_error);
   EXPECT_FALSE(LatestCheckpoint(dir_.string()).has_value());
   EXPECT_EQ(session.prepared.at(1).checkpoint_step, 0);
+}
+
+// A mixture-of-experts loss with a router load-balancing term reports it beside the loss (event
+// files and /metrics); a loss without one shows no such scalar rather than a misleading 0.
+TEST(TrainerMetrics, TheRouterAuxLossIsReportedWhenTheLossHasOne) {
+  StepReport report{.step = 4, .loss = 1.5, .router_aux_loss = 0.375};
+  const Scalars with = StepScalars(report);
+  EXPECT_THAT(with, ::testing::Contains(std::pair<std::string, double>("router_aux_loss", 0.375)));
+  TrainerMetrics metrics(/*rank=*/2, /*attempt=*/0);
+  metrics.Record(report);
+  EXPECT_THAT(metrics.Prometheus(),
+              ::testing::HasSubstr("dta_trainer_router_aux_loss{rank=\"2\"} 0.375"));
+  report.router_aux_loss.reset();
+  for (const auto& [name, value] : StepScalars(report)) EXPECT_NE(name, "router_aux_loss");
 }
 
 }  // namespace

@@ -183,6 +183,17 @@ TEST(AllowedTensorParallel, DividesHeadsKvHeadsAndTheWorldWithinANode) {
                     Not(HasSubstr("allow offload or tensor parallelism"))));
 }
 
+// Small models (tests, the tour's qwen3-tiny) used to print "for 0.00B parameters".
+TEST(FormatParameterCount, ReadsAsPeopleWriteIt) {
+  EXPECT_EQ(FormatParameterCount(8'190'735'360), "8.19B");
+  EXPECT_EQ(FormatParameterCount(1'000'000'000), "1.00B");
+  EXPECT_EQ(FormatParameterCount(596'049'920), "596.05M");
+  EXPECT_EQ(FormatParameterCount(1'000'000), "1.00M");
+  EXPECT_EQ(FormatParameterCount(12'345), "12.3K");
+  EXPECT_EQ(FormatParameterCount(950), "950");
+  EXPECT_EQ(FormatParameterCount(0), "0");
+}
+
 TEST(PlanLayout, ASmallModelStaysWholeOnOneGpu) {
   const absl::StatusOr<LayoutPlan> plan = PlanLayout(Qwen3_1_7B(), {.gpu_bytes = 80 * kGiB});
   ASSERT_TRUE(plan.ok()) << plan.status();

@@ -95,8 +95,9 @@ class WalTest : public ::testing::Test {
   std::string path_;
 };
 
-// The log holds every trajectory: its owner alone may read it, when created, when an existing
-// looser one is opened, and after a rewrite replaces the file.
+// The log holds every trajectory: its owner alone may read it, when created and after a rewrite
+// replaces the file; an existing log open to others is refused, not silently tightened (others may
+// have read it meanwhile), and so is a symbolic link in the log's place.
 TEST_F(WalTest, TheLogIsPrivateToItsOwner) {
   auto mode = [&] { return fs::status(path_).permissions() & fs::perms::all; };
   const fs::perms owner = fs::perms::owner_read | fs::perms::owner_write;
@@ -105,15 +106,38 @@ TEST_F(WalTest, TheLogIsPrivateToItsOwner) {
     auto wal = OpenCollect(Options(), replayed);
     ASSERT_TRUE(wal.ok()) << wal.status();
     EXPECT_EQ(mode(), owner);
+    ASSERT_TRUE((*wal)->Append(1, "x").ok());
+    ASSERT_TRUE((*wal)->Rewrite({}).ok());
+    EXPECT_EQ(mode(), owner);
   }
-  fs::permissions(path_, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
-                             fs::perms::others_read);
+  fs::permissions(path_, owner | fs::perms::group_read | fs::perms::others_read);
+  auto loose = OpenCollect(Options(), replayed);
+  ASSERT_EQ(loose.status().code(), absl::StatusCode::kFailedPrecondition) << loose.status();
+  EXPECT_THAT(std::string(loose.status().message()),
+              ::testing::AllOf(::testing::HasSubstr(path_), ::testing::HasSubstr("mode 0644"),
+                               ::testing::HasSubstr("chmod 600")));
+  fs::permissions(path_, owner);
+  EXPECT_TRUE(OpenCollect(Options(), replayed).ok());
+
+  fs::rename(path_, path_ + ".real");
+  fs::create_symlink(path_ + ".real", path_);
+  auto link = OpenCollect(Options(), replayed);
+  EXPECT_EQ(link.status().code(), absl::StatusCode::kFailedPrecondition) << link.status();
+}
+
+// Another local user who creates the log's file first (in a shared directory such as /tmp) must
+// not end up owning, and so reading, every trajectory: the dispatcher refuses it, naming the owner.
+TEST_F(WalTest, ALogAnotherUserCreatedIsRefused) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to create a file owned by another user";
+  { std::ofstream(path_) << ""; }
+  fs::permissions(path_, fs::perms::owner_read | fs::perms::owner_write);
+  ASSERT_EQ(chown(path_.c_str(), 65534, 65534), 0);
+  std::vector<Record> replayed;
   auto wal = OpenCollect(Options(), replayed);
-  ASSERT_TRUE(wal.ok()) << wal.status();
-  EXPECT_EQ(mode(), owner);
-  ASSERT_TRUE((*wal)->Append(1, "x").ok());
-  ASSERT_TRUE((*wal)->Rewrite({}).ok());
-  EXPECT_EQ(mode(), owner);
+  ASSERT_EQ(wal.status().code(), absl::StatusCode::kFailedPrecondition) << wal.status();
+  EXPECT_THAT(std::string(wal.status().message()),
+              ::testing::AllOf(::testing::HasSubstr(path_), ::testing::HasSubstr("uid 65534"),
+                               ::testing::HasSubstr("mode 0600")));
 }
 
 TEST_F(WalTest, RoundTripOddSizes) {
