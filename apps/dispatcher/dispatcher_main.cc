@@ -31,6 +31,7 @@
 #include "apps/advantages/advantage_flags.h"
 #include "apps/metrics/metrics_flags.h"
 #include "core/base/exit_codes.h"
+#include "core/base/private_files.h"
 #include "core/cli/usage.h"
 #include "dispatcher/client/client_options.h"
 #include "dispatcher/core/dispatcher_core.h"
@@ -56,6 +57,12 @@ ABSL_FLAG(int64_t, max_pending, 1 << 16,
 ABSL_FLAG(int64_t, initial_policy_version, 0,
           "policy version of the weights before the first step");
 ABSL_FLAG(int32_t, max_message_mb, 256, "largest gRPC message, in MiB, either way");
+ABSL_FLAG(int64_t, max_held_mb, 1024,
+          "the most MiB of received trajectories not yet stored (all streams together); a stream "
+          "whose trajectory would go past it ends RESOURCE_EXHAUSTED (the client backs off)");
+ABSL_FLAG(int32_t, max_ingest_streams, 1024,
+          "the most Ingest streams open at once (each may hold up to --max_message_mb in gRPC's "
+          "buffers); a stream past it ends RESOURCE_EXHAUSTED at once (the client backs off)");
 ABSL_FLAG(int32_t, worker_threads, 32, "threads for blocking work (log syncs, long polls)");
 ABSL_FLAG(double, prepare_timeout_s, 300,
           "abandon a step when a rank has not reported this long after another prepared it (a hung "
@@ -101,6 +108,12 @@ int Run() {
   DispatcherOptions options;
   options.wal_path = absl::GetFlag(FLAGS_wal);
   if (options.wal_path.empty()) return Fail(kExitBadInput, "--wal is required");
+  // The log holds every trajectory: one that exists must be this user's and closed to others (the
+  // log refuses it too; checked here first so that nothing is created beside a planted log).
+  if (absl::Status owned = CheckPrivateFile(options.wal_path);
+      !owned.ok() && !absl::IsNotFound(owned)) {
+    return Fail(kExitBadInput, absl::StrCat("--wal: ", owned.message()));
+  }
   options.wal_sync = absl::GetFlag(FLAGS_wal_sync);
   const double prepare_timeout_s = absl::GetFlag(FLAGS_prepare_timeout_s);
   if (!(prepare_timeout_s > 0)) return Fail(kExitBadInput, "--prepare_timeout_s must be positive");
@@ -143,8 +156,15 @@ int Run() {
     return Fail(kExitBadInput, "--tls_cert and --tls_key go together");
   DispatcherServiceOptions service_options;
   service_options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
+  const int64_t held_mb = absl::GetFlag(FLAGS_max_held_mb);
+  if (held_mb < 1 || held_mb > (1 << 20))
+    return Fail(kExitBadInput, "--max_held_mb must be in [1, 1048576]");
+  service_options.max_held_bytes = held_mb << 20;
+  service_options.max_ingest_streams = absl::GetFlag(FLAGS_max_ingest_streams);
+  if (service_options.max_ingest_streams < 1)
+    return Fail(kExitBadInput, "--max_ingest_streams must be >= 1");
   if (const std::string path = absl::GetFlag(FLAGS_rollout_token_file); !path.empty()) {
-    absl::StatusOr<std::string> token = ReadCredentialFile(path, /*trim=*/true);
+    absl::StatusOr<std::string> token = ReadPrivateFile(path);
     if (!token.ok())
       return Fail(kExitBadInput, absl::StrCat("--rollout_token_file: ", token.status().message()));
     service_options.rollout_token = *std::move(token);
@@ -154,8 +174,7 @@ int Run() {
   const std::string trainer_token_path =
       given ? absl::GetFlag(FLAGS_trainer_token_file) : options.wal_path + ".trainer-token";
   absl::StatusOr<std::string> trainer_token =
-      given ? ReadCredentialFile(trainer_token_path, /*trim=*/true)
-            : ReadOrCreateTokenFile(trainer_token_path);
+      given ? ReadPrivateFile(trainer_token_path) : ReadOrCreateTokenFile(trainer_token_path);
   if (!trainer_token.ok()) {
     return Fail(kExitBadInput, absl::StrCat(given ? "--trainer_token_file: " : "trainer token: ",
                                             trainer_token.status().message()));
@@ -176,7 +195,7 @@ int Run() {
   if (!cert_path.empty()) {
     grpc::SslServerCredentialsOptions ssl;
     grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-    absl::StatusOr<std::string> key = ReadCredentialFile(key_path, /*trim=*/false);
+    absl::StatusOr<std::string> key = ReadPrivateFile(key_path, /*trim=*/false);
     if (!key.ok()) return Fail(kExitBadInput, absl::StrCat("--tls_key: ", key.status().message()));
     absl::StatusOr<std::string> cert = ReadCredentialFile(cert_path, /*trim=*/false);
     if (!cert.ok())
@@ -194,8 +213,9 @@ int Run() {
   // get each step committed from now on (the watcher below looks once a second).
   DispatcherCore& dispatcher = **core;
   absl::StatusOr<std::unique_ptr<MetricsServer>> metrics_server =
-      MetricsServerFromFlags("dta-dispatcher", [&dispatcher] {
-        return DispatcherPrometheus(dispatcher.GetStatus(), dispatcher.GetStatistics());
+      MetricsServerFromFlags("dta-dispatcher", [&dispatcher, &service] {
+        const IngestMemory ingest = service.ingest_memory();
+        return DispatcherPrometheus(dispatcher.GetStatus(), dispatcher.GetStatistics(), &ingest);
       });
   if (!metrics_server.ok())
     return Fail(kExitBadInput, std::string(metrics_server.status().message()));

@@ -4,8 +4,11 @@
 
 #include "bindings/python/bindings.h"
 
+#include <ATen/ATen.h>
 #include <Python.h>
+#include <c10/core/ScalarType.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
 #include <climits>
@@ -160,11 +163,30 @@ std::optional<std::vector<T>> PlainValues(py::handle values, Plain&& plain) {
   return out;
 }
 
-// values as std::vector<T>: the plain path, else pybind11's cast (which raises on what it cannot
-// convert, as it always did here).
+// A torch tensor's values as T, else nullopt. One copy, to the CPU and T's dtype together (copy_
+// rounds a float64 to float as static_cast does), so a GPU tensor makes one transfer and no Python
+// object per value. dta.Trajectory.validate has checked its shape, dtype and values.
+template <class T>
+std::optional<std::vector<T>> TensorValues(py::handle values) {
+  if (!THPVariable_Check(values.ptr())) return std::nullopt;
+  const at::Tensor tensor = THPVariable_Unpack(values.ptr()).detach();
+  TORCH_CHECK(tensor.dim() == 1, "a per-token field must be a 1-D tensor, got shape ",
+              tensor.sizes());
+  std::vector<T> out(static_cast<size_t>(tensor.numel()));
+  if (!out.empty()) {
+    at::from_blob(out.data(), {tensor.numel()},
+                  at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value))
+        .copy_(tensor);
+  }
+  return out;
+}
+
+// values as std::vector<T>: the plain path, a tensor's one copy, else pybind11's cast (which
+// raises on what it cannot convert, as it always did here).
 template <class T, class Plain>
 std::vector<T> Values(py::handle values, Plain&& plain) {
   std::optional<std::vector<T>> out = PlainValues<T>(values, plain);
+  if (!out) out = TensorValues<T>(values);
   return out ? std::move(*out) : values.cast<std::vector<T>>();
 }
 

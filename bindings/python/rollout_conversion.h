@@ -20,10 +20,11 @@ namespace dta::python {
 // A batch of dta.Trajectory objects as the executor's Rollouts, made by one pass over each list
 // that both checks and converts: a trajectory of exactly type `cls` whose fields are plain Python
 // values (str, list, int, float, bool, None, dict) keeping every rule of
-// dta.Trajectory.validate(vocab_size) is converted at once; any other (numpy values, subclasses, a
-// broken rule) is listed in unchecked() and stays pending until dta.Trainer has validated it in
-// Python (which names a broken rule) and calls Convert (pybind11's casts). rollouts() refuses a
-// batch with a pending trajectory, so none reaches the executor unchecked.
+// dta.Trajectory.validate(vocab_size) is converted at once; any other (numpy values, torch tensors,
+// subclasses, a broken rule) is listed in unchecked() and stays pending until dta.Trainer has
+// validated it in Python (which names a broken rule) and calls Convert (a tensor field: one copy to
+// the CPU in the field's type; other values: pybind11's casts). rollouts() refuses a batch with a
+// pending trajectory, so none reaches the executor unchecked.
 //
 // Through the Python API a 338K-token batch (tau2 at scale 0.25) was checked in one pass and
 // converted in a second; now it is read once.
@@ -31,7 +32,8 @@ class ConvertedBatch {
  public:
   static ConvertedBatch FromTrajectories(const pybind11::sequence& trajectories, int64_t vocab_size,
                                          pybind11::handle cls);
-  // Converts the pending trajectory at `index` (IndexError if it is not pending).
+  // Converts the pending trajectory at `index` (IndexError if it is not pending), which
+  // dta.Trajectory.validate has passed.
   void Convert(int64_t index, pybind11::handle trajectory);
   // Every rollout, in order; std::logic_error while one is pending.
   const std::vector<Rollout>& rollouts() const;

@@ -5,7 +5,9 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "dispatcher/wire/ingest_back_off.h"
 
 namespace dta {
 namespace {
@@ -16,6 +18,14 @@ absl::Status FromGrpc(const grpc::Status& status) {
 
 bool Retryable(grpc::StatusCode code) {
   return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED;
+}
+
+// The dispatcher asks an Ingest stream to back off (its memory for trajectories not yet stored, or
+// its open streams, are at their limits: dispatcher_service.h); what it did not acknowledge is
+// resent later. gRPC's own "message larger than max" has the same code but can never succeed.
+bool DispatcherAsksToBackOff(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+         absl::StartsWith(status.error_message(), kIngestBackOffPrefix);
 }
 
 // Calls `call` (a fresh context each time) until it succeeds, fails for good, or retry_for passes;
@@ -149,7 +159,7 @@ absl::StatusOr<std::vector<v1::IngestResponse>> RolloutSender::Send(
     const grpc::Status status = stream->Finish();
     if (answers.size() == trajectories.size()) break;
     if (!status.ok() && !Retryable(status.error_code()) &&
-        status.error_code() != grpc::StatusCode::CANCELLED) {
+        status.error_code() != grpc::StatusCode::CANCELLED && !DispatcherAsksToBackOff(status)) {
       return FromGrpc(status);
     }
     if (absl::Now() >= give_up) {

@@ -56,8 +56,10 @@ class RolloutSender {
 
   // Sends every trajectory on one stream and returns their answers, in order: ACCEPTED (durable)
   // or REJECTED (with the field and reason). When the stream breaks, reconnects and resends from
-  // the first unanswered trajectory. UNAVAILABLE if the dispatcher stays unreachable for
-  // retry_for; UNAUTHENTICATED for a wrong token.
+  // the first unanswered trajectory, also when the dispatcher asks it to back off (its memory for
+  // trajectories not yet stored is full: dispatcher/wire/ingest_back_off.h). UNAVAILABLE if the
+  // dispatcher stays unreachable, or keeps asking to back off, for retry_for; UNAUTHENTICATED for
+  // a wrong token.
   absl::StatusOr<std::vector<v1::IngestResponse>> Send(
       absl::Span<const v1::Trajectory> trajectories);
 

@@ -4,11 +4,13 @@
 #include <string>
 
 #include "core/metrics/prometheus_text.h"
+#include "dispatcher/service/dispatcher_service.h"
 
 namespace dta {
 
 std::string DispatcherPrometheus(const v1::GetStatusResponse& status,
-                                 const v1::GetStatisticsResponse& statistics) {
+                                 const v1::GetStatisticsResponse& statistics,
+                                 const IngestMemory* ingest) {
   struct Metric {
     MetricType type;
     const char* name;
@@ -61,6 +63,23 @@ std::string DispatcherPrometheus(const v1::GetStatusResponse& status,
   if (by_field.empty()) text.Counter(kRejected, kRejectedHelp, 0);
   for (const auto& [field, count] : by_field)
     text.Counter(kRejected, kRejectedHelp, count, {{"field", field}});
+  if (ingest != nullptr) {
+    text.Gauge("dta_dispatcher_held_bytes",
+               "Bytes of received trajectories not yet answered (at most --max_held_mb).",
+               static_cast<double>(ingest->held_bytes));
+    text.Gauge("dta_dispatcher_held_trajectories", "Received trajectories not yet answered.",
+               static_cast<double>(ingest->held_trajectories));
+    text.Gauge("dta_dispatcher_held_bytes_peak", "The most held_bytes has been since the start.",
+               static_cast<double>(ingest->peak_held_bytes));
+    text.Gauge("dta_dispatcher_ingest_streams", "Ingest streams open.",
+               static_cast<double>(ingest->open_streams));
+    const char* kRefused = "dta_dispatcher_ingest_refused_total";
+    const char* kRefusedHelp = "Ingest streams ended RESOURCE_EXHAUSTED, by the limit reached.";
+    text.Counter(kRefused, kRefusedHelp, static_cast<double>(ingest->refused_over_held_bytes),
+                 {{"limit", "max_held_mb"}});
+    text.Counter(kRefused, kRefusedHelp, static_cast<double>(ingest->refused_over_streams),
+                 {{"limit", "max_ingest_streams"}});
+  }
   if (statistics.recent_steps_size() > 0) {
     const v1::StepStatistics& last = statistics.recent_steps(statistics.recent_steps_size() - 1);
     text.Gauge("dta_dispatcher_last_step", "The last committed step.", last.step());

@@ -1,10 +1,12 @@
 #include "dispatcher/service/dispatcher_service.h"
 
+#include <algorithm>
 #include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/base/secret_equals.h"
+#include "dispatcher/wire/ingest_back_off.h"
 
 namespace dta {
 namespace {
@@ -99,20 +101,40 @@ class DispatcherService::IngestReactor final
       Finish(refused);
       return;
     }
+    if (grpc::Status refused = service_->OpenStream(); !refused.ok()) {
+      Finish(refused);
+      return;
+    }
+    counted_ = true;
     ReadWhenThereIsRoom();  // a new stream's first trajectory too: the limit is hard
   }
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client finished sending (or the call broke): every answer is written
-      Finish(grpc::Status::OK);
+      End(grpc::Status::OK);
       return;
     }
     // Undecodable bytes end the stream: no answer could name their trajectory, and the client is
     // broken, not the trajectory. What was acknowledged before stays stored.
-    if (grpc::Status parsed = Parse(request_bytes_, "Ingest", &request_); !parsed.ok()) {
-      Finish(parsed);
+    grpc::Status parsed = Parse(request_bytes_, "Ingest", &request_);
+    request_bytes_.Clear();  // the parsed trajectory is all that is kept
+    if (!parsed.ok()) {
+      End(parsed);
       return;
     }
+    // Counted against the streams' budget until answered, whatever keeps it: a queue of workers,
+    // the log's sync, or a full pending pool.
+    const int64_t bytes = static_cast<int64_t>(request_.SpaceUsedLong());
+    const int64_t budget = service_->options_.max_held_bytes;
+    if (bytes > budget) {  // never storable: an answer, not a failure the client would retry
+      Answer(RejectedAsTooLarge(bytes, budget));
+      return;
+    }
+    if (grpc::Status refused = service_->Hold(request_.trajectory().id(), bytes); !refused.ok()) {
+      End(std::move(refused));
+      return;
+    }
+    held_ = bytes;
     service_->ingest_workers_.Submit([this] {
       absl::StatusOr<v1::IngestResponse> response = service_->core_->Ingest(request_.trajectory());
       // The pool filled up since the read (other streams took the room): wait, then store it.
@@ -121,26 +143,26 @@ class DispatcherService::IngestReactor final
         response = service_->core_->Ingest(request_.trajectory());
       }
       if (!response.ok()) {  // not stored, not acknowledged: the client resends elsewhere or later
-        Finish(ToGrpc(response.status()));
+        End(ToGrpc(response.status()));
         return;
       }
-      if (grpc::Status serialized = Serialize(*response, &response_bytes_); !serialized.ok()) {
-        Finish(serialized);
-        return;
-      }
-      StartWrite(&response_bytes_);
+      Answer(*std::move(response));
     });
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the acknowledgement could not be sent"));
+      End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the acknowledgement could not be sent"));
       return;
     }
     ReadWhenThereIsRoom();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    Release();  // every path ends here; End has released already unless gRPC ended the call
+    if (counted_) service_->CloseStream();
+    delete this;
+  }
 
  private:
   // Backpressure: the next trajectory is read only while the pending pool has room; otherwise a
@@ -160,15 +182,54 @@ class DispatcherService::IngestReactor final
   bool WaitForRoom() {
     while (!service_->core_->AwaitRoom(absl::Now() + absl::Milliseconds(200))) {
       if (context_->IsCancelled()) {
-        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for room"));
+        End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for room"));
         return false;
       }
     }
     return true;
   }
 
+  v1::IngestResponse RejectedAsTooLarge(int64_t bytes, int64_t budget) const {
+    v1::IngestResponse response;
+    response.set_id(request_.trajectory().id());
+    response.set_outcome(v1::IngestResponse::REJECTED);
+    response.set_field("tokens");
+    response.set_reason(absl::StrCat(
+        "field 'tokens': the trajectory takes ", bytes,
+        " bytes in memory, more than the dispatcher holds of received trajectories for all "
+        "streams together (max_held_bytes = ",
+        budget, ", dta-dispatcher's --max_held_mb)"));
+    return response;
+  }
+
+  // Writes the answer to the current trajectory, which is then done with.
+  void Answer(const v1::IngestResponse& response) {
+    Release();
+    if (grpc::Status serialized = Serialize(response, &response_bytes_); !serialized.ok()) {
+      End(serialized);
+      return;
+    }
+    StartWrite(&response_bytes_);
+  }
+
+  // The current trajectory is answered or abandoned: its memory and its share of the budget go
+  // back.
+  void Release() {
+    v1::IngestRequest().Swap(&request_);  // Clear() would keep the repeated fields' capacity
+    if (held_ > 0) service_->ReleaseHeld(held_);
+    held_ = 0;
+  }
+
+  // Finish, once the current trajectory is released (OnDone may run as soon as Finish is called).
+  void End(grpc::Status status) {
+    Release();
+    Finish(std::move(status));
+  }
+
   DispatcherService* const service_;
   grpc::CallbackServerContext* const context_;
+  bool counted_ = false;  // by OpenStream
+  int64_t held_ = 0;      // bytes of request_ counted by Hold
   grpc::ByteBuffer request_bytes_;
   v1::IngestRequest request_;
   grpc::ByteBuffer response_bytes_;
@@ -302,6 +363,53 @@ void DispatcherService::LongPoll(UnaryCall<Request, Response>* call,
       core_->AwaitChange(seen, deadline);
     }
   });
+}
+
+grpc::Status DispatcherService::OpenStream() {
+  absl::MutexLock lock(&memory_mu_);
+  if (memory_.open_streams >= options_.max_ingest_streams) {
+    ++memory_.refused_over_streams;
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(kIngestBackOffPrefix, memory_.open_streams,
+                                     " streams are open, the most the dispatcher serves at once "
+                                     "(max_ingest_streams); back off and connect again"));
+  }
+  ++memory_.open_streams;
+  return grpc::Status::OK;
+}
+
+void DispatcherService::CloseStream() {
+  absl::MutexLock lock(&memory_mu_);
+  --memory_.open_streams;
+}
+
+grpc::Status DispatcherService::Hold(const std::string& id, int64_t bytes) {
+  absl::MutexLock lock(&memory_mu_);
+  if (memory_.held_bytes + bytes > options_.max_held_bytes) {
+    ++memory_.refused_over_held_bytes;
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat(kIngestBackOffPrefix, "'", id, "' (", bytes, " bytes) was not stored: ",
+                     memory_.held_trajectories, " received trajectories not yet stored take ",
+                     memory_.held_bytes, " of the ", options_.max_held_bytes,
+                     " bytes the dispatcher holds for them (max_held_bytes, dta-dispatcher's "
+                     "--max_held_mb); back off and send it again, or raise --max_held_mb"));
+  }
+  memory_.held_bytes += bytes;
+  ++memory_.held_trajectories;
+  memory_.peak_held_bytes = std::max(memory_.peak_held_bytes, memory_.held_bytes);
+  return grpc::Status::OK;
+}
+
+void DispatcherService::ReleaseHeld(int64_t bytes) {
+  absl::MutexLock lock(&memory_mu_);
+  memory_.held_bytes -= bytes;
+  --memory_.held_trajectories;
+}
+
+IngestMemory DispatcherService::ingest_memory() const {
+  absl::MutexLock lock(&memory_mu_);
+  return memory_;
 }
 
 absl::Time DispatcherService::PollDeadline(grpc::CallbackServerContext* context) const {

@@ -7,6 +7,17 @@
 // answering the last one and only while the pending pool has room: when it is full the dispatcher
 // stops reading, and HTTP/2 flow control pushes back on the client.
 //
+// Memory: a received trajectory counts against max_held_bytes, shared by all streams, from the
+// moment gRPC hands it over until it is answered (checked and logged, or waiting for room: a stream
+// that read while the pool had room may find it full by the time its trajectory is stored). One
+// that would take the total past the budget is not stored: its stream ends RESOURCE_EXHAUSTED
+// (back off and resend; what the stream acknowledged before stays stored). One larger than the
+// whole budget could never be held: it is REJECTED (field "tokens") and the stream goes on. Past
+// max_ingest_streams open streams, a new one ends RESOURCE_EXHAUSTED at once: gRPC itself holds,
+// for each open stream, the message it is receiving (up to the server's max receive size) or,
+// for a stream not being read, up to its HTTP/2 flow-control window (a few MiB once the window has
+// grown). See docs/usage.md for the whole bound.
+//
 // Security: two roles, each with its own credential, presented as the metadata "authorization:
 // Bearer <token>":
 //   rollout workers  Ingest, with rollout_token (open when it is empty: loopback only);
@@ -39,6 +50,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "dispatcher/core/dispatcher_core.h"
 #include "proto/dta/v1/dispatcher.grpc.pb.h"
@@ -60,6 +73,22 @@ struct DispatcherServiceOptions {
   // role's calls are open. They must differ when both are set.
   std::string rollout_token;
   std::string trainer_token;
+  // The most bytes of received trajectories the Ingest streams hold at once, all together (their
+  // parsed size in memory; see "Memory" above). Must be positive.
+  int64_t max_held_bytes = int64_t{1} << 30;
+  // The most Ingest streams open at once (see "Memory" above). Must be positive.
+  int max_ingest_streams = 1024;
+};
+
+// What the Ingest streams hold now (see "Memory" above).
+struct IngestMemory {
+  int64_t held_bytes = 0;         // received trajectories not yet answered, in bytes
+  int64_t held_trajectories = 0;  // and their number
+  int64_t peak_held_bytes = 0;    // the most held_bytes has been since the service started
+  int64_t open_streams = 0;       // Ingest streams open (past their credential check)
+  // Streams ended RESOURCE_EXHAUSTED by max_held_bytes, and by max_ingest_streams, since the start.
+  int64_t refused_over_held_bytes = 0;
+  int64_t refused_over_streams = 0;
 };
 
 // Who may make a call (see the header comment).
@@ -120,6 +149,9 @@ class DispatcherService final : public RawDispatcherService {
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
 
+  // A snapshot of what the Ingest streams hold (for metrics and tests). Never blocks for long.
+  IngestMemory ingest_memory() const;
+
  private:
   class IngestReactor;
   // One unary call seen typed: its parsed request, its response, and the only way to finish it.
@@ -155,9 +187,19 @@ class DispatcherService final : public RawDispatcherService {
                 std::function<void(Answer)> deliver);
   // The time a long poll of this call may wait until.
   absl::Time PollDeadline(grpc::CallbackServerContext* context) const;
+  // Counts a new Ingest stream; RESOURCE_EXHAUSTED (not counted) when max_ingest_streams are open.
+  grpc::Status OpenStream();
+  void CloseStream();
+  // Counts `bytes` of the received trajectory `id` against max_held_bytes until ReleaseHeld;
+  // RESOURCE_EXHAUSTED (nothing held, the refusal counted) when they would take the total past it.
+  grpc::Status Hold(const std::string& id, int64_t bytes);
+  void ReleaseHeld(int64_t bytes);
 
   DispatcherCore* const core_;
   const DispatcherServiceOptions options_;
+  // Before the pools, which finish their queues when destroyed.
+  mutable absl::Mutex memory_mu_;
+  IngestMemory memory_ ABSL_GUARDED_BY(memory_mu_);
   WorkerPool ingest_workers_;
   WorkerPool trainer_workers_;
 };

@@ -14,8 +14,9 @@ equal, within 1e-9 relative error in float64:
   at a time, weighted by loss tokens as AReaL's engines weight micro-batches (gradients): its
   ppo_actor_loss_fn in float64 for dta's built-in loss, its grpo_loss_fn on float32
   log-probabilities (as AReaL's engines call it) when the engine runs AReaL's loss.
-Also: compute_logp against transformers, save/load round trips, AReaL's disk weight-update
-protocol, the learning-rate schedule, versions, and the batches and members that must raise.
+Also: compute_logp against transformers, save/load round trips, AReaL's disk and xccl weight-update
+protocols (at AReaL's address or DTAOptions.weight_update_host), the learning-rate schedule,
+versions, and the batches, devices, dtypes and members that must raise.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import functools
 import json
 import math
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +46,7 @@ from areal.trainer.ppo.actor import grpo_loss_fn
 from areal.utils import name_resolve, names
 from areal.utils.data import concat_batch, pack_tensor_dict
 from areal.utils.functional import ppo_actor_loss_fn
+from areal.utils.network import gethostip
 from dta.areal import DTAEngine, DTAOptions, DTAPPOActor, DTAPPOTrainer
 from test_hf_parity import VOCAB, exact_float64, random_model
 
@@ -569,21 +572,33 @@ class BroadcastInference(Inference):
         return torch.load(self.out)
 
 
-@pytest.mark.parametrize("bucket_mb", [0, 1024], ids=["a-bucket-per-tensor", "one-bucket"])
+def xccl_meta(bucket_mb: int = 1024) -> WeightUpdateMeta:
+    return WeightUpdateMeta(type="xccl", weight_chunked_mem_mb=bucket_mb, gen_allocation=ModelAllocation(
+        backend="sglang", name="rollout", parallel=ParallelStrategy(), scheduling_strategy=SchedulingStrategy()))
+
+
+@pytest.mark.parametrize("bucket_mb,host", [(0, None), (1024, "127.0.0.1")],
+                         ids=["a-bucket-per-tensor-at-areals-address", "one-bucket-at-weight_update_host"])
 def test_update_weights_broadcasts_to_the_engines_workers_over_xccl(checkpoint, rollouts, make_engine, tmp_path,
-                                                                    bucket_mb):
-    """AReaL's xccl protocol against a worker in another process: the group forms at connect_engine;
-    each update pauses, sends every weight once under its Hugging Face name in the config's dtype
-    (bucket by bucket, the specs before the broadcasts), then continues; the worker holds exactly the
-    trainer's weights."""
+                                                                    monkeypatch, bucket_mb, host):
+    """AReaL's xccl protocol against a worker in another process: the group forms at connect_engine,
+    at AReaL's choice of this host's address or at DTAOptions.weight_update_host (here 127.0.0.1,
+    with AReaL's gethostip() failing as it does on a host without a route out); each update pauses,
+    sends every weight once under its Hugging Face name in the config's dtype (bucket by bucket, the
+    specs before the broadcasts), then continues; the worker holds exactly the trainer's weights."""
+    if host is not None:
+        def no_route() -> str:
+            raise RuntimeError("Could not determine host IP")
+
+        monkeypatch.setattr(dta.areal, "gethostip", no_route)
     config = actor_config(checkpoint[1], weight_update_mode="xccl")
-    engine = make_engine(config)
+    engine = make_engine(config, weight_update_host=host)
     ppo_step(engine, rollouts)
     inference = BroadcastInference(str(tmp_path / "received.pt"), rollouts)
-    meta = WeightUpdateMeta(type="xccl", weight_chunked_mem_mb=bucket_mb, gen_allocation=ModelAllocation(
-        backend="sglang", name="rollout", parallel=ParallelStrategy(), scheduling_strategy=SchedulingStrategy()))
+    meta = xccl_meta(bucket_mb)
     engine.connect_engine(inference, meta)
     assert inference.events == ["init"]
+    assert meta.nccl_master_address == (host or gethostip())
     engine.update_weights(meta)
     received = inference.finish()
     want = {name: p.detach().to(torch.float32) for name, p in engine.trainer.parameters().items()}  # config dtype
@@ -668,3 +683,122 @@ def test_the_ppo_trainer_builds_its_train_engines_on_dta(checkpoint, monkeypatch
     with pytest.raises(NotImplementedError, match="fsdp:d1"):
         trainer._create_train_engine(actor_config(checkpoint[1], backend="fsdp:d2"),
                                      ModelAllocation.from_str("fsdp:d2", name="actor"))
+
+
+# --- issue 42: traps an AReaL user hit ------------------------------------------------------------
+
+
+def test_a_per_token_tensor_of_another_width_than_input_ids_is_refused_before_padding(checkpoint, rollouts,
+                                                                                       make_engine):
+    """One dict's loss_mask one column short of its input_ids: AReaL's concat_batch pads it to the
+    batch's width, and the engine trained on a mask shifted against the tokens. Every entry point
+    that takes AReaL's dicts refuses it before padding, naming the dict, its rows, the key and both
+    lengths; nothing is trained."""
+    config = actor_config(checkpoint[1])
+    engine = make_engine(config)
+    before = parameters(engine.trainer)
+    loss = functools.partial(grpo_loss_fn, **areal_loss_kwargs(config))
+    weight = lambda mb: mb["loss_mask"].count_nonzero()  # noqa: E731 - PPOActor's
+    trained = engine.compute_advantages(copy.deepcopy(rollouts))
+    width = trained[1]["input_ids"].shape[1]
+    assert width < max(d["input_ids"].shape[1] for d in trained), "padding must reach dict 1"
+
+    def cut(batch: list[dict], key: str, index: int = 1) -> list[dict]:
+        batch = copy.deepcopy(batch)
+        batch[index][key] = batch[index][key][:, :-1]
+        return batch
+
+    def message(key: str, dict_index: int = 1, got: int = width - 1, want: int = width) -> str:
+        return (rf"dict {dict_index}, rows 0-2 \(rows {3 * dict_index}-{3 * dict_index + 2} of the batch\): field "
+                rf"'{key}' has {got} positions per row but 'input_ids' has {want}")
+
+    calls = [("train_batch", lambda b: engine.train_batch(b, loss_fn=loss, loss_weight_fn=weight), trained),
+             ("eval_batch", lambda b: engine.eval_batch(b, loss_fn=loss, loss_weight_fn=weight), trained),
+             ("forward_batch", engine.forward_batch, trained),
+             ("compute_logp", engine.compute_logp, rollouts),
+             ("compute_advantages", engine.compute_advantages, rollouts),
+             ("ppo_update", engine.ppo_update, trained)]
+    for what, call, batch in calls:
+        for key in ("loss_mask", "logprobs", "attention_mask"):
+            with pytest.raises(ValueError, match=f"{what}: {message(key)}"):
+                call(cut(batch, key))
+    # A key dta does not read is checked too (AReaL's loss and statistics read it); so are longer
+    # tensors, and input_ids itself against the others.
+    with pytest.raises(ValueError, match=f"train_batch: {message('kl_rewards')}"):
+        engine.train_batch(cut(trained, "kl_rewards"), loss_fn=loss, loss_weight_fn=weight)
+    longer = copy.deepcopy(trained)
+    longer[2]["advantages"] = torch.cat([longer[2]["advantages"], torch.zeros(3, 1)], dim=1)
+    wide = trained[2]["input_ids"].shape[1]
+    with pytest.raises(ValueError, match="train_batch: " + message("advantages", 2, wide + 1, wide)):
+        engine.train_batch(longer, loss_fn=loss, loss_weight_fn=weight)
+    with pytest.raises(ValueError, match=f"ppo_update: {message('attention_mask', 1, width, width - 1)}"):
+        engine.ppo_update(cut(trained, "input_ids"))
+    # One dict per rollout ([1, L] each), and AReaL's padded batch as one dict.
+    singles = [{k: v[b:b + 1] if torch.is_tensor(v) else v for k, v in d.items()} for d in trained for b in range(3)]
+    singles[4]["loss_mask"] = singles[4]["loss_mask"][:, 1:]  # the first position lost: the rest shifted
+    with pytest.raises(ValueError, match=r"train_batch: dict 4, row 0 \(row 4 of the batch\): field 'loss_mask' has"):
+        engine.train_batch(singles, loss_fn=loss, loss_weight_fn=weight)
+    padded, _ = concat_batch(copy.deepcopy(trained))
+    padded["prox_logp"] = padded["prox_logp"][:, 1:]
+    with pytest.raises(ValueError, match=r"train_batch: the batch, rows 0-8: field 'prox_logp' has"):
+        engine.train_batch(padded, loss_fn=loss, loss_weight_fn=weight)
+    padded["prox_logp"] = padded["prox_logp"][:5]
+    with pytest.raises(ValueError, match=r"field 'prox_logp' is \[5, \d+\] but 'input_ids' is \[9, \d+\]"):
+        engine.train_batch(padded, loss_fn=loss, loss_weight_fn=weight)
+    assert engine.trainer.step_count == 0
+    assert_close(parameters(engine.trainer), before, "parameters", relative=0)
+    ppo_step(engine, rollouts)  # the batch as it is trains
+    assert engine.trainer.step_count == 1
+
+
+def test_a_gpu_device_without_a_visible_gpu_says_so(checkpoint, monkeypatch):
+    """CUDA's own error (from the driver) does not say that no GPU is visible; the engine does, at
+    initialize, naming the option."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    engine = DTAPPOActor(actor_config(checkpoint[1]), DTAOptions(dtype="float64", device="cuda"))
+    engine.create_process_group()
+    try:
+        with pytest.raises(RuntimeError, match=r"DTAOptions.device='cuda' but no GPU is visible to this process "
+                                               r"\(torch.cuda.is_available\(\) is False; CUDA_VISIBLE_DEVICES=''; "):
+            engine.initialize(None, FT_SPEC)
+        assert not engine.initialized
+    finally:
+        engine.destroy()
+
+
+def test_areals_config_refuses_float64_and_dta_options_run_it(checkpoint, make_engine):
+    """AReaL's TrainEngineConfig takes float32, bfloat16 and float16 only: float64 is
+    DTAOptions(dtype="float64") over the config's float32, and a dtype dta cannot run names that."""
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        actor_config(checkpoint[1], dtype="float64")
+    engine = make_engine(actor_config(checkpoint[1]))  # DTAOptions(dtype="float64")
+    assert engine.config.dtype == "float32" and engine.trainer.dtype == torch.float64
+    with pytest.raises(ValueError, match=r"DTAOptions.dtype must be one of bfloat16, float32, float64 or None, "
+                                         r"got 'float16'"):
+        DTAOptions(dtype="float16")
+    with pytest.raises(ValueError, match=r"dtype 'float16'.*DTAOptions\(dtype='float64'\) with the config's float32"):
+        DTAPPOActor(actor_config(checkpoint[1], dtype="float16"))
+
+
+def foreign_address() -> str:
+    """A documentation address (RFC 5737) that is not one of this host's: sandboxes use them."""
+    for address in ("198.51.100.254", "203.0.113.254", "192.0.2.254"):
+        with socket.socket() as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                return address
+    raise AssertionError("every RFC 5737 candidate is an address of this host")
+
+
+def test_a_weight_update_host_that_is_not_this_hosts_is_refused_before_the_workers_join(checkpoint, rollouts,
+                                                                                         make_engine, tmp_path):
+    with pytest.raises(ValueError, match="DTAOptions.weight_update_host must be an address or name of this host"):
+        DTAOptions(weight_update_host="")
+    host = foreign_address()
+    engine = make_engine(actor_config(checkpoint[1], weight_update_mode="xccl"), weight_update_host=host)
+    inference = BroadcastInference(str(tmp_path / "received.pt"), rollouts)
+    with pytest.raises(ValueError, match=f"DTAOptions.weight_update_host='{host}' is not an address of this host"):
+        engine.connect_engine(inference, xccl_meta())
+    assert inference.events == []  # no worker was asked to join

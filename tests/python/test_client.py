@@ -303,6 +303,32 @@ def test_credentials_and_logs_another_user_planted_are_refused(tmp_path):
         assert "the attacker knows this" not in run.stderr
 
 
+def test_the_client_backs_off_while_the_dispatcher_is_full(dispatcher):
+    """A dispatcher at its limit of open Ingest streams (or of memory for trajectories not yet
+    stored) ends a new stream RESOURCE_EXHAUSTED: the client backs off and resends instead of
+    failing, and the trajectory is stored once room returns."""
+    d = dispatcher("--max_ingest_streams=1")
+    with grpc.insecure_channel(d.address) as channel:
+        stub = dispatcher_pb2_grpc.DispatcherStub(channel)
+        holding = threading.Event()
+
+        def requests():  # an open stream that sends nothing until told to end
+            holding.wait(timeout=60)
+            return
+            yield
+
+        held = stub.Ingest(requests())
+        held_done = concurrent.futures.ThreadPoolExecutor(1).submit(lambda: list(held))
+        with RolloutClient(d.address, **BOUNDED) as client:
+            sent = concurrent.futures.ThreadPoolExecutor(1).submit(client.send, make(0), timeout=60)
+            time.sleep(1.0)  # several refused attempts, backed off
+            assert not sent.done(), sent.exception()
+            holding.set()
+            held_done.result(timeout=30)
+            assert sent.result(timeout=60).accepted
+            assert client.status().pending_trajectories == 1
+
+
 def test_tls_with_the_token(dispatcher, tmp_path):
     key, cert, token = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "token"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",

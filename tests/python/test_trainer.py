@@ -7,7 +7,8 @@ independently of dta, and backpropagates. Every parameter's gradient from every 
 packed, dta with small backward chunks) must match within 1e-9 relative error, with the named
 losses and with the same GRPO written as a Python callable. Also: log-probabilities against
 transformers, the AdamW step against torch.optim.AdamW, checkpoints transformers loads, the GIL
-released during long calls, and errors naming the trajectory and the field.
+released during long calls, errors naming the trajectory and the field, and a GPU device this
+process cannot see.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import math
 import random
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -173,6 +175,31 @@ def test_python_loss_matches_transformers(checkpoint, trajectories):
         assert sorted(seen) == list(range(len(trajectories))), method
         assert stats.loss == pytest.approx(want_loss, rel=RELATIVE, abs=1e-12)
         assert_gradients_match(trainer, want, f"python loss {method} {options}")
+
+
+def test_tensor_fields_reach_a_python_loss_as_the_lists_do(checkpoint, trajectories):
+    """Per-token fields given as tensors (advantages without a reward, reference log-probabilities)
+    train exactly as the same lists: no "truth value is ambiguous", no copy warnings."""
+    trainer = dta.Trainer(checkpoint[1], dtype="float64")
+    as_lists, as_tensors = [], []
+    for t in trajectories:
+        advantages = [0.25 * ((i % 5) - 2) for i in range(len(t.tokens))]
+        ref = [lp - 0.1 for lp in t.logprobs]
+        as_lists.append(dataclasses.replace(t, reward=None, advantages=advantages, ref_logprobs=ref))
+        as_tensors.append(dataclasses.replace(t, reward=None, advantages=torch.tensor(advantages),
+                                              ref_logprobs=torch.tensor(ref, dtype=torch.float64)))
+
+    def kl(logprobs: torch.Tensor, rollout: dta.trainer.RolloutLossInput) -> torch.Tensor:
+        assert rollout.ref_logprobs is not None
+        penalty = (logprobs - rollout.ref_logprobs) * rollout.advantages
+        return torch.where(rollout.loss_mask, penalty, 0).sum() / rollout.total_loss_tokens
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = trainer.compute_gradients(as_lists, kl).loss
+        got = trainer.compute_gradients(as_tensors, kl).loss
+        assert got == want
+        assert trainer.compute_gradients(as_tensors, "grpo").loss == trainer.compute_gradients(as_lists, "grpo").loss
 
 
 def test_python_loss_errors_propagate(checkpoint, trajectories):
@@ -466,6 +493,36 @@ def test_from_config_and_properties():
     assert not torch.equal(trainer.parameters()[name], other.parameters()[name])
     trainer.lr = 0.5
     assert trainer.lr == 0.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: this checks the error without one")
+def test_a_gpu_device_without_a_visible_gpu_says_so(checkpoint):
+    """CUDA's own error (from the driver, at the first allocation) does not say that no GPU is
+    visible; the trainer does, before loading anything, with the environment that decides it."""
+    want = r"device='cuda(:0)?' but no GPU is visible to this process \(torch.cuda.is_available\(\) is False; "
+    for device in ("cuda", "cuda:0", torch.device("cuda")):
+        with pytest.raises(RuntimeError, match=want + "CUDA_VISIBLE_DEVICES"):
+            dta.Trainer.from_config(TINY_CONFIG, device=device)
+        with pytest.raises(RuntimeError, match=want):
+            dta.Trainer(checkpoint[1], device=device)
+
+
+def test_a_gpu_index_that_is_not_visible_names_the_visible_ones(checkpoint, monkeypatch):
+    """As seen from a process with two visible GPUs (whether or not this machine has any): an index
+    past them, given or LOCAL_RANK's under distributed=True, is refused before CUDA is touched."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(RuntimeError, match=r"device='cuda:2': GPU 2 is not visible: this process sees 2 GPUs "
+                                           r"\(cuda:0 to cuda:1; CUDA_VISIBLE_DEVICES='4,5'\)"):
+        dta.Trainer.from_config(TINY_CONFIG, device="cuda:2")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match=r"device='cuda' \(cuda:LOCAL_RANK, LOCAL_RANK=3\): GPU 3 is not visible"):
+        dta.Trainer.from_config(TINY_CONFIG, device="cuda", distributed=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match=r"no GPU is visible .*CUDA_VISIBLE_DEVICES is unset"):
+        dta.Trainer(checkpoint[1], device="cuda:1")
 
 
 def test_an_lr_schedule_sets_each_steps_rate_and_resumes_on_its_curve(tmp_path):

@@ -103,6 +103,109 @@ def test_invalid_trajectories_name_the_field(change, field, words):
     assert words in str(e.value)
 
 
+# --- torch tensors ---------------------------------------------------------------------------------
+
+
+def tensor_form(t: Trajectory, **dtypes: torch.dtype) -> Trajectory:
+    """t with its per-token fields as 1-D tensors (int64 / float32 unless dtypes says otherwise)."""
+    kinds = {"tokens": torch.int64, "loss_mask": torch.int64, "versions": torch.int64, "logprobs": torch.float32,
+             "advantages": torch.float32, "ref_logprobs": torch.float32}
+    return dataclasses.replace(t, **{name: torch.tensor(getattr(t, name), dtype=dtypes.get(name, dtype))
+                                     for name, dtype in kinds.items()})
+
+
+@pytest.mark.parametrize("dtypes", [
+    {},
+    {"tokens": torch.int32, "loss_mask": torch.bool, "versions": torch.int16, "logprobs": torch.float64},
+    {"tokens": torch.int16, "loss_mask": torch.uint8, "versions": torch.int32, "advantages": torch.bfloat16,
+     "ref_logprobs": torch.float16},
+], ids=["int64-float32", "int32-bool-float64", "int16-uint8-half"])
+def test_tensor_fields_are_accepted_as_their_values(dtypes):
+    """Integer tensors for tokens and versions, integer or bool for loss_mask, floating for the
+    float fields: the trajectory is what the same values as lists make it."""
+    t = full(5)
+    if "advantages" in dtypes:  # values a half-precision tensor holds exactly
+        t = dataclasses.replace(t, advantages=[round(x * 4) / 4 for x in t.advantages],
+                                ref_logprobs=[round(x * 4) / 4 for x in t.ref_logprobs])
+    tensors = tensor_form(t, **dtypes)
+    tensors.validate(vocab_size=1000)
+    assert tensors.to_dict() == t.to_dict()
+    assert Trajectory.from_dict(tensors.to_dict()) == t
+    for shifted in (False, True):
+        got = from_areal(to_areal(tensors, shifted=shifted), id=t.id, group=t.group, shifted=shifted)
+        assert got == dataclasses.replace(t, metadata={})
+    want = to_verl([t])
+    for key, value in to_verl([tensors]).items():
+        assert (torch.equal(value, want[key]) if torch.is_tensor(value) else value.tolist() == want[key].tolist()), key
+
+
+BAD_TENSORS = [
+    ({"tokens": torch.arange(9.0)}, "tokens", "must hold integers, got a torch.float32 tensor"),
+    ({"tokens": torch.ones(9, dtype=torch.bool)}, "tokens", "must hold integers, got a torch.bool tensor"),
+    ({"tokens": torch.arange(9)[None]}, "tokens", "expected a 1-D tensor, got a tensor of shape [1, 9]"),
+    ({"tokens": torch.tensor(3)}, "tokens", "expected a 1-D tensor, got a tensor of shape []"),
+    ({"tokens": torch.tensor([1, 2, -3, 4, 5, 6, 7, 8, 9], dtype=torch.int8)}, "tokens", "token 2 = -3 is outside"),
+    ({"tokens": torch.tensor([1, 2, 3, 2**31, 5, 6, 7, 8, 9])}, "tokens", "token 3 = 2147483648 is outside"),
+    ({"versions": torch.zeros(9)}, "versions", "must hold integers, got a torch.float32 tensor"),
+    ({"versions": torch.tensor([-1, -2] + [0] * 7)}, "versions", "value 1 is -2 (must be >= -1)"),
+    ({"versions": torch.tensor([-1] + [0] * 7 + [2**31])}, "versions", "value 8 is 2147483648 (must be < 2^31)"),
+    ({"loss_mask": torch.tensor([0.0] + [1.0] * 8)}, "loss_mask",
+     "must hold integers or booleans, got a torch.float32 tensor"),
+    ({"loss_mask": torch.tensor([0, 1, 2, 1, 1, 1, 1, 1, 1])}, "loss_mask", "value 2 is 2, not 0 or 1"),
+    ({"loss_mask": torch.ones(9, dtype=torch.bool)}, "loss_mask", "value 0 is 1, but the first token"),
+    ({"logprobs": torch.zeros(9, dtype=torch.bool)}, "logprobs",
+     "must hold floating-point numbers or integers, got a torch.bool tensor"),
+    ({"advantages": torch.zeros(9, dtype=torch.complex64)}, "advantages", "got a torch.complex64 tensor"),
+    ({"ref_logprobs": torch.zeros(3, 3)}, "ref_logprobs", "expected a 1-D tensor, got a tensor of shape [3, 3]"),
+    ({"logprobs": torch.tensor([0.0] * 4 + [math.nan] + [0.0] * 4)}, "logprobs", "value 4 is not finite"),
+    ({"advantages": torch.tensor([0.0] * 8 + [1e39], dtype=torch.float64)}, "advantages", "value 8 is not finite"),
+    ({"logprobs": torch.zeros(10)}, "logprobs", "10 values for 9 tokens"),
+]
+
+
+@pytest.mark.parametrize("change,field,words", BAD_TENSORS, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD_TENSORS)])
+def test_bad_tensor_fields_name_the_field_and_the_type(change, field, words):
+    t = dataclasses.replace(tensor_form(full(3)), **change)
+    with pytest.raises(ValueError) as e:
+        t.validate()
+    assert str(e.value).startswith(f"field '{field}': "), str(e.value)
+    assert words in str(e.value), str(e.value)
+
+
+def test_tensors_take_the_validated_path_and_plain_lists_the_fast_one():
+    """dta._core's one-pass check converts plain lists itself and leaves tensors (and numpy arrays)
+    to Trajectory.validate; converting a validated tensor trajectory gives the list form's rollout."""
+    from dta import _core
+
+    lists = full(1)
+    batch = [lists, tensor_form(full(2), tokens=torch.int32, loss_mask=torch.bool), full(3),
+             dataclasses.replace(full(4), tokens=np.array(full(4).tokens))]
+    converted = _core.convert_checked(batch, 0, Trajectory)
+    assert list(converted.unchecked) == [1, 3]
+    assert _core.first_unchecked_trajectory(batch, 0, 0, Trajectory) == 1
+
+
+def test_trainer_trains_tensor_trajectories_as_their_lists():
+    """dta.Trainer.train_batch on tensor fields: the loss, gradients and step of the same values as
+    lists (float64, so any difference in the values would show)."""
+    config = str(REPO / "examples" / "configs" / "qwen3-tiny.json")
+    lists = [full(seed, length=5 + seed) for seed in range(5)]
+    tensors = [tensor_form(t, tokens=torch.int32, loss_mask=torch.bool, logprobs=torch.float64) for t in lists]
+    by_lists = dta.Trainer.from_config(config, seed=2, dtype="float64", lr=1e-3)
+    by_tensors = dta.Trainer.from_config(config, seed=2, dtype="float64", lr=1e-3)
+    want = by_lists.train_batch(lists, loss="grpo", method="dta")
+    got = by_tensors.train_batch(tensors, loss="grpo", method="dta")
+    assert got.loss == want.loss and got.grad_norm == want.grad_norm
+    for name, p in by_lists.parameters().items():
+        assert torch.equal(by_tensors.parameters()[name], p), name
+    for g, w in zip(by_tensors.compute_logprobs(tensors), by_lists.compute_logprobs(lists)):
+        assert torch.equal(g, w)
+    with pytest.raises(ValueError, match=r"trajectory 1 \('t1'\): field 'tokens': must hold integers, got a "
+                                         r"torch.float64 tensor"):
+        by_tensors.train_batch([lists[0], dataclasses.replace(tensors[1], tokens=tensors[1].tokens.double())])
+    assert by_tensors.step_count == 1
+
+
 def test_vocab_size_bounds_tokens():
     t = full(4)
     t.validate(vocab_size=max(t.tokens) + 1)
@@ -363,11 +466,12 @@ def test_areal_frames_are_checked_where_the_data_tells():
 
 def verl_form(t: Trajectory) -> Trajectory:
     """t as verl can hold it: the prompt (up to the first trained token) carries no per-token values,
-    and there are no versions or metadata."""
+    there are no versions, and the metadata is the prompt length from_verl records."""
     n = t.loss_mask.index(1)
     zero = lambda values: [0.0] * n + values[n:] if values else []  # noqa: E731
     return dataclasses.replace(t, logprobs=zero(t.logprobs), advantages=zero(t.advantages),
-                               ref_logprobs=zero(t.ref_logprobs), versions=[], metadata={})
+                               ref_logprobs=zero(t.ref_logprobs), versions=[],
+                               metadata={"verl_prompt_length": str(n)})
 
 
 def verl_batch() -> dict:
@@ -402,10 +506,11 @@ def test_verl_frame_on_verls_own_example():
         loss_mask=[0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1],
         logprobs=[0.0, 0.0, 0.0, 0.0, -0.5, -0.25, -1.0, -2.0, -3.0, -0.125, -0.75, -1.5],
         advantages=[0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0],
-        reward=1.0)
+        reward=1.0, metadata={"verl_prompt_length": "4"})
     assert b == Trajectory(id="u1-1", group="u1", tokens=[21, 22, 23, 24, 25, 26, 27, 28],
                            loss_mask=[0] * 6 + [1, 1], logprobs=[0.0] * 6 + [-4.0, -0.0625],
-                           advantages=[0.0] * 6 + [-1.0, -1.0], reward=0.0)
+                           advantages=[0.0] * 6 + [-1.0, -1.0], reward=0.0,
+                           metadata={"verl_prompt_length": "6"})
     # And back: the same tensors, position_ids as verl computes them (compute_position_id_with_mask).
     out = to_verl([a, b], prompt_length=6, response_length=10)
     for key, value in verl_batch().items():
@@ -465,26 +570,54 @@ def test_verl_round_trip(widths):
     assert from_verl(as_numpy) == ts
 
 
-def test_verl_reverse_round_trip_with_prompt_lengths():
-    """A verl batch gives the same tensors back, even a response starting with an untrained token,
-    given the prompt lengths."""
+def untrained_first(b: dict) -> None:
+    b["response_mask"][1, 0] = 0  # the response starts with an untrained token (a tool's output, say)
+
+
+def untrained_row(b: dict) -> None:
+    b["response_mask"][1] = 0  # the row trains nothing
+
+
+def empty_response(b: dict) -> None:
+    for key in ("responses", "response_mask", "old_log_probs", "advantages", "token_level_rewards"):
+        b[key][1] = 0
+    b["input_ids"][1, 6:] = 0
+    b["attention_mask"][1, 6:] = 0
+    b["position_ids"][1, 6:] = 5
+
+
+@pytest.mark.parametrize("change", [untrained_first, untrained_row, empty_response],
+                         ids=["untrained-first", "untrained-row", "empty-response"])
+def test_verl_reverse_round_trip_keeps_prompt_lengths(change):
+    """to_verl(from_verl(batch)) gives verl's tensors back without being told where prompts end,
+    even for a row whose response starts untrained, trains nothing or is empty: from_verl records
+    each prompt's length in the trajectory's metadata."""
     batch = verl_batch()
-    batch["response_mask"][1, 0] = 0
+    change(batch)
     batch["ref_log_prob"] = batch["old_log_probs"] * 2
-    batch["old_log_probs"][:, 8:] = 0
-    batch["ref_log_prob"][:, 8:] = 0
-    batch["old_log_probs"][1, 2:] = 0
-    batch["ref_log_prob"][1, 2:] = 0
+    # verl's values on padding are not kept (to_verl writes 0 there).
+    for key in ("old_log_probs", "ref_log_prob"):
+        batch[key] = torch.where(batch["attention_mask"][:, 6:].bool(), batch[key], 0.0)
     ts = from_verl(batch)
-    with pytest.raises(ValueError, match=r"trajectory 1 \('u1-1'\): field 'tokens': a prompt of 7 tokens is "
+    assert [t.metadata for t in ts] == [{"verl_prompt_length": "4"}, {"verl_prompt_length": "6"}]
+    with pytest.raises(ValueError, match=r"trajectory 1 \('u1-1'\): field 'tokens': a prompt of 6 tokens is "
                                          r"longer than prompt_length 4"):
         to_verl(ts, prompt_length=4)
-    out = to_verl(ts, prompt_lengths=[4, 6], prompt_length=6, response_length=10)
+    out = to_verl(ts, prompt_length=6, response_length=10)
     for key, value in batch.items():
         if key != "uid":
             assert torch.equal(out[key], value), key
-    # Without prompt_lengths, the prompt runs to the first trained token.
-    assert to_verl(ts)["prompts"][1].tolist() == [21, 22, 23, 24, 25, 26, 27]
+    assert from_verl(out) == ts
+    # prompt_lengths still decide where given; without a recorded length the prompt runs to the first
+    # trained token, and a row that trains nothing has none.
+    assert to_verl(ts, prompt_lengths=[3, 6])["prompts"][0].tolist() == [0, 0, 0, 1, 2, 3]
+    unrecorded = [dataclasses.replace(t, metadata={}) for t in ts]
+    if change is untrained_first:
+        assert to_verl(unrecorded)["prompts"][1].tolist() == [21, 22, 23, 24, 25, 26, 27]
+    else:
+        with pytest.raises(ValueError, match=r"trajectory 1 \('u1-1'\): field 'loss_mask': no trained token .*"
+                                             r"metadata\['verl_prompt_length'\]"):
+            to_verl(unrecorded)
 
 
 def test_verl_optional_layouts():
@@ -559,8 +692,15 @@ def test_verl_refuses_what_it_cannot_hold():
     untrained = Trajectory(id="u", group="g", tokens=[1, 2], loss_mask=[0, 0], logprobs=[0.0, 0.0], reward=1.0)
     with pytest.raises(ValueError, match=r"trajectory 1 \('u'\): field 'loss_mask': no trained token"):
         to_verl([t, untrained])
-    with pytest.raises(ValueError, match=r"trajectory 0 \('u'\): field 'reward': set, but the response is empty"):
+    with pytest.raises(ValueError, match=r"trajectory 0 \('u'\): field 'reward': 1, but the response is empty"):
         to_verl([untrained], prompt_lengths=[2])
+    for recorded in ("0", "3", "x", "-1", ""):
+        with pytest.raises(ValueError, match=rf"trajectory 0 \('u'\): field 'metadata': verl_prompt_length "
+                                             rf"'{recorded}' is not a prompt length in \[1, 2\]"):
+            to_verl([dataclasses.replace(untrained, metadata={"verl_prompt_length": recorded})])
+    with pytest.raises(ValueError, match=r"trajectory 0 \('t1'\): field 'loss_mask': token \d of the prompt is "
+                                         r"trained"):
+        to_verl([dataclasses.replace(t, metadata={"verl_prompt_length": "7"})])
     no_reward = dataclasses.replace(verl_form(full(4)), reward=None)
     with pytest.raises(ValueError, match=r"trajectory 1 \('t4'\): field 'reward': unset, but trajectory 0 has it"):
         to_verl([t, no_reward])

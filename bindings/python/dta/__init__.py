@@ -1,7 +1,8 @@
 """dta: train language models on tree-shaped rollouts without computing a shared prefix twice.
 
 Pure Python, importable without torch:
-    Trajectory, read_jsonl, write_jsonl, from_areal, to_areal, from_verl, to_verl   (dta.trajectory)
+    Trajectory, read_jsonl, write_jsonl, from_areal, to_areal, from_verl, to_verl,
+    verl_train_options   (dta.trajectory)
 Over the compiled executor (imported on first use; they load torch):
     PrefixTree   (dta.tree)     the prefix tree of a batch and its statistics
     Trainer      (dta.trainer)  an HF Qwen3 model trained with dense / packed / dta
@@ -18,7 +19,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .trajectory import Trajectory, from_areal, from_verl, read_jsonl, to_areal, to_verl, write_jsonl
+from .trajectory import (Trajectory, from_areal, from_verl, read_jsonl, to_areal, to_verl, verl_train_options,
+                         write_jsonl)
 
 if TYPE_CHECKING:
     from .client import (Ack, AsyncRolloutClient, DispatcherError, DispatcherStatistics, DispatcherStatus,
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl",
-    "PrefixTree", "TreeStats", "Trainer", "TrainStats", "RolloutClient", "AsyncRolloutClient",
+    "verl_train_options", "PrefixTree", "TreeStats", "Trainer", "TrainStats", "RolloutClient", "AsyncRolloutClient",
     "Ack", "TrajectoryRejected", "DispatcherError", "DispatcherStatus", "DispatcherStatistics",
 ]
 

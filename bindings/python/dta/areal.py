@@ -39,6 +39,7 @@ import functools
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ from areal.utils.data import concat_batch, pack_tensor_dict, split_batch, tensor
 from areal.utils.environ import is_single_controller
 from areal.utils.network import find_free_ports, format_host_for_url, gethostip
 
-from .trainer import RejectionSampling, Trainer, TrainStats
+from .trainer import RejectionSampling, Trainer, TrainStats, _check_device
 from .trajectory import Trajectory, from_areal
 
 __all__ = ["DTAOptions", "DTAEngine", "DTAPPOActor", "DTAPPOTrainer"]
@@ -94,7 +95,18 @@ class DTAOptions:
             exactly, else AReaL's loss called per rollout; ``dta``: the built-in loss or a
             ValueError naming what does not map; ``areal``: always AReaL's loss.
         dtype: ``float32``, ``float64`` or ``bfloat16``; None (default): the config's ``dtype``.
+            AReaL's config refuses ``float64``: keep ``actor.dtype=float32`` (what the inference
+            engines receive over xccl) and set ``dtype="float64"`` here.
         device: ``cpu``, ``cuda``, ``cuda:N``; None (default): ``cuda`` when available, else ``cpu``.
+            A GPU that this process cannot see raises RuntimeError at ``initialize``.
+        weight_update_host: xccl weight updates: the address of this host at which the
+            weight-update group meets, handed to the inference engines' workers
+            (``WeightUpdateMeta.nccl_master_address``): an IP (v4 or v6) or a name of this host
+            that they can reach, e.g. ``127.0.0.1`` when they run on this host only, or the
+            interface they reach on a host with several. None (default): AReaL's choice, as its
+            FSDP engine makes it (``areal.utils.network.gethostip()``: the first address of the
+            host's name that is not loopback, else the one routing to 8.8.8.8; AReaL 1.0.4 has no
+            setting for it).
         executor: Fields of :class:`dta.trainer.ExecutorOptions` (``block_size``, ``pack``, ...).
             Default: none (dta's defaults).
         trainer: More keyword arguments for :class:`dta.Trainer` (``offload_optimizer``,
@@ -107,10 +119,18 @@ class DTAOptions:
     device: str | None = None
     executor: Mapping[str, Any] = field(default_factory=dict)
     trainer: Mapping[str, Any] = field(default_factory=dict)
+    weight_update_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.loss not in _LOSS_ROUTES:
             raise ValueError(f"DTAOptions.loss must be one of {', '.join(_LOSS_ROUTES)}, got {self.loss!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"DTAOptions.dtype must be one of {', '.join(sorted(_DTYPES))} or None, "
+                             f"got {self.dtype!r}")
+        host = self.weight_update_host
+        if host is not None and (not isinstance(host, str) or not host.strip("[] ")):
+            raise ValueError(f"DTAOptions.weight_update_host must be an address or name of this host, or None, "
+                             f"got {host!r}")
 
 
 class DTAEngine(TrainEngine):
@@ -143,7 +163,9 @@ class DTAEngine(TrainEngine):
                                       "float32 state (type=adam, optimizer_dtype=float32)")
         self.dtype = self.options.dtype or config.dtype
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: dta.Trainer computes in {', '.join(sorted(_DTYPES))}")
+            raise ValueError(f"dtype {self.dtype!r}: dta.Trainer computes in {', '.join(sorted(_DTYPES))}: set "
+                             "the config's dtype to float32 or bfloat16, or DTAOptions(dtype=...) (float64, which "
+                             "AReaL's config refuses: DTAOptions(dtype='float64') with the config's float32)")
         self.trainer: Trainer | None = None
         self.rollout_engine: InferenceEngine | None = None
         self.rollout_coordinator: DistRolloutCoordinator | None = None
@@ -195,6 +217,7 @@ class DTAEngine(TrainEngine):
         adamw = {} if opt is None else dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
                                               eps=opt.eps, max_grad_norm=opt.gradient_clipping)
         device = self.options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _check_device(device, bool(self.options.trainer.get("distributed", False)), what="DTAOptions.device")
         # A step whose gradient norm is not finite updates nothing and reports
         # update_successful = 0, as AReaL's FSDP engine does.
         trainer_options = {"nonfinite_gradients": "skip", **self.options.trainer}
@@ -261,10 +284,12 @@ class DTAEngine(TrainEngine):
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
         """Remembers the inference engine that ``update_weights`` and ``prepare_batch`` use; for
         ``xccl`` also forms the weight-update group with its workers, as AReaL's FSDP engine does:
-        this engine is rank 0 of ``1 + meta.gen_allocation``'s world size, at this host's address
-        and a free port, named ``update_weight_group`` (NCCL when the trainer is on a GPU, Gloo on
-        the CPU). Raises NotImplementedError for ``awex`` and for engines with pipeline
-        parallelism (AReaL's per-stage groups)."""
+        this engine is rank 0 of ``1 + meta.gen_allocation``'s world size, at
+        ``DTAOptions.weight_update_host`` (default: AReaL's choice of this host's address) and a
+        free port, named ``update_weight_group`` (NCCL when the trainer is on a GPU, Gloo on the
+        CPU). Raises NotImplementedError for ``awex`` and for engines with pipeline parallelism
+        (AReaL's per-stage groups); ValueError for a ``weight_update_host`` that is not an
+        address of this host (before the workers are asked to join)."""
         self._check_update_mode(meta)
         self.rollout_engine = engine
         self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
@@ -550,12 +575,13 @@ class DTAEngine(TrainEngine):
         if generation.parallel.pp_size > 1:
             raise NotImplementedError(f"xccl to engines with pipeline parallelism ({generation.parallel}): "
                                       "use weight_update_mode=disk")
+        host = self._weight_update_host()
         if self._weight_group is not None:
             dist.destroy_process_group(self._weight_group)
             self._weight_group = self._weight_group_at = None
         # torchrun's agent store blocks a second TCP store (AReaL sets the same).
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(False)
-        meta.nccl_master_address, meta.nccl_master_port = gethostip(), find_free_ports(1)[0]
+        meta.nccl_master_address, meta.nccl_master_port = host, find_free_ports(1)[0]
         meta.nccl_group_name = "update_weight_group"
         joined = engine.init_weights_update_group(meta)
         backend = "nccl" if self._require_trainer().device.type == "cuda" else "gloo"
@@ -567,6 +593,32 @@ class DTAEngine(TrainEngine):
         self._weight_group_at = (meta.nccl_master_address, meta.nccl_master_port, meta.nccl_group_name)
         logger.info("xccl: weight-update group %s formed with %d engine workers (%s)", meta.nccl_group_name,
                     generation.parallel.world_size, backend)
+
+    def _weight_update_host(self) -> str:
+        """Where the weight-update group meets: ``DTAOptions.weight_update_host``, which must be
+        an address of this host (the group's store listens here, so a foreign or unresolvable one
+        would leave the workers and this engine waiting out the rendezvous timeout), else AReaL's
+        ``gethostip()``."""
+        host = self.options.weight_update_host
+        if host is None:
+            return gethostip()
+        host = host.strip().removeprefix("[").removesuffix("]")  # the brackets of an IPv6 URL
+        try:
+            addresses = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ValueError(f"DTAOptions.weight_update_host={host!r} does not resolve ({e}): give an address "
+                             "of this host that the inference engines' workers reach") from None
+        errors = []
+        for family, kind, proto, _, address in addresses:
+            try:
+                with socket.socket(family, kind, proto) as probe:
+                    probe.bind(address)
+                return host
+            except OSError as e:
+                errors.append(f"{address[0]}: {e.strerror or e}")
+        raise ValueError(f"DTAOptions.weight_update_host={host!r} is not an address of this host "
+                         f"({'; '.join(errors)}): the weight-update group meets there; give an address of one "
+                         "of this host's interfaces that the inference engines' workers reach")
 
     def _broadcast_weights(self, meta: WeightUpdateMeta) -> None:
         if self._weight_group is None or self._weight_group_at is None:
@@ -642,16 +694,22 @@ class DTAPPOActor(DTAEngine):
         super().__init__(config, options)
         self.actor = PPOActor(config, self)
 
-    @torch.no_grad()
-    def compute_logp(self, *args: Any, **kwargs: Any) -> list[torch.Tensor] | None:
-        return self.actor.compute_logp(*args, **kwargs)
+    # AReaL's PPOActor pads the list into one batch before the engine sees it: each dict's widths
+    # are checked here, while they can still be told apart (see _check_token_widths).
 
     @torch.no_grad()
-    def compute_advantages(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-        return self.actor.compute_advantages(*args, **kwargs)
+    def compute_logp(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[torch.Tensor] | None:
+        _check_token_widths(data, "compute_logp")
+        return self.actor.compute_logp(data, *args, **kwargs)
 
-    def ppo_update(self, *args: Any, **kwargs: Any) -> None:
-        self.actor.ppo_update(*args, **kwargs)
+    @torch.no_grad()
+    def compute_advantages(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        _check_token_widths(data, "compute_advantages")
+        return self.actor.compute_advantages(data, *args, **kwargs)
+
+    def ppo_update(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> None:
+        _check_token_widths(data, "ppo_update")
+        self.actor.ppo_update(data, *args, **kwargs)
 
     @classmethod
     def as_controller(cls, config: PPOActorConfig, scheduler: Any) -> PPOActorController:
@@ -691,17 +749,62 @@ class DTAPPOTrainer(PPOTrainer):
 # --- conversions ----------------------------------------------------------------------------------
 
 
+# AReaL's per-token keys (its workflows', compute_logp's and compute_advantages'): [rows, L] as
+# input_ids in every dict. Any other tensor of two or more dimensions whose first is the dict's rows
+# is per-token too, as AReaL's padding treats it.
+_PER_TOKEN_KEYS = ("attention_mask", "loss_mask", "logprobs", "versions", "prox_logp", "advantages", "ref_logp",
+                   "teacher_logp", "values", "returns", "kl_rewards", "tot_rewards")
+
+
+def _check_token_widths(input_: list[dict[str, Any]] | dict[str, Any], what: str) -> None:
+    """Every per-token tensor of every dict is ``[rows, L, ...]`` with its ``input_ids``' ``[rows,
+    L]``, checked before AReaL's ``concat_batch`` right-pads each key to the batch's widest (which
+    hides a tensor one column short and leaves it misaligned with the tokens).
+
+    Raises:
+        ValueError: Naming the dict, its rows (and their rows in the concatenated batch), the key
+            and both lengths; or an ``input_ids`` / ``attention_mask`` that is not a 2-D tensor.
+    """
+    dicts = input_ if isinstance(input_, list) else [input_]
+    first = 0  # the dict's first row in the concatenated batch
+    for i, d in enumerate(dicts):
+        where = f"dict {i}" if isinstance(input_, list) else "the batch"
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{what}: {where}: expected a dict of tensors, got {type(d).__name__}")
+        for key in ("input_ids", "attention_mask"):
+            value = d.get(key)
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                got = ("missing" if key not in d else f"got {list(value.shape)}" if isinstance(value, torch.Tensor)
+                       else f"got {type(value).__name__}")
+                raise ValueError(f"{what}: {where}: field '{key}': expected a [B, L] tensor, {got}")
+        rows, width = d["input_ids"].shape
+        span = "row 0" if rows == 1 else f"rows 0-{rows - 1}"
+        if isinstance(input_, list):
+            span += f" (row {first} of the batch)" if rows == 1 else f" (rows {first}-{first + rows - 1} of the batch)"
+        # attention_mask first: with input_ids it says what the other tensors must match.
+        for key, value in sorted(d.items(), key=lambda item: item[0] != "attention_mask"):
+            if key == "input_ids" or not isinstance(value, torch.Tensor):
+                continue
+            if key in _PER_TOKEN_KEYS and (value.dim() < 2 or value.shape[0] != rows):
+                raise ValueError(f"{what}: {where}: field '{key}' is {list(value.shape)} but 'input_ids' is "
+                                 f"[{rows}, {width}]: a per-token tensor has a row of L values per row of input_ids")
+            if value.dim() >= 2 and value.shape[0] == rows and value.shape[1] != width:
+                raise ValueError(f"{what}: {where}, {span}: field '{key}' has {value.shape[1]} positions per row "
+                                 f"but 'input_ids' has {width}: every per-token tensor is [rows, L] as input_ids "
+                                 "(padding the batch would hide the difference and misalign the tokens)")
+        first += rows
+
+
 def _batched(input_: list[dict[str, Any]] | dict[str, Any], what: str) -> tuple[dict[str, Any], Any]:
-    """AReaL's batch as one padded dict (list input concatenated by AReaL's ``concat_batch``)."""
+    """AReaL's batch as one padded dict (list input concatenated by AReaL's ``concat_batch``, after
+    ``_check_token_widths``)."""
+    if isinstance(input_, list) and not input_:
+        raise ValueError(f"{what}: the batch is empty: nothing to train, no step taken")
+    _check_token_widths(input_, what)
     if isinstance(input_, list):
-        if not input_:
-            raise ValueError(f"{what}: the batch is empty: nothing to train, no step taken")
         batch, meta = concat_batch(input_)
     else:
         batch, meta = input_, None
-    for key in ("input_ids", "attention_mask"):
-        if not isinstance(batch.get(key), torch.Tensor) or batch[key].dim() != 2:
-            raise ValueError(f"{what}: field '{key}': expected a [B, L] tensor")
     return batch, meta
 
 

@@ -74,6 +74,17 @@ _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 # "Internal error from Core" instead of the transport's status (grpc/grpc#36066). Resending is
 # always safe there: the dispatcher de-duplicates by id.
 _RETRYABLE_STREAM = _RETRYABLE | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL}
+# The dispatcher asks an Ingest stream to back off (its memory for received trajectories not yet
+# stored, or its open streams, at their limits): RESOURCE_EXHAUSTED with a message starting so
+# (dispatcher/wire/ingest_back_off.h). gRPC's own "message larger than max" has the same code and
+# can never succeed.
+_INGEST_BACK_OFF_PREFIX = "Ingest: "
+
+
+def _stream_may_retry(code: grpc.StatusCode, details: str) -> bool:
+    """Whether an Ingest stream that ended so is worth resending on (after a backoff)."""
+    return code in _RETRYABLE_STREAM or (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                                         and details.startswith(_INGEST_BACK_OFF_PREFIX))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,7 +453,7 @@ class AsyncRolloutClient:
                 if code == grpc.StatusCode.OK:  # everything written was answered
                     backoff = _BACKOFF_MIN_S
                     continue
-                if code not in _RETRYABLE_STREAM:
+                if not _stream_may_retry(code, details or ""):
                     self._fail(DispatcherError(code, details))
                     return
                 if self._queue and loop.time() - self._progress_at >= self._retry_for:

@@ -343,10 +343,11 @@ class RolloutLossInput:
     @functools.cached_property
     def loss_mask(self) -> torch.Tensor:
         """bool [L]: the tokens to train."""
-        return torch.tensor(self.trajectory.loss_mask, dtype=torch.bool, device=self._options["device"])
+        return torch.as_tensor(self.trajectory.loss_mask).to(dtype=torch.bool, device=self._options["device"])
 
-    def _floats(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(**self._options)
+    def _floats(self, values: Any) -> torch.Tensor:
+        # A list, a numpy array or a tensor (torch.tensor of a tensor would warn and copy twice).
+        return torch.as_tensor(values, dtype=torch.float32).to(**self._options)
 
     @functools.cached_property
     def old_logprobs(self) -> torch.Tensor:
@@ -356,7 +357,8 @@ class RolloutLossInput:
     @functools.cached_property
     def ref_logprobs(self) -> torch.Tensor | None:
         """The reference policy's log-probabilities, or None when the trajectory has none."""
-        return self._floats(self.trajectory.ref_logprobs) if self.trajectory.ref_logprobs else None
+        ref = self.trajectory.ref_logprobs
+        return self._floats(ref) if ref is not None and len(ref) > 0 else None
 
 
 # A loss on one rollout: its current log-probabilities [L] (requiring grad; position 0 holds 0 and
@@ -533,13 +535,16 @@ class Trainer:
 
         Raises:
             FileNotFoundError: No such directory.
-            RuntimeError: The checkpoint is invalid (naming the file and the tensor), or the
-                layout cannot be built.
+            RuntimeError: ``device`` is a GPU but no GPU is visible to this process, or its index
+                (``LOCAL_RANK`` for ``cuda`` with ``distributed``) is not below the visible GPUs'
+                count (naming ``CUDA_VISIBLE_DEVICES``); the checkpoint is invalid (naming the file
+                and the tensor), or the layout cannot be built.
         """
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
                                      offload_update, gpu_memory_gb, activation_gb, longest_rollout, timeout_s)
+        _check_device(device, distributed)
         self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
                    tensorboard_dir)
@@ -562,11 +567,13 @@ class Trainer:
         constructor's.
 
         Raises:
-            RuntimeError: Neither a preset nor a valid config.json (naming it).
+            RuntimeError: Neither a preset nor a valid config.json (naming it), or a GPU ``device``
+                that is not visible (as the constructor).
         """
         self = cls.__new__(cls)
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
                                      offload_update, gpu_memory_gb, activation_gb, longest_rollout, timeout_s)
+        _check_device(device, distributed)
         self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
                    tensorboard_dir)
@@ -648,7 +655,7 @@ class Trainer:
             core_loss = LossOptions(**loss_options)._to_core(loss)
             if loss != "sft":
                 for i, t in enumerate(batch):
-                    if t.reward is None and not t.advantages:
+                    if t.reward is None and (t.advantages is None or len(t.advantages) == 0):
                         raise ValueError(f"trajectory {i} ({t.id!r}): field 'reward': missing, and no "
                                          f"'advantages' ({loss} needs one of them)")
         start = time.perf_counter()
@@ -889,6 +896,41 @@ class Trainer:
     def _synchronize(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+
+def _check_device(device: str | torch.device, distributed: bool, what: str = "device") -> None:
+    """Refuses a GPU device that this process cannot see, before anything touches CUDA: CUDA's
+    own error (from the driver, deep in the first allocation) does not say that no GPU is visible.
+
+    ``what`` names the setting in the message. With ``distributed``, ``cuda`` means
+    ``cuda:LOCAL_RANK`` (as the extension resolves it); a malformed ``LOCAL_RANK`` is left to the
+    extension, which names it. Malformed device strings keep torch's own error.
+
+    Raises:
+        RuntimeError: ``device`` is a GPU and ``torch.cuda.is_available()`` is False, or its
+            index is not below ``torch.cuda.device_count()``.
+    """
+    parsed = torch.device(device)
+    if parsed.type != "cuda":
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = "CUDA_VISIBLE_DEVICES is unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+    if not torch.cuda.is_available():
+        # A GPU whose driver is older than torch's CUDA is invisible too: say which CUDA that is.
+        build = (f"torch's CUDA {torch.version.cuda} needs a driver that supports it" if torch.version.cuda
+                 else "this torch is built without CUDA")
+        raise RuntimeError(f"{what}={str(device)!r} but no GPU is visible to this process "
+                           f"(torch.cuda.is_available() is False; {where}; {build}): use {what}='cpu', or run "
+                           "where a GPU is visible")
+    index, source = parsed.index, ""
+    if index is None and distributed:
+        local = os.environ.get("LOCAL_RANK", "0")
+        index = int(local) if local.isdigit() else None
+        source = f" (cuda:LOCAL_RANK, LOCAL_RANK={local})"
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise RuntimeError(f"{what}={str(device)!r}{source}: GPU {index} is not visible: this process sees "
+                           f"{count} GPU{'' if count == 1 else 's'} (cuda:0 to cuda:{count - 1}; {where})")
 
 
 def _layout_choice(name: str, value: bool | str) -> bool | None:

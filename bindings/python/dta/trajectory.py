@@ -7,22 +7,26 @@ message ``dta.v1.Trajectory``. Per-token fields are aligned with ``tokens``:
 whether token t is trained, so the first token, which has no context, has ``loss_mask[0] == 0``.
 
 Everything here is pure Python (``torch`` is imported only by the AReaL and verl converters), so
-rollout workers can use it without the compiled extension.
+rollout workers can use it without the compiled extension. Per-token fields may also be numpy
+arrays or 1-D torch tensors (checked as tensors, without importing torch where none is given).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl"]
+__all__ = ["Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl",
+           "verl_train_options"]
 
 # Token ids are int32 in the C++ core and on the wire.
 _TOKEN_LIMIT = 2**31
@@ -75,9 +79,83 @@ def _plain_zeros_and_ones(values: Any) -> bool:
     return set(map(type, values)) <= {int, bool} and set(values) <= {0, 1}
 
 
+# --- per-token fields given as torch tensors ----------------------------------------------------
+#
+# A tensor is checked as a whole (its dtype and shape, then each rule as one reduction on its
+# device), not value by value: indexing a tensor gives 0-d tensors, which are not Python numbers,
+# and on a GPU each would be a device round trip. dta._core then copies it once, to the CPU and the
+# field's C++ type together (rollout_conversion.cc).
+
+# What each per-token field takes from a tensor: integers (tokens, versions), integers or booleans
+# (loss_mask), or numbers that are not booleans (the float fields, which take ints as lists do).
+_TENSOR_KINDS = {"tokens": "integers", "versions": "integers", "loss_mask": "integers or booleans",
+                 "logprobs": "floating-point numbers or integers", "advantages": "floating-point numbers or integers",
+                 "ref_logprobs": "floating-point numbers or integers"}
+
+
+def _torch_tensor(values: Any) -> bool:
+    """Whether values is a torch.Tensor; never imports torch (a process that made one has)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(values, torch.Tensor)
+
+
+def _check_tensor(name: str, values: torch.Tensor) -> None:
+    """A per-token field given as a tensor must be 1-D and of a dtype the field takes (an empty
+    one of any dtype: it holds no value to be wrong)."""
+    if values.dim() != 1:
+        raise _field_error(name, f"expected a 1-D tensor, got a tensor of shape {list(values.shape)}")
+    if values.numel() == 0:
+        return
+    import torch
+
+    integer = not (values.is_floating_point() or values.is_complex()) and values.dtype != torch.bool
+    kind = _TENSOR_KINDS[name]
+    takes = {"integers": integer, "integers or booleans": integer or values.dtype == torch.bool,
+             "floating-point numbers or integers": integer or values.is_floating_point()}[kind]
+    if not takes:
+        raise _field_error(name, f"must hold {kind}, got a {values.dtype} tensor")
+
+
+def _first_true(bad: torch.Tensor) -> int | None:
+    """The first position where the bool tensor is true, or None."""
+    if not bool(bad.any()):
+        return None
+    return int(bad.nonzero()[0, 0])
+
+
+def _first_outside(values: torch.Tensor, low: int, high: int) -> tuple[int, int] | None:
+    """(position, value) of an integer tensor's first value outside [low, high), or None."""
+    import torch
+
+    values = values.to(torch.int64)  # bounds beyond a narrower dtype's range compare exactly
+    i = _first_true((values < low) | (values >= high))
+    return None if i is None else (i, int(values[i]))
+
+
+def _first_not_finite_float32(values: torch.Tensor) -> int | None:
+    """The position of a float tensor's first value that is not finite in float32, or None (ints
+    always are). A cast to float32 rounds to infinity exactly what _finite_float32 refuses."""
+    import torch
+
+    if not values.is_floating_point():
+        return None
+    return _first_true(~torch.isfinite(values.to(torch.float32)))
+
+
+def _as_list(values: Any) -> list:
+    """A per-token field as a list (a tensor's or an array's values through one tolist())."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
 @dataclass
 class Trajectory:
     """One rollout: token ids and per-token training data.
+
+    The per-token fields are lists of plain Python numbers as the JSONL reader and most rollout
+    workers make them (the fastest to check and convert), or any other sequence of numbers (numpy
+    arrays), or 1-D torch tensors on any device (integer dtypes for ``tokens`` and ``versions``,
+    integer or bool for ``loss_mask``, integer or floating for the float fields), which
+    ``dta.Trainer`` copies once to the CPU.
 
     Attributes:
         id: Unique within a batch (the dispatcher de-duplicates resends by it). Non-empty.
@@ -109,12 +187,18 @@ class Trajectory:
     def validate(self, vocab_size: int | None = None) -> None:
         """Checks the rules of the C++ ``ValidateRollout`` (and the field types).
 
+        Per-token fields may be lists, other sequences of Python or numpy numbers (checked value
+        by value), or 1-D torch tensors on any device: integer dtypes for ``tokens`` and
+        ``versions``, integer or bool for ``loss_mask``, integer or floating for the float fields
+        (checked as whole tensors).
+
         Args:
             vocab_size: When given (> 0), token ids must be below it.
 
         Raises:
             ValueError: The first broken rule, with a message starting ``field '<name>': `` and
-                naming the position, e.g. ``field 'loss_mask': 5 values for 6 tokens``.
+                naming the position, e.g. ``field 'loss_mask': 5 values for 6 tokens``, or the type
+                given, e.g. ``field 'tokens': must hold integers, got a torch.float32 tensor``.
         """
         if not isinstance(self.id, str):
             raise _field_error("id", f"must be a string, got {type(self.id).__name__}")
@@ -124,15 +208,22 @@ class Trajectory:
             raise _field_error("group", f"must be a string, got {type(self.group).__name__}")
         for name in ("tokens", "loss_mask", "logprobs", "versions", "advantages", "ref_logprobs"):
             values = getattr(self, name)
-            if isinstance(values, (str, bytes)) or not (hasattr(values, "__len__") and hasattr(values, "__iter__")):
+            if _torch_tensor(values):
+                _check_tensor(name, values)
+            elif isinstance(values, (str, bytes)) or not (hasattr(values, "__len__") and hasattr(values, "__iter__")):
                 raise _field_error(name, f"must be a list, got {type(values).__name__}")
         n = len(self.tokens)
         if n == 0:
             raise _field_error("tokens", "empty rollout")
         limit = vocab_size if vocab_size is not None and vocab_size > 0 else None
         # Each per-value loop below runs only where a whole-list check did not already pass every
-        # value, and then names the first value that breaks its rule.
-        unchecked = () if _plain_ints_within(self.tokens, 0, limit or _TOKEN_LIMIT) else self.tokens
+        # value, and then names the first value that breaks its rule; tensors are checked whole.
+        if _torch_tensor(self.tokens):
+            outside = _first_outside(self.tokens, 0, limit or _TOKEN_LIMIT)
+            if outside is not None:
+                raise _field_error("tokens", f"token {outside[0]} = {outside[1]} is outside [0, {limit or '2^31'})")
+        unchecked = () if _torch_tensor(self.tokens) or _plain_ints_within(self.tokens, 0, limit or _TOKEN_LIMIT) \
+            else self.tokens
         for i, token in enumerate(unchecked):
             if not _is_int(token) or isinstance(token, bool):
                 raise _field_error("tokens", f"value {i} is not an integer")
@@ -147,20 +238,37 @@ class Trajectory:
                 raise _field_error(name, f"{len(values)} values for {n} tokens")
         for name in ("logprobs", "advantages", "ref_logprobs"):
             values = getattr(self, name)
+            if _torch_tensor(values):
+                i = _first_not_finite_float32(values)
+                if i is not None:
+                    raise _field_error(name, f"value {i} is not finite")
+                continue
             unchecked = () if _plain_finite_float32s(values) else values
             for i, value in enumerate(unchecked):
                 if not _is_number(value):
                     raise _field_error(name, f"value {i} is not a number")
                 if not _finite_float32(value):
                     raise _field_error(name, f"value {i} is not finite")
-        unchecked = () if _plain_zeros_and_ones(self.loss_mask) else self.loss_mask
+        mask = self.loss_mask
+        if _torch_tensor(mask):
+            i = _first_true((mask != 0) & (mask != 1))
+            if i is not None:
+                raise _field_error("loss_mask", f"value {i} is {mask[i].item()!r}, not 0 or 1")
+        unchecked = () if _torch_tensor(mask) or _plain_zeros_and_ones(mask) else mask
         for i, value in enumerate(unchecked):
             if not _is_int(value) or value not in (0, 1):
                 raise _field_error("loss_mask", f"value {i} is {value!r}, not 0 or 1")
-        if self.loss_mask[0] != 0:
+        if mask[0] != 0:
             raise _field_error("loss_mask",
                                "value 0 is 1, but the first token has no context to be predicted from")
-        unchecked = () if _plain_ints_within(self.versions, -1, _TOKEN_LIMIT) else self.versions
+        if _torch_tensor(self.versions):
+            outside = _first_outside(self.versions, -1, _TOKEN_LIMIT)
+            if outside is not None:
+                i, value = outside
+                raise _field_error("versions", f"value {i} is {value} "
+                                   f"({'must be >= -1' if value < -1 else 'must be < 2^31'})")
+        unchecked = () if _torch_tensor(self.versions) or _plain_ints_within(self.versions, -1, _TOKEN_LIMIT) \
+            else self.versions
         for i, value in enumerate(unchecked):
             if not _is_int(value) or isinstance(value, bool):
                 raise _field_error("versions", f"value {i} is not an integer")
@@ -184,18 +292,18 @@ class Trajectory:
         out: dict[str, Any] = {
             "id": self.id,
             "group": self.group,
-            "tokens": [int(t) for t in self.tokens],
-            "loss_mask": [int(m) for m in self.loss_mask],
-            "logprobs": [float(x) for x in self.logprobs],
+            "tokens": [int(t) for t in _as_list(self.tokens)],
+            "loss_mask": [int(m) for m in _as_list(self.loss_mask)],
+            "logprobs": [float(x) for x in _as_list(self.logprobs)],
         }
-        if self.versions:
-            out["versions"] = [int(v) for v in self.versions]
+        if len(self.versions):
+            out["versions"] = [int(v) for v in _as_list(self.versions)]
         if self.reward is not None:
             out["reward"] = float(self.reward)
-        if self.advantages:
-            out["advantages"] = [float(x) for x in self.advantages]
-        if self.ref_logprobs:
-            out["ref_logprobs"] = [float(x) for x in self.ref_logprobs]
+        if len(self.advantages):
+            out["advantages"] = [float(x) for x in _as_list(self.advantages)]
+        if len(self.ref_logprobs):
+            out["ref_logprobs"] = [float(x) for x in _as_list(self.ref_logprobs)]
         if self.metadata:
             out["metadata"] = dict(self.metadata)
         return out
@@ -490,8 +598,8 @@ def to_areal(trajectory: Trajectory, *, shifted: bool) -> dict[str, torch.Tensor
 
     trajectory.validate()
 
-    def row(values: list[Any], dtype: torch.dtype, key: str) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
+    def row(values: Any, dtype: torch.dtype, key: str) -> torch.Tensor:
+        t = torch.tensor(_as_list(values), dtype=dtype)
         if shifted and key in _SHIFTED_KEYS:
             t = torch.roll(t, shifts=-1)
         return t.unsqueeze(0)
@@ -502,13 +610,13 @@ def to_areal(trajectory: Trajectory, *, shifted: bool) -> dict[str, torch.Tensor
         "logprobs": row(trajectory.logprobs, torch.float32, "logprobs"),
         "attention_mask": torch.ones(1, len(trajectory.tokens), dtype=torch.bool),
     }
-    if trajectory.versions:
+    if len(trajectory.versions):
         out["versions"] = row(trajectory.versions, torch.int64, "versions")
     if trajectory.reward is not None:
         out["rewards"] = torch.tensor([float(trajectory.reward)], dtype=torch.float32)
-    if trajectory.advantages:
+    if len(trajectory.advantages):
         out["advantages"] = row(trajectory.advantages, torch.float32, "advantages")
-    if trajectory.ref_logprobs:
+    if len(trajectory.ref_logprobs):
         out["ref_logp"] = row(trajectory.ref_logprobs, torch.float32, "ref_logp")
     return out
 
@@ -543,6 +651,10 @@ def to_areal(trajectory: Trajectory, *, shifted: bool) -> dict[str, torch.Tensor
 # trains the response's attention mask (ray_trainer.py, compute_response_mask).
 
 _VERL_ID_KEY = "dta_id"  # non_tensor_batch key to_verl writes the ids under
+# Trajectory.metadata key from_verl records each row's prompt length under (decimal), where to_verl
+# splits the trajectory again: a row whose response starts untrained, or trains nothing, has no
+# other mark of where its prompt ends.
+VERL_PROMPT_LENGTH = "verl_prompt_length"
 
 
 def _verl_containers(batch: Any) -> tuple[Any, Any]:
@@ -616,7 +728,13 @@ def from_verl(batch: Any, *, ids: Iterable[str] | None = None, logprobs: str = "
     of ``responses[i, t]`` is ``logprobs[n + t]``, n the prompt's length, which is dta's frame
     (``logprobs[t] = log p(tokens[t] | tokens[:t])``). verl is not needed: any object with
     ``.batch`` and ``.non_tensor_batch`` is read as a DataProto, and a plain dict of torch tensors
-    or numpy arrays (``uid`` among them, as ``DataProto.from_single_dict`` takes) as both.
+    or numpy arrays (``uid`` among them, as ``DataProto.from_single_dict`` takes) as both. Each
+    trajectory's ``metadata[VERL_PROMPT_LENGTH]`` (``"verl_prompt_length"``) records its prompt
+    length, where :func:`to_verl` splits it again, so ``to_verl(from_verl(batch))`` gives every row
+    back, one whose response starts with an untrained token or trains nothing included.
+
+    The batch holds data, not the loss: :func:`verl_train_options` maps the actor's settings (and
+    the rollout's sampling temperature) to :meth:`dta.Trainer.train_batch`'s.
 
     Args:
         batch: ``prompts``, ``responses``, ``attention_mask``, the ``logprobs`` key and
@@ -734,6 +852,7 @@ def from_verl(batch: Any, *, ids: Iterable[str] | None = None, logprobs: str = "
             reward=None if rewards is None else float(rewards[i].to(torch.float64).sum()),
             advantages=per_token(advantages),
             ref_logprobs=per_token(ref),
+            metadata={VERL_PROMPT_LENGTH: str(n)},
         )
         try:
             _validate(trajectory, vocab_size)
@@ -759,22 +878,25 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
 
     verl has no per-token versions, no metadata, and no per-token values on prompt tokens: those
     are dropped. So ``from_verl(to_verl(ts)) == ts`` for trajectories whose prompt tokens carry
-    logprob, advantage and reference logprob 0 and which have no versions or metadata (what
-    :func:`from_verl` makes), floats rounded to float32.
+    logprob, advantage and reference logprob 0, which have no versions, and whose only metadata is
+    the prompt length :func:`from_verl` records (what it makes), floats rounded to float32.
 
     Args:
-        prompt_lengths: Each trajectory's prompt length, in [1, len(tokens)]. Default: up to its
-            first trained token (``loss_mask`` 1).
+        prompt_lengths: Each trajectory's prompt length, in [1, len(tokens)]. Default: its
+            ``metadata[VERL_PROMPT_LENGTH]`` (what :func:`from_verl` records), else up to its first
+            trained token (``loss_mask`` 1).
         prompt_length, response_length: The padded widths P and R (verl's
             ``rollout.prompt_length`` and ``rollout.response_length``). Default: the longest.
         pad_token_id: The id written on padding.
         logprobs: The key of the logprobs: ``old_log_probs`` or ``rollout_log_probs``.
 
     Raises:
-        ValueError: No trajectory; a trajectory is invalid, has no trained token (and no
-            ``prompt_lengths``), trains a prompt token, is longer than P or R, or lacks an
-            optional field (``reward``, ``advantages``, ``ref_logprobs``) that another has (a verl
-            tensor covers the whole batch); named ``trajectory <i> ('<id>'): field '<name>': ...``.
+        ValueError: No trajectory; a trajectory is invalid, has no trained token (and no prompt
+            length), has a ``metadata[VERL_PROMPT_LENGTH]`` that is not a length in
+            [1, len(tokens)], trains a prompt token, is longer than P or R, has a nonzero reward
+            and an empty response, or lacks an optional field (``reward``, ``advantages``,
+            ``ref_logprobs``) that another has (a verl tensor covers the whole batch); named
+            ``trajectory <i> ('<id>'): field '<name>': ...``.
     """
     import numpy as np
     import torch
@@ -795,18 +917,29 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
             t.validate()
         except ValueError as e:
             raise ValueError(f"trajectory {i} ({t.id!r}): {e}") from None
+        # Tensors and arrays as lists, once: the slicing and searching below are list operations.
+        t = trajectories[i] = dataclasses.replace(
+            t, **{name: _as_list(getattr(t, name)) for name in ("tokens", "loss_mask", "logprobs", "advantages",
+                                                                "ref_logprobs")})
+        recorded = t.metadata.get(VERL_PROMPT_LENGTH)
         if lengths is not None:
             n = lengths[i]
             if not 1 <= n <= len(t.tokens):
                 raise ValueError(f"prompt_lengths: trajectory {i} ({t.id!r}): {n} is outside "
                                  f"[1, {len(t.tokens)}]")
-            if any(t.loss_mask[:n]):
-                raise error(i, "loss_mask", f"token {t.loss_mask.index(1)} of the prompt is trained "
-                            "(verl trains response tokens only)")
+        elif recorded is not None:
+            if not (recorded.isdecimal() and 1 <= int(recorded) <= len(t.tokens)):
+                raise error(i, "metadata", f"{VERL_PROMPT_LENGTH} {recorded!r} is not a prompt length in "
+                            f"[1, {len(t.tokens)}]")
+            n = int(recorded)
         elif 1 in t.loss_mask:
             n = t.loss_mask.index(1)
         else:
-            raise error(i, "loss_mask", "no trained token to start the response at (pass prompt_lengths)")
+            raise error(i, "loss_mask", "no trained token to start the response at (pass prompt_lengths, or "
+                        f"set metadata['{VERL_PROMPT_LENGTH}'])")
+        if any(t.loss_mask[:n]):
+            raise error(i, "loss_mask", f"token {t.loss_mask.index(1)} of the prompt is trained "
+                        "(verl trains response tokens only)")
         splits.append(n)
     for name in ("reward", "advantages", "ref_logprobs"):
         has = [getattr(t, name) not in (None, []) for t in trajectories]
@@ -821,8 +954,9 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
         if len(t.tokens) - n > r:
             raise error(i, "tokens", f"a response of {len(t.tokens) - n} tokens is longer than "
                         f"response_length {r}")
-        if t.reward is not None and len(t.tokens) == n:
-            raise error(i, "reward", "set, but the response is empty (verl puts it on its last token)")
+        if t.reward and len(t.tokens) == n:
+            raise error(i, "reward", f"{t.reward:g}, but the response is empty (verl puts it on its last "
+                        "token)")
 
     rows = len(trajectories)
     prompts = torch.full((rows, p), pad_token_id, dtype=torch.int64)
@@ -845,7 +979,7 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
         mask[i, :m] = torch.tensor(t.loss_mask[n:], dtype=torch.int64)
         for key, name in floats.items():
             per_response[key][i, :m] = torch.tensor(getattr(t, name)[n:], dtype=torch.float32)
-        if scores is not None:
+        if scores is not None and m:
             scores[i, m - 1] = float(t.reward)
     out: dict[str, Any] = {
         "prompts": prompts,
@@ -862,3 +996,120 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
     out["uid"] = np.array([t.group for t in trajectories], dtype=object)
     out[_VERL_ID_KEY] = np.array([t.id for t in trajectories], dtype=object)
     return out
+
+
+# --- verl's actor settings ------------------------------------------------------------------------
+#
+# verl 0.9.1's actor loss (verl/workers/utils/losses.py ppo_loss, verl/trainer/ppo/core_algos.py):
+# the log-probabilities of softmax(logits / rollout.temperature) (the trainer puts the rollout's
+# temperature into the batch), the "vanilla" clipped surrogate with dual clip
+# (compute_policy_loss_vanilla), minus entropy_coeff times the entropy, plus kl_loss_coef times the
+# KL to ref_log_prob with use_kl_loss, each aggregated over the mini-batch by agg_loss's
+# loss_agg_mode, one optimizer step per mini-batch.
+
+# loss_agg_mode -> dta's normalization: agg_loss divides the masked token sum by the mini-batch's
+# loss tokens (token-mean), by nothing (token-sum), or averages each row's token mean over the
+# mini-batch's rows (seq-mean-token-mean; global_batch_size, every row of the mini-batch).
+_VERL_NORMALIZATIONS = {"token-mean": "token-mean", "token-sum": "sum", "seq-mean-token-mean": "sequence-mean"}
+# The modes dta has no normalisation for, and what they compute.
+_VERL_UNSUPPORTED_MODES = {
+    "seq-mean-token-sum": "each row's token sum averaged over the rows",
+    "seq-mean-token-sum-norm": "each row's token sum averaged over the rows, divided by loss_scale_factor "
+                               "(default: the response length)",
+}
+# verl's KL estimators that are dta's k3 (kl_coef): exp(ref - logp) - (ref - logp) - 1.
+_VERL_K3 = ("low_var_kl", "k3")
+# The ActorConfig fields read, with verl 0.9.1's defaults (verl/trainer/config/actor/actor.yaml).
+_VERL_ACTOR_DEFAULTS: dict[str, Any] = {
+    "loss_agg_mode": "token-mean", "clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
+    "clip_ratio_c": 3.0, "entropy_coeff": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.001,
+    "kl_loss_type": "low_var_kl", "loss_mode": "vanilla",
+}
+
+
+def _verl_setting(actor: Any, name: str) -> Any:
+    """actor.<name> of a verl ActorConfig, an OmegaConf node or a dict (``loss_mode``:
+    actor.policy_loss.loss_mode); verl's default where it is unset or actor is None."""
+    def get(config: Any, key: str) -> Any:
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    config = get(actor, "policy_loss") if name == "loss_mode" and actor is not None else actor
+    value = None if config is None else get(config, name)
+    return _VERL_ACTOR_DEFAULTS[name] if value is None else value
+
+
+def verl_train_options(actor: Any = None, *, temperature: float, **settings: Any) -> dict[str, Any]:
+    """The :meth:`dta.Trainer.train_batch` arguments that compute verl's actor loss.
+
+    ``trainer.train_batch(from_verl(batch), **verl_train_options(config.actor_rollout_ref.actor,
+    temperature=config.actor_rollout_ref.rollout.temperature))`` takes the step verl's actor takes
+    on that mini-batch (verl 0.9.1, ``policy_loss.loss_mode: vanilla``): the clipped surrogate
+    with verl's clip ranges and dual clip, its entropy bonus and KL loss, normalised as its
+    ``loss_agg_mode``, on log-probabilities at the sampling temperature. Advantages are the
+    batch's (``from_verl`` reads ``advantages``), so ``loss`` is ``ppo``.
+
+    Args:
+        actor: verl's actor settings (``actor_rollout_ref.actor``: an ``ActorConfig``, an OmegaConf
+            node or a dict), or None for verl's defaults. Read: ``loss_agg_mode``, ``clip_ratio``,
+            ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``entropy_coeff``,
+            ``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``, ``policy_loss.loss_mode``.
+        temperature: The rollout's sampling temperature (``actor_rollout_ref.rollout.temperature``;
+            verl's trainer hands it to the actor, which divides the logits by it). Required, as
+            verl requires it: log-probabilities at another temperature move every ratio.
+        **settings: The same settings by name (``loss_mode`` included), over ``actor``'s.
+
+    Returns:
+        ``loss``, ``normalization``, ``eps_clip_low``, ``eps_clip_high``, ``dual_clip``,
+        ``entropy_coef``, ``kl_coef`` and ``temperature``.
+
+    Raises:
+        ValueError: A setting dta has no equivalent for, by name: ``loss_agg_mode``
+            ``seq-mean-token-sum`` or ``seq-mean-token-sum-norm`` (the error names the modes that
+            map), a ``loss_mode`` other than ``vanilla``, a ``kl_loss_type`` other than
+            ``low_var_kl``/``k3`` with ``use_kl_loss``; an unknown setting; a temperature or
+            ``clip_ratio_c`` out of range.
+    """
+    unknown = set(settings) - set(_VERL_ACTOR_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown verl actor setting(s) {', '.join(sorted(unknown))} (known: "
+                         f"{', '.join(_VERL_ACTOR_DEFAULTS)})")
+
+    def setting(name: str) -> Any:
+        return settings[name] if name in settings else _verl_setting(actor, name)
+
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature {temperature!r}: the rollout's sampling temperature, a number > 0")
+    mode = setting("loss_agg_mode")
+    if mode in _VERL_UNSUPPORTED_MODES:
+        raise ValueError(f"loss_agg_mode {mode!r} ({_VERL_UNSUPPORTED_MODES[mode]}) has no dta normalization; "
+                         "use token-mean (dta's token-mean), seq-mean-token-mean (sequence-mean) or token-sum "
+                         "(sum), or a callable loss (its rollout.num_rollouts divides a token sum by the rows)")
+    if mode not in _VERL_NORMALIZATIONS:
+        raise ValueError(f"loss_agg_mode {mode!r} is not one of verl's ({', '.join(_VERL_NORMALIZATIONS)}, "
+                         f"{', '.join(_VERL_UNSUPPORTED_MODES)})")
+    loss_mode = setting("loss_mode")
+    if loss_mode != "vanilla":
+        raise ValueError(f"policy_loss.loss_mode {loss_mode!r}: dta maps verl's 'vanilla' PPO loss only (for "
+                         "another, pass dta.Trainer.train_batch a callable loss)")
+    clip = float(setting("clip_ratio"))
+    low, high = setting("clip_ratio_low"), setting("clip_ratio_high")
+    dual = float(setting("clip_ratio_c"))
+    if not dual > 1:
+        raise ValueError(f"clip_ratio_c {dual!r}: verl requires > 1 (its dual clip is always on)")
+    kl_coef = 0.0
+    if setting("use_kl_loss"):
+        kl_type = setting("kl_loss_type")
+        if kl_type not in _VERL_K3:
+            raise ValueError(f"kl_loss_type {kl_type!r}: dta's KL loss is k3 (verl's low_var_kl), use that or "
+                             "use_kl_loss=False")
+        kl_coef = float(setting("kl_loss_coef"))
+    return {
+        "loss": "ppo",
+        "normalization": _VERL_NORMALIZATIONS[mode],
+        "eps_clip_low": clip if low is None else float(low),
+        "eps_clip_high": clip if high is None else float(high),
+        "dual_clip": dual,
+        "entropy_coef": float(setting("entropy_coeff")),
+        "kl_coef": kl_coef,
+        "temperature": float(temperature),
+    }

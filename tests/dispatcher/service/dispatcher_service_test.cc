@@ -1,6 +1,6 @@
-// The dispatcher over gRPC on loopback: ingestion streams (bad input, load, backpressure), trainers
-// fetching and committing steps, authorization, and kill -9 of the dta-dispatcher process between
-// acknowledgements.
+// The dispatcher over gRPC on loopback: ingestion streams (bad input, load, backpressure, the
+// bounds on what they hold), trainers fetching and committing steps, authorization, and kill -9 of
+// the dta-dispatcher process between acknowledgements.
 #include "dispatcher/service/dispatcher_service.h"
 
 #include <grpcpp/generic/generic_stub.h>
@@ -13,7 +13,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "dispatcher/client/dispatcher_client.h"
+#include "dispatcher/service/dispatcher_metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/free_port.h"
@@ -545,6 +548,11 @@ class RawIngestStream {
     if (!Wait()) return false;
     return grpc::SerializationTraits<v1::IngestResponse>::Deserialize(&bytes, answer).ok();
   }
+  bool WritesDone() {
+    if (!started_) return false;
+    stream_->WritesDone(this);
+    return Wait();
+  }
   grpc::Status Finish() {
     grpc::Status status;
     stream_->Finish(&status, this);
@@ -659,6 +667,222 @@ TEST_F(DispatcherServiceTest, AnUndecodableMessageEndsItsStreamKeepingWhatWasAck
   EXPECT_EQ(answers[1].outcome(), v1::IngestResponse::ACCEPTED);
   EXPECT_FALSE(answers[1].already_accepted());
   EXPECT_EQ(core_->GetStatistics().accepted(), 2);
+}
+
+// A valid trajectory of `tokens` tokens: a few hundred KB for tens of thousands.
+v1::Trajectory Large(const std::string& id, int tokens) {
+  v1::Trajectory t;
+  t.set_id(id);
+  t.set_group_id("large");
+  for (int k = 0; k < tokens; ++k) {
+    t.add_tokens(1 + k % 90);
+    t.add_loss_mask(k > 0);
+    t.add_logprobs(-0.25f);
+  }
+  t.set_reward(0.5);
+  return t;
+}
+
+// What the service counts against max_held_bytes for `trajectory`: its parsed size in memory.
+int64_t HeldBytes(const v1::Trajectory& trajectory) {
+  v1::IngestRequest request;
+  *request.mutable_trajectory() = trajectory;
+  v1::IngestRequest parsed;
+  EXPECT_TRUE(parsed.ParseFromString(request.SerializeAsString()));
+  return static_cast<int64_t>(parsed.SpaceUsedLong());
+}
+
+// Polls `done` every 5 ms for at most 10 s; whether it became true.
+bool WaitUntil(const std::function<bool()>& done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// Issue 42: streams that read while the pending pool had room and then found it full each keep
+// their trajectory until there is room again. Eight streams send a large trajectory each into a
+// full pool under a budget with room for about three: the held bytes never pass the budget, the
+// streams past it end RESOURCE_EXHAUSTED without an acknowledgement, the held ones are stored once
+// a batch makes room, and the refused ones, resent, are stored too: nothing is lost or doubled.
+TEST_F(DispatcherServiceTest, HeldTrajectoriesStayWithinTheBudgetAndAreStoredWhenRoomReturns) {
+  constexpr int kStreams = 8;
+  constexpr int kTokens = 60000;  // about 0.4 MB on the wire, 0.5 MB in memory
+  const int64_t one = HeldBytes(Large("probe", kTokens));
+  const int64_t budget = 3 * one + one / 2;
+  // One more than the streams, so that the pool still has room once all are stored (a stream
+  // notices its client finishing only by reading).
+  constexpr int kPool = kStreams + 1;
+  Start(/*batch=*/kPool, /*max_pending=*/kPool, {.max_held_bytes = budget});
+  grpc::GenericStub raw(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  std::vector<std::unique_ptr<RawIngestStream>> streams;
+  for (int s = 0; s < kStreams; ++s) streams.push_back(std::make_unique<RawIngestStream>(raw, ""));
+  // Every stream is reading (the pool had room when it opened) when the pool fills up.
+  ASSERT_TRUE(WaitUntil([&] { return service_->ingest_memory().open_streams == kStreams; }));
+  for (int i = 0; i < kPool; ++i)
+    ASSERT_TRUE(core_->Ingest(Make("fill" + std::to_string(i), i)).ok());
+  ASSERT_FALSE(core_->HasRoom());
+
+  std::vector<v1::Trajectory> large;
+  for (int s = 0; s < kStreams; ++s) large.push_back(Large("large" + std::to_string(s), kTokens));
+  std::vector<std::optional<v1::IngestResponse>> answers(kStreams);
+  std::vector<grpc::Status> statuses(kStreams);
+  std::vector<std::thread> clients;
+  for (int s = 0; s < kStreams; ++s) {
+    clients.emplace_back([&, s] {
+      v1::IngestRequest request;
+      *request.mutable_trajectory() = large[s];
+      RawIngestStream& stream = *streams[s];
+      v1::IngestResponse answer;
+      if (stream.Write(Serialized(request)) && stream.Read(&answer)) {
+        answers[s] = answer;
+        stream.WritesDone();
+      }
+      statuses[s] = stream.Finish();
+    });
+  }
+  // Every trajectory arrived: held (waiting for room) or refused.
+  ASSERT_TRUE(WaitUntil([&] {
+    const IngestMemory memory = service_->ingest_memory();
+    return memory.held_trajectories + memory.refused_over_held_bytes == kStreams;
+  }));
+  const IngestMemory memory = service_->ingest_memory();
+  EXPECT_LE(memory.held_bytes, budget);
+  EXPECT_LE(memory.peak_held_bytes, budget);
+  ASSERT_GE(memory.held_trajectories, 1);
+  EXPECT_GE(memory.refused_over_held_bytes, 1);
+  // Refused only when one more would not have fitted.
+  EXPECT_GT(memory.held_bytes + memory.held_bytes / memory.held_trajectories, budget);
+  EXPECT_THAT(DispatcherPrometheus(core_->GetStatus(), core_->GetStatistics(), &memory),
+              HasSubstr("dta_dispatcher_held_bytes " + std::to_string(memory.held_bytes) + "\n"));
+  EXPECT_EQ(core_->GetStatistics().accepted(), kPool);  // nothing beyond the pool
+
+  TakeFirstBatch();  // room for every held one
+  for (std::thread& client : clients) client.join();
+  std::vector<v1::Trajectory> refused;
+  for (int s = 0; s < kStreams; ++s) {
+    if (answers[s].has_value()) {
+      EXPECT_EQ(answers[s]->id(), large[s].id());
+      EXPECT_EQ(answers[s]->outcome(), v1::IngestResponse::ACCEPTED);
+      EXPECT_TRUE(statuses[s].ok()) << statuses[s].error_message();
+    } else {
+      EXPECT_EQ(statuses[s].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << s << ": " << statuses[s].error_message();
+      EXPECT_THAT(statuses[s].error_message(), HasSubstr("--max_held_mb"));
+      refused.push_back(large[s]);
+    }
+  }
+  EXPECT_EQ(static_cast<int64_t>(refused.size()), memory.refused_over_held_bytes);
+  EXPECT_EQ(core_->GetStatistics().accepted(), kPool + memory.held_trajectories);
+  EXPECT_EQ(service_->ingest_memory().held_bytes, 0);
+  EXPECT_EQ(service_->ingest_memory().held_trajectories, 0);
+  EXPECT_LE(service_->ingest_memory().peak_held_bytes, budget);
+
+  auto stub = Stub();
+  grpc::Status status;
+  const std::vector<v1::IngestResponse> resent = SendAll(*stub, refused, &status);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(resent.size(), refused.size());
+  for (const v1::IngestResponse& answer : resent) {
+    EXPECT_EQ(answer.outcome(), v1::IngestResponse::ACCEPTED);
+    EXPECT_FALSE(answer.already_accepted());  // never stored before
+  }
+  EXPECT_EQ(core_->GetStatistics().accepted(), kPool + kStreams);
+  EXPECT_EQ(core_->GetStatus().pending_trajectories(), kStreams);
+}
+
+// A client that gives up while its trajectory waits for room gives its share of the budget back.
+TEST_F(DispatcherServiceTest, AHeldTrajectoryIsReleasedWhenItsClientCancels) {
+  Start(/*batch=*/1, /*max_pending=*/1);
+  grpc::GenericStub raw(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  auto stream = std::make_unique<RawIngestStream>(raw, "");
+  ASSERT_TRUE(WaitUntil([&] { return service_->ingest_memory().open_streams == 1; }));
+  ASSERT_TRUE(core_->Ingest(Make("fill", 0)).ok());
+  v1::IngestRequest request;
+  *request.mutable_trajectory() = Large("waits", 1000);
+  ASSERT_TRUE(stream->Write(Serialized(request)));
+  ASSERT_TRUE(WaitUntil([&] { return service_->ingest_memory().held_trajectories == 1; }));
+  EXPECT_EQ(service_->ingest_memory().held_bytes, HeldBytes(request.trajectory()));
+  stream.reset();  // cancels the call
+  ASSERT_TRUE(WaitUntil([&] {
+    const IngestMemory memory = service_->ingest_memory();
+    return memory.open_streams == 0 && memory.held_bytes == 0 && memory.held_trajectories == 0;
+  }));
+  EXPECT_EQ(core_->GetStatistics().accepted(), 1);
+}
+
+// A trajectory larger than the whole budget could never be held: it is rejected (an answer, so
+// the client does not retry it) and the stream goes on.
+TEST_F(DispatcherServiceTest, ATrajectoryLargerThanTheWholeBudgetIsRejected) {
+  const v1::Trajectory large = Large("too-large", 20000);
+  Start(8, 1 << 16, {.max_held_bytes = HeldBytes(large) - 1});
+  auto stub = Stub();
+  grpc::Status status;
+  const std::vector<v1::IngestResponse> answers =
+      SendAll(*stub, {large, Make("small", 1)}, &status);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answers.size(), 2u);
+  EXPECT_EQ(answers[0].id(), "too-large");
+  EXPECT_EQ(answers[0].outcome(), v1::IngestResponse::REJECTED);
+  EXPECT_EQ(answers[0].field(), "tokens");
+  EXPECT_THAT(answers[0].reason(), HasSubstr("--max_held_mb"));
+  EXPECT_EQ(answers[1].outcome(), v1::IngestResponse::ACCEPTED);
+  EXPECT_EQ(core_->GetStatistics().accepted(), 1);
+  EXPECT_EQ(service_->ingest_memory().held_bytes, 0);
+}
+
+// Past max_ingest_streams open streams a new one ends RESOURCE_EXHAUSTED at once; once one closes,
+// a new one gets in.
+TEST_F(DispatcherServiceTest, StreamsPastTheLimitAreRefusedUntilOneCloses) {
+  Start(8, 1 << 16, {.max_ingest_streams = 2});
+  grpc::GenericStub raw(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  auto first = std::make_unique<RawIngestStream>(raw, "");
+  RawIngestStream second(raw, "");
+  ASSERT_TRUE(WaitUntil([&] { return service_->ingest_memory().open_streams == 2; }));
+  {
+    RawIngestStream third(raw, "");
+    const grpc::Status status = third.Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("max_ingest_streams"));
+  }
+  EXPECT_EQ(service_->ingest_memory().refused_over_streams, 1);
+  first.reset();
+  ASSERT_TRUE(WaitUntil([&] { return service_->ingest_memory().open_streams == 1; }));
+  auto stub = Stub();
+  grpc::Status status;
+  EXPECT_EQ(SendAll(*stub, {Make("after", 0)}, &status).size(), 1u);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+// A rollout worker told to back off (the dispatcher's streams or held memory at their limits) waits
+// and resends instead of failing; gRPC's own RESOURCE_EXHAUSTED (a message over the size limit) is
+// still final.
+TEST_F(DispatcherServiceTest, ARolloutSenderBacksOffWhenTheDispatcherIsFull) {
+  Start(8, 1 << 16, {.max_ingest_streams = 1});
+  grpc::GenericStub raw(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  auto holding = std::make_unique<RawIngestStream>(raw, "");
+  ASSERT_TRUE(WaitUntil([&] { return service_->ingest_memory().open_streams == 1; }));
+  RolloutSender sender({.address = address_, .retry_for = absl::Seconds(60)});
+  std::future<absl::StatusOr<std::vector<v1::IngestResponse>>> sent =
+      std::async(std::launch::async, [&] {
+        return sender.Send({Make("later-0", 0), Make("later-1", 1)});
+      });
+  ASSERT_TRUE(WaitUntil([&] { return service_->ingest_memory().refused_over_streams >= 2; }));
+  EXPECT_EQ(sent.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  holding.reset();  // room again
+  const absl::StatusOr<std::vector<v1::IngestResponse>> answers = sent.get();
+  ASSERT_TRUE(answers.ok()) << answers.status();
+  ASSERT_EQ(answers->size(), 2u);
+  for (const v1::IngestResponse& answer : *answers) {
+    EXPECT_EQ(answer.outcome(), v1::IngestResponse::ACCEPTED) << answer.reason();
+  }
+
+  v1::Trajectory huge = Make("huge", 2);
+  huge.set_id(std::string(8 << 20, 'x'));  // past gRPC's default 4 MiB receive limit
+  const absl::StatusOr<std::vector<v1::IngestResponse>> refused = sender.Send({huge});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
 }
 
 TEST(IsLoopbackAddress, ParsesAndResolvesTheHost) {
@@ -869,6 +1093,8 @@ TEST_F(DispatcherServiceTest, RemoteAddressesNeedTlsAndAToken) {
       key + " -out " + cert + " >/dev/null 2>&1";
   ASSERT_EQ(std::system(make_certificate.c_str()), 0);
   std::ofstream(dir_ / "token") << "s3cret\n";
+  std::filesystem::permissions(
+      dir_ / "token", std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   std::vector<std::string> retired = common;
   retired.insert(retired.end(), {"--tls_cert=" + cert, "--tls_key=" + key,
                                  "--token_file=" + (dir_ / "token").string()});
