@@ -123,7 +123,9 @@ def run(source_model, tmp_path_factory) -> dict:
              f"--checkpoint_dir={directory / 'ckpt'}", f"--model={source_model}", "--dtype=float32",
              "--loss=sft", "--lr=1e-2", f"--max_steps={STEPS}", f"--keep_checkpoints={STEPS}",
              f"--notify_engines={notify}", f"--notify_token_file={directory / 'engine.token'}",
-             "--notify_attempts=2", "--notify_timeout_s=5", "--wait_s=60"],
+             # Steps slower than the 1 s between attempts, so that retries happen while training:
+             # once the trainer exits, an engine gets at most one more attempt (the newest).
+             "--notify_attempts=2", "--notify_timeout_s=5", "--wait_s=60", "--slow_step_ms=1500"],
             capture_output=True, text=True, timeout=300)
     finally:
         dispatcher.terminate()

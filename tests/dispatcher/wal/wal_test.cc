@@ -42,9 +42,14 @@ std::string ReadFile(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+// Writes a log file by hand, private as the log itself creates one (an existing log open to others
+// is refused).
 void WriteFile(const std::string& path, std::string_view bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write);
 }
 
 int64_t RecordBytes(const Record& r) { return kWalHeaderBytes + r.second.size(); }
