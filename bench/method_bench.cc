@@ -83,6 +83,7 @@
 #include "absl/strings/strip.h"
 #include "core/base/exit_codes.h"
 #include "core/checkpoint/qwen3_config.h"
+#include "core/cli/bad_input.h"
 #include "core/cli/usage.h"
 #include "core/io/rollout_jsonl.h"
 #include "core/layout/memory_plan.h"
@@ -150,10 +151,6 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // The agreement check passes when every method's median per-parameter relative error is below this.
 constexpr double kCheckTarget = 0.01;
-
-struct BadInput {
-  std::string message;
-};
 
 // ---------------------------------------------------------------------------------------------
 // Methods
@@ -349,22 +346,22 @@ std::string DtypeName(at::ScalarType t) {
   }
 }
 
-Qwen3Config LoadConfig(const std::string& flag, const std::string& name) {
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(name);
+ModelConfig LoadConfig(const std::string& flag, const std::string& name) {
+  absl::StatusOr<ModelConfig> config = ModelConfigFromName(name);
   if (!config.ok()) {
-    throw BadInput{absl::StrFormat(
-        "--%s=%s is neither a preset (%s) nor a readable config.json: %s", flag, name,
-        absl::StrJoin(Qwen3ConfigPresetNames(), ", "), config.status().message())};
+    throw BadInput{
+        absl::StrFormat("--%s=%s is neither a preset (%s) nor a readable config.json: %s", flag,
+                        name, absl::StrJoin(ModelPresetNames(), ", "), config.status().message())};
   }
-  const absl::Status valid = ValidateQwen3Config(*config);
+  const absl::Status valid = ValidateModelConfig(*config);
   if (!valid.ok()) throw BadInput{absl::StrFormat("--%s=%s: %s", flag, name, valid.message())};
   return *config;
 }
 
-// Random weights drawn where the parameters live (Qwen3Model::InitRandom draws float64 on the CPU,
+// Random weights drawn where the parameters live (Decoder::InitRandom draws float64 on the CPU,
 // too slow and too large for 8B): the same scheme, matrices ~ N(0, std) and norm weights ~
 // 1 + N(0, std / 4), from one seeded generator of the parameters' device.
-void InitOnDevice(const Qwen3Model& model, uint64_t seed, double std) {
+void InitOnDevice(const Decoder& model, uint64_t seed, double std) {
   const at::Device device = model.options().device();
   at::Generator generator = device.is_cuda() ? at::cuda::detail::createCUDAGenerator(device.index())
                                              : at::detail::createCPUGenerator(seed);
@@ -384,7 +381,7 @@ void InitOnDevice(const Qwen3Model& model, uint64_t seed, double std) {
   }
 }
 
-void CopyWeights(const Qwen3Model& from, const Qwen3Model& to) {
+void CopyWeights(const Decoder& from, const Decoder& to) {
   c10::NoGradGuard no_grad;
   const auto& src = from.named_parameters();
   const auto& dst = to.named_parameters();
@@ -395,7 +392,7 @@ void CopyWeights(const Qwen3Model& from, const Qwen3Model& to) {
   }
 }
 
-void ZeroGrads(const Qwen3Model& model) {
+void ZeroGrads(const Decoder& model) {
   for (const auto& [name, parameter] : model.named_parameters()) {
     if (parameter.grad().defined()) parameter.mutable_grad().zero_();
   }
@@ -403,7 +400,7 @@ void ZeroGrads(const Qwen3Model& model) {
 
 // Every parameter's gradient as a float32 (float64 for float64 models) tensor, zeros where
 // undefined. Gradients may be stored in the parameter's dtype or in float32 (bf16 models).
-std::vector<at::Tensor> Grads(const Qwen3Model& model, at::ScalarType dtype) {
+std::vector<at::Tensor> Grads(const Decoder& model, at::ScalarType dtype) {
   std::vector<at::Tensor> out;
   for (const auto& [name, parameter] : model.named_parameters()) {
     const at::Tensor g = parameter.grad();
@@ -506,7 +503,7 @@ struct FlopModel {
   // tied embedding is lm_head's matmul and stays). Attention work counts only full-attention
   // layers: a linear-attention layer's cost per token is constant, and its small per-token terms
   // (the delta rule, the convolution) are left out, as norms and activations are.
-  explicit FlopModel(const Qwen3Config& c) {
+  explicit FlopModel(const ModelConfig& c) {
     const double h = c.hidden_size;
     const double embedding = c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size) * h;
     matmul_parameters = static_cast<double>(CountParameters(c).active()) - embedding;
@@ -538,7 +535,7 @@ struct Comparison {
 };
 
 Comparison Compare(const std::vector<at::Tensor>& grads, double loss,
-                   const std::vector<at::Tensor>& ref, double ref_loss, const Qwen3Model& model) {
+                   const std::vector<at::Tensor>& ref, double ref_loss, const Decoder& model) {
   Comparison c;
   double diff2 = 0, ref2 = 0;
   std::vector<double> per_param;
@@ -581,7 +578,7 @@ struct CheckRow {
 struct CheckResult {
   bool ran = false;
   std::string config_name;
-  Qwen3Config config;
+  ModelConfig config;
   std::string reference_dtype, dtype, loss;
   int64_t rollouts = 0, rollout_tokens = 0, tree_tokens = 0;
   double compression = 0;
@@ -691,9 +688,9 @@ void Guarded(const std::string& what, std::string& status, std::string& note,
 // pattern and routing options) at hidden 256, 4 layers, 4 heads / 2 KV heads x 64, with at most 16
 // experts and the linear layers' heads at 32 dimensions, so that the check covers the family's own
 // code paths at a size a float32 reference runs quickly.
-Qwen3Config SmallCheckConfig(const Qwen3Config& model, int64_t vocab) {
+ModelConfig SmallCheckConfig(const ModelConfig& model, int64_t vocab) {
   constexpr int64_t kLayers = 4;
-  Qwen3Config c = model;
+  ModelConfig c = model;
   c.vocab_size = vocab;
   c.hidden_size = 256;
   c.intermediate_size = 768;
@@ -727,7 +724,7 @@ Qwen3Config SmallCheckConfig(const Qwen3Config& model, int64_t vocab) {
 
 CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<MethodSpec>& methods,
                      at::ScalarType dtype, const at::Device& device, const LossOptions& bench_loss,
-                     const Qwen3Config& model_config) {
+                     const ModelConfig& model_config) {
   CheckResult check;
   check.ran = true;
   const std::string loss_name = absl::GetFlag(FLAGS_check_loss);
@@ -785,8 +782,8 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
                            check.reference_dtype));
 
   try {
-    Qwen3Model reference(check.config, at::TensorOptions().dtype(reference_dtype).device(device),
-                         tensor_parallel);
+    Decoder reference(check.config, at::TensorOptions().dtype(reference_dtype).device(device),
+                      tensor_parallel);
     InitOnDevice(reference, absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
     ZeroGrads(reference);
     const GradientResult ref =
@@ -794,8 +791,7 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
     check.reference_loss = ref.loss;
     const std::vector<at::Tensor> ref_grads = Grads(reference, reference_dtype);
 
-    Qwen3Model model(check.config, at::TensorOptions().dtype(dtype).device(device),
-                     tensor_parallel);
+    Decoder model(check.config, at::TensorOptions().dtype(dtype).device(device), tensor_parallel);
     CopyWeights(reference, model);
     std::vector<at::Tensor> dense_grads;
     double dense_loss = 0;
@@ -846,7 +842,7 @@ CheckResult RunCheck(const std::vector<Rollout>& rollouts, const std::vector<Met
   return check;
 }
 
-MethodResult RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts,
+MethodResult RunMethod(const Decoder& model, const std::vector<Rollout>& rollouts,
                        const LossOptions& loss, const MethodSpec& spec, int index, int count,
                        MemoryMeter& memory, const at::Device& device) {
   MethodResult result;
@@ -963,7 +959,7 @@ int Run(int argc, char** argv) {
   std::vector<MethodSpec> methods = ParseMethods();
   const at::ScalarType dtype = ParseDtype(absl::GetFlag(FLAGS_dtype));
   const std::string config_name = absl::GetFlag(FLAGS_config);
-  const Qwen3Config config = LoadConfig("config", config_name);
+  const ModelConfig config = LoadConfig("config", config_name);
   const int tp = absl::GetFlag(FLAGS_tensor_parallel);
   if (tp < 1) throw BadInput{"--tensor_parallel must be >= 1"};
   if (absl::GetFlag(FLAGS_timeout_s) < 1) throw BadInput{"--timeout_s must be >= 1"};
@@ -1068,8 +1064,7 @@ int Run(int argc, char** argv) {
   std::vector<MethodResult> results;
   double weights_gib = 0;
   {
-    Qwen3Model model(config, at::TensorOptions().dtype(dtype).device(device.device),
-                     tensor_parallel);
+    Decoder model(config, at::TensorOptions().dtype(dtype).device(device.device), tensor_parallel);
     InitOnDevice(model, absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
     Synchronize(device.device);
     weights_gib = memory.CurrentGiB();
@@ -1188,7 +1183,7 @@ int Run(int argc, char** argv) {
     }
     check_json = {{"config_name", check.config_name},
                   {"passed", check.Passed()},
-                  {"config", nlohmann::json::parse(Qwen3ConfigToJson(check.config))},
+                  {"config", nlohmann::json::parse(ModelConfigToJson(check.config))},
                   {"reference", check.reference_dtype + " dense"},
                   {"dtype", check.dtype},
                   {"loss", check.loss},
@@ -1217,7 +1212,7 @@ int Run(int argc, char** argv) {
       {"torch_version", TORCH_VERSION},
       {"model",
        {{"name", config_name},
-        {"config", nlohmann::json::parse(Qwen3ConfigToJson(config))},
+        {"config", nlohmann::json::parse(ModelConfigToJson(config))},
         {"matmul_parameters", flops.matmul_parameters},
         {"weights_gib", weights_gib}}},
       {"dtype", DtypeName(dtype)},

@@ -1,7 +1,7 @@
 """The host time dta.Trainer spends checking a batch before its executor runs: the per-trajectory
-Python validation it ran on every trajectory until session 18, beside the C++ check
+Python validation it ran on every trajectory until commit d4c2685, beside the C++ check
 (`_core.first_unchecked_trajectory`, what Trajectory.validate runs first) and the whole of
-`Trainer._checked`, which since session 21 also converts the batch for the executor in the same
+`Trainer._checked`, which since commit d4aaee7 also converts the batch for the executor in the same
 pass (`_core.convert_checked`); and `dta.from_areal` of every trajectory
 (AReaL's [1, L] tensors to a validated Trajectory, what dta's AReaL engine runs on each batch).
 Nothing here needs a GPU or a model: the vocabulary size is the only part of the trainer the

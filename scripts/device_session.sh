@@ -1,4 +1,4 @@
-# Sourced by a device call's script (bench/results/latest/*/run*.sh): the environment every GPU
+# Sourced by a device call's script (bench/results/*/command.sh): the environment every GPU
 # run needs, $out (the call's $OUT), $start, and one build of the working tree with the Python
 # extension, whose package it lays out in $site for PYTHONPATH. Exits the script with the build's
 # tail if the build fails or runs past DTA_DEVICE_BUILD_TIMEOUT seconds (default 330; the gRPC

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "core/base/exit_codes.h"
 #include "core/checkpoint/qwen3_config.h"
+#include "core/cli/bad_input.h"
 #include "core/cli/usage.h"
 #include "core/layout/memory_plan.h"
 
@@ -58,18 +59,14 @@ namespace {
 
 constexpr double kGiB = double{int64_t{1} << 30};
 
-struct BadInput {
-  std::string message;
-};
-
 std::optional<bool> Choice(const char* flag, const std::string& value) {
   absl::StatusOr<std::optional<bool>> choice = ParseLayoutChoice(flag, value);
   if (!choice.ok()) throw BadInput{std::string(choice.status().message())};
   return *choice;
 }
 
-Qwen3Config ConfigFromFlag(const std::string& name) {
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(name);
+ModelConfig ConfigFromFlag(const std::string& name) {
+  absl::StatusOr<ModelConfig> config = ModelConfigFromName(name);
   if (!config.ok()) throw BadInput{absl::StrCat("--config: ", config.status().message())};
   return *config;
 }
@@ -80,7 +77,7 @@ int PrintTable(const LayoutRequest& base) {
       "(GiB) | Host per rank (GiB) |\n");
   std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const char* name : {"qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}) {
-    const Qwen3Config config = ConfigFromFlag(name);
+    const ModelConfig config = ConfigFromFlag(name);
     for (const double gpu_gb : {80.0, 141.0}) {
       for (const int32_t gpus : {1, 2, 4, 8}) {
         LayoutRequest request = base;
@@ -125,7 +122,7 @@ int Run() {
   request.host_bytes_per_node = static_cast<int64_t>(absl::GetFlag(FLAGS_host_gb) * kGiB);
   if (absl::GetFlag(FLAGS_table)) return PrintTable(request);
   if (absl::GetFlag(FLAGS_config).empty()) throw BadInput{"--config is required (or --table)"};
-  const Qwen3Config config = ConfigFromFlag(absl::GetFlag(FLAGS_config));
+  const ModelConfig config = ConfigFromFlag(absl::GetFlag(FLAGS_config));
   request.world_size = absl::GetFlag(FLAGS_world_size);
   request.gpu_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_gpu_gb) * kGiB);
   request.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);

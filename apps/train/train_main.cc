@@ -132,7 +132,7 @@ int Run() {
     }
   }
   const bool leader = env.rank == 0;  // prints, dumps and saves
-  const Qwen3Config config = ConfigFromFlags();
+  const ModelConfig config = ConfigFromFlags();
   absl::StatusOr<std::vector<Rollout>> rollouts =
       ReadRolloutsJsonl(path, {.vocab_size = config.vocab_size});
   if (!rollouts.ok()) throw BadInput{std::string(rollouts.status().message())};
@@ -177,8 +177,7 @@ int Run() {
   } else {
     mine = *std::move(rollouts);
   }
-  Qwen3Model model =
-      ModelFromFlags(options, groups ? groups->tensor_parallel_collectives() : nullptr);
+  Decoder model = ModelFromFlags(options, groups ? groups->tensor_parallel_collectives() : nullptr);
   ProcessGroup* group = groups ? &groups->data_parallel() : nullptr;
 
   if (leader) {

@@ -23,7 +23,7 @@ ABSL_FLAG(std::string, model, "",
                        dta::DescribeModelFamilies()));
 ABSL_FLAG(std::string, config, "",
           absl::StrCat("instead of --model: a preset (",
-                       absl::StrJoin(dta::Qwen3ConfigPresetNames(), ", "),
+                       absl::StrJoin(dta::ModelPresetNames(), ", "),
                        ") or a config.json of one of the families, with random weights"));
 ABSL_FLAG(uint64_t, init_seed, 1, "seed of the random weights (--config)");
 ABSL_FLAG(double, init_std, 0.02, "standard deviation of the random weights (--config)");
@@ -280,23 +280,23 @@ at::TensorOptions TensorOptionsFromFlags() {
   return at::TensorOptions().dtype(type).device(at::Device(absl::GetFlag(FLAGS_device)));
 }
 
-Qwen3Config ConfigFromFlags() {
+ModelConfig ConfigFromFlags() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   const std::string config_name = absl::GetFlag(FLAGS_config);
   if (dir.empty() == config_name.empty())
     throw BadInput{"give exactly one of --model and --config"};
-  absl::StatusOr<Qwen3Config> config =
-      dir.empty() ? Qwen3ConfigFromName(config_name) : LoadQwen3Config(dir);
+  absl::StatusOr<ModelConfig> config =
+      dir.empty() ? ModelConfigFromName(config_name) : LoadModelConfig(dir);
   if (!config.ok()) throw BadInput{std::string(config.status().message())};
   return *config;
 }
 
-Qwen3Model ModelFromFlags(const at::TensorOptions& options,
-                          std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
-  const Qwen3Config config = ConfigFromFlags();
+Decoder ModelFromFlags(const at::TensorOptions& options,
+                       std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
+  const ModelConfig config = ConfigFromFlags();
   const std::string dir = absl::GetFlag(FLAGS_model);
-  if (!dir.empty()) return LoadQwen3Model(dir, options, std::move(tensor_parallel));
-  Qwen3Model model(config, options, std::move(tensor_parallel));
+  if (!dir.empty()) return LoadHfModel(dir, options, std::move(tensor_parallel));
+  Decoder model(config, options, std::move(tensor_parallel));
   model.InitRandom(absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
   return model;
 }
@@ -334,7 +334,7 @@ std::optional<bool> LayoutChoiceFlag(const char* flag, const std::string& value)
 
 }  // namespace
 
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
+LayoutPlan LayoutFromFlags(const ModelConfig& config, int world_size, const at::Device& device,
                            const PlannedWorkload& workload) {
   LayoutOverrides overrides;
   overrides.gpu_memory_gb = absl::GetFlag(FLAGS_gpu_memory_gb);

@@ -13,6 +13,7 @@
 
 #include "absl/flags/declare.h"
 #include "core/base/exit_codes.h"
+#include "core/cli/bad_input.h"
 #include "core/layout/memory_plan.h"
 #include "core/progress/progress_line.h"
 #include "core/schedule/lr_schedule.h"
@@ -28,10 +29,6 @@ ABSL_DECLARE_FLAG(std::string, method);
 ABSL_DECLARE_FLAG(std::string, dtype);
 
 namespace dta {
-
-struct BadInput {
-  std::string message;
-};
 
 LossOptions LossFromFlags();
 ExecutorOptions ExecutorFromFlags();
@@ -54,7 +51,7 @@ struct PlannedWorkload {
 // executor's memory is estimated from the executor flags and the longest rollout
 // (--longest_rollout, else `workload`'s, else 8192 tokens). BadInput with the planner's message
 // (naming the numbers) when nothing fits or an override is impossible.
-LayoutPlan LayoutFromFlags(const Qwen3Config& config, int world_size, const at::Device& device,
+LayoutPlan LayoutFromFlags(const ModelConfig& config, int world_size, const at::Device& device,
                            const PlannedWorkload& workload = {});
 // --progress: progress lines with rate and ETA within long steps (core/progress/progress_line.h).
 ProgressMode ProgressFromFlags();
@@ -64,11 +61,11 @@ OffloadUpdate OffloadUpdateFromFlags();
 // NaN or infinite.
 NonFiniteGradients NonFiniteGradientsFromFlags();
 // The config of --model (its config.json) or --config (a preset or a config.json).
-Qwen3Config ConfigFromFlags();
+ModelConfig ConfigFromFlags();
 // --model (a Hugging Face directory) or --config (random weights), this rank's parts under
 // `tensor_parallel`.
-Qwen3Model ModelFromFlags(const at::TensorOptions& options,
-                          std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
+Decoder ModelFromFlags(const at::TensorOptions& options,
+                       std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
 
 // Peak memory since the last reset: allocated GPU memory on CUDA, the process's peak RSS on the
 // CPU.

@@ -73,7 +73,7 @@ std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
 }
 
 CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
-                              const Qwen3Model& model, const TrainingOptimizer& optimizer, int keep,
+                              const Decoder& model, const TrainingOptimizer& optimizer, int keep,
                               const CheckpointRanks& ranks,
                               const ModelExportOptions& model_export) {
   TORCH_CHECK(keep >= 1, "checkpoints to keep must be >= 1, got ", keep);

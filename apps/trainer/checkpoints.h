@@ -51,7 +51,7 @@ struct CheckpointRanks {
 // removes all but the newest `keep` checkpoints (keep >= 1) and points latest.json at this one.
 // Every rank of ranks.world calls it; returns the checkpoint written.
 CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
-                              const Qwen3Model& model, const TrainingOptimizer& optimizer,
+                              const Decoder& model, const TrainingOptimizer& optimizer,
                               int keep = 2, const CheckpointRanks& ranks = {},
                               const ModelExportOptions& model_export = {});
 

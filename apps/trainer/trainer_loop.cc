@@ -32,7 +32,7 @@ T OrRestart(absl::StatusOr<T> result, const char* what) {
 
 }  // namespace
 
-int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOptimizer& optimizer,
+int64_t RunTrainerSteps(TrainerSession& session, Decoder& model, TrainingOptimizer& optimizer,
                         const SyncGradients& sync_gradients, int64_t step,
                         const TrainerLoopOptions& options,
                         std::atomic<bool>* checkpoint_requested) {

@@ -106,7 +106,7 @@ using SyncGradients = std::function<void()>;
 // Runs steps from `step` (the committed steps the weights include) until options.max_steps;
 // returns the number of committed steps reached. `checkpoint_requested` (may be null): set it on
 // any rank to save after the step in progress commits (it is cleared on every rank).
-int64_t RunTrainerSteps(TrainerSession& session, Qwen3Model& model, TrainingOptimizer& optimizer,
+int64_t RunTrainerSteps(TrainerSession& session, Decoder& model, TrainingOptimizer& optimizer,
                         const SyncGradients& sync_gradients, int64_t step,
                         const TrainerLoopOptions& options,
                         std::atomic<bool>* checkpoint_requested = nullptr);

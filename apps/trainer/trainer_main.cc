@@ -206,7 +206,7 @@ int Run() {
 
   // The layout first: tensor parallelism decides which ranks talk to the dispatcher and which part
   // of the model each rank builds.
-  const Qwen3Config config = ConfigFromFlags();
+  const ModelConfig config = ConfigFromFlags();
   const LayoutPlan layout = LayoutFromFlags(config, env->world_size, options.device());
   const int tensor_parallel = layout.layout.tensor_parallel;
   const int tensor_parallel_rank = env->rank % tensor_parallel;
@@ -315,7 +315,7 @@ int Run() {
                    replica, replica * tensor_parallel);
     }
   }
-  Qwen3Model model = ModelFromFlags(options, groups.tensor_parallel_collectives());
+  Decoder model = ModelFromFlags(options, groups.tensor_parallel_collectives());
   TrainingOptimizer optimizer(model.named_parameters(), &groups.data_parallel(), layout.layout,
                               AdamWFromFlags(), absl::GetFlag(FLAGS_bucket_mb) << 20,
                               model.gradient_norm_scope(), OffloadUpdateFromFlags());

@@ -5,7 +5,7 @@
 // executor's call on an H200 machine, mostly in the Python validation: 44 ms, passing over each
 // list three times (type, min, max). This check passes once (14 ms; bench/python_overhead.py),
 // and the conversion reads plain lists' items straight through the C API instead of casting
-// item by item; 21 ms outside the call remain (session 18, docs/benchmarks.md).
+// item by item; 21 ms outside the call remain (2026-11-28, docs/benchmarks.md).
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -49,7 +49,7 @@ void AllReduceSum(ProcessGroup& group, const at::Tensor& flat, const char* what)
 
 // The first field in which two configs describe different models ("" when none): the
 // storage dtype may differ (a bfloat16 checkpoint of a float32 model is the same model).
-std::string FirstDifference(const Qwen3Config& model, const Qwen3Config& loaded) {
+std::string FirstDifference(const ModelConfig& model, const ModelConfig& loaded) {
   auto field = [](const char* name, const auto& a, const auto& b) {
     std::ostringstream out;
     if (!(a == b)) out << name << " " << b << ", the model's " << a;
@@ -80,7 +80,7 @@ std::string FirstDifference(const Qwen3Config& model, const Qwen3Config& loaded)
 
 }  // namespace
 
-Trainer::Trainer(const Qwen3Config& config, at::TensorOptions options, const AdamWOptions& adamw,
+Trainer::Trainer(const ModelConfig& config, at::TensorOptions options, const AdamWOptions& adamw,
                  const ParallelOptions& parallel, const MakeModel& make_model) {
   TORCH_CHECK(parallel.timeout_s > 0, "timeout_s must be > 0, got ", parallel.timeout_s);
   LaunchEnvironment env;  // one process unless distributed
@@ -126,13 +126,13 @@ std::unique_ptr<Trainer> Trainer::FromDirectory(const std::string& directory,
                                                 at::TensorOptions options,
                                                 const AdamWOptions& adamw,
                                                 const ParallelOptions& parallel) {
-  absl::StatusOr<Qwen3Config> config =
-      LoadQwen3Config((std::filesystem::path(directory) / "config.json").string());
+  absl::StatusOr<ModelConfig> config =
+      LoadModelConfig((std::filesystem::path(directory) / "config.json").string());
   TORCH_CHECK(config.ok(), std::string(config.status().message()));
   std::unique_ptr<Trainer> trainer(
       new Trainer(*config, options, adamw, parallel,
                   [&](const at::TensorOptions& o, std::shared_ptr<const TensorParallelGroup> tp) {
-                    return LoadQwen3Model(directory, o, std::move(tp));
+                    return LoadHfModel(directory, o, std::move(tp));
                   }));
   trainer->source_directory_ = directory;
   return trainer;
@@ -142,12 +142,12 @@ std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t
                                              double init_std, at::TensorOptions options,
                                              const AdamWOptions& adamw,
                                              const ParallelOptions& parallel) {
-  absl::StatusOr<Qwen3Config> parsed = Qwen3ConfigFromName(config);
+  absl::StatusOr<ModelConfig> parsed = ModelConfigFromName(config);
   TORCH_CHECK(parsed.ok(), std::string(parsed.status().message()));
   return std::unique_ptr<Trainer>(
       new Trainer(*parsed, options, adamw, parallel,
                   [&](const at::TensorOptions& o, std::shared_ptr<const TensorParallelGroup> tp) {
-                    Qwen3Model model(*parsed, o, std::move(tp));
+                    Decoder model(*parsed, o, std::move(tp));
                     model.InitRandom(seed, init_std);
                     return model;
                   }));
@@ -247,16 +247,15 @@ void Trainer::LoadOptimizer(const std::string& path) {
 }
 
 void Trainer::LoadWeights(const std::string& directory) {
-  absl::StatusOr<Qwen3Config> config =
-      LoadQwen3Config((std::filesystem::path(directory) / "config.json").string());
+  absl::StatusOr<ModelConfig> config =
+      LoadModelConfig((std::filesystem::path(directory) / "config.json").string());
   TORCH_CHECK(config.ok(), std::string(config.status().message()));
   const std::string differs = FirstDifference(model_->config(), *config);
   TORCH_CHECK(differs.empty(), directory, "/config.json: not the trained model's configuration (",
               differs, "): load_weights replaces the weights of the same model only");
   // On the host in the model's dtype, so the device holds one copy of the weights throughout.
-  const Qwen3Model loaded =
-      LoadQwen3Model(directory, model_->options().device(at::kCPU),
-                     groups_ ? groups_->tensor_parallel_collectives() : nullptr);
+  const Decoder loaded = LoadHfModel(directory, model_->options().device(at::kCPU),
+                                     groups_ ? groups_->tensor_parallel_collectives() : nullptr);
   at::NoGradGuard no_grad;
   const auto& from = loaded.named_parameters();
   const auto& into = model_->named_parameters();

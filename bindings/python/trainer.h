@@ -68,7 +68,7 @@ class Trainer {
                                                 const AdamWOptions& adamw,
                                                 const ParallelOptions& parallel = {});
   // A preset ("qwen3-0.6b", ...) or a config.json path, with deterministic random weights
-  // (Qwen3Model::InitRandom: the same model at every TP size). TORCH_CHECK naming the config when
+  // (Decoder::InitRandom: the same model at every TP size). TORCH_CHECK naming the config when
   // it is neither.
   static std::unique_ptr<Trainer> FromConfig(const std::string& config, uint64_t seed,
                                              double init_std, at::TensorOptions options,
@@ -113,7 +113,7 @@ class Trainer {
   // Every rank calls it.
   void LoadWeights(const std::string& directory);
 
-  const Qwen3Model& model() const { return *model_; }
+  const Decoder& model() const { return *model_; }
   TrainingOptimizer& optimizer() { return *optimizer_; }
   const LayoutPlan& layout() const { return layout_; }
   int rank() const { return world_ ? world_->rank() : 0; }
@@ -123,16 +123,16 @@ class Trainer {
   int data_parallel_size() const { return groups_ ? groups_->data_parallel_size() : 1; }
 
  private:
-  using MakeModel = std::function<Qwen3Model(const at::TensorOptions&,
-                                             std::shared_ptr<const TensorParallelGroup>)>;
-  Trainer(const Qwen3Config& config, at::TensorOptions options, const AdamWOptions& adamw,
+  using MakeModel =
+      std::function<Decoder(const at::TensorOptions&, std::shared_ptr<const TensorParallelGroup>)>;
+  Trainer(const ModelConfig& config, at::TensorOptions options, const AdamWOptions& adamw,
           const ParallelOptions& parallel, const MakeModel& make_model);
 
   // Declared first, destroyed last: the model's collectives use the groups.
   std::unique_ptr<ProcessGroup> world_;
   std::unique_ptr<ParallelGroups> groups_;
   LayoutPlan layout_;
-  std::optional<Qwen3Model> model_;
+  std::optional<Decoder> model_;
   std::unique_ptr<TrainingOptimizer> optimizer_;
   // The Hugging Face directory the model was loaded from (empty: random weights).
   std::string source_directory_;

@@ -391,7 +391,7 @@ void RegisterTrainer(py::module_& m) {
       .def("named_parameters",
            [](BoundTrainer& self) { return self.trainer->model().named_parameters(); })
       .def("config_json",
-           [](BoundTrainer& self) { return Qwen3ConfigToJson(self.trainer->model().config()); })
+           [](BoundTrainer& self) { return ModelConfigToJson(self.trainer->model().config()); })
       .def_property(
           "lr", [](BoundTrainer& self) { return self.trainer->optimizer().options().lr; },
           [](BoundTrainer& self, double lr) {

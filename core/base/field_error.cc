@@ -1,14 +1,10 @@
 #include "core/base/field_error.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/base/absl_string_view.h"
 
 namespace dta {
-namespace {
-
-// Debian's Abseil is built with its own string_view type, so std::string_view needs converting.
-absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
-}  // namespace
+namespace {}  // namespace
 
 absl::Status FieldError(std::string_view field, std::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("field '", AsAbsl(field), "': ", AsAbsl(what)));

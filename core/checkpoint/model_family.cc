@@ -3,7 +3,7 @@
 namespace dta {
 namespace {
 
-// Sorted by model_type. Defaults from transformers 5's Qwen3Config, Qwen2Config, LlamaConfig and
+// Sorted by model_type. Defaults from transformers 5's ModelConfig, Qwen2Config, LlamaConfig and
 // Qwen3MoeConfig and Qwen3NextConfig.
 constexpr ModelFamily kFamilies[] = {
     {.model_type = "llama",

@@ -12,7 +12,7 @@
 //          false; no q/k norm; head_dim defaults to hidden_size / num_attention_heads.
 //   qwen3_moe  Qwen3MoeForCausalLM (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k norms,
 //          no biases) with sparse mixture-of-experts MLPs (a router and num_experts SwiGLU experts,
-//          top-k routing) in the layers Qwen3Config's IsSparseLayer picks, dense SwiGLU MLPs of
+//          top-k routing) in the layers ModelConfig's IsSparseLayer picks, dense SwiGLU MLPs of
 //          intermediate_size in the others; head_dim defaults to hidden_size / heads.
 //   qwen3_next  Qwen3NextForCausalLM (Qwen3-Next-80B-A3B): Gated DeltaNet linear-attention layers
 //          interleaved with gated full attention (layer_types), zero-centred RMSNorms (1 + w),
@@ -30,7 +30,7 @@
 
 namespace dta {
 
-// How a family's attention projections carry biases (Qwen3Config::attention_bias then says
+// How a family's attention projections carry biases (ModelConfig::attention_bias then says
 // whether q_proj, k_proj and v_proj have them).
 enum class AttentionBiasRule {
   kNone,        // none: attention_bias true is refused (UNIMPLEMENTED)

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "core/base/absl_string_view.h"
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
 #include "core/checkpoint/atomic_file.h"
@@ -23,9 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-
-// Debian's Abseil is built with its own string_view type, so std::string_view needs converting.
-absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 absl::Status Unsupported(std::string_view field, std::string_view what) {
   return absl::UnimplementedError(absl::StrCat("field '", AsAbsl(field), "': ", AsAbsl(what)));
@@ -121,7 +119,7 @@ bool UsesOriginalContext(RopeType type) {
 // standardize_rope_params): rope_scaling when it is a non-empty object, else rope_parameters.
 // `config` already holds the top-level fields (rope_theta, max_position_embeddings) and the
 // family's default partial_rotary_factor.
-absl::Status ParseRope(const Json& json, const ModelFamily& family, Qwen3Config& config) {
+absl::Status ParseRope(const Json& json, const ModelFamily& family, ModelConfig& config) {
   const Fields top(json);
   const char* field = nullptr;
   const Json* rope = nullptr;
@@ -251,7 +249,7 @@ constexpr std::pair<LayerType, const char*> kLayerTypes[] = {
 // The layer types of a family with linear-attention layers (qwen3_next), as transformers'
 // Qwen3NextConfig: config.json's layer_types, else every full_attention_interval-th layer full
 // attention and the others linear.
-absl::Status ParseLayerTypes(const Json& json, Qwen3Config& config) {
+absl::Status ParseLayerTypes(const Json& json, ModelConfig& config) {
   const int64_t layers = config.num_hidden_layers;
   config.layer_types.clear();
   const Json* layer_types = Lookup(json, "layer_types");
@@ -298,7 +296,7 @@ absl::Status ParseLayerTypes(const Json& json, Qwen3Config& config) {
 }
 
 // The mixture-of-experts fields (config holds the family's transformers defaults).
-absl::Status ParseMoe(const Json& json, const ModelFamily& family, Qwen3Config& config) {
+absl::Status ParseMoe(const Json& json, const ModelFamily& family, ModelConfig& config) {
   const Fields top(json);
   // transformers 5 writes num_local_experts for qwen3_moe (Qwen3MoeConfig's attribute_map name for
   // num_experts); the Hub's config.json files say num_experts. Qwen3NextConfig has no such map and
@@ -344,8 +342,8 @@ absl::Status ParseMoe(const Json& json, const ModelFamily& family, Qwen3Config& 
 // The mixture-of-experts fields: in range for the MoE families, at the struct's defaults
 // elsewhere. qwen3_next may have no experts at all (every MLP dense, as transformers allows); the
 // other sizes then only need to be non-negative.
-absl::Status ValidateMoe(const Qwen3Config& config, const ModelFamily& family) {
-  const Qwen3Config dense;
+absl::Status ValidateMoe(const ModelConfig& config, const ModelFamily& family) {
+  const ModelConfig dense;
   if (!family.shared_expert &&
       config.shared_expert_intermediate_size != dense.shared_expert_intermediate_size) {
     return FieldError(
@@ -417,8 +415,8 @@ absl::Status ValidateMoe(const Qwen3Config& config, const ModelFamily& family) {
 
 // Qwen3-Next's hybrid layers and partial rotary: in range for the families with the traits, at
 // the struct's defaults elsewhere.
-absl::Status ValidateHybrid(const Qwen3Config& config, const ModelFamily& family) {
-  const Qwen3Config plain;
+absl::Status ValidateHybrid(const ModelConfig& config, const ModelFamily& family) {
+  const ModelConfig plain;
   const std::pair<const char*, int64_t> linear_sizes[] = {
       {"linear_num_key_heads", config.linear_num_key_heads},
       {"linear_num_value_heads", config.linear_num_value_heads},
@@ -482,7 +480,7 @@ absl::Status ValidateHybrid(const Qwen3Config& config, const ModelFamily& family
 
 // The mixture-of-experts defaults of the family's transformers config (Qwen3MoeConfig,
 // Qwen3NextConfig: they differ, so by model_type) for fields absent from config.json.
-void SetMoeDefaults(const ModelFamily& family, Qwen3Config& config) {
+void SetMoeDefaults(const ModelFamily& family, ModelConfig& config) {
   if (!family.moe) return;
   config.router_aux_loss_coef = 0.001;
   if (family.model_type == "qwen3_next") {  // Qwen3NextConfig
@@ -500,7 +498,7 @@ void SetMoeDefaults(const ModelFamily& family, Qwen3Config& config) {
   }
 }
 
-absl::Status ParseObject(const Json& json, Qwen3Config& config) {
+absl::Status ParseObject(const Json& json, ModelConfig& config) {
   if (!json.is_object()) return absl::InvalidArgumentError("a config must be a JSON object");
   const Fields top(json);
 
@@ -514,7 +512,7 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   }
 
   // The family's transformers defaults for what is absent.
-  config = Qwen3Config();
+  config = ModelConfig();
   config.model_type = std::string(family->model_type);
   config.vocab_size = family->default_vocab_size;
   config.head_dim = family->default_head_dim;
@@ -609,7 +607,7 @@ absl::Status ParseObject(const Json& json, Qwen3Config& config) {
   if (dropout != 0.0) {
     return Unsupported("attention_dropout", absl::StrCat(dropout, " is not supported (only 0)"));
   }
-  return ValidateQwen3Config(config);
+  return ValidateModelConfig(config);
 }
 
 // The rope object of config.json (rope_scaling; rope_parameters adds rope_theta), or null for the
@@ -657,7 +655,7 @@ int64_t FullAttentionInterval(const std::vector<LayerType>& types) {
 
 // config.json's rope_parameters (transformers 5's spelling): the rope object with rope_theta,
 // and partial_rotary_factor for the families that have it.
-Json RopeParametersJson(const Qwen3Config& config, const ModelFamily& family) {
+Json RopeParametersJson(const ModelConfig& config, const ModelFamily& family) {
   Json rope = RopeJson(config.rope_scaling);
   if (rope.is_null()) rope = {{"rope_type", "default"}};
   rope["rope_theta"] = config.rope_theta;
@@ -866,26 +864,26 @@ std::string RopeScalingToJson(const RopeScaling& rope) { return RopeJson(rope).d
 
 namespace {
 // The family's boolean trait; false for a model_type without a family.
-bool FamilyTrait(const Qwen3Config& config, bool ModelFamily::*trait) {
+bool FamilyTrait(const ModelConfig& config, bool ModelFamily::*trait) {
   const ModelFamily* family = FindModelFamily(config.model_type);
   return family != nullptr && family->*trait;
 }
 }  // namespace
 
-bool HasQkNorm(const Qwen3Config& config) {
+bool HasQkNorm(const ModelConfig& config) {
   const ModelFamily* family = FindModelFamily(config.model_type);
   return family == nullptr || family->qk_norm;
 }
 
-bool HasOProjBias(const Qwen3Config& config) {
+bool HasOProjBias(const ModelConfig& config) {
   const ModelFamily* family = FindModelFamily(config.model_type);
   return family != nullptr && family->attention_bias == AttentionBiasRule::kFromConfig &&
          config.attention_bias;
 }
 
-bool IsMoe(const Qwen3Config& config) { return FamilyTrait(config, &ModelFamily::moe); }
+bool IsMoe(const ModelConfig& config) { return FamilyTrait(config, &ModelFamily::moe); }
 
-bool IsSparseLayer(const Qwen3Config& config, int64_t layer) {
+bool IsSparseLayer(const ModelConfig& config, int64_t layer) {
   if (!IsMoe(config) || config.num_experts <= 0 || config.decoder_sparse_step <= 0) return false;
   for (const int64_t dense : config.mlp_only_layers) {
     if (dense == layer) return false;
@@ -893,27 +891,27 @@ bool IsSparseLayer(const Qwen3Config& config, int64_t layer) {
   return (layer + 1) % config.decoder_sparse_step == 0;
 }
 
-bool IsLinearAttentionLayer(const Qwen3Config& config, int64_t layer) {
+bool IsLinearAttentionLayer(const ModelConfig& config, int64_t layer) {
   return layer >= 0 && layer < static_cast<int64_t>(config.layer_types.size()) &&
          config.layer_types[layer] == LayerType::kLinearAttention;
 }
 
-int64_t RotaryDim(const Qwen3Config& config) {
+int64_t RotaryDim(const ModelConfig& config) {
   // transformers: int(head_dim * partial_rotary_factor), a truncation.
   return static_cast<int64_t>(static_cast<double>(config.head_dim) * config.partial_rotary_factor);
 }
 
-bool HasZeroCentredNorms(const Qwen3Config& config) {
+bool HasZeroCentredNorms(const ModelConfig& config) {
   return FamilyTrait(config, &ModelFamily::zero_centred_norms);
 }
-bool HasGatedAttention(const Qwen3Config& config) {
+bool HasGatedAttention(const ModelConfig& config) {
   return FamilyTrait(config, &ModelFamily::gated_attention);
 }
-bool HasSharedExpert(const Qwen3Config& config) {
+bool HasSharedExpert(const ModelConfig& config) {
   return FamilyTrait(config, &ModelFamily::shared_expert);
 }
 
-absl::Status ValidateQwen3Config(const Qwen3Config& config) {
+absl::Status ValidateModelConfig(const ModelConfig& config) {
   const ModelFamily* family = FindModelFamily(config.model_type);
   if (family == nullptr) {
     return Unsupported("model_type",
@@ -977,19 +975,19 @@ absl::Status ValidateQwen3Config(const Qwen3Config& config) {
   return ValidateHybrid(config, *family);
 }
 
-absl::StatusOr<Qwen3Config> ParseQwen3Config(std::string_view json) {
+absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json) {
   Json parsed;
   try {
     parsed = Json::parse(json.begin(), json.end());
   } catch (const Json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
   }
-  Qwen3Config config;
+  ModelConfig config;
   RETURN_IF_ERROR(ParseObject(parsed, config));
   return config;
 }
 
-absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path) {
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
   std::error_code error;
   const std::string file =
       fs::is_directory(path, error) ? (fs::path(path) / "config.json").string() : path;
@@ -1009,7 +1007,7 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path) {
   }
   std::stringstream text;
   text << in.rdbuf();
-  absl::StatusOr<Qwen3Config> config = ParseQwen3Config(text.str());
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(text.str());
   if (!config.ok()) {
     return absl::Status(config.status().code(),
                         absl::StrCat(file, ": ", config.status().message()));
@@ -1017,7 +1015,7 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path) {
   return config;
 }
 
-std::string Qwen3ConfigToJson(const Qwen3Config& config) {
+std::string ModelConfigToJson(const ModelConfig& config) {
   const ModelFamily* family = FindModelFamily(config.model_type);
   // An unknown model_type (which validation refuses) is written with Qwen3's fields.
   const ModelFamily& f = family != nullptr ? *family : *FindModelFamily("qwen3");
@@ -1095,16 +1093,16 @@ std::string Qwen3ConfigToJson(const Qwen3Config& config) {
   return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
-absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& directory,
+absl::Status SaveModelConfig(const ModelConfig& config, const std::string& directory,
                              const std::string& base_config) {
-  RETURN_IF_ERROR(ValidateQwen3Config(config));
+  RETURN_IF_ERROR(ValidateModelConfig(config));
   std::error_code error;
   fs::create_directories(directory, error);
   if (error) {
     return absl::UnavailableError(
         absl::StrCat(directory, ": cannot create (", error.message(), ")"));
   }
-  std::string text = Qwen3ConfigToJson(config);
+  std::string text = ModelConfigToJson(config);
   if (!base_config.empty()) {
     ASSIGN_OR_RETURN(const std::string base, ReadWholeFile(base_config));
     Json merged = Json::parse(base, nullptr, /*allow_exceptions=*/false);
@@ -1136,7 +1134,7 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
     std::string merged_text = merged.dump(2) + "\n";
     // Kept only if it still says exactly this config (else the base disagrees in a way the struct
     // cannot express, and the model's own config is the truth).
-    if (absl::StatusOr<Qwen3Config> parsed = ParseQwen3Config(merged_text);
+    if (absl::StatusOr<ModelConfig> parsed = ParseModelConfig(merged_text);
         parsed.ok() && *parsed == config) {
       text = std::move(merged_text);
     }
@@ -1144,13 +1142,13 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
   return WriteTextAtomically((fs::path(directory) / "config.json").string(), text);
 }
 
-absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name) {
+absl::StatusOr<ModelConfig> ModelPreset(std::string_view name) {
   const std::string lower = absl::AsciiStrToLower(AsAbsl(name));
   absl::string_view key = lower;
   if (!absl::ConsumePrefix(&key, "qwen/")) absl::ConsumePrefix(&key, "meta-llama/");
   for (const Preset& preset : kPresets) {
     if (key != preset.name) continue;
-    Qwen3Config config;
+    ModelConfig config;
     config.model_type = preset.model_type;
     config.vocab_size = preset.vocab;
     config.hidden_size = preset.hidden;
@@ -1191,16 +1189,16 @@ absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name) {
     return config;
   }
   return absl::NotFoundError(absl::StrCat("unknown preset '", AsAbsl(name), "' (known: ",
-                                          absl::StrJoin(Qwen3ConfigPresetNames(), ", "), ")"));
+                                          absl::StrJoin(ModelPresetNames(), ", "), ")"));
 }
 
-absl::StatusOr<Qwen3Config> Qwen3ConfigFromName(std::string_view name) {
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(name);
-  if (!config.ok()) config = LoadQwen3Config(std::string(name));
+absl::StatusOr<ModelConfig> ModelConfigFromName(std::string_view name) {
+  absl::StatusOr<ModelConfig> config = ModelPreset(name);
+  if (!config.ok()) config = LoadModelConfig(std::string(name));
   return config;
 }
 
-std::vector<std::string> Qwen3ConfigPresetNames() {
+std::vector<std::string> ModelPresetNames() {
   std::vector<std::string> names;
   for (const Preset& preset : kPresets) names.push_back(preset.name);
   return names;

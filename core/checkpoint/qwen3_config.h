@@ -1,16 +1,16 @@
-// The decoder's configuration, read from and written to Hugging Face's config.json. The struct
-// keeps its first family's name, Qwen3Config, but describes every family of
-// core/checkpoint/model_family.h: Qwen3 ("qwen3"), Qwen2/Qwen2.5 ("qwen2"), Llama 3 ("llama") and
-// Qwen3-MoE ("qwen3_moe"), told apart by model_type.
+// The decoder's configuration, read from and written to Hugging Face's config.json: one struct for
+// every family of core/checkpoint/model_family.h (DescribeModelFamilies() lists them), told apart
+// by model_type.
 //
 // Supported beyond the families' dense architecture: rope scaling of types "linear", "llama3" and
 // "yarn" (transformers' rope_init_fn of each, modeling_rope_utils.py), attention biases where the
 // family has them. A config.json asking for anything else (another model_type, rope types
-// "dynamic", "longrope" and others, partial_rotary_factor other than 1, sliding-window attention,
-// mlp_bias true, a hidden_act other than silu, attention dropout, Qwen3 with attention biases) is
-// refused with UNIMPLEMENTED naming the field rather than silently loaded into a model that would
-// compute something else. Fields this struct does not model (bos_token_id, transformers_version,
-// initializer_range, use_cache, ...) are accepted and ignored.
+// "dynamic", "longrope" and others, partial_rotary_factor other than 1 outside the families that
+// have it (qwen3_next), sliding-window attention, mlp_bias true, a hidden_act other than silu,
+// attention dropout, Qwen3 with attention biases) is refused with UNIMPLEMENTED naming the field
+// rather than silently loaded into a model that would compute something else. Fields this struct
+// does not model (bos_token_id, transformers_version, initializer_range, use_cache, ...) are
+// accepted and ignored.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +37,7 @@ enum class RopeType {
 std::string_view RopeTypeName(RopeType type);
 
 // config.json's rope_scaling (older transformers) or rope_parameters (transformers 5), less
-// rope_theta (Qwen3Config::rope_theta). Each type reads only its own fields; the others keep these
+// rope_theta (ModelConfig::rope_theta). Each type reads only its own fields; the others keep these
 // defaults, so that two configs of one model compare equal.
 struct RopeScaling {
   RopeType type = RopeType::kDefault;
@@ -72,7 +72,7 @@ enum class LayerType {
   kLinearAttention,  // "linear_attention": Gated DeltaNet (qwen3_next)
 };
 
-struct Qwen3Config {
+struct ModelConfig {
   // The family (core/checkpoint/model_family.h): "qwen3", "qwen2" or "llama".
   std::string model_type = "qwen3";
   int64_t vocab_size = 151936;
@@ -94,7 +94,7 @@ struct Qwen3Config {
   bool attention_bias = false;
 
   // Sparse mixture of experts (qwen3_moe only; every other family keeps these defaults, which
-  // ValidateQwen3Config checks). A layer is sparse iff IsSparseLayer; the others are dense SwiGLU
+  // ValidateModelConfig checks). A layer is sparse iff IsSparseLayer; the others are dense SwiGLU
   // MLPs of intermediate_size.
   int64_t num_experts = 0;                    // experts per sparse layer (config.json: also
                                               // num_local_experts, as transformers 5 writes it)
@@ -125,35 +125,35 @@ struct Qwen3Config {
   // The sparse blocks' shared expert (a SwiGLU MLP of this width with a sigmoid gate).
   int64_t shared_expert_intermediate_size = 0;
 
-  bool operator==(const Qwen3Config&) const = default;
+  bool operator==(const ModelConfig&) const = default;
 };
 
 // Whether decoder layer `layer` is a Gated DeltaNet (linear-attention) layer: layer_types says
 // "linear_attention" there. False for every layer of the other families.
-bool IsLinearAttentionLayer(const Qwen3Config& config, int64_t layer);
+bool IsLinearAttentionLayer(const ModelConfig& config, int64_t layer);
 
 // The number of dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor)
 // (head_dim without partial rotary).
-int64_t RotaryDim(const Qwen3Config& config);
+int64_t RotaryDim(const ModelConfig& config);
 
 // The family's trait (core/checkpoint/model_family.h) for a config; false for a model_type
 // without a family.
-bool HasZeroCentredNorms(const Qwen3Config& config);
-bool HasGatedAttention(const Qwen3Config& config);
-bool HasSharedExpert(const Qwen3Config& config);
+bool HasZeroCentredNorms(const ModelConfig& config);
+bool HasGatedAttention(const ModelConfig& config);
+bool HasSharedExpert(const ModelConfig& config);
 
 // Whether the config's family has mixture-of-experts layers (qwen3_moe).
-bool IsMoe(const Qwen3Config& config);
+bool IsMoe(const ModelConfig& config);
 
 // Whether decoder layer `layer` (0-based) is a sparse mixture-of-experts block, by transformers'
 // rule (Qwen3MoeDecoderLayer): the family is MoE, `layer` is not in mlp_only_layers, num_experts >
 // 0 and (layer + 1) % decoder_sparse_step == 0. False for every layer of the dense families.
-bool IsSparseLayer(const Qwen3Config& config, int64_t layer);
+bool IsSparseLayer(const ModelConfig& config, int64_t layer);
 
 // The family's traits for a config (a config whose model_type has no family has q/k norms and no
-// o_proj bias here; ValidateQwen3Config refuses it).
-bool HasQkNorm(const Qwen3Config& config);
-bool HasOProjBias(const Qwen3Config& config);
+// o_proj bias here; ValidateModelConfig refuses it).
+bool HasQkNorm(const ModelConfig& config);
+bool HasOProjBias(const ModelConfig& config);
 
 // OK if the config describes a model this project can build: model_type one of the families
 // (UNIMPLEMENTED otherwise), every size positive, num_attention_heads a multiple of
@@ -171,7 +171,7 @@ bool HasOProjBias(const Qwen3Config& config);
 // the linear_* sizes positive when a layer is linear with value heads a multiple of key heads,
 // partial_rotary_factor in (0, 1] with an even RotaryDim of at least 2; other families: empty
 // layer_types, the linear and shared-expert fields 0 and partial_rotary_factor 1.
-absl::Status ValidateQwen3Config(const Qwen3Config& config);
+absl::Status ValidateModelConfig(const ModelConfig& config);
 
 // Parses a config.json. Required: hidden_size, intermediate_size, num_hidden_layers,
 // num_attention_heads. model_type defaults to "qwen3". Absent optional fields take the defaults of
@@ -200,11 +200,11 @@ absl::Status ValidateQwen3Config(const Qwen3Config& config);
 // moe_intermediate_size 768, norm_topk_prob false, decoder_sparse_step 1, mlp_only_layers [] (null
 // too), router_aux_loss_coef 0.001, output_router_logits false; the MoE fields of other families'
 // config.json are ignored, as transformers ignores them.
-absl::StatusOr<Qwen3Config> ParseQwen3Config(std::string_view json);
+absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json);
 
-// Reads `path`, a config.json or a directory holding one. Errors as ParseQwen3Config, prefixed by
+// Reads `path`, a config.json or a directory holding one. Errors as ParseModelConfig, prefixed by
 // the file's path; NOT_FOUND if it does not exist.
-absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path);
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
 
 // A Hugging Face compatible config.json (2-space indent, sorted keys, trailing newline): the
 // family's model_type and architectures (["Qwen3ForCausalLM"], ["Qwen2ForCausalLM"],
@@ -219,7 +219,7 @@ absl::StatusOr<Qwen3Config> LoadQwen3Config(const std::string& path);
 // one reproduces them, which several inference engines read instead), partial_rotary_factor at the
 // top level and in a rope_parameters object beside rope_theta. Parsing it gives the same config
 // back, bit for bit.
-std::string Qwen3ConfigToJson(const Qwen3Config& config);
+std::string ModelConfigToJson(const ModelConfig& config);
 
 // Validates the config and writes <directory>/config.json (creating the directory, replacing the
 // file atomically). With `base_config` (the config.json the model was loaded from), the fields this
@@ -228,7 +228,7 @@ std::string Qwen3ConfigToJson(const Qwen3Config& config);
 // the base spells them so, and num_local_experts), and the base is ignored if the result would not
 // parse back to this config. UNAVAILABLE naming the file if it cannot be read or written,
 // INVALID_ARGUMENT if the base is not a JSON object.
-absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& directory,
+absl::Status SaveModelConfig(const ModelConfig& config, const std::string& directory,
                              const std::string& base_config = "");
 
 // The released model shapes, as in their Hugging Face config.json: "qwen3-0.6b", "qwen3-1.7b",
@@ -239,14 +239,17 @@ absl::Status SaveQwen3Config(const Qwen3Config& config, const std::string& direc
 // released model: 4 of its layers, three linear and one full, with 128 experts instead of 512,
 // 2.4B parameters, 0.89B active) (case-insensitive, an optional "Qwen/" or "meta-llama/" prefix
 // allowed). NOT_FOUND listing the known names otherwise.
-absl::StatusOr<Qwen3Config> Qwen3ConfigPreset(std::string_view name);
+absl::StatusOr<ModelConfig> ModelPreset(std::string_view name);
 
-// A preset if `name` is one (Qwen3ConfigPreset), else the config.json at path `name`
-// (LoadQwen3Config, whose error is returned when neither works).
-absl::StatusOr<Qwen3Config> Qwen3ConfigFromName(std::string_view name);
+// A preset if `name` is one (ModelPreset), else the config.json at path `name`
+// (LoadModelConfig, whose error is returned when neither works).
+absl::StatusOr<ModelConfig> ModelConfigFromName(std::string_view name);
 
 // The preset names: Qwen3 smallest first, then Qwen2.5, then Llama smallest first, then Qwen3-MoE,
 // then Qwen3-Next.
-std::vector<std::string> Qwen3ConfigPresetNames();
+std::vector<std::string> ModelPresetNames();
+
+// The struct's name before it served every family; gone in the next release.
+using Qwen3Config [[deprecated("use dta::ModelConfig")]] = ModelConfig;
 
 }  // namespace dta

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/base/absl_string_view.h"
 #include "core/base/status_macros.h"
 #include "core/checkpoint/atomic_file.h"
 #include "nlohmann/json.hpp"
@@ -28,9 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-
-// Debian's Abseil is built with its own string_view type, so std::string_view needs converting.
-absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // The reference implementation refuses headers above this size.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;

@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "core/base/absl_string_view.h"
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -20,9 +21,6 @@ namespace {
 
 using simdjson::dom::element;
 using simdjson::dom::element_type;
-
-// Debian's Abseil is built with its own string_view type, so std::string_view needs converting.
-absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 absl::StatusOr<std::string> ParseName(std::string_view field, element value) {
   switch (value.type()) {

@@ -12,7 +12,7 @@ namespace {
 // The estimated bytes above the path stack for B = block and G = graphs: EstimateExecutorMemory's
 // graphs, workspace and head, and the stack's growth beyond its one-chunk size (recurrent states
 // at the chunk ends of linear layers; none for attention-only models).
-ExecutorMemoryEstimate AboveStack(const Qwen3Config& config, ExecutorMemoryOptions options,
+ExecutorMemoryEstimate AboveStack(const ModelConfig& config, ExecutorMemoryOptions options,
                                   int64_t block, int64_t graphs, int32_t tensor_parallel,
                                   int32_t weight_bytes) {
   options.block_size = block;
@@ -44,7 +44,7 @@ int64_t LargestFitting(int64_t low, int64_t high, const Fits& fits) {
 
 }  // namespace
 
-absl::StatusOr<ChunkCapacity> FitChunksInMemory(const Qwen3Config& config,
+absl::StatusOr<ChunkCapacity> FitChunksInMemory(const ModelConfig& config,
                                                 ExecutorMemoryOptions options,
                                                 int64_t available_bytes, int32_t tensor_parallel,
                                                 int32_t weight_bytes) {

@@ -39,7 +39,7 @@ struct ChunkCapacity {
 // automatic one). `options.method` is taken as kDta. B is at least
 // min(kLeastAutomaticBlock, the longest rollout, an explicit B); InvalidArgument (saying what the
 // smallest chunk needs) when even that does not fit in `available_bytes`.
-absl::StatusOr<ChunkCapacity> FitChunksInMemory(const Qwen3Config& config,
+absl::StatusOr<ChunkCapacity> FitChunksInMemory(const ModelConfig& config,
                                                 ExecutorMemoryOptions options,
                                                 int64_t available_bytes,
                                                 int32_t tensor_parallel = 1,

@@ -56,7 +56,7 @@ ExecutorTokens PlannedExecutorTokens(const ExecutorMemoryOptions& o) {
   return tokens;
 }
 
-ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
+ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
                                               const ExecutorMemoryOptions& options,
                                               const ExecutorTokens& tokens, int32_t tensor_parallel,
                                               int32_t weight_bytes) {
@@ -180,7 +180,7 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
   return m;
 }
 
-ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
+ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
                                               const ExecutorMemoryOptions& options,
                                               int32_t tensor_parallel, int32_t weight_bytes) {
   return EstimateExecutorMemory(config, options, PlannedExecutorTokens(options), tensor_parallel,

@@ -125,14 +125,14 @@ struct ExecutorMemoryEstimate {
 // The executor's peak on one of `tensor_parallel` ranks holding weights of `weight_bytes` bytes,
 // for the token counts `tokens` (e.g. a known schedule's) under `options`' method, checkpointing
 // and slice rows. Requires tensor_parallel >= 1 and weight_bytes >= 1.
-ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
+ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
                                               const ExecutorMemoryOptions& options,
                                               const ExecutorTokens& tokens,
                                               int32_t tensor_parallel = 1,
                                               int32_t weight_bytes = 2);
 
 // The same for PlannedExecutorTokens(options).
-ExecutorMemoryEstimate EstimateExecutorMemory(const Qwen3Config& config,
+ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
                                               const ExecutorMemoryOptions& options,
                                               int32_t tensor_parallel = 1,
                                               int32_t weight_bytes = 2);

@@ -59,7 +59,7 @@ absl::Status CheckExecutorOptions(const ExecutorMemoryOptions& e) {
 }
 
 // Whether the config has layers without a tensor-parallel split (Qwen3-Next's).
-bool HasTensorParallelGap(const Qwen3Config& config) {
+bool HasTensorParallelGap(const ModelConfig& config) {
   bool linear = false;
   for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
     linear = linear || IsLinearAttentionLayer(config, layer);
@@ -75,7 +75,7 @@ bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ra
 
 }  // namespace
 
-ParameterCount CountParameters(const Qwen3Config& c) {
+ParameterCount CountParameters(const ModelConfig& c) {
   // Full attention: q_proj yields each head's query and, with gated attention (qwen3_next), its
   // output gate as well.
   const int64_t q = c.num_attention_heads * c.head_dim;
@@ -132,7 +132,7 @@ ParameterCount CountParameters(const Qwen3Config& c) {
   return count;
 }
 
-MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& layout,
+MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& layout,
                               const LayoutRequest& request) {
   const ParameterCount count = CountParameters(config);
   // Each rank's parameters; a sharded dimension that does not divide evenly rounds up.
@@ -156,7 +156,7 @@ MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& l
   return memory;
 }
 
-std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config,
+std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config,
                                            const LayoutRequest& request) {
   std::vector<int32_t> allowed;
   // Qwen3-Next's layers (gated attention, Gated DeltaNet, shared experts) have no tensor-parallel
@@ -172,7 +172,7 @@ std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config,
   return allowed;
 }
 
-absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutRequest& request) {
+absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutRequest& request) {
   if (request.world_size < 1) return FieldError("world_size", "must be >= 1");
   if (request.gpus_per_node < 1) return FieldError("gpus_per_node", "must be >= 1");
   if (request.gpu_bytes <= 0)

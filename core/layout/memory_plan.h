@@ -41,8 +41,8 @@ struct ParameterCount {
   int64_t active() const { return total() - unused_per_token; }
 };
 
-// Exactly the parameters Qwen3Model holds for `config` (lm_head counted once when tied).
-ParameterCount CountParameters(const Qwen3Config& config);
+// Exactly the parameters Decoder holds for `config` (lm_head counted once when tied).
+ParameterCount CountParameters(const ModelConfig& config);
 
 struct TrainingLayout {
   int32_t tensor_parallel = 1;
@@ -101,13 +101,13 @@ struct LayoutPlan {
   int64_t gpu_bytes = 0;  // what was available
 };
 
-MemoryEstimate EstimateMemory(const Qwen3Config& config, const TrainingLayout& layout,
+MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& layout,
                               const LayoutRequest& request);
 
 // The TP degrees a config allows on `request`: powers of two up to gpus_per_node that divide the
 // world size, the attention heads and the KV heads; only 1 for families the model cannot split yet
 // (qwen3_next).
-std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config, const LayoutRequest& request);
+std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config, const LayoutRequest& request);
 
 // The first layout that fits, preferring the least communication: without offload before with
 // it, then the smallest TP degree; the optimizer is sharded whenever DP > 1 (ZeRO-1 moves as many
@@ -117,7 +117,7 @@ std::vector<int32_t> AllowedTensorParallel(const Qwen3Config& config, const Layo
 // override the config does not allow, executor options out of range), naming the field;
 // RESOURCE_EXHAUSTED when nothing fits, naming the parameters, the GPUs and the smallest layout's
 // bytes (with the executor's terms and token counts when estimated).
-absl::StatusOr<LayoutPlan> PlanLayout(const Qwen3Config& config, const LayoutRequest& request);
+absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutRequest& request);
 
 // A --shard_optimizer / --offload_optimizer value: "auto" (nullopt: the planner chooses), "true"
 // ("on", "1") or "false" ("off", "0"). INVALID_ARGUMENT "--<flag> must be auto, true or false,

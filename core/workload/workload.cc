@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/base/absl_string_view.h"
 
 namespace dta {
 namespace {
@@ -157,9 +158,6 @@ Rollout MakeRollout(const Track& track, int64_t length, std::string id, std::str
   r.reward = reward;
   return r;
 }
-
-// Debian's Abseil has its own string_view type, which StrCat needs.
-absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 std::string GroupName(std::string_view preset, uint64_t seed, char kind, int64_t index) {
   return absl::StrCat(AsAbsl(preset), "-s", seed, "-", absl::string_view(&kind, 1), index);

@@ -13,14 +13,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/base/absl_string_view.h"
 #include "core/base/private_files.h"
 #include "core/base/status_macros.h"
 
 namespace dta {
 namespace {
-
-// Debian's Abseil is built with its own string_view type, so std::string_view needs converting.
-absl::string_view AsAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // A group commit stops growing past this many bytes, so one large batch does not hold many small
 // appenders behind a long write (the leader's own records always go in).

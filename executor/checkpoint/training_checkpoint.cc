@@ -14,11 +14,11 @@ std::string CheckpointOptimizerPath(const std::string& checkpoint) {
   return (fs::path(checkpoint) / kCheckpointOptimizerDirectory).string();
 }
 
-void SaveTrainingCheckpoint(const std::string& directory, const Qwen3Model& model,
+void SaveTrainingCheckpoint(const std::string& directory, const Decoder& model,
                             const TrainingOptimizer* optimizer, bool writes_model,
                             const ModelExportOptions& model_export) {
   if (optimizer != nullptr) optimizer->SaveState(CheckpointOptimizerPath(directory));
-  if (writes_model) ExportQwen3Model(model, CheckpointModelPath(directory), model_export);
+  if (writes_model) ExportHfModel(model, CheckpointModelPath(directory), model_export);
 }
 
 std::string OptimizerStatePath(const std::string& path) {

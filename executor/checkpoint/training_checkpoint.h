@@ -4,7 +4,7 @@
 //
 //   <checkpoint>/model/       config.json, generation_config.json, model.safetensors (or shards)
 //                             + model.safetensors.index.json, the source's tokenizer files
-//                             (ExportQwen3Model): what SGLang, vLLM and transformers load
+//                             (ExportHfModel): what SGLang, vLLM and transformers load
 //   <checkpoint>/optimizer/   the optimizer's state (TrainingOptimizer::SaveState: one file, or one
 //                             per rank when sharded or offloaded; tp-RR-of-TT/ per TP rank)
 //
@@ -39,7 +39,7 @@ std::string CheckpointOptimizerPath(const std::string& checkpoint);
 // together) export the model, and every rank writes the optimizer state it owns (none when
 // `optimizer` is null). It does not synchronise the ranks: the caller's barrier says when the
 // checkpoint is complete.
-void SaveTrainingCheckpoint(const std::string& directory, const Qwen3Model& model,
+void SaveTrainingCheckpoint(const std::string& directory, const Decoder& model,
                             const TrainingOptimizer* optimizer, bool writes_model,
                             const ModelExportOptions& model_export);
 

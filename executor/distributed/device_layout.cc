@@ -24,7 +24,7 @@ int64_t DeviceMemoryBytes(const at::Device& device) {
 
 }  // namespace
 
-absl::StatusOr<LayoutPlan> PlanDeviceLayout(const Qwen3Config& config, int world_size,
+absl::StatusOr<LayoutPlan> PlanDeviceLayout(const ModelConfig& config, int world_size,
                                             const at::Device& device, at::ScalarType dtype,
                                             const LayoutOverrides& overrides) {
   if (overrides.gpu_memory_gb < 0) return absl::InvalidArgumentError("gpu_memory_gb must be >= 0");

@@ -36,7 +36,7 @@ struct LayoutOverrides {
 // LOCAL_WORLD_SIZE (torchrun) bounds the tensor parallelism (a node's ranks); without it the
 // whole world is one node. INVALID_ARGUMENT naming the field for a negative size or executor
 // options out of range.
-absl::StatusOr<LayoutPlan> PlanDeviceLayout(const Qwen3Config& config, int world_size,
+absl::StatusOr<LayoutPlan> PlanDeviceLayout(const ModelConfig& config, int world_size,
                                             const at::Device& device, at::ScalarType dtype,
                                             const LayoutOverrides& overrides);
 

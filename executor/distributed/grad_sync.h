@@ -64,7 +64,7 @@ struct GradientSynchronizerOptions {
   // (same names, shapes, dtypes, device types and bucket size). Off only for groups that must not
   // communicate at construction.
   bool verify_layout = true;
-  // Grads of bfloat16 and float16 parameters are float32 (Qwen3Model accumulates them so, the
+  // Grads of bfloat16 and float16 parameters are float32 (Decoder accumulates them so, the
   // buckets then sum in float32); false: every grad has its parameter's dtype.
   bool float32_grads = true;
 };

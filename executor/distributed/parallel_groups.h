@@ -6,7 +6,7 @@
 //
 // Example:
 //   ParallelGroups groups(*world, /*tensor_parallel=*/2, options);
-//   Qwen3Model model(config, options, groups.tensor_parallel_collectives());
+//   Decoder model(config, options, groups.tensor_parallel_collectives());
 //   TrainingOptimizer optimizer(model.named_parameters(), &groups.data_parallel(), layout, ...);
 //
 // Errors: c10::Error (TORCH_CHECK) naming the group when it cannot be created.

@@ -10,7 +10,7 @@
 //
 // Example:
 //   auto tp = std::make_shared<TensorParallelOverProcessGroup>(*tp_group);
-//   Qwen3Model model(config, options, tp);
+//   Decoder model(config, options, tp);
 //
 // Errors: c10::Error (TORCH_CHECK) naming the rank and the collective.
 // Thread safety: as ProcessGroup's: one collective at a time on the group.

@@ -35,7 +35,7 @@ class TrainingOptimizer {
  public:
   // `group`: the data-parallel ranks (null: one process). Under tensor parallelism
   // `named_parameters` are this TP rank's parts, `group` the DP ranks holding the same parts, and
-  // `tensor_parallel` (Qwen3Model::gradient_norm_scope) lets the clipping norm span the TP ranks;
+  // `tensor_parallel` (Decoder::gradient_norm_scope) lets the clipping norm span the TP ranks;
   // layout.tensor_parallel must be its group's size. TORCH_CHECK when the layout cannot be built
   // (e.g. sharding across ranks without a group).
   TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named_parameters,

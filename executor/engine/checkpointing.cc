@@ -5,7 +5,7 @@
 
 namespace dta::engine {
 
-LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkInput& input,
+LayerCheckpoints ForwardKeepingLayerInputs(const Decoder& model, const ChunkInput& input,
                                            const ChunkContext& context) {
   TORCH_CHECK(input.prefix.empty(),
               "activation checkpointing takes chunks without a cached prefix");
@@ -26,7 +26,7 @@ LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkI
   return saved;
 }
 
-void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input,
+void BackwardThroughLayers(const Decoder& model, const ChunkInput& input,
                            const ChunkContext& context, const LayerCheckpoints& saved,
                            const at::Tensor& router_grad) {
   torch::autograd::AutoGradMode grad_mode(true);

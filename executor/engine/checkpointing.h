@@ -21,14 +21,14 @@ struct LayerCheckpoints {
 
 // The decoder without a graph (no prefix), keeping each layer's input. The caller continues from
 // FinalNorm(checkpoints.last), backpropagates, then calls BackwardThroughLayers.
-LayerCheckpoints ForwardKeepingLayerInputs(const Qwen3Model& model, const ChunkInput& input,
+LayerCheckpoints ForwardKeepingLayerInputs(const Decoder& model, const ChunkInput& input,
                                            const ChunkContext& context);
 
 // Replays and backpropagates every layer (and the embedding) with the gradient that reached
 // checkpoints.last, and with `router_grad` [T, E] (if defined) as the gradient of every sparse
 // layer's router probabilities (ChunkOutput::router_probs is their sum). Nothing happens if no
 // gradient reached checkpoints.last.
-void BackwardThroughLayers(const Qwen3Model& model, const ChunkInput& input,
+void BackwardThroughLayers(const Decoder& model, const ChunkInput& input,
                            const ChunkContext& context, const LayerCheckpoints& checkpoints,
                            const at::Tensor& router_grad = at::Tensor());
 

@@ -8,7 +8,7 @@
 
 namespace dta::engine {
 
-GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts,
                         const LossPlan* plan, const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   const bool checkpointing = plan != nullptr && options.checkpointing;

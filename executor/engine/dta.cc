@@ -75,10 +75,9 @@ struct PathStack {
   at::Tensor router_counts, router_probs, grad_router_probs;
   bool router_statistics() const { return router_counts.defined(); }
 
-  PathStack(const Qwen3Model& model, int64_t max_len, bool with_entropy, bool training,
-            bool balance)
+  PathStack(const Decoder& model, int64_t max_len, bool with_entropy, bool training, bool balance)
       : training(training), linear(model.has_linear_layers()) {
-    const Qwen3Config& c = model.config();
+    const ModelConfig& c = model.config();
     const at::TensorOptions o = model.options();
     const at::TensorOptions f = o.dtype(o.dtype() == at::kDouble ? at::kDouble : at::kFloat);
     const int64_t kv_heads = model.local_kv_heads();
@@ -166,7 +165,7 @@ struct Chunk {
   at::Tensor logprobs, entropy;  // [end - begin]
 };
 
-Chunk ForwardChunk(const Qwen3Model& model, const PathStack& stack, const at::Tensor& tokens,
+Chunk ForwardChunk(const Decoder& model, const PathStack& stack, const at::Tensor& tokens,
                    int64_t begin, int64_t end, bool with_graph, bool with_entropy,
                    const LogprobOptions& logprob, std::vector<int64_t> state_points = {}) {
   torch::autograd::AutoGradMode grad_mode(with_graph);
@@ -335,10 +334,10 @@ at::Tensor AttachRouterBalance(PathStack& stack, const LossPlan& plan, RolloutIn
 // top of the stack's K/V, their losses attached, and everything backpropagated; the stack's
 // accumulators below `depth` receive the gradients of its K/V, of the hidden state at depth - 1,
 // and of the log-probabilities (and entropies) the rollouts read from it.
-at::Tensor RunPackedStep(const Qwen3Model& model, PathStack& stack,
-                         absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> group,
-                         int64_t depth, const LossPlan& plan, const LogprobOptions& logprob,
-                         std::vector<at::Tensor>& logprobs_out, at::Tensor& balance_out) {
+at::Tensor RunPackedStep(const Decoder& model, PathStack& stack, absl::Span<const Rollout> rollouts,
+                         absl::Span<const RolloutIndex> group, int64_t depth, const LossPlan& plan,
+                         const LogprobOptions& logprob, std::vector<at::Tensor>& logprobs_out,
+                         at::Tensor& balance_out) {
   torch::autograd::AutoGradMode grad_mode(true);
   // The group's suffixes above `depth` as their own little tree (rollouts ending at `depth` have
   // no suffix).
@@ -475,8 +474,7 @@ struct ChunkPlan {
 
 // ExecutorOptions::memory_budget: the largest B and graph budget whose estimate fits in what the
 // budget leaves above the memory allocated now (the path stack included), and in the memory free.
-ChunkPlan FitChunksInBudget(const Qwen3Model& model, const ExecutorOptions& options,
-                            int64_t longest) {
+ChunkPlan FitChunksInBudget(const Decoder& model, const ExecutorOptions& options, int64_t longest) {
   const at::Device device = model.options().device();
   const int64_t allocated = AllocatedDeviceMemory(device);
   const int64_t available = std::min(options.memory_budget - allocated, FreeDeviceMemory(device));
@@ -490,7 +488,7 @@ ChunkPlan FitChunksInBudget(const Qwen3Model& model, const ExecutorOptions& opti
   return {.block_size = fit->block_size, .graph_budget = fit->graph_budget};
 }
 
-ChunkPlan ResolveChunkPlan(const Qwen3Model& model, const ExecutorOptions& options, int64_t longest,
+ChunkPlan ResolveChunkPlan(const Decoder& model, const ExecutorOptions& options, int64_t longest,
                            bool training) {
   const bool auto_block = options.block_size == kAutoBlockSize;
   const bool auto_budget = options.graph_budget == kAutoGraphBudget;
@@ -572,7 +570,7 @@ std::vector<Pass> PlanPasses(absl::Span<const Rollout> rollouts, const ExecutorO
 
 }  // namespace
 
-GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
                       const LossPlan* plan, const ExecutorOptions& options) {
   const bool training = plan != nullptr;
   const bool with_entropy = training && plan->needs_entropy();

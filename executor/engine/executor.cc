@@ -43,14 +43,14 @@ PrefixTree BuildTree(absl::Span<const Rollout> rollouts) {
   return std::move(builder).Build();
 }
 
-void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts) {
+void CheckRollouts(const Decoder& model, absl::Span<const Rollout> rollouts) {
   for (const Rollout& rollout : rollouts) {
     const absl::Status status = ValidateRollout(rollout, model.config().vocab_size);
     TORCH_CHECK(status.ok(), "rollout '", rollout.id, "': ", std::string(status.message()));
   }
 }
 
-LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+LossPlan::LossPlan(const Decoder& model, absl::Span<const Rollout> rollouts,
                    const LossOptions& options, const ExecutorOptions& executor,
                    const BatchLossContext& batch)
     : rollouts_(rollouts), options_(options), batch_(batch) {
@@ -63,7 +63,7 @@ LossPlan::LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
     if (forward.method == Method::kDense) forward.method = Method::kDta;
     proximal_ = ComputeLogprobs(model, rollouts, forward);
   }
-  const Qwen3Config& config = model.config();
+  const ModelConfig& config = model.config();
   for (int64_t l = 0; l < config.num_hidden_layers; ++l) sparse_layers_ += IsSparseLayer(config, l);
   experts_ = config.num_experts;
   const double coef = options.router_aux_loss_coef;
@@ -164,7 +164,7 @@ ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t 
   return memory;
 }
 
-int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype, int tensor_parallel) {
+int64_t GraphBytesPerToken(const ModelConfig& c, at::ScalarType dtype, int tensor_parallel) {
   // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
   // inputs (the residual stream, at least float32, whole on every rank), q and k before their norms
   // (families with q/k norms) and after RoPE, v, the attention output (and with gated attention the
@@ -224,8 +224,8 @@ int64_t GraphBytesPerToken(const Qwen3Config& c, at::ScalarType dtype, int tenso
 
 namespace engine {
 
-GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
-                   const LossPlan* plan, const ExecutorOptions& options) {
+GradientResult Run(const Decoder& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
+                   const ExecutorOptions& options) {
   TORCH_CHECK(options.logprob_slice_rows > 0, "logprob_slice_rows must be positive");
   TORCH_CHECK(
       options.unshared_prefix_fraction >= 0 && std::isfinite(options.unshared_prefix_fraction),
@@ -255,12 +255,12 @@ GradientResult Run(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
 
 }  // namespace engine
 
-GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult ComputeGradients(const Decoder& model, absl::Span<const Rollout> rollouts,
                                 const LossOptions& loss, const ExecutorOptions& options) {
   return ComputeGradients(model, rollouts, loss, options, MakeBatchContext(rollouts));
 }
 
-GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult ComputeGradients(const Decoder& model, absl::Span<const Rollout> rollouts,
                                 const LossOptions& loss, const ExecutorOptions& options,
                                 const BatchLossContext& batch) {
   engine::CheckRollouts(model, rollouts);
@@ -268,7 +268,7 @@ GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollou
   return engine::Run(model, rollouts, &plan, options);
 }
 
-std::vector<at::Tensor> ComputeLogprobs(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+std::vector<at::Tensor> ComputeLogprobs(const Decoder& model, absl::Span<const Rollout> rollouts,
                                         const ExecutorOptions& options) {
   engine::CheckRollouts(model, rollouts);
   return engine::Run(model, rollouts, nullptr, options).logprobs;

@@ -1,4 +1,4 @@
-// The three exact execution methods over one Qwen3Model and one loss:
+// The three exact execution methods over one Decoder and one loss:
 //
 //   kDense   every rollout on its own: the reference and the baseline.
 //   kPacked  Tree Training: the tree's unique tokens DFS-serialized into one forward with a tree
@@ -134,7 +134,7 @@ struct GradientResult {
 // Bytes of autograd state one token's forward graph keeps alive (saved activations of every
 // layer), the unit in which the automatic graph budget is sized. An estimate from the shapes; on
 // one of `tensor_parallel` ranks (heads and the MLP's intermediate split across them).
-int64_t GraphBytesPerToken(const Qwen3Config& config, at::ScalarType dtype,
+int64_t GraphBytesPerToken(const ModelConfig& config, at::ScalarType dtype,
                            int tensor_parallel = 1);
 
 // The executor's options and workload as core/layout's estimate of its memory sees them; a
@@ -145,7 +145,7 @@ ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t 
 // Computes the batch loss and adds d loss / d parameter into each parameter's .grad (callers zero
 // the gradients between steps). Rollouts must be valid (ValidateRollout) with token ids below the
 // model's vocabulary; TORCH_CHECK names the rollout otherwise.
-GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult ComputeGradients(const Decoder& model, absl::Span<const Rollout> rollouts,
                                 const LossOptions& loss, const ExecutorOptions& options = {});
 
 // The same with the batch's normalisers given instead of computed from `rollouts`. With data
@@ -153,13 +153,13 @@ GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollou
 // that the ranks' gradients sum to the single-process gradient; a rank's rollouts then carry
 // per-token advantages computed over the whole batch (GroupAdvantages), as the dispatcher sends
 // them, because group advantages computed here would see only this rank's part of each group.
-GradientResult ComputeGradients(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult ComputeGradients(const Decoder& model, absl::Span<const Rollout> rollouts,
                                 const LossOptions& loss, const ExecutorOptions& options,
                                 const BatchLossContext& batch);
 
 // Every rollout's per-token log-probabilities under the model, without gradients, each unique
 // token computed once for kPacked and kDta. Position 0 holds 0.
-std::vector<at::Tensor> ComputeLogprobs(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+std::vector<at::Tensor> ComputeLogprobs(const Decoder& model, absl::Span<const Rollout> rollouts,
                                         const ExecutorOptions& options = {});
 
 }  // namespace dta

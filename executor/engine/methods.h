@@ -16,7 +16,7 @@ namespace dta::engine {
 // advantages, whether entropy is needed, proximal log-probabilities for decoupled PPO.
 class LossPlan {
  public:
-  LossPlan(const Qwen3Model& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
+  LossPlan(const Decoder& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
            const ExecutorOptions& executor, const BatchLossContext& batch);
 
   bool needs_entropy() const {
@@ -71,7 +71,7 @@ PrefixTree BuildTree(absl::Span<const Rollout> rollouts, absl::Span<const Rollou
 PrefixTree BuildTree(absl::Span<const Rollout> rollouts);
 
 // Checks token ids against the vocabulary, naming the rollout.
-void CheckRollouts(const Qwen3Model& model, absl::Span<const Rollout> rollouts);
+void CheckRollouts(const Decoder& model, absl::Span<const Rollout> rollouts);
 
 // The router-balance term of rollouts whose tokens sit at rows `paths[i]` of a forward's
 // router_counts / router_probs ([T, E]): rows [T, E] with w_r c_r added at each rollout's rows
@@ -82,11 +82,11 @@ at::Tensor RouterBalanceRows(const LossPlan& plan, const at::Tensor& router_coun
                              absl::Span<const at::Tensor> paths);
 
 // When `plan` is null, only log-probabilities are computed (no graph, no gradients).
-GradientResult RunDense(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts,
                         const LossPlan* plan, const ExecutorOptions& options);
-GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollouts,
                          const LossPlan* plan, const ExecutorOptions& options);
-GradientResult RunDta(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
                       const LossPlan* plan, const ExecutorOptions& options);
 
 }  // namespace dta::engine

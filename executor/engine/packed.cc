@@ -14,7 +14,7 @@ namespace {
 
 // One packed forward (and backward) over the rollouts `subset`; their results go to `result`, the
 // loss (a device scalar) to `total_loss`.
-void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+void RunPackedBatch(const Decoder& model, absl::Span<const Rollout> rollouts,
                     absl::Span<const RolloutIndex> subset, const LossPlan* plan,
                     const ExecutorOptions& options, GradientResult& result, at::Tensor& total_loss,
                     at::Tensor& total_balance) {
@@ -61,7 +61,7 @@ void RunPackedBatch(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
 
 }  // namespace
 
-GradientResult RunPacked(const Qwen3Model& model, absl::Span<const Rollout> rollouts,
+GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollouts,
                          const LossPlan* plan, const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   GradientResult result;

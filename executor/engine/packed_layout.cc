@@ -41,9 +41,9 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& dev
   return CopyToDevice(absl::MakeConstSpan(values), at::TensorOptions().device(device));
 }
 
-PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
-                           const PrefixKv& prefix, const at::Tensor& previous_hidden,
-                           bool with_entropy, const LogprobOptions& logprob, bool checkpointing,
+PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout, const PrefixKv& prefix,
+                           const at::Tensor& previous_hidden, bool with_entropy,
+                           const LogprobOptions& logprob, bool checkpointing,
                            bool router_statistics) {
   const at::Device device = model.options().device();
   PackedOutput result;

@@ -53,9 +53,9 @@ struct PackedOutput {
 // only its layer inputs (see checkpointing.h): after backpropagating the loss, call
 // BackwardThroughLayers(model, *out.input, out.context, out.checkpoints). With
 // `router_statistics`, the sparse layers' routing too (ChunkInput::router_statistics).
-PackedOutput ForwardPacked(const Qwen3Model& model, const PackedLayout& layout,
-                           const PrefixKv& prefix, const at::Tensor& previous_hidden,
-                           bool with_entropy, const LogprobOptions& logprob,
-                           bool checkpointing = false, bool router_statistics = false);
+PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout, const PrefixKv& prefix,
+                           const at::Tensor& previous_hidden, bool with_entropy,
+                           const LogprobOptions& logprob, bool checkpointing = false,
+                           bool router_statistics = false);
 
 }  // namespace dta::engine

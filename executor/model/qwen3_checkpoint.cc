@@ -96,7 +96,7 @@ std::string FileOf(const SafetensorsCheckpoint& checkpoint, std::string_view nam
 // since the mapping only guarantees the alignment the file gives).
 at::Tensor ToTensor(const SafetensorsCheckpoint& checkpoint, const TensorView& view) {
   const std::optional<at::ScalarType> type = WeightType(view.dtype);
-  TORCH_CHECK(type.has_value(), "LoadQwen3Model: ", FileOf(checkpoint, view.name), ": tensor '",
+  TORCH_CHECK(type.has_value(), "LoadHfModel: ", FileOf(checkpoint, view.name), ": tensor '",
               view.name, "' is stored as ", DTypeName(view.dtype),
               "; model weights must be BF16, F16, F32 or F64");
   return TensorFromView(view, *type);
@@ -106,7 +106,7 @@ const TensorView* GetChecked(const SafetensorsCheckpoint& checkpoint, const std:
                              at::IntArrayRef shape) {
   absl::StatusOr<const TensorView*> view =
       checkpoint.Get(name, absl::Span<const int64_t>(shape.data(), shape.size()));
-  TORCH_CHECK(view.ok(), "LoadQwen3Model: ", view.status().message());
+  TORCH_CHECK(view.ok(), "LoadHfModel: ", view.status().message());
   return *view;
 }
 
@@ -130,15 +130,15 @@ std::vector<std::string> CheckpointNames(const std::string& name,
 
 }  // namespace
 
-Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions options,
-                          std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
-  absl::StatusOr<Qwen3Config> config = LoadQwen3Config(directory);
-  TORCH_CHECK(config.ok(), "LoadQwen3Model: ", config.status().message());
+Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
+                    std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(directory);
+  TORCH_CHECK(config.ok(), "LoadHfModel: ", config.status().message());
   absl::StatusOr<SafetensorsCheckpoint> opened = SafetensorsCheckpoint::Open(directory);
-  TORCH_CHECK(opened.ok(), "LoadQwen3Model: ", opened.status().message());
+  TORCH_CHECK(opened.ok(), "LoadHfModel: ", opened.status().message());
   const SafetensorsCheckpoint& checkpoint = *opened;
 
-  Qwen3Model model(*config, options, std::move(tensor_parallel));
+  Decoder model(*config, options, std::move(tensor_parallel));
   std::set<std::string> expected;
   for (size_t i = 0; i < model.named_parameters().size(); ++i) {
     for (std::string& name : CheckpointNames(model.named_parameters()[i].first,
@@ -193,7 +193,7 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
     if (unexpected.size() > kShown)
       list += ", and " + std::to_string(unexpected.size() - kShown) + " more";
     const ModelFamily* family = FindModelFamily(config->model_type);
-    TORCH_CHECK(false, "LoadQwen3Model: ", directory, ": ", unexpected.size(),
+    TORCH_CHECK(false, "LoadHfModel: ", directory, ": ", unexpected.size(),
                 " unexpected tensor(s) that the ", family != nullptr ? family->name : "",
                 " model does not have: ", list);
   }
@@ -207,7 +207,7 @@ Qwen3Model LoadQwen3Model(const std::string& directory, at::TensorOptions option
     const at::Tensor head = ToTensor(checkpoint, *head_view).to(at::kDouble);
     TORCH_CHECK(
         at::equal(head, ToTensor(checkpoint, *embed_view).to(at::kDouble)),
-        "LoadQwen3Model: ", FileOf(checkpoint, kHead), ": tensor 'lm_head.weight' differs from '",
+        "LoadHfModel: ", FileOf(checkpoint, kHead), ": tensor 'lm_head.weight' differs from '",
         embed_name,
         "' although config.json sets tie_word_embeddings (remove it, or untie the embeddings)");
   }
@@ -218,14 +218,14 @@ namespace {
 
 // Gathers the parameters (every rank of the model's tensor-parallel group) and writes the weights
 // and config.json from its rank 0; returns whether this rank wrote.
-bool WriteQwen3Model(const Qwen3Model& model, const std::string& directory,
-                     std::optional<at::ScalarType> dtype, int64_t max_shard_bytes,
-                     bool index_one_file, const std::string& base_config) {
+bool WriteHfModel(const Decoder& model, const std::string& directory,
+                  std::optional<at::ScalarType> dtype, int64_t max_shard_bytes, bool index_one_file,
+                  const std::string& base_config) {
   const at::ScalarType type = dtype.value_or(model.options().dtype().toScalarType());
   const char* type_name = ConfigDTypeName(type);
-  TORCH_CHECK(type_name != nullptr, "SaveQwen3Model: ", directory, ": cannot store weights as ",
-              type, " (bfloat16, float16, float32 or float64)");
-  Qwen3Config config = model.config();
+  TORCH_CHECK(type_name != nullptr, "SaveHfModel: ", directory, ": cannot store weights as ", type,
+              " (bfloat16, float16, float32 or float64)");
+  ModelConfig config = model.config();
   config.torch_dtype = type_name;
 
   at::NoGradGuard no_grad;
@@ -253,32 +253,32 @@ bool WriteQwen3Model(const Qwen3Model& model, const std::string& directory,
   if (!writer) return false;
   const absl::Status written =
       WriteSafetensorsCheckpoint(directory, tensors, max_shard_bytes, index_one_file);
-  TORCH_CHECK(written.ok(), "SaveQwen3Model: ", directory, ": ", written.message());
-  const absl::Status saved = SaveQwen3Config(config, directory, base_config);
-  TORCH_CHECK(saved.ok(), "SaveQwen3Model: ", directory, ": ", saved.message());
+  TORCH_CHECK(written.ok(), "SaveHfModel: ", directory, ": ", written.message());
+  const absl::Status saved = SaveModelConfig(config, directory, base_config);
+  TORCH_CHECK(saved.ok(), "SaveHfModel: ", directory, ": ", saved.message());
   return true;
 }
 
 }  // namespace
 
-void SaveQwen3Model(const Qwen3Model& model, const std::string& directory,
-                    std::optional<at::ScalarType> dtype, int64_t max_shard_bytes) {
-  WriteQwen3Model(model, directory, dtype, max_shard_bytes, /*index_one_file=*/false, "");
+void SaveHfModel(const Decoder& model, const std::string& directory,
+                 std::optional<at::ScalarType> dtype, int64_t max_shard_bytes) {
+  WriteHfModel(model, directory, dtype, max_shard_bytes, /*index_one_file=*/false, "");
 }
 
-void ExportQwen3Model(const Qwen3Model& model, const std::string& directory,
-                      const ModelExportOptions& options) {
+void ExportHfModel(const Decoder& model, const std::string& directory,
+                   const ModelExportOptions& options) {
   const std::string base_config =
       options.source_directory.empty()
           ? ""
           : (std::filesystem::path(options.source_directory) / "config.json").string();
-  if (!WriteQwen3Model(model, directory, options.dtype, options.max_shard_bytes,
-                       /*index_one_file=*/true, base_config)) {
+  if (!WriteHfModel(model, directory, options.dtype, options.max_shard_bytes,
+                    /*index_one_file=*/true, base_config)) {
     return;
   }
   const absl::StatusOr<std::vector<std::string>> copied =
       CopyModelCompanionFiles(options.source_directory, directory);
-  TORCH_CHECK(copied.ok(), "ExportQwen3Model: ", directory, ": ", copied.status().message());
+  TORCH_CHECK(copied.ok(), "ExportHfModel: ", directory, ": ", copied.status().message());
 }
 
 void SaveNamedTensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,

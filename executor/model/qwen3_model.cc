@@ -856,11 +856,11 @@ class SlicedLogprobs : public torch::autograd::Function<SlicedLogprobs> {
 
 }  // namespace
 
-Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
-                       std::shared_ptr<const TensorParallelGroup> tensor_parallel)
+Decoder::Decoder(const ModelConfig& config, at::TensorOptions options,
+                 std::shared_ptr<const TensorParallelGroup> tensor_parallel)
     : config_(config), options_(options), tensor_parallel_(std::move(tensor_parallel)) {
-  const absl::Status valid = ValidateQwen3Config(config);
-  TORCH_CHECK(valid.ok(), "Qwen3Model: ", std::string(valid.message()));
+  const absl::Status valid = ValidateModelConfig(config);
+  TORCH_CHECK(valid.ok(), "Decoder: ", std::string(valid.message()));
   TORCH_CHECK(config.head_dim % 2 == 0, "head_dim must be even for RoPE");
   const int tp = tensor_parallel_size();
   const int rank = tensor_parallel_ ? tensor_parallel_->rank() : 0;
@@ -981,8 +981,8 @@ Qwen3Model::Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
       config, options.dtype(ComputeType(options.dtype().toScalarType())).requires_grad(false));
 }
 
-at::Tensor Qwen3Model::Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim,
-                           IndexRange range) {
+at::Tensor Decoder::Add(const std::string& name, std::vector<int64_t> full_shape, int64_t dim,
+                        IndexRange range) {
   std::vector<int64_t> shape = full_shape;
   if (dim >= 0) shape[dim] = range.size();
   at::Tensor parameter = at::zeros(shape, options_).requires_grad_(true);
@@ -991,9 +991,9 @@ at::Tensor Qwen3Model::Add(const std::string& name, std::vector<int64_t> full_sh
   return parameter;
 }
 
-std::vector<at::Tensor> Qwen3Model::AddStacked(const std::vector<std::string>& names,
-                                               const std::vector<std::vector<int64_t>>& full_shapes,
-                                               IndexRange range) {
+std::vector<at::Tensor> Decoder::AddStacked(const std::vector<std::string>& names,
+                                            const std::vector<std::vector<int64_t>>& full_shapes,
+                                            IndexRange range) {
   TORCH_CHECK(names.size() == full_shapes.size() && !names.empty(),
               "AddStacked: one shape per name");
   const int64_t cols = full_shapes[0].at(1);
@@ -1013,32 +1013,32 @@ std::vector<at::Tensor> Qwen3Model::AddStacked(const std::vector<std::string>& n
   return parts;
 }
 
-at::Tensor Qwen3Model::parameter(const std::string& name) const {
+at::Tensor Decoder::parameter(const std::string& name) const {
   for (const auto& [n, p] : named_) {
     if (n == name) return p;
   }
   TORCH_CHECK(false, "the model has no parameter named '", name, "'");
 }
 
-TensorParallelNorm Qwen3Model::gradient_norm_scope() const {
+TensorParallelNorm Decoder::gradient_norm_scope() const {
   TensorParallelNorm scope{.group = tensor_parallel_size() > 1 ? tensor_parallel() : nullptr,
                            .replicated = {}};
   for (const ParameterSplit& split : splits_) scope.replicated.push_back(split.replicated());
   return scope;
 }
 
-at::Tensor Qwen3Model::LocalPart(size_t index, const at::Tensor& full) const {
-  TORCH_CHECK(index < named_.size(), "Qwen3Model::LocalPart: no parameter ", index);
+at::Tensor Decoder::LocalPart(size_t index, const at::Tensor& full) const {
+  TORCH_CHECK(index < named_.size(), "Decoder::LocalPart: no parameter ", index);
   const ParameterSplit& split = splits_[index];
-  TORCH_CHECK(full.sizes() == at::IntArrayRef(split.full_shape), "Qwen3Model::LocalPart: '",
+  TORCH_CHECK(full.sizes() == at::IntArrayRef(split.full_shape), "Decoder::LocalPart: '",
               named_[index].first, "' has shape ", at::IntArrayRef(split.full_shape), ", not ",
               full.sizes());
   if (split.replicated()) return full;
   return full.narrow(split.dim, split.range.begin, split.range.size());
 }
 
-at::Tensor Qwen3Model::GatherParameter(size_t index) const {
-  TORCH_CHECK(index < named_.size(), "Qwen3Model::GatherParameter: no parameter ", index);
+at::Tensor Decoder::GatherParameter(size_t index) const {
+  TORCH_CHECK(index < named_.size(), "Decoder::GatherParameter: no parameter ", index);
   const ParameterSplit& split = splits_[index];
   const at::Tensor local = named_[index].second.detach();
   if (split.replicated() || tensor_parallel_size() == 1) return local;
@@ -1060,7 +1060,7 @@ at::Tensor Qwen3Model::GatherParameter(size_t index) const {
   return split.dim == 0 ? whole : whole.movedim(0, split.dim).contiguous();
 }
 
-void Qwen3Model::ReduceTensorParallelGradients() const {
+void Decoder::ReduceTensorParallelGradients() const {
   if (!partial_norm_grads_.defined()) return;
   torch::autograd::AutoGradMode no_grad(false);
   at::Tensor sums = partial_norm_grads_;
@@ -1072,7 +1072,7 @@ void Qwen3Model::ReduceTensorParallelGradients() const {
   partial_norm_grads_.zero_();
 }
 
-void Qwen3Model::InitRandom(uint64_t seed, double std) {
+void Decoder::InitRandom(uint64_t seed, double std) {
   // Drawn whole on the CPU in float64 and then converted and split, so a seed means the same
   // weights on every device, dtype and tensor-parallel size. Each parameter is drawn in pieces of
   // kPiece elements, each from its own generator seeded by (seed, parameter, piece): the pieces
@@ -1116,20 +1116,20 @@ void Qwen3Model::InitRandom(uint64_t seed, double std) {
   }
 }
 
-at::Tensor Qwen3Model::RmsNorm(const at::Tensor& x, const at::Tensor& weight,
-                               std::optional<at::ScalarType> out_type,
-                               const at::Tensor& accumulator) const {
+at::Tensor Decoder::RmsNorm(const at::Tensor& x, const at::Tensor& weight,
+                            std::optional<at::ScalarType> out_type,
+                            const at::Tensor& accumulator) const {
   return RmsNormFunction::apply(
       x, weight, config_.rms_norm_eps, out_type.value_or(weight.scalar_type()),
       accumulator.defined() ? std::optional<at::Tensor>(accumulator) : std::nullopt);
 }
 
-std::pair<at::Tensor, at::Tensor> Qwen3Model::Rope(const at::Tensor& positions) const {
+std::pair<at::Tensor, at::Tensor> Decoder::Rope(const at::Tensor& positions) const {
   return RopeTables(inv_freq_.to(positions.device()), positions,
                     RopeAttentionFactor(config_.rope_scaling));
 }
 
-ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
+ChunkContext Decoder::MakeContext(const ChunkInput& input) const {
   const int64_t t = input.tokens.size(0);
   TORCH_CHECK(input.tokens.dim() == 1 && input.positions.sizes() == input.tokens.sizes(),
               "tokens and positions must be [T] tensors of the same length");
@@ -1175,11 +1175,11 @@ ChunkContext Qwen3Model::MakeContext(const ChunkInput& input) const {
   return context;
 }
 
-at::Tensor Qwen3Model::Embed(const at::Tensor& tokens) const {
+at::Tensor Decoder::Embed(const at::Tensor& tokens) const {
   return Embedding::apply(embed_, tokens, GroupHandle(tensor_parallel()), vocab_.begin);
 }
 
-Qwen3Model::NormScale Qwen3Model::ScaleOf(const at::Tensor& norm_weight) const {
+Decoder::NormScale Decoder::ScaleOf(const at::Tensor& norm_weight) const {
   if (!HasZeroCentredNorms(config_)) return {norm_weight, at::Tensor()};
   // 1 + w in the compute dtype (transformers' (1.0 + weight.float())): d(1 + w)/dw = 1, so the
   // norm's weight gradient goes straight into w's accumulator.
@@ -1194,16 +1194,16 @@ std::optional<at::Tensor> Optional(const at::Tensor& t) {
 }
 }  // namespace
 
-LayerOutput Qwen3Model::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,
-                                     const LayerPrefix& prefix) const {
+LayerOutput Decoder::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,
+                                  const LayerPrefix& prefix) const {
   LayerOutput out = is_linear_layer(l) ? LinearAttentionHalf(l, h, context, prefix)
                                        : AttentionHalf(l, h, context, prefix);
   MlpHalf(l, out.hidden, context, out);
   return out;
 }
 
-LayerOutput Qwen3Model::AttentionHalf(int64_t l, const at::Tensor& h, const ChunkContext& context,
-                                      const LayerPrefix& prefix) const {
+LayerOutput Decoder::AttentionHalf(int64_t l, const at::Tensor& h, const ChunkContext& context,
+                                   const LayerPrefix& prefix) const {
   const int64_t t = h.size(0);
   const Layer& layer = layers_[l];
   const int64_t heads = local_heads();
@@ -1270,9 +1270,9 @@ LayerOutput Qwen3Model::AttentionHalf(int64_t l, const at::Tensor& h, const Chun
   return out;
 }
 
-LayerOutput Qwen3Model::LinearAttentionHalf(int64_t l, const at::Tensor& h,
-                                            const ChunkContext& context,
-                                            const LayerPrefix& prefix) const {
+LayerOutput Decoder::LinearAttentionHalf(int64_t l, const at::Tensor& h,
+                                         const ChunkContext& context,
+                                         const LayerPrefix& prefix) const {
   const Layer& layer = layers_[l];
   const GatedDeltaNetWeights& w = layer.linear;
   const NormScale input_norm = ScaleOf(layer.input_norm);
@@ -1317,8 +1317,8 @@ LayerOutput Qwen3Model::LinearAttentionHalf(int64_t l, const at::Tensor& h,
   return out;
 }
 
-void Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h, const ChunkContext& context,
-                         LayerOutput& result) const {
+void Decoder::MlpHalf(int64_t l, const at::Tensor& h, const ChunkContext& context,
+                      LayerOutput& result) const {
   const Layer& layer = layers_[l];
   const double eps = config_.rms_norm_eps;
   const int64_t group = GroupHandle(tensor_parallel());
@@ -1371,12 +1371,12 @@ void Qwen3Model::MlpHalf(int64_t l, const at::Tensor& h, const ChunkContext& con
 }
 
 // In the compute dtype: Logprobs rounds it once to lm_head's dtype, and its gradient stays wide.
-at::Tensor Qwen3Model::FinalNorm(const at::Tensor& h) const {
+at::Tensor Decoder::FinalNorm(const at::Tensor& h) const {
   const NormScale scale = ScaleOf(final_norm_);
   return RmsNorm(h, scale.weight, ComputeType(options_.dtype().toScalarType()), scale.accumulator);
 }
 
-ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
+ChunkOutput Decoder::Forward(const ChunkInput& input) const {
   const ChunkContext context = MakeContext(input);
   ChunkOutput out;
   at::Tensor h = Embed(input.tokens);
@@ -1403,8 +1403,8 @@ ChunkOutput Qwen3Model::Forward(const ChunkInput& input) const {
   return out;
 }
 
-at::Tensor Qwen3Model::Logprobs(const at::Tensor& hidden, const at::Tensor& targets,
-                                at::Tensor* entropy, const LogprobOptions& options) const {
+at::Tensor Decoder::Logprobs(const at::Tensor& hidden, const at::Tensor& targets,
+                             at::Tensor* entropy, const LogprobOptions& options) const {
   TORCH_CHECK(hidden.dim() == 2 && targets.dim() == 1 && hidden.size(0) == targets.size(0),
               "Logprobs takes hidden [N, hidden_size] and targets [N]");
   TORCH_CHECK(options.slice_rows > 0, "slice_rows must be positive");

@@ -1,9 +1,8 @@
-// A decoder of the families in core/checkpoint/model_family.h (Qwen3, Qwen2/Qwen2.5, Llama 3,
-// Qwen3-MoE, Qwen3-Next: RMSNorm, RoPE with explicit position ids and optional rope scaling,
-// grouped-query attention with Qwen3's q/k norm or without, optional q/k/v and o_proj biases,
-// SwiGLU MLP or, in Qwen3-MoE's sparse layers, a top-k routed mixture of SwiGLU experts, optional
-// tied embeddings; the class keeps its first family's name) whose one core call is "forward a
-// chunk of tokens on top of a cached prefix".
+// A decoder of the families in core/checkpoint/model_family.h (RMSNorm, RoPE with explicit position
+// ids and optional rope scaling, grouped-query attention with Qwen3's q/k norm or without, optional
+// q/k/v and o_proj biases, SwiGLU MLP or, in Qwen3-MoE's sparse layers, a top-k routed mixture of
+// SwiGLU experts, optional tied embeddings) whose one core call is "forward a chunk of tokens on
+// top of a cached prefix".
 //
 // Qwen3-Next (qwen3_next, as transformers' Qwen3NextForCausalLM): layers whose layer_types entry
 // is "linear_attention" run Gated DeltaNet (gated_delta_net.h) instead of attention: in_proj_qkvz
@@ -33,7 +32,7 @@
 // keeps nothing) and after RoPE, v, the attention output, and the MLP's gate and up
 // (GraphBytesPerToken in executor/engine/executor.h counts exactly these).
 //
-// Mixture of experts (Qwen3-MoE's sparse layers, Qwen3Config's IsSparseLayer): as transformers'
+// Mixture of experts (Qwen3-MoE's sparse layers, ModelConfig's IsSparseLayer): as transformers'
 // Qwen3MoeSparseMoeBlock, router logits n(h) @ gate^T in the weights' dtype, softmax in the compute
 // dtype, torch.topk, optionally renormalised, the weights rounded to the weights' dtype, and
 // y = sum over the token's k experts of w_e down_e(silu(gate_e n(h)) * up_e n(h)), formed in the
@@ -48,7 +47,9 @@
 // the top-k weights and indices, the sort). On CUDA the grouped GEMMs return their inputs' dtype,
 // so the experts' weight gradients are formed from float32 copies (a bfloat16 product would round
 // each chunk's gradient before the float32 sum; slower, until a grouped GEMM with a float32 output
-// of our own). The router's auxiliary load-balancing loss is not computed.
+// of our own). With ChunkInput::router_statistics the forward also returns each token's router
+// statistics, from which the loss adds the router's load-balancing term (LossOptions::
+// router_aux_loss_coef, transformers' aux_loss per rollout).
 //
 // Gradients: backward adds each parameter's gradient straight into its .grad, which is float32 for
 // bfloat16/float16 parameters (and the parameter's dtype otherwise): many chunk backwards into one
@@ -61,7 +62,7 @@
 // elsewhere); RoPE without a norm runs the ATen expressions of rope.h.
 //
 // Example:
-//   Qwen3Model model(config, at::TensorOptions().dtype(at::kDouble));
+//   Decoder model(config, at::TensorOptions().dtype(at::kDouble));
 //   model.InitRandom(/*seed=*/1);
 //   ChunkOutput out = model.Forward({.tokens = ids, .positions = at::arange(n, at::kLong)});
 //   at::Tensor logp = model.Logprobs(out.hidden.slice(0, 0, n - 1), ids.slice(0, 1, n));
@@ -217,18 +218,18 @@ struct ParameterSplit {
   bool replicated() const { return dim < 0; }
 };
 
-class Qwen3Model {
+class Decoder {
  public:
   // Parameters are allocated (zeros) with `options` (dtype, device) and require grad. With
   // `tensor_parallel` (null or size 1: the whole model), this rank's part of each (see the header
-  // comment). TORCH_CHECK when ValidateQwen3Config refuses the config (naming the field) or the
+  // comment). TORCH_CHECK when ValidateModelConfig refuses the config (naming the field) or the
   // group's size does not divide both head counts.
-  Qwen3Model(const Qwen3Config& config, at::TensorOptions options,
-             std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
-  Qwen3Model(const Qwen3Model&) = delete;
-  Qwen3Model& operator=(const Qwen3Model&) = delete;
-  Qwen3Model(Qwen3Model&&) = default;
-  Qwen3Model& operator=(Qwen3Model&&) = default;
+  Decoder(const ModelConfig& config, at::TensorOptions options,
+          std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+  Decoder(Decoder&&) = default;
+  Decoder& operator=(Decoder&&) = default;
 
   // Deterministic random weights: matrices and biases ~ N(0, std), norm weights and dt_bias
   // ~ 1 + N(0, std / 4) (zero-centred norms ~ N(0, std / 4)), A_log ~ -2 + N(0, std / 4). Drawn
@@ -236,7 +237,7 @@ class Qwen3Model {
   // tensor-parallel size, on every device and however many threads draw it.
   void InitRandom(uint64_t seed, double std = 0.02);
 
-  const Qwen3Config& config() const { return config_; }
+  const ModelConfig& config() const { return config_; }
   at::TensorOptions options() const { return options_; }
   // Every parameter under its Hugging Face name ("model.layers.0.self_attn.q_proj.weight",
   // "...q_proj.bias", ...), in a fixed order (a projection's bias right after its weight); this
@@ -349,7 +350,7 @@ class Qwen3Model {
   // attention factor included).
   std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
 
-  Qwen3Config config_;
+  ModelConfig config_;
   at::TensorOptions options_;
   std::shared_ptr<const TensorParallelGroup> tensor_parallel_;
   IndexRange heads_, kv_heads_, intermediate_, moe_intermediate_, vocab_;  // this rank's parts
@@ -365,5 +366,8 @@ class Qwen3Model {
   std::vector<bool> linear_layers_;
   GatedDeltaNetShape linear_shape_;
 };
+
+// The class's name before it served every family; gone in the next release.
+using Qwen3Model [[deprecated("use dta::Decoder")]] = Decoder;
 
 }  // namespace dta

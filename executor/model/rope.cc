@@ -89,7 +89,7 @@ at::Tensor JoinUnrotated(const at::Tensor& rotated, const at::Tensor& x) {
 
 }  // namespace
 
-at::Tensor RopeInverseFrequencies(const Qwen3Config& config, at::TensorOptions options) {
+at::Tensor RopeInverseFrequencies(const ModelConfig& config, at::TensorOptions options) {
   const int64_t dim = RotaryDim(config);
   TORCH_CHECK(dim > 0 && dim % 2 == 0, "RoPE needs a positive, even rotary dimension, got ", dim,
               " (head_dim ", config.head_dim, ", partial_rotary_factor ",

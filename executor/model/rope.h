@@ -24,7 +24,7 @@ namespace dta {
 // inv_freq [R / 2] for config.rope_theta, the rotary dimension R = RotaryDim(config) (head_dim,
 // or its partial_rotary_factor share) and rope_scaling, computed with `options` (the compute dtype:
 // float32 as transformers, float64 for exact references). TORCH_CHECK on an odd R.
-at::Tensor RopeInverseFrequencies(const Qwen3Config& config, at::TensorOptions options);
+at::Tensor RopeInverseFrequencies(const ModelConfig& config, at::TensorOptions options);
 
 // cos and sin [T, R] of the angles positions x inv_freq (each frequency twice, as
 // transformers' cat((freqs, freqs))), multiplied by attention_factor (YaRN's; 1: none), in

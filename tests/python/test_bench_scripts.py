@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,119 @@ def test_python_overhead_times_both_checks_of_a_batch(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "python_overhead.py"), f"--rollouts={rollouts}",
                           "--repeats=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr
+
+
+# scripts/gpu_bench_set.sh runs bench/configs/ on a GPU machine; --dry_run prints its commands
+# without a GPU, which is what these check.
+BENCH_SET = REPO / "scripts" / "gpu_bench_set.sh"
+CONFIGS = REPO / "bench" / "configs"
+
+
+def bench_set(*args):
+    return subprocess.run(["bash", str(BENCH_SET), "--dry_run", *map(str, args)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_gpu_bench_set_prints_a_sets_commands_and_writes_nothing(tmp_path):
+    run = bench_set(f"--out={tmp_path}", "step")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    record = re.fullmatch(r"record: (\S+) \(.*\)", lines[0]).group(1)
+    assert re.fullmatch(re.escape(str(tmp_path)) + r"/\d{4}-\d\d-\d\d-step-[a-z0-9]+", record), record
+    assert list(tmp_path.iterdir()) == [], "a dry run writes nothing"
+    assert "DTA_DEVICE_TARGETS=dta-bench\\ dta-workload scripts/device_build.sh" in lines[1]
+    workloads = [line for line in lines if "bin/dta-workload" in line]
+    assert [re.search(r"--preset=(\S+) --seed=1 --scale=(\S+) ", w).groups() for w in workloads] == [
+        ("tau2", "0.25"), ("tau2", "0.2"), ("gsm8k", "0.3"), ("aime", "0.1")]
+    benches = [line for line in lines if "bin/dta-bench" in line]
+    names = ["qwen3-1.7b-tau2", "qwen3-8b-tau2", "qwen3-1.7b-gsm8k", "qwen3-1.7b-aime-4"]
+    assert len(benches) == 4
+    for name, limit, line, workload in zip(names, [150, 200, 60, 45], benches, workloads):
+        assert line.startswith(f"timeout {limit} build-device/bin/dta-bench --flagfile=bench/configs/{name}.flags "), line
+        assert f"--rollouts={workload.split('--out=')[1].split()[0]}" in line
+        assert f"--out_dir={record}/{name} --label={name} >/dev/null 2>{record}/{name}/log.txt" in line
+
+
+def test_gpu_bench_set_runs_each_config_once_with_its_own_tool(tmp_path):
+    run = bench_set(f"--out={tmp_path}", "--topic=mixed", "kernels", "attention-d64", "qwen3-1.7b-aime-4-transformers",
+                    "data-parallel-2gpu")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    record = lines[0].split()[1]
+    assert "-mixed-" in record
+    assert lines[1].startswith("scripts/device_build.sh -DDTA_BUILD_PYTHON=ON"), "a script needs the whole build"
+    assert sum("dta-attention-bench --flagfile=bench/configs/attention-d64.flags" in line for line in lines) == 1
+    # The AIME batch's first 4 rollouts, for hf_baseline, which has no --max_rollouts.
+    first = [line for line in lines if line.startswith("head -n 4 ")]
+    assert len(first) == 1
+    hf = [line for line in lines if "bench/hf_baseline.py" in line]
+    assert len(hf) == 1 and hf[0].startswith("env PYTHONPATH=build-device/site timeout 120 python3 bench/hf_baseline.py "
+                                             "--config=qwen3-1.7b --device=cuda --dtype=bfloat16 --repeats=2 ")
+    assert f"--rollouts={first[0].split('>')[1]} --json >{record}/qwen3-1.7b-aime-4-transformers/results.jsonl" in hf[0]
+    dp = [line for line in lines if "gpu_dp.sh" in line]
+    assert dp == [f"env RANKS=2 MODEL=qwen3-1.7b SCALE=0.25 STEPS=4 OUT={record}/data-parallel-2gpu timeout 600 "
+                  f"scripts/gpu_dp.sh --no_build >{record}/data-parallel-2gpu/output.log 2>&1"]
+
+
+def flags_defined_by(path):
+    text = path.read_text()
+    if path.suffix == ".cc":
+        return set(re.findall(r"ABSL_FLAG\(\s*[\w:]+,\s*(\w+),", text))
+    if path.suffix == ".py":
+        return set(re.findall(r'add_argument\("--(\w+)"', text))
+    return set(re.findall(r"--(\w+)=?\*?\)", text))  # a script's case patterns
+
+
+def test_every_named_run_uses_flags_its_tool_defines():
+    """Every config of bench/configs/ is valid (a dry run of all of them passes its checks), and every
+    flag in it is one its tool defines, so that a run on the GPU machine does not stop at a typo."""
+    runs = sorted(p.stem for p in CONFIGS.glob("*.flags"))
+    sets = sorted(p.stem for p in CONFIGS.glob("*.set"))
+    assert "step" in sets and "qwen3-1.7b-tau2" in runs
+    run = bench_set("--no_build", *sets, *runs)
+    assert run.returncode == 0, run.stderr
+    workload_flags = flags_defined_by(REPO / "apps" / "workload" / "workload_main.cc")
+    defined = {"dta-bench": flags_defined_by(REPO / "bench" / "method_bench.cc"),
+               "dta-attention-bench": flags_defined_by(REPO / "bench" / "attention_bench.cc"),
+               "hf_baseline": flags_defined_by(REPO / "bench" / "hf_baseline.py")}
+    for name in runs:
+        text = (CONFIGS / f"{name}.flags").read_text()
+        tool = (re.findall(r"^# tool: (\S+)", text, re.M) or ["dta-bench"])[0]
+        known = defined.get(tool) or flags_defined_by(REPO / tool)
+        if tool == "scripts/gpu_bench.sh":  # passes the flags it does not know to dta-bench
+            known |= defined["dta-bench"]
+        flags = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        for flag in flags:
+            assert re.fullmatch(r"--\w+(=\S+)?", flag) and flag[2:].split("=")[0] in known, (name, flag)
+        for flag in " ".join(re.findall(r"^# workload: (.*)$", text, re.M)).split():
+            assert flag[2:].split("=")[0] in workload_flags, (name, flag)
+    for name in sets:
+        members = [line for line in (CONFIGS / f"{name}.set").read_text().splitlines() if line and line[0] != "#"]
+        assert members and all(m in runs for m in members), name
+
+
+def test_gpu_bench_set_refuses_bad_names_and_configs_before_running(tmp_path):
+    unknown = bench_set("step", "no-such-run")
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert "no set or run 'no-such-run' (neither bench/configs/no-such-run.set nor" in unknown.stderr
+    assert bench_set().returncode == 2
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    cases = {
+        "tool": ("# tool: dta-trainer\n--repeats=1\n", "unknown tool 'dta-trainer'"),
+        "workload": ("--repeats=1\n", "a dta-bench run needs a '# workload: ...' line"),
+        "timeout": ("# workload: --preset=tau2\n# timeout: soon\n", "timeout 'soon' is not a number of seconds"),
+        "first": ("# tool: hf_baseline\n# workload: --preset=aime\n# first_rollouts: 0\n",
+                  "first_rollouts '0' is not a positive number"),
+        "env": ("# workload: --preset=tau2\n# env: 1BAD=x\n", "env '1BAD=x' is not VAR=VALUE"),
+    }
+    for name, (text, message) in cases.items():
+        (configs / f"{name}.flags").write_text(text)
+        run = bench_set(f"--configs={configs}", name)
+        assert run.returncode == 2 and message in run.stderr and run.stdout == "", (name, run.stderr)
+    (configs / "good.flags").write_text("# workload: --preset=tau2\n--repeats=1\n")
+    (configs / "pair.set").write_text("# a set\ngood\nmissing\n")
+    run = bench_set(f"--configs={configs}", "pair")
+    assert run.returncode == 2 and f"{configs}/pair.set: no run 'missing'" in run.stderr
+    assert bench_set(f"--configs={configs}", "good").returncode == 0
+    assert bench_set(f"--configs={configs}", "--topic=Bad Topic", "good").returncode == 2

@@ -1,7 +1,7 @@
 """Parity with Hugging Face transformers' Qwen3.
 
 A tiny random Qwen3ForCausalLM is built and saved with transformers; build/bin/dta-hf-logprobs
-(tests/executor/model/hf_logprobs_main.cc) loads it with LoadQwen3Model and computes every
+(tests/executor/model/hf_logprobs_main.cc) loads it with LoadHfModel and computes every
 rollout's per-token log-probabilities with each execution method (dense, packed, dta). They must
 match transformers' own:
 
@@ -9,7 +9,7 @@ match transformers' own:
     logp[t] = log_softmax(logits[t - 1])[tokens[t]]  for t >= 1,  logp[0] = 0
 
 within 1e-5 in float32 and 1e-10 in float64. The other direction too: a model saved by
-SaveQwen3Model (fp32 single file, bf16 sharded) loads in transformers' from_pretrained with no
+SaveHfModel (fp32 single file, bf16 sharded) loads in transformers' from_pretrained with no
 missing or unexpected keys and gives the same weights and logits bit for bit.
 
 float64: transformers' Qwen3 is not a float64 implementation as shipped: Qwen3RMSNorm upcasts to

@@ -19,11 +19,11 @@ The MoE gradients: transformers keeps each layer's experts as gate_up_proj [E, 2
 [E, H, I]; dta stacks gate_proj and up_proj separately ([E, I, H] each, the halves of gate_up_proj)
 under the names "model.layers.L.mlp.experts.{gate,up,down}_proj" (qwen3_checkpoint.h).
 
-build/bin/dta-hf-logprobs loads each with LoadQwen3Model and computes every rollout's per-token
+build/bin/dta-hf-logprobs loads each with LoadHfModel and computes every rollout's per-token
 log-probabilities with each method (dense, packed, dta, dta with B = 7): they must equal
 transformers' within 1e-5 in float32 and 1e-10 in float64. In float64 the gradient of every
 parameter (biases included) of the summed negative log-likelihood must equal transformers'
-autograd to a relative error of 1e-9, for every method. And a model saved by SaveQwen3Model loads
+autograd to a relative error of 1e-9, for every method. And a model saved by SaveHfModel loads
 in transformers' from_pretrained with no missing, unexpected or mismatched keys, the same config
 (model_type, architectures, rope parameters, biases) and the same weights and logits bit for bit.
 

@@ -10,7 +10,7 @@ RoPE, and sparse MoE blocks with a shared expert (and dense MLP layers where mlp
     next-dense   no experts (every MLP dense); linear, linear, full; as many value as key heads;
                  a two-tap convolution
 
-build/bin/dta-hf-logprobs loads each with LoadQwen3Model and computes every rollout's per-token
+build/bin/dta-hf-logprobs loads each with LoadHfModel and computes every rollout's per-token
 log-probabilities with each method (dense, packed, dta, dta with B = 7 and B = 3, whose chunks
 start inside rollouts, so the recurrent states and convolution inputs travel through the stack):
 they must equal transformers' within 1e-5 in float32 and 1e-10 in float64. In float64 every

@@ -29,7 +29,7 @@ namespace dta::testing {
 // heads, a 3-tap convolution) with a dense MLP, the others gated full attention with q/k/v/o
 // biases, partial RoPE (half of each head) and a sparse block of 5 experts (top-2) plus a shared
 // expert; every norm zero-centred.
-inline Qwen3Config WithFamily(Qwen3Config c, const std::string& family) {
+inline ModelConfig WithFamily(ModelConfig c, const std::string& family) {
   if (family == "qwen3") return c;
   if (family == "qwen3_next") {
     c.model_type = family;
@@ -147,7 +147,7 @@ struct MethodRun {
   std::vector<at::Tensor> grads;
 };
 
-inline MethodRun RunMethod(const Qwen3Model& model, const std::vector<Rollout>& rollouts,
+inline MethodRun RunMethod(const Decoder& model, const std::vector<Rollout>& rollouts,
                            const LossOptions& loss, const ExecutorOptions& options) {
   for (const auto& [name, p] : model.named_parameters()) {
     if (p.grad().defined()) p.mutable_grad().zero_();

@@ -466,7 +466,7 @@ def _diagnostics(d: dict[str, float]) -> dict[str, float | None]:
 
 
 class Trainer:
-    """A Qwen3, Qwen2/Qwen2.5 or Llama 3 model, its AdamW optimizer and the executor, in this process.
+    """A decoder of any family dta builds, its AdamW optimizer and the executor, in this process.
 
     Not copyable; parameters and gradients are live torch tensors shared with the executor.
     Errors in trajectories raise ValueError naming the trajectory and the field; errors from the
@@ -482,8 +482,8 @@ class Trainer:
                  longest_rollout: int = 8192,
                  timeout_s: int = 600, nonfinite_gradients: str = "raise", progress: str = "auto",
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
-        """Loads a Hugging Face Qwen3, Qwen2/Qwen2.5 or Llama 3 directory (config.json +
-        model.safetensors or shards; docs/usage.md, "Model families", says what is refused).
+        """Loads a Hugging Face directory of a family dta builds (config.json + model.safetensors
+        or shards; docs/usage.md, "Model families", lists the families and says what is refused).
 
         Args:
             model: The directory.

@@ -32,8 +32,8 @@
 namespace dta {
 namespace {
 
-Qwen3Config TinyConfig() {
-  Qwen3Config c;
+ModelConfig TinyConfig() {
+  ModelConfig c;
   c.vocab_size = 23;
   c.hidden_size = 16;
   c.intermediate_size = 24;
@@ -46,8 +46,8 @@ Qwen3Config TinyConfig() {
   return c;
 }
 
-Qwen3Model TinyModel() {
-  Qwen3Model model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
+Decoder TinyModel() {
+  Decoder model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
   model.InitRandom(/*seed=*/7, /*std=*/0.2);
   return model;
 }
@@ -105,7 +105,7 @@ class TrainerLoopTest : public ::testing::Test {
   std::filesystem::path dir_;
 };
 
-std::vector<at::Tensor> Parameters(const Qwen3Model& model) {
+std::vector<at::Tensor> Parameters(const Decoder& model) {
   std::vector<at::Tensor> out;
   for (const auto& [name, p] : model.named_parameters()) out.push_back(p.detach().clone());
   return out;
@@ -119,7 +119,7 @@ void ExpectSameParameters(const std::vector<at::Tensor>& a, const std::vector<at
 // What the loop must do for each committed step, written out by hand.
 std::vector<at::Tensor> TrainByHand(const std::vector<StepPartition>& steps,
                                     const TrainerLoopOptions& options) {
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   AdamW optimizer(model.named_parameters(), AdamWOptions{.lr = 1e-2});
   for (const StepPartition& partition : steps) {
     optimizer.ZeroGrad();
@@ -138,7 +138,7 @@ TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
   for (const StepPartition& p : steps) session.partitions.push_back(p);
   TrainerLoopOptions options = Options(/*max_steps=*/3);
   options.save_every = 2;
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   int syncs = 0;
   EXPECT_EQ(RunTrainerSteps(
@@ -171,7 +171,7 @@ TEST_F(TrainerLoopTest, CommittedStepsTrainLikeTheExecutorByHand) {
   EXPECT_TRUE(std::filesystem::exists(dir_ / "step-00000002"));  // kept: keep_checkpoints = 2
 
   // A restarted trainer resumes from the checkpoint with the same weights.
-  Qwen3Model restored = TinyModel();
+  Decoder restored = TinyModel();
   TrainingOptimizer restored_optimizer(restored.named_parameters(), nullptr, {},
                                        AdamWOptions{.lr = 1e-2});
   LoadCheckpoint(*latest, restored_optimizer);
@@ -195,7 +195,7 @@ std::vector<std::string> Listing(const std::filesystem::path& dir) {
 TEST_F(TrainerLoopTest, ACheckpointPublishesExactlyWhatInferenceEnginesLoad) {
   namespace fs = std::filesystem;
   const fs::path source = dir_ / "source";
-  SaveQwen3Model(TinyModel(), source.string());
+  SaveHfModel(TinyModel(), source.string());
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "README.md"}) {
     std::ofstream(source / name) << "{\"from\": \"" << name << "\"}";
   }
@@ -205,7 +205,7 @@ TEST_F(TrainerLoopTest, ACheckpointPublishesExactlyWhatInferenceEnginesLoad) {
   TrainerLoopOptions options = Options(/*max_steps=*/2);
   options.checkpoint_dir = (dir_ / "ckpt").string();
   options.model_export.source_directory = source.string();
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   ASSERT_EQ(RunTrainerSteps(
                 session, model, optimizer, [] {}, 0, options),
@@ -228,8 +228,8 @@ TEST_F(TrainerLoopTest, ACheckpointPublishesExactlyWhatInferenceEnginesLoad) {
   EXPECT_EQ(pointer["model_path"], (step / "model").string());
 
   // The published weights are the trained ones, rounded to bf16.
-  const Qwen3Model published =
-      LoadQwen3Model((step / "model").string(), at::TensorOptions().dtype(at::kDouble));
+  const Decoder published =
+      LoadHfModel((step / "model").string(), at::TensorOptions().dtype(at::kDouble));
   ASSERT_EQ(published.named_parameters().size(), model.named_parameters().size());
   for (size_t i = 0; i < model.named_parameters().size(); ++i) {
     const at::Tensor want =
@@ -246,7 +246,7 @@ TEST_F(TrainerLoopTest, ACheckpointPublishesExactlyWhatInferenceEnginesLoad) {
            old_layout / TrainingOptimizer::kReplicatedFile);
   fs::copy(step / "trainer.json", old_layout / "trainer.json");
   for (const fs::path& checkpoint : {step, old_layout}) {
-    Qwen3Model restored = TinyModel();
+    Decoder restored = TinyModel();
     TrainingOptimizer restored_optimizer(restored.named_parameters(), nullptr, {},
                                          AdamWOptions{.lr = 1e-2});
     LoadCheckpoint({.step = 2, .path = checkpoint.string()}, restored_optimizer);
@@ -261,7 +261,7 @@ TEST_F(TrainerLoopTest, AnOffloadedOptimizerTrainsAndResumesLikeTheReplicatedOne
   FakeSession session;
   for (const StepPartition& p : steps) session.partitions.push_back(p);
   const TrainerLoopOptions options = Options(/*max_steps=*/2);
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {.offload_optimizer = true},
                               AdamWOptions{.lr = 1e-2});
   ASSERT_TRUE(optimizer.sharded());
@@ -281,7 +281,7 @@ TEST_F(TrainerLoopTest, AnOffloadedOptimizerTrainsAndResumesLikeTheReplicatedOne
                                       "optimizer-00000-of-00001.safetensors"));
   EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(latest->path) / "optimizer" /
                                        TrainingOptimizer::kReplicatedFile));
-  Qwen3Model restored = TinyModel();
+  Decoder restored = TinyModel();
   TrainingOptimizer restored_optimizer(restored.named_parameters(), nullptr,
                                        {.offload_optimizer = true}, AdamWOptions{.lr = 1e-2});
   LoadCheckpoint(*latest, restored_optimizer);
@@ -300,7 +300,7 @@ TEST_F(TrainerLoopTest, AnOffloadedOptimizerTrainsAndResumesLikeTheReplicatedOne
 TEST_F(TrainerLoopTest, ResumesFromItsStepAndStopsAtMaxSteps) {
   FakeSession session;
   session.partitions.push_back(MakePartition(5, 2, 4));
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   EXPECT_EQ(RunTrainerSteps(
                 session, model, optimizer, [] {}, 5, Options(/*max_steps=*/6)),
@@ -322,7 +322,7 @@ TEST_F(TrainerLoopTest, AnEmptyPartitionStillSynchronisesAndReports) {
   empty.total_loss_tokens = 20;
   FakeSession session;
   session.partitions.push_back(empty);
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   const std::vector<at::Tensor> before = Parameters(model);
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {},
                               AdamWOptions{.lr = 1e-2, .weight_decay = 0});
@@ -342,7 +342,7 @@ TEST_F(TrainerLoopTest, AnAbortedStepAsksForARestartWithoutStepping) {
   for (const StepPartition& p : steps) session.partitions.push_back(p);
   session.decisions.push_back(StepDecision::kCommit);
   session.decisions.push_back(StepDecision::kAbort);
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   const TrainerLoopOptions options = Options(0);
   try {
@@ -357,7 +357,7 @@ TEST_F(TrainerLoopTest, AnAbortedStepAsksForARestartWithoutStepping) {
 }
 
 TEST_F(TrainerLoopTest, AnAbortedGenerationAsksForARestartAndOtherErrorsDoNot) {
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   FakeSession aborted;
   aborted.partitions.push_back(absl::AbortedError("generation 1 is over"));
@@ -389,7 +389,7 @@ TEST_F(TrainerLoopTest, AGradientFailureIsReportedFirst) {
   bad.rollouts[1].tokens[2] = 23;  // outside the vocabulary: the executor refuses it
   FakeSession session;
   session.partitions.push_back(bad);
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   int syncs = 0;
   try {
@@ -421,7 +421,7 @@ TEST_F(TrainerLoopTest, ANonFiniteGradientSkipsTheStepOrStopsTheLoop) {
     options.nonfinite_gradients = mode;
     std::vector<StepReport> reports;
     options.on_step = [&](const StepReport& report) { reports.push_back(report); };
-    Qwen3Model model = TinyModel();
+    Decoder model = TinyModel();
     TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
     int syncs = 0;
     const auto poison_step_1 = [&] {
@@ -455,7 +455,7 @@ TEST_F(TrainerLoopTest, ANonFiniteGradientSkipsTheStepOrStopsTheLoop) {
 TEST_F(TrainerLoopTest, ASynchronisationFailureIsReportedAndAsksForARestart) {
   FakeSession session;
   session.partitions.push_back(MakePartition(0, 2, 9));
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   EXPECT_THROW(
       RunTrainerSteps(
@@ -477,7 +477,7 @@ TEST_F(TrainerLoopTest, ARequestOnAnyRankSavesACheckpointOnEveryRank) {
       FakeSession session;
       session.partitions.push_back(MakePartition(0, 2, 10 + world.rank()));
       session.partitions.push_back(MakePartition(1, 2, 20 + world.rank()));
-      Qwen3Model model = TinyModel();
+      Decoder model = TinyModel();
       TrainingOptimizer optimizer(model.named_parameters(), &world, {}, AdamWOptions{.lr = 1e-2});
       TrainerLoopOptions options = Options(/*max_steps=*/0);
       options.save_every = 1000;
@@ -510,7 +510,7 @@ TEST_F(TrainerLoopTest, NoRequestSavesNothingBetweenSaveEverys) {
   FakeSession session;
   session.partitions.push_back(MakePartition(0, 2, 10));
   session.partitions.push_back(MakePartition(1, 2, 11));
-  Qwen3Model model = TinyModel();
+  Decoder model = TinyModel();
   TrainingOptimizer optimizer(model.named_parameters(), nullptr, {}, AdamWOptions{.lr = 1e-2});
   TrainerLoopOptions options = Options(/*max_steps=*/0);
   options.save_every = 1000;

@@ -167,10 +167,10 @@ std::string Small(const std::string& model_type, const std::string& edit = "{}")
   return json.dump();
 }
 
-Qwen3Config ParseOk(const std::string& json) {
-  absl::StatusOr<Qwen3Config> config = ParseQwen3Config(json);
+ModelConfig ParseOk(const std::string& json) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(json);
   EXPECT_TRUE(config.ok()) << config.status() << "\n" << json;
-  return config.ok() ? *config : Qwen3Config();
+  return config.ok() ? *config : ModelConfig();
 }
 
 TEST(ModelFamily, TableHasEachFamilysTraits) {
@@ -220,7 +220,7 @@ TEST(ModelFamily, TableHasEachFamilysTraits) {
 }
 
 TEST(ModelFamily, ParsesTheHubConfigsIntoThePresets) {
-  const Qwen3Config llama1b = ParseOk(kLlama32_1B);
+  const ModelConfig llama1b = ParseOk(kLlama32_1B);
   EXPECT_EQ(llama1b.model_type, "llama");
   EXPECT_EQ(llama1b.head_dim, 64);
   EXPECT_EQ(llama1b.rope_theta, 500000.0);
@@ -233,27 +233,27 @@ TEST(ModelFamily, ParsesTheHubConfigsIntoThePresets) {
   EXPECT_FALSE(llama1b.attention_bias);
   EXPECT_FALSE(HasQkNorm(llama1b));
   EXPECT_FALSE(HasOProjBias(llama1b));
-  EXPECT_EQ(llama1b, *Qwen3ConfigPreset("llama-3.2-1b"));
-  EXPECT_EQ(llama1b, *Qwen3ConfigPreset("meta-llama/Llama-3.2-1B"));
+  EXPECT_EQ(llama1b, *ModelPreset("llama-3.2-1b"));
+  EXPECT_EQ(llama1b, *ModelPreset("meta-llama/Llama-3.2-1B"));
 
-  const Qwen3Config llama8b = ParseOk(kLlama31_8B);
+  const ModelConfig llama8b = ParseOk(kLlama31_8B);
   EXPECT_EQ(llama8b.head_dim, 128);  // 4096 / 32
   EXPECT_EQ(llama8b.rope_scaling.factor, 8.0);
   EXPECT_FALSE(llama8b.tie_word_embeddings);
-  EXPECT_EQ(llama8b, *Qwen3ConfigPreset("llama-3.1-8b"));
-  EXPECT_EQ(llama8b, *Qwen3ConfigPreset("meta-llama/Llama-3.1-8B"));
+  EXPECT_EQ(llama8b, *ModelPreset("llama-3.1-8b"));
+  EXPECT_EQ(llama8b, *ModelPreset("meta-llama/Llama-3.1-8B"));
 
-  const Qwen3Config qwen25 = ParseOk(kQwen25_1_5B);
+  const ModelConfig qwen25 = ParseOk(kQwen25_1_5B);
   EXPECT_EQ(qwen25.model_type, "qwen2");
   EXPECT_EQ(qwen25.head_dim, 128);  // 1536 / 12
   EXPECT_TRUE(qwen25.attention_bias);
   EXPECT_FALSE(HasQkNorm(qwen25));
   EXPECT_FALSE(HasOProjBias(qwen25));
   EXPECT_EQ(qwen25.rope_scaling, RopeScaling());
-  EXPECT_EQ(qwen25, *Qwen3ConfigPreset("qwen2.5-1.5b"));
-  EXPECT_EQ(qwen25, *Qwen3ConfigPreset("Qwen/Qwen2.5-1.5B"));
+  EXPECT_EQ(qwen25, *ModelPreset("qwen2.5-1.5b"));
+  EXPECT_EQ(qwen25, *ModelPreset("Qwen/Qwen2.5-1.5B"));
 
-  const Qwen3Config moe = ParseOk(kQwen3_30B_A3B);
+  const ModelConfig moe = ParseOk(kQwen3_30B_A3B);
   EXPECT_EQ(moe.model_type, "qwen3_moe");
   EXPECT_EQ(moe.num_experts, 128);
   EXPECT_EQ(moe.num_experts_per_tok, 8);
@@ -261,29 +261,29 @@ TEST(ModelFamily, ParsesTheHubConfigsIntoThePresets) {
   EXPECT_TRUE(moe.norm_topk_prob);
   EXPECT_TRUE(HasQkNorm(moe));
   EXPECT_TRUE(IsMoe(moe));
-  EXPECT_EQ(moe, *Qwen3ConfigPreset("qwen3-30b-a3b"));
-  EXPECT_EQ(moe, *Qwen3ConfigPreset("Qwen/Qwen3-30B-A3B"));
+  EXPECT_EQ(moe, *ModelPreset("qwen3-30b-a3b"));
+  EXPECT_EQ(moe, *ModelPreset("Qwen/Qwen3-30B-A3B"));
   // The benchmark model: the same layers, 4 of them.
-  Qwen3Config small = *Qwen3ConfigPreset("qwen3-moe-small");
+  ModelConfig small = *ModelPreset("qwen3-moe-small");
   EXPECT_EQ(small.num_hidden_layers, 4);
   small.num_hidden_layers = 48;
   EXPECT_EQ(small, moe);
 
   EXPECT_THAT(
-      Qwen3ConfigPresetNames(),
+      ModelPresetNames(),
       ElementsAre("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
                   "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b",
                   "qwen3-moe-small", "qwen3-next-80b-a3b", "qwen3-next-small"));
-  for (const std::string& name : Qwen3ConfigPresetNames()) {
-    const absl::StatusOr<Qwen3Config> preset = Qwen3ConfigPreset(name);
+  for (const std::string& name : ModelPresetNames()) {
+    const absl::StatusOr<ModelConfig> preset = ModelPreset(name);
     ASSERT_TRUE(preset.ok()) << preset.status();
-    EXPECT_TRUE(ValidateQwen3Config(*preset).ok()) << name;
+    EXPECT_TRUE(ValidateModelConfig(*preset).ok()) << name;
     EXPECT_EQ(preset->torch_dtype, "bfloat16") << name;
   }
 }
 
 TEST(ModelFamily, AbsentFieldsTakeEachFamilysDefaults) {
-  const Qwen3Config llama = ParseOk(Small("llama", R"({"num_key_value_heads": null})"));
+  const ModelConfig llama = ParseOk(Small("llama", R"({"num_key_value_heads": null})"));
   EXPECT_EQ(llama.vocab_size, 32000);
   EXPECT_EQ(llama.head_dim, 16);  // 64 / 4
   EXPECT_EQ(llama.num_key_value_heads, 4);
@@ -294,14 +294,14 @@ TEST(ModelFamily, AbsentFieldsTakeEachFamilysDefaults) {
   EXPECT_FALSE(llama.tie_word_embeddings);
   EXPECT_EQ(llama.torch_dtype, "float32");
 
-  const Qwen3Config qwen2 = ParseOk(Small("qwen2"));
+  const ModelConfig qwen2 = ParseOk(Small("qwen2"));
   EXPECT_EQ(qwen2.vocab_size, 151936);
   EXPECT_EQ(qwen2.head_dim, 16);
   EXPECT_EQ(qwen2.max_position_embeddings, 32768);
   EXPECT_TRUE(qwen2.attention_bias);
 
   // Qwen3 keeps its fixed head_dim default; an absent model_type is Qwen3.
-  const Qwen3Config qwen3 = ParseOk(Small("qwen3", R"({"model_type": null})"));
+  const ModelConfig qwen3 = ParseOk(Small("qwen3", R"({"model_type": null})"));
   EXPECT_EQ(qwen3.model_type, "qwen3");
   EXPECT_EQ(qwen3.head_dim, 128);
   EXPECT_TRUE(HasQkNorm(qwen3));
@@ -309,7 +309,7 @@ TEST(ModelFamily, AbsentFieldsTakeEachFamilysDefaults) {
   EXPECT_FALSE(IsMoe(qwen3));
 
   // Qwen3MoeConfig's defaults; intermediate_size is not required.
-  const Qwen3Config moe = ParseOk(Small("qwen3_moe", R"({"intermediate_size": null})"));
+  const ModelConfig moe = ParseOk(Small("qwen3_moe", R"({"intermediate_size": null})"));
   EXPECT_EQ(moe.head_dim, 16);  // 64 / 4, not Qwen3's 128
   EXPECT_EQ(moe.intermediate_size, 6144);
   EXPECT_EQ(moe.num_experts, 128);
@@ -338,7 +338,7 @@ TEST(ModelFamily, AbsentFieldsTakeEachFamilysDefaults) {
 // transformers' Qwen3MoeDecoderLayer: sparse iff not in mlp_only_layers, experts > 0 and
 // (layer + 1) % decoder_sparse_step == 0.
 TEST(ModelFamily, SparseLayersFollowTransformersRule) {
-  Qwen3Config c = ParseOk(Small("qwen3_moe", R"({"num_hidden_layers": 6, "decoder_sparse_step": 2,
+  ModelConfig c = ParseOk(Small("qwen3_moe", R"({"num_hidden_layers": 6, "decoder_sparse_step": 2,
                              "mlp_only_layers": [3], "num_experts": 4, "num_experts_per_tok": 2})"));
   std::vector<bool> sparse;
   for (int64_t l = 0; l < 6; ++l) sparse.push_back(IsSparseLayer(c, l));
@@ -348,35 +348,35 @@ TEST(ModelFamily, SparseLayersFollowTransformersRule) {
   sparse.clear();
   for (int64_t l = 0; l < 6; ++l) sparse.push_back(IsSparseLayer(c, l));
   EXPECT_THAT(sparse, ElementsAre(false, true, true, true, true, false));
-  EXPECT_FALSE(IsSparseLayer(*Qwen3ConfigPreset("qwen3-8b"), 0));
-  EXPECT_TRUE(IsSparseLayer(*Qwen3ConfigPreset("qwen3-30b-a3b"), 47));
+  EXPECT_FALSE(IsSparseLayer(*ModelPreset("qwen3-8b"), 0));
+  EXPECT_TRUE(IsSparseLayer(*ModelPreset("qwen3-30b-a3b"), 47));
 }
 
 TEST(ModelFamily, AttentionBiasesFollowTheFamily) {
-  const Qwen3Config llama = ParseOk(Small("llama", R"({"attention_bias": true})"));
+  const ModelConfig llama = ParseOk(Small("llama", R"({"attention_bias": true})"));
   EXPECT_TRUE(llama.attention_bias);
   EXPECT_TRUE(HasOProjBias(llama));
   // transformers' Qwen2 has no attention_bias field: q/k/v biases whatever config.json says.
-  const Qwen3Config qwen2 = ParseOk(Small("qwen2", R"({"attention_bias": false})"));
+  const ModelConfig qwen2 = ParseOk(Small("qwen2", R"({"attention_bias": false})"));
   EXPECT_TRUE(qwen2.attention_bias);
   EXPECT_FALSE(HasOProjBias(qwen2));
   // A hand-built Qwen2 config without biases would not be a Qwen2.
-  Qwen3Config no_bias = qwen2;
+  ModelConfig no_bias = qwen2;
   no_bias.attention_bias = false;
-  const absl::Status status = ValidateQwen3Config(no_bias);
+  const absl::Status status = ValidateModelConfig(no_bias);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), HasSubstr("field 'attention_bias': must be true"));
 }
 
 TEST(ModelFamily, ReadsEveryRopeTypeAsTransformersDoes) {
-  const Qwen3Config linear =
+  const ModelConfig linear =
       ParseOk(Small("llama", R"({"rope_scaling": {"type": "linear", "factor": 2.5}})"));
   EXPECT_EQ(linear.rope_scaling.type, RopeType::kLinear);
   EXPECT_EQ(linear.rope_scaling.factor, 2.5);
   EXPECT_EQ(RopeAttentionFactor(linear.rope_scaling), 1.0);
 
   // transformers 5's spelling: rope_parameters carries rope_theta.
-  const Qwen3Config llama3 = ParseOk(Small("llama", R"({"rope_theta": 1.0, "rope_parameters": {
+  const ModelConfig llama3 = ParseOk(Small("llama", R"({"rope_theta": 1.0, "rope_parameters": {
       "rope_type": "llama3", "rope_theta": 20000.0, "factor": 8.0, "low_freq_factor": 2.0,
       "high_freq_factor": 5.0, "original_max_position_embeddings": 1024}})"));
   EXPECT_EQ(llama3.rope_theta, 20000.0);
@@ -386,7 +386,7 @@ TEST(ModelFamily, ReadsEveryRopeTypeAsTransformersDoes) {
   EXPECT_EQ(llama3.rope_scaling.original_max_position_embeddings, 1024);
 
   // YaRN: betas default to 32 and 1 (also for 0), the original context to max_position_embeddings.
-  const Qwen3Config yarn = ParseOk(
+  const ModelConfig yarn = ParseOk(
       Small("qwen2", R"({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn",
       "factor": 4.0, "beta_fast": 0}})"));
   EXPECT_EQ(yarn.rope_scaling.type, RopeType::kYarn);
@@ -398,7 +398,7 @@ TEST(ModelFamily, ReadsEveryRopeTypeAsTransformersDoes) {
 
   // A null factor is the ratio of the context lengths; a top-level original context wins.
   // (Written whole: a merge patch would delete the null.)
-  const Qwen3Config ratio = ParseOk(R"({"hidden_size": 64, "intermediate_size": 128,
+  const ModelConfig ratio = ParseOk(R"({"hidden_size": 64, "intermediate_size": 128,
       "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096,
       "original_max_position_embeddings": 512, "rope_scaling": {"rope_type": "yarn",
       "factor": null, "original_max_position_embeddings": 1024, "beta_fast": 16, "beta_slow": 2,
@@ -409,13 +409,13 @@ TEST(ModelFamily, ReadsEveryRopeTypeAsTransformersDoes) {
   EXPECT_EQ(ratio.rope_scaling.beta_slow, 2.0);
   EXPECT_FALSE(ratio.rope_scaling.truncate);
   // transformers reads truncate with .get("truncate", True): an explicit null turns it off.
-  const Qwen3Config untruncated = ParseOk(R"({"hidden_size": 64, "intermediate_size": 128,
+  const ModelConfig untruncated = ParseOk(R"({"hidden_size": 64, "intermediate_size": 128,
       "num_hidden_layers": 2, "num_attention_heads": 4, "rope_scaling": {"rope_type": "yarn",
       "factor": 2.0, "truncate": null}})");
   EXPECT_FALSE(untruncated.rope_scaling.truncate);
 
   // The attention factor: explicit, else from mscale and mscale_all_dim when both are non-zero.
-  const Qwen3Config mscale = ParseOk(
+  const ModelConfig mscale = ParseOk(
       Small("llama", R"({"rope_scaling": {"rope_type": "yarn", "factor": 40, "mscale": 0.707,
       "mscale_all_dim": 1.3, "original_max_position_embeddings": 64}})"));
   EXPECT_DOUBLE_EQ(RopeAttentionFactor(mscale.rope_scaling),
@@ -432,17 +432,17 @@ TEST(ModelFamily, ReadsEveryRopeTypeAsTransformersDoes) {
 
   // transformers 5: a non-empty rope_scaling wins over rope_parameters (whose rope_theta then
   // does not count); an empty or null one does not.
-  const Qwen3Config both = ParseOk(Small("llama", R"({"rope_theta": 7000.0,
+  const ModelConfig both = ParseOk(Small("llama", R"({"rope_theta": 7000.0,
       "rope_scaling": {"rope_type": "linear", "factor": 3.0},
       "rope_parameters": {"rope_type": "default", "rope_theta": 9000.0}})"));
   EXPECT_EQ(both.rope_scaling.type, RopeType::kLinear);
   EXPECT_EQ(both.rope_theta, 7000.0);
-  const Qwen3Config empty = ParseOk(Small("llama", R"({"rope_scaling": {},
+  const ModelConfig empty = ParseOk(Small("llama", R"({"rope_scaling": {},
       "rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 9000.0}})"));
   EXPECT_EQ(empty.rope_scaling.type, RopeType::kLinear);
   EXPECT_EQ(empty.rope_theta, 9000.0);
   // Fields of other rope types are ignored.
-  const Qwen3Config plain = ParseOk(Small("qwen3", R"({"rope_scaling": {"rope_type": "default",
+  const ModelConfig plain = ParseOk(Small("qwen3", R"({"rope_scaling": {"rope_type": "default",
       "factor": 4.0}})"));
   EXPECT_EQ(plain.rope_scaling, RopeScaling());
 }
@@ -564,25 +564,24 @@ TEST(ModelFamily, RefusesWhatItCannotBuildNamingTheField) {
   }
   testing::ExpectRefused(Json::object(), refused);
   // Llama has no sliding-window fields: transformers ignores them, and so does dta.
-  EXPECT_TRUE(ParseQwen3Config(Small("llama", R"({"use_sliding_window": true})")).ok());
+  EXPECT_TRUE(ParseModelConfig(Small("llama", R"({"use_sliding_window": true})")).ok());
 
   // A dense family's struct with experts is not a model dta can build.
-  Qwen3Config dense = *Qwen3ConfigPreset("qwen3-0.6b");
+  ModelConfig dense = *ModelPreset("qwen3-0.6b");
   dense.num_experts = 8;
   EXPECT_THAT(
-      std::string(ValidateQwen3Config(dense).message()),
+      std::string(ValidateModelConfig(dense).message()),
       HasSubstr("field 'num_experts': is a mixture-of-experts field; Qwen3 has no experts"));
-  dense = *Qwen3ConfigPreset("llama-3.2-1b");
+  dense = *ModelPreset("llama-3.2-1b");
   dense.mlp_only_layers = {0};
-  EXPECT_EQ(ValidateQwen3Config(dense).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateModelConfig(dense).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Configs that exercise every field each family writes.
-std::vector<Qwen3Config> OddConfigs() {
-  std::vector<Qwen3Config> configs;
-  for (const std::string& name : Qwen3ConfigPresetNames())
-    configs.push_back(*Qwen3ConfigPreset(name));
-  Qwen3Config llama = *Qwen3ConfigPreset("llama-3.2-1b");
+std::vector<ModelConfig> OddConfigs() {
+  std::vector<ModelConfig> configs;
+  for (const std::string& name : ModelPresetNames()) configs.push_back(*ModelPreset(name));
+  ModelConfig llama = *ModelPreset("llama-3.2-1b");
   llama.attention_bias = true;
   llama.rms_norm_eps = 1.0 / 3.0 * 1e-5;
   llama.rope_theta = 12345.678901234567;
@@ -591,10 +590,10 @@ std::vector<Qwen3Config> OddConfigs() {
   llama.rope_scaling.high_freq_factor = 2.0 / 3.0;
   llama.torch_dtype = "float64";
   configs.push_back(llama);
-  Qwen3Config linear = *Qwen3ConfigPreset("llama-3.1-8b");
+  ModelConfig linear = *ModelPreset("llama-3.1-8b");
   linear.rope_scaling = {.type = RopeType::kLinear, .factor = 2.75};
   configs.push_back(linear);
-  Qwen3Config yarn = *Qwen3ConfigPreset("qwen2.5-1.5b");
+  ModelConfig yarn = *ModelPreset("qwen2.5-1.5b");
   yarn.rope_scaling = {.type = RopeType::kYarn,
                        .factor = 4.0,
                        .original_max_position_embeddings = 32768,
@@ -605,7 +604,7 @@ std::vector<Qwen3Config> OddConfigs() {
                        .mscale_all_dim = 0.0,
                        .truncate = false};
   configs.push_back(yarn);
-  Qwen3Config moe = *Qwen3ConfigPreset("qwen3-30b-a3b");
+  ModelConfig moe = *ModelPreset("qwen3-30b-a3b");
   moe.norm_topk_prob = false;
   moe.decoder_sparse_step = 3;
   moe.mlp_only_layers = {0, 7, 47};
@@ -616,7 +615,7 @@ std::vector<Qwen3Config> OddConfigs() {
   moe.moe_intermediate_size = 1407;
   moe.rope_scaling = {.type = RopeType::kLinear, .factor = 2.5};
   configs.push_back(moe);
-  Qwen3Config plain_yarn = *Qwen3ConfigPreset("qwen3-0.6b");
+  ModelConfig plain_yarn = *ModelPreset("qwen3-0.6b");
   plain_yarn.rope_scaling = {
       .type = RopeType::kYarn, .factor = 4.0, .original_max_position_embeddings = 32768};
   configs.push_back(plain_yarn);
@@ -624,11 +623,11 @@ std::vector<Qwen3Config> OddConfigs() {
 }
 
 TEST(ModelFamily, ConfigsRoundTripBitForBitAndLookLikeTransformers) {
-  for (const Qwen3Config& config : OddConfigs()) {
-    SCOPED_TRACE(Qwen3ConfigToJson(config));
-    ASSERT_TRUE(ValidateQwen3Config(config).ok()) << ValidateQwen3Config(config);
-    const std::string text = Qwen3ConfigToJson(config);
-    const absl::StatusOr<Qwen3Config> back = ParseQwen3Config(text);
+  for (const ModelConfig& config : OddConfigs()) {
+    SCOPED_TRACE(ModelConfigToJson(config));
+    ASSERT_TRUE(ValidateModelConfig(config).ok()) << ValidateModelConfig(config);
+    const std::string text = ModelConfigToJson(config);
+    const absl::StatusOr<ModelConfig> back = ParseModelConfig(text);
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(*back, config);
     const Json json = Json::parse(text);
@@ -663,14 +662,14 @@ TEST(ModelFamily, ConfigsRoundTripBitForBitAndLookLikeTransformers) {
       EXPECT_EQ(json["rope_scaling"]["factor"], config.rope_scaling.factor);
     }
   }
-  const Json llama = Json::parse(Qwen3ConfigToJson(*Qwen3ConfigPreset("llama-3.1-8b")));
+  const Json llama = Json::parse(ModelConfigToJson(*ModelPreset("llama-3.1-8b")));
   EXPECT_EQ(llama["rope_scaling"], Json::parse(R"({"rope_type": "llama3", "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})"));
   EXPECT_EQ(llama["mlp_bias"], false);
   EXPECT_EQ(llama["pretraining_tp"], 1);
   EXPECT_EQ(llama["rope_theta"], 500000.0);
   // YaRN's betas only when they are not transformers' defaults.
-  const Json yarn = Json::parse(Qwen3ConfigToJson(OddConfigs().back()));
+  const Json yarn = Json::parse(ModelConfigToJson(OddConfigs().back()));
   EXPECT_EQ(yarn["rope_scaling"], Json::parse(R"({"rope_type": "yarn", "factor": 4.0,
       "original_max_position_embeddings": 32768})"));
 }
@@ -684,41 +683,41 @@ TEST(ModelFamily, SavingOverABaseRewritesItsRopeParameters) {
       "eos_token_id": [1, 2], "original_max_position_embeddings": 100,
       "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 100}})";
-  Qwen3Config config = ParseOk(Small("llama", R"({"attention_bias": true, "rope_theta": 30000.0,
+  ModelConfig config = ParseOk(Small("llama", R"({"attention_bias": true, "rope_theta": 30000.0,
       "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 2.0,
       "high_freq_factor": 8.0, "original_max_position_embeddings": 4096}})"));
-  ASSERT_TRUE(SaveQwen3Config(config, dir + "/out", dir + "/base.json").ok());
+  ASSERT_TRUE(SaveModelConfig(config, dir + "/out", dir + "/base.json").ok());
   std::ifstream in(dir + "/out/config.json");
   const Json saved = Json::parse(in);
   EXPECT_EQ(saved["eos_token_id"], Json::parse("[1, 2]"));  // kept from the base
   EXPECT_EQ(saved["rope_parameters"]["rope_theta"], 30000.0);
   EXPECT_EQ(saved["rope_parameters"]["factor"], 16.0);
   EXPECT_EQ(saved["original_max_position_embeddings"], 4096);
-  EXPECT_EQ(*LoadQwen3Config(dir + "/out"), config);
+  EXPECT_EQ(*LoadModelConfig(dir + "/out"), config);
 
   // Saved as a default-rope model, the base's rope_parameters become the default rope's.
   config.rope_scaling = RopeScaling();
-  ASSERT_TRUE(SaveQwen3Config(config, dir + "/plain", dir + "/base.json").ok());
+  ASSERT_TRUE(SaveModelConfig(config, dir + "/plain", dir + "/base.json").ok());
   std::ifstream plain_in(dir + "/plain/config.json");
   const Json plain = Json::parse(plain_in);
   EXPECT_EQ(plain["rope_parameters"], Json::parse(R"({"rope_type": "default",
       "rope_theta": 30000.0})"));
   EXPECT_FALSE(plain.contains("original_max_position_embeddings"));
   EXPECT_EQ(plain["eos_token_id"], Json::parse("[1, 2]"));
-  EXPECT_EQ(*LoadQwen3Config(dir + "/plain"), config);
+  EXPECT_EQ(*LoadModelConfig(dir + "/plain"), config);
 
   // A transformers 5 Qwen3-MoE base spells num_local_experts: it is rewritten too.
   std::ofstream(dir + "/moe.json") << Small("qwen3_moe", R"({"num_local_experts": 8,
       "num_experts_per_tok": 2, "eos_token_id": 7})");
-  Qwen3Config moe = *LoadQwen3Config(dir + "/moe.json");
+  ModelConfig moe = *LoadModelConfig(dir + "/moe.json");
   moe.num_experts = 16;
-  ASSERT_TRUE(SaveQwen3Config(moe, dir + "/moe", dir + "/moe.json").ok());
+  ASSERT_TRUE(SaveModelConfig(moe, dir + "/moe", dir + "/moe.json").ok());
   std::ifstream moe_in(dir + "/moe/config.json");
   const Json moe_saved = Json::parse(moe_in);
   EXPECT_EQ(moe_saved["num_local_experts"], 16);
   EXPECT_EQ(moe_saved["num_experts"], 16);
   EXPECT_EQ(moe_saved["eos_token_id"], 7);
-  EXPECT_EQ(*LoadQwen3Config(dir + "/moe"), moe);
+  EXPECT_EQ(*LoadModelConfig(dir + "/moe"), moe);
 }
 
 }  // namespace

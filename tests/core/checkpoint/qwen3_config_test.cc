@@ -57,8 +57,8 @@ constexpr char kQwen3_0_6B[] = R"({
 }
 )";
 
-TEST(Qwen3Config, ParsesTheHuggingFaceQwen3_0_6BConfig) {
-  absl::StatusOr<Qwen3Config> config = ParseQwen3Config(kQwen3_0_6B);
+TEST(ModelConfig, ParsesTheHuggingFaceQwen3_0_6BConfig) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(kQwen3_0_6B);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->vocab_size, 151936);
   EXPECT_EQ(config->hidden_size, 1024);
@@ -73,10 +73,10 @@ TEST(Qwen3Config, ParsesTheHuggingFaceQwen3_0_6BConfig) {
   EXPECT_EQ(config->max_position_embeddings, 40960);
   EXPECT_EQ(config->torch_dtype, "bfloat16");
   EXPECT_FALSE(config->attention_bias);
-  EXPECT_EQ(*config, *Qwen3ConfigPreset("qwen3-0.6b"));
+  EXPECT_EQ(*config, *ModelPreset("qwen3-0.6b"));
 }
 
-TEST(Qwen3Config, ParsesTheNewerTransformersSpelling) {
+TEST(ModelConfig, ParsesTheNewerTransformersSpelling) {
   // transformers >= 4.56 writes "dtype", v5 "rope_parameters" and "layer_types".
   const std::string json = R"({
     "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -85,15 +85,15 @@ TEST(Qwen3Config, ParsesTheNewerTransformersSpelling) {
     "layer_types": ["full_attention", "full_attention"], "sliding_window": 4096,
     "use_sliding_window": false, "rope_scaling": null
   })";
-  absl::StatusOr<Qwen3Config> config = ParseQwen3Config(json);
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(json);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->torch_dtype, "float32");
   EXPECT_EQ(config->rope_theta, 500000.0);
   EXPECT_EQ(config->head_dim, 16);
 }
 
-TEST(Qwen3Config, AbsentFieldsTakeTransformersDefaults) {
-  absl::StatusOr<Qwen3Config> config = ParseQwen3Config(
+TEST(ModelConfig, AbsentFieldsTakeTransformersDefaults) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(
       R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": null})");
   ASSERT_TRUE(config.ok()) << config.status();
@@ -107,11 +107,10 @@ TEST(Qwen3Config, AbsentFieldsTakeTransformersDefaults) {
   EXPECT_EQ(config->torch_dtype, "float32");
 }
 
-TEST(Qwen3Config, PresetsHaveTheReleasedShapes) {
+TEST(ModelConfig, PresetsHaveTheReleasedShapes) {
   // The other families' presets: model_family_test.
-  EXPECT_THAT(Qwen3ConfigPresetNames(),
-              ::testing::IsSupersetOf(
-                  {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}));
+  EXPECT_THAT(ModelPresetNames(), ::testing::IsSupersetOf({"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b",
+                                                           "qwen3-8b", "qwen3-14b", "qwen3-32b"}));
   struct Expected {
     std::string name;
     int64_t hidden, intermediate, layers, heads, kv_heads;
@@ -123,7 +122,7 @@ TEST(Qwen3Config, PresetsHaveTheReleasedShapes) {
       {"qwen3-14b", 5120, 17408, 40, 40, 8, false}, {"qwen3-32b", 5120, 25600, 64, 64, 8, false},
   };
   for (const Expected& e : expected) {
-    absl::StatusOr<Qwen3Config> config = Qwen3ConfigPreset(e.name);
+    absl::StatusOr<ModelConfig> config = ModelPreset(e.name);
     ASSERT_TRUE(config.ok()) << config.status();
     EXPECT_EQ(config->vocab_size, 151936) << e.name;
     EXPECT_EQ(config->hidden_size, e.hidden) << e.name;
@@ -139,49 +138,49 @@ TEST(Qwen3Config, PresetsHaveTheReleasedShapes) {
     EXPECT_EQ(config->torch_dtype, "bfloat16") << e.name;
     EXPECT_EQ(config->model_type, "qwen3") << e.name;
     EXPECT_EQ(config->rope_scaling, RopeScaling()) << e.name;
-    EXPECT_TRUE(ValidateQwen3Config(*config).ok()) << e.name;
+    EXPECT_TRUE(ValidateModelConfig(*config).ok()) << e.name;
   }
-  absl::StatusOr<Qwen3Config> by_hub_name = Qwen3ConfigPreset("Qwen/Qwen3-8B");
+  absl::StatusOr<ModelConfig> by_hub_name = ModelPreset("Qwen/Qwen3-8B");
   ASSERT_TRUE(by_hub_name.ok()) << by_hub_name.status();
-  EXPECT_EQ(*by_hub_name, *Qwen3ConfigPreset("qwen3-8b"));
-  absl::StatusOr<Qwen3Config> unknown = Qwen3ConfigPreset("qwen3-30b");
+  EXPECT_EQ(*by_hub_name, *ModelPreset("qwen3-8b"));
+  absl::StatusOr<ModelConfig> unknown = ModelPreset("qwen3-30b");
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(unknown.status().message()),
               AllOf(HasSubstr("'qwen3-30b'"), HasSubstr("qwen3-0.6b, qwen3-1.7b")));
 }
 
-TEST(Qwen3Config, FromNameTakesAPresetOrAFile) {
-  EXPECT_EQ(*Qwen3ConfigFromName("Qwen/Qwen3-8B"), *Qwen3ConfigPreset("qwen3-8b"));
+TEST(ModelConfig, FromNameTakesAPresetOrAFile) {
+  EXPECT_EQ(*ModelConfigFromName("Qwen/Qwen3-8B"), *ModelPreset("qwen3-8b"));
   const std::string dir = testing::FreshTestDir("qwen3_config_from_name");
-  Qwen3Config small = *Qwen3ConfigPreset("qwen3-0.6b");
+  ModelConfig small = *ModelPreset("qwen3-0.6b");
   small.num_hidden_layers = 3;
-  ASSERT_TRUE(SaveQwen3Config(small, dir).ok());
-  const absl::StatusOr<Qwen3Config> loaded = Qwen3ConfigFromName(dir + "/config.json");
+  ASSERT_TRUE(SaveModelConfig(small, dir).ok());
+  const absl::StatusOr<ModelConfig> loaded = ModelConfigFromName(dir + "/config.json");
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(*loaded, small);
-  const absl::StatusOr<Qwen3Config> missing = Qwen3ConfigFromName(dir + "/absent.json");
+  const absl::StatusOr<ModelConfig> missing = ModelConfigFromName(dir + "/absent.json");
   EXPECT_FALSE(missing.ok());
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr("absent.json"));
 }
 
-TEST(Qwen3Config, JsonRoundTripIsExactAndLooksLikeHuggingFace) {
-  for (const std::string& name : Qwen3ConfigPresetNames()) {
-    const Qwen3Config preset = *Qwen3ConfigPreset(name);
-    const std::string text = Qwen3ConfigToJson(preset);
-    absl::StatusOr<Qwen3Config> back = ParseQwen3Config(text);
+TEST(ModelConfig, JsonRoundTripIsExactAndLooksLikeHuggingFace) {
+  for (const std::string& name : ModelPresetNames()) {
+    const ModelConfig preset = *ModelPreset(name);
+    const std::string text = ModelConfigToJson(preset);
+    absl::StatusOr<ModelConfig> back = ParseModelConfig(text);
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(*back, preset) << name;
   }
-  Qwen3Config odd = *Qwen3ConfigPreset("qwen3-0.6b");
+  ModelConfig odd = *ModelPreset("qwen3-0.6b");
   odd.rms_norm_eps = 1.0 / 3.0 * 1e-5;
   odd.rope_theta = 12345.678901234567;
   odd.torch_dtype = "float32";
   odd.num_key_value_heads = 16;
-  absl::StatusOr<Qwen3Config> back = ParseQwen3Config(Qwen3ConfigToJson(odd));
+  absl::StatusOr<ModelConfig> back = ParseModelConfig(ModelConfigToJson(odd));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, odd);
 
-  const std::string text = Qwen3ConfigToJson(*Qwen3ConfigPreset("qwen3-8b"));
+  const std::string text = ModelConfigToJson(*ModelPreset("qwen3-8b"));
   EXPECT_EQ(text.back(), '\n');
   EXPECT_THAT(text, HasSubstr("\n  \"architectures\": [\n    \"Qwen3ForCausalLM\"\n  ],\n"));
   const nlohmann::json json = nlohmann::json::parse(text);
@@ -197,101 +196,101 @@ TEST(Qwen3Config, JsonRoundTripIsExactAndLooksLikeHuggingFace) {
   EXPECT_EQ(json["rope_theta"], 1e6);
 }
 
-TEST(Qwen3Config, SaveAndLoad) {
+TEST(ModelConfig, SaveAndLoad) {
   const std::string dir = TestDir() + "/model";  // created by Save
-  const Qwen3Config config = *Qwen3ConfigPreset("qwen3-1.7b");
-  ASSERT_TRUE(SaveQwen3Config(config, dir).ok());
+  const ModelConfig config = *ModelPreset("qwen3-1.7b");
+  ASSERT_TRUE(SaveModelConfig(config, dir).ok());
   for (const std::string& path : {dir, dir + "/config.json"}) {
-    absl::StatusOr<Qwen3Config> loaded = LoadQwen3Config(path);
+    absl::StatusOr<ModelConfig> loaded = LoadModelConfig(path);
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     EXPECT_EQ(*loaded, config);
   }
 
   WriteFile(dir + "/config.json", kQwen3_0_6B);
-  absl::StatusOr<Qwen3Config> shipped = LoadQwen3Config(dir);
+  absl::StatusOr<ModelConfig> shipped = LoadModelConfig(dir);
   ASSERT_TRUE(shipped.ok()) << shipped.status();
-  EXPECT_EQ(*shipped, *Qwen3ConfigPreset("qwen3-0.6b"));
+  EXPECT_EQ(*shipped, *ModelPreset("qwen3-0.6b"));
 
-  Qwen3Config bad = config;
+  ModelConfig bad = config;
   bad.num_key_value_heads = 5;
-  const absl::Status status = SaveQwen3Config(bad, dir);
+  const absl::Status status = SaveModelConfig(bad, dir);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), HasSubstr("field 'num_key_value_heads'"));
-  EXPECT_EQ(*LoadQwen3Config(dir), *Qwen3ConfigPreset("qwen3-0.6b"));  // untouched
+  EXPECT_EQ(*LoadModelConfig(dir), *ModelPreset("qwen3-0.6b"));  // untouched
 
-  EXPECT_EQ(SaveQwen3Config(config, dir + "/config.json/sub").code(),
+  EXPECT_EQ(SaveModelConfig(config, dir + "/config.json/sub").code(),
             absl::StatusCode::kUnavailable);
 }
 
-TEST(Qwen3Config, SavingOverABaseKeepsTheFieldsTheStructDoesNotModel) {
+TEST(ModelConfig, SavingOverABaseKeepsTheFieldsTheStructDoesNotModel) {
   const std::string dir = TestDir();
   WriteFile(dir + "/base.json", kQwen3_0_6B);
-  Qwen3Config config = *Qwen3ConfigPreset("qwen3-0.6b");
+  ModelConfig config = *ModelPreset("qwen3-0.6b");
   config.torch_dtype = "float32";  // a published model may change its storage type
-  ASSERT_TRUE(SaveQwen3Config(config, dir + "/out", dir + "/base.json").ok());
+  ASSERT_TRUE(SaveModelConfig(config, dir + "/out", dir + "/base.json").ok());
   std::ifstream in(dir + "/out/config.json");
   const nlohmann::json saved = nlohmann::json::parse(in);
   EXPECT_EQ(saved["bos_token_id"], 151643);  // kept from the base, as engines read them
   EXPECT_EQ(saved["eos_token_id"], 151645);
   EXPECT_EQ(saved["torch_dtype"], "float32");  // the struct's fields win
-  EXPECT_EQ(*LoadQwen3Config(dir + "/out"), config);
+  EXPECT_EQ(*LoadModelConfig(dir + "/out"), config);
 
   // The newer spellings are rewritten too, so they cannot contradict the struct.
   WriteFile(dir + "/newer.json", R"({
     "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "dtype": "bfloat16",
     "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "eos_token_id": 7})");
-  Qwen3Config small = *ParseQwen3Config(R"({"hidden_size": 64, "intermediate_size": 128,
+  ModelConfig small = *ParseModelConfig(R"({"hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "rope_theta": 20000.0, "torch_dtype": "float64"})");
-  ASSERT_TRUE(SaveQwen3Config(small, dir + "/small", dir + "/newer.json").ok());
+  ASSERT_TRUE(SaveModelConfig(small, dir + "/small", dir + "/newer.json").ok());
   std::ifstream small_in(dir + "/small/config.json");
   const nlohmann::json small_saved = nlohmann::json::parse(small_in);
   EXPECT_EQ(small_saved["dtype"], "float64");
   EXPECT_EQ(small_saved["rope_parameters"]["rope_theta"], 20000.0);
   EXPECT_EQ(small_saved["eos_token_id"], 7);
-  EXPECT_EQ(*LoadQwen3Config(dir + "/small"), small);
+  EXPECT_EQ(*LoadModelConfig(dir + "/small"), small);
 
   // A base that would change what the file says (here: sliding-window layers) is ignored.
   WriteFile(dir + "/sliding.json",
             R"({"layer_types": ["sliding_attention", "full_attention"], "eos_token_id": 9})");
-  ASSERT_TRUE(SaveQwen3Config(small, dir + "/plain", dir + "/sliding.json").ok());
+  ASSERT_TRUE(SaveModelConfig(small, dir + "/plain", dir + "/sliding.json").ok());
   std::ifstream plain_in(dir + "/plain/config.json");
   EXPECT_FALSE(nlohmann::json::parse(plain_in).contains("eos_token_id"));
-  EXPECT_EQ(*LoadQwen3Config(dir + "/plain"), small);
+  EXPECT_EQ(*LoadModelConfig(dir + "/plain"), small);
 
   WriteFile(dir + "/array.json", "[1, 2]");
-  const absl::Status not_object = SaveQwen3Config(small, dir + "/x", dir + "/array.json");
+  const absl::Status not_object = SaveModelConfig(small, dir + "/x", dir + "/array.json");
   EXPECT_EQ(not_object.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(not_object.message()), HasSubstr(dir + "/array.json"));
-  EXPECT_EQ(SaveQwen3Config(small, dir + "/x", dir + "/missing.json").code(),
+  EXPECT_EQ(SaveModelConfig(small, dir + "/x", dir + "/missing.json").code(),
             absl::StatusCode::kUnavailable);
 }
 
-TEST(Qwen3Config, LoadingACheckpointDirectorySaysWhereItsModelIs) {
+TEST(ModelConfig, LoadingACheckpointDirectorySaysWhereItsModelIs) {
   const std::string dir = TestDir();
-  ASSERT_TRUE(SaveQwen3Config(*Qwen3ConfigPreset("qwen3-0.6b"), dir + "/model").ok());
-  absl::StatusOr<Qwen3Config> missing = LoadQwen3Config(dir);
+  ASSERT_TRUE(SaveModelConfig(*ModelPreset("qwen3-0.6b"), dir + "/model").ok());
+  absl::StatusOr<ModelConfig> missing = LoadModelConfig(dir);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()),
               HasSubstr("a dta checkpoint: its model is in " + dir + "/model"));
 }
 
-TEST(Qwen3Config, LoadErrorsNameTheFile) {
+TEST(ModelConfig, LoadErrorsNameTheFile) {
   const std::string dir = TestDir();
-  absl::StatusOr<Qwen3Config> missing = LoadQwen3Config(dir);
+  absl::StatusOr<ModelConfig> missing = LoadModelConfig(dir);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr(dir + "/config.json"));
 
   WriteFile(dir + "/config.json", R"({"hidden_size": 64})");
-  absl::StatusOr<Qwen3Config> bad = LoadQwen3Config(dir + "/config.json");
+  absl::StatusOr<ModelConfig> bad = LoadModelConfig(dir + "/config.json");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(
       std::string(bad.status().message()),
       AllOf(HasSubstr(dir + "/config.json: "), HasSubstr("field 'intermediate_size': missing")));
 }
 
-TEST(Qwen3Config, RejectsBadAndUnsupportedConfigsNamingTheField) {
+TEST(ModelConfig, RejectsBadAndUnsupportedConfigsNamingTheField) {
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
   const auto kUnsupported = absl::StatusCode::kUnimplemented;
   // Edits of the 0.6B config.
@@ -351,14 +350,14 @@ TEST(Qwen3Config, RejectsBadAndUnsupportedConfigsNamingTheField) {
   const nlohmann::json base = nlohmann::json::parse(kQwen3_0_6B);
   testing::ExpectRefused(base, cases);
 
-  EXPECT_THAT(std::string(ParseQwen3Config("{\"hidden_size\": ").status().message()),
+  EXPECT_THAT(std::string(ParseModelConfig("{\"hidden_size\": ").status().message()),
               HasSubstr("malformed JSON"));
-  EXPECT_THAT(std::string(ParseQwen3Config("[1]").status().message()),
+  EXPECT_THAT(std::string(ParseModelConfig("[1]").status().message()),
               HasSubstr("must be a JSON object"));
   // An explicit null for a required field counts as missing.
   nlohmann::json null_hidden = base;
   null_hidden["hidden_size"] = nullptr;
-  EXPECT_THAT(std::string(ParseQwen3Config(null_hidden.dump()).status().message()),
+  EXPECT_THAT(std::string(ParseModelConfig(null_hidden.dump()).status().message()),
               HasSubstr("field 'hidden_size': missing"));
 }
 

@@ -82,10 +82,10 @@ std::string Small(const std::string& edit = "{}") {
   return json.dump();
 }
 
-Qwen3Config ParseOk(const std::string& json) {
-  absl::StatusOr<Qwen3Config> config = ParseQwen3Config(json);
+ModelConfig ParseOk(const std::string& json) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(json);
   EXPECT_TRUE(config.ok()) << config.status() << "\n" << json;
-  return config.ok() ? *config : Qwen3Config();
+  return config.ok() ? *config : ModelConfig();
 }
 
 std::vector<LayerType> Pattern(int64_t layers, int64_t interval) {
@@ -95,7 +95,7 @@ std::vector<LayerType> Pattern(int64_t layers, int64_t interval) {
 }
 
 TEST(Qwen3NextConfig, ParsesTheHubConfigIntoThePreset) {
-  const Qwen3Config c = ParseOk(kQwen3Next80B);
+  const ModelConfig c = ParseOk(kQwen3Next80B);
   EXPECT_EQ(c.model_type, "qwen3_next");
   EXPECT_EQ(c.vocab_size, 151936);
   EXPECT_EQ(c.hidden_size, 2048);
@@ -137,15 +137,15 @@ TEST(Qwen3NextConfig, ParsesTheHubConfigIntoThePreset) {
   EXPECT_TRUE(HasZeroCentredNorms(c));
   EXPECT_TRUE(HasGatedAttention(c));
   EXPECT_TRUE(HasSharedExpert(c));
-  EXPECT_EQ(c, *Qwen3ConfigPreset("qwen3-next-80b-a3b"));
-  EXPECT_EQ(c, *Qwen3ConfigPreset("Qwen/Qwen3-Next-80B-A3B"));
+  EXPECT_EQ(c, *ModelPreset("qwen3-next-80b-a3b"));
+  EXPECT_EQ(c, *ModelPreset("Qwen/Qwen3-Next-80B-A3B"));
 
   // The benchmark model: 4 such layers (three linear, one full) of 128 experts.
-  Qwen3Config small = *Qwen3ConfigPreset("qwen3-next-small");
+  ModelConfig small = *ModelPreset("qwen3-next-small");
   EXPECT_EQ(small.num_hidden_layers, 4);
   EXPECT_THAT(small.layer_types, ElementsAre(kLinear, kLinear, kLinear, kFull));
   EXPECT_EQ(small.num_experts, 128);
-  EXPECT_TRUE(ValidateQwen3Config(small).ok());
+  EXPECT_TRUE(ValidateModelConfig(small).ok());
   small.num_hidden_layers = 48;
   small.layer_types = Pattern(48, 4);
   small.num_experts = 512;
@@ -153,7 +153,7 @@ TEST(Qwen3NextConfig, ParsesTheHubConfigIntoThePreset) {
 
   // The other families say no to every Qwen3-Next trait.
   for (const char* name : {"qwen3-8b", "qwen3-30b-a3b", "llama-3.2-1b", "qwen2.5-1.5b"}) {
-    const Qwen3Config other = *Qwen3ConfigPreset(name);
+    const ModelConfig other = *ModelPreset(name);
     EXPECT_FALSE(HasZeroCentredNorms(other) || HasGatedAttention(other) || HasSharedExpert(other))
         << name;
     EXPECT_FALSE(IsLinearAttentionLayer(other, 0)) << name;
@@ -164,7 +164,7 @@ TEST(Qwen3NextConfig, ParsesTheHubConfigIntoThePreset) {
 // transformers' Qwen3NextConfig defaults (checked against transformers 5 with
 // Qwen3NextConfig.from_dict of the same file).
 TEST(Qwen3NextConfig, AbsentFieldsTakeTransformersDefaults) {
-  const Qwen3Config c = ParseOk(R"({"model_type": "qwen3_next", "hidden_size": 64,
+  const ModelConfig c = ParseOk(R"({"model_type": "qwen3_next", "hidden_size": 64,
       "num_hidden_layers": 6, "num_attention_heads": 4, "mlp_only_layers": null,
       "layer_types": null, "num_local_experts": 7})");
   EXPECT_EQ(c.vocab_size, 151936);
@@ -217,7 +217,7 @@ TEST(Qwen3NextConfig, LayerTypesAreGivenOrFollowTheInterval) {
   EXPECT_THAT(ParseOk(Small()).layer_types, ElementsAre(kLinear, kLinear, kLinear, kFull));
 
   // Without a linear layer the linear sizes are not needed.
-  const Qwen3Config full = ParseOk(Small(R"({"full_attention_interval": 1,
+  const ModelConfig full = ParseOk(Small(R"({"full_attention_interval": 1,
       "linear_num_key_heads": 0, "linear_num_value_heads": 0, "linear_key_head_dim": 0,
       "linear_value_head_dim": 0, "linear_conv_kernel_dim": 0})"));
   EXPECT_FALSE(IsLinearAttentionLayer(full, 0));
@@ -258,13 +258,13 @@ TEST(Qwen3NextConfig, PartialRotaryFactorIsReadWhereTransformersReadsIt) {
 
 TEST(Qwen3NextConfig, ExpertsMayBeAbsentAndFollowTheSparseStep) {
   // No experts: every MLP dense (transformers allows it); the expert sizes are then unused.
-  const Qwen3Config dense = ParseOk(Small(R"({"num_experts": 0, "num_experts_per_tok": 10,
+  const ModelConfig dense = ParseOk(Small(R"({"num_experts": 0, "num_experts_per_tok": 10,
       "shared_expert_intermediate_size": 0})"));
   EXPECT_EQ(dense.num_experts, 0);
   EXPECT_EQ(dense.num_experts_per_tok, 10);
   for (int64_t layer = 0; layer < 4; ++layer) EXPECT_FALSE(IsSparseLayer(dense, layer)) << layer;
 
-  const Qwen3Config mixed = ParseOk(Small(R"({"decoder_sparse_step": 2, "mlp_only_layers": [3]})"));
+  const ModelConfig mixed = ParseOk(Small(R"({"decoder_sparse_step": 2, "mlp_only_layers": [3]})"));
   std::vector<bool> sparse;
   for (int64_t layer = 0; layer < 4; ++layer) sparse.push_back(IsSparseLayer(mixed, layer));
   EXPECT_THAT(sparse, ElementsAre(false, true, false, false));
@@ -338,33 +338,33 @@ TEST(Qwen3NextConfig, RefusesWhatItCannotBuildNamingTheField) {
   testing::ExpectRefused(Json::parse(Small()), cases);
 
   // A hand-built config: one layer type per layer, and Qwen3-Next's fields only on Qwen3-Next.
-  auto refused = [](const Qwen3Config& config, absl::StatusCode code, const std::string& what) {
-    const absl::Status status = ValidateQwen3Config(config);
+  auto refused = [](const ModelConfig& config, absl::StatusCode code, const std::string& what) {
+    const absl::Status status = ValidateModelConfig(config);
     EXPECT_EQ(status.code(), code) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr(what));
   };
-  Qwen3Config next = *Qwen3ConfigPreset("qwen3-next-small");
+  ModelConfig next = *ModelPreset("qwen3-next-small");
   next.layer_types.clear();
   refused(next, kInvalid, "field 'layer_types': 0 entries for 4 layers");
-  Qwen3Config qwen3 = *Qwen3ConfigPreset("qwen3-0.6b");
+  ModelConfig qwen3 = *ModelPreset("qwen3-0.6b");
   qwen3.layer_types.assign(28, kFull);
   refused(qwen3, kInvalid, "field 'layer_types': must be empty: Qwen3 has only full-attention");
-  Qwen3Config moe = *Qwen3ConfigPreset("qwen3-moe-small");
+  ModelConfig moe = *ModelPreset("qwen3-moe-small");
   moe.linear_num_key_heads = 16;
   refused(moe, kInvalid, "field 'linear_num_key_heads': is a linear-attention field; Qwen3-MoE");
-  moe = *Qwen3ConfigPreset("qwen3-moe-small");
+  moe = *ModelPreset("qwen3-moe-small");
   moe.linear_conv_kernel_dim = 4;
   refused(moe, kInvalid, "field 'linear_conv_kernel_dim'");
-  moe = *Qwen3ConfigPreset("qwen3-moe-small");
+  moe = *ModelPreset("qwen3-moe-small");
   moe.shared_expert_intermediate_size = 512;
   refused(moe, kInvalid,
           "field 'shared_expert_intermediate_size': is a shared-expert field; Qwen3-MoE has no");
-  Qwen3Config llama = *Qwen3ConfigPreset("llama-3.2-1b");
+  ModelConfig llama = *ModelPreset("llama-3.2-1b");
   llama.partial_rotary_factor = 0.5;
   refused(llama, kUnsupported, "field 'partial_rotary_factor': 0.5 is not supported");
 
   // The other families' config.json may carry Qwen3-Next's fields: transformers ignores them.
-  const Qwen3Config ignored = ParseOk(R"({"model_type": "qwen3", "hidden_size": 64,
+  const ModelConfig ignored = ParseOk(R"({"model_type": "qwen3", "hidden_size": 64,
       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
       "linear_num_key_heads": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
       "shared_expert_intermediate_size": 512})");
@@ -376,10 +376,10 @@ TEST(Qwen3NextConfig, RefusesWhatItCannotBuildNamingTheField) {
 }
 
 // Configs that exercise every field Qwen3-Next writes.
-std::vector<Qwen3Config> NextConfigs() {
-  std::vector<Qwen3Config> configs = {*Qwen3ConfigPreset("qwen3-next-80b-a3b"),
-                                      *Qwen3ConfigPreset("qwen3-next-small")};
-  Qwen3Config odd = *Qwen3ConfigPreset("qwen3-next-small");
+std::vector<ModelConfig> NextConfigs() {
+  std::vector<ModelConfig> configs = {*ModelPreset("qwen3-next-80b-a3b"),
+                                      *ModelPreset("qwen3-next-small")};
+  ModelConfig odd = *ModelPreset("qwen3-next-small");
   odd.num_hidden_layers = 5;
   odd.layer_types = {kFull, kLinear, kFull, kLinear, kLinear};  // no interval gives these
   odd.attention_bias = true;
@@ -399,14 +399,14 @@ std::vector<Qwen3Config> NextConfigs() {
   odd.output_router_logits = true;
   odd.torch_dtype = "float64";
   configs.push_back(odd);
-  Qwen3Config dense = *Qwen3ConfigPreset("qwen3-next-small");
+  ModelConfig dense = *ModelPreset("qwen3-next-small");
   dense.num_experts = 0;  // every MLP dense
   dense.layer_types = {kLinear, kLinear, kLinear, kLinear};
   dense.tie_word_embeddings = true;
   dense.rope_scaling = {
       .type = RopeType::kYarn, .factor = 4.0, .original_max_position_embeddings = 65536};
   configs.push_back(dense);
-  Qwen3Config full = *Qwen3ConfigPreset("qwen3-next-small");
+  ModelConfig full = *ModelPreset("qwen3-next-small");
   full.layer_types = {kFull, kFull, kFull, kFull};
   full.partial_rotary_factor = 1.0;
   configs.push_back(full);
@@ -414,11 +414,11 @@ std::vector<Qwen3Config> NextConfigs() {
 }
 
 TEST(Qwen3NextConfig, WrittenConfigsRoundTripInTransformers5sLayout) {
-  for (const Qwen3Config& config : NextConfigs()) {
-    const std::string text = Qwen3ConfigToJson(config);
+  for (const ModelConfig& config : NextConfigs()) {
+    const std::string text = ModelConfigToJson(config);
     SCOPED_TRACE(text);
-    ASSERT_TRUE(ValidateQwen3Config(config).ok()) << ValidateQwen3Config(config);
-    const absl::StatusOr<Qwen3Config> back = ParseQwen3Config(text);
+    ASSERT_TRUE(ValidateModelConfig(config).ok()) << ValidateModelConfig(config);
+    const absl::StatusOr<ModelConfig> back = ParseModelConfig(text);
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(*back, config);
 
@@ -456,17 +456,17 @@ TEST(Qwen3NextConfig, WrittenConfigsRoundTripInTransformers5sLayout) {
     }
   }
   // The interval too, where one gives the layers (for readers that derive them from it alone).
-  const std::vector<Qwen3Config> configs = NextConfigs();
+  const std::vector<ModelConfig> configs = NextConfigs();
   const std::vector<int64_t> intervals = {4, 4, 0, 5, 1};
   for (size_t i = 0; i < configs.size(); ++i) {
-    const Json json = Json::parse(Qwen3ConfigToJson(configs[i]));
+    const Json json = Json::parse(ModelConfigToJson(configs[i]));
     if (intervals[i] == 0) {
       EXPECT_FALSE(json.contains("full_attention_interval")) << i;
     } else {
       EXPECT_EQ(json["full_attention_interval"], intervals[i]) << i;
     }
   }
-  EXPECT_EQ(Json::parse(Qwen3ConfigToJson(configs[2]))["rope_parameters"],
+  EXPECT_EQ(Json::parse(ModelConfigToJson(configs[2]))["rope_parameters"],
             Json::parse(R"({"rope_type": "linear", "factor": 2.5,
                 "rope_theta": 12345.678901234567, "partial_rotary_factor": 0.5})"));
 }
@@ -474,27 +474,27 @@ TEST(Qwen3NextConfig, WrittenConfigsRoundTripInTransformers5sLayout) {
 TEST(Qwen3NextConfig, SavingOverTheHubConfigKeepsWhatTheStructDoesNotModel) {
   const std::string dir = testing::FreshTestDir("qwen3_next_config");
   std::ofstream(dir + "/hub.json") << kQwen3Next80B;
-  const Qwen3Config preset = *Qwen3ConfigPreset("qwen3-next-80b-a3b");
-  ASSERT_TRUE(SaveQwen3Config(preset, dir + "/same", dir + "/hub.json").ok());
+  const ModelConfig preset = *ModelPreset("qwen3-next-80b-a3b");
+  ASSERT_TRUE(SaveModelConfig(preset, dir + "/same", dir + "/hub.json").ok());
   std::ifstream same_in(dir + "/same/config.json");
   const Json same = Json::parse(same_in);
   EXPECT_EQ(same["bos_token_id"], 151643);  // kept from the base
   EXPECT_EQ(same["eos_token_id"], 151645);
   EXPECT_EQ(same["full_attention_interval"], 4);
   EXPECT_EQ(same["layer_types"].size(), 48u);
-  EXPECT_EQ(*LoadQwen3Config(dir + "/same"), preset);
+  EXPECT_EQ(*LoadModelConfig(dir + "/same"), preset);
 
   // Layers that no interval gives: the base's interval goes, so it cannot contradict them.
-  Qwen3Config changed = preset;
+  ModelConfig changed = preset;
   changed.layer_types[0] = kFull;
   changed.partial_rotary_factor = 0.5;
-  ASSERT_TRUE(SaveQwen3Config(changed, dir + "/changed", dir + "/hub.json").ok());
+  ASSERT_TRUE(SaveModelConfig(changed, dir + "/changed", dir + "/hub.json").ok());
   std::ifstream changed_in(dir + "/changed/config.json");
   const Json saved = Json::parse(changed_in);
   EXPECT_FALSE(saved.contains("full_attention_interval"));
   EXPECT_EQ(saved["eos_token_id"], 151645);
   EXPECT_EQ(saved["partial_rotary_factor"], 0.5);
-  EXPECT_EQ(*LoadQwen3Config(dir + "/changed"), changed);
+  EXPECT_EQ(*LoadModelConfig(dir + "/changed"), changed);
 
   // transformers 5's own file (save_pretrained of Qwen3NextConfig): rope_parameters holds the
   // partial factor, and is rewritten with it.
@@ -503,26 +503,26 @@ TEST(Qwen3NextConfig, SavingOverTheHubConfigKeepsWhatTheStructDoesNotModel) {
       "dtype": "bfloat16", "layer_types": ["linear_attention", "linear_attention",
       "linear_attention", "full_attention"], "rope_parameters": {"partial_rotary_factor": 0.25,
       "rope_theta": 10000.0, "rope_type": "default"}})";
-  Qwen3Config small = *LoadQwen3Config(dir + "/v5.json");
+  ModelConfig small = *LoadModelConfig(dir + "/v5.json");
   EXPECT_EQ(small.partial_rotary_factor, 0.25);
   small.partial_rotary_factor = 0.5;
   small.rope_theta = 20000.0;
   small.torch_dtype = "float32";
-  ASSERT_TRUE(SaveQwen3Config(small, dir + "/small", dir + "/v5.json").ok());
+  ASSERT_TRUE(SaveModelConfig(small, dir + "/small", dir + "/v5.json").ok());
   std::ifstream small_in(dir + "/small/config.json");
   const Json small_saved = Json::parse(small_in);
   EXPECT_EQ(small_saved["rope_parameters"], Json::parse(R"({"rope_type": "default",
       "rope_theta": 20000.0, "partial_rotary_factor": 0.5})"));
   EXPECT_EQ(small_saved["dtype"], "float32");
   EXPECT_EQ(small_saved["eos_token_id"], 7);
-  EXPECT_EQ(*LoadQwen3Config(dir + "/small"), small);
+  EXPECT_EQ(*LoadModelConfig(dir + "/small"), small);
 
   // Without a base.
-  const std::vector<Qwen3Config> configs = NextConfigs();
+  const std::vector<ModelConfig> configs = NextConfigs();
   for (size_t i = 0; i < configs.size(); ++i) {
     const std::string out = dir + "/written_" + std::to_string(i);
-    ASSERT_TRUE(SaveQwen3Config(configs[i], out).ok());
-    EXPECT_EQ(*LoadQwen3Config(out), configs[i]);
+    ASSERT_TRUE(SaveModelConfig(configs[i], out).ok());
+    EXPECT_EQ(*LoadModelConfig(out), configs[i]);
   }
 }
 

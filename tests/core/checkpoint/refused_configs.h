@@ -19,13 +19,13 @@ struct RefusedConfig {
   std::string expected;  // in the message
 };
 
-// Each case's edit merged into `base` must be refused by ParseQwen3Config with the case's code and
+// Each case's edit merged into `base` must be refused by ParseModelConfig with the case's code and
 // a message containing its expected text.
 inline void ExpectRefused(const nlohmann::json& base, const std::vector<RefusedConfig>& cases) {
   for (const RefusedConfig& c : cases) {
     nlohmann::json json = base;
     json.merge_patch(nlohmann::json::parse(c.edit));
-    const absl::StatusOr<Qwen3Config> config = ParseQwen3Config(json.dump());
+    const absl::StatusOr<ModelConfig> config = ParseModelConfig(json.dump());
     ASSERT_FALSE(config.ok()) << c.name;
     EXPECT_EQ(config.status().code(), c.code) << c.name << ": " << config.status();
     EXPECT_THAT(std::string(config.status().message()), ::testing::HasSubstr(c.expected)) << c.name;

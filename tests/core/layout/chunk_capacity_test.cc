@@ -14,15 +14,15 @@ namespace {
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
-Qwen3Config Preset(const char* name) {
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(name);
+ModelConfig Preset(const char* name) {
+  absl::StatusOr<ModelConfig> config = ModelConfigFromName(name);
   EXPECT_TRUE(config.ok()) << config.status();
-  return config.ok() ? *config : Qwen3Config{};
+  return config.ok() ? *config : ModelConfig{};
 }
 
 // The estimate above the path stack for an attention-only model, from EstimateExecutorMemory
 // directly: what a chunk plan of B and G may add to the memory already allocated.
-int64_t AboveStack(const Qwen3Config& config, ExecutorMemoryOptions options, int64_t block,
+int64_t AboveStack(const ModelConfig& config, ExecutorMemoryOptions options, int64_t block,
                    int64_t graphs) {
   options.method = ExecutorKind::kDta;
   options.block_size = block;
@@ -31,7 +31,7 @@ int64_t AboveStack(const Qwen3Config& config, ExecutorMemoryOptions options, int
   return e.graphs + e.workspace + e.logprob_head;
 }
 
-ChunkCapacity Fit(const Qwen3Config& config, const ExecutorMemoryOptions& options,
+ChunkCapacity Fit(const ModelConfig& config, const ExecutorMemoryOptions& options,
                   int64_t available) {
   absl::StatusOr<ChunkCapacity> fit = FitChunksInMemory(config, options, available);
   EXPECT_TRUE(fit.ok()) << fit.status();
@@ -39,7 +39,7 @@ ChunkCapacity Fit(const Qwen3Config& config, const ExecutorMemoryOptions& option
 }
 
 TEST(FitChunksInMemory, TakesTheLargestBlockThenTheLargestGraphBudgetThatFit) {
-  const Qwen3Config config = Preset("qwen3-1.7b");
+  const ModelConfig config = Preset("qwen3-1.7b");
   // With packing, kept graphs lie below a packed step of up to B: both grow the peak.
   const ExecutorMemoryOptions options{.longest_rollout = 8192, .pack = true};
   int short_blocks = 0, short_budgets = 0;
@@ -63,7 +63,7 @@ TEST(FitChunksInMemory, TakesTheLargestBlockThenTheLargestGraphBudgetThatFit) {
 }
 
 TEST(FitChunksInMemory, GrowsWithTheMemoryAndStopsAtTheLongestRollout) {
-  const Qwen3Config config = Preset("qwen3-1.7b");
+  const ModelConfig config = Preset("qwen3-1.7b");
   // Without packing (which lets B reach kPackedAutomaticBlock).
   const ExecutorMemoryOptions options{.longest_rollout = 3000, .pack = false};
   ChunkCapacity previous{};
@@ -78,7 +78,7 @@ TEST(FitChunksInMemory, GrowsWithTheMemoryAndStopsAtTheLongestRollout) {
 }
 
 TEST(FitChunksInMemory, PackingReachesPackedSizedStepsAndCapsAnUnboundedBlock) {
-  const Qwen3Config config = Preset("qwen3-0.6b");
+  const ModelConfig config = Preset("qwen3-0.6b");
   ExecutorMemoryOptions options{.longest_rollout = 1000, .pack = true};
   EXPECT_EQ(Fit(config, options, 64 * kGiB).block_size, kPackedAutomaticBlock);
   options.block_size = kUnboundedBlock;
@@ -88,7 +88,7 @@ TEST(FitChunksInMemory, PackingReachesPackedSizedStepsAndCapsAnUnboundedBlock) {
 }
 
 TEST(FitChunksInMemory, ExplicitSizesAreCapsKeptWhenTheyFit) {
-  const Qwen3Config config = Preset("qwen3-1.7b");
+  const ModelConfig config = Preset("qwen3-1.7b");
   const ExecutorMemoryOptions options{
       .longest_rollout = 8192, .block_size = 1024, .graph_budget = 2048};
   const ChunkCapacity roomy = Fit(config, options, 40 * kGiB);
@@ -108,7 +108,7 @@ TEST(FitChunksInMemory, ExplicitSizesAreCapsKeptWhenTheyFit) {
 }
 
 TEST(FitChunksInMemory, RefusesMemoryBelowTheSmallestChunkSayingWhatItNeeds) {
-  const Qwen3Config config = Preset("qwen3-1.7b");
+  const ModelConfig config = Preset("qwen3-1.7b");
   const ExecutorMemoryOptions options{.longest_rollout = 8192};
   const int64_t smallest = AboveStack(config, options, 256, 0);
   EXPECT_TRUE(FitChunksInMemory(config, options, smallest).ok());
@@ -128,7 +128,7 @@ TEST(FitChunksInMemory, RefusesMemoryBelowTheSmallestChunkSayingWhatItNeeds) {
 
 TEST(FitChunksInMemory, CountsTheRecurrentStatesOfLinearLayers) {
   // Qwen3-Next keeps a recurrent state per chunk end on the path: smaller chunks cost states.
-  const Qwen3Config config = Preset("qwen3-next-small");
+  const ModelConfig config = Preset("qwen3-next-small");
   const ExecutorMemoryOptions options{.longest_rollout = 4096};
   for (const int64_t available : {2 * kGiB, 4 * kGiB, 8 * kGiB}) {
     const ChunkCapacity fit = Fit(config, options, available);
@@ -144,7 +144,7 @@ TEST(FitChunksInMemory, CountsTheRecurrentStatesOfLinearLayers) {
 }
 
 TEST(FitChunksInMemory, RefusesBadSizes) {
-  const Qwen3Config config = Preset("qwen3-0.6b");
+  const ModelConfig config = Preset("qwen3-0.6b");
   EXPECT_FALSE(FitChunksInMemory(config, {.block_size = 0}, kGiB).ok());
   EXPECT_FALSE(FitChunksInMemory(config, {.graph_budget = -5}, kGiB).ok());
 }

@@ -19,19 +19,19 @@ namespace {
 constexpr double kGiB = double{int64_t{1} << 30};
 
 // Qwen3's published shapes (core/checkpoint's presets, as in their config.json).
-Qwen3Config Preset(const char* name) {
-  absl::StatusOr<Qwen3Config> config = Qwen3ConfigFromName(name);
+ModelConfig Preset(const char* name) {
+  absl::StatusOr<ModelConfig> config = ModelConfigFromName(name);
   EXPECT_TRUE(config.ok()) << config.status();
-  return config.ok() ? *config : Qwen3Config{};
+  return config.ok() ? *config : ModelConfig{};
 }
-Qwen3Config Qwen3_0_6B() { return Preset("qwen3-0.6b"); }
-Qwen3Config Qwen3_1_7B() { return Preset("qwen3-1.7b"); }
-Qwen3Config Qwen3_4B() { return Preset("qwen3-4b"); }
-Qwen3Config Qwen3_8B() { return Preset("qwen3-8b"); }
+ModelConfig Qwen3_0_6B() { return Preset("qwen3-0.6b"); }
+ModelConfig Qwen3_1_7B() { return Preset("qwen3-1.7b"); }
+ModelConfig Qwen3_4B() { return Preset("qwen3-4b"); }
+ModelConfig Qwen3_8B() { return Preset("qwen3-8b"); }
 
 // 2 layers, hidden 64, 4 heads / 2 KV heads of 16, intermediate 96, vocabulary 1,000.
-Qwen3Config Tiny() {
-  Qwen3Config c;
+ModelConfig Tiny() {
+  ModelConfig c;
   c.vocab_size = 1000;
   c.hidden_size = 64;
   c.intermediate_size = 96;
@@ -83,7 +83,7 @@ TEST(ExecutorMemory, FamiliesWithoutQkNormsKeepLessPerLayer) {
   const ExecutorMemoryOptions options{
       .longest_rollout = 100, .block_size = 32, .graph_budget = 16, .logprob_slice_rows = 8};
   for (const char* family : {"qwen2", "llama"}) {
-    Qwen3Config c = Tiny();
+    ModelConfig c = Tiny();
     c.model_type = family;
     c.attention_bias = true;
     const ExecutorMemoryEstimate m = EstimateExecutorMemory(c, options);
@@ -103,7 +103,7 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   // Tiny's attention (rotary 4 of 16), layers linear x3 then full; linear: 2 key heads and 4
   // value heads of 8, kernel 4 (key_dim 16, value_dim 32, conv_dim 64, a state of 256); every
   // layer sparse: 4 experts of 8, top 2, a shared expert of 12.
-  Qwen3Config c = Tiny();
+  ModelConfig c = Tiny();
   c.model_type = "qwen3_next";
   c.num_hidden_layers = 4;
   c.layer_types = {LayerType::kLinearAttention, LayerType::kLinearAttention,
@@ -118,7 +118,7 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   c.num_experts_per_tok = 2;
   c.moe_intermediate_size = 8;
   c.shared_expert_intermediate_size = 12;
-  ASSERT_TRUE(ValidateQwen3Config(c).ok()) << ValidateQwen3Config(c);
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
   const ExecutorMemoryOptions options{
       .longest_rollout = 100, .block_size = 32, .graph_budget = 16, .logprob_slice_rows = 8};
   const ExecutorMemoryEstimate m = EstimateExecutorMemory(c, options);
@@ -139,8 +139,8 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   EXPECT_EQ(m.logprob_head, 8 * 1000 * 10);
 
   // Qwen3-Next-80B-A3B: a linear layer keeps 497 KiB a token, 8x its attention layers.
-  const Qwen3Config next = Preset("qwen3-next-80b-a3b");
-  Qwen3Config all_full = next;
+  const ModelConfig next = Preset("qwen3-next-80b-a3b");
+  ModelConfig all_full = next;
   all_full.layer_types.assign(48, LayerType::kFullAttention);
   const ExecutorTokens one{.stack = 0, .graphs = 1, .chunk = 1};
   const ExecutorMemoryOptions dense{.method = ExecutorKind::kDense};
@@ -185,7 +185,7 @@ TEST(ExecutorMemory, MethodsAndAutomaticCapacities) {
   t = PlannedExecutorTokens({.method = ExecutorKind::kPacked, .longest_rollout = 19});
   EXPECT_EQ(t.graphs, 19);  // unknown tree: the longest rollout stands in
   // Layer replay keeps less than the whole graph; dense has no dK/dV seeds.
-  const Qwen3Config c = Qwen3_1_7B();
+  const ModelConfig c = Qwen3_1_7B();
   const ExecutorMemoryOptions dense{.method = ExecutorKind::kDense, .longest_rollout = 8061};
   ExecutorMemoryOptions replay = dense;
   replay.checkpointing = true;
@@ -194,7 +194,7 @@ TEST(ExecutorMemory, MethodsAndAutomaticCapacities) {
 }
 
 TEST(ExecutorMemory, GrowsWithEveryCapacity) {
-  const Qwen3Config c = Qwen3_8B();
+  const ModelConfig c = Qwen3_8B();
   auto total = [&](const ExecutorMemoryOptions& o) { return EstimateExecutorMemory(c, o).total(); };
   for (const bool pack : {false, true}) {
     int64_t previous = 0;
@@ -230,7 +230,7 @@ TEST(ExecutorMemory, TensorParallelismDividesThePerHeadTerms) {
   // Each term is a part every rank holds whole (the residual stream's) plus a part split across
   // the ranks (K/V and their accumulators, q, k, v, the MLP's slice, the vocabulary): doubling TP
   // halves the split part, so term(1) - term(2) = 2 (term(2) - term(4)) = 4 (term(4) - term(8)).
-  const Qwen3Config c = Qwen3_8B();  // 32 heads, 8 KV heads, intermediate and vocabulary / 8
+  const ModelConfig c = Qwen3_8B();  // 32 heads, 8 KV heads, intermediate and vocabulary / 8
   const ExecutorMemoryOptions o{.longest_rollout = 8192, .block_size = 4096, .graph_budget = 2048};
   ExecutorMemoryEstimate e[4];
   for (int k = 0; k < 4; ++k) e[k] = EstimateExecutorMemory(c, o, 1 << k);
@@ -253,7 +253,7 @@ TEST(ExecutorMemory, TensorParallelismDividesThePerHeadTerms) {
 // state on the GPU too (12 bytes per parameter) where `optimizer_on_gpu`.
 struct Measured {
   const char* what;
-  Qwen3Config config;
+  ModelConfig config;
   WorkloadPreset preset;
   double scale;
   ExecutorMemoryOptions options;  // longest_rollout is the workload's; B as the executor ran it
@@ -264,7 +264,7 @@ struct Measured {
 // Measured on one H100 80GB HBM3 (2026-11-24), bf16, random weights, GRPO, the dta method, 2 steps
 // (the last read), AdamW's state offloaded and streamed unless said:
 //   scripts/gpu_executor_memory.sh --runs=MODEL:WORKLOAD:B:BUDGET[:pack][:gpu]
-// (results in bench/results/latest/executor-memory-h100/, docs/benchmarks.md "The executor's
+// (results in bench/results/2026-11-24-executor-memory-h100/, docs/benchmarks.md "The executor's
 // memory"). tau2: the preset at scale 0.101 (27 rollouts, longest 7,821); aime: scale 0.05 (16
 // rollouts, longest 16,384). B "auto" rows give the B the executor chose from the free memory:
 // 1.7B with its optimizer on the GPU took the longest rollout; 8B offloaded had room for about
@@ -353,8 +353,9 @@ TEST(ExecutorMemory, EstimatesTheMeasuredH100PeaksWithinTenPercent) {
 }
 
 // Measured by dta-bench on an H100 80GB HBM3 (ComputeGradients alone, peak allocated bytes with
-// bf16 weights and float32 gradients resident; bench/results/latest/block-sweep/qwen3-1.7b-tau2/
-// results.md, 2026-11-22): the tau2 preset at scale 0.43 (95 rollouts, longest 8,061), Qwen3-1.7B.
+// bf16 weights and float32 gradients resident; bench/results/2026-11-22-every-method-qwen3/
+// qwen3-1.7b-tau2-second-host/results.md, 2026-11-22): the tau2 preset at scale 0.43 (95
+// rollouts, longest 8,061), Qwen3-1.7B.
 TEST(ExecutorMemory, EstimatesTheDenseAndPackedH100PeaksWithinTenPercent) {
   struct Bench {
     const char* what;
@@ -374,7 +375,7 @@ TEST(ExecutorMemory, EstimatesTheDenseAndPackedH100PeaksWithinTenPercent) {
       {"dta-b4096-pack", {.block_size = 4096, .graph_budget = 4096, .pack = true}, 24.46},
       {"dta-b8192-pack", {.block_size = 8192, .graph_budget = 4096, .pack = true}, 27.97},
   };
-  const Qwen3Config config = Qwen3_1_7B();
+  const ModelConfig config = Qwen3_1_7B();
   const double resident = static_cast<double>(CountParameters(config).total()) * 6;
   for (const Bench& point : points) {
     SCOPED_TRACE(point.what);

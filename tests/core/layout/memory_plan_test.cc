@@ -15,9 +15,9 @@ using ::testing::Not;
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
-Qwen3Config Shape(int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads,
+ModelConfig Shape(int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads,
                   int64_t kv_heads, bool tie) {
-  Qwen3Config c;
+  ModelConfig c;
   c.vocab_size = 151936;
   c.hidden_size = hidden;
   c.intermediate_size = intermediate;
@@ -30,10 +30,10 @@ Qwen3Config Shape(int64_t hidden, int64_t intermediate, int64_t layers, int64_t 
 }
 
 // Qwen3's published shapes.
-Qwen3Config Qwen3_1_7B() { return Shape(2048, 6144, 28, 16, 8, true); }
-Qwen3Config Qwen3_8B() { return Shape(4096, 12288, 36, 32, 8, false); }
-Qwen3Config Qwen3_14B() { return Shape(5120, 17408, 40, 40, 8, false); }
-Qwen3Config Qwen3_32B() { return Shape(5120, 25600, 64, 64, 8, false); }
+ModelConfig Qwen3_1_7B() { return Shape(2048, 6144, 28, 16, 8, true); }
+ModelConfig Qwen3_8B() { return Shape(4096, 12288, 36, 32, 8, false); }
+ModelConfig Qwen3_14B() { return Shape(5120, 17408, 40, 40, 8, false); }
+ModelConfig Qwen3_32B() { return Shape(5120, 25600, 64, 64, 8, false); }
 
 TEST(CountParameters, MatchesThePublishedModels) {
   // Qwen3-8B's model.safetensors.index.json: 8,190,735,360 parameters (16,381,470,720 bytes).
@@ -41,8 +41,8 @@ TEST(CountParameters, MatchesThePublishedModels) {
   // Per layer: 2 RMSNorms of 4096 and q_norm, k_norm of 128; plus the final norm.
   EXPECT_EQ(CountParameters(Qwen3_8B()).replicated, 36 * (2 * 4096 + 2 * 128) + 4096);
   // Tied: the embedding counts once.
-  const Qwen3Config tied = Qwen3_1_7B();
-  Qwen3Config untied = tied;
+  const ModelConfig tied = Qwen3_1_7B();
+  ModelConfig untied = tied;
   untied.tie_word_embeddings = false;
   EXPECT_EQ(CountParameters(untied).total() - CountParameters(tied).total(), 151936 * 2048);
 }
@@ -50,17 +50,17 @@ TEST(CountParameters, MatchesThePublishedModels) {
 // The other families' presets against their published parameter counts (model cards and
 // model.safetensors.index.json totals): biases counted, q/k norms not.
 TEST(CountParameters, MatchesThePublishedModelsOfEachFamily) {
-  EXPECT_EQ(CountParameters(*Qwen3ConfigPreset("llama-3.1-8b")).total(), 8030261248);
-  EXPECT_EQ(CountParameters(*Qwen3ConfigPreset("llama-3.2-1b")).total(), 1235814400);
-  const ParameterCount qwen25 = CountParameters(*Qwen3ConfigPreset("qwen2.5-1.5b"));
+  EXPECT_EQ(CountParameters(*ModelPreset("llama-3.1-8b")).total(), 8030261248);
+  EXPECT_EQ(CountParameters(*ModelPreset("llama-3.2-1b")).total(), 1235814400);
+  const ParameterCount qwen25 = CountParameters(*ModelPreset("qwen2.5-1.5b"));
   EXPECT_EQ(qwen25.total(), 1543714304);
   // Per layer: 2 RMSNorms of 1536; the q/k/v biases split with their projections.
   EXPECT_EQ(qwen25.replicated, 28 * 2 * 1536 + 1536);
-  Qwen3Config with_o_bias = *Qwen3ConfigPreset("llama-3.2-1b");
+  ModelConfig with_o_bias = *ModelPreset("llama-3.2-1b");
   with_o_bias.attention_bias = true;  // q/k/v (2048 + 2 x 512) and o_proj (2048) per layer
   const ParameterCount biased = CountParameters(with_o_bias);
   EXPECT_EQ(biased.total() - 1235814400, 16 * (2048 + 2 * 512 + 2048));
-  EXPECT_EQ(biased.replicated - CountParameters(*Qwen3ConfigPreset("llama-3.2-1b")).replicated,
+  EXPECT_EQ(biased.replicated - CountParameters(*ModelPreset("llama-3.2-1b")).replicated,
             16 * 2048);
 }
 
@@ -68,7 +68,7 @@ TEST(CountParameters, MatchesThePublishedModelsOfEachFamily) {
 // (79,674,391,296, as its published weights without the multi-token-prediction layer), 3.9B of
 // them used by a token (its top 10 of 512 experts).
 TEST(CountParameters, MatchesQwen3Next) {
-  const ParameterCount a3b = CountParameters(*Qwen3ConfigPreset("qwen3-next-80b-a3b"));
+  const ParameterCount a3b = CountParameters(*ModelPreset("qwen3-next-80b-a3b"));
   EXPECT_EQ(a3b.total(), 79674391296);
   EXPECT_EQ(a3b.active(), 3874929408);
   EXPECT_EQ(a3b.unused_per_token, int64_t{48} * (512 - 10) * 3 * 2048 * 512);
@@ -76,13 +76,13 @@ TEST(CountParameters, MatchesQwen3Next) {
   // (2048); per linear layer (36) the gated norm of 128, per attention layer (12) q_norm and k_norm
   // of 256; the final norm.
   EXPECT_EQ(a3b.replicated, 48 * (2 * 2048 + 512 * 2048 + 2048) + 36 * 128 + 12 * 2 * 256 + 2048);
-  const ParameterCount small = CountParameters(*Qwen3ConfigPreset("qwen3-next-small"));
+  const ParameterCount small = CountParameters(*ModelPreset("qwen3-next-small"));
   EXPECT_EQ(small.total(), 2375019584);
   EXPECT_EQ(small.active(), 890235968);
 
   // One layer of each kind, by hand: hidden 64, 4 heads of 16 (2 KV), Gated DeltaNet of 2 key heads
   // and 4 value heads of 8, kernel 4; no experts (dense MLPs of 96), untied vocabulary of 10.
-  Qwen3Config c = *Qwen3ConfigPreset("qwen3-next-small");
+  ModelConfig c = *ModelPreset("qwen3-next-small");
   c.vocab_size = 10;
   c.hidden_size = 64;
   c.intermediate_size = 96;
@@ -98,7 +98,7 @@ TEST(CountParameters, MatchesQwen3Next) {
   c.linear_conv_kernel_dim = 4;
   c.num_experts = 0;
   c.attention_bias = true;
-  ASSERT_TRUE(ValidateQwen3Config(c).ok()) << ValidateQwen3Config(c);
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
   // key_dim 16, value_dim 32, conv_dim 64: in_proj_qkvz 96 x 64, in_proj_ba 8 x 64, conv1d 64 x 4,
   // dt_bias and A_log 4 each, out_proj 64 x 32; its norm 8.
   const int64_t linear = 96 * 64 + 8 * 64 + 64 * 4 + 2 * 4 + 64 * 32;
@@ -121,7 +121,7 @@ TEST(CountParameters, MatchesQwen3Next) {
 }
 
 TEST(EstimateMemory, CountsEighteenBytesPerParameterWithoutSharding) {
-  const Qwen3Config config = Qwen3_8B();
+  const ModelConfig config = Qwen3_8B();
   const int64_t p = CountParameters(config).total();
   const MemoryEstimate m = EstimateMemory(config, {}, {.activation_bytes = 3});
   EXPECT_EQ(m.weights, 2 * p);
@@ -133,7 +133,7 @@ TEST(EstimateMemory, CountsEighteenBytesPerParameterWithoutSharding) {
 }
 
 TEST(EstimateMemory, TensorParallelSplitsAllButTheNormsAndShardingDividesTheOptimizer) {
-  const Qwen3Config config = Qwen3_8B();
+  const ModelConfig config = Qwen3_8B();
   const ParameterCount count = CountParameters(config);
   const int64_t local = count.sharded / 4 + count.replicated;  // 4 divides every sharded matrix
   const MemoryEstimate sharded =
@@ -160,12 +160,12 @@ TEST(AllowedTensorParallel, DividesHeadsKvHeadsAndTheWorldWithinANode) {
               ElementsAre(1, 2, 4));
   EXPECT_THAT(AllowedTensorParallel(Qwen3_8B(), {.world_size = 6, .gpus_per_node = 8}),
               ElementsAre(1, 2));
-  Qwen3Config two_kv = Qwen3_8B();
+  ModelConfig two_kv = Qwen3_8B();
   two_kv.num_key_value_heads = 2;
   EXPECT_THAT(AllowedTensorParallel(two_kv, {.world_size = 8, .gpus_per_node = 8}),
               ElementsAre(1, 2));
   // Qwen3-Next's layers have no tensor-parallel split yet.
-  const Qwen3Config next = *Qwen3ConfigPreset("qwen3-next-80b-a3b");
+  const ModelConfig next = *ModelPreset("qwen3-next-80b-a3b");
   EXPECT_THAT(AllowedTensorParallel(next, {.world_size = 8, .gpus_per_node = 8}), ElementsAre(1));
   const absl::StatusOr<LayoutPlan> forced =
       PlanLayout(next, {.world_size = 2, .gpu_bytes = 80 * kGiB, .tensor_parallel = 2});
@@ -260,7 +260,7 @@ TEST(PlanLayout, WhatCannotFitIsRefusedNamingTheNumbers) {
 }
 
 TEST(PlanLayout, EstimatesTheExecutorByDefaultAndTakesAReserveInstead) {
-  const Qwen3Config config = Qwen3_8B();
+  const ModelConfig config = Qwen3_8B();
   LayoutRequest request{.gpu_bytes = 80 * kGiB};
   request.executor = {.longest_rollout = 7821, .block_size = 2048, .graph_budget = 0};
   const absl::StatusOr<LayoutPlan> plan = PlanLayout(config, request);
@@ -283,7 +283,7 @@ TEST(PlanLayout, EstimatesTheExecutorByDefaultAndTakesAReserveInstead) {
 
 TEST(PlanLayout, TheEstimateShrinksWithTensorParallelism) {
   // Each TP degree is planned with its own estimate: TP 2 holds half the K/V and graphs.
-  const Qwen3Config config = Qwen3_8B();
+  const ModelConfig config = Qwen3_8B();
   LayoutRequest request{.world_size = 2, .gpu_bytes = 80 * kGiB, .tensor_parallel = 1};
   const MemoryEstimate tp1 = EstimateMemory(config, {.tensor_parallel = 1}, request);
   const MemoryEstimate tp2 = EstimateMemory(config, {.tensor_parallel = 2}, request);

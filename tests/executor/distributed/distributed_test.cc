@@ -160,7 +160,7 @@ TEST(GradientSynchronizer, DividesTheSum) {
   }
 }
 
-// bfloat16 parameters keep float32 grads (as Qwen3Model accumulates them): the buckets are float32
+// bfloat16 parameters keep float32 grads (as Decoder accumulates them): the buckets are float32
 // and the sums exact to float32 rounding.
 TEST(GradientSynchronizer, LowPrecisionParametersSumTheirFloat32Grads) {
   RunRanks(2, [&](ProcessGroup& group) {

@@ -34,8 +34,8 @@ constexpr double kTolerance = 1e-10;
 const at::TensorOptions kFloat64 = at::TensorOptions().dtype(at::kDouble);
 
 // Four KV heads (TP up to 4), and a vocabulary and MLP width that no TP size divides evenly.
-Qwen3Config TensorParallelConfig(bool tied) {
-  Qwen3Config c;
+ModelConfig TensorParallelConfig(bool tied) {
+  ModelConfig c;
   c.vocab_size = 19;
   c.hidden_size = 16;
   c.intermediate_size = 26;
@@ -51,9 +51,9 @@ Qwen3Config TensorParallelConfig(bool tied) {
 // The same shape as another family (testing::WithFamily: attention biases, no q/k norms, scaled
 // RoPE).
 // "qwen3_moe-unnormalised": Qwen3-MoE without norm_topk_prob, layer 0 dense (mlp_only_layers).
-Qwen3Config FamilyConfig(const std::string& family, bool tied) {
+ModelConfig FamilyConfig(const std::string& family, bool tied) {
   if (family == "qwen3_moe-unnormalised") {
-    Qwen3Config c = testing::WithFamily(TensorParallelConfig(tied), "qwen3_moe");
+    ModelConfig c = testing::WithFamily(TensorParallelConfig(tied), "qwen3_moe");
     c.norm_topk_prob = false;
     c.mlp_only_layers = {0};
     return c;
@@ -85,7 +85,7 @@ std::vector<std::pair<std::string, ExecutorOptions>> Methods(int64_t longest) {
 // Every method on `tp` ranks equals the same method in one process.
 void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_index,
                                const std::string& family = "qwen3") {
-  const Qwen3Config config = FamilyConfig(family, tied);
+  const ModelConfig config = FamilyConfig(family, tied);
   // Trees over four tokens, spread over the vocabulary so that every rank's slice is used.
   auto sequences = testing::RandomRollouts(seed, {.max_rollouts = 8, .max_length = 10, .vocab = 4});
   for (auto& tokens : sequences) {
@@ -98,7 +98,7 @@ void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_ind
   const auto& [loss_name, loss] = losses.at(loss_index);
   const auto methods = Methods(longest);
 
-  Qwen3Model whole(config, kFloat64);
+  Decoder whole(config, kFloat64);
   whole.InitRandom(7, 0.3);
   std::vector<testing::MethodRun> references;
   for (const auto& [name, options] : methods) {
@@ -107,7 +107,7 @@ void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_ind
 
   testing::RunRanks(tp, [&](ProcessGroup& group) {
     auto ranks = std::make_shared<TensorParallelOverProcessGroup>(group);
-    Qwen3Model model(config, kFloat64, ranks);
+    Decoder model(config, kFloat64, ranks);
     model.InitRandom(7, 0.3);
     EXPECT_EQ(model.local_kv_heads(), config.num_key_value_heads / tp);
     const auto& named = model.named_parameters();
@@ -152,9 +152,9 @@ TEST(TensorParallel, MixtureOfExperts) {
 }
 
 TEST(TensorParallel, ExpertsSplitTheirIntermediateRowsAndTheRouterIsWhole) {
-  const Qwen3Config config = FamilyConfig("qwen3_moe-unnormalised", false);
+  const ModelConfig config = FamilyConfig("qwen3_moe-unnormalised", false);
   testing::RunRanks(4, [&](ProcessGroup& group) {
-    Qwen3Model model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    Decoder model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
     const int64_t rows = SplitRange(6, group.rank(), 4).size();
     EXPECT_EQ(model.parameter("model.layers.1.mlp.experts.gate_proj").sizes(),
               at::IntArrayRef({5, rows, 16}));
@@ -211,7 +211,7 @@ TEST(TensorParallel, FamiliesWithBiases) {
 // between the replicas, every rank's parameter parts equal one process's parameters.
 TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
   constexpr int kTp = 2, kDp = 2, kSteps = 3;
-  const Qwen3Config config = TensorParallelConfig(false);
+  const ModelConfig config = TensorParallelConfig(false);
   auto sequences = testing::RandomRollouts(3, {.max_rollouts = 8, .max_length = 10, .vocab = 4});
   for (auto& tokens : sequences) {
     for (TokenId& token : tokens) token *= 6;
@@ -228,7 +228,7 @@ TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
   const AdamWOptions adamw{.lr = 1e-2, .weight_decay = 0.1, .max_grad_norm = 1e-3};
   const ExecutorOptions dta{.method = Method::kDta, .block_size = 3};
 
-  Qwen3Model whole(config, kFloat64);
+  Decoder whole(config, kFloat64);
   whole.InitRandom(7, 0.3);
   AdamW reference(whole.named_parameters(), adamw);
   for (int step = 0; step < kSteps; ++step) {
@@ -253,7 +253,7 @@ TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
       const ParallelGroups groups(world, kTp, testing::LoopbackOptions());
       EXPECT_EQ(groups.tensor_parallel_rank(), world.rank() % kTp);
       EXPECT_EQ(groups.data_parallel().size(), kDp);
-      Qwen3Model model(config, kFloat64, groups.tensor_parallel_collectives());
+      Decoder model(config, kFloat64, groups.tensor_parallel_collectives());
       model.InitRandom(7, 0.3);
       TrainingOptimizer optimizer(model.named_parameters(), &groups.data_parallel(), layout, adamw,
                                   int64_t{1} << 10, model.gradient_norm_scope());
@@ -296,20 +296,20 @@ class ScratchDirectory {
 // checkpoint loads into every TP size, and optimizer state resumes only with the TP size it was
 // saved with (refused otherwise, naming what was found).
 TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
-  const Qwen3Config config = TensorParallelConfig(false);
+  const ModelConfig config = TensorParallelConfig(false);
   const ScratchDirectory scratch("dta-tp-checkpoint");
-  Qwen3Model whole(config, kFloat64);
+  Decoder whole(config, kFloat64);
   whole.InitRandom(11, 0.3);
-  SaveQwen3Model(whole, scratch / "whole");
+  SaveHfModel(whole, scratch / "whole");
   testing::RunRanks(2, [&](ProcessGroup& group) {
     auto ranks = std::make_shared<TensorParallelOverProcessGroup>(group);
-    Qwen3Model model = LoadQwen3Model(scratch / "whole", kFloat64, ranks);
+    Decoder model = LoadHfModel(scratch / "whole", kFloat64, ranks);
     for (size_t i = 0; i < model.named_parameters().size(); ++i) {
       EXPECT_TRUE(at::equal(model.named_parameters()[i].second,
                             model.LocalPart(i, whole.named_parameters()[i].second)))
           << model.named_parameters()[i].first;
     }
-    SaveQwen3Model(model, scratch / "from-tp");
+    SaveHfModel(model, scratch / "from-tp");
     const TrainingLayout layout{.tensor_parallel = 2};
     TrainingOptimizer optimizer(model.named_parameters(), nullptr, layout, {}, int64_t{1} << 20,
                                 model.gradient_norm_scope());
@@ -318,7 +318,7 @@ TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
     EXPECT_TRUE(optimizer.HasState(scratch / "state"));
     optimizer.LoadState(scratch / "state");
   });
-  const Qwen3Model reloaded = LoadQwen3Model(scratch / "from-tp", kFloat64);
+  const Decoder reloaded = LoadHfModel(scratch / "from-tp", kFloat64);
   for (size_t i = 0; i < reloaded.named_parameters().size(); ++i) {
     EXPECT_TRUE(
         at::equal(reloaded.named_parameters()[i].second, whole.named_parameters()[i].second))
@@ -333,9 +333,9 @@ TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
 }
 
 TEST(TensorParallel, SplitsFollowHeadsMlpAndVocabulary) {
-  const Qwen3Config config = TensorParallelConfig(false);
+  const ModelConfig config = TensorParallelConfig(false);
   testing::RunRanks(4, [&](ProcessGroup& group) {
-    Qwen3Model model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    Decoder model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
     const int r = group.rank();
     EXPECT_EQ(model.local_heads(), 2);
     EXPECT_EQ(model.local_kv_heads(), 1);
@@ -349,9 +349,9 @@ TEST(TensorParallel, SplitsFollowHeadsMlpAndVocabulary) {
 }
 
 TEST(TensorParallel, ColumnParallelBiasesSplitAndOProjsIsWhole) {
-  const Qwen3Config config = FamilyConfig("llama", false);
+  const ModelConfig config = FamilyConfig("llama", false);
   testing::RunRanks(4, [&](ProcessGroup& group) {
-    Qwen3Model model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    Decoder model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
     EXPECT_EQ(model.parameter("model.layers.0.self_attn.q_proj.bias").size(0), 2 * 8);
     EXPECT_EQ(model.parameter("model.layers.0.self_attn.k_proj.bias").size(0), 1 * 8);
     EXPECT_EQ(model.parameter("model.layers.0.self_attn.v_proj.bias").size(0), 1 * 8);
@@ -372,15 +372,15 @@ TEST(TensorParallel, RefusesSizesThatDoNotDivideTheKvHeads) {
   testing::RunRanks(3, [&](ProcessGroup& group) {
     EXPECT_THAT(
         [&] {
-          Qwen3Model model(TensorParallelConfig(false), kFloat64,
-                           std::make_shared<TensorParallelOverProcessGroup>(group));
+          Decoder model(TensorParallelConfig(false), kFloat64,
+                        std::make_shared<TensorParallelOverProcessGroup>(group));
         },
         ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("multiple of 3 KV heads")));
   });
 }
 
 TEST(TensorParallel, GraphBytesPerTokenDivideWithTheSplitParts) {
-  const Qwen3Config c = TensorParallelConfig(false);
+  const ModelConfig c = TensorParallelConfig(false);
   const int64_t one = GraphBytesPerToken(c, at::kBFloat16, 1);
   const int64_t two = GraphBytesPerToken(c, at::kBFloat16, 2);
   // The residual stream stays whole: 2 x hidden x 4 bytes per layer.
@@ -391,9 +391,9 @@ TEST(TensorParallel, GraphBytesPerTokenDivideWithTheSplitParts) {
 // A sparse layer keeps its k experts' gate and up (this rank's slice of their width) instead of the
 // dense MLP's, plus the routing: the softmax over the experts and k weights, and 4 k int64 indices.
 TEST(TensorParallel, GraphBytesPerTokenOfSparseLayers) {
-  const Qwen3Config qwen3 = FamilyConfig("qwen3", false);
-  const Qwen3Config moe = FamilyConfig("qwen3_moe", false);
-  const Qwen3Config mixed = FamilyConfig("qwen3_moe-unnormalised", false);  // layer 0 dense
+  const ModelConfig qwen3 = FamilyConfig("qwen3", false);
+  const ModelConfig moe = FamilyConfig("qwen3_moe", false);
+  const ModelConfig mixed = FamilyConfig("qwen3_moe-unnormalised", false);  // layer 0 dense
   for (int tp : {1, 2, 4}) {
     const int64_t dense = 2 * ((26 + tp - 1) / tp) * 2;
     const int64_t sparse = 2 * 2 * ((6 + tp - 1) / tp) * 2 + (5 + 2) * 4 + 4 * 2 * 8;
@@ -408,9 +408,9 @@ TEST(TensorParallel, GraphBytesPerTokenOfSparseLayers) {
 
 // Without q/k norms RoPE keeps nothing: q and k before it are not saved.
 TEST(TensorParallel, GraphBytesPerTokenWithoutQkNormsKeepsNoPreNormQk) {
-  const Qwen3Config qwen3 = FamilyConfig("qwen3", false);
+  const ModelConfig qwen3 = FamilyConfig("qwen3", false);
   for (const std::string family : {"llama", "qwen2"}) {
-    const Qwen3Config other = FamilyConfig(family, false);
+    const ModelConfig other = FamilyConfig(family, false);
     for (int tp : {1, 2, 4}) {
       const int64_t q = qwen3.num_attention_heads / tp * qwen3.head_dim;
       const int64_t kv = qwen3.num_key_value_heads / tp * qwen3.head_dim;
@@ -462,7 +462,7 @@ class OverlapRecordingGroup final : public TensorParallelGroup {
     return total;
   }
 
-  const Qwen3Model* model = nullptr;
+  const Decoder* model = nullptr;
   mutable int blocking = 0;
   mutable std::vector<bool> overlapped;
 };
@@ -471,9 +471,9 @@ class OverlapRecordingGroup final : public TensorParallelGroup {
 // slice of the log-probability head's hidden-state gradient, computes weight gradients, and only
 // then waits: the collectives overlap that work instead of stalling it.
 TEST(TensorParallel, BackwardComputesWeightGradientsWhileInputGradientsAreSummed) {
-  const Qwen3Config config = TensorParallelConfig(false);
+  const ModelConfig config = TensorParallelConfig(false);
   auto group = std::make_shared<OverlapRecordingGroup>();
-  Qwen3Model model(config, kFloat64, group);
+  Decoder model(config, kFloat64, group);
   group->model = &model;
   model.InitRandom(/*seed=*/3);
   const int64_t n = 12;

@@ -35,8 +35,8 @@ using testing::RunMethod;
 
 constexpr double kTolerance = 1e-9;
 
-Qwen3Config TinyConfig(int64_t vocab = 19) {
-  Qwen3Config c;
+ModelConfig TinyConfig(int64_t vocab = 19) {
+  ModelConfig c;
   c.vocab_size = vocab;
   c.hidden_size = 16;
   c.intermediate_size = 24;
@@ -49,7 +49,7 @@ Qwen3Config TinyConfig(int64_t vocab = 19) {
   return c;
 }
 
-void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& reference,
+void ExpectSame(const Decoder& model, const MethodRun& run, const MethodRun& reference,
                 const std::string& what) {
   SCOPED_TRACE(what);
   EXPECT_NEAR(run.result.loss, reference.result.loss,
@@ -71,7 +71,7 @@ void ExpectSame(const Qwen3Model& model, const MethodRun& run, const MethodRun& 
 
 class Equivalence : public ::testing::Test {
  protected:
-  explicit Equivalence(const Qwen3Config& config = TinyConfig())
+  explicit Equivalence(const ModelConfig& config = TinyConfig())
       : model_(config, at::TensorOptions().dtype(at::kDouble)) {
     model_.InitRandom(7, 0.3);
   }
@@ -124,7 +124,7 @@ class Equivalence : public ::testing::Test {
     }
   }
 
-  Qwen3Model model_;
+  Decoder model_;
 };
 
 TEST_F(Equivalence, LongChain) {
@@ -322,7 +322,7 @@ class RouterBalanceEquivalence : public FamilyEquivalence {
   // forwarded alone (no graph).
   double PerRolloutAuxLoss(const std::vector<Rollout>& rollouts) {
     torch::autograd::AutoGradMode no_grad(false);
-    const Qwen3Config& c = model_.config();
+    const ModelConfig& c = model_.config();
     int64_t sparse = 0;
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) sparse += IsSparseLayer(c, l);
     double sum = 0;
@@ -379,7 +379,7 @@ TEST_P(RouterBalanceEquivalence, ValueAndGradientAreTheLoadBalancingLoss) {
   EXPECT_NEAR(on.result.loss, off.result.loss + coef * aux, 1e-12);
   EXPECT_EQ(off.result.router_aux_loss, 0.0);
   // d aux / d theta by central differences, for a router and for the parameters below it.
-  const Qwen3Config& c = model_.config();
+  const ModelConfig& c = model_.config();
   int64_t first_sparse = 0;
   while (!IsSparseLayer(c, first_sparse)) ++first_sparse;
   const std::string layer = "model.layers." + std::to_string(first_sparse) + ".";
@@ -456,7 +456,7 @@ TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
       {.method = Method::kDta, .pack = true}};  // automatic B and graph budget
   std::vector<std::vector<at::Tensor>> finals;
   for (const ExecutorOptions& options : methods) {
-    Qwen3Model model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
+    Decoder model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
     model.InitRandom(7, 0.3);
     AdamW optimizer(model.named_parameters(), {.lr = 1e-2, .max_grad_norm = 0.5});
     for (int step = 0; step < 4; ++step) {
@@ -468,7 +468,7 @@ TEST_F(Equivalence, ParametersAgreeAfterSeveralOptimizerSteps) {
     for (const auto& [name, p] : model.named_parameters()) params.push_back(p.detach().clone());
     finals.push_back(std::move(params));
   }
-  Qwen3Model initial(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
+  Decoder initial(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
   initial.InitRandom(7, 0.3);
   for (size_t m = 1; m < finals.size(); ++m) {
     for (size_t i = 0; i < finals[0].size(); ++i) {

@@ -26,7 +26,7 @@ TEST(ExecutorOptions, DtaPacksByDefault) {
 // default options take the packed schedule's steps (progress is reported once per step), fewer
 // than the paper's schedule takes, with the same loss.
 TEST(ExecutorOptions, TheDefaultRunsThePackedSchedule) {
-  Qwen3Config config;
+  ModelConfig config;
   config.vocab_size = 19;
   config.hidden_size = 16;
   config.intermediate_size = 24;
@@ -36,7 +36,7 @@ TEST(ExecutorOptions, TheDefaultRunsThePackedSchedule) {
   config.head_dim = 8;
   config.rope_theta = 10000.0;
   config.tie_word_embeddings = false;
-  Qwen3Model model(config, at::TensorOptions().dtype(at::kDouble));
+  Decoder model(config, at::TensorOptions().dtype(at::kDouble));
   model.InitRandom(7, 0.3);
   std::vector<std::vector<TokenId>> sequences;
   for (TokenId i = 0; i < 64; ++i) sequences.push_back({1, 2, 3, 4, 5 + i % 8, 5 + i / 8, 7});

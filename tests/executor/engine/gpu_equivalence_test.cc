@@ -24,8 +24,8 @@
 namespace dta {
 namespace {
 
-Qwen3Config SmallConfig() {
-  Qwen3Config c;
+ModelConfig SmallConfig() {
+  ModelConfig c;
   c.vocab_size = 512;
   c.hidden_size = 256;
   c.intermediate_size = 512;
@@ -63,7 +63,7 @@ struct GradRun {
   std::vector<at::Tensor> grads;  // float64 on the CPU
 };
 
-GradRun RunOn(const Qwen3Model& model, const std::vector<Rollout>& rollouts,
+GradRun RunOn(const Decoder& model, const std::vector<Rollout>& rollouts,
               const ExecutorOptions& options) {
   for (const auto& [name, p] : model.named_parameters()) {
     if (p.grad().defined()) p.mutable_grad().zero_();
@@ -131,8 +131,8 @@ class GpuEquivalence : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: GPU equivalence runs on the GPU machines";
   }
-  Qwen3Model Model(at::ScalarType dtype) const {
-    Qwen3Config config = testing::WithFamily(SmallConfig(), GetParam());
+  Decoder Model(at::ScalarType dtype) const {
+    ModelConfig config = testing::WithFamily(SmallConfig(), GetParam());
     // Experts as wide as the grouped GEMM's alignment wants (16-byte rows in bfloat16).
     if (config.num_experts > 0) config.moe_intermediate_size = 64;
     // Qwen3-Next's linear layers at head sizes of the real model's order.
@@ -141,7 +141,7 @@ class GpuEquivalence : public ::testing::TestWithParam<std::string> {
       config.linear_value_head_dim = 32;
       config.shared_expert_intermediate_size = 64;
     }
-    Qwen3Model model(config, at::TensorOptions().dtype(dtype).device(at::kCUDA));
+    Decoder model(config, at::TensorOptions().dtype(dtype).device(at::kCUDA));
     model.InitRandom(11, 0.05);
     return model;
   }
@@ -149,7 +149,7 @@ class GpuEquivalence : public ::testing::TestWithParam<std::string> {
 
 TEST_P(GpuEquivalence, Float64MatchesDenseToRounding) {
   const std::vector<Rollout> rollouts = Batch(/*seed=*/5, /*max_rollouts=*/12, /*max_length=*/60);
-  const Qwen3Model model = Model(at::kDouble);
+  const Decoder model = Model(at::kDouble);
   const GradRun dense = RunOn(model, rollouts, {.method = Method::kDense});
   for (const auto& [name, options] : Methods(rollouts)) {
     const Agreement a = Compare(RunOn(model, rollouts, options), dense);
@@ -160,7 +160,7 @@ TEST_P(GpuEquivalence, Float64MatchesDenseToRounding) {
 
 TEST_P(GpuEquivalence, Float32MatchesFloat32Dense) {
   const std::vector<Rollout> rollouts = Batch(/*seed=*/6, /*max_rollouts=*/24, /*max_length=*/120);
-  const Qwen3Model model = Model(at::kFloat);
+  const Decoder model = Model(at::kFloat);
   const GradRun dense = RunOn(model, rollouts, {.method = Method::kDense});
   for (const auto& [name, options] : Methods(rollouts)) {
     const Agreement a = Compare(RunOn(model, rollouts, options), dense);
@@ -178,9 +178,9 @@ TEST_P(GpuEquivalence, Float32MatchesFloat32Dense) {
 // itself is at 1.7% on this random model).
 TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
   const std::vector<Rollout> rollouts = Batch(/*seed=*/6, /*max_rollouts=*/24, /*max_length=*/120);
-  const Qwen3Model reference_model = Model(at::kFloat);
+  const Decoder reference_model = Model(at::kFloat);
   const GradRun reference = RunOn(reference_model, rollouts, {.method = Method::kDense});
-  const Qwen3Model model = Model(at::kBFloat16);
+  const Decoder model = Model(at::kBFloat16);
   const GradRun dense = RunOn(model, rollouts, {.method = Method::kDense});
   const Agreement dense_error = Compare(dense, reference);
   EXPECT_LE(dense_error.median, 0.03);
@@ -214,7 +214,7 @@ std::vector<std::pair<std::string, ExecutorOptions>> FixedPlanMethods() {
 }
 
 // Every gradient of `run` bitwise `other`'s, and none of them zero (a vacuous comparison).
-void ExpectBitwiseEqual(const Qwen3Model& model, const GradRun& run, const GradRun& other,
+void ExpectBitwiseEqual(const Decoder& model, const GradRun& run, const GradRun& other,
                         const std::string& where) {
   EXPECT_EQ(run.loss, other.loss) << where;
   const auto parameters = model.named_parameters();
@@ -237,7 +237,7 @@ void ExpectBitwiseEqual(const Qwen3Model& model, const GradRun& run, const GradR
 TEST_P(GpuEquivalence, EveryGradientIsBitwiseReproducible) {
   const std::vector<Rollout> rollouts = Batch(/*seed=*/9, /*max_rollouts=*/16, /*max_length=*/80);
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    const Qwen3Model model = Model(dtype);
+    const Decoder model = Model(dtype);
     for (const auto& [name, options] : FixedPlanMethods()) {
       const GradRun first = RunOn(model, rollouts, options);
       ExpectBitwiseEqual(model, first, RunOn(model, rollouts, options),
@@ -253,7 +253,7 @@ TEST_P(GpuEquivalence, EveryGradientIsBitwiseReproducible) {
 TEST_P(GpuEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
   const std::vector<Rollout> rollouts = Batch(/*seed=*/8, /*max_rollouts=*/12, /*max_length=*/80);
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    const Qwen3Model model = Model(dtype);
+    const Decoder model = Model(dtype);
     for (const auto& [name, options] : FixedPlanMethods()) {
       const GradRun fused = RunOn(model, rollouts, options);
       ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL", "0", 1), 0);
@@ -282,7 +282,7 @@ TEST_P(GpuEquivalence, MemoryBudgetBoundsThePeakAndKeepsTheGradient) {
   };
   constexpr int64_t kMiB = int64_t{1} << 20;
   // Runs dta under `budget` bytes above what is allocated now; false when it refuses.
-  auto budgeted = [&](const Qwen3Model& model, int64_t above, GradientResult& result) {
+  auto budgeted = [&](const Decoder& model, int64_t above, GradientResult& result) {
     const ExecutorOptions options{
         .method = Method::kDta, .memory_budget = allocated() + above, .pack = true};
     try {
@@ -301,7 +301,7 @@ TEST_P(GpuEquivalence, MemoryBudgetBoundsThePeakAndKeepsTheGradient) {
   }
 
   int refused = 0, shortened = 0, whole = 0;
-  const Qwen3Model bf16 = Model(at::kBFloat16);
+  const Decoder bf16 = Model(at::kBFloat16);
   RunOn(bf16, rollouts, {.method = Method::kDense});  // gradients and workspaces allocated
   for (const int64_t above : budgets) {
     c10::cuda::CUDACachingAllocator::emptyCache();
@@ -326,7 +326,7 @@ TEST_P(GpuEquivalence, MemoryBudgetBoundsThePeakAndKeepsTheGradient) {
   EXPECT_GT(shortened, 0);
   EXPECT_GT(whole, 0);
 
-  const Qwen3Model exact = Model(at::kDouble);
+  const Decoder exact = Model(at::kDouble);
   const GradRun dense = RunOn(exact, rollouts, {.method = Method::kDense});
   for (const int64_t above : budgets) {
     for (const auto& [name, p] : exact.named_parameters()) p.mutable_grad().zero_();

@@ -14,8 +14,8 @@ namespace {
 // 4 layers (linear x3, then full attention) of hidden 64: 4 heads of 16 (2 KV), Gated DeltaNet of
 // 2 key heads and 4 value heads of 8 (key_dim 16, value_dim 32, conv_dim 64, kernel 4); every
 // layer sparse: 4 experts of 8, top 2, a shared expert of 12.
-Qwen3Config SmallNext() {
-  Qwen3Config c = *Qwen3ConfigPreset("qwen3-next-small");
+ModelConfig SmallNext() {
+  ModelConfig c = *ModelPreset("qwen3-next-small");
   c.vocab_size = 1000;
   c.hidden_size = 64;
   c.intermediate_size = 96;
@@ -30,12 +30,12 @@ Qwen3Config SmallNext() {
   c.num_experts_per_tok = 2;
   c.moe_intermediate_size = 8;
   c.shared_expert_intermediate_size = 12;
-  EXPECT_TRUE(ValidateQwen3Config(c).ok()) << ValidateQwen3Config(c);
+  EXPECT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
   return c;
 }
 
 TEST(GraphBytesPerToken, CountsQwen3NextsLayers) {
-  const Qwen3Config c = SmallNext();
+  const ModelConfig c = SmallNext();
   // Attention: the residual inputs 2 x 64 x 4, (2 x 64 + 2 x 32 + 96 before the q/k norms + 128
   // gate and gated output) x 2: 1,344. Linear: 512, out_proj's input 32 x 2, and in float32
   // 5 x 64 + 32 + 6 x 32 + 8 x 32 + 5 x 4 x 64 + 256 / 64 + 10 x 4 = 2,124 elements: 9,072.
@@ -52,13 +52,13 @@ TEST(GraphBytesPerToken, CountsQwen3NextsLayers) {
 // log-sum-exp, which it alone counts (4 x (2 + 4 + 4 + 2) at the attention layer), and the
 // per-chunk terms.
 TEST(GraphBytesPerToken, AgreesWithThePlannersEstimate) {
-  const Qwen3Config c = SmallNext();
+  const ModelConfig c = SmallNext();
   const ExecutorTokens one{.stack = 0, .graphs = 1, .chunk = 1};
   const ExecutorMemoryEstimate planned =
       EstimateExecutorMemory(c, {.method = ExecutorKind::kDense}, one);
   const int64_t per_chunk = 2 * 64 * 4 + 64 * 2 + 2 * RotaryDim(c) * 4 + 24;
   EXPECT_EQ(planned.graphs - per_chunk - 48, GraphBytesPerToken(c, at::kBFloat16));
-  const Qwen3Config hub = *Qwen3ConfigPreset("qwen3-next-80b-a3b");
+  const ModelConfig hub = *ModelPreset("qwen3-next-80b-a3b");
   const ExecutorMemoryEstimate big =
       EstimateExecutorMemory(hub, {.method = ExecutorKind::kDense}, one);
   const int64_t big_chunk = 2 * 2048 * 4 + 2048 * 2 + 2 * 64 * 4 + 24;

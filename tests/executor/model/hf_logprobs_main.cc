@@ -1,9 +1,9 @@
 // dta-hf-logprobs: a test helper for tests/python/test_hf_parity*.py. Loads a Hugging Face
-// checkpoint (Qwen3, Qwen2, Llama) with LoadQwen3Model, computes every rollout's per-token
+// checkpoint (Qwen3, Qwen2, Llama) with LoadHfModel, computes every rollout's per-token
 // log-probabilities with ComputeLogprobs and writes them as JSON, {"rollout id": [logprob per
 // token, 0 first], ...}; optionally the gradient of every parameter for the summed negative
 // log-likelihood of the loss-masked tokens (an SFT loss without normalisation), and optionally
-// saves the loaded model again with SaveQwen3Model (for loading into transformers).
+// saves the loaded model again with SaveHfModel (for loading into transformers).
 //
 //   dta-hf-logprobs MODEL_DIR ROLLOUTS.jsonl OUT.json DTYPE METHOD [options]
 //     DTYPE   float32 | float64 (the model's dtype; the checkpoint is converted on load)
@@ -133,7 +133,7 @@ int Run(int argc, char** argv) {
     return BadArguments("METHOD must be dense, packed or dta, not " + method);
 
   try {
-    const Qwen3Model model = LoadQwen3Model(model_dir, at::TensorOptions().dtype(*dtype));
+    const Decoder model = LoadHfModel(model_dir, at::TensorOptions().dtype(*dtype));
     absl::StatusOr<std::vector<Rollout>> rollouts =
         ReadRolloutsJsonl(rollouts_path, {.vocab_size = model.config().vocab_size});
     if (!rollouts.ok()) {
@@ -174,7 +174,7 @@ int Run(int argc, char** argv) {
       }
       SaveNamedTensors(grads, gradients);
     }
-    if (!resave.empty()) SaveQwen3Model(model, resave, resave_dtype.value_or(*dtype), shard_bytes);
+    if (!resave.empty()) SaveHfModel(model, resave, resave_dtype.value_or(*dtype), shard_bytes);
   } catch (const c10::Error& e) {
     std::cerr << "dta-hf-logprobs: " << e.what_without_backtrace() << "\n";
     return kFailed;

@@ -1,4 +1,4 @@
-// Qwen3Model's parameters: the layout planner's count (core/layout) is exactly what it allocates,
+// Decoder's parameters: the layout planner's count (core/layout) is exactly what it allocates,
 // for every family (q/k norms, attention biases), and InitRandom draws the same weights however
 // many threads draw them.
 #include <ATen/Parallel.h>
@@ -15,8 +15,8 @@ namespace {
 
 // CountParameters(c) is what a model of c allocates, in all and whole on every tensor-parallel rank
 // (the norms, o_proj's bias). Returns how many of the model's elements are biases.
-int64_t ExpectCountIsTheModels(const Qwen3Config& c, const std::string& what) {
-  const Qwen3Model model(c, at::TensorOptions().dtype(at::kFloat));
+int64_t ExpectCountIsTheModels(const ModelConfig& c, const std::string& what) {
+  const Decoder model(c, at::TensorOptions().dtype(at::kFloat));
   int64_t total = 0;
   int64_t replicated = 0;
   int64_t biases = 0;
@@ -34,7 +34,7 @@ int64_t ExpectCountIsTheModels(const Qwen3Config& c, const std::string& what) {
 
 TEST(ParameterCount, EqualsTheModelsParameters) {
   for (const bool tie : {false, true}) {
-    Qwen3Config c;
+    ModelConfig c;
     c.vocab_size = 37;
     c.hidden_size = 24;
     c.intermediate_size = 40;
@@ -50,7 +50,7 @@ TEST(ParameterCount, EqualsTheModelsParameters) {
 // The other families, from their config.json: biases, no q/k norms.
 TEST(ParameterCount, CountsEachFamilysBiasesAndNorms) {
   auto config = [](const std::string& family, bool bias) {
-    const absl::StatusOr<Qwen3Config> c = ParseQwen3Config(
+    const absl::StatusOr<ModelConfig> c = ParseModelConfig(
         R"({"vocab_size": 37, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 3,
             "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8, "model_type": ")" +
         family + R"(", "attention_bias": )" + (bias ? "true" : "false") + "}");
@@ -58,7 +58,7 @@ TEST(ParameterCount, CountsEachFamilysBiasesAndNorms) {
     return *c;
   };
   // q, k and v (6 + 2 + 2 heads of 8) in each of 3 layers; Llama's o_proj 24 more.
-  const Qwen3Config qwen2 = config("qwen2", false);  // Qwen2's q/k/v biases are not optional
+  const ModelConfig qwen2 = config("qwen2", false);  // Qwen2's q/k/v biases are not optional
   EXPECT_EQ(ExpectCountIsTheModels(qwen2, "qwen2"), 3 * 80);
   EXPECT_EQ(ExpectCountIsTheModels(config("llama", false), "llama"), 0);
   EXPECT_EQ(ExpectCountIsTheModels(config("llama", true), "llama with biases"), 3 * (80 + 24));
@@ -69,7 +69,7 @@ TEST(ParameterCount, CountsEachFamilysBiasesAndNorms) {
 
 // The embedding (2.56M elements) is drawn in three pieces of 2^20 from their own generators.
 TEST(InitRandom, DrawsTheSameWeightsOnAnyNumberOfThreads) {
-  Qwen3Config c;
+  ModelConfig c;
   c.vocab_size = 40000;
   c.hidden_size = 64;
   c.intermediate_size = 32;
@@ -80,7 +80,7 @@ TEST(InitRandom, DrawsTheSameWeightsOnAnyNumberOfThreads) {
   const int threads = at::get_num_threads();
   auto draw = [&](int with_threads, uint64_t seed) {
     at::set_num_threads(with_threads);
-    Qwen3Model model(c, at::TensorOptions().dtype(at::kDouble));
+    Decoder model(c, at::TensorOptions().dtype(at::kDouble));
     model.InitRandom(seed);
     return model.named_parameters();
   };
@@ -106,7 +106,7 @@ TEST(InitRandom, DrawsTheSameWeightsOnAnyNumberOfThreads) {
 // Qwen3-MoE: the stacked experts (sharded) and the routers (replicated) of the sparse layers, the
 // dense MLPs of the others; the parameters a token uses are those of its top-k experts.
 TEST(ParameterCount, CountsExpertsAndRouters) {
-  const absl::StatusOr<Qwen3Config> c = ParseQwen3Config(
+  const absl::StatusOr<ModelConfig> c = ParseModelConfig(
       R"({"vocab_size": 37, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 5,
           "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8,
           "model_type": "qwen3_moe", "num_experts": 7, "num_experts_per_tok": 3,
@@ -117,7 +117,7 @@ TEST(ParameterCount, CountsExpertsAndRouters) {
   const ParameterCount count = CountParameters(*c);
   EXPECT_EQ(count.unused_per_token, 4 * 3 * 24 * 11);
   EXPECT_EQ(count.active(), count.total() - 4 * 3 * 24 * 11);
-  Qwen3Config dense = *c;
+  ModelConfig dense = *c;
   dense.mlp_only_layers = {0, 1, 2, 3, 4};
   EXPECT_EQ(count.total() - CountParameters(dense).total(), 7 * 3 * 24 * 11 + 7 * 24 - 3 * 24 * 40);
   EXPECT_EQ(CountParameters(dense).unused_per_token, 0);
@@ -128,7 +128,7 @@ TEST(ParameterCount, CountsExpertsAndRouters) {
 // every sparse block; counted by hand from transformers' Qwen3NextForCausalLM shapes, then against
 // the model's own parameters.
 TEST(ParameterCount, CountsQwen3NextsLayers) {
-  const absl::StatusOr<Qwen3Config> c = ParseQwen3Config(
+  const absl::StatusOr<ModelConfig> c = ParseModelConfig(
       R"({"model_type": "qwen3_next", "vocab_size": 37, "hidden_size": 24,
           "intermediate_size": 40, "num_hidden_layers": 4, "num_attention_heads": 6,
           "num_key_value_heads": 2, "head_dim": 8, "attention_bias": true,
@@ -157,11 +157,11 @@ TEST(ParameterCount, CountsQwen3NextsLayers) {
   EXPECT_EQ(count.total(), total);
   EXPECT_EQ(count.unused_per_token, 2 * 4 * 3 * 24 * 11);  // 4 of 7 experts, in 2 sparse layers
 
-  // The model's own parameters. Qwen3Model holds the linear layers' weights and the shared experts
+  // The model's own parameters. Decoder holds the linear layers' weights and the shared experts
   // whole (qwen3_next has no tensor-parallel split yet, and the model refuses TP > 1), where
   // CountParameters counts them as split by heads and rows, as they will be: the totals agree, the
   // replicated parts do not (yet).
-  const Qwen3Model model(*c, at::TensorOptions().dtype(at::kFloat));
+  const Decoder model(*c, at::TensorOptions().dtype(at::kFloat));
   int64_t held = 0;
   for (const auto& [name, p] : model.named_parameters()) held += p.numel();
   EXPECT_EQ(held, total);
@@ -170,10 +170,10 @@ TEST(ParameterCount, CountsQwen3NextsLayers) {
 // Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card: "30.5B in total and 3.3B
 // activated").
 TEST(ParameterCount, Qwen3MoePresets) {
-  const ParameterCount a3b = CountParameters(*Qwen3ConfigPreset("qwen3-30b-a3b"));
+  const ParameterCount a3b = CountParameters(*ModelPreset("qwen3-30b-a3b"));
   EXPECT_EQ(a3b.total(), 30532122624);
   EXPECT_EQ(a3b.active(), 3353032704);
-  const ParameterCount small = CountParameters(*Qwen3ConfigPreset("qwen3-moe-small"));
+  const ParameterCount small = CountParameters(*ModelPreset("qwen3-moe-small"));
   EXPECT_LT(small.total(), 3300000000);
 }
 

@@ -61,8 +61,8 @@ class TestDirectory {
   std::string path_;
 };
 
-Qwen3Config TinyConfig(bool tied = false) {
-  Qwen3Config c;
+ModelConfig TinyConfig(bool tied = false) {
+  ModelConfig c;
   c.vocab_size = 23;
   c.hidden_size = 16;
   c.intermediate_size = 24;
@@ -77,14 +77,14 @@ Qwen3Config TinyConfig(bool tied = false) {
   return c;
 }
 
-Qwen3Model RandomModel(at::ScalarType dtype, bool tied = false, uint64_t seed = 7) {
-  Qwen3Model model(TinyConfig(tied), at::TensorOptions().dtype(dtype));
+Decoder RandomModel(at::ScalarType dtype, bool tied = false, uint64_t seed = 7) {
+  Decoder model(TinyConfig(tied), at::TensorOptions().dtype(dtype));
   model.InitRandom(seed, /*std=*/0.1);
   return model;
 }
 
 // The model's parameters, detached copies.
-NamedTensors Parameters(const Qwen3Model& model) {
+NamedTensors Parameters(const Decoder& model) {
   NamedTensors out;
   for (const auto& [name, p] : model.named_parameters()) out.emplace_back(name, p.detach().clone());
   return out;
@@ -92,9 +92,9 @@ NamedTensors Parameters(const Qwen3Model& model) {
 
 // Writes a one-file checkpoint of exactly these tensors and this config.
 void WriteCheckpoint(const std::string& dir, const NamedTensors& tensors,
-                     const Qwen3Config& config) {
+                     const ModelConfig& config) {
   SaveNamedTensors(tensors, (fs::path(dir) / "model.safetensors").string());
-  ASSERT_TRUE(SaveQwen3Config(config, dir).ok());
+  ASSERT_TRUE(SaveModelConfig(config, dir).ok());
 }
 
 // The message of the c10::Error that `f` throws ("" and a test failure if it throws none).
@@ -108,7 +108,7 @@ std::string ErrorOf(const std::function<void()>& f) {
   return "";
 }
 
-void ExpectSameParameters(const Qwen3Model& a, const Qwen3Model& b) {
+void ExpectSameParameters(const Decoder& a, const Decoder& b) {
   ASSERT_EQ(a.named_parameters().size(), b.named_parameters().size());
   for (size_t i = 0; i < a.named_parameters().size(); ++i) {
     const auto& [name_a, pa] = a.named_parameters()[i];
@@ -122,12 +122,12 @@ void ExpectSameParameters(const Qwen3Model& a, const Qwen3Model& b) {
 void ExpectRoundTrip(at::ScalarType dtype) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(dtype);
-  SaveQwen3Model(model, dir);
+  const Decoder model = RandomModel(dtype);
+  SaveHfModel(model, dir);
   EXPECT_TRUE(fs::exists(fs::path(dir) / "model.safetensors"));
   EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors.index.json"));
-  const Qwen3Model loaded = LoadQwen3Model(dir, at::TensorOptions().dtype(dtype));
-  Qwen3Config expected = model.config();
+  const Decoder loaded = LoadHfModel(dir, at::TensorOptions().dtype(dtype));
+  ModelConfig expected = model.config();
   expected.torch_dtype = dtype == at::kDouble ? "float64" : "float32";
   EXPECT_EQ(loaded.config(), expected);
   ExpectSameParameters(model, loaded);
@@ -144,7 +144,7 @@ TEST(Qwen3CheckpointTest, RoundTripFloat64IsBitExact) { ExpectRoundTrip(at::kDou
 TEST(Qwen3CheckpointTest, FamiliesRoundTripWithTheirBiases) {
   for (const std::string family : {"llama", "qwen2"}) {
     SCOPED_TRACE(family);
-    Qwen3Config config = TinyConfig(/*tied=*/family == "qwen2");
+    ModelConfig config = TinyConfig(/*tied=*/family == "qwen2");
     config.model_type = family;
     config.attention_bias = true;
     config.rope_scaling = family == "llama" ? RopeScaling{.type = RopeType::kLlama3,
@@ -159,12 +159,12 @@ TEST(Qwen3CheckpointTest, FamiliesRoundTripWithTheirBiases) {
                                                           .mscale = 1.0,
                                                           .mscale_all_dim = 0.5};
     for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
-      Qwen3Model model(config, at::TensorOptions().dtype(dtype));
+      Decoder model(config, at::TensorOptions().dtype(dtype));
       model.InitRandom(5, 0.1);
       for (const int64_t shard_bytes : {int64_t{5} << 30, int64_t{4096}}) {
         const TestDirectory dir_holder;
         const std::string& dir = dir_holder;
-        SaveQwen3Model(model, dir, std::nullopt, shard_bytes);
+        SaveHfModel(model, dir, std::nullopt, shard_bytes);
         absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(dir);
         ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
         const std::set<std::string> names(checkpoint->names().begin(), checkpoint->names().end());
@@ -173,8 +173,8 @@ TEST(Qwen3CheckpointTest, FamiliesRoundTripWithTheirBiases) {
         EXPECT_TRUE(names.count("model.layers.1.self_attn.v_proj.bias"));
         EXPECT_EQ(names.count("model.layers.1.self_attn.o_proj.bias"), family == "llama" ? 1u : 0u);
         EXPECT_FALSE(names.count("model.layers.1.self_attn.q_norm.weight"));
-        const Qwen3Model loaded = LoadQwen3Model(dir, at::TensorOptions().dtype(dtype));
-        Qwen3Config expected = config;
+        const Decoder loaded = LoadHfModel(dir, at::TensorOptions().dtype(dtype));
+        ModelConfig expected = config;
         expected.torch_dtype = dtype == at::kDouble ? "float64" : "float32";
         EXPECT_EQ(loaded.config(), expected);
         ExpectSameParameters(model, loaded);
@@ -186,9 +186,9 @@ TEST(Qwen3CheckpointTest, FamiliesRoundTripWithTheirBiases) {
 TEST(Qwen3CheckpointTest, Bf16ExportStoresBf16AndLoadsIntoAnyDtype) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
-  SaveQwen3Model(model, dir, at::kBFloat16);
-  absl::StatusOr<Qwen3Config> config = LoadQwen3Config(dir);
+  const Decoder model = RandomModel(at::kFloat);
+  SaveHfModel(model, dir, at::kBFloat16);
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->torch_dtype, "bfloat16");
   absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(dir);
@@ -202,7 +202,7 @@ TEST(Qwen3CheckpointTest, Bf16ExportStoresBf16AndLoadsIntoAnyDtype) {
   EXPECT_EQ(checkpoint->total_bytes(), 2 * numel);
 
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
-    const Qwen3Model loaded = LoadQwen3Model(dir, at::TensorOptions().dtype(dtype));
+    const Decoder loaded = LoadHfModel(dir, at::TensorOptions().dtype(dtype));
     for (size_t i = 0; i < model.named_parameters().size(); ++i) {
       const auto& [name, p] = model.named_parameters()[i];
       const at::Tensor& q = loaded.named_parameters()[i].second;
@@ -216,7 +216,7 @@ TEST(Qwen3CheckpointTest, Bf16ExportStoresBf16AndLoadsIntoAnyDtype) {
 TEST(Qwen3CheckpointTest, LoadConvertsHalfAndDoubleSources) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
+  const Decoder model = RandomModel(at::kFloat);
   // Mixed storage dtypes in one file: the loader converts each tensor on its own.
   NamedTensors tensors = Parameters(model);
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -226,7 +226,7 @@ TEST(Qwen3CheckpointTest, LoadConvertsHalfAndDoubleSources) {
       tensors[i].second = tensors[i].second.to(at::kDouble);
   }
   WriteCheckpoint(dir, tensors, model.config());
-  const Qwen3Model loaded = LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat));
+  const Decoder loaded = LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat));
   for (size_t i = 0; i < tensors.size(); ++i) {
     EXPECT_TRUE(at::equal(loaded.named_parameters()[i].second, tensors[i].second.to(at::kFloat)))
         << tensors[i].first;
@@ -236,10 +236,10 @@ TEST(Qwen3CheckpointTest, LoadConvertsHalfAndDoubleSources) {
 TEST(Qwen3CheckpointTest, ShardedSaveAndLoad) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
+  const Decoder model = RandomModel(at::kFloat);
   // Fills the directory with a one-file save first: the sharded save must replace it.
-  SaveQwen3Model(model, dir);
-  SaveQwen3Model(model, dir, std::nullopt, /*max_shard_bytes=*/4096);
+  SaveHfModel(model, dir);
+  SaveHfModel(model, dir, std::nullopt, /*max_shard_bytes=*/4096);
   EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors"));
   EXPECT_TRUE(fs::exists(fs::path(dir) / "model.safetensors.index.json"));
   absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(dir);
@@ -248,18 +248,18 @@ TEST(Qwen3CheckpointTest, ShardedSaveAndLoad) {
   for (const SafetensorsFile& file : checkpoint->files()) {
     EXPECT_THAT(file.path(), HasSubstr("-of-"));
   }
-  ExpectSameParameters(model, LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)));
+  ExpectSameParameters(model, LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)));
 }
 
 TEST(Qwen3CheckpointTest, TiedEmbeddingsSaveNoHeadAndLoadTied) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat, /*tied=*/true);
-  SaveQwen3Model(model, dir);
+  const Decoder model = RandomModel(at::kFloat, /*tied=*/true);
+  SaveHfModel(model, dir);
   absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
   EXPECT_EQ(checkpoint->Find("lm_head.weight"), nullptr);
-  const Qwen3Model loaded = LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat));
+  const Decoder loaded = LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat));
   EXPECT_TRUE(loaded.config().tie_word_embeddings);
   ExpectSameParameters(model, loaded);
   // The head is the embedding: the same logits through Logprobs.
@@ -271,23 +271,23 @@ TEST(Qwen3CheckpointTest, TiedEmbeddingsSaveNoHeadAndLoadTied) {
 TEST(Qwen3CheckpointTest, TiedEmbeddingsAcceptAStoredHeadEqualToTheEmbedding) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat, /*tied=*/true);
+  const Decoder model = RandomModel(at::kFloat, /*tied=*/true);
   NamedTensors tensors = Parameters(model);
   // Stored in another dtype than the embedding: compared by value.
   tensors.emplace_back("lm_head.weight",
                        model.parameter("model.embed_tokens.weight").detach().to(at::kDouble));
   WriteCheckpoint(dir, tensors, model.config());
-  ExpectSameParameters(model, LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)));
+  ExpectSameParameters(model, LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)));
 }
 
 TEST(Qwen3CheckpointTest, TiedEmbeddingsRefuseAStoredHeadThatDiffers) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat, /*tied=*/true);
+  const Decoder model = RandomModel(at::kFloat, /*tied=*/true);
   NamedTensors tensors = Parameters(model);
   tensors.emplace_back("lm_head.weight", model.parameter("model.embed_tokens.weight").detach() + 1);
   WriteCheckpoint(dir, tensors, model.config());
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+  EXPECT_THAT(ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
               AllOf(HasSubstr("model.safetensors"), HasSubstr("'lm_head.weight' differs"),
                     HasSubstr("tie_word_embeddings")));
 }
@@ -295,48 +295,48 @@ TEST(Qwen3CheckpointTest, TiedEmbeddingsRefuseAStoredHeadThatDiffers) {
 TEST(Qwen3CheckpointTest, InvFreqBuffersAreIgnored) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
+  const Decoder model = RandomModel(at::kFloat);
   NamedTensors tensors = Parameters(model);
   tensors.emplace_back("model.rotary_emb.inv_freq", at::ones({4}));
   tensors.emplace_back("model.layers.0.self_attn.rotary_emb.inv_freq", at::ones({4}));
   WriteCheckpoint(dir, tensors, model.config());
-  ExpectSameParameters(model, LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)));
+  ExpectSameParameters(model, LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)));
 }
 
 TEST(Qwen3CheckpointTest, MissingTensorIsNamed) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
+  const Decoder model = RandomModel(at::kFloat);
   NamedTensors tensors = Parameters(model);
   std::erase_if(tensors,
                 [](const auto& t) { return t.first == "model.layers.1.mlp.up_proj.weight"; });
   WriteCheckpoint(dir, tensors, model.config());
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+  EXPECT_THAT(ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
               AllOf(HasSubstr(dir), HasSubstr("model.layers.1.mlp.up_proj.weight")));
 }
 
 TEST(Qwen3CheckpointTest, MissingHeadOfAnUntiedModelIsNamed) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat, /*tied=*/true);
-  Qwen3Config untied = model.config();
+  const Decoder model = RandomModel(at::kFloat, /*tied=*/true);
+  ModelConfig untied = model.config();
   untied.tie_word_embeddings = false;
   WriteCheckpoint(dir, Parameters(model), untied);
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+  EXPECT_THAT(ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
               HasSubstr("lm_head.weight"));
 }
 
 TEST(Qwen3CheckpointTest, WrongShapeNamesTensorFileAndBothShapes) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
+  const Decoder model = RandomModel(at::kFloat);
   NamedTensors tensors = Parameters(model);
   for (auto& [name, t] : tensors) {
     if (name == "model.layers.0.self_attn.k_proj.weight") t = at::zeros({8, 16});  // want [16, 16]
   }
   WriteCheckpoint(dir, tensors, model.config());
   EXPECT_THAT(
-      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+      ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
       AllOf(HasSubstr("model.safetensors"), HasSubstr("model.layers.0.self_attn.k_proj.weight"),
             HasSubstr("[8, 16]"), HasSubstr("[16, 16]")));
 }
@@ -344,13 +344,13 @@ TEST(Qwen3CheckpointTest, WrongShapeNamesTensorFileAndBothShapes) {
 TEST(Qwen3CheckpointTest, UnexpectedTensorsAreNamed) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
+  const Decoder model = RandomModel(at::kFloat);
   NamedTensors tensors = Parameters(model);
   tensors.emplace_back("model.layers.0.self_attn.q_proj.bias", at::zeros({32}));
   tensors.emplace_back("model.layers.2.mlp.up_proj.weight", at::zeros({24, 16}));
   WriteCheckpoint(dir, tensors, model.config());
   EXPECT_THAT(
-      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+      ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
       AllOf(HasSubstr("2 unexpected"), HasSubstr("'model.layers.0.self_attn.q_proj.bias'"),
             HasSubstr("'model.layers.2.mlp.up_proj.weight'"), HasSubstr("model.safetensors")));
 }
@@ -359,51 +359,51 @@ TEST(Qwen3CheckpointTest, TiedConfigOverAnUntiedCheckpointIsRefused) {
   // An untied model saved, then loaded with a config that ties: lm_head must equal the embedding.
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
-  SaveQwen3Model(model, dir);
-  Qwen3Config tied = model.config();
+  const Decoder model = RandomModel(at::kFloat);
+  SaveHfModel(model, dir);
+  ModelConfig tied = model.config();
   tied.tie_word_embeddings = true;
-  ASSERT_TRUE(SaveQwen3Config(tied, dir).ok());
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+  ASSERT_TRUE(SaveModelConfig(tied, dir).ok());
+  EXPECT_THAT(ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
               HasSubstr("'lm_head.weight' differs"));
 }
 
 TEST(Qwen3CheckpointTest, NonFloatStorageIsRefusedNamingTheTensor) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  const Qwen3Model model = RandomModel(at::kFloat);
+  const Decoder model = RandomModel(at::kFloat);
   NamedTensors tensors = Parameters(model);
   for (auto& [name, t] : tensors) {
     if (name == "model.norm.weight") t = t.to(at::kInt);
   }
   WriteCheckpoint(dir, tensors, model.config());
   EXPECT_THAT(
-      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+      ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
       AllOf(HasSubstr("model.safetensors"), HasSubstr("'model.norm.weight'"), HasSubstr("I32")));
 }
 
 TEST(Qwen3CheckpointTest, MissingConfigNamesTheFile) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  SaveQwen3Model(RandomModel(at::kFloat), dir);
+  SaveHfModel(RandomModel(at::kFloat), dir);
   fs::remove(fs::path(dir) / "config.json");
-  EXPECT_THAT(ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); }),
+  EXPECT_THAT(ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
               AllOf(HasSubstr(dir), HasSubstr("config.json")));
 }
 
 TEST(Qwen3CheckpointTest, MissingWeightsNameTheDirectory) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  ASSERT_TRUE(SaveQwen3Config(TinyConfig(), dir).ok());
+  ASSERT_TRUE(SaveModelConfig(TinyConfig(), dir).ok());
   const std::string message =
-      ErrorOf([&] { LoadQwen3Model(dir, at::TensorOptions().dtype(at::kFloat)); });
+      ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); });
   EXPECT_THAT(message, AllOf(HasSubstr(dir), HasSubstr("model.safetensors")));
 }
 
 TEST(Qwen3CheckpointTest, SaveRefusesNonFloatDtype) {
   const TestDirectory dir_holder;
   const std::string& dir = dir_holder;
-  EXPECT_THAT(ErrorOf([&] { SaveQwen3Model(RandomModel(at::kFloat), dir, at::kLong); }),
+  EXPECT_THAT(ErrorOf([&] { SaveHfModel(RandomModel(at::kFloat), dir, at::kLong); }),
               AllOf(HasSubstr(dir), HasSubstr("cannot store weights")));
 }
 

@@ -23,8 +23,8 @@ namespace {
 
 const at::TensorOptions kFloat64 = at::TensorOptions().dtype(at::kDouble);
 
-Qwen3Config MoeConfig(int64_t layers, bool norm_topk) {
-  Qwen3Config c;
+ModelConfig MoeConfig(int64_t layers, bool norm_topk) {
+  ModelConfig c;
   c.model_type = "qwen3_moe";
   c.vocab_size = 31;
   c.hidden_size = 16;
@@ -41,7 +41,7 @@ Qwen3Config MoeConfig(int64_t layers, bool norm_topk) {
   return c;
 }
 
-at::Tensor Hidden(const Qwen3Model& model, const at::Tensor& tokens) {
+at::Tensor Hidden(const Decoder& model, const at::Tensor& tokens) {
   torch::autograd::AutoGradMode no_grad(false);
   return model.Forward({.tokens = tokens, .positions = at::arange(tokens.size(0), at::kLong)})
       .hidden;
@@ -51,7 +51,7 @@ at::Tensor Hidden(const Qwen3Model& model, const at::Tensor& tokens) {
 // (attention comes before the MoE block), and every token reaches exactly top-k experts.
 TEST(Qwen3Moe, PerturbingOneExpertChangesOnlyTheTokensRoutedToIt) {
   for (const bool norm_topk : {false, true}) {
-    Qwen3Model model(MoeConfig(1, norm_topk), kFloat64);
+    Decoder model(MoeConfig(1, norm_topk), kFloat64);
     model.InitRandom(3, 0.3);
     const int64_t t = 19;
     at::manual_seed(1);  // fixed tokens: no expert gets them all, which the checks below rely on
@@ -90,10 +90,10 @@ TEST(Qwen3Moe, PerturbingOneExpertChangesOnlyTheTokensRoutedToIt) {
 // mlp_only_layers and decoder_sparse_step pick the sparse layers, which hold a router and stacked
 // experts instead of gate_proj / up_proj / down_proj.
 TEST(Qwen3Moe, SparseLayersHoldStackedExperts) {
-  Qwen3Config c = MoeConfig(4, true);
+  ModelConfig c = MoeConfig(4, true);
   c.decoder_sparse_step = 2;
   c.mlp_only_layers = {3};
-  const Qwen3Model model(c, kFloat64);
+  const Decoder model(c, kFloat64);
   EXPECT_EQ(model.parameter("model.layers.1.mlp.experts.gate_proj").sizes(),
             at::IntArrayRef({7, 5, 16}));
   EXPECT_EQ(model.parameter("model.layers.1.mlp.experts.up_proj").sizes(),
@@ -114,11 +114,11 @@ TEST(Qwen3Moe, CheckpointsHoldOneTensorPerExpert) {
   const std::string dir =
       (std::filesystem::path(::testing::TempDir()) / "qwen3_moe_checkpoint").string();
   RemoveTree(dir);  // not std::filesystem::remove_all, which resolves into libtorch's copy
-  Qwen3Config c = MoeConfig(2, true);
+  ModelConfig c = MoeConfig(2, true);
   c.mlp_only_layers = {0};
-  Qwen3Model model(c, kFloat64);
+  Decoder model(c, kFloat64);
   model.InitRandom(5);
-  SaveQwen3Model(model, dir);
+  SaveHfModel(model, dir);
   absl::StatusOr<SafetensorsCheckpoint> checkpoint = SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
   const std::set<std::string> names(checkpoint->names().begin(), checkpoint->names().end());
@@ -134,7 +134,7 @@ TEST(Qwen3Moe, CheckpointsHoldOneTensorPerExpert) {
   EXPECT_FALSE(names.count("model.layers.1.mlp.experts.gate_proj"));
   EXPECT_EQ(names.size(), model.named_parameters().size() + 3 * (7 - 1));
 
-  const Qwen3Model loaded = LoadQwen3Model(dir, kFloat64);
+  const Decoder loaded = LoadHfModel(dir, kFloat64);
   ASSERT_EQ(loaded.named_parameters().size(), model.named_parameters().size());
   for (size_t i = 0; i < model.named_parameters().size(); ++i) {
     EXPECT_TRUE(at::equal(loaded.named_parameters()[i].second, model.named_parameters()[i].second))
@@ -142,16 +142,16 @@ TEST(Qwen3Moe, CheckpointsHoldOneTensorPerExpert) {
   }
 
   // Without expert 6's up_proj the checkpoint does not describe the model.
-  Qwen3Config fewer = c;
+  ModelConfig fewer = c;
   fewer.num_experts = 6;
   fewer.num_experts_per_tok = 2;
-  Qwen3Model smaller(fewer, kFloat64);
+  Decoder smaller(fewer, kFloat64);
   const std::string small_dir = dir + "-fewer";
   RemoveTree(small_dir);
-  SaveQwen3Model(smaller, small_dir);
-  ASSERT_TRUE(SaveQwen3Config(c, small_dir).ok());  // claims 7 experts
+  SaveHfModel(smaller, small_dir);
+  ASSERT_TRUE(SaveModelConfig(c, small_dir).ok());  // claims 7 experts
   EXPECT_THAT(
-      [&] { LoadQwen3Model(small_dir, kFloat64); },
+      [&] { LoadHfModel(small_dir, kFloat64); },
       ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("model.layers.1.mlp.experts.6.")));
 }
 

@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-# Session 18, fifth call (one H200, warm after run4, the same build): transformers' SDPA on packs of
-# at most 4,096 tokens (about two GSM8K-like rollouts each), our dense and dta beside it.
-source scripts/device_session.sh; export PYTHONPATH="$site" PYTHONUNBUFFERED=1; build-device/bin/dta-workload --preset=gsm8k --seed=1 --scale=0.3 --out=/tmp/gsm8k.jsonl 2>/dev/null; timeout 150 python3 bench/hf_baseline.py --config=qwen3-1.7b --device=cuda --dtype=bfloat16 --json --rollouts=/tmp/gsm8k.jsonl --repeats=2 --pack_tokens=4096 --methods=hf-sdpa-packed,dta-dense,dta-pack >$out/gsm8k-sdpa-packed-4096.txt 2>$out/gsm8k-sdpa-packed-4096.err; echo "exit $? at $((SECONDS-start)) s"; grep -a "^hf_baseline\|Error" $out/gsm8k-sdpa-packed-4096.err | tail -4; grep -av '^{' $out/gsm8k-sdpa-packed-4096.txt
