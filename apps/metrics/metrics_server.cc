@@ -27,10 +27,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "core/base/absl_string_view.h"
 #include "core/base/secret_equals.h"
+#include "core/base/unique_fd.h"
 #include "core/metrics/prometheus_text.h"
 #include "dispatcher/client/client_options.h"
 
@@ -49,39 +52,6 @@ constexpr int kListenBacklog = 64;
 // Pause after accept() (or poll()) fails for want of descriptors or memory: the listening socket
 // stays readable, so retrying at once would spin.
 constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
-
-// A file descriptor, closed on destruction.
-class UniqueFd {
- public:
-  explicit UniqueFd(int fd = -1) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept {
-    if (this != &other) {
-      Reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  ~UniqueFd() { Reset(); }
-
-  int get() const { return fd_; }
-  void Reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_;
-};
-
-// ASCII case-insensitive equality (header names). (absl's string functions take absl::string_view,
-// which this Abseil build does not make std::string_view.)
-bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](char x, char y) {
-    const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c + 32) : c; };
-    return lower(x) == lower(y);
-  });
-}
 
 // Without the spaces and tabs around it (a header value's optional whitespace).
 std::string_view TrimWhitespace(std::string_view value) {
@@ -375,16 +345,16 @@ Reply MetricsServer::State::Answer(std::string_view head) {
     }
     const std::string_view name = line.substr(0, colon);
     const std::string_view value = TrimWhitespace(line.substr(colon + 1));
-    if (EqualsIgnoreCase(name, "Authorization")) {
+    if (absl::EqualsIgnoreCase(AsAbsl(name), "Authorization")) {
       if (has_authorization) return Plain(400, "more than one Authorization header\n");
       has_authorization = true;
       authorization = value;
-    } else if (EqualsIgnoreCase(name, "Content-Length")) {
+    } else if (absl::EqualsIgnoreCase(AsAbsl(name), "Content-Length")) {
       if (value.empty() || value.find_first_not_of("0123456789") != std::string_view::npos) {
         return Plain(400, "Content-Length is not a number\n");
       }
       has_body = has_body || value.find_first_not_of('0') != std::string_view::npos;
-    } else if (EqualsIgnoreCase(name, "Transfer-Encoding")) {
+    } else if (absl::EqualsIgnoreCase(AsAbsl(name), "Transfer-Encoding")) {
       has_body = true;
     }
   }

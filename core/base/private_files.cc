@@ -13,6 +13,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "core/base/status_macros.h"
+#include "core/base/unique_fd.h"
 
 namespace dta {
 namespace {
@@ -96,31 +98,24 @@ std::string DirectoryOf(const std::string& path) {
 }  // namespace
 
 absl::StatusOr<std::string> ReadPrivateFile(const std::string& path, bool trim, OwnerRule owner) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
+  const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK));
+  if (fd.get() < 0) {
     if (errno == ELOOP) {
       return absl::FailedPreconditionError(
           absl::StrCat(path, " is a symbolic link: give the file it points to"));
     }
     return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
   }
-  absl::Status checked = CheckPrivateDescriptor(fd, path, owner);
+  RETURN_IF_ERROR(CheckPrivateDescriptor(fd.get(), path, owner));
   std::string contents;
-  if (checked.ok()) {
-    char buffer[4096];
-    for (;;) {
-      const ssize_t n = ::read(fd, buffer, sizeof(buffer));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        checked = ErrnoError(errno, "read", path);
-        break;
-      }
-      if (n == 0) break;
-      contents.append(buffer, static_cast<size_t>(n));
-    }
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "read", path);
+    if (n == 0) break;
+    contents.append(buffer, static_cast<size_t>(n));
   }
-  ::close(fd);
-  if (!checked.ok()) return checked;
   if (trim) contents = std::string(absl::StripAsciiWhitespace(contents));
   if (contents.empty()) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
   return contents;
@@ -135,20 +130,20 @@ absl::Status CreatePrivateFile(const std::string& path, const std::string& conte
       !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("will not create ", path, ": ", s.message()));
   }
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (fd.get() < 0) {
     if (errno == EEXIST) return absl::AlreadyExistsError(absl::StrCat(path, " exists"));
     return ErrnoError(errno, "create", path);
   }
   int error = 0;
   for (size_t written = 0; written < contents.size() && error == 0;) {
-    const ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
+    const ssize_t n = ::write(fd.get(), contents.data() + written, contents.size() - written);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) error = n < 0 ? errno : EIO;
     if (n > 0) written += static_cast<size_t>(n);
   }
-  if (error == 0 && ::fsync(fd) != 0) error = errno;
-  ::close(fd);
+  if (error == 0 && ::fsync(fd.get()) != 0) error = errno;
+  fd.Reset();
   if (error != 0) {
     ::unlink(path.c_str());
     return ErrnoError(error, "write", path);

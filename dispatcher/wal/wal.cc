@@ -16,6 +16,7 @@
 #include "core/base/absl_string_view.h"
 #include "core/base/private_files.h"
 #include "core/base/status_macros.h"
+#include "core/base/unique_fd.h"
 
 namespace dta {
 namespace {
@@ -41,22 +42,6 @@ absl::Status ErrnoError(int err, std::string_view path, std::string_view what) {
       return absl::UnavailableError(message);
   }
 }
-
-// Closes the descriptor unless released; Open's error paths rely on it.
-class ScopedFd {
- public:
-  explicit ScopedFd(int fd = -1) : fd_(fd) {}
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-  ~ScopedFd() {
-    if (fd_ >= 0) close(fd_);
-  }
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
 
 void PutU32(char* out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -146,7 +131,7 @@ absl::Status WriteAll(int fd, std::string_view bytes, int64_t offset, std::strin
 absl::Status SyncDirectoryOf(const std::string& path) {
   std::string dir = std::filesystem::path(path).parent_path().string();
   if (dir.empty()) dir = ".";
-  ScopedFd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  UniqueFd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) {
     const int err = errno;
     return ErrnoError(err, path, absl::StrCat("open directory ", dir));
@@ -331,9 +316,9 @@ absl::StatusOr<std::unique_ptr<WriteAheadLog>> WriteAheadLog::Open(const WalOpti
   // existing one is used only when it is this user's and closed to others (core/base/
   // private_files.h): a log another user planted in a shared directory, or one others could read
   // meanwhile, is refused rather than trusted or silently tightened.
-  int opened = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (opened < 0 && errno == EEXIST) opened = open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-  ScopedFd fd(opened);
+  UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (fd.get() < 0 && errno == EEXIST)
+    fd = UniqueFd(open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
   if (fd.get() < 0 && errno == ELOOP) {
     return absl::FailedPreconditionError(
         absl::StrCat("wal ", path, ": a symbolic link; give the log's own path"));
@@ -580,7 +565,7 @@ absl::Status WriteAheadLog::RewriteFile(const RecordSource& live, bool& failed) 
   const std::string tmp = options_.path + ".tmp";
   // A fresh file (O_EXCL, never a link): whatever stood under the temporary name goes first.
   if (unlink(tmp.c_str()) != 0 && errno != ENOENT) return ErrnoError(errno, tmp, "unlink");
-  ScopedFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  UniqueFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
   if (fd.get() < 0) return ErrnoError(errno, tmp, "open");
   // Until the rename, the old log is untouched: on failure drop the temp file and carry on.
   auto abandon = [&](absl::Status s) {
