@@ -26,7 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/cli/usage.h"
-#include "executor/model/gated_delta_net.h"
+#include "executor/model/ops/gated_delta_net.h"
 #include "kernels/chunk_state_recurrence.h"
 
 ABSL_FLAG(std::string, device, "auto", "cpu, cuda, or auto (cuda when there is a GPU)");

@@ -82,11 +82,12 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/base/exit_codes.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/cli/bad_input.h"
 #include "core/cli/usage.h"
 #include "core/io/rollout_jsonl.h"
 #include "core/layout/memory_plan.h"
+#include "core/model/config_json.h"
+#include "core/model/model_config.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_partition.h"
 #include "core/tree/tree_stats.h"
@@ -94,15 +95,14 @@
 #include "executor/distributed/process_group.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, rollouts, "",
           "workload file (JSON Lines, e.g. from dta-workload); required");
 ABSL_FLAG(std::string, config, "qwen3-1.7b",
-          "model shape: a preset (qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b, qwen2.5-1.5b, "
-          "llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, qwen3-moe-small, qwen3-next-80b-a3b, "
-          "qwen3-next-small) or a config.json; random weights");
+          absl::StrCat("model shape: a preset (", absl::StrJoin(dta::ModelPresetNames(), ", "),
+                       ") or a config.json; random weights"));
 ABSL_FLAG(std::string, methods,
           "dense,dense-ckpt,packed,packed-ckpt,dta-b2048,dta-b4096,dta-b4096-pack",
           "comma-separated: dense, dense-ckpt, packed, packed-ckpt, dta-b<B>[-g<G>][-pack][-lex]");

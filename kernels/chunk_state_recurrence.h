@@ -1,7 +1,7 @@
 // The inter-chunk state recurrence of the chunked gated delta rule (Gated DeltaNet, the linear
-// attention of Qwen3-Next; executor/model/gated_delta_net.h): the one part of the chunked (WY/UT)
-// algorithm that is sequential over chunks. With the intra-chunk terms computed for all chunks at
-// once, per value head (C tokens a chunk, N chunks, S [Dk, Dv]):
+// attention of Qwen3-Next; executor/model/ops/gated_delta_net.h): the one part of the chunked
+// (WY/UT) algorithm that is sequential over chunks. With the intra-chunk terms computed for all
+// chunks at once, per value head (C tokens a chunk, N chunks, S [Dk, Dv]):
 //   for i = 0 .. N-1:  h_i = S;  v_new_i = U_i - W_i S;  S = d_i S + Kd_i^T v_new_i
 // (W = k_cumdecay, U = new_values, Kd = k_decayed, d = chunk_decay). Its outputs h_i (the state at
 // each chunk's start) and v_new_i then give every chunk's output in two batched matmuls,

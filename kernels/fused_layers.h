@@ -6,7 +6,7 @@
 // these functions; on the GPU they cut a layer's launches and its
 // passes over activations, which bounded the step at small chunks (kernel launches, not FLOPs).
 //
-// Numerics are the model's (executor/model/qwen3_model.h): the compute type is float64 for
+// Numerics are the model's (executor/model/ops/numerics.h): the compute type is float64 for
 // float64 inputs and float32 otherwise; every result is computed in it and rounded once to its
 // output type. The q/k path rounds the normalised head to x's dtype before RoPE, as the unfused
 // graph did, and its backward rounds RoPE's input gradient to dy's dtype before the norm's

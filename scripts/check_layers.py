@@ -78,7 +78,7 @@ def self_test():
         "executor/engine/f.cc": "#include <grpcpp/grpcpp.h>\n",
         "dispatcher/core/g.cc": '#include "executor/engine/executor.h"\n',
         "dispatcher/wire/h.cc": "#include <torch/torch.h>\n",
-        "kernels/i.cu": '#include "executor/model/qwen3_model.h"\n',
+        "kernels/i.cu": '#include "executor/model/decoder.h"\n',
         "apps/train/j.cc": '#include "tests/testing/process.h"\n',
     }
     clean = {

@@ -19,16 +19,17 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/base/exit_codes.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/cli/bad_input.h"
 #include "core/cli/usage.h"
 #include "core/layout/memory_plan.h"
+#include "core/model/config_json.h"
+#include "core/model/model_config.h"
 
 ABSL_FLAG(std::string, config, "",
-          "a preset (qwen3-0.6b ... qwen3-32b, qwen2.5-1.5b, llama-3.2-1b, llama-3.1-8b, "
-          "qwen3-30b-a3b, qwen3-moe-small, qwen3-next-80b-a3b, qwen3-next-small) or a "
-          "config.json; required without --table");
+          absl::StrCat("a preset (", absl::StrJoin(dta::ModelPresetNames(), ", "),
+                       ") or a config.json; required without --table"));
 ABSL_FLAG(int32_t, world_size, 1, "GPUs in all");
 ABSL_FLAG(int32_t, gpus_per_node, 8, "GPUs per node (tensor parallelism stays within one)");
 ABSL_FLAG(double, gpu_gb, 80, "memory of one GPU, GiB");

@@ -60,7 +60,7 @@
 #include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 #include "executor/engine/replica_sums.h"
-#include "executor/model/qwen3_checkpoint.h"
+#include "executor/model/hf_checkpoint.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, rollouts, "", "rollout file (JSON Lines); required");

@@ -11,11 +11,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/checkpoint/model_family.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
+#include "core/model/config_json.h"
+#include "core/model/family.h"
+#include "core/model/model_config.h"
 #include "executor/distributed/device_layout.h"
-#include "executor/model/qwen3_checkpoint.h"
+#include "executor/model/hf_checkpoint.h"
 
 ABSL_FLAG(std::string, model, "",
           absl::StrCat("Hugging Face model directory to load (config.json + safetensors) of a "

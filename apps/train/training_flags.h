@@ -20,8 +20,8 @@
 #include "executor/distributed/sharded_adamw.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
-#include "executor/model/qwen3_checkpoint.h"
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
+#include "executor/model/hf_checkpoint.h"
 #include "executor/optim/adamw.h"
 
 ABSL_DECLARE_FLAG(std::string, device);
@@ -38,7 +38,7 @@ AdamWOptions AdamWFromFlags();
 // --min_lr_ratio; BadInput naming the flag when they do not make a schedule.
 LrSchedule LrScheduleFromFlags(int64_t run_steps);
 // How checkpoints publish the model: --checkpoint_dtype, and --model's directory for the tokenizer
-// and generation config (executor/model/qwen3_checkpoint.h).
+// and generation config (executor/model/hf_checkpoint.h).
 ModelExportOptions ModelExportFromFlags();
 // What the layout planner may know of the workload at start (0: not known).
 struct PlannedWorkload {

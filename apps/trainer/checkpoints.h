@@ -24,8 +24,8 @@
 
 #include "executor/distributed/process_group.h"
 #include "executor/distributed/training_optimizer.h"
-#include "executor/model/qwen3_checkpoint.h"
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
+#include "executor/model/hf_checkpoint.h"
 
 namespace dta {
 

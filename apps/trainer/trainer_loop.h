@@ -36,7 +36,7 @@
 #include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
 
 namespace dta {
 

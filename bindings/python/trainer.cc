@@ -9,12 +9,13 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
-#include "core/checkpoint/qwen3_config.h"
+#include "core/model/config_json.h"
+#include "core/model/model_config.h"
 #include "core/tree/prefix_tree.h"
 #include "dispatcher/batch/batch_plan.h"
 #include "executor/checkpoint/training_checkpoint.h"
 #include "executor/engine/replica_sums.h"
-#include "executor/model/qwen3_checkpoint.h"
+#include "executor/model/hf_checkpoint.h"
 
 namespace dta::python {
 namespace {

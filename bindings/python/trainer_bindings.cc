@@ -20,9 +20,11 @@
 #include "bindings/python/bindings.h"
 #include "bindings/python/rollout_conversion.h"
 #include "bindings/python/trainer.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
 #include "core/metrics/tensorboard_writer.h"
+#include "core/model/config_json.h"
+#include "core/model/family.h"
+#include "core/model/model_config.h"
 #include "core/progress/progress_line.h"
 #include "core/schedule/lr_schedule.h"
 
@@ -299,6 +301,9 @@ at::TensorOptions ModelOptions(at::ScalarType dtype, at::Device device) {
 
 void RegisterTrainer(py::module_& m) {
   RegisterOptions(m);
+  // The registry's lists (core/model/family.h), so that Python never keeps its own copy.
+  m.def("model_presets", &ModelPresetNames, "The names Trainer.from_config accepts as presets.");
+  m.def("model_families", &ModelFamilyTypes, "The config.json model_types dta builds, sorted.");
   py::class_<BoundTrainer>(m, "Trainer")
       .def_static(
           "from_directory",

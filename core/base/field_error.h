@@ -16,6 +16,12 @@ namespace dta {
 // INVALID_ARGUMENT "field '<field>': <what>".
 absl::Status FieldError(std::string_view field, std::string_view what);
 
+// UNIMPLEMENTED "field '<field>': <what>": a valid value that dta does not support (yet).
+absl::Status UnsupportedFieldError(std::string_view field, std::string_view what);
+
+// OK if `value` is positive and finite, else FieldError "<value> is not positive and finite".
+absl::Status CheckPositiveFinite(std::string_view field, double value);
+
 // The field a FieldError names (any status code), e.g. "loss_mask"; empty when the message does
 // not start with "field '<name>'".
 std::string FieldOfError(const absl::Status& status);

@@ -15,8 +15,8 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/executor_memory.h"
+#include "core/model/model_config.h"
 
 namespace dta {
 

@@ -1,6 +1,9 @@
 #include "core/layout/executor_memory.h"
 
 #include <algorithm>
+#include <vector>
+
+#include "core/model/layer_spec.h"
 
 namespace dta {
 namespace {
@@ -65,36 +68,30 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
   const int64_t c = std::max<int64_t>(w, 4);  // float32 (float64 for float64 models)
   const int64_t layers = config.num_hidden_layers;
   const int64_t h = config.hidden_size;
-  const int64_t d = config.head_dim;
-  // This rank's part (tensor parallelism needs heads and KV heads divisible by TP; the MLP's
-  // intermediate rows and the vocabulary split with the larger parts first).
-  const int64_t heads = config.num_attention_heads / tp;
-  const int64_t kv_heads = config.num_key_value_heads / tp;
-  const int64_t q = heads * d;
-  const int64_t kv = kv_heads * d;
-  const int64_t i = CeilDiv(config.intermediate_size, tp);
+  const int64_t k = config.num_experts_per_tok;
+  // This rank's part of the vocabulary (split with the larger parts first).
   const int64_t vocab = CeilDiv(config.vocab_size, tp);
   // Qwen3-Next's Gated DeltaNet layers (whole: they have no tensor-parallel split, and the
   // planner allows them no TP).
   const int64_t value_heads = config.linear_num_value_heads;
-  const int64_t key_head_dim = config.linear_key_head_dim;
-  const int64_t value_head_dim = config.linear_value_head_dim;
-  const int64_t key_dim = config.linear_num_key_heads * key_head_dim;
-  const int64_t value_dim = value_heads * value_head_dim;
-  const int64_t conv_dim = 2 * key_dim + value_dim;
+  const int64_t state = value_heads * config.linear_key_head_dim * config.linear_value_head_dim;
+  const int64_t conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim +
+                           value_heads * config.linear_value_head_dim;
   const int64_t kernel = config.linear_conv_kernel_dim;
-  const int64_t state = value_heads * key_head_dim * value_head_dim;  // one layer's, elements
-  constexpr int64_t kDeltaRuleChunk = 64;  // ChunkedGatedDeltaRule's chunk_size
-  int64_t linear_layers = 0;
-  for (int64_t l = 0; l < layers; ++l) linear_layers += IsLinearAttentionLayer(config, l) ? 1 : 0;
-  const int64_t attention_layers = layers - linear_layers;
+  const ModelSpec spec = BuildModelSpec(config);
+  std::vector<BlockSavedBytes> saved;
+  int64_t linear_layers = 0, cache = 0;
+  for (const LayerSpec& layer : spec.layers) {
+    saved.push_back(LayerSavedBytes(config, layer, w, tp));
+    linear_layers += layer.linear_attention() ? 1 : 0;
+    cache += saved.back().cache;
+  }
 
   ExecutorMemoryEstimate m;
   // K, V and their dK, dV accumulators per attention layer, the convolution inputs and their
   // accumulator per linear layer (dta.cc's PathStack); the final hidden state and its accumulator;
   // the log-probability and entropy with theirs.
-  m.stack = tokens.stack *
-            ((attention_layers * kv * 2 + linear_layers * conv_dim) * (w + c) + 2 * h * c + 4 * c);
+  m.stack = tokens.stack * (cache * (w + c) + 2 * h * c + 4 * c);
   // Linear layers' recurrent states and their accumulators (compute type) at every chunk end on
   // the path: ceil(path / chunk) of them when chunks cut the path only every B tokens; a path
   // that crosses more chunk ends (chunks cut short at branch points) holds more.
@@ -103,51 +100,16 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
     m.stack += boundaries * linear_layers * 2 * state * c;
   }
 
-  // What autograd keeps of one layer for one token: the two residual-stream norm inputs; q and k
-  // before their norms (Qwen3's q/k norm; RoPE alone keeps nothing) and after RoPE, v, the
-  // attention output; the MLP's gate and up; the norms' 1/rms (the residual ones, q's and k's per
-  // head) and attention's log-sum-exp per head. Gated attention (qwen3_next) also keeps the output
-  // gate and the gated output o_proj reads.
-  // A sparse (mixture-of-experts) layer keeps its k experts' gate and up (this rank's slice of
-  // moe_intermediate_size), the softmax over the experts and the k routing weights, and 4 k int64
-  // indices (top-k, the sort, its inverse, each pair's token) instead of the MLP's gate and up; a
-  // shared expert (qwen3_next) its gate and up, its sigmoid gate and the [h] output it scales.
-  const bool qk_norm = HasQkNorm(config);
-  const int64_t pre_norm = qk_norm ? q + kv : 0;
-  const int64_t gated = HasGatedAttention(config) ? 2 * q : 0;
-  const int64_t attention = 2 * h * c + (2 * q + 2 * kv + pre_norm + gated) * w +
-                            c * (2 + heads + (qk_norm ? heads + kv_heads : 0));
-  // A Gated DeltaNet layer, an estimate of what the eager ATen autograd of
-  // executor/model/gated_delta_net.cc saves (measured by replaying its ops in PyTorch with
-  // saved-tensor hooks: within 0.3% for chunks of whole 64-token delta-rule chunks; shorter chunks
-  // pad to 64): the residual norm inputs (2 h c) and out_proj's input (value_dim w), and in the
-  // compute type the convolution's taps and pre-activation ((kernel + 1) conv_dim), q and k
-  // before their L2 norms (2 key_dim), the delta rule's per-head q, k, k beta, their decayed and
-  // solved forms (6 value_heads key_head_dim), v, the solved values, the corrected values, the
-  // output, its norm, the gated product and z with silu(z) (8 value_dim), the chunk-local decay and
-  // attention matrices (5 value_heads x 64), one recurrent state per 64 tokens and a few per-head
-  // scalars (10 value_heads). About 8x a gated attention layer's bytes for Qwen3-Next-80B-A3B's
-  // shapes (497 KiB a token in bfloat16): a fused kernel would keep a fraction of it.
-  const int64_t linear =
-      2 * h * c + value_dim * w +
-      c * ((kernel + 1) * conv_dim + 2 * key_dim + 6 * value_heads * key_head_dim + 8 * value_dim +
-           5 * value_heads * kDeltaRuleChunk + state / kDeltaRuleChunk + 10 * value_heads);
-  const int64_t k = config.num_experts_per_tok;
-  const int64_t expert_i = CeilDiv(config.moe_intermediate_size, tp);
-  const int64_t shared_i =
-      HasSharedExpert(config) ? CeilDiv(config.shared_expert_intermediate_size, tp) : 0;
-  const int64_t shared = HasSharedExpert(config) ? 2 * shared_i * w + h * c + c : 0;
-  const int64_t sparse = 2 * k * expert_i * w + (config.num_experts + k) * c + 4 * k * 8 + shared;
+  // What autograd keeps of each layer for one token, its tensors and its norms' and attention's
+  // per-row statistics (core/model/layer_spec.h).
   int64_t all_layers = 0, largest_layer = 0, widest_mlp = 0;
   bool any_sparse = false;
-  for (int64_t l = 0; l < layers; ++l) {
-    const bool is_sparse = IsSparseLayer(config, l);
-    any_sparse = any_sparse || is_sparse;
-    const int64_t layer =
-        (IsLinearAttentionLayer(config, l) ? linear : attention) + (is_sparse ? sparse : 2 * i * w);
+  for (size_t l = 0; l < saved.size(); ++l) {
+    const int64_t layer = saved[l].tensors + saved[l].statistics;
     all_layers += layer;
     largest_layer = std::max(largest_layer, layer);
-    widest_mlp = std::max(widest_mlp, is_sparse ? std::max(k * expert_i, shared_i) : i);
+    widest_mlp = std::max(widest_mlp, saved[l].mlp_width);
+    any_sparse = any_sparse || spec.layers[l].sparse();
   }
   // Layer replay keeps each layer's input and rebuilds one layer's graph at a time.
   const bool replay = options.checkpointing && options.method != ExecutorKind::kDta;
@@ -162,9 +124,7 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
   // backward holds up to seven [T, i] compute-type tensors (the recomputed product's inputs,
   // d product, gate, up, sigmoid and two partials); the residual stream's gradient and the norm
   // backward's temporaries four [T, h] ones.
-  const int64_t seeds = options.method == ExecutorKind::kDta
-                            ? (attention_layers * 2 * kv + linear_layers * conv_dim) * w
-                            : 0;
+  const int64_t seeds = options.method == ExecutorKind::kDta ? cache * w : 0;
   // A sparse layer's backward runs SwiGLU over k pairs per token and holds the pairs' gathered
   // output and input gradients (two [T k, h] compute-type tensors). A linear layer's convolution
   // backward holds the gradients of its taps and of the table they gather from ((kernel + 2)

@@ -13,7 +13,7 @@
 //                                   entropy and their accumulators
 //   graphs     the tokens whose forward graphs are alive at once (dta: the schedule's invariant
 //              "live graphs never exceed B + the graph budget", and never more than the path they
-//              lie on), each keeping per layer (executor/model/qwen3_model.h)
+//              lie on), each keeping per layer (executor/model/decoder.h)
 //              2 h c                the two residual-stream norm inputs
 //              (3 q + 3 kv + 2 i) w q and k before their norms and after RoPE, v, the attention
 //                                   output, the MLP's gate and up ((2 q + 2 kv + 2 i) w for the
@@ -55,7 +55,7 @@
 
 #include <cstdint>
 
-#include "core/checkpoint/qwen3_config.h"
+#include "core/model/model_config.h"
 
 namespace dta {
 

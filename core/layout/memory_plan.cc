@@ -8,6 +8,7 @@
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
 #include "core/layout/gib.h"
+#include "core/model/layer_spec.h"
 
 namespace dta {
 namespace {
@@ -60,11 +61,7 @@ absl::Status CheckExecutorOptions(const ExecutorMemoryOptions& e) {
 
 // Whether the config has layers without a tensor-parallel split (Qwen3-Next's).
 bool HasTensorParallelGap(const ModelConfig& config) {
-  bool linear = false;
-  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-    linear = linear || IsLinearAttentionLayer(config, layer);
-  }
-  return linear || HasGatedAttention(config) || HasSharedExpert(config);
+  return !BuildModelSpec(config).tensor_parallel();
 }
 
 bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ranks_per_node) {
@@ -76,57 +73,19 @@ bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ra
 }  // namespace
 
 ParameterCount CountParameters(const ModelConfig& c) {
-  // Full attention: q_proj yields each head's query and, with gated attention (qwen3_next), its
-  // output gate as well.
-  const int64_t q = c.num_attention_heads * c.head_dim;
-  const int64_t q_out = HasGatedAttention(c) ? 2 * q : q;
-  const int64_t kv = c.num_key_value_heads * c.head_dim;
-  const int64_t attention_sharded = c.hidden_size * q_out                        // q_proj
-                                    + 2 * c.hidden_size * kv                     // k_proj, v_proj
-                                    + q * c.hidden_size                          // o_proj
-                                    + (c.attention_bias ? q_out + 2 * kv : 0);   // q/k/v biases
-  const int64_t attention_replicated = (HasQkNorm(c) ? 2 * c.head_dim : 0)       // q_norm, k_norm
-                                       + (HasOProjBias(c) ? c.hidden_size : 0);  // o_proj's bias
-  // Gated DeltaNet (transformers' Qwen3NextGatedDeltaNet) instead of attention: in_proj_qkvz
-  // [2 key_dim + 2 value_dim, hidden], in_proj_ba [2 value_heads, hidden], the depthwise conv1d
-  // [conv_dim, 1, kernel] (conv_dim = 2 key_dim + value_dim), dt_bias and A_log [value_heads] and
-  // out_proj [hidden, value_dim], all split by heads under tensor parallelism; the gated norm
-  // [value_head_dim] whole on every rank, as q_norm.
-  const int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
-  const int64_t value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
-  const int64_t conv_dim = 2 * key_dim + value_dim;
-  const int64_t linear_sharded = (2 * key_dim + 2 * value_dim) * c.hidden_size   // in_proj_qkvz
-                                 + 2 * c.linear_num_value_heads * c.hidden_size  // in_proj_ba
-                                 + conv_dim * c.linear_conv_kernel_dim           // conv1d
-                                 + 2 * c.linear_num_value_heads                  // dt_bias, A_log
-                                 + c.hidden_size * value_dim;                    // out_proj
-  const int64_t linear_replicated = c.linear_value_head_dim;                     // norm
-  const int64_t dense_mlp = 3 * c.hidden_size * c.intermediate_size;             // gate, up, down
-  const int64_t expert = 3 * c.hidden_size * c.moe_intermediate_size;
-  // qwen3_next's sparse blocks also hold a shared SwiGLU expert (split as a dense MLP) and its
-  // sigmoid gate [1, hidden] (whole on every rank, as the router).
-  const bool shared_expert = HasSharedExpert(c);
-  const int64_t shared = shared_expert ? 3 * c.hidden_size * c.shared_expert_intermediate_size : 0;
-  const int64_t shared_gate = shared_expert ? c.hidden_size : 0;
+  const ModelSpec spec = BuildModelSpec(c);
   ParameterCount count;
-  const int64_t embeddings = c.vocab_size * c.hidden_size * (c.tie_word_embeddings ? 1 : 2);
-  count.sharded = embeddings;
-  // The input and post-attention RMSNorms of every layer, and the final norm.
-  count.replicated = c.num_hidden_layers * 2 * c.hidden_size + c.hidden_size;
-  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
-    if (IsLinearAttentionLayer(c, layer)) {
-      count.sharded += linear_sharded;
-      count.replicated += linear_replicated;
-    } else {
-      count.sharded += attention_sharded;
-      count.replicated += attention_replicated;
-    }
-    if (IsSparseLayer(c, layer)) {
-      count.sharded += c.num_experts * expert + shared;  // the experts, split by their rows
-      count.replicated += c.num_experts * c.hidden_size + shared_gate;  // the router(s)
-      count.unused_per_token += (c.num_experts - c.num_experts_per_tok) * expert;
-    } else {
-      count.sharded += dense_mlp;
+  for (const ParameterSpec& parameter : spec.Parameters()) {
+    (parameter.split.replicated() ? count.replicated : count.sharded) += parameter.numel();
+  }
+  // A token uses k of a sparse layer's experts: the others' gate, up and down are unused.
+  for (const LayerSpec& layer : spec.layers) {
+    if (!layer.sparse()) continue;
+    for (const ParameterSpec& parameter : layer.parameters) {
+      if (parameter.per_expert()) {
+        count.unused_per_token +=
+            parameter.numel() / c.num_experts * (c.num_experts - c.num_experts_per_tok);
+      }
     }
   }
   return count;

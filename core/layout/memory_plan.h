@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/executor_memory.h"
+#include "core/model/model_config.h"
 
 namespace dta {
 
@@ -41,7 +41,8 @@ struct ParameterCount {
   int64_t active() const { return total() - unused_per_token; }
 };
 
-// Exactly the parameters Decoder holds for `config` (lm_head counted once when tied).
+// Exactly the parameters Decoder holds for `config`: its layer spec's (core/model/layer_spec.h;
+// lm_head counted once when tied), sharded or replicated as the spec splits them.
 ParameterCount CountParameters(const ModelConfig& config);
 
 struct TrainingLayout {

@@ -22,8 +22,8 @@
 #include <string>
 
 #include "executor/distributed/training_optimizer.h"
-#include "executor/model/qwen3_checkpoint.h"
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
+#include "executor/model/hf_checkpoint.h"
 
 namespace dta {
 

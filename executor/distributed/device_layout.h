@@ -14,8 +14,8 @@
 #include <optional>
 
 #include "absl/status/statusor.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
+#include "core/model/model_config.h"
 
 namespace dta {
 

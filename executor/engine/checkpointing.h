@@ -8,7 +8,7 @@
 
 #include <vector>
 
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
 
 namespace dta::engine {
 

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "core/model/layer_spec.h"
 #include "executor/device/host_to_device.h"
 #include "executor/engine/methods.h"
 
@@ -165,59 +166,14 @@ ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t 
 }
 
 int64_t GraphBytesPerToken(const ModelConfig& c, at::ScalarType dtype, int tensor_parallel) {
-  // Per layer, what autograd saves for one token (executor/model/qwen3_model.h): the two norm
-  // inputs (the residual stream, at least float32, whole on every rank), q and k before their norms
-  // (families with q/k norms) and after RoPE, v, the attention output (and with gated attention the
-  // output gate and the gated output), and the MLP's gate and up (this rank's heads and
-  // intermediate slice), or a sparse layer's routing and experts' gate and up.
+  // Per layer, the tensors autograd saves for one token (core/model/layer_spec.h's
+  // LayerSavedBytes, block by block); the norms' and attention's per-row statistics are not
+  // counted here.
   TORCH_CHECK(tensor_parallel >= 1, "GraphBytesPerToken: tensor_parallel must be >= 1");
-  const int64_t q = c.num_attention_heads / tensor_parallel * c.head_dim;
-  const int64_t kv = c.num_key_value_heads / tensor_parallel * c.head_dim;
-  const int64_t intermediate = (c.intermediate_size + tensor_parallel - 1) / tensor_parallel;
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t residual = std::max<int64_t>(element, 4);
-  const int64_t pre_norm = HasQkNorm(c) ? q + kv : 0;
-  const int64_t gated = HasGatedAttention(c) ? 2 * q : 0;
-  const int64_t attention =
-      2 * c.hidden_size * residual + (2 * q + 2 * kv + pre_norm + gated) * element;
-  // A Gated DeltaNet layer (qwen3_next; not split across tensor-parallel ranks), an estimate of
-  // what the eager ATen autograd of gated_delta_net.cc saves (core/layout/executor_memory.cc
-  // derives it, measured within 0.3%): the residual norm inputs and out_proj's input, and in the
-  // compute type the convolution's taps and pre-activation, q and k before their L2 norms, the
-  // delta rule's per-head tensors (6 of key_head_dim, 8 of value_head_dim per value head), its
-  // 64 x 64 chunk matrices (5 per value head), one recurrent state per 64 tokens, and per-head
-  // scalars.
-  const int64_t value_heads = c.linear_num_value_heads;
-  const int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
-  const int64_t value_dim = value_heads * c.linear_value_head_dim;
-  const int64_t conv_dim = 2 * key_dim + value_dim;
-  constexpr int64_t kDeltaRuleChunk = 64;
-  const int64_t linear =
-      2 * c.hidden_size * residual + value_dim * element +
-      residual * ((c.linear_conv_kernel_dim + 1) * conv_dim + 2 * key_dim +
-                  6 * value_heads * c.linear_key_head_dim + 8 * value_dim +
-                  5 * value_heads * kDeltaRuleChunk +
-                  value_heads * c.linear_key_head_dim * c.linear_value_head_dim / kDeltaRuleChunk +
-                  10 * value_heads);
-  // A sparse layer (qwen3_model.cc's SparseMoe) keeps, per token, its k experts' gate and up (this
-  // rank's slice of moe_intermediate_size), the router's softmax over the experts and the top-k
-  // routing weights (compute dtype), and the top-k indices, the sort and its inverse, and each
-  // pair's token (int64); with a shared expert (qwen3_next) its gate and up, its sigmoid gate and
-  // the hidden-size output it scales.
-  const int64_t moe_intermediate =
-      (c.moe_intermediate_size + tensor_parallel - 1) / tensor_parallel;
-  const int64_t shared_intermediate =
-      (c.shared_expert_intermediate_size + tensor_parallel - 1) / tensor_parallel;
-  const int64_t shared =
-      HasSharedExpert(c) ? 2 * shared_intermediate * element + (c.hidden_size + 1) * residual : 0;
-  const int64_t k = c.num_experts_per_tok;
-  const int64_t sparse = 2 * k * moe_intermediate * element + (c.num_experts + k) * residual +
-                         4 * k * static_cast<int64_t>(sizeof(int64_t)) + shared;
-  const int64_t dense = 2 * intermediate * element;
   int64_t bytes = 0;
-  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
-    bytes += (IsLinearAttentionLayer(c, layer) ? linear : attention) +
-             (IsSparseLayer(c, layer) ? sparse : dense);
+  for (const LayerSpec& layer : BuildModelSpec(c).layers) {
+    bytes += LayerSavedBytes(c, layer, element, tensor_parallel).tensors;
   }
   return bytes;
 }

@@ -33,7 +33,7 @@
 #include "core/layout/executor_memory.h"
 #include "core/tree/schedule.h"
 #include "executor/loss/loss.h"
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
 
 namespace dta {
 

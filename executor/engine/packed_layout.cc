@@ -1,7 +1,7 @@
 #include "executor/engine/packed_layout.h"
 
 #include "executor/device/host_to_device.h"
-#include "executor/model/gather_rows.h"
+#include "executor/model/ops/gather_rows.h"
 
 namespace dta::engine {
 

@@ -9,7 +9,7 @@
 
 #include "core/tree/prefix_tree.h"
 #include "executor/engine/checkpointing.h"
-#include "executor/model/qwen3_model.h"
+#include "executor/model/decoder.h"
 
 namespace dta::engine {
 

@@ -18,7 +18,7 @@ angles, cos and sin in float32. For the float64 reference the test patches (only
 `exact_float64`) Qwen3RMSNorm.forward and Qwen3RotaryEmbedding.forward to compute in the input's
 dtype, with the same formulas; attention is SDPA, which computes in the input dtype. Both sides
 are then float64 implementations of the same math. dta's model does the same in float64 (see
-executor/model/qwen3_model.h); in float32 both keep HF's float32 numerics unpatched.
+executor/model/decoder.h); in float32 both keep HF's float32 numerics unpatched.
 
 The binary comes from the build directory $DTA_BUILD_DIR (default: <repo>/build); the tests fail
 (not skip) when it is missing.

@@ -17,7 +17,7 @@ mixture-of-experts routing options:
 
 The MoE gradients: transformers keeps each layer's experts as gate_up_proj [E, 2I, H] and down_proj
 [E, H, I]; dta stacks gate_proj and up_proj separately ([E, I, H] each, the halves of gate_up_proj)
-under the names "model.layers.L.mlp.experts.{gate,up,down}_proj" (qwen3_checkpoint.h).
+under the names "model.layers.L.mlp.experts.{gate,up,down}_proj" (executor/model/hf_checkpoint.h).
 
 build/bin/dta-hf-logprobs loads each with LoadHfModel and computes every rollout's per-token
 log-probabilities with each method (dense, packed, dta, dta with B = 7): they must equal

@@ -495,6 +495,14 @@ def test_from_config_and_properties():
     assert trainer.lr == 0.5
 
 
+def test_presets_and_families_come_from_the_registry():
+    presets = dta.Trainer.presets()
+    assert {"qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen3-30b-a3b", "qwen3-next-small"} <= set(presets)
+    assert len(presets) == len(set(presets))
+    families = dta.Trainer.model_families()
+    assert families == sorted(families) and {"qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_next"} <= set(families)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: this checks the error without one")
 def test_a_gpu_device_without_a_visible_gpu_says_so(checkpoint):
     """CUDA's own error (from the driver, at the first allocation) does not say that no GPU is

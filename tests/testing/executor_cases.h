@@ -14,6 +14,7 @@
 #include "core/io/rollout.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
+#include "tests/testing/test_family.h"
 
 namespace dta::testing {
 
@@ -30,6 +31,9 @@ namespace dta::testing {
 // heads, a 3-tap convolution) with a dense MLP, the others gated full attention with q/k/v/o
 // biases, partial RoPE (half of each head) and a sparse block of 5 experts (top-2) plus a shared
 // expert; every norm zero-centred.
+//
+// "dta_test_hybrid" (tests/testing/test_family.h, registered by RegisterTestFamily):
+// TestHybridModel.
 inline ModelConfig WithFamily(ModelConfig c, const std::string& family) {
   if (family == "qwen3") return c;
   if (family == "qwen3_next") {
@@ -61,6 +65,7 @@ inline ModelConfig WithFamily(ModelConfig c, const std::string& family) {
     c.router_aux_loss_coef = 0.001;
     return c;
   }
+  if (family == kTestHybridFamily.model_type) return TestHybridModel(c);
   if (family != "llama" && family != "qwen2") {
     // A family the registry gained: the parametrized family tests fail until it has a model here.
     throw std::invalid_argument("WithFamily: no test model for family '" + family +

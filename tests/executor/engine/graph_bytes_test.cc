@@ -3,8 +3,8 @@
 // shared expert, by hand; it agrees with the layout planner's estimate (core/layout).
 #include <ATen/ATen.h>
 
-#include "core/checkpoint/qwen3_config.h"
 #include "core/layout/executor_memory.h"
+#include "core/model/model_config.h"
 #include "executor/engine/executor.h"
 #include "gtest/gtest.h"
 

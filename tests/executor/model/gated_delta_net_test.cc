@@ -4,7 +4,7 @@
 // root-to-leaf paths run alone. On a GPU (skipped without one), the chunked rule with the CUDA
 // state-recurrence kernel equals the recurrence in float64, and the kernel's float32 results
 // equal the ATen loop's.
-#include "executor/model/gated_delta_net.h"
+#include "executor/model/ops/gated_delta_net.h"
 
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
 // GatherRows and AddRowsInto: the gather and its gradient against a one-hot matrix product in
 // float64 (repeated, unused and out-of-order indices), bad input named, and on a GPU (skipped
 // without one) the same bits on every run where index_add_'s atomics varied.
-#include "executor/model/gather_rows.h"
+#include "executor/model/ops/gather_rows.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>

@@ -34,7 +34,7 @@
 
 #include "core/io/rollout_jsonl.h"
 #include "executor/engine/executor.h"
-#include "executor/model/qwen3_checkpoint.h"
+#include "executor/model/hf_checkpoint.h"
 #include "nlohmann/json.hpp"
 
 namespace dta {

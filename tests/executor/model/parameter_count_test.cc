@@ -6,7 +6,8 @@
 #include <string>
 
 #include "core/layout/memory_plan.h"
-#include "executor/model/qwen3_model.h"
+#include "core/model/config_json.h"
+#include "executor/model/decoder.h"
 
 #include "gtest/gtest.h"
 

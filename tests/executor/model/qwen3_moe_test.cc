@@ -1,6 +1,7 @@
-// Qwen3-MoE's sparse block (qwen3_model.cc's SparseMoe) beyond the parity and equivalence tests:
-// routing decides which tokens an expert touches (each token exactly num_experts_per_tok of them),
-// and the stacked experts are saved and loaded as the Hub's per-expert tensors.
+// Qwen3-MoE's sparse block (executor/model/ops/moe.h's SparseMoe) beyond the parity and
+// equivalence tests: routing decides which tokens an expert touches (each token exactly
+// num_experts_per_tok of them), and the stacked experts are saved and loaded as the Hub's
+// per-expert tensors.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -11,10 +12,11 @@
 #include <vector>
 
 #include "core/base/remove_tree.h"
-#include "core/checkpoint/qwen3_config.h"
 #include "core/checkpoint/safetensors.h"
-#include "executor/model/qwen3_checkpoint.h"
-#include "executor/model/qwen3_model.h"
+#include "core/model/config_json.h"
+#include "core/model/model_config.h"
+#include "executor/model/decoder.h"
+#include "executor/model/hf_checkpoint.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -1,0 +1,32 @@
+// What a decoder (executor/model/decoder.h) shares with the blocks of one of its layers
+// (attention_block.h, gated_delta_net_block.h, mlp_blocks.h): the configuration, this rank's part
+// of the tensor-parallel layout, and the layer's partial-gradient buffers. The decoder builds one
+// per layer call; it points into the decoder, which outlives the call.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "core/model/model_config.h"
+#include "executor/model/ops/gated_delta_net.h"
+
+namespace dta {
+
+struct BlockShared {
+  const ModelConfig* config = nullptr;
+  // The tensor-parallel group's handle (GroupHandle in ops/numerics.h): 0 without tensor
+  // parallelism.
+  int64_t group = 0;
+  // This rank's heads and KV heads (all of them without tensor parallelism).
+  int64_t local_heads = 0;
+  int64_t local_kv_heads = 0;
+  // The linear-attention layers' sizes (the decoder's linear_shape()); null without any.
+  const GatedDeltaNetShape* linear_shape = nullptr;
+  // Under tensor parallelism with q/k norms, this layer's partial gradients of q_norm and k_norm
+  // ([2, head_dim], the accumulator dtype), which the decoder completes later
+  // (ReduceTensorParallelGradients); undefined otherwise.
+  at::Tensor partial_norm_grads = {};
+};
+
+}  // namespace dta

@@ -1,0 +1,61 @@
+#include "executor/model/blocks/gated_delta_net_block.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <optional>
+#include <utility>
+
+#include "executor/model/ops/numerics.h"
+#include "executor/model/ops/projections.h"
+
+namespace dta {
+
+using torch::autograd::variable_list;
+
+LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm_weight,
+                               const GatedDeltaNetWeights& weights, const ChunkContext& context,
+                               const LayerPrefix& prefix, const BlockShared& shared) {
+  const NormScale input_norm = NormScaleOf(input_norm_weight, HasZeroCentredNorms(*shared.config));
+  const at::Tensor in_weights[] = {weights.in_proj_qkvz, weights.in_proj_ba};
+  // With the fused residual, projected[2] is h itself, for the residual connection (see
+  // Projections).
+  const bool fused_residual = FusedResidualEnabled();
+  const variable_list projected = Projections::apply(
+      h, std::optional<at::Tensor>(input_norm.weight), shared.config->rms_norm_eps,
+      /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
+      at::TensorList(in_weights), at::TensorList(), Optional(input_norm.accumulator),
+      fused_residual);
+  // The small parameters enter as float32 (float64) leaves whose gradients go straight into their
+  // .grad accumulators (autograd would otherwise round them to the parameters' dtype).
+  auto trainable = [&](const at::Tensor& p) {
+    if (!at::GradMode::is_enabled()) return p;
+    return GradientInto(p.detach().to(ComputeType(p.scalar_type())), GradAccumulator(p));
+  };
+  const GatedDeltaNetWeights small{.conv1d = trainable(weights.conv1d),
+                                   .dt_bias = trainable(weights.dt_bias),
+                                   .a_log = trainable(weights.a_log),
+                                   .norm = trainable(weights.norm)};
+  // The context: the path's last convolution inputs and its recurrent state.
+  LinearContext linear;
+  const int64_t rows = context.conv_context_rows;
+  if (rows > 0) {
+    const int64_t p = prefix.keys.size(0);
+    linear.conv_inputs = prefix.keys.slice(0, p - rows, p);
+    if (prefix.grad_keys.defined())
+      linear.grad_conv_inputs = prefix.grad_keys.slice(0, p - rows, p);
+  }
+  linear.state = prefix.state;
+  linear.grad_state = prefix.grad_state;
+  LinearMixerOutput mixed =
+      GatedDeltaNetMix(small, *shared.linear_shape, projected[0], projected[1], context.conv_index,
+                       context.runs, linear);
+  LayerOutput out;
+  out.hidden = (fused_residual ? projected[2] : h) +
+               ProjectWide(mixed.out, weights.out_proj, at::Tensor(), /*group=*/0);
+  out.keys = std::move(mixed.conv_inputs);
+  out.state = std::move(mixed.final_state);
+  for (const int64_t run : context.point_runs) out.point_states.push_back(mixed.run_states[run]);
+  return out;
+}
+
+}  // namespace dta

@@ -1,0 +1,26 @@
+// The linear-attention half of a Qwen3-Next layer (layer_types "linear_attention", as transformers'
+// Qwen3NextGatedDeltaNet): in_proj_qkvz and in_proj_ba as one fused projection after the input
+// norm, the tree convolution and delta rule (ops/gated_delta_net.h), the gated norm, out_proj into
+// the float32 residual stream. Its cache is the convolution inputs (LayerPrefix::keys) and the
+// recurrent state (LayerPrefix::state); the small parameters (conv1d, dt_bias, A_log, the gated
+// norm) enter as float32 (float64) leaves whose gradients go into their .grad. No tensor
+// parallelism.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "executor/model/blocks/block_shared.h"
+#include "executor/model/chunk_io.h"
+#include "executor/model/ops/gated_delta_net.h"
+
+namespace dta {
+
+// h plus the mixer's output, on the residual stream h [T, hidden] (the compute dtype), with the
+// layer's cache rows and state: sets hidden, keys (the convolution inputs), state and point_states
+// (per ChunkContext::point_runs entry) of the result. input_norm_weight: the layer's input RMSNorm
+// weight; weights: the layer's weights (the shape is shared.linear_shape).
+LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm_weight,
+                               const GatedDeltaNetWeights& weights, const ChunkContext& context,
+                               const LayerPrefix& prefix, const BlockShared& shared);
+
+}  // namespace dta

@@ -1,0 +1,349 @@
+#include "executor/model/ops/gated_delta_net.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <limits>
+
+#include "executor/model/ops/gather_rows.h"
+#include "kernels/chunk_state_recurrence.h"
+
+namespace dta {
+namespace {
+
+at::ScalarType ComputeType(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// [T, H, D] -> [H, T, D] in the compute dtype.
+at::Tensor HeadsMajor(const at::Tensor& x, at::ScalarType type) {
+  return x.to(type).transpose(0, 1).contiguous();
+}
+
+void CheckRuleShapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes(),
+              "gated delta rule: q and k must be [T, H, Dk]", ", got ", q.sizes(), " and ",
+              k.sizes());
+  const int64_t t = q.size(0), h = q.size(1);
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == t && v.size(1) == h,
+              "gated delta rule: v must be [T, H, Dv], got ", v.sizes());
+  TORCH_CHECK(g.sizes() == at::IntArrayRef({t, h}) && beta.sizes() == g.sizes(),
+              "gated delta rule: g and beta must be [T, H], got ", g.sizes(), " and ",
+              beta.sizes());
+  TORCH_CHECK(!state.defined() || state.sizes() == at::IntArrayRef({h, q.size(2), v.size(2)}),
+              "gated delta rule: the state must be [H, Dk, Dv], got ", state.sizes());
+}
+
+at::Tensor InitialState(const at::Tensor& state, const at::Tensor& v, int64_t key_dim,
+                        at::ScalarType type) {
+  if (state.defined()) return state.to(type);
+  return at::zeros({v.size(1), key_dim, v.size(2)}, v.options().dtype(type));
+}
+
+// x / sqrt(sum x^2 + eps) along the last dimension (flash-linear-attention's l2norm, as
+// transformers).
+at::Tensor L2Normalize(const at::Tensor& x, double eps = 1e-6) {
+  return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + eps);
+}
+
+}  // namespace
+
+at::Tensor GradientInto(const at::Tensor& constant, const at::Tensor& accumulator) {
+  if (!constant.defined() || !accumulator.defined() || !at::GradMode::is_enabled()) return constant;
+  TORCH_CHECK(constant.sizes() == accumulator.sizes(), "gradient accumulator of shape ",
+              accumulator.sizes(), " for a constant of shape ", constant.sizes());
+  at::Tensor leaf = constant.detach().variable_data();
+  leaf.requires_grad_(true);
+  // The hook runs when backward reaches the leaf; the accumulator outlives the graph (the
+  // executor's stack), so capturing it by value (a shared handle) is safe.
+  leaf.register_hook([accumulator](const at::Tensor& grad) { accumulator.add_(grad); });
+  return leaf;
+}
+
+std::vector<TokenRun> ChainRuns(TokenParents parents, int64_t tokens) {
+  std::vector<TokenRun> runs;
+  if (tokens == 0) return runs;
+  if (parents.empty()) return {TokenRun{.begin = 0, .end = tokens, .parent_run = -1}};
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == tokens, "token parents: ", parents.size(),
+              " parents for ", tokens, " tokens");
+  // A token with a child other than the next token ends its run (the child starts from its state).
+  std::vector<bool> branches(tokens, false);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t p = parents[t];
+    TORCH_CHECK(p >= -1 && p < t, "token parents: token ", t, " has parent ", p,
+                " (must be -1 or an earlier token)");
+    if (p >= 0 && p != t - 1) branches[p] = true;
+  }
+  std::vector<int64_t> run_of(tokens, -1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t p = parents[t];
+    const bool continues = t > 0 && p == t - 1 && !branches[t - 1];
+    if (!continues) {
+      runs.push_back({.begin = t, .end = t, .parent_run = p >= 0 ? run_of[p] : -1});
+    }
+    runs.back().end = t + 1;
+    run_of[t] = static_cast<int64_t>(runs.size()) - 1;
+  }
+  // A branch point is its run's last token, so a child's parent run ends exactly at the parent.
+  for (const TokenRun& run : runs) {
+    if (run.parent_run >= 0) {
+      TORCH_CHECK(runs[run.parent_run].end - 1 == parents[run.begin], "token parents: internal");
+    }
+  }
+  return runs;
+}
+
+at::Tensor ConvAncestorIndex(TokenParents parents, int64_t tokens, int64_t context_rows,
+                             int64_t kernel, at::Device device) {
+  TORCH_CHECK(kernel >= 1, "convolution kernel must be >= 1, got ", kernel);
+  TORCH_CHECK(parents.empty() || static_cast<int64_t>(parents.size()) == tokens,
+              "token parents: ", parents.size(), " parents for ", tokens, " tokens");
+  std::vector<int64_t> index(tokens * kernel, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    // Walk up from t: chunk tokens, then the context's rows from its last one, then zeros.
+    int64_t node = t;          // a chunk token while >= 0
+    int64_t context_row = -1;  // past the chunk root: the context row read next (< 0: zeros)
+    for (int64_t i = kernel - 1; i >= 0; --i) {
+      if (node >= 0) {
+        index[t * kernel + i] = 1 + context_rows + node;
+        const int64_t parent = parents.empty() ? node - 1 : parents[node];
+        TORCH_CHECK(parent >= -1 && parent < node, "token parents: token ", node, " has parent ",
+                    parent, " (must be -1 or an earlier token)");
+        if (parent < 0) context_row = context_rows - 1;
+        node = parent;
+      } else {
+        index[t * kernel + i] = context_row >= 0 ? 1 + context_row : 0;
+        if (context_row >= 0) --context_row;
+      }
+    }
+  }
+  return at::tensor(index, at::TensorOptions().dtype(at::kLong)).view({tokens, kernel}).to(device);
+}
+
+at::Tensor TreeCausalConv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& context,
+                          const at::Tensor& index) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1),
+              "causal convolution: x must be [T, C] and weight [C, kernel], got ", x.sizes(),
+              " and ", weight.sizes());
+  const int64_t t = x.size(0), channels = x.size(1), kernel = weight.size(1);
+  TORCH_CHECK(index.sizes() == at::IntArrayRef({t, kernel}),
+              "causal convolution: index must be [T, kernel], got ", index.sizes());
+  const at::ScalarType type = ComputeType(x);
+  std::vector<at::Tensor> rows = {at::zeros({1, channels}, x.options().dtype(type))};
+  if (context.defined() && context.size(0) > 0) {
+    TORCH_CHECK(context.dim() == 2 && context.size(1) == channels,
+                "causal convolution: context must be [P, C], got ", context.sizes());
+    rows.push_back(context.to(type));
+  }
+  rows.push_back(x.to(type));
+  const at::Tensor table = at::cat(rows);
+  // Each row is read by up to `kernel` taps (more at a branch point): GatherRows sums their
+  // gradients in a fixed order.
+  const at::Tensor taps = GatherRows(table, index.reshape({-1})).view({t, kernel, channels});
+  const at::Tensor summed = (taps * weight.to(type).t().unsqueeze(0)).sum(1);
+  return at::silu(summed).to(x.scalar_type());
+}
+
+GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q_in, const at::Tensor& k_in,
+                                       const at::Tensor& v_in, const at::Tensor& g_in,
+                                       const at::Tensor& beta_in, const at::Tensor& initial_state,
+                                       int64_t chunk_size) {
+  CheckRuleShapes(q_in, k_in, v_in, g_in, beta_in, initial_state);
+  TORCH_CHECK(chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size);
+  const at::ScalarType type = ComputeType(q_in);
+  const int64_t length = q_in.size(0), key_dim = q_in.size(2);
+  at::Tensor state = InitialState(initial_state, v_in, key_dim, type);
+  if (length == 0) return {at::zeros_like(v_in, v_in.options().dtype(type)), state};
+
+  // [H, T, D] and [H, T], queries scaled, padded to whole chunks with zeros (a zero key and beta
+  // leave the state unchanged; a zero log decay multiplies it by 1).
+  const int64_t pad = (chunk_size - length % chunk_size) % chunk_size;
+  const int64_t chunks = (length + pad) / chunk_size;
+  auto padded = [&](const at::Tensor& x) {
+    at::Tensor heads = HeadsMajor(x.dim() == 2 ? x.unsqueeze(-1) : x, type);
+    if (pad > 0) heads = at::constant_pad_nd(heads, {0, 0, 0, pad});
+    return heads.view({heads.size(0), chunks, chunk_size, heads.size(2)});
+  };
+  const at::Tensor q = padded(q_in) * (1.0 / std::sqrt(static_cast<double>(key_dim)));
+  const at::Tensor k = padded(k_in);
+  const at::Tensor v = padded(v_in);
+  const at::Tensor beta = padded(beta_in);            // [H, N, C, 1]
+  const at::Tensor decay = padded(g_in).squeeze(-1);  // [H, N, C]
+  const at::Tensor k_beta = k * beta;
+  const at::Tensor v_beta = v * beta;
+
+  // Within a chunk: cum[i] = log of the decay from the chunk's start through token i;
+  // pairwise[i][j] = exp(cum[i] - cum[j]) for j <= i, 0 above the diagonal.
+  const at::Tensor cum = decay.cumsum(-1);
+  const at::Tensor upper = at::ones({chunk_size, chunk_size}, q.options().dtype(at::kBool)).triu(1);
+  const at::Tensor pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2))
+                                  .masked_fill(upper, -std::numeric_limits<double>::infinity())
+                                  .exp();
+  // The WY/UT form: (I + strictly_lower(k_beta k^T * pairwise))^-1 condenses a chunk's delta
+  // updates into matmuls.
+  const at::Tensor system = at::matmul(k_beta, k.transpose(-1, -2)) * pairwise;
+  const at::Tensor new_values =
+      at::linalg_solve_triangular(system, v_beta, /*upper=*/false, /*left=*/true,
+                                  /*unitriangular=*/true);
+  const at::Tensor k_cumdecay =
+      at::linalg_solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), /*upper=*/false,
+                                  /*left=*/true, /*unitriangular=*/true);
+  const at::Tensor intra = at::matmul(q, k.transpose(-1, -2)) * pairwise;
+  const at::Tensor q_decayed = q * cum.exp().unsqueeze(-1);
+  const at::Tensor k_decayed = k * (cum.narrow(-1, chunk_size - 1, 1) - cum).exp().unsqueeze(-1);
+  const at::Tensor chunk_decay = cum.select(-1, chunk_size - 1).exp();  // [H, N]
+
+  // Across chunks, the state recurrence: h_i, the state at chunk i's start, and
+  // v_new_i = new_values_i - k_cumdecay_i h_i, from one autograd function (one CUDA kernel each way
+  // on the GPU; kernels/chunk_state_recurrence.h). Each chunk's output is then
+  // q_decayed_i h_i + intra_i v_new_i, for all chunks in two batched matmuls.
+  const kernels::ChunkStates scan =
+      kernels::ChunkStateRecurrence(k_cumdecay, new_values, k_decayed, chunk_decay, state);
+  const at::Tensor out = (at::matmul(q_decayed, scan.states) + at::matmul(intra, scan.new_values))
+                             .view({q.size(0), chunks * chunk_size, v.size(-1)})
+                             .narrow(1, 0, length)
+                             .transpose(0, 1);
+  return {out, scan.final_state};
+}
+
+GatedDeltaOutput RecurrentGatedDeltaRule(const at::Tensor& q_in, const at::Tensor& k_in,
+                                         const at::Tensor& v_in, const at::Tensor& g_in,
+                                         const at::Tensor& beta_in,
+                                         const at::Tensor& initial_state) {
+  CheckRuleShapes(q_in, k_in, v_in, g_in, beta_in, initial_state);
+  const at::ScalarType type = ComputeType(q_in);
+  const int64_t length = q_in.size(0), key_dim = q_in.size(2);
+  at::Tensor state = InitialState(initial_state, v_in, key_dim, type);
+  const at::Tensor q = q_in.to(type) * (1.0 / std::sqrt(static_cast<double>(key_dim)));
+  const at::Tensor k = k_in.to(type), v = v_in.to(type), g = g_in.to(type), beta = beta_in.to(type);
+  std::vector<at::Tensor> outs;
+  for (int64_t t = 0; t < length; ++t) {
+    const at::Tensor k_t = k[t];  // [H, Dk]
+    state = state * g[t].exp().view({-1, 1, 1});
+    const at::Tensor remembered = (state * k_t.unsqueeze(-1)).sum(1);      // [H, Dv]
+    const at::Tensor delta = (v[t] - remembered) * beta[t].unsqueeze(-1);  // [H, Dv]
+    state = state + k_t.unsqueeze(-1) * delta.unsqueeze(1);
+    outs.push_back((state * q[t].unsqueeze(-1)).sum(1));
+  }
+  const at::Tensor out = length == 0 ? at::zeros_like(v) : at::stack(outs);
+  return {out, state};
+}
+
+std::vector<TokenRun> CutChain(int64_t tokens, absl::Span<const int64_t> points) {
+  std::vector<TokenRun> runs;
+  int64_t begin = 0;
+  for (const int64_t p : points) {
+    TORCH_CHECK(p > begin && p < tokens, "CutChain: cut points must be increasing inside (0, ",
+                tokens, "), got ", p, " after ", begin);
+    runs.push_back({.begin = begin, .end = p, .parent_run = static_cast<int64_t>(runs.size()) - 1});
+    begin = p;
+  }
+  if (tokens > 0)
+    runs.push_back(
+        {.begin = begin, .end = tokens, .parent_run = static_cast<int64_t>(runs.size()) - 1});
+  return runs;
+}
+
+GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& g, const at::Tensor& beta,
+                                    const std::vector<TokenRun>& runs,
+                                    const at::Tensor& initial_state, int64_t chunk_size) {
+  if (runs.size() == 1 && runs[0].begin == 0 && runs[0].end == q.size(0)) {
+    GatedDeltaOutput whole = ChunkedGatedDeltaRule(q, k, v, g, beta, initial_state, chunk_size);
+    whole.run_states = {whole.final_state};
+    return whole;
+  }
+  std::vector<at::Tensor> outs, finals;
+  outs.reserve(runs.size());
+  finals.reserve(runs.size());
+  for (const TokenRun& run : runs) {
+    const int64_t n = run.end - run.begin;
+    auto part = [&](const at::Tensor& x) { return x.narrow(0, run.begin, n); };
+    const at::Tensor start = run.parent_run >= 0 ? finals[run.parent_run] : initial_state;
+    GatedDeltaOutput r =
+        ChunkedGatedDeltaRule(part(q), part(k), part(v), part(g), part(beta), start, chunk_size);
+    outs.push_back(std::move(r.out));
+    finals.push_back(std::move(r.final_state));
+  }
+  if (runs.empty()) {
+    const at::ScalarType type = ComputeType(q);
+    return {at::zeros_like(v, v.options().dtype(type)),
+            InitialState(initial_state, v, q.size(2), type)};
+  }
+  at::Tensor last = finals.back();
+  return {.out = at::cat(outs), .final_state = std::move(last), .run_states = std::move(finals)};
+}
+
+LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDeltaNetShape& shape,
+                                   const at::Tensor& qkvz_in, const at::Tensor& ba_in,
+                                   const at::Tensor& conv_index, const std::vector<TokenRun>& runs,
+                                   const LinearContext& context) {
+  const int64_t t = qkvz_in.size(0);
+  const int64_t kh = shape.key_heads, vh = shape.value_heads, dk = shape.key_head_dim,
+                dv = shape.value_head_dim;
+  TORCH_CHECK(kh > 0 && vh % kh == 0, "linear attention: value heads (", vh,
+              ") must be a multiple of key heads (", kh, ")");
+  const int64_t group = vh / kh;  // value heads per key head
+  TORCH_CHECK(qkvz_in.dim() == 2 && qkvz_in.size(1) == 2 * shape.key_dim() + 2 * shape.value_dim(),
+              "linear attention: qkvz must be [T, ", 2 * shape.key_dim() + 2 * shape.value_dim(),
+              "], got ", qkvz_in.sizes());
+  TORCH_CHECK(ba_in.dim() == 2 && ba_in.size(0) == t && ba_in.size(1) == 2 * vh,
+              "linear attention: ba must be [", t, ", ", 2 * vh, "], got ", ba_in.sizes());
+  const at::ScalarType type = ComputeType(qkvz_in);
+
+  // in_proj_qkvz and in_proj_ba are grouped per key head: [q, k, v (group heads), z (group heads)]
+  // and [b (group), a (group)].
+  const at::Tensor qkvz = qkvz_in.view({t, kh, 2 * dk + 2 * group * dv});
+  const std::vector<at::Tensor> parts = qkvz.split_with_sizes({dk, dk, group * dv, group * dv}, -1);
+  const at::Tensor ba = ba_in.view({t, kh, 2 * group});
+  const std::vector<at::Tensor> gates = ba.split_with_sizes({group, group}, -1);
+  const at::Tensor z = parts[3].reshape({t, vh, dv});
+  const at::Tensor b = gates[0].reshape({t, vh});
+  const at::Tensor a = gates[1].reshape({t, vh});
+
+  // The convolution's inputs, q k v flattened: cached per token for later chunks.
+  const at::Tensor mixed = at::cat({parts[0].reshape({t, kh * dk}), parts[1].reshape({t, kh * dk}),
+                                    parts[2].reshape({t, vh * dv})},
+                                   -1);
+  const at::Tensor conv_context = GradientInto(context.conv_inputs, context.grad_conv_inputs);
+  const at::Tensor convolved = TreeCausalConv(
+      mixed, w.conv1d.view({shape.conv_dim(), shape.conv_kernel}), conv_context, conv_index);
+  const std::vector<at::Tensor> qkv =
+      convolved.split_with_sizes({shape.key_dim(), shape.key_dim(), shape.value_dim()}, -1);
+  // Each key head serves `group` consecutive value heads.
+  auto per_value_head = [&](const at::Tensor& y) {
+    return L2Normalize(y.reshape({t, kh, dk}).to(type)).repeat_interleave(group, 1);
+  };
+  const at::Tensor q = per_value_head(qkv[0]);
+  const at::Tensor k = per_value_head(qkv[1]);
+  const at::Tensor v = qkv[2].reshape({t, vh, dv});
+  const at::Tensor beta = at::sigmoid(b.to(type));
+  const at::Tensor g = -w.a_log.to(type).exp() * at::softplus(a.to(type) + w.dt_bias.to(type));
+
+  const at::Tensor state = GradientInto(context.state, context.grad_state);
+  GatedDeltaOutput rule = TreeGatedDeltaRule(q, k, v, g, beta, runs, state);
+
+  // The gated RMSNorm per value head: norm(o) * weight * silu(z), rounded once to qkvz's dtype.
+  const at::Tensor o = rule.out;
+  const at::Tensor normed = o * at::rsqrt(o.pow(2).mean(-1, /*keepdim=*/true) + shape.eps);
+  const at::Tensor gated =
+      (normed * w.norm.to(type) * at::silu(z.to(type))).to(qkvz_in.scalar_type());
+  return {.out = gated.reshape({t, vh * dv}),
+          .conv_inputs = mixed,
+          .final_state = rule.final_state,
+          .run_states = std::move(rule.run_states)};
+}
+
+LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& w,
+                                       const GatedDeltaNetShape& shape, const at::Tensor& x,
+                                       const at::Tensor& conv_index,
+                                       const std::vector<TokenRun>& runs,
+                                       const LinearContext& context) {
+  LinearMixerOutput out = GatedDeltaNetMix(w, shape, at::linear(x, w.in_proj_qkvz),
+                                           at::linear(x, w.in_proj_ba), conv_index, runs, context);
+  out.out = at::linear(out.out, w.out_proj);
+  return out;
+}
+
+}  // namespace dta

@@ -1,0 +1,244 @@
+// The layer spec (core/model/layer_spec.h) against the families' configs: which blocks each layer
+// has, every parameter's name, shape and tensor-parallel split, the saved bytes of each block; and
+// a family that exists only in the tests (tests/testing/test_family.h), registered at run time,
+// through config.json, presets and the spec. The decoder's own parameters against the spec, for
+// every preset: tests/executor/model/layer_spec_decoder_test.
+#include "core/model/layer_spec.h"
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "core/model/config_json.h"
+#include "core/model/family.h"
+#include "core/model/model_config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_family.h"
+
+namespace dta {
+namespace {
+
+using ::testing::HasSubstr;
+
+ModelConfig Small(const std::string& model_type) {
+  ModelConfig c;
+  c.model_type = model_type;
+  c.vocab_size = 37;
+  c.hidden_size = 24;
+  c.intermediate_size = 40;
+  c.num_hidden_layers = 4;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  return c;
+}
+
+std::vector<std::string> Names(const LayerSpec& layer) {
+  std::vector<std::string> names;
+  for (const ParameterSpec& p : layer.parameters) names.push_back(p.name);
+  return names;
+}
+
+TEST(LayerSpec, Qwen3LayerIsAttentionWithQkNormsAndASwiGlu) {
+  const LayerSpec layer = BuildLayerSpec(Small("qwen3"), 2);
+  EXPECT_EQ(layer.mixer, MixerKind::kAttention);
+  EXPECT_EQ(layer.mlp, MlpKind::kSwiGlu);
+  EXPECT_EQ(layer.norm, NormKind::kRms);
+  EXPECT_TRUE(layer.qk_norm);
+  EXPECT_FALSE(layer.qkv_bias);
+  EXPECT_TRUE(layer.tensor_parallel);
+  EXPECT_EQ(Names(layer), (std::vector<std::string>{
+                              "model.layers.2.input_layernorm.weight",
+                              "model.layers.2.self_attn.q_proj.weight",
+                              "model.layers.2.self_attn.k_proj.weight",
+                              "model.layers.2.self_attn.v_proj.weight",
+                              "model.layers.2.self_attn.o_proj.weight",
+                              "model.layers.2.self_attn.q_norm.weight",
+                              "model.layers.2.self_attn.k_norm.weight",
+                              "model.layers.2.post_attention_layernorm.weight",
+                              "model.layers.2.mlp.gate_proj.weight",
+                              "model.layers.2.mlp.up_proj.weight",
+                              "model.layers.2.mlp.down_proj.weight",
+                          }));
+  // q_proj [heads * head_dim, hidden] split by heads, o_proj by its columns, the MLP by rows.
+  EXPECT_EQ(layer.parameters[1].shape, (std::vector<int64_t>{32, 24}));
+  EXPECT_EQ(layer.parameters[1].split, (TensorParallelSplit{.dim = 0, .units = 4}));
+  EXPECT_EQ(layer.parameters[2].split, (TensorParallelSplit{.dim = 0, .units = 2}));
+  EXPECT_EQ(layer.parameters[4].split, (TensorParallelSplit{.dim = 1, .units = 4}));
+  EXPECT_TRUE(layer.parameters[5].split.replicated());
+  EXPECT_EQ(layer.parameters[10].shape, (std::vector<int64_t>{24, 40}));
+  EXPECT_EQ(layer.parameters[10].split, (TensorParallelSplit{.dim = 1, .units = 40}));
+}
+
+TEST(LayerSpec, BiasesFollowTheFamily) {
+  const LayerSpec qwen2 = BuildLayerSpec(
+      [] {
+        ModelConfig c = Small("qwen2");
+        c.attention_bias = true;
+        return c;
+      }(),
+      0);
+  EXPECT_FALSE(qwen2.qk_norm);
+  EXPECT_TRUE(qwen2.qkv_bias);
+  EXPECT_FALSE(qwen2.o_bias);
+  ModelConfig llama = Small("llama");
+  llama.attention_bias = true;
+  const LayerSpec biased = BuildLayerSpec(llama, 0);
+  EXPECT_TRUE(biased.o_bias);
+  const std::vector<std::string> names = Names(biased);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "model.layers.0.self_attn.o_proj.bias"), 1);
+  // o_proj's bias is added once after the sum over ranks: whole on every rank.
+  for (const ParameterSpec& p : biased.parameters) {
+    if (p.role == ParameterRole::kOBias) EXPECT_TRUE(p.split.replicated());
+    if (p.role == ParameterRole::kQBias) {
+      EXPECT_EQ(p.split, (TensorParallelSplit{.dim = 0, .units = 4}));
+    }
+  }
+}
+
+TEST(LayerSpec, MoeLayersFollowTheSparseStepAndDenseList) {
+  ModelConfig c = Small("qwen3_moe");
+  c.num_experts = 5;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 6;
+  c.decoder_sparse_step = 1;
+  c.mlp_only_layers = {1};
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
+  const ModelSpec spec = BuildModelSpec(c);
+  for (const LayerSpec& layer : spec.layers) {
+    EXPECT_EQ(layer.sparse(), IsSparseLayer(c, layer.index)) << layer.index;
+    EXPECT_EQ(layer.mlp, layer.index == 1 ? MlpKind::kSwiGlu : MlpKind::kSparseMoe);
+  }
+  const LayerSpec& sparse = spec.layers[0];
+  const ParameterSpec& down = sparse.parameters[sparse.parameters.size() - 2];
+  EXPECT_EQ(down.name, "model.layers.0.mlp.experts.down_proj");
+  EXPECT_EQ(down.shape, (std::vector<int64_t>{5, 24, 6}));
+  EXPECT_EQ(down.split, (TensorParallelSplit{.dim = 2, .units = 6}));
+  EXPECT_EQ(sparse.parameters.back().name, "model.layers.0.mlp.gate.weight");
+  EXPECT_TRUE(sparse.parameters.back().split.replicated());
+  // Checkpoints hold one tensor per expert, the router as itself.
+  EXPECT_TRUE(down.per_expert());
+  EXPECT_EQ(down.CheckpointNames(), (std::vector<std::string>{
+                                        "model.layers.0.mlp.experts.0.down_proj.weight",
+                                        "model.layers.0.mlp.experts.1.down_proj.weight",
+                                        "model.layers.0.mlp.experts.2.down_proj.weight",
+                                        "model.layers.0.mlp.experts.3.down_proj.weight",
+                                        "model.layers.0.mlp.experts.4.down_proj.weight",
+                                    }));
+  EXPECT_EQ(sparse.parameters.back().CheckpointNames(),
+            (std::vector<std::string>{"model.layers.0.mlp.gate.weight"}));
+}
+
+TEST(LayerSpec, Qwen3NextHasLinearGatedAndSharedExpertBlocksWithoutTensorParallelism) {
+  const ModelConfig c = *ModelPreset("qwen3-next-small");
+  const ModelSpec spec = BuildModelSpec(c);
+  ASSERT_EQ(spec.layers.size(), 4u);
+  for (const LayerSpec& layer : spec.layers) {
+    EXPECT_EQ(layer.mixer,
+              layer.index == 3 ? MixerKind::kGatedAttention : MixerKind::kGatedDeltaNet);
+    EXPECT_EQ(layer.mlp, MlpKind::kSparseMoeWithSharedExpert);
+    EXPECT_EQ(layer.norm, NormKind::kZeroCentredRms);
+    EXPECT_FALSE(layer.tensor_parallel);
+  }
+  EXPECT_FALSE(spec.tensor_parallel());
+  EXPECT_TRUE(BuildModelSpec(*ModelPreset("qwen3-8b")).tensor_parallel());
+  // Gated attention: q_proj holds each head's query and gate.
+  const ParameterSpec& q_proj = spec.layers[3].parameters[1];
+  EXPECT_EQ(q_proj.name, "model.layers.3.self_attn.q_proj.weight");
+  EXPECT_EQ(q_proj.shape, (std::vector<int64_t>{2 * 16 * 256, 2048}));
+  EXPECT_EQ(spec.layers[0].parameters[1].name, "model.layers.0.linear_attn.in_proj_qkvz.weight");
+}
+
+TEST(LayerSpec, EveryPresetNamesEachParameterOnceAndItsSplitsDivideTheirDimensions) {
+  for (const std::string& name : ModelPresetNames()) {
+    const ModelConfig c = *ModelPreset(name);
+    const ModelSpec spec = BuildModelSpec(c);
+    std::set<std::string> seen;
+    int64_t total = 0;
+    for (const ParameterSpec& p : spec.Parameters()) {
+      EXPECT_TRUE(seen.insert(p.name).second) << name << ": " << p.name << " twice";
+      total += p.numel();
+      if (p.split.replicated()) continue;
+      ASSERT_LT(p.split.dim, static_cast<int>(p.shape.size())) << p.name;
+      EXPECT_GT(p.split.units, 0) << p.name;
+      EXPECT_EQ(p.shape[p.split.dim] % p.split.units, 0) << name << ": " << p.name;
+    }
+    EXPECT_EQ(seen.count("lm_head.weight"), c.tie_word_embeddings ? 0u : 1u) << name;
+    EXPECT_EQ(spec.layers.size(), static_cast<size_t>(c.num_hidden_layers));
+    EXPECT_GT(total, 0);
+  }
+}
+
+// A small Qwen3's saved bytes per layer and token, bfloat16, by hand: the residual stream's two
+// norm inputs 2 x 24 x 4; q, k after RoPE, v and the output (2 x 32 + 2 x 16) x 2 and q, k before
+// their norms (32 + 16) x 2; the MLP's gate and up 2 x 40 x 2; statistics (2 + 4 + 4 + 2) x 4.
+TEST(LayerSpec, SavedBytesOfADenseLayer) {
+  const ModelConfig c = Small("qwen3");
+  const BlockSavedBytes bytes = LayerSavedBytes(c, BuildLayerSpec(c, 0), 2, 1);
+  EXPECT_EQ(bytes.tensors, 2 * 24 * 4 + (2 * 32 + 2 * 16) * 2 + (32 + 16) * 2 + 2 * 40 * 2);
+  EXPECT_EQ(bytes.statistics, (2 + 4 + 4 + 2) * 4);
+  EXPECT_EQ(bytes.mlp_width, 40);
+  EXPECT_EQ(bytes.cache, 2 * 16);
+  // Two ranks: half the heads and the intermediate rows; the residual stream stays whole.
+  const BlockSavedBytes half = LayerSavedBytes(c, BuildLayerSpec(c, 0), 2, 2);
+  EXPECT_EQ(half.tensors, 2 * 24 * 4 + (16 + 8 + 16 + 8 + 16 + 8) * 2 + 2 * 20 * 2);
+  EXPECT_EQ(half.cache, 16);
+}
+
+TEST(LayerSpec, SavedBytesOfASparseLayerWithASharedExpert) {
+  RegisterTestFamily();
+  const ModelConfig c = TestHybridModel(Small("qwen3"));
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
+  const LayerSpec layer = BuildLayerSpec(c, 1);
+  ASSERT_EQ(layer.mlp, MlpKind::kSparseMoeWithSharedExpert);
+  const BlockSavedBytes dense = LayerSavedBytes(c, BuildLayerSpec(c, 0), 2, 1);
+  const BlockSavedBytes sparse = LayerSavedBytes(c, layer, 2, 1);
+  // The dense MLP's gate and up replaced by 2 experts' (width 6), the softmax over 5 experts and
+  // 2 weights, 8 int64 indices, and the shared expert's gate and up (5), its gate and output.
+  EXPECT_EQ(sparse.tensors - dense.tensors,
+            2 * 2 * 6 * 2 + (5 + 2) * 4 + 4 * 2 * 8 + 2 * 5 * 2 + 24 * 4 + 4 - 2 * 40 * 2);
+  EXPECT_EQ(sparse.mlp_width, 12);
+}
+
+// The test-only family: one registration, and everything that reads families knows it.
+TEST(TestFamily, ARegisteredFamilyIsParsedWrittenAndSpecifiedLikeAShippedOne) {
+  RegisterTestFamily();
+  const ModelFamily* family = FindModelFamily("dta_test_hybrid");
+  ASSERT_NE(family, nullptr);
+  EXPECT_THAT(DescribeModelFamilies(), HasSubstr("dta_test_hybrid (dta test hybrid)"));
+  const std::vector<std::string> types = ModelFamilyTypes();
+  EXPECT_NE(std::find(types.begin(), types.end(), "dta_test_hybrid"), types.end());
+  EXPECT_TRUE(std::is_sorted(types.begin(), types.end()));
+  // Registering it (or another family of its model_type) again is refused.
+  EXPECT_EQ(RegisterModelFamily(&kTestHybridFamily).code(), absl::StatusCode::kAlreadyExists);
+
+  const ModelConfig c = TestHybridModel(Small("qwen3"));
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
+  const std::string json = ModelConfigToJson(c);
+  EXPECT_THAT(json, HasSubstr("\"DtaTestHybridForCausalLM\""));
+  EXPECT_THAT(json, HasSubstr("\"shared_expert_intermediate_size\": 5"));
+  const absl::StatusOr<ModelConfig> parsed = ParseModelConfig(json);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed, c);
+  // Its traits: biases on q/k/v always, no gated attention or linear layers.
+  ModelConfig unbiased = c;
+  unbiased.attention_bias = false;
+  EXPECT_THAT(ValidateModelConfig(unbiased).message(), HasSubstr("attention_bias"));
+  ModelConfig linear = c;
+  linear.layer_types.assign(4, LayerType::kFullAttention);
+  EXPECT_THAT(ValidateModelConfig(linear).message(), HasSubstr("layer_types"));
+
+  const ModelSpec spec = BuildModelSpec(c);
+  EXPECT_EQ(spec.layers[0].mlp, MlpKind::kSwiGlu);
+  for (int64_t l = 1; l < 4; ++l) {
+    const LayerSpec& layer = spec.layers[l];
+    EXPECT_EQ(layer.mixer, MixerKind::kAttention);
+    EXPECT_EQ(layer.mlp, MlpKind::kSparseMoeWithSharedExpert);
+    EXPECT_EQ(layer.norm, NormKind::kZeroCentredRms);
+    EXPECT_TRUE(layer.qk_norm && layer.qkv_bias && !layer.o_bias);
+  }
+}
+
+}  // namespace
+}  // namespace dta
