@@ -1,0 +1,70 @@
+#include "executor/model/blocks/mlp_blocks.h"
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "executor/model/ops/moe.h"
+#include "executor/model/ops/numerics.h"
+#include "executor/model/ops/projections.h"
+#include "executor/model/ops/swiglu.h"
+
+namespace dta {
+
+using torch::autograd::variable_list;
+
+void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const MlpWeights& mlp,
+              const ChunkContext& context, const BlockShared& shared, LayerOutput& result) {
+  const ModelConfig& config = *shared.config;
+  const double eps = config.rms_norm_eps;
+  const int64_t group = shared.group;
+  const NormScale post_norm = NormScaleOf(post_norm_weight, HasZeroCentredNorms(config));
+  // The MLP's output, and h for the residual connection: h as the projections' function returns
+  // it (see Projections) when `residual`, else h.
+  auto swiglu = [&](const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                    const at::Tensor& down_proj, const at::Tensor& gate_of_output, bool residual) {
+    std::vector<at::Tensor> weights = {gate_proj, up_proj};
+    if (gate_of_output.defined()) weights.push_back(gate_of_output);
+    const variable_list gate_up = Projections::apply(
+        h, std::optional<at::Tensor>(post_norm.weight), eps, /*wide_output=*/false, group,
+        ProjectionKind::kColumnParallel, at::TensorList(weights), at::TensorList(),
+        Optional(post_norm.accumulator), residual);
+    at::Tensor y = SwiGluDown::apply(gate_up[0], gate_up[1], down_proj, group);
+    // The shared expert's output scaled by sigmoid(x @ shared_expert_gate^T), in y's (compute)
+    // dtype.
+    if (gate_of_output.defined()) y = y * at::sigmoid(gate_up[2].to(y.scalar_type()));
+    return std::make_pair(y, residual ? gate_up.back() : h);
+  };
+  if (!mlp.router.defined()) {
+    auto [y, residual] =
+        swiglu(mlp.gate_proj, mlp.up_proj, mlp.down_proj, at::Tensor(), FusedResidualEnabled());
+    result.hidden = residual + y;
+    return;
+  }
+  // The shared expert normalises h again in its own projection (an elementwise pass over [T, H],
+  // small beside the experts' GEMMs), so that both reuse the fused norm-and-project functions.
+  // With the fused residual, sparse[3] is h itself, for the residual connection. Not beside a
+  // shared expert: h's gradient is then a sum of three, and autograd's order of it is kept (the
+  // same bits either way).
+  const bool fused_residual = FusedResidualEnabled() && !mlp.shared_gate.defined();
+  const variable_list sparse =
+      SparseMoe::apply(h, post_norm.weight, eps, mlp.router, mlp.experts_gate, mlp.experts_up,
+                       mlp.experts_down, config.num_experts_per_tok, config.norm_topk_prob, group,
+                       Optional(post_norm.accumulator), fused_residual,
+                       /*replay=*/std::optional<at::Tensor>());
+  at::Tensor out = (fused_residual ? sparse[3] : h) + sparse[0];
+  if (mlp.shared_gate.defined()) {
+    out = out + swiglu(mlp.shared_gate, mlp.shared_up, mlp.shared_down, mlp.shared_expert_gate,
+                       /*residual=*/false)
+                    .first;
+  }
+  result.hidden = std::move(out);
+  if (context.router_statistics) {
+    const at::Tensor& probs = sparse[1];
+    result.router_probs = probs;
+    result.router_counts =
+        at::zeros_like(probs, probs.options().requires_grad(false)).scatter_(1, sparse[2], 1.0);
+  }
+}
+
+}  // namespace dta

@@ -1,0 +1,194 @@
+#include "executor/model/ops/moe.h"
+
+#include <memory>
+#include <vector>
+
+#include "executor/model/ops/numerics.h"
+#include "kernels/fused_layers.h"
+
+namespace dta {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// Grouped GEMMs over rows sorted by expert: rows [ends[e - 1], ends[e]) belong to expert e (ends:
+// [E] int64, the running sum of the experts' row counts, on the rows' device). On CUDA one
+// at::_grouped_mm each (no host read-back of the routing; its output has its inputs' dtype); on
+// the CPU, where it takes no float64, a loop over the experts that have rows.
+// (CUDA's grouped GEMM takes no float64 either: float64 models, the exact references, loop there
+// too.)
+bool UseGroupedMm(const at::Tensor& t) { return t.is_cuda() && t.scalar_type() != at::kDouble; }
+
+// The experts' row ranges on the host (CPU path only).
+std::vector<int64_t> HostEnds(const at::Tensor& ends) {
+  const at::Tensor host = ends.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(host.const_data_ptr<int64_t>(),
+                              host.const_data_ptr<int64_t>() + host.numel());
+}
+
+// y[rows of e] = x[rows of e] @ (transpose ? w[e]^T : w[e]), in `dtype` (CUDA: w's dtype, then
+// converted). x [N, K]; w [E, M, K] with transpose, [E, K, M] without.
+at::Tensor GroupedMatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends,
+                         bool transpose, at::ScalarType dtype) {
+  const at::Tensor weights = transpose ? w.transpose(1, 2) : w;  // [E, K, M]
+  if (UseGroupedMm(x)) {
+    return at::_grouped_mm(x.to(w.scalar_type()), weights, ends.to(at::kInt)).to(dtype);
+  }
+  at::Tensor y = at::empty({x.size(0), weights.size(2)}, x.options().dtype(dtype));
+  const std::vector<int64_t> host = HostEnds(ends);
+  int64_t begin = 0;
+  for (size_t e = 0; e < host.size(); ++e) {
+    const int64_t end = host[e];
+    if (end > begin)
+      y.slice(0, begin, end).copy_(MatmulTo(x.slice(0, begin, end), weights[e], dtype));
+    begin = end;
+  }
+  return y;
+}
+
+// accumulator[e] += dy[rows of e]^T @ x[rows of e]: a stacked weight's gradient. dy [N, M],
+// x [N, K], accumulator [E, M, K]. On CUDA at::_grouped_mm returns its inputs' dtype, so the
+// product is formed from float32 copies of dy and x (in the accumulator's precision): a bfloat16
+// product would round every chunk's expert gradient to bfloat16 before the float32 sum, an error
+// that grows with the number of chunks (dta with small B). Slower than a bfloat16 GEMM with a
+// float32 output, which needs a grouped GEMM of our own (CUTLASS).
+void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const at::Tensor& x,
+                          const at::Tensor& ends) {
+  if (UseGroupedMm(dy)) {
+    const at::ScalarType wide = accumulator.scalar_type();
+    accumulator.add_(at::_grouped_mm(dy.to(wide).t(), x.to(wide), ends.to(at::kInt)));
+    return;
+  }
+  const std::vector<int64_t> host = HostEnds(ends);
+  int64_t begin = 0;
+  for (size_t e = 0; e < host.size(); ++e) {
+    const int64_t end = host[e];
+    if (end > begin) {
+      at::Tensor slot = accumulator[e];
+      AddMatmul(slot, dy.slice(0, begin, end).t(), x.slice(0, begin, end));
+    }
+    begin = end;
+  }
+}
+
+}  // namespace
+
+variable_list SparseMoe::forward(AutogradContext* ctx, const at::Tensor& x,
+                                 const at::Tensor& norm_weight, double eps,
+                                 const at::Tensor& router, const at::Tensor& gate,
+                                 const at::Tensor& up, const at::Tensor& down, int64_t top_k,
+                                 bool norm_topk, int64_t group,
+                                 const std::optional<at::Tensor>& norm_accumulator, bool residual,
+                                 const std::optional<at::Tensor>& replay) {
+  const at::ScalarType type = gate.scalar_type();
+  const at::ScalarType ct = ComputeType(type);
+  const int64_t t = x.size(0);
+  const int64_t experts = router.size(0);
+  kernels::RmsNormResult normed = kernels::RmsNormForward(x, norm_weight, eps, type);
+  const at::Tensor& xb = normed.y;
+  const at::Tensor probs = at::softmax(at::mm(xb, router.t()).to(ct), -1);  // [T, E]
+  const auto [own_top, own_index] = at::topk(probs, top_k, -1);             // [T, k]
+  at::Tensor top = own_top;
+  at::Tensor index = own_index;
+  if (replay.has_value() && replay->defined()) {
+    TORCH_CHECK(replay->dim() == 2 && replay->size(0) == t && replay->size(1) == top_k &&
+                    replay->scalar_type() == at::kLong,
+                "SparseMoe: replayed experts must be [", t, ", ", top_k, "] int64, got ",
+                replay->sizes(), " ", replay->scalar_type());
+    // Rows without a record (-1) keep the router's own choice.
+    const at::Tensor recorded = replay->to(index.device()).ge(0).all(-1, true);
+    index = at::where(recorded, replay->to(index.device()), own_index);
+    top = probs.gather(1, index);
+  }
+  at::Tensor weights = norm_topk ? top / top.sum(-1, true) : top;
+  weights = weights.to(type).to(ct);
+  // Pairs (token, slot) sorted by expert; `inverse` maps pair t k + slot to its sorted place.
+  const at::Tensor flat = index.reshape({-1});
+  const auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, false);
+  const at::Tensor inverse =
+      at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
+  const at::Tensor token = at::div(order, top_k, "floor");
+  // Each expert's end in the sorted pairs, found on the device (no atomics, no host read).
+  const at::Tensor ends =
+      at::searchsorted(sorted, at::arange(experts, flat.options()), /*out_int32=*/false,
+                       /*right=*/true);
+  const at::Tensor xs = xb.index_select(0, token);
+  const at::Tensor gate_out = GroupedMatmul(xs, gate, ends, /*transpose=*/true, type);
+  const at::Tensor up_out = GroupedMatmul(xs, up, ends, /*transpose=*/true, type);
+  const at::Tensor out = GroupedMatmul(kernels::SwiGluForward(gate_out, up_out), down, ends,
+                                       /*transpose=*/true, ct);  // [T k, H]
+  at::Tensor y = (out.index_select(0, inverse).view({t, top_k, -1}) * weights.unsqueeze(2)).sum(1);
+  SumOverRanks(GroupOf(group), y);
+  ctx->save_for_backward({x, norm_weight, normed.rstd, router, gate, up, down, probs, index,
+                          weights, order, inverse, token, ends, gate_out, up_out});
+  ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+  ctx->saved_data["norm_topk"] = norm_topk;
+  ctx->saved_data["tensor_parallel"] = group;
+  ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
+  ctx->saved_data["residual"] = residual;
+  ctx->mark_non_differentiable({own_index});
+  if (residual) return {y, probs, own_index, x};
+  return {y, probs, own_index};
+}
+
+variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor &x = saved[0], &norm_weight = saved[1], &rstd = saved[2], &router = saved[3],
+                   &gate = saved[4], &up = saved[5], &down = saved[6], &probs = saved[7],
+                   &index = saved[8], &weights = saved[9], &order = saved[10], &inverse = saved[11],
+                   &token = saved[12], &ends = saved[13], &gate_out = saved[14],
+                   &up_out = saved[15];
+  const TensorParallelGroup* ranks = GroupOf(ctx);
+  const at::ScalarType type = gate.scalar_type();
+  const at::ScalarType ct = ComputeType(type);
+  const int64_t t = x.size(0);
+  const int64_t top_k = index.size(1);
+  const at::Tensor xb = kernels::RmsNormApply(x, norm_weight, rstd, type);
+  const at::Tensor xs = xb.index_select(0, token);
+  const at::Tensor dy = grads[0].to(ct).index_select(0, token);  // [T k, H], sorted pairs
+  const at::Tensor w = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T k, 1]
+  // g = dy @ down_e, the gradient of the expert's SwiGLU product before its routing weight.
+  const at::Tensor g = GroupedMatmul(dy.to(type), down, ends, /*transpose=*/false, ct);
+  kernels::SwiGluGrads swiglu =
+      kernels::SwiGluBackward(g * w, gate_out, up_out, /*with_product=*/true);
+  // d weight = <dy, down_e product> = <g, product>: partial over the ranks' intermediate slices.
+  at::Tensor dweights = (g * swiglu.product.to(ct)).sum(-1);
+  std::unique_ptr<PendingCollective> dweights_sum = StartSumOverRanks(ranks, dweights);
+  AddGroupedWeightGrad(GradAccumulator(down), (dy * w).to(type), swiglu.product, ends);
+  AddGroupedWeightGrad(GradAccumulator(gate), swiglu.dgate, xs, ends);
+  AddGroupedWeightGrad(GradAccumulator(up), swiglu.dup, xs, ends);
+  at::Tensor dxs = GroupedMatmul(swiglu.dgate, gate, ends, /*transpose=*/false, ct);
+  dxs.add_(GroupedMatmul(swiglu.dup, up, ends, /*transpose=*/false, ct));
+  at::Tensor dxb = dxs.index_select(0, inverse).view({t, top_k, -1}).sum(1);  // [T, H]
+  std::unique_ptr<PendingCollective> dxb_sum = StartSumOverRanks(ranks, dxb);
+  if (dweights_sum != nullptr) dweights_sum->Wait();
+  // Through the top-k selection (and its renormalisation) and the softmax.
+  at::Tensor dtop = dweights.index_select(0, inverse).view({t, top_k});
+  if (ctx->saved_data["norm_topk"].toBool()) {
+    const at::Tensor top = probs.gather(1, index);
+    const at::Tensor sum = top.sum(-1, true);
+    dtop = (dtop - (dtop * (top / sum)).sum(-1, true)) / sum;
+  }
+  at::Tensor dprobs = at::zeros_like(probs).scatter_(1, index, dtop);
+  // The load-balancing loss's gradient, whole on every rank (it is computed from the routing,
+  // which every rank shares).
+  if (grads[1].defined()) dprobs.add_(grads[1].to(ct));
+  const at::Tensor dlogits = (probs * (dprobs - (dprobs * probs).sum(-1, true))).to(type);
+  AddMatmul(GradAccumulator(router), dlogits.t(), xb);
+  if (dxb_sum != nullptr) dxb_sum->Wait();
+  AddMatmul(dxb, dlogits, router);
+  at::Tensor norm_accumulator = NormWeightAccumulator(ctx, norm_weight);
+  // The residual output's gradient (materialised: zeros when it got none).
+  const at::Tensor residual_grad =
+      ctx->saved_data["residual"].toBool() ? grads[3].to(rstd.scalar_type()) : at::Tensor();
+  const at::Tensor dx = kernels::RmsNormBackward(dxb.to(rstd.scalar_type()), x, norm_weight, rstd,
+                                                 norm_accumulator, residual_grad)
+                            .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
+  variable_list result = {dx};
+  result.resize(13);  // the weights' gradients are accumulated above
+  return result;
+}
+
+}  // namespace dta
