@@ -3,10 +3,10 @@
 // shape and tensor-parallel split, in the order the decoder holds them. The decoder
 // (executor/model/decoder.h) allocates from it, CountParameters (core/layout/memory_plan.h) sums
 // it, the Hugging Face checkpoint code maps its names, and the activation-memory estimates
-// (GraphBytesPerToken, EstimateExecutorMemory) add up its blocks' saved bytes (BlockSavedBytes).
+// (GraphBytesPerToken, EstimateExecutorMemory) add up its blocks' saved bytes (LayerSavedBytes).
 //
 // A family is a combination of these blocks (core/model/family.h's traits pick them); a new block
-// kind is added here, in the decoder's blocks (executor/model/blocks/) and in BlockSavedBytes.
+// kind is added here, in the decoder's blocks (executor/model/blocks/) and in LayerSavedBytes.
 //
 // Example:
 //   const ModelSpec spec = BuildModelSpec(*ModelPreset("qwen3-8b"));
