@@ -30,9 +30,15 @@ class Aligner {
       : words_(words), costs_(costs) {}
 
   double SlotCost(const std::vector<int64_t>& calls) const {
+    return SlotCostWith(calls, calls.size(), -1);
+  }
+
+  // The cost of a slot of `calls`, rank `rank`'s entry replaced by `call` (rank out of range:
+  // none replaced).
+  double SlotCostWith(const std::vector<int64_t>& calls, size_t rank, int64_t call) const {
     int64_t most = 0, sum = 0;
     for (size_t r = 0; r < calls.size(); ++r) {
-      const int64_t tokens = TokensOf(words_, r, calls[r]);
+      const int64_t tokens = TokensOf(words_, r, r == rank ? call : calls[r]);
       most = std::max(most, tokens);
       sum += tokens;
     }
@@ -69,19 +75,6 @@ class Aligner {
     return profile;
   }
 
-  // The cost of a single slot with `b_call` of rank `rank` added to `a`'s calls.
-  double PairedSlotCost(const Column& a, size_t rank, int64_t b_call) const {
-    int64_t most = 0, sum = 0;
-    for (size_t r = 0; r < a.calls.size(); ++r) {
-      const int64_t tokens = TokensOf(words_, r, r == rank ? b_call : a.calls[r]);
-      most = std::max(most, tokens);
-      sum += tokens;
-    }
-    const double ranks = static_cast<double>(words_.size());
-    return costs_.alpha * static_cast<double>(most) +
-           (1 - costs_.alpha) * static_cast<double>(sum) / ranks + costs_.call_overhead;
-  }
-
   // Aligns `a` (ranks before `rank`) with `b` (rank `rank` alone) into one profile.
   Profile Merge(const Profile& a, const Profile& b, size_t rank) const {
     const size_t n = a.size(), m = b.size();
@@ -109,7 +102,7 @@ class Aligner {
             paired = Cost(column);
             groups.emplace(static_cast<int64_t>(i * m + j), std::move(column));
           } else {
-            paired = PairedSlotCost(a[i], rank, b[j].calls[rank]);
+            paired = SlotCostWith(a[i].calls, rank, b[j].calls[rank]);
           }
           cost = paired + best[at(i + 1, j + 1)];
           pick = 0;

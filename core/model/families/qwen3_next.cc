@@ -8,57 +8,40 @@
 namespace dta {
 namespace {
 
+// Qwen3-Next-80B-A3B's shapes with `layers` layers of `experts` experts each.
+constexpr ModelPresetShape Qwen3Next(const char* name, int64_t layers, int64_t experts) {
+  return {.name = name,
+          .vocab = 151936,
+          .hidden = 2048,
+          .intermediate = 5120,
+          .layers = layers,
+          .heads = 16,
+          .kv_heads = 2,
+          .head_dim = 256,
+          .tie = false,
+          .rope_theta = 1e7,
+          .rms_norm_eps = 1e-6,
+          .max_position_embeddings = 262144,
+          .rope = {},
+          .experts = experts,
+          .experts_per_token = 10,
+          .moe_intermediate = 512,
+          .shared_expert = 512,
+          .linear_key_heads = 16,
+          .linear_value_heads = 32,
+          .linear_head_dim = 128,
+          .linear_conv_kernel = 4,
+          .full_attention_interval = 4,
+          .partial_rotary_factor = 0.25};
+}
+
 constexpr ModelPresetShape kPresets[] = {
     // Qwen/Qwen3-Next-80B-A3B-Instruct (and -Thinking): 79.7B parameters, 3.9B active per token.
-    {.name = "qwen3-next-80b-a3b",
-     .vocab = 151936,
-     .hidden = 2048,
-     .intermediate = 5120,
-     .layers = 48,
-     .heads = 16,
-     .kv_heads = 2,
-     .head_dim = 256,
-     .tie = false,
-     .rope_theta = 1e7,
-     .rms_norm_eps = 1e-6,
-     .max_position_embeddings = 262144,
-     .rope = {},
-     .experts = 512,
-     .experts_per_token = 10,
-     .moe_intermediate = 512,
-     .shared_expert = 512,
-     .linear_key_heads = 16,
-     .linear_value_heads = 32,
-     .linear_head_dim = 128,
-     .linear_conv_kernel = 4,
-     .full_attention_interval = 4,
-     .partial_rotary_factor = 0.25},
+    Qwen3Next("qwen3-next-80b-a3b", /*layers=*/48, /*experts=*/512),
     // Not a released model: Qwen3-Next-80B-A3B's layers, 4 of its 48 (three linear, one full
     // attention) with 128 of its 512 experts each (2.4B parameters, 0.9B active), for benchmarks
     // on one 80 GB GPU with its real layer shapes and routing.
-    {.name = "qwen3-next-small",
-     .vocab = 151936,
-     .hidden = 2048,
-     .intermediate = 5120,
-     .layers = 4,
-     .heads = 16,
-     .kv_heads = 2,
-     .head_dim = 256,
-     .tie = false,
-     .rope_theta = 1e7,
-     .rms_norm_eps = 1e-6,
-     .max_position_embeddings = 262144,
-     .rope = {},
-     .experts = 128,
-     .experts_per_token = 10,
-     .moe_intermediate = 512,
-     .shared_expert = 512,
-     .linear_key_heads = 16,
-     .linear_value_heads = 32,
-     .linear_head_dim = 128,
-     .linear_conv_kernel = 4,
-     .full_attention_interval = 4,
-     .partial_rotary_factor = 0.25},
+    Qwen3Next("qwen3-next-small", /*layers=*/4, /*experts=*/128),
 };
 
 }  // namespace
