@@ -33,6 +33,8 @@
 #include "core/base/exit_codes.h"
 #include "core/base/private_files.h"
 #include "core/cli/usage.h"
+#include "core/io/routed_experts.h"
+#include "core/model/config_json.h"
 #include "dispatcher/client/client_options.h"
 #include "dispatcher/core/dispatcher_core.h"
 #include "dispatcher/service/dispatcher_metrics.h"
@@ -49,6 +51,11 @@ ABSL_FLAG(int64_t, max_staleness, -1,
 ABSL_FLAG(bool, sft, false, "supervised data: trajectories need no reward or advantages");
 ABSL_FLAG(bool, require_ref_logprobs, false,
           "trajectories must carry ref_logprobs (trainers with --kl_coef)");
+ABSL_FLAG(std::string, routed_experts_model, "",
+          "routing replay: the trainers' mixture-of-experts model (a preset or a config.json), "
+          "which trajectories' routed_experts must fit; without it they are refused");
+ABSL_FLAG(bool, require_routed_experts, false,
+          "trajectories must carry routed_experts (needs --routed_experts_model)");
 ABSL_FLAG(int64_t, vocab_size, 0,
           "token ids must be below this (the model's vocabulary); required");
 ABSL_FLAG(int64_t, max_tokens, 1 << 17, "the most tokens in one trajectory");
@@ -140,6 +147,23 @@ int Run() {
   options.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.limits.require_reward_or_advantages = !absl::GetFlag(FLAGS_sft);
   options.limits.require_ref_logprobs = absl::GetFlag(FLAGS_require_ref_logprobs);
+  if (const std::string model = absl::GetFlag(FLAGS_routed_experts_model); !model.empty()) {
+    const absl::StatusOr<ModelConfig> config = ModelConfigFromName(model);
+    if (!config.ok()) {
+      return Fail(kExitBadInput,
+                  absl::StrCat("--routed_experts_model=", model, ": ", config.status().message()));
+    }
+    options.limits.routing = RoutingShapeOf(*config);
+    if (options.limits.routing->sparse_layers.empty()) {
+      return Fail(kExitBadInput,
+                  absl::StrCat("--routed_experts_model=", model, " (", config->model_type,
+                               ") has no mixture-of-experts layers"));
+    }
+  }
+  options.limits.require_routed_experts = absl::GetFlag(FLAGS_require_routed_experts);
+  if (options.limits.require_routed_experts && !options.limits.routing) {
+    return Fail(kExitBadInput, "--require_routed_experts needs --routed_experts_model");
+  }
   options.max_pending_trajectories = absl::GetFlag(FLAGS_max_pending);
   options.initial_policy_version = absl::GetFlag(FLAGS_initial_policy_version);
 

@@ -230,7 +230,8 @@ int Run() {
                                     .trainer_id = TrainerId(),
                                     .vocab_size = config.vocab_size,
                                     .needs_ref_logprobs = loss.kl_coef != 0,
-                                    .needs_advantages = loss.kind != LossKind::kSft};
+                                    .needs_advantages = loss.kind != LossKind::kSft,
+                                    .routing = RoutingShapeOf(config)};
   // Registers (again: the same identity) and says so.
   const auto register_with_dispatcher = [&] {
     absl::StatusOr<std::unique_ptr<TrainerSession>> registered =

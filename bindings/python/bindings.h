@@ -9,7 +9,8 @@ namespace dta::python {
 void RegisterTree(pybind11::module_& m);
 // _core.Trainer and its options (trainer_bindings.cc).
 void RegisterTrainer(pybind11::module_& m);
-// _core.first_unchecked_trajectory (rollout_conversion.cc).
+// _core.first_unchecked_trajectory, convert_checked, ConvertedBatch and read_rollouts_jsonl
+// (rollout_conversion.cc).
 void RegisterRolloutConversion(pybind11::module_& m);
 
 }  // namespace dta::python

@@ -1,8 +1,10 @@
 // dta.Trajectory -> Rollout through the CPython C API where the values are plain Python objects
-// (bindings/python/rollout_conversion.h).
+// (bindings/python/rollout_conversion.h), and Rollout -> dta.Trajectory.
 #include "bindings/python/rollout_conversion.h"
 
 #include "bindings/python/bindings.h"
+#include "core/io/rollout_jsonl.h"
+#include "core/io/routed_experts.h"
 
 #include <ATen/ATen.h>
 #include <Python.h>
@@ -13,6 +15,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -88,6 +91,79 @@ std::optional<float> FiniteFloat32(PyObject* item) {
   return static_cast<float>(*v);
 }
 
+// routed_experts: [rows][layers][top_k] ids as int32 (the caller checks the values). A tensor
+// is copied once, to the CPU and int32 together (exact for the values validate passes).
+RoutedExperts RoutedExpertsOfTensor(const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.dim() == 3, "routed_experts must be a 3-D tensor, got shape ", tensor.sizes());
+  RoutedExperts routed{.layers = static_cast<int32_t>(tensor.size(1)),
+                       .top_k = static_cast<int32_t>(tensor.size(2)),
+                       .ids = std::vector<int32_t>(static_cast<size_t>(tensor.numel()))};
+  if (!routed.ids.empty()) {
+    at::from_blob(routed.ids.data(), tensor.sizes(), at::TensorOptions().dtype(at::kInt))
+        .copy_(tensor);
+  }
+  return routed;
+}
+
+// Reads `value` when it is exact nested lists [rows][layers][top_k] of plain ints in
+// [kNotRecorded, 2^31) (rows > 0, every row and layer as long as the first).
+std::optional<RoutedExperts> PlainRoutedLists(PyObject* value) {
+  if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) == 0) return std::nullopt;
+  PyObject* first_row = PyList_GET_ITEM(value, 0);
+  if (!PyList_CheckExact(first_row) || PyList_GET_SIZE(first_row) == 0) return std::nullopt;
+  PyObject* first_layer = PyList_GET_ITEM(first_row, 0);
+  if (!PyList_CheckExact(first_layer) || PyList_GET_SIZE(first_layer) == 0) return std::nullopt;
+  const Py_ssize_t rows = PyList_GET_SIZE(value);
+  const Py_ssize_t layers = PyList_GET_SIZE(first_row);
+  const Py_ssize_t top_k = PyList_GET_SIZE(first_layer);
+  if (layers > INT32_MAX || top_k > INT32_MAX) return std::nullopt;
+  RoutedExperts routed{
+      .layers = static_cast<int32_t>(layers), .top_k = static_cast<int32_t>(top_k), .ids = {}};
+  routed.ids.reserve(static_cast<size_t>(rows * layers * top_k));
+  for (Py_ssize_t r = 0; r < rows; ++r) {
+    PyObject* row = PyList_GET_ITEM(value, r);
+    if (!PyList_CheckExact(row) || PyList_GET_SIZE(row) != layers) return std::nullopt;
+    for (Py_ssize_t l = 0; l < layers; ++l) {
+      PyObject* ids = PyList_GET_ITEM(row, l);
+      if (!PyList_CheckExact(ids) || PyList_GET_SIZE(ids) != top_k) return std::nullopt;
+      for (Py_ssize_t k = 0; k < top_k; ++k) {
+        const std::optional<int64_t> id = PlainInt(PyList_GET_ITEM(ids, k));
+        if (!id || *id < kNotRecorded || *id >= kTokenLimit) return std::nullopt;
+        routed.ids.push_back(static_cast<int32_t>(*id));
+      }
+    }
+  }
+  return routed;
+}
+
+// Reads t.routed_experts when it is None, exact nested lists of plain ints, or a 3-D torch tensor
+// of a signed integer dtype, keeping every rule dta.Trajectory.validate applies to it for a
+// rollout of `tokens` tokens: into *out (nullopt for None).
+bool PlainRoutedExperts(py::handle value, int64_t tokens, std::optional<RoutedExperts>* out) {
+  if (value.is_none()) {
+    *out = std::nullopt;
+    return true;
+  }
+  if (THPVariable_Check(value.ptr())) {
+    const at::Tensor tensor = THPVariable_Unpack(value.ptr()).detach();
+    const at::ScalarType type = tensor.scalar_type();
+    if (tensor.dim() != 3 ||
+        (type != at::kChar && type != at::kShort && type != at::kInt && type != at::kLong)) {
+      return false;  // validate names the shape or dtype, or checks an unsigned one
+    }
+    // int64 ids beyond int32 would wrap in the copy.
+    if (type == at::kLong && tensor.numel() > 0 &&
+        (tensor.lt(kNotRecorded).any().item<bool>() || tensor.ge(kTokenLimit).any().item<bool>())) {
+      return false;
+    }
+    *out = RoutedExpertsOfTensor(tensor);
+  } else {
+    *out = PlainRoutedLists(value.ptr());
+    if (!*out) return false;
+  }
+  return ValidateRoutedExperts(**out, tokens).ok();
+}
+
 // When t's type is exactly `cls` and its fields are plain Python values (str, list, int, float,
 // bool, None, dict) that keep every rule of dta.Trajectory.validate(vocab_size) (vocab_size <= 0:
 // no upper bound on token ids): true, with t as a Rollout in *out when out is not null. One pass
@@ -144,10 +220,13 @@ bool PlainRollout(py::handle t, py::handle cls, int64_t vocab_size, Rollout* out
   while (PyDict_Next(metadata.ptr(), &at, &key, &value)) {
     if (!PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(value)) return false;
   }
+  std::optional<RoutedExperts> routed;
+  if (!PlainRoutedExperts(t.attr("routed_experts"), n, &routed)) return false;
   if (out != nullptr) {
     out->id = id.cast<std::string>();
     out->group = group.cast<std::string>();
     out->reward = reward_value;
+    out->routed_experts = std::move(routed);
   }
   return true;
 }
@@ -215,7 +294,43 @@ Rollout ToRollout(py::handle t) {
   r.reward = t.attr("reward").cast<std::optional<double>>();
   r.advantages = Values<float>(t.attr("advantages"), PlainFloat);
   r.ref_logprobs = Values<float>(t.attr("ref_logprobs"), PlainFloat);
+  const py::object routed = t.attr("routed_experts");
+  if (!routed.is_none()) {
+    // Nested lists and numpy arrays become one tensor through torch (no Python object per id).
+    const py::object tensor = THPVariable_Check(routed.ptr())
+                                  ? routed
+                                  : py::module_::import("torch").attr("as_tensor")(routed);
+    r.routed_experts = RoutedExpertsOfTensor(THPVariable_Unpack(tensor.ptr()).detach());
+  }
   return r;
+}
+
+// r as a `cls` (dta.Trajectory): lists of Python numbers, routed_experts an int32 tensor
+// [rows, layers, top_k]; metadata empty (a Rollout has none).
+py::object ToTrajectory(const Rollout& r, py::handle cls) {
+  py::dict fields;
+  fields["id"] = r.id;
+  fields["group"] = r.group;
+  fields["tokens"] = r.tokens;
+  fields["loss_mask"] = std::vector<int>(r.loss_mask.begin(), r.loss_mask.end());
+  fields["logprobs"] = r.logprobs;
+  fields["versions"] = r.versions;
+  fields["reward"] = r.reward;
+  fields["advantages"] = r.advantages;
+  fields["ref_logprobs"] = r.ref_logprobs;
+  if (r.routed_experts) {
+    const RoutedExperts& routed = *r.routed_experts;
+    at::Tensor ids = at::empty({routed.rows(), routed.layers, routed.top_k}, at::kInt);
+    std::copy(routed.ids.begin(), routed.ids.end(), ids.data_ptr<int32_t>());
+    fields["routed_experts"] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(ids)));
+  }
+  return cls(**fields);
+}
+
+py::list ToTrajectories(const std::vector<Rollout>& rollouts, py::handle cls) {
+  py::list out;
+  for (const Rollout& r : rollouts) out.append(ToTrajectory(r, cls));
+  return out;
 }
 
 }  // namespace
@@ -288,7 +403,33 @@ void RegisterRolloutConversion(py::module_& m) {
       .def_property_readonly("unchecked", &ConvertedBatch::unchecked)
       .def("convert", &ConvertedBatch::Convert, py::arg("index"), py::arg("trajectory"))
       .def("has_trained_token", &ConvertedBatch::HasTrainedToken)
+      .def(
+          "to_trajectories",
+          [](const ConvertedBatch& batch, py::handle cls) {
+            return ToTrajectories(batch.rollouts(), cls);
+          },
+          py::arg("cls"),
+          "The converted rollouts back as `cls` objects (dta.Trajectory; metadata is not "
+          "converted).")
+      .def(
+          "write_jsonl",
+          [](const ConvertedBatch& batch, const std::string& path) {
+            const absl::Status status = WriteRolloutsJsonl(path, batch.rollouts());
+            if (!status.ok()) throw std::runtime_error(std::string(status.message()));
+          },
+          py::arg("path"), "Writes the converted rollouts with the C++ JSON Lines writer.")
       .def("__len__", &ConvertedBatch::size);
+  m.def(
+      "read_rollouts_jsonl",
+      [](const std::string& path, int64_t vocab_size, py::handle cls) {
+        const absl::StatusOr<std::vector<Rollout>> rollouts =
+            ReadRolloutsJsonl(path, {.vocab_size = vocab_size});
+        if (!rollouts.ok()) throw py::value_error(std::string(rollouts.status().message()));
+        return ToTrajectories(*rollouts, cls);
+      },
+      py::arg("path"), py::arg("vocab_size"), py::arg("cls"),
+      "The rollouts of a JSON Lines file read by the C++ reader (the dta-* tools'), as `cls` "
+      "objects (dta.Trajectory; metadata is not read).");
   m.def("convert_checked", &ConvertedBatch::FromTrajectories, py::arg("trajectories"),
         py::arg("vocab_size"), py::arg("cls"),
         "The batch as a ConvertedBatch: each trajectory of exactly type `cls` made of plain Python "

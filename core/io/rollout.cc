@@ -74,6 +74,7 @@ absl::Status ValidateRollout(const Rollout& rollout, int64_t vocab_size) {
     return FieldError("reward",
                       absl::StrCat(*rollout.reward, " is beyond the limit of +-", kMaxAbsReward));
   }
+  if (rollout.routed_experts) return ValidateRoutedExperts(*rollout.routed_experts, n);
   return absl::OkStatus();
 }
 

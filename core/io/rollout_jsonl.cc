@@ -88,6 +88,81 @@ absl::Status ParseFloats(std::string_view field, element value, std::vector<floa
   return absl::OkStatus();
 }
 
+// A positive int32 member `name` of the routed_experts object.
+absl::StatusOr<int32_t> ParsePositive(simdjson::dom::object object, std::string_view name) {
+  element value;
+  int64_t number;
+  if (object.at_key(name).get(value) != simdjson::SUCCESS)
+    return FieldError("routed_experts", absl::StrCat("'", AsAbsl(name), "' is missing"));
+  if (value.get_int64().get(number) != simdjson::SUCCESS || number <= 0 ||
+      number > std::numeric_limits<int32_t>::max()) {
+    return FieldError("routed_experts",
+                      absl::StrCat("'", AsAbsl(name), "' must be a positive integer"));
+  }
+  return static_cast<int32_t>(number);
+}
+
+// {"layers": L, "top_k": k, "dtype": "int32", "base64": "..."} (SGLang's and vLLM's payload) or
+// {"layers": L, "top_k": k, "ids": [[[...] x L] per row]} with kNotRecorded (-1) for holes.
+absl::StatusOr<RoutedExperts> ParseRoutedExperts(element value) {
+  constexpr std::string_view kField = "routed_experts";
+  simdjson::dom::object object;
+  if (value.get_object().get(object) != simdjson::SUCCESS) {
+    return FieldError(kField, "must be an object {\"layers\", \"top_k\", \"base64\" or \"ids\"}");
+  }
+  for (auto [key, member] : object) {
+    if (key != "layers" && key != "top_k" && key != "dtype" && key != "base64" && key != "ids") {
+      return FieldError(kField, absl::StrCat("unknown member '", AsAbsl(key),
+                                             "' (expected layers, top_k, dtype, base64, ids)"));
+    }
+  }
+  ASSIGN_OR_RETURN(const int32_t layers, ParsePositive(object, "layers"));
+  ASSIGN_OR_RETURN(const int32_t top_k, ParsePositive(object, "top_k"));
+  element payload;
+  if (object.at_key("base64").get(payload) == simdjson::SUCCESS) {
+    element dtype;
+    if (object.at_key("dtype").get(dtype) == simdjson::SUCCESS) {
+      std::string_view name;
+      if (dtype.get_string().get(name) != simdjson::SUCCESS || name != "int32") {
+        return FieldError(kField, "'dtype' must be \"int32\" (the engines' little-endian ids)");
+      }
+    }
+    std::string_view text;
+    if (payload.get_string().get(text) != simdjson::SUCCESS)
+      return FieldError(kField, "'base64' must be a string");
+    return DecodeRoutedExperts(text, layers, top_k);
+  }
+  if (object.at_key("ids").get(payload) != simdjson::SUCCESS)
+    return FieldError(kField, "needs 'base64' or 'ids'");
+  RoutedExperts routed{.layers = layers, .top_k = top_k, .ids = {}};
+  simdjson::dom::array rows;
+  if (payload.get_array().get(rows) != simdjson::SUCCESS)
+    return FieldError(kField, "'ids' must be an array of rows");
+  int64_t row = 0;
+  for (element row_value : rows) {
+    simdjson::dom::array row_layers;
+    if (row_value.get_array().get(row_layers) != simdjson::SUCCESS ||
+        static_cast<int64_t>(row_layers.size()) != layers) {
+      return FieldError(kField, absl::StrCat("ids row ", row, " must be an array of ", layers,
+                                             " layers of ", top_k, " ids"));
+    }
+    int32_t layer = 0;
+    for (element layer_value : row_layers) {
+      std::vector<int32_t> experts;
+      const absl::Status status = ParseIntegers(kField, layer_value, kNotRecorded,
+                                                std::numeric_limits<int32_t>::max(), experts);
+      if (!status.ok() || static_cast<int32_t>(experts.size()) != top_k) {
+        return FieldError(kField, absl::StrCat("ids row ", row, ", layer ", layer, " must be ",
+                                               top_k, " integers >= ", kNotRecorded));
+      }
+      routed.ids.insert(routed.ids.end(), experts.begin(), experts.end());
+      ++layer;
+    }
+    ++row;
+  }
+  return routed;
+}
+
 // Parses an object already in simdjson's DOM. `id` is set as soon as it is known so that errors
 // in later fields can name the rollout.
 absl::Status ParseObject(element doc, const RolloutReadOptions& options, Rollout& rollout) {
@@ -130,12 +205,16 @@ absl::Status ParseObject(element doc, const RolloutReadOptions& options, Rollout
       if (value.get_double().get(reward) != simdjson::SUCCESS)
         return FieldError(key, "must be a number");
       rollout.reward = reward;
+    } else if (key == "routed_experts") {
+      absl::StatusOr<RoutedExperts> routed = ParseRoutedExperts(value);
+      if (!routed.ok()) return routed.status();
+      rollout.routed_experts = *std::move(routed);
     } else if (key == "metadata") {
       continue;
     } else {
       return FieldError(key,
                         "unknown field (expected id, group, tokens, loss_mask, logprobs, versions, "
-                        "reward, advantages, ref_logprobs, metadata)");
+                        "reward, advantages, ref_logprobs, routed_experts, metadata)");
     }
     if (!status.ok()) return status;
   }
@@ -262,6 +341,12 @@ std::string RolloutToJson(const Rollout& rollout) {
   }
   if (!rollout.advantages.empty()) AppendArray(out, "advantages", rollout.advantages);
   if (!rollout.ref_logprobs.empty()) AppendArray(out, "ref_logprobs", rollout.ref_logprobs);
+  if (rollout.routed_experts) {
+    const RoutedExperts& routed = *rollout.routed_experts;
+    absl::StrAppend(&out, ",\"routed_experts\":{\"layers\":", routed.layers,
+                    ",\"top_k\":", routed.top_k, ",\"dtype\":\"int32\",\"base64\":\"",
+                    EncodeRoutedExperts(routed), "\"}");
+  }
   out.push_back('}');
   return out;
 }

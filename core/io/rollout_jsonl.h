@@ -5,9 +5,13 @@
 //    "versions": [-1, ..., 7], "reward": 1.0}
 //
 // Required: id (string or integer), group (string or integer), tokens, loss_mask (0/1 or
-// booleans), logprobs. Optional: versions, reward, advantages, ref_logprobs, metadata (any JSON,
-// ignored). Any other field is an error, so a misspelt optional field is never silently dropped.
-// Blank lines are skipped. See rollout.h for what each field means and the rules it must obey.
+// booleans), logprobs. Optional: versions, reward, advantages, ref_logprobs, routed_experts,
+// metadata (any JSON, ignored). routed_experts is SGLang's and vLLM's payload with its shape,
+//   "routed_experts": {"layers": 48, "top_k": 8, "dtype": "int32", "base64": "..."}
+// or, for small hand-written files, "ids": [[[3, 17, ...], ...], ...] ([rows][layers][top_k], -1
+// where not recorded); the writer emits base64. Any other field is an error, so a misspelt optional
+// field is never silently dropped. Blank lines are skipped. See rollout.h for what each field means
+// and the rules it must obey.
 #pragma once
 
 #include <cstdint>

@@ -65,8 +65,17 @@ std::string EncodeRoutedExperts(const RoutedExperts& routed) {
   return absl::Base64Escape(bytes);
 }
 
-absl::Status ValidateRoutedExperts(const RoutedExperts& routed, int64_t tokens,
-                                   int64_t num_experts) {
+RoutingShape RoutingShapeOf(const ModelConfig& config) {
+  RoutingShape shape{.num_hidden_layers = static_cast<int32_t>(config.num_hidden_layers),
+                     .sparse_layers = {},
+                     .top_k = static_cast<int32_t>(config.num_experts_per_tok),
+                     .num_experts = config.num_experts};
+  for (int32_t l = 0; l < shape.num_hidden_layers; ++l)
+    if (IsSparseLayer(config, l)) shape.sparse_layers.push_back(l);
+  return shape;
+}
+
+absl::Status ValidateRoutedExperts(const RoutedExperts& routed, int64_t tokens) {
   if (absl::Status shape = CheckShape(routed.layers, routed.top_k); !shape.ok()) return shape;
   const int64_t per_row = static_cast<int64_t>(routed.layers) * routed.top_k;
   if (static_cast<int64_t>(routed.ids.size()) % per_row != 0) {
@@ -78,14 +87,61 @@ absl::Status ValidateRoutedExperts(const RoutedExperts& routed, int64_t tokens,
     return FieldError(kField, absl::StrCat(rows, " rows for ", tokens, " tokens (", tokens, " or ",
                                            tokens - 1, " expected)"));
   }
+  for (size_t first = 0; first < routed.ids.size(); first += routed.top_k) {
+    const int64_t row = static_cast<int64_t>(first) / per_row;
+    const int64_t layer = static_cast<int64_t>(first) % per_row / routed.top_k;
+    const auto begin = routed.ids.begin() + static_cast<std::ptrdiff_t>(first);
+    const auto end = begin + routed.top_k;
+    for (auto id = begin; id != end; ++id) {
+      if (*id < kNotRecorded) {
+        return FieldError(
+            kField, absl::StrCat("row ", row, ", layer ", layer, ": expert ", *id,
+                                 " is neither an expert nor ", kNotRecorded, " (not recorded)"));
+      }
+    }
+    const int64_t unrecorded = std::count(begin, end, kNotRecorded);
+    if (unrecorded > 0 && unrecorded < routed.top_k) {
+      return FieldError(
+          kField, absl::StrCat("row ", row, ", layer ", layer, ": [",
+                               absl::StrJoin(begin, end, ", "), "] is recorded only in part"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> SparseLayersInRow(const RoutedExperts& routed,
+                                                       const RoutingShape& model) {
+  if (routed.top_k != model.top_k) {
+    return FieldError(kField, absl::StrCat("top_k is ", routed.top_k,
+                                           " but the model routes each "
+                                           "token to ",
+                                           model.top_k, " experts"));
+  }
+  const int32_t sparse = static_cast<int32_t>(model.sparse_layers.size());
+  if (routed.layers == model.num_hidden_layers) return model.sparse_layers;
+  if (routed.layers == sparse) {
+    std::vector<int32_t> all(sparse);
+    for (int32_t s = 0; s < sparse; ++s) all[s] = s;
+    return all;
+  }
+  return FieldError(kField, absl::StrCat(routed.layers, " layers per row, but the model has ",
+                                         model.num_hidden_layers, " decoder layers, ", sparse,
+                                         " of them with routed experts (a row holds either)"));
+}
+
+absl::Status ValidateRoutedExperts(const RoutedExperts& routed, int64_t tokens,
+                                   const RoutingShape& model) {
+  if (absl::Status free = ValidateRoutedExperts(routed, tokens); !free.ok()) return free;
+  absl::StatusOr<std::vector<int32_t>> layers = SparseLayersInRow(routed, model);
+  if (!layers.ok()) return layers.status();
   std::vector<int32_t> experts(routed.top_k);
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int32_t layer = 0; layer < routed.layers; ++layer) {
+  for (int64_t row = 0; row < routed.rows(); ++row) {
+    for (size_t s = 0; s < layers->size(); ++s) {
       for (int32_t slot = 0; slot < routed.top_k; ++slot)
-        experts[slot] = routed.at(row, layer, slot);
-      const auto where = [&] {
-        return absl::StrCat("row ", row, ", layer ", layer, ": [", absl::StrJoin(experts, ", "),
-                            "]");
+        experts[slot] = routed.at(row, (*layers)[s], slot);
+      const auto where = [&] {  // names the decoder layer
+        return absl::StrCat("row ", row, ", layer ", model.sparse_layers[s], ": [",
+                            absl::StrJoin(experts, ", "), "]");
       };
       const int64_t unrecorded = std::count(experts.begin(), experts.end(), kNotRecorded);
       if (unrecorded == routed.top_k) continue;
@@ -93,11 +149,9 @@ absl::Status ValidateRoutedExperts(const RoutedExperts& routed, int64_t tokens,
         return FieldError(kField, absl::StrCat(where(), " is recorded only in part"));
       }
       for (const int32_t id : experts) {
-        if (id < 0 || (num_experts > 0 && id >= num_experts)) {
+        if (id < 0 || id >= model.num_experts) {
           return FieldError(kField, absl::StrCat(where(), ": expert ", id, " is not in [0, ",
-                                                 num_experts > 0 ? absl::StrCat(num_experts)
-                                                                 : std::string("experts"),
-                                                 ")"));
+                                                 model.num_experts, ")"));
         }
       }
       std::vector<int32_t> sorted = experts;

@@ -8,7 +8,7 @@
 // Example:
 //   absl::StatusOr<RoutedExperts> routed =
 //       DecodeRoutedExperts(meta_info_base64, /*layers=*/48, /*top_k=*/8);
-//   RETURN_IF_ERROR(ValidateRoutedExperts(*routed, rollout.tokens.size(), /*num_experts=*/128));
+//   RETURN_IF_ERROR(ValidateRoutedExperts(*routed, rollout.tokens.size(), model_shape));
 //
 // Thread safety: plain values and pure functions.
 #pragma once
@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/model/model_config.h"
 
 namespace dta {
 
@@ -47,12 +48,36 @@ absl::StatusOr<RoutedExperts> DecodeRoutedExperts(std::string_view base64, int32
 // The same payload for `routed` (what DecodeRoutedExperts reads back).
 std::string EncodeRoutedExperts(const RoutedExperts& routed);
 
-// OK if `routed` fits a rollout of `tokens` tokens and a model of `num_experts` experts per sparse
-// layer (<= 0: not checked): layers and top_k positive, rows = tokens or tokens - 1, every id in
-// [0, num_experts) or kNotRecorded, and each (row, layer) either k distinct ids or all
-// kNotRecorded. Otherwise INVALID_ARGUMENT "field 'routed_experts': ..." naming the row, layer
-// and ids at fault.
+// What a model asks of the routed experts it replays.
+struct RoutingShape {
+  int32_t num_hidden_layers = 0;
+  std::vector<int32_t> sparse_layers;  // the decoder layers with routed experts, increasing
+  int32_t top_k = 0;                   // experts per token
+  int64_t num_experts = 0;             // per sparse layer
+
+  bool operator==(const RoutingShape&) const = default;
+};
+
+// The routing `config` replays: its sparse layers (IsSparseLayer), top-k and experts.
+RoutingShape RoutingShapeOf(const ModelConfig& config);
+
+// OK if `routed` fits a rollout of `tokens` tokens, whatever the model: layers and top_k positive,
+// rows = tokens or tokens - 1, every id >= kNotRecorded, and each (row, layer) recorded whole or
+// not at all (an engine's unused dense-layer rows hold experts, not holes). Otherwise
+// INVALID_ARGUMENT "field 'routed_experts': ..." naming the row and layer at fault.
+absl::Status ValidateRoutedExperts(const RoutedExperts& routed, int64_t tokens);
+
+// Where in a row the sparse layers' experts sit: model.sparse_layers when a row holds every decoder
+// layer (SGLang's and vLLM's payload; dense layers' entries are unused), 0 .. S - 1 when it holds
+// the S sparse layers only. INVALID_ARGUMENT if routed.layers is neither or top_k is not the
+// model's.
+absl::StatusOr<std::vector<int32_t>> SparseLayersInRow(const RoutedExperts& routed,
+                                                       const RoutingShape& model);
+
+// The model-free checks and, at each sparse layer of each row, either k distinct ids in
+// [0, num_experts) or all kNotRecorded; errors name the row, the decoder layer (whatever the row's
+// form) and the ids.
 absl::Status ValidateRoutedExperts(const RoutedExperts& routed, int64_t tokens,
-                                   int64_t num_experts = 0);
+                                   const RoutingShape& model);
 
 }  // namespace dta

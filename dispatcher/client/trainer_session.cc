@@ -37,6 +37,11 @@ class GrpcTrainerSession final : public TrainerSession {
     request.set_vocab_size(identity_.vocab_size);
     request.set_needs_ref_logprobs(identity_.needs_ref_logprobs);
     request.set_needs_advantages(identity_.needs_advantages);
+    request.set_num_hidden_layers(identity_.routing.num_hidden_layers);
+    request.mutable_sparse_layers()->Assign(identity_.routing.sparse_layers.begin(),
+                                            identity_.routing.sparse_layers.end());
+    request.set_experts_per_token(identity_.routing.top_k);
+    request.set_num_experts(static_cast<int32_t>(identity_.routing.num_experts));
     ASSIGN_OR_RETURN(registered_, client_.Register(request));
     return absl::OkStatus();
   }

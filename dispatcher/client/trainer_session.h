@@ -27,6 +27,8 @@ struct TrainerIdentity {
   int64_t vocab_size = 0;  // the model's vocabulary; 0: not checked
   bool needs_ref_logprobs = false;
   bool needs_advantages = false;
+  // The routing its mixture-of-experts model replays (num_experts 0: a dense model).
+  RoutingShape routing;
 };
 
 // One rank's part of a step (dta.v1.Partition).

@@ -96,6 +96,14 @@ uint64_t Fingerprint(const Rollout& rollout, const std::map<std::string, std::st
   h.Bytes(&reward, rollout.reward.has_value() ? sizeof(reward) : 0);
   h.Values(rollout.advantages);
   h.Values(rollout.ref_logprobs);
+  // Only when present, so that the fingerprints of trajectories without them (and those a
+  // compacted log retired) are what they were before routed experts existed.
+  if (rollout.routed_experts) {
+    const std::vector<int32_t> shape = {rollout.routed_experts->layers,
+                                        rollout.routed_experts->top_k};
+    h.Values(shape);
+    h.Values(rollout.routed_experts->ids);
+  }
   for (const auto& [key, value] : metadata) {
     h.Text(key);
     h.Text(value);
@@ -148,6 +156,12 @@ v1::IngestResponse Rejected(const std::string& id, const std::string& field,
   return response;
 }
 
+std::string DescribeRouting(const RoutingShape& routing) {
+  if (routing.num_experts == 0 || routing.sparse_layers.empty()) return "no experts (dense)";
+  return absl::StrCat("top ", routing.top_k, " of ", routing.num_experts, " experts at ",
+                      routing.sparse_layers.size(), " of ", routing.num_hidden_layers, " layers");
+}
+
 // A trainer that cannot train everything the dispatcher accepts would fail a planned batch on
 // every retry: it is refused at registration, with the flag that reconciles the two.
 absl::Status CheckTrainerNeeds(const v1::RegisterTrainerRequest& trainer,
@@ -169,6 +183,20 @@ absl::Status CheckTrainerNeeds(const v1::RegisterTrainerRequest& trainer,
                      ": its loss has a KL penalty (--kl_coef) and needs ref_logprobs, which the "
                      "dispatcher does not "
                      "require: start dta-dispatcher with --require_ref_logprobs"));
+  }
+  // Routed experts are checked against the model the dispatcher was told of: it must be the
+  // trainer's (a dense trainer's shape has no experts).
+  const RoutingShape routing{
+      .num_hidden_layers = trainer.num_hidden_layers(),
+      .sparse_layers = {trainer.sparse_layers().begin(), trainer.sparse_layers().end()},
+      .top_k = trainer.experts_per_token(),
+      .num_experts = trainer.num_experts()};
+  if (limits.routing && *limits.routing != routing) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, ": its model routes ", DescribeRouting(routing),
+                     ", but the dispatcher checks routed experts against a model that routes ",
+                     DescribeRouting(*limits.routing),
+                     ": start dta-dispatcher with the trainers' model as --routed_experts_model"));
   }
   if (trainer.needs_advantages() && !limits.require_reward_or_advantages) {
     return absl::FailedPreconditionError(

@@ -1,41 +1,17 @@
 #include "executor/distributed/tensor_parallel_group.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
 
 #include <string_view>
-#include <utility>
 #include <vector>
+
+#include "executor/distributed/pending_work.h"
 
 namespace dta {
 
 namespace {
 
 constexpr std::string_view kAllReduce = "tensor-parallel all-reduce";
-
-class PendingWork final : public PendingCollective {
- public:
-  PendingWork(const ProcessGroup& group, c10::intrusive_ptr<c10d::Work> work)
-      : group_(group), work_(std::move(work)) {}
-  ~PendingWork() override {
-    if (work_ == nullptr) return;
-    try {
-      Wait();
-    } catch (const std::exception& e) {
-      // Only reached while another error unwinds: that error is the one reported.
-      LOG(ERROR) << e.what();
-    }
-  }
-  void Wait() override {
-    if (work_ == nullptr) return;
-    const c10::intrusive_ptr<c10d::Work> work = std::move(work_);
-    group_.WaitStreamOrdered(*work, kAllReduce);
-  }
-
- private:
-  const ProcessGroup& group_;
-  c10::intrusive_ptr<c10d::Work> work_;
-};
 
 }  // namespace
 
@@ -46,7 +22,8 @@ std::unique_ptr<PendingCollective> TensorParallelOverProcessGroup::StartAllReduc
   c10d::AllreduceOptions options;
   options.reduceOp = op == TensorParallelReduce::kMax ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
   options.timeout = group_.timeout();
-  return std::make_unique<PendingWork>(group_, group_.backend()->allreduce(tensors, options));
+  return std::make_unique<PendingWork>(group_, group_.backend()->allreduce(tensors, options),
+                                       kAllReduce);
 }
 
 void TensorParallelOverProcessGroup::AllReduce(at::Tensor& tensor, TensorParallelReduce op) const {

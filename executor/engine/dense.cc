@@ -9,7 +9,8 @@
 namespace dta::engine {
 
 GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts,
-                        const LossPlan* plan, const ExecutorOptions& options) {
+                        const RoutingReplay& replay, const LossPlan* plan,
+                        const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   const bool checkpointing = plan != nullptr && options.checkpointing;
   GradientResult result;
@@ -25,7 +26,8 @@ GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts
     const int64_t length = tokens.size(0);
     const ChunkInput input{.tokens = tokens,
                            .positions = at::arange(length, tokens.options()),
-                           .router_statistics = balance};
+                           .router_statistics = balance,
+                           .routed_experts = replay.Rows(r, 0, length, tokens.device())};
     ChunkContext context;
     LayerCheckpoints saved;
     at::Tensor hidden, router_probs, router_counts;

@@ -165,9 +165,12 @@ struct Chunk {
   at::Tensor logprobs, entropy;  // [end - begin]
 };
 
+// Positions [begin, end) of a rollout whose token ids are `tokens` (and routing replay rows
+// `routed`, possibly undefined).
 Chunk ForwardChunk(const Decoder& model, const PathStack& stack, const at::Tensor& tokens,
-                   int64_t begin, int64_t end, bool with_graph, bool with_entropy,
-                   const LogprobOptions& logprob, std::vector<int64_t> state_points = {}) {
+                   const at::Tensor& routed, int64_t begin, int64_t end, bool with_graph,
+                   bool with_entropy, const LogprobOptions& logprob,
+                   std::vector<int64_t> state_points = {}) {
   torch::autograd::AutoGradMode grad_mode(with_graph);
   Chunk chunk;
   chunk.begin = begin;
@@ -180,7 +183,8 @@ Chunk ForwardChunk(const Decoder& model, const PathStack& stack, const at::Tenso
                              .positions = at::arange(begin, end, ids.options()),
                              .state_points = std::move(offsets),
                              .prefix = StackPrefix(stack, begin, with_graph),
-                             .router_statistics = stack.router_statistics()});
+                             .router_statistics = stack.router_statistics(),
+                             .routed_experts = routed});
   chunk.state_points = std::move(state_points);
   // Token p is predicted by the hidden state at p - 1: the stack's for the chunk's first token.
   const int64_t t = end - begin;
@@ -334,7 +338,7 @@ at::Tensor AttachRouterBalance(PathStack& stack, const LossPlan& plan, RolloutIn
 // top of the stack's K/V, their losses attached, and everything backpropagated; the stack's
 // accumulators below `depth` receive the gradients of its K/V, of the hidden state at depth - 1,
 // and of the log-probabilities (and entropies) the rollouts read from it.
-at::Tensor RunPackedStep(const Decoder& model, PathStack& stack, absl::Span<const Rollout> rollouts,
+at::Tensor RunPackedStep(const Decoder& model, PathStack& stack, const RoutingReplay& replay,
                          absl::Span<const RolloutIndex> group, int64_t depth, const LossPlan& plan,
                          const LogprobOptions& logprob, std::vector<at::Tensor>& logprobs_out,
                          at::Tensor& balance_out) {
@@ -343,22 +347,23 @@ at::Tensor RunPackedStep(const Decoder& model, PathStack& stack, absl::Span<cons
   // no suffix).
   PrefixTreeBuilder builder;
   std::vector<RolloutIndex> suffix_index(group.size(), -1);
+  std::vector<RolloutIndex> suffix_rollouts;  // the batch's index of each suffix
   for (size_t k = 0; k < group.size(); ++k) {
-    const std::vector<TokenId>& tokens = rollouts[group[k]].tokens;
-    if (static_cast<int64_t>(tokens.size()) == depth) continue;
+    const absl::Span<const TokenId> keys = replay.keys(group[k]);
+    if (static_cast<int64_t>(keys.size()) == depth) continue;
     suffix_index[k] = builder.num_rollouts();
-    TORCH_CHECK(builder.AddRollout(absl::MakeConstSpan(tokens).subspan(depth)).ok(),
-                rollouts[group[k]].id);
+    suffix_rollouts.push_back(group[k]);
+    TORCH_CHECK(builder.AddRollout(keys.subspan(depth)).ok(), replay.rollout(group[k]).id);
   }
   const PrefixTree suffixes = std::move(builder).Build();
-  const PackedLayout layout = MakePackedLayout(suffixes, depth);
+  const PackedLayout layout = MakePackedLayout(suffixes, depth, replay, suffix_rollouts);
 
   const at::Tensor previous_hidden = HiddenAnchor(stack, depth, /*with_graph=*/true);
   const bool with_entropy = plan.needs_entropy();
   const bool balance = stack.router_statistics();
   const PackedOutput packed =
-      ForwardPacked(model, layout, StackPrefix(stack, depth, /*with_grad=*/true), previous_hidden,
-                    with_entropy, logprob, /*checkpointing=*/false, balance);
+      ForwardPacked(model, layout, replay, StackPrefix(stack, depth, /*with_grad=*/true),
+                    previous_hidden, with_entropy, logprob, /*checkpointing=*/false, balance);
   // What the rollouts read from the stack below `depth`, as leaves whose gradients are collected.
   const at::Tensor stack_logprobs = stack.logprobs.slice(0, 0, depth).clone().requires_grad_(true);
   const at::Tensor stack_entropy =
@@ -550,28 +555,29 @@ Pass PlanPass(const PrefixTree& tree, std::vector<RolloutIndex> batch_index,
 
 // The batch's passes: one over its whole tree, or one per sharing group (core/tree/
 // sharing_groups.h) when a short prefix before long chains is cheaper recomputed than shared.
-std::vector<Pass> PlanPasses(absl::Span<const Rollout> rollouts, const ExecutorOptions& options,
+std::vector<Pass> PlanPasses(const RoutingReplay& keys, const ExecutorOptions& options,
                              const ChunkPlan& chunks, bool training) {
-  const PrefixTree whole = BuildTree(rollouts);
+  const PrefixTree whole = BuildTree(keys);
   const std::vector<std::vector<RolloutIndex>> groups =
       SharingGroups(whole, {.max_unshared_fraction = options.unshared_prefix_fraction,
                             .min_suffix = kernels::kMinSplitChain});
   std::vector<Pass> passes;
   if (groups.size() <= 1) {
-    std::vector<RolloutIndex> identity(rollouts.size());
+    std::vector<RolloutIndex> identity(keys.num_rollouts());
     std::iota(identity.begin(), identity.end(), RolloutIndex{0});
     passes.push_back(PlanPass(whole, std::move(identity), options, chunks, training));
     return passes;
   }
   for (const std::vector<RolloutIndex>& group : groups)
-    passes.push_back(PlanPass(BuildTree(rollouts, group), group, options, chunks, training));
+    passes.push_back(PlanPass(BuildTree(keys, group), group, options, chunks, training));
   return passes;
 }
 
 }  // namespace
 
 GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
-                      const LossPlan* plan, const ExecutorOptions& options) {
+                      const RoutingReplay& replay, const LossPlan* plan,
+                      const ExecutorOptions& options) {
   const bool training = plan != nullptr;
   const bool with_entropy = training && plan->needs_entropy();
   int64_t max_len = 0;
@@ -580,7 +586,7 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
   const bool balance = training && plan->balances_routers();
   PathStack stack(model, max_len, with_entropy, training, balance);
   const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
-  const std::vector<Pass> passes = PlanPasses(rollouts, options, chunks, training);
+  const std::vector<Pass> passes = PlanPasses(replay, options, chunks, training);
 
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
   at::Tensor loss = at::zeros({}, stack.logprobs.options());
@@ -607,6 +613,10 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
     auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& {
       return token_tensors[batch_of(r)];
     };
+    // The replayed routing of a chunk's positions (undefined without replay).
+    auto routed_of = [&](const Step& step) {
+      return replay.Rows(batch_of(step.rollout), step.begin, step.end, model.options().device());
+    };
     const std::vector<std::vector<int64_t>> state_points =
         stack.linear ? StatePoints(pass.schedule) : std::vector<std::vector<int64_t>>();
     std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
@@ -615,9 +625,10 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
       const int64_t forwarded_before = result.forwarded_tokens;
       switch (step.kind) {
         case StepKind::kForward: {
-          Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
-                                     step.with_graph, with_entropy, LogprobOptionsOf(options),
-                                     stack.linear ? state_points[s] : std::vector<int64_t>());
+          Chunk chunk =
+              ForwardChunk(model, stack, tokens_of(step.rollout), routed_of(step), step.begin,
+                           step.end, step.with_graph, with_entropy, LogprobOptionsOf(options),
+                           stack.linear ? state_points[s] : std::vector<int64_t>());
           Push(stack, chunk);
           result.forwarded_tokens += step.size();
           if (step.with_graph) kept.push_back(std::move(chunk));
@@ -649,9 +660,9 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
             Backward(stack, kept.back());
             kept.pop_back();
           } else {
-            Chunk chunk =
-                ForwardChunk(model, stack, tokens_of(step.rollout), step.begin, step.end,
-                             /*with_graph=*/true, with_entropy, LogprobOptionsOf(options));
+            Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), routed_of(step),
+                                       step.begin, step.end, /*with_graph=*/true, with_entropy,
+                                       LogprobOptionsOf(options));
             result.forwarded_tokens += step.size();
             Backward(stack, chunk);
           }
@@ -663,7 +674,7 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
         case StepKind::kPacked: {
           TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
           loss += RunPackedStep(
-              model, stack, rollouts,
+              model, stack, replay,
               absl::MakeConstSpan(pass.batch_order).subspan(step.first, step.last - step.first),
               step.begin, *plan, LogprobOptionsOf(options), result.logprobs, balance_total);
           result.forwarded_tokens += step.packed_tokens;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "core/model/layer_spec.h"
@@ -30,18 +31,18 @@ std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts,
   return out;
 }
 
-PrefixTree BuildTree(absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset) {
+PrefixTree BuildTree(const RoutingReplay& keys, absl::Span<const RolloutIndex> subset) {
   PrefixTreeBuilder builder;
-  for (RolloutIndex r : subset)
-    TORCH_CHECK(builder.AddRollout(rollouts[r].tokens).ok(), "rollout '", rollouts[r].id, "'");
+  for (RolloutIndex r : subset) {
+    TORCH_CHECK(builder.AddRollout(keys.keys(r)).ok(), "rollout '", keys.rollout(r).id, "'");
+  }
   return std::move(builder).Build();
 }
 
-PrefixTree BuildTree(absl::Span<const Rollout> rollouts) {
-  PrefixTreeBuilder builder;
-  for (const Rollout& rollout : rollouts)
-    TORCH_CHECK(builder.AddRollout(rollout.tokens).ok(), "rollout '", rollout.id, "'");
-  return std::move(builder).Build();
+PrefixTree BuildTree(const RoutingReplay& keys) {
+  std::vector<RolloutIndex> all(keys.num_rollouts());
+  std::iota(all.begin(), all.end(), RolloutIndex{0});
+  return BuildTree(keys, all);
 }
 
 void CheckRollouts(const Decoder& model, absl::Span<const Rollout> rollouts) {
@@ -188,20 +189,22 @@ GradientResult Run(const Decoder& model, absl::Span<const Rollout> rollouts, con
       "unshared_prefix_fraction must be >= 0 and finite, got ", options.unshared_prefix_fraction);
   TORCH_CHECK(options.temperature > 0 && std::isfinite(options.temperature),
               "ExecutorOptions.temperature must be positive and finite, got ", options.temperature);
+  const RoutingReplay replay(model.config(), rollouts);
   GradientResult result;
   switch (options.method) {
     case Method::kDense:
-      result = RunDense(model, rollouts, plan, options);
+      result = RunDense(model, rollouts, replay, plan, options);
       break;
     case Method::kPacked:
-      result = RunPacked(model, rollouts, plan, options);
+      result = RunPacked(model, rollouts, replay, plan, options);
       break;
     case Method::kDta:
-      result = RunDta(model, rollouts, plan, options);
+      result = RunDta(model, rollouts, replay, plan, options);
       break;
     default:
       TORCH_CHECK(false, "unknown method");
   }
+  result.replay_split_tokens = replay.split_tokens();
   if (plan != nullptr) {
     model.ReduceTensorParallelGradients();
     result.diagnostics = plan->ReadDiagnostics();

@@ -128,7 +128,10 @@ struct GradientResult {
   int64_t graph_budget = 0;
   int64_t rollout_tokens = 0;    // all rollout tokens
   int64_t forwarded_tokens = 0;  // tokens pushed through the model, recomputation included
-  LossDiagnostics diagnostics;   // of the losses (ComputeGradients only)
+  // Routing replay (Rollout::routed_experts): the unique tokens the batch's tree gains because
+  // rollouts that share tokens were routed differently on them (such prefixes are not shared).
+  int64_t replay_split_tokens = 0;
+  LossDiagnostics diagnostics;  // of the losses (ComputeGradients only)
 };
 
 // Bytes of autograd state one token's forward graph keeps alive (saved activations of every

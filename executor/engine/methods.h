@@ -9,6 +9,7 @@
 #include "absl/types/span.h"
 #include "core/tree/prefix_tree.h"
 #include "executor/engine/executor.h"
+#include "executor/engine/routing_replay.h"
 
 namespace dta::engine {
 
@@ -65,10 +66,11 @@ inline LogprobOptions LogprobOptionsOf(const ExecutorOptions& options) {
 std::vector<at::Tensor> TokenTensors(absl::Span<const Rollout> rollouts,
                                      const at::TensorOptions& model_options);
 
-// The prefix tree of rollouts[subset[0]], rollouts[subset[1]], ... (local indices follow
-// `subset`), or of all rollouts.
-PrefixTree BuildTree(absl::Span<const Rollout> rollouts, absl::Span<const RolloutIndex> subset);
-PrefixTree BuildTree(absl::Span<const Rollout> rollouts);
+// The prefix tree over the keys (RoutingReplay::keys: the token ids, or with routing replay the
+// tokens and their routings) of rollouts subset[0], subset[1], ... (local indices follow
+// `subset`), or of all the batch's rollouts.
+PrefixTree BuildTree(const RoutingReplay& keys, absl::Span<const RolloutIndex> subset);
+PrefixTree BuildTree(const RoutingReplay& keys);
 
 // Checks token ids against the vocabulary, naming the rollout.
 void CheckRollouts(const Decoder& model, absl::Span<const Rollout> rollouts);
@@ -81,12 +83,16 @@ at::Tensor RouterBalanceRows(const LossPlan& plan, const at::Tensor& router_coun
                              absl::Span<const RolloutIndex> rollouts,
                              absl::Span<const at::Tensor> paths);
 
-// When `plan` is null, only log-probabilities are computed (no graph, no gradients).
+// When `plan` is null, only log-probabilities are computed (no graph, no gradients). `replay` is
+// the batch's routing replay (RoutingReplay over `rollouts`).
 GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts,
-                        const LossPlan* plan, const ExecutorOptions& options);
+                        const RoutingReplay& replay, const LossPlan* plan,
+                        const ExecutorOptions& options);
 GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollouts,
-                         const LossPlan* plan, const ExecutorOptions& options);
+                         const RoutingReplay& replay, const LossPlan* plan,
+                         const ExecutorOptions& options);
 GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
-                      const LossPlan* plan, const ExecutorOptions& options);
+                      const RoutingReplay& replay, const LossPlan* plan,
+                      const ExecutorOptions& options);
 
 }  // namespace dta::engine

@@ -15,16 +15,16 @@ namespace {
 // One packed forward (and backward) over the rollouts `subset`; their results go to `result`, the
 // loss (a device scalar) to `total_loss`.
 void RunPackedBatch(const Decoder& model, absl::Span<const Rollout> rollouts,
-                    absl::Span<const RolloutIndex> subset, const LossPlan* plan,
-                    const ExecutorOptions& options, GradientResult& result, at::Tensor& total_loss,
-                    at::Tensor& total_balance) {
-  const PrefixTree tree = BuildTree(rollouts, subset);
-  const PackedLayout layout = MakePackedLayout(tree, 0);
+                    const RoutingReplay& replay, absl::Span<const RolloutIndex> subset,
+                    const LossPlan* plan, const ExecutorOptions& options, GradientResult& result,
+                    at::Tensor& total_loss, at::Tensor& total_balance) {
+  const PrefixTree tree = BuildTree(replay, subset);
+  const PackedLayout layout = MakePackedLayout(tree, 0, replay, subset);
   const int64_t n = tree.num_tree_tokens();
   const bool entropy = plan && plan->needs_entropy();
   const bool checkpointing = plan != nullptr && options.checkpointing;
   const bool balance = plan != nullptr && plan->balances_routers();
-  const PackedOutput packed = ForwardPacked(model, layout, {}, at::Tensor(), entropy,
+  const PackedOutput packed = ForwardPacked(model, layout, replay, {}, at::Tensor(), entropy,
                                             LogprobOptionsOf(options), checkpointing, balance);
   std::vector<at::Tensor> paths;  // per local rollout, on the device
 
@@ -62,7 +62,8 @@ void RunPackedBatch(const Decoder& model, absl::Span<const Rollout> rollouts,
 }  // namespace
 
 GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollouts,
-                         const LossPlan* plan, const ExecutorOptions& options) {
+                         const RoutingReplay& replay, const LossPlan* plan,
+                         const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   GradientResult result;
   result.logprobs.resize(rollouts.size());
@@ -71,16 +72,16 @@ GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollout
   at::Tensor total_loss, total_balance;
   const int64_t passes = plan != nullptr && options.checkpointing ? 2 : 1;
   if (options.token_capacity <= 0) {
-    RunPackedBatch(model, rollouts, all, plan, options, result, total_loss, total_balance);
+    RunPackedBatch(model, rollouts, replay, all, plan, options, result, total_loss, total_balance);
     if (options.progress) options.progress(result.forwarded_tokens, result.forwarded_tokens);
   } else {
     // Tree Training's partitioning: subtrees of at most token_capacity unique tokens, one packed
     // forward each (shared prefixes across batches are computed again: see the partition's ERR).
-    const PrefixTree tree = BuildTree(rollouts);
+    const PrefixTree tree = BuildTree(replay);
     absl::StatusOr<TreePartition> partition = PartitionTreeGreedy(tree, options.token_capacity);
     TORCH_CHECK(partition.ok(), "packed: ", std::string(partition.status().message()));
     for (const TreeBatch& batch : partition->batches) {
-      RunPackedBatch(model, rollouts, batch.rollouts, plan, options, result, total_loss,
+      RunPackedBatch(model, rollouts, replay, batch.rollouts, plan, options, result, total_loss,
                      total_balance);
       if (options.progress)
         options.progress(result.forwarded_tokens, passes * partition->total_tokens);

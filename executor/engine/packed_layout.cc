@@ -5,7 +5,10 @@
 
 namespace dta::engine {
 
-PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
+PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset, const RoutingReplay& replay,
+                              absl::Span<const RolloutIndex> batch_index) {
+  TORCH_CHECK(static_cast<RolloutIndex>(batch_index.size()) == tree.num_rollouts(),
+              "internal: a packed layout needs each of the tree's rollouts' batch index");
   const int64_t n = tree.num_tree_tokens();
   PackedLayout layout;
   layout.tokens.resize(n);
@@ -17,7 +20,7 @@ PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
     const NodeId parent = tree.parent(v);
     const int64_t subtree_end = tree.token_offset(tree.subtree_end(v));
     for (int64_t o = 0; o < tree.length(v); ++o) {
-      layout.tokens[first + o] = tree.serialized_tokens()[first + o];
+      layout.tokens[first + o] = replay.token(tree.serialized_tokens()[first + o]);
       layout.positions[first + o] = offset + tree.depth(v) + o;
       layout.key_end[first + o] = subtree_end;
       layout.previous[first + o] =
@@ -34,6 +37,16 @@ PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset) {
         path[tree.depth(v) + o] = tree.token_offset(v) + o;
     }
   }
+  if (replay.active()) {
+    layout.source_rollout.resize(n);
+    layout.source_position.resize(n);
+    for (RolloutIndex r = 0; r < tree.num_rollouts(); ++r) {
+      for (size_t p = 0; p < layout.paths[r].size(); ++p) {
+        layout.source_rollout[layout.paths[r][p]] = batch_index[r];
+        layout.source_position[layout.paths[r][p]] = offset + static_cast<int64_t>(p);
+      }
+    }
+  }
   return layout;
 }
 
@@ -41,19 +54,22 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& dev
   return CopyToDevice(absl::MakeConstSpan(values), at::TensorOptions().device(device));
 }
 
-PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout, const PrefixKv& prefix,
+PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout,
+                           const RoutingReplay& replay, const PrefixKv& prefix,
                            const at::Tensor& previous_hidden, bool with_entropy,
                            const LogprobOptions& logprob, bool checkpointing,
                            bool router_statistics) {
   const at::Device device = model.options().device();
   PackedOutput result;
   result.token_ids = IndexTensor(layout.tokens, device);
-  const ChunkInput input{.tokens = result.token_ids,
-                         .positions = IndexTensor(layout.positions, device),
-                         .key_end = IndexTensor(layout.key_end, device),
-                         .parents = layout.previous,
-                         .prefix = prefix,
-                         .router_statistics = router_statistics};
+  const ChunkInput input{
+      .tokens = result.token_ids,
+      .positions = IndexTensor(layout.positions, device),
+      .key_end = IndexTensor(layout.key_end, device),
+      .parents = layout.previous,
+      .prefix = prefix,
+      .router_statistics = router_statistics,
+      .routed_experts = replay.Rows(layout.source_rollout, layout.source_position, device)};
   at::Tensor hidden;
   if (checkpointing) {
     result.input = input;

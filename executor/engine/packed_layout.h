@@ -9,6 +9,7 @@
 
 #include "core/tree/prefix_tree.h"
 #include "executor/engine/checkpointing.h"
+#include "executor/engine/routing_replay.h"
 #include "executor/model/decoder.h"
 
 namespace dta::engine {
@@ -26,9 +27,16 @@ struct PackedLayout {
   std::vector<int64_t> previous;
   // paths[r][p]: the serialized index of position offset + p of rollout r.
   std::vector<std::vector<int64_t>> paths;
+  // With routing replay: per serialized token, a batch rollout through it and its position there
+  // (where its routing is read; every rollout through a token has the same). Empty otherwise.
+  std::vector<RolloutIndex> source_rollout;
+  std::vector<int64_t> source_position;
 };
 
-PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset);
+// The layout of `tree`, built over replay.keys of the batch's rollouts batch_index[0],
+// batch_index[1], ... (the tree's rollout r is the batch's batch_index[r]).
+PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset, const RoutingReplay& replay,
+                              absl::Span<const RolloutIndex> batch_index);
 
 // An int64 tensor of `values` on `device`, uploaded without a host synchronisation.
 at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& device);
@@ -52,8 +60,10 @@ struct PackedOutput {
 // starts at position 0 and those tokens hold 0. With `checkpointing` (no prefix), the decoder keeps
 // only its layer inputs (see checkpointing.h): after backpropagating the loss, call
 // BackwardThroughLayers(model, *out.input, out.context, out.checkpoints). With
-// `router_statistics`, the sparse layers' routing too (ChunkInput::router_statistics).
-PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout, const PrefixKv& prefix,
+// `router_statistics`, the sparse layers' routing too (ChunkInput::router_statistics). With routing
+// replay the tokens are routed as the layout's sources were.
+PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout,
+                           const RoutingReplay& replay, const PrefixKv& prefix,
                            const at::Tensor& previous_hidden, bool with_entropy,
                            const LogprobOptions& logprob, bool checkpointing = false,
                            bool router_statistics = false);

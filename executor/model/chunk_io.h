@@ -63,6 +63,11 @@ struct ChunkInput {
   // Sparse (MoE) layers report their routing (ChunkOutput::router_probs and router_counts): what
   // the router's load-balancing loss is computed from.
   bool router_statistics = false;
+  // Routing replay: [T, sparse layers, top_k] int32, the experts each token is routed to at each
+  // sparse layer (in layer order), kNotRecorded (-1) rows where the router picks its own top-k;
+  // undefined: every token routes itself. The routing weights still come from the router (see
+  // SparseMoe in ops/moe.h).
+  at::Tensor routed_experts = {};
 };
 
 struct ChunkOutput {
@@ -95,6 +100,7 @@ struct ChunkContext {
   // Per ChunkInput::state_points entry, the run of `runs` that ends there.
   std::vector<int64_t> point_runs;
   bool router_statistics = false;  // ChunkInput::router_statistics
+  at::Tensor routed_experts;       // ChunkInput::routed_experts
 };
 
 struct LayerOutput {

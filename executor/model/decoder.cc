@@ -68,8 +68,10 @@ Decoder::Decoder(const ModelConfig& config, at::TensorOptions options,
                      .conv_kernel = config.linear_conv_kernel_dim,
                      .eps = config.rms_norm_eps};
   }
+  int64_t sparse_layers = 0;
   for (const LayerSpec& layer_spec : spec.layers) {
     Layer layer;
+    if (IsSparseLayer(config, layer_spec.index)) layer.sparse_index = sparse_layers++;
     const std::vector<ParameterSpec>& parameters = layer_spec.parameters;
     for (size_t i = 0; i < parameters.size(); ++i) {
       if (parameters[i].role == ParameterRole::kGateProj) {
@@ -337,6 +339,17 @@ ChunkContext Decoder::MakeContext(const ChunkInput& input) const {
   context.cos = cos.unsqueeze(1);
   context.sin = sin.unsqueeze(1);
   context.router_statistics = input.router_statistics;
+  if (input.routed_experts.defined()) {
+    int64_t sparse = 0;
+    for (const Layer& layer : layers_) sparse += layer.sparse_index >= 0;
+    TORCH_CHECK(input.routed_experts.scalar_type() == at::kInt &&
+                    input.routed_experts.sizes() ==
+                        at::IntArrayRef({t, sparse, config_.num_experts_per_tok}),
+                "routed_experts must be [T, sparse layers, top_k] = [", t, ", ", sparse, ", ",
+                config_.num_experts_per_tok, "] int32, got ", input.routed_experts.sizes(), " ",
+                input.routed_experts.scalar_type());
+    context.routed_experts = input.routed_experts;
+  }
   if (has_linear_layers()) {
     TORCH_CHECK(context.chain || static_cast<int64_t>(input.parents.size()) == t,
                 "a tree chunk (key_end given) of a model with linear-attention layers needs each "
@@ -372,6 +385,7 @@ BlockShared Decoder::SharedWithBlocks(int64_t l) const {
       .group = GroupHandle(tensor_parallel()),
       .local_heads = local_heads(),
       .local_kv_heads = local_kv_heads(),
+      .sparse_layer = layers_[l].sparse_index,
       .linear_shape = &linear_shape_,
       .partial_norm_grads = partial_norm_grads_.defined() ? partial_norm_grads_[l] : at::Tensor()};
 }

@@ -206,6 +206,7 @@ class Decoder {
     GatedDeltaNetWeights linear;
     // Dense or sparse (IsSparseLayer).
     MlpWeights mlp;
+    int64_t sparse_index = -1;  // among the sparse layers; -1 for a dense MLP
   };
   // What layer `layer`'s blocks share with the decoder (pointing into it).
   BlockShared SharedWithBlocks(int64_t layer) const;

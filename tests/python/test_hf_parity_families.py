@@ -27,6 +27,14 @@ autograd to a relative error of 1e-9, for every method. And a model saved by Sav
 in transformers' from_pretrained with no missing, unexpected or mismatched keys, the same config
 (model_type, architectures, rope parameters, biases) and the same weights and logits bit for bit.
 
+Routing replay (R3): each rollout carries routed_experts (routed_rollouts: k distinct random experts
+per token and sparse layer, rows for every token or all but the last, some not recorded, shared
+prefixes replaying one routing and shared tokens replaying two, as base64 rows of every decoder
+layer or of the sparse ones). The reference is transformers with forced routing, each rollout
+forwarded alone: the router's top-k replaced by the given ids, the weights its softmax gathered
+there (renormalised with norm_topk_prob). Log-probabilities and gradients must match as above for
+every method, and the router loss must count the router's own top-k, as transformers' does.
+
 float64: as for Qwen3 (test_hf_parity.py), transformers' RMSNorm and rotary embedding compute in
 float32 whatever the input; inside `exact_float64` only, LlamaRMSNorm / Qwen2RMSNorm and the
 rotary embeddings compute in the input's dtype with the same formulas, and Qwen3-MoE's router takes
@@ -37,6 +45,7 @@ comparison runs transformers unpatched, so it checks those expressions too.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import math
@@ -200,14 +209,28 @@ def _rotary_in_input_dtype(self, x, position_ids):
 
 
 def _router_in_input_dtype(self, hidden_states):
-    # Qwen3MoeTopKRouter.forward with the softmax in the input's dtype instead of float32.
+    """Qwen3MoeTopKRouter.forward (Qwen3NextTopKRouter's is the same) with the softmax in the input's
+    dtype instead of float32. A router given `replay` (set_replay) routes token t < len(replay) to
+    replay[t] where recorded: transformers with forced routing, the weights still its softmax
+    gathered at those ids. Without it, the router's own top-k, as transformers."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = torch.nn.functional.linear(hidden_states, self.weight)
     router_probs = torch.nn.functional.softmax(router_logits, dtype=router_logits.dtype, dim=-1)
-    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    _, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    router_indices = with_replay(router_indices, getattr(self, "replay", None))
+    router_top_value = router_probs.gather(1, router_indices)
     if self.norm_topk_prob:
-        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-    return router_logits, router_top_value.to(router_logits.dtype), router_indices
+        router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value, router_indices
+
+
+def with_replay(indices: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
+    """A router's own top-k `indices` [T, k] with each row t < len(replay) replaced by replay[t]
+    unless that is all -1 (not recorded)."""
+    if replay is None:
+        return indices
+    rows = replay.shape[0]
+    return torch.cat([torch.where(replay >= 0, replay, indices[:rows]), indices[rows:]])
 
 
 def dta_gradient_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -315,8 +338,7 @@ def reference_gradients_with_router_loss(model, data: list[dict], coef: float,
         backward_nll(model64, data)
     with exact(), float64_router_loss():
         aux = backward_router_loss(model64, data, coef)
-    grads = dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
-    return grads, aux
+    return gradients(model64), aux
 
 
 def assert_router_loss_matches(binary, variant, directory, path, model, data, runs, tmp_path,
@@ -326,7 +348,13 @@ def assert_router_loss_matches(binary, variant, directory, path, model, data, ru
     loss must move every router's gradient by more than 1e-4 of its norm (10^5 times the tolerance)
     for the comparison to mean anything."""
     expected, aux = reference_gradients_with_router_loss(model, data, coef, exact)
-    plain = reference_gradients(model, data, exact)
+    assert_router_loss_runs_match(binary, variant, directory, path, expected, reference_gradients(model, data, exact),
+                                  aux, runs, tmp_path, coef)
+
+
+def assert_router_loss_runs_match(binary, variant, directory, path, expected, plain, aux, runs, tmp_path, coef):
+    """assert_router_loss_matches given transformers' gradients with the loss (`expected`) and
+    without it (`plain`), and the mean aux_r."""
     routers = [n for n in expected if n.endswith("mlp.gate.weight")]
     assert routers and all((expected[n] - plain[n]).norm() > 1e-4 * plain[n].norm() for n in routers), variant
     option = ("--router-aux-loss-coef", repr(coef))
@@ -344,7 +372,169 @@ def reference_gradients(model, data: list[dict], exact=exact_float64) -> dict[st
     model64.zero_grad()
     with exact():
         backward_nll(model64, data)
-    return dta_gradient_names({name: p.grad.detach().clone() for name, p in model64.named_parameters()})
+    return gradients(model64)
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    """model's .grad under dta's names; zeros where none flowed (an expert no token of one rollout
+    reached)."""
+    return dta_gradient_names({name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                               for name, p in model.named_parameters()})
+
+
+# --- routing replay -----------------------------------------------------------------------------
+
+
+def sparse_layers(model) -> list[int]:
+    """The decoder layers whose MLP is a sparse MoE block (routed experts)."""
+    return [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+
+
+def routed_rollouts(model, data: list[dict], every_layer: bool) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """make_rollouts' `data` with routed_experts, and each rollout's routing at the sparse layers
+    ([rows, sparse layers, top_k], -1 where not recorded). Each token's ids at each sparse layer are
+    k distinct experts drawn at random; rows = tokens or tokens - 1 (either occurs); a few (row,
+    layer) are not recorded, one row at no layer. base, branch-a, branch-b and prefix-of-base replay
+    one routing of the prefix they share; long-branch (70 tokens of long) and duplicate-of-branch-a
+    (branch-a's tokens) share tokens but not routing (from rows 30 and 55). The JSON Lines payload is
+    base64, of rows of every decoder layer (dense layers' entries random and unused) when
+    every_layer, of the sparse layers only otherwise."""
+    sparse = sparse_layers(model)
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    generator = torch.Generator().manual_seed(2718)
+
+    def fresh(rows: int) -> torch.Tensor:
+        return torch.rand(rows, len(sparse), experts, generator=generator).argsort(-1)[..., :top_k].to(torch.int32)
+
+    base, long = fresh(60), fresh(99)
+    base[5, 0] = base[33, -1] = long[50, -1] = -1
+    branch_a = torch.cat([base[:40], fresh(29)])
+    routing = {
+        "base": base,
+        "branch-a": branch_a,
+        "branch-b": torch.cat([base[:40], fresh(50)]),
+        "prefix-of-base": base[:24],
+        "one-token": fresh(1),
+        "long": long,
+        "long-branch": torch.cat([long[:30], fresh(60)]),
+        "duplicate-of-branch-a": torch.cat([branch_a[:55], fresh(15)]),
+        "alone": fresh(12),
+    }
+    routing["alone"][3] = -1
+    routed = []
+    for r in data:
+        ids = routing[r["id"]]
+        assert len(r["tokens"]) - ids.shape[0] in (0, 1), r["id"]
+        if every_layer:
+            rows = torch.randint(experts, (ids.shape[0], model.config.num_hidden_layers, top_k), generator=generator,
+                                 dtype=torch.int32)
+            rows[:, sparse] = ids
+        else:
+            rows = ids
+        payload = base64.b64encode(rows.numpy().astype("<i4").tobytes()).decode()
+        routed.append({**r, "routed_experts": {"layers": rows.shape[1], "top_k": top_k, "dtype": "int32",
+                                               "base64": payload}})
+    assert sorted(routing) == sorted(r["id"] for r in data)
+    return routed, routing
+
+
+def set_replay(model, routing: torch.Tensor) -> None:
+    """Every sparse layer's router replays its column of `routing` (_router_in_input_dtype)."""
+    for column, layer in enumerate(sparse_layers(model)):
+        model.model.layers[layer].mlp.gate.replay = routing[:, column].long()
+
+
+class replaying_routers:
+    """Within the block, Qwen3-MoE's and Qwen3-Next's routers are _router_in_input_dtype: a float32
+    model's is transformers' own math, with replay."""
+
+    def __enter__(self):
+        from transformers.models.qwen3_next import modeling_qwen3_next
+        self._patch = pytest.MonkeyPatch()
+        for router in (modeling_qwen3_moe.Qwen3MoeTopKRouter, modeling_qwen3_next.Qwen3NextTopKRouter):
+            self._patch.setattr(router, "forward", _router_in_input_dtype)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+
+
+def per_rollout(model, data: list[dict], routing: dict[str, torch.Tensor], compute) -> list:
+    """compute(copy of model, [r]) for each rollout r alone, the copy's routers replaying r's routing."""
+    model = copy.deepcopy(model)
+    results = []
+    with replaying_routers():
+        for r in data:
+            set_replay(model, routing[r["id"]])
+            results.append(compute(model, [r]))
+    return results
+
+
+def summed(gradients: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: sum(g[name] for g in gradients) for name in gradients[0]}
+
+
+def load_balancing_loss(router_logits, replays, top_k: int) -> float:
+    """transformers' load_balancing_loss_func of one rollout's router logits (one [T, E] per sparse
+    layer), counting each layer's `replays` ids where recorded instead of the router's own top-k."""
+    experts = router_logits[0].shape[-1]
+    counts, probs, rows = 0, 0, 0
+    for logits, replay in zip(router_logits, replays, strict=True):
+        p = torch.softmax(logits, dim=-1)
+        ids = with_replay(torch.topk(p, top_k, dim=-1).indices, replay)
+        counts = counts + torch.nn.functional.one_hot(ids, experts).sum((0, 1)).to(p.dtype)
+        probs, rows = probs + p.sum(0), rows + p.shape[0]
+    return (experts * (counts / rows * probs / rows).sum()).item()
+
+
+def aux_losses(model, data: list[dict], exact) -> tuple[float, float]:
+    """The router loss of data's one rollout, in float64 with the routers replaying: transformers'
+    (the routers' own top-k), and the same counting the replayed ids, which dta must not compute."""
+    (r,) = data
+    model64 = copy.deepcopy(model).to(torch.float64)
+    with torch.no_grad(), exact(), float64_router_loss():
+        out = model64(input_ids=torch.tensor(r["tokens"], dtype=torch.long)[None], output_router_logits=True)
+    gates = [model64.model.layers[i].mlp.gate for i in sparse_layers(model64)]
+    top_k = model64.config.num_experts_per_tok
+    own = load_balancing_loss(out.router_logits, [None] * len(gates), top_k)
+    assert abs(own - out.aux_loss.item()) <= 1e-12 * own, (own, out.aux_loss.item())
+    return own, load_balancing_loss(out.router_logits, [g.replay for g in gates], top_k)
+
+
+def assert_routing_replay_matches(binary, variant, directory, model, rollouts, check: str, every_layer: bool,
+                                  runs, tmp_path, exact=exact_float64):
+    """Every run over routed_rollouts equals transformers with forced routing, each rollout forwarded
+    alone (per_rollout). check: "float32" or "float64" (log-probabilities; replay must move them by
+    more than 1e-3 for the comparison to mean anything), "gradients" (float64, the summed NLL), or
+    "router-aux-loss" (assert_router_loss_runs_match; the loss must count the routers' own top-k, which
+    differs from counting the replayed ids by more than 1e-3 of it)."""
+    plain_data, plain_path = rollouts
+    data, routing = routed_rollouts(model, plain_data, every_layer)
+    path = tmp_path / "routed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    if check in TOLERANCE:
+        parts = per_rollout(model, data, routing, lambda m, d: reference(m, d, check, exact))
+        expected = {rid: logprobs for part in parts for rid, logprobs in part.items()}
+        assert_logprobs_match(binary, variant, directory, path, expected, check, runs, tmp_path)
+        unreplayed = run_binary(binary, directory, plain_path, tmp_path / "unreplayed.json", check, "dense")
+        assert max_difference(unreplayed, expected) > 1e-3, variant
+        return
+    replayed_nll = summed(per_rollout(model, data, routing, lambda m, d: reference_gradients(m, d, exact)))
+    if check == "gradients":
+        unreplayed = reference_gradients(model, plain_data, exact)
+        assert max(((replayed_nll[n] - g).norm() / g.norm()).item() for n, g in unreplayed.items()) > 1e-3, variant
+        assert_gradients_match(binary, variant, directory, path, replayed_nll, runs, tmp_path)
+        return
+    assert check == "router-aux-loss", check
+    coef = 1.0
+    parts = per_rollout(model, data, routing,
+                        lambda m, d: reference_gradients_with_router_loss(m, d, coef / len(data), exact))
+    aux = sum(a for _, a in parts) / len(data)
+    own, counting_replayed = (sum(values) / len(data) for values in
+                              zip(*per_rollout(model, data, routing, lambda m, d: aux_losses(m, d, exact))))
+    assert abs(own - aux) <= 1e-12 * aux and abs(counting_replayed - aux) > 1e-3 * aux, (own, counting_replayed, aux)
+    assert_router_loss_runs_match(binary, variant, directory, path, summed([g for g, _ in parts]), replayed_nll, aux,
+                                  runs, tmp_path, coef)
 
 
 # --- dta vs transformers ------------------------------------------------------------------------
@@ -399,6 +589,20 @@ def test_router_aux_loss_matches_transformers(binary, checkpoint, rollouts, tmp_
     data, path = rollouts
     runs = [(m, ()) for m in METHODS] + [("dta", UNPACKED_SMALL_CHUNKS)]
     assert_router_loss_matches(binary, variant, directory, path, model, data, runs, tmp_path)
+
+
+# The methods of the parity tests above: dta also packed with B = 7 and unpacked with B = 3.
+REPLAY_RUNS = [(m, ()) for m in METHODS] + [("dta", ("--block-size", "7")), ("dta", UNPACKED_SMALL_CHUNKS)]
+
+
+@pytest.mark.parametrize("check", ["float32", "float64", "gradients", "router-aux-loss"])
+@pytest.mark.parametrize("checkpoint, every_layer", [("qwen3moe-norm", True), ("qwen3moe-step", True),
+                                                     ("qwen3moe-step", False)],
+                         indirect=["checkpoint"], ids=["norm", "step-every-layer", "step-sparse-layers"])
+def test_routing_replay_matches_transformers(binary, checkpoint, rollouts, check, every_layer, tmp_path):
+    variant, model, directory = checkpoint
+    assert_routing_replay_matches(binary, variant, directory, model, rollouts, check, every_layer, REPLAY_RUNS,
+                                  tmp_path)
 
 
 # --- transformers loads what dta saves ----------------------------------------------------------

@@ -15,8 +15,9 @@ log-probabilities with each method (dense, packed, dta, dta with B = 7 and B = 3
 start inside rollouts, so the recurrent states and convolution inputs travel through the stack):
 they must equal transformers' within 1e-5 in float32 and 1e-10 in float64. In float64 every
 parameter's gradient of the summed negative log-likelihood must equal transformers' autograd to a
-relative error of 1e-9. A model saved by dta loads in transformers with no missing or unexpected
-keys and the same logits.
+relative error of 1e-9. With routed experts (routing replay, next-moe) both must equal
+transformers' with forced routing (test_hf_parity_families.py's assert_routing_replay_matches). A
+model saved by dta loads in transformers with no missing or unexpected keys and the same logits.
 
 float64: transformers computes the norms, the rotary tables, the router's softmax, the decays and
 the delta rule in float32 whatever the input. Inside `exact_float64` only, those compute in the
@@ -124,15 +125,6 @@ def _delta_rule(query, key, value, g, beta, initial_state=None, output_final_sta
     return torch.stack(outs, 1), (state if output_final_state else None)
 
 
-def _router(self, hidden_states):
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    logits = torch.nn.functional.linear(hidden_states, self.weight)
-    top, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
-    if self.norm_topk_prob:
-        top = top / top.sum(-1, keepdim=True)
-    return logits, top, index
-
-
 class exact_float64:
     """Within the block, transformers' Qwen3-Next computes float64 inputs in float64 throughout."""
 
@@ -141,7 +133,8 @@ class exact_float64:
         self._patch.setattr(modeling.Qwen3NextRMSNorm, "forward", _rms_norm)
         self._patch.setattr(modeling.Qwen3NextRMSNormGated, "forward", _gated_rms_norm)
         self._patch.setattr(modeling.Qwen3NextRotaryEmbedding, "forward", _rotary)
-        self._patch.setattr(modeling.Qwen3NextTopKRouter, "forward", _router)
+        # Qwen3-MoE's router patch: the same router, with routing replay.
+        self._patch.setattr(modeling.Qwen3NextTopKRouter, "forward", families._router_in_input_dtype)
         self._patch.setattr(modeling, "torch_chunk_gated_delta_rule", _delta_rule)
         self._patch.setattr(modeling, "torch_recurrent_gated_delta_rule", _delta_rule)
         families.keep_float64_on_float(self._patch)
@@ -210,6 +203,15 @@ def test_router_aux_loss_matches_transformers(binary, checkpoint, rollouts, tmp_
     data, path = rollouts
     families.assert_router_loss_matches(binary, variant, directory, path, model, data, RUNS, tmp_path,
                                         exact=exact_float64)
+
+
+@pytest.mark.parametrize("check", ["float32", "float64", "gradients", "router-aux-loss"])
+@pytest.mark.parametrize("checkpoint, every_layer", [("next-moe", True), ("next-moe", False)], indirect=["checkpoint"],
+                         ids=["every-layer", "sparse-layers"])
+def test_routing_replay_matches_transformers(binary, checkpoint, rollouts, check, every_layer, tmp_path):
+    variant, model, directory = checkpoint
+    families.assert_routing_replay_matches(binary, variant, directory, model, rollouts, check, every_layer, RUNS,
+                                           tmp_path, exact=exact_float64)
 
 
 def test_transformers_loads_dta_checkpoint(binary, checkpoint, rollouts, tmp_path):

@@ -2,7 +2,7 @@
 
 Pure Python, importable without torch:
     Trajectory, read_jsonl, write_jsonl, from_areal, to_areal, from_verl, to_verl,
-    verl_train_options   (dta.trajectory)
+    verl_train_options, routed_experts_from_sglang   (dta.trajectory)
 Over the compiled executor (imported on first use; they load torch):
     PrefixTree   (dta.tree)     the prefix tree of a batch and its statistics
     Trainer      (dta.trainer)  a Hugging Face model of any family dta builds
@@ -20,8 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .trajectory import (Trajectory, from_areal, from_verl, read_jsonl, to_areal, to_verl, verl_train_options,
-                         write_jsonl)
+from .trajectory import (Trajectory, from_areal, from_verl, read_jsonl, routed_experts_from_sglang, to_areal, to_verl,
+                         verl_train_options, write_jsonl)
 
 if TYPE_CHECKING:
     from .client import (Ack, AsyncRolloutClient, DispatcherError, DispatcherStatistics, DispatcherStatus,
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl",
-    "verl_train_options", "PrefixTree", "TreeStats", "Trainer", "TrainStats", "RolloutClient", "AsyncRolloutClient",
+    "verl_train_options", "routed_experts_from_sglang", "PrefixTree", "TreeStats", "Trainer", "TrainStats",
+    "RolloutClient", "AsyncRolloutClient",
     "Ack", "TrajectoryRejected", "DispatcherError", "DispatcherStatus", "DispatcherStatistics",
 ]
 

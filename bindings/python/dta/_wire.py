@@ -1,7 +1,10 @@
 """Conversion between :class:`dta.Trajectory` and the wire message ``dta.v1.Trajectory``.
 
 The two differ only in spelling: ``group`` is ``group_id`` on the wire, ``loss_mask`` is 0/1 here
-and boolean there, and a missing ``reward`` is ``None`` here and an unset optional field there.
+and boolean there, a missing ``reward`` is ``None`` here and an unset optional field there, and
+``routed_experts`` (an int32 array here) travels as little-endian bytes in the narrowest id type
+that holds its experts (UINT8 below 255, UINT16 below 65535, else INT32; the type's all-ones value
+is -1, "not recorded"), as the C++ side sends it.
 A value the wire cannot carry (a token id beyond int32, a string among the log-probabilities)
 raises ``ValueError`` naming the field, as the dispatcher's rejections do; everything else is
 checked by the dispatcher, which answers with the field and the reason.
@@ -10,8 +13,11 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from dta.trajectory import Trajectory
+from dta.trajectory import Trajectory, routed_experts_bytes
 from dta.v1 import dispatcher_pb2
+
+_ID_WIDTHS = {dispatcher_pb2.RoutedExperts.UINT8: 1, dispatcher_pb2.RoutedExperts.UINT16: 2,
+              dispatcher_pb2.RoutedExperts.INT32: 4}
 
 T = TypeVar("T")
 
@@ -51,7 +57,43 @@ def _to_proto(t: Trajectory) -> dispatcher_pb2.Trajectory:
     _field("advantages", lambda: message.advantages.extend(t.advantages))
     _field("ref_logprobs", lambda: message.ref_logprobs.extend(t.ref_logprobs))
     _field("metadata", lambda: message.metadata.update(t.metadata))
+    routed = _field("routed_experts", lambda: routed_experts_bytes(t.routed_experts))
+    if routed is not None:
+        _routed_experts_to_proto(*routed, message.routed_experts)
     return message
+
+
+def _routed_experts_to_proto(layers: int, top_k: int, raw: bytes,
+                             message: dispatcher_pb2.RoutedExperts) -> None:
+    import torch
+
+    ids = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64)
+    largest = int(ids.max()) if ids.numel() else 0
+    id_type = (dispatcher_pb2.RoutedExperts.UINT8 if largest < 0xff else
+               dispatcher_pb2.RoutedExperts.UINT16 if largest < 0xffff else
+               dispatcher_pb2.RoutedExperts.INT32)
+    width = _ID_WIDTHS[id_type]
+    ids = torch.where(ids < 0, (1 << (8 * width)) - 1, ids)
+    little_endian = torch.stack([(ids >> (8 * b)) & 0xff for b in range(width)], dim=1)
+    message.layers = layers
+    message.top_k = top_k
+    message.id_type = id_type
+    message.ids = little_endian.to(torch.uint8).numpy().tobytes()
+
+
+def _routed_experts_from_proto(message: dispatcher_pb2.RoutedExperts):
+    import torch
+
+    width = _ID_WIDTHS.get(message.id_type)
+    per_row = message.layers * message.top_k * (width or 0)
+    if width is None or per_row <= 0 or len(message.ids) % per_row:
+        raise ValueError(f"field 'routed_experts': {len(message.ids)} bytes of id type "
+                         f"{message.id_type} are not whole rows of {message.layers} layers x "
+                         f"{message.top_k}")
+    raw = torch.frombuffer(bytearray(message.ids), dtype=torch.uint8).view(-1, width).to(torch.int64)
+    ids = sum(raw[:, b] << (8 * b) for b in range(width))
+    ids = torch.where(ids == (1 << (8 * width)) - 1, -1, ids)
+    return ids.to(torch.int32).view(-1, message.layers, message.top_k)
 
 
 def from_proto(message: dispatcher_pb2.Trajectory) -> Trajectory:
@@ -67,4 +109,6 @@ def from_proto(message: dispatcher_pb2.Trajectory) -> Trajectory:
         advantages=list(message.advantages),
         ref_logprobs=list(message.ref_logprobs),
         metadata=dict(message.metadata),
+        routed_experts=(_routed_experts_from_proto(message.routed_experts)
+                        if message.HasField("routed_experts") else None),
     )

@@ -667,9 +667,12 @@ class DTAEngine(TrainEngine):
         """Each row's log-probabilities in AReaL's logits frame, [L_i]."""
         trajectories = []
         for i, row in enumerate(rows):
-            zeros = torch.zeros(row["input_ids"].shape, dtype=torch.int64)  # a forward needs the tokens only
-            trajectories.append(from_areal({"input_ids": row["input_ids"], "attention_mask": row["attention_mask"],
-                                            "loss_mask": zeros, "logprobs": zeros}, id=str(i), shifted=False))
+            zeros = torch.zeros(row["input_ids"].shape, dtype=torch.int64)  # a forward needs the tokens
+            forward = {"input_ids": row["input_ids"], "attention_mask": row["attention_mask"],
+                       "loss_mask": zeros, "logprobs": zeros}
+            if row.get("routed_experts") is not None:  # and their routing, replayed (R3)
+                forward["routed_experts"] = row["routed_experts"]
+            trajectories.append(from_areal(forward, id=str(i), shifted=False))
         logprobs = self._require_trainer().compute_logprobs(trajectories, method=self.options.method,
                                                             **self._executor)
         # dta's frame ([0] = 0) to AReaL's, in float32 as AReaL's engines give them (its statistics

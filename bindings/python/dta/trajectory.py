@@ -6,13 +6,15 @@ message ``dta.v1.Trajectory``. Per-token fields are aligned with ``tokens``:
 ``logprobs[t]`` is the behaviour policy's log p(tokens[t] | tokens[:t]) and ``loss_mask[t]`` says
 whether token t is trained, so the first token, which has no context, has ``loss_mask[0] == 0``.
 
-Everything here is pure Python (``torch`` is imported only by the AReaL and verl converters), so
-rollout workers can use it without the compiled extension. Per-token fields may also be numpy
-arrays or 1-D torch tensors (checked as tensors, without importing torch where none is given).
+Everything here is pure Python (``torch`` is imported only by the AReaL and verl converters and
+where routed experts are decoded into a tensor), so rollout workers can use it without the compiled
+extension. Per-token fields may also be numpy arrays or 1-D torch tensors (checked as tensors,
+without importing torch where none is given).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl",
-           "verl_train_options"]
+           "verl_train_options", "routed_experts_from_sglang"]
 
 # Token ids are int32 in the C++ core and on the wire.
 _TOKEN_LIMIT = 2**31
@@ -37,7 +39,7 @@ _FLOAT32_OVERFLOW = 3.4028235677973366e38
 # could overflow.
 MAX_ABS_REWARD = 1e30
 _FIELDS = ("id", "group", "tokens", "loss_mask", "logprobs", "versions", "reward", "advantages",
-           "ref_logprobs", "metadata")
+           "ref_logprobs", "routed_experts", "metadata")
 
 
 def _field_error(name: str, what: str) -> ValueError:
@@ -147,6 +149,246 @@ def _as_list(values: Any) -> list:
     return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
+# --- routed experts (routing replay) --------------------------------------------------------------
+#
+# Trajectory.routed_experts holds what the inference engine routed each token to, int [rows, layers,
+# top_k]: row t the top_k experts of token t at each of `layers` decoder layers (every decoder
+# layer, as SGLang and vLLM return them, or the sparse ones only), rows = len(tokens) - 1 (the
+# engines: the last sampled token is never forwarded) or len(tokens), -1 throughout a (row, layer)
+# the engine did not record (the trainer's router picks those). C++: core/io/routed_experts.h.
+
+_ROUTED = "routed_experts"
+_ROUTED_FORM = "a 3-D integer array [rows, layers, top_k] (a torch tensor, a numpy array or nested lists)"
+_NOT_RECORDED = -1
+
+
+def _numpy_array(value: Any) -> bool:
+    """Whether value is a numpy.ndarray; never imports numpy."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.ndarray)
+
+
+def _native_int32s(raw: bytes) -> bytes:
+    """Little-endian int32s in this machine's order, or back (the same swap both ways)."""
+    if sys.byteorder == "little":
+        return raw
+    import array
+
+    values = array.array("i", raw)
+    values.byteswap()
+    return values.tobytes()
+
+
+def _check_routed_shape(rows: int, layers: int, top_k: int, tokens: int) -> None:
+    if layers <= 0 or top_k <= 0:
+        raise _field_error(_ROUTED, f"layers ({layers}) and top_k ({top_k}) must be positive")
+    if rows not in (tokens, tokens - 1):
+        raise _field_error(_ROUTED, f"{rows} rows for {tokens} tokens ({tokens} or {tokens - 1} expected)")
+
+
+def _bad_id(row: int, layer: int, value: int) -> ValueError:
+    if value < _NOT_RECORDED:
+        return _field_error(_ROUTED, f"row {row}, layer {layer}: expert {value} is neither an expert nor "
+                            f"{_NOT_RECORDED} (not recorded)")
+    return _field_error(_ROUTED, f"row {row}, layer {layer}: expert {value} is not below 2^31")
+
+
+def _in_part(row: int, layer: int, ids: list) -> ValueError:
+    return _field_error(_ROUTED, f"row {row}, layer {layer}: [{', '.join(str(int(i)) for i in ids)}] is recorded "
+                        "only in part (all its ids or none may be -1)")
+
+
+def _check_routed_array(value: Any, tokens: int) -> None:
+    """A torch tensor's or numpy array's routed experts, checked as whole arrays (on the tensor's
+    device)."""
+    tensor = _torch_tensor(value)
+    if value.ndim != 3:
+        raise _field_error(_ROUTED, f"expected {_ROUTED_FORM}, got shape {list(value.shape)}")
+    if tensor:
+        import torch as xp
+
+        integer = not (value.is_floating_point() or value.is_complex()) and value.dtype != xp.bool
+        what = f"a {value.dtype} tensor"
+    else:
+        import numpy as xp
+
+        integer = value.dtype.kind in "iu"
+        what = f"a numpy {value.dtype} array"
+    if not integer:
+        raise _field_error(_ROUTED, f"must hold integers, got {what}")
+    rows, layers, top_k = (int(x) for x in value.shape)
+    _check_routed_shape(rows, layers, top_k, tokens)
+    if rows == 0:
+        return
+    # torch compares with a Python int in the tensor's dtype, where -1 and 2^31 may wrap: signed
+    # dtypes up to 32 bits hold no id too large and compare with -1 exactly, the others are
+    # compared as int64. numpy compares exactly.
+    narrow = tensor and value.dtype in (xp.int8, xp.int16, xp.int32)
+    if tensor and not narrow:
+        value = value.to(xp.int64)
+    bad = value < _NOT_RECORDED
+    if not narrow:
+        bad |= value >= _TOKEN_LIMIT
+    if bool(bad.any()):
+        row, layer, slot = (int(i) for i in xp.argwhere(bad)[0])
+        raise _bad_id(row, layer, int(value[row, layer, slot]))
+    unrecorded = value == _NOT_RECORDED
+    in_part = unrecorded.any(axis=2) & ~unrecorded.all(axis=2)
+    if bool(in_part.any()):
+        row, layer = (int(i) for i in xp.argwhere(in_part)[0])
+        raise _in_part(row, layer, value[row, layer].tolist())
+
+
+def _check_routed_lists(value: Any, layers: int, top_k: int) -> None:
+    """Nested sequences [rows][layers][top_k] of integers in [-1, 2^31), each (row, layer) all -1
+    or none; checked value by value where a whole-list check does not pass."""
+    for r, row in enumerate(value):
+        if not isinstance(row, (list, tuple)) or len(row) != layers:
+            raise _field_error(_ROUTED, f"row {r} is not a list of {layers} layers of {top_k} ids")
+        for layer, ids in enumerate(row):
+            if not isinstance(ids, (list, tuple)) or len(ids) != top_k:
+                raise _field_error(_ROUTED, f"row {r}, layer {layer} is not a list of {top_k} ids")
+            if not _plain_ints_within(ids, _NOT_RECORDED, _TOKEN_LIMIT):
+                for v in ids:
+                    if not _is_int(v) or isinstance(v, bool):
+                        raise _field_error(_ROUTED, f"row {r}, layer {layer}: {v!r} is not an integer")
+                    if not _NOT_RECORDED <= v < _TOKEN_LIMIT:
+                        raise _bad_id(r, layer, int(v))
+            if _NOT_RECORDED in ids and ids.count(_NOT_RECORDED) != top_k:
+                raise _in_part(r, layer, list(ids))
+
+
+def _check_routed_experts(value: Any, tokens: int) -> None:
+    """Trajectory.validate's rules for routed_experts (value not None) of a rollout of `tokens`."""
+    if _torch_tensor(value) or _numpy_array(value):
+        _check_routed_array(value, tokens)
+        return
+    if not isinstance(value, (list, tuple)):
+        raise _field_error(_ROUTED, f"must be {_ROUTED_FORM} or None, got {type(value).__name__}")
+    if not value:
+        raise _field_error(_ROUTED, "an empty list has no layers and top_k (give an array of shape "
+                           "[0, layers, top_k])")
+    first = value[0]
+    if not isinstance(first, (list, tuple)) or not first or not isinstance(first[0], (list, tuple)):
+        raise _field_error(_ROUTED, f"expected {_ROUTED_FORM}, got a list whose first row is not a list of "
+                           "lists")
+    _check_routed_shape(len(value), len(first), len(first[0]), tokens)
+    _check_routed_lists(value, len(first), len(first[0]))
+
+
+def routed_experts_bytes(value: Any) -> tuple[int, int, bytes] | None:
+    """(layers, top_k, the ids as little-endian int32 [rows, layers, top_k], row-major) of a
+    validated trajectory's ``routed_experts`` (see :meth:`Trajectory.validate`), or None for None:
+    the bytes of SGLang's and vLLM's payload, of the JSON Lines form and of the wire. A tensor is
+    copied once, to the CPU as int32."""
+    if value is None:
+        return None
+    if _torch_tensor(value) or _numpy_array(value):
+        if value.ndim != 3:
+            raise _field_error(_ROUTED, f"expected {_ROUTED_FORM}, got shape {list(value.shape)}")
+        shape = tuple(value.shape)
+        if _torch_tensor(value):
+            import torch
+
+            ids = value.detach().to("cpu", torch.int32).contiguous()
+            if ids.storage_offset() or ids.untyped_storage().nbytes() != 4 * ids.numel():
+                ids = ids.clone()  # a view: its storage holds more than its values
+            raw = bytes(ids.untyped_storage())
+        else:
+            import numpy as np
+
+            raw = np.asarray(value, dtype=np.int32, order="C").tobytes()
+    else:
+        import array
+
+        if not (isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)) and value[0]):
+            raise _field_error(_ROUTED, f"expected {_ROUTED_FORM}")
+        shape = (len(value), len(value[0]), len(value[0][0]))
+        raw = array.array("i", (int(i) for row in value for layer in row for i in layer)).tobytes()
+    return int(shape[1]), int(shape[2]), _native_int32s(raw)
+
+
+def routed_experts_from_sglang(payload: str | bytes, num_layers: int, top_k: int) -> torch.Tensor:
+    """The routed experts of SGLang's ``meta_info["routed_experts"]`` (and vLLM's, which returns
+    the same payload) as an int32 tensor [rows, num_layers, top_k], for
+    :attr:`Trajectory.routed_experts`.
+
+    The payload is base64 of little-endian int32 [rows, num_layers, top_k], row-major (SGLang with
+    ``--enable-return-routed-experts`` and ``return_routed_experts: true``); rows is the request's
+    tokens less the last sampled one, which was never forwarded, so ``len(tokens) - 1`` for a
+    trajectory of the request's prompt and output. num_layers is the model's
+    ``num_hidden_layers`` (the engines record every decoder layer; dense layers' entries are
+    unused), top_k its ``num_experts_per_tok``.
+
+    Raises:
+        ValueError: ``field 'routed_experts': ...``: num_layers or top_k not positive, a payload
+            that is not base64, or bytes that are not whole rows of num_layers x top_k int32 ids.
+    """
+    import binascii
+
+    import torch
+
+    for name, count in (("num_layers", num_layers), ("top_k", top_k)):
+        if not _is_int(count) or isinstance(count, bool) or count <= 0:
+            raise _field_error(_ROUTED, f"{name} must be a positive integer, got {count!r}")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise _field_error(_ROUTED, f"is not base64 ({e})") from None
+    row_bytes = 4 * num_layers * top_k
+    if len(raw) % row_bytes:
+        raise _field_error(_ROUTED, f"{len(raw)} bytes are not whole rows of {num_layers} layers x {top_k} int32 "
+                           f"experts ({row_bytes} bytes)")
+    if not raw:
+        return torch.empty((0, num_layers, top_k), dtype=torch.int32)
+    ids = torch.frombuffer(bytearray(_native_int32s(raw)), dtype=torch.int32)
+    return ids.reshape(len(raw) // row_bytes, num_layers, top_k)
+
+
+def _routed_experts_from_json(value: Any) -> torch.Tensor:
+    """The JSON Lines form of routed_experts (core/io/rollout_jsonl.h) as an int32 tensor:
+    {"layers", "top_k", "dtype": "int32", "base64"} or {"layers", "top_k", "ids": [[[...]]]}."""
+    if not isinstance(value, dict):
+        raise _field_error(_ROUTED, 'must be an object {"layers", "top_k", "base64" or "ids"}')
+    for key in value:
+        if key not in ("layers", "top_k", "dtype", "base64", "ids"):
+            raise _field_error(_ROUTED, f"unknown member '{key}' (expected layers, top_k, dtype, base64, ids)")
+
+    def positive(key: str) -> int:
+        if key not in value:
+            raise _field_error(_ROUTED, f"'{key}' is missing")
+        count = value[key]
+        if not _is_int(count) or isinstance(count, bool) or not 0 < count < _TOKEN_LIMIT:
+            raise _field_error(_ROUTED, f"'{key}' must be a positive integer")
+        return int(count)
+
+    layers, top_k = positive("layers"), positive("top_k")
+    if "base64" in value:
+        if value.get("dtype", "int32") != "int32":
+            raise _field_error(_ROUTED, "'dtype' must be \"int32\" (the engines' little-endian ids)")
+        if not isinstance(value["base64"], str):
+            raise _field_error(_ROUTED, "'base64' must be a string")
+        return routed_experts_from_sglang(value["base64"], layers, top_k)
+    if "ids" not in value:
+        raise _field_error(_ROUTED, "needs 'base64' or 'ids'")
+    ids = value["ids"]
+    if not isinstance(ids, list):
+        raise _field_error(_ROUTED, "'ids' must be an array of rows")
+    _check_routed_lists(ids, layers, top_k)
+    import torch
+
+    return torch.tensor(ids, dtype=torch.int32).reshape(len(ids), layers, top_k)
+
+
+def _routed_tensor(value: Any) -> torch.Tensor:
+    """A validated routed_experts value as a CPU int32 tensor [rows, layers, top_k]."""
+    import torch
+
+    if _torch_tensor(value):
+        return value.detach().to("cpu", torch.int32)
+    return torch.as_tensor(value).to(torch.int32)
+
+
 @dataclass
 class Trajectory:
     """One rollout: token ids and per-token training data.
@@ -171,6 +413,14 @@ class Trajectory:
         advantages: Optional: per-token advantages, used as given instead of the reward's.
         ref_logprobs: Optional: reference-policy log-probabilities per token (KL penalty).
         metadata: Free-form strings carried along (ignored by training).
+        routed_experts: Optional, for routing replay (mixture-of-experts models): the experts the
+            inference engine routed each token to, integers [rows, layers, top_k] as a torch
+            tensor (any device), a numpy array or nested lists. Row t holds token t's top_k
+            experts at each of ``layers`` decoder layers (every decoder layer, as SGLang and vLLM
+            return them, or the sparse ones only); rows = len(tokens) - 1 (the engines' form: the
+            last sampled token is never forwarded, :func:`routed_experts_from_sglang`) or
+            len(tokens); -1 throughout a (row, layer) that was not recorded (the trainer's router
+            picks those experts). The trainer routes every recorded token as given.
     """
 
     id: str
@@ -183,6 +433,7 @@ class Trajectory:
     advantages: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    routed_experts: Any = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Checks the rules of the C++ ``ValidateRollout`` (and the field types).
@@ -190,7 +441,10 @@ class Trajectory:
         Per-token fields may be lists, other sequences of Python or numpy numbers (checked value
         by value), or 1-D torch tensors on any device: integer dtypes for ``tokens`` and
         ``versions``, integer or bool for ``loss_mask``, integer or floating for the float fields
-        (checked as whole tensors).
+        (checked as whole tensors). ``routed_experts``, when set, must be 3-D of an integer dtype
+        (nested lists of integers) with rows for every token or all but the last, positive layers
+        and top_k, ids >= -1 and below 2^31, and each (row, layer) either -1 throughout or free of
+        -1; whether the ids fit the model is checked by the trainer.
 
         Args:
             vocab_size: When given (> 0), token ids must be below it.
@@ -283,6 +537,8 @@ class Trajectory:
                 raise _field_error("reward", "not finite")
             if abs(self.reward) > MAX_ABS_REWARD:
                 raise _field_error("reward", f"{self.reward:g} is beyond the limit of +-{MAX_ABS_REWARD:g}")
+        if self.routed_experts is not None:
+            _check_routed_experts(self.routed_experts, n)
         if not isinstance(self.metadata, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
             raise _field_error("metadata", "must map strings to strings")
@@ -304,6 +560,11 @@ class Trajectory:
             out["advantages"] = [float(x) for x in _as_list(self.advantages)]
         if len(self.ref_logprobs):
             out["ref_logprobs"] = [float(x) for x in _as_list(self.ref_logprobs)]
+        routed = routed_experts_bytes(self.routed_experts)
+        if routed is not None:
+            layers, top_k, ids = routed
+            out["routed_experts"] = {"layers": layers, "top_k": top_k, "dtype": "int32",
+                                     "base64": base64.b64encode(ids).decode("ascii")}
         if self.metadata:
             out["metadata"] = dict(self.metadata)
         return out
@@ -313,8 +574,10 @@ class Trajectory:
         """Parses one JSON object of the JSON Lines format and validates it.
 
         ``id`` and ``group`` may be strings or integers; ``loss_mask`` may hold booleans;
-        ``metadata`` values that are not strings are kept as their JSON text. Any unknown field is
-        an error, as in the C++ reader, so a misspelt optional field is never silently dropped.
+        ``metadata`` values that are not strings are kept as their JSON text; ``routed_experts``
+        (``{"layers", "top_k", "dtype": "int32", "base64"}``, or ``"ids"`` nested arrays in place
+        of ``dtype`` and ``base64``) becomes an int32 torch tensor. Any unknown field is an error,
+        as in the C++ reader, so a misspelt optional field is never silently dropped.
 
         Raises:
             ValueError: Naming the field (``field 'tokens': missing``).
@@ -359,6 +622,7 @@ class Trajectory:
             advantages=array("advantages"),
             ref_logprobs=array("ref_logprobs"),
             metadata={str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()},
+            routed_experts=_routed_experts_from_json(obj[_ROUTED]) if _ROUTED in obj else None,
         )
         trajectory.validate(vocab_size)
         # Integers are valid floats in JSON; keep the float fields floats.
@@ -470,8 +734,8 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
 
     Args:
         d: ``input_ids``, ``loss_mask`` and ``logprobs`` (required); ``versions``, ``rewards``
-            ([1] or a scalar), ``attention_mask`` (right padding is dropped), ``advantages`` and
-            ``ref_logp`` (optional). Other keys are ignored.
+            ([1] or a scalar), ``attention_mask`` (right padding is dropped), ``advantages``,
+            ``ref_logp`` and ``routed_experts`` (optional; see below). Other keys are ignored.
         id: The trajectory's id (AReaL dicts carry none).
         group: Its GRPO group, e.g. the prompt's id.
         shifted: Whether loss_mask, logprobs, advantages and ref_logp are in AReaL's shifted
@@ -486,6 +750,12 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
     loss_mask and versions are one position apart (the other frame, or a mixed dict). A dict
     without versions read with ``shifted=False`` although it is shifted is caught only when its
     first token ends up trained (``field 'loss_mask': value 0 is 1``).
+
+    ``routed_experts`` (R3, AReaL's ``rlvr_r3_patch``): integers [1, L, layers, top_k] (or
+    [L, layers, top_k]) aligned with ``input_ids`` in either frame (AReaL never shifts it). Its row
+    of the last real token is dropped: the engine records none for the last sampled token, which
+    AReaL's ``preprocess_routed_experts_batch`` fills with zeros, so the trajectory gets
+    len(tokens) - 1 rows, as the engines give them.
 
     Raises:
         ValueError: Naming the AReaL key for a bad type or shape, or the trajectory field for a
@@ -531,6 +801,7 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
         reward = float(rewards.reshape(()).item())
     mask = mask.to(torch.int64)
     versions = per_token("versions").to(torch.int64) if d.get("versions") is not None else None
+    routed = _areal_routed_experts(d[_ROUTED], padded, length) if d.get(_ROUTED) is not None else None
     trajectory = Trajectory(
         id=id,
         group=group,
@@ -541,11 +812,37 @@ def from_areal(d: dict[str, Any], *, id: str, group: str = "", shifted: bool,
         reward=reward,
         advantages=_plain_values(per_token("advantages"), torch.float64) if d.get("advantages") is not None else [],
         ref_logprobs=_plain_values(per_token("ref_logp"), torch.float64) if d.get("ref_logp") is not None else [],
+        routed_experts=routed,
     )
     _validate(trajectory, vocab_size)
     if versions is not None:
         _check_trained_tokens_generated(mask, versions, shifted)
     return trajectory
+
+
+def _routed_rows(value: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """value[start:stop] ([tokens, layers, top_k] of integers) as a CPU int32 tensor of its own."""
+    import torch
+
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise _field_error(_ROUTED, f"must hold integers, got {value.dtype}")
+    return value[start:stop].to("cpu", torch.int32, copy=True)
+
+
+def _areal_routed_experts(value: Any, padded: int, length: int) -> torch.Tensor:
+    """AReaL's routed_experts [1, L, layers, top_k] or [L, layers, top_k]: the rows of the first
+    length - 1 tokens (the last real token's is AReaL's zero fill)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise _field_error(_ROUTED, f"must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() == 4 and value.size(0) == 1:
+        value = value[0]
+    if value.dim() != 3:
+        raise _field_error(_ROUTED, f"expected shape [1, L, layers, top_k], got {list(value.shape)}")
+    if value.size(0) != padded:
+        raise _field_error(_ROUTED, f"{value.size(0)} rows for {padded} tokens (input_ids)")
+    return _routed_rows(value.detach(), 0, max(length - 1, 0))
 
 
 def _plain_values(row: torch.Tensor, dtype: torch.dtype) -> list:
@@ -585,11 +882,14 @@ def to_areal(trajectory: Trajectory, *, shifted: bool) -> dict[str, torch.Tensor
     """Converts a :class:`Trajectory` into an AReaL trajectory dict of [1, L] tensors.
 
     Gives ``input_ids``, ``loss_mask``, ``logprobs``, ``attention_mask`` (ones), and when set
-    ``versions``, ``rewards`` ([1]), ``advantages`` and ``ref_logp``, with AReaL's dtypes (int64,
-    float32, bool). ``shifted=True`` writes loss_mask, logprobs, advantages and ref_logp in the
-    shifted (logits) frame of AReaL's PPO actor (rolled by -1; see :func:`from_areal`).
+    ``versions``, ``rewards`` ([1]), ``advantages``, ``ref_logp`` and ``routed_experts``
+    (int32 [1, L, layers, top_k], zeros where the trajectory has no row, as AReaL fills them), with
+    AReaL's dtypes (int64, float32, bool). ``shifted=True`` writes loss_mask, logprobs, advantages
+    and ref_logp in the shifted (logits) frame of AReaL's PPO actor (rolled by -1; see
+    :func:`from_areal`).
     ``from_areal(to_areal(t, shifted=s), id=t.id, group=t.group, shifted=s)`` gives back ``t``
-    (float fields rounded to float32, metadata dropped).
+    (float fields rounded to float32, metadata dropped, routed experts of len(tokens) - 1 rows:
+    :func:`from_areal` drops the last token's).
 
     Raises:
         ValueError: The trajectory is invalid (see :meth:`Trajectory.validate`).
@@ -618,6 +918,11 @@ def to_areal(trajectory: Trajectory, *, shifted: bool) -> dict[str, torch.Tensor
         out["advantages"] = row(trajectory.advantages, torch.float32, "advantages")
     if len(trajectory.ref_logprobs):
         out["ref_logp"] = row(trajectory.ref_logprobs, torch.float32, "ref_logp")
+    if trajectory.routed_experts is not None:
+        ids = _routed_tensor(trajectory.routed_experts)
+        routed = torch.zeros(1, len(trajectory.tokens), *ids.shape[1:], dtype=torch.int32)
+        routed[0, :ids.size(0)] = ids
+        out["routed_experts"] = routed
     return out
 
 
@@ -669,8 +974,8 @@ def _verl_containers(batch: Any) -> tuple[Any, Any]:
 
 
 def _verl_tensor(container: Any, key: str, shape: tuple[int, ...] | None, *, integer: bool = False,
-                 required: bool = True) -> torch.Tensor | None:
-    """container[key] as a CPU tensor of the given shape (any, 2-D, when None)."""
+                 required: bool = True, dims: int = 2) -> torch.Tensor | None:
+    """container[key] as a CPU tensor of the given shape (any of `dims` dimensions when None)."""
     import torch
 
     if key not in container:
@@ -685,8 +990,9 @@ def _verl_tensor(container: Any, key: str, shape: tuple[int, ...] | None, *, int
             raise _field_error(key, f"must be a torch.Tensor or a numeric numpy array, got {type(value).__name__}")
         value = torch.from_numpy(np.ascontiguousarray(value))
     value = value.detach().cpu()
-    if shape is None and value.dim() != 2:
-        raise _field_error(key, f"expected shape [B, L], got {list(value.shape)}")
+    if shape is None and value.dim() != dims:
+        expected = "[B, L]" if dims == 2 else "[B, P + R, layers, top_k]"
+        raise _field_error(key, f"expected shape {expected}, got {list(value.shape)}")
     if shape is not None and tuple(value.shape) != shape:
         raise _field_error(key, f"expected shape {list(shape)}, got {list(value.shape)}")
     if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
@@ -743,8 +1049,12 @@ def from_verl(batch: Any, *, ids: Iterable[str] | None = None, logprobs: str = "
             the response's attention mask, as verl's ``compute_response_mask``). Optional:
             ``input_ids`` (must equal cat(prompts, responses)), ``ref_log_prob``,
             ``advantages``, ``token_level_rewards`` or else ``token_level_scores`` (the reward is
-            the row's sum, as verl's GRPO takes it). Other keys (``position_ids`` included) are
-            ignored.
+            the row's sum, as verl's GRPO takes it), ``routed_experts`` (R3: integers
+            [B, P + R, layers, top_k] aligned with ``input_ids``, padding stripped as from the
+            tokens; the last token's row is dropped, which verl's agent loop fills with zeros as
+            the engine records none for the last sampled token, so each trajectory gets
+            len(tokens) - 1 rows, as the engines give them). Other keys (``position_ids``
+            included) are ignored.
         ids: One id per row. Default: non_tensor_batch ``dta_id`` (what :func:`to_verl` writes),
             else ``"<uid>-<k>"`` for the k-th row of each uid (verl's uids are uuid4s per prompt
             and step, so these are unique across steps too).
@@ -800,6 +1110,9 @@ def from_verl(batch: Any, *, ids: Iterable[str] | None = None, logprobs: str = "
     advantages = floats("advantages", False)
     reward_key = "token_level_rewards" if "token_level_rewards" in tensors else "token_level_scores"
     rewards = floats(reward_key, False)
+    routed = _verl_tensor(tensors, _ROUTED, None, integer=True, required=False, dims=4)
+    if routed is not None and tuple(routed.shape[:2]) != (rows, p + r):
+        raise _field_error(_ROUTED, f"expected shape [{rows}, {p + r}, layers, top_k], got {list(routed.shape)}")
 
     groups = _verl_names(others, "uid", rows)
     if groups is None:
@@ -853,6 +1166,7 @@ def from_verl(batch: Any, *, ids: Iterable[str] | None = None, logprobs: str = "
             advantages=per_token(advantages),
             ref_logprobs=per_token(ref),
             metadata={VERL_PROMPT_LENGTH: str(n)},
+            routed_experts=None if routed is None else _routed_rows(routed[i], p - n, p + m - 1),
         )
         try:
             _validate(trajectory, vocab_size)
@@ -874,12 +1188,15 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
     ``response_mask`` (int64, its loss_mask over the response), the ``logprobs`` key (float32,
     response-aligned; 0 on padding), and when set ``ref_log_prob``, ``advantages``,
     ``token_level_scores`` and ``token_level_rewards`` (both the reward at the last response token,
-    as verl's reward managers put it); ``uid`` is the group, ``dta_id`` the id.
+    as verl's reward managers put it) and ``routed_experts`` (int32 [B, P + R, layers, top_k]
+    aligned with ``input_ids``, zeros on padding and where a trajectory has no row, as verl's agent
+    loop fills them); ``uid`` is the group, ``dta_id`` the id.
 
     verl has no per-token versions, no metadata, and no per-token values on prompt tokens: those
     are dropped. So ``from_verl(to_verl(ts)) == ts`` for trajectories whose prompt tokens carry
     logprob, advantage and reference logprob 0, which have no versions, and whose only metadata is
-    the prompt length :func:`from_verl` records (what it makes), floats rounded to float32.
+    the prompt length :func:`from_verl` records (what it makes), floats rounded to float32, routed
+    experts of len(tokens) - 1 rows (:func:`from_verl` drops the last token's).
 
     Args:
         prompt_lengths: Each trajectory's prompt length, in [1, len(tokens)]. Default: its
@@ -894,8 +1211,9 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
         ValueError: No trajectory; a trajectory is invalid, has no trained token (and no prompt
             length), has a ``metadata[VERL_PROMPT_LENGTH]`` that is not a length in
             [1, len(tokens)], trains a prompt token, is longer than P or R, has a nonzero reward
-            and an empty response, or lacks an optional field (``reward``, ``advantages``,
-            ``ref_logprobs``) that another has (a verl tensor covers the whole batch); named
+            and an empty response, lacks an optional field (``reward``, ``advantages``,
+            ``ref_logprobs``, ``routed_experts``) that another has (a verl tensor covers the whole
+            batch), or has routed experts of other layers or top_k than the first's; named
             ``trajectory <i> ('<id>'): field '<name>': ...``.
     """
     import numpy as np
@@ -941,8 +1259,10 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
             raise error(i, "loss_mask", f"token {t.loss_mask.index(1)} of the prompt is trained "
                         "(verl trains response tokens only)")
         splits.append(n)
-    for name in ("reward", "advantages", "ref_logprobs"):
-        has = [getattr(t, name) not in (None, []) for t in trajectories]
+    for name in ("reward", "advantages", "ref_logprobs", _ROUTED):
+        # (an array's `in` would compare it element by element)
+        has = [getattr(t, name) is not None if name == _ROUTED else getattr(t, name) not in (None, [])
+               for t in trajectories]
         if any(has) and not all(has):
             raise error(has.index(False), name, f"unset, but trajectory {has.index(True)} has it (a verl "
                         "tensor covers the whole batch)")
@@ -971,6 +1291,14 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
         floats["advantages"] = "advantages"
     per_response = {key: torch.zeros(rows, r, dtype=torch.float32) for key in floats}
     scores = torch.zeros(rows, r, dtype=torch.float32) if first.reward is not None else None
+    routed_rows = [None if t.routed_experts is None else _routed_tensor(t.routed_experts) for t in trajectories]
+    routed = None
+    if routed_rows[0] is not None:
+        routed = torch.zeros(rows, p + r, *routed_rows[0].shape[1:], dtype=torch.int32)
+        for i, ids in enumerate(routed_rows):
+            if ids.shape[1:] != routed.shape[2:]:
+                raise error(i, _ROUTED, f"{ids.size(1)} layers x {ids.size(2)} experts, but trajectory 0's are "
+                            f"{routed.size(2)} x {routed.size(3)} (a verl tensor covers the whole batch)")
     for i, (t, n) in enumerate(zip(trajectories, splits)):
         m = len(t.tokens) - n
         prompts[i, p - n:] = torch.tensor(t.tokens[:n], dtype=torch.int64)
@@ -981,6 +1309,8 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
             per_response[key][i, :m] = torch.tensor(getattr(t, name)[n:], dtype=torch.float32)
         if scores is not None and m:
             scores[i, m - 1] = float(t.reward)
+        if routed is not None:
+            routed[i, p - n:p - n + routed_rows[i].size(0)] = routed_rows[i]
     out: dict[str, Any] = {
         "prompts": prompts,
         "responses": responses,
@@ -993,6 +1323,8 @@ def to_verl(trajectories: Iterable[Trajectory], *, prompt_lengths: Iterable[int]
     if scores is not None:
         out["token_level_scores"] = scores
         out["token_level_rewards"] = scores.clone()
+    if routed is not None:
+        out[_ROUTED] = routed
     out["uid"] = np.array([t.group for t in trajectories], dtype=object)
     out[_VERL_ID_KEY] = np.array([t.id for t in trajectories], dtype=object)
     return out

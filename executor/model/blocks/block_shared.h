@@ -21,6 +21,12 @@ struct BlockShared {
   // This rank's heads and KV heads (all of them without tensor parallelism).
   int64_t local_heads = 0;
   int64_t local_kv_heads = 0;
+  // A sparse layer's index among the sparse layers (its slice of ChunkContext::routed_experts);
+  // -1 at dense layers.
+  int64_t sparse_layer = -1;
+  // The expert-parallel group's handle (ExpertGroupHandle in ops/numerics.h): 0 without expert
+  // parallelism.
+  int64_t expert_group = 0;
   // The linear-attention layers' sizes (the decoder's linear_shape()); null without any.
   const GatedDeltaNetShape* linear_shape = nullptr;
   // Under tensor parallelism with q/k norms, this layer's partial gradients of q_norm and k_norm

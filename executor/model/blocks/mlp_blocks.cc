@@ -47,11 +47,13 @@ void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const Mlp
   // shared expert: h's gradient is then a sum of three, and autograd's order of it is kept (the
   // same bits either way).
   const bool fused_residual = FusedResidualEnabled() && !mlp.shared_gate.defined();
-  const variable_list sparse =
-      SparseMoe::apply(h, post_norm.weight, eps, mlp.router, mlp.experts_gate, mlp.experts_up,
-                       mlp.experts_down, config.num_experts_per_tok, config.norm_topk_prob, group,
-                       Optional(post_norm.accumulator), fused_residual,
-                       /*replay=*/std::optional<at::Tensor>());
+  std::optional<at::Tensor> replay;
+  if (context.routed_experts.defined())
+    replay = context.routed_experts.select(1, shared.sparse_layer).to(at::kLong);
+  const variable_list sparse = SparseMoe::apply(
+      h, post_norm.weight, eps, mlp.router, mlp.experts_gate, mlp.experts_up, mlp.experts_down,
+      config.num_experts_per_tok, config.norm_topk_prob, group, shared.expert_group,
+      Optional(post_norm.accumulator), fused_residual, replay);
   at::Tensor out = (fused_residual ? sparse[3] : h) + sparse[0];
   if (mlp.shared_gate.defined()) {
     out = out + swiglu(mlp.shared_gate, mlp.shared_up, mlp.shared_down, mlp.shared_expert_gate,

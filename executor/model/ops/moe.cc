@@ -73,13 +73,87 @@ void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const a
   }
 }
 
+// How one sparse layer's (token, expert) pairs travel between the expert-parallel ranks. Each
+// rank's pairs, sorted by expert, are already grouped by destination (a rank's experts are one
+// contiguous block, ExpertRange) and arrive grouped by source; the local experts' grouped GEMMs
+// need them grouped by expert, so the received rows are permuted (Megatron's sort_chunks_by_idxs).
+struct ExpertExchange {
+  std::vector<int64_t> send;     // pairs to each rank
+  std::vector<int64_t> receive;  // pairs from each rank
+  at::Tensor to_expert_order;    // [M]: the received row at each expert-ordered row
+  at::Tensor to_source_order;    // [M]: the expert-ordered row of each received row
+  at::Tensor ends;               // [local experts] int64: the local experts' ends, expert order
+};
+
+// The exchange of pairs whose per-expert ends (over all E experts) are `ends`: one all-gather of
+// every rank's counts and one read of them on the host (the only host synchronisation of an
+// expert-parallel layer: the all-to-all takes its splits on the host).
+ExpertExchange PlanExchange(const ExpertParallelGroup& ep, const at::Tensor& ends) {
+  const int64_t experts = ends.size(0);
+  const at::Tensor counts = at::diff(ends, 1, 0, at::zeros({1}, ends.options()));
+  const at::Tensor all = ep.AllGather(counts.contiguous()).to(at::kCPU).contiguous();  // [R, E]
+  const int ranks = ep.size();
+  const int me = ep.rank();
+  const auto count = [&](int rank, int64_t expert) {
+    return all.const_data_ptr<int64_t>()[rank * experts + expert];
+  };
+  const IndexRange mine = ExpertRange(experts, me, ranks);
+  ExpertExchange exchange;
+  exchange.send.assign(ranks, 0);
+  exchange.receive.assign(ranks, 0);
+  for (int r = 0; r < ranks; ++r) {
+    const IndexRange block = ExpertRange(experts, r, ranks);
+    for (int64_t e = block.begin; e < block.end; ++e) exchange.send[r] += count(me, e);
+    for (int64_t e = mine.begin; e < mine.end; ++e) exchange.receive[r] += count(r, e);
+  }
+  // Received rows: source by source, each source's rows expert by expert.
+  std::vector<int64_t> start(ranks * mine.size());
+  int64_t row = 0;
+  for (int r = 0; r < ranks; ++r) {
+    for (int64_t j = 0; j < mine.size(); ++j) {
+      start[r * mine.size() + j] = row;
+      row += count(r, mine.begin + j);
+    }
+  }
+  std::vector<int64_t> to_expert, ends_local;
+  to_expert.reserve(row);
+  for (int64_t j = 0; j < mine.size(); ++j) {
+    for (int r = 0; r < ranks; ++r) {
+      const int64_t first = start[r * mine.size() + j];
+      for (int64_t i = 0; i < count(r, mine.begin + j); ++i) to_expert.push_back(first + i);
+    }
+    ends_local.push_back(static_cast<int64_t>(to_expert.size()));
+  }
+  std::vector<int64_t> to_source(to_expert.size());
+  for (size_t i = 0; i < to_expert.size(); ++i) to_source[to_expert[i]] = static_cast<int64_t>(i);
+  const at::TensorOptions index = ends.options();
+  exchange.to_expert_order = at::tensor(to_expert, at::kLong).to(index.device());
+  exchange.to_source_order = at::tensor(to_source, at::kLong).to(index.device());
+  exchange.ends = at::tensor(ends_local, at::kLong).to(index.device());
+  return exchange;
+}
+
+// `rows` [n, ...] sent by the splits `send` and received by `receive`: [sum(receive), ...].
+at::Tensor Exchange(const ExpertParallelGroup& ep, const at::Tensor& rows,
+                    const std::vector<int64_t>& receive, const std::vector<int64_t>& send) {
+  int64_t total = 0;
+  for (const int64_t n : receive) total += n;
+  std::vector<int64_t> shape = rows.sizes().vec();
+  shape[0] = total;
+  at::Tensor out = at::empty(shape, rows.options());
+  ep.StartAllToAll(out, rows.contiguous(), receive, send)->Wait();
+  return out;
+}
+
+std::vector<int64_t> IntList(const c10::IValue& value) { return value.toIntVector(); }
+
 }  // namespace
 
 variable_list SparseMoe::forward(AutogradContext* ctx, const at::Tensor& x,
                                  const at::Tensor& norm_weight, double eps,
                                  const at::Tensor& router, const at::Tensor& gate,
                                  const at::Tensor& up, const at::Tensor& down, int64_t top_k,
-                                 bool norm_topk, int64_t group,
+                                 bool norm_topk, int64_t group, int64_t expert_group,
                                  const std::optional<at::Tensor>& norm_accumulator, bool residual,
                                  const std::optional<at::Tensor>& replay) {
   const at::ScalarType type = gate.scalar_type();
@@ -115,14 +189,42 @@ variable_list SparseMoe::forward(AutogradContext* ctx, const at::Tensor& x,
       at::searchsorted(sorted, at::arange(experts, flat.options()), /*out_int32=*/false,
                        /*right=*/true);
   const at::Tensor xs = xb.index_select(0, token);
-  const at::Tensor gate_out = GroupedMatmul(xs, gate, ends, /*transpose=*/true, type);
-  const at::Tensor up_out = GroupedMatmul(xs, up, ends, /*transpose=*/true, type);
-  const at::Tensor out = GroupedMatmul(kernels::SwiGluForward(gate_out, up_out), down, ends,
-                                       /*transpose=*/true, ct);  // [T k, H]
-  at::Tensor y = (out.index_select(0, inverse).view({t, top_k, -1}) * weights.unsqueeze(2)).sum(1);
+  // The rows this rank's experts serve, sorted by expert: its own pairs, or under expert
+  // parallelism every rank's pairs routed to its block of experts.
+  const ExpertParallelGroup* ep = ExpertGroupOf(expert_group);
+  TORCH_CHECK(ep != nullptr || gate.size(0) == experts, "SparseMoe: ", gate.size(0),
+              " experts' weights for a router of ", experts, " without expert parallelism");
+  ExpertExchange exchange;
+  at::Tensor served = xs, served_ends = ends;
+  if (ep != nullptr) {
+    TORCH_CHECK(gate.size(0) == ExpertRange(experts, ep->rank(), ep->size()).size(),
+                "SparseMoe: expert-parallel rank ", ep->rank(), " of ", ep->size(), " holds ",
+                gate.size(0), " experts' weights, not its block of the router's ", experts);
+    exchange = PlanExchange(*ep, ends);
+    served = Exchange(*ep, xs, exchange.receive, exchange.send)
+                 .index_select(0, exchange.to_expert_order);
+    served_ends = exchange.ends;
+  }
+  const at::Tensor gate_out = GroupedMatmul(served, gate, served_ends, /*transpose=*/true, type);
+  const at::Tensor up_out = GroupedMatmul(served, up, served_ends, /*transpose=*/true, type);
+  at::Tensor out = GroupedMatmul(kernels::SwiGluForward(gate_out, up_out), down, served_ends,
+                                 /*transpose=*/true, ct);  // [T k, H] (served rows under EP)
+  if (ep != nullptr) {
+    out = Exchange(*ep, out.index_select(0, exchange.to_source_order), exchange.send,
+                   exchange.receive);
+  }
+  at::Tensor y =
+      (out.index_select(0, inverse).view({t, top_k, out.size(1)}) * weights.unsqueeze(2)).sum(1);
   SumOverRanks(GroupOf(group), y);
+  // Under expert parallelism the served rows are saved: another rank's tokens cannot be recomputed
+  // here.
   ctx->save_for_backward({x, norm_weight, normed.rstd, router, gate, up, down, probs, index,
-                          weights, order, inverse, token, ends, gate_out, up_out});
+                          weights, order, inverse, token, served_ends, gate_out, up_out,
+                          ep != nullptr ? served : at::Tensor(), exchange.to_expert_order,
+                          exchange.to_source_order});
+  ctx->saved_data["expert_parallel"] = expert_group;
+  ctx->saved_data["send"] = exchange.send;
+  ctx->saved_data["receive"] = exchange.receive;
   ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
   ctx->saved_data["norm_topk"] = norm_topk;
   ctx->saved_data["tensor_parallel"] = group;
@@ -139,29 +241,54 @@ variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
                    &gate = saved[4], &up = saved[5], &down = saved[6], &probs = saved[7],
                    &index = saved[8], &weights = saved[9], &order = saved[10], &inverse = saved[11],
                    &token = saved[12], &ends = saved[13], &gate_out = saved[14],
-                   &up_out = saved[15];
+                   &up_out = saved[15], &served_xs = saved[16], &to_expert_order = saved[17],
+                   &to_source_order = saved[18];
   const TensorParallelGroup* ranks = GroupOf(ctx);
+  const ExpertParallelGroup* ep = ExpertGroupOf(ctx->saved_data["expert_parallel"].toInt());
+  const std::vector<int64_t> send = IntList(ctx->saved_data["send"]);
+  const std::vector<int64_t> receive = IntList(ctx->saved_data["receive"]);
   const at::ScalarType type = gate.scalar_type();
   const at::ScalarType ct = ComputeType(type);
   const int64_t t = x.size(0);
   const int64_t top_k = index.size(1);
+  const int64_t hidden = x.size(1);
   const at::Tensor xb = kernels::RmsNormApply(x, norm_weight, rstd, type);
-  const at::Tensor xs = xb.index_select(0, token);
-  const at::Tensor dy = grads[0].to(ct).index_select(0, token);  // [T k, H], sorted pairs
-  const at::Tensor w = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T k, 1]
+  const at::Tensor dy_pairs = grads[0].to(ct).index_select(0, token);  // [T k, H], sorted pairs
+  const at::Tensor w_pairs = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T k, 1]
+  // The served rows' gradients and weights: this rank's pairs, or under expert parallelism every
+  // rank's pairs for its experts (sent with their weights as one more column).
+  at::Tensor dy = dy_pairs, w = w_pairs, xs = served_xs;
+  if (ep == nullptr) {
+    xs = xb.index_select(0, token);
+  } else {
+    const at::Tensor served = Exchange(*ep, at::cat({dy_pairs, w_pairs}, 1), receive, send)
+                                  .index_select(0, to_expert_order);
+    dy = served.narrow(1, 0, hidden);
+    w = served.narrow(1, hidden, 1);
+  }
   // g = dy @ down_e, the gradient of the expert's SwiGLU product before its routing weight.
   const at::Tensor g = GroupedMatmul(dy.to(type), down, ends, /*transpose=*/false, ct);
   kernels::SwiGluGrads swiglu =
       kernels::SwiGluBackward(g * w, gate_out, up_out, /*with_product=*/true);
   // d weight = <dy, down_e product> = <g, product>: partial over the ranks' intermediate slices.
   at::Tensor dweights = (g * swiglu.product.to(ct)).sum(-1);
-  std::unique_ptr<PendingCollective> dweights_sum = StartSumOverRanks(ranks, dweights);
+  std::unique_ptr<PendingCollective> dweights_sum;
+  if (ep == nullptr) dweights_sum = StartSumOverRanks(ranks, dweights);
   AddGroupedWeightGrad(GradAccumulator(down), (dy * w).to(type), swiglu.product, ends);
   AddGroupedWeightGrad(GradAccumulator(gate), swiglu.dgate, xs, ends);
   AddGroupedWeightGrad(GradAccumulator(up), swiglu.dup, xs, ends);
   at::Tensor dxs = GroupedMatmul(swiglu.dgate, gate, ends, /*transpose=*/false, ct);
   dxs.add_(GroupedMatmul(swiglu.dup, up, ends, /*transpose=*/false, ct));
-  at::Tensor dxb = dxs.index_select(0, inverse).view({t, top_k, -1}).sum(1);  // [T, H]
+  if (ep != nullptr) {
+    // Back to the pairs' ranks, in their sorted order, with the weights' gradients as a column.
+    const at::Tensor back =
+        Exchange(*ep, at::cat({dxs, dweights.unsqueeze(1)}, 1).index_select(0, to_source_order),
+                 send, receive);
+    dxs = back.narrow(1, 0, hidden);
+    dweights = back.select(1, hidden).contiguous();
+    dweights_sum = StartSumOverRanks(ranks, dweights);
+  }
+  at::Tensor dxb = dxs.index_select(0, inverse).view({t, top_k, hidden}).sum(1);  // [T, H]
   std::unique_ptr<PendingCollective> dxb_sum = StartSumOverRanks(ranks, dxb);
   if (dweights_sum != nullptr) dweights_sum->Wait();
   // Through the top-k selection (and its renormalisation) and the softmax.
@@ -187,7 +314,7 @@ variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
                                                  norm_accumulator, residual_grad)
                             .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
   variable_list result = {dx};
-  result.resize(13);  // the weights' gradients are accumulated above
+  result.resize(14);  // the weights' gradients are accumulated above
   return result;
 }
 

@@ -9,7 +9,8 @@
 //
 // Example:
 //   variable_list moe = SparseMoe::apply(h, post_norm, eps, router, experts_gate, experts_up,
-//       experts_down, /*top_k=*/8, /*norm_topk=*/true, /*group=*/0, std::nullopt,
+//       experts_down, /*top_k=*/8, /*norm_topk=*/true, /*group=*/0, /*expert_group=*/0,
+//       std::nullopt,
 //       /*residual=*/false, /*replay=*/std::nullopt);
 //   at::Tensor out = h + moe[0];
 //
@@ -55,15 +56,27 @@ namespace dta {
 // without, as Megatron's); with `residual`, x itself for the residual connection, whose gradient
 // the norm's backward kernel then adds (as Projections' `residual`).
 //
-// router [E, H]; gate and up [E, I, H], down [E, H, I] (each rank's intermediate slice); group: the
-// tensor-parallel group's handle (GroupHandle in numerics.h; 0: none). The norm weight's gradient
+// Expert parallelism (expert_group: ExpertGroupHandle in numerics.h; 0: none): each EP rank holds
+// one block of the experts (ExpertRange) and the whole router, so a rank routes its own tokens; the
+// sorted pairs go to their experts' ranks with one all-to-all (after one all-gather of per-expert
+// counts, read on the host for the splits: the layer's one host synchronisation), the served rows
+// run the local experts' grouped GEMMs in expert order, and the outputs come back with a second
+// all-to-all, in the pairs' sorted order, to be combined as without EP. Backward mirrors it with
+// the forward's splits: the pairs' gradients and routing weights go to the experts (one
+// all-to-all), the inputs' and the weights' gradients come back (another). The expert side keeps
+// the rows it served (it cannot recompute other ranks' tokens). Every EP rank must call the
+// function the same number of times in the same order, also with zero tokens.
+//
+// router [E, H]; gate and up [E_l, I, H], down [E_l, H, I] (this rank's experts, E_l = E without
+// expert parallelism; each TP rank's intermediate slice); group: the tensor-parallel group's handle
+// (GroupHandle in numerics.h; 0: none). The norm weight's gradient
 // goes into `norm_accumulator` when given, else into the norm weight's .grad.
 class SparseMoe : public torch::autograd::Function<SparseMoe> {
  public:
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& norm_weight,
       double eps, const at::Tensor& router, const at::Tensor& gate, const at::Tensor& up,
-      const at::Tensor& down, int64_t top_k, bool norm_topk, int64_t group,
+      const at::Tensor& down, int64_t top_k, bool norm_topk, int64_t group, int64_t expert_group,
       const std::optional<at::Tensor>& norm_accumulator, bool residual,
       const std::optional<at::Tensor>& replay);
 

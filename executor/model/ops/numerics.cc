@@ -44,6 +44,14 @@ const TensorParallelGroup* GroupOf(int64_t handle) {
   return reinterpret_cast<const TensorParallelGroup*>(handle);
 }
 
+int64_t ExpertGroupHandle(const ExpertParallelGroup* group) {
+  return group != nullptr && group->size() > 1 ? reinterpret_cast<int64_t>(group) : 0;
+}
+
+const ExpertParallelGroup* ExpertGroupOf(int64_t handle) {
+  return reinterpret_cast<const ExpertParallelGroup*>(handle);
+}
+
 const TensorParallelGroup* GroupOf(AutogradContext* ctx) {
   return GroupOf(ctx->saved_data["tensor_parallel"].toInt());
 }

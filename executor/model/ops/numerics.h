@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 
+#include "executor/parallel/expert_parallel.h"
 #include "executor/parallel/tensor_parallel.h"
 
 namespace dta {
@@ -53,6 +54,10 @@ int64_t GroupHandle(const TensorParallelGroup* group);
 // saved_data["tensor_parallel"].
 const TensorParallelGroup* GroupOf(int64_t handle);
 const TensorParallelGroup* GroupOf(torch::autograd::AutogradContext* ctx);
+
+// The expert-parallel group travels the same way (0 for null or a group of one rank).
+int64_t ExpertGroupHandle(const ExpertParallelGroup* group);
+const ExpertParallelGroup* ExpertGroupOf(int64_t handle);
 
 // The sum over the tensor-parallel ranks, in place, started without waiting (null without a
 // group).

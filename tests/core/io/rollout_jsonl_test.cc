@@ -34,6 +34,9 @@ Rollout Example() {
   r.reward = 0.1;
   r.advantages = {0.0f, 0.5f, -0.25f, 1.0f / 3.0f};
   r.ref_logprobs = {0.0f, -0.2f, -0.3f, -7.0f};
+  // Three rows (the last token has none) of two layers x top-2; row 1's second layer unrecorded.
+  r.routed_experts =
+      RoutedExperts{.layers = 2, .top_k = 2, .ids = {3, 0, 7, 1, 2, 5, -1, -1, 4, 6, 6, 0}};
   return r;
 }
 
@@ -75,6 +78,22 @@ TEST(RolloutJsonl, AcceptsIntegerIdsBooleanMasksBlankLinesAndCrlf) {
   EXPECT_EQ((*rollouts)[0].id, "17");
   EXPECT_EQ((*rollouts)[0].group, "3");
   EXPECT_EQ((*rollouts)[0].loss_mask, (std::vector<uint8_t>{0, 1}));
+}
+
+// The hand-written form [rows][layers][top_k] reads as the engines' base64 does.
+TEST(RolloutJsonl, RoutedExpertsAsIdsOrBase64) {
+  const std::string head =
+      R"({"id": "a", "group": "g", "tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0, -1, -2], )";
+  const absl::StatusOr<Rollout> ids = ParseRolloutJson(absl::StrCat(
+      head, R"("routed_experts": {"layers": 2, "top_k": 1, "ids": [[[4], [0]], [[2], [-1]]]}})"));
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  ASSERT_TRUE(ids->routed_experts.has_value());
+  EXPECT_EQ(ids->routed_experts->ids, (std::vector<int32_t>{4, 0, 2, -1}));
+  const absl::StatusOr<Rollout> base64 = ParseRolloutJson(absl::StrCat(
+      head, R"("routed_experts": {"layers": 2, "top_k": 1, "dtype": "int32", "base64": ")",
+      EncodeRoutedExperts(*ids->routed_experts), R"("}})"));
+  ASSERT_TRUE(base64.ok()) << base64.status();
+  EXPECT_EQ(base64->routed_experts, ids->routed_experts);
 }
 
 struct BadCase {
@@ -128,6 +147,34 @@ TEST(RolloutJsonl, BadInputNamesFileLineRolloutAndField) {
        "field 'versions': value 1 = -2"},
       {"advantages_length", absl::StrCat(R"({"id": "a", "advantages": [0.5], )", good, "}"),
        "field 'advantages': 1 values for 3 tokens"},
+      {"routed_not_object", absl::StrCat(R"({"id": "a", "routed_experts": [1], )", good, "}"),
+       "rollout 'a': field 'routed_experts': must be an object"},
+      {"routed_no_top_k",
+       absl::StrCat(R"({"id": "a", "routed_experts": {"layers": 1, "ids": []}, )", good, "}"),
+       "field 'routed_experts': 'top_k' is missing"},
+      {"routed_unknown_member",
+       absl::StrCat(R"({"id": "a", "routed_experts": {"layers": 1, "top_k": 1, "idz": []}, )", good,
+                    "}"),
+       "field 'routed_experts': unknown member 'idz'"},
+      {"routed_dtype",
+       absl::StrCat(
+           R"({"id": "a", "routed_experts": {"layers": 1, "top_k": 1, "dtype": "int64", "base64": ""}, )",
+           good, "}"),
+       "'dtype' must be \"int32\""},
+      {"routed_rows",
+       absl::StrCat(R"({"id": "a", "routed_experts": {"layers": 1, "top_k": 1, "ids": [[[0]]]}, )",
+                    good, "}"),
+       "rollout 'a': field 'routed_experts': 1 rows for 3 tokens"},
+      {"routed_ragged",
+       absl::StrCat(
+           R"({"id": "a", "routed_experts": {"layers": 2, "top_k": 1, "ids": [[[0], [1]], [[0]]]}, )",
+           good, "}"),
+       "field 'routed_experts': ids row 1 must be an array of 2 layers"},
+      {"routed_negative",
+       absl::StrCat(
+           R"({"id": "a", "routed_experts": {"layers": 1, "top_k": 2, "ids": [[[5, -5]], [[0, 1]]]}, )",
+           good, "}"),
+       "field 'routed_experts': ids row 0, layer 0 must be 2 integers >= -1"},
   };
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.name);

@@ -52,29 +52,61 @@ TEST(RoutedExperts, AMalformedPayloadIsRefused) {
               HasSubstr("layers (0) and top_k (2) must be positive"));
 }
 
+// A model of 3 decoder layers, layers 0 and 2 sparse, 8 experts, top 2.
+RoutingShape Model(int64_t experts = 8) {
+  return {.num_hidden_layers = 3, .sparse_layers = {0, 2}, .top_k = 2, .num_experts = experts};
+}
+
 TEST(RoutedExperts, RowsAreTheTokensOrAllButTheLast) {
   const RoutedExperts routed{.layers = 2, .top_k = 2, .ids = kIds};
-  EXPECT_TRUE(ValidateRoutedExperts(routed, 4, 8).ok());  // the last sampled token has no row
-  EXPECT_TRUE(ValidateRoutedExperts(routed, 3, 8).ok());
-  EXPECT_THAT(ValidateRoutedExperts(routed, 5, 8).message(),
+  EXPECT_TRUE(ValidateRoutedExperts(routed, 4).ok());  // the last sampled token has no row
+  EXPECT_TRUE(ValidateRoutedExperts(routed, 3).ok());
+  EXPECT_THAT(ValidateRoutedExperts(routed, 5).message(),
               HasSubstr("3 rows for 5 tokens (5 or 4 expected)"));
+  RoutedExperts negative = routed;
+  negative.ids[5] = -2;
+  EXPECT_THAT(ValidateRoutedExperts(negative, 4).message(),
+              HasSubstr("row 1, layer 0: expert -2 is neither an expert nor -1 (not recorded)"));
+  RoutedExperts part = routed;
+  part.ids[11] = -1;  // row 2, layer 1: [1, -1]
+  EXPECT_THAT(ValidateRoutedExperts(part, 4).message(),
+              HasSubstr("row 2, layer 1: [1, -1] is recorded only in part"));
+}
+
+TEST(RoutedExperts, ARowHoldsEveryDecoderLayerOrTheSparseOnes) {
+  const RoutedExperts sparse_only{.layers = 2, .top_k = 2, .ids = kIds};
+  EXPECT_EQ(*SparseLayersInRow(sparse_only, Model()), (std::vector<int32_t>{0, 1}));
+  const RoutedExperts every{.layers = 3, .top_k = 2, .ids = {}};
+  EXPECT_EQ(*SparseLayersInRow(every, Model()), (std::vector<int32_t>{0, 2}));
+  EXPECT_THAT(SparseLayersInRow({.layers = 4, .top_k = 2, .ids = {}}, Model()).status().message(),
+              HasSubstr("4 layers per row, but the model has 3 decoder layers, 2 of them with "
+                        "routed experts"));
+  EXPECT_THAT(SparseLayersInRow({.layers = 2, .top_k = 1, .ids = {}}, Model()).status().message(),
+              HasSubstr("top_k is 1 but the model routes each token to 2 experts"));
 }
 
 TEST(RoutedExperts, EveryRecordedRowNamesKDistinctExpertsOfTheModel) {
   RoutedExperts routed{.layers = 2, .top_k = 2, .ids = kIds};
-  EXPECT_THAT(ValidateRoutedExperts(routed, 4, 7).message(),
-              HasSubstr("row 1, layer 1: [7, 2]: expert 7 is not in [0, 7)"));
-  EXPECT_TRUE(ValidateRoutedExperts(routed, 4, 0).ok());  // the model's size unknown
+  EXPECT_TRUE(ValidateRoutedExperts(routed, 4, Model()).ok());
+  EXPECT_THAT(ValidateRoutedExperts(routed, 4, Model(7)).message(),
+              // Row layer 1 is decoder layer 2, which the message names.
+              HasSubstr("row 1, layer 2: [7, 2]: expert 7 is not in [0, 7)"));
   routed.ids[9] = 4;
-  EXPECT_THAT(ValidateRoutedExperts(routed, 4, 8).message(),
+  EXPECT_THAT(ValidateRoutedExperts(routed, 4, Model()).message(),
               HasSubstr("field 'routed_experts': row 2, layer 0: [4, 4] names an expert twice"));
   routed.ids[9] = -1;
-  EXPECT_THAT(ValidateRoutedExperts(routed, 4, 8).message(),
+  EXPECT_THAT(ValidateRoutedExperts(routed, 4, Model()).message(),
               HasSubstr("row 2, layer 0: [4, -1] is recorded only in part"));
-  routed.ids[9] = -3;
-  routed.ids[8] = -3;
-  EXPECT_THAT(ValidateRoutedExperts(routed, 4, 8).message(),
-              HasSubstr("expert -3 is not in [0, 8)"));
+}
+
+// Rows of every decoder layer: the dense layer's entries are the engine's unused buffer, not
+// checked; the sparse layers' are.
+TEST(RoutedExperts, OnlyTheSparseLayersOfAFullRowAreChecked) {
+  RoutedExperts routed{.layers = 3, .top_k = 2, .ids = {1, 2, 0, 0, 3, 4}};
+  EXPECT_TRUE(ValidateRoutedExperts(routed, 1, Model()).ok());
+  routed.ids[5] = 3;
+  EXPECT_THAT(ValidateRoutedExperts(routed, 1, Model()).message(),
+              HasSubstr("row 0, layer 2: [3, 3] names an expert twice"));
 }
 
 }  // namespace

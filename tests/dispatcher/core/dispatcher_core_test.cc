@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "dispatcher/wire/trajectory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -509,6 +510,76 @@ TEST_F(DispatcherCoreTest, TrainersThatCannotTrainWhatIsAcceptedAreRefused) {
   EXPECT_THAT(core->RegisterTrainer(registration(100, true, false)).status().message(),
               HasSubstr("accepts any token id"));
   EXPECT_TRUE(core->RegisterTrainer(registration(0, true, false)).ok());
+}
+
+// Routing replay through the service: trajectories carrying routed experts are checked against the
+// model given (--routed_experts_model), kept through a restart, served to the trainers as sent, and
+// a resend with other routing is not the same trajectory. Trainers must route as that model does.
+TEST_F(DispatcherCoreTest, RoutedExpertsAreKeptThroughARestartAndTrainersMustRouteAlike) {
+  const RoutingShape routing{
+      .num_hidden_layers = 2, .sparse_layers = {1}, .top_k = 2, .num_experts = 300};
+  DispatcherOptions options = Options(2);
+  options.limits.routing = routing;
+  const auto routed = [](int i, int32_t first) {
+    v1::Trajectory t = Make(i);
+    Rollout rollout = RolloutFromTrajectory(t);
+    // Rows of both decoder layers for all but the last token; layer 0 (dense) unused.
+    rollout.routed_experts = RoutedExperts{.layers = 2, .top_k = 2, .ids = {}};
+    for (int row = 0; row < 4; ++row) {
+      for (const int32_t id : {0, 0, first + row, 299 - row})
+        rollout.routed_experts->ids.push_back(id);
+    }
+    v1::Trajectory out = TrajectoryFromRollout(rollout);
+    *out.mutable_metadata() = t.metadata();
+    return out;
+  };
+  {
+    auto core = Open(options);
+    Accept(*core, routed(0, 1));
+    Accept(*core, Make(1));  // replay is optional per trajectory
+    absl::StatusOr<v1::IngestResponse> bad = core->Ingest(routed(2, 293));  // row 3: 296 twice
+    ASSERT_TRUE(bad.ok());
+    EXPECT_EQ(bad->outcome(), v1::IngestResponse::REJECTED);
+    EXPECT_EQ(bad->field(), "routed_experts");
+    EXPECT_THAT(bad->reason(), HasSubstr("row 3, layer 1: [296, 296] names an expert twice"));
+    bad = core->Ingest(routed(0, 2));  // t0 again, routed otherwise
+    ASSERT_TRUE(bad.ok());
+    EXPECT_EQ(bad->outcome(), v1::IngestResponse::REJECTED) << "a different t0 was taken as t0";
+  }
+  auto core = Open(options);
+  v1::RegisterTrainerRequest trainer;
+  trainer.set_world_size(1);
+  trainer.set_trainer_id("moe");
+  trainer.set_num_hidden_layers(2);
+  trainer.add_sparse_layers(1);
+  trainer.set_experts_per_token(2);
+  trainer.set_num_experts(256);
+  EXPECT_THAT(
+      core->RegisterTrainer(trainer).status().message(),
+      HasSubstr("its model routes top 2 of 256 experts at 1 of 2 layers, but the "
+                "dispatcher checks routed experts against a model that routes top 2 of 300"));
+  trainer.set_num_experts(300);
+  const absl::StatusOr<v1::RegisterTrainerResponse> registered = core->RegisterTrainer(trainer);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  const absl::StatusOr<v1::Partition> partition = Fetch(*core, 0, 0, registered->generation());
+  ASSERT_TRUE(partition.ok()) << partition.status();
+  ASSERT_EQ(partition->trajectories_size(), 2);
+  for (const v1::Trajectory& t : partition->trajectories()) {
+    const Rollout rollout = RolloutFromTrajectory(t);
+    if (t.id() == "t0") {
+      ASSERT_TRUE(rollout.routed_experts.has_value());
+      EXPECT_EQ(*rollout.routed_experts, *RolloutFromTrajectory(routed(0, 1)).routed_experts);
+      EXPECT_EQ(t.routed_experts().id_type(), v1::RoutedExperts::UINT16);
+    } else {
+      EXPECT_FALSE(rollout.routed_experts.has_value());
+    }
+  }
+  // A dense trainer cannot train what this dispatcher accepts.
+  v1::RegisterTrainerRequest dense;
+  dense.set_world_size(1);
+  dense.set_trainer_id("dense");
+  EXPECT_THAT(core->RegisterTrainer(dense).status().message(),
+              HasSubstr("its model routes no experts (dense)"));
 }
 
 // What a dispatcher's state looks like from outside: status, the counters a restart rebuilds, and

@@ -4,6 +4,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -127,6 +128,81 @@ TEST(Trajectory, ReferenceLogprobsWhenTheLossNeedsThem) {
   EXPECT_EQ(FieldOfError(missing.status()), "ref_logprobs");
   for (int i = 0; i < 4; ++i) t.add_ref_logprobs(-1.0f);
   EXPECT_TRUE(CheckTrajectory(t, {.require_ref_logprobs = true}).ok());
+}
+
+// A model of 3 decoder layers, layers 1 and 2 sparse, top 2 of `experts`.
+RoutingShape Routing(int64_t experts) {
+  return {.num_hidden_layers = 3, .sparse_layers = {1, 2}, .top_k = 2, .num_experts = experts};
+}
+
+// Three rows (the last token routes itself) of every decoder layer; row 1's layer 2 unrecorded.
+RoutedExperts ThreeRows(int32_t offset) {
+  return {.layers = 3,
+          .top_k = 2,
+          .ids = {0, 0, 1, 2, 3, 4, 5, 6, 7, offset, -1, -1, 8, 9, 1, 0, offset + 1, 2}};
+}
+
+// Each id type round-trips: the narrowest that holds the largest id, its all-ones value "not
+// recorded".
+TEST(Trajectory, RoutedExpertsTravelInTheNarrowestIdType) {
+  for (const auto& [offset, type] :
+       {std::pair{10, v1::RoutedExperts::UINT8}, std::pair{253, v1::RoutedExperts::UINT8},
+        std::pair{254, v1::RoutedExperts::UINT16}, std::pair{65533, v1::RoutedExperts::UINT16},
+        std::pair{65534, v1::RoutedExperts::INT32}, std::pair{1 << 20, v1::RoutedExperts::INT32}}) {
+    SCOPED_TRACE(offset);
+    Rollout rollout = *CheckTrajectory(Valid(), {});
+    rollout.routed_experts = ThreeRows(offset);
+    const v1::Trajectory t = TrajectoryFromRollout(rollout);
+    EXPECT_EQ(t.routed_experts().id_type(), type);
+    const int width = type == v1::RoutedExperts::UINT8    ? 1
+                      : type == v1::RoutedExperts::UINT16 ? 2
+                                                          : 4;
+    EXPECT_EQ(t.routed_experts().ids().size(), 18u * width);
+    const absl::StatusOr<Rollout> back =
+        CheckTrajectory(t, {.routing = Routing(int64_t{offset} + 2)});
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, rollout);
+  }
+}
+
+TEST(Trajectory, RoutedExpertsAreCheckedAgainstTheTrainersModel) {
+  Rollout rollout = *CheckTrajectory(Valid(), {});
+  rollout.routed_experts = ThreeRows(10);
+  const v1::Trajectory routed = TrajectoryFromRollout(rollout);
+  const auto refusal = [](const v1::Trajectory& t, const TrajectoryLimits& limits) {
+    const absl::StatusOr<Rollout> result = CheckTrajectory(t, limits);
+    EXPECT_FALSE(result.ok());
+    EXPECT_EQ(FieldOfError(result.status()), "routed_experts") << result.status();
+    return std::string(result.status().message());
+  };
+  EXPECT_THAT(refusal(routed, {}), HasSubstr("start dta-dispatcher with --routed_experts_model"));
+  EXPECT_THAT(refusal(routed, {.routing = Routing(10)}),
+              HasSubstr("row 1, layer 1: [7, 10]: expert 10 is not in [0, 10)"));
+  EXPECT_THAT(refusal(Valid(), {.routing = Routing(16), .require_routed_experts = true}),
+              HasSubstr("missing: routing replay is on"));
+  EXPECT_TRUE(CheckTrajectory(Valid(), {.routing = Routing(16)}).ok());  // replay is optional
+
+  v1::Trajectory t = routed;
+  t.mutable_routed_experts()->mutable_ids()->pop_back();
+  EXPECT_THAT(refusal(t, {.routing = Routing(16)}),
+              HasSubstr("17 bytes are not whole rows of 3 layers x 2 ids of 1 bytes"));
+  t = routed;
+  t.mutable_routed_experts()->set_id_type(v1::RoutedExperts::ID_TYPE_UNSPECIFIED);
+  EXPECT_THAT(refusal(t, {.routing = Routing(16)}), HasSubstr("is not UINT8, UINT16 or INT32"));
+  t = routed;
+  t.mutable_routed_experts()->set_top_k(4);
+  EXPECT_THAT(refusal(t, {.routing = Routing(16)}), HasSubstr("are not whole rows"));
+  Rollout top_3 = rollout;
+  top_3.routed_experts = RoutedExperts{.layers = 3, .top_k = 3, .ids = {}};
+  for (int i = 0; i < 27; ++i) top_3.routed_experts->ids.push_back(i % 3);
+  EXPECT_THAT(refusal(TrajectoryFromRollout(top_3), {.routing = Routing(16)}),
+              HasSubstr("top_k is 3 but the model routes each token to 2 experts"));
+  EXPECT_THAT(refusal(routed, {.routing = Routing(16), .max_routed_experts_bytes = 17}),
+              HasSubstr("18 bytes of ids, more than the limit of 17"));
+  // Unchecked conversion of bytes that do not decode: ValidateRollout refuses the result.
+  t = routed;
+  t.mutable_routed_experts()->mutable_ids()->pop_back();
+  EXPECT_FALSE(ValidateRollout(RolloutFromTrajectory(t)).ok());
 }
 
 TEST(Trajectory, FieldOfErrorNeedsTheFieldPrefix) {

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -461,6 +462,228 @@ INSTANTIATE_TEST_SUITE_P(Families, RouterBalanceEquivalence,
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
+
+// Routing replay (Rollout::routed_experts): rollouts carry the experts an inference engine routed
+// each token to, and every method routes them so. Routings are a function of each token's prefix
+// (rollouts through a shared prefix agree on it, as one engine's radix cache makes them), except
+// where a rollout is given a conflicting one: the tree then splits there
+// (GradientResult::replay_split_tokens), and every method still equals dense.
+int64_t FirstSparseLayer(const ModelConfig& c) {
+  int64_t l = 0;
+  while (!IsSparseLayer(c, l)) ++l;
+  return l;
+}
+
+class RoutingReplayEquivalence : public FamilyEquivalence {
+ protected:
+  struct Routing {
+    bool every_layer = false;  // rows of every decoder layer (the engines' form), else sparse only
+    uint64_t salt = 0;
+    int conflict_every = 0;  // rollout i (i % n == n - 1) gets a different routing at one position
+  };
+
+  // k distinct experts for (seed, layer).
+  std::vector<int32_t> Experts(uint64_t seed, int64_t layer) const {
+    const ModelConfig& c = model_.config();
+    std::vector<int32_t> experts(c.num_experts);
+    std::iota(experts.begin(), experts.end(), 0);
+    std::mt19937_64 rng(seed * 1000003 + static_cast<uint64_t>(layer));
+    std::shuffle(experts.begin(), experts.end(), rng);
+    experts.resize(c.num_experts_per_tok);
+    return experts;
+  }
+
+  // Attaches routed experts to the rollouts: odd ones lack the last token's row, every fourth
+  // (from the third) has no routing at all, and token 1 of the second is not recorded.
+  void AttachRouting(std::vector<Rollout>& rollouts, const Routing& routing) const {
+    const ModelConfig& c = model_.config();
+    std::vector<int64_t> sparse;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      if (IsSparseLayer(c, l)) sparse.push_back(l);
+    const int64_t k = c.num_experts_per_tok;
+    for (size_t i = 0; i < rollouts.size(); ++i) {
+      Rollout& r = rollouts[i];
+      if (i % 4 == 2) continue;
+      const int32_t layers =
+          static_cast<int32_t>(routing.every_layer ? c.num_hidden_layers : sparse.size());
+      RoutedExperts routed{.layers = layers, .top_k = static_cast<int32_t>(k), .ids = {}};
+      const int64_t rows = static_cast<int64_t>(r.tokens.size()) - static_cast<int64_t>(i % 2);
+      const bool conflicting =
+          routing.conflict_every > 0 &&
+          static_cast<int>(i % routing.conflict_every) == routing.conflict_every - 1;
+      uint64_t prefix = routing.salt;
+      for (int64_t t = 0; t < rows; ++t) {
+        prefix = prefix * 1099511628211ULL + static_cast<uint64_t>(r.tokens[t]) + 1;
+        const uint64_t seed = prefix + (conflicting && t == rows / 2 ? 77 : 0);
+        for (int32_t l = 0; l < layers; ++l) {
+          const bool is_sparse = !routing.every_layer || IsSparseLayer(c, l);
+          const std::vector<int32_t> experts =
+              (i == 1 && t == 1) ? std::vector<int32_t>(k, kNotRecorded)
+              : is_sparse        ? Experts(seed, l)
+                                 : std::vector<int32_t>(k, 0);  // the engine's unused rows
+          routed.ids.insert(routed.ids.end(), experts.begin(), experts.end());
+        }
+      }
+      r.routed_experts = std::move(routed);
+    }
+  }
+
+  void CheckReplay(std::vector<Rollout> rollouts, const Routing& routing, const std::string& what,
+                   const std::vector<int64_t>& blocks = {1, 3, 64, kUnboundedBlock}) {
+    AttachRouting(rollouts, routing);
+    CheckAllMethods(rollouts, {.kind = LossKind::kPpo, .router_aux_loss_coef = 0.7}, what + " aux",
+                    blocks);
+    // Decoupled PPO's proximal log-probabilities come from a forward-only pass, which replays too.
+    CheckAllMethods(rollouts, {.kind = LossKind::kDecoupledPpo}, what + " decoupled", {2});
+  }
+
+  // The sparse layers' own top-k of a rollout forwarded alone: [T, sparse layers, k] int32, each
+  // layer's set in increasing expert order.
+  at::Tensor OwnRouting(const Rollout& rollout) const {
+    torch::autograd::AutoGradMode no_grad(false);
+    const int64_t length = static_cast<int64_t>(rollout.tokens.size());
+    const ChunkInput input{
+        .tokens = at::tensor(std::vector<int64_t>(rollout.tokens.begin(), rollout.tokens.end())),
+        .positions = at::arange(length),
+        .router_statistics = true};
+    const ChunkContext context = model_.MakeContext(input);
+    at::Tensor h = model_.Embed(input.tokens);
+    std::vector<at::Tensor> layers;
+    for (int64_t l = 0; l < model_.config().num_hidden_layers; ++l) {
+      const LayerOutput out = model_.ForwardLayer(l, h, context, {});
+      if (out.router_counts.defined()) {
+        // The indicator rows' nonzero columns, in increasing order.
+        const at::Tensor chosen =
+            std::get<1>(out.router_counts.topk(model_.config().num_experts_per_tok, 1));
+        layers.push_back(std::get<0>(chosen.sort(1)).to(at::kInt));
+      }
+      h = out.hidden;
+    }
+    return at::stack(layers, 1);
+  }
+};
+
+TEST_P(RoutingReplayEquivalence, EveryMethodOnTheAdversarialTrees) {
+  const std::vector<std::vector<TokenId>> adversarial = {
+      {5}, {5, 6}, {5, 6}, {5, 6, 7}, {5}, {4}, {5, 6, 7, 8, 9, 10}, {5, 6, 7}};
+  CheckReplay(MakeRollouts(adversarial, 11), {}, "agreeing, sparse rows");
+  CheckReplay(MakeRollouts(adversarial, 11), {.every_layer = true, .salt = 3, .conflict_every = 3},
+              "conflicting, every layer's rows");
+  for (uint64_t seed = 0; seed < 2; ++seed) {
+    CheckReplay(MakeRollouts(testing::RandomRollouts(
+                                 seed, {.max_rollouts = 10, .max_length = 12, .vocab = 4}),
+                             seed),
+                {.salt = seed, .conflict_every = 2}, "seed " + std::to_string(seed));
+  }
+  std::vector<TokenId> chain(300);
+  for (size_t i = 0; i < chain.size(); ++i) chain[i] = static_cast<TokenId>((i * 7) % 19);
+  std::vector<TokenId> branch(chain.begin(), chain.begin() + 200);
+  branch.push_back(3);
+  CheckReplay(MakeRollouts({chain, branch, chain}, 5), {.conflict_every = 3}, "chain", {1, 64});
+}
+
+// Replaying the router's own choice is training without replay; replaying another changes the
+// log-probabilities (so the rows reach the experts).
+TEST_P(RoutingReplayEquivalence, OwnRoutingIsNoReplayAndOtherRoutingIsNot) {
+  std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3, 4, 5, 6}, {1, 2, 3, 7}}, 2);
+  for (Rollout& r : rollouts) r.group = "g";  // one group: non-zero GRPO advantages
+  const LossOptions loss{.kind = LossKind::kPpo, .router_aux_loss_coef = 0.3};
+  const ExecutorOptions dta{.method = Method::kDta, .block_size = 2};
+  const MethodRun free = RunMethod(model_, rollouts, loss, dta);
+  const ModelConfig& c = model_.config();
+  for (Rollout& r : rollouts) {
+    const at::Tensor own = OwnRouting(r).contiguous();
+    const int32_t* data = own.data_ptr<int32_t>();
+    r.routed_experts = RoutedExperts{.layers = static_cast<int32_t>(own.size(1)),
+                                     .top_k = static_cast<int32_t>(c.num_experts_per_tok),
+                                     .ids = std::vector<int32_t>(data, data + own.numel())};
+  }
+  const MethodRun own = RunMethod(model_, rollouts, loss, dta);
+  EXPECT_EQ(own.result.replay_split_tokens, 0);
+  ExpectSame(model_, own, free, "own routing replayed");
+  // Every recorded row rotated by one expert: a different routing wherever k < E.
+  for (Rollout& r : rollouts) {
+    for (int32_t& id : r.routed_experts->ids) id = static_cast<int32_t>((id + 1) % c.num_experts);
+  }
+  const MethodRun other = RunMethod(model_, rollouts, loss, dta);
+  EXPECT_GT(RelativeError(other.result.logprobs[0], free.result.logprobs[0]), 1e-6);
+  ExpectSame(model_, other, RunMethod(model_, rollouts, loss, {.method = Method::kDense}),
+             "rotated routing");
+}
+
+// Two rollouts that share three tokens but were routed differently at the second do not share it:
+// the tree holds 1 + 2 x 3 unique tokens instead of 3 + 2.
+TEST_P(RoutingReplayEquivalence, DisagreeingRoutingSplitsTheSharedPrefix) {
+  std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3, 4}, {1, 2, 3, 5}}, 3);
+  AttachRouting(rollouts, {});
+  // The second's rows (one fewer than its tokens) are the first's: one routing of the prefix.
+  RoutedExperts& second = *rollouts[1].routed_experts;
+  const std::vector<int32_t>& first = rollouts[0].routed_experts->ids;
+  std::copy(first.begin(), first.begin() + static_cast<int64_t>(second.ids.size()),
+            second.ids.begin());
+  const ExecutorOptions packed{.method = Method::kPacked};
+  EXPECT_EQ(RunMethod(model_, rollouts, {}, packed).result.replay_split_tokens, 0);
+  const int64_t row = static_cast<int64_t>(second.layers) * second.top_k;
+  std::rotate(second.ids.begin() + row, second.ids.begin() + row + 1,
+              second.ids.begin() + 2 * row);  // row 1: the same experts in another order
+  EXPECT_EQ(RunMethod(model_, rollouts, {}, packed).result.replay_split_tokens, 2);
+}
+
+TEST_P(RoutingReplayEquivalence, RefusesRoutingThatDoesNotFitTheModel) {
+  const ModelConfig& c = model_.config();
+  const auto refused = [&](const RoutedExperts& routed, const std::string& expected) {
+    std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3}, {1, 2}}, 1);
+    rollouts[1].routed_experts = routed;
+    for (const Method method : {Method::kDense, Method::kPacked, Method::kDta}) {
+      try {
+        RunMethod(model_, rollouts, {}, {.method = method});
+        ADD_FAILURE() << "accepted: " << expected;
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("rollout 'r1': field 'routed_experts': " + expected),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  };
+  int32_t sparse = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) sparse += IsSparseLayer(c, l);
+  const int32_t k = static_cast<int32_t>(c.num_experts_per_tok);
+  // `rows` rows of `layers` x `top_k` ids, 0 .. top_k - 1 at each layer (the first row's first id
+  // `first`).
+  const auto routing = [](int32_t rows, int32_t layers, int32_t top_k, int32_t first = 0) {
+    RoutedExperts routed{.layers = layers, .top_k = top_k, .ids = {}};
+    for (int32_t i = 0; i < rows * layers * top_k; ++i) routed.ids.push_back(i % top_k);
+    routed.ids[0] = first;
+    return routed;
+  };
+  refused(routing(1, sparse, k + 1), "top_k is " + std::to_string(k + 1));
+  refused(routing(1, static_cast<int32_t>(c.num_hidden_layers) + 1, k),
+          std::to_string(c.num_hidden_layers + 1) + " layers per row, but the model has");
+  refused(routing(3, sparse, k), "3 rows for 2 tokens");
+  const int32_t experts = static_cast<int32_t>(c.num_experts);
+  refused(routing(2, sparse, k, experts),
+          "row 0, layer " + std::to_string(FirstSparseLayer(c)) + ": [" + std::to_string(experts));
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, RoutingReplayEquivalence,
+                         ::testing::ValuesIn(MixtureOfExpertsFamilyTypes()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+TEST_F(Equivalence, RoutingReplayNeedsAMixtureOfExperts) {
+  std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3}}, 1);
+  rollouts[0].routed_experts = RoutedExperts{.layers = 2, .top_k = 1, .ids = {0, 0, 0, 0}};
+  try {
+    RunMethod(model_, rollouts, {}, {.method = Method::kDta});
+    FAIL() << "a dense model took routed experts";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rollout 'r0': field 'routed_experts': the model (qwen3) "
+                                         "has no mixture-of-experts layers"),
+              std::string::npos)
+        << e.what();
+  }
+}
 
 TEST_F(Equivalence, RouterBalanceNeedsAMixtureOfExperts) {
   const std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3}}, 1);
