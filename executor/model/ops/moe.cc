@@ -5,6 +5,7 @@
 
 #include "executor/model/ops/numerics.h"
 #include "kernels/fused_layers.h"
+#include "kernels/grouped_gemm.h"
 
 namespace dta {
 
@@ -49,13 +50,16 @@ at::Tensor GroupedMatmul(const at::Tensor& x, const at::Tensor& w, const at::Ten
 }
 
 // accumulator[e] += dy[rows of e]^T @ x[rows of e]: a stacked weight's gradient. dy [N, M],
-// x [N, K], accumulator [E, M, K]. On CUDA at::_grouped_mm returns its inputs' dtype, so the
-// product is formed from float32 copies of dy and x (in the accumulator's precision): a bfloat16
-// product would round every chunk's expert gradient to bfloat16 before the float32 sum, an error
-// that grows with the number of chunks (dta with small B). Slower than a bfloat16 GEMM with a
-// float32 output, which needs a grouped GEMM of our own (CUTLASS).
+// x [N, K], accumulator [E, M, K]. On Hopper one grouped GEMM of our own (kernels/grouped_gemm.h)
+// accumulates the bfloat16 operands' product into the float32 gradient in place. Elsewhere on CUDA
+// at::_grouped_mm returns its inputs' dtype, so the product is formed from float32 copies of dy
+// and x (in the accumulator's precision, 15x slower on an H200): a bfloat16 product would round
+// every chunk's expert gradient to bfloat16 before the float32 sum, an error that grows with the
+// number of chunks (dta with small B).
 void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const at::Tensor& x,
                           const at::Tensor& ends) {
+  // One grouped GEMM of the bfloat16 operands into the float32 gradient where the GPU has it.
+  if (UseGroupedMm(dy) && kernels::AddGroupedWeightGrad(accumulator, dy, x, ends)) return;
   if (UseGroupedMm(dy)) {
     const at::ScalarType wide = accumulator.scalar_type();
     accumulator.add_(at::_grouped_mm(dy.to(wide).t(), x.to(wide), ends.to(at::kInt)));

@@ -2,10 +2,10 @@
 // function, fused with the post-attention norm before it. A chunk's tokens are routed once per
 // forward, and each expert projection is one grouped GEMM over the (token, expert) pairs sorted by
 // expert: at::_grouped_mm on CUDA, with no host read-back of the routing; on the CPU, and for
-// float64 anywhere, a loop over the experts with tokens. On CUDA the grouped GEMMs return their
-// inputs' dtype, so the experts' weight gradients are formed from float32 copies (a bfloat16
-// product would round each chunk's gradient before the float32 sum; slower, until a grouped GEMM
-// with a float32 output of our own).
+// float64 anywhere, a loop over the experts with tokens. The experts' weight gradients accumulate
+// in float32: on Hopper through one grouped GEMM of our own into the float32 .grad
+// (kernels/grouped_gemm.h); on other GPUs from float32 copies (at::_grouped_mm returns its inputs'
+// dtype, and a bfloat16 product would round each chunk's gradient before the float32 sum).
 //
 // Example:
 //   variable_list moe = SparseMoe::apply(h, post_norm, eps, router, experts_gate, experts_up,
