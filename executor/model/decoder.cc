@@ -34,8 +34,12 @@ LayerPrefix PrefixOfLayer(const PrefixKv& prefix, int64_t l) {
 }  // namespace
 
 Decoder::Decoder(const ModelConfig& config, at::TensorOptions options,
-                 std::shared_ptr<const TensorParallelGroup> tensor_parallel)
-    : config_(config), options_(options), tensor_parallel_(std::move(tensor_parallel)) {
+                 std::shared_ptr<const TensorParallelGroup> tensor_parallel,
+                 std::shared_ptr<const ExpertParallelGroup> expert_parallel)
+    : config_(config),
+      options_(options),
+      tensor_parallel_(std::move(tensor_parallel)),
+      expert_parallel_(std::move(expert_parallel)) {
   const absl::Status valid = ValidateModelConfig(config);
   TORCH_CHECK(valid.ok(), "Decoder: ", std::string(valid.message()));
   TORCH_CHECK(config.head_dim % 2 == 0, "head_dim must be even for RoPE");
@@ -53,6 +57,12 @@ Decoder::Decoder(const ModelConfig& config, at::TensorOptions options,
   kv_heads_ = SplitRange(config.num_key_value_heads, rank, tp);
   intermediate_ = SplitRange(config.intermediate_size, rank, tp);
   moe_intermediate_ = SplitRange(config.moe_intermediate_size, rank, tp);
+  if (expert_parallel_size() > 1) {
+    TORCH_CHECK(config.num_experts >= expert_parallel_size(), "expert parallelism over ",
+                expert_parallel_size(), " ranks needs at least as many experts; the model has ",
+                config.num_experts);
+    experts_ = ExpertRange(config.num_experts, expert_parallel_->rank(), expert_parallel_size());
+  }
   vocab_ = SplitRange(config.vocab_size, rank, tp);
 
   // Every parameter as the layer spec lists it, this rank's part of each.
@@ -183,9 +193,12 @@ at::Tensor Decoder::Add(const ParameterSpec& spec) {
   const IndexRange range = LocalRange(spec);
   std::vector<int64_t> shape = spec.shape;
   if (!spec.split.replicated()) shape[spec.split.dim] = range.size();
+  const IndexRange experts = spec.per_expert() ? experts_ : IndexRange{};
+  if (experts.size() > 0) shape[0] = experts.size();
   at::Tensor parameter = at::zeros(shape, options_).requires_grad_(true);
   named_.emplace_back(spec.name, parameter);
-  splits_.push_back({.dim = spec.split.dim, .full_shape = spec.shape, .range = range});
+  splits_.push_back(
+      {.dim = spec.split.dim, .full_shape = spec.shape, .range = range, .experts = experts});
   return parameter;
 }
 
@@ -230,14 +243,18 @@ at::Tensor Decoder::LocalPart(size_t index, const at::Tensor& full) const {
   TORCH_CHECK(full.sizes() == at::IntArrayRef(split.full_shape), "Decoder::LocalPart: '",
               named_[index].first, "' has shape ", at::IntArrayRef(split.full_shape), ", not ",
               full.sizes());
-  if (split.replicated()) return full;
-  return full.narrow(split.dim, split.range.begin, split.range.size());
+  const at::Tensor experts =
+      split.expert_parallel() ? full.narrow(0, split.experts.begin, split.experts.size()) : full;
+  if (split.replicated()) return experts;
+  return experts.narrow(split.dim, split.range.begin, split.range.size());
 }
 
 at::Tensor Decoder::GatherParameter(size_t index) const {
   TORCH_CHECK(index < named_.size(), "Decoder::GatherParameter: no parameter ", index);
   const ParameterSplit& split = splits_[index];
   const at::Tensor local = named_[index].second.detach();
+  TORCH_CHECK(!split.expert_parallel(), "Decoder::GatherParameter: '", named_[index].first,
+              "' is spread over the expert-parallel ranks, whose gather is not built yet");
   if (split.replicated() || tensor_parallel_size() == 1) return local;
   // Ranks' parts differ in size by at most one row: gather them padded to the largest.
   const int tp = tensor_parallel_size();
@@ -386,6 +403,7 @@ BlockShared Decoder::SharedWithBlocks(int64_t l) const {
       .local_heads = local_heads(),
       .local_kv_heads = local_kv_heads(),
       .sparse_layer = layers_[l].sparse_index,
+      .expert_group = ExpertGroupHandle(expert_parallel_.get()),
       .linear_shape = &linear_shape_,
       .partial_norm_grads = partial_norm_grads_.defined() ? partial_norm_grads_[l] : at::Tensor()};
 }

@@ -95,6 +95,7 @@
 #include "executor/model/blocks/mlp_blocks.h"
 #include "executor/model/chunk_io.h"
 #include "executor/model/ops/gated_delta_net.h"
+#include "executor/parallel/expert_parallel.h"
 #include "executor/parallel/tensor_parallel.h"
 
 namespace dta {
@@ -107,22 +108,31 @@ struct LogprobOptions {
   double temperature = 1.0;
 };
 
-// How one parameter is split across the tensor-parallel ranks.
+// How one parameter is split across the tensor-parallel ranks (and, for a sparse layer's stacked
+// experts, the expert-parallel ranks).
 struct ParameterSplit {
   int64_t dim = -1;                 // the split dimension; -1: every rank holds all of it
   std::vector<int64_t> full_shape;  // the whole parameter's shape
   IndexRange range;                 // this rank's part of dimension `dim`
+  // Stacked experts [E, ...] under expert parallelism: this rank's experts (dimension 0), the
+  // tensor-parallel split applying within them; empty otherwise.
+  IndexRange experts;
   bool replicated() const { return dim < 0; }
+  bool expert_parallel() const { return experts.size() > 0; }
 };
 
 class Decoder {
  public:
   // Parameters are allocated (zeros) with `options` (dtype, device) and require grad. With
   // `tensor_parallel` (null or size 1: the whole model), this rank's part of each (see the header
-  // comment). TORCH_CHECK when ValidateModelConfig refuses the config (naming the field) or the
-  // group's size does not divide both head counts.
+  // comment). With `expert_parallel` (null or size 1: every expert), this rank's block of every
+  // sparse layer's experts (ExpertRange), whose tokens the EP ranks exchange (ops/moe.h): every EP
+  // rank must then run the same sequence of forward and backward calls. TORCH_CHECK when
+  // ValidateModelConfig refuses the config (naming the field), the group's size does not divide
+  // both head counts, or the EP group is larger than the number of experts.
   Decoder(const ModelConfig& config, at::TensorOptions options,
-          std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
+          std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr,
+          std::shared_ptr<const ExpertParallelGroup> expert_parallel = nullptr);
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
   Decoder(Decoder&&) = default;
@@ -143,6 +153,10 @@ class Decoder {
   // q_norm and k_norm without the family's q/k norm, biases where the family has none.
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
   at::Tensor parameter(const std::string& name) const;
+
+  // Expert parallelism. Null and 1 without it.
+  const ExpertParallelGroup* expert_parallel() const { return expert_parallel_.get(); }
+  int expert_parallel_size() const { return expert_parallel_ ? expert_parallel_->size() : 1; }
 
   // Tensor parallelism. Null and 1 without it.
   const TensorParallelGroup* tensor_parallel() const { return tensor_parallel_.get(); }
@@ -227,6 +241,8 @@ class Decoder {
   ModelConfig config_;
   at::TensorOptions options_;
   std::shared_ptr<const TensorParallelGroup> tensor_parallel_;
+  std::shared_ptr<const ExpertParallelGroup> expert_parallel_;
+  IndexRange experts_;  // this rank's experts (all of them without expert parallelism)
   IndexRange heads_, kv_heads_, intermediate_, moe_intermediate_, vocab_;  // this rank's parts
   at::Tensor embed_, final_norm_, lm_head_;
   at::Tensor inv_freq_;  // RoPE's inverse frequencies [R / 2], compute dtype (ops/rope.h)
