@@ -272,6 +272,9 @@ int Run() {
          // The mean router load-balancing loss `loss` includes (null when off).
          {"router_aux_loss", loss.router_aux_loss_coef > 0 ? nlohmann::json(result.router_aux_loss)
                                                            : nlohmann::json(nullptr)},
+         // Routing replay: the unique tokens the tree gained because shared tokens were routed
+         // differently (0 without routed experts).
+         {"replay_split_tokens", result.replay_split_tokens},
          {"grad_norm", step_stats.grad_norm},
          {"lr", step_stats.lr},
          {"rollout_tokens", result.rollout_tokens},

@@ -103,11 +103,16 @@ int64_t RunTrainerSteps(TrainerSession& session, Decoder& model, TrainingOptimiz
                                               : std::nullopt;
     std::fprintf(
         stderr,
-        "%s: step %lld%s: %d rollouts, loss %.6g%s, grad norm %.4g%s, lr %.4g, %.2f s, optimizer "
-        "%.2f s%s\n",
+        "%s: step %lld%s: %d rollouts, loss %.6g%s%s, grad norm %.4g%s, lr %.4g, %.2f s, "
+        "optimizer %.2f s%s\n",
         prefix, static_cast<long long>(step - 1), partition.replay ? " (replay)" : "",
         static_cast<int>(rollouts.size()), result.loss,
         router_aux_loss ? absl::StrFormat(" (router aux loss %.6g)", *router_aux_loss).c_str() : "",
+        result.replay_split_tokens > 0
+            ? absl::StrFormat(" (routing replay unshared %lld tokens)",
+                              static_cast<long long>(result.replay_split_tokens))
+                  .c_str()
+            : "",
         stats.grad_norm, stats.skipped ? " (not finite: step skipped, nothing updated)" : "",
         stats.lr, seconds, optimizer_seconds, DiagnosticsSuffix(result.diagnostics).c_str());
     if (options.on_step) {
@@ -119,6 +124,7 @@ int64_t RunTrainerSteps(TrainerSession& session, Decoder& model, TrainingOptimiz
                        .tree_tokens = partition.tree_tokens,
                        .loss = result.loss,
                        .router_aux_loss = router_aux_loss,
+                       .replay_split_tokens = result.replay_split_tokens,
                        .grad_norm = stats.grad_norm,
                        .lr = stats.lr,
                        .seconds = seconds,

@@ -56,6 +56,9 @@ struct StepReport {
   // This rank's share of the router load-balancing loss that `loss` includes (mixture-of-experts
   // models with --router_aux_loss_coef > 0); unset when the loss has none.
   std::optional<double> router_aux_loss;
+  // Routing replay: unique tokens this rank's tree gained because its rollouts were routed
+  // differently on shared tokens (GradientResult::replay_split_tokens).
+  int64_t replay_split_tokens = 0;
   double grad_norm = 0;  // of the whole model, after synchronisation
   double lr = 0;
   double seconds = 0;  // fetch to gradients synchronised

@@ -25,6 +25,9 @@ Scalars StepScalars(const StepReport& report) {
       {"peak_memory_gib", report.peak_memory_gib},
       {"skipped", report.skipped ? 1.0 : 0.0}};
   if (report.router_aux_loss) scalars.emplace_back("router_aux_loss", *report.router_aux_loss);
+  if (report.replay_split_tokens > 0) {
+    scalars.emplace_back("replay_split_tokens", static_cast<double>(report.replay_split_tokens));
+  }
   for (const auto& [name, value] : report.diagnostics.Applicable())
     scalars.emplace_back("rl/" + name, value);
   return scalars;

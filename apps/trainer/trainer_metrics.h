@@ -17,7 +17,8 @@ namespace dta {
 // The step's scalars: loss, grad_norm, lr, step_seconds, optimizer_seconds, rollouts,
 // rollout_tokens, forwarded_tokens, tree_tokens, rollout_tokens_per_second, compression (rollout
 // over tree tokens of this rank's partition), peak_memory_gib, skipped, router_aux_loss when the
-// loss has one, and the RL diagnostics that apply as "rl/<name>" (LossDiagnostics::Applicable).
+// loss has one, replay_split_tokens when routing replay unshared any, and the RL diagnostics that
+// apply as "rl/<name>" (LossDiagnostics::Applicable).
 Scalars StepScalars(const StepReport& report);
 
 class TrainerMetrics {

@@ -190,6 +190,7 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
   stats.rollout_tokens = result.rollout_tokens;
   stats.forwarded_tokens = result.forwarded_tokens;
   stats.router_aux_loss = result.router_aux_loss;
+  stats.replay_split_tokens = result.replay_split_tokens;
   return stats;
 }
 

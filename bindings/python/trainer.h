@@ -36,12 +36,13 @@
 namespace dta::python {
 
 struct GradientStats {
-  double loss = 0;               // the batch loss (sum over rollouts of the normalised losses)
-  int64_t rollout_tokens = 0;    // every rollout's tokens
-  int64_t tree_tokens = 0;       // the batch's unique tokens (its prefix tree's)
-  int64_t forwarded_tokens = 0;  // tokens pushed through the model, recomputation included
-  double router_aux_loss = 0;    // GradientResult::router_aux_loss (0 when off)
-  LossDiagnostics diagnostics;   // the whole batch's
+  double loss = 0;                  // the batch loss (sum over rollouts of the normalised losses)
+  int64_t rollout_tokens = 0;       // every rollout's tokens
+  int64_t tree_tokens = 0;          // the batch's unique tokens (its prefix tree's)
+  int64_t forwarded_tokens = 0;     // tokens pushed through the model, recomputation included
+  double router_aux_loss = 0;       // GradientResult::router_aux_loss (0 when off)
+  int64_t replay_split_tokens = 0;  // GradientResult::replay_split_tokens
+  LossDiagnostics diagnostics;      // the whole batch's
 };
 
 // How a trainer spreads over processes: the layout options of dta-train and dta-trainer.

@@ -118,6 +118,7 @@ py::dict GradientStatsDict(const GradientStats& s) {
   d["tree_tokens"] = s.tree_tokens;
   d["forwarded_tokens"] = s.forwarded_tokens;
   d["router_aux_loss"] = s.router_aux_loss;
+  d["replay_split_tokens"] = s.replay_split_tokens;
   const LossDiagnostics& g = s.diagnostics;
   py::dict diagnostics;
   for (const auto& [name, value] : std::initializer_list<std::pair<const char*, double>>{

@@ -13,7 +13,8 @@ void SumOverReplicas(ProcessGroup& data_parallel, int replica, int replicas,
   // gathers them).
   std::vector<double> values = {result.loss, static_cast<double>(result.rollout_tokens),
                                 static_cast<double>(result.forwarded_tokens),
-                                result.router_aux_loss};
+                                result.router_aux_loss,
+                                static_cast<double>(result.replay_split_tokens)};
   const std::array<double, LossDiagnostics::kSums> diagnostics = result.diagnostics.Sums();
   values.insert(values.end(), diagnostics.begin(), diagnostics.end());
   const size_t extremes = values.size();
@@ -25,8 +26,9 @@ void SumOverReplicas(ProcessGroup& data_parallel, int replica, int replicas,
   result.rollout_tokens = static_cast<int64_t>(sums[1]);
   result.forwarded_tokens = static_cast<int64_t>(sums[2]);
   result.router_aux_loss = sums[3];  // each replica's is over the global rollout count already
+  result.replay_split_tokens = static_cast<int64_t>(sums[4]);
   std::array<double, LossDiagnostics::kSums> summed;
-  std::copy_n(sums.begin() + 4, LossDiagnostics::kSums, summed.begin());
+  std::copy_n(sums.begin() + 5, LossDiagnostics::kSums, summed.begin());
   double ratio_max = -std::numeric_limits<double>::infinity();
   double ratio_min = std::numeric_limits<double>::infinity();
   for (int k = 0; k < replicas; ++k) {

@@ -8,7 +8,8 @@
 namespace dta {
 
 // `result` is replica `replica`'s (of `replicas`, the ranks of `data_parallel`); afterwards it is
-// the batch's: loss, rollout_tokens, forwarded_tokens, router_aux_loss and diagnostics. Logprobs
+// the batch's: loss, rollout_tokens, forwarded_tokens, router_aux_loss, replay_split_tokens and
+// diagnostics. Logprobs
 // stay this replica's. Every replica calls it.
 void SumOverReplicas(ProcessGroup& data_parallel, int replica, int replicas,
                      GradientResult& result);

@@ -454,6 +454,12 @@ def test_trainer_replays_every_form_alike(moe_config):
     stats = trainer.train_batch([dataclasses.replace(t, routed_experts=t.routed_experts.tolist()) for t in ts],
                                 loss="grpo", method="dta")
     assert stats.loss == stats.loss and trainer.step_count == 1  # finite, and a step taken
+    # Two copies of one trajectory routed differently from token 3 on do not share tokens 3..8.
+    twin = ts[0].routed_experts.clone()
+    twin[3:] = torch.roll(twin[3:], 1, dims=-1)  # the same experts in another order
+    pair = [ts[0], dataclasses.replace(ts[0], id="twin", routed_experts=twin)]
+    assert trainer.compute_gradients(pair, loss="grpo").replay_split_tokens == len(ts[0].tokens) - 3
+    assert trainer.compute_gradients(pair[:1], loss="grpo").replay_split_tokens == 0
 
     bad = dataclasses.replace(ts[1], routed_experts=with_id(ts[1].routed_experts, 2, 0, 1, EXPERTS))
     with pytest.raises(RuntimeError, match=r"rollout 'r1': field 'routed_experts': row 2, layer 0: .* expert 5 is "

@@ -380,6 +380,9 @@ class TrainStats:
         router_aux_loss: With ``router_aux_loss_coef``: the mean over the trajectories of their
             router load-balancing losses (without the coefficient; ``loss`` includes coef times
             it); 0 when off.
+        replay_split_tokens: Routing replay: the unique tokens the batch's tree gained because
+            trajectories were routed differently on tokens they share (such prefixes are not
+            shared); 0 without routed experts.
         seconds: Wall time (gradients, plus the optimizer step for train_batch).
         method: ``dta``, ``dense`` or ``packed``.
         grad_norm: Global gradient norm before clipping (train_batch only, else None).
@@ -410,6 +413,7 @@ class TrainStats:
     seconds: float
     method: str
     router_aux_loss: float = 0.0
+    replay_split_tokens: int = 0
     grad_norm: float | None = None
     clip_coef: float | None = None
     step: int | None = None

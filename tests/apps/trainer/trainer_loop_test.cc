@@ -536,5 +536,14 @@ TEST(TrainerMetrics, TheRouterAuxLossIsReportedWhenTheLossHasOne) {
   for (const auto& [name, value] : StepScalars(report)) EXPECT_NE(name, "router_aux_loss");
 }
 
+// Routing replay that unshared tokens (rollouts routed differently on shared tokens) says how many.
+TEST(TrainerMetrics, TokensUnsharedByRoutingReplayAreReportedWhenThereAreAny) {
+  StepReport report{.step = 1, .loss = 0.5, .replay_split_tokens = 12};
+  EXPECT_THAT(StepScalars(report),
+              ::testing::Contains(std::pair<std::string, double>("replay_split_tokens", 12)));
+  report.replay_split_tokens = 0;
+  for (const auto& [name, value] : StepScalars(report)) EXPECT_NE(name, "replay_split_tokens");
+}
+
 }  // namespace
 }  // namespace dta
