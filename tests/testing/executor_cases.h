@@ -18,6 +18,22 @@
 
 namespace dta::testing {
 
+// The executor tests' tiny model: 2 layers of hidden size 16 (4 heads of 8, 2 KV heads), MLP width
+// 24, untied embeddings, a vocabulary of `vocab`.
+inline ModelConfig TinyConfig(int64_t vocab = 19) {
+  ModelConfig c;
+  c.vocab_size = vocab;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = false;
+  return c;
+}
+
 // `c` as a model of `family` ("qwen3": c itself) with what sets the family apart switched on:
 // attention biases (q/k/v, and o_proj for "llama"), no q/k norms, and scaled RoPE whose every band
 // matters within a few hundred positions at head_dim 8. "llama": llama3 scaling with theta 100

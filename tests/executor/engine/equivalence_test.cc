@@ -42,22 +42,9 @@ using testing::MakeRollouts;
 using testing::MethodRun;
 using testing::RelativeError;
 using testing::RunMethod;
+using testing::TinyConfig;
 
 constexpr double kTolerance = 1e-9;
-
-ModelConfig TinyConfig(int64_t vocab = 19) {
-  ModelConfig c;
-  c.vocab_size = vocab;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.rope_theta = 10000.0;
-  c.tie_word_embeddings = false;
-  return c;
-}
 
 void ExpectSame(const Decoder& model, const MethodRun& run, const MethodRun& reference,
                 const std::string& what) {

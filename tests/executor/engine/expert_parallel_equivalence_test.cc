@@ -22,19 +22,7 @@ using testing::MethodRun;
 using testing::RelativeError;
 using testing::RunMethod;
 
-ModelConfig TinyMoe() {
-  ModelConfig c;
-  c.vocab_size = 19;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.rope_theta = 10000.0;
-  c.tie_word_embeddings = false;
-  return testing::WithFamily(c, "qwen3_moe");
-}
+ModelConfig TinyMoe() { return testing::WithFamily(testing::TinyConfig(), "qwen3_moe"); }
 
 // Rank r's rollouts: three per rank (dense runs them one forward each), different trees.
 std::vector<Rollout> RankRollouts(int rank) {
