@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "executor/engine/checkpointing.h"
+#include "executor/engine/lockstep.h"
 #include "executor/engine/methods.h"
 
 namespace dta::engine {
@@ -21,7 +22,16 @@ GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts
   int64_t total_work = 0;
   for (const Rollout& rollout : rollouts)
     total_work += (checkpointing ? 2 : 1) * static_cast<int64_t>(rollout.tokens.size());
-  for (int32_t r = 0; r < static_cast<int32_t>(rollouts.size()); ++r) {
+  // One model call per rollout, in lockstep with the other expert-parallel ranks.
+  std::vector<ModelCall> word;
+  for (const Rollout& rollout : rollouts) {
+    const int64_t length = static_cast<int64_t>(rollout.tokens.size());
+    word.push_back(plan == nullptr ? ForwardCall(length)
+                   : checkpointing ? LayerReplayCall(length)
+                                   : ForwardBackwardCall(length));
+  }
+  Lockstep(model, std::move(word)).Run([&](int64_t call) {
+    const auto r = static_cast<int32_t>(call);
     const at::Tensor& tokens = token_tensors[r];
     const int64_t length = tokens.size(0);
     const ChunkInput input{.tokens = tokens,
@@ -71,7 +81,7 @@ GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts
       total_loss = total_loss.defined() ? total_loss + loss.detach() : loss.detach();
     }
     if (options.progress) options.progress(result.forwarded_tokens, total_work);
-  }
+  });
   if (total_loss.defined()) result.loss = total_loss.item<double>();
   if (total_balance.defined())
     result.router_aux_loss = total_balance.item<double>() / plan->router_aux_loss_coef();

@@ -26,9 +26,11 @@
 // the rollouts through it, each rollout adding its row when its loss is attached; a chunk's
 // backward seeds its probabilities with those rows.
 //
-// Nothing in the loop reads a value back from the device: the schedule, the packed layouts and
-// the token ids are fixed on the host before the first kernel, and the loss stays a device scalar
-// until the end.
+// Nothing in the loop reads a value back from the device but, under expert parallelism, each
+// sparse layer's forward (its all-to-all's row counts): the schedule, the packed layouts and the
+// token ids are fixed on the host before the first kernel, and the loss stays a device scalar
+// until the end. Under expert parallelism the schedule's model calls run in lockstep with the
+// other ranks' (lockstep.h).
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -42,6 +44,7 @@
 #include "core/tree/prefix_tree.h"
 #include "core/tree/sharing_groups.h"
 #include "executor/device/memory.h"
+#include "executor/engine/lockstep.h"
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
 #include "kernels/batched_copy.h"
@@ -586,7 +589,9 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
   const bool balance = training && plan->balances_routers();
   PathStack stack(model, max_len, with_entropy, training, balance);
   const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
-  const std::vector<Pass> passes = PlanPasses(replay, options, chunks, training);
+  // A rank of an expert-parallel group may have no rollouts: it only serves the others' tokens.
+  const std::vector<Pass> passes =
+      rollouts.empty() ? std::vector<Pass>() : PlanPasses(replay, options, chunks, training);
 
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
   at::Tensor loss = at::zeros({}, stack.logprobs.options());
@@ -608,83 +613,126 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
       }
     }
   }
-  for (const Pass& pass : passes) {
+  // Every pass's steps in order; linear-attention models keep recurrent states at StatePoints.
+  struct PlannedStep {
+    size_t pass, step;
+  };
+  std::vector<PlannedStep> steps;
+  std::vector<std::vector<std::vector<int64_t>>> state_points(passes.size());
+  for (size_t p = 0; p < passes.size(); ++p) {
+    if (stack.linear) state_points[p] = StatePoints(passes[p].schedule);
+    for (size_t s = 0; s < passes[p].schedule.steps.size(); ++s) steps.push_back({p, s});
+  }
+  std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
+  auto run_step = [&](const PlannedStep& planned) {
+    const Pass& pass = passes[planned.pass];
+    const Step& step = pass.schedule.steps[planned.step];
     auto batch_of = [&](RolloutIndex r) { return pass.batch_index[r]; };
     auto tokens_of = [&](RolloutIndex r) -> const at::Tensor& {
       return token_tensors[batch_of(r)];
     };
-    // The replayed routing of a chunk's positions (undefined without replay).
-    auto routed_of = [&](const Step& step) {
+    // The replayed routing of the step's positions (undefined without replay).
+    auto routed = [&] {
       return replay.Rows(batch_of(step.rollout), step.begin, step.end, model.options().device());
     };
-    const std::vector<std::vector<int64_t>> state_points =
-        stack.linear ? StatePoints(pass.schedule) : std::vector<std::vector<int64_t>>();
-    std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
-    for (size_t s = 0; s < pass.schedule.steps.size(); ++s) {
-      const Step& step = pass.schedule.steps[s];
-      const int64_t forwarded_before = result.forwarded_tokens;
-      switch (step.kind) {
-        case StepKind::kForward: {
-          Chunk chunk =
-              ForwardChunk(model, stack, tokens_of(step.rollout), routed_of(step), step.begin,
-                           step.end, step.with_graph, with_entropy, LogprobOptionsOf(options),
-                           stack.linear ? state_points[s] : std::vector<int64_t>());
-          Push(stack, chunk);
-          result.forwarded_tokens += step.size();
-          if (step.with_graph) kept.push_back(std::move(chunk));
-          break;
-        }
-        case StepKind::kAttachLoss: {
-          const int64_t length = step.end;
-          const RolloutIndex r = batch_of(step.rollout);
-          result.logprobs[r] = stack.logprobs.slice(0, 0, length).clone();
-          if (!training) break;
-          const at::Tensor entropy =
-              with_entropy ? stack.entropy.slice(0, 0, length).clone() : at::Tensor();
-          const RolloutLossGrad g = plan->LossAndGrad(r, result.logprobs[r], entropy);
-          stack.grad_logprobs.slice(0, 0, length).add_(g.dlogprobs);
-          if (with_entropy) stack.grad_entropy.slice(0, 0, length).add_(g.dentropy);
-          loss += g.loss;
-          if (balance) {
-            const at::Tensor term = AttachRouterBalance(stack, *plan, r, length);
-            balance_total = balance_total.defined() ? balance_total + term : term;
-            loss += term;
-          }
-          break;
-        }
-        case StepKind::kBackward: {
-          if (step.reuses_graph) {
-            TORCH_CHECK(
-                !kept.empty() && kept.back().begin == step.begin && kept.back().end == step.end,
-                "schedule: no graph to reuse");
-            Backward(stack, kept.back());
-            kept.pop_back();
-          } else {
-            Chunk chunk = ForwardChunk(model, stack, tokens_of(step.rollout), routed_of(step),
-                                       step.begin, step.end, /*with_graph=*/true, with_entropy,
-                                       LogprobOptionsOf(options));
-            result.forwarded_tokens += step.size();
-            Backward(stack, chunk);
-          }
-          break;
-        }
-        case StepKind::kPop:
-          Pop(stack, step.begin, step.end);
-          break;
-        case StepKind::kPacked: {
-          TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
-          loss += RunPackedStep(
-              model, stack, replay,
-              absl::MakeConstSpan(pass.batch_order).subspan(step.first, step.last - step.first),
-              step.begin, *plan, LogprobOptionsOf(options), result.logprobs, balance_total);
-          result.forwarded_tokens += step.packed_tokens;
-          break;
-        }
+    const int64_t forwarded_before = result.forwarded_tokens;
+    switch (step.kind) {
+      case StepKind::kForward: {
+        Chunk chunk = ForwardChunk(
+            model, stack, tokens_of(step.rollout), routed(), step.begin, step.end, step.with_graph,
+            with_entropy, LogprobOptionsOf(options),
+            stack.linear ? state_points[planned.pass][planned.step] : std::vector<int64_t>());
+        Push(stack, chunk);
+        result.forwarded_tokens += step.size();
+        if (step.with_graph) kept.push_back(std::move(chunk));
+        break;
       }
-      if (options.progress && result.forwarded_tokens != forwarded_before)
-        options.progress(result.forwarded_tokens, total_work);
+      case StepKind::kAttachLoss: {
+        const int64_t length = step.end;
+        const RolloutIndex r = batch_of(step.rollout);
+        result.logprobs[r] = stack.logprobs.slice(0, 0, length).clone();
+        if (!training) break;
+        const at::Tensor entropy =
+            with_entropy ? stack.entropy.slice(0, 0, length).clone() : at::Tensor();
+        const RolloutLossGrad g = plan->LossAndGrad(r, result.logprobs[r], entropy);
+        stack.grad_logprobs.slice(0, 0, length).add_(g.dlogprobs);
+        if (with_entropy) stack.grad_entropy.slice(0, 0, length).add_(g.dentropy);
+        loss += g.loss;
+        if (balance) {
+          const at::Tensor term = AttachRouterBalance(stack, *plan, r, length);
+          balance_total = balance_total.defined() ? balance_total + term : term;
+          loss += term;
+        }
+        break;
+      }
+      case StepKind::kBackward: {
+        if (step.reuses_graph) {
+          TORCH_CHECK(
+              !kept.empty() && kept.back().begin == step.begin && kept.back().end == step.end,
+              "schedule: no graph to reuse");
+          Backward(stack, kept.back());
+          kept.pop_back();
+        } else {
+          Chunk chunk =
+              ForwardChunk(model, stack, tokens_of(step.rollout), routed(), step.begin, step.end,
+                           /*with_graph=*/true, with_entropy, LogprobOptionsOf(options));
+          result.forwarded_tokens += step.size();
+          Backward(stack, chunk);
+        }
+        break;
+      }
+      case StepKind::kPop:
+        Pop(stack, step.begin, step.end);
+        break;
+      case StepKind::kPacked: {
+        TORCH_CHECK(training, "schedule: packed step in a forward-only pass");
+        loss += RunPackedStep(
+            model, stack, replay,
+            absl::MakeConstSpan(pass.batch_order).subspan(step.first, step.last - step.first),
+            step.begin, *plan, LogprobOptionsOf(options), result.logprobs, balance_total);
+        result.forwarded_tokens += step.packed_tokens;
+        break;
+      }
     }
+    if (options.progress && result.forwarded_tokens != forwarded_before)
+      options.progress(result.forwarded_tokens, total_work);
+  };
+
+  // The model calls, in lockstep with the other expert-parallel ranks (lockstep.h): per call the
+  // last step it runs (it runs the steps after the previous call's too: attaching losses, pops). A
+  // graph kept and backpropagated with no model call between is one forward and backward.
+  std::vector<ModelCall> word;
+  std::vector<size_t> last_step;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Step& step = passes[steps[i].pass].schedule.steps[steps[i].step];
+    if (step.kind == StepKind::kBackward && step.reuses_graph && !word.empty() &&
+        word.back().kind == CallKind::kKeep) {
+      word.back() = ForwardBackwardCall(step.size());
+      last_step.back() = i;
+      continue;
+    }
+    switch (step.kind) {
+      case StepKind::kForward:
+        word.push_back(step.with_graph ? KeepCall(step.size()) : ForwardCall(step.size()));
+        break;
+      case StepKind::kBackward:
+        word.push_back(step.reuses_graph ? BackwardKeptCall(step.size())
+                                         : ForwardBackwardCall(step.size()));
+        break;
+      case StepKind::kPacked:
+        word.push_back(ForwardBackwardCall(step.packed_tokens));
+        break;
+      case StepKind::kAttachLoss:
+      case StepKind::kPop:
+        continue;
+    }
+    last_step.push_back(i);
   }
+  size_t next = 0;
+  Lockstep(model, std::move(word)).Run([&](int64_t call) {
+    while (next <= last_step[call]) run_step(steps[next++]);
+  });
+  while (next < steps.size()) run_step(steps[next++]);
   result.loss = loss.item<double>();  // the one read-back, after the last kernel is queued
   if (balance_total.defined())
     result.router_aux_loss = balance_total.item<double>() / plan->router_aux_loss_coef();

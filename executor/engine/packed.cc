@@ -5,6 +5,7 @@
 
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_partition.h"
+#include "executor/engine/lockstep.h"
 #include "executor/engine/methods.h"
 #include "executor/engine/packed_layout.h"
 
@@ -71,22 +72,39 @@ GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollout
   for (size_t r = 0; r < rollouts.size(); ++r) all[r] = static_cast<RolloutIndex>(r);
   at::Tensor total_loss, total_balance;
   const int64_t passes = plan != nullptr && options.checkpointing ? 2 : 1;
-  if (options.token_capacity <= 0) {
-    RunPackedBatch(model, rollouts, replay, all, plan, options, result, total_loss, total_balance);
-    if (options.progress) options.progress(result.forwarded_tokens, result.forwarded_tokens);
-  } else {
-    // Tree Training's partitioning: subtrees of at most token_capacity unique tokens, one packed
-    // forward each (shared prefixes across batches are computed again: see the partition's ERR).
+  // The packed batches: all rollouts in one, or Tree Training's partitioning into subtrees of at
+  // most token_capacity unique tokens, one packed forward each (shared prefixes across batches are
+  // computed again: see the partition's ERR).
+  std::vector<std::vector<RolloutIndex>> batches;
+  std::vector<int64_t> batch_tokens;
+  if (!rollouts.empty()) {
     const PrefixTree tree = BuildTree(replay);
-    absl::StatusOr<TreePartition> partition = PartitionTreeGreedy(tree, options.token_capacity);
-    TORCH_CHECK(partition.ok(), "packed: ", std::string(partition.status().message()));
-    for (const TreeBatch& batch : partition->batches) {
-      RunPackedBatch(model, rollouts, replay, batch.rollouts, plan, options, result, total_loss,
-                     total_balance);
-      if (options.progress)
-        options.progress(result.forwarded_tokens, passes * partition->total_tokens);
+    if (options.token_capacity <= 0) {
+      batches.push_back(all);
+      batch_tokens.push_back(tree.num_tree_tokens());
+    } else {
+      absl::StatusOr<TreePartition> partition = PartitionTreeGreedy(tree, options.token_capacity);
+      TORCH_CHECK(partition.ok(), "packed: ", std::string(partition.status().message()));
+      for (const TreeBatch& batch : partition->batches) {
+        batches.push_back(batch.rollouts);
+        batch_tokens.push_back(batch.tokens);
+      }
     }
   }
+  int64_t total_work = 0;
+  for (const int64_t tokens : batch_tokens) total_work += passes * tokens;
+  // One model call per packed batch, in lockstep with the other expert-parallel ranks.
+  std::vector<ModelCall> word;
+  for (const int64_t tokens : batch_tokens) {
+    word.push_back(plan == nullptr         ? ForwardCall(tokens)
+                   : options.checkpointing ? LayerReplayCall(tokens)
+                                           : ForwardBackwardCall(tokens));
+  }
+  Lockstep(model, std::move(word)).Run([&](int64_t call) {
+    RunPackedBatch(model, rollouts, replay, batches[call], plan, options, result, total_loss,
+                   total_balance);
+    if (options.progress) options.progress(result.forwarded_tokens, total_work);
+  });
   if (total_loss.defined()) result.loss = total_loss.item<double>();
   if (total_balance.defined())
     result.router_aux_loss = total_balance.item<double>() / plan->router_aux_loss_coef();

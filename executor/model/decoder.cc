@@ -420,6 +420,19 @@ LayerOutput Decoder::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkCon
   return out;
 }
 
+at::Tensor Decoder::ForwardSparseLayersOnEmpty(int64_t layer) const {
+  at::Tensor h = at::zeros({0, config_.hidden_size},
+                           options_.dtype(ComputeType(options_.dtype().toScalarType())));
+  const ChunkContext context;
+  for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
+    if (layers_[l].sparse_index < 0 || (layer >= 0 && l != layer)) continue;
+    LayerOutput out;
+    MlpBlock(h, layers_[l].post_norm, layers_[l].mlp, context, SharedWithBlocks(l), out);
+    h = std::move(out.hidden);
+  }
+  return h;
+}
+
 // In the compute dtype: Logprobs rounds it once to lm_head's dtype, and its gradient stays wide.
 at::Tensor Decoder::FinalNorm(const at::Tensor& h) const {
   const NormScale scale = NormScaleOf(final_norm_, HasZeroCentredNorms(config_));

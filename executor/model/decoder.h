@@ -190,6 +190,14 @@ class Decoder {
   at::Tensor Embed(const at::Tensor& tokens) const;
   LayerOutput ForwardLayer(int64_t layer, const at::Tensor& hidden, const ChunkContext& context,
                            const LayerPrefix& prefix = {}) const;
+  // Expert parallelism's empty call (executor/engine/lockstep.h): the MLP blocks of the sparse
+  // layers alone, on zero tokens, in layer order, each fed the previous one's output (so that a
+  // backward from the result runs them last layer first, as a real call's backward does). Their
+  // expert-parallel collectives are a real call's, and this rank's experts serve the other ranks'
+  // rows; the rest of the model is skipped on every rank of the tensor-parallel group alike. Only
+  // sparse layer `layer` when >= 0 (layer-by-layer recomputation). Returns [0, hidden_size] in the
+  // compute dtype, with a graph iff grad mode is on.
+  at::Tensor ForwardSparseLayersOnEmpty(int64_t layer = -1) const;
   // The final RMSNorm, in the compute dtype (float32 for bfloat16 models; see Logprobs).
   at::Tensor FinalNorm(const at::Tensor& hidden) const;
 

@@ -169,6 +169,30 @@ inline std::vector<std::pair<std::string, LossOptions>> Losses() {
 
 // One method's loss, log-probabilities and gradients (every parameter's .grad zeroed first, then
 // cloned; zeros where a parameter got none).
+// Every method once, with the options that exercise different model calls: dense with and without
+// checkpointing, packed whole and partitioned into subtrees of `longest` tokens, dta at block sizes
+// 1, 3 and unbounded, each also in lexicographic order with a graph budget and packing.
+inline std::vector<std::pair<std::string, ExecutorOptions>> ExactnessMethods(int64_t longest) {
+  std::vector<std::pair<std::string, ExecutorOptions>> methods = {
+      {"dense", {.method = Method::kDense}},
+      {"dense+ckpt", {.method = Method::kDense, .checkpointing = true}},
+      {"packed", {.method = Method::kPacked}},
+      {"packed capacity+ckpt",
+       {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}},
+  };
+  for (int64_t block : {int64_t{1}, int64_t{3}, kUnboundedBlock}) {
+    const std::string b = block == kUnboundedBlock ? "inf" : std::to_string(block);
+    methods.push_back({"dta B=" + b, {.method = Method::kDta, .block_size = block, .pack = false}});
+    methods.push_back({"dta B=" + b + " lex budget=6 packed",
+                       {.method = Method::kDta,
+                        .block_size = block,
+                        .order = LeafOrderKind::kLexicographic,
+                        .graph_budget = 6,
+                        .pack = true}});
+  }
+  return methods;
+}
+
 struct MethodRun {
   GradientResult result;
   std::vector<at::Tensor> grads;

@@ -61,27 +61,6 @@ ModelConfig FamilyConfig(const std::string& family, bool tied) {
   return testing::WithFamily(TensorParallelConfig(tied), family);
 }
 
-std::vector<std::pair<std::string, ExecutorOptions>> Methods(int64_t longest) {
-  std::vector<std::pair<std::string, ExecutorOptions>> methods = {
-      {"dense", {.method = Method::kDense}},
-      {"dense+ckpt", {.method = Method::kDense, .checkpointing = true}},
-      {"packed", {.method = Method::kPacked}},
-      {"packed capacity+ckpt",
-       {.method = Method::kPacked, .token_capacity = longest, .checkpointing = true}},
-  };
-  for (int64_t block : {int64_t{1}, int64_t{3}, kUnboundedBlock}) {
-    const std::string b = block == kUnboundedBlock ? "inf" : std::to_string(block);
-    methods.push_back({"dta B=" + b, {.method = Method::kDta, .block_size = block, .pack = false}});
-    methods.push_back({"dta B=" + b + " lex budget=6 packed",
-                       {.method = Method::kDta,
-                        .block_size = block,
-                        .order = LeafOrderKind::kLexicographic,
-                        .graph_budget = 6,
-                        .pack = true}});
-  }
-  return methods;
-}
-
 // Every method on `tp` ranks equals the same method in one process.
 void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_index,
                                const std::string& family = "qwen3") {
@@ -96,7 +75,7 @@ void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_ind
   for (const Rollout& r : rollouts) longest = std::max<int64_t>(longest, r.tokens.size());
   const auto losses = testing::Losses();
   const auto& [loss_name, loss] = losses.at(loss_index);
-  const auto methods = Methods(longest);
+  const auto methods = testing::ExactnessMethods(longest);
 
   Decoder whole(config, kFloat64);
   whole.InitRandom(7, 0.3);

@@ -1,16 +1,18 @@
 // A decoder whose sparse layers' experts are spread over expert-parallel ranks (Decoder with an
-// ExpertParallelGroup; ranks as threads over Gloo), float64: each rank trains its own rollouts with
-// the methods whose model calls are the same on every rank without a lockstep (dense over equally
-// many rollouts, packed as one forward), and its loss, log-probabilities and every gradient equal
-// a single process holding every expert on that rank's rollouts, but for the experts' gradients,
-// which equal this rank's block of the sum over every rank's rollouts (1e-10). With the router's
-// load-balancing loss and routing replay on one rank's rollouts.
+// ExpertParallelGroup; ranks as threads over Gloo), float64. Each rank trains its own rollouts
+// (different trees, so every method makes different model calls on every rank, and one rank of
+// three has none: the engine's lockstep pads them), with every method and layout of the exactness
+// tests. Its loss, log-probabilities and every gradient equal a single process holding every
+// expert on that rank's rollouts, but for the experts' gradients, which equal this rank's block of
+// the sum over every rank's rollouts (1e-10). With the router's load-balancing loss, routing
+// replay on one rank's rollouts, decoupled PPO's forward-only proximal pass, and ComputeLogprobs.
 #include <string>
 #include <vector>
 
 #include "executor/distributed/expert_parallel_group.h"
 #include "executor/engine/executor.h"
 #include "gtest/gtest.h"
+#include "tests/core/tree/random_trees.h"
 #include "tests/testing/executor_cases.h"
 #include "tests/testing/gloo_ranks.h"
 
@@ -22,23 +24,35 @@ using testing::MethodRun;
 using testing::RelativeError;
 using testing::RunMethod;
 
-ModelConfig TinyMoe() { return testing::WithFamily(testing::TinyConfig(), "qwen3_moe"); }
+constexpr double kTolerance = 1e-10;
 
-// Rank r's rollouts: three per rank (dense runs them one forward each), different trees.
-std::vector<Rollout> RankRollouts(int rank) {
-  std::vector<std::vector<TokenId>> sequences = {
-      {1, 2, 3, 4, 5, 6}, {1, 2, 3, 7, 8}, {9, 10, 11, 12, 13, 14, 15, 16}};
-  for (auto& s : sequences) {
-    for (TokenId& t : s) t = static_cast<TokenId>((t + 3 * rank) % 19);
+// Rank r's rollouts: its own random trees (duplicates, prefixes, one-token segments) in one GRPO
+// group, rank 0 also a 30-token chain; the last rank of three or more has none. Rank 1's carry
+// routing replay at every layer (the dense layers' rows are unused), the last token unrouted.
+std::vector<Rollout> RankRollouts(const ModelConfig& config, int rank, int ranks) {
+  if (ranks >= 3 && rank == ranks - 1) return {};
+  std::vector<std::vector<TokenId>> sequences =
+      testing::RandomRollouts(100 + rank, {.max_rollouts = 6, .max_length = 8, .vocab = 3});
+  for (auto& tokens : sequences) {
+    for (TokenId& t : tokens) t = static_cast<TokenId>((6 * t + rank) % config.vocab_size);
+  }
+  // A rollout that is a prefix of another, on every rank with rollouts: at least two per GRPO
+  // group, so the advantages are not all zero.
+  sequences.push_back({5, 6, 7, 8});
+  sequences.push_back({5, 6, 7});
+  if (rank == 0) {
+    std::vector<TokenId> chain;
+    for (int t = 0; t < 30; ++t) chain.push_back(static_cast<TokenId>((7 * t + 3) % 19));
+    sequences.push_back(chain);
   }
   std::vector<Rollout> rollouts = MakeRollouts(sequences, 10 + rank);
-  for (Rollout& r : rollouts) r.group = "g";  // one group per rank: non-zero advantages
+  for (Rollout& r : rollouts) r.group = "g";
   if (rank == 1) {
-    // Routing replay on this rank: top-2 of 5 experts at both (sparse) layers, last token unrouted.
+    const int layers = static_cast<int>(config.num_hidden_layers);
     for (Rollout& r : rollouts) {
-      RoutedExperts routed{.layers = 2, .top_k = 2, .ids = {}};
+      RoutedExperts routed{.layers = layers, .top_k = 2, .ids = {}};
       for (size_t t = 0; t + 1 < r.tokens.size(); ++t) {
-        for (int l = 0; l < 2; ++l) {
+        for (int l = 0; l < layers; ++l) {
           routed.ids.push_back(static_cast<int32_t>((t + l) % 5));
           routed.ids.push_back(static_cast<int32_t>((t + l + 2) % 5));
         }
@@ -49,51 +63,116 @@ std::vector<Rollout> RankRollouts(int rank) {
   return rollouts;
 }
 
-class ExpertParallelEquivalence : public ::testing::TestWithParam<int> {};
+struct Case {
+  int ranks;
+  std::string family;
+};
 
-TEST_P(ExpertParallelEquivalence, EachRankEqualsOneProcessWithEveryExpert) {
-  const int ranks = GetParam();
-  const ModelConfig config = TinyMoe();
-  const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
-  const LossOptions loss{.kind = LossKind::kPpo, .router_aux_loss_coef = 0.5};
-  const std::vector<ExecutorOptions> methods = {{.method = Method::kDense},
-                                                {.method = Method::kPacked}};
-  testing::RunRanks(ranks, [&](ProcessGroup& group) {
-    auto ep = std::make_shared<ExpertParallelOverProcessGroup>(group);
-    Decoder model(config, f64, nullptr, ep);
-    model.InitRandom(7, 0.3);
-    Decoder whole(config, f64);
-    whole.InitRandom(7, 0.3);
-    const int me = ep->rank();
-    for (const ExecutorOptions& options : methods) {
-      SCOPED_TRACE(std::string(MethodName(options.method)) + " rank " + std::to_string(me));
-      const MethodRun got = RunMethod(model, RankRollouts(me), loss, options);
-      std::vector<MethodRun> reference;
-      for (int r = 0; r < ranks; ++r)
-        reference.push_back(RunMethod(whole, RankRollouts(r), loss, options));
-      const MethodRun& own = reference[me];
-      EXPECT_NEAR(got.result.loss, own.result.loss,
-                  1e-10 * std::max(1.0, std::abs(own.result.loss)));
-      EXPECT_NEAR(got.result.router_aux_loss, own.result.router_aux_loss, 1e-10);
-      for (size_t i = 0; i < got.result.logprobs.size(); ++i)
-        EXPECT_LE(RelativeError(got.result.logprobs[i], own.result.logprobs[i]), 1e-10);
-      for (size_t i = 0; i < model.named_parameters().size(); ++i) {
-        const ParameterSplit& split = model.parameter_splits()[i];
-        at::Tensor expected = own.grads[i];
-        if (split.expert_parallel()) {
-          expected = at::zeros_like(own.grads[i]);
-          for (const MethodRun& run : reference) expected += run.grads[i];
-          expected = expected.narrow(0, split.experts.begin, split.experts.size());
-        }
-        EXPECT_GT(expected.norm().item<double>(), 0.0) << model.named_parameters()[i].first;
-        EXPECT_LE(RelativeError(got.grads[i], expected), 1e-10)
-            << model.named_parameters()[i].first;
-      }
-    }
-  });
+class ExpertParallelEquivalence : public ::testing::TestWithParam<Case> {
+ protected:
+  ModelConfig Config() const {
+    return testing::WithFamily(testing::TinyConfig(), GetParam().family);
+  }
+
+  // body(model, whole, rank, rollouts) on every rank: `model` holds the rank's experts, `whole`
+  // every expert, with the same weights; `rollouts` are the rank's.
+  template <typename Body>
+  void OnEveryRank(Body body) const {
+    const int ranks = GetParam().ranks;
+    const ModelConfig config = Config();
+    const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
+    testing::RunRanks(ranks, [&](ProcessGroup& group) {
+      auto ep = std::make_shared<ExpertParallelOverProcessGroup>(group);
+      Decoder model(config, f64, nullptr, ep);
+      model.InitRandom(7, 0.3);
+      Decoder whole(config, f64);
+      whole.InitRandom(7, 0.3);
+      body(model, whole, ep->rank(), RankRollouts(config, ep->rank(), ranks));
+    });
+  }
+
+  // On every rank, `run` on the expert-parallel model and on one process holding every expert
+  // (for each rank's rollouts) compare as the file's comment says.
+  void ExpectExact(const std::vector<std::pair<std::string, ExecutorOptions>>& methods,
+                   const LossOptions& loss) {
+    const int ranks = GetParam().ranks;
+    const ModelConfig config = Config();
+    OnEveryRank(
+        [&](const Decoder& model, const Decoder& whole, int me, const std::vector<Rollout>& mine) {
+          for (const auto& [name, options] : methods) {
+            SCOPED_TRACE(name + ", rank " + std::to_string(me));
+            const MethodRun got = RunMethod(model, mine, loss, options);
+            std::vector<MethodRun> reference;
+            for (int r = 0; r < ranks; ++r)
+              reference.push_back(RunMethod(whole, RankRollouts(config, r, ranks), loss, options));
+            const MethodRun& own = reference[me];
+            EXPECT_NEAR(got.result.loss, own.result.loss,
+                        kTolerance * std::max(1.0, std::abs(own.result.loss)));
+            EXPECT_NEAR(got.result.router_aux_loss, own.result.router_aux_loss, kTolerance);
+            ASSERT_EQ(got.result.logprobs.size(), mine.size());
+            for (size_t i = 0; i < mine.size(); ++i)
+              EXPECT_LE(RelativeError(got.result.logprobs[i], own.result.logprobs[i]), kTolerance);
+            for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+              const std::string& parameter = model.named_parameters()[i].first;
+              const ParameterSplit& split = model.parameter_splits()[i];
+              at::Tensor expected = own.grads[i];
+              if (split.expert_parallel()) {
+                expected = at::zeros_like(own.grads[i]);
+                for (const MethodRun& run : reference) expected += run.grads[i];
+                expected = expected.narrow(0, split.experts.begin, split.experts.size());
+              }
+              // Only a rank without rollouts has no gradient but its experts'.
+              if (!mine.empty() || split.expert_parallel()) {
+                EXPECT_GT(expected.norm().item<double>(), 0.0) << parameter;
+              }
+              EXPECT_LE(RelativeError(got.grads[i], expected), kTolerance) << parameter;
+            }
+          }
+        });
+  }
+};
+
+int64_t Longest(const ModelConfig& config, int ranks) {
+  int64_t longest = 0;
+  for (int r = 0; r < ranks; ++r) {
+    for (const Rollout& rollout : RankRollouts(config, r, ranks))
+      longest = std::max<int64_t>(longest, rollout.tokens.size());
+  }
+  return longest;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelEquivalence, ::testing::Values(2, 3));
+TEST_P(ExpertParallelEquivalence, EveryMethodWithTheRouterBalanceLoss) {
+  ExpectExact(testing::ExactnessMethods(Longest(Config(), GetParam().ranks)),
+              {.kind = LossKind::kPpo, .router_aux_loss_coef = 0.5});
+}
+
+TEST_P(ExpertParallelEquivalence, DecoupledPpoAlignsItsProximalPass) {
+  ExpectExact({{"dense", {.method = Method::kDense}},
+               {"dta B=3 budget=4", {.method = Method::kDta, .block_size = 3, .graph_budget = 4}}},
+              {.kind = LossKind::kDecoupledPpo, .behave_imp_weight_cap = 5.0});
+}
+
+TEST_P(ExpertParallelEquivalence, LogprobsOnlyPasses) {
+  const int64_t longest = Longest(Config(), GetParam().ranks);
+  OnEveryRank(
+      [&](const Decoder& model, const Decoder& whole, int me, const std::vector<Rollout>& mine) {
+        for (const auto& [name, options] : testing::ExactnessMethods(longest)) {
+          SCOPED_TRACE(name + ", rank " + std::to_string(me));
+          const std::vector<at::Tensor> got = ComputeLogprobs(model, mine, options);
+          const std::vector<at::Tensor> expected = ComputeLogprobs(whole, mine, options);
+          ASSERT_EQ(got.size(), mine.size());
+          for (size_t i = 0; i < mine.size(); ++i)
+            EXPECT_LE(RelativeError(got[i], expected[i]), kTolerance);
+        }
+      });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelEquivalence,
+                         ::testing::Values(Case{2, "qwen3_moe"}, Case{3, "qwen3_moe"},
+                                           Case{2, "qwen3_next"}, Case{3, "qwen3_next"}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.family + "_ep" + std::to_string(info.param.ranks);
+                         });
 
 }  // namespace
 }  // namespace dta
