@@ -272,7 +272,7 @@ void ShardedAdamW::PublishParameters(Produce&& produce) {
   }
 }
 
-StepStats ShardedAdamW::Step(NonFiniteGradients on_nonfinite) {
+double ShardedAdamW::GradSquares() const {
   at::NoGradGuard no_grad;
   const at::Tensor shard = GradShard();
   const int64_t b = std::min(sharding_.bucket_elements, shard_);
@@ -291,10 +291,20 @@ StepStats ShardedAdamW::Step(NonFiniteGradients on_nonfinite) {
                                              at::kDouble));
     });
   }
-  const double local = norms.empty() ? 0.0 : at::stack(norms).square().sum().item<double>();
+  return norms.empty() ? 0.0 : at::stack(norms).square().sum().item<double>();
+}
+
+StepStats ShardedAdamW::Step(NonFiniteGradients on_nonfinite) {
+  const double local = GradSquares();
   const double data_parallel =
       group_ != nullptr ? group_->AllReduceScalars({local}).front() : local;
-  const double total = std::sqrt(tensor_parallel.Sum(data_parallel, device_));
+  return StepWithNorm(std::sqrt(sharding_.tensor_parallel.Sum(data_parallel, device_)),
+                      on_nonfinite);
+}
+
+StepStats ShardedAdamW::StepWithNorm(double total, NonFiniteGradients on_nonfinite) {
+  at::NoGradGuard no_grad;
+  const at::Tensor shard = GradShard();
   if (!std::isfinite(total) && on_nonfinite == NonFiniteGradients::kSkip) {
     return {.grad_norm = total, .step = step_, .lr = options_.lr, .skipped = true};
   }

@@ -130,6 +130,13 @@ class ShardedAdamW {
   // every rank returns skipped = true.
   StepStats Step(NonFiniteGradients on_nonfinite = NonFiniteGradients::kRaise);
 
+  // Step() in two halves, for parameters that clip together with other optimizers'
+  // (TrainingOptimizer under expert parallelism): the sum of the squares of this rank's slice of
+  // the reduced gradients as the global norm counts them (float64, no collective), and the step
+  // given the global norm (every rank of the group calls it: the weights are all-gathered).
+  double GradSquares() const;
+  StepStats StepWithNorm(double grad_norm, NonFiniteGradients on_nonfinite);
+
   // Takes this rank's master slice from the parameters again (weights written into them by
   // other means); moments and the step count stay. No collective.
   void ResetMasterFromParameters();

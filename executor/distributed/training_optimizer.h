@@ -5,6 +5,10 @@
 //               host, gradients reduce-scattered (the files: optimizer-RRRRR-of-WWWWW.safetensors,
 //               one per rank).
 // core/layout's TrainingLayout says which (shard_optimizer or offload_optimizer: sharded).
+// Under expert parallelism the experts' parameters have an optimizer of the same kind over the
+// expert-data-parallel ranks (the ranks holding the same experts), beside the dense parameters'
+// over the data-parallel ranks (Megatron's chained dense and expert optimizers), and both clip by
+// one global norm; the experts' state files go to experts/ep-EE-of-NN/ under the state directory.
 //
 //   TrainingOptimizer optimizer(model.named_parameters(), group.get(), layout, adamw_options);
 //   optimizer.ZeroGrad();  ComputeGradients(...);  optimizer.SyncGradients();  optimizer.Step();
@@ -31,18 +35,29 @@
 
 namespace dta {
 
+// Under expert parallelism (parallel_groups.h): which of the optimizer's parameters are this
+// rank's experts (Decoder::parameter_splits()[i].expert_parallel()).
+struct ExpertParameters {
+  ProcessGroup* expert_data_parallel = nullptr;  // null: no expert parallelism
+  int expert_parallel_rank = 0;
+  int expert_parallel_size = 1;
+  std::vector<bool> expert;  // per parameter, in the optimizer's order
+};
+
 class TrainingOptimizer {
  public:
   // `group`: the data-parallel ranks (null: one process). Under tensor parallelism
   // `named_parameters` are this TP rank's parts, `group` the DP ranks holding the same parts, and
   // `tensor_parallel` (Decoder::gradient_norm_scope) lets the clipping norm span the TP ranks;
   // layout.tensor_parallel must be its group's size. TORCH_CHECK when the layout cannot be built
-  // (e.g. sharding across ranks without a group).
+  // (e.g. sharding across ranks without a group). `experts`: see ExpertParameters.
   TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
                     ProcessGroup* group, const TrainingLayout& layout, AdamWOptions options,
                     int64_t bucket_bytes = int64_t{25} << 20,
                     TensorParallelNorm tensor_parallel = {},
-                    OffloadUpdate offload_update = OffloadUpdate::kOnDevice);
+                    OffloadUpdate offload_update = OffloadUpdate::kOnDevice,
+                    ExpertParameters experts = {});
+  ~TrainingOptimizer();
   TrainingOptimizer(const TrainingOptimizer&) = delete;
   TrainingOptimizer& operator=(const TrainingOptimizer&) = delete;
 
@@ -56,11 +71,9 @@ class TrainingOptimizer {
   // After weights were written into the parameters by other means: the master weights follow.
   void ResetMasterFromParameters();
   int64_t step() const;
-  bool sharded() const { return sharded_ != nullptr; }
+  bool sharded() const;
   // Where the last offloaded step spent its time (zeros when not offloaded).
-  OffloadTimes offload_times() const {
-    return sharded_ ? sharded_->offload_times() : OffloadTimes{};
-  }
+  OffloadTimes offload_times() const;
   // With offload, one line saying where the update runs ("streamed through the GPU from
   // page-locked host memory", or on how many host threads and why); empty otherwise.
   std::string DescribeOffload() const;
@@ -87,16 +100,21 @@ class TrainingOptimizer {
   static constexpr char kReplicatedFile[] = "optimizer.safetensors";
 
  private:
+  // The optimizer of the dense parameters or of the experts (training_optimizer.cc).
+  class Part;
+
   // Sets the optimizer's current learning rate (a schedule's peak stays).
   void ApplyLr(double lr);
-  // `directory`, or its subdirectory for this tensor-parallel rank.
-  std::string StateDirectory(const std::string& directory) const;
+  // `directory`, or its subdirectory for this tensor-parallel rank; the experts' (part 1) under
+  // experts/ep-EE-of-NN/.
+  std::string StateDirectory(const std::string& directory, size_t part = 0) const;
 
-  int rank_ = 0;
+  ProcessGroup* group_ = nullptr;
+  TensorParallelNorm tensor_parallel_;        // what the global norm sums over besides `group_`
+  at::Device device_ = at::kCPU;              // the parameters' (for the norm's collectives)
   std::string tensor_parallel_subdirectory_;  // "tp-RR-of-TT", empty without tensor parallelism
-  std::unique_ptr<AdamW> replicated_;
-  std::unique_ptr<GradientSynchronizer> all_reduce_;
-  std::unique_ptr<ShardedAdamW> sharded_;
+  std::string expert_subdirectory_;  // "experts/ep-EE-of-NN", empty without expert parallelism
+  std::vector<std::unique_ptr<Part>> parts_;  // the dense parameters', then the experts'
   std::optional<LrSchedule> schedule_;
   double peak_lr_ = 0.0;
 };

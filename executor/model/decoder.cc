@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "core/base/parallel_for.h"
 #include "executor/model/ops/embedding.h"
@@ -249,29 +250,45 @@ at::Tensor Decoder::LocalPart(size_t index, const at::Tensor& full) const {
   return experts.narrow(split.dim, split.range.begin, split.range.size());
 }
 
+namespace {
+
+// The whole of a tensor split along dimension 0 over `ranks` ranks (rank r holding rows
+// SplitRange(full, r, ranks) as `rows`), from every rank's part. The parts differ by at most one
+// row: `gather` collects them padded to the largest, concatenated along dimension 0.
+at::Tensor GatherSplitRows(const at::Tensor& rows, int64_t full, int ranks,
+                           const std::function<at::Tensor(const at::Tensor&)>& gather) {
+  const int64_t most = (full + ranks - 1) / ranks;
+  std::vector<int64_t> padded_shape = rows.sizes().vec();
+  padded_shape[0] = most;
+  at::Tensor padded = at::zeros(padded_shape, rows.options());
+  padded.slice(0, 0, rows.size(0)).copy_(rows);
+  const at::Tensor gathered = gather(padded);
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < ranks; ++r)
+    parts.push_back(gathered.slice(0, r * most, r * most + SplitRange(full, r, ranks).size()));
+  return at::cat(parts);
+}
+
+}  // namespace
+
 at::Tensor Decoder::GatherParameter(size_t index) const {
   TORCH_CHECK(index < named_.size(), "Decoder::GatherParameter: no parameter ", index);
   const ParameterSplit& split = splits_[index];
-  const at::Tensor local = named_[index].second.detach();
-  TORCH_CHECK(!split.expert_parallel(), "Decoder::GatherParameter: '", named_[index].first,
-              "' is spread over the expert-parallel ranks, whose gather is not built yet");
-  if (split.replicated() || tensor_parallel_size() == 1) return local;
-  // Ranks' parts differ in size by at most one row: gather them padded to the largest.
-  const int tp = tensor_parallel_size();
-  const int64_t full = split.full_shape[split.dim];
-  const int64_t most = (full + tp - 1) / tp;
-  const at::Tensor rows = local.movedim(split.dim, 0);
-  std::vector<int64_t> padded_shape = rows.sizes().vec();
-  padded_shape[0] = most;
-  at::Tensor padded = at::zeros(padded_shape, local.options());
-  padded.slice(0, 0, rows.size(0)).copy_(rows);
-  const at::Tensor gathered = tensor_parallel_->AllGather(padded);
-  std::vector<at::Tensor> parts;
-  for (int r = 0; r < tp; ++r) {
-    parts.push_back(gathered.slice(0, r * most, r * most + SplitRange(full, r, tp).size()));
+  at::Tensor whole = named_[index].second.detach();
+  // Over the tensor-parallel ranks, then (the experts) over the expert-parallel ranks.
+  if (!split.replicated() && tensor_parallel_size() > 1) {
+    whole = GatherSplitRows(whole.movedim(split.dim, 0), split.full_shape[split.dim],
+                            tensor_parallel_size(),
+                            [&](const at::Tensor& t) { return tensor_parallel_->AllGather(t); });
+    if (split.dim != 0) whole = whole.movedim(0, split.dim).contiguous();
   }
-  const at::Tensor whole = at::cat(parts);
-  return split.dim == 0 ? whole : whole.movedim(0, split.dim).contiguous();
+  if (split.expert_parallel()) {
+    whole = GatherSplitRows(whole, split.full_shape[0], expert_parallel_size(),
+                            [&](const at::Tensor& t) {
+                              return expert_parallel_->AllGather(t.contiguous()).flatten(0, 1);
+                            });
+  }
+  return whole;
 }
 
 void Decoder::ReduceTensorParallelGradients() const {

@@ -167,8 +167,9 @@ class Decoder {
   int64_t local_heads() const { return heads_.size(); }
   int64_t local_kv_heads() const { return kv_heads_.size(); }
   // The whole of parameter `index` (of named_parameters()), detached, on the parameters' device:
-  // an all-gather over the tensor-parallel ranks for a split one (every rank must call it, in the
-  // same order), the parameter itself otherwise.
+  // an all-gather over the tensor-parallel ranks for a split one, and over the expert-parallel
+  // ranks for experts (every rank of those groups must call it, in the same order), the parameter
+  // itself otherwise.
   at::Tensor GatherParameter(size_t index) const;
   // What the optimizer's global gradient norm spans (every parameter's split or replication).
   TensorParallelNorm gradient_norm_scope() const;

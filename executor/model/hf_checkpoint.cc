@@ -124,14 +124,15 @@ std::vector<ParameterSpec> SpecsOf(const Decoder& model) {
 }  // namespace
 
 Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
-                    std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
+                    std::shared_ptr<const TensorParallelGroup> tensor_parallel,
+                    std::shared_ptr<const ExpertParallelGroup> expert_parallel) {
   absl::StatusOr<ModelConfig> config = LoadModelConfig(directory);
   TORCH_CHECK(config.ok(), "LoadHfModel: ", config.status().message());
   absl::StatusOr<SafetensorsCheckpoint> opened = SafetensorsCheckpoint::Open(directory);
   TORCH_CHECK(opened.ok(), "LoadHfModel: ", opened.status().message());
   const SafetensorsCheckpoint& checkpoint = *opened;
 
-  Decoder model(*config, options, std::move(tensor_parallel));
+  Decoder model(*config, options, std::move(tensor_parallel), std::move(expert_parallel));
   const std::vector<ParameterSpec> specs = SpecsOf(model);
   std::set<std::string> expected;
   for (const ParameterSpec& spec : specs) {
@@ -163,15 +164,23 @@ Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
       parameter.copy_(model.LocalPart(i, ToTensor(checkpoint, *view)));
       continue;
     }
-    // Stacked experts: each expert's tensor, this rank's part of it, into its slot.
+    // Stacked experts: each of this rank's experts' tensors (all of them without expert
+    // parallelism), this rank's part of it, into its slot.
+    const ParameterSplit& split = model.parameter_splits()[i];
     const std::vector<std::string> names = specs[i].CheckpointNames();
     const std::vector<int64_t> expert_shape(shape.begin() + 1, shape.end());
-    at::Tensor whole = at::empty(shape, at::TensorOptions().dtype(parameter.scalar_type()));
-    for (size_t e = 0; e < names.size(); ++e) {
+    const IndexRange experts =
+        split.expert_parallel() ? split.experts : IndexRange{0, static_cast<int64_t>(names.size())};
+    std::vector<int64_t> block_shape = shape;
+    block_shape[0] = experts.size();
+    at::Tensor block = at::empty(block_shape, at::TensorOptions().dtype(parameter.scalar_type()));
+    for (int64_t e = experts.begin; e < experts.end; ++e) {
       const TensorView* view = GetChecked(checkpoint, names[e], expert_shape);
-      whole[e].copy_(ToTensor(checkpoint, *view));
+      block[e - experts.begin].copy_(ToTensor(checkpoint, *view));
     }
-    parameter.copy_(model.LocalPart(i, whole));
+    parameter.copy_(split.replicated()
+                        ? block
+                        : block.narrow(split.dim, split.range.begin, split.range.size()));
   }
 
   if (!unexpected.empty()) {
@@ -220,7 +229,9 @@ bool WriteHfModel(const Decoder& model, const std::string& directory,
   config.torch_dtype = type_name;
 
   at::NoGradGuard no_grad;
-  const bool writer = model.tensor_parallel() == nullptr || model.tensor_parallel()->rank() == 0;
+  const bool writer =
+      (model.tensor_parallel() == nullptr || model.tensor_parallel()->rank() == 0) &&
+      (model.expert_parallel() == nullptr || model.expert_parallel()->rank() == 0);
   const std::vector<ParameterSpec> specs = SpecsOf(model);
   std::vector<at::Tensor> owned;
   std::vector<TensorToWrite> tensors;

@@ -53,19 +53,21 @@ namespace dta {
 //     is inconsistent (transformers would silently use the embedding).
 // A missing or invalid config.json, or a directory without model.safetensors or its index, is an
 // error naming the file. With `tensor_parallel`, each rank reads the whole tensors and keeps its
-// part (Decoder's split); the checks are on the whole shapes.
+// part (Decoder's split); the checks are on the whole shapes. With `expert_parallel`, each rank
+// reads only its experts' tensors.
 Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
-                    std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
+                    std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr,
+                    std::shared_ptr<const ExpertParallelGroup> expert_parallel = nullptr);
 
 // Writes <directory>/config.json and the weights under their Hugging Face names (created if
 // missing; files of an earlier save are replaced, stale shards removed): one model.safetensors up
 // to max_shard_bytes of data, else shards plus model.safetensors.index.json. Tensors are stored in
 // `dtype` (kBFloat16, kHalf, kFloat or kDouble; default: the model's dtype) and config.json's
 // torch_dtype says which. lm_head.weight is not written when the embeddings are tied (as
-// transformers does). Parameters on any device are copied to the CPU first. Under tensor
-// parallelism every rank of the model's group calls it: the split parameters are gathered
-// (Decoder::GatherParameter) and rank 0 of the group writes the whole model; the others write
-// nothing.
+// transformers does). Parameters on any device are copied to the CPU first. Under tensor (and
+// expert) parallelism every rank of the model's groups calls it: the split parameters (and the
+// experts) are gathered (Decoder::GatherParameter) and rank 0 of the groups writes the whole
+// model; the others write nothing.
 void SaveHfModel(const Decoder& model, const std::string& directory,
                  std::optional<at::ScalarType> dtype = std::nullopt,
                  int64_t max_shard_bytes = int64_t{5} << 30);

@@ -27,42 +27,45 @@ DType ToSafetensorsDtype(at::ScalarType t) { return t == at::kDouble ? DType::kF
 
 absl::Span<const int64_t> Span(c10::IntArrayRef sizes) { return {sizes.data(), sizes.size()}; }
 
-// The global norm and, per defined grad, its parameter's index and its own norm (float64).
-struct GradNorms {
-  double total = 0.0;
-  std::vector<size_t> index;
-};
-
-GradNorms ComputeGradNorms(const std::vector<std::pair<std::string, at::Tensor>>& named,
-                           const TensorParallelNorm& tensor_parallel = {}) {
+// The float64 norms of the defined grads this rank counts (TensorParallelNorm::Counts), on the
+// first one's device.
+std::vector<at::Tensor> CountedNorms(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                     const TensorParallelNorm& tensor_parallel) {
   at::NoGradGuard no_grad;
-  GradNorms out;
   std::vector<at::Tensor> norms;
   for (size_t i = 0; i < named.size(); ++i) {
     const at::Tensor& grad = named[i].second.grad();
     if (!grad.defined()) continue;
-    out.index.push_back(i);
     if (!tensor_parallel.Counts(i)) continue;  // another rank counts this replicated parameter
     at::Tensor norm = at::linalg_vector_norm(grad.detach(), 2, std::nullopt, false, at::kDouble);
     if (!norms.empty() && norm.device() != norms.front().device())
       norm = norm.to(norms.front().device());
     norms.push_back(std::move(norm));
   }
+  return norms;
+}
+
+double SumOfSquares(const std::vector<at::Tensor>& norms) {
+  return norms.empty() ? 0.0 : at::stack(norms).square().sum().item<double>();
+}
+
+// The global norm of the defined grads (float64): the norm of the per-tensor norms, or under
+// tensor parallelism the square root of the squares summed over the ranks.
+double ComputeGradNorm(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                       const TensorParallelNorm& tensor_parallel = {}) {
+  const std::vector<at::Tensor> norms = CountedNorms(named, tensor_parallel);
   if (tensor_parallel.group == nullptr) {
-    if (!norms.empty()) out.total = at::linalg_vector_norm(at::stack(norms), 2).item<double>();
-    return out;
+    return norms.empty() ? 0.0 : at::linalg_vector_norm(at::stack(norms), 2).item<double>();
   }
   // Every rank takes part in the sum, whether or not it holds a gradient.
-  const double squares = norms.empty() ? 0.0 : at::stack(norms).square().sum().item<double>();
   const at::Device device = named.empty() ? at::Device(at::kCPU) : named.front().second.device();
-  out.total = std::sqrt(tensor_parallel.Sum(squares, device));
-  return out;
+  return std::sqrt(tensor_parallel.Sum(SumOfSquares(norms), device));
 }
 
 }  // namespace
 
 double GlobalGradNorm(const std::vector<std::pair<std::string, at::Tensor>>& named_parameters) {
-  return ComputeGradNorms(named_parameters).total;
+  return ComputeGradNorm(named_parameters);
 }
 
 AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> named_parameters, AdamWOptions options,
@@ -138,29 +141,36 @@ void AdamW::ResetMasterFromParameters() {
 }
 
 StepStats AdamW::Step(NonFiniteGradients on_nonfinite) {
+  return StepWithNorm(ComputeGradNorm(named_, tensor_parallel_), on_nonfinite);
+}
+
+double AdamW::GradSquares() const { return SumOfSquares(CountedNorms(named_, tensor_parallel_)); }
+
+StepStats AdamW::StepWithNorm(double grad_norm, NonFiniteGradients on_nonfinite) {
   at::NoGradGuard no_grad;
-  const GradNorms norms = ComputeGradNorms(named_, tensor_parallel_);
-  if (!std::isfinite(norms.total) && on_nonfinite == NonFiniteGradients::kSkip) {
-    return {.grad_norm = norms.total, .step = step_, .lr = options_.lr, .skipped = true};
+  if (!std::isfinite(grad_norm) && on_nonfinite == NonFiniteGradients::kSkip) {
+    return {.grad_norm = grad_norm, .step = step_, .lr = options_.lr, .skipped = true};
   }
-  if (!std::isfinite(norms.total)) {
-    for (size_t i : norms.index) {
-      const auto& [name, param] = named_[i];
+  if (!std::isfinite(grad_norm)) {
+    for (const auto& [name, param] : named_) {
+      if (!param.grad().defined()) continue;
       TORCH_CHECK(at::isfinite(param.grad()).all().item<bool>(),
                   "AdamW: the gradient of parameter '", name,
                   "' is not finite (NaN or infinity); nothing was updated");
     }
-    TORCH_CHECK(false, "AdamW: the global gradient norm (", norms.total,
-                ") overflows float64 although every gradient is finite; nothing was updated");
+    TORCH_CHECK(false, "AdamW: the global gradient norm (", grad_norm,
+                ") is not finite although every gradient here is (another rank's is, which names "
+                "the parameter, or the norm overflows float64); nothing was updated");
   }
 
   StepStats stats;
-  stats.grad_norm = norms.total;
-  stats.clip_coef = ClipCoefficient(norms.total, options_.max_grad_norm);
+  stats.grad_norm = grad_norm;
+  stats.clip_coef = ClipCoefficient(grad_norm, options_.max_grad_norm);
   const int64_t t = step_ + 1;
   const AdamWStepScalars scalars = AdamWScalarsFor(options_, t);
-  for (size_t i : norms.index) {
+  for (size_t i = 0; i < named_.size(); ++i) {
     at::Tensor& param = named_[i].second;
+    if (!param.grad().defined()) continue;
     ParamState& s = states_[i];
     at::Tensor grad = param.grad().detach();
     if (grad.scalar_type() != s.dtype) grad = grad.to(s.dtype);

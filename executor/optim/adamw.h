@@ -109,6 +109,13 @@ class AdamW {
   // `on_nonfinite` says, TORCH_CHECK names the parameter or the step is skipped.
   StepStats Step(NonFiniteGradients on_nonfinite = NonFiniteGradients::kRaise);
 
+  // Step() in two halves, for parameters that clip together with other optimizers'
+  // (TrainingOptimizer under expert parallelism): the sum of the squares of the gradients this rank
+  // counts for the global norm (TensorParallelNorm::Counts; float64, no collective), and the step
+  // given the global norm.
+  double GradSquares() const;
+  StepStats StepWithNorm(double grad_norm, NonFiniteGradients on_nonfinite);
+
   // Takes the master weights from the parameters again, as at the first Step (for weights
   // written into the parameters by other means, e.g. a checkpoint loaded into a live model);
   // moments and the step count stay.

@@ -1,7 +1,9 @@
 // Ranks as threads of one test process: each gets its own Gloo ProcessGroup over one shared
-// c10d::HashStore on loopback. For tests of everything distributed.
+// c10d::HashStore on loopback (or, RunRanksOnGpus, an NCCL group on its own GPU). For tests of
+// everything distributed.
 #pragma once
 
+#include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -10,6 +12,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,24 +45,28 @@ inline std::string ErrorText(const std::exception& e) {
   return e.what();
 }
 
-// Runs body(group) on `world` threads, rank r on thread r. A rank's exception (or a failure to
-// create its group) is reported as a test failure naming the rank.
-inline void RunRanks(int world, const std::function<void(ProcessGroup&)>& body) {
+// Runs body(group) on `world` threads, rank r on thread r, its group on device_of(r). A rank's
+// exception (or a failure to create its group) is reported as a test failure naming the rank.
+inline void RunRanksOn(int world, const std::function<at::Device(int)>& device_of,
+                       const std::function<void(ProcessGroup&)>& body) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
+        const at::Device device = device_of(r);
+        std::optional<c10::cuda::CUDAGuard> guard;
+        if (device.is_cuda()) guard.emplace(device);
         absl::StatusOr<std::unique_ptr<ProcessGroup>> group =
-            ProcessGroup::CreateWithStore(store, r, world, at::Device(at::kCPU), LoopbackOptions());
+            ProcessGroup::CreateWithStore(store, r, world, device, LoopbackOptions());
         if (!group.ok()) {
           errors[r] = group.status().ToString();
           return;
         }
         EXPECT_EQ((*group)->rank(), r);
         EXPECT_EQ((*group)->size(), world);
-        EXPECT_EQ((*group)->backend_name(), "gloo");
+        EXPECT_EQ((*group)->backend_name(), device.is_cuda() ? "nccl" : "gloo");
         body(**group);
       } catch (const std::exception& e) {
         errors[r] = ErrorText(e);
@@ -68,6 +75,18 @@ inline void RunRanks(int world, const std::function<void(ProcessGroup&)>& body) 
   }
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r << " of " << world;
+}
+
+// Gloo on the CPU.
+inline void RunRanks(int world, const std::function<void(ProcessGroup&)>& body) {
+  RunRanksOn(
+      world, [](int) { return at::Device(at::kCPU); }, body);
+}
+
+// NCCL, rank r on CUDA device r (current on its thread); the caller checks there are enough.
+inline void RunRanksOnGpus(int world, const std::function<void(ProcessGroup&)>& body) {
+  RunRanksOn(
+      world, [](int r) { return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(r)); }, body);
 }
 
 }  // namespace dta::testing

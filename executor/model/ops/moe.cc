@@ -18,9 +18,13 @@ namespace {
 // [E] int64, the running sum of the experts' row counts, on the rows' device). On CUDA one
 // at::_grouped_mm each (no host read-back of the routing; its output has its inputs' dtype); on
 // the CPU, where it takes no float64, a loop over the experts that have rows.
-// (CUDA's grouped GEMM takes no float64 either: float64 models, the exact references, loop there
-// too.)
-bool UseGroupedMm(const at::Tensor& t) { return t.is_cuda() && t.scalar_type() != at::kDouble; }
+// CUDA's grouped GEMM takes no float64 and needs rows of 16-byte multiples: float64 models (the
+// exact references) and odd shapes (tiny test models) loop there too.
+// Whether it takes a product on `t`'s device with operands of `type` whose rows hold k and m.
+bool UseGroupedMm(const at::Tensor& t, at::ScalarType type, int64_t k, int64_t m) {
+  const auto bytes = static_cast<int64_t>(c10::elementSize(type));
+  return t.is_cuda() && type != at::kDouble && k * bytes % 16 == 0 && m * bytes % 16 == 0;
+}
 
 // The experts' row ranges on the host (CPU path only).
 std::vector<int64_t> HostEnds(const at::Tensor& ends) {
@@ -34,7 +38,7 @@ std::vector<int64_t> HostEnds(const at::Tensor& ends) {
 at::Tensor GroupedMatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends,
                          bool transpose, at::ScalarType dtype) {
   const at::Tensor weights = transpose ? w.transpose(1, 2) : w;  // [E, K, M]
-  if (UseGroupedMm(x)) {
+  if (UseGroupedMm(x, w.scalar_type(), weights.size(1), weights.size(2))) {
     return at::_grouped_mm(x.to(w.scalar_type()), weights, ends.to(at::kInt)).to(dtype);
   }
   at::Tensor y = at::empty({x.size(0), weights.size(2)}, x.options().dtype(dtype));
@@ -59,9 +63,11 @@ at::Tensor GroupedMatmul(const at::Tensor& x, const at::Tensor& w, const at::Ten
 void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const at::Tensor& x,
                           const at::Tensor& ends) {
   // One grouped GEMM of the bfloat16 operands into the float32 gradient where the GPU has it.
-  if (UseGroupedMm(dy) && kernels::AddGroupedWeightGrad(accumulator, dy, x, ends)) return;
-  if (UseGroupedMm(dy)) {
-    const at::ScalarType wide = accumulator.scalar_type();
+  const at::ScalarType wide = accumulator.scalar_type();
+  if (dy.is_cuda() && wide != at::kDouble &&
+      kernels::AddGroupedWeightGrad(accumulator, dy, x, ends))
+    return;
+  if (UseGroupedMm(dy, wide, dy.size(1), x.size(1))) {
     accumulator.add_(at::_grouped_mm(dy.to(wide).t(), x.to(wide), ends.to(at::kInt)));
     return;
   }

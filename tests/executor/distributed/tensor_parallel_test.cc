@@ -10,14 +10,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "core/base/remove_tree.h"
 #include "executor/distributed/parallel_groups.h"
 #include "executor/distributed/tensor_parallel_group.h"
 #include "executor/distributed/training_optimizer.h"
@@ -26,6 +23,8 @@
 #include "tests/core/tree/random_trees.h"
 #include "tests/testing/executor_cases.h"
 #include "tests/testing/gloo_ranks.h"
+#include "tests/testing/optimizer_cases.h"
+#include "tests/testing/scratch_directory.h"
 
 namespace dta {
 namespace {
@@ -198,10 +197,7 @@ TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
   std::vector<Rollout> rollouts = testing::MakeRollouts(sequences, 3);
   ASSERT_GE(rollouts.size(), 2u);
   ASSERT_GT(MakeBatchContext(rollouts).total_loss_tokens, 0);
-  // Per-token advantages over the whole batch, as the dispatcher sends them to each replica.
-  absl::StatusOr<std::vector<std::vector<float>>> advantages = GroupAdvantages(rollouts);
-  ASSERT_TRUE(advantages.ok()) << advantages.status();
-  for (size_t r = 0; r < rollouts.size(); ++r) rollouts[r].advantages = (*advantages)[r];
+  testing::SetBatchAdvantages(rollouts);
   const BatchLossContext batch = MakeBatchContext(rollouts);
   const LossOptions loss{.kind = LossKind::kPpo, .entropy_coef = 0.01};
   const AdamWOptions adamw{.lr = 1e-2, .weight_decay = 0.1, .max_grad_norm = 1e-3};
@@ -209,25 +205,10 @@ TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
 
   Decoder whole(config, kFloat64);
   whole.InitRandom(7, 0.3);
-  AdamW reference(whole.named_parameters(), adamw);
-  for (int step = 0; step < kSteps; ++step) {
-    reference.ZeroGrad();
-    ComputeGradients(whole, rollouts, loss, dta, batch);
-    const StepStats stats = reference.Step();
-    EXPECT_LT(stats.clip_coef, 1.0) << "the test means to clip; the norm is " << stats.grad_norm;
-  }
+  testing::TrainOneProcess(whole, rollouts, loss, dta, batch, adamw, kSteps);
 
-  const TrainingLayout layouts[] = {
-      {.tensor_parallel = kTp, .data_parallel = kDp},
-      {.tensor_parallel = kTp, .data_parallel = kDp, .shard_optimizer = true},
-      {.tensor_parallel = kTp,
-       .data_parallel = kDp,
-       .shard_optimizer = true,
-       .offload_optimizer = true},
-  };
-  for (const TrainingLayout& layout : layouts) {
-    SCOPED_TRACE(std::string("shard ") + (layout.shard_optimizer ? "on" : "off") + " offload " +
-                 (layout.offload_optimizer ? "on" : "off"));
+  for (const TrainingLayout& layout : testing::OptimizerLayouts(kTp, kDp)) {
+    SCOPED_TRACE(testing::OptimizerLayoutName(layout));
     testing::RunRanks(kTp * kDp, [&](ProcessGroup& world) {
       const ParallelGroups groups(world, kTp, testing::LoopbackOptions());
       EXPECT_EQ(groups.tensor_parallel_rank(), world.rank() % kTp);
@@ -246,30 +227,12 @@ TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
         optimizer.SyncGradients();
         optimizer.Step();
       }
-      for (size_t i = 0; i < model.named_parameters().size(); ++i) {
-        const auto& [name, parameter] = model.named_parameters()[i];
-        EXPECT_LE(testing::RelativeError(parameter,
-                                         model.LocalPart(i, whole.named_parameters()[i].second)),
-                  kTolerance)
-            << name << " on rank " << world.rank();
-      }
+      testing::ExpectPartsOf(model, whole, kTolerance, world.rank());
     });
   }
 }
 
-// A temporary directory, removed with its contents.
-class ScratchDirectory {
- public:
-  explicit ScratchDirectory(const std::string& name)
-      : path_(std::filesystem::temp_directory_path() / (name + "-" + std::to_string(::getpid()))) {
-    RemoveTree(path_.string());
-  }
-  ~ScratchDirectory() { RemoveTree(path_.string()); }
-  std::string operator/(const std::string& child) const { return (path_ / child).string(); }
-
- private:
-  std::filesystem::path path_;
-};
+using testing::ScratchDirectory;
 
 // Checkpoints: a model saved under TP is the whole model (Hugging Face names and shapes), a whole
 // checkpoint loads into every TP size, and optimizer state resumes only with the TP size it was

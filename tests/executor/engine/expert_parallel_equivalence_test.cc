@@ -5,7 +5,10 @@
 // tests. Its loss, log-probabilities and every gradient equal a single process holding every
 // expert on that rank's rollouts, but for the experts' gradients, which equal this rank's block of
 // the sum over every rank's rollouts (1e-10). With the router's load-balancing loss, routing
-// replay on one rank's rollouts, decoupled PPO's forward-only proximal pass, and ComputeLogprobs.
+// replay on one rank's rollouts, decoupled PPO's forward-only proximal pass, and ComputeLogprobs;
+// the same on two GPUs over NCCL where a machine has them.
+#include <torch/cuda.h>
+
 #include <string>
 #include <vector>
 
@@ -66,6 +69,7 @@ std::vector<Rollout> RankRollouts(const ModelConfig& config, int rank, int ranks
 struct Case {
   int ranks;
   std::string family;
+  bool gpus = false;  // rank r on CUDA device r over NCCL; Gloo on the CPU otherwise
 };
 
 class ExpertParallelEquivalence : public ::testing::TestWithParam<Case> {
@@ -80,15 +84,22 @@ class ExpertParallelEquivalence : public ::testing::TestWithParam<Case> {
   void OnEveryRank(Body body) const {
     const int ranks = GetParam().ranks;
     const ModelConfig config = Config();
-    const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
-    testing::RunRanks(ranks, [&](ProcessGroup& group) {
+    const auto run = [&](ProcessGroup& group) {
+      const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble).device(group.device());
       auto ep = std::make_shared<ExpertParallelOverProcessGroup>(group);
       Decoder model(config, f64, nullptr, ep);
       model.InitRandom(7, 0.3);
       Decoder whole(config, f64);
       whole.InitRandom(7, 0.3);
       body(model, whole, ep->rank(), RankRollouts(config, ep->rank(), ranks));
-    });
+    };
+    if (!GetParam().gpus) {
+      testing::RunRanks(ranks, run);
+    } else if (torch::cuda::device_count() < ranks) {
+      GTEST_SKIP() << "needs " << ranks << " CUDA devices";
+    } else {
+      testing::RunRanksOnGpus(ranks, run);
+    }
   }
 
   // On every rank, `run` on the expert-parallel model and on one process holding every expert
@@ -172,6 +183,14 @@ INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelEquivalence,
                                            Case{2, "qwen3_next"}, Case{3, "qwen3_next"}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.family + "_ep" + std::to_string(info.param.ranks);
+                         });
+
+// NCCL, one rank per GPU (float64: the same tolerance); skipped on fewer GPUs.
+INSTANTIATE_TEST_SUITE_P(Gpus, ExpertParallelEquivalence,
+                         ::testing::Values(Case{2, "qwen3_moe", true}, Case{2, "qwen3_next", true}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.family + "_ep" + std::to_string(info.param.ranks) +
+                                  "_nccl";
                          });
 
 }  // namespace

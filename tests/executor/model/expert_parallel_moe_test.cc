@@ -7,16 +7,11 @@
 // in a row check that the exchanges match call by call. Where two GPUs are present, the same over
 // NCCL (one rank per GPU): float64 to 1e-12, bfloat16 to its rounding.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include <array>
 #include <optional>
-#include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "executor/distributed/expert_parallel_group.h"
@@ -153,73 +148,56 @@ INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelMoe, ::testing::Values(2, 3, 4));
 // Two ranks on two GPUs over NCCL, in `dtype`: outputs within `tolerance` of every expert on one
 // GPU (relative to the largest magnitude), gradients within `grad_tolerance`.
 void CheckOnTwoGpus(at::ScalarType dtype, double tolerance, double grad_tolerance) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::array<std::string, 2> errors;
-  std::vector<std::thread> threads;
   const Weights full = FullWeights();
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        const at::Device device(at::kCUDA, r);
-        const c10::cuda::CUDAGuard guard(device);
-        ProcessGroupOptions options;
-        options.timeout = testing::kRankTimeout;
-        auto group = ProcessGroup::CreateWithStore(store, r, 2, device, options);
-        if (!group.ok()) throw std::runtime_error(group.status().ToString());
-        const ExpertParallelOverProcessGroup ep(**group);
-        const IndexRange mine = ExpertRange(kExperts, r, 2);
-        const auto on_gpu = [&](const at::Tensor& t) { return t.to(device, dtype); };
-        const auto leaves = [&](const Weights& w, bool local) {
-          const auto experts = [&](const at::Tensor& t) {
-            return local ? t.slice(0, mine.begin, mine.end) : t;
-          };
-          return Weights{.norm = on_gpu(w.norm).requires_grad_(),
-                         .router = on_gpu(w.router).requires_grad_(),
-                         .gate = on_gpu(experts(w.gate)).requires_grad_(),
-                         .up = on_gpu(experts(w.up)).requires_grad_(),
-                         .down = on_gpu(experts(w.down)).requires_grad_()};
-        };
-        const auto inputs = [&](int rank) {
-          Inputs in = RankInputs(rank, 0);
-          in.x = on_gpu(in.x);
-          in.dy = on_gpu(in.dy);
-          in.dprobs = in.dprobs.to(device, ComputeType(dtype));
-          if (in.replay) in.replay = in.replay->to(device);
-          return in;
-        };
-        const Outputs got = RunBlock(leaves(full, true), inputs(r), ExpertGroupHandle(&ep));
-        const Weights reference = leaves(full, false);
-        std::vector<at::Tensor> expert_grads(3);
-        Outputs own;
-        for (int s = 0; s < 2; ++s) {
-          const Outputs one = RunBlock(reference, inputs(s), /*expert_group=*/0);
-          for (int i = 0; i < 3; ++i) {
-            expert_grads[i] =
-                expert_grads[i].defined() ? expert_grads[i] + one.grads[2 + i] : one.grads[2 + i];
-          }
-          if (s == r) own = one;
-        }
-        const auto close = [](const at::Tensor& a, const at::Tensor& b, double tol,
-                              const char* what) {
-          if (b.numel() == 0) return;
-          const double scale = std::max(1.0, b.abs().max().item<double>());
-          const double error = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-          EXPECT_LE(error, tol * scale) << what;
-        };
-        close(got.y, own.y, tolerance, "y");
-        close(got.dx, own.dx, grad_tolerance, "dx");
-        close(got.grads[1], own.grads[1], grad_tolerance, "router");
-        for (int i = 0; i < 3; ++i)
-          close(got.grads[2 + i], expert_grads[i].slice(0, mine.begin, mine.end), grad_tolerance,
-                "experts");
-      } catch (const std::exception& e) {
-        errors[r] = testing::ErrorText(e);
+  testing::RunRanksOnGpus(2, [&](ProcessGroup& group) {
+    const int r = group.rank();
+    const at::Device device = group.device();
+    const ExpertParallelOverProcessGroup ep(group);
+    const IndexRange mine = ExpertRange(kExperts, r, 2);
+    const auto on_gpu = [&](const at::Tensor& t) { return t.to(device, dtype); };
+    const auto leaves = [&](const Weights& w, bool local) {
+      const auto experts = [&](const at::Tensor& t) {
+        return local ? t.slice(0, mine.begin, mine.end) : t;
+      };
+      return Weights{.norm = on_gpu(w.norm).requires_grad_(),
+                     .router = on_gpu(w.router).requires_grad_(),
+                     .gate = on_gpu(experts(w.gate)).requires_grad_(),
+                     .up = on_gpu(experts(w.up)).requires_grad_(),
+                     .down = on_gpu(experts(w.down)).requires_grad_()};
+    };
+    const auto inputs = [&](int rank) {
+      Inputs in = RankInputs(rank, 0);
+      in.x = on_gpu(in.x);
+      in.dy = on_gpu(in.dy);
+      in.dprobs = in.dprobs.to(device, ComputeType(dtype));
+      if (in.replay) in.replay = in.replay->to(device);
+      return in;
+    };
+    const Outputs got = RunBlock(leaves(full, true), inputs(r), ExpertGroupHandle(&ep));
+    const Weights reference = leaves(full, false);
+    std::vector<at::Tensor> expert_grads(3);
+    Outputs own;
+    for (int s = 0; s < 2; ++s) {
+      const Outputs one = RunBlock(reference, inputs(s), /*expert_group=*/0);
+      for (int i = 0; i < 3; ++i) {
+        expert_grads[i] =
+            expert_grads[i].defined() ? expert_grads[i] + one.grads[2 + i] : one.grads[2 + i];
       }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  EXPECT_EQ(errors[0], "");
-  EXPECT_EQ(errors[1], "");
+      if (s == r) own = one;
+    }
+    const auto close = [](const at::Tensor& a, const at::Tensor& b, double tol, const char* what) {
+      if (b.numel() == 0) return;
+      const double scale = std::max(1.0, b.abs().max().item<double>());
+      const double error = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+      EXPECT_LE(error, tol * scale) << what;
+    };
+    close(got.y, own.y, tolerance, "y");
+    close(got.dx, own.dx, grad_tolerance, "dx");
+    close(got.grads[1], own.grads[1], grad_tolerance, "router");
+    for (int i = 0; i < 3; ++i)
+      close(got.grads[2 + i], expert_grads[i].slice(0, mine.begin, mine.end), grad_tolerance,
+            "experts");
+  });
 }
 
 TEST(ExpertParallelMoeNccl, TwoGpusEqualEveryExpertOnOne) {
