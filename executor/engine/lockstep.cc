@@ -100,7 +100,8 @@ void Lockstep::Run(const std::function<void(int64_t call)>& call) const {
         }
         torch::autograd::AutoGradMode grad_mode(true);
         for (int64_t l = model_.config().num_hidden_layers - 1; l >= 0; --l) {
-          if (IsSparseLayer(model_.config(), l)) BackwardZeros(model_.ForwardSparseLayersOnEmpty(l));
+          if (IsSparseLayer(model_.config(), l))
+            BackwardZeros(model_.ForwardSparseLayersOnEmpty(l));
         }
         break;
       }

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,24 @@ struct Layout {
 };
 
 class ExpertParallelOptimizer : public ::testing::TestWithParam<Layout> {};
+
+// body(world, groups) on every rank of `shape`, its TP, EP and EDP groups built.
+void OnEveryRank(const Layout& shape,
+                 const std::function<void(ProcessGroup&, const ParallelGroups&)>& body) {
+  testing::RunRanks(shape.world, [&](ProcessGroup& world) {
+    const ParallelGroups groups(world, shape.tensor_parallel, shape.expert_parallel,
+                                testing::LoopbackOptions());
+    body(world, groups);
+  });
+}
+
+// This rank's part of the test model (the same weights at every layout).
+Decoder Model(const ModelConfig& config, const ParallelGroups& groups) {
+  Decoder model(config, kFloat64, groups.tensor_parallel_collectives(),
+                groups.expert_parallel_collectives());
+  model.InitRandom(7, 0.3);
+  return model;
+}
 
 // The optimizer of `model` on this rank of `groups` under `layout`.
 std::unique_ptr<TrainingOptimizer> MakeOptimizer(const Decoder& model, const ParallelGroups& groups,
@@ -73,12 +92,8 @@ TEST_P(ExpertParallelOptimizer, ClippedAdamWStepsEqualOneProcess) {
   for (const TrainingLayout& layout : testing::OptimizerLayouts(shape.tensor_parallel, dp)) {
     SCOPED_TRACE(testing::OptimizerLayoutName(layout));
     const testing::ScratchDirectory scratch("dta-ep-optimizer");
-    testing::RunRanks(shape.world, [&](ProcessGroup& world) {
-      const ParallelGroups groups(world, shape.tensor_parallel, shape.expert_parallel,
-                                  testing::LoopbackOptions());
-      Decoder model(config, kFloat64, groups.tensor_parallel_collectives(),
-                    groups.expert_parallel_collectives());
-      model.InitRandom(7, 0.3);
+    OnEveryRank(shape, [&](ProcessGroup& world, const ParallelGroups& groups) {
+      Decoder model = Model(config, groups);
       std::unique_ptr<TrainingOptimizer> optimizer = MakeOptimizer(model, groups, layout, adamw);
       // Replica d trains every dp-th rollout: a share of its own shape.
       const int d = groups.data_parallel_rank();
@@ -100,8 +115,7 @@ TEST_P(ExpertParallelOptimizer, ClippedAdamWStepsEqualOneProcess) {
       optimizer->SaveState(state);
       world.Barrier();
       EXPECT_TRUE(optimizer->HasState(state));
-      Decoder copy(config, kFloat64, groups.tensor_parallel_collectives(),
-                   groups.expert_parallel_collectives());
+      Decoder copy = Model(config, groups);
       for (size_t i = 0; i < model.named_parameters().size(); ++i)
         copy.named_parameters()[i].second.detach().copy_(model.named_parameters()[i].second);
       std::unique_ptr<TrainingOptimizer> resumed = MakeOptimizer(copy, groups, layout, adamw);
@@ -146,12 +160,8 @@ TEST_P(ExpertParallelOptimizer, CheckpointsAreTheWholeModel) {
   Decoder whole(config, kFloat64);
   whole.InitRandom(7, 0.3);
   SaveHfModel(whole, scratch / "whole");
-  testing::RunRanks(shape.world, [&](ProcessGroup& world) {
-    const ParallelGroups groups(world, shape.tensor_parallel, shape.expert_parallel,
-                                testing::LoopbackOptions());
-    Decoder model(config, kFloat64, groups.tensor_parallel_collectives(),
-                  groups.expert_parallel_collectives());
-    model.InitRandom(7, 0.3);
+  OnEveryRank(shape, [&](ProcessGroup& world, const ParallelGroups& groups) {
+    const Decoder model = Model(config, groups);
     // The ranks of one expert-parallel group of replicas save (every rank of it calls).
     const std::string saved = scratch / "parallel";
     if (groups.expert_data_parallel_rank() == 0) SaveHfModel(model, saved);
