@@ -49,11 +49,15 @@ ABSL_FLAG(bool, pack, dta::ExecutorMemoryOptions{}.pack,
 ABSL_FLAG(double, host_gb, 0,
           "host memory per node for offloaded optimizer state, GiB (0: not checked)");
 ABSL_FLAG(int32_t, tensor_parallel, 0, "the TP degree (0: choose)");
+ABSL_FLAG(int32_t, expert_parallel, 0,
+          "mixture-of-experts models: the EP degree, experts spread over that many replicas "
+          "(0: choose)");
 ABSL_FLAG(std::string, shard_optimizer, "auto", "auto, true or false: ZeRO-1 across the DP ranks");
 ABSL_FLAG(std::string, offload_optimizer, "auto",
           "auto, true or false: optimizer state in host memory");
 ABSL_FLAG(bool, table, false,
-          "print the memory table (Qwen3 1.7B to 32B on 1 to 8 GPUs of 80 and 141 GiB)");
+          "print the memory table (Qwen3 1.7B to 32B on 1 to 8 GPUs of 80 and 141 GiB, "
+          "Qwen3-30B-A3B and Qwen3-235B-A22B on 1 to 64)");
 
 namespace dta {
 namespace {
@@ -77,10 +81,14 @@ int PrintTable(const LayoutRequest& base) {
       "| Model | Parameters | GPUs | GPU memory | Layout | Per GPU (GiB) | of which executor "
       "(GiB) | Host per rank (GiB) |\n");
   std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
-  for (const char* name : {"qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}) {
+  for (const char* name :
+       {"qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b", "qwen3-235b-a22b"}) {
     const ModelConfig config = ConfigFromFlag(name);
     for (const double gpu_gb : {80.0, 141.0}) {
-      for (const int32_t gpus : {1, 2, 4, 8}) {
+      // Mixture-of-experts models also on 2, 4 and 8 nodes (expert parallelism across them).
+      std::vector<int32_t> gpu_counts = {1, 2, 4, 8};
+      if (config.num_experts > 0) gpu_counts.insert(gpu_counts.end(), {16, 32, 64});
+      for (const int32_t gpus : gpu_counts) {
         LayoutRequest request = base;
         request.world_size = gpus;
         request.gpu_bytes = static_cast<int64_t>(gpu_gb * kGiB);
@@ -94,9 +102,11 @@ int PrintTable(const LayoutRequest& base) {
           continue;
         }
         const TrainingLayout& l = plan->layout;
+        const std::string experts =
+            l.expert_parallel > 1 ? absl::StrCat(", EP ", l.expert_parallel) : "";
         std::printf(
-            "| %s | %.2fB | %d | %.0f GiB | TP %d x DP %d%s%s | %.1f | %.1f | %s |\n", name,
-            billions, gpus, gpu_gb, l.tensor_parallel, l.data_parallel,
+            "| %s | %.2fB | %d | %.0f GiB | TP %d x DP %d%s%s%s | %.1f | %.1f | %s |\n", name,
+            billions, gpus, gpu_gb, l.tensor_parallel, l.data_parallel, experts.c_str(),
             l.shard_optimizer ? ", sharded" : "", l.offload_optimizer ? ", offloaded" : "",
             static_cast<double>(plan->memory.gpu_total()) / kGiB,
             static_cast<double>(plan->memory.activations) / kGiB,
@@ -121,6 +131,7 @@ int Run() {
                       .graph_budget = absl::GetFlag(FLAGS_graph_budget),
                       .pack = absl::GetFlag(FLAGS_pack)};
   request.host_bytes_per_node = static_cast<int64_t>(absl::GetFlag(FLAGS_host_gb) * kGiB);
+  request.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   if (absl::GetFlag(FLAGS_table)) return PrintTable(request);
   if (absl::GetFlag(FLAGS_config).empty()) throw BadInput{"--config is required (or --table)"};
   const ModelConfig config = ConfigFromFlag(absl::GetFlag(FLAGS_config));

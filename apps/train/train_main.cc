@@ -25,8 +25,11 @@
 // gives the optimizer's share of the time and the host's peak memory too.
 // --tensor_parallel=T (0: the planner's choice) splits each replica's weights across T
 // consecutive ranks (Megatron-style, executor/model): the world is T x DP ranks, the batch is split
-// across the DP replicas, and the TP ranks of a replica train its part together. --save writes the
-// whole model (gathered) and each rank's optimizer state.
+// across the DP replicas, and the TP ranks of a replica train its part together.
+// --expert_parallel=E (mixture-of-experts models; 0: the planner's choice) spreads every sparse
+// layer's experts over E consecutive replicas, whose methods run in lockstep (executor/engine/
+// lockstep.h); the experts' gradients and optimizer state go over the DP / E ranks holding the
+// same experts. --save writes the whole model (gathered) and each rank's optimizer state.
 //
 // Exit status: 0 on success, 2 on bad input (flags, files, rollouts, checkpoints).
 #include <ATen/ATen.h>
@@ -150,6 +153,10 @@ int Run() {
   if (tensor_parallel > 1 && !absl::GetFlag(FLAGS_dump_grads).empty()) {
     throw BadInput{"--dump_grads needs the whole gradient, which tensor parallelism splits"};
   }
+  const int expert_parallel = layout.layout.expert_parallel;
+  if (expert_parallel > 1 && !absl::GetFlag(FLAGS_dump_grads).empty()) {
+    throw BadInput{"--dump_grads needs the whole gradient, which expert parallelism splits"};
+  }
 
   // This process's rollouts and the batch's normalisers (all of them, on one process). The
   // rollouts are split across the data-parallel replicas; the TP ranks of a replica share its part.
@@ -164,7 +171,8 @@ int Run() {
         env, options.device().is_cuda() ? options.device() : at::Device(at::kCPU), group_options);
     if (!created.ok()) throw std::runtime_error(std::string(created.status().message()));
     world = *std::move(created);
-    groups = std::make_unique<ParallelGroups>(*world, tensor_parallel, group_options);
+    groups =
+        std::make_unique<ParallelGroups>(*world, tensor_parallel, expert_parallel, group_options);
     const int replicas = groups->data_parallel_size();
     std::vector<const Rollout*> pointers;
     for (const Rollout& r : *rollouts) pointers.push_back(&r);
@@ -177,7 +185,8 @@ int Run() {
   } else {
     mine = *std::move(rollouts);
   }
-  Decoder model = ModelFromFlags(options, groups ? groups->tensor_parallel_collectives() : nullptr);
+  Decoder model = ModelFromFlags(options, groups ? groups->tensor_parallel_collectives() : nullptr,
+                                 groups ? groups->expert_parallel_collectives() : nullptr);
   ProcessGroup* group = groups ? &groups->data_parallel() : nullptr;
 
   if (leader) {
@@ -191,7 +200,7 @@ int Run() {
   }
   TrainingOptimizer optimizer(model.named_parameters(), group, layout.layout, AdamWFromFlags(),
                               int64_t{25} << 20, model.gradient_norm_scope(),
-                              OffloadUpdateFromFlags());
+                              OffloadUpdateFromFlags(), ExpertParametersOf(model, groups.get()));
   if (leader && !optimizer.DescribeOffload().empty()) {
     std::cerr << "dta-train: " << optimizer.DescribeOffload() << "\n";
   }
@@ -322,8 +331,10 @@ int Run() {
     const std::string dir = absl::GetFlag(FLAGS_save);
     // Replica 0's TP ranks gather the split weights (world rank 0 writes them); every rank writes
     // the optimizer state it owns.
-    SaveTrainingCheckpoint(dir, model, &optimizer, !groups || groups->data_parallel_rank() == 0,
-                           model_export);
+    // The model is gathered by the first replica (under expert parallelism, the first EP group's
+    // replicas: their experts together are every expert).
+    SaveTrainingCheckpoint(dir, model, &optimizer,
+                           !groups || groups->expert_data_parallel_rank() == 0, model_export);
   }
   if (world) world->Barrier();  // rank 0's store outlives the others' last collective
   return 0;

@@ -138,6 +138,10 @@ ABSL_FLAG(double, gpu_memory_gb, 0,
 ABSL_FLAG(int32_t, tensor_parallel, 1,
           "ranks each replica's weights are split across (tensor parallelism, within a node; must "
           "divide the KV heads and the world size); 0: the layout planner's choice");
+ABSL_FLAG(int32_t, expert_parallel, 1,
+          "mixture-of-experts models: replicas each sparse layer's experts are spread across "
+          "(expert parallelism, inside the data-parallel ranks; must divide them and the experts); "
+          "0: the layout planner's choice");
 ABSL_FLAG(double, activation_gb, -1,
           "memory per GPU reserved for the executor, GB (layout planning); negative: the "
           "executor's own peak, estimated from the model and --method, --block_size, "
@@ -293,11 +297,13 @@ ModelConfig ConfigFromFlags() {
 }
 
 Decoder ModelFromFlags(const at::TensorOptions& options,
-                       std::shared_ptr<const TensorParallelGroup> tensor_parallel) {
+                       std::shared_ptr<const TensorParallelGroup> tensor_parallel,
+                       std::shared_ptr<const ExpertParallelGroup> expert_parallel) {
   const ModelConfig config = ConfigFromFlags();
   const std::string dir = absl::GetFlag(FLAGS_model);
-  if (!dir.empty()) return LoadHfModel(dir, options, std::move(tensor_parallel));
-  Decoder model(config, options, std::move(tensor_parallel));
+  if (!dir.empty())
+    return LoadHfModel(dir, options, std::move(tensor_parallel), std::move(expert_parallel));
+  Decoder model(config, options, std::move(tensor_parallel), std::move(expert_parallel));
   model.InitRandom(absl::GetFlag(FLAGS_init_seed), absl::GetFlag(FLAGS_init_std));
   return model;
 }
@@ -347,6 +353,8 @@ LayoutPlan LayoutFromFlags(const ModelConfig& config, int world_size, const at::
       ExecutorFromFlags(), longest > 0 ? longest : workload.longest_rollout, workload.tree_tokens);
   overrides.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   if (overrides.tensor_parallel < 0) throw BadInput{"--tensor_parallel must be >= 0"};
+  overrides.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
+  if (overrides.expert_parallel < 0) throw BadInput{"--expert_parallel must be >= 0"};
   overrides.shard_optimizer =
       LayoutChoiceFlag("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
   overrides.offload_optimizer =
@@ -355,6 +363,16 @@ LayoutPlan LayoutFromFlags(const ModelConfig& config, int world_size, const at::
       config, world_size, device, TensorOptionsFromFlags().dtype().toScalarType(), overrides);
   if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
   return *plan;
+}
+
+ExpertParameters ExpertParametersOf(const Decoder& model, const ParallelGroups* groups) {
+  if (groups == nullptr || groups->expert_parallel_size() == 1) return {};
+  ExpertParameters experts{.expert_data_parallel = &groups->expert_data_parallel(),
+                           .expert_parallel_rank = groups->expert_parallel_rank(),
+                           .expert_parallel_size = groups->expert_parallel_size()};
+  for (const ParameterSplit& split : model.parameter_splits())
+    experts.expert.push_back(split.expert_parallel());
+  return experts;
 }
 
 OffloadUpdate OffloadUpdateFromFlags() {

@@ -17,7 +17,9 @@
 #include "core/layout/memory_plan.h"
 #include "core/progress/progress_line.h"
 #include "core/schedule/lr_schedule.h"
+#include "executor/distributed/parallel_groups.h"
 #include "executor/distributed/sharded_adamw.h"
+#include "executor/distributed/training_optimizer.h"
 #include "executor/engine/executor.h"
 #include "executor/loss/loss.h"
 #include "executor/model/decoder.h"
@@ -46,7 +48,8 @@ struct PlannedWorkload {
   int64_t tree_tokens = 0;      // the batch's unique tokens
 };
 // The layout (tensor parallelism, optimizer sharding and offload) for `world_size` ranks on
-// `device`, from --tensor_parallel, --shard_optimizer, --offload_optimizer, --gpu_memory_gb and
+// `device`, from --tensor_parallel, --expert_parallel, --shard_optimizer, --offload_optimizer,
+// --gpu_memory_gb and
 // --activation_gb and the device's memory (core/layout's planner). Without --activation_gb the
 // executor's memory is estimated from the executor flags and the longest rollout
 // (--longest_rollout, else `workload`'s, else 8192 tokens). BadInput with the planner's message
@@ -63,9 +66,14 @@ NonFiniteGradients NonFiniteGradientsFromFlags();
 // The config of --model (its config.json) or --config (a preset or a config.json).
 ModelConfig ConfigFromFlags();
 // --model (a Hugging Face directory) or --config (random weights), this rank's parts under
-// `tensor_parallel`.
+// `tensor_parallel` and `expert_parallel`.
 Decoder ModelFromFlags(const at::TensorOptions& options,
-                       std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr);
+                       std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr,
+                       std::shared_ptr<const ExpertParallelGroup> expert_parallel = nullptr);
+
+// Which of `model`'s parameters are this rank's experts, and the groups their optimizer runs over
+// (TrainingOptimizer's ExpertParameters; empty without expert parallelism or without `groups`).
+ExpertParameters ExpertParametersOf(const Decoder& model, const ParallelGroups* groups);
 
 // Peak memory since the last reset: allocated GPU memory on CUDA, the process's peak RSS on the
 // CPU.

@@ -17,7 +17,11 @@ constexpr int64_t kGradientBytes = 4;    // float32
 constexpr int64_t kOptimizerBytes = 12;  // float32 master weights and two moments
 
 std::string LayoutName(const TrainingLayout& layout) {
-  return absl::StrCat("TP ", layout.tensor_parallel, " x DP ", layout.data_parallel,
+  const std::string experts =
+      layout.expert_parallel > 1 ? absl::StrCat(" (experts: EP ", layout.expert_parallel, " x EDP ",
+                                                layout.data_parallel / layout.expert_parallel, ")")
+                                 : "";
+  return absl::StrCat("TP ", layout.tensor_parallel, " x DP ", layout.data_parallel, experts,
                       layout.shard_optimizer ? ", optimizer sharded" : "",
                       layout.offload_optimizer ? ", optimizer offloaded to the host" : "");
 }
@@ -83,6 +87,7 @@ ParameterCount CountParameters(const ModelConfig& c) {
     if (!layer.sparse()) continue;
     for (const ParameterSpec& parameter : layer.parameters) {
       if (parameter.per_expert()) {
+        count.experts += parameter.numel();
         count.unused_per_token +=
             parameter.numel() / c.num_experts * (c.num_experts - c.num_experts_per_tok);
       }
@@ -94,11 +99,18 @@ ParameterCount CountParameters(const ModelConfig& c) {
 MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& layout,
                               const LayoutRequest& request) {
   const ParameterCount count = CountParameters(config);
-  // Each rank's parameters; a sharded dimension that does not divide evenly rounds up.
+  // Each rank's parameters; a sharded dimension that does not divide evenly rounds up. Its
+  // experts are 1 / EP of them; their optimizer state is sharded over the DP / EP ranks holding
+  // the same experts, the rest's over the DP ranks.
   const int64_t tp = layout.tensor_parallel;
-  const int64_t local = (count.sharded + tp - 1) / tp + count.replicated;
+  const int64_t ep = layout.expert_parallel;
+  const int64_t experts = (count.experts + tp * ep - 1) / (tp * ep);
+  const int64_t dense = (count.sharded - count.experts + tp - 1) / tp + count.replicated;
+  const int64_t local = dense + experts;
   const int64_t dp = layout.shard_optimizer ? layout.data_parallel : 1;
-  const int64_t optimizer = (local * kOptimizerBytes + dp - 1) / dp;
+  const int64_t edp = layout.shard_optimizer ? layout.data_parallel / ep : 1;
+  const int64_t optimizer =
+      (dense * kOptimizerBytes + dp - 1) / dp + (experts * kOptimizerBytes + edp - 1) / edp;
   MemoryEstimate memory;
   memory.weights = local * request.weight_bytes;
   memory.gradients = local * kGradientBytes;
@@ -127,6 +139,14 @@ std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config,
         config.num_key_value_heads % tp == 0) {
       allowed.push_back(tp);
     }
+  }
+  return allowed;
+}
+
+std::vector<int32_t> AllowedExpertParallel(const ModelConfig& config, int32_t data_parallel) {
+  std::vector<int32_t> allowed = {1};
+  for (int32_t ep = 2; ep <= data_parallel && ep <= config.num_experts; ++ep) {
+    if (data_parallel % ep == 0 && config.num_experts % ep == 0) allowed.push_back(ep);
   }
   return allowed;
 }
@@ -162,22 +182,50 @@ absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutReq
     }
     degrees = {request.tensor_parallel};
   }
+  if (request.expert_parallel < 0) {
+    return FieldError("expert_parallel",
+                      absl::StrCat("must be >= 0, got ", request.expert_parallel));
+  }
+  if (request.expert_parallel > 1) {
+    bool allowed = false;
+    for (int32_t tp : degrees) {
+      for (int32_t ep : AllowedExpertParallel(config, request.world_size / tp))
+        allowed |= ep == request.expert_parallel;
+    }
+    if (!allowed) {
+      return FieldError(
+          "expert_parallel",
+          absl::StrCat(request.expert_parallel, " is not allowed: ",
+                       config.num_experts == 0
+                           ? absl::StrCat(config.model_type, " models have no experts (use 1)")
+                           : absl::StrCat("it must divide the ", config.num_experts,
+                                          " experts and the data-parallel ranks (the world size ",
+                                          request.world_size, " over the tensor parallelism)")));
+    }
+  }
   const ParameterCount parameters = CountParameters(config);
   std::optional<LayoutPlan> smallest;
   for (const bool offload : {false, true}) {
     if (request.offload_optimizer.has_value() && *request.offload_optimizer != offload) continue;
     for (int32_t tp : degrees) {
-      TrainingLayout layout;
-      layout.tensor_parallel = tp;
-      layout.data_parallel = request.world_size / tp;
-      layout.shard_optimizer = request.shard_optimizer.value_or(layout.data_parallel > 1);
-      layout.offload_optimizer = offload;
-      LayoutPlan plan{layout, EstimateMemory(config, layout, request), parameters,
-                      request.gpu_bytes};
-      const int32_t ranks_per_node = std::min(request.gpus_per_node, request.world_size);
-      if (Fits(plan.memory, request, ranks_per_node)) return plan;
-      if (!smallest.has_value() || plan.memory.gpu_total() < smallest->memory.gpu_total())
-        smallest = plan;
+      const int32_t dp = request.world_size / tp;
+      std::vector<int32_t> eps = {request.expert_parallel};
+      if (request.expert_parallel == 0) eps = AllowedExpertParallel(config, dp);
+      for (int32_t ep : eps) {
+        if (dp % ep != 0) continue;  // a fixed degree another TP allows
+        TrainingLayout layout;
+        layout.tensor_parallel = tp;
+        layout.data_parallel = dp;
+        layout.expert_parallel = ep;
+        layout.shard_optimizer = request.shard_optimizer.value_or(layout.data_parallel > 1);
+        layout.offload_optimizer = offload;
+        LayoutPlan plan{layout, EstimateMemory(config, layout, request), parameters,
+                        request.gpu_bytes};
+        const int32_t ranks_per_node = std::min(request.gpus_per_node, request.world_size);
+        if (Fits(plan.memory, request, ranks_per_node)) return plan;
+        if (!smallest.has_value() || plan.memory.gpu_total() < smallest->memory.gpu_total())
+          smallest = plan;
+      }
     }
   }
   if (!smallest.has_value()) {
@@ -199,7 +247,8 @@ absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutReq
       HasTensorParallelGap(config)
           ? absl::StrCat(" (", config.model_type,
                          " has no tensor parallelism yet); allow offload, or ")
-          : "; add GPUs, allow offload or tensor parallelism, or ",
+      : config.num_experts > 0 ? "; add GPUs, allow offload, tensor or expert parallelism, or "
+                               : "; add GPUs, allow offload or tensor parallelism, or ",
       m.activations_estimated
           ? "lower the executor's block size and graph budget (or give an activation reserve)"
           : "lower the activation reserve"));

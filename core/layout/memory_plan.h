@@ -32,6 +32,9 @@ struct ParameterCount {
   int64_t sharded = 0;     // split across tensor-parallel ranks (experts included)
   int64_t replicated = 0;  // held whole by every tensor-parallel rank (RMSNorms, o_proj's bias,
                            // MoE routers)
+  // Mixture of experts: the routed experts' parameters (part of `sharded`), which expert
+  // parallelism spreads over the EP ranks.
+  int64_t experts = 0;
   // Mixture of experts: the parameters one token does not use, the num_experts -
   // num_experts_per_tok experts of each sparse layer it is not routed to (0 for dense models).
   int64_t unused_per_token = 0;
@@ -48,6 +51,10 @@ ParameterCount CountParameters(const ModelConfig& config);
 struct TrainingLayout {
   int32_t tensor_parallel = 1;
   int32_t data_parallel = 1;
+  // Mixture of experts: every sparse layer's experts spread over this many consecutive replicas
+  // (inside the DP ranks, as Megatron-Core: EP divides DP and the experts); their gradients are
+  // summed and their optimizer state sharded over the DP / EP ranks holding the same experts.
+  int32_t expert_parallel = 1;
   // ZeRO-1: float32 master weights and moments partitioned across the DP ranks of a TP slice.
   bool shard_optimizer = false;
   // Master weights and moments in pinned host memory, updated there.
@@ -89,6 +96,9 @@ struct LayoutRequest {
   int32_t weight_bytes = 2;
   // Overrides: a fixed TP degree (0: choose), sharding and offload (nullopt: choose).
   int32_t tensor_parallel = 0;
+  // Expert parallelism (mixture-of-experts models): a fixed degree, or 0: the smallest that fits
+  // (1 for dense models).
+  int32_t expert_parallel = 1;
   std::optional<bool> shard_optimizer;
   std::optional<bool> offload_optimizer;
   // What drives the executor's memory when activation_bytes is estimated.
@@ -110,8 +120,14 @@ MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& l
 // (qwen3_next).
 std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config, const LayoutRequest& request);
 
+// The EP degrees a config allows on `data_parallel` replicas: 1, and for mixture-of-experts models
+// every degree dividing both the replicas and the experts.
+std::vector<int32_t> AllowedExpertParallel(const ModelConfig& config, int32_t data_parallel);
+
 // The first layout that fits, preferring the least communication: without offload before with
-// it, then the smallest TP degree; the optimizer is sharded whenever DP > 1 (ZeRO-1 moves as many
+// it, then the smallest TP degree, then (with LayoutRequest::expert_parallel 0) the smallest EP
+// degree (experts spread over replicas keep their GEMMs whole, where TP splits them); the
+// optimizer is sharded whenever DP > 1 (ZeRO-1 moves as many
 // bytes as the all-reduce it replaces). The executor's estimate shrinks with TP (its per-head and
 // per-vocabulary terms are split), so a larger TP degree can fit where a smaller one does not.
 // INVALID_ARGUMENT for a request that makes no sense (no GPU memory, a world size of 0, an

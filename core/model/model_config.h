@@ -127,7 +127,8 @@ absl::Status ValidateModelConfig(const ModelConfig& config);
 
 // The released model shapes, as in their Hugging Face config.json: "qwen3-0.6b", "qwen3-1.7b",
 // "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen2.5-1.5b" (Qwen2.5-1.5B-Instruct),
-// "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b" (Qwen3-30B-A3B), and "qwen3-moe-small" (not a
+// "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b" (Qwen3-30B-A3B), "qwen3-235b-a22b"
+// (Qwen3-235B-A22B), and "qwen3-moe-small" (not a
 // released model: Qwen3-30B-A3B's layers, 4 of its 48, 3.1B parameters, for benchmarks on one 80 GB
 // GPU), "qwen3-next-80b-a3b" (Qwen3-Next-80B-A3B-Instruct) and "qwen3-next-small" (not a
 // released model: 4 of its layers, three linear and one full, with 128 experts instead of 512,

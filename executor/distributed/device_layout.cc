@@ -46,6 +46,7 @@ absl::StatusOr<LayoutPlan> PlanDeviceLayout(const ModelConfig& config, int world
   request.host_bytes_per_node = PhysicalMemoryBytes();
   request.weight_bytes = static_cast<int32_t>(c10::elementSize(dtype));
   request.tensor_parallel = overrides.tensor_parallel;
+  request.expert_parallel = overrides.expert_parallel;
   request.shard_optimizer = overrides.shard_optimizer;
   request.offload_optimizer = overrides.offload_optimizer;
   return PlanLayout(config, request);

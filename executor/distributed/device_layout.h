@@ -21,6 +21,7 @@ namespace dta {
 
 struct LayoutOverrides {
   int tensor_parallel = 1;              // 0: the planner's choice
+  int expert_parallel = 1;              // 0: the planner's choice (mixture-of-experts models)
   std::optional<bool> shard_optimizer;  // nullopt: the planner's choice
   std::optional<bool> offload_optimizer;
   double gpu_memory_gb = 0;  // memory each GPU may use, GB (1e9 bytes); 0: the device's

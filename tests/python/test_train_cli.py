@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "qwen3-tiny.json"
+MOE_CONFIG = REPO / "examples" / "configs" / "qwen3-moe-tiny.json"
 
 
 def tool(name: str) -> Path:
@@ -43,8 +44,8 @@ def rollouts(tmp_path_factory) -> Path:
     return path
 
 
-def train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([tool("dta-train"), f"--config={CONFIG}", *args], capture_output=True, text=True)
+def train(*args: str, config: Path = CONFIG) -> subprocess.CompletedProcess:
+    return subprocess.run([tool("dta-train"), f"--config={config}", *args], capture_output=True, text=True)
 
 
 def test_methods_dump_identical_float64_gradients(rollouts, tmp_path):
@@ -145,7 +146,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, args: list[str], nodes: int = 1) -> list[tuple[str, str]]:
+def run_ranks(world: int, args: list[str], nodes: int = 1, config: Path = CONFIG) -> list[tuple[str, str]]:
     """dta-train --distributed on `world` local processes (Gloo), as `nodes` torchrun nodes would
     start them (LOCAL_RANK and LOCAL_WORLD_SIZE per node); every rank must succeed."""
     port = free_port()
@@ -155,7 +156,7 @@ def run_ranks(world: int, args: list[str], nodes: int = 1) -> list[tuple[str, st
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
                    LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         ranks.append(subprocess.Popen(
-            [tool("dta-train"), f"--config={CONFIG}", *args, "--distributed", "--timeout_s=60"],
+            [tool("dta-train"), f"--config={config}", *args, "--distributed", "--timeout_s=60"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=300) for p in ranks]
     for p, (out, err) in zip(ranks, outputs):
@@ -222,6 +223,51 @@ def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, wor
         shards = sorted(p.name for p in state.glob("optimizer*.safetensors"))
         assert shards == ([f"optimizer-{r:05d}-of-{replicas:05d}.safetensors" for r in range(replicas)]
                           if sharded else ["optimizer.safetensors"])
+
+
+@pytest.mark.parametrize("world, layout", [(4, "replicated"), (4, "sharded_offloaded"), (4, "tp2_sharded_offloaded")])
+def test_expert_parallel_ranks_train_what_one_process_trains(rollouts, tmp_path, world, layout):
+    """dta-train --distributed --expert_parallel=2 on a mixture-of-experts model (Gloo, float64):
+    every sparse layer's experts spread over two replicas, whose different shares of the split run
+    in lockstep (small blocks, so their schedules differ), with the router's load-balancing loss;
+    the losses, gradient norms and saved weights after two clipped steps equal one process's, in
+    each optimizer layout and with tensor parallelism too; each EP rank's optimizer state is saved
+    under experts/, and a resume with another expert-parallel size is refused naming both."""
+    common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
+              "--method=dta", "--block_size=16", "--max_grad_norm=0.05", "--json", "--checkpoint_dtype=model",
+              "--router_aux_loss_coef=0.01"]
+    single = train(*common, f"--save={tmp_path / 'one'}", config=MOE_CONFIG)
+    assert single.returncode == 0, single.stderr
+    outputs = run_ranks(world, [*common, *LAYOUTS[layout], "--expert_parallel=2", f"--save={tmp_path / 'many'}"],
+                        config=MOE_CONFIG)
+    assert "(experts: EP 2 x EDP " in outputs[0][1], outputs[0][1]
+    steps = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    reference_steps = [json.loads(line) for line in single.stdout.splitlines() if line.startswith("{")]
+    assert len(steps) == len(reference_steps) == 2
+    for s, r in zip(steps, reference_steps):
+        assert abs(s["loss"] - r["loss"]) <= 1e-10 * max(1.0, abs(r["loss"]))
+        assert abs(s["router_aux_loss"] - r["router_aux_loss"]) <= 1e-10 * max(1.0, abs(r["router_aux_loss"]))
+        assert abs(s["grad_norm"] - r["grad_norm"]) <= 1e-10 * r["grad_norm"]
+        assert r["grad_norm"] > 0.05, "the steps must clip"
+    assert_same_tensors(tmp_path / "one/model/model.safetensors", tmp_path / "many/model/model.safetensors")
+    experts = sorted(p.name for p in (tmp_path / "many" / "optimizer" / "experts").iterdir())
+    assert experts == ["ep-00-of-02", "ep-01-of-02"]
+    refused = subprocess.run([tool("dta-train"), f"--config={MOE_CONFIG}", f"--rollouts={rollouts}", "--dtype=float64",
+                              f"--resume={tmp_path / 'many'}", "--steps=1",
+                              *[flag for flag in LAYOUTS[layout] if "tensor_parallel" not in flag]],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2, refused.stderr
+    assert "resumes only with the" in refused.stderr, refused.stderr
+
+
+def test_expert_parallel_sizes_that_cannot_run_are_refused(rollouts):
+    """--expert_parallel must divide the replicas and the experts, and a dense model has none."""
+    run = train(f"--rollouts={rollouts}", "--expert_parallel=2")
+    assert run.returncode == 2 and "have no experts" in run.stderr, run.stderr
+    run = train(f"--rollouts={rollouts}", "--expert_parallel=2", config=MOE_CONFIG)
+    assert run.returncode == 2 and "must divide the 8 experts and the data-parallel ranks" in run.stderr, run.stderr
+    run = train(f"--rollouts={rollouts}", "--expert_parallel=-1", config=MOE_CONFIG)
+    assert run.returncode == 2 and "--expert_parallel must be >= 0" in run.stderr, run.stderr
 
 
 def test_sharded_state_resumes_on_another_layout(rollouts, tmp_path):

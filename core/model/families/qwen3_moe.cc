@@ -7,17 +7,26 @@
 namespace dta {
 namespace {
 
+// Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B active per token.
+constexpr ModelPresetShape kQwen3_30B_A3B = {"qwen3-30b-a3b", 151936, 2048, 6144,  48, 32,  4, 128,
+                                             false,           1e6,    1e-6, 40960, {}, 128, 8, 768};
+
+// The same shape under another name with fewer layers.
+constexpr ModelPresetShape WithLayers(ModelPresetShape shape, const char* name, int64_t layers) {
+  shape.name = name;
+  shape.layers = layers;
+  return shape;
+}
+
 constexpr ModelPresetShape kPresets[] = {
-    // Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B active per token.
-    {"qwen3-30b-a3b", 151936, 2048, 6144, 48, 32, 4, 128, false, 1e6, 1e-6, 40960, {}, 128, 8, 768},
-    // Not a released model: Qwen3-30B-A3B's first 4 layers (3.1B parameters, 0.9B active), for
-    // benchmarks on one 80 GB GPU with its real expert shapes and routing.
-    {"qwen3-moe-small",
+    kQwen3_30B_A3B,
+    // Qwen/Qwen3-235B-A22B: 235B parameters, 22B active per token.
+    {"qwen3-235b-a22b",
      151936,
-     2048,
-     6144,
-     4,
-     32,
+     4096,
+     12288,
+     94,
+     64,
      4,
      128,
      false,
@@ -27,7 +36,10 @@ constexpr ModelPresetShape kPresets[] = {
      {},
      128,
      8,
-     768},
+     1536},
+    // Not a released model: Qwen3-30B-A3B's first 4 layers (3.1B parameters, 0.9B active), for
+    // benchmarks on one 80 GB GPU with its real expert shapes and routing.
+    WithLayers(kQwen3_30B_A3B, "qwen3-moe-small", 4),
 };
 
 }  // namespace

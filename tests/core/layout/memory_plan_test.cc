@@ -64,6 +64,18 @@ TEST(CountParameters, MatchesThePublishedModelsOfEachFamily) {
             16 * 2048);
 }
 
+// Qwen3-30B-A3B and Qwen3-235B-A22B: their model.safetensors.index.json total sizes (61,064,245,248
+// and 470,187,269,120 bytes of bfloat16); the routed experts are nearly all of it.
+TEST(CountParameters, MatchesQwen3Moe) {
+  const ParameterCount small = CountParameters(*ModelPreset("qwen3-30b-a3b"));
+  EXPECT_EQ(small.total(), 30532122624);
+  EXPECT_EQ(small.experts, int64_t{48} * 128 * 3 * 2048 * 768);
+  const ParameterCount large = CountParameters(*ModelPreset("qwen3-235b-a22b"));
+  EXPECT_EQ(large.total(), 235093634560);
+  EXPECT_EQ(large.experts, int64_t{94} * 128 * 3 * 4096 * 1536);
+  EXPECT_EQ(CountParameters(Qwen3_8B()).experts, 0);
+}
+
 // Qwen3-Next-80B-A3B: the parameters of transformers' Qwen3NextForCausalLM for its config.json
 // (79,674,391,296, as its published weights without the multi-token-prediction layer), 3.9B of
 // them used by a token (its top 10 of 512 experts).
@@ -153,6 +165,32 @@ TEST(EstimateMemory, TensorParallelSplitsAllButTheNormsAndShardingDividesTheOpti
   EXPECT_EQ(offloaded.gpu_total(), 6 * local);
 }
 
+// Expert parallelism divides the experts' weights, gradients and (as the ranks holding the same
+// experts shard them) optimizer state; the rest stays as it was.
+TEST(EstimateMemory, ExpertParallelismSpreadsOnlyTheExperts) {
+  const ModelConfig config = *ModelPreset("qwen3-30b-a3b");
+  const ParameterCount count = CountParameters(config);
+  const int64_t dense = count.total() - count.experts;
+  const MemoryEstimate whole = EstimateMemory(config, {.data_parallel = 8, .shard_optimizer = true},
+                                              {.activation_bytes = 0});
+  for (const int32_t ep : {2, 4, 8}) {
+    SCOPED_TRACE(ep);
+    const MemoryEstimate m =
+        EstimateMemory(config, {.data_parallel = 8, .expert_parallel = ep, .shard_optimizer = true},
+                       {.activation_bytes = 0});
+    EXPECT_EQ(m.weights, 2 * (dense + count.experts / ep));
+    EXPECT_EQ(m.gradients, 4 * (dense + count.experts / ep));
+    EXPECT_NEAR(static_cast<double>(m.optimizer), static_cast<double>(whole.optimizer), 16.0);
+  }
+}
+
+TEST(AllowedExpertParallel, DividesTheExpertsAndTheReplicas) {
+  const ModelConfig moe = *ModelPreset("qwen3-30b-a3b");  // 128 experts
+  EXPECT_THAT(AllowedExpertParallel(moe, 8), ElementsAre(1, 2, 4, 8));
+  EXPECT_THAT(AllowedExpertParallel(moe, 6), ElementsAre(1, 2));
+  EXPECT_THAT(AllowedExpertParallel(Qwen3_8B(), 8), ElementsAre(1));
+}
+
 TEST(AllowedTensorParallel, DividesHeadsKvHeadsAndTheWorldWithinANode) {
   EXPECT_THAT(AllowedTensorParallel(Qwen3_14B(), {.world_size = 8, .gpus_per_node = 8}),
               ElementsAre(1, 2, 4, 8));
@@ -237,6 +275,44 @@ TEST(PlanLayout, ThirtyTwoBOnEightGpusNeedsTensorParallelism) {
   ASSERT_TRUE(h200.ok()) << h200.status();
   EXPECT_EQ(h200->layout.tensor_parallel, 4);
   EXPECT_TRUE(h200->layout.shard_optimizer);
+}
+
+// Qwen3-30B-A3B's weights and gradients alone exceed a 141 GiB GPU: on 8 of them the planner
+// spreads the experts rather than offloading or splitting every GEMM, and EP 1 needs more.
+TEST(PlanLayout, MixtureOfExpertsOnEightGpusSpreadsTheExperts) {
+  const ModelConfig config = *ModelPreset("qwen3-30b-a3b");
+  const absl::StatusOr<LayoutPlan> plan =
+      PlanLayout(config, {.world_size = 8, .gpu_bytes = 141 * kGiB, .expert_parallel = 0});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layout.tensor_parallel, 1);
+  EXPECT_GT(plan->layout.expert_parallel, 1);
+  EXPECT_FALSE(plan->layout.offload_optimizer);
+  EXPECT_LE(plan->memory.gpu_total(), 141 * kGiB);
+  EXPECT_THAT(DescribeLayout(*plan), HasSubstr("(experts: EP "));
+  const absl::StatusOr<LayoutPlan> without =
+      PlanLayout(config, {.world_size = 8, .gpu_bytes = 141 * kGiB, .tensor_parallel = 1});
+  EXPECT_TRUE(!without.ok() || without->layout.offload_optimizer) << DescribeLayout(*without);
+}
+
+TEST(PlanLayout, ExpertParallelOverridesAreCheckedNamingTheField) {
+  const absl::StatusOr<LayoutPlan> dense =
+      PlanLayout(Qwen3_8B(), {.world_size = 8, .gpu_bytes = 141 * kGiB, .expert_parallel = 2});
+  EXPECT_EQ(dense.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(dense.status().message(),
+              AllOf(HasSubstr("expert_parallel"), HasSubstr("have no experts")));
+  const ModelConfig moe = *ModelPreset("qwen3-30b-a3b");
+  const absl::StatusOr<LayoutPlan> three =
+      PlanLayout(moe, {.world_size = 6, .gpu_bytes = 141 * kGiB, .expert_parallel = 3});
+  EXPECT_EQ(three.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(three.status().message(), HasSubstr("must divide the 128 experts"));
+  const absl::StatusOr<LayoutPlan> fixed =
+      PlanLayout(moe, {.world_size = 8, .gpu_bytes = 141 * kGiB, .expert_parallel = 8});
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  EXPECT_EQ(fixed->layout.expert_parallel, 8);
+  EXPECT_EQ(PlanLayout(moe, {.world_size = 8, .gpu_bytes = 141 * kGiB, .expert_parallel = -1})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(PlanLayout, WhatCannotFitIsRefusedNamingTheNumbers) {

@@ -270,11 +270,19 @@ TEST(ModelFamily, ParsesTheHubConfigsIntoThePresets) {
   small.num_hidden_layers = 48;
   EXPECT_EQ(small, moe);
 
+  // Qwen3-235B-A22B's config.json differs from Qwen3-30B-A3B's in these fields.
+  Json large = Json::parse(kQwen3_30B_A3B);
+  large.merge_patch(Json::parse(R"({"hidden_size": 4096, "intermediate_size": 12288,
+      "max_window_layers": 94, "moe_intermediate_size": 1536, "num_attention_heads": 64,
+      "num_hidden_layers": 94})"));
+  EXPECT_EQ(ParseOk(large.dump()), *ModelPreset("qwen3-235b-a22b"));
+  EXPECT_EQ(ParseOk(large.dump()), *ModelPreset("Qwen/Qwen3-235B-A22B"));
+
   EXPECT_THAT(
       ModelPresetNames(),
       ElementsAre("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
                   "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b",
-                  "qwen3-moe-small", "qwen3-next-80b-a3b", "qwen3-next-small"));
+                  "qwen3-235b-a22b", "qwen3-moe-small", "qwen3-next-80b-a3b", "qwen3-next-small"));
   for (const std::string& name : ModelPresetNames()) {
     const absl::StatusOr<ModelConfig> preset = ModelPreset(name);
     ASSERT_TRUE(preset.ok()) << preset.status();
