@@ -119,7 +119,13 @@ grep -qF "cannot be trained on 1 GPU(s) of 80.0 GiB" "$work/layout.txt" || fail 
 [[ $? -eq 2 ]] || fail "a bad --tensor_parallel must exit 2"
 grep -qF "field 'tensor_parallel'" "$work/layout.txt" || fail "the bad --tensor_parallel is not named"
 "$bin/dta-layout" --table >"$work/table.md" || fail "dta-layout --table exited $?"
-[[ $(grep -c '^| qwen3-' "$work/table.md") -eq 32 ]] || fail "the table has not 4 models x 2 GPUs x 4 counts"
+[[ $(grep -c '^| qwen3-' "$work/table.md") -eq 60 ]] ||
+  fail "the table has not 4 dense models x 2 GPUs x 4 counts and 2 MoE models x 2 GPUs x 7 counts"
+grep -qE '^\| qwen3-30b-a3b .* \| 8 \| 141 GiB \| TP 1 x DP 8, EP [248], sharded' "$work/table.md" ||
+  fail "Qwen3-30B-A3B on 8 x 141 GiB spreads no experts: $(grep 30b-a3b "$work/table.md")"
+"$bin/dta-layout" --config=qwen3-30b-a3b --world_size=8 --expert_parallel=3 2>"$work/layout.txt"
+[[ $? -eq 2 ]] || fail "a bad --expert_parallel must exit 2"
+grep -qF "field 'expert_parallel'" "$work/layout.txt" || fail "the bad --expert_parallel is not named"
 
 if ((failures)); then
   echo "$failures check(s) failed"
