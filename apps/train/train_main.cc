@@ -244,7 +244,10 @@ int Run() {
     step_executor.progress = [&progress](int64_t done, int64_t total) {
       progress.Update(done, total);
     };
-    if (!mine.empty()) result = ComputeGradients(model, mine, loss, step_executor, batch);
+    // Under expert parallelism a replica without rollouts still serves its experts to the others'
+    // tokens: the call is collective over its EP group.
+    if (!mine.empty() || expert_parallel > 1)
+      result = ComputeGradients(model, mine, loss, step_executor, batch);
     progress.Finish();
     optimizer.SyncGradients();
     if (group) {

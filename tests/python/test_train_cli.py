@@ -260,6 +260,25 @@ def test_expert_parallel_ranks_train_what_one_process_trains(rollouts, tmp_path,
     assert "resumes only with the" in refused.stderr, refused.stderr
 
 
+def test_expert_parallel_replica_without_rollouts_serves_its_experts(tmp_path):
+    """One rollout on two EP replicas: the replica with none still takes part in every step (its
+    experts serve the other's tokens), and the steps equal one process's."""
+    path = tmp_path / "one.jsonl"
+    rng = random.Random(3)
+    tokens = [rng.randrange(1024) for _ in range(30)]
+    path.write_text(json.dumps({"id": "r0", "group": "g", "tokens": tokens, "loss_mask": [0] + [1] * 29,
+                                "logprobs": [-7.0] * 30, "reward": 1.0}) + "\n")
+    common = [f"--rollouts={path}", "--dtype=float64", "--init_std=0.2", "--steps=2", "--json", "--loss=sft"]
+    single = train(*common, config=MOE_CONFIG)
+    assert single.returncode == 0, single.stderr
+    outputs = run_ranks(2, [*common, "--expert_parallel=2"], config=MOE_CONFIG)
+    got = [json.loads(line)["loss"] for line in outputs[0][0].splitlines() if line.startswith("{")]
+    expected = [json.loads(line)["loss"] for line in single.stdout.splitlines() if line.startswith("{")]
+    assert len(got) == len(expected) == 2
+    for g, e in zip(got, expected):
+        assert abs(g - e) <= 1e-10 * abs(e)
+
+
 def test_expert_parallel_sizes_that_cannot_run_are_refused(rollouts):
     """--expert_parallel must divide the replicas and the experts, and a dense model has none."""
     run = train(f"--rollouts={rollouts}", "--expert_parallel=2")
