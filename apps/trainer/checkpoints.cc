@@ -90,7 +90,7 @@ CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_
   }
   if (ranks.world != nullptr) ranks.world->Barrier();  // nobody writes into what rank 0 clears
   // What this rank owns: its optimizer state (maybe nothing), and the model on the first replica.
-  SaveTrainingCheckpoint(tmp.string(), model, &optimizer, ranks.data_parallel_rank == 0,
+  SaveTrainingCheckpoint(tmp.string(), model, &optimizer, ranks.expert_data_parallel_rank == 0,
                          model_export);
   if (ranks.world != nullptr) ranks.world->Barrier();  // all is written before rank 0 publishes
   const CheckpointInfo saved = {.step = step, .path = final_path.string()};

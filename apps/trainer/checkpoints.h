@@ -42,9 +42,11 @@ std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory);
 struct CheckpointRanks {
   // Every rank of the world (null: one process) saves together: each writes the optimizer state it
   // owns, the first data-parallel replica's TP ranks gather the weights (TP rank 0 writes them),
-  // and world rank 0 publishes the checkpoint; they meet at two barriers of `world`.
+  // and world rank 0 publishes the checkpoint; they meet at two barriers of `world`. Under expert
+  // parallelism the first EP group's replicas gather the weights (their experts together are
+  // every expert): `expert_data_parallel_rank` is 0 on them.
   ProcessGroup* world = nullptr;
-  int data_parallel_rank = 0;
+  int expert_data_parallel_rank = 0;
 };
 
 // Writes the model (as `model_export` says) and the optimizer after `step` committed steps, then

@@ -48,7 +48,9 @@ int64_t RunTrainerSteps(TrainerSession& session, Decoder& model, TrainingOptimiz
     optimizer.ZeroGrad();
     ResetPeakMemory(options.device);
     GradientResult result;
-    if (!rollouts.empty()) {  // a rank may get nothing when there are fewer rollouts than ranks
+    // A rank may get nothing when there are fewer rollouts than ranks; under expert parallelism
+    // it still takes part (options.collective_steps).
+    if (!rollouts.empty() || options.collective_steps) {
       ProgressLine progress(absl::StrCat(options.log_prefix, ": step ", step), "tokens",
                             options.progress);
       ExecutorOptions executor = options.executor;

@@ -90,6 +90,9 @@ struct TrainerLoopOptions {
   // The ranks that save checkpoints together (apps/trainer/checkpoints.h). With several ranks they
   // also agree on a requested checkpoint through ranks.world, so a request on any rank saves one.
   CheckpointRanks ranks;
+  // Every rank computes every step, with or without rollouts (expert parallelism: a replica's
+  // experts serve the other replicas' tokens, and the executor's calls are collective).
+  bool collective_steps = false;
   // Testing: sleep this long before synchronising gradients (fault-injection tests).
   std::chrono::milliseconds slow_step{0};
   // Starts every progress line on stderr.

@@ -305,7 +305,8 @@ int Run() {
       register_with_dispatcher();
     }
   }
-  const ParallelGroups groups(**world, tensor_parallel, group_options);
+  const ParallelGroups groups(**world, tensor_parallel, layout.layout.expert_parallel,
+                              group_options);
   if (tensor_parallel > 1) {
     session = tensor_parallel_rank == 0
                   ? RelayToFollowers(std::move(session), groups.tensor_parallel()->store())
@@ -316,10 +317,12 @@ int Run() {
                    replica, replica * tensor_parallel);
     }
   }
-  Decoder model = ModelFromFlags(options, groups.tensor_parallel_collectives());
+  Decoder model = ModelFromFlags(options, groups.tensor_parallel_collectives(),
+                                 groups.expert_parallel_collectives());
   TrainingOptimizer optimizer(model.named_parameters(), &groups.data_parallel(), layout.layout,
                               AdamWFromFlags(), absl::GetFlag(FLAGS_bucket_mb) << 20,
-                              model.gradient_norm_scope(), OffloadUpdateFromFlags());
+                              model.gradient_norm_scope(), OffloadUpdateFromFlags(),
+                              ExpertParametersOf(model, &groups));
   if (groups.world().rank() == 0 && !optimizer.DescribeOffload().empty()) {
     std::fprintf(stderr, "%s: %s\n", prefix.c_str(), optimizer.DescribeOffload().c_str());
   }
@@ -364,7 +367,9 @@ int Run() {
              }
            },
        .max_steps = absl::GetFlag(FLAGS_max_steps),
-       .ranks = {.world = world->get(), .data_parallel_rank = replica},
+       .ranks = {.world = world->get(),
+                 .expert_data_parallel_rank = groups.expert_data_parallel_rank()},
+       .collective_steps = groups.expert_parallel_size() > 1,
        .slow_step = std::chrono::milliseconds(absl::GetFlag(FLAGS_slow_step_ms)),
        .log_prefix = prefix,
        .progress = progress,

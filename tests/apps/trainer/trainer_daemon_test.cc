@@ -333,6 +333,48 @@ TEST_F(TrainerDaemonTest, TensorParallelReplicasTrainLikeOne) {
   }
 }
 
+// Expert parallelism under the dispatcher: a mixture-of-experts model's experts spread over two
+// replicas (EP 2 on two ranks, EP 2 x EDP 2 on two "nodes" of two), whose different partitions run
+// in lockstep, train what one rank trains, each EP rank saving its experts' optimizer state under
+// experts/; a kill -9 of an EP rank mid-step restarts the group from the last checkpoint to the
+// same weights.
+TEST_F(TrainerDaemonTest, ExpertParallelReplicasTrainLikeOneAndSurviveKillNine) {
+  std::ofstream(root_ / "config.json")
+      << R"({"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 16,
+      "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+      "tie_word_embeddings": false, "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 8, "norm_topk_prob": true})";
+  Run reference = NewRun("one-rank");
+  Send(reference);
+  EXPECT_EQ(Train(reference, 1), 0);
+  ranks_per_node_ = 2;
+  for (const int world : {2, 4}) {
+    Run run = NewRun("ep2-world" + std::to_string(world));
+    Send(run);
+    EXPECT_EQ(Train(run, world, 0, nullptr, {"--expert_parallel=2"}), 0);
+    ExpectSameModel(run, reference);
+    ExpectEveryRolloutTrainedOnce(run);
+    const fs::path last = run.dir / "ckpt" / "step-00000004" / "optimizer" / "experts";
+    EXPECT_TRUE(fs::is_directory(last / "ep-00-of-02")) << last;
+    EXPECT_TRUE(fs::is_directory(last / "ep-01-of-02")) << last;
+  }
+  Run faulty = NewRun("ep2-kill");
+  Send(faulty);
+  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800,
+                             [](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
+                               if (trainers[1]->Log().find("step 1:") == std::string::npos)
+                                 return false;
+                               std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                               trainers[1]->Kill(SIGKILL);
+                               return true;
+                             },
+                             {"--expert_parallel=2"});
+  EXPECT_GE(restarts, 1);
+  ExpectSameModel(faulty, reference);
+  ExpectEveryRolloutTrainedOnce(faulty);
+}
+
 // A kill -9 mid-step under TP 2 x DP 2, of the second replica's TP follower and then of its leader
 // (which holds the replica's dispatcher session): the group restarts from the last checkpoint and
 // ends with the weights of an uninterrupted run.

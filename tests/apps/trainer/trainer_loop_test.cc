@@ -481,7 +481,7 @@ TEST_F(TrainerLoopTest, ARequestOnAnyRankSavesACheckpointOnEveryRank) {
       TrainingOptimizer optimizer(model.named_parameters(), &world, {}, AdamWOptions{.lr = 1e-2});
       TrainerLoopOptions options = Options(/*max_steps=*/0);
       options.save_every = 1000;
-      options.ranks = {.world = &world, .data_parallel_rank = world.rank()};
+      options.ranks = {.world = &world, .expert_data_parallel_rank = world.rank()};
       std::atomic<bool> requested{world.rank() == requesting};
       // Two steps, then the session runs out (DEADLINE_EXCEEDED ends the loop with an error).
       EXPECT_THROW(RunTrainerSteps(
