@@ -174,6 +174,18 @@ class TrainerDaemonTest : public ::testing::Test {
             "MASTER_PORT=" + std::to_string(master_port)});
   }
 
+  // A fault for Train: kill -9 of rank `victim` during step 2 (after step 1 is logged, while the
+  // step sleeps before its gradient synchronisation).
+  static std::function<bool(Run&, std::vector<std::unique_ptr<Process>>&)> KillDuringStepTwo(
+      int victim) {
+    return [victim](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
+      if (trainers[victim]->Log().find("step 1:") == std::string::npos) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      trainers[victim]->Kill(SIGKILL);
+      return true;
+    };
+  }
+
   // Runs `world` trainers as a launcher would (torchrun --max-restarts): when one exits asking to
   // be restarted (or is killed), the others are stopped and all are started again. `fault` is
   // called while they run, with the group's processes, and may kill one. Returns the restarts.
@@ -361,15 +373,8 @@ TEST_F(TrainerDaemonTest, ExpertParallelReplicasTrainLikeOneAndSurviveKillNine) 
   }
   Run faulty = NewRun("ep2-kill");
   Send(faulty);
-  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800,
-                             [](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
-                               if (trainers[1]->Log().find("step 1:") == std::string::npos)
-                                 return false;
-                               std::this_thread::sleep_for(std::chrono::milliseconds(300));
-                               trainers[1]->Kill(SIGKILL);
-                               return true;
-                             },
-                             {"--expert_parallel=2"});
+  const int restarts =
+      Train(faulty, 2, /*slow_step_ms=*/800, KillDuringStepTwo(1), {"--expert_parallel=2"});
   EXPECT_GE(restarts, 1);
   ExpectSameModel(faulty, reference);
   ExpectEveryRolloutTrainedOnce(faulty);
@@ -384,15 +389,8 @@ TEST_F(TrainerDaemonTest, KillNineUnderTensorAndDataParallelismRetrainsNothingTw
   for (const int victim : {3, 2}) {
     Run faulty = NewRun("kill-rank" + std::to_string(victim));
     Send(faulty);
-    const int restarts = Train(faulty, 4, /*slow_step_ms=*/800,
-                               [victim](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
-                                 if (trainers[victim]->Log().find("step 1:") == std::string::npos)
-                                   return false;
-                                 std::this_thread::sleep_for(std::chrono::milliseconds(300));
-                                 trainers[victim]->Kill(SIGKILL);
-                                 return true;
-                               },
-                               {"--tensor_parallel=2"});
+    const int restarts =
+        Train(faulty, 4, /*slow_step_ms=*/800, KillDuringStepTwo(victim), {"--tensor_parallel=2"});
     EXPECT_GE(restarts, 1) << "rank " << victim;
     ExpectSameModel(faulty, reference);
     ExpectEveryRolloutTrainedOnce(faulty);
@@ -404,14 +402,7 @@ TEST_F(TrainerDaemonTest, KillNineOfATrainerMidStepRetrainsNothingTwice) {
   Run faulty = NewRun("kill-trainer");
   Send(faulty);
   // Kill rank 1 during step 2: after step 1 is logged, while the step sleeps before its all-reduce.
-  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800,
-                             [](Run&, std::vector<std::unique_ptr<Process>>& trainers) {
-                               if (trainers[1]->Log().find("step 1:") == std::string::npos)
-                                 return false;
-                               std::this_thread::sleep_for(std::chrono::milliseconds(300));
-                               trainers[1]->Kill(SIGKILL);
-                               return true;
-                             });
+  const int restarts = Train(faulty, 2, /*slow_step_ms=*/800, KillDuringStepTwo(1));
   EXPECT_GE(restarts, 1);
   ExpectSameModel(faulty, reference);
   ExpectEveryRolloutTrainedOnce(faulty);
