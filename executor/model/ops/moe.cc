@@ -6,6 +6,7 @@
 #include "executor/model/ops/numerics.h"
 #include "kernels/fused_layers.h"
 #include "kernels/grouped_gemm.h"
+#include "kernels/moe_rows.h"
 
 namespace dta {
 
@@ -217,14 +218,15 @@ variable_list SparseMoe::forward(AutogradContext* ctx, const at::Tensor& x,
   }
   const at::Tensor gate_out = GroupedMatmul(served, gate, served_ends, /*transpose=*/true, type);
   const at::Tensor up_out = GroupedMatmul(served, up, served_ends, /*transpose=*/true, type);
+  // [T k, H] (served rows under EP): in the GEMM's dtype, widened by the combine (or before the
+  // exchange under EP, which sends the compute type).
   at::Tensor out = GroupedMatmul(kernels::SwiGluForward(gate_out, up_out), down, served_ends,
-                                 /*transpose=*/true, ct);  // [T k, H] (served rows under EP)
+                                 /*transpose=*/true, ep != nullptr ? ct : type);
   if (ep != nullptr) {
     out = Exchange(*ep, out.index_select(0, exchange.to_source_order), exchange.send,
                    exchange.receive);
   }
-  at::Tensor y =
-      (out.index_select(0, inverse).view({t, top_k, out.size(1)}) * weights.unsqueeze(2)).sum(1);
+  at::Tensor y = kernels::CombinePairs(out, inverse, weights);
   SumOverRanks(GroupOf(group), y);
   // Under expert parallelism the served rows are saved: another rank's tokens cannot be recomputed
   // here.
@@ -263,42 +265,51 @@ variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
   const int64_t top_k = index.size(1);
   const int64_t hidden = x.size(1);
   const at::Tensor xb = kernels::RmsNormApply(x, norm_weight, rstd, type);
-  const at::Tensor dy_pairs = grads[0].to(ct).index_select(0, token);  // [T k, H], sorted pairs
   const at::Tensor w_pairs = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T k, 1]
-  // The served rows' gradients and weights: this rank's pairs, or under expert parallelism every
+  // The served rows' gradients (in the GEMMs' dtype, and times their routing weights for the down
+  // projection's weight gradient): this rank's pairs, sorted, or under expert parallelism every
   // rank's pairs for its experts (sent with their weights as one more column).
-  at::Tensor dy = dy_pairs, w = w_pairs, xs = served_xs;
+  kernels::PairGradients dy;
+  at::Tensor w = w_pairs, xs = served_xs;
   if (ep == nullptr) {
     xs = xb.index_select(0, token);
+    dy = kernels::GatherPairs(grads[0].to(ct).contiguous(), token, w_pairs, type);
   } else {
+    const at::Tensor dy_pairs = grads[0].to(ct).index_select(0, token);  // [T k, H]
     const at::Tensor served = Exchange(*ep, at::cat({dy_pairs, w_pairs}, 1), receive, send)
                                   .index_select(0, to_expert_order);
-    dy = served.narrow(1, 0, hidden);
     w = served.narrow(1, hidden, 1);
+    const at::Tensor served_dy = served.narrow(1, 0, hidden);
+    dy = {.rows = served_dy.to(type), .scaled = (served_dy * w).to(type)};
   }
   // g = dy @ down_e, the gradient of the expert's SwiGLU product before its routing weight.
-  const at::Tensor g = GroupedMatmul(dy.to(type), down, ends, /*transpose=*/false, ct);
+  const at::Tensor g = GroupedMatmul(dy.rows, down, ends, /*transpose=*/false, ct);
   kernels::SwiGluGrads swiglu =
       kernels::SwiGluBackward(g * w, gate_out, up_out, /*with_product=*/true);
   // d weight = <dy, down_e product> = <g, product>: partial over the ranks' intermediate slices.
   at::Tensor dweights = (g * swiglu.product.to(ct)).sum(-1);
   std::unique_ptr<PendingCollective> dweights_sum;
   if (ep == nullptr) dweights_sum = StartSumOverRanks(ranks, dweights);
-  AddGroupedWeightGrad(GradAccumulator(down), (dy * w).to(type), swiglu.product, ends);
+  AddGroupedWeightGrad(GradAccumulator(down), dy.scaled, swiglu.product, ends);
   AddGroupedWeightGrad(GradAccumulator(gate), swiglu.dgate, xs, ends);
   AddGroupedWeightGrad(GradAccumulator(up), swiglu.dup, xs, ends);
-  at::Tensor dxs = GroupedMatmul(swiglu.dgate, gate, ends, /*transpose=*/false, ct);
-  dxs.add_(GroupedMatmul(swiglu.dup, up, ends, /*transpose=*/false, ct));
+  // The pairs' input gradients through gate and up, in the GEMMs' dtype: summed per token (each
+  // widened) below, or under expert parallelism widened and summed before the exchange back.
+  const at::ScalarType dxs_type = ep != nullptr ? ct : type;
+  at::Tensor dxs = GroupedMatmul(swiglu.dgate, gate, ends, /*transpose=*/false, dxs_type);
+  at::Tensor dxs_up = GroupedMatmul(swiglu.dup, up, ends, /*transpose=*/false, dxs_type);
   if (ep != nullptr) {
+    dxs.add_(dxs_up);
     // Back to the pairs' ranks, in their sorted order, with the weights' gradients as a column.
     const at::Tensor back =
         Exchange(*ep, at::cat({dxs, dweights.unsqueeze(1)}, 1).index_select(0, to_source_order),
                  send, receive);
     dxs = back.narrow(1, 0, hidden);
+    dxs_up = at::Tensor();
     dweights = back.select(1, hidden).contiguous();
     dweights_sum = StartSumOverRanks(ranks, dweights);
   }
-  at::Tensor dxb = dxs.index_select(0, inverse).view({t, top_k, hidden}).sum(1);  // [T, H]
+  at::Tensor dxb = kernels::SumPairs(dxs, dxs_up, inverse, top_k, ct);  // [T, H]
   std::unique_ptr<PendingCollective> dxb_sum = StartSumOverRanks(ranks, dxb);
   if (dweights_sum != nullptr) dweights_sum->Wait();
   // Through the top-k selection (and its renormalisation) and the softmax.
