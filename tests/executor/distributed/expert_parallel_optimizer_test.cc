@@ -1,8 +1,8 @@
 // Training under expert parallelism end to end in float64 (ranks as threads over Gloo): EP x DP
-// (EP 2 inside DP 4, so every expert lives on two ranks) and EP x TP (TP 2, EP 2), with each
-// optimizer layout (replicated, ZeRO-1 sharded, sharded and offloaded). Every replica trains its
-// own share of one batch with dta (different trees, so the engine's lockstep pads), with the
-// router's load-balancing loss; after three clipped AdamW steps (one global norm over the dense
+// (EP 2 inside DP 4, so every expert lives on two ranks; EP 4, on one) and EP x TP (TP 2, EP 2),
+// with each optimizer layout (replicated, ZeRO-1 sharded, sharded and offloaded). Every replica
+// trains its own share of one batch with dta (different trees, so the engine's lockstep pads), with
+// the router's load-balancing loss; after three clipped AdamW steps (one global norm over the dense
 // parameters and the experts) every rank's parameters equal one process's (1e-10). The state
 // saved under EP resumes bit for bit and is refused by a run with another expert-parallel size;
 // the model saved under EP is the whole model's files.
@@ -181,6 +181,7 @@ TEST_P(ExpertParallelOptimizer, CheckpointsAreTheWholeModel) {
 INSTANTIATE_TEST_SUITE_P(
     Layouts, ExpertParallelOptimizer,
     ::testing::Values(Layout{.tensor_parallel = 1, .expert_parallel = 2, .world = 4},
+                      Layout{.tensor_parallel = 1, .expert_parallel = 4, .world = 4},
                       Layout{.tensor_parallel = 2, .expert_parallel = 2, .world = 4}),
     [](const ::testing::TestParamInfo<Layout>& info) {
       return "tp" + std::to_string(info.param.tensor_parallel) + "_ep" +

@@ -1,12 +1,12 @@
 // A decoder whose sparse layers' experts are spread over expert-parallel ranks (Decoder with an
 // ExpertParallelGroup; ranks as threads over Gloo), float64. Each rank trains its own rollouts
-// (different trees, so every method makes different model calls on every rank, and one rank of
-// three has none: the engine's lockstep pads them), with every method and layout of the exactness
-// tests. Its loss, log-probabilities and every gradient equal a single process holding every
-// expert on that rank's rollouts, but for the experts' gradients, which equal this rank's block of
-// the sum over every rank's rollouts (1e-10). With the router's load-balancing loss, routing
-// replay on one rank's rollouts, decoupled PPO's forward-only proximal pass, and ComputeLogprobs;
-// the same on two GPUs over NCCL where a machine has them.
+// (different trees, so every method makes different model calls on every rank, and the last of
+// three or more has none: the engine's lockstep pads them), with every method and layout of the
+// exactness tests (EP 2, 3 and 4). Its loss, log-probabilities and every gradient equal a single
+// process holding every expert on that rank's rollouts, but for the experts' gradients, which equal
+// this rank's block of the sum over every rank's rollouts (1e-10). With the router's load-balancing
+// loss, routing replay on one rank's rollouts, decoupled PPO's forward-only proximal pass, and
+// ComputeLogprobs; the same on two GPUs over NCCL where a machine has them.
 #include <torch/cuda.h>
 
 #include <string>
@@ -180,7 +180,8 @@ TEST_P(ExpertParallelEquivalence, LogprobsOnlyPasses) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelEquivalence,
                          ::testing::Values(Case{2, "qwen3_moe"}, Case{3, "qwen3_moe"},
-                                           Case{2, "qwen3_next"}, Case{3, "qwen3_next"}),
+                                           Case{4, "qwen3_moe"}, Case{2, "qwen3_next"},
+                                           Case{3, "qwen3_next"}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.family + "_ep" + std::to_string(info.param.ranks);
                          });
