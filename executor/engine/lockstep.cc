@@ -58,11 +58,6 @@ Lockstep::Lockstep(const Decoder& model, std::vector<ModelCall> word) : model_(m
   slots_ = *std::move(slots);
 }
 
-int64_t Lockstep::pad_calls() const {
-  return std::count_if(slots_.begin(), slots_.end(),
-                       [&](const AlignedSlot& slot) { return slot.calls[rank_] < 0; });
-}
-
 void Lockstep::Run(const std::function<void(int64_t call)>& call) const {
   std::vector<at::Tensor> kept;  // the empty calls' graphs kept for a later kBackwardKept
   for (const AlignedSlot& slot : slots_) {

@@ -45,9 +45,6 @@ class Lockstep {
   // order), an empty call of the slot's kind elsewhere.
   void Run(const std::function<void(int64_t call)>& call) const;
 
-  // Slots in which this rank runs an empty call.
-  int64_t pad_calls() const;
-
  private:
   const Decoder& model_;
   int rank_ = 0;
