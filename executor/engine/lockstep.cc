@@ -5,13 +5,14 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "core/model/model_config.h"
 
 namespace dta::engine {
 namespace {
 
-// Every EP rank's word: two all-gathers (the lengths, then the words padded to the longest) and one
+// Every EP rank's word: two all-gathers (the lengths, then the words padded to the longest), each
 // read back to the host.
 std::vector<std::vector<ModelCall>> ExchangeWords(const ExpertParallelGroup& ep,
                                                   const std::vector<ModelCall>& word,
@@ -19,17 +20,21 @@ std::vector<std::vector<ModelCall>> ExchangeWords(const ExpertParallelGroup& ep,
   const at::TensorOptions on_device = at::TensorOptions().dtype(at::kLong).device(device);
   const at::Tensor lengths =
       ep.AllGather(at::full({1}, static_cast<int64_t>(word.size()), on_device)).cpu();
-  const int64_t longest = lengths.max().item<int64_t>();
-  at::Tensor mine = at::zeros({std::max<int64_t>(longest, 1), 2}, at::kLong);
+  const auto length = lengths.accessor<int64_t, 2>();
+  int64_t longest = 1;
+  for (int r = 0; r < ep.size(); ++r) longest = std::max(longest, length[r][0]);
+  // (kind, tokens) per call, padded with zeros to the longest word.
+  std::vector<int64_t> flat(2 * longest, 0);
   for (size_t i = 0; i < word.size(); ++i) {
-    mine[static_cast<int64_t>(i)][0] = static_cast<int64_t>(word[i].kind);
-    mine[static_cast<int64_t>(i)][1] = word[i].tokens;
+    flat[2 * i] = static_cast<int64_t>(word[i].kind);
+    flat[2 * i + 1] = word[i].tokens;
   }
+  const at::Tensor mine = at::tensor(flat, at::kLong).view({longest, 2});
   const at::Tensor all = ep.AllGather(mine.to(device)).cpu();
   const auto a = all.accessor<int64_t, 3>();
   std::vector<std::vector<ModelCall>> words(ep.size());
   for (int r = 0; r < ep.size(); ++r) {
-    for (int64_t i = 0; i < lengths[r].item<int64_t>(); ++i)
+    for (int64_t i = 0; i < length[r][0]; ++i)
       words[r].push_back({static_cast<CallKind>(a[r][i][0]), a[r][i][1]});
   }
   return words;

@@ -26,28 +26,15 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing/executor_cases.h"
 #include "tests/testing/fake_trainer_session.h"
 #include "tests/testing/gloo_ranks.h"
 
 namespace dta {
 namespace {
 
-ModelConfig TinyConfig() {
-  ModelConfig c;
-  c.vocab_size = 23;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.rope_theta = 10000.0;
-  c.tie_word_embeddings = false;
-  return c;
-}
-
 Decoder TinyModel() {
-  Decoder model(TinyConfig(), at::TensorOptions().dtype(at::kDouble));
+  Decoder model(testing::TinyConfig(/*vocab=*/23), at::TensorOptions().dtype(at::kDouble));
   model.InitRandom(/*seed=*/7, /*std=*/0.2);
   return model;
 }
