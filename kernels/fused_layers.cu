@@ -15,73 +15,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/float_access.cuh"
 #include "kernels/fused_layers_internal.h"
 
 namespace dta::kernels::internal {
 namespace {
-
-enum class Dtype : int { kFloat, kBFloat16, kHalf };
-
-Dtype DtypeOf(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16:
-      return Dtype::kBFloat16;
-    case at::kHalf:
-      return Dtype::kHalf;
-    case at::kFloat:
-      return Dtype::kFloat;
-    default:
-      TORCH_CHECK(false, "fused layers: no kernel for ", t.scalar_type());
-  }
-}
-
-// A tensor's data with its element type, read and written as float32.
-struct In {
-  const void* data;
-  Dtype type;
-};
-struct Out {
-  void* data;
-  Dtype type;
-};
-In InOf(const at::Tensor& t) { return {t.data_ptr(), DtypeOf(t)}; }
-Out OutOf(at::Tensor& t) { return {t.data_ptr(), DtypeOf(t)}; }
-
-__device__ __forceinline__ float Load(In in, int64_t i) {
-  switch (in.type) {
-    case Dtype::kBFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(in.data)[i]);
-    case Dtype::kHalf:
-      return __half2float(static_cast<const __half*>(in.data)[i]);
-    default:
-      return static_cast<const float*>(in.data)[i];
-  }
-}
-
-__device__ __forceinline__ void Store(Out out, int64_t i, float v) {
-  switch (out.type) {
-    case Dtype::kBFloat16:
-      static_cast<__nv_bfloat16*>(out.data)[i] = __float2bfloat16_rn(v);
-      break;
-    case Dtype::kHalf:
-      static_cast<__half*>(out.data)[i] = __float2half_rn(v);
-      break;
-    default:
-      static_cast<float*>(out.data)[i] = v;
-  }
-}
-
-// v rounded to `type` and read back as float32.
-__device__ __forceinline__ float Round(float v, Dtype type) {
-  switch (type) {
-    case Dtype::kBFloat16:
-      return __bfloat162float(__float2bfloat16_rn(v));
-    case Dtype::kHalf:
-      return __half2float(__float2half_rn(v));
-    default:
-      return v;
-  }
-}
 
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll

@@ -2,26 +2,16 @@
 
 #include <c10/util/Exception.h>
 
-#include "core/base/env_switch.h"
+#include "kernels/cuda_dispatch.h"
 #include "kernels/moe_rows_internal.h"
 
 namespace dta::kernels {
 namespace {
 
-// Whether the CUDA kernels run for operands on t's device (see the header).
-bool KernelsFor(const at::Tensor& t) {
-#ifdef DTA_KERNELS_HAVE_CUDA
-  return t.is_cuda() && EnvSwitchOn("DTA_MOE_ROWS");
-#else
-  (void)t;
-  return false;
-#endif
-}
+using internal::Dense;
 
-// A contiguous tensor of `type` on `device`.
-bool Dense(const at::Tensor& t, at::ScalarType type, const at::Device& device) {
-  return t.scalar_type() == type && t.is_contiguous() && t.device() == device;
-}
+// Whether the CUDA kernels run for operands on t's device (see the header).
+bool KernelsFor(const at::Tensor& t) { return internal::CudaKernelsFor(t, "DTA_MOE_ROWS"); }
 
 }  // namespace
 

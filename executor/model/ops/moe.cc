@@ -6,6 +6,7 @@
 #include "executor/model/ops/numerics.h"
 #include "kernels/fused_layers.h"
 #include "kernels/grouped_gemm.h"
+#include "kernels/moe_router.h"
 #include "kernels/moe_rows.h"
 
 namespace dta {
@@ -144,16 +145,34 @@ ExpertExchange PlanExchange(const ExpertParallelGroup& ep, const at::Tensor& end
   return exchange;
 }
 
+// An all-to-all in flight: `rows` holds what arrives once Wait() returns (on CUDA: once the stream
+// has waited for it, so kernels queued before the wait overlap the transfer).
+struct PendingExchange {
+  at::Tensor rows;
+  std::unique_ptr<PendingCollective> pending;
+  at::Tensor Wait() {
+    pending->Wait();
+    return rows;
+  }
+};
+
 // `rows` [n, ...] sent by the splits `send` and received by `receive`: [sum(receive), ...].
-at::Tensor Exchange(const ExpertParallelGroup& ep, const at::Tensor& rows,
-                    const std::vector<int64_t>& receive, const std::vector<int64_t>& send) {
+PendingExchange StartExchange(const ExpertParallelGroup& ep, const at::Tensor& rows,
+                              const std::vector<int64_t>& receive,
+                              const std::vector<int64_t>& send) {
   int64_t total = 0;
   for (const int64_t n : receive) total += n;
   std::vector<int64_t> shape = rows.sizes().vec();
   shape[0] = total;
   at::Tensor out = at::empty(shape, rows.options());
-  ep.StartAllToAll(out, rows.contiguous(), receive, send)->Wait();
-  return out;
+  std::unique_ptr<PendingCollective> pending =
+      ep.StartAllToAll(out, rows.contiguous(), receive, send);
+  return {std::move(out), std::move(pending)};
+}
+
+at::Tensor Exchange(const ExpertParallelGroup& ep, const at::Tensor& rows,
+                    const std::vector<int64_t>& receive, const std::vector<int64_t>& send) {
+  return StartExchange(ep, rows, receive, send).Wait();
 }
 
 std::vector<int64_t> IntList(const c10::IValue& value) { return value.toIntVector(); }
@@ -169,36 +188,19 @@ variable_list SparseMoe::forward(AutogradContext* ctx, const at::Tensor& x,
                                  const std::optional<at::Tensor>& replay) {
   const at::ScalarType type = gate.scalar_type();
   const at::ScalarType ct = ComputeType(type);
-  const int64_t t = x.size(0);
   const int64_t experts = router.size(0);
   kernels::RmsNormResult normed = kernels::RmsNormForward(x, norm_weight, eps, type);
   const at::Tensor& xb = normed.y;
-  const at::Tensor probs = at::softmax(at::mm(xb, router.t()).to(ct), -1);  // [T, E]
-  const auto [own_top, own_index] = at::topk(probs, top_k, -1);             // [T, k]
-  at::Tensor top = own_top;
-  at::Tensor index = own_index;
-  if (replay.has_value() && replay->defined()) {
-    TORCH_CHECK(replay->dim() == 2 && replay->size(0) == t && replay->size(1) == top_k &&
-                    replay->scalar_type() == at::kLong,
-                "SparseMoe: replayed experts must be [", t, ", ", top_k, "] int64, got ",
-                replay->sizes(), " ", replay->scalar_type());
-    // Rows without a record (-1) keep the router's own choice.
-    const at::Tensor recorded = replay->to(index.device()).ge(0).all(-1, true);
-    index = at::where(recorded, replay->to(index.device()), own_index);
-    top = probs.gather(1, index);
-  }
-  at::Tensor weights = norm_topk ? top / top.sum(-1, true) : top;
-  weights = weights.to(type).to(ct);
-  // Pairs (token, slot) sorted by expert; `inverse` maps pair t k + slot to its sorted place.
-  const at::Tensor flat = index.reshape({-1});
-  const auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, false);
-  const at::Tensor inverse =
-      at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-  const at::Tensor token = at::div(order, top_k, "floor");
-  // Each expert's end in the sorted pairs, found on the device (no atomics, no host read).
-  const at::Tensor ends =
-      at::searchsorted(sorted, at::arange(experts, flat.options()), /*out_int32=*/false,
-                       /*right=*/true);
+  // The routing and the (token, slot) pairs sorted by expert (kernels/moe_router.h): `inverse`
+  // maps pair t k + slot to its sorted place, `ends` holds each expert's end in the sorted pairs,
+  // found on the device (no host read).
+  const kernels::Routing routing =
+      kernels::RouteTokens(at::mm(xb, router.t()), top_k, norm_topk, type, replay);
+  const at::Tensor &probs = routing.probs, &index = routing.index, &weights = routing.weights;
+  const at::Tensor& own_index = routing.own_index;
+  const kernels::PairOrder pairs = kernels::SortPairs(index, experts);
+  const at::Tensor &order = pairs.order, &inverse = pairs.inverse, &token = pairs.token,
+                   &ends = pairs.ends;
   const at::Tensor xs = xb.index_select(0, token);
   // The rows this rank's experts serve, sorted by expert: its own pairs, or under expert
   // parallelism every rank's pairs routed to its block of experts.
@@ -261,23 +263,27 @@ variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
   const std::vector<int64_t> receive = IntList(ctx->saved_data["receive"]);
   const at::ScalarType type = gate.scalar_type();
   const at::ScalarType ct = ComputeType(type);
-  const int64_t t = x.size(0);
   const int64_t top_k = index.size(1);
   const int64_t hidden = x.size(1);
-  const at::Tensor xb = kernels::RmsNormApply(x, norm_weight, rstd, type);
   const at::Tensor w_pairs = weights.reshape({-1}).index_select(0, order).unsqueeze(1);  // [T k, 1]
+  // Under expert parallelism the pairs' output gradients go to their experts' ranks (sent with
+  // their weights as one more column) while n(x) is recomputed for the router's gradient.
+  PendingExchange to_experts;
+  if (ep != nullptr) {
+    const at::Tensor dy_pairs = grads[0].to(ct).index_select(0, token);  // [T k, H]
+    to_experts = StartExchange(*ep, at::cat({dy_pairs, w_pairs}, 1), receive, send);
+  }
+  const at::Tensor xb = kernels::RmsNormApply(x, norm_weight, rstd, type);
   // The served rows' gradients (in the GEMMs' dtype, and times their routing weights for the down
   // projection's weight gradient): this rank's pairs, sorted, or under expert parallelism every
-  // rank's pairs for its experts (sent with their weights as one more column).
+  // rank's pairs for its experts.
   kernels::PairGradients dy;
   at::Tensor w = w_pairs, xs = served_xs;
   if (ep == nullptr) {
     xs = xb.index_select(0, token);
     dy = kernels::GatherPairs(grads[0].to(ct).contiguous(), token, w_pairs, type);
   } else {
-    const at::Tensor dy_pairs = grads[0].to(ct).index_select(0, token);  // [T k, H]
-    const at::Tensor served = Exchange(*ep, at::cat({dy_pairs, w_pairs}, 1), receive, send)
-                                  .index_select(0, to_expert_order);
+    const at::Tensor served = to_experts.Wait().index_select(0, to_expert_order);
     w = served.narrow(1, hidden, 1);
     const at::Tensor served_dy = served.narrow(1, 0, hidden);
     dy = {.rows = served_dy.to(type), .scaled = (served_dy * w).to(type)};
@@ -290,40 +296,39 @@ variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
   at::Tensor dweights = (g * swiglu.product.to(ct)).sum(-1);
   std::unique_ptr<PendingCollective> dweights_sum;
   if (ep == nullptr) dweights_sum = StartSumOverRanks(ranks, dweights);
-  AddGroupedWeightGrad(GradAccumulator(down), dy.scaled, swiglu.product, ends);
-  AddGroupedWeightGrad(GradAccumulator(gate), swiglu.dgate, xs, ends);
-  AddGroupedWeightGrad(GradAccumulator(up), swiglu.dup, xs, ends);
   // The pairs' input gradients through gate and up, in the GEMMs' dtype: summed per token (each
-  // widened) below, or under expert parallelism widened and summed before the exchange back.
+  // widened) below, or under expert parallelism widened and summed, and sent back to the pairs'
+  // ranks (in their sorted order, with the weights' gradients as a column) while the experts'
+  // weight gradients are formed.
   const at::ScalarType dxs_type = ep != nullptr ? ct : type;
   at::Tensor dxs = GroupedMatmul(swiglu.dgate, gate, ends, /*transpose=*/false, dxs_type);
   at::Tensor dxs_up = GroupedMatmul(swiglu.dup, up, ends, /*transpose=*/false, dxs_type);
+  PendingExchange back;
   if (ep != nullptr) {
     dxs.add_(dxs_up);
-    // Back to the pairs' ranks, in their sorted order, with the weights' gradients as a column.
-    const at::Tensor back =
-        Exchange(*ep, at::cat({dxs, dweights.unsqueeze(1)}, 1).index_select(0, to_source_order),
-                 send, receive);
-    dxs = back.narrow(1, 0, hidden);
+    back = StartExchange(*ep,
+                         at::cat({dxs, dweights.unsqueeze(1)}, 1).index_select(0, to_source_order),
+                         send, receive);
+    dxs = at::Tensor();
     dxs_up = at::Tensor();
-    dweights = back.select(1, hidden).contiguous();
+  }
+  AddGroupedWeightGrad(GradAccumulator(down), dy.scaled, swiglu.product, ends);
+  AddGroupedWeightGrad(GradAccumulator(gate), swiglu.dgate, xs, ends);
+  AddGroupedWeightGrad(GradAccumulator(up), swiglu.dup, xs, ends);
+  if (ep != nullptr) {
+    const at::Tensor rows = back.Wait();
+    dxs = rows.narrow(1, 0, hidden);
+    dweights = rows.select(1, hidden).contiguous();
     dweights_sum = StartSumOverRanks(ranks, dweights);
   }
   at::Tensor dxb = kernels::SumPairs(dxs, dxs_up, inverse, top_k, ct);  // [T, H]
   std::unique_ptr<PendingCollective> dxb_sum = StartSumOverRanks(ranks, dxb);
   if (dweights_sum != nullptr) dweights_sum->Wait();
-  // Through the top-k selection (and its renormalisation) and the softmax.
-  at::Tensor dtop = dweights.index_select(0, inverse).view({t, top_k});
-  if (ctx->saved_data["norm_topk"].toBool()) {
-    const at::Tensor top = probs.gather(1, index);
-    const at::Tensor sum = top.sum(-1, true);
-    dtop = (dtop - (dtop * (top / sum)).sum(-1, true)) / sum;
-  }
-  at::Tensor dprobs = at::zeros_like(probs).scatter_(1, index, dtop);
-  // The load-balancing loss's gradient, whole on every rank (it is computed from the routing,
+  // Through the top-k selection (and its renormalisation) and the softmax, with the load-balancing
+  // loss's gradient on the probabilities (whole on every rank: it is computed from the routing,
   // which every rank shares).
-  if (grads[1].defined()) dprobs.add_(grads[1].to(ct));
-  const at::Tensor dlogits = (probs * (dprobs - (dprobs * probs).sum(-1, true))).to(type);
+  const at::Tensor dlogits = kernels::RouterBackward(
+      probs, index, dweights, inverse, ctx->saved_data["norm_topk"].toBool(), grads[1], type);
   AddMatmul(GradAccumulator(router), dlogits.t(), xb);
   if (dxb_sum != nullptr) dxb_sum->Wait();
   AddMatmul(dxb, dlogits, router);

@@ -27,7 +27,8 @@ namespace dta {
 
 // Qwen3-MoE's sparse block on the residual stream x [T, H], as transformers'
 // Qwen3MoeSparseMoeBlock after the post-attention norm n: router logits n(x) @ router^T in the
-// weights' dtype; softmax in the compute dtype; the top-k (torch.topk) probabilities, renormalised
+// weights' dtype; softmax in the compute dtype; the top-k (torch.topk; on CUDA one kernel,
+// kernels/moe_router.h, whose ties go to the lower expert index) probabilities, renormalised
 // to sum to 1 with norm_topk, rounded to the weights' dtype; y = sum_k w_k down_e(silu(gate_e n(x))
 // * up_e n(x)) over the token's experts e, formed in the compute dtype (it feeds the residual
 // stream). The token-expert pairs are sorted by expert (a stable sort: deterministic) and the
@@ -63,7 +64,8 @@ namespace dta {
 // run the local experts' grouped GEMMs in expert order, and the outputs come back with a second
 // all-to-all, in the pairs' sorted order, to be combined as without EP. Backward mirrors it with
 // the forward's splits: the pairs' gradients and routing weights go to the experts (one
-// all-to-all), the inputs' and the weights' gradients come back (another). The expert side keeps
+// all-to-all), the inputs' and the weights' gradients come back (another, in flight while the
+// local experts' weight gradients are formed). The expert side keeps
 // the rows it served (it cannot recompute other ranks' tokens). Every EP rank must call the
 // function the same number of times in the same order, also with zero tokens.
 //

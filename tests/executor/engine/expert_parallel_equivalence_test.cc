@@ -2,17 +2,20 @@
 // ExpertParallelGroup; ranks as threads over Gloo), float64. Each rank trains its own rollouts
 // (different trees, so every method makes different model calls on every rank, and the last of
 // three or more has none: the engine's lockstep pads them), with every method and layout of the
-// exactness tests (EP 2, 3 and 4). Its loss, log-probabilities and every gradient equal a single
-// process holding every expert on that rank's rollouts, but for the experts' gradients, which equal
-// this rank's block of the sum over every rank's rollouts (1e-10). With the router's load-balancing
-// loss, routing replay on one rank's rollouts, decoupled PPO's forward-only proximal pass, and
-// ComputeLogprobs; the same on two GPUs over NCCL where a machine has them.
+// exactness tests (EP 2, 3 and 4, and EP 2 x TP 2). Its loss, log-probabilities and every gradient
+// equal a single process holding every expert on that rank's rollouts, but for the experts'
+// gradients, which equal this rank's block of the sum over every rank's rollouts (1e-10). With the
+// router's load-balancing loss, routing replay on one rank's rollouts, decoupled PPO's forward-only
+// proximal pass, and ComputeLogprobs; the same on two GPUs over NCCL where a machine has them.
+// Under EP x TP the TP peers of a replica train the same rollouts and each holds its slice of every
+// tensor-parallel parameter: its gradients equal that slice of the single process's.
 #include <torch/cuda.h>
 
 #include <string>
 #include <vector>
 
 #include "executor/distributed/expert_parallel_group.h"
+#include "executor/distributed/parallel_groups.h"
 #include "executor/engine/executor.h"
 #include "gtest/gtest.h"
 #include "tests/core/tree/random_trees.h"
@@ -67,9 +70,10 @@ std::vector<Rollout> RankRollouts(const ModelConfig& config, int rank, int ranks
 }
 
 struct Case {
-  int ranks;
+  int ranks;  // expert-parallel ranks
   std::string family;
-  bool gpus = false;  // rank r on CUDA device r over NCCL; Gloo on the CPU otherwise
+  bool gpus = false;        // rank r on CUDA device r over NCCL; Gloo on the CPU otherwise
+  int tensor_parallel = 1;  // TP peers per EP rank (Gloo only): ranks x tensor_parallel processes
 };
 
 class ExpertParallelEquivalence : public ::testing::TestWithParam<Case> {
@@ -93,7 +97,20 @@ class ExpertParallelEquivalence : public ::testing::TestWithParam<Case> {
       whole.InitRandom(7, 0.3);
       body(model, whole, ep->rank(), RankRollouts(config, ep->rank(), ranks));
     };
-    if (!GetParam().gpus) {
+    const int tp = GetParam().tensor_parallel;
+    if (tp > 1) {
+      testing::RunRanks(ranks * tp, [&](ProcessGroup& world) {
+        const ParallelGroups groups(world, tp, ranks, testing::LoopbackOptions());
+        const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
+        Decoder model(config, f64, groups.tensor_parallel_collectives(),
+                      groups.expert_parallel_collectives());
+        model.InitRandom(7, 0.3);
+        Decoder whole(config, f64);
+        whole.InitRandom(7, 0.3);
+        const int me = groups.expert_parallel_rank();
+        body(model, whole, me, RankRollouts(config, me, ranks));
+      });
+    } else if (!GetParam().gpus) {
       testing::RunRanks(ranks, run);
     } else if (torch::cuda::device_count() < ranks) {
       GTEST_SKIP() << "needs " << ranks << " CUDA devices";
@@ -130,8 +147,8 @@ class ExpertParallelEquivalence : public ::testing::TestWithParam<Case> {
               if (split.expert_parallel()) {
                 expected = at::zeros_like(own.grads[i]);
                 for (const MethodRun& run : reference) expected += run.grads[i];
-                expected = expected.narrow(0, split.experts.begin, split.experts.size());
               }
+              expected = model.LocalPart(i, expected);
               // Only a rank without rollouts has no gradient but its experts'.
               if (!mine.empty() || split.expert_parallel()) {
                 EXPECT_GT(expected.norm().item<double>(), 0.0) << parameter;
@@ -181,9 +198,13 @@ TEST_P(ExpertParallelEquivalence, LogprobsOnlyPasses) {
 INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelEquivalence,
                          ::testing::Values(Case{2, "qwen3_moe"}, Case{3, "qwen3_moe"},
                                            Case{4, "qwen3_moe"}, Case{2, "qwen3_next"},
-                                           Case{3, "qwen3_next"}),
+                                           Case{3, "qwen3_next"},
+                                           Case{2, "qwen3_moe", false, /*tensor_parallel=*/2}),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           return info.param.family + "_ep" + std::to_string(info.param.ranks);
+                           const Case& c = info.param;
+                           return c.family + "_ep" + std::to_string(c.ranks) +
+                                  (c.tensor_parallel > 1 ? "_tp" + std::to_string(c.tensor_parallel)
+                                                         : "");
                          });
 
 // NCCL, one rank per GPU (float64: the same tolerance); skipped on fewer GPUs.

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# The commands of this record, as they ran from the repo root (2026-11-29).
+build-device/bin/dta-workload --preset=tau2 --seed=1 --scale=0.25 --out=/tmp/gpu_bench_set.1983/preset-tau2-seed-1-scale-0.25.jsonl 2>/dev/null
+timeout 300 build-device/bin/dta-bench --flagfile=bench/configs/qwen3-30b-a3b-12l-tau2-dta.flags --rollouts=/tmp/gpu_bench_set.1983/preset-tau2-seed-1-scale-0.25.jsonl --out_dir=/root/out/bench/2026-11-29-moe-router-h200/qwen3-30b-a3b-12l-tau2-dta --label=qwen3-30b-a3b-12l-tau2-dta >/dev/null 2>/root/out/bench/2026-11-29-moe-router-h200/qwen3-30b-a3b-12l-tau2-dta/log.txt
+env DTA_MOE_ROUTER=0 timeout 300 build-device/bin/dta-bench --flagfile=bench/configs/qwen3-30b-a3b-12l-tau2-aten-router.flags --rollouts=/tmp/gpu_bench_set.1983/preset-tau2-seed-1-scale-0.25.jsonl --out_dir=/root/out/bench/2026-11-29-moe-router-h200/qwen3-30b-a3b-12l-tau2-aten-router --label=qwen3-30b-a3b-12l-tau2-aten-router >/dev/null 2>/root/out/bench/2026-11-29-moe-router-h200/qwen3-30b-a3b-12l-tau2-aten-router/log.txt
