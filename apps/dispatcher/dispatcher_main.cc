@@ -29,6 +29,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "apps/advantages/advantage_flags.h"
+#include "apps/balance/balance_flags.h"
 #include "apps/metrics/metrics_flags.h"
 #include "core/base/exit_codes.h"
 #include "core/base/private_files.h"
@@ -139,6 +140,9 @@ int Run() {
   absl::StatusOr<AdvantageOptions> advantages = AdvantageOptionsFromFlags();
   if (!advantages.ok()) return Fail(kExitBadInput, std::string(advantages.status().message()));
   options.batch.advantages = *advantages;
+  absl::StatusOr<BalanceCost> balance = BalanceCostFromFlags();
+  if (!balance.ok()) return Fail(kExitBadInput, std::string(balance.status().message()));
+  options.batch.balance = *balance;
   options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   if (options.limits.vocab_size <= 0) {
     return Fail(kExitBadInput,

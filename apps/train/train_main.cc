@@ -49,6 +49,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "apps/advantages/advantage_flags.h"
+#include "apps/balance/balance_flags.h"
 #include "apps/train/training_flags.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/usage.h"
@@ -94,17 +95,19 @@ namespace dta {
 namespace {
 
 // The split of the batch across ranks, with the paper's greedy baselines for comparison.
-void PrintSplit(const PrefixTree& tree, const PartitionPlan& plan, int world_size) {
-  const Partition by_tokens = *PartitionGreedyByRolloutTokens(tree, world_size);
-  const Partition by_tree = *PartitionGreedyByTreeTokens(tree, world_size);
+// Costs are tree tokens by default, else the --balance_per_token/--balance_per_key model's.
+void PrintSplit(const PrefixTree& tree, const PartitionPlan& plan, int world_size,
+                const BalanceCost& balance) {
+  const Partition by_tokens = *PartitionGreedyByRolloutTokens(tree, world_size, balance);
+  const Partition by_tree = *PartitionGreedyByTreeTokens(tree, world_size, balance);
+  const char* unit = balance == BalanceCost{} ? "tree tokens" : "cost";
   std::cout << absl::StrFormat(
-      "split over %d ranks: DFS-contiguous max %d tree tokens (imbalance %.3f, %d extra); greedy "
-      "by rollout tokens "
-      "max %d (imbalance %.3f, %d extra); greedy by tree tokens max %d (imbalance %.3f, %d "
-      "extra)\n",
-      world_size, plan.partition.max_cost, plan.partition.imbalance, plan.partition.extra_tokens,
-      by_tokens.max_cost, by_tokens.imbalance, by_tokens.extra_tokens, by_tree.max_cost,
-      by_tree.imbalance, by_tree.extra_tokens);
+      "split over %d ranks: DFS-contiguous max %d %s (imbalance %.3f, %d extra tokens); greedy "
+      "by rollout tokens max %d (imbalance %.3f, %d extra); greedy by tree tokens max %d "
+      "(imbalance %.3f, %d extra)\n",
+      world_size, plan.partition.max_cost, unit, plan.partition.imbalance,
+      plan.partition.extra_tokens, by_tokens.max_cost, by_tokens.imbalance, by_tokens.extra_tokens,
+      by_tree.max_cost, by_tree.imbalance, by_tree.extra_tokens);
 }
 
 int Run() {
@@ -176,12 +179,15 @@ int Run() {
     const int replicas = groups->data_parallel_size();
     std::vector<const Rollout*> pointers;
     for (const Rollout& r : *rollouts) pointers.push_back(&r);
-    absl::StatusOr<PartitionPlan> plan = PlanPartitions(
-        pointers, replicas, /*with_advantages=*/loss.kind != LossKind::kSft, loss.advantages);
+    absl::StatusOr<BalanceCost> balance = BalanceCostFromFlags();
+    if (!balance.ok()) throw BadInput{std::string(balance.status().message())};
+    absl::StatusOr<PartitionPlan> plan =
+        PlanPartitions(pointers, replicas, /*with_advantages=*/loss.kind != LossKind::kSft,
+                       loss.advantages, *balance);
     if (!plan.ok()) throw BadInput{std::string(plan.status().message())};
     batch = plan->context;
     mine = ShareOfRank(*plan, groups->data_parallel_rank(), *rollouts).rollouts;
-    if (leader) PrintSplit(tree, *plan, replicas);
+    if (leader) PrintSplit(tree, *plan, replicas, *balance);
   } else {
     mine = *std::move(rollouts);
   }

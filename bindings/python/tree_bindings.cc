@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "bindings/python/bindings.h"
+#include "core/partition/partition.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/tree_stats.h"
 
@@ -64,6 +65,22 @@ py::dict StatsDict(const PrefixTree& tree) {
   return d;
 }
 
+// PartitionDfsContiguous's split into `groups` ranks under a BalanceCost, as a dict of plain
+// values.
+py::dict PartitionDict(const PrefixTree& tree, int groups, int64_t per_token, int64_t per_key) {
+  const absl::StatusOr<Partition> p =
+      PartitionDfsContiguous(tree, groups, {.per_token = per_token, .per_key = per_key});
+  if (!p.ok()) throw py::value_error(std::string(p.status().message()));
+  py::dict d;
+  d["groups"] = p->groups;
+  d["cost"] = p->cost;
+  d["tree_tokens"] = p->tree_tokens;
+  d["max_cost"] = p->max_cost;
+  d["extra_tokens"] = p->extra_tokens;
+  d["imbalance"] = p->imbalance;
+  return d;
+}
+
 }  // namespace
 
 void RegisterTree(py::module_& m) {
@@ -102,8 +119,9 @@ void RegisterTree(py::module_& m) {
                                 RolloutIndex r) { return t.RolloutTokens(CheckedRollout(t, r)); })
       .def("lcp", [](const PrefixTree& t, RolloutIndex a,
                      RolloutIndex b) { return t.Lcp(CheckedRollout(t, a), CheckedRollout(t, b)); })
-      .def("serialized_tokens",
-           [](const PrefixTree& t) { return ToVector(t.serialized_tokens()); });
+      .def("serialized_tokens", [](const PrefixTree& t) { return ToVector(t.serialized_tokens()); })
+      .def("partition", &PartitionDict, py::arg("groups"), py::arg("per_token"),
+           py::arg("per_key"));
 }
 
 }  // namespace dta::python

@@ -56,7 +56,8 @@ BatchSelection SelectBatch(absl::Span<const Rollout* const> pending, int64_t pol
 
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
                                              bool with_advantages,
-                                             const AdvantageOptions& advantage_options) {
+                                             const AdvantageOptions& advantage_options,
+                                             const BalanceCost& balance) {
   if (world_size < 1)
     return absl::InvalidArgumentError(absl::StrCat("world size ", world_size, " < 1"));
   // The batch outlives the plan's computation, so the trie points into its tokens instead of
@@ -75,7 +76,8 @@ absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> ba
     if (!advantages.ok()) return advantages.status();
     plan.advantages = *std::move(advantages);
   }
-  absl::StatusOr<Partition> partition = PartitionDfsContiguous(builder.SortRollouts(), world_size);
+  absl::StatusOr<Partition> partition =
+      PartitionDfsContiguous(builder.SortRollouts(), world_size, balance);
   if (!partition.ok()) return partition.status();
   plan.partition = *std::move(partition);
   plan.ranks.resize(world_size);

@@ -32,6 +32,8 @@ struct BatchOptions {
   int64_t max_staleness = -1;
   // How rewards become advantages (GRPO group normalisation by default).
   AdvantageOptions advantages;
+  // What the split across the trainers balances (tree tokens by default).
+  BalanceCost balance;
 };
 
 // INVALID_ARGUMENT naming the field if the options are inconsistent.
@@ -65,11 +67,13 @@ struct PartitionPlan {
   Partition partition;       // costs, imbalance and extra tokens of the split
 };
 
-// Advantages (when `with_advantages`), normalisers and the split into `world_size` groups.
-// INVALID_ARGUMENT naming the rollout if advantages cannot be computed; world_size >= 1.
+// Advantages (when `with_advantages`), normalisers and the split into `world_size` groups
+// balancing `balance`. INVALID_ARGUMENT naming the rollout if advantages cannot be computed, or
+// naming the cost if it is invalid; world_size >= 1.
 absl::StatusOr<PartitionPlan> PlanPartitions(absl::Span<const Rollout* const> batch, int world_size,
                                              bool with_advantages,
-                                             const AdvantageOptions& advantages);
+                                             const AdvantageOptions& advantages,
+                                             const BalanceCost& balance = {});
 
 // The per-token advantages batch rollout `i` (`rollout`) is trained with under `plan`: its own
 // when it has them, else its group advantage on every token, else (a plan without advantages:

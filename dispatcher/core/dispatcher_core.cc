@@ -651,8 +651,9 @@ absl::StatusOr<const PartitionPlan*> DispatcherCore::Split(int64_t step) {
   std::vector<const Rollout*> batch;
   for (const std::string& id : plans_.at(step).record.ids())
     batch.push_back(&*trajectories_.at(id).rollout);
-  absl::StatusOr<PartitionPlan> plan = PlanPartitions(
-      batch, world_size_, options_.limits.require_reward_or_advantages, options_.batch.advantages);
+  absl::StatusOr<PartitionPlan> plan =
+      PlanPartitions(batch, world_size_, options_.limits.require_reward_or_advantages,
+                     options_.batch.advantages, options_.batch.balance);
   if (!plan.ok()) return plan.status();
   // Only the splits of steps that may still be served are kept.
   splits_.erase(splits_.begin(), splits_.lower_bound(std::make_pair(released_before_, 0)));
@@ -698,7 +699,7 @@ absl::StatusOr<v1::Partition> DispatcherCore::FetchPartition(
   partition.set_num_rollouts(plan.context.num_rollouts);
   partition.set_policy_version(batch.record.policy_version());
   partition.set_replay(step < committed_);
-  partition.set_tree_tokens(plan.partition.cost[request.rank()]);
+  partition.set_tree_tokens(plan.partition.tree_tokens[request.rank()]);
   int64_t rollout_tokens = 0;
   for (int64_t i : plan.ranks[request.rank()]) {
     const Stored& stored = trajectories_.at(batch.record.ids(static_cast<int>(i)));

@@ -131,4 +131,12 @@ if ((failures)); then
   echo "$failures check(s) failed"
   exit 1
 fi
+# A balance cost that weighs nothing is refused, naming the flags (exit 2).
+if [[ -x "$bin/dta-dispatcher" ]]; then
+  "$bin/dta-dispatcher" --wal="$work/balance.wal" --batch_rollouts=4 --vocab_size=10 \
+    --balance_per_token=0 --balance_per_key=0 >/dev/null 2>"$work/balance.err"
+  [[ $? -eq 2 ]] || fail "a zero balance cost must exit 2"
+  grep -qF -- "--balance_per_token / --balance_per_key" "$work/balance.err" || fail "the balance flags are not named: $(cat "$work/balance.err")"
+fi
+
 echo "all CLI checks passed"

@@ -16,6 +16,7 @@ import dta
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
+import balance_by_time  # noqa: E402
 import hf_baseline  # noqa: E402
 
 
@@ -274,3 +275,47 @@ def test_gpu_bench_set_refuses_bad_names_and_configs_before_running(tmp_path):
     assert run.returncode == 2 and f"{configs}/pair.set: no run 'missing'" in run.stderr
     assert bench_set(f"--configs={configs}", "good").returncode == 0
     assert bench_set(f"--configs={configs}", "--topic=Bad Topic", "good").returncode == 2
+
+
+def test_balance_by_time_fits_a_model_and_runs_every_share_of_both_splits(tmp_path):
+    """bench/balance_by_time.py on the CPU: a fitted time model, and per batch (the file, and the file
+    with long paths added) both splits' shares with their predicted and measured times."""
+    rng = random.Random(5)
+    batch = []
+    for g in range(3):
+        prompt = [rng.randrange(1, 1024) for _ in range(30)]
+        for s in range(2):
+            tokens = prompt + [rng.randrange(1, 1024) for _ in range(10 + 10 * s)]
+            batch.append(dta.Trajectory(id=f"g{g}-{s}", group=f"g{g}", tokens=tokens,
+                                        loss_mask=[0] * 30 + [1] * (len(tokens) - 30),
+                                        logprobs=[0.0] * len(tokens), reward=float(s)))
+    rollouts = tmp_path / "rollouts.jsonl"
+    dta.write_jsonl(rollouts, batch)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "balance_by_time.py"), f"--rollouts={rollouts}",
+                          "--config=" + str(REPO / "examples" / "configs" / "qwen3-tiny.json"), "--ranks=2",
+                          "--device=cpu", "--dtype=float32", "--repeats=1", "--long_paths=2x120", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"--balance_per_token=\d+ --balance_per_key=\d+", run.stdout), run.stdout
+    records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["batch"] for r in records] == [str(rollouts), f"{rollouts} + 2 x 120-token paths"]
+    for record, rollouts_in in zip(records, (batch, batch + balance_by_time.long_path_group(2, 120, 1024))):
+        tree = dta.PrefixTree(rollouts_in)
+        for split in ("tokens", "time"):
+            shares = record[split]["shares"]
+            assert len(shares) == 2 and record[split]["step_s"] == max(s["measured_s"] for s in shares)
+            # The shares together hold every tree token, plus what the split duplicates.
+            assert sum(s["tree_tokens"] for s in shares) == tree.tree_tokens + record[split]["extra_tokens"]
+            for s in shares:
+                assert s["measured_s"] > 0 and s["predicted_s"] >= 0 and s["keys"] >= s["tree_tokens"]
+        # The token split is the default partition.
+        assert [s["tree_tokens"] for s in record["tokens"]["shares"]] == tree.partition(2).tree_tokens
+
+
+def test_balance_by_time_fit_is_non_negative():
+    # Times that grow with keys alone: the unconstrained fit would price tokens below zero.
+    samples = [(100, 1000, 1.0), (100, 3000, 3.0), (200, 2000, 2.0), (50, 4000, 4.0)]
+    a, b = balance_by_time.fit(samples)
+    assert a >= 0 and b >= 0 and abs(b - 1e-3) < 1e-6
+    a, b = balance_by_time.fit([(100, 1000, 1.2), (200, 1500, 2.1), (300, 9000, 3.4)])
+    assert a >= 0 and b >= 0

@@ -180,13 +180,16 @@ LAYOUTS = {
     "sharded_offloaded": ["--shard_optimizer=true", "--offload_optimizer=true"],
     "tp2": ["--tensor_parallel=2", "--shard_optimizer=false", "--offload_optimizer=false"],
     "tp2_sharded_offloaded": ["--tensor_parallel=2", "--shard_optimizer=true", "--offload_optimizer=true"],
+    # The split balances a time model (tree tokens and the keys they attend to) instead of tokens.
+    "balanced_by_time": ["--balance_per_token=1000", "--balance_per_key=3", "--shard_optimizer=false",
+                         "--offload_optimizer=false"],
 }
 
 
 @pytest.mark.parametrize("world, layout, nodes", [(2, "replicated", 1), (3, "replicated", 1), (2, "sharded", 1),
                                                   (3, "sharded", 1), (2, "sharded_offloaded", 1),
                                                   (4, "sharded", 2), (2, "tp2", 1),
-                                                  (4, "tp2_sharded_offloaded", 2)])
+                                                  (4, "tp2_sharded_offloaded", 2), (3, "balanced_by_time", 1)])
 def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, world, layout, nodes):
     """dta-train --distributed on Gloo: each rank trains its part of the split under the whole
     batch's advantages and normalisers; the summed gradient equals one process's (float64), and so
@@ -194,7 +197,8 @@ def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, wor
     across the ranks (ZeRO-1) or sharded and offloaded; and on two "nodes" (local ranks repeat, one
     rendezvous on loopback), as torchrun --nnodes=2 starts them. With --tensor_parallel=2 each
     replica's weights are split across two ranks (TP 2 x DP 1, and TP 2 x DP 2 on two nodes): the
-    same losses, norms and saved weights (gathered: plain Hugging Face tensors)."""
+    same losses, norms and saved weights (gathered: plain Hugging Face tensors). A split balancing a
+    time model (--balance_per_token, --balance_per_key) trains the same batch."""
     common = [f"--rollouts={rollouts}", "--dtype=float64", "--init_std=0.2", "--lr=1e-2", "--steps=2",
               "--method=dta", "--block_size=64", "--max_grad_norm=0.05", "--json", "--checkpoint_dtype=model"]
     single = train(*common, f"--dump_grads={tmp_path / 'one.safetensors'}", f"--save={tmp_path / 'one'}")
@@ -204,6 +208,8 @@ def test_distributed_ranks_train_what_one_process_trains(rollouts, tmp_path, wor
     outputs = run_ranks(world, [*common, *LAYOUTS[layout], *dump, f"--save={tmp_path / 'many'}"], nodes)
     if world // tensor_parallel > 1:
         assert "DFS-contiguous" in outputs[0][0] and "greedy by tree tokens" in outputs[0][0]
+        unit = " cost (" if layout == "balanced_by_time" else " tree tokens ("
+        assert unit in outputs[0][0], outputs[0][0]
     sharded = "sharded" in layout
     assert ("optimizer sharded" in outputs[0][1]) == sharded, outputs[0][1]
     assert f"TP {tensor_parallel} x DP {world // tensor_parallel}" in outputs[0][1], outputs[0][1]

@@ -101,3 +101,24 @@ def test_bad_input_and_indices():
         tree.segment(2)
     with pytest.raises(IndexError, match="rollout -1 is outside"):
         tree.end_node(-1)
+
+
+def test_partition_balances_tree_tokens_or_a_time_model():
+    """PrefixTree.partition: DFS-contiguous shares (lexicographic within each), balancing tree tokens
+    by default and tokens plus attended keys with weights; bad weights raise ValueError."""
+    long_a, long_b = [1] * 40, [2] * 40
+    shorts = [[10 + i] * 8 for i in range(10)]
+    tree = dta.PrefixTree([*shorts, long_b, long_a])
+    by_tokens = tree.partition(2)
+    assert sorted(by_tokens.groups[0]) == [10, 11] and by_tokens.cost == [80, 80] == by_tokens.tree_tokens
+    by_time = tree.partition(2, per_token=1, per_key=1)
+    assert by_time.groups[0] == [11]  # the [1] * 40 path alone; the other long one with the shorts
+    path = lambda n: n + n * (n + 1) // 2  # noqa: E731
+    assert by_time.cost == [path(40), path(40) + 10 * path(8)] and by_time.tree_tokens == [40, 120]
+    assert by_time.max_cost == max(by_time.cost) and by_time.extra_tokens == 0
+    assert sorted(r for g in by_time.groups for r in g) == list(range(12))
+    for bad in [dict(per_token=0, per_key=0), dict(per_token=-1)]:
+        with pytest.raises(ValueError, match="per_key"):
+            tree.partition(2, **bad)
+    with pytest.raises(ValueError, match="num_groups"):
+        tree.partition(0)

@@ -4,7 +4,8 @@ Pure Python, importable without torch:
     Trajectory, read_jsonl, write_jsonl, from_areal, to_areal, from_verl, to_verl,
     verl_train_options, routed_experts_from_sglang   (dta.trajectory)
 Over the compiled executor (imported on first use; they load torch):
-    PrefixTree   (dta.tree)     the prefix tree of a batch and its statistics
+    PrefixTree   (dta.tree)     the prefix tree of a batch, its statistics and its split
+                                across ranks (PrefixTree.partition -> Partition)
     Trainer      (dta.trainer)  a Hugging Face model of any family dta builds
                                 (Trainer.model_families()) trained with dense / packed / dta
 The dispatcher's client (gRPC; imported on first use):
@@ -27,11 +28,12 @@ if TYPE_CHECKING:
     from .client import (Ack, AsyncRolloutClient, DispatcherError, DispatcherStatistics, DispatcherStatus,
                          RolloutClient, TrajectoryRejected)
     from .trainer import Trainer, TrainStats
-    from .tree import PrefixTree, TreeStats
+    from .tree import Partition, PrefixTree, TreeStats
 
 __all__ = [
     "Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl",
-    "verl_train_options", "routed_experts_from_sglang", "PrefixTree", "TreeStats", "Trainer", "TrainStats",
+    "verl_train_options", "routed_experts_from_sglang", "Partition", "PrefixTree", "TreeStats", "Trainer",
+    "TrainStats",
     "RolloutClient", "AsyncRolloutClient",
     "Ack", "TrajectoryRejected", "DispatcherError", "DispatcherStatus", "DispatcherStatistics",
 ]
@@ -39,7 +41,7 @@ __all__ = [
 # Attributes loaded on first access, so that `import dta` (a rollout worker's) needs neither torch
 # nor grpc.
 _LAZY = {
-    "PrefixTree": ".tree", "TreeStats": ".tree",
+    "Partition": ".tree", "PrefixTree": ".tree", "TreeStats": ".tree",
     "Trainer": ".trainer", "TrainStats": ".trainer",
     "RolloutClient": ".client", "AsyncRolloutClient": ".client", "Ack": ".client",
     "TrajectoryRejected": ".client", "DispatcherError": ".client", "DispatcherStatus": ".client",

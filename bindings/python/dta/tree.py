@@ -21,7 +21,7 @@ import torch  # noqa: F401  (loads LibTorch, which the extension links, before i
 from . import _core
 from .trajectory import Trajectory
 
-__all__ = ["PrefixTree", "TreeStats"]
+__all__ = ["Partition", "PrefixTree", "TreeStats"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,24 @@ class TreeStats:
     dense_attention_work: float
     tree_attention_work: float
     attention_compression: float
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A batch split across ranks by AReaL-DTA's DFS-contiguous cut (core/partition/partition.h).
+
+    ``groups[k]`` holds rank k's rollouts (indices into the tree's rollouts) in lexicographic order;
+    ``cost[k]`` is what the split balanced (tree tokens, or the time model's cost), ``tree_tokens[k]``
+    the tree tokens of rank k's own prefix tree; ``extra_tokens`` the prefix tokens computed on more
+    than one rank; ``imbalance`` the largest cost over the mean.
+    """
+
+    groups: list[list[int]]
+    cost: list[int]
+    tree_tokens: list[int]
+    max_cost: int
+    extra_tokens: int
+    imbalance: float
 
 
 class PrefixTree:
@@ -159,6 +177,19 @@ class PrefixTree:
     def serialized_tokens(self) -> list[int]:
         """Every node's tokens in node order: Tree Training's DFS serialization."""
         return self._tree.serialized_tokens()
+
+    def partition(self, groups: int, per_token: int = 1, per_key: int = 0) -> Partition:
+        """The rollouts split into ``groups`` DFS-contiguous shares minimising the largest share's cost.
+
+        A share costs ``per_token`` for each token of its own prefix tree plus ``per_key`` for each
+        key that token attends to (a token at depth d attends to d + 1): the defaults balance tree
+        tokens, weights fitted on a GPU (``bench/balance_by_time.py``) balance predicted time, as
+        ``dta-dispatcher --balance_per_token --balance_per_key`` does.
+
+        Raises:
+            ValueError: groups < 1, a negative weight, both weights 0, or a cost that overflows.
+        """
+        return Partition(**self._tree.partition(groups, per_token, per_key))
 
     def __repr__(self) -> str:
         return (f"PrefixTree({self.num_rollouts} rollouts, {self.rollout_tokens} rollout tokens, "

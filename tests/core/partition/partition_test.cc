@@ -4,6 +4,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <set>
 
 #include "core/tree/leaf_order.h"
 #include "gmock/gmock.h"
@@ -22,19 +23,35 @@ int64_t OwnTreeTokens(const Rollouts& rollouts, const std::vector<RolloutIndex>&
   return PrefixTree::FromRollouts(subset)->num_tree_tokens();
 }
 
+// A group's cost under `cost` from first principles: its tree tokens are its rollouts' distinct
+// prefixes, a token at depth d the end of one of d + 1 tokens, which attends to d + 1 keys.
+int64_t OwnCost(const Rollouts& rollouts, const std::vector<RolloutIndex>& group,
+                const BalanceCost& cost) {
+  std::set<std::vector<TokenId>> prefixes;
+  for (RolloutIndex r : group) {
+    for (size_t n = 1; n <= rollouts[r].size(); ++n)
+      prefixes.emplace(rollouts[r].begin(), rollouts[r].begin() + n);
+  }
+  int64_t total = 0;
+  for (const auto& prefix : prefixes)
+    total += cost.per_token + cost.per_key * static_cast<int64_t>(prefix.size());
+  return total;
+}
+
 // The best largest-group cost over every cut of the lexicographic order into exactly k non-empty
 // contiguous groups (k <= n), by exhaustive recursion.
-int64_t BruteForceBest(const Rollouts& rollouts, const std::vector<RolloutIndex>& order, int k) {
+int64_t BruteForceBest(const Rollouts& rollouts, const std::vector<RolloutIndex>& order, int k,
+                       const BalanceCost& cost = {}) {
   const int n = static_cast<int>(order.size());
+  const auto group_cost = [&](int begin, int end) {
+    return OwnCost(rollouts, std::vector<RolloutIndex>(order.begin() + begin, order.begin() + end),
+                   cost);
+  };
   std::function<int64_t(int, int)> best = [&](int begin, int groups) -> int64_t {
-    if (groups == 1) {
-      return OwnTreeTokens(rollouts, std::vector<RolloutIndex>(order.begin() + begin, order.end()));
-    }
+    if (groups == 1) return group_cost(begin, n);
     int64_t result = std::numeric_limits<int64_t>::max();
     for (int end = begin + 1; end <= n - (groups - 1); ++end) {
-      const int64_t first = OwnTreeTokens(
-          rollouts, std::vector<RolloutIndex>(order.begin() + begin, order.begin() + end));
-      result = std::min(result, std::max(first, best(end, groups - 1)));
+      result = std::min(result, std::max(group_cost(begin, end), best(end, groups - 1)));
     }
     return result;
   };
@@ -64,6 +81,7 @@ TEST(Partition, OptimalAmongContiguousSplits) {
       for (size_t g = 0; g < p.groups.size(); ++g) {
         joined.insert(joined.end(), p.groups[g].begin(), p.groups[g].end());
         EXPECT_EQ(p.cost[g], OwnTreeTokens(rollouts, p.groups[g]));
+        EXPECT_EQ(p.tree_tokens[g], p.cost[g]);
         if (static_cast<int>(rollouts.size()) >= k) {
           EXPECT_FALSE(p.groups[g].empty());
         }
@@ -80,6 +98,57 @@ TEST(Partition, OptimalAmongContiguousSplits) {
       EXPECT_GE(p.extra_tokens, 0);
     }
   }
+}
+
+TEST(Partition, BalancesTokensAndAttendedKeysOptimally) {
+  for (const BalanceCost cost : {BalanceCost{3, 2}, BalanceCost{0, 1}, BalanceCost{1000, 7}}) {
+    for (uint64_t seed = 0; seed < 60; ++seed) {
+      const Rollouts rollouts =
+          testing::RandomRollouts(seed, {.max_rollouts = 8, .max_length = 12});
+      const PrefixTree tree = *PrefixTree::FromRollouts(rollouts);
+      const std::vector<RolloutIndex> order = LexicographicOrder(tree);
+      for (int k = 1; k <= 3; ++k) {
+        SCOPED_TRACE(::testing::Message() << "cost {" << cost.per_token << ", " << cost.per_key
+                                          << "} seed " << seed << " k " << k);
+        const Partition p = *PartitionDfsContiguous(tree, k, cost);
+        CheckIsPartition(tree, p, k);
+        for (size_t g = 0; g < p.groups.size(); ++g) {
+          EXPECT_EQ(p.cost[g], OwnCost(rollouts, p.groups[g], cost));
+          EXPECT_EQ(p.tree_tokens[g], OwnTreeTokens(rollouts, p.groups[g]));
+        }
+        if (static_cast<int>(rollouts.size()) >= k) {
+          EXPECT_EQ(p.max_cost, BruteForceBest(rollouts, order, k, cost));
+        }
+        // The baselines are described in the same units.
+        const Partition greedy = *PartitionGreedyByTreeTokens(tree, k, cost);
+        for (size_t g = 0; g < greedy.groups.size(); ++g)
+          EXPECT_EQ(greedy.cost[g], OwnCost(rollouts, greedy.groups[g], cost));
+      }
+    }
+  }
+}
+
+TEST(Partition, BalancingTimeSplitsLongPathsThatTokensPairUp) {
+  // Two 300-token paths first in lexicographic order, then 60 rollouts of 10 tokens: by tree
+  // tokens the two long paths make one group (600) and the short ones the other (600); their
+  // attention work is quadratic, so a time model puts one long path in each group.
+  Rollouts rollouts = {std::vector<TokenId>(300, 1), std::vector<TokenId>(300, 2)};
+  for (int i = 0; i < 60; ++i) {
+    std::vector<TokenId> r(10, 10 + i);
+    rollouts.push_back(r);
+  }
+  const PrefixTree tree = *PrefixTree::FromRollouts(rollouts);
+  const BalanceCost time{.per_token = 1, .per_key = 1};
+  const Partition by_tokens = *PartitionDfsContiguous(tree, 2);
+  EXPECT_EQ(by_tokens.cost, (std::vector<int64_t>{600, 600}));
+  const Partition by_time = *PartitionDfsContiguous(tree, 2, time);
+  EXPECT_THAT(by_time.groups[0], ::testing::ElementsAre(0));
+  // The token split's costlier group under the time model: both long paths.
+  const Partition tokens_timed = DescribePartition(tree, by_tokens.groups, time);
+  EXPECT_EQ(tokens_timed.max_cost, 2 * time.PathCost(300));
+  EXPECT_EQ(by_time.max_cost, time.PathCost(300) + 60 * time.PathCost(10));
+  EXPECT_LT(by_time.max_cost, tokens_timed.max_cost * 6 / 10);
+  EXPECT_EQ(by_time.tree_tokens, (std::vector<int64_t>{300, 900}));
 }
 
 TEST(Partition, MoreGroupsThanRolloutsLeavesTrailingGroupsEmpty) {
@@ -160,6 +229,18 @@ TEST(Partition, RejectsBadArguments) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CutContiguous(lengths, std::vector<int64_t>{0}, 2).status().code(),
             absl::StatusCode::kInvalidArgument);
+  for (const BalanceCost bad : {BalanceCost{0, 0}, BalanceCost{-1, 1}, BalanceCost{1, -2}}) {
+    const absl::Status status = PartitionDfsContiguous(tree, 1, bad).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), ::testing::HasSubstr("per_key"));
+  }
+  // Costs beyond 2^62 are refused rather than wrapped.
+  const absl::Status overflow =
+      CutContiguous(std::vector<int64_t>{int64_t{1} << 30}, std::vector<int64_t>{0}, 1,
+                    {.per_token = 1, .per_key = int64_t{1} << 10})
+          .status();
+  EXPECT_EQ(overflow.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(overflow.message(), ::testing::HasSubstr("overflows"));
   const ContiguousCut empty = *CutContiguous({}, {}, 3);
   EXPECT_EQ(empty.bounds, (std::vector<int64_t>{0, 0, 0, 0}));
 }

@@ -101,6 +101,28 @@ TEST(BatchPlan, AdvantagesAndNormalisersCoverTheWholeBatch) {
   }
 }
 
+TEST(BatchPlan, SplitsBalancingTheGivenCost) {
+  // Two 40-token paths first in lexicographic order, then ten of 8 tokens: tree tokens pair the
+  // long paths up; a cost with attended keys gives each rank one of them.
+  std::vector<Rollout> batch = {Make("long-a", "g", std::vector<TokenId>(40, 1), 1),
+                                Make("long-b", "g", std::vector<TokenId>(40, 2), 0)};
+  for (int i = 0; i < 10; ++i)
+    batch.push_back(Make("short-" + std::to_string(i), "g", std::vector<TokenId>(8, 10 + i), i));
+  const absl::StatusOr<PartitionPlan> by_tokens = PlanPartitions(Pointers(batch), 2, true, {});
+  ASSERT_TRUE(by_tokens.ok()) << by_tokens.status();
+  EXPECT_EQ(by_tokens->ranks[0], (std::vector<int64_t>{0, 1}));
+  const BalanceCost time{.per_token = 1, .per_key = 1};
+  const absl::StatusOr<PartitionPlan> by_time = PlanPartitions(Pointers(batch), 2, true, {}, time);
+  ASSERT_TRUE(by_time.ok()) << by_time.status();
+  EXPECT_EQ(by_time->ranks[0], (std::vector<int64_t>{0}));
+  EXPECT_EQ(by_time->partition.tree_tokens, (std::vector<int64_t>{40, 120}));
+  EXPECT_EQ(by_time->partition.max_cost, time.PathCost(40) + 10 * time.PathCost(8));
+  const absl::StatusOr<PartitionPlan> invalid =
+      PlanPartitions(Pointers(batch), 2, true, {}, {.per_token = 0, .per_key = 0});
+  ASSERT_FALSE(invalid.ok());
+  EXPECT_NE(invalid.status().message().find("per_token"), absl::string_view::npos);
+}
+
 TEST(BatchPlan, PlanErrorsNameTheRollout) {
   std::vector<Rollout> batch = {Make("ok", "g", {1, 2}, 1)};
   batch.push_back(Make("bad", "g", {1, 3}, 0));
