@@ -71,11 +71,11 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
   const int64_t k = config.num_experts_per_tok;
   // This rank's part of the vocabulary (split with the larger parts first).
   const int64_t vocab = CeilDiv(config.vocab_size, tp);
-  // Qwen3-Next's Gated DeltaNet layers (whole: they have no tensor-parallel split, and the
-  // planner allows them no TP).
-  const int64_t value_heads = config.linear_num_value_heads;
+  // Qwen3-Next's Gated DeltaNet layers, this rank's key and value heads (TP divides the key
+  // heads, and each key head has a group of value heads).
+  const int64_t value_heads = config.linear_num_value_heads / tp;
   const int64_t state = value_heads * config.linear_key_head_dim * config.linear_value_head_dim;
-  const int64_t conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim +
+  const int64_t conv_dim = 2 * (config.linear_num_key_heads / tp) * config.linear_key_head_dim +
                            value_heads * config.linear_value_head_dim;
   const int64_t kernel = config.linear_conv_kernel_dim;
   const ModelSpec spec = BuildModelSpec(config);

@@ -29,7 +29,8 @@
 //              per-head tensors and 64 x 64 chunk matrices, one state per 64 tokens;
 //              GraphBytesPerToken in executor/engine/executor.h spells the terms), and its stack
 //              positions hold conv_dim = 2 key_dim + value_dim elements (w + c) instead of K/V,
-//              plus one float32 recurrent state per kept chunk end
+//              plus one float32 recurrent state per kept chunk end (all of them of this rank's
+//              key heads/TP and value heads/TP)
 //              and per chunk 2 h c + h w (the final norm's input and output, lm_head's rounded
 //              copy), 2 head_dim c (RoPE tables) and 24 (ids, positions, tree mask). With layer
 //              replay (checkpointing) a graph keeps only each layer's input (h c per layer) plus

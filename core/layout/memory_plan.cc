@@ -68,6 +68,14 @@ bool HasTensorParallelGap(const ModelConfig& config) {
   return !BuildModelSpec(config).tensor_parallel();
 }
 
+// The linear-attention layers' key heads, which tensor parallelism splits (0 without any).
+int64_t LinearKeyHeads(const ModelConfig& config) {
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    if (IsLinearAttentionLayer(config, layer)) return config.linear_num_key_heads;
+  }
+  return 0;
+}
+
 bool Fits(const MemoryEstimate& memory, const LayoutRequest& request, int32_t ranks_per_node) {
   if (memory.gpu_total() > request.gpu_bytes) return false;
   return request.host_bytes_per_node == 0 ||
@@ -130,13 +138,14 @@ MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& l
 std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config,
                                            const LayoutRequest& request) {
   std::vector<int32_t> allowed;
-  // Qwen3-Next's layers (gated attention, Gated DeltaNet, shared experts) have no tensor-parallel
-  // split yet: the model refuses TP > 1 for them, so the planner does not propose it.
+  // A layer without a tensor-parallel split: the model refuses TP > 1, so the planner does not
+  // propose it.
   const bool splits = !HasTensorParallelGap(config);
   for (int32_t tp = 1; tp <= request.gpus_per_node && tp <= request.world_size; tp *= 2) {
     if (tp > 1 && !splits) break;
+    // Whole heads per rank.
     if (request.world_size % tp == 0 && config.num_attention_heads % tp == 0 &&
-        config.num_key_value_heads % tp == 0) {
+        config.num_key_value_heads % tp == 0 && LinearKeyHeads(config) % tp == 0) {
       allowed.push_back(tp);
     }
   }
@@ -172,13 +181,15 @@ absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutReq
             absl::StrCat(request.tensor_parallel, " is not allowed: ", config.model_type,
                          " models have no tensor-parallel split yet (use 1)"));
       }
+      const int64_t linear = LinearKeyHeads(config);
       return FieldError(
           "tensor_parallel",
-          absl::StrCat(request.tensor_parallel, " is not allowed: it must be a power of two ",
-                       "up to the GPUs per node (", request.gpus_per_node,
-                       ") dividing the world size (", request.world_size, "), the ",
-                       config.num_attention_heads, " attention heads and the ",
-                       config.num_key_value_heads, " KV heads"));
+          absl::StrCat(
+              request.tensor_parallel, " is not allowed: it must be a power of two ",
+              "up to the GPUs per node (", request.gpus_per_node, ") dividing the world size (",
+              request.world_size, "), the ", config.num_attention_heads, " attention heads",
+              linear > 0 ? ", the " : " and the ", config.num_key_value_heads, " KV heads",
+              linear > 0 ? absl::StrCat(" and the ", linear, " linear-attention key heads") : ""));
     }
     degrees = {request.tensor_parallel};
   }

@@ -116,8 +116,8 @@ MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& l
                               const LayoutRequest& request);
 
 // The TP degrees a config allows on `request`: powers of two up to gpus_per_node that divide the
-// world size, the attention heads and the KV heads; only 1 for families the model cannot split yet
-// (qwen3_next).
+// world size, the attention heads, the KV heads and Qwen3-Next's linear-attention key heads; only
+// 1 for a model with a layer the decoder cannot split (LayerSpec::tensor_parallel).
 std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config, const LayoutRequest& request);
 
 // The EP degrees a config allows on `data_parallel` replicas: 1, and for mixture-of-experts models

@@ -17,11 +17,12 @@ class LayerBuilder {
   LayerBuilder(LayerSpec& layer, std::string prefix) : layer_(layer), prefix_(std::move(prefix)) {}
 
   void Add(const std::string& name, ParameterRole role, std::vector<int64_t> shape, int dim = -1,
-           int64_t units = 0) {
-    layer_.parameters.push_back({.name = prefix_ + name,
-                                 .role = role,
-                                 .shape = std::move(shape),
-                                 .split = {.dim = dim, .units = units}});
+           int64_t units = 0, std::vector<int64_t> segments = {}) {
+    layer_.parameters.push_back(
+        {.name = prefix_ + name,
+         .role = role,
+         .shape = std::move(shape),
+         .split = {.dim = dim, .units = units, .segments = std::move(segments)}});
   }
 
  private:
@@ -56,8 +57,11 @@ void AddAttention(const ModelConfig& c, LayerSpec& layer, LayerBuilder& add) {
   }
 }
 
-// Gated DeltaNet, named as transformers' Qwen3NextGatedDeltaNet. Counted as split by heads (the
-// decoder holds it whole for now: LayerSpec::tensor_parallel).
+// Gated DeltaNet, named as transformers' Qwen3NextGatedDeltaNet, split by key heads (each with its
+// group of value heads): the input projections' rows are grouped per key head, conv1d's channels
+// are [all q | all k | all v] (three segments), dt_bias, A_log and out_proj's columns are per value
+// head (a rank's key heads own a contiguous block of them); the gated norm's weight is shared by
+// the heads (whole on every rank).
 void AddGatedDeltaNet(const ModelConfig& c, LayerBuilder& add) {
   const int64_t hidden = c.hidden_size;
   const int64_t key_heads = c.linear_num_key_heads;
@@ -70,7 +74,7 @@ void AddGatedDeltaNet(const ModelConfig& c, LayerBuilder& add) {
   add.Add("linear_attn.in_proj_ba.weight", ParameterRole::kLinearInProjBa,
           {2 * value_heads, hidden}, 0, key_heads);
   add.Add("linear_attn.conv1d.weight", ParameterRole::kLinearConv1d,
-          {conv_dim, 1, c.linear_conv_kernel_dim}, 0, key_heads);
+          {conv_dim, 1, c.linear_conv_kernel_dim}, 0, key_heads, {key_dim, key_dim, value_dim});
   add.Add("linear_attn.dt_bias", ParameterRole::kLinearDtBias, {value_heads}, 0, value_heads);
   add.Add("linear_attn.A_log", ParameterRole::kLinearALog, {value_heads}, 0, value_heads);
   add.Add("linear_attn.norm.weight", ParameterRole::kLinearNorm, {c.linear_value_head_dim});
@@ -96,7 +100,7 @@ void AddMlp(const ModelConfig& c, const LayerSpec& layer, LayerBuilder& add) {
   add.Add("mlp.experts.down_proj", ParameterRole::kExpertsDown, {experts, hidden, moe}, 2, moe);
   add.Add("mlp.gate.weight", ParameterRole::kRouter, {experts, hidden});
   if (layer.mlp == MlpKind::kSparseMoeWithSharedExpert) {
-    // Counted as split like a dense MLP (held whole for now), its gate whole like the router.
+    // Split like a dense MLP, its gate whole like the router.
     const int64_t shared = c.shared_expert_intermediate_size;
     add.Add("mlp.shared_expert.gate_proj.weight", ParameterRole::kSharedGate, {shared, hidden}, 0,
             shared);
@@ -114,6 +118,12 @@ int64_t ParameterSpec::numel() const {
   int64_t n = 1;
   for (const int64_t size : shape) n *= size;
   return n;
+}
+
+std::vector<int64_t> ParameterSpec::SplitSegments() const {
+  if (split.replicated()) return {};
+  if (!split.segments.empty()) return split.segments;
+  return {shape[split.dim]};
 }
 
 bool ParameterSpec::per_expert() const {
@@ -149,8 +159,6 @@ LayerSpec BuildLayerSpec(const ModelConfig& c, int64_t index) {
     layer.mlp = HasSharedExpert(c) ? MlpKind::kSparseMoeWithSharedExpert : MlpKind::kSparseMoe;
   }
   layer.norm = HasZeroCentredNorms(c) ? NormKind::kZeroCentredRms : NormKind::kRms;
-  layer.tensor_parallel =
-      layer.mixer == MixerKind::kAttention && layer.mlp != MlpKind::kSparseMoeWithSharedExpert;
 
   LayerBuilder add(layer, "model.layers." + std::to_string(index) + ".");
   const int64_t hidden = c.hidden_size;
@@ -215,16 +223,16 @@ BlockSavedBytes LayerSavedBytes(const ModelConfig& c, const LayerSpec& layer, in
   // The two residual-stream norm inputs, whole on every rank.
   bytes.tensors = 2 * h * compute;
   if (layer.linear_attention()) {
-    // Gated DeltaNet (whole on every rank): out_proj's input (value_dim w), and in the compute type
-    // the convolution's taps and pre-activation ((kernel + 1) conv_dim), q and k before their L2
-    // norms (2 key_dim), the delta rule's per-head q, k, k beta, their decayed and solved forms
-    // (6 value_heads key_head_dim), v, the solved values, the corrected values, the output, its
-    // norm, the gated product and z with silu(z) (8 value_dim), the chunk-local decay and attention
-    // matrices (5 value_heads x 64), one recurrent state per 64 tokens and a few per-head scalars
-    // (10 value_heads, which cover the norms' statistics). About 8x a gated attention layer's bytes
-    // for Qwen3-Next-80B-A3B's shapes.
-    const int64_t value_heads = c.linear_num_value_heads;
-    const int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
+    // Gated DeltaNet, on this rank's key and value heads: out_proj's input (value_dim w), and in
+    // the compute type the convolution's taps and pre-activation ((kernel + 1) conv_dim), q and k
+    // before their L2 norms (2 key_dim), the delta rule's per-head q, k, k beta, their decayed and
+    // solved forms (6 value_heads key_head_dim), v, the solved values, the corrected values, the
+    // output, its norm, the gated product and z with silu(z) (8 value_dim), the chunk-local decay
+    // and attention matrices (5 value_heads x 64), one recurrent state per 64 tokens and a few
+    // per-head scalars (10 value_heads, which cover the norms' statistics). About 8x a gated
+    // attention layer's bytes for Qwen3-Next-80B-A3B's shapes.
+    const int64_t value_heads = c.linear_num_value_heads / tp;
+    const int64_t key_dim = c.linear_num_key_heads / tp * c.linear_key_head_dim;
     const int64_t value_dim = value_heads * c.linear_value_head_dim;
     const int64_t conv_dim = 2 * key_dim + value_dim;
     const int64_t state = value_heads * c.linear_key_head_dim * c.linear_value_head_dim;

@@ -82,11 +82,14 @@ enum class ParameterRole {
 
 // How a parameter is split across T tensor-parallel ranks: dimension `dim` is `units` equal units
 // (heads, rows, vocabulary entries) and rank r holds the contiguous units SplitRange(units, r, T)
-// (executor/parallel/tensor_parallel.h: the larger parts first). dim -1: every rank holds all of
-// it.
+// (executor/parallel/tensor_parallel.h: the larger parts first). With `segments`, dimension `dim`
+// is consecutive segments of those sizes (summing to it), each of `units` equal units split alike,
+// and rank r holds its units of every segment, concatenated in order: Gated DeltaNet's conv1d,
+// whose channels are [q | k | v], each by key heads. dim -1: every rank holds all of it.
 struct TensorParallelSplit {
   int dim = -1;
   int64_t units = 0;
+  std::vector<int64_t> segments = {};  // empty: one segment, the whole dimension
   bool replicated() const { return dim < 0; }
   bool operator==(const TensorParallelSplit&) const = default;
 };
@@ -101,6 +104,9 @@ struct ParameterSpec {
   TensorParallelSplit split;
 
   int64_t numel() const;
+  // The sizes of the segments along split.dim: split.segments, or the whole dimension as one
+  // segment. Empty when replicated.
+  std::vector<int64_t> SplitSegments() const;
   // Whether Hugging Face checkpoints hold it as one tensor per expert (the stacked experts).
   bool per_expert() const;
   // Its tensors in a Hugging Face checkpoint, as the Hub and transformers' save_pretrained store
@@ -117,10 +123,9 @@ struct LayerSpec {
   bool qk_norm = false;  // attention: per-head RMSNorm of q and k before RoPE
   bool qkv_bias = false;
   bool o_bias = false;
-  // Whether the decoder can split this layer across tensor-parallel ranks. Gated attention, Gated
-  // DeltaNet and the shared expert cannot yet: their parameters' splits say how CountParameters
-  // counts them (by heads and rows, as they will be split), and the decoder and the layout planner
-  // refuse a tensor-parallel size above 1 for such a model.
+  // Whether the decoder can split this layer across tensor-parallel ranks (every block kind can;
+  // a block without a split would set it false, and the decoder and the layout planner would then
+  // refuse a tensor-parallel size above 1 for its models).
   bool tensor_parallel = true;
   // In the decoder's order: input norm, the mixer's, post-attention norm, the MLP's (a dense MLP's
   // gate_proj and up_proj adjacent: the decoder stores them as one tensor).

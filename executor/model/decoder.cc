@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -54,6 +55,13 @@ Decoder::Decoder(const ModelConfig& config, at::TensorOptions options,
   TORCH_CHECK(config.num_key_value_heads % tp == 0, "tensor parallelism over ", tp,
               " ranks needs a multiple of ", tp, " KV heads; the model has ",
               config.num_key_value_heads, " (use a tensor-parallel size that divides it)");
+  bool any_linear = false;
+  for (const LayerSpec& layer_spec : spec.layers) any_linear |= layer_spec.linear_attention();
+  // Whole key heads per rank, each with its group of value heads.
+  TORCH_CHECK(!any_linear || config.linear_num_key_heads % tp == 0, "tensor parallelism over ", tp,
+              " ranks needs a multiple of ", tp, " linear-attention key heads; the model has ",
+              config.linear_num_key_heads, " key heads (serving ", config.linear_num_value_heads,
+              " value heads; use a tensor-parallel size that divides the key heads)");
   heads_ = SplitRange(config.num_attention_heads, rank, tp);
   kv_heads_ = SplitRange(config.num_key_value_heads, rank, tp);
   intermediate_ = SplitRange(config.intermediate_size, rank, tp);
@@ -68,12 +76,10 @@ Decoder::Decoder(const ModelConfig& config, at::TensorOptions options,
 
   // Every parameter as the layer spec lists it, this rank's part of each.
   embed_ = Add(spec.embedding);
-  bool any_linear = false;
-  for (const LayerSpec& layer_spec : spec.layers) any_linear |= layer_spec.linear_attention();
   if (any_linear) {
     linear_layers_.assign(config.num_hidden_layers, false);
-    linear_shape_ = {.key_heads = config.linear_num_key_heads,
-                     .value_heads = config.linear_num_value_heads,
+    linear_shape_ = {.key_heads = config.linear_num_key_heads / tp,
+                     .value_heads = config.linear_num_value_heads / tp,
                      .key_head_dim = config.linear_key_head_dim,
                      .value_head_dim = config.linear_value_head_dim,
                      .conv_kernel = config.linear_conv_kernel_dim,
@@ -102,10 +108,31 @@ Decoder::Decoder(const ModelConfig& config, at::TensorOptions options,
   }
   final_norm_ = Add(spec.final_norm);
   lm_head_ = spec.tied_embeddings ? embed_ : Add(spec.lm_head);
-  if (tp > 1 && HasQkNorm(config)) {
-    const at::ScalarType type = AccumulatorType(options.dtype().toScalarType());
-    partial_norm_grads_ =
-        at::zeros({config.num_hidden_layers, 2, config.head_dim}, options.dtype(type));
+  if (tp > 1) {
+    // The norm weights each rank sees through its own heads only, per layer: q_norm and k_norm
+    // [2, head_dim], or the gated norm [value_head_dim]; none (0 elements) otherwise.
+    auto partial_shape = [&](const LayerSpec& layer) -> std::vector<int64_t> {
+      if (layer.linear_attention()) return {config.linear_value_head_dim};
+      if (layer.qk_norm) return {2, config.head_dim};
+      return {0};
+    };
+    std::vector<std::vector<int64_t>> shapes;
+    int64_t total = 0;
+    for (const LayerSpec& layer_spec : spec.layers) {
+      shapes.push_back(partial_shape(layer_spec));
+      total += c10::multiply_integers(shapes.back());
+    }
+    if (total > 0) {
+      const at::ScalarType type = AccumulatorType(options.dtype().toScalarType());
+      partial_norm_grads_ = at::zeros({total}, options.dtype(type));
+      int64_t offset = 0;
+      for (const std::vector<int64_t>& shape : shapes) {
+        const int64_t n = c10::multiply_integers(shape);
+        layer_partial_norm_grads_.push_back(
+            n > 0 ? partial_norm_grads_.narrow(0, offset, n).view(shape) : at::Tensor());
+        offset += n;
+      }
+    }
   }
   inv_freq_ = RopeInverseFrequencies(
       config, options.dtype(ComputeType(options.dtype().toScalarType())).requires_grad(false));
@@ -181,35 +208,72 @@ at::Tensor* Decoder::Slot(Layer& layer, ParameterRole role) {
   TORCH_CHECK(false, "Decoder: a layer has no parameter of role ", static_cast<int>(role));
 }
 
-IndexRange Decoder::LocalRange(const ParameterSpec& spec) const {
-  if (spec.split.replicated()) return {};
-  // Whole units per rank (heads, rows, vocabulary entries), each shape[dim] / units wide.
-  const IndexRange units = SplitRange(
-      spec.split.units, tensor_parallel_ ? tensor_parallel_->rank() : 0, tensor_parallel_size());
-  const int64_t width = spec.shape[spec.split.dim] / spec.split.units;
-  return {units.begin * width, units.end * width};
+std::vector<IndexRange> ParameterSplit::RangesOf(int rank, int ranks) const {
+  if (replicated()) return {};
+  // Whole units per rank (heads, rows, vocabulary entries) of every segment, each segment / units
+  // wide.
+  const IndexRange mine = SplitRange(units, rank, ranks);
+  std::vector<IndexRange> result;
+  int64_t start = 0;
+  for (const int64_t size : segments) {
+    const int64_t width = size / units;
+    result.push_back({start + mine.begin * width, start + mine.end * width});
+    start += size;
+  }
+  return result;
+}
+
+at::Tensor ParameterSplit::Narrow(const at::Tensor& full) const {
+  if (replicated()) return full;
+  if (ranges.size() == 1) return full.narrow(dim, ranges[0].begin, ranges[0].size());
+  std::vector<at::Tensor> parts;
+  for (const IndexRange& range : ranges)
+    parts.push_back(full.narrow(dim, range.begin, range.size()));
+  return at::cat(parts, dim);
+}
+
+ParameterSplit Decoder::SplitOf(const ParameterSpec& spec) const {
+  ParameterSplit split{.dim = spec.split.dim,
+                       .full_shape = spec.shape,
+                       .units = spec.split.units,
+                       .segments = spec.SplitSegments()};
+  if (!split.replicated()) {
+    int64_t total = 0;
+    for (const int64_t size : split.segments) {
+      TORCH_CHECK(size % split.units == 0, "Decoder: ", spec.name, "'s segment of ", size,
+                  " is not ", split.units, " equal units");
+      total += size;
+    }
+    TORCH_CHECK(total == spec.shape[split.dim], "Decoder: ", spec.name, "'s segments sum to ",
+                total, ", not its dimension ", split.dim, " of ", spec.shape[split.dim]);
+    split.ranges =
+        split.RangesOf(tensor_parallel_ ? tensor_parallel_->rank() : 0, tensor_parallel_size());
+  }
+  if (spec.per_expert()) split.experts = experts_;
+  return split;
 }
 
 at::Tensor Decoder::Add(const ParameterSpec& spec) {
-  const IndexRange range = LocalRange(spec);
+  ParameterSplit split = SplitOf(spec);
   std::vector<int64_t> shape = spec.shape;
-  if (!spec.split.replicated()) shape[spec.split.dim] = range.size();
-  const IndexRange experts = spec.per_expert() ? experts_ : IndexRange{};
-  if (experts.size() > 0) shape[0] = experts.size();
+  if (!split.replicated()) {
+    shape[split.dim] = 0;
+    for (const IndexRange& range : split.ranges) shape[split.dim] += range.size();
+  }
+  if (split.expert_parallel()) shape[0] = split.experts.size();
   at::Tensor parameter = at::zeros(shape, options_).requires_grad_(true);
   named_.emplace_back(spec.name, parameter);
-  splits_.push_back(
-      {.dim = spec.split.dim, .full_shape = spec.shape, .range = range, .experts = experts});
+  splits_.push_back(std::move(split));
   return parameter;
 }
 
 std::vector<at::Tensor> Decoder::AddStacked(const ParameterSpec& first,
                                             const ParameterSpec& second) {
   TORCH_CHECK(first.shape.size() == 2 && first.shape == second.shape && first.split.dim == 0 &&
-                  first.split == second.split,
+                  first.split == second.split && first.split.segments.empty(),
               "Decoder: ", first.name, " and ", second.name,
               " must be [rows, cols] matrices split alike by rows to be stacked");
-  const IndexRange range = LocalRange(first);
+  const IndexRange range = SplitOf(first).ranges.at(0);
   at::Tensor stack = at::zeros({2 * range.size(), first.shape[1]}, options_);
   std::vector<at::Tensor> parts;
   for (const ParameterSpec* spec : {&first, &second}) {
@@ -218,7 +282,7 @@ std::vector<at::Tensor> Decoder::AddStacked(const ParameterSpec& first,
         stack.narrow(0, static_cast<int64_t>(parts.size()) * range.size(), range.size())
             .requires_grad_(true);
     named_.emplace_back(spec->name, parameter);
-    splits_.push_back({.dim = 0, .full_shape = spec->shape, .range = range});
+    splits_.push_back(SplitOf(*spec));
     parts.push_back(std::move(parameter));
   }
   return parts;
@@ -246,27 +310,42 @@ at::Tensor Decoder::LocalPart(size_t index, const at::Tensor& full) const {
               full.sizes());
   const at::Tensor experts =
       split.expert_parallel() ? full.narrow(0, split.experts.begin, split.experts.size()) : full;
-  if (split.replicated()) return experts;
-  return experts.narrow(split.dim, split.range.begin, split.range.size());
+  return split.Narrow(experts);
 }
 
 namespace {
 
-// The whole of a tensor split along dimension 0 over `ranks` ranks (rank r holding rows
-// SplitRange(full, r, ranks) as `rows`), from every rank's part. The parts differ by at most one
-// row: `gather` collects them padded to the largest, concatenated along dimension 0.
+// The whole of a tensor of `full` rows split along dimension 0 over `ranks` ranks, rank r holding
+// the rows ranges_of(r) concatenated (as `rows` on this rank), from every rank's part: `gather`
+// collects the parts padded to the largest, concatenated along dimension 0, and each range goes
+// back to its place.
 at::Tensor GatherSplitRows(const at::Tensor& rows, int64_t full, int ranks,
+                           const std::function<std::vector<IndexRange>(int)>& ranges_of,
                            const std::function<at::Tensor(const at::Tensor&)>& gather) {
-  const int64_t most = (full + ranks - 1) / ranks;
-  std::vector<int64_t> padded_shape = rows.sizes().vec();
-  padded_shape[0] = most;
-  at::Tensor padded = at::zeros(padded_shape, rows.options());
+  std::vector<std::vector<IndexRange>> parts;
+  int64_t most = 0;
+  for (int r = 0; r < ranks; ++r) {
+    parts.push_back(ranges_of(r));
+    int64_t size = 0;
+    for (const IndexRange& range : parts.back()) size += range.size();
+    most = std::max(most, size);
+  }
+  std::vector<int64_t> shape = rows.sizes().vec();
+  shape[0] = most;
+  at::Tensor padded = at::zeros(shape, rows.options());
   padded.slice(0, 0, rows.size(0)).copy_(rows);
   const at::Tensor gathered = gather(padded);
-  std::vector<at::Tensor> parts;
-  for (int r = 0; r < ranks; ++r)
-    parts.push_back(gathered.slice(0, r * most, r * most + SplitRange(full, r, ranks).size()));
-  return at::cat(parts);
+  shape[0] = full;
+  at::Tensor whole = at::empty(shape, rows.options());
+  for (int r = 0; r < ranks; ++r) {
+    int64_t offset = r * most;
+    for (const IndexRange& range : parts[r]) {
+      whole.slice(0, range.begin, range.end)
+          .copy_(gathered.slice(0, offset, offset + range.size()));
+      offset += range.size();
+    }
+  }
+  return whole;
 }
 
 }  // namespace
@@ -277,16 +356,20 @@ at::Tensor Decoder::GatherParameter(size_t index) const {
   at::Tensor whole = named_[index].second.detach();
   // Over the tensor-parallel ranks, then (the experts) over the expert-parallel ranks.
   if (!split.replicated() && tensor_parallel_size() > 1) {
-    whole = GatherSplitRows(whole.movedim(split.dim, 0), split.full_shape[split.dim],
-                            tensor_parallel_size(),
-                            [&](const at::Tensor& t) { return tensor_parallel_->AllGather(t); });
+    whole = GatherSplitRows(
+        whole.movedim(split.dim, 0), split.full_shape[split.dim], tensor_parallel_size(),
+        [&](int r) { return split.RangesOf(r, tensor_parallel_size()); },
+        [&](const at::Tensor& t) { return tensor_parallel_->AllGather(t); });
     if (split.dim != 0) whole = whole.movedim(0, split.dim).contiguous();
   }
   if (split.expert_parallel()) {
-    whole = GatherSplitRows(whole, split.full_shape[0], expert_parallel_size(),
-                            [&](const at::Tensor& t) {
-                              return expert_parallel_->AllGather(t.contiguous()).flatten(0, 1);
-                            });
+    const int ranks = expert_parallel_size();
+    whole = GatherSplitRows(
+        whole, split.full_shape[0], ranks,
+        [&](int r) { return std::vector<IndexRange>{ExpertRange(split.full_shape[0], r, ranks)}; },
+        [&](const at::Tensor& t) {
+          return expert_parallel_->AllGather(t.contiguous()).flatten(0, 1);
+        });
   }
   return whole;
 }
@@ -297,8 +380,14 @@ void Decoder::ReduceTensorParallelGradients() const {
   at::Tensor sums = partial_norm_grads_;
   tensor_parallel_->AllReduce(sums, TensorParallelReduce::kSum);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    GradAccumulator(layers_[l].attention.q_norm).add_(sums[l][0]);
-    GradAccumulator(layers_[l].attention.k_norm).add_(sums[l][1]);
+    const at::Tensor& sum = layer_partial_norm_grads_[l];
+    if (!sum.defined()) continue;
+    if (is_linear_layer(l)) {
+      GradAccumulator(layers_[l].linear.norm).add_(sum);
+    } else {
+      GradAccumulator(layers_[l].attention.q_norm).add_(sum[0]);
+      GradAccumulator(layers_[l].attention.k_norm).add_(sum[1]);
+    }
   }
   partial_norm_grads_.zero_();
 }
@@ -414,15 +503,15 @@ at::Tensor Decoder::Embed(const at::Tensor& tokens) const {
 }
 
 BlockShared Decoder::SharedWithBlocks(int64_t l) const {
-  return {
-      .config = &config_,
-      .group = GroupHandle(tensor_parallel()),
-      .local_heads = local_heads(),
-      .local_kv_heads = local_kv_heads(),
-      .sparse_layer = layers_[l].sparse_index,
-      .expert_group = ExpertGroupHandle(expert_parallel_.get()),
-      .linear_shape = &linear_shape_,
-      .partial_norm_grads = partial_norm_grads_.defined() ? partial_norm_grads_[l] : at::Tensor()};
+  return {.config = &config_,
+          .group = GroupHandle(tensor_parallel()),
+          .local_heads = local_heads(),
+          .local_kv_heads = local_kv_heads(),
+          .sparse_layer = layers_[l].sparse_index,
+          .expert_group = ExpertGroupHandle(expert_parallel_.get()),
+          .linear_shape = &linear_shape_,
+          .partial_norm_grads =
+              layer_partial_norm_grads_.empty() ? at::Tensor() : layer_partial_norm_grads_[l]};
 }
 
 LayerOutput Decoder::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,

@@ -17,8 +17,7 @@
 // inputs (in PrefixKv::keys) and the recurrent state (PrefixKv::states). The other layers are gated
 // attention. Every RMSNorm but the gated one scales by 1 + w (transformers' Qwen3NextRMSNorm): the
 // kernels get 1 + w in the compute dtype and its gradient goes into w's .grad (ops/numerics.h's
-// NormScaleOf). Sparse blocks add a shared SwiGLU expert. No tensor parallelism for this family
-// yet.
+// NormScaleOf). Sparse blocks add a shared SwiGLU expert.
 //
 // Numerics follow Hugging Face's models (norms, RoPE and softmax in at least float32; float64
 // models stay float64 throughout, so float64 runs are exact references), with fewer roundings in
@@ -74,6 +73,19 @@
 // rank's heads, so their gradients are partial sums that ReduceTensorParallelGradients() completes
 // (ComputeGradients calls it).
 //
+// Qwen3-Next under tensor parallelism: gated attention splits as attention does (q_proj's rows per
+// head are [query, gate]). Gated DeltaNet splits by key heads, each with its group of value heads
+// (T must divide the key heads): rank r holds its key heads' rows of in_proj_qkvz and in_proj_ba
+// (grouped per key head), its part of each of conv1d's three channel segments [q | k | v]
+// (TensorParallelSplit::segments; the rank's part is its slice of each, concatenated), its value
+// heads' dt_bias, A_log and columns of out_proj; the projections are column- and row-parallel as
+// above, the mixer runs on the rank's heads (linear_shape() counts them), and its cache (the
+// convolution inputs, the recurrent state) holds only them. The gated norm's weight is whole and
+// its gradient a partial sum, completed with q_norm's and k_norm's. The shared expert splits like
+// a dense MLP; its gate [1, hidden] is whole on every rank, computed alike on each from the whole
+// input and the summed expert output, so its weight gradient is whole and its share of the
+// input's gradient is added once, after the column-parallel sum (Projections' `replicated`).
+//
 // Thread safety: Forward and Logprobs are const and may run concurrently (without tensor
 // parallelism: its collectives must be issued in the same order on every rank); mutating
 // parameters (an optimizer step) must not overlap them. Not copyable (parameters are shared
@@ -113,12 +125,23 @@ struct LogprobOptions {
 struct ParameterSplit {
   int64_t dim = -1;                 // the split dimension; -1: every rank holds all of it
   std::vector<int64_t> full_shape;  // the whole parameter's shape
-  IndexRange range;                 // this rank's part of dimension `dim`
+  // Dimension `dim` as the layer spec splits it (TensorParallelSplit): consecutive segments of
+  // these sizes (one: the whole dimension), each of `units` equal units.
+  int64_t units = 0;
+  std::vector<int64_t> segments;
+  // This rank's part of dimension `dim`: its units of each segment, in the whole dimension's
+  // indices (RangesOf this rank), held concatenated in order.
+  std::vector<IndexRange> ranges;
   // Stacked experts [E, ...] under expert parallelism: this rank's experts (dimension 0), the
   // tensor-parallel split applying within them; empty otherwise.
   IndexRange experts;
   bool replicated() const { return dim < 0; }
   bool expert_parallel() const { return experts.size() > 0; }
+  // What rank `rank` of `ranks` holds of dimension `dim`, as `ranges` is for this rank.
+  std::vector<IndexRange> RangesOf(int rank, int ranks) const;
+  // This rank's part of `full` along dimension `dim` (full's other dimensions as they are): a view
+  // of one range, a concatenation (a copy) of several; `full` itself when replicated.
+  at::Tensor Narrow(const at::Tensor& full) const;
 };
 
 class Decoder {
@@ -129,7 +152,8 @@ class Decoder {
   // sparse layer's experts (ExpertRange), whose tokens the EP ranks exchange (ops/moe.h): every EP
   // rank must then run the same sequence of forward and backward calls. TORCH_CHECK when
   // ValidateModelConfig refuses the config (naming the field), the group's size does not divide
-  // both head counts, or the EP group is larger than the number of experts.
+  // the KV heads (and so the heads) or the linear-attention layers' key heads (and so their value
+  // heads), naming them, or the EP group is larger than the number of experts.
   Decoder(const ModelConfig& config, at::TensorOptions options,
           std::shared_ptr<const TensorParallelGroup> tensor_parallel = nullptr,
           std::shared_ptr<const ExpertParallelGroup> expert_parallel = nullptr);
@@ -173,12 +197,13 @@ class Decoder {
   at::Tensor GatherParameter(size_t index) const;
   // What the optimizer's global gradient norm spans (every parameter's split or replication).
   TensorParallelNorm gradient_norm_scope() const;
-  // This rank's part of a whole parameter `full` (e.g. read from a checkpoint): a view.
+  // This rank's part of a whole parameter `full` (e.g. read from a checkpoint): a view, or a copy
+  // for a segmented split (ParameterSplit::Narrow).
   at::Tensor LocalPart(size_t index, const at::Tensor& full) const;
   // Completes the gradients that backward leaves partial under tensor parallelism (q_norm's and
-  // k_norm's, which each rank sees only through its own heads): one all-reduce of all of them,
-  // added into their .grad. Every rank calls it once after its backward passes (ComputeGradients
-  // does); without tensor parallelism it does nothing.
+  // k_norm's, and the Gated DeltaNet's gated norm's, which each rank sees only through its own
+  // heads): one all-reduce of all of them, added into their .grad. Every rank calls it once after
+  // its backward passes (ComputeGradients does); without tensor parallelism it does nothing.
   void ReduceTensorParallelGradients() const;
 
   // Runs the decoder over a chunk. Builds an autograd graph iff grad mode is on and something
@@ -218,6 +243,7 @@ class Decoder {
     return !linear_layers_.empty() && linear_layers_[layer];
   }
   bool has_linear_layers() const { return !linear_layers_.empty(); }
+  // Their sizes, with this rank's key and value heads (all of them without tensor parallelism).
   const GatedDeltaNetShape& linear_shape() const { return linear_shape_; }
 
  private:
@@ -235,8 +261,8 @@ class Decoder {
   BlockShared SharedWithBlocks(int64_t layer) const;
   // Where a layer parameter of `role` goes.
   static at::Tensor* Slot(Layer& layer, ParameterRole role);
-  // This rank's part of dimension spec.split.dim (empty when replicated).
-  IndexRange LocalRange(const ParameterSpec& spec) const;
+  // How `spec` is split, this rank's part of it included.
+  ParameterSplit SplitOf(const ParameterSpec& spec) const;
   // The parameter `spec` describes, this rank's part of it, zeros.
   at::Tensor Add(const ParameterSpec& spec);
   // Two [rows, cols] parameters split alike by rows (gate_proj and up_proj), each its own leaf but
@@ -258,9 +284,11 @@ class Decoder {
   std::vector<Layer> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
   std::vector<ParameterSplit> splits_;
-  // Under tensor parallelism, the partial gradients of q_norm and k_norm ([layers, 2, head_dim],
-  // the accumulator dtype) until ReduceTensorParallelGradients.
+  // Under tensor parallelism, the partial gradients of the norm weights the ranks see through
+  // their own heads only, until ReduceTensorParallelGradients: one buffer (the accumulator dtype),
+  // and per layer a view of it (BlockShared::partial_norm_grads; undefined for a layer without).
   at::Tensor partial_norm_grads_;
+  std::vector<at::Tensor> layer_partial_norm_grads_;
   // Per layer, whether it is a linear-attention layer; empty without any.
   std::vector<bool> linear_layers_;
   GatedDeltaNetShape linear_shape_;

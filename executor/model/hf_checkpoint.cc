@@ -178,9 +178,7 @@ Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
       const TensorView* view = GetChecked(checkpoint, names[e], expert_shape);
       block[e - experts.begin].copy_(ToTensor(checkpoint, *view));
     }
-    parameter.copy_(split.replicated()
-                        ? block
-                        : block.narrow(split.dim, split.range.begin, split.range.size()));
+    parameter.copy_(split.Narrow(block));
   }
 
   if (!unexpected.empty()) {

@@ -33,7 +33,7 @@ LayerOutput AttentionBlock(const at::Tensor& h, const at::Tensor& input_norm_wei
   const variable_list qkv = Projections::apply(
       h, std::optional<at::Tensor>(input_norm.weight), eps, /*wide_output=*/false, group,
       ProjectionKind::kColumnParallel, at::TensorList(qkv_weights), at::TensorList(qkv_biases),
-      Optional(input_norm.accumulator), fused_residual);
+      Optional(input_norm.accumulator), fused_residual, /*replicated=*/0);
   // Gated attention: each head's rows are [query, output gate].
   const bool gated = HasGatedAttention(config);
   const at::Tensor q_rows = gated ? qkv[0].view({t, heads, 2 * dim}) : qkv[0].view({t, heads, dim});

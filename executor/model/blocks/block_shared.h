@@ -27,11 +27,13 @@ struct BlockShared {
   // The expert-parallel group's handle (ExpertGroupHandle in ops/numerics.h): 0 without expert
   // parallelism.
   int64_t expert_group = 0;
-  // The linear-attention layers' sizes (the decoder's linear_shape()); null without any.
+  // The linear-attention layers' sizes with this rank's heads (the decoder's linear_shape()); null
+  // without any.
   const GatedDeltaNetShape* linear_shape = nullptr;
-  // Under tensor parallelism with q/k norms, this layer's partial gradients of q_norm and k_norm
-  // ([2, head_dim], the accumulator dtype), which the decoder completes later
-  // (ReduceTensorParallelGradients); undefined otherwise.
+  // Under tensor parallelism, this layer's partial gradients of the norm weights that it sees
+  // through this rank's heads only (the accumulator dtype), which the decoder completes later
+  // (ReduceTensorParallelGradients): q_norm's and k_norm's [2, head_dim] with q/k norms, the gated
+  // norm's [value_head_dim] at a linear-attention layer; undefined otherwise.
   at::Tensor partial_norm_grads = {};
 };
 

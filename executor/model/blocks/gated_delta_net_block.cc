@@ -22,19 +22,22 @@ LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm
   const bool fused_residual = FusedResidualEnabled();
   const variable_list projected = Projections::apply(
       h, std::optional<at::Tensor>(input_norm.weight), shared.config->rms_norm_eps,
-      /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
+      /*wide_output=*/false, shared.group, ProjectionKind::kColumnParallel,
       at::TensorList(in_weights), at::TensorList(), Optional(input_norm.accumulator),
-      fused_residual);
+      fused_residual, /*replicated=*/0);
   // The small parameters enter as float32 (float64) leaves whose gradients go straight into their
   // .grad accumulators (autograd would otherwise round them to the parameters' dtype).
-  auto trainable = [&](const at::Tensor& p) {
+  // Under tensor parallelism the gated norm's weight, shared by the heads, sees only this rank's:
+  // its gradient goes to the layer's partial sum (the decoder completes it).
+  auto trainable = [&](const at::Tensor& p, const at::Tensor& partial = at::Tensor()) {
     if (!at::GradMode::is_enabled()) return p;
-    return GradientInto(p.detach().to(ComputeType(p.scalar_type())), GradAccumulator(p));
+    return GradientInto(p.detach().to(ComputeType(p.scalar_type())),
+                        partial.defined() ? partial : GradAccumulator(p));
   };
   const GatedDeltaNetWeights small{.conv1d = trainable(weights.conv1d),
                                    .dt_bias = trainable(weights.dt_bias),
                                    .a_log = trainable(weights.a_log),
-                                   .norm = trainable(weights.norm)};
+                                   .norm = trainable(weights.norm, shared.partial_norm_grads)};
   // The context: the path's last convolution inputs and its recurrent state.
   LinearContext linear;
   const int64_t rows = context.conv_context_rows;
@@ -51,7 +54,7 @@ LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm
                        context.runs, linear);
   LayerOutput out;
   out.hidden = (fused_residual ? projected[2] : h) +
-               ProjectWide(mixed.out, weights.out_proj, at::Tensor(), /*group=*/0);
+               ProjectWide(mixed.out, weights.out_proj, at::Tensor(), shared.group);
   out.keys = std::move(mixed.conv_inputs);
   out.state = std::move(mixed.final_state);
   for (const int64_t run : context.point_runs) out.point_states.push_back(mixed.run_states[run]);

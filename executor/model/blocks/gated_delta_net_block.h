@@ -3,8 +3,10 @@
 // norm, the tree convolution and delta rule (ops/gated_delta_net.h), the gated norm, out_proj into
 // the float32 residual stream. Its cache is the convolution inputs (LayerPrefix::keys) and the
 // recurrent state (LayerPrefix::state); the small parameters (conv1d, dt_bias, A_log, the gated
-// norm) enter as float32 (float64) leaves whose gradients go into their .grad. No tensor
-// parallelism.
+// norm) enter as float32 (float64) leaves whose gradients go into their .grad. Under tensor
+// parallelism each rank runs its own key heads and their value heads (shared.linear_shape counts
+// them; decoder.h): the input projections column-parallel, out_proj row-parallel, the gated norm's
+// gradient a partial sum (BlockShared::partial_norm_grads).
 #pragma once
 
 #include <ATen/ATen.h>

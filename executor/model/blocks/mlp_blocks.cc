@@ -20,7 +20,8 @@ void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const Mlp
   const int64_t group = shared.group;
   const NormScale post_norm = NormScaleOf(post_norm_weight, HasZeroCentredNorms(config));
   // The MLP's output, and h for the residual connection: h as the projections' function returns
-  // it (see Projections) when `residual`, else h.
+  // it (see Projections) when `residual`, else h. The shared expert's gate of its output is whole
+  // on every rank (replicated), its gate and up split like a dense MLP's.
   auto swiglu = [&](const at::Tensor& gate_proj, const at::Tensor& up_proj,
                     const at::Tensor& down_proj, const at::Tensor& gate_of_output, bool residual) {
     std::vector<at::Tensor> weights = {gate_proj, up_proj};
@@ -28,7 +29,8 @@ void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const Mlp
     const variable_list gate_up = Projections::apply(
         h, std::optional<at::Tensor>(post_norm.weight), eps, /*wide_output=*/false, group,
         ProjectionKind::kColumnParallel, at::TensorList(weights), at::TensorList(),
-        Optional(post_norm.accumulator), residual);
+        Optional(post_norm.accumulator), residual,
+        /*replicated=*/gate_of_output.defined() ? 1 : 0);
     at::Tensor y = SwiGluDown::apply(gate_up[0], gate_up[1], down_proj, group);
     // The shared expert's output scaled by sigmoid(x @ shared_expert_gate^T), in y's (compute)
     // dtype.

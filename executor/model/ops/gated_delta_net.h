@@ -105,7 +105,10 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
                                     const std::vector<TokenRun>& runs,
                                     const at::Tensor& initial_state, int64_t chunk_size = 64);
 
-// A Qwen3-Next linear-attention layer's sizes (config.json's linear_* fields).
+// A Qwen3-Next linear-attention layer's sizes (config.json's linear_* fields). A tensor-parallel
+// rank's part of a layer (some key heads and their value heads; executor/model/decoder.h) is
+// itself a layer of the rank's head counts: its parts of the parameters (conv1d's q, k and v
+// channels of those heads, concatenated) have the shapes and layouts of such a layer's.
 struct GatedDeltaNetShape {
   int64_t key_heads = 0;       // linear_num_key_heads
   int64_t value_heads = 0;     // linear_num_value_heads (a multiple of key_heads)

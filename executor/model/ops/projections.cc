@@ -84,11 +84,16 @@ variable_list Projections::forward(AutogradContext* ctx, const at::Tensor& x,
                                    const std::optional<at::Tensor>& norm, double eps,
                                    bool wide_output, int64_t group, ProjectionKind kind,
                                    at::TensorList weights, at::TensorList biases,
-                                   const std::optional<at::Tensor>& norm_accumulator,
-                                   bool residual) {
+                                   const std::optional<at::Tensor>& norm_accumulator, bool residual,
+                                   int64_t replicated) {
   TORCH_CHECK(!weights.empty() && (biases.empty() || biases.size() == weights.size()),
               "Projections: one bias per weight, or none");
   TORCH_CHECK(!residual || norm.has_value(), "Projections: a residual output needs a norm");
+  TORCH_CHECK(replicated >= 0 && replicated <= static_cast<int64_t>(weights.size()) &&
+                  (replicated == 0 || (biases.empty() && kind == ProjectionKind::kColumnParallel)),
+              "Projections: ", replicated, " replicated weights of ", weights.size(),
+              " (column-parallel, without biases)");
+  ctx->saved_data["replicated"] = replicated;
   ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
   ctx->saved_data["residual"] = residual;
   const at::Tensor norm_weight = norm.value_or(at::Tensor());
@@ -111,7 +116,7 @@ variable_list Projections::forward(AutogradContext* ctx, const at::Tensor& x,
   variable_list out;
   // Weights stored stacked (gate_proj over up_proj): one GEMM, its output's column blocks the
   // projections (read in place by SwiGLU; their gradients come back side by side).
-  const at::Tensor stacked = biases.empty() && !wide_output &&
+  const at::Tensor stacked = biases.empty() && replicated == 0 && !wide_output &&
                                      kind == ProjectionKind::kColumnParallel &&
                                      StackedProjectionsEnabled()
                                  ? StackedRows(weights)
@@ -157,6 +162,8 @@ variable_list Projections::backward(AutogradContext* ctx, variable_list grads) {
     grads.pop_back();
   }
   const size_t count = grads.size();
+  // The weights split over the ranks come first, the replicated ones after them.
+  const size_t split = count - static_cast<size_t>(ctx->saved_data["replicated"].toInt());
   const bool has_biases = saved.size() == 3 + 2 * count;
   const at::Tensor xb =
       has_norm ? kernels::RmsNormApply(saved[0], norm_weight, rstd, type) : saved[0];
@@ -166,28 +173,30 @@ variable_list Projections::backward(AutogradContext* ctx, variable_list grads) {
   // Stacked weights whose outputs' gradients came back side by side: one GEMM for dx and one
   // for the weights' gradients.
   at::Tensor stacked, dy_stacked;
-  if (!has_biases && StackedProjectionsEnabled()) {
+  if (!has_biases && split == count && StackedProjectionsEnabled()) {
     stacked = StackedRows(weights);
     if (stacked.defined()) dy_stacked = StackedColumns(dys);
   }
   const at::ScalarType dx_type = has_norm ? rstd.scalar_type() : x_type;
   at::Tensor dx;
+  auto add_to_dx = [&](size_t i) {
+    if (!dx.defined()) {
+      dx = MatmulTo(dys[i], weights[i], dx_type);
+    } else {
+      AddMatmul(dx, dys[i], weights[i]);
+    }
+  };
   if (dy_stacked.defined()) {
     dx = MatmulTo(dy_stacked, stacked, dx_type);
   } else {
-    for (size_t i = 0; i < count; ++i) {
-      if (!dx.defined()) {
-        dx = MatmulTo(dys[i], weights[i], dx_type);
-      } else {
-        AddMatmul(dx, dys[i], weights[i]);
-      }
-    }
+    for (size_t i = 0; i < split; ++i) add_to_dx(i);
   }
   // A column-parallel layer's input feeds every rank's columns: its gradient is their sum, taken
   // before the norm's backward (whose weight gradient is then whole on every rank). The sum runs
   // while the weight gradients, which do not need it, are computed (Megatron's overlap of the
   // input gradient's all-reduce with the weight-gradient GEMMs).
-  std::unique_ptr<PendingCollective> dx_sum = StartSumOverRanks(GroupOf(ctx), dx);
+  std::unique_ptr<PendingCollective> dx_sum =
+      dx.defined() ? StartSumOverRanks(GroupOf(ctx), dx) : nullptr;
   // Stacked weights get stacked gradients even when this call's dy is not side by side (a
   // one-row chunk), so that later calls can still accumulate into both with one GEMM.
   at::Tensor stacked_grad = stacked.defined() ? StackedGradAccumulator(weights) : at::Tensor();
@@ -205,6 +214,7 @@ variable_list Projections::backward(AutogradContext* ctx, variable_list grads) {
     }
   }
   if (dx_sum != nullptr) dx_sum->Wait();
+  for (size_t i = split; i < count; ++i) add_to_dx(i);
   if (has_norm) {
     at::Tensor accumulator = NormWeightAccumulator(ctx, norm_weight);
     // In the compute type, as autograd would have summed dx.to(x_type) and the residual's
@@ -215,7 +225,7 @@ variable_list Projections::backward(AutogradContext* ctx, variable_list grads) {
   }
   variable_list result = {dx};
   // No gradient for the weights and biases: accumulated above.
-  result.resize(8 + 2 * count);
+  result.resize(9 + 2 * count);
   return result;
 }
 
@@ -225,7 +235,8 @@ at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight, const at::
   if (bias.defined()) biases.push_back(bias);
   return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, group,
                             ProjectionKind::kRowParallel, at::TensorList(weight),
-                            at::TensorList(biases), std::nullopt, /*residual=*/false)[0];
+                            at::TensorList(biases), std::nullopt, /*residual=*/false,
+                            /*replicated=*/0)[0];
 }
 
 }  // namespace dta

@@ -9,7 +9,8 @@
 //   const at::Tensor weights[] = {gate_proj, up_proj};
 //   variable_list gate_up = Projections::apply(h, std::optional<at::Tensor>(post_norm), eps,
 //       /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
-//       at::TensorList(weights), at::TensorList(), std::nullopt, /*residual=*/false);
+//       at::TensorList(weights), at::TensorList(), std::nullopt, /*residual=*/false,
+//       /*replicated=*/0);
 //   // gate_up[0] = n(h) @ gate_proj^T, gate_up[1] = n(h) @ up_proj^T
 //
 // Thread safety: stateless; backward accumulates into the weights' .grad.
@@ -56,14 +57,18 @@ enum class ProjectionKind : int64_t {
 // of autograd adding the two afterwards (one launch and one pass over [T, hidden] fewer per
 // norm; the same bits). Autograd returns it as a view of x (no copy).
 //
-// `group` is the tensor-parallel group's handle (GroupHandle in numerics.h; 0: none).
+// `group` is the tensor-parallel group's handle (GroupHandle in numerics.h; 0: none). The last
+// `replicated` weights of a column-parallel projection are whole on every rank, which compute
+// their outputs alike (the shared expert's gate): their share of dx is the same on every rank, so
+// it is added after the sum over the ranks, once; biases and stacked weights are not supported
+// with them.
 class Projections : public torch::autograd::Function<Projections> {
  public:
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& x,
       const std::optional<at::Tensor>& norm, double eps, bool wide_output, int64_t group,
       ProjectionKind kind, at::TensorList weights, at::TensorList biases,
-      const std::optional<at::Tensor>& norm_accumulator, bool residual);
+      const std::optional<at::Tensor>& norm_accumulator, bool residual, int64_t replicated);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads);
 };

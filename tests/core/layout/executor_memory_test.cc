@@ -138,6 +138,10 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   // pairs' gradients 2 x 2 x 64 x 4 = 1,024, the convolution's backward 6 x 64 x 4 = 1,536.
   EXPECT_EQ(m.workspace, 32 * (512 + 448 + 1024 + 1024 + 1536));
   EXPECT_EQ(m.logprob_head, 8 * 1000 * 10);
+  // On 2 tensor-parallel ranks: one KV head (2 x 16 x 6 = 192) and half of each linear layer's
+  // convolution inputs (3 x 32 x 6 = 576) per position, half of each state (128).
+  EXPECT_EQ(EstimateExecutorMemory(c, options, /*tensor_parallel=*/2).stack,
+            100 * (192 + 576 + 512 + 16) + 4 * 3 * 2 * 128 * 4);
 
   // Qwen3-Next-80B-A3B: a linear layer keeps 497 KiB a token, 8x its attention layers.
   const ModelConfig next = Preset("qwen3-next-80b-a3b");

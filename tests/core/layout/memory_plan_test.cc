@@ -202,23 +202,22 @@ TEST(AllowedTensorParallel, DividesHeadsKvHeadsAndTheWorldWithinANode) {
   two_kv.num_key_value_heads = 2;
   EXPECT_THAT(AllowedTensorParallel(two_kv, {.world_size = 8, .gpus_per_node = 8}),
               ElementsAre(1, 2));
-  // Qwen3-Next's layers have no tensor-parallel split yet.
+  // Qwen3-Next-80B-A3B: 2 KV heads, and 16 linear-attention key heads.
   const ModelConfig next = *ModelPreset("qwen3-next-80b-a3b");
-  EXPECT_THAT(AllowedTensorParallel(next, {.world_size = 8, .gpus_per_node = 8}), ElementsAre(1));
+  EXPECT_THAT(AllowedTensorParallel(next, {.world_size = 8, .gpus_per_node = 8}),
+              ElementsAre(1, 2));
+  ModelConfig few_key_heads = next;
+  few_key_heads.num_key_value_heads = 8;
+  few_key_heads.linear_num_key_heads = 4;
+  EXPECT_THAT(AllowedTensorParallel(few_key_heads, {.world_size = 8, .gpus_per_node = 8}),
+              ElementsAre(1, 2, 4));
   const absl::StatusOr<LayoutPlan> forced =
-      PlanLayout(next, {.world_size = 2, .gpu_bytes = 80 * kGiB, .tensor_parallel = 2});
+      PlanLayout(few_key_heads, {.world_size = 8, .gpu_bytes = 80 * kGiB, .tensor_parallel = 8});
   EXPECT_EQ(forced.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(forced.status().message()),
-              HasSubstr("field 'tensor_parallel': 2 is not allowed: qwen3_next models have no "
-                        "tensor-parallel split yet"));
-  // 80B parameters whole on every GPU: nothing fits, and the message does not suggest TP.
-  const absl::StatusOr<LayoutPlan> whole =
-      PlanLayout(next, {.world_size = 8, .gpu_bytes = 141 * kGiB});
-  EXPECT_EQ(whole.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(whole.status().message()),
-              AllOf(HasSubstr("79.67B parameters"),
-                    HasSubstr("(qwen3_next has no tensor parallelism yet); allow offload, or"),
-                    Not(HasSubstr("allow offload or tensor parallelism"))));
+              HasSubstr("field 'tensor_parallel': 8 is not allowed: it must be a power of two up "
+                        "to the GPUs per node (8) dividing the world size (8), the 16 attention "
+                        "heads, the 8 KV heads and the 4 linear-attention key heads"));
 }
 
 // Small models (tests, the tour's qwen3-tiny) used to print "for 0.00B parameters".

@@ -130,7 +130,7 @@ TEST(LayerSpec, MoeLayersFollowTheSparseStepAndDenseList) {
             (std::vector<std::string>{"model.layers.0.mlp.gate.weight"}));
 }
 
-TEST(LayerSpec, Qwen3NextHasLinearGatedAndSharedExpertBlocksWithoutTensorParallelism) {
+TEST(LayerSpec, Qwen3NextHasLinearGatedAndSharedExpertBlocksSplitByHeads) {
   const ModelConfig c = *ModelPreset("qwen3-next-small");
   const ModelSpec spec = BuildModelSpec(c);
   ASSERT_EQ(spec.layers.size(), 4u);
@@ -139,15 +139,59 @@ TEST(LayerSpec, Qwen3NextHasLinearGatedAndSharedExpertBlocksWithoutTensorParalle
               layer.index == 3 ? MixerKind::kGatedAttention : MixerKind::kGatedDeltaNet);
     EXPECT_EQ(layer.mlp, MlpKind::kSparseMoeWithSharedExpert);
     EXPECT_EQ(layer.norm, NormKind::kZeroCentredRms);
-    EXPECT_FALSE(layer.tensor_parallel);
+    EXPECT_TRUE(layer.tensor_parallel);
   }
-  EXPECT_FALSE(spec.tensor_parallel());
-  EXPECT_TRUE(BuildModelSpec(*ModelPreset("qwen3-8b")).tensor_parallel());
-  // Gated attention: q_proj holds each head's query and gate.
+  EXPECT_TRUE(spec.tensor_parallel());
+  // Gated attention: q_proj holds each head's query and gate, split by heads.
   const ParameterSpec& q_proj = spec.layers[3].parameters[1];
   EXPECT_EQ(q_proj.name, "model.layers.3.self_attn.q_proj.weight");
   EXPECT_EQ(q_proj.shape, (std::vector<int64_t>{2 * 16 * 256, 2048}));
+  EXPECT_EQ(q_proj.split, (TensorParallelSplit{.dim = 0, .units = 16}));
+  // Gated DeltaNet (16 key heads of 128, 32 value heads of 128): by key heads, conv1d's q, k and v
+  // channels each; the per-value-head vectors and out_proj's columns by value heads; the gated
+  // norm whole.
+  std::vector<TensorParallelSplit> linear;
+  for (const ParameterSpec& p : spec.layers[0].parameters) linear.push_back(p.split);
   EXPECT_EQ(spec.layers[0].parameters[1].name, "model.layers.0.linear_attn.in_proj_qkvz.weight");
+  EXPECT_EQ(linear[1], (TensorParallelSplit{.dim = 0, .units = 16}));  // in_proj_qkvz
+  EXPECT_EQ(linear[2], (TensorParallelSplit{.dim = 0, .units = 16}));  // in_proj_ba
+  EXPECT_EQ(linear[3], (TensorParallelSplit{
+                           .dim = 0, .units = 16, .segments = {2048, 2048, 4096}}));  // conv1d
+  EXPECT_EQ(spec.layers[0].parameters[3].SplitSegments(), (std::vector<int64_t>{2048, 2048, 4096}));
+  EXPECT_EQ(spec.layers[0].parameters[1].SplitSegments(),
+            (std::vector<int64_t>{2 * 2048 + 2 * 4096}));
+  EXPECT_EQ(linear[4], (TensorParallelSplit{.dim = 0, .units = 32}));  // dt_bias
+  EXPECT_EQ(linear[5], (TensorParallelSplit{.dim = 0, .units = 32}));  // A_log
+  EXPECT_TRUE(linear[6].replicated());                                 // norm
+  EXPECT_EQ(linear[7], (TensorParallelSplit{.dim = 1, .units = 32}));  // out_proj
+  // The shared expert like a dense MLP, its gate whole.
+  const std::vector<ParameterSpec>& mlp = spec.layers[0].parameters;
+  EXPECT_EQ(mlp[mlp.size() - 4].split, (TensorParallelSplit{.dim = 0, .units = 512}));
+  EXPECT_EQ(mlp[mlp.size() - 2].split, (TensorParallelSplit{.dim = 1, .units = 512}));
+  EXPECT_EQ(mlp.back().name, "model.layers.0.mlp.shared_expert_gate.weight");
+  EXPECT_TRUE(mlp.back().split.replicated());
+}
+
+// A Gated DeltaNet layer on T ranks keeps 1 / T of its per-head tensors and cache: everything but
+// the residual stream's two norm inputs.
+TEST(LayerSpec, SavedBytesOfAGatedDeltaNetLayerDivideByTheRanks) {
+  const ModelConfig c = *ModelPreset("qwen3-next-small");
+  const LayerSpec layer = BuildLayerSpec(c, 0);
+  ASSERT_TRUE(layer.linear_attention());
+  const int64_t residual = 2 * c.hidden_size * 4;
+  const BlockSavedBytes one = LayerSavedBytes(c, layer, 2, 1);
+  const int64_t mlp = 2 * c.num_experts_per_tok * c.moe_intermediate_size * 2 +
+                      (c.num_experts + c.num_experts_per_tok) * 4 + 4 * c.num_experts_per_tok * 8 +
+                      2 * c.shared_expert_intermediate_size * 2 + c.hidden_size * 4 + 4;
+  for (const int64_t tp : {2, 4, 8}) {
+    const BlockSavedBytes split = LayerSavedBytes(c, layer, 2, tp);
+    const int64_t mlp_split =
+        2 * c.num_experts_per_tok * (c.moe_intermediate_size / tp) * 2 +
+        (c.num_experts + c.num_experts_per_tok) * 4 + 4 * c.num_experts_per_tok * 8 +
+        2 * (c.shared_expert_intermediate_size / tp) * 2 + c.hidden_size * 4 + 4;
+    EXPECT_EQ(one.tensors - residual - mlp, tp * (split.tensors - residual - mlp_split)) << tp;
+    EXPECT_EQ(one.cache, tp * split.cache) << tp;
+  }
 }
 
 TEST(LayerSpec, EveryPresetNamesEachParameterOnceAndItsSplitsDivideTheirDimensions) {
@@ -162,7 +206,12 @@ TEST(LayerSpec, EveryPresetNamesEachParameterOnceAndItsSplitsDivideTheirDimensio
       if (p.split.replicated()) continue;
       ASSERT_LT(p.split.dim, static_cast<int>(p.shape.size())) << p.name;
       EXPECT_GT(p.split.units, 0) << p.name;
-      EXPECT_EQ(p.shape[p.split.dim] % p.split.units, 0) << name << ": " << p.name;
+      int64_t segments = 0;
+      for (const int64_t size : p.SplitSegments()) {
+        EXPECT_EQ(size % p.split.units, 0) << name << ": " << p.name;
+        segments += size;
+      }
+      EXPECT_EQ(segments, p.shape[p.split.dim]) << name << ": " << p.name;
     }
     EXPECT_EQ(seen.count("lm_head.weight"), c.tie_word_embeddings ? 0u : 1u) << name;
     EXPECT_EQ(spec.layers.size(), static_cast<size_t>(c.num_hidden_layers));

@@ -4,13 +4,15 @@
 // 1e-10, on random trees with duplicates, prefix rollouts, one-token segments, deep chains and wide
 // branches, for every loss, several block sizes, packing and a graph budget, for Qwen3 and for the
 // families with attention biases (Llama's q/k/v/o: o_proj's bias whole on every rank; Qwen2's
-// q/k/v: split with their rows) and scaled RoPE without q/k norms. With data parallelism
-// on top (DP x TP = 2 x 2) and every optimizer layout, the parameters after several clipped AdamW
-// steps equal one process's.
+// q/k/v: split with their rows) and scaled RoPE without q/k norms, for Qwen3-MoE and for
+// Qwen3-Next (Gated DeltaNet split by key heads, conv1d by segments; gated attention; the shared
+// expert with its whole gate). With data parallelism on top (DP x TP = 2 x 2) and every optimizer
+// layout, the parameters after several clipped AdamW steps equal one process's.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +52,9 @@ ModelConfig TensorParallelConfig(bool tied) {
 // The same shape as another family (testing::WithFamily: attention biases, no q/k norms, scaled
 // RoPE).
 // "qwen3_moe-unnormalised": Qwen3-MoE without norm_topk_prob, layer 0 dense (mlp_only_layers).
+// "qwen3_next": layer 0 Gated DeltaNet with a dense MLP, layer 1 gated attention with experts and
+// a shared expert of width 5 (which no TP size of 2 or 4 divides evenly); 4 key heads (TP up to
+// 4) each serving 2 value heads.
 ModelConfig FamilyConfig(const std::string& family, bool tied) {
   if (family == "qwen3_moe-unnormalised") {
     ModelConfig c = testing::WithFamily(TensorParallelConfig(tied), "qwen3_moe");
@@ -57,7 +62,12 @@ ModelConfig FamilyConfig(const std::string& family, bool tied) {
     c.mlp_only_layers = {0};
     return c;
   }
-  return testing::WithFamily(TensorParallelConfig(tied), family);
+  ModelConfig c = testing::WithFamily(TensorParallelConfig(tied), family);
+  if (family == "qwen3_next") {
+    c.linear_num_key_heads = 4;
+    c.linear_num_value_heads = 8;
+  }
+  return c;
 }
 
 // Every method on `tp` ranks equals the same method in one process.
@@ -88,6 +98,10 @@ void ExpectTensorParallelExact(int tp, bool tied, uint64_t seed, size_t loss_ind
     Decoder model(config, kFloat64, ranks);
     model.InitRandom(7, 0.3);
     EXPECT_EQ(model.local_kv_heads(), config.num_key_value_heads / tp);
+    if (model.has_linear_layers()) {
+      EXPECT_EQ(model.linear_shape().key_heads, config.linear_num_key_heads / tp);
+      EXPECT_EQ(model.linear_shape().value_heads, config.linear_num_value_heads / tp);
+    }
     const auto& named = model.named_parameters();
     ASSERT_EQ(named.size(), whole.named_parameters().size());
     for (size_t i = 0; i < named.size(); ++i) {
@@ -127,6 +141,63 @@ TEST(TensorParallel, MixtureOfExperts) {
                             "qwen3_moe-unnormalised");
   ExpectTensorParallelExact(4, /*tied=*/false, /*seed=*/24, /*loss_index=*/3,
                             "qwen3_moe-unnormalised");
+}
+
+// Qwen3-Next: Gated DeltaNet on each rank's key heads (its conv1d part three segments), gated
+// attention with q/k/v/o biases and q/k norms, the experts and the shared expert, whose gate (like
+// the router) is whole on every rank; the gated norm's and q/k norms' gradients completed across
+// the ranks.
+TEST(TensorParallel, Qwen3Next) {
+  ExpectTensorParallelExact(2, /*tied=*/false, /*seed=*/31, /*loss_index=*/1, "qwen3_next");
+  ExpectTensorParallelExact(4, /*tied=*/true, /*seed=*/32, /*loss_index=*/5, "qwen3_next");
+}
+
+// Rank r's parts of a Qwen3-Next model on 4 ranks: one key head (4 + 4 channels) and its 2 value
+// heads (2 x 3), the shared expert's rows SplitRange(5, r, 4); the gates, routers and norms whole.
+TEST(TensorParallel, Qwen3NextSplitsByKeyHeadsAndItsGatesAreWhole) {
+  const ModelConfig config = FamilyConfig("qwen3_next", false);
+  testing::RunRanks(4, [&](ProcessGroup& group) {
+    Decoder model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    const int r = group.rank();
+    const int64_t shared = SplitRange(5, r, 4).size();
+    const std::string linear = "model.layers.0.linear_attn.";
+    EXPECT_EQ(model.parameter(linear + "in_proj_qkvz.weight").sizes(),
+              at::IntArrayRef({4 + 4 + 2 * 2 * 3, 16}));
+    EXPECT_EQ(model.parameter(linear + "in_proj_ba.weight").sizes(), at::IntArrayRef({4, 16}));
+    EXPECT_EQ(model.parameter(linear + "conv1d.weight").sizes(), at::IntArrayRef({14, 1, 3}));
+    EXPECT_EQ(model.parameter(linear + "dt_bias").sizes(), at::IntArrayRef({2}));
+    EXPECT_EQ(model.parameter(linear + "A_log").sizes(), at::IntArrayRef({2}));
+    EXPECT_EQ(model.parameter(linear + "norm.weight").sizes(), at::IntArrayRef({3}));
+    EXPECT_EQ(model.parameter(linear + "out_proj.weight").sizes(), at::IntArrayRef({16, 6}));
+    // Gated attention: 2 heads' queries and gates.
+    EXPECT_EQ(model.parameter("model.layers.1.self_attn.q_proj.weight").size(0), 2 * 2 * 8);
+    EXPECT_EQ(model.parameter("model.layers.1.mlp.shared_expert.gate_proj.weight").size(0), shared);
+    EXPECT_EQ(model.parameter("model.layers.1.mlp.shared_expert.down_proj.weight").size(1), shared);
+    const TensorParallelNorm scope = model.gradient_norm_scope();
+    for (size_t i = 0; i < model.named_parameters().size(); ++i) {
+      const std::string& name = model.named_parameters()[i].first;
+      const bool whole = name.ends_with("norm.weight") || name.ends_with("layernorm.weight") ||
+                         name.ends_with("shared_expert_gate.weight") ||
+                         name.ends_with("mlp.gate.weight") || name.ends_with("o_proj.bias");
+      EXPECT_EQ(scope.replicated[i], whole) << name;
+    }
+    // conv1d's channels [q 16 | k 16 | v 24]: the part is its slice of each; gathered, the whole
+    // again (bitwise).
+    const auto& named = model.named_parameters();
+    for (size_t i = 0; i < named.size(); ++i) {
+      if (named[i].first != linear + "conv1d.weight") continue;
+      const at::Tensor whole = at::arange(56 * 3, kFloat64).view({56, 1, 3}).sin();
+      const at::Tensor part = model.LocalPart(i, whole);
+      EXPECT_TRUE(
+          at::equal(part, at::cat({whole.narrow(0, 4 * r, 4), whole.narrow(0, 16 + 4 * r, 4),
+                                   whole.narrow(0, 32 + 6 * r, 6)})));
+      {
+        at::NoGradGuard no_grad;
+        named[i].second.copy_(part);
+      }
+      EXPECT_TRUE(at::equal(model.GatherParameter(i), whole));
+    }
+  });
 }
 
 TEST(TensorParallel, ExpertsSplitTheirIntermediateRowsAndTheRouterIsWhole) {
@@ -187,9 +258,8 @@ TEST(TensorParallel, FamiliesWithBiases) {
 
 // DP x TP = 2 x 2 with each optimizer layout: after three clipped AdamW steps on a batch split
 // between the replicas, every rank's parameter parts equal one process's parameters.
-TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
+void ExpectDataTimesTensorParallelSteps(const ModelConfig& config) {
   constexpr int kTp = 2, kDp = 2, kSteps = 3;
-  const ModelConfig config = TensorParallelConfig(false);
   auto sequences = testing::RandomRollouts(3, {.max_rollouts = 8, .max_length = 10, .vocab = 4});
   for (auto& tokens : sequences) {
     for (TokenId& token : tokens) token *= 6;
@@ -232,18 +302,26 @@ TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
   }
 }
 
+TEST(TensorParallel, DataTimesTensorParallelOptimizerSteps) {
+  ExpectDataTimesTensorParallelSteps(TensorParallelConfig(false));
+}
+
+TEST(TensorParallel, DataTimesTensorParallelOptimizerStepsOfQwen3Next) {
+  ExpectDataTimesTensorParallelSteps(FamilyConfig("qwen3_next", false));
+}
+
 using testing::ScratchDirectory;
 
-// Checkpoints: a model saved under TP is the whole model (Hugging Face names and shapes), a whole
-// checkpoint loads into every TP size, and optimizer state resumes only with the TP size it was
-// saved with (refused otherwise, naming what was found).
-TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
-  const ModelConfig config = TensorParallelConfig(false);
-  const ScratchDirectory scratch("dta-tp-checkpoint");
+// A whole checkpoint of a model of `config` loaded on `tp` ranks is each rank's part of it, and
+// saved from there it is the whole model again, bitwise (Hugging Face names and shapes). on_rank
+// runs on every rank after the save, with the rank's model.
+void ExpectCheckpointsAreWhole(
+    const ModelConfig& config, int tp, const ScratchDirectory& scratch,
+    const std::function<void(ProcessGroup&, const Decoder&)>& on_rank = nullptr) {
   Decoder whole(config, kFloat64);
   whole.InitRandom(11, 0.3);
   SaveHfModel(whole, scratch / "whole");
-  testing::RunRanks(2, [&](ProcessGroup& group) {
+  testing::RunRanks(tp, [&](ProcessGroup& group) {
     auto ranks = std::make_shared<TensorParallelOverProcessGroup>(group);
     Decoder model = LoadHfModel(scratch / "whole", kFloat64, ranks);
     for (size_t i = 0; i < model.named_parameters().size(); ++i) {
@@ -252,13 +330,7 @@ TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
           << model.named_parameters()[i].first;
     }
     SaveHfModel(model, scratch / "from-tp");
-    const TrainingLayout layout{.tensor_parallel = 2};
-    TrainingOptimizer optimizer(model.named_parameters(), nullptr, layout, {}, int64_t{1} << 20,
-                                model.gradient_norm_scope());
-    optimizer.SaveState(scratch / "state");
-    group.Barrier();
-    EXPECT_TRUE(optimizer.HasState(scratch / "state"));
-    optimizer.LoadState(scratch / "state");
+    if (on_rank) on_rank(group, model);
   });
   const Decoder reloaded = LoadHfModel(scratch / "from-tp", kFloat64);
   for (size_t i = 0; i < reloaded.named_parameters().size(); ++i) {
@@ -266,12 +338,36 @@ TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
         at::equal(reloaded.named_parameters()[i].second, whole.named_parameters()[i].second))
         << reloaded.named_parameters()[i].first;
   }
+}
+
+// Checkpoints: a model saved under TP is the whole model, a whole checkpoint loads into every TP
+// size, and optimizer state resumes only with the TP size it was saved with (refused otherwise,
+// naming what was found).
+TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
+  const ScratchDirectory scratch("dta-tp-checkpoint");
+  ExpectCheckpointsAreWhole(
+      TensorParallelConfig(false), 2, scratch, [&](ProcessGroup& group, const Decoder& model) {
+        const TrainingLayout layout{.tensor_parallel = 2};
+        TrainingOptimizer optimizer(model.named_parameters(), nullptr, layout, {}, int64_t{1} << 20,
+                                    model.gradient_norm_scope());
+        optimizer.SaveState(scratch / "state");
+        group.Barrier();
+        EXPECT_TRUE(optimizer.HasState(scratch / "state"));
+        optimizer.LoadState(scratch / "state");
+      });
   EXPECT_TRUE(std::filesystem::is_directory(scratch / "state/tp-00-of-02"));
   EXPECT_TRUE(std::filesystem::is_directory(scratch / "state/tp-01-of-02"));
+  const Decoder whole(TensorParallelConfig(false), kFloat64);
   TrainingOptimizer without_tp(whole.named_parameters(), nullptr, TrainingLayout{}, {});
   EXPECT_THAT([&] { without_tp.LoadState(scratch / "state"); },
               ::testing::ThrowsMessage<c10::Error>(
                   ::testing::HasSubstr("saved with tensor parallelism (tp-0")));
+}
+
+// Qwen3-Next on 4 ranks: conv1d's segments narrowed on load and interleaved back on save.
+TEST(TensorParallel, Qwen3NextCheckpointsAreWhole) {
+  ExpectCheckpointsAreWhole(FamilyConfig("qwen3_next", false), 4,
+                            ScratchDirectory("dta-tp-next-checkpoint"));
 }
 
 TEST(TensorParallel, SplitsFollowHeadsMlpAndVocabulary) {
@@ -318,6 +414,21 @@ TEST(TensorParallel, RefusesSizesThatDoNotDivideTheKvHeads) {
                         std::make_shared<TensorParallelOverProcessGroup>(group));
         },
         ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("multiple of 3 KV heads")));
+  });
+}
+
+TEST(TensorParallel, RefusesSizesThatDoNotDivideTheLinearAttentionKeyHeads) {
+  ModelConfig config = FamilyConfig("qwen3_next", false);
+  config.linear_num_key_heads = 2;
+  config.linear_num_value_heads = 6;
+  testing::RunRanks(4, [&](ProcessGroup& group) {
+    EXPECT_THAT(
+        [&] {
+          Decoder model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+        },
+        ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr(
+            "tensor parallelism over 4 ranks needs a multiple of 4 linear-attention key heads; "
+            "the model has 2 key heads (serving 6 value heads")));
   });
 }
 

@@ -158,14 +158,12 @@ TEST(ParameterCount, CountsQwen3NextsLayers) {
   EXPECT_EQ(count.total(), total);
   EXPECT_EQ(count.unused_per_token, 2 * 4 * 3 * 24 * 11);  // 4 of 7 experts, in 2 sparse layers
 
-  // The model's own parameters. Decoder holds the linear layers' weights and the shared experts
-  // whole (qwen3_next has no tensor-parallel split yet, and the model refuses TP > 1), where
-  // CountParameters counts them as split by heads and rows, as they will be: the totals agree, the
-  // replicated parts do not (yet).
-  const Decoder model(*c, at::TensorOptions().dtype(at::kFloat));
-  int64_t held = 0;
-  for (const auto& [name, p] : model.named_parameters()) held += p.numel();
-  EXPECT_EQ(held, total);
+  // Replicated: the norms (4 x 2 x 24 + 24), the linear layers' gated norms (3 x 5), the
+  // attention layer's q/k norms (2 x 8) and o_proj's bias (24), the routers (2 x 7 x 24) and the
+  // shared experts' gates (2 x 24).
+  EXPECT_EQ(count.replicated, 4 * 2 * 24 + 24 + 3 * 5 + 2 * 8 + 24 + 2 * 7 * 24 + 2 * 24);
+  // The model's own parameters (the q/k/v and o_proj biases).
+  EXPECT_EQ(ExpectCountIsTheModels(*c, "qwen3_next"), 96 + 2 * 16 + 24);
 }
 
 // Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card: "30.5B in total and 3.3B
