@@ -82,7 +82,7 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
   std::vector<BlockSavedBytes> saved;
   int64_t linear_layers = 0, cache = 0;
   for (const LayerSpec& layer : spec.layers) {
-    saved.push_back(LayerSavedBytes(config, layer, w, tp));
+    saved.push_back(LayerSavedBytes(config, layer, w, tp, options.expert_parallel));
     linear_layers += layer.linear_attention() ? 1 : 0;
     cache += saved.back().cache;
   }

@@ -101,6 +101,9 @@ struct ExecutorMemoryOptions {
   bool checkpointing = false;
   // ExecutorOptions::logprob_slice_rows (>= 1).
   int64_t logprob_slice_rows = 512;
+  // The expert-parallel ranks the sparse layers' experts are spread over (>= 1): above 1 each
+  // sparse layer's graph also keeps the rows its experts served (LayerSavedBytes).
+  int32_t expert_parallel = 1;
 };
 
 // The token counts that drive the executor's memory.

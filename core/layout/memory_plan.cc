@@ -60,6 +60,10 @@ absl::Status CheckExecutorOptions(const ExecutorMemoryOptions& e) {
     return FieldError("executor.logprob_slice_rows",
                       absl::StrCat("must be >= 1, got ", e.logprob_slice_rows));
   }
+  if (e.expert_parallel < 1) {
+    return FieldError("executor.expert_parallel",
+                      absl::StrCat("must be >= 1, got ", e.expert_parallel));
+  }
   return absl::OkStatus();
 }
 
@@ -126,8 +130,10 @@ MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& l
     memory.activations = request.activation_bytes;
   } else {
     memory.activations_estimated = true;
-    memory.executor_tokens = PlannedExecutorTokens(request.executor);
-    memory.executor = EstimateExecutorMemory(config, request.executor, memory.executor_tokens,
+    ExecutorMemoryOptions executor = request.executor;
+    executor.expert_parallel = layout.expert_parallel;
+    memory.executor_tokens = PlannedExecutorTokens(executor);
+    memory.executor = EstimateExecutorMemory(config, executor, memory.executor_tokens,
                                              layout.tensor_parallel, request.weight_bytes);
     memory.activations = memory.executor.total();
   }

@@ -214,7 +214,7 @@ bool ModelSpec::tensor_parallel() const {
 }
 
 BlockSavedBytes LayerSavedBytes(const ModelConfig& c, const LayerSpec& layer, int64_t element_bytes,
-                                int64_t tensor_parallel) {
+                                int64_t tensor_parallel, int64_t expert_parallel) {
   const int64_t tp = std::max<int64_t>(tensor_parallel, 1);
   const int64_t w = std::max<int64_t>(element_bytes, 1);
   const int64_t compute = std::max<int64_t>(w, 4);  // float32 (float64 for float64 models)
@@ -268,6 +268,10 @@ BlockSavedBytes LayerSavedBytes(const ModelConfig& c, const LayerSpec& layer, in
   const int64_t expert = CeilDiv(c.moe_intermediate_size, tp);
   bytes.tensors += 2 * k * expert * w + (c.num_experts + k) * compute +
                    4 * k * static_cast<int64_t>(sizeof(int64_t));
+  // Under expert parallelism the rows this rank's experts served, whole hidden size, and the
+  // permutations between source and expert order (ops/moe.h): k per token when the experts are
+  // balanced.
+  if (expert_parallel > 1) bytes.tensors += k * (h * w + 2 * static_cast<int64_t>(sizeof(int64_t)));
   bytes.mlp_width = k * expert;
   if (layer.mlp == MlpKind::kSparseMoeWithSharedExpert) {
     // Its gate and up, its sigmoid gate and the [h] output it scales.

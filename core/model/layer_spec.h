@@ -159,7 +159,10 @@ LayerSpec BuildLayerSpec(const ModelConfig& config, int64_t layer);
 //               gated attention); a Gated DeltaNet layer's estimate (executor/model/ops/
 //               gated_delta_net.h's eager autograd, measured within 0.3%); a dense MLP's gate and
 //               up; a sparse MLP's k experts' gate and up, the router's softmax and top-k weights,
-//               4 k int64 indices, and a shared expert's gate, up, sigmoid gate and scaled output.
+//               4 k int64 indices, and a shared expert's gate, up, sigmoid gate and scaled output;
+//               under expert parallelism (E ranks > 1) also the rows the expert side served and
+//               keeps (k hidden-size rows per token on average, other ranks' tokens it cannot
+//               recompute) and their two int64 permutations.
 //   statistics: an attention layer's per-row norm statistics (the two residual norms' 1/rms, q's
 //               and k's per head) and log-sum-exp per head (compute type); a Gated DeltaNet
 //               layer's are in its tensors.
@@ -174,6 +177,7 @@ struct BlockSavedBytes {
   int64_t cache = 0;
 };
 BlockSavedBytes LayerSavedBytes(const ModelConfig& config, const LayerSpec& layer,
-                                int64_t element_bytes, int64_t tensor_parallel);
+                                int64_t element_bytes, int64_t tensor_parallel,
+                                int64_t expert_parallel = 1);
 
 }  // namespace dta

@@ -486,7 +486,8 @@ ChunkPlan FitChunksInBudget(const Decoder& model, const ExecutorOptions& options
   const at::Device device = model.options().device();
   const int64_t allocated = AllocatedDeviceMemory(device);
   const int64_t available = std::min(options.memory_budget - allocated, FreeDeviceMemory(device));
-  const ExecutorMemoryOptions memory = ExecutorMemoryOf(options, longest);
+  ExecutorMemoryOptions memory = ExecutorMemoryOf(options, longest);
+  memory.expert_parallel = model.expert_parallel_size();
   const absl::StatusOr<ChunkCapacity> fit = FitChunksInMemory(
       model.config(), memory, available, model.tensor_parallel_size(),
       static_cast<int32_t>(c10::elementSize(model.options().dtype().toScalarType())));
@@ -516,8 +517,9 @@ ChunkPlan ResolveChunkPlan(const Decoder& model, const ExecutorOptions& options,
   }
   if (options.memory_budget > 0) return FitChunksInBudget(model, options, longest);
   if (!auto_block && !auto_budget) return plan;
-  const int64_t per_token = GraphBytesPerToken(
-      model.config(), model.options().dtype().toScalarType(), model.tensor_parallel_size());
+  const int64_t per_token =
+      GraphBytesPerToken(model.config(), model.options().dtype().toScalarType(),
+                         model.tensor_parallel_size(), model.expert_parallel_size());
   const int64_t fit =
       static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
   if (auto_block) {

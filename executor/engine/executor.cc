@@ -166,7 +166,8 @@ ExecutorMemoryOptions ExecutorMemoryOf(const ExecutorOptions& executor, int64_t 
   return memory;
 }
 
-int64_t GraphBytesPerToken(const ModelConfig& c, at::ScalarType dtype, int tensor_parallel) {
+int64_t GraphBytesPerToken(const ModelConfig& c, at::ScalarType dtype, int tensor_parallel,
+                           int expert_parallel) {
   // Per layer, the tensors autograd saves for one token (core/model/layer_spec.h's
   // LayerSavedBytes, block by block); the norms' and attention's per-row statistics are not
   // counted here.
@@ -174,7 +175,7 @@ int64_t GraphBytesPerToken(const ModelConfig& c, at::ScalarType dtype, int tenso
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t bytes = 0;
   for (const LayerSpec& layer : BuildModelSpec(c).layers) {
-    bytes += LayerSavedBytes(c, layer, element, tensor_parallel).tensors;
+    bytes += LayerSavedBytes(c, layer, element, tensor_parallel, expert_parallel).tensors;
   }
   return bytes;
 }

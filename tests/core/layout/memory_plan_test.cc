@@ -366,6 +366,24 @@ TEST(PlanLayout, TheEstimateShrinksWithTensorParallelism) {
   EXPECT_EQ(tp2.activations, EstimateExecutorMemory(config, request.executor, 2).total());
 }
 
+TEST(PlanLayout, TheEstimateUnderExpertParallelismCountsTheServedRows) {
+  // An EP layout's graphs also hold the rows each sparse layer's experts served.
+  const ModelConfig config = *ModelPreset("qwen3-30b-a3b");
+  LayoutRequest request{.world_size = 8, .gpu_bytes = 141 * kGiB};
+  const MemoryEstimate alone = EstimateMemory(config, {.data_parallel = 8}, request);
+  const MemoryEstimate spread =
+      EstimateMemory(config, {.data_parallel = 8, .expert_parallel = 4}, request);
+  ExecutorMemoryOptions executor = request.executor;
+  executor.expert_parallel = 4;
+  EXPECT_EQ(spread.activations, EstimateExecutorMemory(config, executor).total());
+  EXPECT_EQ(spread.executor.graphs - alone.executor.graphs,
+            spread.executor_tokens.graphs * config.num_hidden_layers * 8 * (2048 * 2 + 2 * 8));
+  executor.expert_parallel = 0;
+  request.executor = executor;
+  EXPECT_THAT(PlanLayout(config, request).status().message(),
+              HasSubstr("executor.expert_parallel"));
+}
+
 TEST(PlanLayout, BadExecutorOptionsAreRefusedNamingTheField) {
   LayoutRequest request{.gpu_bytes = 80 * kGiB};
   request.executor.longest_rollout = 0;

@@ -90,7 +90,9 @@ TEST(LayerSpec, BiasesFollowTheFamily) {
   EXPECT_EQ(std::count(names.begin(), names.end(), "model.layers.0.self_attn.o_proj.bias"), 1);
   // o_proj's bias is added once after the sum over ranks: whole on every rank.
   for (const ParameterSpec& p : biased.parameters) {
-    if (p.role == ParameterRole::kOBias) EXPECT_TRUE(p.split.replicated());
+    if (p.role == ParameterRole::kOBias) {
+      EXPECT_TRUE(p.split.replicated());
+    }
     if (p.role == ParameterRole::kQBias) {
       EXPECT_EQ(p.split, (TensorParallelSplit{.dim = 0, .units = 4}));
     }
@@ -248,6 +250,24 @@ TEST(LayerSpec, SavedBytesOfASparseLayerWithASharedExpert) {
   EXPECT_EQ(sparse.tensors - dense.tensors,
             2 * 2 * 6 * 2 + (5 + 2) * 4 + 4 * 2 * 8 + 2 * 5 * 2 + 24 * 4 + 4 - 2 * 40 * 2);
   EXPECT_EQ(sparse.mlp_width, 12);
+}
+
+TEST(LayerSpec, ExpertParallelSparseLayersAlsoKeepTheRowsTheyServed) {
+  const ModelConfig c = *ModelPreset("qwen3-30b-a3b");
+  const LayerSpec sparse = BuildLayerSpec(c, 0);
+  ASSERT_TRUE(sparse.sparse());
+  for (const int64_t tp : {1, 2}) {
+    const BlockSavedBytes alone = LayerSavedBytes(c, sparse, 2, tp);
+    EXPECT_EQ(LayerSavedBytes(c, sparse, 2, tp, 1).tensors, alone.tensors);
+    // k = 8 served rows of the whole hidden size (2,048, bf16) and two int64 permutations each.
+    for (const int64_t ep : {2, 8}) {
+      EXPECT_EQ(LayerSavedBytes(c, sparse, 2, tp, ep).tensors - alone.tensors,
+                8 * (2048 * 2 + 2 * 8));
+    }
+  }
+  const ModelConfig dense = *ModelPreset("qwen3-8b");
+  EXPECT_EQ(LayerSavedBytes(dense, BuildLayerSpec(dense, 0), 2, 1, 4).tensors,
+            LayerSavedBytes(dense, BuildLayerSpec(dense, 0), 2, 1).tensors);
 }
 
 // The test-only family: one registration, and everything that reads families knows it.
