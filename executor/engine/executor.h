@@ -138,8 +138,8 @@ struct GradientResult {
 // layer), the unit in which the automatic graph budget is sized. An estimate from the shapes; on
 // one of `tensor_parallel` ranks (heads and the MLP's intermediate split across them) and of
 // `expert_parallel` ranks (whose sparse layers also keep the rows they served).
-int64_t GraphBytesPerToken(const ModelConfig& config, at::ScalarType dtype,
-                           int tensor_parallel = 1, int expert_parallel = 1);
+int64_t GraphBytesPerToken(const ModelConfig& config, at::ScalarType dtype, int tensor_parallel = 1,
+                           int expert_parallel = 1);
 
 // The executor's options and workload as core/layout's estimate of its memory sees them; a
 // longest_rollout of 0 plans for kDefaultPlannedRollout tokens.
