@@ -312,12 +312,14 @@ def test_the_client_backs_off_while_the_dispatcher_is_full(dispatcher):
         stub = dispatcher_pb2_grpc.DispatcherStub(channel)
         holding = threading.Event()
 
-        def requests():  # an open stream that sends nothing until told to end
+        def requests():  # an open stream: one trajectory, then nothing until told to end
+            yield dispatcher_pb2.IngestRequest(trajectory=_wire.to_proto(make(1)))
             holding.wait(timeout=60)
-            return
-            yield
 
         held = stub.Ingest(requests())
+        # Its answer proves the dispatcher counts the stream (a stream is opened lazily: on a
+        # loaded machine the client's could otherwise come first and take the one slot).
+        assert next(held).outcome == dispatcher_pb2.IngestResponse.ACCEPTED
         held_done = concurrent.futures.ThreadPoolExecutor(1).submit(lambda: list(held))
         with RolloutClient(d.address, **BOUNDED) as client:
             sent = concurrent.futures.ThreadPoolExecutor(1).submit(client.send, make(0), timeout=60)
@@ -326,7 +328,7 @@ def test_the_client_backs_off_while_the_dispatcher_is_full(dispatcher):
             holding.set()
             held_done.result(timeout=30)
             assert sent.result(timeout=60).accepted
-            assert client.status().pending_trajectories == 1
+            assert client.status().pending_trajectories == 2
 
 
 def test_tls_with_the_token(dispatcher, tmp_path):
