@@ -70,6 +70,44 @@ class Policy:
         self.version = version
 
 
+@dataclass(frozen=True)
+class Published:
+    """Weights dta-trainer published and a model now holds."""
+
+    version: int  # their policy version
+    path: Path  # their directory (a Hugging Face model)
+    tensors: int  # tensors loaded
+
+
+def load_published(model, checkpoint_dir: Path, version: int) -> Published | None:
+    """Loads the newest weights dta-trainer published in `checkpoint_dir` (``latest.json`` names
+    their ``model_path``) into the transformers `model`, in its dtype, if they are of policy
+    `version` or later; None when they are not published yet. RuntimeError if they are not the
+    model's weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    latest_file = Path(checkpoint_dir) / "latest.json"
+    if not latest_file.exists():
+        return None
+    latest = json.loads(latest_file.read_text())
+    if latest["policy_version"] < version:
+        return None
+    model_path = Path(latest["model_path"])
+    index = json.loads((model_path / "model.safetensors.index.json").read_text())
+    state = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        state.update(load_file(model_path / shard))
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        missing, unexpected = model.load_state_dict({name: t.to(dtype) for name, t in state.items()},
+                                                    strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"{model_path}: not this model's weights (missing {missing}, unexpected {unexpected})")
+    return Published(latest["policy_version"], model_path, len(state))
+
+
 class TransformersPolicy(Policy):
     """A transformers causal LM that samples every completion and reloads the weights the trainers
     publish: ``latest.json`` in the checkpoint directory names the newest ``model_path``."""
@@ -110,28 +148,12 @@ class TransformersPolicy(Policy):
     def reload(self, version: int) -> bool:
         """Loads the newest published weights if they are of `version` or later; False if the
         trainers have not published them yet."""
-        from safetensors.torch import load_file
-
-        latest_file = self.checkpoint_dir / "latest.json"
-        if not latest_file.exists():
-            return False
-        latest = json.loads(latest_file.read_text())
-        if latest["policy_version"] < version:
-            return False
-        model_path = Path(latest["model_path"])
-        index = json.loads((model_path / "model.safetensors.index.json").read_text())
-        state = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            state.update(load_file(model_path / shard))
         with self.lock:
-            missing, unexpected = self.model.load_state_dict(
-                {name: t.to(self.torch.float32) for name, t in state.items()}, strict=False)
-            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-            if unexpected or set(missing) - tied:
-                raise RuntimeError(f"{model_path}: not this model's weights (missing {missing}, "
-                                   f"unexpected {unexpected})")
-            previous, self.version = self.version, latest["policy_version"]
-        print(f"policy version {previous} -> {self.version}: reloaded {len(state)} tensors from {model_path}",
+            loaded = load_published(self.model, self.checkpoint_dir, version)
+            if loaded is None:
+                return False
+            previous, self.version = self.version, loaded.version
+        print(f"policy version {previous} -> {self.version}: reloaded {loaded.tensors} tensors from {loaded.path}",
               flush=True)
         return True
 
