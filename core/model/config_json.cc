@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/base/absl_string_view.h"
 #include "core/base/field_error.h"
 #include "core/base/status_macros.h"
 #include "core/checkpoint/atomic_file.h"
@@ -295,15 +296,18 @@ absl::Status ParseMoe(const Json& json, const ModelFamily& family, ModelConfig& 
   }
   RETURN_IF_ERROR(top.Int("num_experts_per_tok", false, &config.num_experts_per_tok));
   RETURN_IF_ERROR(top.Int("moe_intermediate_size", false, &config.moe_intermediate_size));
-  RETURN_IF_ERROR(top.Bool("norm_topk_prob", &config.norm_topk_prob));
-  RETURN_IF_ERROR(top.Int("decoder_sparse_step", false, &config.decoder_sparse_step));
   RETURN_IF_ERROR(top.Double("router_aux_loss_coef", false, &config.router_aux_loss_coef));
   RETURN_IF_ERROR(top.Bool("output_router_logits", &config.output_router_logits));
   if (family.shared_expert) {
     RETURN_IF_ERROR(
         top.Int("shared_expert_intermediate_size", false, &config.shared_expert_intermediate_size));
   }
+  // Which layers are sparse, and how they weigh their experts: fixed where every layer is sparse
+  // (transformers' config has none of these fields and ignores them).
   config.mlp_only_layers.clear();
+  if (family.every_layer_sparse) return absl::OkStatus();
+  RETURN_IF_ERROR(top.Bool("norm_topk_prob", &config.norm_topk_prob));
+  RETURN_IF_ERROR(top.Int("decoder_sparse_step", false, &config.decoder_sparse_step));
   if (const Json* layers = Lookup(json, "mlp_only_layers"); layers != nullptr) {
     if (!layers->is_array()) {
       return FieldError("mlp_only_layers",
@@ -353,12 +357,46 @@ ModelConfig FamilyDefaults(const ModelFamily& family) {
   return config;
 }
 
+// A vision-language model's config.json (model_type a family's multimodal_model_type) as its
+// decoder's: its text_config, whose model_type must be the family's (or absent), with the
+// wrapper's tie_word_embeddings where it has one: the wrapper's model (whose checkpoint it is)
+// ties by that one.
+absl::StatusOr<Json> DecoderConfigOf(const Json& json, const ModelFamily& family) {
+  const Json* text = Lookup(json, "text_config");
+  if (text == nullptr || !text->is_object()) {
+    return FieldError("text_config",
+                      absl::StrCat(text == nullptr ? "missing" : "must be an object", ": a '",
+                                   AsAbsl(family.multimodal_model_type),
+                                   "' config.json holds its language model's config there"));
+  }
+  Json decoder = *text;
+  std::string model_type(family.model_type);
+  RETURN_IF_ERROR(Fields(decoder, "text_config.").String("model_type", &model_type));
+  if (model_type != family.model_type) {
+    return UnsupportedFieldError("text_config.model_type",
+                                 absl::StrCat("'", model_type, "' is not the language model of '",
+                                              AsAbsl(family.multimodal_model_type), "' ('",
+                                              AsAbsl(family.model_type), "')"));
+  }
+  decoder["model_type"] = model_type;
+  if (const Json* tie = Lookup(json, "tie_word_embeddings"); tie != nullptr) {
+    decoder["tie_word_embeddings"] = *tie;
+  }
+  return decoder;
+}
+
 absl::Status ParseObject(const Json& json, ModelConfig& config) {
   if (!json.is_object()) return absl::InvalidArgumentError("a config must be a JSON object");
   const Fields top(json);
 
   std::string model_type = "qwen3";
   RETURN_IF_ERROR(top.String("model_type", &model_type));
+  if (const ModelFamily* wrapped = FindModelFamilyByMultimodalType(model_type); wrapped) {
+    ASSIGN_OR_RETURN(const Json decoder, DecoderConfigOf(json, *wrapped));
+    const absl::Status parsed = ParseObject(decoder, config);
+    if (parsed.ok()) return parsed;
+    return absl::Status(parsed.code(), absl::StrCat("text_config: ", parsed.message()));
+  }
   const ModelFamily* family = FindModelFamily(model_type);
   if (family == nullptr) {
     return UnsupportedFieldError("model_type",
@@ -368,6 +406,7 @@ absl::Status ParseObject(const Json& json, ModelConfig& config) {
 
   // The family's transformers defaults for what is absent.
   config = FamilyDefaults(*family);
+  int64_t ignored = 0;
   struct IntField {
     const char* name;
     int64_t* value;
@@ -376,7 +415,9 @@ absl::Status ParseObject(const Json& json, ModelConfig& config) {
   const IntField ints[] = {
       {"vocab_size", &config.vocab_size, false},
       {"hidden_size", &config.hidden_size, true},
-      {"intermediate_size", &config.intermediate_size, !family->moe},
+      // Not a field where every layer is sparse (transformers ignores it, and so does dta).
+      {"intermediate_size", family->every_layer_sparse ? &ignored : &config.intermediate_size,
+       !family->moe},
       {"num_hidden_layers", &config.num_hidden_layers, true},
       {"num_attention_heads", &config.num_attention_heads, true},
       {"num_key_value_heads", &config.num_key_value_heads, false},
@@ -533,7 +574,6 @@ std::string ModelConfigToJson(const ModelConfig& config) {
       {"hidden_act", "silu"},
       {"hidden_size", config.hidden_size},
       {"initializer_range", 0.02},
-      {"intermediate_size", config.intermediate_size},
       {"max_position_embeddings", config.max_position_embeddings},
       {"model_type", config.model_type},
       {"num_attention_heads", config.num_attention_heads},
@@ -547,6 +587,7 @@ std::string ModelConfigToJson(const ModelConfig& config) {
       {"use_cache", true},
       {"vocab_size", config.vocab_size},
   };
+  if (!f.every_layer_sparse) json["intermediate_size"] = config.intermediate_size;
   if (f.attention_bias != AttentionBiasRule::kQkvAlways) {
     json["attention_bias"] = config.attention_bias;
   }
@@ -563,9 +604,11 @@ std::string ModelConfigToJson(const ModelConfig& config) {
     json["num_experts"] = config.num_experts;
     json["num_experts_per_tok"] = config.num_experts_per_tok;
     json["moe_intermediate_size"] = config.moe_intermediate_size;
-    json["norm_topk_prob"] = config.norm_topk_prob;
-    json["decoder_sparse_step"] = config.decoder_sparse_step;
-    json["mlp_only_layers"] = config.mlp_only_layers;
+    if (!f.every_layer_sparse) {
+      json["norm_topk_prob"] = config.norm_topk_prob;
+      json["decoder_sparse_step"] = config.decoder_sparse_step;
+      json["mlp_only_layers"] = config.mlp_only_layers;
+    }
     json["router_aux_loss_coef"] = config.router_aux_loss_coef;
     json["output_router_logits"] = config.output_router_logits;
   }
@@ -616,13 +659,29 @@ absl::Status SaveModelConfig(const ModelConfig& config, const std::string& direc
     if (!merged.is_object()) {
       return absl::InvalidArgumentError(absl::StrCat(base_config, ": not a JSON object"));
     }
+    const ModelFamily& family = *FindModelFamily(config.model_type);  // validated
+    // A vision-language model's config.json: its language model's part is the base of the
+    // decoder's (the model saved is the decoder alone).
+    if (Lookup(merged, "model_type") != nullptr && !family.multimodal_model_type.empty() &&
+        merged["model_type"] == family.multimodal_model_type) {
+      absl::StatusOr<Json> decoder = DecoderConfigOf(merged, family);
+      if (decoder.ok()) merged = *std::move(decoder);
+    }
+    // Qwen3.5's multimodal RoPE sections, which text positions do not depend on, stay.
+    Json mrope = Json::object();
+    if (const Json* rope = Lookup(merged, "rope_parameters");
+        rope != nullptr && rope->is_object()) {
+      for (const char* key : {"mrope_section", "mrope_interleaved"}) {
+        if (rope->contains(key)) mrope[key] = (*rope)[key];
+      }
+    }
     const Json ours = Json::parse(text);
     for (const auto& [key, value] : ours.items()) merged[key] = value;
     // The newer spellings of fields this struct models, if the base uses them.
     if (merged.contains("dtype")) merged["dtype"] = config.torch_dtype;
-    const ModelFamily& family = *FindModelFamily(config.model_type);  // validated
     if (merged.contains("rope_parameters") && merged["rope_parameters"].is_object()) {
       merged["rope_parameters"] = RopeParametersJson(config, family);
+      merged["rope_parameters"].update(mrope);
     }
     // An interval left from the base where the layers follow none would contradict layer_types
     // for a reader that prefers it.

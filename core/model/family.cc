@@ -13,7 +13,8 @@ namespace {
 
 // The registry: one line per family, in the order ModelPresetNames lists their presets.
 constexpr const ModelFamily* kBuiltInFamilies[] = {
-    &kQwen3Family, &kQwen2Family, &kLlamaFamily, &kQwen3MoeFamily, &kQwen3NextFamily,
+    &kQwen3Family,     &kQwen2Family,       &kLlamaFamily,          &kQwen3MoeFamily,
+    &kQwen3NextFamily, &kQwen3_5TextFamily, &kQwen3_5MoeTextFamily,
 };
 
 class Registry {
@@ -23,10 +24,12 @@ class Registry {
     return families_;
   }
 
-  const ModelFamily* Find(std::string_view model_type) const ABSL_LOCKS_EXCLUDED(mutex_) {
+  // The family whose `type` field is `model_type`.
+  const ModelFamily* Find(std::string_view ModelFamily::*type, std::string_view model_type) const
+      ABSL_LOCKS_EXCLUDED(mutex_) {
     absl::ReaderMutexLock lock(&mutex_);
     for (const ModelFamily* family : families_) {
-      if (family->model_type == model_type) return family;
+      if (!model_type.empty() && family->*type == model_type) return family;
     }
     return nullptr;
   }
@@ -74,7 +77,11 @@ std::vector<const ModelFamily*> SortedByModelType() {
 }  // namespace
 
 const ModelFamily* FindModelFamily(std::string_view model_type) {
-  return TheRegistry().Find(model_type);
+  return TheRegistry().Find(&ModelFamily::model_type, model_type);
+}
+
+const ModelFamily* FindModelFamilyByMultimodalType(std::string_view model_type) {
+  return TheRegistry().Find(&ModelFamily::multimodal_model_type, model_type);
 }
 
 std::vector<const ModelFamily*> ModelFamilies() { return TheRegistry().All(); }

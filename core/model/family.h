@@ -117,6 +117,26 @@ struct ModelFamily {
   int64_t default_num_key_value_heads = 0;
   // config.json's num_local_experts is read as num_experts (transformers' attribute_map).
   bool num_local_experts_alias = false;
+  // Gated DeltaNet's input projections are in_proj_qkv (rows [q | k | v], as conv1d's channels),
+  // in_proj_z, in_proj_b and in_proj_a (Qwen3_5GatedDeltaNet), not Qwen3-Next's in_proj_qkvz and
+  // in_proj_ba grouped per key head.
+  bool separate_linear_projections = false;
+  // Every layer's MLP is a sparse block whose top-k weights are renormalised
+  // (Qwen3_5MoeSparseMoeBlock): config.json's intermediate_size, decoder_sparse_step,
+  // mlp_only_layers and norm_topk_prob are neither read nor written (transformers' config has
+  // none), and the config must keep intermediate_size 0, step 1, no dense layers and
+  // norm_topk_prob true.
+  bool every_layer_sparse = false;
+  // The model_type of the vision-language model around the family's decoder ("qwen3_5" for
+  // qwen3_5_text), or empty. Its config.json is read through its text_config, and the
+  // "model.language_model." tensors of its checkpoints are the decoder's "model." ones, as
+  // transformers' Qwen3_5ForCausalLM loads them (the vision tower is not loaded: see
+  // ignored_checkpoint_prefixes).
+  std::string_view multimodal_model_type = {};
+  // Checkpoint tensors the family's transformers class skips on loading (its
+  // _keys_to_ignore_on_load_unexpected), by name prefix: "mtp." (the multi-token prediction
+  // head), and "model.visual." for the vision-language checkpoints.
+  std::span<const std::string_view> ignored_checkpoint_prefixes = {};
   MoeDefaults moe_defaults = {};                   // MoE families
   LinearAttentionDefaults linear_defaults = {};    // linear-attention families
   std::span<const ModelPresetShape> presets = {};  // ModelPreset's names of the family
@@ -125,10 +145,15 @@ struct ModelFamily {
 // The family of `model_type`, or nullptr when dta has none.
 const ModelFamily* FindModelFamily(std::string_view model_type);
 
+// The family whose multimodal_model_type is `model_type` (a vision-language wrapper's), or
+// nullptr.
+const ModelFamily* FindModelFamilyByMultimodalType(std::string_view model_type);
+
 // Every registered family, in registry order (the order of ModelPresetNames).
 std::vector<const ModelFamily*> ModelFamilies();
 
-// Every supported model_type, sorted: "llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next".
+// Every supported model_type, sorted: "llama", "qwen2", "qwen3", "qwen3_5_moe_text",
+// "qwen3_5_text", "qwen3_moe", "qwen3_next".
 std::vector<std::string> ModelFamilyTypes();
 
 // Every family for help texts, sorted by model_type: "llama (Llama), qwen2 (Qwen2/Qwen2.5), ...".

@@ -57,11 +57,12 @@ void AddAttention(const ModelConfig& c, LayerSpec& layer, LayerBuilder& add) {
   }
 }
 
-// Gated DeltaNet, named as transformers' Qwen3NextGatedDeltaNet, split by key heads (each with its
-// group of value heads): the input projections' rows are grouped per key head, conv1d's channels
-// are [all q | all k | all v] (three segments), dt_bias, A_log and out_proj's columns are per value
-// head (a rank's key heads own a contiguous block of them); the gated norm's weight is shared by
-// the heads (whole on every rank).
+// Gated DeltaNet, named as transformers' Qwen3NextGatedDeltaNet (or Qwen3_5GatedDeltaNet), split
+// by key heads (each with its group of value heads): Qwen3-Next's input projections' rows are
+// grouped per key head; conv1d's channels, and Qwen3.5's in_proj_qkv's rows, are [all q | all k |
+// all v] (three segments); Qwen3.5's in_proj_z, in_proj_b and in_proj_a, dt_bias, A_log and
+// out_proj's columns are per value head (a rank's key heads own a contiguous block of them); the
+// gated norm's weight is shared by the heads (whole on every rank).
 void AddGatedDeltaNet(const ModelConfig& c, LayerBuilder& add) {
   const int64_t hidden = c.hidden_size;
   const int64_t key_heads = c.linear_num_key_heads;
@@ -69,12 +70,24 @@ void AddGatedDeltaNet(const ModelConfig& c, LayerBuilder& add) {
   const int64_t key_dim = key_heads * c.linear_key_head_dim;
   const int64_t value_dim = value_heads * c.linear_value_head_dim;
   const int64_t conv_dim = 2 * key_dim + value_dim;
-  add.Add("linear_attn.in_proj_qkvz.weight", ParameterRole::kLinearInProjQkvz,
-          {2 * key_dim + 2 * value_dim, hidden}, 0, key_heads);
-  add.Add("linear_attn.in_proj_ba.weight", ParameterRole::kLinearInProjBa,
-          {2 * value_heads, hidden}, 0, key_heads);
+  const std::vector<int64_t> qkv_segments = {key_dim, key_dim, value_dim};
+  if (HasSeparateLinearProjections(c)) {
+    add.Add("linear_attn.in_proj_qkv.weight", ParameterRole::kLinearInProjQkv, {conv_dim, hidden},
+            0, key_heads, qkv_segments);
+    add.Add("linear_attn.in_proj_z.weight", ParameterRole::kLinearInProjZ, {value_dim, hidden}, 0,
+            value_heads);
+    add.Add("linear_attn.in_proj_b.weight", ParameterRole::kLinearInProjB, {value_heads, hidden}, 0,
+            value_heads);
+    add.Add("linear_attn.in_proj_a.weight", ParameterRole::kLinearInProjA, {value_heads, hidden}, 0,
+            value_heads);
+  } else {
+    add.Add("linear_attn.in_proj_qkvz.weight", ParameterRole::kLinearInProjQkvz,
+            {2 * key_dim + 2 * value_dim, hidden}, 0, key_heads);
+    add.Add("linear_attn.in_proj_ba.weight", ParameterRole::kLinearInProjBa,
+            {2 * value_heads, hidden}, 0, key_heads);
+  }
   add.Add("linear_attn.conv1d.weight", ParameterRole::kLinearConv1d,
-          {conv_dim, 1, c.linear_conv_kernel_dim}, 0, key_heads, {key_dim, key_dim, value_dim});
+          {conv_dim, 1, c.linear_conv_kernel_dim}, 0, key_heads, qkv_segments);
   add.Add("linear_attn.dt_bias", ParameterRole::kLinearDtBias, {value_heads}, 0, value_heads);
   add.Add("linear_attn.A_log", ParameterRole::kLinearALog, {value_heads}, 0, value_heads);
   add.Add("linear_attn.norm.weight", ParameterRole::kLinearNorm, {c.linear_value_head_dim});

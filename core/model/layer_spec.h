@@ -27,7 +27,7 @@ namespace dta {
 enum class MixerKind {
   kAttention,       // softmax attention over K/V (grouped-query, RoPE, optional q/k norms)
   kGatedAttention,  // the same, its output multiplied by sigmoid of a per-head gate (Qwen3-Next)
-  kGatedDeltaNet,   // Gated DeltaNet linear attention (Qwen3-Next's linear_attention layers)
+  kGatedDeltaNet,   // Gated DeltaNet linear attention (Qwen3-Next's and Qwen3.5's linear layers)
 };
 
 // A layer's MLP.
@@ -60,8 +60,12 @@ enum class ParameterRole {
   kOBias,
   kQNorm,
   kKNorm,
-  kLinearInProjQkvz,
+  kLinearInProjQkvz,  // Qwen3-Next's, grouped per key head
   kLinearInProjBa,
+  kLinearInProjQkv,  // Qwen3.5's: [q | k | v], as conv1d's channels
+  kLinearInProjZ,
+  kLinearInProjB,
+  kLinearInProjA,
   kLinearConv1d,
   kLinearDtBias,
   kLinearALog,
@@ -85,7 +89,8 @@ enum class ParameterRole {
 // (executor/parallel/tensor_parallel.h: the larger parts first). With `segments`, dimension `dim`
 // is consecutive segments of those sizes (summing to it), each of `units` equal units split alike,
 // and rank r holds its units of every segment, concatenated in order: Gated DeltaNet's conv1d,
-// whose channels are [q | k | v], each by key heads. dim -1: every rank holds all of it.
+// whose channels are [q | k | v], each by key heads (and Qwen3.5's in_proj_qkv, whose rows are
+// those channels). dim -1: every rank holds all of it.
 struct TensorParallelSplit {
   int dim = -1;
   int64_t units = 0;

@@ -44,9 +44,25 @@ absl::Status ValidateMoe(const ModelConfig& config, const ModelFamily& family) {
     }
     return absl::OkStatus();
   }
-  // Without experts (allowed where there is a shared expert: qwen3_next) the expert sizes are
-  // unused.
-  const bool experts = config.num_experts > 0 || !family.shared_expert;
+  if (family.every_layer_sparse) {
+    const std::pair<const char*, bool> fixed[] = {
+        {"intermediate_size", config.intermediate_size != 0},
+        {"decoder_sparse_step", config.decoder_sparse_step != 1},
+        {"mlp_only_layers", !config.mlp_only_layers.empty()},
+        {"norm_topk_prob", !config.norm_topk_prob},
+    };
+    for (const auto& [field, set] : fixed) {
+      if (set) {
+        return FieldError(field, absl::StrCat(AsAbsl(family.name),
+                                              " has a renormalised sparse block in every layer "
+                                              "(intermediate_size 0, decoder_sparse_step 1, no "
+                                              "mlp_only_layers, norm_topk_prob true)"));
+      }
+    }
+  }
+  // Without experts (allowed where there is a shared expert and may be dense layers: qwen3_next)
+  // the expert sizes are unused.
+  const bool experts = config.num_experts > 0 || !family.shared_expert || family.every_layer_sparse;
   const std::pair<const char*, int64_t> sizes[] = {
       {"num_experts", config.num_experts},
       {"num_experts_per_tok", config.num_experts_per_tok},
@@ -203,6 +219,9 @@ bool HasGatedAttention(const ModelConfig& config) {
 bool HasSharedExpert(const ModelConfig& config) {
   return FamilyTrait(config, &ModelFamily::shared_expert);
 }
+bool HasSeparateLinearProjections(const ModelConfig& config) {
+  return FamilyTrait(config, &ModelFamily::separate_linear_projections);
+}
 
 absl::Status ValidateModelConfig(const ModelConfig& config) {
   const ModelFamily* family = FindModelFamily(config.model_type);
@@ -214,7 +233,8 @@ absl::Status ValidateModelConfig(const ModelConfig& config) {
   const std::pair<const char*, int64_t> sizes[] = {
       {"vocab_size", config.vocab_size},
       {"hidden_size", config.hidden_size},
-      {"intermediate_size", config.intermediate_size},
+      // A family without dense MLPs has none (ValidateMoe requires 0).
+      {"intermediate_size", family->every_layer_sparse ? 1 : config.intermediate_size},
       {"num_hidden_layers", config.num_hidden_layers},
       {"num_attention_heads", config.num_attention_heads},
       {"num_key_value_heads", config.num_key_value_heads},

@@ -21,7 +21,7 @@ namespace dta {
 // A decoder layer's token mixer (config.json's layer_types).
 enum class LayerType {
   kFullAttention,    // "full_attention": softmax attention over K/V
-  kLinearAttention,  // "linear_attention": Gated DeltaNet (qwen3_next)
+  kLinearAttention,  // "linear_attention": Gated DeltaNet (qwen3_next, qwen3_5_*)
 };
 
 struct ModelConfig {
@@ -45,9 +45,10 @@ struct ModelConfig {
   // HasOProjBias).
   bool attention_bias = false;
 
-  // Sparse mixture of experts (qwen3_moe only; every other family keeps these defaults, which
-  // ValidateModelConfig checks). A layer is sparse iff IsSparseLayer; the others are dense SwiGLU
-  // MLPs of intermediate_size.
+  // Sparse mixture of experts (the MoE families: qwen3_moe, qwen3_next, qwen3_5_moe_text; every
+  // other family keeps these defaults, which ValidateModelConfig checks). A layer is sparse iff
+  // IsSparseLayer; the others are dense SwiGLU MLPs of intermediate_size (0 for qwen3_5_moe_text,
+  // which has none).
   int64_t num_experts = 0;                    // experts per sparse layer (config.json: also
                                               // num_local_experts, as transformers 5 writes it)
   int64_t num_experts_per_tok = 0;            // top-k: the experts each token is routed to
@@ -61,11 +62,12 @@ struct ModelConfig {
   bool output_router_logits = false;
 
   // RoPE rotates the first int(head_dim * partial_rotary_factor) dimensions of each head and passes
-  // the rest (transformers' partial rotary; qwen3_next only, 1 elsewhere). The rotary dimension
-  // must be even and positive.
+  // the rest (transformers' partial rotary; the hybrid families only, 1 elsewhere). The rotary
+  // dimension must be even and positive.
   double partial_rotary_factor = 1.0;
 
-  // Qwen3-Next's hybrid layers (qwen3_next only; every other family keeps these defaults).
+  // The hybrid layers (qwen3_next, qwen3_5_text, qwen3_5_moe_text; every other family keeps
+  // these defaults).
   // Per decoder layer, its token mixer; empty means every layer is full attention.
   std::vector<LayerType> layer_types = {};
   // The Gated DeltaNet layers' sizes (executor/model/ops/gated_delta_net.h's GatedDeltaNetShape).
@@ -89,10 +91,11 @@ bool IsLinearAttentionLayer(const ModelConfig& config, int64_t layer);
 int64_t RotaryDim(const ModelConfig& config);
 
 // The family's trait (core/model/family.h) for a config; false for a model_type
-// without a family.
+// without a family. HasSeparateLinearProjections: separate_linear_projections.
 bool HasZeroCentredNorms(const ModelConfig& config);
 bool HasGatedAttention(const ModelConfig& config);
 bool HasSharedExpert(const ModelConfig& config);
+bool HasSeparateLinearProjections(const ModelConfig& config);
 
 // Whether the config's family has mixture-of-experts layers (qwen3_moe).
 bool IsMoe(const ModelConfig& config);
@@ -122,7 +125,10 @@ bool HasOProjBias(const ModelConfig& config);
 // be 0, shared_expert_intermediate_size positive with experts, layer_types one entry per layer,
 // the linear_* sizes positive when a layer is linear with value heads a multiple of key heads,
 // partial_rotary_factor in (0, 1] with an even RotaryDim of at least 2; other families: empty
-// layer_types, the linear and shared-expert fields 0 and partial_rotary_factor 1.
+// layer_types, the linear and shared-expert fields 0 and partial_rotary_factor 1. qwen3_5_text:
+// qwen3_next's hybrid rules without experts. qwen3_5_moe_text: qwen3_next's with experts in every
+// layer (num_experts positive, intermediate_size 0, decoder_sparse_step 1, no mlp_only_layers,
+// norm_topk_prob true).
 absl::Status ValidateModelConfig(const ModelConfig& config);
 
 // The released model shapes, as in their Hugging Face config.json: "qwen3-0.6b", "qwen3-1.7b",

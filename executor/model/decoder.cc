@@ -168,6 +168,14 @@ at::Tensor* Decoder::Slot(Layer& layer, ParameterRole role) {
       return &layer.linear.in_proj_qkvz;
     case ParameterRole::kLinearInProjBa:
       return &layer.linear.in_proj_ba;
+    case ParameterRole::kLinearInProjQkv:
+      return &layer.linear.in_proj_qkv;
+    case ParameterRole::kLinearInProjZ:
+      return &layer.linear.in_proj_z;
+    case ParameterRole::kLinearInProjB:
+      return &layer.linear.in_proj_b;
+    case ParameterRole::kLinearInProjA:
+      return &layer.linear.in_proj_a;
     case ParameterRole::kLinearConv1d:
       return &layer.linear.conv1d;
     case ParameterRole::kLinearDtBias:

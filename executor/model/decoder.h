@@ -17,7 +17,10 @@
 // inputs (in PrefixKv::keys) and the recurrent state (PrefixKv::states). The other layers are gated
 // attention. Every RMSNorm but the gated one scales by 1 + w (transformers' Qwen3NextRMSNorm): the
 // kernels get 1 + w in the compute dtype and its gradient goes into w's .grad (ops/numerics.h's
-// NormScaleOf). Sparse blocks add a shared SwiGLU expert.
+// NormScaleOf). Sparse blocks add a shared SwiGLU expert. Qwen3.5 (qwen3_5_text, qwen3_5_moe_text,
+// as transformers' Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM) has the same layers, its Gated
+// DeltaNet's input projections separate (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a): the block
+// reads both layouts as one (ops/gated_delta_net.h's LinearProjections).
 //
 // Numerics follow Hugging Face's models (norms, RoPE and softmax in at least float32; float64
 // models stay float64 throughout, so float64 runs are exact references), with fewer roundings in
@@ -77,8 +80,9 @@
 // head are [query, gate]). Gated DeltaNet splits by key heads, each with its group of value heads
 // (T must divide the key heads): rank r holds its key heads' rows of in_proj_qkvz and in_proj_ba
 // (grouped per key head), its part of each of conv1d's three channel segments [q | k | v]
-// (TensorParallelSplit::segments; the rank's part is its slice of each, concatenated), its value
-// heads' dt_bias, A_log and columns of out_proj; the projections are column- and row-parallel as
+// (TensorParallelSplit::segments; the rank's part is its slice of each, concatenated; Qwen3.5's
+// in_proj_qkv alike, its in_proj_z, in_proj_b and in_proj_a by value heads), its value heads'
+// dt_bias, A_log and columns of out_proj; the projections are column- and row-parallel as
 // above, the mixer runs on the rank's heads (linear_shape() counts them), and its cache (the
 // convolution inputs, the recurrent state) holds only them. The gated norm's weight is whole and
 // its gradient a partial sum, completed with q_norm's and k_norm's. The shared expert splits like

@@ -3,8 +3,10 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <bit>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string_view>
 
@@ -139,15 +141,38 @@ Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
     for (std::string& name : spec.CheckpointNames()) expected.insert(std::move(name));
   }
 
+  // Each model name's tensor: its own name, or in a vision-language checkpoint its language
+  // model's (the family's multimodal_model_type).
+  const ModelFamily& family = *FindModelFamily(config->model_type);  // validated
+  constexpr std::string_view kLanguageModel = "model.language_model.";
+  std::map<std::string, std::string> stored;
+  auto stored_name = [&](const std::string& name) -> const std::string& {
+    const auto it = stored.find(name);
+    return it == stored.end() ? name : it->second;
+  };
   // Names the model does not have: inv_freq buffers are recomputed from rope_theta; a tied head
-  // must be the embedding.
+  // must be the embedding; the family's transformers class skips some.
   constexpr std::string_view kInvFreq = "inv_freq";
   constexpr std::string_view kHead = "lm_head.weight";
   std::vector<std::string> unexpected;
   bool has_tied_head = false;
   for (const std::string& name : checkpoint.names()) {
-    if (expected.count(name)) continue;
+    std::string model_name = name;
+    if (!family.multimodal_model_type.empty() && name.starts_with(kLanguageModel)) {
+      model_name = "model." + name.substr(kLanguageModel.size());
+    }
+    if (expected.count(model_name)) {
+      const auto [it, first] = stored.emplace(model_name, name);
+      TORCH_CHECK(first, "LoadHfModel: ", directory, ": tensor '", model_name,
+                  "' is stored twice (as '", name, "' and '", it->second, "')");
+      continue;
+    }
     if (std::string_view(name).ends_with(kInvFreq)) continue;
+    if (std::any_of(family.ignored_checkpoint_prefixes.begin(),
+                    family.ignored_checkpoint_prefixes.end(),
+                    [&](std::string_view prefix) { return name.starts_with(prefix); })) {
+      continue;
+    }
     if (name == kHead && config->tie_word_embeddings) {
       has_tied_head = true;
       continue;
@@ -160,7 +185,7 @@ Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
     const auto& [name, parameter] = model.named_parameters()[i];
     const std::vector<int64_t>& shape = model.parameter_splits()[i].full_shape;
     if (!specs[i].per_expert()) {
-      const TensorView* view = GetChecked(checkpoint, name, shape);
+      const TensorView* view = GetChecked(checkpoint, stored_name(name), shape);
       parameter.copy_(model.LocalPart(i, ToTensor(checkpoint, *view)));
       continue;
     }
@@ -175,7 +200,7 @@ Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
     block_shape[0] = experts.size();
     at::Tensor block = at::empty(block_shape, at::TensorOptions().dtype(parameter.scalar_type()));
     for (int64_t e = experts.begin; e < experts.end; ++e) {
-      const TensorView* view = GetChecked(checkpoint, names[e], expert_shape);
+      const TensorView* view = GetChecked(checkpoint, stored_name(names[e]), expert_shape);
       block[e - experts.begin].copy_(ToTensor(checkpoint, *view));
     }
     parameter.copy_(split.Narrow(block));
@@ -190,10 +215,8 @@ Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
     }
     if (unexpected.size() > kShown)
       list += ", and " + std::to_string(unexpected.size() - kShown) + " more";
-    const ModelFamily* family = FindModelFamily(config->model_type);
     TORCH_CHECK(false, "LoadHfModel: ", directory, ": ", unexpected.size(),
-                " unexpected tensor(s) that the ", family != nullptr ? family->name : "",
-                " model does not have: ", list);
+                " unexpected tensor(s) that the ", family.name, " model does not have: ", list);
   }
 
   if (has_tied_head) {
@@ -201,7 +224,7 @@ Decoder LoadHfModel(const std::string& directory, at::TensorOptions options,
     const std::vector<int64_t>& embed_shape = model.parameter_splits()[0].full_shape;
     TORCH_CHECK(model.named_parameters()[0].first == embed_name, "the embedding comes first");
     const TensorView* head_view = GetChecked(checkpoint, std::string(kHead), embed_shape);
-    const TensorView* embed_view = checkpoint.Find(embed_name);
+    const TensorView* embed_view = checkpoint.Find(stored_name(embed_name));
     const at::Tensor head = ToTensor(checkpoint, *head_view).to(at::kDouble);
     TORCH_CHECK(
         at::equal(head, ToTensor(checkpoint, *embed_view).to(at::kDouble)),

@@ -50,7 +50,15 @@ namespace dta {
 //     "lm_head.weight" when the config ties the embeddings, which transformers may store anyway:
 //     it must then have the embedding's shape and equal values (compared in float64), else an
 //     error, since a checkpoint whose head disagrees with the embedding it claims to be tied to
-//     is inconsistent (transformers would silently use the embedding).
+//     is inconsistent (transformers would silently use the embedding); and the tensors the
+//     family's transformers class skips (ModelFamily::ignored_checkpoint_prefixes: Qwen3-Next's
+//     and Qwen3.5's multi-token prediction head "mtp.*", Qwen3.5's vision tower
+//     "model.visual.*");
+//   - a vision-language checkpoint of Qwen3.5 (config.json "qwen3_5" or "qwen3_5_moe", read as
+//     its text_config: config_json.h) holds the decoder's "model.*" tensors as
+//     "model.language_model.*", and they are read from there (lm_head.weight as it is), as
+//     transformers' Qwen3_5ForCausalLM reads them; a tensor stored under both names is an error.
+//     What SaveHfModel writes is the decoder alone: "model.*", with the decoder's config.json.
 // A missing or invalid config.json, or a directory without model.safetensors or its index, is an
 // error naming the file. With `tensor_parallel`, each rank reads the whole tensors and keeps its
 // part (Decoder's split); the checks are on the whole shapes. With `expert_parallel`, each rank

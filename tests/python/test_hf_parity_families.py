@@ -209,8 +209,9 @@ def _rotary_in_input_dtype(self, x, position_ids):
 
 
 def _router_in_input_dtype(self, hidden_states):
-    """Qwen3MoeTopKRouter.forward (Qwen3NextTopKRouter's is the same) with the softmax in the input's
-    dtype instead of float32. A router given `replay` (set_replay) routes token t < len(replay) to
+    """Qwen3MoeTopKRouter.forward (Qwen3NextTopKRouter's is the same; Qwen3_5MoeTopKRouter's too, which
+    has no norm_topk_prob and always renormalises) with the softmax in the input's dtype instead of
+    float32. A router given `replay` (set_replay) routes token t < len(replay) to
     replay[t] where recorded: transformers with forced routing, the weights still its softmax
     gathered at those ids. Without it, the router's own top-k, as transformers."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -219,7 +220,7 @@ def _router_in_input_dtype(self, hidden_states):
     _, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
     router_indices = with_replay(router_indices, getattr(self, "replay", None))
     router_top_value = router_probs.gather(1, router_indices)
-    if self.norm_topk_prob:
+    if getattr(self, "norm_topk_prob", True):
         router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
     return router_logits, router_top_value, router_indices
 
@@ -313,14 +314,16 @@ class _Float64Zeros:
 
 
 class float64_router_loss:
-    """Within the block, transformers' load_balancing_loss_func (Qwen3-MoE's and Qwen3-Next's)
-    computes in float64: its float32 accumulators (torch.zeros(..., dtype=float32), which round the
-    expert fractions count / rows) are float64, and Tensor.float() leaves float64 tensors alone."""
+    """Within the block, transformers' load_balancing_loss_func (Qwen3-MoE's, Qwen3-Next's and
+    Qwen3.5-MoE's) computes in float64: its float32 accumulators (torch.zeros(..., dtype=float32),
+    which round the expert fractions count / rows) are float64, and Tensor.float() leaves float64
+    tensors alone."""
 
     def __enter__(self):
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
         from transformers.models.qwen3_next import modeling_qwen3_next
         self._patch = pytest.MonkeyPatch()
-        for module in (modeling_qwen3_moe, modeling_qwen3_next):
+        for module in (modeling_qwen3_moe, modeling_qwen3_next, modeling_qwen3_5_moe):
             self._patch.setattr(module, "torch", _Float64Zeros())
         keep_float64_on_float(self._patch)
         return self
@@ -445,13 +448,15 @@ def set_replay(model, routing: torch.Tensor) -> None:
 
 
 class replaying_routers:
-    """Within the block, Qwen3-MoE's and Qwen3-Next's routers are _router_in_input_dtype: a float32
-    model's is transformers' own math, with replay."""
+    """Within the block, Qwen3-MoE's, Qwen3-Next's and Qwen3.5-MoE's routers are
+    _router_in_input_dtype: a float32 model's is transformers' own math, with replay."""
 
     def __enter__(self):
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
         from transformers.models.qwen3_next import modeling_qwen3_next
         self._patch = pytest.MonkeyPatch()
-        for router in (modeling_qwen3_moe.Qwen3MoeTopKRouter, modeling_qwen3_next.Qwen3NextTopKRouter):
+        for router in (modeling_qwen3_moe.Qwen3MoeTopKRouter, modeling_qwen3_next.Qwen3NextTopKRouter,
+                       modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter):
             self._patch.setattr(router, "forward", _router_in_input_dtype)
         return self
 

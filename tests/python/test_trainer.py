@@ -500,7 +500,8 @@ def test_presets_and_families_come_from_the_registry():
     assert {"qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen3-30b-a3b", "qwen3-next-small"} <= set(presets)
     assert len(presets) == len(set(presets))
     families = dta.Trainer.model_families()
-    assert families == sorted(families) and {"qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_next"} <= set(families)
+    assert families == sorted(families) and {"qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_next", "qwen3_5_text",
+                                             "qwen3_5_moe_text"} <= set(families)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: this checks the error without one")

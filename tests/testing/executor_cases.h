@@ -48,11 +48,15 @@ inline ModelConfig TinyConfig(int64_t vocab = 19) {
 // biases, partial RoPE (half of each head) and a sparse block of 5 experts (top-2) plus a shared
 // expert; every norm zero-centred.
 //
+// "qwen3_5_text": qwen3_next's layers with Qwen3.5's separate Gated DeltaNet projections and dense
+// MLPs. "qwen3_5_moe_text": the same with qwen3_next's sparse block in every layer (the Gated
+// DeltaNet layer's too).
+//
 // "dta_test_hybrid" (tests/testing/test_family.h, registered by RegisterTestFamily):
 // TestHybridModel.
 inline ModelConfig WithFamily(ModelConfig c, const std::string& family) {
   if (family == "qwen3") return c;
-  if (family == "qwen3_next") {
+  if (family == "qwen3_next" || family == "qwen3_5_text" || family == "qwen3_5_moe_text") {
     c.model_type = family;
     c.attention_bias = true;
     c.partial_rotary_factor = 0.5;
@@ -63,13 +67,18 @@ inline ModelConfig WithFamily(ModelConfig c, const std::string& family) {
     c.linear_key_head_dim = 4;
     c.linear_value_head_dim = 3;
     c.linear_conv_kernel_dim = 3;
+    if (family == "qwen3_5_text") return c;
     c.num_experts = 5;
     c.num_experts_per_tok = 2;
     c.moe_intermediate_size = 6;
     c.norm_topk_prob = true;
-    c.mlp_only_layers = {0};
     c.shared_expert_intermediate_size = 5;
     c.router_aux_loss_coef = 0.001;
+    if (family == "qwen3_5_moe_text") {
+      c.intermediate_size = 0;  // no dense MLP
+    } else {
+      c.mlp_only_layers = {0};
+    }
     return c;
   }
   if (family == "qwen3_moe") {

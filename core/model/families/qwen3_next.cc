@@ -3,6 +3,8 @@
 // RMSNorms (1 + w), partial RoPE, q/k norms, attention biases from config.json (q/k/v and o_proj),
 // and Qwen3-MoE's sparse blocks (where IsSparseLayer says, none when num_experts is 0) plus a
 // shared expert with a sigmoid gate.
+#include <string_view>
+
 #include "core/model/families/families.h"
 
 namespace dta {
@@ -44,6 +46,9 @@ constexpr ModelPresetShape kPresets[] = {
     Qwen3Next("qwen3-next-small", /*layers=*/4, /*experts=*/128),
 };
 
+// Qwen3NextForCausalLM skips the Hub checkpoints' multi-token prediction head.
+constexpr std::string_view kIgnored[] = {"mtp."};
+
 }  // namespace
 
 // transformers 5's Qwen3NextConfig defaults.
@@ -66,6 +71,7 @@ constexpr ModelFamily kQwen3NextFamily = {.model_type = "qwen3_next",
                                           .partial_rotary = true,
                                           .default_partial_rotary_factor = 0.25,
                                           .default_num_key_value_heads = 2,
+                                          .ignored_checkpoint_prefixes = kIgnored,
                                           .moe_defaults = {.intermediate_size = 5632,
                                                            .num_experts = 512,
                                                            .num_experts_per_tok = 10,

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "executor/model/ops/numerics.h"
 #include "executor/model/ops/projections.h"
@@ -16,15 +17,25 @@ LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm
                                const GatedDeltaNetWeights& weights, const ChunkContext& context,
                                const LayerPrefix& prefix, const BlockShared& shared) {
   const NormScale input_norm = NormScaleOf(input_norm_weight, HasZeroCentredNorms(*shared.config));
-  const at::Tensor in_weights[] = {weights.in_proj_qkvz, weights.in_proj_ba};
-  // With the fused residual, projected[2] is h itself, for the residual connection (see
-  // Projections).
+  // Qwen3-Next's two grouped projections, or Qwen3.5's four.
+  const bool grouped = weights.in_proj_qkvz.defined();
+  const std::vector<at::Tensor> in_weights =
+      grouped ? std::vector<at::Tensor>{weights.in_proj_qkvz, weights.in_proj_ba}
+              : std::vector<at::Tensor>{weights.in_proj_qkv, weights.in_proj_z, weights.in_proj_b,
+                                        weights.in_proj_a};
+  // With the fused residual, projected[in_weights.size()] is h itself, for the residual
+  // connection (see Projections).
   const bool fused_residual = FusedResidualEnabled();
   const variable_list projected = Projections::apply(
       h, std::optional<at::Tensor>(input_norm.weight), shared.config->rms_norm_eps,
       /*wide_output=*/false, shared.group, ProjectionKind::kColumnParallel,
       at::TensorList(in_weights), at::TensorList(), Optional(input_norm.accumulator),
       fused_residual, /*replicated=*/0);
+  const GatedDeltaNetShape& shape = *shared.linear_shape;
+  const LinearProjections inputs =
+      grouped ? UngroupedProjections(shape, projected[0], projected[1])
+              : LinearProjections{
+                    .qkv = projected[0], .z = projected[1], .b = projected[2], .a = projected[3]};
   // The small parameters enter as float32 (float64) leaves whose gradients go straight into their
   // .grad accumulators (autograd would otherwise round them to the parameters' dtype).
   // Under tensor parallelism the gated norm's weight, shared by the heads, sees only this rank's:
@@ -50,10 +61,9 @@ LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm
   linear.state = prefix.state;
   linear.grad_state = prefix.grad_state;
   LinearMixerOutput mixed =
-      GatedDeltaNetMix(small, *shared.linear_shape, projected[0], projected[1], context.conv_index,
-                       context.runs, linear);
+      GatedDeltaNetMix(small, shape, inputs, context.conv_index, context.runs, linear);
   LayerOutput out;
-  out.hidden = (fused_residual ? projected[2] : h) +
+  out.hidden = (fused_residual ? projected[in_weights.size()] : h) +
                ProjectWide(mixed.out, weights.out_proj, at::Tensor(), shared.group);
   out.keys = std::move(mixed.conv_inputs);
   out.state = std::move(mixed.final_state);

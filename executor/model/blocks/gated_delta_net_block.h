@@ -1,12 +1,14 @@
-// The linear-attention half of a Qwen3-Next layer (layer_types "linear_attention", as transformers'
-// Qwen3NextGatedDeltaNet): in_proj_qkvz and in_proj_ba as one fused projection after the input
-// norm, the tree convolution and delta rule (ops/gated_delta_net.h), the gated norm, out_proj into
-// the float32 residual stream. Its cache is the convolution inputs (LayerPrefix::keys) and the
-// recurrent state (LayerPrefix::state); the small parameters (conv1d, dt_bias, A_log, the gated
-// norm) enter as float32 (float64) leaves whose gradients go into their .grad. Under tensor
-// parallelism each rank runs its own key heads and their value heads (shared.linear_shape counts
-// them; decoder.h): the input projections column-parallel, out_proj row-parallel, the gated norm's
-// gradient a partial sum (BlockShared::partial_norm_grads).
+// The linear-attention half of a Qwen3-Next or Qwen3.5 layer (layer_types "linear_attention", as
+// transformers' Qwen3NextGatedDeltaNet and Qwen3_5GatedDeltaNet): in_proj_qkvz and in_proj_ba (or
+// Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a) as one fused projection after the
+// input norm, read in one layout (ops/gated_delta_net.h's LinearProjections); the tree convolution
+// and delta rule, the gated norm, out_proj into the float32 residual stream. Its cache is the
+// convolution inputs (LayerPrefix::keys) and the recurrent state (LayerPrefix::state); the small
+// parameters (conv1d, dt_bias, A_log, the gated norm) enter as float32 (float64) leaves whose
+// gradients go into their .grad. Under tensor parallelism each rank runs its own key heads and
+// their value heads (shared.linear_shape counts them; decoder.h): the input projections
+// column-parallel, out_proj row-parallel, the gated norm's gradient a partial sum
+// (BlockShared::partial_norm_grads).
 #pragma once
 
 #include <ATen/ATen.h>

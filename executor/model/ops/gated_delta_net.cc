@@ -41,6 +41,14 @@ at::Tensor InitialState(const at::Tensor& state, const at::Tensor& v, int64_t ke
   return at::zeros({v.size(1), key_dim, v.size(2)}, v.options().dtype(type));
 }
 
+// The value heads each key head serves; CHECKs that they are a whole number.
+int64_t ValueHeadsPerKeyHead(const GatedDeltaNetShape& shape) {
+  TORCH_CHECK(shape.key_heads > 0 && shape.value_heads % shape.key_heads == 0,
+              "linear attention: value heads (", shape.value_heads,
+              ") must be a multiple of key heads (", shape.key_heads, ")");
+  return shape.value_heads / shape.key_heads;
+}
+
 // x / sqrt(sum x^2 + eps) along the last dimension (flash-linear-attention's l2norm, as
 // transformers).
 at::Tensor L2Normalize(const at::Tensor& x, double eps = 1e-6) {
@@ -275,37 +283,59 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
   return {.out = at::cat(outs), .final_state = std::move(last), .run_states = std::move(finals)};
 }
 
-LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDeltaNetShape& shape,
-                                   const at::Tensor& qkvz_in, const at::Tensor& ba_in,
-                                   const at::Tensor& conv_index, const std::vector<TokenRun>& runs,
-                                   const LinearContext& context) {
-  const int64_t t = qkvz_in.size(0);
+LinearProjections UngroupedProjections(const GatedDeltaNetShape& shape, const at::Tensor& qkvz,
+                                       const at::Tensor& ba) {
+  const int64_t t = qkvz.size(0);
   const int64_t kh = shape.key_heads, vh = shape.value_heads, dk = shape.key_head_dim,
                 dv = shape.value_head_dim;
-  TORCH_CHECK(kh > 0 && vh % kh == 0, "linear attention: value heads (", vh,
-              ") must be a multiple of key heads (", kh, ")");
-  const int64_t group = vh / kh;  // value heads per key head
-  TORCH_CHECK(qkvz_in.dim() == 2 && qkvz_in.size(1) == 2 * shape.key_dim() + 2 * shape.value_dim(),
+  const int64_t group = ValueHeadsPerKeyHead(shape);
+  TORCH_CHECK(qkvz.dim() == 2 && qkvz.size(1) == 2 * shape.key_dim() + 2 * shape.value_dim(),
               "linear attention: qkvz must be [T, ", 2 * shape.key_dim() + 2 * shape.value_dim(),
-              "], got ", qkvz_in.sizes());
-  TORCH_CHECK(ba_in.dim() == 2 && ba_in.size(0) == t && ba_in.size(1) == 2 * vh,
-              "linear attention: ba must be [", t, ", ", 2 * vh, "], got ", ba_in.sizes());
-  const at::ScalarType type = ComputeType(qkvz_in);
+              "], got ", qkvz.sizes());
+  TORCH_CHECK(ba.dim() == 2 && ba.size(0) == t && ba.size(1) == 2 * vh,
+              "linear attention: ba must be [", t, ", ", 2 * vh, "], got ", ba.sizes());
+  // Per key head: [q, k, v (group heads), z (group heads)] and [b (group), a (group)].
+  const std::vector<at::Tensor> parts = qkvz.view({t, kh, 2 * dk + 2 * group * dv})
+                                            .split_with_sizes({dk, dk, group * dv, group * dv}, -1);
+  const std::vector<at::Tensor> gates =
+      ba.view({t, kh, 2 * group}).split_with_sizes({group, group}, -1);
+  return {.qkv = at::cat({parts[0].reshape({t, kh * dk}), parts[1].reshape({t, kh * dk}),
+                          parts[2].reshape({t, vh * dv})},
+                         -1),
+          .z = parts[3].reshape({t, vh * dv}),
+          .b = gates[0].reshape({t, vh}),
+          .a = gates[1].reshape({t, vh})};
+}
 
-  // in_proj_qkvz and in_proj_ba are grouped per key head: [q, k, v (group heads), z (group heads)]
-  // and [b (group), a (group)].
-  const at::Tensor qkvz = qkvz_in.view({t, kh, 2 * dk + 2 * group * dv});
-  const std::vector<at::Tensor> parts = qkvz.split_with_sizes({dk, dk, group * dv, group * dv}, -1);
-  const at::Tensor ba = ba_in.view({t, kh, 2 * group});
-  const std::vector<at::Tensor> gates = ba.split_with_sizes({group, group}, -1);
-  const at::Tensor z = parts[3].reshape({t, vh, dv});
-  const at::Tensor b = gates[0].reshape({t, vh});
-  const at::Tensor a = gates[1].reshape({t, vh});
+LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDeltaNetShape& shape,
+                                   const at::Tensor& qkvz, const at::Tensor& ba,
+                                   const at::Tensor& conv_index, const std::vector<TokenRun>& runs,
+                                   const LinearContext& context) {
+  return GatedDeltaNetMix(w, shape, UngroupedProjections(shape, qkvz, ba), conv_index, runs,
+                          context);
+}
 
-  // The convolution's inputs, q k v flattened: cached per token for later chunks.
-  const at::Tensor mixed = at::cat({parts[0].reshape({t, kh * dk}), parts[1].reshape({t, kh * dk}),
-                                    parts[2].reshape({t, vh * dv})},
-                                   -1);
+LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDeltaNetShape& shape,
+                                   const LinearProjections& projected, const at::Tensor& conv_index,
+                                   const std::vector<TokenRun>& runs,
+                                   const LinearContext& context) {
+  const at::Tensor& mixed = projected.qkv;
+  const int64_t t = mixed.size(0);
+  const int64_t kh = shape.key_heads, vh = shape.value_heads, dk = shape.key_head_dim,
+                dv = shape.value_head_dim;
+  const int64_t group = ValueHeadsPerKeyHead(shape);
+  TORCH_CHECK(mixed.dim() == 2 && mixed.size(1) == shape.conv_dim(),
+              "linear attention: qkv must be [T, ", shape.conv_dim(), "], got ", mixed.sizes());
+  TORCH_CHECK(projected.z.sizes() == at::IntArrayRef({t, vh * dv}) &&
+                  projected.b.sizes() == at::IntArrayRef({t, vh}) &&
+                  projected.a.sizes() == projected.b.sizes(),
+              "linear attention: z, b and a must be [", t, ", ", vh * dv, "], [", t, ", ", vh,
+              "] and [", t, ", ", vh, "], got ", projected.z.sizes(), ", ", projected.b.sizes(),
+              " and ", projected.a.sizes());
+  const at::ScalarType type = ComputeType(mixed);
+  const at::Tensor z = projected.z.reshape({t, vh, dv});
+
+  // The convolution's inputs, q k v: cached per token for later chunks.
   const at::Tensor conv_context = GradientInto(context.conv_inputs, context.grad_conv_inputs);
   const at::Tensor convolved = TreeCausalConv(
       mixed, w.conv1d.view({shape.conv_dim(), shape.conv_kernel}), conv_context, conv_index);
@@ -318,17 +348,19 @@ LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDel
   const at::Tensor q = per_value_head(qkv[0]);
   const at::Tensor k = per_value_head(qkv[1]);
   const at::Tensor v = qkv[2].reshape({t, vh, dv});
-  const at::Tensor beta = at::sigmoid(b.to(type));
-  const at::Tensor g = -w.a_log.to(type).exp() * at::softplus(a.to(type) + w.dt_bias.to(type));
+  const at::Tensor beta = at::sigmoid(projected.b.to(type));
+  const at::Tensor g =
+      -w.a_log.to(type).exp() * at::softplus(projected.a.to(type) + w.dt_bias.to(type));
 
   const at::Tensor state = GradientInto(context.state, context.grad_state);
   GatedDeltaOutput rule = TreeGatedDeltaRule(q, k, v, g, beta, runs, state);
 
-  // The gated RMSNorm per value head: norm(o) * weight * silu(z), rounded once to qkvz's dtype.
+  // The gated RMSNorm per value head: norm(o) * weight * silu(z), rounded once to the projections'
+  // dtype.
   const at::Tensor o = rule.out;
   const at::Tensor normed = o * at::rsqrt(o.pow(2).mean(-1, /*keepdim=*/true) + shape.eps);
   const at::Tensor gated =
-      (normed * w.norm.to(type) * at::silu(z.to(type))).to(qkvz_in.scalar_type());
+      (normed * w.norm.to(type) * at::silu(z.to(type))).to(mixed.scalar_type());
   return {.out = gated.reshape({t, vh * dv}),
           .conv_inputs = mixed,
           .final_state = rule.final_state,
@@ -340,8 +372,14 @@ LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& w,
                                        const at::Tensor& conv_index,
                                        const std::vector<TokenRun>& runs,
                                        const LinearContext& context) {
-  LinearMixerOutput out = GatedDeltaNetMix(w, shape, at::linear(x, w.in_proj_qkvz),
-                                           at::linear(x, w.in_proj_ba), conv_index, runs, context);
+  const LinearProjections projected =
+      w.in_proj_qkvz.defined()
+          ? UngroupedProjections(shape, at::linear(x, w.in_proj_qkvz), at::linear(x, w.in_proj_ba))
+          : LinearProjections{.qkv = at::linear(x, w.in_proj_qkv),
+                              .z = at::linear(x, w.in_proj_z),
+                              .b = at::linear(x, w.in_proj_b),
+                              .a = at::linear(x, w.in_proj_a)};
+  LinearMixerOutput out = GatedDeltaNetMix(w, shape, projected, conv_index, runs, context);
   out.out = at::linear(out.out, w.out_proj);
   return out;
 }

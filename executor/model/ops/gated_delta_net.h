@@ -1,6 +1,7 @@
 // Gated DeltaNet (Yang, Kautz and Hatamizadeh, "Gated Delta Networks", 2024), the linear-attention
-// token mixer of Qwen3-Next, over a chunk of tokens that continues a cached context, so that a
-// tree's shared prefix runs once (Tree Training's state routing, inside the push/pop executor).
+// token mixer of Qwen3-Next and Qwen3.5, over a chunk of tokens that continues a cached context, so
+// that a tree's shared prefix runs once (Tree Training's state routing, inside the push/pop
+// executor).
 //
 // What a linear layer needs from the tokens before a chunk is not every earlier token's K/V but
 //   - the recurrent state S [value_heads, key_head_dim, value_head_dim] after the chunk's parent
@@ -122,10 +123,16 @@ struct GatedDeltaNetShape {
   int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
 };
 
-// A layer's parameters, shaped as transformers' Qwen3NextGatedDeltaNet (and its checkpoints).
+// A layer's parameters, shaped as transformers' Qwen3NextGatedDeltaNet (and its checkpoints), or
+// with Qwen3_5GatedDeltaNet's input projections instead of in_proj_qkvz and in_proj_ba (a layer
+// has one set of them; the other stays undefined).
 struct GatedDeltaNetWeights {
   at::Tensor in_proj_qkvz = {};  // [2 key_dim + 2 value_dim, hidden], grouped per key head: q k v z
   at::Tensor in_proj_ba = {};    // [2 value_heads, hidden], grouped per key head: b a
+  at::Tensor in_proj_qkv = {};   // [conv_dim, hidden]: all q, all k, all v (conv1d's channels)
+  at::Tensor in_proj_z = {};     // [value_dim, hidden]
+  at::Tensor in_proj_b = {};     // [value_heads, hidden]
+  at::Tensor in_proj_a = {};     // [value_heads, hidden]
   at::Tensor conv1d = {};        // [conv_dim, 1, conv_kernel]
   at::Tensor dt_bias = {};       // [value_heads]
   at::Tensor a_log = {};         // [value_heads] (A_log)
@@ -149,10 +156,24 @@ struct LinearMixerOutput {
   std::vector<at::Tensor> run_states = {};  // after each of `runs` (GatedDeltaOutput)
 };
 
-// The layer on normalised hidden states x [T, hidden], as transformers' Qwen3NextGatedDeltaNet:
-// in_proj, the causal convolution with silu, beta = sigmoid(b), g = -exp(A_log) softplus(a +
-// dt_bias), the delta rule with q/k L2-normalised, the gated RMSNorm (norm(o) weight silu(z)) and
-// out_proj. `conv_index`: ConvAncestorIndex of the chunk; `runs`: its ChainRuns.
+// A layer's projected inputs in the one layout the mixer reads (Qwen3.5's, whose in_proj_qkv
+// rows are the convolution's channels): qkv [T, conv_dim] (all q, all k, all v), z [T,
+// value_dim], b and a [T, value_heads].
+struct LinearProjections {
+  at::Tensor qkv, z, b, a;
+};
+
+// Qwen3-Next's projections in that layout (views and one concatenation, differentiable):
+// qkvz = x @ in_proj_qkvz^T [T, 2 key_dim + 2 value_dim], per key head its q, k, its group's v and
+// z; ba = x @ in_proj_ba^T [T, 2 value_heads], per key head its group's b, then its group's a.
+LinearProjections UngroupedProjections(const GatedDeltaNetShape& shape, const at::Tensor& qkvz,
+                                       const at::Tensor& ba);
+
+// The layer on normalised hidden states x [T, hidden], as transformers' Qwen3NextGatedDeltaNet
+// (Qwen3_5GatedDeltaNet with its projections): in_proj, the causal convolution with silu, beta =
+// sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the delta rule with q/k L2-normalised, the
+// gated RMSNorm (norm(o) weight silu(z)) and out_proj. `conv_index`: ConvAncestorIndex of the
+// chunk; `runs`: its ChainRuns.
 LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& weights,
                                        const GatedDeltaNetShape& shape, const at::Tensor& x,
                                        const at::Tensor& conv_index,
@@ -160,9 +181,13 @@ LinearMixerOutput GatedDeltaNetForward(const GatedDeltaNetWeights& weights,
                                        const LinearContext& context);
 
 // The layer between its projections (what the model runs, its in_proj and out_proj being the
-// decoder's fused projections): qkvz = x @ in_proj_qkvz^T [T, 2 key_dim + 2 value_dim] and
-// ba = x @ in_proj_ba^T [T, 2 value_heads]; out is the gated norm's output [T, value_dim] in
-// qkvz's dtype, before out_proj. Reads only conv1d, dt_bias, a_log and norm of `weights`.
+// decoder's fused projections); out is the gated norm's output [T, value_dim] in the projections'
+// dtype, before out_proj. Reads only conv1d, dt_bias, a_log and norm of `weights`.
+LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& weights,
+                                   const GatedDeltaNetShape& shape,
+                                   const LinearProjections& projected, const at::Tensor& conv_index,
+                                   const std::vector<TokenRun>& runs, const LinearContext& context);
+// The same on Qwen3-Next's projections (UngroupedProjections).
 LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& weights,
                                    const GatedDeltaNetShape& shape, const at::Tensor& qkvz,
                                    const at::Tensor& ba, const at::Tensor& conv_index,

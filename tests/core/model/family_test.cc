@@ -23,6 +23,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
+using testing::ParseOk;
 
 // meta-llama/Llama-3.2-1B's config.json.
 constexpr char kLlama32_1B[] = R"({
@@ -168,15 +169,9 @@ std::string Small(const std::string& model_type, const std::string& edit = "{}")
   return json.dump();
 }
 
-ModelConfig ParseOk(const std::string& json) {
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(json);
-  EXPECT_TRUE(config.ok()) << config.status() << "\n" << json;
-  return config.ok() ? *config : ModelConfig();
-}
-
 TEST(ModelFamily, TableHasEachFamilysTraits) {
-  EXPECT_THAT(ModelFamilyTypes(),
-              ElementsAre("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next"));
+  EXPECT_THAT(ModelFamilyTypes(), ElementsAre("llama", "qwen2", "qwen3", "qwen3_5_moe_text",
+                                              "qwen3_5_text", "qwen3_moe", "qwen3_next"));
   const ModelFamily* moe = FindModelFamily("qwen3_moe");
   ASSERT_NE(moe, nullptr);
   EXPECT_EQ(moe->architecture, "Qwen3MoeForCausalLM");
@@ -212,6 +207,30 @@ TEST(ModelFamily, TableHasEachFamilysTraits) {
   EXPECT_TRUE(next->zero_centred_norms && next->gated_attention && next->shared_expert &&
               next->linear_attention && next->partial_rotary);
   EXPECT_EQ(next->default_partial_rotary_factor, 0.25);
+  EXPECT_FALSE(next->separate_linear_projections || next->every_layer_sparse);
+  EXPECT_TRUE(next->multimodal_model_type.empty());
+  // Qwen3.5: Qwen3-Next's layers with separate Gated DeltaNet projections, inside a
+  // vision-language model on the Hub; dense, or sparse in every layer.
+  const ModelFamily* dense35 = FindModelFamily("qwen3_5_text");
+  const ModelFamily* moe35 = FindModelFamily("qwen3_5_moe_text");
+  ASSERT_NE(dense35, nullptr);
+  ASSERT_NE(moe35, nullptr);
+  EXPECT_EQ(dense35->architecture, "Qwen3_5ForCausalLM");
+  EXPECT_EQ(moe35->architecture, "Qwen3_5MoeForCausalLM");
+  EXPECT_EQ(FindModelFamilyByMultimodalType("qwen3_5"), dense35);
+  EXPECT_EQ(FindModelFamilyByMultimodalType("qwen3_5_moe"), moe35);
+  EXPECT_EQ(FindModelFamilyByMultimodalType(""), nullptr);
+  EXPECT_EQ(FindModelFamilyByMultimodalType("qwen3_5_text"), nullptr);
+  for (const ModelFamily* family : {dense35, moe35}) {
+    EXPECT_TRUE(family->qk_norm && family->zero_centred_norms && family->gated_attention &&
+                family->linear_attention && family->partial_rotary &&
+                family->separate_linear_projections)
+        << family->model_type;
+    EXPECT_EQ(family->attention_bias, AttentionBiasRule::kFromConfig);
+    EXPECT_EQ(family->default_partial_rotary_factor, 0.25);
+  }
+  EXPECT_FALSE(dense35->moe || dense35->shared_expert || dense35->every_layer_sparse);
+  EXPECT_TRUE(moe35->moe && moe35->shared_expert && moe35->every_layer_sparse);
   for (const ModelFamily* family : {moe, qwen3, qwen2, llama}) {
     EXPECT_FALSE(family->zero_centred_norms || family->gated_attention || family->shared_expert ||
                  family->linear_attention || family->partial_rotary)
@@ -469,8 +488,10 @@ TEST(ModelFamily, RefusesWhatItCannotBuildNamingTheField) {
   const std::vector<Refusal> cases = {
       {"mistral", "{}", kUnsupported,
        "field 'model_type': 'mistral' is not supported (supported: llama, qwen2, qwen3, "
-       "qwen3_moe, qwen3_next)"},
-      {"qwen3_5", "{}", kUnsupported, "field 'model_type': 'qwen3_5' is not supported"},
+       "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"},
+      {"qwen3_vl", "{}", kUnsupported, "field 'model_type': 'qwen3_vl' is not supported"},
+      // Qwen3.5's vision-language config.json holds the decoder's in text_config.
+      {"qwen3_5", "{}", kInvalid, "field 'text_config': missing"},
       {"qwen3_moe", R"({"num_experts": 4, "num_experts_per_tok": 5})", kInvalid,
        "field 'num_experts_per_tok': 5 is more than num_experts = 4"},
       {"qwen3_moe", R"({"num_experts": 0})", kInvalid, "field 'num_experts': 0 is not positive"},

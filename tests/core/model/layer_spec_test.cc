@@ -174,6 +174,66 @@ TEST(LayerSpec, Qwen3NextHasLinearGatedAndSharedExpertBlocksSplitByHeads) {
   EXPECT_TRUE(mlp.back().split.replicated());
 }
 
+// Qwen3.5: Qwen3-Next's layers, its Gated DeltaNet's input projections separate: in_proj_qkv's
+// rows are conv1d's channels [q | k | v] (split alike, by key heads in each segment), in_proj_z's,
+// in_proj_b's and in_proj_a's per value head. Dense MLPs (qwen3_5_text), or a sparse block with a
+// shared expert in every layer (qwen3_5_moe_text); the parameters count as the projections'
+// sizes say.
+TEST(LayerSpec, Qwen35SplitsItsSeparateLinearProjectionsByHeads) {
+  ModelConfig c = *ModelPreset("qwen3-next-small");
+  c.model_type = "qwen3_5_moe_text";
+  c.intermediate_size = 0;
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
+  const ModelSpec spec = BuildModelSpec(c);
+  const std::vector<ParameterSpec>& linear = spec.layers[0].parameters;
+  std::vector<std::string> names;
+  for (const ParameterSpec& p : linear) names.push_back(p.name);
+  const std::string prefix = "model.layers.0.linear_attn.";
+  ASSERT_GE(names.size(), 10u);
+  EXPECT_EQ(
+      std::vector<std::string>(names.begin() + 1, names.begin() + 10),
+      (std::vector<std::string>{prefix + "in_proj_qkv.weight", prefix + "in_proj_z.weight",
+                                prefix + "in_proj_b.weight", prefix + "in_proj_a.weight",
+                                prefix + "conv1d.weight", prefix + "dt_bias", prefix + "A_log",
+                                prefix + "norm.weight", prefix + "out_proj.weight"}));
+  // 16 key heads of 128, 32 value heads of 128.
+  const TensorParallelSplit channels = {.dim = 0, .units = 16, .segments = {2048, 2048, 4096}};
+  EXPECT_EQ(linear[1].shape, (std::vector<int64_t>{8192, 2048}));
+  EXPECT_EQ(linear[1].split, channels);
+  EXPECT_EQ(linear[5].split, channels);  // conv1d
+  EXPECT_EQ(linear[2].shape, (std::vector<int64_t>{4096, 2048}));
+  EXPECT_EQ(linear[2].split, (TensorParallelSplit{.dim = 0, .units = 32}));
+  for (const size_t i : {3u, 4u}) {
+    EXPECT_EQ(linear[i].shape, (std::vector<int64_t>{32, 2048}));
+    EXPECT_EQ(linear[i].split, (TensorParallelSplit{.dim = 0, .units = 32}));
+  }
+  // As many weights as Qwen3-Next's grouped projections: the same layer, laid out otherwise.
+  const ModelSpec next = BuildModelSpec(*ModelPreset("qwen3-next-small"));
+  EXPECT_EQ(linear[1].numel() + linear[2].numel() + linear[3].numel() + linear[4].numel(),
+            next.layers[0].parameters[1].numel() + next.layers[0].parameters[2].numel());
+  for (const LayerSpec& layer : spec.layers) {
+    EXPECT_EQ(layer.mlp, MlpKind::kSparseMoeWithSharedExpert) << layer.index;
+    EXPECT_EQ(layer.norm, NormKind::kZeroCentredRms);
+    EXPECT_EQ(layer.mixer,
+              layer.index == 3 ? MixerKind::kGatedAttention : MixerKind::kGatedDeltaNet);
+    EXPECT_EQ(
+        LayerSavedBytes(c, layer, 2, 4).tensors,
+        LayerSavedBytes(*ModelPreset("qwen3-next-small"), next.layers[layer.index], 2, 4).tensors);
+  }
+  // The dense family: the same mixers, dense MLPs.
+  c = *ModelPreset("qwen3-next-small");
+  c.model_type = "qwen3_5_text";
+  c.num_experts = c.num_experts_per_tok = c.moe_intermediate_size = 0;
+  c.shared_expert_intermediate_size = 0;
+  c.norm_topk_prob = false;
+  c.router_aux_loss_coef = 0;
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c);
+  for (const LayerSpec& layer : BuildModelSpec(c).layers) {
+    EXPECT_EQ(layer.mlp, MlpKind::kSwiGlu);
+    EXPECT_EQ(layer.parameters[1].name.ends_with("in_proj_qkv.weight"), layer.linear_attention());
+  }
+}
+
 // A Gated DeltaNet layer on T ranks keeps 1 / T of its per-head tensors and cache: everything but
 // the residual stream's two norm inputs.
 TEST(LayerSpec, SavedBytesOfAGatedDeltaNetLayerDivideByTheRanks) {

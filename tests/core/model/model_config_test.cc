@@ -324,7 +324,7 @@ TEST(ModelConfig, RejectsBadAndUnsupportedConfigsNamingTheField) {
        "field 'layer_types': 1 entries for 28 layers"},
       {"mistral", R"({"model_type": "mistral"})", kUnsupported,
        "field 'model_type': 'mistral' is not supported (supported: llama, qwen2, qwen3, "
-       "qwen3_moe, qwen3_next)"},
+       "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"},
       {"linear_layer",
        R"({"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})",
        kUnsupported, "field 'layer_types': layer 0 is \"linear_attention\""},

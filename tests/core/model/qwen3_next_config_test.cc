@@ -23,6 +23,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
+using testing::ParseOk;
 
 constexpr LayerType kFull = LayerType::kFullAttention;
 constexpr LayerType kLinear = LayerType::kLinearAttention;
@@ -81,12 +82,6 @@ std::string Small(const std::string& edit = "{}") {
       "shared_expert_intermediate_size": 8})");
   json.merge_patch(Json::parse(edit));
   return json.dump();
-}
-
-ModelConfig ParseOk(const std::string& json) {
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(json);
-  EXPECT_TRUE(config.ok()) << config.status() << "\n" << json;
-  return config.ok() ? *config : ModelConfig();
 }
 
 std::vector<LayerType> Pattern(int64_t layers, int64_t interval) {

@@ -1,4 +1,5 @@
-// Table-driven refusals of config.json files, shared by the config tests.
+// Parsing config.json files in tests: ParseOk, and table-driven refusals; shared by the config
+// tests.
 #pragma once
 
 #include <string>
@@ -19,6 +20,14 @@ struct RefusedConfig {
   absl::StatusCode code;
   std::string expected;  // in the message
 };
+
+// The config `json` parses to (a test failure naming the error and the file if it does not parse;
+// a default ModelConfig then).
+inline ModelConfig ParseOk(const std::string& json) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(json);
+  EXPECT_TRUE(config.ok()) << config.status() << "\n" << json;
+  return config.ok() ? *config : ModelConfig();
+}
 
 // Each case's edit merged into `base` must be refused by ParseModelConfig with the case's code and
 // a message containing its expected text.

@@ -6,7 +6,8 @@
 // families with attention biases (Llama's q/k/v/o: o_proj's bias whole on every rank; Qwen2's
 // q/k/v: split with their rows) and scaled RoPE without q/k norms, for Qwen3-MoE and for
 // Qwen3-Next (Gated DeltaNet split by key heads, conv1d by segments; gated attention; the shared
-// expert with its whole gate). With data parallelism on top (DP x TP = 2 x 2) and every optimizer
+// expert with its whole gate) and Qwen3.5 (in_proj_qkv by segments like conv1d, in_proj_z, _b and
+// _a by value heads). With data parallelism on top (DP x TP = 2 x 2) and every optimizer
 // layout, the parameters after several clipped AdamW steps equal one process's.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -54,7 +55,8 @@ ModelConfig TensorParallelConfig(bool tied) {
 // "qwen3_moe-unnormalised": Qwen3-MoE without norm_topk_prob, layer 0 dense (mlp_only_layers).
 // "qwen3_next": layer 0 Gated DeltaNet with a dense MLP, layer 1 gated attention with experts and
 // a shared expert of width 5 (which no TP size of 2 or 4 divides evenly); 4 key heads (TP up to
-// 4) each serving 2 value heads.
+// 4) each serving 2 value heads. "qwen3_5_text" and "qwen3_5_moe_text" alike (dense MLPs; experts
+// in both layers), with Qwen3.5's separate Gated DeltaNet projections.
 ModelConfig FamilyConfig(const std::string& family, bool tied) {
   if (family == "qwen3_moe-unnormalised") {
     ModelConfig c = testing::WithFamily(TensorParallelConfig(tied), "qwen3_moe");
@@ -63,7 +65,7 @@ ModelConfig FamilyConfig(const std::string& family, bool tied) {
     return c;
   }
   ModelConfig c = testing::WithFamily(TensorParallelConfig(tied), family);
-  if (family == "qwen3_next") {
+  if (c.linear_num_key_heads > 0) {
     c.linear_num_key_heads = 4;
     c.linear_num_value_heads = 8;
   }
@@ -150,6 +152,57 @@ TEST(TensorParallel, MixtureOfExperts) {
 TEST(TensorParallel, Qwen3Next) {
   ExpectTensorParallelExact(2, /*tied=*/false, /*seed=*/31, /*loss_index=*/1, "qwen3_next");
   ExpectTensorParallelExact(4, /*tied=*/true, /*seed=*/32, /*loss_index=*/5, "qwen3_next");
+}
+
+// Qwen3.5: in_proj_qkv split like conv1d (three segments by key heads), in_proj_z, in_proj_b and
+// in_proj_a by value heads; dense MLPs, or experts with a shared expert in every layer (the
+// Gated DeltaNet layer's too).
+TEST(TensorParallel, Qwen35) {
+  ExpectTensorParallelExact(2, /*tied=*/true, /*seed=*/33, /*loss_index=*/2, "qwen3_5_text");
+  ExpectTensorParallelExact(4, /*tied=*/false, /*seed=*/34, /*loss_index=*/4, "qwen3_5_moe_text");
+}
+
+// Rank r's parts of Qwen3.5's projections on 4 ranks: one key head's q and k rows (4 + 4) and its
+// 2 value heads' v rows (2 x 3) of in_proj_qkv, concatenated as conv1d's; those value heads' rows
+// of in_proj_z (2 x 3), in_proj_b and in_proj_a (2); gathered, the whole again (bitwise).
+TEST(TensorParallel, Qwen35SplitsItsSeparateProjectionsByHeads) {
+  const ModelConfig config = FamilyConfig("qwen3_5_moe_text", false);
+  testing::RunRanks(4, [&](ProcessGroup& group) {
+    Decoder model(config, kFloat64, std::make_shared<TensorParallelOverProcessGroup>(group));
+    const int r = group.rank();
+    const std::string linear = "model.layers.0.linear_attn.";
+    EXPECT_EQ(model.parameter(linear + "in_proj_qkv.weight").sizes(),
+              at::IntArrayRef({4 + 4 + 2 * 3, 16}));
+    EXPECT_EQ(model.parameter(linear + "in_proj_z.weight").sizes(), at::IntArrayRef({6, 16}));
+    EXPECT_EQ(model.parameter(linear + "in_proj_b.weight").sizes(), at::IntArrayRef({2, 16}));
+    EXPECT_EQ(model.parameter(linear + "in_proj_a.weight").sizes(), at::IntArrayRef({2, 16}));
+    const auto& named = model.named_parameters();
+    for (size_t i = 0; i < named.size(); ++i) {
+      const std::string& name = named[i].first;
+      at::Tensor whole;
+      at::Tensor expected;
+      if (name == linear + "in_proj_qkv.weight") {
+        whole = at::arange(56 * 16, kFloat64).view({56, 16}).sin();
+        expected = at::cat({whole.narrow(0, 4 * r, 4), whole.narrow(0, 16 + 4 * r, 4),
+                            whole.narrow(0, 32 + 6 * r, 6)});
+      } else if (name == linear + "in_proj_z.weight") {
+        whole = at::arange(24 * 16, kFloat64).view({24, 16}).sin();
+        expected = whole.narrow(0, 6 * r, 6);
+      } else if (name == linear + "in_proj_a.weight") {
+        whole = at::arange(8 * 16, kFloat64).view({8, 16}).sin();
+        expected = whole.narrow(0, 2 * r, 2);
+      } else {
+        continue;
+      }
+      const at::Tensor part = model.LocalPart(i, whole);
+      EXPECT_TRUE(at::equal(part, expected)) << name;
+      {
+        at::NoGradGuard no_grad;
+        named[i].second.copy_(part);
+      }
+      EXPECT_TRUE(at::equal(model.GatherParameter(i), whole)) << name;
+    }
+  });
 }
 
 // Rank r's parts of a Qwen3-Next model on 4 ranks: one key head (4 + 4 channels) and its 2 value
@@ -368,6 +421,12 @@ TEST(TensorParallel, CheckpointsAreWholeAndOptimizerStateKeepsItsSize) {
 TEST(TensorParallel, Qwen3NextCheckpointsAreWhole) {
   ExpectCheckpointsAreWhole(FamilyConfig("qwen3_next", false), 4,
                             ScratchDirectory("dta-tp-next-checkpoint"));
+}
+
+// Qwen3.5 on 4 ranks: in_proj_qkv's segments too.
+TEST(TensorParallel, Qwen35CheckpointsAreWhole) {
+  ExpectCheckpointsAreWhole(FamilyConfig("qwen3_5_moe_text", false), 4,
+                            ScratchDirectory("dta-tp-qwen3_5-checkpoint"));
 }
 
 TEST(TensorParallel, SplitsFollowHeadsMlpAndVocabulary) {

@@ -236,7 +236,11 @@ TEST_P(FamilyEquivalence, HasTheFamilysBiasesAndNorms) {
   const bool from_config = family.attention_bias == AttentionBiasRule::kFromConfig;
   const bool qkv_bias =
       family.attention_bias == AttentionBiasRule::kQkvAlways || (from_config && c.attention_bias);
-  EXPECT_EQ(has("model.layers.0.linear_attn.in_proj_qkvz.weight"), linear);
+  // Qwen3-Next's grouped input projections, or Qwen3.5's separate ones.
+  const bool separate = family.separate_linear_projections;
+  EXPECT_EQ(has("model.layers.0.linear_attn.in_proj_qkvz.weight"), linear && !separate);
+  EXPECT_EQ(has("model.layers.0.linear_attn.in_proj_qkv.weight"), linear && separate);
+  EXPECT_EQ(has("model.layers.0.linear_attn.in_proj_a.weight"), linear && separate);
   EXPECT_EQ(has("model.layers.0.linear_attn.A_log"), linear);
   EXPECT_EQ(has("model.layers.0.self_attn.q_proj.weight"), !linear);
   EXPECT_EQ(has("model.layers.1.mlp.shared_expert.gate_proj.weight"),

@@ -198,7 +198,7 @@ TEST_P(ExpertParallelEquivalence, LogprobsOnlyPasses) {
 INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelEquivalence,
                          ::testing::Values(Case{2, "qwen3_moe"}, Case{3, "qwen3_moe"},
                                            Case{4, "qwen3_moe"}, Case{2, "qwen3_next"},
-                                           Case{3, "qwen3_next"},
+                                           Case{3, "qwen3_next"}, Case{2, "qwen3_5_moe_text"},
                                            Case{2, "qwen3_moe", false, /*tensor_parallel=*/2}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            const Case& c = info.param;

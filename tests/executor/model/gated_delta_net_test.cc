@@ -355,6 +355,68 @@ TEST(GatedDeltaNetLayer, SplitChainWithContextEqualsTheWhole) {
   }
 }
 
+// Qwen3.5's separate projections of the layer `grouped` holds as Qwen3-Next's: the rows of
+// in_proj_qkvz and in_proj_ba regrouped (all q, all k, all v; all z; all b; all a), the other
+// parameters copies. `swap_gates` exchanges b and a (a wrong layout, for the test to fail on).
+GatedDeltaNetWeights SeparateProjections(const LayerFixture& grouped, bool swap_gates = false) {
+  const GatedDeltaNetShape& s = grouped.shape;
+  const int64_t kh = s.key_heads, vh = s.value_heads, dk = s.key_head_dim, dv = s.value_head_dim;
+  const int64_t g = vh / kh, hidden = grouped.hidden;
+  const std::vector<at::Tensor> qkvz = grouped.w.in_proj_qkvz.detach()
+                                           .view({kh, 2 * dk + 2 * g * dv, hidden})
+                                           .split_with_sizes({dk, dk, g * dv, g * dv}, 1);
+  const std::vector<at::Tensor> ba =
+      grouped.w.in_proj_ba.detach().view({kh, 2 * g, hidden}).split_with_sizes({g, g}, 1);
+  auto leaf = [](const at::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+  GatedDeltaNetWeights w;
+  w.in_proj_qkv =
+      leaf(at::cat({qkvz[0].reshape({kh * dk, hidden}), qkvz[1].reshape({kh * dk, hidden}),
+                    qkvz[2].reshape({vh * dv, hidden})}));
+  w.in_proj_z = leaf(qkvz[3].reshape({vh * dv, hidden}));
+  w.in_proj_b = leaf(ba[swap_gates ? 1 : 0].reshape({vh, hidden}));
+  w.in_proj_a = leaf(ba[swap_gates ? 0 : 1].reshape({vh, hidden}));
+  for (at::Tensor GatedDeltaNetWeights::*p :
+       {&GatedDeltaNetWeights::conv1d, &GatedDeltaNetWeights::dt_bias, &GatedDeltaNetWeights::a_log,
+        &GatedDeltaNetWeights::norm, &GatedDeltaNetWeights::out_proj}) {
+    w.*p = leaf(grouped.w.*p);
+  }
+  return w;
+}
+
+// One layer in both layouts computes the same outputs, state and cache rows, and the same
+// gradients (the projections' regrouped alike): the mixer reads both as one.
+TEST(GatedDeltaNetLayer, Qwen35sSeparateProjectionsAreQwen3NextsRegrouped) {
+  const LayerFixture grouped(41);
+  LayerFixture separate(41);
+  separate.w = SeparateProjections(grouped);
+  const int64_t t = 9;
+  at::manual_seed(42);
+  const at::Tensor x = at::randn({t, grouped.hidden}, kDouble);
+  const at::Tensor seed = at::randn({t, grouped.hidden}, kDouble);
+  const LinearMixerOutput a = grouped.Run(x, {}, 0);
+  const LinearMixerOutput b = separate.Run(x, {}, 0);
+  EXPECT_LT(RelativeError(b.out, a.out), 1e-14);
+  EXPECT_LT(RelativeError(b.final_state, a.final_state), 1e-14);
+  EXPECT_LT(RelativeError(b.conv_inputs, a.conv_inputs), 1e-14);
+  torch::autograd::backward({(a.out * seed).sum()});
+  torch::autograd::backward({(b.out * seed).sum()});
+  // The grouped gradients regrouped as the separate weights are.
+  LayerFixture grads(41);
+  grads.w.in_proj_qkvz = grouped.w.in_proj_qkvz.grad();
+  grads.w.in_proj_ba = grouped.w.in_proj_ba.grad();
+  const GatedDeltaNetWeights expected = SeparateProjections(grads);
+  EXPECT_LT(RelativeError(separate.w.in_proj_qkv.grad(), expected.in_proj_qkv), 1e-13);
+  EXPECT_LT(RelativeError(separate.w.in_proj_z.grad(), expected.in_proj_z), 1e-13);
+  EXPECT_LT(RelativeError(separate.w.in_proj_b.grad(), expected.in_proj_b), 1e-13);
+  EXPECT_LT(RelativeError(separate.w.in_proj_a.grad(), expected.in_proj_a), 1e-13);
+  EXPECT_LT(RelativeError(separate.w.conv1d.grad(), grouped.w.conv1d.grad()), 1e-13);
+  EXPECT_LT(RelativeError(separate.w.a_log.grad(), grouped.w.a_log.grad()), 1e-13);
+  EXPECT_LT(RelativeError(separate.w.norm.grad(), grouped.w.norm.grad()), 1e-13);
+  // A wrong regrouping computes something else.
+  separate.w = SeparateProjections(grouped, /*swap_gates=*/true);
+  EXPECT_GT(RelativeError(separate.Run(x, {}, 0).out, a.out), 1e-3);
+}
+
 TEST(GatedDeltaNetLayer, ContextMatters) {
   // Without its context the second part computes something else: the split test can fail.
   const LayerFixture f(31);

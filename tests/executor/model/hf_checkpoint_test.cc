@@ -1,7 +1,8 @@
 // Qwen3 checkpoints: bit-exact round trips (float32, float64, bf16 export, shards, tied
 // embeddings), dtype conversion on load, and clear errors for missing, misshapen, unexpected,
-// mistyped tensors and a missing config. Parity with transformers is
-// tests/python/test_hf_parity.py.
+// mistyped tensors and a missing config; Qwen3.5's vision-language checkpoints read as their
+// language model. Parity with transformers is tests/python/test_hf_parity.py (and
+// test_hf_parity_next.py for the vision-language layout).
 #include "executor/model/hf_checkpoint.h"
 #include "core/model/config_json.h"
 
@@ -10,6 +11,7 @@
 #include <stdlib.h>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <set>
 #include <string>
@@ -19,8 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/safetensors.h"
 #include "core/model/model_config.h"
+#include "executor/device/safetensors_tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/executor_cases.h"
 
 namespace dta {
 namespace {
@@ -354,6 +358,96 @@ TEST(HfCheckpointTest, UnexpectedTensorsAreNamed) {
       ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
       AllOf(HasSubstr("2 unexpected"), HasSubstr("'model.layers.0.self_attn.q_proj.bias'"),
             HasSubstr("'model.layers.2.mlp.up_proj.weight'"), HasSubstr("model.safetensors")));
+}
+
+// A small model of `family`'s (testing::WithFamily: for Qwen3.5 a Gated DeltaNet layer and a
+// gated attention layer, dense or with experts in both).
+ModelConfig FamilyConfig(const std::string& family) {
+  return testing::WithFamily(TinyConfig(), family);
+}
+
+// `model` written as the Hub's Qwen3.5 checkpoints are: a vision-language model's config.json
+// (model_type `wrapper`, the decoder's config in text_config), the decoder's "model.*" tensors
+// under "model.language_model.*" (lm_head.weight as it is), a vision tower and a multi-token
+// prediction head beside them, and `extra` tensors.
+void WriteVisionLanguageCheckpoint(const std::string& dir, const Decoder& model,
+                                   const std::string& wrapper, const NamedTensors& extra = {}) {
+  const TestDirectory decoder;
+  SaveHfModel(model, decoder);
+  absl::StatusOr<SafetensorsCheckpoint> saved = SafetensorsCheckpoint::Open(decoder);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  NamedTensors tensors = extra;
+  for (const std::string& name : saved->names()) {
+    const std::string stored =
+        name.starts_with("model.") ? "model.language_model." + name.substr(6) : name;
+    tensors.emplace_back(stored, TensorFromView(*saved->Find(name), at::kFloat));
+  }
+  tensors.emplace_back("model.visual.blocks.0.attn.qkv.weight", at::ones({6, 2}));
+  tensors.emplace_back("mtp.layers.0.mlp.up_proj.weight", at::ones({2, 2}));
+  SaveNamedTensors(tensors, (fs::path(dir) / "model.safetensors").string());
+  std::ofstream(fs::path(dir) / "config.json")
+      << absl::StrCat(R"({"model_type": ")", wrapper,
+                      R"(", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                      "vision_config": {"depth": 1}, "text_config": )",
+                      ModelConfigToJson(model.config()), "}");
+}
+
+// Qwen3.5's vision-language checkpoints load as their language model, whose tensors they hold
+// under "model.language_model."; the vision tower and the multi-token prediction head are skipped
+// (as transformers' Qwen3_5ForCausalLM does). Saved again, the model is the decoder alone.
+TEST(HfCheckpointTest, Qwen35VisionLanguageCheckpointsLoadTheirLanguageModel) {
+  for (const bool moe : {false, true}) {
+    SCOPED_TRACE(moe ? "qwen3_5_moe" : "qwen3_5");
+    Decoder model(FamilyConfig(moe ? "qwen3_5_moe_text" : "qwen3_5_text"),
+                  at::TensorOptions().dtype(at::kFloat));
+    model.InitRandom(3, 0.1);
+    const TestDirectory dir;
+    WriteVisionLanguageCheckpoint(dir, model, moe ? "qwen3_5_moe" : "qwen3_5");
+    const Decoder loaded = LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat));
+    EXPECT_EQ(loaded.config(), model.config());
+    ExpectSameParameters(model, loaded);
+
+    const TestDirectory again;
+    SaveHfModel(loaded, again);
+    absl::StatusOr<SafetensorsCheckpoint> saved = SafetensorsCheckpoint::Open(again);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    for (const std::string& name : saved->names()) {
+      EXPECT_TRUE(name.starts_with("model.layers.") || name.starts_with("model.embed_tokens.") ||
+                  name == "model.norm.weight" || name == "lm_head.weight")
+          << name;
+    }
+    EXPECT_EQ(LoadModelConfig(again)->model_type, model.config().model_type);
+  }
+}
+
+TEST(HfCheckpointTest, Qwen35TensorsStoredUnderBothNamesAreRefused) {
+  Decoder model(FamilyConfig("qwen3_5_text"), at::TensorOptions().dtype(at::kFloat));
+  model.InitRandom(3, 0.1);
+  const TestDirectory dir;
+  WriteVisionLanguageCheckpoint(dir, model, "qwen3_5", {{"model.norm.weight", at::ones({16})}});
+  EXPECT_THAT(ErrorOf([&] { LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)); }),
+              AllOf(HasSubstr("'model.norm.weight' is stored twice"),
+                    HasSubstr("'model.language_model.norm.weight'")));
+}
+
+// Qwen3-Next's checkpoints on the Hub hold a multi-token prediction head, which
+// Qwen3NextForCausalLM skips; a vision tower it would not.
+TEST(HfCheckpointTest, Qwen3NextSkipsItsMultiTokenPredictionHead) {
+  ModelConfig config = FamilyConfig("qwen3_next");
+  config.num_experts = 0;  // every MLP dense: the model's names are its tensors' (Parameters)
+  Decoder model(config, at::TensorOptions().dtype(at::kFloat));
+  model.InitRandom(3, 0.1);
+  NamedTensors tensors = Parameters(model);
+  tensors.emplace_back("mtp.fc.weight", at::ones({2, 2}));
+  const TestDirectory dir;
+  WriteCheckpoint(dir, tensors, model.config());
+  ExpectSameParameters(model, LoadHfModel(dir, at::TensorOptions().dtype(at::kFloat)));
+  tensors.emplace_back("model.visual.patch_embed.proj.weight", at::ones({2, 2}));
+  const TestDirectory with_vision;
+  WriteCheckpoint(with_vision, tensors, model.config());
+  EXPECT_THAT(ErrorOf([&] { LoadHfModel(with_vision, at::TensorOptions().dtype(at::kFloat)); }),
+              AllOf(HasSubstr("1 unexpected"), HasSubstr("'model.visual.patch_embed.proj.weight'"),
+                    HasSubstr("Qwen3-Next")));
 }
 
 TEST(HfCheckpointTest, TiedConfigOverAnUntiedCheckpointIsRefused) {
