@@ -15,6 +15,8 @@
 #               offload  offloaded (--offload_optimizer=true), streamed through the GPU
 #               host     with offload: updated on the host's cores (--offload_update=host)
 #               auto     the planner's choice (printed in the log)
+#               residentN  with offload: N GB of the state kept on the GPU (--offload_resident_gb=N;
+#                        by default the planner fills the GPU's spare memory)
 #               tpN      N-way tensor parallelism (--tensor_parallel=N)
 #               dpN      N data-parallel replicas (sharded optimizer, the planner's default)
 #             e.g. 8b:offload, 8b:offload+host, 8b:tp2+gpu, 8b:dp2. A run takes tp x dp GPUs.
@@ -41,7 +43,7 @@ for arg in "$@"; do
     --steps=*) steps="${arg#*=}" ;;
     --no_build) build=0 ;;
     --out=*) out="${arg#*=}" ;;
-    -h | --help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_layout: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -78,13 +80,14 @@ for pair in "${pairs[@]}"; do
       offload) flags+=(--offload_optimizer=true) ;;
       host) flags+=(--offload_update=host) ;;
       auto) ;;
+      resident[0-9]*) flags+=(--offload_resident_gb="${part#resident}") ;;
       tp[0-9]*) tp="${part#tp}"; flags+=(--tensor_parallel="$tp") ;;
       dp[0-9]*) dp="${part#dp}" ;;
-      *) echo "gpu_layout: unknown layout part '$part' (gpu, offload, host, auto, tpN, dpN)" >&2; exit 2 ;;
+      *) echo "gpu_layout: unknown layout part '$part' (gpu, offload, host, auto, residentN, tpN, dpN)" >&2; exit 2 ;;
     esac
   done
   ranks=$((tp * dp))
-  name="layout-$model-$layout"
+  name="layout-$model-${layout//+/_}"  # no "+" in file names: some transfers refuse them
   rm -f "$out/$name.jsonl"
   echo "gpu_layout: qwen3-$model, $layout on $ranks GPU(s)" >&2
   args=(--config="qwen3-$model" --rollouts="$workload" --dtype=bfloat16 --device=cuda

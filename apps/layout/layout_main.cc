@@ -104,10 +104,16 @@ int PrintTable(const LayoutRequest& base) {
         const TrainingLayout& l = plan->layout;
         const std::string experts =
             l.expert_parallel > 1 ? absl::StrCat(", EP ", l.expert_parallel) : "";
+        const std::string offloaded =
+            !l.offload_optimizer ? ""
+            : plan->memory.optimizer > 0
+                ? absl::StrFormat(", offloaded (%.1f GiB of it kept on the GPU)",
+                                  static_cast<double>(plan->memory.optimizer) / kGiB)
+                : ", offloaded";
         std::printf(
             "| %s | %.2fB | %d | %.0f GiB | TP %d x DP %d%s%s%s | %.1f | %.1f | %s |\n", name,
             billions, gpus, gpu_gb, l.tensor_parallel, l.data_parallel, experts.c_str(),
-            l.shard_optimizer ? ", sharded" : "", l.offload_optimizer ? ", offloaded" : "",
+            l.shard_optimizer ? ", sharded" : "", offloaded.c_str(),
             static_cast<double>(plan->memory.gpu_total()) / kGiB,
             static_cast<double>(plan->memory.activations) / kGiB,
             plan->memory.host_optimizer > 0

@@ -9,6 +9,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/layout/memory_plan.h"
@@ -132,6 +133,10 @@ ABSL_FLAG(std::string, offload_optimizer, "auto",
 ABSL_FLAG(std::string, offload_update, "gpu",
           "with an offloaded optimizer on a GPU, where AdamW updates it: gpu (streamed through the "
           "GPU from page-locked host memory) or host (on the host's cores)");
+ABSL_FLAG(std::string, offload_resident_gb, "auto",
+          "with an offloaded optimizer streamed through the GPU: GB (1e9 bytes) of its state "
+          "per GPU kept there, updated without crossing the bus; auto: what the GPU holds beside "
+          "the rest of the layout (less a headroom of 5%, at least 2 GiB); 0: none");
 ABSL_FLAG(double, gpu_memory_gb, 0,
           "memory per GPU the layout may plan for, GB (0: the device's total; on the CPU, the "
           "host's)");
@@ -359,6 +364,15 @@ LayoutPlan LayoutFromFlags(const ModelConfig& config, int world_size, const at::
       LayoutChoiceFlag("shard_optimizer", absl::GetFlag(FLAGS_shard_optimizer));
   overrides.offload_optimizer =
       LayoutChoiceFlag("offload_optimizer", absl::GetFlag(FLAGS_offload_optimizer));
+  if (const std::string resident = absl::GetFlag(FLAGS_offload_resident_gb); resident != "auto") {
+    double gb = 0;
+    if (!absl::SimpleAtod(resident, &gb) || !std::isfinite(gb) || gb < 0) {
+      throw BadInput{"--offload_resident_gb must be auto or a number of GB >= 0, got '" + resident +
+                     "'"};
+    }
+    overrides.offload_resident_gb = gb;
+  }
+  overrides.offload_streamed = OffloadUpdateFromFlags() == OffloadUpdate::kOnDevice;
   absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
       config, world_size, device, TensorOptionsFromFlags().dtype().toScalarType(), overrides);
   if (!plan.ok()) throw BadInput{std::string(plan.status().message())};

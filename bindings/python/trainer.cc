@@ -94,8 +94,10 @@ Trainer::Trainer(const ModelConfig& config, at::TensorOptions options, const Ada
           options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)));
     }
   }
-  absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(
-      config, env.world_size, options.device(), options.dtype().toScalarType(), parallel.layout);
+  LayoutOverrides overrides = parallel.layout;
+  overrides.offload_streamed = parallel.offload_update == OffloadUpdate::kOnDevice;
+  absl::StatusOr<LayoutPlan> plan = PlanDeviceLayout(config, env.world_size, options.device(),
+                                                     options.dtype().toScalarType(), overrides);
   TORCH_CHECK(plan.ok(), std::string(plan.status().message()));
   layout_ = *plan;
   if (parallel.distributed) {

@@ -263,6 +263,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("tensor_parallel", &LayoutOverrides::tensor_parallel)
       .def_readwrite("shard_optimizer", &LayoutOverrides::shard_optimizer)
       .def_readwrite("offload_optimizer", &LayoutOverrides::offload_optimizer)
+      .def_readwrite("offload_resident_gb", &LayoutOverrides::offload_resident_gb)
       .def_readwrite("gpu_memory_gb", &LayoutOverrides::gpu_memory_gb)
       .def_readwrite("activation_gb", &LayoutOverrides::activation_gb)
       .def_property(

@@ -137,8 +137,17 @@ MemoryEstimate EstimateMemory(const ModelConfig& config, const TrainingLayout& l
                                              layout.tensor_parallel, request.weight_bytes);
     memory.activations = memory.executor.total();
   }
-  (layout.offload_optimizer ? memory.host_optimizer : memory.optimizer) = optimizer;
+  if (layout.offload_optimizer) {
+    memory.host_optimizer = optimizer;
+    memory.optimizer = std::clamp<int64_t>(layout.offload_resident_bytes, 0, optimizer);
+  } else {
+    memory.optimizer = optimizer;
+  }
   return memory;
+}
+
+int64_t ResidentHeadroom(int64_t gpu_bytes) {
+  return std::max<int64_t>(int64_t{2} << 30, gpu_bytes / 20);
 }
 
 std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config,
@@ -199,6 +208,10 @@ absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutReq
     }
     degrees = {request.tensor_parallel};
   }
+  if (request.offload_resident_bytes.has_value() && *request.offload_resident_bytes < 0) {
+    return FieldError("offload_resident_bytes",
+                      absl::StrCat("must be >= 0, got ", *request.offload_resident_bytes));
+  }
   if (request.expert_parallel < 0) {
     return FieldError("expert_parallel",
                       absl::StrCat("must be >= 0, got ", request.expert_parallel));
@@ -239,7 +252,24 @@ absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutReq
         LayoutPlan plan{layout, EstimateMemory(config, layout, request), parameters,
                         request.gpu_bytes};
         const int32_t ranks_per_node = std::min(request.gpus_per_node, request.world_size);
-        if (Fits(plan.memory, request, ranks_per_node)) return plan;
+        if (Fits(plan.memory, request, ranks_per_node)) {
+          if (offload) {
+            const int64_t spare =
+                request.gpu_bytes - plan.memory.gpu_total() - ResidentHeadroom(request.gpu_bytes);
+            plan.layout.offload_resident_bytes =
+                std::min(plan.memory.host_optimizer,
+                         request.offload_resident_bytes.value_or(std::max<int64_t>(0, spare)));
+            plan.memory = EstimateMemory(config, plan.layout, request);
+            if (!Fits(plan.memory, request, ranks_per_node)) {
+              return FieldError(
+                  "offload_resident_bytes",
+                  absl::StrCat(GiB(plan.memory.optimizer), " of optimizer state on each GPU do ",
+                               "not fit beside the rest (", LayoutName(plan.layout), ": ",
+                               GiB(plan.memory.gpu_total()), " of ", GiB(request.gpu_bytes), ")"));
+            }
+          }
+          return plan;
+        }
         if (!smallest.has_value() || plan.memory.gpu_total() < smallest->memory.gpu_total())
           smallest = plan;
       }
@@ -299,7 +329,12 @@ std::string DescribeLayout(const LayoutPlan& plan) {
       "; per GPU ", GiB(m.gpu_total()), " of ", GiB(plan.gpu_bytes), ": weights ", GiB(m.weights),
       ", gradients ", GiB(m.gradients), ", optimizer ", GiB(m.optimizer), ", activations ",
       GiB(m.activations), ExecutorTerms(m));
-  if (m.host_optimizer > 0) absl::StrAppend(&out, "; host: ", GiB(m.host_optimizer), " per rank");
+  if (m.host_optimizer > 0) {
+    absl::StrAppend(&out, "; host: ", GiB(m.host_optimizer), " per rank");
+    if (m.optimizer > 0) {
+      absl::StrAppend(&out, " (", GiB(m.optimizer), " of it also on the GPU, updated there)");
+    }
+  }
   return out;
 }
 

@@ -7,7 +7,8 @@
 //   weights     (P_s / TP + P_r) x weight bytes (2: bfloat16)
 //   gradients   (P_s / TP + P_r) x 4            (float32, accumulated in full before the reduction)
 //   optimizer   (P_s / TP + P_r) x 12 / DP      (float32 master + two moments; / DP when sharded;
-//                                                0 on the GPU when offloaded: then on the host)
+//                                                when offloaded all of it on the host, and on the
+//                                                GPU only the part its spare memory keeps)
 //   activations the executor's own peak, estimated from the shape at this TP degree and the
 //               executor's options (executor_memory.h), or the caller's reserve
 //
@@ -59,6 +60,10 @@ struct TrainingLayout {
   bool shard_optimizer = false;
   // Master weights and moments in pinned host memory, updated there.
   bool offload_optimizer = false;
+  // With offload: bytes of each rank's optimizer state that also stay on its GPU, where they are
+  // updated without crossing the bus (the host's copy is refreshed only to save them). The bus is
+  // an offloaded step's limit, so the planner gives them the GPU's spare memory.
+  int64_t offload_resident_bytes = 0;
 
   bool operator==(const TrainingLayout&) const = default;
 };
@@ -67,9 +72,9 @@ struct TrainingLayout {
 struct MemoryEstimate {
   int64_t weights = 0;
   int64_t gradients = 0;
-  int64_t optimizer = 0;       // on the GPU; 0 when offloaded
+  int64_t optimizer = 0;       // on the GPU; when offloaded, the resident part
   int64_t activations = 0;     // the executor's estimate, or the reserve asked for
-  int64_t host_optimizer = 0;  // per rank, when offloaded
+  int64_t host_optimizer = 0;  // per rank, when offloaded (all of it)
   // Whether `activations` is the executor's estimate (then its terms and token counts below) or
   // the reserve the request gave.
   bool activations_estimated = false;
@@ -80,6 +85,10 @@ struct MemoryEstimate {
 
 // LayoutRequest::activation_bytes: estimate the executor's memory instead of reserving a size.
 inline constexpr int64_t kEstimatedActivations = -1;
+
+// What an automatic offload_resident_bytes leaves free on a GPU of `gpu_bytes`: 5% of it, at
+// least 2 GiB (the allocator's fragmentation, the streaming buffers, the estimate's error).
+int64_t ResidentHeadroom(int64_t gpu_bytes);
 
 struct LayoutRequest {
   int32_t world_size = 1;
@@ -101,6 +110,9 @@ struct LayoutRequest {
   int32_t expert_parallel = 1;
   std::optional<bool> shard_optimizer;
   std::optional<bool> offload_optimizer;
+  // With offload: the optimizer bytes kept on each GPU (capped at the rank's state); nullopt: what
+  // the GPU holds beyond the rest of the estimate and kResidentHeadroom.
+  std::optional<int64_t> offload_resident_bytes;
   // What drives the executor's memory when activation_bytes is estimated.
   ExecutorMemoryOptions executor;
 };
@@ -125,15 +137,16 @@ std::vector<int32_t> AllowedTensorParallel(const ModelConfig& config, const Layo
 std::vector<int32_t> AllowedExpertParallel(const ModelConfig& config, int32_t data_parallel);
 
 // The first layout that fits, preferring the least communication: without offload before with
-// it, then the smallest TP degree, then (with LayoutRequest::expert_parallel 0) the smallest EP
-// degree (experts spread over replicas keep their GEMMs whole, where TP splits them); the
-// optimizer is sharded whenever DP > 1 (ZeRO-1 moves as many
-// bytes as the all-reduce it replaces). The executor's estimate shrinks with TP (its per-head and
-// per-vocabulary terms are split), so a larger TP degree can fit where a smaller one does not.
-// INVALID_ARGUMENT for a request that makes no sense (no GPU memory, a world size of 0, an
-// override the config does not allow, executor options out of range), naming the field;
-// RESOURCE_EXHAUSTED when nothing fits, naming the parameters, the GPUs and the smallest layout's
-// bytes (with the executor's terms and token counts when estimated).
+// it (an offloaded layout keeps what it can of the state on the GPU: offload_resident_bytes), then
+// the smallest TP degree, then (with LayoutRequest::expert_parallel 0) the smallest EP degree
+// (experts spread over replicas keep their GEMMs whole, where TP splits them); the optimizer is
+// sharded whenever DP > 1 (ZeRO-1 moves as many bytes as the all-reduce it replaces). The
+// executor's estimate shrinks with TP (its per-head and per-vocabulary terms are split), so a
+// larger TP degree can fit where a smaller one does not. INVALID_ARGUMENT for a request that makes
+// no sense (no GPU memory, a world size of 0, an override the config does not allow, executor
+// options out of range), naming the field; RESOURCE_EXHAUSTED when nothing fits, naming the
+// parameters, the GPUs and the smallest layout's bytes (with the executor's terms and token counts
+// when estimated).
 absl::StatusOr<LayoutPlan> PlanLayout(const ModelConfig& config, const LayoutRequest& request);
 
 // A --shard_optimizer / --offload_optimizer value: "auto" (nullopt: the planner chooses), "true"

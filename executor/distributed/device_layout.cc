@@ -49,6 +49,21 @@ absl::StatusOr<LayoutPlan> PlanDeviceLayout(const ModelConfig& config, int world
   request.expert_parallel = overrides.expert_parallel;
   request.shard_optimizer = overrides.shard_optimizer;
   request.offload_optimizer = overrides.offload_optimizer;
+  if (overrides.offload_resident_gb.has_value()) {
+    if (!(*overrides.offload_resident_gb >= 0)) {
+      return absl::InvalidArgumentError("offload_resident_gb must be >= 0");
+    }
+    request.offload_resident_bytes = static_cast<int64_t>(*overrides.offload_resident_gb * 1e9);
+  }
+  // Only state streamed through a GPU can stay there.
+  if (!device.is_cuda() || !overrides.offload_streamed) {
+    if (request.offload_resident_bytes.value_or(0) > 0) {
+      return absl::InvalidArgumentError(
+          "offload_resident_gb: an optimizer offloaded to the host keeps state on a GPU only when "
+          "it is streamed through one (a CUDA device, offload_update gpu)");
+    }
+    request.offload_resident_bytes = 0;
+  }
   return PlanLayout(config, request);
 }
 

@@ -24,6 +24,12 @@ struct LayoutOverrides {
   int expert_parallel = 1;              // 0: the planner's choice (mixture-of-experts models)
   std::optional<bool> shard_optimizer;  // nullopt: the planner's choice
   std::optional<bool> offload_optimizer;
+  // With offload: GB (1e9 bytes) of the optimizer's state per GPU kept there; nullopt: what the GPU
+  // holds beside the rest (LayoutRequest::offload_resident_bytes).
+  std::optional<double> offload_resident_gb;
+  // Whether an offloaded optimizer streams through the GPU (OffloadUpdate::kOnDevice); updated on
+  // the host instead, none of its state stays on the GPU.
+  bool offload_streamed = true;
   double gpu_memory_gb = 0;  // memory each GPU may use, GB (1e9 bytes); 0: the device's
   // Reserve for the executor, GB; negative (the default): the executor's own peak, estimated from
   // the model's shape at each TP degree and `executor` (core/layout/executor_memory.h).

@@ -122,6 +122,15 @@ ShardedAdamW::ShardedAdamW(ProcessGroup* group,
       exp_avg_ = pinned_[1];
       exp_avg_sq_ = pinned_[2];
       streamed_ = true;
+      TORCH_CHECK(sharding_.resident_elements >= 0,
+                  "ShardedAdamW: resident_elements must be >= 0, got ",
+                  sharding_.resident_elements);
+      const int64_t b = std::min(sharding_.bucket_elements, shard_);
+      resident_ = sharding_.resident_elements >= shard_
+                      ? shard_
+                      : sharding_.resident_elements / b * b;  // whole buckets
+      resident_state_ =
+          at::zeros({3, resident_}, at::TensorOptions().dtype(state_dtype_).device(device_));
     } else {
       streaming_refused_ = pinned.status().ToString();
     }
@@ -219,6 +228,35 @@ void ShardedAdamW::ReduceGradients() {
   }
 }
 
+void ShardedAdamW::LoadResident(int rows) const {
+  if (resident_ == 0) return;
+  for (int row = 0; row < rows; ++row) {
+    resident_state_[row].copy_(pinned_[row].narrow(0, 0, resident_));
+  }
+}
+
+void ShardedAdamW::StoreResident() const {
+  if (resident_ == 0) return;
+  for (int row = 0; row < 3; ++row) {
+    pinned_[row].narrow(0, 0, resident_).copy_(resident_state_[row]);
+  }
+}
+
+const at::Tensor& ShardedAdamW::master_shard() const {
+  StoreResident();
+  return master_;
+}
+
+const at::Tensor& ShardedAdamW::exp_avg_shard() const {
+  StoreResident();
+  return exp_avg_;
+}
+
+const at::Tensor& ShardedAdamW::exp_avg_sq_shard() const {
+  StoreResident();
+  return exp_avg_sq_;
+}
+
 at::Tensor ShardedAdamW::NewMaster() const {
   if (pinned_.defined()) return pinned_[0].zero_();
   return at::zeros({shard_}, exp_avg_.options());
@@ -230,6 +268,7 @@ void ShardedAdamW::ResetMasterFromParameters() {
   ForEachPiece(rank_ * shard_, shard_, [&](size_t i, int64_t in_param, int64_t n, int64_t local) {
     master_.narrow(0, local, n).copy_(named_[i].second.detach().view(-1).narrow(0, in_param, n));
   });
+  LoadResident(/*rows=*/1);  // the moments on the GPU stay the newest
 }
 
 at::Tensor ShardedAdamW::MasterFromParameters() const {
@@ -321,7 +360,10 @@ StepStats ShardedAdamW::StepWithNorm(double total, NonFiniteGradients on_nonfini
   StepStats stats;
   stats.grad_norm = total;
   stats.clip_coef = ClipCoefficient(total, options_.max_grad_norm);
-  if (!master_.defined()) master_ = MasterFromParameters();
+  if (!master_.defined()) {
+    master_ = MasterFromParameters();
+    LoadResident(/*rows=*/1);
+  }
   const int64_t t = step_ + 1;
   const AdamWStepScalars scalars = AdamWScalarsFor(options_, t);
   if (streamed_) {
@@ -405,8 +447,10 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
   c10::Event stored[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
   offload_times_ = {};
   const Clock::time_point start = Clock::now();
+  // Streamed bucket j (elements [R + j b, ...)) uses slot j % 2.
+  auto slot_of = [&](int64_t begin) { return static_cast<int>(((begin - resident_) / b) % 2); };
   auto load = [&](int64_t begin) {
-    const int k = static_cast<int>((begin / b) % 2);
+    const int k = slot_of(begin);
     const int64_t count = std::min(b, shard_ - begin);
     const c10::StreamGuard on(copy_in);
     stored[k].block(copy_in);            // no-op before the slot's first use
@@ -418,19 +462,27 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
     }
     loaded[k].record(copy_in);
   };
-  load(0);
-  PublishParameters([&](int64_t begin, int64_t count) {
-    const int k = static_cast<int>((begin / b) % 2);
-    if (begin + b < shard_) load(begin + b);
-    loaded[k].block(compute);
-    at::Tensor w = slots[k][0].narrow(0, 0, count);
-    at::Tensor m = slots[k][1].narrow(0, 0, count);
-    at::Tensor v = slots[k][2].narrow(0, 0, count);
+  // The first streamed bucket travels while the resident ones are updated.
+  if (resident_ < shard_) load(resident_);
+  // Updates the state rows [3, >= count] of elements [begin, begin + count); returns the new
+  // weights rounded to the parameters' dtype (a copy even for float32 weights: a slot is refilled
+  // once its state has left).
+  auto update = [&](const at::Tensor& state, int64_t begin, int64_t count) {
+    at::Tensor w = state[0].narrow(0, 0, count);
+    at::Tensor m = state[1].narrow(0, 0, count);
+    at::Tensor v = state[2].narrow(0, 0, count);
     at::Tensor grad = shard.narrow(0, begin, count);
     if (clip_coef != 1.0) grad = grad.mul(clip_coef);
     AdamWUpdate(w, m, v, grad, scalars);
-    // A copy even for float32 weights: the slot is refilled once its state has left.
-    at::Tensor rounded = w.to(param_dtype_, /*non_blocking=*/false, /*copy=*/true);
+    return w.to(param_dtype_, /*non_blocking=*/false, /*copy=*/true);
+  };
+  PublishParameters([&](int64_t begin, int64_t count) {
+    // Whole buckets are resident, so [begin, begin + count) is either resident or streamed.
+    if (begin < resident_) return update(resident_state_.narrow(1, begin, count), begin, count);
+    const int k = slot_of(begin);
+    if (begin + b < shard_) load(begin + b);
+    loaded[k].block(compute);
+    at::Tensor rounded = update(slots[k], begin, count);
     updated[k].record(compute);
     const c10::StreamGuard on(copy_out);
     updated[k].block(copy_out);
@@ -473,6 +525,7 @@ void ShardedAdamW::SaveState(const std::string& path) const {
   at::NoGradGuard no_grad;
   const int64_t begin = std::min(numel_, rank_ * shard_);
   const int64_t count = shard_end() - begin;
+  StoreResident();
   // Before the first step the parameters are the master weights.
   const at::Tensor master = master_.defined() ? master_ : MasterFromParameters();
   const at::Tensor state[] = {master, exp_avg_, exp_avg_sq_};
@@ -587,6 +640,7 @@ void ShardedAdamW::LoadState(const std::vector<std::string>& paths) {
           .copy_(stored.narrow(0, begin - slice.begin, end - begin));
     }
   }
+  LoadResident(/*rows=*/3);
   step_ = step;
   options_ = options;
   PublishParameters([&](int64_t begin, int64_t count) {

@@ -27,7 +27,10 @@
 //     one stream, updated by AdamWUpdate on the compute stream, copied back on a third, so that
 //     the copies of the neighbouring buckets (both directions at once) overlap the update. 24 bytes
 //     cross the bus per element, against ~30 bytes of host memory traffic for the host update and
-//     far more bandwidth on the GPU's side.
+//     far more bandwidth on the GPU's side. The bus is the step's limit, so the first
+//     `resident_elements` of the slice (as many as the GPU's spare memory holds: the planner's
+//     TrainingLayout::offload_resident_bytes) keep their state on the GPU and never cross it;
+//     their update runs while the first streamed bucket travels.
 //   on the host (parameters on the CPU, OffloadUpdate::kOnHost, or when the host memory cannot be
 //     page-locked): each bucket of gradients is copied to the host and updated there in one fused
 //     pass over every core (HostAdamWUpdate; float64 state keeps AdamWUpdate), the rounded weights
@@ -88,6 +91,11 @@ struct ShardedAdamWOptions {
   // Elements of this rank's slice per bucket: each reduce-scatter and all-gather moves world x
   // bucket_elements elements, and the offloaded update copies this many at a time. Must be > 0.
   int64_t bucket_elements = int64_t{16} << 20;
+  // With offload streamed through the GPU: the first elements of this rank's slice whose state
+  // stays on the GPU (rounded down to whole buckets; the whole slice when it holds it). The host
+  // keeps a copy of all of it, brought up to date before it is read (SaveState, the accessors).
+  // Ignored otherwise. Must be >= 0.
+  int64_t resident_elements = 0;
   // Under tensor parallelism (the parameters are one TP rank's parts; `group` is the
   // data-parallel ranks of that TP rank): the global norm for clipping spans the TP ranks too.
   TensorParallelNorm tensor_parallel = {};
@@ -166,11 +174,13 @@ class ShardedAdamW {
   int64_t numel() const { return numel_; }                // N
   int64_t shard_begin() const { return rank_ * shard_; }  // r S
   int64_t shard_end() const;                              // min((r + 1) S, N)
-  // This rank's state, [S] each (on the host when offloaded); master is undefined before the
-  // first Step or LoadState.
-  const at::Tensor& master_shard() const { return master_; }
-  const at::Tensor& exp_avg_shard() const { return exp_avg_; }
-  const at::Tensor& exp_avg_sq_shard() const { return exp_avg_sq_; }
+  // This rank's state, [S] each (on the host when offloaded, the resident elements' copied there
+  // first); master is undefined before the first Step or LoadState.
+  const at::Tensor& master_shard() const;
+  const at::Tensor& exp_avg_shard() const;
+  const at::Tensor& exp_avg_sq_shard() const;
+  // The elements of this rank's slice whose offloaded state stays on the GPU (0 without offload).
+  int64_t resident_elements() const { return resident_; }
   const OffloadTimes& offload_times() const { return offload_times_; }
   // With offload: whether the update streams the state through the GPU, and if it was asked to
   // but cannot, why (the page-locking error; empty otherwise).
@@ -196,6 +206,10 @@ class ShardedAdamW {
   at::Tensor MasterFromParameters() const;
   // Step's update with the state in host memory (float32 state: HostAdamWUpdate, pipelined).
   void OffloadedUpdate(const at::Tensor& shard, double clip_coef, const AdamWStepScalars& scalars);
+  // The resident elements' state: from the host copy to the GPU (the first `rows` of master,
+  // exp_avg, exp_avg_sq), and back to the host copy (before it is read). No-ops without them.
+  void LoadResident(int rows) const;
+  void StoreResident() const;
   // Step's update with the state in page-locked host memory, streamed through the GPU.
   void StreamedUpdate(const at::Tensor& shard, double clip_coef, const AdamWStepScalars& scalars);
   std::string Describe(const char* what, int64_t bucket, int64_t buckets) const;
@@ -211,12 +225,14 @@ class ShardedAdamW {
   at::Device device_ = at::kCPU;
   std::vector<int64_t> offsets_;  // flat offset of each parameter; offsets_.back() == N
   int64_t numel_ = 0;
-  int64_t shard_ = 0;      // S
-  at::Tensor grads_;       // [world * S], the state dtype, on device_
-  at::Tensor master_;      // [S], state dtype, on device_ or the host
-  at::Tensor exp_avg_;     // [S]
-  at::Tensor exp_avg_sq_;  // [S]
-  at::Tensor pinned_;      // [3, S] page-locked host memory holding the three when streaming
+  int64_t shard_ = 0;          // S
+  at::Tensor grads_;           // [world * S], the state dtype, on device_
+  at::Tensor master_;          // [S], state dtype, on device_ or the host
+  at::Tensor exp_avg_;         // [S]
+  at::Tensor exp_avg_sq_;      // [S]
+  at::Tensor pinned_;          // [3, S] page-locked host memory holding the three when streaming
+  int64_t resident_ = 0;       // R: elements [0, R) of the slice keep their state on the GPU
+  at::Tensor resident_state_;  // [3, R] on device_: the newest master, exp_avg, exp_avg_sq there
   bool streamed_ = false;
   std::string streaming_refused_;
   std::string fingerprint_;

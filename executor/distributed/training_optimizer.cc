@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace dta {
 namespace fs = std::filesystem;
@@ -32,7 +33,7 @@ class TrainingOptimizer::Part {
  public:
   Part(std::vector<std::pair<std::string, at::Tensor>> named, ProcessGroup* group,
        const TrainingLayout& layout, AdamWOptions options, int64_t bucket_bytes,
-       TensorParallelNorm tensor_parallel, OffloadUpdate offload_update) {
+       TensorParallelNorm tensor_parallel, OffloadUpdate offload_update, int64_t resident_bytes) {
     TORCH_CHECK(!layout.shard_optimizer || group != nullptr || layout.data_parallel == 1,
                 "TrainingOptimizer: sharding across ", layout.data_parallel,
                 " data-parallel ranks needs a process group");
@@ -50,7 +51,9 @@ class TrainingOptimizer::Part {
           ShardedAdamWOptions{.offload = layout.offload_optimizer,
                               .offload_update = offload_update,
                               .bucket_elements = std::max<int64_t>(1, bucket_bytes / element_bytes),
+                              .resident_elements = resident_bytes / (3 * element_bytes),
                               .tensor_parallel = std::move(tensor_parallel)});
+      resident_bytes_ = sharded_->resident_elements() * 3 * element_bytes;
       return;
     }
     replicated_ = std::make_unique<AdamW>(named, options, std::move(tensor_parallel));
@@ -61,6 +64,8 @@ class TrainingOptimizer::Part {
   }
 
   const ShardedAdamW* sharded() const { return sharded_.get(); }
+  // The bytes of offloaded state this part keeps on the GPU.
+  int64_t resident_bytes() const { return resident_bytes_; }
 
   void ZeroGrad() {
     if (sharded_) {
@@ -163,6 +168,7 @@ class TrainingOptimizer::Part {
   std::unique_ptr<AdamW> replicated_;
   std::unique_ptr<GradientSynchronizer> all_reduce_;
   std::unique_ptr<ShardedAdamW> sharded_;
+  int64_t resident_bytes_ = 0;
 };
 
 TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tensor>> named,
@@ -181,7 +187,8 @@ TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tens
   }
   if (experts.expert_data_parallel == nullptr) {
     parts_.push_back(std::make_unique<Part>(std::move(named), group, layout, options, bucket_bytes,
-                                            std::move(tensor_parallel), offload_update));
+                                            std::move(tensor_parallel), offload_update,
+                                            layout.offload_resident_bytes));
     return;
   }
   TORCH_CHECK(group != nullptr,
@@ -207,9 +214,13 @@ TrainingOptimizer::TrainingOptimizer(std::vector<std::pair<std::string, at::Tens
   tensor_parallel_ = {.group = tensor_parallel.group};
   device_ = lists[1].front().second.device();
   ProcessGroup* groups[2] = {group, experts.expert_data_parallel};
+  // The dense parameters' state stays on the GPU first, the experts' in what is left.
+  int64_t resident_left = layout.offload_resident_bytes;
   for (int part = 0; part < 2; ++part) {
     parts_.push_back(std::make_unique<Part>(std::move(lists[part]), groups[part], layout, options,
-                                            bucket_bytes, std::move(norms[part]), offload_update));
+                                            bucket_bytes, std::move(norms[part]), offload_update,
+                                            resident_left));
+    resident_left -= parts_.back()->resident_bytes();
   }
 }
 
@@ -241,7 +252,13 @@ std::string TrainingOptimizer::DescribeOffload() const {
   const ShardedAdamW* sharded = parts_.front()->sharded();
   if (sharded == nullptr || !sharded->sharding().offload) return "";
   if (sharded->streams_through_device()) {
-    return "the offloaded AdamW state streams through the GPU from page-locked host memory";
+    int64_t resident = 0;
+    for (const auto& part : parts_) resident += part->resident_bytes();
+    return absl::StrCat(
+        "the offloaded AdamW state streams through the GPU from page-locked host memory",
+        resident > 0 ? absl::StrFormat(", but for %.1f GiB that stays on the GPU",
+                                       static_cast<double>(resident) / (1 << 30))
+                     : "");
   }
   std::string text =
       absl::StrCat("the offloaded AdamW update runs on ", at::get_num_threads(), " host threads");

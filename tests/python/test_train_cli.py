@@ -119,6 +119,10 @@ def test_an_lr_schedule_decays_over_the_whole_run_resumed_or_not(rollouts, tmp_p
     (["--warmup_steps=-1"], "--warmup_steps must be >= 0"),
     (["--checkpoint_dtype=int8"], "--checkpoint_dtype must be bfloat16, float16, float32, float64 or model"),
     (["--progress=sometimes"], "--progress must be auto, always or never, got 'sometimes'"),
+    (["--offload_resident_gb=-1"], "--offload_resident_gb must be auto or a number of GB >= 0, got '-1'"),
+    (["--offload_resident_gb=lots"], "--offload_resident_gb must be auto or a number of GB >= 0, got 'lots'"),
+    (["--offload_optimizer=true", "--offload_resident_gb=1"],
+     "offload_resident_gb: an optimizer offloaded to the host keeps state on a GPU only when it is streamed"),
 ])
 def test_bad_flags_exit_2(rollouts, args, message):
     run = train(f"--rollouts={rollouts}", *args)

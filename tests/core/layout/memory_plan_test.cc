@@ -242,15 +242,55 @@ TEST(PlanLayout, ASmallModelStaysWholeOnOneGpu) {
 TEST(PlanLayout, EightBOnOneGpuNeedsTheOptimizerOnTheHost) {
   const absl::StatusOr<LayoutPlan> plan = PlanLayout(Qwen3_8B(), {.gpu_bytes = 80 * kGiB});
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->layout, (TrainingLayout{.offload_optimizer = true}));
-  EXPECT_EQ(plan->memory.host_optimizer, 12 * CountParameters(Qwen3_8B()).total());
+  const MemoryEstimate& m = plan->memory;
+  EXPECT_EQ(plan->layout,
+            (TrainingLayout{.offload_optimizer = true, .offload_resident_bytes = m.optimizer}));
+  EXPECT_EQ(m.host_optimizer, 12 * CountParameters(Qwen3_8B()).total());
+  // What the GPU holds beside the weights, gradients and executor keeps its part of the state,
+  // less the headroom.
+  EXPECT_EQ(m.gpu_total(), 80 * kGiB - ResidentHeadroom(80 * kGiB));
+  EXPECT_GT(m.optimizer, 10 * kGiB);
+  EXPECT_EQ(ResidentHeadroom(80 * kGiB), 4 * kGiB);
+  EXPECT_EQ(ResidentHeadroom(24 * kGiB), 2 * kGiB);
   EXPECT_THAT(DescribeLayout(*plan), HasSubstr("optimizer offloaded to the host"));
-  EXPECT_THAT(DescribeLayout(*plan), HasSubstr("host: 91.5 GiB per rank"));
+  EXPECT_THAT(DescribeLayout(*plan), HasSubstr("host: 91.5 GiB per rank ("));
+  EXPECT_THAT(DescribeLayout(*plan), HasSubstr("of it also on the GPU, updated there)"));
   // A host too small for it is refused, naming both memories.
   const absl::StatusOr<LayoutPlan> small_host =
       PlanLayout(Qwen3_8B(), {.gpu_bytes = 80 * kGiB, .host_bytes_per_node = 64 * kGiB});
   EXPECT_EQ(small_host.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(small_host.status().message()), HasSubstr("on hosts of 64.0 GiB"));
+}
+
+TEST(PlanLayout, TheOffloadedStateKeptOnTheGpuIsChosenOrRefused) {
+  const auto plan_with = [](std::optional<int64_t> resident) {
+    return PlanLayout(Qwen3_8B(), {.gpu_bytes = 80 * kGiB, .offload_resident_bytes = resident});
+  };
+  const absl::StatusOr<LayoutPlan> none = plan_with(0);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->layout, (TrainingLayout{.offload_optimizer = true}));
+  EXPECT_EQ(none->memory.optimizer, 0);
+  EXPECT_THAT(DescribeLayout(*none), Not(HasSubstr("also on the GPU")));
+  const absl::StatusOr<LayoutPlan> some = plan_with(5 * kGiB);
+  ASSERT_TRUE(some.ok()) << some.status();
+  EXPECT_EQ(some->layout.offload_resident_bytes, 5 * kGiB);
+  EXPECT_EQ(some->memory.gpu_total(), none->memory.gpu_total() + 5 * kGiB);
+  // More than the GPU holds beside the rest is refused, naming the field.
+  const absl::StatusOr<LayoutPlan> too_much = plan_with(60 * kGiB);
+  EXPECT_EQ(too_much.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_much.status().message()),
+              HasSubstr("field 'offload_resident_bytes': 60.0 GiB of optimizer state"));
+  EXPECT_EQ(plan_with(-1).status().code(), absl::StatusCode::kInvalidArgument);
+  // A GPU that holds it all keeps it all (the host's copy stays: checkpoints save it).
+  const absl::StatusOr<LayoutPlan> small =
+      PlanLayout(Qwen3_1_7B(), {.gpu_bytes = 80 * kGiB, .offload_optimizer = true});
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->memory.optimizer, small->memory.host_optimizer);
+  // Without offload the field means nothing.
+  const absl::StatusOr<LayoutPlan> whole =
+      PlanLayout(Qwen3_1_7B(), {.gpu_bytes = 80 * kGiB, .offload_resident_bytes = kGiB});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->layout.offload_resident_bytes, 0);
 }
 
 TEST(PlanLayout, EightBOnEightGpusShardsTheOptimizer) {
@@ -410,7 +450,10 @@ TEST(PlanLayout, OverridesAreKeptOrRefused) {
                                                                       .offload_optimizer = true});
   ASSERT_TRUE(forced.ok()) << forced.status();
   EXPECT_EQ(forced->layout,
-            (TrainingLayout{.tensor_parallel = 2, .data_parallel = 2, .offload_optimizer = true}));
+            (TrainingLayout{.tensor_parallel = 2,
+                            .data_parallel = 2,
+                            .offload_optimizer = true,
+                            .offload_resident_bytes = forced->memory.host_optimizer}));
 
   const absl::StatusOr<LayoutPlan> odd =
       PlanLayout(Qwen3_8B(), {.world_size = 8, .gpu_bytes = 80 * kGiB, .tensor_parallel = 3});

@@ -422,15 +422,17 @@ TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
   for (at::ScalarType dtype : {at::kBFloat16, at::kFloat, at::kDouble}) {
     for (int64_t bucket : {int64_t{5}, int64_t{1} << 20}) {
       SCOPED_TRACE(::testing::Message() << dtype << ", bucket " << bucket);
-      auto start = [&](bool offload, OffloadUpdate where) {
+      auto start = [&](bool offload, OffloadUpdate where, int64_t resident = 0) {
         Run run;
         for (auto& [name, p] : MakeParams(dtype)) {
           run.params.emplace_back(name, p.detach().to(cuda).requires_grad_(true));
         }
-        run.optimizer = std::make_unique<ShardedAdamW>(
-            nullptr, run.params, kOptions,
-            ShardedAdamWOptions{
-                .offload = offload, .offload_update = where, .bucket_elements = bucket});
+        run.optimizer =
+            std::make_unique<ShardedAdamW>(nullptr, run.params, kOptions,
+                                           ShardedAdamWOptions{.offload = offload,
+                                                               .offload_update = where,
+                                                               .bucket_elements = bucket,
+                                                               .resident_elements = resident});
         return run;
       };
       auto step = [&](Run& run, int step) {
@@ -443,23 +445,38 @@ TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
       };
       Run resident = start(false, OffloadUpdate::kOnDevice);
       Run streamed = start(true, OffloadUpdate::kOnDevice);
+      // Part of the state kept on the GPU: 12 elements round down to whole buckets (10 of 5, none
+      // of a bucket as large as the 55-element slice), more than the slice keeps all of it.
+      Run part = start(true, OffloadUpdate::kOnDevice, 12);
+      Run all = start(true, OffloadUpdate::kOnDevice, 1000);
       Run host = start(true, OffloadUpdate::kOnHost);
       ASSERT_TRUE(streamed.optimizer->streams_through_device())
           << streamed.optimizer->streaming_refused();
       EXPECT_FALSE(host.optimizer->streams_through_device());
       EXPECT_TRUE(streamed.optimizer->exp_avg_shard().is_pinned());
+      EXPECT_EQ(streamed.optimizer->resident_elements(), 0);
+      EXPECT_EQ(part.optimizer->resident_elements(), bucket == 5 ? 10 : 0);
+      EXPECT_EQ(all.optimizer->resident_elements(), 55);
+      EXPECT_EQ(host.optimizer->resident_elements(), 0);
       for (int t = 0; t < 3; ++t) {
-        for (Run* run : {&resident, &streamed, &host}) step(*run, t);
+        for (Run* run : {&resident, &streamed, &part, &all, &host}) step(*run, t);
       }
-      // Resume the stream from its saved state and take one more step everywhere.
+      // Resume the stream from its saved state (the resident part's as well, into an optimizer
+      // that keeps another part on the GPU) and take one more step everywhere.
       const std::string path = dir + "/" + ShardedAdamW::ShardFileName(0, 1);
       streamed.optimizer->SaveState(path);
-      Run resumed = start(true, OffloadUpdate::kOnDevice);
+      Run resumed = start(true, OffloadUpdate::kOnDevice, 12);
       resumed.optimizer->LoadState({path});
-      for (Run* run : {&resident, &streamed, &host, &resumed}) step(*run, 3);
+      const std::string part_path = dir + "/part-" + ShardedAdamW::ShardFileName(0, 1);
+      part.optimizer->SaveState(part_path);
+      Run part_resumed = start(true, OffloadUpdate::kOnDevice);
+      part_resumed.optimizer->LoadState({part_path});
+      for (Run* run : {&resident, &streamed, &part, &all, &host, &resumed, &part_resumed}) {
+        step(*run, 3);
+      }
 
       const ShardedAdamW& want = *resident.optimizer;
-      for (const Run* run : {&streamed, &resumed}) {
+      for (const Run* run : {&streamed, &part, &all, &resumed, &part_resumed}) {
         const ShardedAdamW& got = *run->optimizer;
         EXPECT_EQ(got.master_shard().device().type(), at::kCPU);
         EXPECT_TRUE(at::equal(got.master_shard(), want.master_shard().cpu()));
