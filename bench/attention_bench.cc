@@ -1,13 +1,15 @@
 // dta-attention-bench: tree attention kernels against PyTorch's flash attention (FlashAttention-2
-// inside ATen) on the GPU. Causal chains compare like for like; the packed tree (a shared prefix
-// and branches) compares one tree pass against flash over every rollout separately. Where the
-// Hopper kernels exist (kernels/hopper/, compute capability 9.x, D = 64 or 128) ours run three
-// times: "ours FA2" (DTA_HOPPER_ATTENTION=0, DTA_HOPPER_ATTENTION_BACKWARD=0), "ours Hopper fwd"
-// (the Hopper forward, the FlashAttention-2 backward) and "ours Hopper fwd + Hopper bwd". Times are
-// medians of 20 CUDA-event-timed runs after 5 warm-ups; TFLOP/s count only visible score entries
-// (forward 4 * D * Hq per entry, forward + backward 3.5 times that, FlashAttention's convention);
-// the backward's column is forward + backward minus forward, at 2.5 times the forward's work.
-// Prints a Markdown table.
+// inside ATen) on the GPU, and on causal chains also against PyTorch's cuDNN attention (a row that
+// says "unsupported" with cuDNN's error where this cuDNN refuses the shape). Causal chains compare
+// like for like; the packed tree (a shared prefix and branches) compares one tree pass against
+// flash over every rollout separately. Where the Hopper kernels exist (kernels/hopper/, compute
+// capability 9.x; kernels/hopper/head_dims.h lists the head dims of each direction) ours run up to
+// three times: "ours FA2" (DTA_HOPPER_ATTENTION=0, DTA_HOPPER_ATTENTION_BACKWARD=0), "ours Hopper
+// fwd" (the Hopper forward, the FlashAttention-2 backward) and "ours Hopper fwd + Hopper bwd".
+// Times are medians of 20 CUDA-event-timed runs after 5 warm-ups; TFLOP/s count only visible score
+// entries (forward 4 * D * Hq per entry, forward + backward 3.5 times that, FlashAttention's
+// convention); the backward's column is forward + backward minus forward, at 2.5 times the
+// forward's work. Prints a Markdown table.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -51,7 +53,8 @@ ABSL_FLAG(bool, ours_only, EnvIsOne("DTA_ATTENTION_BENCH_OURS_ONLY"),
 ABSL_FLAG(int32_t, chain_case, EnvInt("DTA_ATTENTION_BENCH_CASE", -1),
           "with --quick: only chain case i, -1 all (default: DTA_ATTENTION_BENCH_CASE)");
 ABSL_FLAG(int32_t, head_dim, EnvInt("DTA_ATTENTION_BENCH_HEAD_DIM", 128),
-          "head dim of every case: 64 or 128 (default: DTA_ATTENTION_BENCH_HEAD_DIM, else 128)");
+          "head dim of every case: 64, 128 or 256 (default: DTA_ATTENTION_BENCH_HEAD_DIM, else "
+          "128)");
 
 namespace dta::kernels {
 namespace {
@@ -113,8 +116,9 @@ class ScopedKernel {
   ScopedEnv backward_;
 };
 
-// True when this GPU and build run the Hopper kernels for c's shape.
-bool HopperAvailable(const Case& c) {
+// The kernels our rows compare: FA2 always, the Hopper forward and backward where this GPU and
+// build run them for c's shape.
+std::vector<Kernel> OurKernels(const Case& c) {
   const ScopedKernel on(Kernel::kHopperBoth);
   internal::TreeAttentionShape shape;
   shape.tokens = c.tokens();
@@ -124,13 +128,12 @@ bool HopperAvailable(const Case& c) {
   shape.head_dim = c.head_dim;
   const at::Tensor probe =
       at::empty({1, 1, c.head_dim}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
-  return internal::UsesHopperForward(shape, probe) && internal::UsesHopperBackward(shape, probe);
-}
-
-// The kernels our rows compare: FA2 always, Hopper where it runs.
-std::vector<Kernel> OurKernels(const Case& c) {
-  if (HopperAvailable(c)) return {Kernel::kFa2, Kernel::kHopper, Kernel::kHopperBoth};
-  return {Kernel::kFa2};
+  std::vector<Kernel> kernels = {Kernel::kFa2};
+  if (internal::UsesHopperForward(shape, probe)) {
+    kernels.push_back(Kernel::kHopper);
+    if (internal::UsesHopperBackward(shape, probe)) kernels.push_back(Kernel::kHopperBoth);
+  }
+  return kernels;
 }
 
 double MedianMs(const std::function<void()>& fn) {
@@ -177,8 +180,12 @@ double Tflops(double visible, const Case& c, double ms, double factor) {
   return 4.0 * c.head_dim * c.q_heads * visible * factor / (ms * 1e-3) / 1e12;
 }
 
-// Flash over `batch` causal sequences of `len` tokens with GQA expanded to Hq heads (same work).
-Row RunFlash(const Case& c, const std::string& name, int64_t batch, int64_t len, at::Tensor* out0) {
+// PyTorch's attention kernels our rows are compared with.
+enum class Sdpa { kFlash, kCudnn };
+
+// `sdpa` over `batch` causal sequences of `len` tokens with GQA expanded to Hq heads (same work).
+// A cuDNN that refuses the shape gives a row of zeros whose method says so.
+Row RunSdpa(Sdpa sdpa, const Case& c, const std::string& name, int64_t batch, int64_t len) {
   const at::TensorOptions opt = at::TensorOptions(at::kCUDA).dtype(at::kBFloat16);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   // [B, T, H, D] storage, passed as [B, H, T, D] views like PyTorch's SDPA does.
@@ -186,25 +193,47 @@ Row RunFlash(const Case& c, const std::string& name, int64_t batch, int64_t len,
   const at::Tensor k = at::randn({batch, len, c.q_heads, c.head_dim}, opt).transpose(1, 2);
   const at::Tensor v = at::randn({batch, len, c.q_heads, c.head_dim}, opt).transpose(1, 2);
   const at::Tensor dout = at::randn({batch, len, c.q_heads, c.head_dim}, opt).transpose(1, 2);
-  auto fwd = [&] {
-    return at::_scaled_dot_product_flash_attention(q, k, v, 0.0, true, false, scale);
-  };
-  auto fb = [&] {
-    auto [o, lse, cq, ck, mq, mk, seed, offset, dbg] = fwd();
-    at::_scaled_dot_product_flash_attention_backward(dout, q, k, v, o, lse, cq, ck, mq.expect_int(),
-                                                     mk.expect_int(), 0.0, true, seed, offset,
+  std::function<void()> fwd, fb;
+  if (sdpa == Sdpa::kFlash) {
+    fwd = [&] { at::_scaled_dot_product_flash_attention(q, k, v, 0.0, true, false, scale); };
+    fb = [&] {
+      auto [o, lse, cq, ck, mq, mk, seed, offset, dbg] =
+          at::_scaled_dot_product_flash_attention(q, k, v, 0.0, true, false, scale);
+      at::_scaled_dot_product_flash_attention_backward(dout, q, k, v, o, lse, cq, ck,
+                                                       mq.expect_int(), mk.expect_int(), 0.0, true,
+                                                       seed, offset, scale);
+    };
+  } else {
+    auto cudnn_fwd = [&] {
+      return at::_scaled_dot_product_cudnn_attention(q, k, v, /*attn_bias=*/std::nullopt,
+                                                     /*compute_log_sumexp=*/true, 0.0, true, false,
                                                      scale);
-  };
+    };
+    fwd = [&] { cudnn_fwd(); };
+    fb = [&] {
+      auto [o, lse, cq, ck, mq, mk, seed, offset, dbg] = cudnn_fwd();
+      // cuDNN wants the gradient in the output's strides.
+      const at::Tensor d_o = at::empty_like(o).copy_(dout);
+      at::_scaled_dot_product_cudnn_attention_backward(
+          d_o, q, k, v, o, lse, seed, offset, at::Tensor(), cq, ck, len, len, 0.0, true, scale);
+    };
+  }
   Row row;
   row.name = name;
-  row.method = "flash (PyTorch)";
+  row.method = sdpa == Sdpa::kFlash ? "flash (PyTorch)" : "cuDNN (PyTorch)";
   row.visible = static_cast<double>(batch) * len * (len + 1) / 2;
-  row.fwd_ms = MedianMs([&] { fwd(); });
-  row.fb_ms = MedianMs(fb);
+  try {
+    row.fwd_ms = MedianMs(fwd);
+    row.fb_ms = MedianMs(fb);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    row.method += ": unsupported (" + what.substr(0, std::min<size_t>(what.find('\n'), 80)) + ")";
+    row.fwd_ms = row.fb_ms = 0;
+    return row;
+  }
   row.fwd_tflops = Tflops(row.visible, c, row.fwd_ms, 1.0);
   row.fb_tflops = Tflops(row.visible, c, row.fb_ms, 3.5);
   row.bwd_tflops = Tflops(row.visible, c, row.fb_ms - row.fwd_ms, 2.5);
-  if (out0 != nullptr) *out0 = std::get<0>(fwd());
   return row;
 }
 
@@ -254,8 +283,8 @@ int Main() {
     return 1;
   }
   const int64_t d = absl::GetFlag(FLAGS_head_dim);
-  if (d != 64 && d != 128) {
-    std::fprintf(stderr, "dta-attention-bench: --head_dim must be 64 or 128, got %lld\n",
+  if (d != 64 && d != 128 && d != 256) {
+    std::fprintf(stderr, "dta-attention-bench: --head_dim must be 64, 128 or 256, got %lld\n",
                  static_cast<long long>(d));
     return 2;
   }
@@ -284,7 +313,7 @@ int Main() {
       if (Quick()) break;
       continue;
     }
-    Row flash = RunFlash(c, c.name, 1, c.tokens(), nullptr);
+    Row flash = RunSdpa(Sdpa::kFlash, c, c.name, 1, c.tokens());
     // Sanity at full size: flash on our inputs gives our output (each run draws its own inputs,
     // so only the last one is checked: the Hopper kernel where it ran).
     const int64_t group = c.q_heads / c.kv_heads;
@@ -299,15 +328,22 @@ int Main() {
             .item<double>();
     std::printf("%s: max |%s - flash| of out = %.3e\n", c.name.c_str(), ours.back().method.c_str(),
                 err);
-    for (Row& r : ours) {
+    // TFLOP/s of a row over flash's, per direction.
+    auto vs_flash = [&](Row& r) {
       char buf[64];
       std::snprintf(buf, sizeof(buf), "fwd %.2f, bwd %.2f, fwd+bwd %.2f",
                     r.fwd_tflops / flash.fwd_tflops, r.bwd_tflops / flash.bwd_tflops,
                     r.fb_tflops / flash.fb_tflops);
       r.vs_flash = buf;
+    };
+    for (Row& r : ours) {
+      vs_flash(r);
       rows.push_back(r);
     }
     rows.push_back(flash);
+    Row cudnn = RunSdpa(Sdpa::kCudnn, c, c.name, 1, c.tokens());
+    if (cudnn.fb_ms > 0) vs_flash(cudnn);
+    rows.push_back(cudnn);
     if (Quick()) break;
   }
   if (!Quick()) {  // --quick times one chain case only
@@ -320,7 +356,7 @@ int Main() {
     if (OursOnly()) {
       rows.insert(rows.end(), ours.begin(), ours.end());
     } else {
-      Row flash = RunFlash(tree, "16 rollouts x 5120 (no sharing)", 16, 4096 + 1024, nullptr);
+      Row flash = RunSdpa(Sdpa::kFlash, tree, "16 rollouts x 5120 (no sharing)", 16, 4096 + 1024);
       for (Row& r : ours) {
         char buf[96];
         std::snprintf(buf, sizeof(buf), "TFLOP/s fwd %.2f, fwd+bwd %.2f; time %.2fx, %.2fx faster",
@@ -364,8 +400,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
-      "dta-attention-bench [--quick] [--ours_only] [--head_dim=64|128]: tree-attention kernels "
-      "against PyTorch's flash attention");
+      "dta-attention-bench [--quick] [--ours_only] [--head_dim=64|128|256]: tree-attention "
+      "kernels against PyTorch's flash and cuDNN attention");
   dta::ParseCommandLine(argc, argv);
   return dta::kernels::Main();
 }

@@ -1,6 +1,6 @@
 #include "kernels/tree_attention.h"
 
-#ifdef DTA_KERNELS_HAVE_HOPPER
+#ifdef DTA_KERNELS_HAVE_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
@@ -116,20 +116,17 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
 
 namespace {
 
-// The Hopper kernels run for bf16 CUDA inputs at a head dim they are compiled for (64, 128) on
-// compute capability 9.x in builds with the CUTLASS headers, unless the environment variable `env`
-// is "0" (read at every call).
-bool UsesHopper(const TreeAttentionShape& shape, const at::Tensor& q, const char* env) {
+// The Hopper kernels run for bf16 CUDA inputs at a head dim they are compiled for
+// (`compiled_for`) on compute capability 9.x in builds with the CUTLASS headers, unless the
+// environment variable `env` is "0" (read at every call).
+bool UsesHopper(const at::Tensor& q, bool compiled_for, const char* env) {
 #ifdef DTA_KERNELS_HAVE_HOPPER
-  if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 ||
-      !HopperTreeAttentionSupportsHeadDim(static_cast<int>(shape.head_dim))) {
-    return false;
-  }
+  if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 || !compiled_for) return false;
   if (!EnvSwitchOn(env)) return false;
   return at::cuda::getDeviceProperties(q.get_device())->major == 9;
 #else
-  (void)shape;
   (void)q;
+  (void)compiled_for;
   (void)env;
   return false;
 #endif
@@ -138,11 +135,13 @@ bool UsesHopper(const TreeAttentionShape& shape, const at::Tensor& q, const char
 }  // namespace
 
 bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q) {
-  return UsesHopper(shape, q, "DTA_HOPPER_ATTENTION");
+  return UsesHopper(q, HopperTreeAttentionForwardSupportsHeadDim(static_cast<int>(shape.head_dim)),
+                    "DTA_HOPPER_ATTENTION");
 }
 
 bool UsesHopperBackward(const TreeAttentionShape& shape, const at::Tensor& q) {
-  return UsesHopper(shape, q, "DTA_HOPPER_ATTENTION_BACKWARD");
+  return UsesHopper(q, HopperTreeAttentionBackwardSupportsHeadDim(static_cast<int>(shape.head_dim)),
+                    "DTA_HOPPER_ATTENTION_BACKWARD");
 }
 
 }  // namespace internal
@@ -152,8 +151,11 @@ bool TreeAttentionKernelSupports(const at::Tensor& q, const at::Tensor& k) {
   if (!q.defined() || !k.defined() || !q.is_cuda() || !k.is_cuda()) return false;
   if (q.scalar_type() != at::kBFloat16 || k.scalar_type() != at::kBFloat16) return false;
   if (q.dim() != 3 || k.dim() != 3 || q.size(2) != k.size(2)) return false;
-  if (q.size(2) != 64 && q.size(2) != 128) return false;
-  return k.size(1) >= 1 && q.size(1) % k.size(1) == 0;
+  const int64_t smem = internal::KernelSmemBytes(q.size(2));
+  if (smem == 0 || k.size(1) < 1 || q.size(1) % k.size(1) != 0) return false;
+  // D = 256 takes up to 193 KiB of shared memory per block: more than sm_80 has (163 KiB).
+  return static_cast<int64_t>(
+             at::cuda::getDeviceProperties(q.get_device())->sharedMemPerBlockOptin) >= smem;
 #else
   (void)q;
   (void)k;

@@ -96,6 +96,10 @@ Operands Prepare(const TreeAttentionShape& shape, const at::Tensor& q, const at:
 
 }  // namespace
 
+int64_t KernelSmemBytes(int64_t head_dim) {
+  return TreeAttentionKernelSmemBytes(static_cast<int>(head_dim));
+}
+
 TreeAttentionOutput ForwardCuda(const TreeAttentionShape& shape, const at::Tensor& q,
                                 const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& prefix_k, const at::Tensor& prefix_v,

@@ -6,17 +6,18 @@
 // query rows that make up its subtree. A causal chain is key_end[j] = T for every j. Grouped-query
 // attention: query head h reads kv head h / (Hq / Hkv).
 //
-// On CUDA with bf16 inputs and head dim 64 or 128 (TreeAttentionKernelSupports), both directions
-// run FlashAttention-2 style kernels (kernels/tree_attention_kernel.cuh): O(T * D) memory, tiles
-// that no query of a tile can see are skipped without being loaded, and the backward is
-// deterministic (bitwise equal across runs). On Hopper (compute capability 9.x) at head dim 64 or
-// 128 FlashAttention-3 style kernels run instead (kernels/hopper/: TMA, warp specialisation, wgmma;
-// same mask, tile skipping, out and lse; a deterministic backward bitwise equal to the
-// FlashAttention-2 one), when the build found the CUTLASS headers: the forward unless
-// DTA_HOPPER_ATTENTION is "0", the backward unless DTA_HOPPER_ATTENTION_BACKWARD is "0" (both
-// read at every call). Every other input (CPU, float32/float64,
-// other head dims) runs the exact ATen reference in kernels/tree_attention_reference.h, which
-// builds the [T, P + T] mask and computes in float64 for float64 inputs, float32 otherwise.
+// On CUDA with bf16 inputs and head dim 64, 128 or 256 (TreeAttentionKernelSupports), both
+// directions run FlashAttention-2 style kernels (kernels/tree_attention_kernel.cuh): O(T * D)
+// memory, tiles that no query of a tile can see are skipped without being loaded, and the backward
+// is deterministic (bitwise equal across runs). On Hopper (compute capability 9.x) FlashAttention-3
+// style kernels run instead (kernels/hopper/: TMA, warp specialisation, wgmma; same mask, tile
+// skipping, out and lse; a deterministic backward bitwise equal to the FlashAttention-2 one) at the
+// head dims kernels/hopper/head_dims.h lists for each direction, when the build found the CUTLASS
+// headers: the forward unless DTA_HOPPER_ATTENTION is "0", the backward unless
+// DTA_HOPPER_ATTENTION_BACKWARD is "0" (both read at every call). Every other input (CPU,
+// float32/float64, other head dims) runs the exact ATen reference in
+// kernels/tree_attention_reference.h, which builds the [T, P + T] mask and computes in float64 for
+// float64 inputs, float32 otherwise.
 //
 // Usage, one layer of one chunk:
 //   TreeAttentionOutput fwd = TreeAttentionForward(q, k, v, cache_k.slice(0, 0, P),
@@ -70,8 +71,9 @@ TreeAttentionGrads TreeAttentionBackward(const at::Tensor& grad_out, const at::T
                                          const at::Tensor& lse, double scale,
                                          at::Tensor& grad_prefix_k, at::Tensor& grad_prefix_v);
 
-// True when the CUDA kernels handle these inputs: CUDA tensors, bf16, head dim 64 or 128,
-// Hq % Hkv == 0, and a build with nvcc. False otherwise (the reference runs then).
+// True when the CUDA kernels handle these inputs: CUDA tensors, bf16, head dim 64, 128 or 256,
+// Hq % Hkv == 0, a device whose shared memory per block fits the kernels (sm_90 for 256: up to
+// 193 KiB), and a build with nvcc. False otherwise (the reference runs then).
 bool TreeAttentionKernelSupports(const at::Tensor& q, const at::Tensor& k);
 
 }  // namespace dta::kernels

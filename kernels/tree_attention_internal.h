@@ -34,19 +34,26 @@ void CheckBackwardInputs(const TreeAttentionShape& shape, const at::Tensor& q,
 
 // True when ForwardCuda runs the Hopper forward (kernels/hopper/) rather than the
 // FlashAttention-2 one for these checked, kernel-supported inputs: a build with the CUTLASS headers
-// (DTA_KERNELS_HAVE_HOPPER), q on a device of compute capability 9.x, head dim 64 or 128, and the
-// environment variable DTA_HOPPER_ATTENTION unset or not "0". The variable is read at every call,
-// so one process can compare both kernels.
+// (DTA_KERNELS_HAVE_HOPPER), q on a device of compute capability 9.x, a head dim of
+// HopperTreeAttentionForwardSupportsHeadDim (kernels/hopper/head_dims.h), and the environment
+// variable DTA_HOPPER_ATTENTION unset or not "0". The variable is read at every call, so one
+// process can compare both kernels.
 bool UsesHopperForward(const TreeAttentionShape& shape, const at::Tensor& q);
 
 // True when BackwardCuda runs the Hopper dQ and dK/dV kernels (kernels/hopper/) rather than the
-// FlashAttention-2 ones: the same requirements as UsesHopperForward, with the environment variable
+// FlashAttention-2 ones: the same requirements as UsesHopperForward, with
+// HopperTreeAttentionBackwardSupportsHeadDim and the environment variable
 // DTA_HOPPER_ATTENTION_BACKWARD (unset or not "0"; read at every call) in place of
 // DTA_HOPPER_ATTENTION. Either direction may run either kernel: out and lse are the same contract.
 bool UsesHopperBackward(const TreeAttentionShape& shape, const at::Tensor& q);
 
 // The CUDA path (kernels/tree_attention.cu). Inputs are already checked. Defined only when the
 // library is built with nvcc (DTA_KERNELS_HAVE_CUDA).
+
+// The most dynamic shared memory per block the kernels take at head_dim (64, 128, 256; 0 for
+// others).
+int64_t KernelSmemBytes(int64_t head_dim);
+
 TreeAttentionOutput ForwardCuda(const TreeAttentionShape& shape, const at::Tensor& q,
                                 const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& prefix_k, const at::Tensor& prefix_v,

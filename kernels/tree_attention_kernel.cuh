@@ -22,6 +22,9 @@
 // backward is deterministic. dQ is recomputed in its own kernel (3 MMAs per score instead of
 // FlashAttention-2's atomically accumulated 1) to keep it so.
 //
+// D = 64, 128 and 256 (Tiles: at 256 one m16 tile per forward warp and dK/dV split along D over
+// 8 warps; up to 193 KiB of shared memory per block, which sm_90 and sm_100 have, sm_80 not).
+//
 // On an H100 (dta-attention-bench, causal chains, D = 128) the forward runs at about 0.8 and
 // forward + backward at about 0.7 of PyTorch's FlashAttention-2. The D = 128 forward and dK/dV
 // kernels sit at 255 registers with a few dozen bytes of spills; fewer accumulators per warp
@@ -156,19 +159,26 @@ __device__ __forceinline__ void LoadTile(bf16* smem, const bf16* src, int64_t ro
                                          int valid_rows, const void* fallback, int tid) {
   constexpr int kChunks = D / 8;
   constexpr int kRowStep = kThreads / kChunks;  // rows covered by one pass of the threads
-  static_assert(kThreads % kChunks == 0 && R % kRowStep == 0 && kRowStep % 8 == 0,
+  static_assert(kThreads % kChunks == 0 && R % kRowStep == 0,
                 "tile must split evenly over the threads");
-  // Each thread copies one fixed 16-byte column at rows r0, r0 + kRowStep, ...; kRowStep is a
-  // multiple of 8, so the swizzle of its column is the same in every row it touches.
+  // Each thread copies one fixed 16-byte column at rows r0, r0 + kRowStep, ...; when kRowStep is a
+  // multiple of 8 the swizzle of its column is the same in every row it touches.
   const int r0 = tid / kChunks;
   const int c = tid % kChunks;
   const bf16* g = src + r0 * row_stride + c * 8;
   const uint32_t s = SmemAddr(smem + Swizzle<D>(r0, c));
 #pragma unroll
   for (int i = 0; i < R / kRowStep; ++i) {
-    const bool valid = r0 + i * kRowStep < valid_rows;
-    CpAsync16(s + i * kRowStep * D * 2,
-              valid ? static_cast<const void*>(g + i * kRowStep * row_stride) : fallback, valid);
+    const int r = r0 + i * kRowStep;
+    const bool valid = r < valid_rows;
+    uint32_t dst;
+    if constexpr (kRowStep % 8 == 0) {
+      dst = s + i * kRowStep * D * 2;
+    } else {
+      dst = SmemAddr(smem + Swizzle<D>(r, c));  // D = 256 with 128 threads: 4 rows a pass
+    }
+    CpAsync16(dst, valid ? static_cast<const void*>(g + i * kRowStep * row_stride) : fallback,
+              valid);
   }
 }
 
@@ -705,24 +715,33 @@ __global__ void __launch_bounds__(kWarps * 32, 2) DqKernel(const TreeAttentionPa
 // so P^T and dS^T go from accumulators straight into the next MMA's A operand. (Tried and slower
 // on H100: pairs of warps sharing 32 key rows, one computing P^T and dV, the other dS^T and dK,
 // exchanging P^T through shared memory: 1 CTA of 8 warps per SM hides latency worse.)
+// kDSplit > 1 (D = 256, where one warp cannot hold 2 x 16 x D accumulators) splits D as
+// FlashAttention-3 splits its hdim-256 dK/dV accumulators: kDSplit warps share 16 key rows, each
+// recomputes their P^T and dS^T over all of D (the same instructions, so the same values) and
+// accumulates dK and dV for its D / kDSplit columns.
 
-template <int D, int BM, int kWarps>
+template <int D, int BM, int kDSplit>
 struct DkDvConfig {
+  static constexpr int kWarps = 4 * kDSplit;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBN = 16 * kWarps;
+  static constexpr int kBN = 16 * 4;
   static constexpr int kSmemBytes =
       (2 * kBN * D + 2 * 2 * BM * D) * static_cast<int>(sizeof(bf16)) +
       2 * 2 * BM * static_cast<int>(sizeof(float));
   static_assert(kBN == kKeyTile, "one tile_*_end entry per key tile");
+  static_assert(D % (16 * kDSplit) == 0, "whole k16 slices per warp");
 };
 
-template <int D, int BM, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 2) DkDvKernel(const TreeAttentionParams p) {
-  using Config = DkDvConfig<D, BM, kWarps>;
+// Two CTAs per SM bound 256-thread CTAs to 128 registers: the split kernel asks for one.
+template <int D, int BM, int kDSplit>
+__global__ void __launch_bounds__(kDSplit * 128, kDSplit == 1 ? 2 : 1)
+    DkDvKernel(const TreeAttentionParams p) {
+  using Config = DkDvConfig<D, BM, kDSplit>;
   constexpr int kThreads = Config::kThreads;
   constexpr int BN = Config::kBN;
   constexpr int NQ = BM / 8;
-  constexpr int DT = D / 8;
+  constexpr int DW = D / kDSplit;  // columns of dK and dV per warp
+  constexpr int DT = DW / 8;
   constexpr int KD = D / 16;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* s_k = reinterpret_cast<bf16*>(smem_raw);
@@ -786,7 +805,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) DkDvKernel(const TreeAttention
       dv[dt][e] = 0.f;
     }
   }
-  const int key_row0 = kt.row0 + warp * 16;
+  const int key_row0 = kt.row0 + (warp % 4) * 16;
+  const int col0 = (warp / 4) * DW;  // this warp's first column of dK and dV
   int key_end_r[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -823,8 +843,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) DkDvKernel(const TreeAttention
     for (int kk = 0; kk < KD; ++kk) {
       uint32_t ka[4];
       uint32_t va[4];
-      LoadA<D>(ka, k_addr, warp * 16, kk * 16, lane);
-      LoadA<D>(va, v_addr, warp * 16, kk * 16, lane);
+      LoadA<D>(ka, k_addr, (warp % 4) * 16, kk * 16, lane);
+      LoadA<D>(va, v_addr, (warp % 4) * 16, kk * 16, lane);
 #pragma unroll
       for (int np = 0; np < BM / 16; ++np) {
         uint32_t b[4];
@@ -871,13 +891,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) DkDvKernel(const TreeAttention
       AccToA(pa, s[2 * kk], s[2 * kk + 1]);
       AccToA(sa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
-      for (int dpi = 0; dpi < D / 16; ++dpi) {
+      for (int dpi = 0; dpi < DW / 16; ++dpi) {
         uint32_t b[4];
-        LoadBTrans<D>(b, do_addr, kk * 16, dpi * 16, lane);
+        LoadBTrans<D>(b, do_addr, kk * 16, col0 + dpi * 16, lane);
         Mma(dv[2 * dpi], pa, b[0], b[1]);
         Mma(dv[2 * dpi + 1], pa, b[2], b[3]);
         uint32_t c[4];
-        LoadBTrans<D>(c, q_addr, kk * 16, dpi * 16, lane);
+        LoadBTrans<D>(c, q_addr, kk * 16, col0 + dpi * 16, lane);
         Mma(dk[2 * dpi], sa, c[0], c[1]);
         Mma(dk[2 * dpi + 1], sa, c[2], c[3]);
       }
@@ -890,8 +910,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) DkDvKernel(const TreeAttention
     const int j = key_row0 + g + 8 * r;
     if (kt.is_prefix) {
       if (j >= p.prefix) continue;
-      float* gk = p.grad_prefix_k + j * p.grad_prefix_k_row_stride + hk * D + 2 * t;
-      float* gv = p.grad_prefix_v + j * p.grad_prefix_v_row_stride + hk * D + 2 * t;
+      float* gk = p.grad_prefix_k + j * p.grad_prefix_k_row_stride + hk * D + col0 + 2 * t;
+      float* gv = p.grad_prefix_v + j * p.grad_prefix_v_row_stride + hk * D + col0 + 2 * t;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt) {
         float2 ak = *reinterpret_cast<float2*>(gk + dt * 8);
@@ -905,8 +925,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) DkDvKernel(const TreeAttention
       }
     } else {
       if (j >= tokens) continue;
-      bf16* ok = p.dk + j * p.dk_row_stride + hk * D + 2 * t;
-      bf16* ov = p.dv + j * p.dv_row_stride + hk * D + 2 * t;
+      bf16* ok = p.dk + j * p.dk_row_stride + hk * D + col0 + 2 * t;
+      bf16* ov = p.dv + j * p.dv_row_stride + hk * D + col0 + 2 * t;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt) {
         *reinterpret_cast<uint32_t*>(ok + dt * 8) =
@@ -922,11 +942,35 @@ __global__ void __launch_bounds__(kWarps * 32, 2) DkDvKernel(const TreeAttention
 
 template <int D>
 struct Tiles {
+  static constexpr int kForwardMaxBM = 128;  // 64 or 128 by the grid's size (LaunchForward)
   static constexpr int kDqBM = 64;
   static constexpr int kDqWarps = 4;
   static constexpr int kDkDvBM = 64;
-  static constexpr int kDkDvWarps = 4;
+  static constexpr int kDkDvSplit = 1;
 };
+
+// D = 256: 64-row query tiles (a 16 x 256 output accumulator per warp is 128 floats a thread),
+// dK/dV split over 8 warps. Shared memory: forward 160 KiB, dQ 192 KiB, dK/dV 193 KiB, one CTA
+// per SM; more than sm_80's 163 KiB (TreeAttentionKernelSmemBytes says, the caller checks).
+// ptxas (sm_90): 255 registers each; forward no spills, dQ 44 and dK/dV 60 bytes of spill stores.
+template <>
+struct Tiles<256> {
+  static constexpr int kForwardMaxBM = 64;
+  static constexpr int kDqBM = 64;
+  static constexpr int kDqWarps = 4;
+  static constexpr int kDkDvBM = 64;
+  static constexpr int kDkDvSplit = 2;
+};
+
+// The most dynamic shared memory any kernel takes at head dim D.
+template <int D>
+constexpr int MaxSmemBytes() {
+  using T = Tiles<D>;
+  const int fwd = ForwardConfig<D, T::kForwardMaxBM, 4>::kSmemBytes;
+  const int dq = DqConfig<D, T::kDqBM, T::kDqWarps>::kSmemBytes;
+  const int dkdv = DkDvConfig<D, T::kDkDvBM, T::kDkDvSplit>::kSmemBytes;
+  return fwd > dq ? (fwd > dkdv ? fwd : dkdv) : (dq > dkdv ? dq : dkdv);
+}
 
 template <typename Kernel>
 cudaError_t LaunchWithSmem(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
@@ -949,15 +993,19 @@ cudaError_t LaunchForwardWith(const TreeAttentionParams& p, cudaStream_t stream)
 // short chunks over a long prefix get 64-row tiles so that more CTAs share the prefix's work.
 template <int D>
 cudaError_t LaunchForward(const TreeAttentionParams& p, cudaStream_t stream) {
-  int device = 0;
-  int sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  const int64_t big_tiles = static_cast<int64_t>((p.tokens + 127) / 128) * p.q_heads;
-  if (big_tiles < 2 * sms) return LaunchForwardWith<D, 64>(p, stream);
-  return LaunchForwardWith<D, 128>(p, stream);
+  if constexpr (Tiles<D>::kForwardMaxBM == 64) {
+    return LaunchForwardWith<D, 64>(p, stream);
+  } else {
+    int device = 0;
+    int sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess)
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    const int64_t big_tiles = static_cast<int64_t>((p.tokens + 127) / 128) * p.q_heads;
+    if (big_tiles < 2 * sms) return LaunchForwardWith<D, 64>(p, stream);
+    return LaunchForwardWith<D, 128>(p, stream);
+  }
 }
 
 template <int D>
@@ -981,9 +1029,9 @@ cudaError_t LaunchDq(const TreeAttentionParams& p, cudaStream_t stream) {
 template <int D>
 cudaError_t LaunchDkDv(const TreeAttentionParams& p, cudaStream_t stream) {
   using T = Tiles<D>;
-  using Config = DkDvConfig<D, T::kDkDvBM, T::kDkDvWarps>;
+  using Config = DkDvConfig<D, T::kDkDvBM, T::kDkDvSplit>;
   const int tiles = (p.prefix + kKeyTile - 1) / kKeyTile + (p.tokens + kKeyTile - 1) / kKeyTile;
-  return LaunchWithSmem(DkDvKernel<D, T::kDkDvBM, T::kDkDvWarps>, dim3(tiles, p.kv_heads),
+  return LaunchWithSmem(DkDvKernel<D, T::kDkDvBM, T::kDkDvSplit>, dim3(tiles, p.kv_heads),
                         Config::kThreads, Config::kSmemBytes, stream, p);
 }
 
@@ -1010,7 +1058,17 @@ inline cudaError_t LaunchTreeAttentionPrepare(const void* key_end, bool key_end_
   return cudaGetLastError();
 }
 
-// Writes p.out and p.lse. head_dim must be 64 or 128, else cudaErrorInvalidValue.
+// The most dynamic shared memory per block the kernels take at head_dim (64, 128 or 256; 0 for
+// others): the device's opt-in limit must reach it.
+constexpr int TreeAttentionKernelSmemBytes(int head_dim) {
+  namespace d = tree_attention_detail;
+  return head_dim == 64    ? d::MaxSmemBytes<64>()
+         : head_dim == 128 ? d::MaxSmemBytes<128>()
+         : head_dim == 256 ? d::MaxSmemBytes<256>()
+                           : 0;
+}
+
+// Writes p.out and p.lse. head_dim must be 64, 128 or 256, else cudaErrorInvalidValue.
 inline cudaError_t LaunchTreeAttentionForward(const TreeAttentionParams& p, int head_dim,
                                               cudaStream_t stream) {
   switch (head_dim) {
@@ -1018,6 +1076,8 @@ inline cudaError_t LaunchTreeAttentionForward(const TreeAttentionParams& p, int 
       return tree_attention_detail::LaunchForward<64>(p, stream);
     case 128:
       return tree_attention_detail::LaunchForward<128>(p, stream);
+    case 256:
+      return tree_attention_detail::LaunchForward<256>(p, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -1040,6 +1100,10 @@ inline cudaError_t LaunchTreeAttentionBackward(const TreeAttentionParams& p, int
       return part == TreeAttentionBackwardPart::kRowDot ? d::LaunchRowDot<128>(p, stream)
              : part == TreeAttentionBackwardPart::kDq   ? d::LaunchDq<128>(p, stream)
                                                         : d::LaunchDkDv<128>(p, stream);
+    case 256:
+      return part == TreeAttentionBackwardPart::kRowDot ? d::LaunchRowDot<256>(p, stream)
+             : part == TreeAttentionBackwardPart::kDq   ? d::LaunchDq<256>(p, stream)
+                                                        : d::LaunchDkDv<256>(p, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -6,8 +6,13 @@
 
 namespace dta::kernels {
 
-// True when LaunchHopperTreeAttentionForward / Backward are instantiated for head_dim.
-constexpr bool HopperTreeAttentionSupportsHeadDim(int head_dim) {
+// True when LaunchHopperTreeAttentionForward is instantiated for head_dim.
+constexpr bool HopperTreeAttentionForwardSupportsHeadDim(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+// True when LaunchHopperTreeAttentionBackward is instantiated for head_dim.
+constexpr bool HopperTreeAttentionBackwardSupportsHeadDim(int head_dim) {
   return head_dim == 64 || head_dim == 128;
 }
 

@@ -71,6 +71,8 @@ cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int h
       return hopper_detail::LaunchForward<64>(p, unit_counter, stream);
     case 128:
       return hopper_detail::LaunchForward<128>(p, unit_counter, stream);
+    case 256:
+      return hopper_detail::LaunchForward<256>(p, unit_counter, stream);
     default:
       return cudaErrorInvalidValue;
   }

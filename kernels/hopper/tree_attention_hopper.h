@@ -29,7 +29,7 @@ namespace dta::kernels {
 // and one int32 of device memory in unit_counter that holds 0 when the launch runs in `stream`'s
 // order (LaunchTreeAttentionPrepare's zeroed_counter: the persistent CTAs count their work units
 // through it), not used by a concurrent launch.
-// Returns cudaErrorInvalidValue for a head_dim HopperTreeAttentionSupportsHeadDim rejects,
+// Returns cudaErrorInvalidValue for a head_dim HopperTreeAttentionForwardSupportsHeadDim rejects,
 // misaligned operands or T + P >= 2^31, else the error of the launch.
 cudaError_t LaunchHopperTreeAttentionForward(const TreeAttentionParams& p, int head_dim,
                                              int32_t* unit_counter, cudaStream_t stream);
@@ -51,8 +51,8 @@ inline int64_t HopperBackwardRowStatsFloats(int64_t tokens, int64_t q_heads) {
 // element is summed by one thread in a fixed order: bitwise deterministic. Requires the prepare
 // kernel's workspace as the forward does, q, k, v, the prefix and grad_out under TMA's rules,
 // dq/dk/dv with 4-byte aligned rows and grad_prefix_k/v with 8-byte aligned rows. Returns
-// cudaErrorInvalidValue for an unsupported head_dim or part, misaligned operands or T + P >= 2^31,
-// else the error of the launch.
+// cudaErrorInvalidValue for a head_dim HopperTreeAttentionBackwardSupportsHeadDim rejects, an
+// unsupported part, misaligned operands or T + P >= 2^31, else the error of the launch.
 cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int head_dim,
                                               TreeAttentionBackwardPart part, cudaStream_t stream);
 

@@ -74,11 +74,15 @@ using StagedTilesT = decltype(composition(
     StagedTiles<kRows, D, kStages>{},
     make_ordered_layout(Shape<Int<D>, Int<kRows>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
+// D = 256 (FlashAttention-3's hdim-256 shape, its 80-key tiles rounded to our 64-key prepare
+// tiles): 64-key tiles, 2 stages, Q 64 KiB + 2 x (K + V) 128 KiB: 192 KiB; a consumer thread holds
+// 128 floats of O and 32 of S (ptxas: 60 bytes of spill stores, none at D = 64 and 128).
 template <int D>
 struct ForwardTraits {
-  static constexpr int kBM = 128;    // query rows per CTA: two consumer warpgroups of 64
-  static constexpr int kBN = 128;    // key rows per tile
-  static constexpr int kStages = 3;  // Q 32 KiB + 3 x (K + V) 192 KiB: 224 KiB of 227
+  static_assert(D == 64 || D == 128 || D == 256, "head dims with a tile shape");
+  static constexpr int kBM = 128;                   // query rows per CTA: two warpgroups of 64
+  static constexpr int kBN = D == 256 ? 64 : 128;   // key rows per tile
+  static constexpr int kStages = D == 256 ? 2 : 3;  // D = 128: Q 32 KiB + 3 x (K + V) 192 KiB
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kSubTiles = kBN / tree_attention_detail::kKeyTile;  // tile_*_end per tile

@@ -4,12 +4,13 @@
 // Same inputs and tolerances as tree_attention_test.cc (out and gradients within 1e-2 of the
 // reference's largest magnitude, lse within 1e-3): chains, random forests and 64-leaf trees;
 // T in {1, 3, 7, 19, 200, 733, 2100, 4099, 6007, 8192, 16001}; P in {0, 37, 700, 1200, 3000,
-// 3001}; D = 128 and 64; Hq:Hkv 16:8, 32:8, 8:8, 8:2, 14:2, 2:1; k and v as head slices of one
-// projection, the prefix as the head of a larger cache; diffuse and peaked rows; the exact
-// lse-counts test with q = 0. The Hopper backward (fed by the Hopper forward's out and lse) adds
-// the prefix gradients into strided views of larger accumulators without touching their other rows,
-// and is bitwise equal across two runs. Skipped without a CUDA device, on GPUs other than compute
-// capability 9.x, or in builds without the Hopper kernels.
+// 3001}; D = 128, 64 and 256 (the forward only: the backward is FlashAttention-2's there); Hq:Hkv
+// 16:8, 32:8, 8:8, 8:2, 14:2, 2:1, 16:2, 4:1; k and v as head slices of one projection, the prefix
+// as the head of a larger cache; diffuse and peaked rows; the exact lse-counts test with q = 0. The
+// Hopper backward (fed by the Hopper forward's out and lse) adds the prefix gradients into strided
+// views of larger accumulators without touching their other rows, and is bitwise equal across two
+// runs. Skipped without a CUDA device, on GPUs other than compute capability 9.x, or in builds
+// without the Hopper kernels.
 #include <torch/cuda.h>
 
 #include <cmath>
@@ -182,6 +183,11 @@ GradErrors ExpectGradsClose(const testing::GradsIntoViews& a, const Grads& want)
   return e;
 }
 
+Case AtHeadDim(int64_t head_dim, Case c) {
+  c.head_dim = head_dim;
+  return c;
+}
+
 void CheckCase(const Case& c, uint64_t seed) {
   SCOPED_TRACE(c.Name());
   at::Generator gen = at::detail::createCPUGenerator(seed);
@@ -309,22 +315,43 @@ TEST_F(HopperTreeAttention, LongChainMatchesTheFa2Forward) {
   }
 }
 
+// Head dim 256 (Qwen3-Next / Qwen3.5 attention layers): the Hopper forward at 64-key tiles and 2
+// stages; the backward stays FlashAttention-2's (HopperTreeAttentionBackwardSupportsHeadDim), so
+// CheckCase's "Hopper" backward runs are those kernels too.
+TEST_F(HopperTreeAttention, HeadDim256) {
+  {
+    const at::Tensor probe =
+        at::empty({1, 1, 256}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    internal::TreeAttentionShape shape;
+    shape.tokens = 1;
+    shape.q_heads = shape.kv_heads = 1;
+    shape.head_dim = 256;
+    const ScopedEnv on(kForwardEnv, "1");
+    ASSERT_TRUE(internal::UsesHopperForward(shape, probe));
+  }
+  CheckCase(AtHeadDim(256, {1, 0, 16, 8, TreeKind::kChain}), 91);
+  CheckCase(AtHeadDim(256, {7, 3000, 16, 2, TreeKind::kChain}), 92);
+  CheckCase(AtHeadDim(256, {19, 3001, 8, 8, TreeKind::kRandom, true}), 93);
+  CheckCase(AtHeadDim(256, {733, 3001, 16, 8, TreeKind::kChain}), 94);
+  CheckCase(AtHeadDim(256, {8192, 0, 16, 2, TreeKind::kChain}), 95);
+  CheckCase(AtHeadDim(256, {733, 1000, 32, 8, TreeKind::kRandom, true}), 96);
+  CheckCase(AtHeadDim(256, {2100, 700, 14, 2, TreeKind::kRandom}), 97);
+  CheckCase(AtHeadDim(256, {2100, 0, 16, 8, TreeKind::kBranches, false, 4.0}), 98);
+  CheckCase(AtHeadDim(256, {6007, 1200, 4, 1, TreeKind::kRandom, false, 4.0}), 99);
+}
+
 // Head dim 64 (Llama-style small models, Qwen2.5-0.5B's 64-wide heads): the same kernels
 // instantiated at D = 64, through every shape class the D = 128 tests cover.
 TEST_F(HopperTreeAttention, HeadDim64) {
-  auto d64 = [](Case c) {
-    c.head_dim = 64;
-    return c;
-  };
-  CheckCase(d64({1, 0, 16, 8, TreeKind::kChain}), 81);
-  CheckCase(d64({7, 3000, 16, 8, TreeKind::kChain}), 82);
-  CheckCase(d64({19, 3001, 8, 8, TreeKind::kRandom, true}), 83);
-  CheckCase(d64({733, 3001, 16, 8, TreeKind::kChain}), 84);
-  CheckCase(d64({8192, 0, 16, 8, TreeKind::kChain}), 85);
-  CheckCase(d64({733, 1000, 32, 8, TreeKind::kRandom, true}), 86);
-  CheckCase(d64({2100, 700, 14, 2, TreeKind::kRandom}), 87);
-  CheckCase(d64({2100, 0, 16, 8, TreeKind::kBranches, false, 4.0}), 88);
-  CheckCase(d64({6007, 1200, 8, 2, TreeKind::kRandom, false, 4.0}), 89);
+  CheckCase(AtHeadDim(64, {1, 0, 16, 8, TreeKind::kChain}), 81);
+  CheckCase(AtHeadDim(64, {7, 3000, 16, 8, TreeKind::kChain}), 82);
+  CheckCase(AtHeadDim(64, {19, 3001, 8, 8, TreeKind::kRandom, true}), 83);
+  CheckCase(AtHeadDim(64, {733, 3001, 16, 8, TreeKind::kChain}), 84);
+  CheckCase(AtHeadDim(64, {8192, 0, 16, 8, TreeKind::kChain}), 85);
+  CheckCase(AtHeadDim(64, {733, 1000, 32, 8, TreeKind::kRandom, true}), 86);
+  CheckCase(AtHeadDim(64, {2100, 700, 14, 2, TreeKind::kRandom}), 87);
+  CheckCase(AtHeadDim(64, {2100, 0, 16, 8, TreeKind::kBranches, false, 4.0}), 88);
+  CheckCase(AtHeadDim(64, {6007, 1200, 8, 2, TreeKind::kRandom, false, 4.0}), 89);
 }
 
 TEST_F(HopperTreeAttention, RandomTrees) {
@@ -353,7 +380,10 @@ TEST_F(HopperTreeAttention, LseCountsExactlyTheVisibleKeys) {
         Case{16001, 3000, 2, 1, TreeKind::kRandom}, Case{5000, 0, 32, 8, TreeKind::kRandom},
         Case{8192, 0, 16, 8, TreeKind::kChain}, Case{301, 129, 16, 8, TreeKind::kBranches},
         Case{2100, 700, 16, 8, TreeKind::kBranches, false, 1, 64},
-        Case{5000, 0, 32, 8, TreeKind::kRandom, false, 1, 64}}) {
+        Case{5000, 0, 32, 8, TreeKind::kRandom, false, 1, 64},
+        Case{2100, 700, 16, 2, TreeKind::kBranches, false, 1, 256},
+        Case{8192, 0, 16, 2, TreeKind::kChain, false, 1, 256},
+        Case{301, 129, 16, 8, TreeKind::kBranches, false, 1, 256}}) {
     SCOPED_TRACE(c.Name());
     const std::vector<int64_t> key_end = MakeKeyEnd(c.kind, c.tokens, 70);
     std::vector<double> visible(c.tokens, static_cast<double>(c.prefix));
@@ -410,6 +440,11 @@ TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
     shape.head_dim = 64;
     EXPECT_TRUE(internal::UsesHopperForward(shape, q.narrow(2, 0, 64)));
     EXPECT_TRUE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 64)));
+    shape.head_dim = 256;  // the forward only
+    const at::Tensor q256 =
+        at::zeros({5, 16, 256}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    EXPECT_TRUE(internal::UsesHopperForward(shape, q256));
+    EXPECT_FALSE(internal::UsesHopperBackward(shape, q256));
     shape.head_dim = 96;  // compiled for neither kernel family
     EXPECT_FALSE(internal::UsesHopperForward(shape, q.narrow(2, 0, 96)));
     EXPECT_FALSE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 96)));

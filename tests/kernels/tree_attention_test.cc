@@ -3,12 +3,13 @@
 // bitwise deterministic; prefix gradients are added into strided views of larger accumulators
 // without touching the rows around them. Chains, random forests and 64-leaf trees; T in
 // {1, 3, 7, 19, 200, 733, 2100} and whole packed trees of 6007 to 16001 tokens (the float64
-// reference then runs on the GPU); P in {0, 37, 700, 1000, 1200, 2500, 3000, 3001}; D in {64, 128};
-// Hq:Hkv 8:8, 16:8, 32:8, 4:2, 2:1, 8:2; diffuse and peaked softmax rows. With q = 0 the forward's
-// lse must count exactly the keys each query sees (an exact test of the mask and tile skipping).
-// Skipped without a CUDA device or without nvcc at build time. On compute capability 9.x builds
-// with the CUTLASS headers, the D = 128 forwards here run the Hopper kernel (kernels/hopper/);
-// hopper_tree_attention_test compares it with the FlashAttention-2 forward in one process.
+// reference then runs on the GPU); P in {0, 37, 700, 1000, 1200, 2500, 3000, 3001}; D in {64, 128,
+// 256}; Hq:Hkv 8:8, 16:8, 32:8, 4:2, 2:1, 8:2; diffuse and peaked softmax rows. With q = 0 the
+// forward's lse must count exactly the keys each query sees (an exact test of the mask and tile
+// skipping). Skipped without a CUDA device or without nvcc at build time. On compute capability 9.x
+// builds with the CUTLASS headers, the D = 128 forwards here run the Hopper kernel
+// (kernels/hopper/); hopper_tree_attention_test compares it with the FlashAttention-2 forward in
+// one process.
 #include "kernels/tree_attention.h"
 
 #include <torch/cuda.h>
@@ -205,6 +206,22 @@ TEST_F(TreeAttentionCuda, LongChunks) {
   CheckCase({2100, 0, 32, 8, 128, TreeKind::kChain, true}, 53);
 }
 
+// Qwen3-Next / Qwen3.5's attention head dim: 64-row forward tiles, dK/dV split over 8 warps along
+// D (tree_attention_kernel.cuh's Tiles<256>). Odd lengths, GQA, prefixes, int32 key_end, peaked
+// rows.
+TEST_F(TreeAttentionCuda, HeadDim256) {
+  CheckCase({1, 0, 8, 8, 256, TreeKind::kChain}, 81);
+  CheckCase({3, 37, 4, 2, 256, TreeKind::kRandom}, 82);
+  CheckCase({19, 3001, 16, 2, 256, TreeKind::kRandom, true}, 83);
+  CheckCase({7, 3000, 8, 8, 256, TreeKind::kChain}, 84);
+  CheckCase({733, 0, 16, 8, 256, TreeKind::kChain}, 85);
+  CheckCase({733, 1000, 8, 2, 256, TreeKind::kRandom, true}, 86);
+  CheckCase({733, 3000, 8, 8, 256, TreeKind::kBranches, false, 4.0}, 87);
+  CheckCase({200, 37, 32, 8, 256, TreeKind::kRandom}, 88);
+  CheckCase({2100, 700, 16, 2, 256, TreeKind::kBranches}, 89);
+  CheckCase({6007, 1200, 4, 1, 256, TreeKind::kRandom, false, 4.0}, 90);
+}
+
 // The sizes of whole packed trees (Tree Training's micro-batches, dta's packed subtrees): tens of
 // thousands of DFS-ordered tokens in one chunk.
 TEST_F(TreeAttentionCuda, PackedTreeSizes) {
@@ -223,7 +240,9 @@ TEST_F(TreeAttentionCuda, LseCountsExactlyTheVisibleKeys) {
        {Case{733, 0, 4, 2, 64, TreeKind::kRandom}, Case{2100, 700, 16, 8, 128, TreeKind::kBranches},
         Case{12289, 0, 4, 2, 64, TreeKind::kBranches},
         Case{16001, 3000, 2, 1, 128, TreeKind::kRandom},
-        Case{5000, 0, 32, 8, 128, TreeKind::kRandom}}) {
+        Case{5000, 0, 32, 8, 128, TreeKind::kRandom},
+        Case{2100, 700, 8, 2, 256, TreeKind::kBranches},
+        Case{4001, 0, 4, 4, 256, TreeKind::kRandom}}) {
     SCOPED_TRACE(c.Name());
     const std::vector<int64_t> key_end = MakeKeyEnd(c.kind, c.tokens, 70);
     std::vector<double> visible(c.tokens, static_cast<double>(c.prefix));
