@@ -81,6 +81,11 @@ def model64(checkpoint) -> Qwen3ForCausalLM:
 
 @pytest.fixture(scope="module")
 def rollouts(model64) -> list[dict[str, torch.Tensor]]:
+    return make_rollouts(model64, GROUPS)
+
+
+def make_rollouts(model64: Qwen3ForCausalLM, groups: int) -> list[dict[str, torch.Tensor]]:
+    """One dict of GROUP rows per prompt (the first ``GROUPS`` the same whatever ``groups``)."""
     rng = random.Random(5)
 
     def tokens(n: int) -> list[int]:
@@ -88,7 +93,7 @@ def rollouts(model64) -> list[dict[str, torch.Tensor]]:
 
     system = tokens(6)
     out = []
-    for g in range(GROUPS):
+    for g in range(groups):
         prompt = system + tokens(rng.randint(2, 7))
         rows = []
         for k in range(GROUP):
@@ -315,6 +320,41 @@ def test_decoupled_ppo_maps_any_rejection_sampling_to_dta(checkpoint, model64, r
     assert engine.last_loss_route == "dta:decoupled-ppo"
     assert_close(engine.trainer.gradients(), areal_reference(model64, trained, config, float32=False),
                  "gradients vs AReaL", relative=1e-5)
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["ppo", "decoupled-ppo"])
+def test_the_built_in_loss_logs_areals_statistics_under_its_names(checkpoint, rollouts, make_engine, decoupled):
+    """dta's built-in loss logs what AReaL's grpo_loss_fn logs (the callable-loss route runs it),
+    under its names, from dta's whole-batch means: equal up to AReaL's float32 ratios."""
+    overrides = dict(use_decoupled_loss=True, rejection_sampling=RejectionSamplingConfig(upper=1.2)) if decoupled \
+        else {}
+    config = actor_config(checkpoint[1], **overrides)
+    built_in, areal = make_engine(config), make_engine(config, loss="areal")
+    for engine in (built_in, areal):
+        ppo_step(engine, rollouts)
+    assert built_in.last_loss_route.startswith("dta:") and areal.last_loss_route.startswith("areal")
+    got, want = built_in.last_stats, areal.last_stats
+    names = ["importance_weight/avg", "importance_weight/min", "importance_weight/max", "approx_kl/avg",
+             "clip_ratio/avg", "dual_clip_ratio/avg", "actor_loss/avg", "n_valid_tokens", "clipped_tokens",
+             "dual_clipped_tokens", "version_stats/v_theta"]
+    if decoupled:
+        names += ["behave_imp_weight/avg", "behave_approx_kl/avg", "unclipped_behave_tokens"]
+    else:  # decoupled, AReaL takes staleness over the tokens rejection sampling keeps; dta over all
+        names += ["version_stats/n_valid_tokens"]
+    for name in names:
+        key = f"ppo_actor/update/{name}"
+        assert key in got and key in want, key
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (key, got[key], want[key])
+    if decoupled:  # pi_prox is the current policy: the behaviour weight is what varies
+        assert got["ppo_actor/update/unclipped_behave_tokens"] < got["ppo_actor/update/n_valid_tokens"]
+        assert got["ppo_actor/update/importance_weight/min"] == 0  # the rejected tokens
+    else:
+        assert got["ppo_actor/update/clip_ratio/avg"] > 0 and got["ppo_actor/update/approx_kl/avg"] != 0
+    # AReaL logs these per micro-batch (per rollout on the callable route) as scalars, which its
+    # tracker averages; the built-in route logs the whole batch's once.
+    assert ("ppo_actor/update/rs_filtered_fraction" in got) == decoupled
+    assert got["ppo_actor/update/version_stats/sample_staleness_theta_max"] == 2
+    assert "ppo_actor/update/entropy/avg" not in got  # dta computes no entropy for ppo
 
 
 def test_losses_dta_cannot_express_take_areals(checkpoint, model64, rollouts, make_engine):
@@ -664,8 +704,16 @@ def test_what_cannot_apply_raises_naming_the_alternative(checkpoint, make_engine
                                (dict(dtype="float16"), "dtype")):
         with pytest.raises((NotImplementedError, ValueError), match=message):
             DTAPPOActor(actor_config(path, **overrides))
-    with pytest.raises(NotImplementedError, match="one process"):
+    # An allocation of more processes than torch.distributed has, and dimensions dta has no
+    # counterpart for (AReaL's megatron and fsdp grammars), refused naming the field.
+    with pytest.raises(ValueError, match=r"2 processes .* but torch.distributed has 1"):
         engine.create_process_group(ModelAllocation.from_str("fsdp:d2", name="actor").parallel)
+    for backend, field in (("megatron:d1p2", "pipeline_parallel_size=2"), ("fsdp:d1c2", "context_parallel_size=2")):
+        with pytest.raises(ValueError, match=field):
+            engine.create_process_group(ModelAllocation.from_str(backend, name="actor").parallel)
+    # The tiny model has 2 KV heads: tensor parallelism over 4 ranks cannot split them.
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's num_key_value_heads"):
+        engine.create_process_group(ModelAllocation.from_str("fsdp:t4", name="actor").parallel)
 
 
 def test_the_ppo_trainer_builds_its_train_engines_on_dta(checkpoint, monkeypatch):
@@ -680,7 +728,7 @@ def test_the_ppo_trainer_builds_its_train_engines_on_dta(checkpoint, monkeypatch
         assert engine.trainer.step_count == 0
     finally:
         engine.destroy()
-    with pytest.raises(NotImplementedError, match="fsdp:d1"):
+    with pytest.raises(ValueError, match="actor.backend='fsdp:d2': 2 processes"):
         trainer._create_train_engine(actor_config(checkpoint[1], backend="fsdp:d2"),
                                      ModelAllocation.from_str("fsdp:d2", name="actor"))
 

@@ -4,19 +4,29 @@ batch's prefix tree (shared prefixes computed once).
 AReaL (https://github.com/inclusionAI/AReaL, ``pip install --no-deps areal==1.0.4`` with
 scripts/requirements-areal.txt) has no engine registry: its ``PPOTrainer`` builds the actor in
 ``_create_train_engine``. :class:`DTAPPOTrainer` overrides it, so a training script switches by
-using it in place of ``PPOTrainer``; the YAML stays AReaL's (``actor.backend: fsdp:d1``, whose
-dimensions must be 1, and ``actor.weight_update_mode: disk`` or ``xccl``)::
+using it in place of ``PPOTrainer``; the YAML stays AReaL's (``actor.backend: fsdp:dXtY``, and
+``actor.weight_update_mode: disk`` or ``xccl``)::
 
     from dta.areal import DTAOptions, DTAPPOTrainer
     with DTAPPOTrainer(config, train_dataset, options=DTAOptions(method="dta")) as trainer:
         trainer.train(workflow)
 
 :class:`DTAPPOActor` mirrors AReaL's ``FSDPPPOActor`` (``PPOActor`` on this engine) and can be
-used on its own. The engine is one process (one GPU, or the CPU): the data-parallel group is a
-single-rank Gloo group. Members that cannot apply raise NotImplementedError naming the
-alternative (``forward_backward_batch``, awex weight updates, offload, critics, LoRA). Weights reach
-the inference engines as AReaL's FSDP engine sends them: ``disk`` (a Hugging Face checkpoint they
+used on its own. Members that cannot apply raise NotImplementedError naming the alternative
+(``forward_backward_batch``, awex weight updates, offload, critics, LoRA). Weights reach the
+inference engines as AReaL's FSDP engine sends them: ``disk`` (a Hugging Face checkpoint they
 load) or ``xccl`` (broadcast over a process group with them, in buckets, in the config's dtype).
+
+Processes. The engine's allocation ``dXtY`` (AReaL's launcher starts X*Y processes, torchrun's
+environment) is dta's layout of X data-parallel replicas of Y tensor-parallel ranks each
+(``dta.Trainer(distributed=True, tensor_parallel=Y)``; a replica's TP ranks are consecutive, as
+AReaL's mesh orders them); pipeline, context and expert parallelism are refused. AReaL hands each
+replica its share of the batch (``DistRolloutCoordinator``); every call that computes gathers the
+shares over the data-parallel group in rank order, so every rank holds the whole batch, and dta
+splits it across the replicas along its prefix tree (AReaL's split would cut shared prefixes),
+with whole-batch normalisers. ``forward_batch`` answers each rank with its own share's rows.
+Weight updates and the Hugging Face files of ``save`` go out from world rank 0 after dta's
+tensor-parallel gather; the other ranks take part in the gather and wait on a barrier.
 
 Frames. AReaL's engines compute ``logprobs[t] = log p(input_ids[t + 1] | input_ids[:t + 1])``
 (the logits frame), and ``PPOActor.compute_advantages`` rolls ``loss_mask`` and ``logprobs`` into
@@ -35,7 +45,9 @@ micro-batch one rollout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
 import os
 import shutil
@@ -49,17 +61,18 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from areal.api.alloc_mode import ModelAllocation, ParallelStrategy
 from areal.api.cli_args import PPOActorConfig, TrainEngineConfig
 from areal.api.engine_api import InferenceEngine, TrainEngine
 from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
-from areal.engine.core.distributed import init_custom_process_group
+from areal.engine.core.distributed import init_custom_process_group, warmup_process_groups
 from areal.engine.fsdp_utils import get_cosine_schedule_with_warmup
 from areal.infra.dist_rollout import DistRolloutCoordinator
 from areal.infra.platforms import current_platform
-from areal.trainer.ppo.actor import PPOActor, PPOActorController, grpo_loss_fn
+from areal.trainer.ppo.actor import PPOActor, PPOActorController, _log_version_staleness_stats, grpo_loss_fn
 from areal.trainer.rl_trainer import PPOTrainer
 from areal.utils import name_resolve, names, stats_tracker
 from areal.utils.constants import DIST_GROUP_DEFAULT_TIMEOUT, PROX_LOGP_METHOD_RECOMPUTE
@@ -173,7 +186,14 @@ class DTAEngine(TrainEngine):
         self.last_loss_route = ""  # how the last train_batch computed its loss (for logs and tests)
         self.training = True
         self._version = 0
+        # The data-parallel group (AReaL's backend for the device), its Gloo twin for the
+        # batches' gathers, the replica's (context and model parallel) group and the world's Gloo
+        # group; the layout: replicas x tensor-parallel ranks, and this rank's replica.
         self._group: dist.ProcessGroup | None = None
+        self._dp_objects: dist.ProcessGroup | None = None
+        self._mp_group: dist.ProcessGroup | None = None
+        self._cpu_group: dist.ProcessGroup | None = None
+        self._replicas, self._tp, self._dp_rank = 1, 1, 0
         self._owns_process_group = False
         # xccl: the process group with the inference engines' workers (this engine is rank 0) and
         # where they rendezvoused.
@@ -183,32 +203,71 @@ class DTAEngine(TrainEngine):
     # --- process groups and lifecycle -------------------------------------------------------
 
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
-        """A single-rank Gloo group for the engine's collectives, after initialising
-        torch.distributed for one rank when nobody has (with AReaL's backend for the device, NCCL
-        on GPUs, as its FSDP engine would, so that an AReaL critic in the process finds it).
+        """The engine's process groups over torch.distributed, after initialising it when nobody
+        has (with AReaL's backend for the device, NCCL on GPUs, as its FSDP engine does: torchrun's
+        environment, or one rank of its own when the allocation is one process).
+
+        ``parallel_strategy`` (default: the config's ``backend``, e.g. ``fsdp:d2t2``) is dta's
+        layout: ``data_parallel_group`` joins the ranks of one tensor-parallel rank across the
+        replicas, ``context_and_model_parallel_group`` a replica's consecutive TP ranks (AReaL's
+        backend for the device), ``cpu_group`` the world (Gloo).
 
         Raises:
-            NotImplementedError: A parallel strategy or a process group of more than one rank.
+            ValueError: A dimension dta cannot map (pipeline, context or expert parallelism), a
+                tensor-parallel size that does not divide the model's attention or KV heads, or a
+                world size other than the allocation's (each naming the field).
         """
-        if parallel_strategy is not None and parallel_strategy.world_size != 1:
-            raise NotImplementedError(
-                f"dta.areal runs one process, got {parallel_strategy}: set actor.backend to fsdp:d1, or train "
-                "on several GPUs with dta's own layouts (dta.Trainer(distributed=True) under torchrun, or "
-                "dta-trainer behind dta-dispatcher)")
+        strategy = parallel_strategy
+        if strategy is None:
+            strategy = (ModelAllocation.from_str(self.config.backend).parallel if self.config.backend
+                        else ParallelStrategy())
+        replicas, tp = _layout(strategy, self.config, self.options)
+        where = _allocation_name(strategy, self.config)
+        if dist.is_initialized():
+            world, source = dist.get_world_size(), "torch.distributed has"
+        else:
+            world, source = int(os.environ.get("WORLD_SIZE", "1")), "the launcher's WORLD_SIZE is"
+        if world != replicas * tp:
+            raise ValueError(f"{where}: {replicas * tp} process{'es' if replicas * tp > 1 else ''} "
+                             f"(data_parallel_size {replicas} x tensor_parallel_size {tp}), but {source} {world}: "
+                             "launch one process per rank of the allocation (AReaL's launcher or torchrun)")
         if not dist.is_initialized():
-            port = find_free_ports(1)[0]
-            dist.init_process_group(current_platform.communication_backend, init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=0, world_size=1)
+            backend = current_platform.communication_backend
+            if world == 1:
+                port = find_free_ports(1)[0]
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            else:  # torchrun's environment, as AReaL's FSDP engine
+                dist.init_process_group(backend, timeout=DIST_GROUP_DEFAULT_TIMEOUT)
             self._owns_process_group = True
-        if dist.get_world_size() != 1:
-            raise NotImplementedError(f"dta.areal runs one process, but torch.distributed has "
-                                      f"{dist.get_world_size()} ranks")
-        self._group = dist.new_group(backend="gloo")
+        rank = dist.get_rank()
+        self._replicas, self._tp = replicas, tp
+        self._dp_rank = rank // tp
+        backend = current_platform.communication_backend
+        self._cpu_group = dist.new_group(backend="gloo")
+        if world == 1:
+            self._group = self._dp_objects = self._cpu_group
+            self._mp_group = self._cpu_group
+            return
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        for t in range(tp):
+            ranks = list(range(t, world, tp))
+            group, objects = dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend="gloo")
+            if rank % tp == t:
+                self._group, self._dp_objects = group, objects
+        for d in range(replicas):
+            group = dist.new_group(list(range(d * tp, (d + 1) * tp)), backend=backend)
+            if self._dp_rank == d:
+                self._mp_group = group
+        # As AReaL's FSDP engine: on GPUs, this rank's device (LOCAL_RANK) and the NCCL
+        # communicators now, not lazily while a colocated engine is busy.
+        warmup_process_groups(self._group, self._mp_group)
 
     def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None, *args: Any,
                    **kwargs: Any) -> None:
         """Loads the model and builds AdamW and the learning-rate schedule (over
-        ``ft_spec.total_train_steps``, as AReaL's FSDP engine)."""
+        ``ft_spec.total_train_steps``, as AReaL's FSDP engine). Several processes: every rank
+        calls it; dta's trainer joins them (``distributed=True``) at world rank 0's address on a
+        port of its own, next to torch.distributed's."""
         if addr is not None:
             raise NotImplementedError("dta.areal loads the model in this process (addr must be None)")
         if self._group is None:
@@ -217,11 +276,17 @@ class DTAEngine(TrainEngine):
         adamw = {} if opt is None else dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
                                               eps=opt.eps, max_grad_norm=opt.gradient_clipping)
         device = self.options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        _check_device(device, bool(self.options.trainer.get("distributed", False)), what="DTAOptions.device")
+        distributed = dist.get_world_size() > 1
+        _check_device(device, distributed, what="DTAOptions.device")
         # A step whose gradient norm is not finite updates nothing and reports
         # update_successful = 0, as AReaL's FSDP engine does.
         trainer_options = {"nonfinite_gradients": "skip", **self.options.trainer}
-        self.trainer = Trainer(self.config.path, dtype=self.dtype, device=device, **adamw, **trainer_options)
+        if distributed:
+            trainer_options.update(distributed=True, tensor_parallel=self._tp)
+            with _launch_environment(self._cpu_group):
+                self.trainer = Trainer(self.config.path, dtype=self.dtype, device=device, **adamw, **trainer_options)
+        else:
+            self.trainer = Trainer(self.config.path, dtype=self.dtype, device=device, **adamw, **trainer_options)
         if opt is not None and ft_spec is not None:
             total = ft_spec.total_train_steps
             warmup = int(opt.warmup_steps_proportion * total)
@@ -237,12 +302,12 @@ class DTAEngine(TrainEngine):
         if self._weight_group is not None:
             dist.destroy_process_group(self._weight_group)
             self._weight_group = self._weight_group_at = None
-        self.trainer = None
+        self.trainer = None  # distributed: dta's trainer leaves its group on a barrier of every rank
         self.lr_scheduler = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
-        self._group = None
+        self._group = self._mp_group = self._cpu_group = self._dp_objects = None
 
     @property
     def initialized(self) -> bool:
@@ -254,25 +319,31 @@ class DTAEngine(TrainEngine):
 
     @property
     def data_parallel_rank(self) -> int:
-        return 0
+        self._require_group()
+        return self._dp_rank
 
     @property
     def data_parallel_world_size(self) -> int:
-        return 1
+        self._require_group()
+        return self._replicas
 
     def current_data_parallel_head(self) -> int:
-        return 0
+        """The replica's first (TP rank 0) world rank."""
+        self._require_group()
+        return self._dp_rank * self._tp
 
     def is_data_parallel_head(self) -> bool:
-        return True
+        return dist.get_rank() == self.current_data_parallel_head()
 
     @property
     def context_and_model_parallel_group(self) -> dist.ProcessGroup:
-        return self._require_group()
+        self._require_group()
+        return self._mp_group
 
     @property
     def cpu_group(self) -> dist.ProcessGroup:
-        return self._require_group()
+        self._require_group()
+        return self._cpu_group
 
     def train(self, mode: bool = True) -> DTAEngine:
         """A flag only: dta's Qwen3 has no dropout, and dta chooses recomputation itself."""
@@ -287,14 +358,17 @@ class DTAEngine(TrainEngine):
         this engine is rank 0 of ``1 + meta.gen_allocation``'s world size, at
         ``DTAOptions.weight_update_host`` (default: AReaL's choice of this host's address) and a
         free port, named ``update_weight_group`` (NCCL when the trainer is on a GPU, Gloo on the
-        CPU). Raises NotImplementedError for ``awex`` and for engines with pipeline parallelism
-        (AReaL's per-stage groups); ValueError for a ``weight_update_host`` that is not an
+        CPU); with several processes world rank 0 forms it and the others wait. Raises
+        NotImplementedError for ``awex`` and for engines with pipeline parallelism (AReaL's
+        per-stage groups); ValueError for a ``weight_update_host`` that is not an
         address of this host (before the workers are asked to join)."""
         self._check_update_mode(meta)
         self.rollout_engine = engine
         self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
         if meta.type == "xccl":
-            self._form_weight_group(engine, meta)
+            if dist.get_rank() == 0:  # the sender; the other ranks' weights reach it through dta's gather
+                self._form_weight_group(engine, meta)
+            dist.barrier(group=self.cpu_group)
 
     def rollout_batch(self, data: list[dict[str, Any]], workflow: Any, workflow_kwargs: dict[str, Any] | None = None,
                       group_size: int = 1) -> list[dict[str, Any]]:
@@ -320,6 +394,11 @@ class DTAEngine(TrainEngine):
         and one broadcast from rank 0 per tensor, under Hugging Face names, in the config's dtype
         (what the engines run: AReaL's compute dtype); resume. A failure leaves generation paused
         (the engines may hold a mix of versions) and raises.
+
+        Several processes: world rank 0 talks to the inference engine and sends; every rank first
+        takes part in dta's TP gather (``disk``: the checkpoint; ``xccl`` with tensor parallelism:
+        a checkpoint in a temporary directory that rank 0 writes and reads back); all return
+        after a barrier.
         """
         self._check_update_mode(meta)
         if self.rollout_engine is None:
@@ -329,13 +408,19 @@ class DTAEngine(TrainEngine):
             return
         if meta.path is None:
             raise ValueError("update_weights: WeightUpdateMeta.path is None")
-        self.rollout_engine.pause_generation()
-        loaded: Future[None] = self.rollout_engine.update_weights_from_disk(meta)
-        self._save_hf(meta.path, optimizer=False)
-        name = names.update_weights_from_disk(self.config.experiment_name, self.config.trial_name, self.get_version())
-        name_resolve.add(name, str(datetime.now().timestamp()), keepalive_ttl=120)
-        loaded.result()
-        self.rollout_engine.continue_generation()
+        sender = dist.get_rank() == 0
+        loaded: Future[None] | None = None
+        if sender:
+            self.rollout_engine.pause_generation()
+            loaded = self.rollout_engine.update_weights_from_disk(meta)
+        self._save_hf(meta.path, optimizer=False)  # every rank: dta's TP gather
+        if sender:
+            name = names.update_weights_from_disk(self.config.experiment_name, self.config.trial_name,
+                                                  self.get_version())
+            name_resolve.add(name, str(datetime.now().timestamp()), keepalive_ttl=120)
+            loaded.result()
+            self.rollout_engine.continue_generation()
+        dist.barrier(group=self.cpu_group)
 
     def set_version(self, version: int) -> None:
         self._version = version
@@ -349,13 +434,17 @@ class DTAEngine(TrainEngine):
         given), plus dta's AdamW state in ``meta.path/optimizer`` with ``meta.with_optim``.
         ``dcp`` (AReaL's recover checkpoints) is written as dta's own checkpoint
         (``meta.path/model``, ``meta.path/optimizer``), not torch.distributed.checkpoint: only this
-        engine reads it back."""
+        engine reads it back. Several processes: every rank calls it, with the same ``meta.path`` on a
+        file system they share; world rank 0 writes the weights (gathered), every rank its part of
+        the optimizer state."""
         trainer = self._require_trainer()
         if meta.weight_format == "hf":
             self._save_hf(meta.path, optimizer=meta.with_optim)
-            for extra in (meta.tokenizer, meta.processor):
-                if extra is not None:
-                    extra.save_pretrained(meta.path)
+            if dist.get_rank() == 0:
+                for extra in (meta.tokenizer, meta.processor):
+                    if extra is not None:
+                        extra.save_pretrained(meta.path)
+            dist.barrier(group=self.cpu_group)
         elif meta.weight_format == "dcp":
             trainer.save(meta.path, dtype=None, optimizer=meta.with_optim)
         else:
@@ -434,6 +523,10 @@ class DTAEngine(TrainEngine):
             ``grad_norm``, ``lr``, ``num_micro_batches`` (1) and dta's
             ``dta_loss``, ``dta_compression`` (rollout tokens / tree tokens), ``dta_tree_tokens``.
 
+        Several processes: every rank calls it with its share of the batch (AReaL's); the shares,
+        gathered in data-parallel rank order, are the batch trained (dta splits it across the
+        replicas), and every rank returns the same.
+
         Raises:
             ValueError: An empty batch, one whose weights sum to 0 (nothing trained: no step is
                 taken), a batch in the tokens' frame or otherwise malformed (naming the row and
@@ -466,11 +559,73 @@ class DTAEngine(TrainEngine):
         stats = trainer.train_batch(trajectories, loss=loss, method=self.options.method, **options,
                                     **self._executor)
         logger.debug("train_batch: %s", self.last_loss_route)
+        if isinstance(route, tuple):  # AReaL's loss logs its statistics itself
+            self._log_builtin_stats(stats, mbs, loss_fn, options)
         if stats.skipped:
             trainer.zero_grad()
             logger.warning("train_batch: the gradient norm is %s: no update (update_successful = 0)",
                            stats.grad_norm)
         return _step_stats(stats)
+
+    def _log_builtin_stats(self, stats: TrainStats, mbs: list[dict[str, Any]], loss_fn: Callable[..., Any],
+                           options: dict[str, Any]) -> None:
+        """What AReaL's ``grpo_loss_fn`` logs, under its names, from dta's whole-batch
+        diagnostics: ``importance_weight`` (mean, min, max), ``approx_kl``, ``actor_loss``,
+        ``clip_ratio``, ``dual_clip_ratio``, ``entropy`` (when computed), ``behave_imp_weight``,
+        ``behave_approx_kl``, ``rs_filtered_fraction`` and ``version_stats/*`` (staleness), with
+        their denominators. dta gives means: a statistic's min and max are its mean, except the
+        importance weight's. Each rank holds the whole batch's values, so data-parallel rank 0
+        counts its tokens and the others log empty masks (the same keys on every rank, as
+        ``export_stats``' reduction needs)."""
+        n = int(sum(int(mb["loss_mask"].count_nonzero()) for mb in mbs))
+        if n == 0:
+            return
+        device = mbs[0]["loss_mask"].device
+        own = self._dp_rank == 0
+
+        def mask(count: int | float, size: int = n) -> torch.Tensor:
+            m = torch.zeros(size, dtype=torch.bool, device=device)
+            m[:int(round(count))] = own
+            return m
+
+        def values(mean: float, low: float | None = None, high: float | None = None) -> torch.Tensor:
+            # n values whose mean is `mean` (and, given, whose min and max are low and high: the
+            # other n - 2 take the mean of the batch's other values, which lies between them).
+            v = torch.full((n,), float(mean), dtype=torch.float64)
+            if low is not None and n >= 2:
+                v[0], v[1] = low, high
+                if n > 2:
+                    v[2:] = (n * mean - low - high) / (n - 2)
+            return v.float().to(device)
+
+        total_tokens = sum(int(mb["input_ids"].numel()) for mb in mbs)
+        stats_tracker.denominator(n_tokens=mask(total_tokens, total_tokens), n_valid_tokens=mask(n),
+                                  clipped_tokens=mask((stats.clip_fraction or 0.0) * n),
+                                  dual_clipped_tokens=mask((stats.dual_clip_fraction or 0.0) * n))
+        logged = dict(actor_loss=values(stats.loss))
+        if stats.ratio_mean is not None:
+            # Tokens rejection sampling masks count as ratio 0 in dta's mean and AReaL's statistic.
+            rs = options.get("rejection_sampling")
+            masked = rs is not None and rs.action == "mask" and (stats.rejected_fraction or 0.0) > 0
+            low = 0.0 if masked else stats.ratio_min
+            logged.update(importance_weight=values(stats.ratio_mean, low, stats.ratio_max),
+                          approx_kl=values(stats.approx_kl), clip_ratio=values(stats.clip_fraction),
+                          dual_clip_ratio=values(stats.dual_clip_fraction))
+        if stats.entropy is not None:
+            logged.update(entropy=values(stats.entropy))
+        stats_tracker.stat(**logged, denominator="n_valid_tokens")
+        if stats.behave_imp_weight is not None:
+            kept = n * (1.0 - (stats.rejected_fraction or 0.0))
+            stats_tracker.denominator(unclipped_behave_tokens=mask(kept))
+            stats_tracker.stat(behave_imp_weight=values(stats.behave_imp_weight),
+                               behave_approx_kl=values(stats.behave_approx_kl), denominator="unclipped_behave_tokens")
+        if "rejection_sampling" in options and stats.rejected_fraction is not None and own:
+            stats_tracker.scalar(rs_filtered_fraction=stats.rejected_fraction)
+        current_version = loss_fn.keywords.get("current_version") if isinstance(loss_fn, functools.partial) else None
+        if "versions" in mbs[0] and current_version is not None:
+            loss_mask = torch.cat([mb["loss_mask"] for mb in mbs]).bool()
+            _log_version_staleness_stats(torch.cat([mb["versions"] for mb in mbs]), current_version,
+                                         loss_mask if own else torch.zeros_like(loss_mask))
 
     @torch.no_grad()
     def eval_batch(self, input_: list[dict[str, Any]] | dict[str, Any], loss_fn: Callable[..., torch.Tensor],
@@ -494,18 +649,21 @@ class DTAEngine(TrainEngine):
         """Log-probabilities in AReaL's logits frame, float32: ``out[b, t] = log p(input_ids[b, t + 1] |
         input_ids[b, :t + 1])`` for ``t`` below the row's length - 1, 0 elsewhere. ``[B, L]`` for a
         dict, one ``[b_i, L_i]`` per dict for a list (AReaL's ``split_batch``); every unique token
-        is computed once (``method`` ``dta``/``packed``)."""
-        batch, meta = _batched(input_, "forward_batch")
-        rows = _split_rows(batch)
-        lengths = [int(row["attention_mask"].sum()) for row in rows]
-        if output_seqlens is not None and meta is None and list(output_seqlens) != lengths:
-            raise ValueError(f"forward_batch: output_seqlens {list(output_seqlens)} differ from the attention "
-                             f"mask's lengths {lengths}")
-        packed = aggregate_fn([torch.cat(self._logprobs(rows))])
-        out = torch.zeros(batch["attention_mask"].shape, dtype=packed.dtype, device=packed.device)
+        is computed once (``method`` ``dta``/``packed``). Several processes: the rows of this rank's
+        ``input_``, computed with the whole batch's (every rank calls it)."""
+        share = _share(input_, "forward_batch", output_seqlens)
+        rows, first = self._whole_batch(share)
+        if not rows:
+            raise ValueError("forward_batch: the batch is empty")
+        mine = self._logprobs(rows)[first:first + len(share.rows)]  # every rank: dta's collectives
+        if not share.rows:
+            return []
+        lengths = [int(row["attention_mask"].sum()) for row in share.rows]
+        packed = aggregate_fn([torch.cat(mine)])
+        out = torch.zeros(share.batch["attention_mask"].shape, dtype=packed.dtype, device=packed.device)
         for b, row in enumerate(packed.split(lengths)):
             out[b, :lengths[b]] = row
-        return out if meta is None else split_batch(out, meta)
+        return out if share.meta is None else split_batch(out, share.meta)
 
     # --- statistics and memory --------------------------------------------------------------
 
@@ -537,20 +695,29 @@ class DTAEngine(TrainEngine):
 
     def _save_hf(self, path: str, *, optimizer: bool) -> None:
         """The Hugging Face files directly in ``path`` (dta.Trainer.save writes them to
-        ``dir/model``) and, with ``optimizer``, the AdamW state in ``path/optimizer``."""
+        ``dir/model``) and, with ``optimizer``, the AdamW state in ``path/optimizer``. Collective:
+        every rank saves into world rank 0's staging directory, which rank 0 then moves in place."""
         trainer = self._require_trainer()
         target = Path(path)
-        target.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".dta-save-", dir=target))
+        first = dist.get_rank() == 0
+        staging = [None]
+        if first:
+            target.mkdir(parents=True, exist_ok=True)
+            staging = [tempfile.mkdtemp(prefix=".dta-save-", dir=target)]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(staging, src=0, group=self.cpu_group)
         try:
-            trainer.save(staging, dtype=None, optimizer=optimizer)
-            for entry in [*(staging / "model").iterdir(), *([staging / "optimizer"] if optimizer else [])]:
-                destination = target / entry.name
-                if destination.is_dir():
-                    shutil.rmtree(destination)
-                os.replace(entry, destination)
+            trainer.save(staging[0], dtype=None, optimizer=optimizer)  # complete on every rank's return
+            if first:
+                for entry in [*(Path(staging[0]) / "model").iterdir(),
+                              *([Path(staging[0]) / "optimizer"] if optimizer else [])]:
+                    destination = target / entry.name
+                    if destination.is_dir():
+                        shutil.rmtree(destination)
+                    os.replace(entry, destination)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if first:
+                shutil.rmtree(staging[0], ignore_errors=True)
 
     def _coordinator(self) -> DistRolloutCoordinator:
         if self.rollout_coordinator is None:
@@ -621,27 +788,61 @@ class DTAEngine(TrainEngine):
                          "of this host's interfaces that the inference engines' workers reach")
 
     def _broadcast_weights(self, meta: WeightUpdateMeta) -> None:
-        if self._weight_group is None or self._weight_group_at is None:
+        sender = dist.get_rank() == 0
+        if sender and (self._weight_group is None or self._weight_group_at is None):
             raise RuntimeError("update_weights(xccl): no weight-update group; call connect_engine() with an "
                                "xccl WeightUpdateMeta first")
-        meta.nccl_master_address, meta.nccl_master_port, meta.nccl_group_name = self._weight_group_at
         dtype = getattr(torch, self.config.dtype)
-        limit = meta.weight_chunked_mem_mb * 1024 * 1024
-        engine = self.rollout_engine
-        engine.pause_generation()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, param in self._require_trainer().parameters().items():
-            tensor = param.detach().to(dtype)  # the parameter itself when already in dtype: broadcast reads it
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > limit:
+        with self._whole_weights(dtype) as weights:
+            if not sender:
+                dist.barrier(group=self.cpu_group)
+                return
+            meta.nccl_master_address, meta.nccl_master_port, meta.nccl_group_name = self._weight_group_at
+            limit = meta.weight_chunked_mem_mb * 1024 * 1024
+            engine = self.rollout_engine
+            engine.pause_generation()
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, tensor in weights:
+                nbytes = tensor.numel() * tensor.element_size()
+                if bucket and size + nbytes > limit:
+                    self._broadcast_bucket(meta, bucket)
+                    bucket, size = [], 0
+                bucket.append((name, tensor))
+                size += nbytes
+            if bucket:
                 self._broadcast_bucket(meta, bucket)
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            self._broadcast_bucket(meta, bucket)
-        engine.continue_generation()
+            engine.continue_generation()
+        dist.barrier(group=self.cpu_group)
+
+    @contextlib.contextmanager
+    def _whole_weights(self, dtype: torch.dtype) -> Any:
+        """Every weight whole under its Hugging Face name, in ``parameters()``' order and
+        ``dtype``, on world rank 0 (empty elsewhere). Without tensor parallelism rank 0's replica
+        holds them whole; with it, every rank takes part in dta's gather (``Trainer.save``, which
+        writes them once) and rank 0 reads the checkpoint it wrote."""
+        trainer = self._require_trainer()
+        order = list(trainer.parameters())
+        if self._tp == 1:
+            params = trainer.parameters()
+            # The parameter itself when already in dtype: the broadcast reads it.
+            yield ((name, params[name].detach().to(dtype)) for name in order) if dist.get_rank() == 0 else iter(())
+            return
+        staging = [tempfile.mkdtemp(prefix=".dta-weights-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(staging, src=0, group=self.cpu_group)
+        try:
+            trainer.save(staging[0], dtype=dtype, optimizer=False)
+            if dist.get_rank() != 0:
+                yield iter(())
+                return
+            model = Path(staging[0]) / "model"
+            saved: dict[str, torch.Tensor] = {}
+            for file in sorted(model.glob("*.safetensors")):
+                saved.update(load_file(str(file), device=str(trainer.device)))
+            yield ((name, saved[name]) for name in order)
+        finally:
+            if dist.get_rank() == 0:
+                shutil.rmtree(staging[0], ignore_errors=True)
 
     def _broadcast_bucket(self, meta: WeightUpdateMeta, bucket: list[tuple[str, torch.Tensor]]) -> None:
         specs = [ParamSpec(name=name, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1])
@@ -654,14 +855,41 @@ class DTAEngine(TrainEngine):
 
     def _rows(self, input_: list[dict[str, Any]] | dict[str, Any], what: str
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The batch's rows as [1, L] dicts, and each as the packed one-sequence micro-batch
-        AReaL's loss functions take (on the trainer's device)."""
-        batch, _ = _batched(input_, what)
-        rows = _split_rows(batch)
+        """The whole batch's rows as [1, L] dicts (see ``_whole_batch``), and each as the packed
+        one-sequence micro-batch AReaL's loss functions take (on the trainer's device)."""
+        rows, _ = self._whole_batch(_share(input_, what))
         if not rows:
             raise ValueError(f"{what}: the batch is empty: nothing to train, no step taken")
         device = self._require_trainer().device
         return rows, [tensor_container_to(pack_tensor_dict(row), device) for row in rows]
+
+    def _whole_batch(self, share: _Share | ValueError) -> tuple[list[dict[str, Any]], int]:
+        """The data-parallel ranks' shares gathered in rank order (every rank the same rows in the
+        same order; a replica's TP ranks hold one share) and where this rank's rows begin. An
+        error in any rank's share raises on every rank (before any collective of dta's)."""
+        if self._replicas == 1:
+            if isinstance(share, ValueError):
+                raise share
+            return share.rows, 0
+        mine = share if isinstance(share, ValueError) else [tensor_container_to(r, "cpu") for r in share.rows]
+        shares: list[Any] = [None] * self._replicas
+        dist.all_gather_object(shares, mine, group=self._dp_objects)
+        for rank, got in enumerate(shares):
+            if isinstance(got, ValueError):
+                raise got if rank == self._dp_rank else ValueError(f"data-parallel rank {rank}: {got}")
+        first = sum(len(got) for got in shares[:self._dp_rank])
+        return [row for got in shares for row in got], first
+
+    def _agree(self, error: ValueError | None) -> None:
+        """Raises on every rank when any data-parallel rank found an error in its share."""
+        if self._replicas > 1:
+            errors: list[Any] = [None] * self._replicas
+            dist.all_gather_object(errors, error, group=self._dp_objects)
+            for rank, got in enumerate(errors):
+                if got is not None and rank != self._dp_rank:
+                    raise ValueError(f"data-parallel rank {rank}: {got}")
+        if error is not None:
+            raise error
 
     def _logprobs(self, rows: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Each row's log-probabilities in AReaL's logits frame, [L_i]."""
@@ -698,20 +926,29 @@ class DTAPPOActor(DTAEngine):
         self.actor = PPOActor(config, self)
 
     # AReaL's PPOActor pads the list into one batch before the engine sees it: each dict's widths
-    # are checked here, while they can still be told apart (see _check_token_widths).
+    # are checked here, while they can still be told apart (see _check_token_widths), on every
+    # data-parallel rank together.
+
+    def _check_widths(self, data: list[dict[str, Any]], what: str) -> None:
+        try:
+            _check_token_widths(data, what)
+        except ValueError as e:
+            self._agree(e)
+        else:
+            self._agree(None)
 
     @torch.no_grad()
     def compute_logp(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[torch.Tensor] | None:
-        _check_token_widths(data, "compute_logp")
+        self._check_widths(data, "compute_logp")
         return self.actor.compute_logp(data, *args, **kwargs)
 
     @torch.no_grad()
     def compute_advantages(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-        _check_token_widths(data, "compute_advantages")
+        self._check_widths(data, "compute_advantages")
         return self.actor.compute_advantages(data, *args, **kwargs)
 
     def ppo_update(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> None:
-        _check_token_widths(data, "ppo_update")
+        self._check_widths(data, "ppo_update")
         self.actor.ppo_update(data, *args, **kwargs)
 
     @classmethod
@@ -719,7 +956,11 @@ class DTAPPOActor(DTAEngine):
         """AReaL's single-controller mode: its RPC workers build ``DTAPPOActor(config=...)`` with
         the default :class:`DTAOptions` (not covered by dta's tests)."""
         if config._version != "v1":
-            raise NotImplementedError("dta.areal supports AReaL's v1 train controller (actor._version=v1)")
+            # v2 is AReaL's training service, whose weight updates are awex only, with adapters for
+            # FSDP and Megatron engines (areal/experimental/training_service/worker/awex.py).
+            raise NotImplementedError("dta.areal supports AReaL's v1 train controller (actor._version=v1): the "
+                                      "v2 training service publishes weights through awex only, whose adapters "
+                                      "take AReaL's FSDP and Megatron engines (docs/python.md)")
         return PPOActorController(train_engine=cls, config=config, scheduler=scheduler)
 
 
@@ -727,8 +968,8 @@ class DTAPPOTrainer(PPOTrainer):
     """AReaL's ``PPOTrainer`` whose train engines (actor, reference, teacher) are
     :class:`DTAPPOActor`; the critic, if any, stays AReaL's.
 
-    Raises (at construction, from ``_create_train_engine``): NotImplementedError when the
-    engine's allocation has more than one process."""
+    Raises (at construction, from ``_create_train_engine``): ValueError when the engine's
+    allocation does not map onto dta's layout (see :meth:`DTAEngine.create_process_group`)."""
 
     def __init__(self, config: Any, train_dataset: Any = None, valid_dataset: Any = None, *,
                  options: DTAOptions | None = None) -> None:
@@ -736,17 +977,73 @@ class DTAPPOTrainer(PPOTrainer):
         super().__init__(config, train_dataset, valid_dataset)
 
     def _create_train_engine(self, actor_config: PPOActorConfig, alloc: ModelAllocation) -> Any:
-        if alloc.parallel.world_size != 1:
-            raise NotImplementedError(
-                f"{alloc.name}.backend={actor_config.backend!r}: dta.areal runs one process per engine (use "
-                "fsdp:d1; AReaL's backend grammar has no 'dta' name). For several GPUs use dta's own "
-                "layouts (dta.Trainer(distributed=True), dta-trainer)")
         if is_single_controller():
             engine = DTAPPOActor.as_controller(actor_config, self.scheduler)
         else:
             engine = DTAPPOActor(actor_config, self.dta_options)
         engine.create_process_group(parallel_strategy=alloc.parallel)
         return engine
+
+
+# --- layouts -----------------------------------------------------------------------------------
+
+
+def _layout(strategy: ParallelStrategy, config: TrainEngineConfig, options: DTAOptions) -> tuple[int, int]:
+    """AReaL's parallel strategy as dta's (replicas, tensor-parallel size), or a ValueError naming
+    the field that does not map."""
+    where = _allocation_name(strategy, config)
+    for field_name, size, why in (
+            ("pipeline_parallel_size", strategy.pipeline_parallel_size, "dta runs every layer on every rank"),
+            ("context_parallel_size", strategy.context_parallel_size, "dta keeps a rollout's tokens on one replica"),
+            ("expert_parallel_size", strategy.expert_parallel_size, "dta.Trainer has no expert parallelism"),
+            ("expert_tensor_parallel_size", strategy.expert_tensor_parallel_size,
+             "dta.Trainer has no expert parallelism")):
+        if size != 1:
+            raise ValueError(f"{where}: {field_name}={size}: {why}; dta.areal maps data (d) and tensor (t) "
+                             "parallelism only (e.g. fsdp:d2t4)")
+    tp, replicas = strategy.tensor_parallel_size, strategy.data_parallel_size
+    for key in ("distributed", "tensor_parallel"):
+        if key in options.trainer:
+            raise ValueError(f"DTAOptions.trainer[{key!r}]: the engine's allocation ({where}) sets it")
+    config_json = Path(config.path or "") / "config.json"
+    if tp > 1 and config_json.is_file():
+        model = json.loads(config_json.read_text())
+        model = model.get("text_config", model)
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = model.get(key)
+            if isinstance(heads, int) and heads % tp:
+                raise ValueError(f"{where}: tensor_parallel_size={tp} does not divide the model's {key}={heads} "
+                                 f"({config_json}): dta splits heads evenly across the tensor-parallel ranks")
+    return replicas, tp
+
+
+def _allocation_name(strategy: ParallelStrategy, config: TrainEngineConfig) -> str:
+    return f"actor.backend={config.backend!r}" if config.backend else f"the allocation ({strategy})"
+
+
+@contextlib.contextmanager
+def _launch_environment(group: dist.ProcessGroup) -> Any:
+    """torchrun's environment for dta's trainer while it joins the ranks: torch.distributed's own
+    RANK and WORLD_SIZE, and world rank 0's MASTER_ADDR (or AReaL's choice of its address) with a
+    free port of its, where dta's store meets (torch.distributed's store holds MASTER_PORT)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    where: list[Any] = [None]
+    if rank == 0:
+        where = [(os.environ.get("MASTER_ADDR") or gethostip(), find_free_ports(1)[0])]
+    dist.broadcast_object_list(where, src=0, group=group)
+    address, port = where[0]
+    env = dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=address, MASTER_PORT=str(port),
+               LOCAL_RANK=os.environ.get("LOCAL_RANK", str(rank)), TORCHELASTIC_USE_AGENT_STORE="False")
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # --- conversions ----------------------------------------------------------------------------------
@@ -809,6 +1106,34 @@ def _batched(input_: list[dict[str, Any]] | dict[str, Any], what: str) -> tuple[
     else:
         batch, meta = input_, None
     return batch, meta
+
+
+@dataclass
+class _Share:
+    """A rank's part of the batch: its rows ([1, L] dicts), the padded batch and AReaL's
+    ``concat_batch`` meta (None for a dict)."""
+
+    rows: list[dict[str, Any]]
+    batch: dict[str, Any] | None = None
+    meta: Any = None
+
+
+def _share(input_: list[dict[str, Any]] | dict[str, Any], what: str,
+           output_seqlens: list[int] | None = None) -> _Share | ValueError:
+    """This rank's ``input_`` as a :class:`_Share` (empty for ``[]``), or the ValueError that
+    names what is wrong with it (returned, so that every rank raises it together)."""
+    if isinstance(input_, list) and not input_:
+        return _Share([])
+    try:
+        batch, meta = _batched(input_, what)
+        rows = _split_rows(batch)
+        lengths = [int(row["attention_mask"].sum()) for row in rows]
+        if output_seqlens is not None and meta is None and list(output_seqlens) != lengths:
+            raise ValueError(f"{what}: output_seqlens {list(output_seqlens)} differ from the attention "
+                             f"mask's lengths {lengths}")
+    except ValueError as e:
+        return e
+    return _Share(rows, batch, meta)
 
 
 def _split_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
