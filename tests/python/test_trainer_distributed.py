@@ -110,6 +110,12 @@ def test_layout_options_are_checked():
         dta.Trainer.from_config(str(CONFIG), offload_optimizer=True, offload_update="disk")
     with pytest.raises(ValueError, match="longest_rollout must be an int >= 1"):
         dta.Trainer.from_config(str(CONFIG), longest_rollout=0)
+    for bad in (-1, "lots", True):
+        with pytest.raises(ValueError, match="offload_resident_gb must be 'auto' or a number of GB >= 0"):
+            dta.Trainer.from_config(str(CONFIG), offload_optimizer=True, offload_resident_gb=bad)
+    # Only state streamed through a GPU can stay on it.
+    with pytest.raises(RuntimeError, match="keeps state on a GPU only when it is streamed through one"):
+        dta.Trainer.from_config(str(CONFIG), offload_optimizer=True, offload_resident_gb=1)
     # The executor's estimated peak is planned for the longest rollout asked for.
     assert "for a 8192-token path" in dta.Trainer.from_config(str(CONFIG)).layout
     assert "for a 32768-token path" in dta.Trainer.from_config(str(CONFIG), longest_rollout=32768).layout

@@ -482,8 +482,8 @@ class Trainer:
                  max_grad_norm: float = 1.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, distributed: bool = False, tensor_parallel: int = 1,
                  shard_optimizer: bool | str = "auto", offload_optimizer: bool | str = "auto",
-                 offload_update: str = "gpu", gpu_memory_gb: float = 0.0, activation_gb: float | None = None,
-                 longest_rollout: int = 8192,
+                 offload_update: str = "gpu", offload_resident_gb: float | str = "auto", gpu_memory_gb: float = 0.0,
+                 activation_gb: float | None = None, longest_rollout: int = 8192,
                  timeout_s: int = 600, nonfinite_gradients: str = "raise", progress: str = "auto",
                  tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         """Loads a Hugging Face directory of a family dta builds (config.json + model.safetensors
@@ -515,6 +515,10 @@ class Trainer:
                 ``"host"`` for Qwen3-8B on an H200), ``"host"`` updates it on the host's cores
                 (as on a CPU). As dta-train --offload_update; ``offload_description`` says which
                 runs.
+            offload_resident_gb: With offloaded state streamed through a GPU: GB (1e9 bytes) of it
+                that stay on the GPU, updated there without crossing the bus; ``"auto"`` (what the
+                GPU holds beside the rest of the layout, less 5% headroom) or a number (0: none).
+                As dta-train --offload_resident_gb; ``offload_description`` says how much stays.
             gpu_memory_gb, activation_gb: What the planner may use per GPU (0: the device's) and
                 reserves for the executor's stack, graphs and workspace (None: the executor's own
                 peak, estimated from the model's shape for dta with automatic block size and graph
@@ -547,7 +551,8 @@ class Trainer:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: not a directory (expected a Hugging Face Qwen3 checkpoint)")
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
-                                     offload_update, gpu_memory_gb, activation_gb, longest_rollout, timeout_s)
+                                     offload_update, offload_resident_gb, gpu_memory_gb, activation_gb,
+                                     longest_rollout, timeout_s)
         _check_device(device, distributed)
         self._init(lambda d, dev, a: _core.Trainer.from_directory(str(model), d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
@@ -570,8 +575,8 @@ class Trainer:
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False,
                     tensor_parallel: int = 1, shard_optimizer: bool | str = "auto",
                     offload_optimizer: bool | str = "auto", offload_update: str = "gpu",
-                    gpu_memory_gb: float = 0.0, activation_gb: float | None = None, longest_rollout: int = 8192,
-                    timeout_s: int = 600,
+                    offload_resident_gb: float | str = "auto", gpu_memory_gb: float = 0.0,
+                    activation_gb: float | None = None, longest_rollout: int = 8192, timeout_s: int = 600,
                     nonfinite_gradients: str = "raise", progress: str = "auto",
                     tensorboard_dir: str | os.PathLike[str] | None = None) -> Trainer:
         """A model with deterministic random weights from a preset (one of ``Trainer.presets()``,
@@ -584,7 +589,8 @@ class Trainer:
         """
         self = cls.__new__(cls)
         parallel = _parallel_options(distributed, tensor_parallel, shard_optimizer, offload_optimizer,
-                                     offload_update, gpu_memory_gb, activation_gb, longest_rollout, timeout_s)
+                                     offload_update, offload_resident_gb, gpu_memory_gb, activation_gb,
+                                     longest_rollout, timeout_s)
         _check_device(device, distributed)
         self._init(lambda d, dev, a: _core.Trainer.from_config(str(config), seed, init_std, d, dev, a, parallel),
                    dtype, device, lr, weight_decay, max_grad_norm, betas, eps, nonfinite_gradients, progress,
@@ -955,8 +961,9 @@ def _layout_choice(name: str, value: bool | str) -> bool | None:
 
 
 def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: bool | str,
-                      offload_optimizer: bool | str, offload_update: str, gpu_memory_gb: float,
-                      activation_gb: float | None, longest_rollout: int, timeout_s: int) -> Any:
+                      offload_optimizer: bool | str, offload_update: str, offload_resident_gb: float | str,
+                      gpu_memory_gb: float, activation_gb: float | None, longest_rollout: int,
+                      timeout_s: int) -> Any:
     if not isinstance(tensor_parallel, int) or tensor_parallel < 0:
         raise ValueError(f"tensor_parallel must be an int >= 0, got {tensor_parallel!r}")
     if gpu_memory_gb < 0 or (activation_gb is not None and activation_gb < 0):
@@ -976,6 +983,11 @@ def _parallel_options(distributed: bool, tensor_parallel: int, shard_optimizer: 
     layout.tensor_parallel = tensor_parallel
     layout.shard_optimizer = _layout_choice("shard_optimizer", shard_optimizer)
     layout.offload_optimizer = _layout_choice("offload_optimizer", offload_optimizer)
+    if offload_resident_gb != "auto":
+        if isinstance(offload_resident_gb, bool) or not isinstance(offload_resident_gb, (int, float)) \
+                or not offload_resident_gb >= 0:
+            raise ValueError(f"offload_resident_gb must be 'auto' or a number of GB >= 0, got {offload_resident_gb!r}")
+        layout.offload_resident_gb = float(offload_resident_gb)
     layout.gpu_memory_gb = float(gpu_memory_gb)
     layout.activation_gb = -1.0 if activation_gb is None else float(activation_gb)  # -1: estimated
     if not isinstance(longest_rollout, int) or longest_rollout < 1:
