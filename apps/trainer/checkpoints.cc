@@ -1,5 +1,6 @@
 #include "apps/trainer/checkpoints.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -13,6 +14,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "core/base/remove_tree.h"
+#include "core/checkpoint/safetensors.h"
+#include "core/checkpoint/weight_delta.h"
 #include "executor/checkpoint/training_checkpoint.h"
 #include "nlohmann/json.hpp"
 
@@ -64,6 +67,42 @@ void WriteJson(const fs::path& path, const nlohmann::json& json) {
   fs::rename(tmp, path);
 }
 
+// Writes into `tmp`'s model the delta from `previous`'s weights and returns its "weight_delta"
+// entry (the index relative to `tmp`), or null with a message when there can be none.
+nlohmann::json WriteWeightDeltaFrom(const CheckpointInfo& previous, const fs::path& tmp,
+                                    int64_t step) {
+  const std::string stem = absl::StrFormat("delta-from-%08d", previous.step);
+  const fs::path model = CheckpointModelPath(tmp.string());
+  absl::StatusOr<SafetensorsCheckpoint> base =
+      SafetensorsCheckpoint::Open(CheckpointModelPath(previous.path));
+  absl::StatusOr<SafetensorsCheckpoint> target = SafetensorsCheckpoint::Open(model.string());
+  absl::StatusOr<WeightDeltaSummary> summary =
+      !base.ok() ? absl::StatusOr<WeightDeltaSummary>(base.status())
+      : !target.ok()
+          ? absl::StatusOr<WeightDeltaSummary>(target.status())
+          : WriteWeightDelta(
+                *base, *target, (model / stem).string(),
+                {.base_step = previous.step, .step = step, .threads = at::get_num_threads()});
+  if (!summary.ok()) {
+    std::fprintf(stderr, "dta-trainer: no weight delta for step %lld: %s\n",
+                 static_cast<long long>(step), summary.status().ToString().c_str());
+    return nullptr;
+  }
+  std::fprintf(stderr,
+               "dta-trainer: weight delta from step %lld to %lld: %.4f%% of %lld elements "
+               "changed, %.1f MB of %.1f MB\n",
+               static_cast<long long>(previous.step), static_cast<long long>(step),
+               100.0 * summary->changed_elements / std::max<int64_t>(summary->elements, 1),
+               static_cast<long long>(summary->elements), summary->delta_bytes / 1e6,
+               summary->full_bytes / 1e6);
+  return {{"base_step", previous.step},
+          {"index", fs::relative(summary->index_path, tmp).string()},
+          {"changed_elements", summary->changed_elements},
+          {"elements", summary->elements},
+          {"delta_bytes", summary->delta_bytes},
+          {"full_bytes", summary->full_bytes}};
+}
+
 }  // namespace
 
 std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
@@ -74,8 +113,8 @@ std::optional<CheckpointInfo> LatestCheckpoint(const std::string& directory) {
 
 CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
                               const Decoder& model, const TrainingOptimizer& optimizer, int keep,
-                              const CheckpointRanks& ranks,
-                              const ModelExportOptions& model_export) {
+                              const CheckpointRanks& ranks, const ModelExportOptions& model_export,
+                              bool weight_delta) {
   TORCH_CHECK(keep >= 1, "checkpoints to keep must be >= 1, got ", keep);
   const int rank = ranks.world != nullptr ? ranks.world->rank() : 0;
   const fs::path final_path = fs::path(directory) / StepName(step);
@@ -95,7 +134,22 @@ CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_
   if (ranks.world != nullptr) ranks.world->Barrier();  // all is written before rank 0 publishes
   const CheckpointInfo saved = {.step = step, .path = final_path.string()};
   if (rank != 0) return saved;
-  WriteJson(tmp / kTrainerFile, {{"step", step}, {"policy_version", policy_version}});
+  nlohmann::json trainer = {{"step", step}, {"policy_version", policy_version}};
+  nlohmann::json latest = {{"step", step},
+                           {"policy_version", policy_version},
+                           {"path", final_path.string()},
+                           {"model_path", CheckpointModelPath(final_path.string())}};
+  // The newest complete checkpoint is the previous one: this step's was removed above.
+  const std::optional<CheckpointInfo> previous = LatestCheckpoint(directory);
+  if (weight_delta && previous.has_value() && previous->step < step) {
+    nlohmann::json delta = WriteWeightDeltaFrom(*previous, tmp, step);
+    if (!delta.is_null()) {
+      trainer["weight_delta"] = delta;
+      delta["index"] = (final_path / delta["index"].get<std::string>()).string();
+      latest["weight_delta"] = std::move(delta);
+    }
+  }
+  WriteJson(tmp / kTrainerFile, trainer);
   // On disk before it is renamed into place: the dispatcher releases the replay data of the steps a
   // checkpoint holds once trainers report it, so a checkpoint must survive a host crash.
   SyncFileSystem(tmp);
@@ -104,11 +158,7 @@ CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_
   TORCH_CHECK(!error, "cannot rename ", tmp.string(), " to ", final_path.string(), ": ",
               error.message());
   SyncFileSystem(directory);
-  WriteJson(fs::path(directory) / "latest.json",
-            {{"step", step},
-             {"policy_version", policy_version},
-             {"path", final_path.string()},
-             {"model_path", CheckpointModelPath(final_path.string())}});
+  WriteJson(fs::path(directory) / "latest.json", latest);
   std::vector<CheckpointInfo> found = Checkpoints(directory);
   for (size_t i = 0; i + keep < found.size(); ++i) RemoveTree(found[i].path);
   return saved;

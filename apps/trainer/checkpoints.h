@@ -52,10 +52,20 @@ struct CheckpointRanks {
 // Writes the model (as `model_export` says) and the optimizer after `step` committed steps, then
 // removes all but the newest `keep` checkpoints (keep >= 1) and points latest.json at this one.
 // Every rank of ranks.world calls it; returns the checkpoint written.
+//
+// With `weight_delta`, world rank 0 also writes the delta from the newest earlier checkpoint's
+// weights (re-read from its model/ directory) to these, core/checkpoint/weight_delta.h's files
+//   step-<N>/model/delta-from-<M>.safetensors and .json   (M: that checkpoint's step, 8 digits)
+// which the engines' loaders skip (they read the files model.safetensors.index.json names), and
+// names it in trainer.json and latest.json: "weight_delta": {"base_step": M, "index": the .json's
+// path (relative to step-<N> in trainer.json), "changed_elements", "elements", "delta_bytes",
+// "full_bytes"}. There is none for the first checkpoint, nor when the earlier weights cannot be
+// read or hold other tensors (a message on stderr says why): receivers then load the whole model.
 CheckpointInfo SaveCheckpoint(const std::string& directory, int64_t step, int64_t policy_version,
                               const Decoder& model, const TrainingOptimizer& optimizer,
                               int keep = 2, const CheckpointRanks& ranks = {},
-                              const ModelExportOptions& model_export = {});
+                              const ModelExportOptions& model_export = {},
+                              bool weight_delta = false);
 
 // Restores the optimizer's state and, through its master weights, the model's parameters (a
 // sharded optimizer reads the slices it needs from every rank's file: every rank calls it).

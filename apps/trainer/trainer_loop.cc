@@ -136,14 +136,15 @@ int64_t RunTrainerSteps(TrainerSession& session, Decoder& model, TrainingOptimiz
                        .skipped = stats.skipped});
     }
     bool requested = checkpoint_requested != nullptr && checkpoint_requested->exchange(false);
+    if (options.on_weights && options.on_weights(model, policy_version)) requested = true;
     ProcessGroup* world = options.ranks.world;
     if (world != nullptr && world->size() > 1) {  // every rank saves: they agree on a request
       requested = world->AllReduceScalars({requested ? 1.0 : 0.0})[0] > 0;
     }
     if (step % options.save_every == 0 || step == max_steps || requested) {
-      const CheckpointInfo saved =
-          SaveCheckpoint(options.checkpoint_dir, step, policy_version, model, optimizer,
-                         options.keep_checkpoints, options.ranks, options.model_export);
+      const CheckpointInfo saved = SaveCheckpoint(
+          options.checkpoint_dir, step, policy_version, model, optimizer, options.keep_checkpoints,
+          options.ranks, options.model_export, options.publish_weight_delta);
       if (options.on_published && (world == nullptr || world->rank() == 0)) {
         options.on_published(saved, policy_version);
       }

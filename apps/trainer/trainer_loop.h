@@ -80,9 +80,15 @@ struct TrainerLoopOptions {
   int keep_checkpoints = 2;
   // How checkpoints publish the model (dtype, the source model's tokenizer and generation config).
   ModelExportOptions model_export;
+  // Each checkpoint also publishes the delta from the previous one's weights (SaveCheckpoint).
+  bool publish_weight_delta = false;
   // Called on world rank 0 once each checkpoint is in place (e.g. EngineNotifier::Publish of its
   // model/ directory); the policy version is the one its weights produce.
   std::function<void(const CheckpointInfo& checkpoint, int64_t policy_version)> on_published;
+  // Called on every rank after each committed step's optimizer update, before its checkpoint
+  // (the weight sync, apps/trainer/weight_sync.h). Returning true on any rank saves this step's
+  // checkpoint (so that engines the sync failed can reload it from disk through on_published).
+  std::function<bool(const Decoder& model, int64_t policy_version)> on_weights;
   // Called after each committed step's optimizer update, before its checkpoint (metrics).
   std::function<void(const StepReport&)> on_step;
   // Stop once this many steps are committed in all; 0: run until stopped.

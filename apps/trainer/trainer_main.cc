@@ -58,6 +58,7 @@
 #include "apps/trainer/replica_session.h"
 #include "apps/trainer/trainer_loop.h"
 #include "apps/trainer/trainer_metrics.h"
+#include "apps/trainer/weight_sync.h"
 #include "core/base/exit_codes.h"
 #include "core/base/private_files.h"
 #include "core/cli/usage.h"
@@ -76,6 +77,9 @@ ABSL_FLAG(std::string, tls_roots, "", "PEM root certificates to trust (TLS to th
 ABSL_FLAG(std::string, checkpoint_dir, "", "checkpoints (shared by the ranks); required");
 ABSL_FLAG(int64_t, save_every, 1, "save a checkpoint every this many committed steps (rank 0)");
 ABSL_FLAG(int32_t, keep_checkpoints, 2, "checkpoints kept");
+ABSL_FLAG(bool, publish_weight_delta, false,
+          "each checkpoint also publishes model/delta-from-<M>.{safetensors,json}: the weights' "
+          "elements changed since the previous checkpoint M (rank 0; see docs/weight_sync.md)");
 ABSL_FLAG(int64_t, max_steps, 0,
           "stop after this many committed steps in all (0: run until stopped)");
 ABSL_FLAG(int32_t, timeout_s, 600,
@@ -96,6 +100,23 @@ ABSL_FLAG(int32_t, notify_attempts, 3, "attempts per engine and checkpoint (1 s 
 ABSL_FLAG(int32_t, notify_timeout_s, 30,
           "timeout of one reload request, the engine's load included, seconds (raise it for models "
           "that load slower); at exit the trainer waits at most this long for reloads in flight");
+ABSL_FLAG(std::string, weight_sync, "disk",
+          "how engines get each committed step's weights: disk (--notify_engines reload the "
+          "published checkpoints) or xccl (rank 0 broadcasts them over a c10d group to "
+          "--weight_sync_engines, falling back to a checkpoint and its disk reload on failure)");
+ABSL_FLAG(std::string, weight_sync_engines, "",
+          "--weight_sync=xccl: KIND=URL[*WORKERS][,...], KIND sglang or areal-vllm, WORKERS the "
+          "engine's ranks in the group (its tp * pp, default 1)");
+ABSL_FLAG(std::string, weight_sync_address, "127.0.0.1",
+          "--weight_sync=xccl: the address the engines reach rank 0's store at");
+ABSL_FLAG(int32_t, weight_sync_port, 0,
+          "--weight_sync=xccl: the store's port (0: a free one at each rendezvous)");
+ABSL_FLAG(int32_t, weight_sync_timeout_s, 120,
+          "--weight_sync=xccl: bound on each engine request, the rendezvous and each bucket, "
+          "seconds");
+ABSL_FLAG(double, weight_sync_bucket_mb, 1024,
+          "--weight_sync=xccl: bf16 bytes per broadcast bucket, MiB (fractions allowed; a larger "
+          "tensor goes alone)");
 ABSL_FLAG(int32_t, slow_step_ms, 0,
           "testing: sleep this long before the all-reduce (fault-injection tests)");
 
@@ -187,6 +208,26 @@ int Run() {
   if (absl::GetFlag(FLAGS_notify_timeout_s) < 1) throw BadInput{"--notify_timeout_s must be >= 1"};
   const std::string notify_token = CredentialFromFlag(absl::GetFlag(FLAGS_notify_token_file),
                                                       "notify_token_file", Credential::kSecret);
+  const std::string weight_sync_mode = absl::GetFlag(FLAGS_weight_sync);
+  if (weight_sync_mode != "disk" && weight_sync_mode != "xccl") {
+    throw BadInput{
+        absl::StrCat("--weight_sync must be disk or xccl, not '", weight_sync_mode, "'")};
+  }
+  absl::StatusOr<std::vector<WeightSyncEngine>> sync_engines =
+      ParseWeightSyncEngines(absl::GetFlag(FLAGS_weight_sync_engines));
+  if (!sync_engines.ok()) {
+    throw BadInput{absl::StrCat("--weight_sync_engines: ", sync_engines.status().message())};
+  }
+  if (weight_sync_mode == "xccl" && sync_engines->empty()) {
+    throw BadInput{"--weight_sync=xccl needs --weight_sync_engines"};
+  }
+  if (absl::GetFlag(FLAGS_weight_sync_timeout_s) < 1 ||
+      !(absl::GetFlag(FLAGS_weight_sync_bucket_mb) * (1 << 20) >= 1) ||
+      absl::GetFlag(FLAGS_weight_sync_port) < 0 || absl::GetFlag(FLAGS_weight_sync_port) > 65535) {
+    throw BadInput{
+        "--weight_sync_timeout_s must be >= 1, --weight_sync_bucket_mb at least a byte, "
+        "--weight_sync_port in [0, 65535]"};
+  }
   at::TensorOptions options = TensorOptionsFromFlags();
   if (options.device().is_cuda() && !options.device().has_index()) {
     options = options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank)));
@@ -212,6 +253,9 @@ int Run() {
   const int tensor_parallel_rank = env->rank % tensor_parallel;
   const int replica = env->rank / tensor_parallel;
   const int replicas = env->world_size / tensor_parallel;
+  if (weight_sync_mode == "xccl" && (tensor_parallel > 1 || layout.layout.expert_parallel > 1)) {
+    throw BadInput{"--weight_sync=xccl does not yet gather tensor- or expert-parallel weights"};
+  }
   if (env->rank == 0)
     std::fprintf(stderr, "%s: %s\n", prefix.c_str(), DescribeLayout(layout).c_str());
   // The weights and the optimizer are restored once the group exists (a sharded optimizer's
@@ -341,6 +385,24 @@ int Run() {
                            .attempts = absl::GetFlag(FLAGS_notify_attempts),
                            .timeout = std::chrono::seconds(absl::GetFlag(FLAGS_notify_timeout_s)),
                            .log_prefix = prefix});
+  // --weight_sync=xccl: world rank 0 sends the whole model (the first replica's, which it holds
+  // whole without tensor or expert parallelism).
+  std::unique_ptr<WeightBroadcaster> weight_sync;
+  if (weight_sync_mode == "xccl") {
+    if (env->rank == 0) {
+      weight_sync = std::make_unique<WeightBroadcaster>(WeightSyncOptions{
+          .engines = *sync_engines,
+          .address = absl::GetFlag(FLAGS_weight_sync_address),
+          .port = absl::GetFlag(FLAGS_weight_sync_port),
+          .bucket_bytes =
+              static_cast<int64_t>(absl::GetFlag(FLAGS_weight_sync_bucket_mb) * (1 << 20)),
+          .timeout = std::chrono::seconds(absl::GetFlag(FLAGS_weight_sync_timeout_s)),
+          .bearer_token = notify_token,
+          .device = options.device(),
+          .log_prefix = prefix});
+    }
+  }
+  bool reload_from_disk = false;  // the last sync failed: its checkpoint goes to the engines
   RunTrainerSteps(
       *session, model, optimizer, [&optimizer] { optimizer.SyncGradients(); }, step,
       {.loss = loss,
@@ -350,9 +412,27 @@ int Run() {
        .save_every = absl::GetFlag(FLAGS_save_every),
        .keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints),
        .model_export = model_export,
+       .publish_weight_delta = absl::GetFlag(FLAGS_publish_weight_delta),
        .on_published =
-           [&notifier](const CheckpointInfo& checkpoint, int64_t policy_version) {
+           [&](const CheckpointInfo& checkpoint, int64_t policy_version) {
              notifier.Publish(CheckpointModelPath(checkpoint.path), policy_version);
+             if (reload_from_disk) {
+               weight_sync->ReloadFromDisk(CheckpointModelPath(checkpoint.path), policy_version);
+               reload_from_disk = false;
+             }
+           },
+       .on_weights =
+           [&](const Decoder& weights, int64_t policy_version) {
+             if (weight_sync == nullptr) return false;
+             const absl::Status sent = weight_sync->Publish(weights, policy_version);
+             if (sent.ok()) return false;
+             std::fprintf(stderr,
+                          "%s: weight sync of policy version %lld failed, reloading from "
+                          "disk: %s\n",
+                          prefix.c_str(), static_cast<long long>(policy_version),
+                          sent.ToString().c_str());
+             reload_from_disk = true;
+             return true;
            },
        .on_step =
            [&metrics, &tensorboard, &prefix](const StepReport& report) {

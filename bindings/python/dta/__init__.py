@@ -8,6 +8,9 @@ Over the compiled executor (imported on first use; they load torch):
                                 across ranks (PrefixTree.partition -> Partition)
     Trainer      (dta.trainer)  a Hugging Face model of any family dta builds
                                 (Trainer.model_families()) trained with dense / packed / dta
+Weight deltas (torch only; imported on first use):
+    apply_delta, read_delta   (dta.weight_delta)   apply dta-trainer --publish_weight_delta's
+                                                   delta-from-<M> files to step M's weights
 The dispatcher's client (gRPC; imported on first use):
     RolloutClient, AsyncRolloutClient, Ack, TrajectoryRejected, DispatcherError,
     DispatcherStatus, DispatcherStatistics   (dta.client)
@@ -29,11 +32,12 @@ if TYPE_CHECKING:
                          RolloutClient, TrajectoryRejected)
     from .trainer import Trainer, TrainStats
     from .tree import Partition, PrefixTree, TreeStats
+    from .weight_delta import apply_delta, read_delta
 
 __all__ = [
     "Trajectory", "read_jsonl", "write_jsonl", "from_areal", "to_areal", "from_verl", "to_verl",
     "verl_train_options", "routed_experts_from_sglang", "Partition", "PrefixTree", "TreeStats", "Trainer",
-    "TrainStats",
+    "TrainStats", "apply_delta", "read_delta",
     "RolloutClient", "AsyncRolloutClient",
     "Ack", "TrajectoryRejected", "DispatcherError", "DispatcherStatus", "DispatcherStatistics",
 ]
@@ -43,13 +47,14 @@ __all__ = [
 _LAZY = {
     "Partition": ".tree", "PrefixTree": ".tree", "TreeStats": ".tree",
     "Trainer": ".trainer", "TrainStats": ".trainer",
+    "apply_delta": ".weight_delta", "read_delta": ".weight_delta",
     "RolloutClient": ".client", "AsyncRolloutClient": ".client", "Ack": ".client",
     "TrajectoryRejected": ".client", "DispatcherError": ".client", "DispatcherStatus": ".client",
     "DispatcherStatistics": ".client",
 }
 
 # Submodules loaded on first access (``dta.areal`` imports the optional areal package).
-_LAZY_SUBMODULES = {"areal"}
+_LAZY_SUBMODULES = {"areal", "weight_delta"}
 
 
 def __getattr__(name: str) -> Any:
