@@ -1,4 +1,4 @@
-"""The weight sync's time on GPUs: dta-weight-sync-bench (WeightBroadcaster, apps/trainer/weight_sync.h)
+"""The weight sync's time on GPUs: dta-weight-sync-bench (WeightBroadcaster, apps/engines/weight_sync.h)
 sends a preset's random bf16 weights (qwen3-8b: 16.4 GB) from GPU 0 over NCCL to fake engines
 (tests/python/fake_weight_engine.py, each a process joining the group with torch.distributed as
 SGLang does and keeping what it receives on its GPU), and prints, per sync, the seconds from "the

@@ -86,7 +86,7 @@ struct TrainerLoopOptions {
   // model/ directory); the policy version is the one its weights produce.
   std::function<void(const CheckpointInfo& checkpoint, int64_t policy_version)> on_published;
   // Called on every rank after each committed step's optimizer update, before its checkpoint
-  // (the weight sync, apps/trainer/weight_sync.h). Returning true on any rank saves this step's
+  // (the weight sync, apps/engines/weight_sync.h). Returning true on any rank saves this step's
   // checkpoint (so that engines the sync failed can reload it from disk through on_published).
   std::function<bool(const Decoder& model, int64_t policy_version)> on_weights;
   // Called after each committed step's optimizer update, before its checkpoint (metrics).

@@ -1,4 +1,4 @@
-"""dta-trainer's weight sync over c10d (--weight_sync=xccl, apps/trainer/weight_sync.h), on the CPU.
+"""dta-trainer's weight sync over c10d (--weight_sync=xccl, apps/engines/weight_sync.h), on the CPU.
 
 The dispatcher, a few batches of rollouts and dta-trainer (a tiny float32 Qwen3), with fake engines
 (fake_weight_engine.py: SGLang's and AReaL's vLLM server's HTTP routes, each joining the trainer's

@@ -2,7 +2,7 @@
 // kind reload; bad answers (non-2xx, not JSON where JSON is expected, "success": false, longer than
 // the bound) are failures, never "reloaded"; a hung engine (accepts, never answers) neither blocks
 // Publish, nor holds shutdown past one attempt's bound, nor keeps another engine from reloading.
-#include "apps/trainer/engine_notifier.h"
+#include "apps/engines/engine_notifier.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -1,6 +1,6 @@
 // The weight sync's pure parts: bucket packing and the engine list (the protocol itself is tested
 // end to end against Python engines in tests/python/test_weight_sync.py).
-#include "apps/trainer/weight_sync.h"
+#include "apps/engines/weight_sync.h"
 
 #include <cstdint>
 #include <vector>

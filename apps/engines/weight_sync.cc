@@ -1,4 +1,4 @@
-#include "apps/trainer/weight_sync.h"
+#include "apps/engines/weight_sync.h"
 
 #include <curl/curl.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

@@ -40,7 +40,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "apps/trainer/engine_notifier.h"
+#include "apps/engines/engine_notifier.h"
 #include "executor/distributed/process_group.h"
 #include "executor/model/decoder.h"
 

@@ -1,4 +1,4 @@
-#include "apps/trainer/engine_notifier.h"
+#include "apps/engines/engine_notifier.h"
 
 #include <curl/curl.h>
 

@@ -12,7 +12,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "apps/trainer/weight_sync.h"
+#include "apps/engines/weight_sync.h"
 #include "core/model/model_config.h"
 
 ABSL_FLAG(std::string, config, "qwen3-8b", "model preset");
