@@ -1,15 +1,23 @@
-// dta-linear-attention-bench: Qwen3-Next's Gated DeltaNet layer with the chunk state recurrence as
-// one CUDA kernel each way (kernels/chunk_state_recurrence.h) against the ATen loop over chunks it
-// replaces (DTA_LINEAR_ATTENTION_KERNEL=0), side by side. Two things are timed per chunk length T:
+// dta-linear-attention-bench: Qwen3-Next's Gated DeltaNet layer, one of its CUDA kernels on and
+// off, side by side in one run. --compare picks the switch:
+//   - scan: the chunk state recurrence as one CUDA kernel each way
+//   (kernels/chunk_state_recurrence.h)
+//     against the ATen loop over chunks it replaces (DTA_LINEAR_ATTENTION_KERNEL=0);
+//   - fused: the intra-chunk terms from one CUDA kernel forward and the analytic backward
+//     (kernels/gated_delta_chunk.h) against the batched ATen ops (DTA_GATED_DELTA_FUSED=0), the
+//     recurrence kernel on in both.
+// Two things are timed per chunk length T:
 //   - "rule": ChunkedGatedDeltaRule alone on float32 q, k, v, g, beta and a state;
 //   - "mix": GatedDeltaNetMix, the layer between its projections as the model calls it (its
 //     projections in bfloat16 on the GPU, float32 on the CPU; the delta rule in float32).
 // Shapes are Qwen3-Next's: 16 key heads, 32 value heads, Dk = Dv = 128, 64-token chunks, one chain
 // of T tokens. Times are wall-clock medians between device synchronisations (the path being
 // replaced is bound by the host's launches, which event timing would hide), forward alone and
-// forward + backward; the last column checks that both paths computed the same (the largest
-// difference of the output and of the first input's gradient, relative to the largest entry).
-// On the CPU both columns take the ATen loop (the smoke test of this program).
+// forward + backward; then the chunked rule's FLOP-bound time at H200 dense peaks (bf16 989,
+// tf32 494, fp32 67 TFLOP/s; RuleFlops) and the switched-on time over it; the last column checks
+// that both paths computed the same (the largest difference of the output and of the first
+// input's gradient, relative to the largest entry). On the CPU both columns take the ATen paths
+// (the smoke test of this program).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
@@ -28,6 +36,7 @@
 #include "core/cli/usage.h"
 #include "executor/model/ops/gated_delta_net.h"
 #include "kernels/chunk_state_recurrence.h"
+#include "kernels/gated_delta_chunk.h"
 
 ABSL_FLAG(std::string, device, "auto", "cpu, cuda, or auto (cuda when there is a GPU)");
 ABSL_FLAG(std::string, tokens, "",
@@ -35,11 +44,31 @@ ABSL_FLAG(std::string, tokens, "",
 ABSL_FLAG(std::string, what, "rule,mix", "what to time: rule, mix or both");
 ABSL_FLAG(int32_t, runs, 0, "timed runs per number, the median printed (default: 10 cuda, 3 cpu)");
 ABSL_FLAG(int32_t, warmups, 2, "untimed runs first");
+ABSL_FLAG(std::string, compare, "fused",
+          "the switch to compare: scan (DTA_LINEAR_ATTENTION_KERNEL) or fused "
+          "(DTA_GATED_DELTA_FUSED)");
 
 namespace dta {
 namespace {
 
-constexpr int64_t kKeyHeads = 16, kValueHeads = 32, kHeadDim = 128;
+constexpr int64_t kKeyHeads = 16, kValueHeads = 32, kHeadDim = 128, kChunk = 64;
+
+// H200 dense peaks, TFLOP/s.
+constexpr double kPeakBf16 = 989, kPeakTf32 = 494, kPeakFp32 = 67;
+
+// The chunked rule's forward FLOPs (2 a multiply-add) over T tokens, per head and chunk of C:
+// S = beta k k^T and q k^T (2 C^2 Dk each), the unit-triangular solve for U and W (C^2 (Dv + Dk)),
+// the recurrence's W h and Kd^T v_new (2 C Dk Dv each), the output's Qd h (2 C Dk Dv) and
+// intra v_new (2 C^2 Dv). Elementwise work is left out. Backward is counted as twice forward.
+double RuleFlops(int64_t t) {
+  const double c = kChunk, dk = kHeadDim, dv = kHeadDim;
+  const double chunks = static_cast<double>((t + kChunk - 1) / kChunk);
+  const double per_chunk = 4 * c * c * dk + c * c * (dv + dk) + 6 * c * dk * dv + 2 * c * c * dv;
+  return per_chunk * chunks * kValueHeads;
+}
+
+// Milliseconds that `flops` take at `tflops` per second.
+double BoundMs(double flops, double tflops) { return flops / (tflops * 1e12) * 1e3; }
 
 struct Timing {
   double forward_ms = 0, step_ms = 0;
@@ -122,12 +151,11 @@ Workload MixWorkload(int64_t t, const at::Device& device) {
   return w;
 }
 
-Timing Time(const Workload& w, const at::Device& device, int runs, bool kernel) {
-  if (kernel) {
-    unsetenv("DTA_LINEAR_ATTENTION_KERNEL");
-  } else {
-    setenv("DTA_LINEAR_ATTENTION_KERNEL", "0", 1);
-  }
+Timing Time(const Workload& w, const at::Device& device, int runs, const char* variable,
+            bool kernel) {
+  unsetenv("DTA_LINEAR_ATTENTION_KERNEL");
+  unsetenv("DTA_GATED_DELTA_FUSED");
+  if (!kernel) setenv(variable, "0", 1);
   Timing timing;
   timing.forward_ms = MedianMs(device, runs, [&] { w.forward(); });
   timing.step_ms = MedianMs(device, runs, [&] {
@@ -135,7 +163,7 @@ Timing Time(const Workload& w, const at::Device& device, int runs, bool kernel) 
     timing.grad = torch::autograd::grad({(out.to(at::kFloat) * w.seed).sum()}, {w.leaf})[0];
     timing.out = out.detach();
   });
-  unsetenv("DTA_LINEAR_ATTENTION_KERNEL");
+  unsetenv(variable);
   return timing;
 }
 
@@ -170,29 +198,49 @@ int Main() {
   }
   const std::string what = absl::GetFlag(FLAGS_what);
   const int runs = absl::GetFlag(FLAGS_runs) > 0 ? absl::GetFlag(FLAGS_runs) : (cuda ? 10 : 3);
-  const bool kernel_possible = kernels::ChunkStateUsesKernel(
-      at::zeros({1, 1, 64, kHeadDim}, at::TensorOptions().dtype(at::kFloat).device(device)),
-      kHeadDim);
+  const std::string compare = absl::GetFlag(FLAGS_compare);
+  if (compare != "scan" && compare != "fused") {
+    std::fprintf(stderr, "--compare must be scan or fused, got '%s'\n", compare.c_str());
+    return 2;
+  }
+  const bool fused = compare == "fused";
+  const char* const variable = fused ? "DTA_GATED_DELTA_FUSED" : "DTA_LINEAR_ATTENTION_KERNEL";
+  const at::TensorOptions o = at::TensorOptions().dtype(at::kFloat).device(device);
+  const bool kernel_possible =
+      fused ? kernels::GatedDeltaChunkUsesKernel(at::zeros({1, kKeyHeads, kHeadDim}, o), kHeadDim,
+                                                 kChunk)
+            : kernels::ChunkStateUsesKernel(at::zeros({1, 1, kChunk, kHeadDim}, o), kHeadDim);
+  const char* const off_name = fused ? "ATen intra-chunk ops" : "ATen loop";
+  const char* const on_name = fused ? "fused" : "scan kernel";
   std::printf(
-      "Gated DeltaNet, %lld key / %lld value heads, Dk = Dv = %lld, 64-token chunks, on %s; "
-      "kernel %s; median of %d runs, wall-clock ms between synchronisations\n\n",
+      "Gated DeltaNet, %lld key / %lld value heads, Dk = Dv = %lld, %lld-token chunks, on %s; "
+      "%s=0 against on; kernel %s; median of %d runs, wall-clock ms between synchronisations; "
+      "bound: the rule's FLOPs (fwd+bwd) at H200 bf16 / tf32 / fp32 dense peaks\n\n",
       static_cast<long long>(kKeyHeads), static_cast<long long>(kValueHeads),
-      static_cast<long long>(kHeadDim), cuda ? "cuda" : "cpu",
-      kernel_possible ? "available" : "not available (both columns are the ATen loop)", runs);
+      static_cast<long long>(kHeadDim), static_cast<long long>(kChunk), cuda ? "cuda" : "cpu",
+      variable, kernel_possible ? "available" : "not available (both columns are ATen)", runs);
   std::printf(
-      "| what | T | fwd ms, ATen loop | fwd ms, kernel | fwd speed-up | fwd+bwd ms, ATen loop | "
-      "fwd+bwd ms, kernel | fwd+bwd speed-up | max rel. diff out / grad |\n");
-  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n");
+      "| what | T | fwd ms, %s | fwd ms, %s | fwd speed-up | fwd+bwd ms, %s | fwd+bwd ms, %s | "
+      "fwd+bwd speed-up | GFLOP fwd+bwd | bound ms bf16 / tf32 / fp32 | %s over bound bf16 / "
+      "fp32 | max rel. diff out / grad |\n",
+      off_name, on_name, off_name, on_name, on_name);
+  std::printf(
+      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |\n");
   for (const std::string name : {"rule", "mix"}) {
     if (what.find(name) == std::string::npos) continue;
     for (const int64_t t : lengths) {
       const Workload w = name == "rule" ? RuleWorkload(t, device) : MixWorkload(t, device);
-      const Timing off = Time(w, device, runs, /*kernel=*/false);
-      const Timing on = Time(w, device, runs, /*kernel=*/true);
-      std::printf("| %s | %lld | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx | %.1e / %.1e |\n",
-                  name.c_str(), static_cast<long long>(t), off.forward_ms, on.forward_ms,
-                  off.forward_ms / on.forward_ms, off.step_ms, on.step_ms, off.step_ms / on.step_ms,
-                  RelativeDifference(on.out, off.out), RelativeDifference(on.grad, off.grad));
+      const Timing off = Time(w, device, runs, variable, /*kernel=*/false);
+      const Timing on = Time(w, device, runs, variable, /*kernel=*/true);
+      const double flops = 3 * RuleFlops(t);
+      const double bf16 = BoundMs(flops, kPeakBf16), fp32 = BoundMs(flops, kPeakFp32);
+      std::printf(
+          "| %s | %lld | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx | %.1f | %.3f / %.3f / %.3f | "
+          "%.1fx / %.1fx | %.1e / %.1e |\n",
+          name.c_str(), static_cast<long long>(t), off.forward_ms, on.forward_ms,
+          off.forward_ms / on.forward_ms, off.step_ms, on.step_ms, off.step_ms / on.step_ms,
+          flops / 1e9, bf16, BoundMs(flops, kPeakTf32), fp32, on.step_ms / bf16, on.step_ms / fp32,
+          RelativeDifference(on.out, off.out), RelativeDifference(on.grad, off.grad));
       std::fflush(stdout);
     }
   }
@@ -204,8 +252,9 @@ int Main() {
 
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
-      "dta-linear-attention-bench [--device=cuda] [--tokens=1024,4096,16384] [--what=rule,mix]: "
-      "Gated DeltaNet with the chunk state recurrence kernel against the ATen loop");
+      "dta-linear-attention-bench [--device=cuda] [--tokens=1024,4096,16384] [--what=rule,mix] "
+      "[--compare=fused|scan]: Gated DeltaNet with one of its CUDA kernels against the ATen ops "
+      "it replaces");
   dta::ParseCommandLine(argc, argv);
   return dta::Main();
 }

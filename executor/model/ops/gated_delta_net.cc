@@ -3,21 +3,15 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
-#include <limits>
-
 #include "executor/model/ops/gather_rows.h"
 #include "kernels/chunk_state_recurrence.h"
+#include "kernels/gated_delta_chunk.h"
 
 namespace dta {
 namespace {
 
 at::ScalarType ComputeType(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-// [T, H, D] -> [H, T, D] in the compute dtype.
-at::Tensor HeadsMajor(const at::Tensor& x, at::ScalarType type) {
-  return x.to(type).transpose(0, 1).contiguous();
 }
 
 void CheckRuleShapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -164,54 +158,24 @@ GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q_in, const at::Tensor&
   at::Tensor state = InitialState(initial_state, v_in, key_dim, type);
   if (length == 0) return {at::zeros_like(v_in, v_in.options().dtype(type)), state};
 
-  // [H, T, D] and [H, T], queries scaled, padded to whole chunks with zeros (a zero key and beta
-  // leave the state unchanged; a zero log decay multiplies it by 1).
-  const int64_t pad = (chunk_size - length % chunk_size) % chunk_size;
-  const int64_t chunks = (length + pad) / chunk_size;
-  auto padded = [&](const at::Tensor& x) {
-    at::Tensor heads = HeadsMajor(x.dim() == 2 ? x.unsqueeze(-1) : x, type);
-    if (pad > 0) heads = at::constant_pad_nd(heads, {0, 0, 0, pad});
-    return heads.view({heads.size(0), chunks, chunk_size, heads.size(2)});
-  };
-  const at::Tensor q = padded(q_in) * (1.0 / std::sqrt(static_cast<double>(key_dim)));
-  const at::Tensor k = padded(k_in);
-  const at::Tensor v = padded(v_in);
-  const at::Tensor beta = padded(beta_in);            // [H, N, C, 1]
-  const at::Tensor decay = padded(g_in).squeeze(-1);  // [H, N, C]
-  const at::Tensor k_beta = k * beta;
-  const at::Tensor v_beta = v * beta;
-
-  // Within a chunk: cum[i] = log of the decay from the chunk's start through token i;
-  // pairwise[i][j] = exp(cum[i] - cum[j]) for j <= i, 0 above the diagonal.
-  const at::Tensor cum = decay.cumsum(-1);
-  const at::Tensor upper = at::ones({chunk_size, chunk_size}, q.options().dtype(at::kBool)).triu(1);
-  const at::Tensor pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2))
-                                  .masked_fill(upper, -std::numeric_limits<double>::infinity())
-                                  .exp();
-  // The WY/UT form: (I + strictly_lower(k_beta k^T * pairwise))^-1 condenses a chunk's delta
-  // updates into matmuls.
-  const at::Tensor system = at::matmul(k_beta, k.transpose(-1, -2)) * pairwise;
-  const at::Tensor new_values =
-      at::linalg_solve_triangular(system, v_beta, /*upper=*/false, /*left=*/true,
-                                  /*unitriangular=*/true);
-  const at::Tensor k_cumdecay =
-      at::linalg_solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), /*upper=*/false,
-                                  /*left=*/true, /*unitriangular=*/true);
-  const at::Tensor intra = at::matmul(q, k.transpose(-1, -2)) * pairwise;
-  const at::Tensor q_decayed = q * cum.exp().unsqueeze(-1);
-  const at::Tensor k_decayed = k * (cum.narrow(-1, chunk_size - 1, 1) - cum).exp().unsqueeze(-1);
-  const at::Tensor chunk_decay = cum.select(-1, chunk_size - 1).exp();  // [H, N]
+  // Everything independent across chunks, for all chunks at once (kernels/gated_delta_chunk.h: one
+  // CUDA kernel forward where it runs, else batched ATen ops); the last chunk padded with zero
+  // tokens (a zero key and beta leave the state unchanged; a zero log decay multiplies it by 1).
+  const kernels::ChunkTerms terms = kernels::GatedDeltaChunkTerms(
+      q_in.to(type), k_in.to(type), v_in.to(type), g_in.to(type), beta_in.to(type), chunk_size);
 
   // Across chunks, the state recurrence: h_i, the state at chunk i's start, and
   // v_new_i = new_values_i - k_cumdecay_i h_i, from one autograd function (one CUDA kernel each way
   // on the GPU; kernels/chunk_state_recurrence.h). Each chunk's output is then
   // q_decayed_i h_i + intra_i v_new_i, for all chunks in two batched matmuls.
-  const kernels::ChunkStates scan =
-      kernels::ChunkStateRecurrence(k_cumdecay, new_values, k_decayed, chunk_decay, state);
-  const at::Tensor out = (at::matmul(q_decayed, scan.states) + at::matmul(intra, scan.new_values))
-                             .view({q.size(0), chunks * chunk_size, v.size(-1)})
-                             .narrow(1, 0, length)
-                             .transpose(0, 1);
+  const kernels::ChunkStates scan = kernels::ChunkStateRecurrence(
+      terms.k_cumdecay, terms.new_values, terms.k_decayed, terms.chunk_decay, state);
+  const int64_t heads = v_in.size(1), chunks = terms.intra.size(1);
+  const at::Tensor out =
+      (at::matmul(terms.q_decayed, scan.states) + at::matmul(terms.intra, scan.new_values))
+          .view({heads, chunks * chunk_size, v_in.size(2)})
+          .narrow(1, 0, length)
+          .transpose(0, 1);
   return {out, scan.final_state};
 }
 

@@ -21,10 +21,12 @@
 // stack), as attention does for a prefix's K/V (executor/model/chunk_io.h's PrefixKv).
 //
 // Numerics: the delta rule, the L2 norms and the decays in float32 (float64 for float64 inputs);
-// float64 runs are exact references. Everything is ATen but the chunked rule's recurrence across
-// chunks, which on a GPU is one CUDA kernel each way (kernels/chunk_state_recurrence.h: plain
-// float32/float64 arithmetic, DTA_LINEAR_ATTENTION_KERNEL=0 turns it off) and an ATen loop
-// elsewhere.
+// float64 runs are exact references. Everything is ATen but the chunked rule's two parts, each a
+// CUDA kernel on a GPU (plain float32/float64 arithmetic): the intra-chunk terms, one kernel
+// forward for all chunks and an analytic backward (kernels/gated_delta_chunk.h;
+// DTA_GATED_DELTA_FUSED=0 turns it off), and the recurrence across chunks, one kernel each way
+// (kernels/chunk_state_recurrence.h; DTA_LINEAR_ATTENTION_KERNEL=0 turns it off); elsewhere
+// batched ATen ops and an ATen loop.
 //
 // Example (one chain continuing a context):
 //   LinearContext context{.conv_inputs = last3, .state = s};
@@ -89,8 +91,8 @@ struct GatedDeltaOutput {
 // The gated delta rule over one chain: q, k [T, H, Dk] (L2-normalised; q is scaled by Dk^-1/2
 // here), v [T, H, Dv], g (log decay, <= 0) and beta [T, H]; initial_state [H, Dk, Dv] or undefined
 // (zeros). In float32, or float64 for float64 inputs. Chunked: chunk_size tokens at a time with a
-// triangular solve per chunk, batched over all chunks, then the state recurrence across chunks
-// (kernels::ChunkStateRecurrence); differentiable.
+// triangular solve per chunk, for all chunks at once (kernels::GatedDeltaChunkTerms), then the
+// state recurrence across chunks (kernels::ChunkStateRecurrence); differentiable.
 GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& g,
                                        const at::Tensor& beta, const at::Tensor& initial_state,

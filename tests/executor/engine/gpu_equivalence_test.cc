@@ -182,10 +182,11 @@ TEST_P(GpuEquivalence, Float32MatchesFloat32Dense) {
 
 // bfloat16 against float32 dense. The tree methods must add no error of their own: each is within
 // 15% (plus 0.1 percentage point) of bfloat16 dense's own distance to the reference, and close to
-// bfloat16 dense itself. bfloat16 dense must be a sane bfloat16 run: median under 3%, or 4% with
+// bfloat16 dense itself. bfloat16 dense must be a sane bfloat16 run: median under 3%, or 5% with
 // routed experts, whose top-k choices flip where bfloat16 rounding reorders near-tied router
 // logits (on this random model, H200: qwen3 1.8%, qwen3_moe 2.1%, qwen3_next 2.8%, dta_test_hybrid
-// 3.2%); the benchmark's 1% target is measured and reported by dta-bench, not asserted here.
+// 3.2%, qwen3_5_moe_text 4.2%, experts in every layer); the benchmark's 1% target is measured and
+// reported by dta-bench, not asserted here.
 TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
   const std::vector<Rollout> rollouts = Batch(/*seed=*/6, /*max_rollouts=*/24, /*max_length=*/120);
   const Decoder reference_model = Model(at::kFloat);
@@ -193,7 +194,7 @@ TEST_P(GpuEquivalence, Bfloat16AddsNoErrorToDense) {
   const Decoder model = Model(at::kBFloat16);
   const GradRun dense = RunOn(model, rollouts, {.method = Method::kDense});
   const Agreement dense_error = Compare(dense, reference);
-  EXPECT_LE(dense_error.median, model.config().num_experts > 0 ? 0.04 : 0.03);
+  EXPECT_LE(dense_error.median, model.config().num_experts > 0 ? 0.05 : 0.03);
   EXPECT_LE(dense_error.loss, 1e-3);
   for (const auto& [name, options] : Methods(rollouts)) {
     const GradRun run = RunOn(model, rollouts, options);
