@@ -383,7 +383,10 @@ absl::Status ApplyWeightDelta(const std::string& index_path,
     absl::Span<uint8_t> tensor;
   };
   std::vector<Pending> pending;
-  for (const auto& [name, entry] : index["tensors"].items()) {
+  for (const auto& item : index["tensors"].items()) {
+    // Named, not a structured binding: lambdas may not capture those before C++20's clang 16.
+    const std::string& name = item.key();
+    const nlohmann::json& entry = item.value();
     auto about = [&](absl::string_view why) {
       return absl::InvalidArgumentError(absl::StrCat(index_path, ": tensor \"", name, "\": ", why));
     };
