@@ -9,7 +9,8 @@ optimizer step is done" to "every engine holds the weights".
 
 NCCL refuses two ranks of one communicator on one GPU, so the receivers take GPUs 1..N: a machine
 with N + 1 GPUs. Options: --config (a preset), --bucket_mb, --syncs, --kind (sglang or
-areal-vllm), --build_dir (where bin/dta-weight-sync-bench is).
+areal-vllm), --build_dir (where bin/dta-weight-sync-bench is), --fault (die:N or hang:N for the
+first engine: how long a dead or hanging engine holds the trainer, and that it survives).
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def main() -> int:
     parser.add_argument("--bucket_mb", type=float, default=1024)
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--timeout_s", type=int, default=300)
+    parser.add_argument("--fault", default="",
+                        help="the first engine's fault (fake_weight_engine.py's --fault: die:N, hang:N); "
+                             "failed syncs are then timed and the bench goes on")
     parser.add_argument("--build_dir", type=Path, default=Path(os.environ.get("DTA_BUILD_DIR", REPO / "build")))
     args = parser.parse_args()
     binary = args.build_dir / "bin" / "dta-weight-sync-bench"
@@ -47,10 +51,11 @@ def main() -> int:
         try:
             for i in range(args.engines):
                 out = Path(work) / f"engine-{i}"
+                fault = [f"--fault={args.fault}"] if args.fault and i == 0 else []
                 engines.append(subprocess.Popen(
                     [sys.executable, str(REPO / "tests" / "python" / "fake_weight_engine.py"),
                      f"--kind={args.kind}", f"--out={out}", f"--device=cuda:{i + 1}",
-                     f"--timeout_s={args.timeout_s}"]))
+                     f"--timeout_s={args.timeout_s}"] + fault))
                 deadline = time.monotonic() + 180
                 while not (out / "url").exists():
                     if engines[-1].poll() is not None or time.monotonic() > deadline:
@@ -59,7 +64,8 @@ def main() -> int:
                 urls.append(f"{args.kind}={(out / 'url').read_text()}")
             result = subprocess.run(
                 [str(binary), f"--config={args.config}", "--device=cuda:0", f"--engines={','.join(urls)}",
-                 f"--bucket_mb={args.bucket_mb}", f"--syncs={args.syncs}", f"--timeout_s={args.timeout_s}"])
+                 f"--bucket_mb={args.bucket_mb}", f"--syncs={args.syncs}", f"--timeout_s={args.timeout_s}"]
+                + (["--keep_going"] if args.fault else []))
             return result.returncode
         finally:
             for engine in engines:

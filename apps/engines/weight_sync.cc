@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <utility>
 
@@ -158,6 +160,51 @@ absl::Status Collective(F&& f) {
 
 }  // namespace
 
+// Gathers the parameters whole in order, each once (Decoder::GatherParameter: collectives over the
+// tensor- and expert-parallel groups, which every rank of them must call in the same order), so
+// that the sender's sync can fail anywhere and its peers' gathers still meet its own (Rest).
+class ParameterGathers {
+ public:
+  explicit ParameterGathers(const Decoder& model) : model_(model) {}
+
+  // The whole of parameter `index`, no earlier than the previous call's: gathers up to it. A failed
+  // gather is kept for RethrowFailure, and reported here as std::runtime_error.
+  const at::Tensor& Whole(size_t index) {
+    TORCH_CHECK(index + 1 >= next_, "weight sync: parameter ", index, " gathered out of order");
+    try {
+      while (next_ <= index) whole_ = model_.GatherParameter(next_++);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw std::runtime_error("the gather of the trainer's weights failed");
+    }
+    return whole_;
+  }
+
+  // Gathers the parameters not gathered yet (discarded). Nothing after a failed gather.
+  void Rest() {
+    whole_ = at::Tensor();
+    while (error_ == nullptr && next_ < model_.named_parameters().size()) {
+      (void)model_.GatherParameter(next_++);
+    }
+  }
+
+  // Throws what a failed gather threw, if one did.
+  void RethrowFailure() const {
+    if (error_ != nullptr) std::rethrow_exception(error_);
+  }
+
+ private:
+  const Decoder& model_;
+  size_t next_ = 0;   // the next parameter to gather
+  at::Tensor whole_;  // parameter next_ - 1, whole
+  std::exception_ptr error_;
+};
+
+void TakePartInPublish(const Decoder& model) {
+  at::NoGradGuard no_grad;
+  ParameterGathers(model).Rest();
+}
+
 absl::StatusOr<std::vector<WeightSyncEngine>> ParseWeightSyncEngines(std::string_view spec) {
   std::vector<WeightSyncEngine> engines;
   for (absl::string_view entry :
@@ -207,7 +254,10 @@ WeightBroadcaster::WeightBroadcaster(WeightSyncOptions options) : options_(std::
   }
 }
 
-WeightBroadcaster::~WeightBroadcaster() { Disconnect(); }
+WeightBroadcaster::~WeightBroadcaster() {
+  Disconnect();
+  for (std::thread& retiring : retiring_) retiring.join();
+}
 
 absl::Status WeightBroadcaster::Connect() {
   group_name_ = absl::StrCat("dta-weights-", RandomHex128());
@@ -250,7 +300,7 @@ absl::Status WeightBroadcaster::Connect() {
       absl::StrCat(group_name_, "/"), c10::make_intrusive<c10d::PrefixStore>(group_name_, store_));
   absl::StatusOr<std::unique_ptr<ProcessGroup>> group = ProcessGroup::CreateWithStore(
       prefixed, /*rank=*/0, world_size_, options_.device,
-      {.timeout = options_.timeout, .group_name = cuda ? "cuda/" : "cpu/"});
+      {.timeout = options_.timeout, .group_name = cuda ? "cuda/" : "cpu/", .peers_may_fail = true});
   absl::Status sequenced = group.status();
   if (group.ok()) {
     // Gloo's other ranks wait for rank 0's sequence number in the store (NCCL's is a no-op).
@@ -274,7 +324,7 @@ void WeightBroadcaster::Disconnect() {
   if (group_ != nullptr) {
     // NCCL: abort the communicator, so that nothing waits on a peer that is gone.
     (void)Collective([&] { group_->backend()->abort(); });
-    group_.reset();
+    retiring_.emplace_back([group = std::move(group_)]() mutable { group.reset(); });
   }
   if (store_ == nullptr) return;  // no rendezvous since the last teardown
   store_.reset();
@@ -289,19 +339,22 @@ void WeightBroadcaster::Disconnect() {
 }
 
 absl::Status WeightBroadcaster::Publish(const Decoder& model, int64_t policy_version) {
-  TORCH_CHECK(model.tensor_parallel() == nullptr && model.expert_parallel() == nullptr,
-              "weight sync: the sender holds the whole model (no tensor or expert parallelism)");
   const auto start = std::chrono::steady_clock::now();
-  if (group_ == nullptr) {
-    if (absl::Status connected = Connect(); !connected.ok()) return connected;
+  at::NoGradGuard no_grad;
+  ParameterGathers gathers(model);
+  absl::Status sent = group_ == nullptr ? Connect() : absl::OkStatus();
+  if (sent.ok()) {
+    try {
+      sent = Broadcast(model, gathers, policy_version);
+    } catch (const std::exception& e) {  // e.g. no memory for a bucket: the step goes on
+      const c10::Error* error = dynamic_cast<const c10::Error*>(&e);
+      sent = absl::UnavailableError(error != nullptr ? error->what_without_backtrace() : e.what());
+    }
   }
-  absl::Status sent;
-  try {
-    sent = Broadcast(model, policy_version);
-  } catch (const std::exception& e) {  // e.g. no memory for a bucket: the step goes on
-    const c10::Error* error = dynamic_cast<const c10::Error*>(&e);
-    sent = absl::UnavailableError(error != nullptr ? error->what_without_backtrace() : e.what());
-  }
+  // The trainer's own group failed: a restart's matter, not the engines'.
+  gathers.RethrowFailure();
+  // The sync's outcome is this rank's alone: its peers gather every parameter whatever it is.
+  gathers.Rest();
   if (!sent.ok()) {
     Disconnect();
     return sent;
@@ -313,7 +366,8 @@ absl::Status WeightBroadcaster::Publish(const Decoder& model, int64_t policy_ver
   return absl::OkStatus();
 }
 
-absl::Status WeightBroadcaster::Broadcast(const Decoder& model, int64_t policy_version) {
+absl::Status WeightBroadcaster::Broadcast(const Decoder& model, ParameterGathers& gathers,
+                                          int64_t policy_version) {
   const size_t engines = options_.engines.size();
   const std::string& token = options_.bearer_token;
   const auto timeout = options_.timeout;
@@ -351,7 +405,6 @@ absl::Status WeightBroadcaster::Broadcast(const Decoder& model, int64_t policy_v
       return absl::UnavailableError(absl::StrCat(what, ": ", flight.answered.message()));
     return waited;
   };
-  at::NoGradGuard no_grad;
   absl::Status status;
   for (size_t b = 0; b < buckets && status.ok(); ++b) {
     auto next = std::make_unique<InFlight>();
@@ -360,7 +413,7 @@ absl::Status WeightBroadcaster::Broadcast(const Decoder& model, int64_t policy_v
     status = Collective([&] {
       for (size_t i = starts[b]; i < starts[b + 1]; ++i) {
         const SyncedTensor& tensor = tensors[i];
-        at::Tensor whole = model.named_parameters()[tensor.index].second.detach();
+        at::Tensor whole = gathers.Whole(tensor.index);
         if (tensor.expert >= 0) whole = whole[tensor.expert];
         // A bf16 parameter is sent as it is; others are rounded as the checkpoint rounds them.
         next->staged.push_back(whole.to(options_.device, at::kBFloat16).contiguous());

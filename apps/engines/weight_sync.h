@@ -1,7 +1,9 @@
 // Sends each committed step's weights to rollout engines over a c10d group (AReaL's "xccl" weight
 // update; docs/weight_sync.md): world rank 0 hosts a TCPStore, the engines' workers join the group
 // through their documented HTTP routes, and rank 0 broadcasts the model's tensors in bf16, in
-// buckets, under their Hugging Face names (those the published checkpoint holds).
+// buckets, under their Hugging Face names (those the published checkpoint holds). Under tensor or
+// expert parallelism each tensor is first gathered whole as the checkpoint export gathers it
+// (Decoder::GatherParameter), the ranks that export the model taking part (TakePartInPublish).
 //
 //   sglang      /init_weights_update_group, /pause_generation {"mode": "retract"},
 //               /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
@@ -36,6 +38,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -76,18 +79,23 @@ struct WeightSyncOptions {
   std::string log_prefix = "dta-trainer";
 };
 
+class ParameterGathers;  // weight_sync.cc: every parameter gathered whole, once, in order
+
 class WeightBroadcaster {
  public:
   explicit WeightBroadcaster(WeightSyncOptions options);
   WeightBroadcaster(const WeightBroadcaster&) = delete;
   WeightBroadcaster& operator=(const WeightBroadcaster&) = delete;
-  // Tears the group down (asks the engines to destroy theirs, best effort).
+  // Tears the group down (asks the engines to destroy theirs, best effort) and waits for the groups
+  // of failed syncs to be destroyed.
   ~WeightBroadcaster();
 
   // Pauses every engine, broadcasts `model`'s weights, continues them; forms the group first when
-  // there is none. On world rank 0, which must hold the whole model (TORCH_CHECK: no tensor or
-  // expert parallelism yet). UNAVAILABLE naming the engine or the bucket on any failure, after
-  // tearing the group down; the engines may then be paused or hold mixed weights (ReloadFromDisk).
+  // there is none. On world rank 0, rank 0 of the model's tensor- and expert-parallel groups; their
+  // other ranks call TakePartInPublish meanwhile: this rank gathers every parameter once, in order,
+  // whether the sync succeeds or not. UNAVAILABLE naming the engine or the bucket on any failure,
+  // after tearing the group down; the engines may then be paused or hold mixed weights
+  // (ReloadFromDisk). A failed gather (the trainer's own group) is thrown, as the export throws it.
   absl::Status Publish(const Decoder& model, int64_t policy_version);
 
   // Every engine: the disk reload of `model_path` (EngineNotifier's request), then the continue,
@@ -99,7 +107,7 @@ class WeightBroadcaster {
  private:
   absl::Status Connect();
   void Disconnect();
-  absl::Status Broadcast(const Decoder& model, int64_t policy_version);
+  absl::Status Broadcast(const Decoder& model, ParameterGathers& gathers, int64_t policy_version);
 
   const WeightSyncOptions options_;
   int world_size_ = 1;                     // 1 + every engine's workers
@@ -107,6 +115,15 @@ class WeightBroadcaster {
   std::string group_name_;                 // of the current group
   c10::intrusive_ptr<c10d::Store> store_;  // the TCPStore rank 0 hosts, while connected
   std::unique_ptr<ProcessGroup> group_;    // null: not connected
+  // Groups torn down after a failure, each destroyed on its own thread: torch's watchdog keeps a
+  // timed-out NCCL group's destructor waiting for a flight-recorder dump (about a minute), which
+  // must not hold up training. Joined by the destructor.
+  std::vector<std::thread> retiring_;
 };
+
+// On every rank of `model`'s tensor- and expert-parallel groups but the sender's, once per
+// WeightBroadcaster::Publish of the sender's: its part of the gathers (every parameter, in order,
+// discarded). Throws what a gather throws.
+void TakePartInPublish(const Decoder& model);
 
 }  // namespace dta

@@ -103,7 +103,12 @@ ABSL_FLAG(int32_t, notify_timeout_s, 30,
 ABSL_FLAG(std::string, weight_sync, "disk",
           "how engines get each committed step's weights: disk (--notify_engines reload the "
           "published checkpoints) or xccl (rank 0 broadcasts them over a c10d group to "
-          "--weight_sync_engines, falling back to a checkpoint and its disk reload on failure)");
+          "--weight_sync_engines, falling back to a checkpoint and its disk reload on failure; "
+          "under tensor or expert parallelism the first replica's ranks gather them for it, as "
+          "for a checkpoint)");
+ABSL_FLAG(int64_t, weight_sync_every, 1,
+          "the engines get only the policy versions that are multiples of this (>= 1): xccl syncs "
+          "those steps' weights, and --notify_engines are told of those checkpoints only");
 ABSL_FLAG(std::string, weight_sync_engines, "",
           "--weight_sync=xccl: KIND=URL[*WORKERS][,...], KIND sglang or areal-vllm, WORKERS the "
           "engine's ranks in the group (its tp * pp, default 1)");
@@ -221,6 +226,14 @@ int Run() {
   if (weight_sync_mode == "xccl" && sync_engines->empty()) {
     throw BadInput{"--weight_sync=xccl needs --weight_sync_engines"};
   }
+  const int64_t sync_every = absl::GetFlag(FLAGS_weight_sync_every);
+  if (sync_every < 1) {
+    throw BadInput{absl::StrCat("--weight_sync_every must be >= 1, not ", sync_every)};
+  }
+  // Whether the engines get the weights of `policy_version`: the same answer on every rank.
+  const auto engines_get = [sync_every](int64_t policy_version) {
+    return policy_version % sync_every == 0;
+  };
   if (absl::GetFlag(FLAGS_weight_sync_timeout_s) < 1 ||
       !(absl::GetFlag(FLAGS_weight_sync_bucket_mb) * (1 << 20) >= 1) ||
       absl::GetFlag(FLAGS_weight_sync_port) < 0 || absl::GetFlag(FLAGS_weight_sync_port) > 65535) {
@@ -253,8 +266,13 @@ int Run() {
   const int tensor_parallel_rank = env->rank % tensor_parallel;
   const int replica = env->rank / tensor_parallel;
   const int replicas = env->world_size / tensor_parallel;
-  if (weight_sync_mode == "xccl" && (tensor_parallel > 1 || layout.layout.expert_parallel > 1)) {
-    throw BadInput{"--weight_sync=xccl does not yet gather tensor- or expert-parallel weights"};
+  // Under tensor or expert parallelism rank 0's peers wait in a gather while it talks to the
+  // engines: up to about 4 engine timeouts (the rendezvous, the pause, a bucket's requests).
+  if (weight_sync_mode == "xccl" && (tensor_parallel > 1 || layout.layout.expert_parallel > 1) &&
+      absl::GetFlag(FLAGS_timeout_s) < 4 * int64_t{absl::GetFlag(FLAGS_weight_sync_timeout_s)}) {
+    throw BadInput{
+        "--weight_sync=xccl under tensor or expert parallelism needs --timeout_s >= 4 x "
+        "--weight_sync_timeout_s (rank 0's peers wait in the weights' gathers while it syncs)"};
   }
   if (env->rank == 0)
     std::fprintf(stderr, "%s: %s\n", prefix.c_str(), DescribeLayout(layout).c_str());
@@ -385,9 +403,11 @@ int Run() {
                            .attempts = absl::GetFlag(FLAGS_notify_attempts),
                            .timeout = std::chrono::seconds(absl::GetFlag(FLAGS_notify_timeout_s)),
                            .log_prefix = prefix});
-  // --weight_sync=xccl: world rank 0 sends the whole model (the first replica's, which it holds
-  // whole without tensor or expert parallelism).
+  // --weight_sync=xccl: world rank 0 sends the whole model; the ranks that export it in a
+  // checkpoint (the first replica's TP ranks; under EP the first EP group's replicas) gather it.
   std::unique_ptr<WeightBroadcaster> weight_sync;
+  const bool gathers_weights =
+      weight_sync_mode == "xccl" && groups.expert_data_parallel_rank() == 0;
   if (weight_sync_mode == "xccl") {
     if (env->rank == 0) {
       weight_sync = std::make_unique<WeightBroadcaster>(WeightSyncOptions{
@@ -415,7 +435,9 @@ int Run() {
        .publish_weight_delta = absl::GetFlag(FLAGS_publish_weight_delta),
        .on_published =
            [&](const CheckpointInfo& checkpoint, int64_t policy_version) {
-             notifier.Publish(CheckpointModelPath(checkpoint.path), policy_version);
+             if (engines_get(policy_version)) {
+               notifier.Publish(CheckpointModelPath(checkpoint.path), policy_version);
+             }
              if (reload_from_disk) {
                weight_sync->ReloadFromDisk(CheckpointModelPath(checkpoint.path), policy_version);
                reload_from_disk = false;
@@ -423,8 +445,18 @@ int Run() {
            },
        .on_weights =
            [&](const Decoder& weights, int64_t policy_version) {
-             if (weight_sync == nullptr) return false;
-             const absl::Status sent = weight_sync->Publish(weights, policy_version);
+             if (!gathers_weights || !engines_get(policy_version)) return false;
+             absl::Status sent;
+             try {  // a failed gather is the trainer group's fault, as in a step
+               if (weight_sync == nullptr) {
+                 TakePartInPublish(weights);  // rank 0's peers: the gathers, whatever its outcome
+                 return false;
+               }
+               sent = weight_sync->Publish(weights, policy_version);
+             } catch (const c10::Error& e) {
+               throw TrainerRestart{
+                   absl::StrCat("weight sync gather: ", e.what_without_backtrace())};
+             }
              if (sent.ok()) return false;
              std::fprintf(stderr,
                           "%s: weight sync of policy version %lld failed, reloading from "

@@ -83,6 +83,16 @@ struct ProcessGroupOptions {
   int gloo_threads = 2;
   // NCCL only: run the collectives on a high-priority CUDA stream.
   bool nccl_high_priority_stream = false;
+  // NCCL only: the other ranks are other programs (inference engines joining a weight-update
+  // group) that may die or stop answering, and neither may hang or end this process. The
+  // communicator then forms without blocking, so that its formation and each collective's launch
+  // give up after TORCH_NCCL_NONBLOCKING_TIMEOUT seconds (set to `timeout` when the environment
+  // leaves it unset; torch reads it once per process, and only non-blocking communicators use it),
+  // and a collective that fails or times out makes NCCL's watchdog abort the group's communicators
+  // instead of ending the process (torch's CleanUpOnly error handling, for this group only). Wait()
+  // then fails; destroy the group after any failure. Off for the trainer's own groups: a lost
+  // trainer rank should end the job, so that its launcher restarts it.
+  bool peers_may_fail = false;
 };
 
 class ProcessGroup {

@@ -12,6 +12,7 @@ the live engines reload from disk (then continue), and training goes on: no step
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -66,7 +67,10 @@ class FakeEngine:
 
 
 def train(source_model: Path, directory: Path, engines: list[FakeEngine], steps: int,
-          save_every: int) -> subprocess.CompletedProcess:
+          save_every: int, world: int = 1, flags: tuple[str, ...] = (),
+          model_flag: str = "") -> subprocess.CompletedProcess:
+    """dta-trainer on `world` local ranks (Gloo, as torchrun starts them when world > 1); every rank
+    must exit; returns rank 0's run."""
     wal = directory / "dispatcher.wal"
     address = f"127.0.0.1:{free_port()}"
     dispatcher_log = open(directory / "dispatcher.log", "w")
@@ -78,16 +82,27 @@ def train(source_model: Path, directory: Path, engines: list[FakeEngine], steps:
             for i in range(4 * steps):
                 client.send(make(i))
         spec = ",".join(f"{e.kind}={e.url}" for e in engines)
-        result = subprocess.run(
-            [tool("dta-trainer"), f"--dispatcher={address}", f"--token_file={wal}.trainer-token",
-             f"--checkpoint_dir={directory / 'ckpt'}", f"--model={source_model}", "--dtype=float32",
-             "--loss=sft", "--lr=1e-2", f"--max_steps={steps}", "--keep_checkpoints=100",
-             f"--save_every={save_every}", "--wait_s=60", "--weight_sync=xccl",
-             f"--weight_sync_engines={spec}", f"--weight_sync_timeout_s={TIMEOUT_S}",
-             f"--weight_sync_bucket_mb={BUCKET_MB}"],
-            capture_output=True, text=True, timeout=600)
-        (directory / "trainer.log").write_text(result.stderr)
-        return result
+        command = [tool("dta-trainer"), f"--dispatcher={address}", f"--token_file={wal}.trainer-token",
+                   f"--checkpoint_dir={directory / 'ckpt'}", model_flag or f"--model={source_model}",
+                   "--dtype=float32", "--loss=sft", "--lr=1e-2", f"--max_steps={steps}",
+                   "--keep_checkpoints=100", f"--save_every={save_every}", "--wait_s=60",
+                   "--weight_sync=xccl", f"--weight_sync_engines={spec}",
+                   f"--weight_sync_timeout_s={TIMEOUT_S}", f"--weight_sync_bucket_mb={BUCKET_MB}", *flags]
+        if world == 1:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            (directory / "trainer.log").write_text(result.stderr)
+            return result
+        port = free_port()
+        ranks = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=str(port)))
+                 for r in range(world)]
+        outputs = [p.communicate(timeout=600) for p in ranks]
+        for r, (p, (_, err)) in enumerate(zip(ranks, outputs)):
+            (directory / f"trainer{r}.log").write_text(err)
+            assert p.returncode == 0, f"rank {r}: {err}"
+        return subprocess.CompletedProcess(command, ranks[0].returncode, outputs[0][0], outputs[0][1])
     finally:
         dispatcher.terminate()
         dispatcher.wait(timeout=30)
@@ -233,9 +248,137 @@ def test_bad_weight_sync_flags_are_refused_before_training(tmp_path):
                            (["--weight_sync=xccl"], "needs --weight_sync_engines"),
                            (["--weight_sync_engines=vllm=http://x:1"], "cannot join a c10d group"),
                            (["--weight_sync_engines=sglang=http://x:1*0"], "worker count"),
-                           (["--weight_sync_bucket_mb=0"], "--weight_sync_bucket_mb")]:
+                           (["--weight_sync_bucket_mb=0"], "--weight_sync_bucket_mb"),
+                           (["--weight_sync_every=0"], "--weight_sync_every must be >= 1")]:
         result = subprocess.run([tool("dta-trainer"), "--config=qwen3-0.6b", f"--checkpoint_dir={tmp_path}",
                                  "--dispatcher=127.0.0.1:1", "--wait_s=1", *flags],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, result.stderr
         assert message in result.stderr, result.stderr
+
+
+MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 128,
+              "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "max_position_embeddings": 256, "tie_word_embeddings": False, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True,
+              "torch_dtype": "float32"}
+
+
+def sent_names(engine: FakeEngine) -> list[list[str]]:
+    """Per sync, the tensors' names in the order the updates announced them."""
+    return [[n for e in events if e["route"] == "update" for n in e["body"]["names"]]
+            for events in syncs(engine.events())]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+def test_parallel_ranks_gather_the_checkpoints_tensors_for_rank_0(source_model, healthy, tmp_path, layout):
+    """Two ranks (Gloo) split the model; rank 0 sends what the checkpoint export gathers, the other
+    rank only takes part in the gathers, and each engine receives every tensor once, bit for bit the
+    step's published checkpoint, in the order one rank sends."""
+    if layout == "tp2":
+        flags, model_flag = ("--tensor_parallel=2", "--timeout_s=60"), ""
+    else:  # two replicas, each holding half of the experts
+        config = tmp_path / "moe.json"
+        config.write_text(json.dumps(MOE_CONFIG))
+        flags, model_flag = ("--expert_parallel=2", "--timeout_s=60"), f"--config={config}"
+    engines = [FakeEngine("sglang", tmp_path / "sglang"), FakeEngine("areal-vllm", tmp_path / "areal")]
+    try:
+        result = train(source_model, tmp_path, engines, STEPS, save_every=1, world=2, flags=flags,
+                       model_flag=model_flag)
+    finally:
+        for engine in engines:
+            engine.close()
+    assert result.stderr.count("weights of policy version") == STEPS, result.stderr
+    peer = (tmp_path / "trainer1.log").read_text()
+    assert "weight group" not in peer and "weights of policy version" not in peer, peer
+    single = sent_names(healthy["engines"][0])[0]
+    orders = []
+    for engine in engines:
+        assert not [e for e in engine.events() if e["route"] in ("reload", "error")], engine.kind
+        names = sent_names(engine)
+        assert len(names) == STEPS, engine.kind
+        for step in range(1, STEPS + 1):
+            received = load_file(engine.out / f"sync-{step}.safetensors")
+            published = load_file(checkpoint_model(tmp_path, step) / "model.safetensors")
+            assert sorted(names[step - 1]) == sorted(published), (engine.kind, step)
+            assert len(names[step - 1]) == len(set(names[step - 1]))
+            for name, tensor in published.items():
+                assert torch.equal(received[name], tensor), (engine.kind, step, name)
+        orders += names
+    assert all(order == orders[0] for order in orders)
+    if layout == "tp2":  # the same model as the one-rank run: the same order
+        assert orders[0] == single
+    else:  # the layer spec's (SaveHfModel's), each stacked projection as its experts, ascending
+        layers = [[f"model.layers.{l}.{n}.weight" for n in (
+            "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+            "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
+            *(f"mlp.experts.{e}.{p}_proj" for p in ("gate", "up", "down") for e in range(4)), "mlp.gate")]
+            for l in range(2)]
+        assert orders[0] == ["model.embed_tokens.weight", *layers[0], *layers[1], "model.norm.weight",
+                             "lm_head.weight"]
+
+
+def test_a_failed_sync_under_tensor_parallelism_falls_back_and_training_goes_on(source_model, tmp_path):
+    """Rank 0's sync fails (the engine dies in the second one): its TP peer gathers along, nobody
+    hangs, the step's checkpoint goes to the live engine from disk, and every step trains."""
+    steps = 3
+    engines = [FakeEngine("sglang", tmp_path / "healthy"), FakeEngine("sglang", tmp_path / "faulty", fault="die:2")]
+    try:
+        result = train(source_model, tmp_path, engines, steps, save_every=100, world=2,
+                       flags=("--tensor_parallel=2", "--timeout_s=60"))  # a lost gather fails fast
+    finally:
+        for engine in engines:
+            engine.close()
+    log = result.stderr
+    assert log.count("weights of policy version") == 1, log
+    assert log.count("weight sync of policy version") == steps - 1, log
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("step-*"))
+    assert saved == [f"step-{n:08d}" for n in range(2, steps + 1)], saved
+    reloads = [e["body"]["model_path"] for e in engines[0].events() if e["route"] == "reload"]
+    assert reloads == [str(checkpoint_model(tmp_path, n)) for n in range(2, steps + 1)], reloads
+
+
+def test_weight_sync_every_sends_only_the_versions_it_names(source_model, tmp_path):
+    """--weight_sync_every=2: the engines get the policy versions that are multiples of 2, over the
+    group (xccl) and as a disk reload (--notify_engines), and no other."""
+    steps = 4
+    synced, notified = FakeEngine("sglang", tmp_path / "synced"), FakeEngine("sglang", tmp_path / "notified")
+    try:
+        result = train(source_model, tmp_path, [synced], steps, save_every=1,
+                       flags=("--weight_sync_every=2", f"--notify_engines=sglang={notified.url}"))
+    finally:
+        synced.close()
+        notified.close()
+    assert result.returncode == 0, result.stderr
+    versions = {json.loads((checkpoint_model(tmp_path, n).parent / "trainer.json").read_text())["policy_version"]: n
+                for n in range(1, steps + 1)}
+    assert len(versions) == steps
+    chosen = sorted(v for v in versions if v % 2 == 0)
+    assert len(chosen) == 2, versions
+    sent = [u["body"].get("weight_version") for events in syncs(synced.events()) for u in events
+            if u["route"] == "update" and "weight_version" in u["body"]]
+    assert sent == [str(v) for v in chosen], (sent, versions)
+    for i, version in enumerate(chosen, start=1):
+        received = load_file(synced.out / f"sync-{i}.safetensors")
+        published = load_file(checkpoint_model(tmp_path, versions[version]) / "model.safetensors")
+        assert received.keys() == published.keys()
+        assert all(torch.equal(received[n], t) for n, t in published.items())
+    assert not (synced.out / f"sync-{len(chosen) + 1}.safetensors").exists()
+    reloads = [e["body"]["model_path"] for e in notified.events() if e["route"] == "reload"]
+    assert reloads == [str(checkpoint_model(tmp_path, versions[v])) for v in chosen], reloads
+
+
+def test_a_parallel_sync_must_fit_in_the_training_timeout(source_model, tmp_path):
+    """Rank 0's TP peers wait in the gathers while it talks to the engines: --timeout_s must leave
+    room for 4 engine timeouts, checked before anything starts."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for timeout_s, refused in [(119, True), (120, False)]:
+        result = subprocess.run(
+            [tool("dta-trainer"), f"--model={source_model}", f"--checkpoint_dir={tmp_path}",
+             "--dispatcher=127.0.0.1:1", "--wait_s=1", "--tensor_parallel=2", "--weight_sync=xccl",
+             "--weight_sync_engines=sglang=http://127.0.0.1:1", f"--timeout_s={timeout_s}",
+             "--weight_sync_timeout_s=30"], env=env, capture_output=True, text=True, timeout=120)
+        assert ("needs --timeout_s >= 4 x --weight_sync_timeout_s" in result.stderr) == refused, result.stderr
+        assert result.returncode != 0  # without the refusal: no dispatcher to register with
