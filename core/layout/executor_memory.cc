@@ -80,24 +80,24 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
   const int64_t kernel = config.linear_conv_kernel_dim;
   const ModelSpec spec = BuildModelSpec(config);
   std::vector<BlockSavedBytes> saved;
-  int64_t linear_layers = 0, cache = 0;
+  int64_t linear_layers = 0, cache = 0;  // cache: the attention layers' K/V per position
   for (const LayerSpec& layer : spec.layers) {
     saved.push_back(LayerSavedBytes(config, layer, w, tp, options.expert_parallel));
     linear_layers += layer.linear_attention() ? 1 : 0;
-    cache += saved.back().cache;
+    if (!layer.linear_attention()) cache += saved.back().cache;
   }
 
   ExecutorMemoryEstimate m;
-  // K, V and their dK, dV accumulators per attention layer, the convolution inputs and their
-  // accumulator per linear layer (dta.cc's PathStack); the final hidden state and its accumulator;
-  // the log-probability and entropy with theirs.
+  // K, V and their dK, dV accumulators per attention layer (dta.cc's PathStack); the final hidden
+  // state and its accumulator; the log-probability and entropy with theirs.
   m.stack = tokens.stack * (cache * (w + c) + 2 * h * c + 4 * c);
-  // Linear layers' recurrent states and their accumulators (compute type) at every chunk end on
-  // the path: ceil(path / chunk) of them when chunks cut the path only every B tokens; a path
-  // that crosses more chunk ends (chunks cut short at branch points) holds more.
+  // Linear layers' recurrent states and their accumulators (compute type), and their last
+  // kernel - 1 convolution inputs with accumulators, at every chunk end on the path: ceil(path /
+  // chunk) of them when chunks cut the path only every B tokens; a path that crosses more chunk
+  // ends (chunks cut short at branch points) holds more.
   if (tokens.stack > 0 && linear_layers > 0) {
     const int64_t boundaries = CeilDiv(tokens.stack, std::max<int64_t>(tokens.chunk, 1));
-    m.stack += boundaries * linear_layers * 2 * state * c;
+    m.stack += boundaries * linear_layers * (2 * state * c + (kernel - 1) * conv_dim * (w + c));
   }
 
   // What autograd keeps of each layer for one token, its tensors and its norms' and attention's
@@ -119,8 +119,9 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
   const int64_t per_token_chunk = 2 * h * c + h * w + 2 * RotaryDim(config) * c + 3 * 8;
   m.graphs = tokens.graphs * (per_token_layers + per_token_chunk);
 
-  // The chunk in backward: dta seeds its K/V outputs (convolution inputs at linear layers) with
-  // weight-dtype copies of the stack's accumulators (alive for the whole backward); SwiGLU's
+  // The chunk in backward: dta seeds its K/V outputs with weight-dtype copies of the stack's
+  // accumulators (alive for the whole backward; at linear layers the kernel - 1 convolution rows
+  // before its end, a constant); SwiGLU's
   // backward holds up to seven [T, i] compute-type tensors (the recomputed product's inputs,
   // d product, gate, up, sigmoid and two partials); the residual stream's gradient and the norm
   // backward's temporaries four [T, h] ones.
@@ -132,6 +133,8 @@ ExecutorMemoryEstimate EstimateExecutorMemory(const ModelConfig& config,
   m.workspace =
       tokens.chunk * (seeds + 7 * widest_mlp * c + 4 * h * c + (any_sparse ? 2 * k * h * c : 0) +
                       (linear_layers > 0 ? (kernel + 2) * conv_dim * c : 0));
+  if (options.method == ExecutorKind::kDta && tokens.chunk > 0)
+    m.workspace += linear_layers * (kernel - 1) * conv_dim * w;
 
   // Two compute-type [rows, vocabulary] slices (logits and exp or their gradient) and the
   // weight-type copy of the gradient backward feeds to the matmuls.

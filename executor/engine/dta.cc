@@ -13,10 +13,12 @@
 // stack by one root-to-leaf path.
 //
 // Linear-attention layers (Qwen3-Next's Gated DeltaNet) route state instead (Tree Training's state
-// routing): per position their convolution inputs take K's place, and at every chunk end the stack
-// keeps the layers' recurrent states, with accumulators. A chunk starts from the states at its
-// begin, its backward adds d loss / d state into their accumulators (summing over every child
-// that started there), and its own final states are seeded with the accumulators at its end.
+// routing): at every chunk end the stack keeps the layers' recurrent states and their last
+// conv_kernel - 1 convolution inputs (all a causal convolution reads before a chunk), with
+// accumulators; nothing per position. A chunk starts from the states and rows at its begin, its
+// backward adds d loss / d state and d loss / d rows into their accumulators (summing over every
+// child that started there), and its own final states and rows are seeded with the accumulators
+// at its end.
 //
 // The router's load-balancing loss (LossOptions::router_aux_loss_coef) of a rollout needs the
 // routing of all its tokens, known once its last token is forwarded; by then every chunk holding
@@ -55,9 +57,8 @@ namespace {
 
 // The path state, preallocated for the longest rollout and written in place.
 struct PathStack {
-  // Per layer [max_len, kv_heads, head_dim], this rank's KV heads under tensor parallelism. At a
-  // linear-attention layer keys holds the convolution inputs [max_len, conv_dim] and values (and
-  // grad_values) are undefined.
+  // Per layer [max_len, kv_heads, head_dim], this rank's KV heads under tensor parallelism;
+  // undefined at linear-attention layers (their rows are kept at the boundaries).
   std::vector<at::Tensor> keys, values, grad_keys, grad_values;
   at::Tensor hidden, grad_hidden;      // [max_len, hidden_size], float32
   at::Tensor logprobs, grad_logprobs;  // [max_len]
@@ -65,13 +66,18 @@ struct PathStack {
   // Linear-attention layers' recurrent states are not kept per position but where chunks start:
   // at every forward chunk's end and at the positions inside it where later steps start
   // (StatePoints: a backward chunk recomputed inside a forward chunk without a graph, a packed
-  // step). Per layer, undefined at attention layers.
+  // step). With them, the convolution inputs of the path's last min(p, conv_rows) positions before
+  // p, [rows, conv_dim] (copies, in the model dtype), and their accumulators. Per layer, undefined
+  // at attention layers.
   struct Boundary {
     std::vector<at::Tensor> states, grad_states;
+    std::vector<at::Tensor> conv, grad_conv;
   };
   std::map<int64_t, Boundary> boundaries;  // by path position p: the states after token p - 1
   bool training = false;
   bool linear = false;  // the model has linear-attention layers
+  // conv_kernel - 1 with linear layers: the rows before a chunk that its convolution reads.
+  int64_t conv_rows = 0;
   // With the router-balance loss, [max_len, num_experts] in the compute type: per position the
   // routing of its token (ChunkOutput::router_counts, router_probs' values) and the gradient of
   // its router probabilities; undefined otherwise.
@@ -79,18 +85,16 @@ struct PathStack {
   bool router_statistics() const { return router_counts.defined(); }
 
   PathStack(const Decoder& model, int64_t max_len, bool with_entropy, bool training, bool balance)
-      : training(training), linear(model.has_linear_layers()) {
+      : training(training),
+        linear(model.has_linear_layers()),
+        conv_rows(linear ? model.linear_shape().conv_kernel - 1 : 0) {
     const ModelConfig& c = model.config();
     const at::TensorOptions o = model.options();
     const at::TensorOptions f = o.dtype(o.dtype() == at::kDouble ? at::kDouble : at::kFloat);
     const int64_t kv_heads = model.local_kv_heads();
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
       if (model.is_linear_layer(l)) {
-        const int64_t channels = model.linear_shape().conv_dim();
-        keys.push_back(at::zeros({max_len, channels}, o));
-        grad_keys.push_back(at::zeros({max_len, channels}, f));
-        values.emplace_back();
-        grad_values.emplace_back();
+        for (auto* list : {&keys, &values, &grad_keys, &grad_values}) list->emplace_back();
         continue;
       }
       for (auto* list : {&keys, &values})
@@ -128,18 +132,21 @@ PrefixKv StackPrefix(const PathStack& stack, int64_t depth, bool with_grad) {
   PrefixKv prefix;
   if (depth == 0) return prefix;
   auto rows = [&](const at::Tensor& t) { return t.defined() ? t.slice(0, 0, depth) : t; };
+  const PathStack::Boundary* boundary = stack.linear ? &stack.BoundaryAt(depth) : nullptr;
   for (size_t l = 0; l < stack.keys.size(); ++l) {
-    prefix.keys.push_back(rows(stack.keys[l]));
+    // A linear layer's keys: the last convolution inputs before `depth` (the decoder reads
+    // min(depth, conv_kernel - 1) rows, all the boundary holds).
+    const bool linear = !stack.keys[l].defined();
+    prefix.keys.push_back(linear ? boundary->conv[l] : rows(stack.keys[l]));
     prefix.values.push_back(rows(stack.values[l]));
     if (with_grad) {
-      prefix.grad_keys.push_back(rows(stack.grad_keys[l]));
+      prefix.grad_keys.push_back(linear ? boundary->grad_conv[l] : rows(stack.grad_keys[l]));
       prefix.grad_values.push_back(rows(stack.grad_values[l]));
     }
   }
-  if (stack.linear) {
-    const PathStack::Boundary& boundary = stack.BoundaryAt(depth);
-    prefix.states = boundary.states;
-    if (with_grad) prefix.grad_states = boundary.grad_states;
+  if (boundary != nullptr) {
+    prefix.states = boundary->states;
+    if (with_grad) prefix.grad_states = boundary->grad_states;
   }
   return prefix;
 }
@@ -207,6 +214,19 @@ Chunk ForwardChunk(const Decoder& model, const PathStack& stack, const at::Tenso
   return chunk;
 }
 
+// Linear layer l's convolution inputs of the last min(p, conv_rows) positions before path
+// position p, b < p <= e for the chunk [b, e): the chunk's own rows, after the rows before b that
+// the boundary at b keeps. A copy, so that the chunk's output is not kept alive.
+at::Tensor ConvRowsBefore(const PathStack& stack, const Chunk& chunk, size_t l, int64_t p) {
+  const int64_t first = std::max<int64_t>(0, p - stack.conv_rows);
+  const int64_t b = chunk.begin;
+  const at::Tensor own = chunk.out.keys[l].detach().slice(0, std::max(first, b) - b, p - b);
+  if (first >= b) return own.clone();
+  // The boundary at b keeps rows [b - below.size(0), b), a superset of [first, b).
+  const at::Tensor& below = stack.BoundaryAt(b).conv[l];
+  return at::cat({below.slice(0, below.size(0) - (b - first)), own});
+}
+
 void Push(PathStack& stack, const Chunk& chunk) {
   torch::autograd::AutoGradMode no_grad(false);
   const int64_t b = chunk.begin, e = chunk.end;
@@ -218,8 +238,9 @@ void Push(PathStack& stack, const Chunk& chunk) {
     to.push_back(stacked.slice(0, b, e));
   };
   for (size_t l = 0; l < stack.keys.size(); ++l) {
+    if (!stack.keys[l].defined()) continue;  // a linear layer: its rows go to the boundaries
     push(chunk.out.keys[l], stack.keys[l]);
-    if (stack.values[l].defined()) push(chunk.out.values[l], stack.values[l]);
+    push(chunk.out.values[l], stack.values[l]);
   }
   push(chunk.out.hidden, stack.hidden);
   push(chunk.logprobs, stack.logprobs);
@@ -229,15 +250,27 @@ void Push(PathStack& stack, const Chunk& chunk) {
     push(chunk.out.router_probs, stack.router_probs);
   }
   kernels::CopyAll(from, to);
+  // The invariant that lets linear layers keep no rows per position: every chunk starts at a
+  // boundary (the end of a chunk pushed before, or a state point inside one), and a causal
+  // convolution of kernel K reads only the K - 1 inputs before its first token; the recurrent
+  // state carries the rest. So a boundary keeps the last K - 1 rows before it (fewer near the
+  // root; rows of earlier chunks when this one is shorter), read from the boundary at the chunk's
+  // begin. Backward hands the gradients of these rows back (see Backward).
   auto keep = [&](int64_t position, const std::vector<at::Tensor>& states) {
-    PathStack::Boundary& boundary = stack.boundaries[position];
-    boundary.states.clear();
-    boundary.grad_states.clear();
-    for (const at::Tensor& state : states) {
-      boundary.states.push_back(state.defined() ? state.detach() : state);
-      boundary.grad_states.push_back(stack.training && state.defined() ? at::zeros_like(state)
-                                                                       : at::Tensor());
+    PathStack::Boundary boundary;
+    for (size_t l = 0; l < states.size(); ++l) {
+      const at::Tensor& state = states[l];
+      const bool linear = state.defined();
+      boundary.states.push_back(linear ? state.detach() : state);
+      boundary.grad_states.push_back(stack.training && linear ? at::zeros_like(state)
+                                                              : at::Tensor());
+      const at::Tensor conv = linear ? ConvRowsBefore(stack, chunk, l, position) : at::Tensor();
+      boundary.conv.push_back(conv);
+      boundary.grad_conv.push_back(stack.training && linear
+                                       ? at::zeros(conv.sizes(), stack.hidden.options())
+                                       : at::Tensor());
     }
+    stack.boundaries[position] = std::move(boundary);
   };
   if (!chunk.out.states.empty()) keep(e, chunk.out.states);
   for (size_t i = 0; i < chunk.state_points.size(); ++i)
@@ -268,9 +301,36 @@ void Backward(PathStack& stack, Chunk& chunk) {
   if (stack.router_statistics())
     seed(chunk.out.router_probs, stack.grad_router_probs.slice(0, b, e));
   for (size_t l = 0; l < stack.keys.size(); ++l) {
+    if (!stack.keys[l].defined()) continue;  // a linear layer (below)
     seed(chunk.out.keys[l], stack.grad_keys[l].slice(0, b, e));
-    if (chunk.out.values[l].defined())
-      seed(chunk.out.values[l], stack.grad_values[l].slice(0, b, e));
+    seed(chunk.out.values[l], stack.grad_values[l].slice(0, b, e));
+  }
+  // Linear layers: the gradients of the convolution inputs kept at the boundaries in (b, e] (what
+  // the chunks starting there sent back, and what chunks above passed down). The chunk's own rows
+  // seed its output; rows before b belong to the chunks below and pass on to the boundary at b
+  // (after the backward, which may add to it too), whose rows include them.
+  struct Carry {
+    at::Tensor from, to;
+  };
+  std::vector<Carry> carries;
+  {
+    torch::autograd::AutoGradMode grad_mode(true);  // the output's slices are graph roots
+    for (auto it = stack.boundaries.upper_bound(b); it != stack.boundaries.end() && it->first <= e;
+         ++it) {
+      const int64_t p = it->first;
+      for (size_t l = 0; l < it->second.grad_conv.size(); ++l) {
+        const at::Tensor& grad = it->second.grad_conv[l];
+        if (!grad.defined()) continue;
+        const int64_t first = p - grad.size(0);  // the path position of its first row
+        const int64_t below = std::max<int64_t>(0, b - first);  // rows before the chunk
+        if (below > 0) {
+          const at::Tensor& to = stack.BoundaryAt(b).grad_conv[l];  // rows [b - size, b)
+          carries.push_back({grad.slice(0, 0, below), to.slice(0, to.size(0) - (b - first))});
+        }
+        if (below < grad.size(0))
+          seed(chunk.out.keys[l].slice(0, first + below - b, p - b), grad.slice(0, below));
+      }
+    }
   }
   // The recurrent states after the chunk: what the chunks starting at its end sent back.
   auto seed_states = [&](int64_t position, const std::vector<at::Tensor>& states) {
@@ -308,6 +368,7 @@ void Backward(PathStack& stack, Chunk& chunk) {
   }
   torch::autograd::backward(outputs, grads);
   torch::autograd::AutoGradMode no_grad(false);
+  for (const Carry& carry : carries) carry.to.add_(carry.from);
   if (b > 0) Collect(chunk.previous_hidden, stack.grad_hidden.slice(0, b - 1, b));
 }
 
@@ -315,8 +376,9 @@ void Pop(PathStack& stack, int64_t begin, int64_t end) {
   // Accumulators are zeroed so the positions can be reused by the next path (in one batch).
   std::vector<at::Tensor> rows;
   for (size_t l = 0; l < stack.keys.size(); ++l) {
+    if (!stack.grad_keys[l].defined()) continue;  // a linear layer: its rows leave with boundaries
     rows.push_back(stack.grad_keys[l].slice(0, begin, end));
-    if (stack.grad_values[l].defined()) rows.push_back(stack.grad_values[l].slice(0, begin, end));
+    rows.push_back(stack.grad_values[l].slice(0, begin, end));
   }
   rows.push_back(stack.grad_hidden.slice(0, begin, end));
   rows.push_back(stack.grad_logprobs.slice(0, begin, end));

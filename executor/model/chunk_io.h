@@ -20,8 +20,9 @@ namespace dta {
 struct PrefixKv {
   // K and V of the prefix, [P, kv_heads, head_dim] each (typically views of a preallocated
   // path-length buffer: never copied or concatenated). At a linear-attention layer
-  // (ops/gated_delta_net.h) keys holds the prefix's convolution inputs [P, conv_dim] (the layer
-  // reads the last conv_kernel - 1 rows) and values is undefined.
+  // (ops/gated_delta_net.h) keys holds the prefix's last convolution inputs [R, conv_dim], at
+  // least R = min(P, conv_kernel - 1) of them (the rows the layer reads; dta keeps no more), and
+  // values is undefined.
   std::vector<at::Tensor> keys = {};
   std::vector<at::Tensor> values = {};
   // Gradient accumulators of the same shape (float32; float64 for float64 models), or empty.

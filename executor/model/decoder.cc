@@ -489,7 +489,8 @@ ChunkContext Decoder::MakeContext(const ChunkInput& input) const {
     TORCH_CHECK(prefix.empty() || prefix.states.size() == num_layers,
                 "a prefix of a model with linear-attention layers needs its recurrent states "
                 "(PrefixKv::states, one entry per layer)");
-    // The convolution reads at most conv_kernel - 1 rows of the path before the chunk.
+    // The convolution reads at most conv_kernel - 1 rows of the path before the chunk. Layer 0's
+    // keys have P rows (attention) or at least min(P, conv_kernel - 1) (linear: PrefixKv).
     const int64_t prefix_rows = prefix.empty() ? 0 : prefix.keys[0].size(0);
     context.conv_context_rows = std::min(prefix_rows, linear_shape_.conv_kernel - 1);
     const TokenParents parents = context.chain ? TokenParents() : TokenParents(input.parents);

@@ -97,8 +97,9 @@ TEST(ExecutorMemory, FamiliesWithoutQkNormsKeepLessPerLayer) {
   }
 }
 
-// Qwen3-Next: convolution inputs instead of K/V on the stack at linear layers, with the recurrent
-// states at every chunk end; each linear layer's graph as gated_delta_net.cc's autograd keeps it;
+// Qwen3-Next: nothing per position on the stack at linear layers, but the recurrent states and the
+// last kernel - 1 convolution inputs at every chunk end; each linear layer's graph as
+// gated_delta_net.cc's autograd keeps it;
 // gated attention's gate; the shared expert beside the routed ones.
 TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   // Tiny's attention (rotary 4 of 16), layers linear x3 then full; linear: 2 key heads and 4
@@ -123,25 +124,26 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   const ExecutorMemoryOptions options{
       .longest_rollout = 100, .block_size = 32, .graph_budget = 16, .logprob_slice_rows = 8};
   const ExecutorMemoryEstimate m = EstimateExecutorMemory(c, options);
-  // Per position: K, V, dK, dV of the attention layer (2 x 32 x 6 = 384), the convolution inputs
-  // and their accumulator of 3 linear layers (3 x 64 x 6 = 1,152), the hidden state and its
-  // accumulator (512), log-probability, entropy and theirs (16); the states and their accumulators
-  // at ceil(100 / 32) = 4 chunk ends (4 x 3 x 2 x 256 x 4).
-  EXPECT_EQ(m.stack, 100 * (384 + 1152 + 512 + 16) + 4 * 3 * 2 * 256 * 4);
+  // Per position: K, V, dK, dV of the attention layer (2 x 32 x 6 = 384), the hidden state and its
+  // accumulator (512), log-probability, entropy and theirs (16); at ceil(100 / 32) = 4 chunk ends
+  // per linear layer the state and its accumulator (2 x 256 x 4) and the last 3 convolution inputs
+  // and their accumulators (3 x 64 x 6). A row per position would be 100 x 3 x 64 x 6 more.
+  EXPECT_EQ(m.stack, 100 * (384 + 512 + 16) + 4 * 3 * (2 * 256 * 4 + 3 * 64 * 6));
   // Attention: 512, (2 x 64 + 2 x 32 + 96 pre-norm + 128 gate and gated output) x 2 = 832, 1/rms
   // and log-sum-exp 48: 1,392. Linear: 512, out_proj's input 32 x 2, and 4 x (5 x 64 taps and
   // pre-activation + 32 q, k + 6 x 32 + 8 x 32 + 5 x 4 x 64 + 256 / 64 + 40) = 8,496: 9,072.
   // Sparse: 2 x 2 x 8 x 2 = 64, (4 + 2) x 4 = 24, 4 x 2 x 8 = 64, the shared expert's
   // 2 x 12 x 2 + 65 x 4 = 308: 460. Per chunk token 512 + 128 + 2 x 4 x 4 + 24 = 696.
   EXPECT_EQ(m.graphs, 48 * (3 * 9072 + 1392 + 4 * 460 + 696));
-  // Seeds (32 x 2 + 3 x 64) x 2 = 512, SwiGLU 7 x max(2 x 8, 12) x 4 = 448, residual 1,024, the
-  // pairs' gradients 2 x 2 x 64 x 4 = 1,024, the convolution's backward 6 x 64 x 4 = 1,536.
-  EXPECT_EQ(m.workspace, 32 * (512 + 448 + 1024 + 1024 + 1536));
+  // Seeds 32 x 2 x 2 = 128, SwiGLU 7 x max(2 x 8, 12) x 4 = 448, residual 1,024, the pairs'
+  // gradients 2 x 2 x 64 x 4 = 1,024, the convolution's backward 6 x 64 x 4 = 1,536; the linear
+  // layers' seeds, 3 rows each (3 x 3 x 64 x 2).
+  EXPECT_EQ(m.workspace, 32 * (128 + 448 + 1024 + 1024 + 1536) + 3 * 3 * 64 * 2);
   EXPECT_EQ(m.logprob_head, 8 * 1000 * 10);
-  // On 2 tensor-parallel ranks: one KV head (2 x 16 x 6 = 192) and half of each linear layer's
-  // convolution inputs (3 x 32 x 6 = 576) per position, half of each state (128).
+  // On 2 tensor-parallel ranks: one KV head (2 x 16 x 6 = 192) per position, half of each state
+  // (128) and of each linear layer's convolution inputs (32).
   EXPECT_EQ(EstimateExecutorMemory(c, options, /*tensor_parallel=*/2).stack,
-            100 * (192 + 576 + 512 + 16) + 4 * 3 * 2 * 128 * 4);
+            100 * (192 + 512 + 16) + 4 * 3 * (2 * 128 * 4 + 3 * 32 * 6));
 
   // Qwen3-Next-80B-A3B: a linear layer keeps 497 KiB a token, 8x its attention layers.
   const ModelConfig next = Preset("qwen3-next-80b-a3b");

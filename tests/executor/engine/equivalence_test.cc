@@ -21,6 +21,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/model/family.h"
@@ -321,6 +322,51 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilyEquivalence,
                          ::testing::ValuesIn(ModelFamilyTypes()),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
+                         });
+
+// dta keeps a linear layer's last conv_kernel - 1 convolution inputs at each chunk end (dta.cc):
+// with kernels of 4 and 5 (3 and 4 rows), two linear layers, one-token segments and branches at
+// positions 1, 2 and 3, B as small as 1 and 2, a chunk reads rows of several chunks below it, and
+// of fewer than conv_kernel - 1 positions near the root, and sends their gradients back down.
+class WideKernelEquivalence
+    : public Equivalence,
+      public ::testing::WithParamInterface<std::tuple<std::string, int64_t>> {
+ protected:
+  WideKernelEquivalence() : Equivalence(Config()) {}
+  static ModelConfig Config() {
+    ModelConfig c = TinyConfig();
+    c.num_hidden_layers = 3;
+    c = testing::WithFamily(c, std::get<0>(GetParam()));
+    c.layer_types[1] = LayerType::kLinearAttention;
+    c.linear_conv_kernel_dim = std::get<1>(GetParam());
+    return c;
+  }
+};
+
+TEST_P(WideKernelEquivalence, ShortSegmentsAndEarlyBranches) {
+  const std::vector<Rollout> rollouts = MakeRollouts({{7},
+                                                      {7, 8},
+                                                      {7, 9},
+                                                      {7, 8, 10},
+                                                      {7, 8, 11, 12},
+                                                      {7, 8, 11, 13, 14, 15, 16},
+                                                      {7, 8, 11, 13, 14, 17},
+                                                      {7, 8, 11, 13, 14, 17},
+                                                      {3},
+                                                      {3, 4, 5, 6, 7, 8, 9, 10, 11, 12},
+                                                      {3, 4, 5, 6, 7, 8, 9, 10, 11},
+                                                      {3, 4, 5, 6, 7, 8, 9, 1}},
+                                                     13);
+  CheckAllMethods(rollouts, {.kind = LossKind::kPpo}, "ppo", {1, 2, 3, kUnboundedBlock});
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, WideKernelEquivalence,
+                         ::testing::Combine(::testing::Values("qwen3_next", "qwen3_5_text",
+                                                              "qwen3_5_moe_text"),
+                                            ::testing::Values(4, 5)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_kernel" +
+                                  std::to_string(std::get<1>(info.param));
                          });
 
 // The router's load-balancing loss (LossOptions::router_aux_loss_coef) for the mixture-of-experts
