@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <stdexcept>
@@ -18,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/base/private_files.h"
 #include "core/model/layer_spec.h"
 #include "nlohmann/json.hpp"
 
@@ -260,6 +262,7 @@ WeightBroadcaster::~WeightBroadcaster() {
 }
 
 absl::Status WeightBroadcaster::Connect() {
+  DestroyPredecessorGroup();
   group_name_ = absl::StrCat("dta-weights-", RandomHex128());
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(options_.port);
@@ -314,10 +317,49 @@ absl::Status WeightBroadcaster::Connect() {
     return absl::UnavailableError(absl::StrCat("cannot form the weight group ", group_name_, " of ",
                                                world_size_, " ranks: ", failed.message()));
   }
+  if (!options_.group_file.empty()) {
+    const Json saved = {{"group_name", group_name_}};
+    std::error_code missing;
+    std::filesystem::remove(options_.group_file, missing);
+    if (absl::Status written = CreatePrivateFile(options_.group_file, saved.dump() + "\n");
+        !written.ok()) {  // only a crash's leftover group is at stake: the sync goes on
+      std::fprintf(stderr, "%s: %s\n", options_.log_prefix.c_str(), written.ToString().c_str());
+    }
+  }
   std::fprintf(stderr, "%s: weight group %s formed: %d ranks (%s) on port %d\n",
                options_.log_prefix.c_str(), group_name_.c_str(), world_size_,
                cuda ? "NCCL" : "Gloo", port);
   return absl::OkStatus();
+}
+
+void WeightBroadcaster::DestroyEngineGroups(const std::string& name) {
+  (void)ForEachEngine(options_.engines.size(), [&](size_t e) {
+    const WeightSyncEngine& engine = options_.engines[e];
+    if (engine.kind != EngineKind::kSglang) return absl::OkStatus();  // AReaL has no such route
+    return Post(absl::StrCat(engine.url, "/destroy_weights_update_group"), {{"group_name", name}},
+                options_.bearer_token, std::min(options_.timeout, std::chrono::milliseconds(5000)));
+  });
+}
+
+void WeightBroadcaster::DestroyPredecessorGroup() {
+  const std::string& file = options_.group_file;
+  std::error_code missing;
+  if (file.empty() || !std::filesystem::exists(file, missing)) return;
+  // A state file: used only if it is this user's and private (core/base/private_files.h).
+  const absl::StatusOr<std::string> text = ReadPrivateFile(file);
+  const Json saved = text.ok() ? Json::parse(*text, nullptr, /*allow_exceptions=*/false) : Json();
+  if (saved.is_object() && saved.contains("group_name") && saved["group_name"].is_string()) {
+    const std::string name = saved["group_name"].get<std::string>();
+    std::fprintf(stderr,
+                 "%s: asking the engines to destroy weight group %s, left by a trainer "
+                 "that did not tear it down (%s)\n",
+                 options_.log_prefix.c_str(), name.c_str(), file.c_str());
+    DestroyEngineGroups(name);
+  } else {
+    std::fprintf(stderr, "%s: ignoring %s: %s\n", options_.log_prefix.c_str(), file.c_str(),
+                 text.ok() ? "not a weight group file" : text.status().ToString().c_str());
+  }
+  std::filesystem::remove(file, missing);
 }
 
 void WeightBroadcaster::Disconnect() {
@@ -329,13 +371,9 @@ void WeightBroadcaster::Disconnect() {
   if (store_ == nullptr) return;  // no rendezvous since the last teardown
   store_.reset();
   // Also after a failed rendezvous: the engines that joined hold a group of that name.
-  (void)ForEachEngine(options_.engines.size(), [&](size_t e) {
-    const WeightSyncEngine& engine = options_.engines[e];
-    if (engine.kind != EngineKind::kSglang) return absl::OkStatus();  // AReaL has no such route
-    return Post(absl::StrCat(engine.url, "/destroy_weights_update_group"),
-                {{"group_name", group_name_}}, options_.bearer_token,
-                std::min(options_.timeout, std::chrono::milliseconds(5000)));
-  });
+  DestroyEngineGroups(group_name_);
+  std::error_code missing;
+  if (!options_.group_file.empty()) std::filesystem::remove(options_.group_file, missing);
 }
 
 absl::Status WeightBroadcaster::Publish(const Decoder& model, int64_t policy_version) {

@@ -20,7 +20,8 @@
 // after `timeout`. Any failure tears the group down and is returned; the caller then publishes a
 // checkpoint and calls ReloadFromDisk, which sends every engine the disk reload and then the
 // continue (the engines may have been paused, or hold a mix of two versions' weights). The next
-// Publish forms a new group (a fresh name, and a fresh port unless one is set).
+// Publish forms a new group (a fresh name, and a fresh port unless one is set). With a group file,
+// a trainer restarted after a crash has the engines destroy the group its predecessor left.
 //
 //   WeightBroadcaster sync({.engines = *ParseWeightSyncEngines("sglang=http://10.0.0.5:30000*2"),
 //                           .address = "10.0.0.1", .device = at::Device(at::kCUDA, 0)});
@@ -77,6 +78,10 @@ struct WeightSyncOptions {
   // Where the model's tensors are: kCPU (Gloo) or a CUDA device with an index (NCCL).
   at::Device device = at::kCPU;
   std::string log_prefix = "dta-trainer";
+  // Where the current group's name is kept (a private file, core/base/private_files.h: written once
+  // the group forms, removed when it is torn down), so that a WeightBroadcaster started over a file
+  // left by one that crashed first asks the SGLang engines to destroy that group. Empty: none.
+  std::string group_file;
 };
 
 class ParameterGathers;  // weight_sync.cc: every parameter gathered whole, once, in order
@@ -107,6 +112,10 @@ class WeightBroadcaster {
  private:
   absl::Status Connect();
   void Disconnect();
+  // Asks the SGLang engines to destroy group `name` (best effort, bounded; AReaL has no route).
+  void DestroyEngineGroups(const std::string& name);
+  // Destroys the group named in options_.group_file, left by a predecessor that crashed.
+  void DestroyPredecessorGroup();
   absl::Status Broadcast(const Decoder& model, ParameterGathers& gathers, int64_t policy_version);
 
   const WeightSyncOptions options_;

@@ -41,6 +41,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -419,7 +420,8 @@ int Run() {
           .timeout = std::chrono::seconds(absl::GetFlag(FLAGS_weight_sync_timeout_s)),
           .bearer_token = notify_token,
           .device = options.device(),
-          .log_prefix = prefix});
+          .log_prefix = prefix,
+          .group_file = (std::filesystem::path(checkpoint_dir) / "weight_sync.json").string()});
     }
   }
   bool reload_from_disk = false;  // the last sync failed: its checkpoint goes to the engines

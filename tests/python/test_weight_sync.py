@@ -173,6 +173,8 @@ def test_the_group_and_the_requests_are_as_sglang_and_areal_document(healthy):
     destroyed = [e for e in sglang.events() if e["route"] == "destroy"]
     assert destroyed == [sglang.events()[-1]]
     assert destroyed[0]["body"] == {"group_name": inits[0][0]["body"]["group_name"]}
+    # A clean exit leaves no group for a successor to destroy.
+    assert not (healthy["dir"] / "ckpt" / "weight_sync.json").exists()
 
 
 def test_buckets_are_packed_in_order_between_pause_and_continue(healthy):
@@ -382,3 +384,37 @@ def test_a_parallel_sync_must_fit_in_the_training_timeout(source_model, tmp_path
              "--weight_sync_timeout_s=30"], env=env, capture_output=True, text=True, timeout=120)
         assert ("needs --timeout_s >= 4 x --weight_sync_timeout_s" in result.stderr) == refused, result.stderr
         assert result.returncode != 0  # without the refusal: no dispatcher to register with
+
+
+def test_a_restarted_trainer_destroys_the_group_a_crashed_one_left(source_model, tmp_path):
+    """A trainer killed mid-run leaves its group in the engines and its name in
+    <checkpoint_dir>/weight_sync.json; its successor has SGLang destroy that group before forming
+    its own. The file is planted here as a kill -9 leaves it (mode 0600); a file others could have
+    written is ignored."""
+    (tmp_path / "ckpt").mkdir(mode=0o755)
+    left = tmp_path / "ckpt" / "weight_sync.json"
+    left.write_text(json.dumps({"group_name": "dta-weights-left-by-a-crash"}) + "\n")
+    left.chmod(0o600)
+    engine = FakeEngine("sglang", tmp_path / "sglang")
+    try:
+        result = train(source_model, tmp_path, [engine], steps=1, save_every=1)
+    finally:
+        engine.close()
+    assert result.returncode == 0, result.stderr
+    routes = [(e["route"], e.get("body", {}).get("group_name")) for e in engine.events()]
+    assert routes[0] == ("destroy", "dta-weights-left-by-a-crash"), routes
+    assert routes[1][0] == "init" and routes[1][1].startswith("dta-weights-"), routes
+    assert "left by a trainer that did not tear it down" in result.stderr
+    assert not left.exists()
+
+    # Open to others: not trusted, not read.
+    left.write_text(json.dumps({"group_name": "dta-weights-planted"}) + "\n")
+    left.chmod(0o644)
+    engine = FakeEngine("sglang", tmp_path / "sglang-2")
+    try:
+        result = train(source_model, tmp_path, [engine], steps=2, save_every=1)
+    finally:
+        engine.close()
+    assert result.returncode == 0, result.stderr
+    assert "dta-weights-planted" not in [e.get("body", {}).get("group_name") for e in engine.events()]
+    assert f"ignoring {left}" in result.stderr
