@@ -2,6 +2,9 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <vector>
 
 #include "executor/model/ops/gather_rows.h"
 #include "kernels/chunk_state_recurrence.h"
@@ -9,6 +12,9 @@
 
 namespace dta {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 at::ScalarType ComputeType(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -123,6 +129,63 @@ at::Tensor ConvAncestorIndex(TokenParents parents, int64_t tokens, int64_t conte
   return at::tensor(index, at::TensorOptions().dtype(at::kLong)).view({tokens, kernel}).to(device);
 }
 
+namespace {
+
+// The convolution as plain differentiable operations (checked by TreeCausalConv).
+at::Tensor ConvolveRows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& context,
+                        const at::Tensor& index) {
+  const int64_t t = x.size(0), channels = x.size(1), kernel = weight.size(1);
+  const at::ScalarType type = ComputeType(x);
+  std::vector<at::Tensor> rows = {at::zeros({1, channels}, x.options().dtype(type))};
+  if (context.defined() && context.size(0) > 0) rows.push_back(context.to(type));
+  rows.push_back(x.to(type));
+  const at::Tensor table = at::cat(rows);
+  // Each row is read by up to `kernel` taps (more at a branch point): GatherRows sums their
+  // gradients in a fixed order.
+  const at::Tensor taps = GatherRows(table, index.reshape({-1})).view({t, kernel, channels});
+  const at::Tensor summed = (taps * weight.to(type).t().unsqueeze(0)).sum(1);
+  return at::silu(summed).to(x.scalar_type());
+}
+
+// Keeps only the convolution's inputs for backward, not its graph: the gathered taps and the
+// pre-activation are (kernel + 1) float32 values per channel and token, 160 KB a token at
+// Qwen3-Next-80B's linear layers, where x is 16 KB in bf16. Backward recomputes them with the
+// same operations and runs their backward, so the gradients are those of the plain operations bit
+// for bit, for one more gather and product per token.
+class RecomputedConvFunction : public torch::autograd::Function<RecomputedConvFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& context, const at::Tensor& index) {
+    ctx->save_for_backward({x, weight, context, index});
+    return ConvolveRows(x, weight, context, index);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    variable_list inputs = {saved[0].detach(), saved[1].detach(), saved[2].detach()};
+    variable_list wanted;  // the inputs whose gradient autograd asks for
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!ctx->needs_input_grad(i)) continue;
+      inputs[i].requires_grad_(true);
+      wanted.push_back(inputs[i]);
+    }
+    variable_list out(4);
+    if (wanted.empty()) return out;
+    at::Tensor recomputed;
+    {
+      torch::autograd::AutoGradMode enable_grad(true);
+      recomputed = ConvolveRows(inputs[0], inputs[1], inputs[2], saved[3]);
+    }
+    const variable_list found = torch::autograd::grad({recomputed}, wanted, {grads[0]});
+    for (size_t i = 0, w = 0; i < inputs.size(); ++i) {
+      if (inputs[i].requires_grad()) out[i] = found[w++];
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
 at::Tensor TreeCausalConv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& context,
                           const at::Tensor& index) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1),
@@ -131,20 +194,17 @@ at::Tensor TreeCausalConv(const at::Tensor& x, const at::Tensor& weight, const a
   const int64_t t = x.size(0), channels = x.size(1), kernel = weight.size(1);
   TORCH_CHECK(index.sizes() == at::IntArrayRef({t, kernel}),
               "causal convolution: index must be [T, kernel], got ", index.sizes());
-  const at::ScalarType type = ComputeType(x);
-  std::vector<at::Tensor> rows = {at::zeros({1, channels}, x.options().dtype(type))};
-  if (context.defined() && context.size(0) > 0) {
-    TORCH_CHECK(context.dim() == 2 && context.size(1) == channels,
-                "causal convolution: context must be [P, C], got ", context.sizes());
-    rows.push_back(context.to(type));
-  }
-  rows.push_back(x.to(type));
-  const at::Tensor table = at::cat(rows);
-  // Each row is read by up to `kernel` taps (more at a branch point): GatherRows sums their
-  // gradients in a fixed order.
-  const at::Tensor taps = GatherRows(table, index.reshape({-1})).view({t, kernel, channels});
-  const at::Tensor summed = (taps * weight.to(type).t().unsqueeze(0)).sum(1);
-  return at::silu(summed).to(x.scalar_type());
+  const bool has_context = context.defined() && context.size(0) > 0;
+  TORCH_CHECK(!has_context || (context.dim() == 2 && context.size(1) == channels),
+              "causal convolution: context must be [P, C], got ",
+              context.defined() ? context.sizes() : at::IntArrayRef());
+  bool needs_grad = false;
+  for (const at::Tensor* input : {&x, &weight, &context})
+    needs_grad |= input->defined() && input->requires_grad();
+  if (!at::GradMode::is_enabled() || !needs_grad) return ConvolveRows(x, weight, context, index);
+  // An empty context rather than an undefined one: autograd functions take defined tensors.
+  return RecomputedConvFunction::apply(
+      x, weight, has_context ? context : at::empty({0, channels}, x.options()), index);
 }
 
 GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q_in, const at::Tensor& k_in,

@@ -1,11 +1,9 @@
 // dta's path stack at linear-attention layers keeps no convolution inputs per position, only the
 // last conv_kernel - 1 rows at each chunk end (dta.cc): the memory it holds on a long chain is the
 // planner's estimate (core/layout/executor_memory.h), far below what a row per position takes.
-#include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <algorithm>
-#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -13,24 +11,10 @@
 #include "executor/engine/executor.h"
 #include "gtest/gtest.h"
 #include "tests/testing/executor_cases.h"
+#include "tests/testing/live_cpu_bytes.h"
 
 namespace dta {
 namespace {
-
-// The bytes of CPU tensors allocated and not freed since the guard installing it was set, on this
-// thread (PyTorch's CPU allocator reports to the profiler's thread-local state).
-class LiveCpuBytes final : public c10::MemoryReportingInfoBase {
- public:
-  bool memoryProfilingEnabled() const override { return true; }
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, size_t /*total_allocated*/,
-                         size_t /*total_reserved*/, c10::Device device) override {
-    if (device.is_cpu()) live_ += alloc_size;
-  }
-  int64_t live() const { return live_; }
-
- private:
-  std::atomic<int64_t> live_{0};
-};
 
 // Three Gated DeltaNet layers whose convolution rows (conv_dim 192) are 6x the attention layer's
 // K/V, and small recurrent states (512 elements).
@@ -60,7 +44,7 @@ TEST(LinearPathStack, HoldsTheEstimateNotARowPerPosition) {
   // Between steps (progress callbacks) what is alive is the stack, the graph kept (the top
   // chunk's, about 8 MB) and the parameters' gradients: 12.8 MB at most, 39 MB with a row per
   // position.
-  const auto live = std::make_shared<LiveCpuBytes>();
+  const auto live = std::make_shared<testing::LiveCpuBytes>();
   int64_t most = 0;
   {
     c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, live);

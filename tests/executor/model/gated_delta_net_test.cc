@@ -7,17 +7,23 @@
 #include "executor/model/ops/gated_delta_net.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
+#include "executor/model/ops/gather_rows.h"
 #include "kernels/chunk_state_recurrence.h"
+#include "tests/testing/live_cpu_bytes.h"
 
 namespace dta {
 namespace {
+
+using torch::autograd::variable_list;
 
 const at::TensorOptions kDouble = at::TensorOptions().dtype(at::kDouble);
 
@@ -246,6 +252,67 @@ TEST(TreeCausalConv, ContextAndTreeEqualEachPath) {
     EXPECT_LT(RelativeError(ours.index_select(0, index), alone.narrow(0, 2, path.size())), 1e-14)
         << path.back();
   }
+}
+
+// The convolution's operations as autograd would keep them (TreeCausalConv recomputes them in
+// backward instead).
+at::Tensor PlainConv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& context,
+                     const at::Tensor& index) {
+  const at::ScalarType type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor table =
+      at::cat({at::zeros({1, x.size(1)}, x.options().dtype(type)), context.to(type), x.to(type)});
+  const at::Tensor taps =
+      GatherRows(table, index.reshape({-1})).view({x.size(0), weight.size(1), x.size(1)});
+  return at::silu((taps * weight.to(type).t().unsqueeze(0)).sum(1)).to(x.scalar_type());
+}
+
+// Backward recomputes the taps from the inputs: the same operations, so the same gradients bit
+// for bit, while the graph keeps the inputs only (not the kernel gathered rows and the
+// pre-activation in float32).
+TEST(TreeCausalConv, KeepsItsInputsNotItsTapsAndGivesTheSameGradients) {
+  const SmallTree tree = ExampleTree();
+  const int64_t n = tree.parents.size(), kernel = 4;
+  for (const at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    at::manual_seed(7);
+    const at::TensorOptions o = at::TensorOptions().dtype(dtype);
+    const int64_t c = 48;
+    const at::Tensor index = ConvAncestorIndex(tree.parents, n, 2, kernel, at::kCPU);
+    const at::Tensor x = at::randn({n, c}, o).requires_grad_();
+    const at::Tensor weight = at::randn({c, kernel}, o.dtype(at::kFloat)).requires_grad_();
+    const at::Tensor context = at::randn({2, c}, o).requires_grad_();
+    const at::Tensor seed = at::randn({n, c}, o);
+    const variable_list plain =
+        torch::autograd::grad({PlainConv(x, weight, context, index)}, {x, weight, context}, {seed});
+    const variable_list ours = torch::autograd::grad({TreeCausalConv(x, weight, context, index)},
+                                                     {x, weight, context}, {seed});
+    for (size_t i = 0; i < plain.size(); ++i)
+      EXPECT_TRUE(at::equal(ours[i], plain[i])) << dtype << " input " << i;
+    // Without a context (the root chunk) and with only the weight asking for its gradient.
+    const at::Tensor root = ConvAncestorIndex({}, n, 0, kernel, at::kCPU);
+    const at::Tensor empty = at::empty({0, c}, o);
+    EXPECT_TRUE(at::equal(
+        torch::autograd::grad({TreeCausalConv(x.detach(), weight, {}, root)}, {weight}, {seed})[0],
+        torch::autograd::grad({PlainConv(x.detach(), weight, empty, root)}, {weight}, {seed})[0]))
+        << dtype;
+  }
+
+  // What a kept graph holds: a long chain in float32, with x and the weight held outside.
+  const int64_t t = 4096, c = 64;
+  const at::Tensor x = at::randn({t, c}).requires_grad_();
+  const at::Tensor weight = at::randn({c, kernel}).requires_grad_();
+  const at::Tensor index = ConvAncestorIndex({}, t, 0, kernel, at::kCPU);
+  auto kept_bytes = [&](auto convolve) {
+    const auto live = std::make_shared<testing::LiveCpuBytes>();
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, live);
+    const at::Tensor out = convolve();
+    return live->live() - out.nbytes();
+  };
+  const int64_t plain = kept_bytes([&] { return PlainConv(x, weight, at::empty({0, c}), index); });
+  const int64_t ours = kept_bytes([&] { return TreeCausalConv(x, weight, {}, index); });
+  // The plain graph keeps the taps and the pre-activation, (kernel + 1) values per channel and
+  // token (and the gathered table); this one keeps x itself, allocated before.
+  EXPECT_GE(plain, (kernel + 1) * t * c * 4);
+  EXPECT_LT(ours, t * c * 4 / 4) << "the taps were kept";
 }
 
 TEST(ConvAncestorIndex, RefusesBadParents) {
