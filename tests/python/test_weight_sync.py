@@ -393,28 +393,27 @@ def test_a_restarted_trainer_destroys_the_group_a_crashed_one_left(source_model,
     written is ignored."""
     (tmp_path / "ckpt").mkdir(mode=0o755)
     left = tmp_path / "ckpt" / "weight_sync.json"
-    left.write_text(json.dumps({"group_name": "dta-weights-left-by-a-crash"}) + "\n")
-    left.chmod(0o600)
-    engine = FakeEngine("sglang", tmp_path / "sglang")
-    try:
-        result = train(source_model, tmp_path, [engine], steps=1, save_every=1)
-    finally:
-        engine.close()
-    assert result.returncode == 0, result.stderr
-    routes = [(e["route"], e.get("body", {}).get("group_name")) for e in engine.events()]
+
+    def train_over(group_name: str, mode: int, engine_dir: str, steps: int):
+        """Trains `steps` steps over a left file naming `group_name`; the engine's events."""
+        left.write_text(json.dumps({"group_name": group_name}) + "\n")
+        left.chmod(mode)
+        engine = FakeEngine("sglang", tmp_path / engine_dir)
+        try:
+            result = train(source_model, tmp_path, [engine], steps=steps, save_every=1)
+        finally:
+            engine.close()
+        assert result.returncode == 0, result.stderr
+        return result, engine.events()
+
+    result, events = train_over("dta-weights-left-by-a-crash", 0o600, "sglang", steps=1)
+    routes = [(e["route"], e.get("body", {}).get("group_name")) for e in events]
     assert routes[0] == ("destroy", "dta-weights-left-by-a-crash"), routes
     assert routes[1][0] == "init" and routes[1][1].startswith("dta-weights-"), routes
     assert "left by a trainer that did not tear it down" in result.stderr
     assert not left.exists()
 
     # Open to others: not trusted, not read.
-    left.write_text(json.dumps({"group_name": "dta-weights-planted"}) + "\n")
-    left.chmod(0o644)
-    engine = FakeEngine("sglang", tmp_path / "sglang-2")
-    try:
-        result = train(source_model, tmp_path, [engine], steps=2, save_every=1)
-    finally:
-        engine.close()
-    assert result.returncode == 0, result.stderr
-    assert "dta-weights-planted" not in [e.get("body", {}).get("group_name") for e in engine.events()]
+    result, events = train_over("dta-weights-planted", 0o644, "sglang-2", steps=2)
+    assert "dta-weights-planted" not in [e.get("body", {}).get("group_name") for e in events]
     assert f"ignoring {left}" in result.stderr
