@@ -3,9 +3,10 @@
 //   - scan: the chunk state recurrence as one CUDA kernel each way
 //   (kernels/chunk_state_recurrence.h)
 //     against the ATen loop over chunks it replaces (DTA_LINEAR_ATTENTION_KERNEL=0);
-//   - fused: the intra-chunk terms from one CUDA kernel forward and the analytic backward
-//     (kernels/gated_delta_chunk.h) against the batched ATen ops (DTA_GATED_DELTA_FUSED=0), the
-//     recurrence kernel on in both.
+//   - fused: the intra-chunk terms from one CUDA kernel each way (kernels/gated_delta_chunk.h)
+//     against the batched ATen ops and autograd's backward (DTA_GATED_DELTA_FUSED=0), the
+//     recurrence kernel on in both; DTA_GATED_DELTA_BACKWARD_KERNEL=0 in the environment keeps
+//     the ATen ops in forward+backward on both sides (the kernel's forward alone).
 // Two things are timed per chunk length T:
 //   - "rule": ChunkedGatedDeltaRule alone on float32 q, k, v, g, beta and a state;
 //   - "mix": GatedDeltaNetMix, the layer between its projections as the model calls it (its

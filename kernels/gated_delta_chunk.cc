@@ -206,13 +206,21 @@ void ForwardLoops(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
 
 bool FusedEnabled() { return EnvSwitchOn("DTA_GATED_DELTA_FUSED"); }
 
-bool KernelFits(const at::Tensor& q, const Sizes& s) {
+// Whether the forward kernel (`backward` false) or the backward kernel runs these inputs;
+// DTA_GATED_DELTA_BACKWARD_KERNEL=0 (read at every backward) keeps BackwardAnalytic on the GPU
+// (tests and benchmarks compare the two).
+bool KernelFits(const at::Tensor& q, const Sizes& s, bool backward = false) {
 #ifdef DTA_KERNELS_HAVE_CUDA
-  return q.is_cuda() && s.chunk <= internal::kGatedDeltaMaxChunk &&
-         internal::GatedDeltaChunkFits(q.scalar_type(), s.chunk, s.dk, q.device().index());
+  if (!q.is_cuda() || s.chunk > internal::kGatedDeltaMaxChunk) return false;
+  const int device = q.device().index();
+  return backward
+             ? EnvSwitchOn("DTA_GATED_DELTA_BACKWARD_KERNEL") &&
+                   internal::GatedDeltaChunkBackwardFits(q.scalar_type(), s.chunk, s.dk, device)
+             : internal::GatedDeltaChunkFits(q.scalar_type(), s.chunk, s.dk, device);
 #else
   (void)q;
   (void)s;
+  (void)backward;
   return false;
 #endif
 }
@@ -310,6 +318,54 @@ InputGrads BackwardAnalytic(const at::Tensor& q_in, const at::Tensor& k_in, cons
           .beta = TokenMajor(dbeta, s).squeeze(-1)};
 }
 
+// The output gradients with zeros for the undefined ones (outputs the loss does not use).
+ChunkTerms ZerosWhereUndefined(const ChunkTerms& grad, const Sizes& s, const at::TensorOptions& o) {
+  auto pick = [&](const at::Tensor& g, at::IntArrayRef shape) {
+    return g.defined() ? g : at::zeros(shape, o);
+  };
+  const int64_t h = s.heads, n = s.chunks, c = s.chunk;
+  return {.k_cumdecay = pick(grad.k_cumdecay, {h, n, c, s.dk}),
+          .new_values = pick(grad.new_values, {h, n, c, s.dv}),
+          .k_decayed = pick(grad.k_decayed, {h, n, c, s.dk}),
+          .q_decayed = pick(grad.q_decayed, {h, n, c, s.dk}),
+          .intra = pick(grad.intra, {h, n, c, c}),
+          .chunk_decay = pick(grad.chunk_decay, {h, n})};
+}
+
+#ifdef DTA_KERNELS_HAVE_CUDA
+// BackwardAnalytic's gradients from the backward kernel: one launch, then a key head's group of
+// value heads summed (one reduction, in a fixed order).
+InputGrads BackwardCuda(const internal::BackwardInputs& in, const Sizes& s,
+                        const ChunkTerms& grad) {
+  auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
+  const ChunkTerms g{.k_cumdecay = contiguous(grad.k_cumdecay),
+                     .new_values = contiguous(grad.new_values),
+                     .k_decayed = contiguous(grad.k_decayed),
+                     .q_decayed = contiguous(grad.q_decayed),
+                     .intra = contiguous(grad.intra),
+                     .chunk_decay = contiguous(grad.chunk_decay)};
+  const at::TensorOptions o = in.q.options();
+  const int64_t cp = internal::PadToMmaTile(s.chunk), kp = internal::PadToMmaTile(s.dk);
+  const internal::BackwardOutputs out{.q = at::empty({s.chunks * cp, s.heads, kp}, o),
+                                      .k = at::empty({s.chunks * cp, s.heads, kp}, o),
+                                      .v = at::empty({s.tokens, s.heads, s.dv}, o),
+                                      .g = at::empty({s.tokens, s.heads}, o),
+                                      .beta = at::empty({s.tokens, s.heads}, o)};
+  internal::GatedDeltaChunkBackwardCuda(in, g, out);
+  // The tokens' rows and Dk columns of a padded gradient; a key head's value heads summed.
+  auto unpad = [&](const at::Tensor& x) {
+    const at::Tensor t = x.view({s.chunks, cp, s.heads, kp})
+                             .narrow(1, 0, s.chunk)
+                             .reshape({s.chunks * s.chunk, s.heads, kp})
+                             .narrow(0, 0, s.tokens)
+                             .narrow(2, 0, s.dk);
+    return s.group() == 1 ? t.contiguous()
+                          : t.reshape({s.tokens, s.key_heads, s.group(), s.dk}).sum(2);
+  };
+  return {.q = unpad(out.q), .k = unpad(out.k), .v = out.v, .g = out.g, .beta = out.beta};
+}
+#endif
+
 class FusedFunction : public torch::autograd::Function<FusedFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
@@ -317,9 +373,11 @@ class FusedFunction : public torch::autograd::Function<FusedFunction> {
                                int64_t chunk_size) {
     const Sizes s = CheckInputs(q, k, v, g, beta, chunk_size);
     ChunkTerms t = FusedForward(q, k, v, g, beta, s);
-    // Inputs and two outputs only: backward recomputes S and P, and T through solves.
+    // Inputs and two outputs only: backward recomputes S and P, and applies T^T by substitution.
     ctx->save_for_backward({q, k, v, g, beta, t.new_values, t.k_cumdecay});
     ctx->saved_data["chunk_size"] = chunk_size;
+    // Unused outputs' gradients stay undefined: the kernel reads them as zeros without a memset.
+    ctx->set_materialize_grads(false);
     return {t.k_cumdecay, t.new_values, t.k_decayed, t.q_decayed, t.intra, t.chunk_decay};
   }
 
@@ -333,8 +391,22 @@ class FusedFunction : public torch::autograd::Function<FusedFunction> {
                           .q_decayed = grads[3],
                           .intra = grads[4],
                           .chunk_decay = grads[5]};
-    InputGrads d = BackwardAnalytic(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
-                                    saved[6], s, grad);
+    if (KernelFits(saved[0], s, /*backward=*/true)) {
+#ifdef DTA_KERNELS_HAVE_CUDA
+      const InputGrads d = BackwardCuda({.q = saved[0].contiguous(),
+                                         .k = saved[1].contiguous(),
+                                         .v = saved[2].contiguous(),
+                                         .g = saved[3].contiguous(),
+                                         .beta = saved[4].contiguous(),
+                                         .new_values = saved[5].contiguous(),
+                                         .k_cumdecay = saved[6].contiguous()},
+                                        s, grad);
+      return {d.q, d.k, d.v, d.g, d.beta, at::Tensor()};
+#endif
+    }
+    const InputGrads d =
+        BackwardAnalytic(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6], s,
+                         ZerosWhereUndefined(grad, s, saved[0].options()));
     return {d.q, d.k, d.v, d.g, d.beta, at::Tensor()};
   }
 };
@@ -356,14 +428,14 @@ ChunkTerms GatedDeltaChunkTerms(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                                 GatedDeltaPath path) {
   const Sizes s = CheckInputs(q, k, v, g, beta, chunk_size);
-  // The fused backward (batched ATen ops) is 1.5x slower than autograd's over the ATen forward
-  // (an H200, 16K tokens), so kAuto fuses only passes that keep no graph.
+  // A pass that keeps a graph fuses only where the backward kernel runs too: the analytic backward
+  // as batched ATen ops is 1.5x slower than autograd's over the ATen forward (an H200, 16K tokens).
   bool needs_grad = false;
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) needs_grad |= t->requires_grad();
   needs_grad &= at::GradMode::is_enabled();
-  const bool fused =
-      path == GatedDeltaPath::kFused ||
-      (path == GatedDeltaPath::kAuto && !needs_grad && FusedEnabled() && KernelFits(q, s));
+  const bool fused = path == GatedDeltaPath::kFused ||
+                     (path == GatedDeltaPath::kAuto && FusedEnabled() && KernelFits(q, s) &&
+                      (!needs_grad || KernelFits(q, s, /*backward=*/true)));
   if (!fused) return TermsAten(q, k, v, g, beta, s);
   const variable_list out = FusedFunction::apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                                  g.contiguous(), beta.contiguous(), chunk_size);

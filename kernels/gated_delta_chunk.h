@@ -15,22 +15,25 @@
 // Two paths compute them:
 //   - ATen: the batched ops ChunkedGatedDeltaRule always ran (about 25 kernels forward over all
 //     chunks, autograd's backward through them; the reference);
-//   - fused: one autograd function whose forward is one CUDA kernel (one block per chunk and value
-//     head; plain float32 fused multiply-adds for float32, float64 for float64, no tensor cores,
-//     every sum in a fixed order, so bitwise reproducible) and whose backward is the analytic
-//     gradient as batched ATen ops over all chunks (S and P recomputed, T applied by triangular
-//     solves: only the inputs, U and W are kept, none of the [C, C] intermediates). On the CPU its
-//     forward is a plain loop of the kernel's sums in the kernel's order (the reference the kernel
-//     is tested against; the GPU contracts some products into fused multiply-adds).
+//   - fused: one autograd function, one CUDA kernel each way on a GPU (gated_delta_chunk.cu: one
+//     block per chunk and value head, the chunk's products on tensor cores, 3xTF32 in float32
+//     and DMMA in float64; triangular systems solved by 16-row blocks; every sum in a fixed order,
+//     so bitwise reproducible). Backward recomputes P, S and the blocks' inverses from the inputs,
+//     U and W only (none of the [C, C] intermediates are kept); a key head's group of value heads
+//     is summed by one ATen reduction. Where the backward kernel does not run (the CPU, shapes it
+//     does not fit, or DTA_GATED_DELTA_BACKWARD_KERNEL=0, read at every backward) the analytic
+//     gradient runs as batched ATen ops with T applied by triangular solves (the reference). On
+//     the CPU the forward is a plain loop of sums in index order (the reference the kernel is
+//     tested against).
 // The two paths differ only in rounding: float64 within ~1e-12, float32 within ~1e-5 relative
-// (the triangular solve's conditioning times float32's epsilon; ATen sums in other orders).
+// (the triangular solve's conditioning times float32's epsilon; sums in other orders).
 //
-// GatedDeltaPath::kAuto takes the fused path where its CUDA kernel runs and no gradient is asked
-// for (grad mode off, or no input requiring one: log-probability passes; its backward is slower
-// than autograd's over the ATen forward, so a training pass keeps ATen's): built with nvcc
+// GatedDeltaPath::kAuto takes the fused path where its CUDA kernels run: built with nvcc
 // (DTA_KERNELS_HAVE_CUDA), the tensors on a CUDA device, C <= 64, the shared memory fitting
-// (float32: Dk <= ~400, float64: Dk <= ~190 on an H100) and DTA_GATED_DELTA_FUSED not "0" in the
-// environment (read at every call: the before/after switch of benchmarks).
+// (float32: Dk <= 368, float64: Dk <= 128 at C = 64 on an H100 or H200), DTA_GATED_DELTA_FUSED not
+// "0" in the environment (read at every call: the before/after switch of benchmarks), and, in a
+// pass that keeps a graph, the backward kernel fitting and not switched off (its analytic
+// backward as batched ATen ops is slower than autograd's over the ATen forward).
 //
 // Example (the chunked rule's head; q, k, v, g, beta float32 or float64 on one device):
 //   ChunkTerms terms = GatedDeltaChunkTerms(q, k, v, g, beta, 64);

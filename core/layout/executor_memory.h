@@ -27,10 +27,11 @@
 //              more); a Gated DeltaNet layer keeps about 8 times an attention layer's (its eager
 //              ATen graph: the convolution's taps, q and k before their L2 norms, the delta rule's
 //              per-head tensors and 64 x 64 chunk matrices, one state per 64 tokens;
-//              GraphBytesPerToken in executor/engine/executor.h spells the terms), and it keeps
-//              nothing per stack position: per kept chunk end one float32 recurrent state and the
-//              last kernel - 1 convolution inputs, conv_dim = 2 key_dim + value_dim elements
-//              (w + c) each, with their accumulators (all of them of this rank's key heads/TP and
+//              GraphBytesPerToken in executor/engine/executor.h spells the terms; the fused
+//              GPU path of kernels/gated_delta_chunk.h keeps less, so there it is a bound), and it
+//              keeps nothing per stack position: per kept chunk end one float32 recurrent state and
+//              the last kernel - 1 convolution inputs, conv_dim = 2 key_dim + value_dim elements (w
+//              + c) each, with their accumulators (all of them of this rank's key heads/TP and
 //              value heads/TP)
 //              and per chunk 2 h c + h w (the final norm's input and output, lm_head's rounded
 //              copy), 2 head_dim c (RoPE tables) and 24 (ids, positions, tree mask). With layer

@@ -2,16 +2,20 @@
 // backward) against autograd through the batched ATen ops in float64 (every term and the gradients
 // of q, k, v, g and beta, relative error 1e-12), in float32 against float64 (1e-5: float32's
 // rounding through a triangular solve), for partial last chunks, several heads and value heads
-// sharing a key head, and its errors for bad inputs. On a GPU the CUDA kernel against the same
-// references (float64 1e-12, float32 1e-5), bitwise equal across two runs, for Qwen3-Next's shapes
-// and odd ones; the GPU tests skip without a CUDA device.
+// sharing a key head, and its errors for bad inputs. On a GPU the forward and backward kernels
+// against the same references and the backward kernel against BackwardAnalytic on the device
+// (float64 1e-12, float32 1e-5; losses of every term and of single terms, so undefined output
+// gradients), bitwise equal across two runs, for Qwen3-Next's shapes and odd ones; the GPU tests
+// skip without a CUDA device.
 #include "kernels/gated_delta_chunk.h"
 
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/cuda.h>
 
 #include <cctype>
 #include <cstdlib>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -19,6 +23,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/kernel_testing.h"
+
+#ifdef DTA_KERNELS_HAVE_CUDA
+#include "kernels/gated_delta_chunk_internal.h"
+#endif
 
 namespace dta::kernels {
 namespace {
@@ -95,16 +103,27 @@ struct Result {
   std::vector<at::Tensor> terms, grads;
 };
 
-Result RunWithGrads(const Inputs& in, const Shape& s, GatedDeltaPath path, uint64_t seed) {
+// Bit i: the loss uses term i (Terms' order); the others' gradients reach the backward undefined.
+constexpr unsigned kAllTerms = (1u << 6) - 1;
+
+Result RunWithGrads(const Inputs& in, const Shape& s, GatedDeltaPath path, uint64_t seed,
+                    unsigned used = kAllTerms) {
   const Inputs r = in.RequiringGrad();
   const std::vector<at::Tensor> terms = Terms(TermsOf(r, s, path));
   at::manual_seed(seed);
   at::Tensor loss = at::zeros({}, terms[0].options());
-  for (const at::Tensor& t : terms) {
-    loss = loss + (t * at::randn(t.sizes(), kFloat64).to(t.options())).sum();
+  for (size_t i = 0; i < terms.size(); ++i) {
+    const at::Tensor seeds = at::randn(terms[i].sizes(), kFloat64).to(terms[i].options());
+    if ((used >> i) & 1u) loss = loss + (terms[i] * seeds).sum();
   }
   Result result;
-  result.grads = torch::autograd::grad({loss}, r.all());
+  const std::vector<at::Tensor> inputs = r.all();
+  result.grads = torch::autograd::grad({loss}, inputs, /*grad_outputs=*/{},
+                                       /*retain_graph=*/std::nullopt, /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!result.grads[i].defined()) result.grads[i] = at::zeros_like(inputs[i]);
+  }
   for (const at::Tensor& t : terms) result.terms.push_back(t.detach());
   return result;
 }
@@ -146,7 +165,30 @@ TEST_P(CpuTest, Float32WithinRounding) {
   ExpectClose(RunWithGrads(in32, s, GatedDeltaPath::kAten, 4), expected, 1e-5);
 }
 
+// Losses of some terms only: the backward gets undefined gradients for the others.
+TEST_P(CpuTest, FusedMatchesAtenWithUnusedTerms) {
+  const Shape s = GetParam();
+  const Inputs in = RandomInputs(s, 18);
+  for (const unsigned used : {0b000011u, 0b010000u, 0b100100u}) {
+    SCOPED_TRACE("terms in the loss: " + std::to_string(used));
+    ExpectClose(RunWithGrads(in, s, GatedDeltaPath::kFused, 19, used),
+                RunWithGrads(in, s, GatedDeltaPath::kAten, 19, used), 1e-12);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuTest, ::testing::ValuesIn(kCpuShapes), TestName);
+
+bool IsFused(const ChunkTerms& t) {
+  return t.intra.grad_fn() != nullptr &&
+         t.intra.grad_fn()->name().find("FusedFunction") != std::string::npos;
+}
+
+TEST(GatedDeltaChunkTest, FusedPathShowsInTheGraph) {
+  const Shape s{10, 1, 1, 8, 8, 16};
+  const Inputs in = RandomInputs(s, 20).RequiringGrad();
+  EXPECT_TRUE(IsFused(TermsOf(in, s, GatedDeltaPath::kFused)));
+  EXPECT_FALSE(IsFused(TermsOf(in, s, GatedDeltaPath::kAten)));
+}
 
 // Terms depend only on each value head's own inputs: a key head shared by three value heads gives
 // what three copies of it give, bit for bit.
@@ -183,6 +225,7 @@ class CudaTest : public ::testing::TestWithParam<Shape> {
   void SetUp() override {
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
     unsetenv("DTA_GATED_DELTA_FUSED");
+    unsetenv("DTA_GATED_DELTA_BACKWARD_KERNEL");
   }
 };
 
@@ -208,12 +251,70 @@ TEST_P(CudaTest, KernelInFloat32WithinRounding) {
 
 TEST_P(CudaTest, KernelIsBitwiseReproducible) {
   const Shape s = GetParam();
-  const Inputs in = RandomInputs(s, 11).To(kCuda32);
-  const std::vector<at::Tensor> first = Terms(TermsOf(in, s, GatedDeltaPath::kFused));
-  const std::vector<at::Tensor> second = Terms(TermsOf(in, s, GatedDeltaPath::kFused));
-  for (size_t i = 0; i < first.size(); ++i) {
-    EXPECT_TRUE(at::equal(first[i], second[i])) << kTermNames[i];
+  for (const at::TensorOptions& o : {kCuda32, kCuda64}) {
+    const Inputs in = RandomInputs(s, 11).To(o);
+    const Result first = RunWithGrads(in, s, GatedDeltaPath::kFused, 12);
+    const Result second = RunWithGrads(in, s, GatedDeltaPath::kFused, 12);
+    for (size_t i = 0; i < first.terms.size(); ++i) {
+      EXPECT_TRUE(at::equal(first.terms[i], second.terms[i])) << kTermNames[i];
+    }
+    for (size_t i = 0; i < first.grads.size(); ++i) {
+      EXPECT_TRUE(at::equal(first.grads[i], second.grads[i])) << "d " << kInputNames[i];
+    }
   }
+}
+
+// FusedFunction's backward on the GPU through BackwardAnalytic (the batched ATen ops) instead of
+// the backward kernel.
+Result RunWithAnalyticBackward(const Inputs& in, const Shape& s, uint64_t seed, unsigned used) {
+  setenv("DTA_GATED_DELTA_BACKWARD_KERNEL", "0", 1);
+  Result r = RunWithGrads(in, s, GatedDeltaPath::kFused, seed, used);
+  unsetenv("DTA_GATED_DELTA_BACKWARD_KERNEL");
+  return r;
+}
+
+// The backward kernel against BackwardAnalytic on the device and on the host and autograd through
+// the ATen ops, with every term in the loss and with each term alone (the other five gradients
+// undefined): a gradient term the kernel dropped or got wrong shows in one of them.
+TEST_P(CudaTest, BackwardKernelMatchesReferencesInFloat64) {
+  const Shape s = GetParam();
+  const Inputs in = RandomInputs(s, 13);
+  const Inputs gpu = in.To(kCuda64);
+#ifdef DTA_KERNELS_HAVE_CUDA
+  ASSERT_TRUE(internal::GatedDeltaChunkBackwardFits(at::kDouble, s.chunk, s.dk, 0));
+#endif
+  std::vector<unsigned> masks = {kAllTerms, 0b000011, 0b111100};
+  for (unsigned i = 0; i < 6; ++i) masks.push_back(1u << i);
+  for (const unsigned used : masks) {
+    SCOPED_TRACE("terms in the loss: " + std::to_string(used));
+    const Result kernel = RunWithGrads(gpu, s, GatedDeltaPath::kFused, 14, used);
+    ExpectClose(kernel, RunWithAnalyticBackward(gpu, s, 14, used), 1e-12);
+    ExpectClose(kernel, RunWithGrads(gpu, s, GatedDeltaPath::kAten, 14, used), 1e-12);
+    if (used == kAllTerms || used == 0b000011) {
+      ExpectClose(kernel, RunWithGrads(in, s, GatedDeltaPath::kFused, 14, used), 1e-12);
+    }
+  }
+}
+
+TEST_P(CudaTest, BackwardKernelInFloat32WithinRounding) {
+  const Shape s = GetParam();
+  const Inputs in = RandomInputs(s, 15);
+  for (const unsigned used : {kAllTerms, 0b101010u}) {
+    SCOPED_TRACE("terms in the loss: " + std::to_string(used));
+    const Result expected = RunWithGrads(in.To(kCuda64), s, GatedDeltaPath::kAten, 16, used);
+    ExpectClose(RunWithGrads(in.To(kCuda32), s, GatedDeltaPath::kFused, 16, used), expected, 1e-5);
+  }
+}
+
+// kAuto fuses a pass that keeps a graph where the backward kernel runs, and keeps the ATen ops
+// there when DTA_GATED_DELTA_BACKWARD_KERNEL=0 turns that kernel off.
+TEST_P(CudaTest, AutoFusesTrainingWhereTheBackwardKernelRuns) {
+  const Shape s = GetParam();
+  const Inputs in = RandomInputs(s, 17).To(kCuda32).RequiringGrad();
+  EXPECT_TRUE(IsFused(TermsOf(in, s, GatedDeltaPath::kAuto)));
+  setenv("DTA_GATED_DELTA_BACKWARD_KERNEL", "0", 1);
+  EXPECT_FALSE(IsFused(TermsOf(in, s, GatedDeltaPath::kAuto)));
+  unsetenv("DTA_GATED_DELTA_BACKWARD_KERNEL");
 }
 
 TEST_P(CudaTest, EnvironmentSwitchTurnsTheKernelOff) {
@@ -228,9 +329,12 @@ TEST_P(CudaTest, EnvironmentSwitchTurnsTheKernelOff) {
 const Shape kCudaShapes[] = {
     {1000, 16, 32, 128, 128, 64},  // Qwen3-Next's heads, a partial last chunk
     {64, 1, 1, 128, 128, 64},      // one whole chunk
+    {150, 2, 4, 128, 128, 64},     // two value heads a key head, a partial last chunk
     {1, 2, 4, 8, 8, 64},           // one token
+    {1, 1, 1, 24, 40, 16},         // one token, a small chunk
+    {50, 2, 4, 24, 40, 64},        // fewer tokens than a chunk, odd dims
     {77, 3, 6, 20, 36, 16},        // sizes no tile divides, small chunks
-    {200, 2, 2, 130, 200, 64},     // more columns than one pass of the solve's threads
+    {200, 2, 2, 100, 200, 64},     // a key dim no tile divides, value columns over several passes
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaTest, ::testing::ValuesIn(kCudaShapes), TestName);
