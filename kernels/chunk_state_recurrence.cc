@@ -159,6 +159,43 @@ class ChunkStateFunction : public torch::autograd::Function<ChunkStateFunction> 
   }
 };
 
+// out = Qd h + intra v_new with the recurrence; saves its inputs only (module comment in the
+// header).
+class ChunkOutputFunction : public torch::autograd::Function<ChunkOutputFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& w, const at::Tensor& u,
+                               const at::Tensor& kd, const at::Tensor& d, const at::Tensor& s0,
+                               const at::Tensor& qd, const at::Tensor& intra, bool use_kernel) {
+    const ChunkStateOptions options{.use_kernel = use_kernel};
+    const ChunkStates scan = ChunkStateForward(w, u, kd, d, s0, options);
+    at::Tensor out = at::matmul(qd, scan.states) + at::matmul(intra, scan.new_values);
+    ctx->save_for_backward({w, u, kd, d, s0, qd, intra});
+    ctx->saved_data["use_kernel"] = use_kernel;
+    ctx->set_materialize_grads(false);
+    return {out, scan.final_state};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &w = saved[0], &u = saved[1], &kd = saved[2], &d = saved[3], &s0 = saved[4],
+                     &qd = saved[5], &intra = saved[6];
+    const ChunkStateOptions options{.use_kernel = ctx->saved_data["use_kernel"].toBool()};
+    const ChunkStates scan = ChunkStateForward(w, u, kd, d, s0, options);
+    const at::Tensor& d_out = grads[0];
+    at::Tensor d_qd, d_intra, d_states, d_new_values;
+    if (d_out.defined()) {
+      d_qd = at::matmul(d_out, scan.states.transpose(-1, -2));
+      d_states = at::matmul(qd.transpose(-1, -2), d_out);
+      d_intra = at::matmul(d_out, scan.new_values.transpose(-1, -2));
+      d_new_values = at::matmul(intra.transpose(-1, -2), d_out);
+    }
+    ChunkStateGrads g = ChunkStateBackward(d_states, d_new_values, grads[1], w, kd, d, scan.states,
+                                           scan.new_values, options);
+    return {g.k_cumdecay,    g.new_values, g.k_decayed, g.chunk_decay,
+            g.initial_state, d_qd,         d_intra,     at::Tensor()};
+  }
+};
+
 }  // namespace
 
 bool ChunkStateUsesKernel(const at::Tensor& k_cumdecay, int64_t value_dim,
@@ -236,6 +273,22 @@ ChunkStates ChunkStateRecurrence(const at::Tensor& k_cumdecay, const at::Tensor&
   variable_list out = ChunkStateFunction::apply(k_cumdecay, new_values, k_decayed, chunk_decay, s0,
                                                 options.use_kernel);
   return {.states = out[0], .new_values = out[1], .final_state = out[2]};
+}
+
+ChunkOutput ChunkStateOutput(const at::Tensor& k_cumdecay, const at::Tensor& new_values,
+                             const at::Tensor& k_decayed, const at::Tensor& chunk_decay,
+                             const at::Tensor& initial_state, const at::Tensor& q_decayed,
+                             const at::Tensor& intra, const ChunkStateOptions& options) {
+  const Sizes s = CheckInputs(k_cumdecay, new_values, k_decayed, chunk_decay, initial_state);
+  CheckLike("q_decayed", q_decayed, k_cumdecay, {s.heads, s.chunks, s.chunk, s.dk},
+            "[H, N, C, Dk]");
+  CheckLike("intra", intra, k_cumdecay, {s.heads, s.chunks, s.chunk, s.chunk}, "[H, N, C, C]");
+  const at::Tensor s0 = initial_state.defined()
+                            ? initial_state
+                            : at::zeros({s.heads, s.dk, s.dv}, k_cumdecay.options());
+  variable_list out = ChunkOutputFunction::apply(k_cumdecay, new_values, k_decayed, chunk_decay, s0,
+                                                 q_decayed, intra, options.use_kernel);
+  return {.out = out[0], .final_state = out[1]};
 }
 
 }  // namespace dta::kernels

@@ -35,7 +35,8 @@
 // Example (the chunked rule's tail; every tensor float32 or float64 on one device):
 //   ChunkStates s = ChunkStateRecurrence(k_cumdecay, new_values, k_decayed, chunk_decay, state);
 //   at::Tensor out = at::matmul(q_decayed, s.states) + at::matmul(intra, s.new_values);
-//   // s.final_state continues the next chunk; all three are differentiable.
+//   // s.final_state continues the next chunk; all three are differentiable. ChunkStateOutput
+//   // computes the same out and final state keeping less for backward.
 //
 // Thread safety: stateless (the environment is read at each call); CUDA work runs on the current
 // stream of the inputs' device.
@@ -80,6 +81,21 @@ ChunkStates ChunkStateForward(const at::Tensor& k_cumdecay, const at::Tensor& ne
                               const at::Tensor& k_decayed, const at::Tensor& chunk_decay,
                               const at::Tensor& initial_state,
                               const ChunkStateOptions& options = {});
+
+// Every chunk's output with the recurrence, as one autograd function that keeps neither h nor v_new
+// for backward (the largest of the chunked rule's saved tensors: h is a [Dk, Dv] state per chunk,
+// 32 KiB a token at Qwen3-Next's shapes): backward runs ChunkStateForward again (the same kernel or
+// loop: the same h and v_new bit for bit), then ChunkStateBackward and the output products'
+// gradients. q_decayed (Qd) [H, N, C, Dk] and intra [H, N, C, C] besides ChunkStateRecurrence's
+// arguments; equal to at::matmul(Qd, h) + at::matmul(intra, v_new) and its gradients.
+struct ChunkOutput {
+  at::Tensor out;          // [H, N, C, Dv]
+  at::Tensor final_state;  // [H, Dk, Dv]
+};
+ChunkOutput ChunkStateOutput(const at::Tensor& k_cumdecay, const at::Tensor& new_values,
+                             const at::Tensor& k_decayed, const at::Tensor& chunk_decay,
+                             const at::Tensor& initial_state, const at::Tensor& q_decayed,
+                             const at::Tensor& intra, const ChunkStateOptions& options = {});
 
 struct ChunkStateGrads {
   at::Tensor k_cumdecay;     // [H, N, C, Dk]

@@ -24,9 +24,9 @@
 //                                   (2 k ie w, ie = moe_intermediate/TP), the router's softmax
 //                                   and k weights ((E + k) c) and 4 k int64 routing indices
 //              Qwen3-Next: gated attention keeps the output gate and the gated output (2 q w
-//              more); a Gated DeltaNet layer keeps about 8 times an attention layer's (its eager
-//              ATen graph: the convolution's taps, q and k before their L2 norms, the delta rule's
-//              per-head tensors and 64 x 64 chunk matrices, one state per 64 tokens;
+//              more); a Gated DeltaNet layer keeps about 5 times an attention layer's (its eager
+//              ATen graph: the convolution's input, q and k before their L2 norms, the delta
+//              rule's per-head tensors and 64 x 64 chunk matrices, no recurrent state;
 //              GraphBytesPerToken in executor/engine/executor.h spells the terms; the fused
 //              GPU path of kernels/gated_delta_chunk.h keeps less, so there it is a bound), and it
 //              keeps nothing per stack position: per kept chunk end one float32 recurrent state and

@@ -240,19 +240,19 @@ BlockSavedBytes LayerSavedBytes(const ModelConfig& c, const LayerSpec& layer, in
     // convolution's input (conv_dim w; its taps and pre-activation are recomputed in backward),
     // and in the compute type q and k before their L2 norms (2 key_dim), the delta rule's per-head
     // q, k, k beta, their decayed and solved forms (6 value_heads key_head_dim), v, the solved
-    // values, the corrected values, the output, its norm, the gated product and z with silu(z) (8
-    // value_dim), the chunk-local decay and attention matrices (5 value_heads x 64), one recurrent
-    // state per 64 tokens and a few per-head scalars (10 value_heads, which cover the norms'
-    // statistics). About 6x a gated attention layer's bytes for Qwen3-Next-80B-A3B's shapes.
+    // values, the output, its norm, the gated product and z with silu(z) (7 value_dim), the
+    // chunk-local decay and attention matrices (5 value_heads x 64) and a few per-head scalars (10
+    // value_heads, which cover the norms' statistics); not the recurrent states or the corrected
+    // values, which backward recomputes (kernels/chunk_state_recurrence.h's ChunkStateOutput).
+    // About 5x a gated attention layer's bytes for Qwen3-Next-80B-A3B's shapes.
     const int64_t value_heads = c.linear_num_value_heads / tp;
     const int64_t key_dim = c.linear_num_key_heads / tp * c.linear_key_head_dim;
     const int64_t value_dim = value_heads * c.linear_value_head_dim;
     const int64_t conv_dim = 2 * key_dim + value_dim;
-    const int64_t state = value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
     bytes.tensors +=
         (value_dim + conv_dim) * w +
-        compute * (2 * key_dim + 6 * value_heads * c.linear_key_head_dim + 8 * value_dim +
-                   5 * value_heads * kDeltaRuleChunk + state / kDeltaRuleChunk + 10 * value_heads);
+        compute * (2 * key_dim + 6 * value_heads * c.linear_key_head_dim + 7 * value_dim +
+                   5 * value_heads * kDeltaRuleChunk + 10 * value_heads);
     bytes.cache = conv_dim;
   } else {
     // This rank's heads: q and k after RoPE, v, the attention output; q and k before their norms;

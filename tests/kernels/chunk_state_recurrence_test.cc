@@ -8,10 +8,12 @@
 // GPU tests skip without a CUDA device.
 #include "kernels/chunk_state_recurrence.h"
 
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
 #include <cstdlib>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/kernel_testing.h"
+#include "tests/testing/live_cpu_bytes.h"
 
 namespace dta::kernels {
 namespace {
@@ -282,6 +285,76 @@ TEST(ChunkStateRecurrence, NoKernelOnTheCpu) {
 
 bool HaveCuda() { return torch::cuda::is_available(); }
 
+// ChunkStateOutput against the composition it replaces: at::matmul(Qd, h) + at::matmul(intra,
+// v_new) over ChunkStateRecurrence, in float64, outputs and the gradients of all seven inputs; with
+// the loss on both outputs and on each alone (the other's gradient undefined).
+TEST(ChunkStateOutput, EqualsTheRecurrenceAndTheOutputProducts) {
+  for (const Shape& s : {Shape{2, 3, 4, 5, 3}, Shape{1, 7, 1, 3, 7}, Shape{2, 19, 5, 4, 9}}) {
+    const Inputs in = RandomInputs(s, 40 + s.chunks);
+    at::manual_seed(50 + s.chunks);
+    const at::Tensor qd = at::randn({s.heads, s.chunks, s.chunk, s.dk}, kFloat64);
+    const at::Tensor intra = at::randn({s.heads, s.chunks, s.chunk, s.chunk}, kFloat64).tril();
+    const at::Tensor w_out = at::randn({s.heads, s.chunks, s.chunk, s.dv}, kFloat64);
+    const at::Tensor w_final = at::randn({s.heads, s.dk, s.dv}, kFloat64);
+    for (int which = 0; which < 3; ++which) {
+      SCOPED_TRACE(Name(s) + " loss on " + (which == 0 ? "both" : which == 1 ? "out" : "final"));
+      auto loss = [&](const at::Tensor& out, const at::Tensor& final_state) {
+        at::Tensor l = at::zeros({}, kFloat64);
+        if (which != 2) l = l + (out * w_out).sum();
+        if (which != 1) l = l + (final_state * w_final).sum();
+        return l;
+      };
+      const Inputs a = RequiringGrad(in), b = RequiringGrad(in);
+      const at::Tensor qa = qd.clone().requires_grad_(), qb = qd.clone().requires_grad_();
+      const at::Tensor ia = intra.clone().requires_grad_(), ib = intra.clone().requires_grad_();
+      const ChunkOutput ours = ChunkStateOutput(a.w, a.u, a.kd, a.d, a.s0, qa, ia);
+      const ChunkStates scan = ChunkStateRecurrence(b.w, b.u, b.kd, b.d, b.s0);
+      const at::Tensor out = at::matmul(qb, scan.states) + at::matmul(ib, scan.new_values);
+      EXPECT_LT(RelativeError(ours.out, out), 1e-12);
+      EXPECT_LT(RelativeError(ours.final_state, scan.final_state), 1e-12);
+      std::vector<at::Tensor> xa = a.all(), xb = b.all();
+      xa.insert(xa.end(), {qa, ia});
+      xb.insert(xb.end(), {qb, ib});
+      const auto ga = torch::autograd::grad({loss(ours.out, ours.final_state)}, xa, {},
+                                            std::nullopt, false, /*allow_unused=*/true);
+      const auto gb = torch::autograd::grad({loss(out, scan.final_state)}, xb, {}, std::nullopt,
+                                            false, /*allow_unused=*/true);
+      for (size_t i = 0; i < ga.size(); ++i) {
+        const at::Tensor expected = gb[i].defined() ? gb[i] : at::zeros_like(xb[i]);
+        const at::Tensor actual = ga[i].defined() ? ga[i] : at::zeros_like(xa[i]);
+        EXPECT_LT(RelativeError(actual, expected), 1e-12) << "input " << i;
+        if (i < 5 && which != 2) EXPECT_GT(expected.abs().max().item<double>(), 1e-6) << i;
+      }
+    }
+  }
+}
+
+// What the graph keeps: the composition saves h (a [Dk, Dv] state per chunk) and v_new for
+// backward; ChunkStateOutput keeps only its inputs (already alive), so the bytes that stay
+// allocated after its forward are the two outputs'.
+TEST(ChunkStateOutput, KeepsNoStatesForBackward) {
+  const Shape s{2, 16, 8, 16, 16};
+  const Inputs a = RequiringGrad(RandomInputs(s, 60));
+  const at::Tensor qd = at::randn({s.heads, s.chunks, s.chunk, s.dk}, kFloat64);
+  const at::Tensor intra = at::randn({s.heads, s.chunks, s.chunk, s.chunk}, kFloat64);
+  const int64_t states_bytes = s.heads * s.chunks * s.dk * s.dv * 8;
+  const int64_t outputs_bytes = (s.heads * s.chunks * s.chunk * s.dv + s.heads * s.dk * s.dv) * 8;
+  auto live_after = [&](auto&& forward) {
+    const auto live = std::make_shared<dta::testing::LiveCpuBytes>();
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, live);
+    [[maybe_unused]] const auto kept = forward();
+    return live->live();
+  };
+  const int64_t composed = live_after([&] {
+    const ChunkStates scan = ChunkStateRecurrence(a.w, a.u, a.kd, a.d, a.s0);
+    return at::matmul(qd, scan.states) + at::matmul(intra, scan.new_values);
+  });
+  const int64_t fused =
+      live_after([&] { return ChunkStateOutput(a.w, a.u, a.kd, a.d, a.s0, qd, intra); });
+  EXPECT_GE(composed, outputs_bytes + states_bytes);
+  EXPECT_LE(fused, outputs_bytes + 4096);
+}
+
 // `in` copied to the GPU, each tensor at a storage offset of one element when `unaligned` (so that
 // the kernel's 16-byte vector loads and stores are off).
 Inputs OnCuda(const Inputs& in, bool unaligned) {
@@ -372,6 +445,37 @@ TEST_P(ChunkStateKernel, AutogradThroughTheKernel) {
       {Loss(ChunkStateRecurrence(b.w, b.u, b.kd, b.d, b.s0, {.use_kernel = false}), lw)}, b.all());
   for (size_t i = 0; i < ga.size(); ++i) {
     EXPECT_LT(RelativeError(ga[i], gb[i]), tolerance) << kInputNames[i] << " " << Name(s);
+  }
+}
+
+// ChunkStateOutput through the kernel (its backward runs the forward scan again on the GPU)
+// against the ATen loop, outputs and the gradients of all seven inputs.
+TEST_P(ChunkStateKernel, OutputFunctionThroughTheKernel) {
+  const GpuCase c = GetParam();
+  const Shape& s = c.shape;
+  const at::TensorOptions o = kFloat64.dtype(c.type).device(at::kCUDA);
+  const Inputs in = OnCuda(RandomInputs(s, 52, kFloat64.dtype(c.type)), c.unaligned);
+  at::manual_seed(53);
+  const at::Tensor qd = at::randn({s.heads, s.chunks, s.chunk, s.dk}, o);
+  const at::Tensor intra = at::randn({s.heads, s.chunks, s.chunk, s.chunk}, o).tril();
+  const at::Tensor w_out = at::randn({s.heads, s.chunks, s.chunk, s.dv}, o);
+  const at::Tensor w_final = at::randn({s.heads, s.dk, s.dv}, o);
+  const double tolerance = c.type == at::kDouble ? 1e-12 : 1e-5;
+  auto run = [&](bool use_kernel) {
+    const Inputs a = RequiringGrad(in);
+    const at::Tensor q = qd.clone().requires_grad_(), i = intra.clone().requires_grad_();
+    const ChunkOutput r =
+        ChunkStateOutput(a.w, a.u, a.kd, a.d, a.s0, q, i, {.use_kernel = use_kernel});
+    std::vector<at::Tensor> x = a.all();
+    x.insert(x.end(), {q, i});
+    std::vector<at::Tensor> values =
+        torch::autograd::grad({(r.out * w_out).sum() + (r.final_state * w_final).sum()}, x);
+    values.insert(values.end(), {r.out.detach(), r.final_state.detach()});
+    return values;
+  };
+  const std::vector<at::Tensor> kernel = run(true), aten = run(false);
+  for (size_t i = 0; i < kernel.size(); ++i) {
+    EXPECT_LT(RelativeError(kernel[i], aten[i]), tolerance) << "value " << i << " " << Name(s);
   }
 }
 

@@ -225,17 +225,17 @@ GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q_in, const at::Tensor&
       q_in.to(type), k_in.to(type), v_in.to(type), g_in.to(type), beta_in.to(type), chunk_size);
 
   // Across chunks, the state recurrence: h_i, the state at chunk i's start, and
-  // v_new_i = new_values_i - k_cumdecay_i h_i, from one autograd function (one CUDA kernel each way
-  // on the GPU; kernels/chunk_state_recurrence.h). Each chunk's output is then
-  // q_decayed_i h_i + intra_i v_new_i, for all chunks in two batched matmuls.
-  const kernels::ChunkStates scan = kernels::ChunkStateRecurrence(
-      terms.k_cumdecay, terms.new_values, terms.k_decayed, terms.chunk_decay, state);
+  // v_new_i = new_values_i - k_cumdecay_i h_i (one CUDA kernel each way on the GPU;
+  // kernels/chunk_state_recurrence.h); each chunk's output q_decayed_i h_i + intra_i v_new_i, for
+  // all chunks in two batched matmuls. One autograd function, which keeps neither h nor v_new for
+  // backward: it runs the recurrence again.
+  const kernels::ChunkOutput scan =
+      kernels::ChunkStateOutput(terms.k_cumdecay, terms.new_values, terms.k_decayed,
+                                terms.chunk_decay, state, terms.q_decayed, terms.intra);
   const int64_t heads = v_in.size(1), chunks = terms.intra.size(1);
-  const at::Tensor out =
-      (at::matmul(terms.q_decayed, scan.states) + at::matmul(terms.intra, scan.new_values))
-          .view({heads, chunks * chunk_size, v_in.size(2)})
-          .narrow(1, 0, length)
-          .transpose(0, 1);
+  const at::Tensor out = scan.out.view({heads, chunks * chunk_size, v_in.size(2)})
+                             .narrow(1, 0, length)
+                             .transpose(0, 1);
   return {out, scan.final_state};
 }
 
