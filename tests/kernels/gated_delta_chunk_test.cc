@@ -335,6 +335,7 @@ const Shape kCudaShapes[] = {
     {50, 2, 4, 24, 40, 64},        // fewer tokens than a chunk, odd dims
     {77, 3, 6, 20, 36, 16},        // sizes no tile divides, small chunks
     {200, 2, 2, 100, 200, 64},     // a key dim no tile divides, value columns over several passes
+    {95, 1, 2, 32, 48, 20},        // a chunk no tile divides (padded to 32 rows), three chunks
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaTest, ::testing::ValuesIn(kCudaShapes), TestName);
