@@ -373,7 +373,7 @@ class FusedFunction : public torch::autograd::Function<FusedFunction> {
                                int64_t chunk_size) {
     const Sizes s = CheckInputs(q, k, v, g, beta, chunk_size);
     ChunkTerms t = FusedForward(q, k, v, g, beta, s);
-    // Inputs and two outputs only: backward recomputes S and P, and applies T^T by substitution.
+    // Inputs and two outputs only: backward recomputes S, P and the triangular blocks' inverses.
     ctx->save_for_backward({q, k, v, g, beta, t.new_values, t.k_cumdecay});
     ctx->saved_data["chunk_size"] = chunk_size;
     // Unused outputs' gradients stay undefined: the kernel reads them as zeros without a memset.

@@ -21,12 +21,12 @@
 // stack), as attention does for a prefix's K/V (executor/model/chunk_io.h's PrefixKv).
 //
 // Numerics: the delta rule, the L2 norms and the decays in float32 (float64 for float64 inputs);
-// float64 runs are exact references. Everything is ATen but the chunked rule's two parts, each a
-// CUDA kernel on a GPU (plain float32/float64 arithmetic): the intra-chunk terms, one kernel
-// forward for all chunks and an analytic backward (kernels/gated_delta_chunk.h;
-// DTA_GATED_DELTA_FUSED=0 turns it off), and the recurrence across chunks, one kernel each way
-// (kernels/chunk_state_recurrence.h; DTA_LINEAR_ATTENTION_KERNEL=0 turns it off); elsewhere
-// batched ATen ops and an ATen loop.
+// float64 runs are exact references. Everything is ATen but the chunked rule's two parts, CUDA
+// kernels on a GPU: the intra-chunk terms, one kernel each way for all chunks on tensor cores
+// (3xTF32 / DMMA; kernels/gated_delta_chunk.h; DTA_GATED_DELTA_FUSED=0 turns them off), and the
+// recurrence across chunks, one kernel each way in plain float32/float64 arithmetic
+// (kernels/chunk_state_recurrence.h; DTA_LINEAR_ATTENTION_KERNEL=0 turns it off), which with the
+// chunks' outputs keeps no state for backward; elsewhere batched ATen ops and an ATen loop.
 //
 // Example (one chain continuing a context):
 //   LinearContext context{.conv_inputs = last3, .state = s};
