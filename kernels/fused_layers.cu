@@ -17,15 +17,10 @@
 
 #include "kernels/float_access.cuh"
 #include "kernels/fused_layers_internal.h"
+#include "kernels/warp_sum.cuh"
 
 namespace dta::kernels::internal {
 namespace {
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 // The sum of v over the block (at most 1,024 threads), on every thread. `shared` holds 32 floats.
 __device__ float BlockSum(float v, float* shared) {

@@ -43,6 +43,7 @@
 
 #include "kernels/block_mma.cuh"
 #include "kernels/gated_delta_chunk_internal.h"
+#include "kernels/warp_sum.cuh"
 
 namespace dta::kernels::internal {
 namespace {
@@ -193,16 +194,13 @@ __device__ __forceinline__ void LoadChunk(const ChunkInputs<T>& p, int n, int h,
   __syncthreads();
 }
 
-// sum_d a[d] b[d] over d < n by one warp: lane l sums d = l, l + 32, ..., then a fixed tree of
-// shuffles; lane 0 holds the result.
+// sum_d a[d] b[d] over d < n by one warp: lane l sums d = l, l + 32, ..., then WarpSum; every
+// lane holds the result.
 template <typename T>
 __device__ __forceinline__ T WarpDot(const T* a, const T* b, int n) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
   T sum = T(0);
-  for (int d = lane; d < n; d += 32) sum += a[d] * b[d];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
-  return sum;
+  for (int d = static_cast<int>(threadIdx.x) % 32; d < n; d += 32) sum += a[d] * b[d];
+  return WarpSum(sum);
 }
 
 // inv[b + r][c] = ((I - N_bb)^-1)[r][c] for each 16-row diagonal block N_bb of the strictly lower
