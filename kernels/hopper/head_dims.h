@@ -13,7 +13,7 @@ constexpr bool HopperTreeAttentionForwardSupportsHeadDim(int head_dim) {
 
 // True when LaunchHopperTreeAttentionBackward is instantiated for head_dim.
 constexpr bool HopperTreeAttentionBackwardSupportsHeadDim(int head_dim) {
-  return head_dim == 64 || head_dim == 128;
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
 }  // namespace dta::kernels

@@ -4,9 +4,10 @@
 // P V as warpgroup MMAs (wgmma, fp32 accumulation), the softmax of one key tile overlapping the
 // next tile's Q K^T. The backward: the same producer / consumer split in a dQ kernel (query-tile
 // major) and a dK/dV kernel (key-tile major), no atomics, hence deterministic
-// (tree_attention_hopper_backward_kernel.cuh). Same semantics, index spaces, tile skipping and
-// outputs as the FlashAttention-2 kernels in kernels/tree_attention_kernel.cuh (which stay the
-// fallback for every other GPU and shape).
+// (tree_attention_hopper_backward_kernel.cuh; at head dim 256 the head-split kernels of
+// tree_attention_hopper_backward_head_split_kernel.cuh). Same semantics, index spaces, tile
+// skipping and outputs as the FlashAttention-2 kernels in kernels/tree_attention_kernel.cuh (which
+// stay the fallback for every other GPU and shape).
 //
 // Framework-free: the shared TreeAttentionParams in, cudaError_t out. Thread safety: stateless.
 // Only compiled when CMake finds the CUTLASS headers (DTA_KERNELS_HAVE_HOPPER).

@@ -2,6 +2,7 @@
 #include <cstdint>
 
 #include "kernels/hopper/tree_attention_hopper.h"
+#include "kernels/hopper/tree_attention_hopper_backward_head_split_kernel.cuh"
 #include "kernels/hopper/tree_attention_hopper_backward_kernel.cuh"
 
 namespace dta::kernels {
@@ -28,14 +29,39 @@ BackwardParams<D> MakeBackwardParams(const TreeAttentionParams& p) {
   return bp;
 }
 
-// kernel on ctas CTAs of BackwardTraits<D>::kThreads threads.
-template <int D, class Kernel, class Params>
-cudaError_t Launch(Kernel kernel, int64_t ctas, int smem, const Params& params,
+template <int D>
+HeadSplitBackwardParams<D> MakeHeadSplitParams(const TreeAttentionParams& p) {
+  HeadSplitBackwardParams<D> bp;
+  static_cast<TreeAttentionParams&>(bp) = p;
+  const auto slayout = take<0, 2>(typename ForwardTraits<D>::SmemLayoutKV{});
+  const auto tile = typename ForwardTraits<D>::TileKV{};
+  bp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, Gmem<D>(p.q, p.tokens, p.q_heads, p.q_row_stride),
+                           slayout, tile, _1{});
+  bp.tma_do = make_tma_copy(SM90_TMA_LOAD{},
+                            Gmem<D>(p.grad_out, p.tokens, p.q_heads, p.grad_out_row_stride),
+                            slayout, tile, _1{});
+  SetKeyValueTmas<D>(p, bp);
+  return bp;
+}
+
+// kernel on ctas CTAs of `threads` threads.
+template <class Kernel, class Params>
+cudaError_t Launch(Kernel kernel, int64_t ctas, int threads, int smem, const Params& params,
                    cudaStream_t stream) {
   if (ctas <= 0 || ctas > INT32_MAX) return cudaErrorInvalidValue;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(ctas), BackwardTraits<D>::kThreads, smem, stream>>>(params);
+  kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// Fills p.row_stats (HopperRowStatsKernel) for the dK/dV kernels' 64-row query tiles.
+cudaError_t LaunchRowStats(const TreeAttentionParams& p, cudaStream_t stream) {
+  constexpr int kBM = kHopperBackwardQueryTile;
+  constexpr int kStatThreads = 256;
+  const int64_t rows = static_cast<int64_t>(p.q_heads) * ((p.tokens + kBM - 1) / kBM) * kBM;
+  HopperRowStatsKernel<kBM><<<static_cast<unsigned>((rows + kStatThreads - 1) / kStatThreads),
+                              kStatThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -50,20 +76,47 @@ cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPa
   switch (part) {
     case TreeAttentionBackwardPart::kDq: {
       const int64_t m_blocks = (p.tokens + Traits::kDqBM - 1) / Traits::kDqBM;
-      return Launch<D>(HopperDqKernel<D>, m_blocks * p.q_heads, Traits::kDqSmemBytes, bp, stream);
+      return Launch(HopperDqKernel<D>, m_blocks * p.q_heads, Traits::kThreads, Traits::kDqSmemBytes,
+                    bp, stream);
     }
     case TreeAttentionBackwardPart::kDkDv: {
       if (p.row_stats == nullptr) return cudaErrorInvalidValue;
-      constexpr int kBM = Traits::kKvBM;
+      static_assert(Traits::kKvBM == kHopperBackwardQueryTile, "row_stats' tiles");
       constexpr int kBN = Traits::kKvBN;
-      constexpr int kStatThreads = 256;
-      const int64_t rows = static_cast<int64_t>(p.q_heads) * ((p.tokens + kBM - 1) / kBM) * kBM;
-      HopperRowStatsKernel<kBM><<<static_cast<unsigned>((rows + kStatThreads - 1) / kStatThreads),
-                                  kStatThreads, 0, stream>>>(p);
-      const cudaError_t err = cudaGetLastError();
+      const cudaError_t err = LaunchRowStats(p, stream);
       if (err != cudaSuccess) return err;
       const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
-      return Launch<D>(HopperDkDvKernel<D>, tiles * p.kv_heads, Traits::kDkDvSmemBytes, bp, stream);
+      return Launch(HopperDkDvKernel<D>, tiles * p.kv_heads, Traits::kThreads,
+                    Traits::kDkDvSmemBytes, bp, stream);
+    }
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+// The same parts at wide heads (tree_attention_hopper_backward_head_split_kernel.cuh).
+template <int D>
+cudaError_t LaunchHeadSplitBackward(const TreeAttentionParams& p, TreeAttentionBackwardPart part,
+                                    cudaStream_t stream) {
+  using Traits = HeadSplitBackwardTraits<D>;
+  if (!OperandsFitTma(p) || !Aligned16(p.grad_out, p.grad_out_row_stride)) {
+    return cudaErrorInvalidValue;
+  }
+  const HeadSplitBackwardParams<D> bp = MakeHeadSplitParams<D>(p);
+  switch (part) {
+    case TreeAttentionBackwardPart::kDq: {
+      const int64_t m_blocks = (p.tokens + Traits::kBM - 1) / Traits::kBM;
+      return Launch(HopperDqHeadSplitKernel<D>, m_blocks * p.q_heads, Traits::kThreads,
+                    Traits::kDqSmemBytes, bp, stream);
+    }
+    case TreeAttentionBackwardPart::kDkDv: {
+      if (p.row_stats == nullptr) return cudaErrorInvalidValue;
+      const cudaError_t err = LaunchRowStats(p, stream);
+      if (err != cudaSuccess) return err;
+      constexpr int kBN = Traits::kBN;
+      const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
+      return Launch(HopperDkDvHeadSplitKernel<D>, tiles * p.kv_heads, Traits::kThreads,
+                    Traits::kDkDvSmemBytes, bp, stream);
     }
     default:
       return cudaErrorInvalidValue;
@@ -80,6 +133,8 @@ cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int 
       return hopper_detail::LaunchBackward<64>(p, part, stream);
     case 128:
       return hopper_detail::LaunchBackward<128>(p, part, stream);
+    case 256:
+      return hopper_detail::LaunchHeadSplitBackward<256>(p, part, stream);
     default:
       return cudaErrorInvalidValue;
   }

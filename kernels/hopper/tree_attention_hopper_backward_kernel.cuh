@@ -174,6 +174,161 @@ __global__ void HopperRowStatsKernel(const TreeAttentionParams p) {
   stats[BM + column] = row < p.tokens ? p.row_dot[at] : 0.f;
 }
 
+// The query tile a dQ kernel's CTA owns (later, heavier under causal masks, query tiles first,
+// heads fastest), its kv head and the key tiles it visits.
+template <int kBM, int kBN, int kSubTiles>
+struct DqUnit {
+  int h;
+  int m_block;
+  int hk;
+  int i0;
+  int i1;  // min(i0 + kBM, T)
+  TileWalk<kBN, kSubTiles> walk;
+
+  __device__ __forceinline__ explicit DqUnit(const TreeAttentionParams& p) {
+    const int m_blocks = (p.tokens + kBM - 1) / kBM;
+    h = blockIdx.x % p.q_heads;
+    m_block = m_blocks - 1 - static_cast<int>(blockIdx.x / p.q_heads);
+    hk = h / (p.q_heads / p.kv_heads);
+    i0 = m_block * kBM;
+    i1 = min(i0 + kBM, p.tokens);
+    const int n_pre = (p.prefix + kBN - 1) / kBN;
+    constexpr int kSub = tree_attention_detail::kKeyTile;
+    walk = {p.tile_max_end, n_pre, n_pre + (i1 + kBN - 1) / kBN, (p.tokens + kSub - 1) / kSub, i0};
+  }
+};
+
+// The key tile a dK/dV kernel's CTA owns (prefix tiles first, then chunk tiles from the start:
+// heavier under causal masks first), its kv head and the query tiles [q_first, q_first + nq) of
+// each query head of the group that see it.
+template <int kBM, int kBN, int kSubTiles>
+struct DkDvUnit {
+  int tile;  // prefix tile `tile` < n_pre, else chunk tile tile - n_pre
+  int hk;
+  int n_pre;
+  bool is_prefix;
+  int j0;  // the tile's first key, within the prefix or the chunk
+  int q_first = 0;
+  int nq;
+  int tile_min_end = 0;  // min key_end over the tile's keys (chunk tiles whole in the chunk)
+
+  __device__ __forceinline__ explicit DkDvUnit(const TreeAttentionParams& p) {
+    tile = blockIdx.x / p.kv_heads;
+    hk = blockIdx.x % p.kv_heads;
+    n_pre = (p.prefix + kBN - 1) / kBN;
+    is_prefix = tile < n_pre;
+    j0 = (is_prefix ? tile : tile - n_pre) * kBN;
+    int q_last = (p.tokens + kBM - 1) / kBM;
+    if (!is_prefix) {
+      const int n_sub =
+          (p.tokens + tree_attention_detail::kKeyTile - 1) / tree_attention_detail::kKeyTile;
+      int max_end = 0;
+      tile_min_end = p.tokens;
+#pragma unroll
+      for (int s = 0; s < kSubTiles; ++s) {
+        const int sub = j0 / tree_attention_detail::kKeyTile + s;
+        if (sub < n_sub) {
+          max_end = max(max_end, __ldg(p.tile_max_end + sub));
+          tile_min_end = min(tile_min_end, __ldg(p.tile_min_end + sub));
+        }
+      }
+      q_first = j0 / kBM;
+      q_last = (max_end + kBM - 1) / kBM;
+    }
+    nq = max(q_last - q_first, 0);
+  }
+};
+
+// A dQ kernel's producer thread, after the unit's Q and dO: K and V of every key tile the walk
+// visits into the stages of sK and sV ((rows, D, stages)) through `pipeline`.
+template <int D, class Params, class Unit, class SmemKV, class Pipeline>
+__device__ __forceinline__ void ProduceKeyTiles(const Params& p, const Unit& u, SmemKV& sK,
+                                                SmemKV& sV, Pipeline& pipeline) {
+  auto load_k = KeyTileLoader<D>(p.tma_k, p.tma_prefix_k, p, u.hk, u.walk.n_pre, sK);
+  auto load_v = KeyTileLoader<D>(p.tma_v, p.tma_prefix_v, p, u.hk, u.walk.n_pre, sV);
+  auto write = cutlass::make_producer_start_state<Pipeline>();
+  for (int it = u.walk.Next(0); it < u.walk.n_total; it = u.walk.Next(it + 1)) {
+    pipeline.producer_acquire(write);
+    const int stage = write.index();
+    auto& bar = *pipeline.producer_get_barrier(write);
+    load_k(it, stage, bar);
+    load_v(it, stage, bar);
+    ++write;
+  }
+}
+
+// A dQ kernel's producer thread: the unit's Q and dO (kBM-row boxes of tma_q and tma_do) into sQ
+// and sdO (a tile, or a ring of one stage) on q_barrier, then ProduceKeyTiles.
+template <int D, int kBM, class Params, class Tma, class Unit, class SmemQ, class SmemKV,
+          class Pipeline>
+__device__ __forceinline__ void ProduceDqInputs(const Params& p, const Tma& tma_q,
+                                                const Tma& tma_do, const Unit& u, SmemQ& sQ,
+                                                SmemQ& sdO,
+                                                cutlass::arch::ClusterTransactionBarrier& q_barrier,
+                                                SmemKV& sK, SmemKV& sV, Pipeline& pipeline) {
+  Tensor mQ = tma_q.get_tma_tensor(make_shape(p.tokens, D, p.q_heads));
+  Tensor mdO = tma_do.get_tma_tensor(make_shape(p.tokens, D, p.q_heads));
+  auto tile_q = Shape<Int<kBM>, Int<D>>{};
+  Tensor gQ = local_tile(mQ(_, _, u.h), tile_q, make_coord(u.m_block, _0{}));
+  Tensor gdO = local_tile(mdO(_, _, u.h), tile_q, make_coord(u.m_block, _0{}));
+  auto [tQg, tQs] =
+      tma_partition(tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+  auto [tdOg, tdOs] =
+      tma_partition(tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+  q_barrier.arrive_and_expect_tx(2 * kBM * D * sizeof(Element));
+  auto& bar_q = reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(q_barrier);
+  if constexpr (decltype(rank(sQ))::value == 3) {
+    copy(tma_q.with(bar_q, 0), tQg, tQs(_, 0));
+    copy(tma_do.with(bar_q, 0), tdOg, tdOs(_, 0));
+  } else {
+    copy(tma_q.with(bar_q, 0), tQg, tQs);
+    copy(tma_do.with(bar_q, 0), tdOg, tdOs);
+  }
+  ProduceKeyTiles<D>(p, u, sK, sV, pipeline);
+}
+
+// A dK/dV kernel's producer thread: the unit's K and V tile into sK and sV ((rows, D, 1)) on
+// barrier_kv, then, for each query head of the group and each query tile that sees the keys, the
+// tile's Q and dO (kBM-row boxes of tma_q and tma_do) into the stages of sQ and sdO and its row
+// statistics (p.row_stats, kStatFloats per tile) into stats[stage * kStatFloats] through
+// `pipeline`.
+template <int D, int kBM, int kStatFloats, class Params, class Tma, class Unit, class SmemKV,
+          class SmemQ, class Pipeline>
+__device__ __forceinline__ void ProduceQueryTiles(const Params& p, const Tma& tma_q,
+                                                  const Tma& tma_do, const Unit& u, SmemKV& sK,
+                                                  SmemKV& sV, SmemQ& sQ, SmemQ& sdO, float* stats,
+                                                  cutlass::arch::ClusterTransactionBarrier& kv,
+                                                  uint32_t kv_bytes, Pipeline& pipeline) {
+  auto& bar_kv = reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(kv);
+  kv.arrive_and_expect_tx(kv_bytes);
+  KeyTileLoader<D>(p.tma_k, p.tma_prefix_k, p, u.hk, u.n_pre, sK)(u.tile, 0, bar_kv);
+  KeyTileLoader<D>(p.tma_v, p.tma_prefix_v, p, u.hk, u.n_pre, sV)(u.tile, 0, bar_kv);
+  Tensor mQ = tma_q.get_tma_tensor(make_shape(p.tokens, D, p.q_heads));
+  Tensor mdO = tma_do.get_tma_tensor(make_shape(p.tokens, D, p.q_heads));
+  auto tile_q = Shape<Int<kBM>, Int<D>>{};
+  const int m_blocks = (p.tokens + kBM - 1) / kBM;
+  const int group = p.q_heads / p.kv_heads;
+  auto write = cutlass::make_producer_start_state<Pipeline>();
+  for (int iter = 0; iter < group * u.nq; ++iter) {
+    const int h = u.hk * group + iter / u.nq;
+    const int m = u.q_first + iter % u.nq;
+    Tensor gQ = local_tile(mQ(_, _, h), tile_q, make_coord(m, _0{}));
+    Tensor gdO = local_tile(mdO(_, _, h), tile_q, make_coord(m, _0{}));
+    auto [tQg, tQs] =
+        tma_partition(tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOg, tdOs] =
+        tma_partition(tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    pipeline.producer_acquire(write);
+    const int stage = write.index();
+    auto* bar = pipeline.producer_get_barrier(write);
+    copy(tma_q.with(*bar, 0), tQg, tQs(_, stage));
+    copy(tma_do.with(*bar, 0), tdOg, tdOs(_, stage));
+    SM90_BULK_COPY_G2S::copy(p.row_stats + (static_cast<int64_t>(h) * m_blocks + m) * kStatFloats,
+                             bar, stats + stage * kStatFloats, kStatFloats * sizeof(float));
+    ++write;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // dQ.
 
@@ -183,7 +338,6 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
   using Traits = BackwardTraits<D>;
   using Pipeline = typename Traits::PipelineDq;
   using PipelineState = cutlass::PipelineState<Traits::kDqStages>;
-  using Walk = TileWalk<Traits::kDqBN, Traits::kDqSubTiles>;
   constexpr int kBM = Traits::kDqBM;
   constexpr int kBN = Traits::kDqBN;
 
@@ -192,17 +346,11 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   const int tokens = p.tokens;
-  const int m_blocks = (tokens + kBM - 1) / kBM;
-  // Later (heavier under causal masks) query tiles first, heads fastest.
-  const int h = blockIdx.x % p.q_heads;
-  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x / p.q_heads);
-  const int hk = h / (p.q_heads / p.kv_heads);
-  const int i0 = m_block * kBM;
-  const int i1 = min(i0 + kBM, tokens);
-  const int n_pre = (p.prefix + kBN - 1) / kBN;
-  const int n_sub =
-      (tokens + tree_attention_detail::kKeyTile - 1) / tree_attention_detail::kKeyTile;
-  const Walk walk{p.tile_max_end, n_pre, n_pre + (i1 + kBN - 1) / kBN, n_sub, i0};
+  const DqUnit<kBM, kBN, Traits::kDqSubTiles> unit(p);
+  const int h = unit.h;
+  const int i0 = unit.i0;
+  const int n_pre = unit.walk.n_pre;
+  const auto& walk = unit.walk;
 
   if (threadIdx.x == 0) {
     smem.barrier_q.init(1);
@@ -226,31 +374,8 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x != 0) return;
-    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(tokens, D, p.q_heads));
-    Tensor mdO = p.tma_do.get_tma_tensor(make_shape(tokens, D, p.q_heads));
-    auto tile_q = typename Traits::Forward::TileQ{};
-    Tensor gQ = local_tile(mQ(_, _, h), tile_q, make_coord(m_block, _0{}));
-    Tensor gdO = local_tile(mdO(_, _, h), tile_q, make_coord(m_block, _0{}));
-    auto [tQg, tQs] =
-        tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tdOg, tdOs] =
-        tma_partition(p.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-    smem.barrier_q.arrive_and_expect_tx(2 * Traits::kDqQBytes);
-    auto& bar_q =
-        reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(smem.barrier_q);
-    copy(p.tma_q.with(bar_q, 0), tQg, tQs);
-    copy(p.tma_do.with(bar_q, 0), tdOg, tdOs);
-    auto load_k = KeyTileLoader<D>(p.tma_k, p.tma_prefix_k, p, hk, n_pre, sK);
-    auto load_v = KeyTileLoader<D>(p.tma_v, p.tma_prefix_v, p, hk, n_pre, sV);
-    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    for (int it = walk.Next(0); it < walk.n_total; it = walk.Next(it + 1)) {
-      pipeline.producer_acquire(write);
-      const int stage = write.index();
-      auto& bar = *pipeline.producer_get_barrier(write);
-      load_k(it, stage, bar);
-      load_v(it, stage, bar);
-      ++write;
-    }
+    static_assert(Traits::kDqQBytes == kBM * D * sizeof(Element), "Q's box is the unit's tile");
+    ProduceDqInputs<D, kBM>(p, p.tma_q, p.tma_do, unit, sQ, sdO, smem.barrier_q, sK, sV, pipeline);
     return;
   }
 
@@ -358,34 +483,12 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   const int tokens = p.tokens;
-  const int group = p.q_heads / p.kv_heads;
-  // Prefix tiles first, then chunk tiles from the start (heavier under causal masks first).
-  const int tile = blockIdx.x / p.kv_heads;
-  const int hk = blockIdx.x % p.kv_heads;
-  const int n_pre = (p.prefix + kBN - 1) / kBN;
-  const bool is_prefix = tile < n_pre;
-  const int j0 = (is_prefix ? tile : tile - n_pre) * kBN;  // within the prefix or the chunk
-  const int n_sub =
-      (tokens + tree_attention_detail::kKeyTile - 1) / tree_attention_detail::kKeyTile;
-  int q_first = 0;
-  int q_last = (tokens + kBM - 1) / kBM;
-  int tile_min_end = 0;  // min key_end over the tile's keys (chunk tiles whole in the chunk)
-  if (!is_prefix) {
-    int max_end = 0;
-    tile_min_end = tokens;
-#pragma unroll
-    for (int s = 0; s < Traits::kKvSubTiles; ++s) {
-      const int sub = j0 / tree_attention_detail::kKeyTile + s;
-      if (sub < n_sub) {
-        max_end = max(max_end, __ldg(p.tile_max_end + sub));
-        tile_min_end = min(tile_min_end, __ldg(p.tile_min_end + sub));
-      }
-    }
-    q_first = j0 / kBM;
-    q_last = (max_end + kBM - 1) / kBM;
-  }
-  const int nq = max(q_last - q_first, 0);
-  const int n_iter = group * nq;
+  const DkDvUnit<kBM, kBN, Traits::kKvSubTiles> unit(p);
+  const int hk = unit.hk;
+  const bool is_prefix = unit.is_prefix;
+  const int j0 = unit.j0;
+  const int nq = unit.nq;
+  const int n_iter = (p.q_heads / p.kv_heads) * nq;
 
   if (threadIdx.x == 0) {
     smem.barrier_kv.init(1);
@@ -407,35 +510,9 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x != 0) return;
-    auto& bar_kv =
-        reinterpret_cast<cutlass::arch::ClusterTransactionBarrier::ValueType&>(smem.barrier_kv);
-    smem.barrier_kv.arrive_and_expect_tx(2 * Traits::kKvTileBytes);
-    KeyTileLoader<D>(p.tma_k, p.tma_prefix_k, p, hk, n_pre, sK)(tile, 0, bar_kv);
-    KeyTileLoader<D>(p.tma_v, p.tma_prefix_v, p, hk, n_pre, sV)(tile, 0, bar_kv);
-    Tensor mQ = p.tma_q64.get_tma_tensor(make_shape(tokens, D, p.q_heads));
-    Tensor mdO = p.tma_do64.get_tma_tensor(make_shape(tokens, D, p.q_heads));
-    auto tile_q = Shape<Int<kBM>, Int<D>>{};
-    const int m_blocks = (tokens + kBM - 1) / kBM;
-    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    for (int iter = 0; iter < n_iter; ++iter) {
-      const int h = hk * group + iter / nq;
-      const int m = q_first + iter % nq;
-      Tensor gQ = local_tile(mQ(_, _, h), tile_q, make_coord(m, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, h), tile_q, make_coord(m, _0{}));
-      auto [tQg, tQs] = tma_partition(p.tma_q64, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
-      auto [tdOg, tdOs] = tma_partition(p.tma_do64, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                        group_modes<0, 2>(gdO));
-      pipeline.producer_acquire(write);
-      const int stage = write.index();
-      auto* bar = pipeline.producer_get_barrier(write);
-      copy(p.tma_q64.with(*bar, 0), tQg, tQs(_, stage));
-      copy(p.tma_do64.with(*bar, 0), tdOg, tdOs(_, stage));
-      SM90_BULK_COPY_G2S::copy(
-          p.row_stats + (static_cast<int64_t>(h) * m_blocks + m) * Traits::kKvStatFloats, bar,
-          smem.row_stats.data() + stage * Traits::kKvStatFloats, Traits::kKvStatBytes);
-      ++write;
-    }
+    ProduceQueryTiles<D, kBM, Traits::kKvStatFloats>(p, p.tma_q64, p.tma_do64, unit, sK, sV, sQ,
+                                                     sdO, smem.row_stats.data(), smem.barrier_kv,
+                                                     2 * Traits::kKvTileBytes, pipeline);
     return;
   }
 
@@ -483,14 +560,14 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
   smem.barrier_kv.wait(0);
   PipelineState read;
   for (int iter = 0; iter < n_iter; ++iter) {
-    const int q0 = (q_first + iter % nq) * kBM;
+    const int q0 = (unit.q_first + iter % nq) * kBM;
     pipeline.consumer_wait(read);
     const int stage = read.index();
     WarpgroupGemm<true, -1>(mma_st, tSrK, tSrQ(_, _, _, stage), acc_st);
     WarpgroupGemm<true, -1>(mma_st, tSrV, tSrdO(_, _, _, stage), acc_dpt);
     // Unmasked iff every key of the tile sees every query of the tile.
     const bool masked = key_tile_partial || q0 + kBM > tokens ||
-                        (!is_prefix && (j0 + kBN - 1 > q0 || q0 + kBM > tile_min_end));
+                        (!is_prefix && (j0 + kBN - 1 > q0 || q0 + kBM > unit.tile_min_end));
     const float* stats = smem.row_stats.data() + stage * Traits::kKvStatFloats;
     // Element i holds key row (i / 2) % 2 of the pair and query column 8 (i / 4) + 2 t + i % 2:
     // elements 2 i and 2 i + 1 are columns 8 (i / 2) + 2 t + {0, 1} of row i % 2, so each

@@ -4,7 +4,7 @@
 // Same inputs and tolerances as tree_attention_test.cc (out and gradients within 1e-2 of the
 // reference's largest magnitude, lse within 1e-3): chains, random forests and 64-leaf trees;
 // T in {1, 3, 7, 19, 200, 733, 2100, 4099, 6007, 8192, 16001}; P in {0, 37, 700, 1200, 3000,
-// 3001}; D = 128, 64 and 256 (the forward only: the backward is FlashAttention-2's there); Hq:Hkv
+// 3001}; D = 128, 64 and 256 (the backward's head-split kernels there); Hq:Hkv
 // 16:8, 32:8, 8:8, 8:2, 14:2, 2:1, 16:2, 4:1; k and v as head slices of one projection, the prefix
 // as the head of a larger cache; diffuse and peaked rows; the exact lse-counts test with q = 0. The
 // Hopper backward (fed by the Hopper forward's out and lse) adds the prefix gradients into strided
@@ -51,7 +51,7 @@ struct Case {
 };
 
 // The head dims the Hopper kernels are compiled for; the fixture probes both.
-constexpr int64_t kHeadDims[] = {64, 128};
+constexpr int64_t kHeadDims[] = {64, 128, 256};
 // The long-chain test's head dim (the benchmark's).
 constexpr int64_t kHeadDim = 128;
 
@@ -316,19 +316,9 @@ TEST_F(HopperTreeAttention, LongChainMatchesTheFa2Forward) {
 }
 
 // Head dim 256 (Qwen3-Next / Qwen3.5 attention layers): the Hopper forward at 64-key tiles and 2
-// stages; the backward stays FlashAttention-2's (HopperTreeAttentionBackwardSupportsHeadDim), so
-// CheckCase's "Hopper" backward runs are those kernels too.
+// stages, the backward's head-split kernels (64 x 64 score tiles shared through shared memory,
+// each warpgroup half of the gradient's columns), through every shape class of the D = 128 tests.
 TEST_F(HopperTreeAttention, HeadDim256) {
-  {
-    const at::Tensor probe =
-        at::empty({1, 1, 256}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
-    internal::TreeAttentionShape shape;
-    shape.tokens = 1;
-    shape.q_heads = shape.kv_heads = 1;
-    shape.head_dim = 256;
-    const ScopedEnv on(kForwardEnv, "1");
-    ASSERT_TRUE(internal::UsesHopperForward(shape, probe));
-  }
   CheckCase(AtHeadDim(256, {1, 0, 16, 8, TreeKind::kChain}), 91);
   CheckCase(AtHeadDim(256, {7, 3000, 16, 2, TreeKind::kChain}), 92);
   CheckCase(AtHeadDim(256, {19, 3001, 8, 8, TreeKind::kRandom, true}), 93);
@@ -440,11 +430,11 @@ TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
     shape.head_dim = 64;
     EXPECT_TRUE(internal::UsesHopperForward(shape, q.narrow(2, 0, 64)));
     EXPECT_TRUE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 64)));
-    shape.head_dim = 256;  // the forward only
+    shape.head_dim = 256;
     const at::Tensor q256 =
         at::zeros({5, 16, 256}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
     EXPECT_TRUE(internal::UsesHopperForward(shape, q256));
-    EXPECT_FALSE(internal::UsesHopperBackward(shape, q256));
+    EXPECT_TRUE(internal::UsesHopperBackward(shape, q256));
     shape.head_dim = 96;  // compiled for neither kernel family
     EXPECT_FALSE(internal::UsesHopperForward(shape, q.narrow(2, 0, 96)));
     EXPECT_FALSE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 96)));
