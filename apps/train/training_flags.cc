@@ -75,8 +75,8 @@ ABSL_FLAG(std::string, checkpoint_dtype, "bfloat16",
           "resuming is exact either way (the optimizer's master weights)");
 ABSL_FLAG(int64_t, block_size, BlockSizeFlag(kExecutorDefaults.block_size),
           "dta: B, the most tokens per backward chunk (0 = unbounded, -1 = automatic: the longest "
-          "rollout if "
-          "its graph fits in the free GPU memory, else what fits)");
+          "rollout if its graph fits in the free GPU memory, else what fits; with --pack at least "
+          "8192 tokens, and for mixture-of-experts models all that fits)");
 ABSL_FLAG(int64_t, graph_budget, kExecutorDefaults.graph_budget,
           "dta: tokens whose graphs may be kept instead of recomputed; -1: as many as fit in 80% "
           "of the GPU's free "

@@ -44,6 +44,14 @@ int64_t LargestFitting(int64_t low, int64_t high, const Fits& fits) {
 
 }  // namespace
 
+int64_t MostAutomaticBlock(const ModelConfig& config, int64_t longest_rollout, bool pack) {
+  if (!pack) return std::max<int64_t>(longest_rollout, 1);
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    if (IsSparseLayer(config, layer)) return kUncappedAutomaticBlock;
+  }
+  return std::max(longest_rollout, kPackedAutomaticBlock);
+}
+
 absl::StatusOr<ChunkCapacity> FitChunksInMemory(const ModelConfig& config,
                                                 ExecutorMemoryOptions options,
                                                 int64_t available_bytes, int32_t tensor_parallel,
@@ -67,9 +75,8 @@ absl::StatusOr<ChunkCapacity> FitChunksInMemory(const ModelConfig& config,
 
   // An unbounded B (kUnboundedBlock) lets packed steps grow to whole subtrees, which no estimate
   // from the longest rollout bounds: under a budget it is capped as an automatic one is.
-  constexpr int64_t kUnbounded = int64_t{1} << 40;
-  const int64_t most_block = auto_block || options.block_size >= kUnbounded
-                                 ? std::max(longest, options.pack ? kPackedAutomaticBlock : 1)
+  const int64_t most_block = auto_block || options.block_size >= kUncappedAutomaticBlock
+                                 ? MostAutomaticBlock(config, longest, options.pack)
                                  : options.block_size;
   const int64_t least_block = std::min({kLeastAutomaticBlock, longest, most_block});
   if (!fits(least_block, 0)) {

@@ -586,8 +586,8 @@ ChunkPlan ResolveChunkPlan(const Decoder& model, const ExecutorOptions& options,
       static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
   if (auto_block) {
     // Chunks of at least kLeastAutomaticBlock tokens (a device that cannot hold them will say
-    // so), at most the longest rollout, or kPackedAutomaticBlock with packing if that is more.
-    const int64_t most = std::max(longest, options.pack ? kPackedAutomaticBlock : int64_t{1});
+    // so), at most MostAutomaticBlock (the longest rollout, or more with packing).
+    const int64_t most = MostAutomaticBlock(model.config(), longest, options.pack);
     plan.block_size =
         std::clamp<int64_t>(fit - plan.graph_budget, std::min(kLeastAutomaticBlock, longest), most);
   }

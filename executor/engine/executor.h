@@ -42,7 +42,8 @@ enum class Method { kDense, kPacked, kDta };
 // ExecutorOptions::graph_budget: size the budget from the memory the GPU has free.
 inline constexpr int64_t kAutoGraphBudget = -1;
 // ExecutorOptions::block_size: the longest rollout if its graph fits in the memory the GPU has
-// free, else what fits.
+// free, else what fits (with packing: at least 8192 tokens, and for mixture-of-experts models all
+// that fits).
 inline constexpr int64_t kAutoBlockSize = -1;
 enum class LeafOrderKind { kBackwardDfs, kLexicographic };
 
@@ -52,9 +53,11 @@ struct ExecutorOptions {
   // kAutoBlockSize, sizes it from memory: with the graphs of B + graph_budget tokens in 80% of the
   // device memory free when the step starts (after the path stack), B is the longest rollout if
   // that fits (a rollout then runs in one chunk, as dense runs it: nothing shared costs nothing
-  // extra; with `pack`, at least 8192 tokens, so that packed steps are large), else what fits
-  // beside an explicit graph budget; an automatic graph budget then takes what B leaves. On the
-  // CPU it means the longest rollout.
+  // extra; with `pack`, at least 8192 tokens, so that packed steps are large, and for models with
+  // sparse mixture-of-experts layers every token that fits: each backward chunk accumulates all
+  // their experts' weight gradients, core/layout/chunk_capacity.h's MostAutomaticBlock), else what
+  // fits beside an explicit graph budget; an automatic graph budget then takes what B leaves. On
+  // the CPU it means the longest rollout.
   int64_t block_size = kAutoBlockSize;
   // kDta: the order in which rollouts are visited. Default: AReaL-DTA Algorithm 1.
   LeafOrderKind order = LeafOrderKind::kBackwardDfs;

@@ -88,6 +88,50 @@ TEST(FitChunksInMemory, PackingReachesPackedSizedStepsAndCapsAnUnboundedBlock) {
   EXPECT_EQ(Fit(config, options, 64 * kGiB).block_size, 20000);
 }
 
+// Mixture-of-experts models amortize the experts' weight-gradient accumulation over larger packed
+// steps: with packing their automatic B takes as many tokens as fit; without packing (B beyond the
+// longest rollout changes no chunk) and for dense models the caps stay.
+TEST(MostAutomaticBlock, UncappedOnlyForPackedMixtureOfExperts) {
+  for (const char* dense : {"qwen3-0.6b", "llama-3.2-1b"}) {
+    SCOPED_TRACE(dense);
+    EXPECT_EQ(MostAutomaticBlock(Preset(dense), 1000, true), kPackedAutomaticBlock);
+    EXPECT_EQ(MostAutomaticBlock(Preset(dense), 20000, true), 20000);
+    EXPECT_EQ(MostAutomaticBlock(Preset(dense), 1000, false), 1000);
+  }
+  for (const char* moe : {"qwen3-moe-small", "qwen3-next-small", "qwen3-30b-a3b"}) {
+    SCOPED_TRACE(moe);
+    EXPECT_EQ(MostAutomaticBlock(Preset(moe), 1000, true), kUncappedAutomaticBlock);
+    EXPECT_EQ(MostAutomaticBlock(Preset(moe), 1000, false), 1000);
+  }
+  // A MoE family whose every layer stays dense (mlp_only_layers) is a dense model here.
+  ModelConfig all_dense = Preset("qwen3-moe-small");
+  all_dense.mlp_only_layers.clear();
+  for (int64_t layer = 0; layer < all_dense.num_hidden_layers; ++layer)
+    all_dense.mlp_only_layers.push_back(layer);
+  EXPECT_EQ(MostAutomaticBlock(all_dense, 1000, true), kPackedAutomaticBlock);
+}
+
+TEST(FitChunksInMemory, MixtureOfExpertsBlocksTakeWhatFits) {
+  const ModelConfig config = Preset("qwen3-moe-small");
+  ExecutorMemoryOptions options{.longest_rollout = 4096, .pack = true};
+  for (const int64_t available : {4 * kGiB, 16 * kGiB, 48 * kGiB}) {
+    SCOPED_TRACE(available);
+    const ChunkCapacity fit = Fit(config, options, available);
+    EXPECT_LE(AboveStack(config, options, fit.block_size, fit.graph_budget), available);
+    // The largest B that fits, past the packed cap once the memory allows; graphs take only what
+    // is left of a token.
+    EXPECT_GT(AboveStack(config, options, fit.block_size + 1, 0), available);
+    if (available >= 48 * kGiB) {
+      EXPECT_GT(fit.block_size, kPackedAutomaticBlock);
+    }
+  }
+  // Without packing B stops at the longest rollout, and graphs take the rest.
+  options.pack = false;
+  const ChunkCapacity unpacked = Fit(config, options, 48 * kGiB);
+  EXPECT_EQ(unpacked.block_size, 4096);
+  EXPECT_GT(unpacked.graph_budget, 0);
+}
+
 TEST(FitChunksInMemory, ExplicitSizesAreCapsKeptWhenTheyFit) {
   const ModelConfig config = Preset("qwen3-1.7b");
   const ExecutorMemoryOptions options{
