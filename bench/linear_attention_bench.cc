@@ -6,7 +6,9 @@
 //   - fused: the intra-chunk terms from one CUDA kernel each way (kernels/gated_delta_chunk.h)
 //     against the batched ATen ops and autograd's backward (DTA_GATED_DELTA_FUSED=0), the
 //     recurrence kernel on in both; DTA_GATED_DELTA_BACKWARD_KERNEL=0 in the environment keeps
-//     the ATen ops in forward+backward on both sides (the kernel's forward alone).
+//     the ATen ops in forward+backward on both sides (the kernel's forward alone);
+//   - conv: the tree-causal convolution as CUDA kernels (kernels/tree_causal_conv.h) against the
+//     gather and element-wise ATen ops (DTA_CONV_KERNEL=0); only "mix" includes it.
 // Two things are timed per chunk length T:
 //   - "rule": ChunkedGatedDeltaRule alone on float32 q, k, v, g, beta and a state;
 //   - "mix": GatedDeltaNetMix, the layer between its projections as the model calls it (its
@@ -38,6 +40,7 @@
 #include "executor/model/ops/gated_delta_net.h"
 #include "kernels/chunk_state_recurrence.h"
 #include "kernels/gated_delta_chunk.h"
+#include "kernels/tree_causal_conv.h"
 
 ABSL_FLAG(std::string, device, "auto", "cpu, cuda, or auto (cuda when there is a GPU)");
 ABSL_FLAG(std::string, tokens, "",
@@ -46,8 +49,8 @@ ABSL_FLAG(std::string, what, "rule,mix", "what to time: rule, mix or both");
 ABSL_FLAG(int32_t, runs, 0, "timed runs per number, the median printed (default: 10 cuda, 3 cpu)");
 ABSL_FLAG(int32_t, warmups, 2, "untimed runs first");
 ABSL_FLAG(std::string, compare, "fused",
-          "the switch to compare: scan (DTA_LINEAR_ATTENTION_KERNEL) or fused "
-          "(DTA_GATED_DELTA_FUSED)");
+          "the switch to compare: scan (DTA_LINEAR_ATTENTION_KERNEL), fused "
+          "(DTA_GATED_DELTA_FUSED) or conv (DTA_CONV_KERNEL)");
 
 namespace dta {
 namespace {
@@ -156,6 +159,7 @@ Timing Time(const Workload& w, const at::Device& device, int runs, const char* v
             bool kernel) {
   unsetenv("DTA_LINEAR_ATTENTION_KERNEL");
   unsetenv("DTA_GATED_DELTA_FUSED");
+  unsetenv("DTA_CONV_KERNEL");
   if (!kernel) setenv(variable, "0", 1);
   Timing timing;
   timing.forward_ms = MedianMs(device, runs, [&] { w.forward(); });
@@ -200,19 +204,24 @@ int Main() {
   const std::string what = absl::GetFlag(FLAGS_what);
   const int runs = absl::GetFlag(FLAGS_runs) > 0 ? absl::GetFlag(FLAGS_runs) : (cuda ? 10 : 3);
   const std::string compare = absl::GetFlag(FLAGS_compare);
-  if (compare != "scan" && compare != "fused") {
-    std::fprintf(stderr, "--compare must be scan or fused, got '%s'\n", compare.c_str());
+  if (compare != "scan" && compare != "fused" && compare != "conv") {
+    std::fprintf(stderr, "--compare must be scan, fused or conv, got '%s'\n", compare.c_str());
     return 2;
   }
-  const bool fused = compare == "fused";
-  const char* const variable = fused ? "DTA_GATED_DELTA_FUSED" : "DTA_LINEAR_ATTENTION_KERNEL";
+  const bool fused = compare == "fused", conv = compare == "conv";
+  const char* const variable = fused  ? "DTA_GATED_DELTA_FUSED"
+                               : conv ? "DTA_CONV_KERNEL"
+                                      : "DTA_LINEAR_ATTENTION_KERNEL";
   const at::TensorOptions o = at::TensorOptions().dtype(at::kFloat).device(device);
   const bool kernel_possible =
-      fused ? kernels::GatedDeltaChunkUsesKernel(at::zeros({1, kKeyHeads, kHeadDim}, o), kHeadDim,
-                                                 kChunk)
-            : kernels::ChunkStateUsesKernel(at::zeros({1, 1, kChunk, kHeadDim}, o), kHeadDim);
-  const char* const off_name = fused ? "ATen intra-chunk ops" : "ATen loop";
-  const char* const on_name = fused ? "fused" : "scan kernel";
+      fused  ? kernels::GatedDeltaChunkUsesKernel(at::zeros({1, kKeyHeads, kHeadDim}, o), kHeadDim,
+                                                  kChunk)
+      : conv ? kernels::TreeCausalConvKernelRuns(at::zeros({1, 8}, o), at::zeros({8, 4}, o),
+                                                 at::zeros({0, 8}, o),
+                                                 at::zeros({1, 4}, o.dtype(at::kLong)))
+             : kernels::ChunkStateUsesKernel(at::zeros({1, 1, kChunk, kHeadDim}, o), kHeadDim);
+  const char* const off_name = fused ? "ATen intra-chunk ops" : conv ? "ATen conv" : "ATen loop";
+  const char* const on_name = fused ? "fused" : conv ? "conv kernels" : "scan kernel";
   std::printf(
       "Gated DeltaNet, %lld key / %lld value heads, Dk = Dv = %lld, %lld-token chunks, on %s; "
       "%s=0 against on; kernel %s; median of %d runs, wall-clock ms between synchronisations; "
@@ -254,7 +263,8 @@ int Main() {
 int main(int argc, char** argv) {
   dta::SetProgramUsage(
       "dta-linear-attention-bench [--device=cuda] [--tokens=1024,4096,16384] [--what=rule,mix] "
-      "[--compare=fused|scan]: Gated DeltaNet with one of its CUDA kernels against the ATen ops "
+      "[--compare=fused|scan|conv]: Gated DeltaNet with one of its CUDA kernels against the ATen "
+      "ops "
       "it replaces");
   dta::ParseCommandLine(argc, argv);
   return dta::Main();

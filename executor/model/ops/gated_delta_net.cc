@@ -9,6 +9,7 @@
 #include "executor/model/ops/gather_rows.h"
 #include "kernels/chunk_state_recurrence.h"
 #include "kernels/gated_delta_chunk.h"
+#include "kernels/tree_causal_conv.h"
 
 namespace dta {
 namespace {
@@ -147,6 +148,15 @@ at::Tensor ConvolveRows(const at::Tensor& x, const at::Tensor& weight, const at:
   return at::silu(summed).to(x.scalar_type());
 }
 
+// The convolution's value: one CUDA kernel where it runs (kernels/tree_causal_conv.h), else the
+// plain operations. context: [P, C], P >= 0.
+at::Tensor Convolve(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& context,
+                    const at::Tensor& index) {
+  if (kernels::TreeCausalConvKernelRuns(x, weight, context, index))
+    return kernels::TreeCausalConvForward(x, weight, context, index);
+  return ConvolveRows(x, weight, context, index);
+}
+
 // Keeps only the convolution's inputs for backward, not its graph: the gathered taps and the
 // pre-activation are (kernel + 1) float32 values per channel and token, 160 KB a token at
 // Qwen3-Next-80B's linear layers, where x is 16 KB in bf16. Backward recomputes them with the
@@ -157,11 +167,20 @@ class RecomputedConvFunction : public torch::autograd::Function<RecomputedConvFu
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& context, const at::Tensor& index) {
     ctx->save_for_backward({x, weight, context, index});
-    return ConvolveRows(x, weight, context, index);
+    return Convolve(x, weight, context, index);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
+    if (kernels::TreeCausalConvKernelRuns(saved[0], saved[1], saved[2], saved[3])) {
+      kernels::TreeCausalConvGrads found = kernels::TreeCausalConvBackward(
+          grads[0].to(saved[0].scalar_type()).contiguous(), saved[0], saved[1], saved[2], saved[3]);
+      variable_list out(4);
+      if (ctx->needs_input_grad(0)) out[0] = std::move(found.x);
+      if (ctx->needs_input_grad(1)) out[1] = std::move(found.weight);
+      if (ctx->needs_input_grad(2)) out[2] = std::move(found.context);
+      return out;
+    }
     variable_list inputs = {saved[0].detach(), saved[1].detach(), saved[2].detach()};
     variable_list wanted;  // the inputs whose gradient autograd asks for
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -201,10 +220,10 @@ at::Tensor TreeCausalConv(const at::Tensor& x, const at::Tensor& weight, const a
   bool needs_grad = false;
   for (const at::Tensor* input : {&x, &weight, &context})
     needs_grad |= input->defined() && input->requires_grad();
-  if (!at::GradMode::is_enabled() || !needs_grad) return ConvolveRows(x, weight, context, index);
   // An empty context rather than an undefined one: autograd functions take defined tensors.
-  return RecomputedConvFunction::apply(
-      x, weight, has_context ? context : at::empty({0, channels}, x.options()), index);
+  const at::Tensor rows_above = has_context ? context : at::empty({0, channels}, x.options());
+  if (!at::GradMode::is_enabled() || !needs_grad) return Convolve(x, weight, rows_above, index);
+  return RecomputedConvFunction::apply(x, weight, rows_above, index);
 }
 
 GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q_in, const at::Tensor& k_in,
