@@ -44,6 +44,10 @@
 // the others waiting for --timeout_s):
 //   NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 --no-python dta-bench --tensor_parallel=2 ...
 //
+// --profile runs one more step of each method under PyTorch's Kineto profiler (not timed) and
+// writes DIR/profile-<method>.md: the GPU's kernels, copies and fills by time (on the CPU, the
+// operators' inclusive times), the --profile_top largest (bench/step_profile.h).
+//
 // Writes DIR/results.md and DIR/results.json; progress goes to stderr. A method that runs out of
 // memory is recorded as OOM and the next one runs. Exit status: 0 on success, 1 if a method failed
 // for another reason, 2 on bad input (flags, files, rollouts, configs).
@@ -81,6 +85,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "bench/step_profile.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/bad_input.h"
 #include "core/cli/usage.h"
@@ -142,6 +147,10 @@ ABSL_FLAG(int32_t, tensor_parallel, 1,
           "split the model across this many ranks started by torchrun (RANK, WORLD_SIZE, ...: "
           "exactly this many; cuda means cuda:LOCAL_RANK); 1: one process");
 ABSL_FLAG(int32_t, timeout_s, 600, "tensor parallelism: the collectives' timeout, seconds");
+ABSL_FLAG(bool, profile, false,
+          "after each method's timed steps, one more step under PyTorch's profiler: "
+          "DIR/profile-<method>.md, the GPU's kernels (on the CPU, the operators) by time");
+ABSL_FLAG(int32_t, profile_top, 40, "with --profile: the rows of each profile");
 ABSL_FLAG(std::string, label, "",
           "the workload's name in the outputs; default the rollout file's stem");
 
@@ -608,6 +617,7 @@ struct MethodResult {
   int64_t forwarded_tokens = 0;
   int64_t block_size = 0, graph_budget = 0;  // dta: what the step ran with, automatic ones resolved
   double memory_before_gib = 0, peak_gib = std::nan(""), peak_reserved_gib = std::nan("");
+  std::string profile_md;  // --profile: the profiled step, Markdown
   bool ok() const { return status == "ok"; }
 };
 
@@ -880,6 +890,21 @@ MethodResult RunMethod(const Decoder& model, const std::vector<Rollout>& rollout
                                warm ? "warm-up" : "step", warm ? step + 1 : step - warmup + 1,
                                warm ? warmup : repeats, seconds, r.rollout_tokens / seconds,
                                r.loss));
+    }
+    if (absl::GetFlag(FLAGS_profile)) {
+      const bench::StepProfile profile = bench::ProfileStep(
+          [&] {
+            Synchronize(device);
+            ZeroGrads(model);
+            ComputeGradients(model, rollouts, loss, spec.options);
+            Synchronize(device);
+          },
+          device);
+      result.profile_md =
+          bench::ProfileMarkdown(profile, spec.name, absl::GetFlag(FLAGS_profile_top));
+      Progress(absl::StrFormat("%s: profiled step: %.3f s, %d %s", tag, profile.wall_ms / 1e3,
+                               profile.events,
+                               profile.device_events ? "GPU activities" : "CPU operator calls"));
     }
   });
   result.peak_gib = memory.PeakGiB();
@@ -1366,6 +1391,9 @@ int Run(int argc, char** argv) {
   const std::filesystem::path dir(out_dir);
   std::ofstream(dir / "results.json") << json.dump(2) << "\n";
   std::ofstream(dir / "results.md") << md;
+  for (const MethodResult& r : results) {
+    if (!r.profile_md.empty()) std::ofstream(dir / ("profile-" + r.name + ".md")) << r.profile_md;
+  }
   std::cout << md << std::flush;
   Progress("wrote " + (dir / "results.md").string() + " and " + (dir / "results.json").string());
   for (const MethodResult& r : results) {

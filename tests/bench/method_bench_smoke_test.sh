@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Smoke test of dta-bench on the CPU: a tiny Qwen3 in float32 on three generated rollouts, two
 # methods (dense and dta); results.md and results.json must exist and name both methods, the
-# agreement check must agree to float32 rounding, bad input must exit 2 naming what is wrong, and
-# bench/plot_bench.py must draw the results when matplotlib is there.
+# agreement check must agree to float32 rounding, bad input must exit 2 naming what is wrong,
+# --profile must write each method's profile, and bench/plot_bench.py must draw the results when
+# matplotlib is there.
 # Usage: method_bench_smoke_test.sh BIN_DIR PYTHON SOURCE_DIR
 set -uo pipefail
 bin="$1"
@@ -135,6 +136,16 @@ expect_bad "a zero memory budget" "-m<GiB>|-mhalf" --rollouts="$work/small.jsonl
   --methods=dta-b64-m0
 expect_bad "a bad config" "--config=qwen3-nope" --rollouts="$work/small.jsonl" --config=qwen3-nope
 expect_bad "a token beyond the vocabulary" "big_token.jsonl:1" --rollouts="$work/big_token.jsonl" --config="$tiny"
+
+# --profile: one more step of each method under the profiler, its operators by time in a file.
+"$bin/dta-bench" --rollouts="$work/small.jsonl" --config="$tiny" --device=cpu --dtype=float32 \
+  --methods=dense --warmup=0 --repeats=1 --check=false --profile --profile_top=5 \
+  --out_dir="$work/profiled" >/dev/null 2>"$work/profiled.err" || fail "dta-bench --profile exited $?"
+profile="$work/profiled/profile-dense.md"
+grep -qF "| ms | share | calls | name |" "$profile" 2>/dev/null || fail "no profile table in $profile"
+rows=$(grep -c '^| [0-9.]* | [0-9.]*% | [0-9]* | `aten::' "$profile" 2>/dev/null)
+[[ "$rows" -ge 1 && "$rows" -le 5 ]] || fail "profile-dense.md has $rows aten rows (want 1 to 5)"
+grep -qF "dense: profiled step" "$work/profiled.err" || fail "no progress line for the profiled step"
 
 if "$python" -c "import matplotlib" 2>/dev/null; then
   "$python" "$src/bench/plot_bench.py" --out "$work/plots" "$work/out/results.json" >"$work/plots.txt" 2>&1 ||
