@@ -976,6 +976,7 @@ int Run(int argc, char** argv) {
   if (!std::filesystem::exists(path)) throw BadInput{"--rollouts: no such file '" + path + "'"};
   if (absl::GetFlag(FLAGS_warmup) < 0) throw BadInput{"--warmup must be >= 0"};
   if (absl::GetFlag(FLAGS_repeats) < 1) throw BadInput{"--repeats must be >= 1"};
+  if (absl::GetFlag(FLAGS_profile_top) < 1) throw BadInput{"--profile_top must be >= 1"};
   if (absl::GetFlag(FLAGS_token_capacity) < 0) throw BadInput{"--token_capacity must be >= 0"};
   if (absl::GetFlag(FLAGS_graph_budget) < -1)
     throw BadInput{"--graph_budget must be >= 0, or -1 (automatic)"};

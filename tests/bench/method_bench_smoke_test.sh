@@ -135,6 +135,8 @@ expect_bad "a bad dta variant" "dta-bx" --rollouts="$work/small.jsonl" --config=
 expect_bad "a zero memory budget" "-m<GiB>|-mhalf" --rollouts="$work/small.jsonl" --config="$tiny" \
   --methods=dta-b64-m0
 expect_bad "a bad config" "--config=qwen3-nope" --rollouts="$work/small.jsonl" --config=qwen3-nope
+expect_bad "no profile rows" "--profile_top must be >= 1" --rollouts="$work/small.jsonl" --config="$tiny" \
+  --profile --profile_top=0
 expect_bad "a token beyond the vocabulary" "big_token.jsonl:1" --rollouts="$work/big_token.jsonl" --config="$tiny"
 
 # --profile: one more step of each method under the profiler, its operators by time in a file.
