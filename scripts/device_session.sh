@@ -3,13 +3,20 @@
 # extension, whose package it lays out in $site for PYTHONPATH. Exits the script with the build's
 # tail if the build fails or runs past DTA_DEVICE_BUILD_TIMEOUT seconds (default 330; the gRPC
 # Python stubs, which need grpc_tools, may fail: nothing here uses them). DTA_DEVICE_TARGETS
-# (space-separated) builds only those targets (scripts/device_build.sh).
+# (space-separated) builds only those targets (scripts/device_build.sh); DTA_DEVICE_SERVICES=1
+# builds the gRPC services too, against the Debian packages carried in .deps/services-debs, and
+# puts their libraries on LD_LIBRARY_PATH for the binaries.
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
 start=$SECONDS
+services=OFF
+if [[ "${DTA_DEVICE_SERVICES:-0}" == 1 ]]; then
+  services=ON
+  export LD_LIBRARY_PATH="$PWD/build-device/services-root/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
+fi
 timeout "${DTA_DEVICE_BUILD_TIMEOUT:-330}" scripts/device_build.sh -DDTA_BUILD_PYTHON=ON \
-  -DDTA_BUILD_SERVICES=OFF >"$out/build.log" 2>&1
+  -DDTA_BUILD_SERVICES="$services" >"$out/build.log" 2>&1
 build_rc=$?
 if ((build_rc == 124)); then
   echo "build: timed out after $((SECONDS - start)) s"; tail -5 "$out/build.log"; exit 1
