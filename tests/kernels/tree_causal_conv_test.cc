@@ -2,8 +2,8 @@
 // operations in float64 (a table of zeros, context and x; the gathered taps times the weight,
 // summed, silu), on trees with branch points, context rows, tokens that read zeros, kernel sizes 1
 // to 4 and 8, and enough tokens for several of the weight gradient's partial sums; float32 inputs
-// within 1e-5 and bfloat16 within 1e-2 of the largest magnitude, bitwise equal across runs. The
-// dispatch (which operands the kernels take) runs everywhere; the rest needs a CUDA device.
+// within 1e-5 and bfloat16 within 1e-2 of the largest magnitude, bitwise equal across runs; which
+// operands the kernels take. Only the CPU's dispatch runs without a CUDA device.
 #include "kernels/tree_causal_conv.h"
 
 #include <torch/autograd.h>
@@ -163,32 +163,32 @@ TEST_F(TreeCausalConvGpu, BFloat16MatchesTheFloat64Operations) {
   for (const Case& c : kCases) CheckCase(c, at::kBFloat16, 1e-2, seed++);
 }
 
-TEST(TreeCausalConv, TakesOnlyTheOperandsItCovers) {
-  // On the CPU (or without the kernels) nothing is taken: the caller's ATen path runs.
-  const at::Tensor x = at::zeros({4, 8});
-  const at::Tensor w = at::zeros({8, 4});
-  const at::Tensor ctx = at::zeros({0, 8});
-  const at::Tensor index = at::zeros({4, 4}, at::kLong);
-  EXPECT_FALSE(TreeCausalConvKernelRuns(x, w, ctx, index));
-  if (!torch::cuda::is_available()) return;
+// On the CPU (or without the kernels) nothing is taken: the caller's ATen path runs.
+TEST(TreeCausalConv, TakesNothingOnTheCpu) {
+  EXPECT_FALSE(TreeCausalConvKernelRuns(at::zeros({4, 8}), at::zeros({8, 4}), at::zeros({0, 8}),
+                                        at::zeros({4, 4}, at::kLong)));
+}
+
+TEST_F(TreeCausalConvGpu, TakesOnlyTheOperandsItCovers) {
   const auto gpu = [](const at::Tensor& t) { return t.to(at::kCUDA); };
-  if (!TreeCausalConvKernelRuns(gpu(x), gpu(w), gpu(ctx), gpu(index))) {
-    GTEST_SKIP() << "a build without the CUDA kernels, or DTA_CONV_KERNEL=0";
-  }
-  EXPECT_FALSE(TreeCausalConvKernelRuns(gpu(x).to(at::kDouble), gpu(w), gpu(ctx).to(at::kDouble),
-                                        gpu(index)));  // float64: the exact ATen path
-  EXPECT_FALSE(TreeCausalConvKernelRuns(gpu(x), gpu(at::zeros({8, 9})), gpu(ctx),
+  const at::Tensor x = gpu(at::zeros({4, 8}));
+  const at::Tensor w = gpu(at::zeros({8, 4}));
+  const at::Tensor ctx = gpu(at::zeros({0, 8}));
+  const at::Tensor index = gpu(at::zeros({4, 4}, at::kLong));
+  EXPECT_TRUE(TreeCausalConvKernelRuns(x, w, ctx, index));
+  EXPECT_FALSE(TreeCausalConvKernelRuns(x.to(at::kDouble), w, ctx.to(at::kDouble),
+                                        index));  // float64: the exact ATen path
+  EXPECT_FALSE(TreeCausalConvKernelRuns(x, gpu(at::zeros({8, 9})), ctx,
                                         gpu(at::zeros({4, 9}, at::kLong))));  // 9 taps
-  EXPECT_FALSE(TreeCausalConvKernelRuns(gpu(at::zeros({8, 4})).t(), gpu(w), gpu(ctx),
-                                        gpu(index)));  // not contiguous
-  EXPECT_FALSE(TreeCausalConvKernelRuns(gpu(x), gpu(w), gpu(ctx).to(at::kBFloat16), gpu(index)));
-  EXPECT_FALSE(TreeCausalConvKernelRuns(gpu(x), gpu(w), gpu(ctx), gpu(index).to(at::kInt)));
-  EXPECT_FALSE(
-      TreeCausalConvKernelRuns(gpu(x), gpu(w), gpu(ctx), gpu(at::zeros({4, 3}, at::kLong))));
+  EXPECT_FALSE(TreeCausalConvKernelRuns(gpu(at::zeros({8, 4})).t(), w, ctx,
+                                        index));  // not contiguous
+  EXPECT_FALSE(TreeCausalConvKernelRuns(x, w, ctx.to(at::kBFloat16), index));
+  EXPECT_FALSE(TreeCausalConvKernelRuns(x, w, ctx, index.to(at::kInt)));
+  EXPECT_FALSE(TreeCausalConvKernelRuns(x, w, ctx, gpu(at::zeros({4, 3}, at::kLong))));
   setenv("DTA_CONV_KERNEL", "0", 1);
-  EXPECT_FALSE(TreeCausalConvKernelRuns(gpu(x), gpu(w), gpu(ctx), gpu(index)));
+  EXPECT_FALSE(TreeCausalConvKernelRuns(x, w, ctx, index));
   unsetenv("DTA_CONV_KERNEL");
-  EXPECT_TRUE(TreeCausalConvKernelRuns(gpu(x), gpu(w), gpu(ctx), gpu(index)));
+  EXPECT_TRUE(TreeCausalConvKernelRuns(x, w, ctx, index));
 }
 
 }  // namespace
