@@ -1,7 +1,8 @@
 // The tree-causal depthwise convolution of Gated DeltaNet's mixer (TreeCausalConv in
-// executor/model/ops/gated_delta_net.h) as CUDA kernels, one launch forward and five backward,
-// instead of ATen's gather of every tap ([T, kernel, C] float32: 5.4 GB a layer for 40K tokens of
-// Qwen3-Next-80B's 8,192 channels) and the element-wise products and sums over it.
+// executor/model/ops/gated_delta_net.h) as CUDA kernels, one launch forward and four backward
+// (besides ATen's stable sort of the index), instead of ATen's gather of every tap ([T, kernel, C]
+// float32: 5.4 GB a layer for 40K tokens of Qwen3-Next-80B's 8,192 channels) and the element-wise
+// products and sums over it.
 //
 // Each token t reads `kernel` rows of a table whose row 0 is zeros, rows 1..P the context (the
 // inputs of the tokens above the chunk) and rows P + 1.. the chunk's inputs x; index [T, kernel]
