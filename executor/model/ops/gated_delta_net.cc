@@ -305,15 +305,32 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
     whole.run_states = {whole.final_state};
     return whole;
   }
+  // Each run's inputs as one split of each tensor when the runs tile the tokens in order (as
+  // ChainRuns and CutChain make them): split's backward concatenates the runs' gradients once,
+  // where a narrow per run would materialise a zero [T, H, D] gradient per run and add them up
+  // (at tau2's ~37 runs a chunk, ~10% of a Qwen3-Next step).
+  std::vector<int64_t> run_sizes;
+  bool tiles = true;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    run_sizes.push_back(runs[i].end - runs[i].begin);
+    tiles &= runs[i].begin == (i == 0 ? 0 : runs[i - 1].end);
+  }
+  tiles &= !runs.empty() && runs.back().end == q.size(0);
+  auto parts_of = [&](const at::Tensor& x) {
+    if (tiles) return x.split_with_sizes(run_sizes);
+    std::vector<at::Tensor> parts;
+    for (const TokenRun& run : runs) parts.push_back(x.narrow(0, run.begin, run.end - run.begin));
+    return parts;
+  };
+  const std::vector<at::Tensor> qs = parts_of(q), ks = parts_of(k), vs = parts_of(v),
+                                gs = parts_of(g), betas = parts_of(beta);
   std::vector<at::Tensor> outs, finals;
   outs.reserve(runs.size());
   finals.reserve(runs.size());
-  for (const TokenRun& run : runs) {
-    const int64_t n = run.end - run.begin;
-    auto part = [&](const at::Tensor& x) { return x.narrow(0, run.begin, n); };
-    const at::Tensor start = run.parent_run >= 0 ? finals[run.parent_run] : initial_state;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const at::Tensor start = runs[i].parent_run >= 0 ? finals[runs[i].parent_run] : initial_state;
     GatedDeltaOutput r =
-        ChunkedGatedDeltaRule(part(q), part(k), part(v), part(g), part(beta), start, chunk_size);
+        ChunkedGatedDeltaRule(qs[i], ks[i], vs[i], gs[i], betas[i], start, chunk_size);
     outs.push_back(std::move(r.out));
     finals.push_back(std::move(r.final_state));
   }
