@@ -32,13 +32,16 @@ struct StepProfile {
   double total_ms = 0;           // the rows' sum
   int64_t events = 0;            // the rows' calls
   std::vector<ProfileRow> rows;  // most time first
+  // On a GPU: the same time by the operator that launched it (its innermost ATen or custom
+  // operator, with its inputs' shapes), most time first: which call a kernel's time belongs to.
+  std::vector<ProfileRow> launchers;
 };
 
 // Runs `step` (which synchronises with the device before it returns) under the profiler.
 StepProfile ProfileStep(const std::function<void()>& step, const at::Device& device);
 
 // A Markdown section: the totals, then the `top` rows with the most time (names cut to 150
-// characters).
+// characters), then on a GPU the `top` launching operators with the most time.
 std::string ProfileMarkdown(const StepProfile& profile, const std::string& title, int top);
 
 }  // namespace dta::bench
