@@ -9,8 +9,10 @@
 //
 // Both steps are independent across X's columns, so a block owns (head, 32 columns of X) and loops
 // over the chunks with its slice of X in shared memory; heads x ceil(Dv / 32) blocks (128 for
-// Qwen3-Next's 32 heads of Dv = 128, one wave on an H100's 132 SMs). A chunk's A and B ([C, Dk],
-// read by every column block of the head, so mostly from L2) are copied to shared memory with
+// Qwen3-Next's 32 heads of Dv = 128, one wave on an H100's 132 SMs). Independent sequences of
+// chunks (segments: a tree's runs that start from their own states) are the grid's second
+// dimension, up to kMaxSegments a launch, so their scans run side by side. A chunk's A and B ([C,
+// Dk], read by every column block of the head, so mostly from L2) are copied to shared memory with
 // cp.async, the next chunk's while this one computes when two stages fit. 256 threads: step A
 // gives each thread a 2 x 4 tile of R per 64 rows of C, step B a 4 x 4 tile of X per 128 rows of
 // Dk, each a register-blocked outer product over 4-wide shared-memory vector loads. Plain fused
@@ -21,7 +23,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_pipeline_primitives.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace dta::kernels::internal {
 namespace {
@@ -34,6 +38,9 @@ constexpr int kRowsA = 2;                       // step A: R rows per thread and
 constexpr int kGroupA = kThreadRows * kRowsA;   // 64 rows of C per step A pass
 constexpr int kRowsB = 4;                       // step B: X rows per thread and row group
 constexpr int kGroupB = kThreadRows * kRowsB;   // 128 rows of Dk per step B pass
+
+// Segments a launch takes: their chunk offsets travel in the kernel's parameters (1 KiB).
+constexpr int kMaxSegments = 255;
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -74,11 +81,14 @@ struct ScanParams {
   const T* add_a;  // [H, N, C, Dv] or null (zeros)
   const T* add_b;  // [H, N, Dk, Dv] or null (zeros)
   const T* decay;  // [H, N]
-  const T* init;   // [H, Dk, Dv] or null (zeros): X before the first step
+  const T* init;   // [S, H, Dk, Dv] or null (zeros): X before each segment's first step
   T* carried;      // [H, N, Dk, Dv]: X before each chunk's step B
   T* rows;         // [H, N, C, Dv]: R
-  T* last;         // [H, Dk, Dv]: X after the last step
+  T* last;         // [S, H, Dk, Dv]: X after each segment's last step
   int chunks, chunk, dk, dv;
+  int heads;
+  // Segment s (blockIdx.y) is chunks [offsets[s], offsets[s + 1]) of the N.
+  int offsets[kMaxSegments + 1];
   T sign_a, sign_b;
   bool reverse;    // chunks from N-1 down to 0
   bool vector_io;  // every global [.., Dv] row 16-byte aligned: 4-wide global loads and stores
@@ -146,6 +156,9 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
 
   const int tiles = (p.dv + kColumns - 1) / kColumns;
   const int head = blockIdx.x / tiles;
+  const int segment = blockIdx.y;
+  const int first = p.offsets[segment], count = p.offsets[segment + 1] - first;
+  const int64_t state_base = (static_cast<int64_t>(segment) * p.heads + head) * p.dk * p.dv;
   const int j0 = (blockIdx.x % tiles) * kColumns;  // the block's first column of X
   const int tid = threadIdx.x;
   const int jq = (tid % kQuads) * 4;  // this thread's column quad within the block's columns
@@ -158,11 +171,11 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
   for (int e = tid; e < 2 * l.stages * mat; e += kThreads) mats[e] = T(0);
   for (int e = tid; e < l.dk_pad * kColumns; e += kThreads) {
     const int k = e / kColumns, j = j0 + e % kColumns;
-    x[e] = p.init != nullptr && k < p.dk && j < p.dv ? p.init[head * dkdv + k * p.dv + j] : T(0);
+    x[e] = p.init != nullptr && k < p.dk && j < p.dv ? p.init[state_base + k * p.dv + j] : T(0);
   }
   __syncthreads();
 
-  auto chunk_of = [&](int step) { return p.reverse ? p.chunks - 1 - step : step; };
+  auto chunk_of = [&](int step) { return p.reverse ? first + count - 1 - step : first + step; };
   // Copies chunk `step`'s A and B into `stage`, asynchronously (one commit group).
   auto issue = [&](int step, int stage) {
     const int64_t base = (static_cast<int64_t>(head) * p.chunks + chunk_of(step)) * cdk;
@@ -176,15 +189,15 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
     __pipeline_commit();
   };
 
-  if (p.chunks > 0) issue(0, 0);
-  for (int step = 0; step < p.chunks; ++step) {
+  if (count > 0) issue(0, 0);
+  for (int step = 0; step < count; ++step) {
     const int i = chunk_of(step);
     const int stage = l.stages == 2 ? (step & 1) : 0;
     __pipeline_wait_prior(0);
     // This chunk's A and B are visible, and every thread is done with the previous chunk: X is
     // updated and the other stage's buffers are free for the next chunk.
     __syncthreads();
-    if (l.stages == 2 && step + 1 < p.chunks) issue(step + 1, (step + 1) & 1);
+    if (l.stages == 2 && step + 1 < count) issue(step + 1, (step + 1) & 1);
     const T* sa = mats + 2 * stage * mat;
     const T* sb = sa + mat;
     const int64_t chunk_index = static_cast<int64_t>(head) * p.chunks + i;
@@ -271,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
         Store4(x + (k0 + rr) * kColumns + jq, next);
       }
     }
-    if (l.stages == 1 && step + 1 < p.chunks) {
+    if (l.stages == 1 && step + 1 < count) {
       __syncthreads();  // every read of this chunk's A and B is done
       issue(step + 1, 0);
     }
@@ -279,7 +292,7 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
   __syncthreads();
   for (int e = tid; e < p.dk * kColumns; e += kThreads) {
     const int k = e / kColumns, j = j0 + e % kColumns;
-    if (j < p.dv) p.last[head * dkdv + k * p.dv + j] = x[e];
+    if (j < p.dv) p.last[state_base + k * p.dv + j] = x[e];
   }
 }
 
@@ -287,8 +300,9 @@ bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 template <typename T>
 void Launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor& add_a,
-            const at::Tensor& add_b, const at::Tensor& decay, const at::Tensor& init, bool reverse,
-            T sign_a, T sign_b, at::Tensor& carried, at::Tensor& rows, at::Tensor& last) {
+            const at::Tensor& add_b, const at::Tensor& decay, const at::Tensor& init,
+            const std::vector<int64_t>& offsets, bool reverse, T sign_a, T sign_b,
+            at::Tensor& carried, at::Tensor& rows, at::Tensor& last) {
   const int64_t heads = a.size(0), dv = rows.size(3);
   ScanParams<T> p;
   p.a = a.data_ptr<T>();
@@ -301,6 +315,7 @@ void Launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor& add_a,
   p.rows = rows.data_ptr<T>();
   p.last = last.data_ptr<T>();
   p.chunks = static_cast<int>(a.size(1));
+  p.heads = static_cast<int>(heads);
   p.chunk = static_cast<int>(a.size(2));
   p.dk = static_cast<int>(a.size(3));
   p.dv = static_cast<int>(dv);
@@ -317,14 +332,25 @@ void Launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor& add_a,
   TORCH_CHECK(p.layout.stages > 0, "chunk state recurrence: no kernel for C = ", p.chunk,
               ", Dk = ", p.dk, " (shared memory)");
   const int64_t blocks = heads * ((dv + kColumns - 1) / kColumns);
-  if (blocks == 0) return;
+  const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
+  if (blocks == 0 || segments < 1) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaFuncSetAttribute(ChunkScanKernel<T>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(p.layout.bytes)));
-  ChunkScanKernel<T>
-      <<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(p.layout.bytes), stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The segments' states are [S, H, Dk, Dv]: a launch's first segment moves init and last.
+  const int64_t state = heads * p.dk * dv;
+  const T* init_base = p.init;
+  T* last_base = p.last;
+  for (int64_t s0 = 0; s0 < segments; s0 += kMaxSegments) {
+    const int64_t n = std::min<int64_t>(kMaxSegments, segments - s0);
+    for (int64_t s = 0; s <= n; ++s) p.offsets[s] = static_cast<int>(offsets[s0 + s]);
+    p.init = init_base != nullptr ? init_base + s0 * state : nullptr;
+    p.last = last_base + s0 * state;
+    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(n));
+    ChunkScanKernel<T><<<grid, kThreads, static_cast<size_t>(p.layout.bytes), stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace
@@ -338,15 +364,17 @@ bool ChunkScanFits(at::ScalarType type, int64_t chunk, int64_t dk, int device) {
 
 void ChunkScanCuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& add_a,
                    const at::Tensor& add_b, const at::Tensor& decay, const at::Tensor& init,
-                   bool backward, at::Tensor& carried, at::Tensor& rows, at::Tensor& last) {
+                   const std::vector<int64_t>& offsets, bool backward, at::Tensor& carried,
+                   at::Tensor& rows, at::Tensor& last) {
   const c10::cuda::CUDAGuard guard(a.device());
   const double sign_a = backward ? 1.0 : -1.0, sign_b = backward ? -1.0 : 1.0;
   if (a.scalar_type() == at::kDouble) {
-    Launch<double>(a, b, add_a, add_b, decay, init, backward, sign_a, sign_b, carried, rows, last);
+    Launch<double>(a, b, add_a, add_b, decay, init, offsets, backward, sign_a, sign_b, carried,
+                   rows, last);
   } else {
     TORCH_CHECK(a.scalar_type() == at::kFloat, "chunk state recurrence: no kernel for ",
                 a.scalar_type());
-    Launch<float>(a, b, add_a, add_b, decay, init, backward, static_cast<float>(sign_a),
+    Launch<float>(a, b, add_a, add_b, decay, init, offsets, backward, static_cast<float>(sign_a),
                   static_cast<float>(sign_b), carried, rows, last);
   }
 }

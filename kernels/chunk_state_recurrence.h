@@ -47,18 +47,25 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace dta::kernels {
 
 struct ChunkStateOptions {
   // false: the ATen loop even where the CUDA kernel would run (tests, benchmarks). Default true.
   bool use_kernel = true;
+  // Independent sequences of chunks in one call (a tree's runs that start from their own states):
+  // empty for one sequence; else S + 1 offsets 0 = o_0 <= o_1 <= ... <= o_S = N, sequence s being
+  // chunks [o_s, o_{s+1}), scanned from its own initial state. The initial and final states (and
+  // their gradients) are then [S, H, Dk, Dv]. The kernel scans the sequences side by side, so S
+  // short runs cost about what the longest does; results equal S separate calls bit for bit.
+  std::vector<int64_t> segment_chunks;
 };
 
 struct ChunkStates {
   at::Tensor states;       // h [H, N, Dk, Dv]: the state at each chunk's start
   at::Tensor new_values;   // v_new [H, N, C, Dv]
-  at::Tensor final_state;  // [H, Dk, Dv]: after the last chunk
+  at::Tensor final_state;  // [H, Dk, Dv]: after the last chunk ([S, H, Dk, Dv]: each segment's)
 };
 
 // The recurrence as an autograd function: gradients flow to every input that requires them.
@@ -90,7 +97,7 @@ ChunkStates ChunkStateForward(const at::Tensor& k_cumdecay, const at::Tensor& ne
 // arguments; equal to at::matmul(Qd, h) + at::matmul(intra, v_new) and its gradients.
 struct ChunkOutput {
   at::Tensor out;          // [H, N, C, Dv]
-  at::Tensor final_state;  // [H, Dk, Dv]
+  at::Tensor final_state;  // [H, Dk, Dv] ([S, H, Dk, Dv] with segment_chunks)
 };
 ChunkOutput ChunkStateOutput(const at::Tensor& k_cumdecay, const at::Tensor& new_values,
                              const at::Tensor& k_decayed, const at::Tensor& chunk_decay,
@@ -102,7 +109,7 @@ struct ChunkStateGrads {
   at::Tensor new_values;     // [H, N, C, Dv]
   at::Tensor k_decayed;      // [H, N, C, Dk]
   at::Tensor chunk_decay;    // [H, N]
-  at::Tensor initial_state;  // [H, Dk, Dv]
+  at::Tensor initial_state;  // [H, Dk, Dv] ([S, H, Dk, Dv] with segment_chunks)
 };
 
 // The gradients of every input given those of the outputs: grad_states [H, N, Dk, Dv],

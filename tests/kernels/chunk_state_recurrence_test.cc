@@ -355,6 +355,89 @@ TEST(ChunkStateOutput, KeepsNoStatesForBackward) {
   EXPECT_LE(fused, outputs_bytes + 4096);
 }
 
+// Segments (ChunkStateOptions::segment_chunks): one call over independent sequences of chunks
+// equals a call per sequence on its chunks from its own initial state: outputs, final states and
+// the gradients of every input (an empty segment passes its state through). `options` picks the
+// device and path; float64 within 1e-12, float32 within 1e-6.
+void ExpectSegmentsEqualSeparateCalls(const std::vector<int64_t>& offsets, at::TensorOptions o,
+                                      bool use_kernel) {
+  const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
+  const Shape s{3, offsets.back(), 8, 12, 10};
+  Inputs in = RandomInputs(s, 70, o);
+  at::manual_seed(71);
+  in.s0 = 0.5 * at::randn({segments, s.heads, s.dk, s.dv}, o);
+  const at::Tensor qd = at::randn({s.heads, s.chunks, s.chunk, s.dk}, o);
+  const at::Tensor intra = at::randn({s.heads, s.chunks, s.chunk, s.chunk}, o).tril();
+  const at::Tensor w_out = at::randn({s.heads, s.chunks, s.chunk, s.dv}, o);
+  const at::Tensor w_final = at::randn({segments, s.heads, s.dk, s.dv}, o);
+  const double tolerance = o.dtype() == at::kDouble ? 1e-12 : 1e-6;
+
+  const Inputs a = RequiringGrad(in);
+  const at::Tensor qa = qd.clone().requires_grad_(), ia = intra.clone().requires_grad_();
+  const ChunkOutput whole = ChunkStateOutput(a.w, a.u, a.kd, a.d, a.s0, qa, ia,
+                                             {.use_kernel = use_kernel, .segment_chunks = offsets});
+  ASSERT_EQ(whole.final_state.sizes(), in.s0.sizes());
+  std::vector<at::Tensor> xa = a.all();
+  xa.insert(xa.end(), {qa, ia});
+  const std::vector<at::Tensor> ga =
+      torch::autograd::grad({(whole.out * w_out).sum() + (whole.final_state * w_final).sum()}, xa);
+
+  const Inputs b = RequiringGrad(in);
+  const at::Tensor qb = qd.clone().requires_grad_(), ib = intra.clone().requires_grad_();
+  std::vector<at::Tensor> outs, finals;
+  for (int64_t seg = 0; seg < segments; ++seg) {
+    const int64_t first = offsets[seg], n = offsets[seg + 1] - first;
+    auto part = [&](const at::Tensor& x) { return x.narrow(1, first, n); };
+    const ChunkOutput one = ChunkStateOutput(part(b.w), part(b.u), part(b.kd), part(b.d), b.s0[seg],
+                                             part(qb), part(ib), {.use_kernel = use_kernel});
+    outs.push_back(one.out);
+    finals.push_back(one.final_state);
+  }
+  const at::Tensor out = at::cat(outs, 1), final_state = at::stack(finals);
+  std::vector<at::Tensor> xb = b.all();
+  xb.insert(xb.end(), {qb, ib});
+  const std::vector<at::Tensor> gb =
+      torch::autograd::grad({(out * w_out).sum() + (final_state * w_final).sum()}, xb);
+
+  EXPECT_LT(RelativeError(whole.out, out), tolerance);
+  EXPECT_LT(RelativeError(whole.final_state, final_state), tolerance);
+  const char* names[] = {"k_cumdecay",    "new_values", "k_decayed", "chunk_decay",
+                         "initial_state", "q_decayed",  "intra"};
+  for (size_t i = 0; i < ga.size(); ++i) {
+    EXPECT_LT(RelativeError(ga[i], gb[i]), tolerance) << names[i];
+  }
+  // An empty segment's final state is its initial state, and its state gradient the final one's.
+  for (int64_t seg = 0; seg < segments; ++seg) {
+    if (offsets[seg + 1] != offsets[seg]) continue;
+    EXPECT_TRUE(at::equal(whole.final_state[seg], in.s0[seg])) << seg;
+    EXPECT_TRUE(at::equal(ga[4][seg], w_final[seg])) << seg;
+  }
+}
+
+TEST(ChunkStateSegments, EqualSeparateCallsInFloat64) {
+  // One-chunk, empty and longer segments.
+  ExpectSegmentsEqualSeparateCalls({0, 3, 3, 4, 7}, kFloat64, /*use_kernel=*/true);
+  ExpectSegmentsEqualSeparateCalls({0, 5}, kFloat64, /*use_kernel=*/true);
+}
+
+TEST(ChunkStateSegments, RefusesBadOffsets) {
+  const Shape s{2, 4, 4, 6, 5};
+  const Inputs in = RandomInputs(s, 72);
+  auto message = [&](const std::vector<int64_t>& offsets, const at::Tensor& s0) {
+    try {
+      ChunkStateForward(in.w, in.u, in.kd, in.d, s0, {.segment_chunks = offsets});
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(message({0, 3}, {}), ::testing::HasSubstr("must run from 0 to the 4 chunks"));
+  EXPECT_THAT(message({1, 4}, {}), ::testing::HasSubstr("must run from 0 to the 4 chunks"));
+  EXPECT_THAT(message({0, 3, 2, 4}, {}), ::testing::HasSubstr("must not decrease"));
+  EXPECT_THAT(message({0, 2, 4}, in.s0),
+              ::testing::HasSubstr("initial_state must be [S, H, Dk, Dv]"));
+}
+
 // `in` copied to the GPU, each tensor at a storage offset of one element when `unaligned` (so that
 // the kernel's 16-byte vector loads and stores are off).
 Inputs OnCuda(const Inputs& in, bool unaligned) {
@@ -495,6 +578,39 @@ INSTANTIATE_TEST_SUITE_P(
         // Unaligned tensors: scalar global loads and stores.
         GpuCase{{2, 4, 64, 64, 96}, at::kFloat, /*unaligned=*/true},
         GpuCase{{2, 4, 16, 32, 64}, at::kDouble, /*unaligned=*/true}));
+
+// The kernel's segments (side by side in one launch, more than one launch past 255 of them)
+// against a kernel call per segment, and against the ATen path.
+TEST(ChunkStateKernel, SegmentsEqualSeparateCalls) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device; the kernel needs a GPU";
+  const at::TensorOptions f32 = kFloat64.dtype(at::kFloat).device(at::kCUDA);
+  ExpectSegmentsEqualSeparateCalls({0, 3, 3, 4, 7}, f32, /*use_kernel=*/true);
+  ExpectSegmentsEqualSeparateCalls({0, 3, 3, 4, 7}, kFloat64.device(at::kCUDA), true);
+  std::vector<int64_t> many = {0};
+  for (int64_t seg = 0; seg < 300; ++seg) many.push_back(many.back() + 1 + seg % 3);
+  ExpectSegmentsEqualSeparateCalls(many, f32, /*use_kernel=*/true);
+
+  // The scan's own outputs bit for bit: each segment's blocks do what a call of its own does.
+  const std::vector<int64_t> offsets = {0, 2, 2, 6};
+  const Shape s{4, 6, 64, 128, 128};
+  Inputs in = RandomInputs(s, 73, f32);
+  in.s0 = 0.5 * at::randn({3, s.heads, s.dk, s.dv}, f32);
+  ASSERT_TRUE(ChunkStateUsesKernel(in.w, s.dv));
+  const ChunkStates whole =
+      ChunkStateForward(in.w, in.u, in.kd, in.d, in.s0, {.segment_chunks = offsets});
+  const ChunkStates aten = ChunkStateForward(in.w, in.u, in.kd, in.d, in.s0,
+                                             {.use_kernel = false, .segment_chunks = offsets});
+  EXPECT_LT(RelativeError(whole.final_state, aten.final_state), 1e-5);
+  for (int64_t seg = 0; seg < 3; ++seg) {
+    const int64_t first = offsets[seg], n = offsets[seg + 1] - first;
+    auto part = [&](const at::Tensor& x) { return x.narrow(1, first, n); };
+    const ChunkStates one =
+        ChunkStateForward(part(in.w), part(in.u), part(in.kd), part(in.d), in.s0[seg]);
+    EXPECT_TRUE(at::equal(part(whole.states), one.states)) << seg;
+    EXPECT_TRUE(at::equal(part(whole.new_values), one.new_values)) << seg;
+    EXPECT_TRUE(at::equal(whole.final_state[seg], one.final_state)) << seg;
+  }
+}
 
 TEST(ChunkStateKernel, EnvironmentTurnsItOff) {
   if (!HaveCuda()) GTEST_SKIP() << "no CUDA device; the kernel needs a GPU";

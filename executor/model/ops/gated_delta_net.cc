@@ -296,6 +296,25 @@ std::vector<TokenRun> CutChain(int64_t tokens, absl::Span<const int64_t> points)
   return runs;
 }
 
+namespace {
+
+// Each run's depth in the tree of runs (0: starts from the initial state); parents come first.
+std::vector<std::vector<size_t>> RunsByDepth(const std::vector<TokenRun>& runs) {
+  std::vector<size_t> depth(runs.size(), 0);
+  std::vector<std::vector<size_t>> levels;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const int64_t parent = runs[i].parent_run;
+    TORCH_CHECK(parent < static_cast<int64_t>(i), "token runs: run ", i, " has parent run ", parent,
+                " (must be -1 or an earlier run)");
+    depth[i] = parent < 0 ? 0 : depth[parent] + 1;
+    if (depth[i] == levels.size()) levels.emplace_back();
+    levels[depth[i]].push_back(i);
+  }
+  return levels;
+}
+
+}  // namespace
+
 GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& g, const at::Tensor& beta,
                                     const std::vector<TokenRun>& runs,
@@ -305,39 +324,76 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
     whole.run_states = {whole.final_state};
     return whole;
   }
+  const at::ScalarType type = ComputeType(q);
+  if (runs.empty()) {
+    return {at::zeros_like(v, v.options().dtype(type)),
+            InitialState(initial_state, v, q.size(2), type)};
+  }
+  CheckRuleShapes(q, k, v, g, beta, initial_state);
+  TORCH_CHECK(chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size);
   // Each run's inputs as one split of each tensor when the runs tile the tokens in order (as
   // ChainRuns and CutChain make them): split's backward concatenates the runs' gradients once,
-  // where a narrow per run would materialise a zero [T, H, D] gradient per run and add them up
-  // (at tau2's ~37 runs a chunk, ~10% of a Qwen3-Next step).
+  // where a narrow per run would materialise a zero [T, H, D] gradient per run and add them up.
   std::vector<int64_t> run_sizes;
   bool tiles = true;
   for (size_t i = 0; i < runs.size(); ++i) {
     run_sizes.push_back(runs[i].end - runs[i].begin);
     tiles &= runs[i].begin == (i == 0 ? 0 : runs[i - 1].end);
   }
-  tiles &= !runs.empty() && runs.back().end == q.size(0);
+  tiles &= runs.back().end == q.size(0);
   auto parts_of = [&](const at::Tensor& x) {
-    if (tiles) return x.split_with_sizes(run_sizes);
+    const at::Tensor typed = x.to(type);
+    if (tiles) return typed.split_with_sizes(run_sizes);
     std::vector<at::Tensor> parts;
-    for (const TokenRun& run : runs) parts.push_back(x.narrow(0, run.begin, run.end - run.begin));
+    for (const TokenRun& run : runs) {
+      parts.push_back(typed.narrow(0, run.begin, run.end - run.begin));
+    }
     return parts;
   };
-  const std::vector<at::Tensor> qs = parts_of(q), ks = parts_of(k), vs = parts_of(v),
-                                gs = parts_of(g), betas = parts_of(beta);
-  std::vector<at::Tensor> outs, finals;
-  outs.reserve(runs.size());
-  finals.reserve(runs.size());
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const at::Tensor start = runs[i].parent_run >= 0 ? finals[runs[i].parent_run] : initial_state;
-    GatedDeltaOutput r =
-        ChunkedGatedDeltaRule(qs[i], ks[i], vs[i], gs[i], betas[i], start, chunk_size);
-    outs.push_back(std::move(r.out));
-    finals.push_back(std::move(r.final_state));
-  }
-  if (runs.empty()) {
-    const at::ScalarType type = ComputeType(q);
-    return {at::zeros_like(v, v.options().dtype(type)),
-            InitialState(initial_state, v, q.size(2), type)};
+  const std::vector<std::vector<at::Tensor>> inputs = {parts_of(q), parts_of(k), parts_of(v),
+                                                       parts_of(g), parts_of(beta)};
+  const at::Tensor start = InitialState(initial_state, v, q.size(2), type);
+
+  // The runs of one depth are independent: one chunked rule over all of them, each run padded to
+  // whole chunks with zero tokens (a zero key and beta leave the state unchanged) and scanned from
+  // its parent's final state as a segment of the state recurrence (kernels/chunk_state_
+  // recurrence.h), so a level's runs share each launch. The depths run in order.
+  const int64_t heads = v.size(1), value_dim = v.size(2);
+  std::vector<at::Tensor> outs(runs.size()), finals(runs.size());
+  for (const std::vector<size_t>& level : RunsByDepth(runs)) {
+    std::vector<std::vector<at::Tensor>> padded(inputs.size());
+    std::vector<int64_t> offsets = {0}, out_sizes;
+    std::vector<at::Tensor> starts;
+    for (const size_t r : level) {
+      const int64_t n = run_sizes[r];
+      const int64_t chunks = (n + chunk_size - 1) / chunk_size, pad = chunks * chunk_size - n;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        padded[i].push_back(inputs[i][r]);
+        if (pad > 0) {
+          std::vector<int64_t> shape = inputs[i][r].sizes().vec();
+          shape[0] = pad;
+          padded[i].push_back(at::zeros(shape, inputs[i][r].options()));
+        }
+      }
+      offsets.push_back(offsets.back() + chunks);
+      out_sizes.insert(out_sizes.end(), {n, pad});
+      starts.push_back(runs[r].parent_run >= 0 ? finals[runs[r].parent_run] : start);
+    }
+    std::vector<at::Tensor> joined;
+    for (const std::vector<at::Tensor>& pieces : padded) joined.push_back(at::cat(pieces));
+    const kernels::ChunkTerms terms = kernels::GatedDeltaChunkTerms(
+        joined[0], joined[1], joined[2], joined[3], joined[4], chunk_size);
+    const kernels::ChunkOutput scan = kernels::ChunkStateOutput(
+        terms.k_cumdecay, terms.new_values, terms.k_decayed, terms.chunk_decay, at::stack(starts),
+        terms.q_decayed, terms.intra, {.segment_chunks = offsets});
+    const std::vector<at::Tensor> run_outs =
+        scan.out.view({heads, offsets.back() * chunk_size, value_dim})
+            .split_with_sizes(out_sizes, 1);
+    const std::vector<at::Tensor> run_finals = scan.final_state.unbind(0);
+    for (size_t j = 0; j < level.size(); ++j) {
+      outs[level[j]] = run_outs[2 * j].transpose(0, 1);
+      finals[level[j]] = run_finals[j];
+    }
   }
   at::Tensor last = finals.back();
   return {.out = at::cat(outs), .final_state = std::move(last), .run_states = std::move(finals)};

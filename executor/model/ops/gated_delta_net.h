@@ -102,7 +102,9 @@ GatedDeltaOutput RecurrentGatedDeltaRule(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& v, const at::Tensor& g,
                                          const at::Tensor& beta, const at::Tensor& initial_state);
 // Over a chunk's tree: each run of ChainRuns from its parent run's final state (the initial state
-// for runs on the context). final_state: after the chunk's last token.
+// for runs on the context). final_state: after the chunk's last token. The runs of one depth in
+// the tree of runs share one chunked call (each padded to whole chunks, a segment of the state
+// recurrence); the depths run in order.
 GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& g, const at::Tensor& beta,
                                     const std::vector<TokenRun>& runs,
