@@ -16,7 +16,9 @@
 // cp.async, the next chunk's while this one computes when two stages fit. 256 threads: step A
 // gives each thread a 2 x 4 tile of R per 64 rows of C, step B a 4 x 4 tile of X per 128 rows of
 // Dk, each a register-blocked outer product over 4-wide shared-memory vector loads. Plain fused
-// multiply-adds in the tensors' type: no tensor cores, so float32 stays float32 (no TF32).
+// multiply-adds in the tensors' type, so float32 stays float32 (no TF32). (3xTF32 tensor-core
+// products through kernels/block_mma.cuh ran this scan 1.3x slower at Qwen3-Next's shapes on an
+// H200, and their error over 48 chunks was 30x the fused multiply-adds'.)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -92,6 +94,7 @@ struct ScanParams {
   T sign_a, sign_b;
   bool reverse;    // chunks from N-1 down to 0
   bool vector_io;  // every global [.., Dv] row 16-byte aligned: 4-wide global loads and stores
+  bool vector_ab;  // A and B 16-byte aligned and Dk a whole number of 16 bytes: 16-byte copies
   Layout layout;
 };
 
@@ -181,10 +184,19 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
     const int64_t base = (static_cast<int64_t>(head) * p.chunks + chunk_of(step)) * cdk;
     T* sa = mats + 2 * stage * mat;
     T* sb = sa + mat;
-    for (int e = tid; e < cdk; e += kThreads) {
-      const int c = e / p.dk, k = e - c * p.dk;
-      __pipeline_memcpy_async(sa + c * l.stride + k, p.a + base + e, sizeof(T));
-      __pipeline_memcpy_async(sb + c * l.stride + k, p.b + base + e, sizeof(T));
+    if (p.vector_ab) {  // 16 bytes a copy: a row of Dk holds whole vectors
+      constexpr int kPer = 16 / sizeof(T);
+      for (int e = tid * kPer; e < cdk; e += kThreads * kPer) {
+        const int c = e / p.dk, k = e - c * p.dk;
+        __pipeline_memcpy_async(sa + c * l.stride + k, p.a + base + e, 16);
+        __pipeline_memcpy_async(sb + c * l.stride + k, p.b + base + e, 16);
+      }
+    } else {
+      for (int e = tid; e < cdk; e += kThreads) {
+        const int c = e / p.dk, k = e - c * p.dk;
+        __pipeline_memcpy_async(sa + c * l.stride + k, p.a + base + e, sizeof(T));
+        __pipeline_memcpy_async(sb + c * l.stride + k, p.b + base + e, sizeof(T));
+      }
     }
     __pipeline_commit();
   };
@@ -328,6 +340,8 @@ void Launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor& add_a,
                           static_cast<const void*>(p.rows)}) {
     if (ptr != nullptr && !Aligned16(ptr)) p.vector_io = false;
   }
+  p.vector_ab =
+      (p.dk * static_cast<int64_t>(sizeof(T))) % 16 == 0 && Aligned16(p.a) && Aligned16(p.b);
   p.layout = PlanLayout(sizeof(T), p.chunk, p.dk, MaxSharedBytes(a.device().index()));
   TORCH_CHECK(p.layout.stages > 0, "chunk state recurrence: no kernel for C = ", p.chunk,
               ", Dk = ", p.dk, " (shared memory)");
