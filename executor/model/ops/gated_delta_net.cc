@@ -24,11 +24,12 @@ at::ScalarType ComputeType(const at::Tensor& x) {
 void CheckRuleShapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes(),
-              "gated delta rule: q and k must be [T, H, Dk]", ", got ", q.sizes(), " and ",
+              "gated delta rule: q and k must be [T, Hk, Dk]", ", got ", q.sizes(), " and ",
               k.sizes());
-  const int64_t t = q.size(0), h = q.size(1);
-  TORCH_CHECK(v.dim() == 3 && v.size(0) == t && v.size(1) == h,
-              "gated delta rule: v must be [T, H, Dv], got ", v.sizes());
+  const int64_t t = q.size(0), h = v.dim() == 3 ? v.size(1) : -1;
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == t && q.size(1) >= 1 && h % q.size(1) == 0,
+              "gated delta rule: v must be [T, H, Dv] with H a multiple of q's ", q.size(1),
+              " key heads, got ", v.sizes());
   TORCH_CHECK(g.sizes() == at::IntArrayRef({t, h}) && beta.sizes() == g.sizes(),
               "gated delta rule: g and beta must be [T, H], got ", g.sizes(), " and ",
               beta.sizes());
@@ -266,8 +267,12 @@ GatedDeltaOutput RecurrentGatedDeltaRule(const at::Tensor& q_in, const at::Tenso
   const at::ScalarType type = ComputeType(q_in);
   const int64_t length = q_in.size(0), key_dim = q_in.size(2);
   at::Tensor state = InitialState(initial_state, v_in, key_dim, type);
-  const at::Tensor q = q_in.to(type) * (1.0 / std::sqrt(static_cast<double>(key_dim)));
-  const at::Tensor k = k_in.to(type), v = v_in.to(type), g = g_in.to(type), beta = beta_in.to(type);
+  // Each key head serves H / Hk consecutive value heads.
+  const int64_t group = v_in.size(1) / q_in.size(1);
+  const at::Tensor q =
+      q_in.to(type).repeat_interleave(group, 1) * (1.0 / std::sqrt(static_cast<double>(key_dim)));
+  const at::Tensor k = k_in.to(type).repeat_interleave(group, 1), v = v_in.to(type),
+                   g = g_in.to(type), beta = beta_in.to(type);
   std::vector<at::Tensor> outs;
   for (int64_t t = 0; t < length; ++t) {
     const at::Tensor k_t = k[t];  // [H, Dk]
@@ -439,7 +444,7 @@ LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDel
   const int64_t t = mixed.size(0);
   const int64_t kh = shape.key_heads, vh = shape.value_heads, dk = shape.key_head_dim,
                 dv = shape.value_head_dim;
-  const int64_t group = ValueHeadsPerKeyHead(shape);
+  ValueHeadsPerKeyHead(shape);  // CHECKs that the value heads group by key head
   TORCH_CHECK(mixed.dim() == 2 && mixed.size(1) == shape.conv_dim(),
               "linear attention: qkv must be [T, ", shape.conv_dim(), "], got ", mixed.sizes());
   TORCH_CHECK(projected.z.sizes() == at::IntArrayRef({t, vh * dv}) &&
@@ -457,12 +462,10 @@ LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDel
       mixed, w.conv1d.view({shape.conv_dim(), shape.conv_kernel}), conv_context, conv_index);
   const std::vector<at::Tensor> qkv =
       convolved.split_with_sizes({shape.key_dim(), shape.key_dim(), shape.value_dim()}, -1);
-  // Each key head serves `group` consecutive value heads.
-  auto per_value_head = [&](const at::Tensor& y) {
-    return L2Normalize(y.reshape({t, kh, dk}).to(type)).repeat_interleave(group, 1);
-  };
-  const at::Tensor q = per_value_head(qkv[0]);
-  const at::Tensor k = per_value_head(qkv[1]);
+  // Per key head: each serves H / Hk consecutive value heads inside the rule (no [T, H, Dk]
+  // copies of q and k).
+  const at::Tensor q = L2Normalize(qkv[0].reshape({t, kh, dk}).to(type));
+  const at::Tensor k = L2Normalize(qkv[1].reshape({t, kh, dk}).to(type));
   const at::Tensor v = qkv[2].reshape({t, vh, dv});
   const at::Tensor beta = at::sigmoid(projected.b.to(type));
   const at::Tensor g =

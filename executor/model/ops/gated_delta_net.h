@@ -88,11 +88,12 @@ struct GatedDeltaOutput {
   std::vector<at::Tensor> run_states = {};
 };
 
-// The gated delta rule over one chain: q, k [T, H, Dk] (L2-normalised; q is scaled by Dk^-1/2
-// here), v [T, H, Dv], g (log decay, <= 0) and beta [T, H]; initial_state [H, Dk, Dv] or undefined
-// (zeros). In float32, or float64 for float64 inputs. Chunked: chunk_size tokens at a time with a
-// triangular solve per chunk, for all chunks at once (kernels::GatedDeltaChunkTerms), then the
-// state recurrence across chunks (kernels::ChunkStateRecurrence); differentiable.
+// The gated delta rule over one chain: q, k [T, Hk, Dk] (L2-normalised; q is scaled by Dk^-1/2
+// here; value head h reads key head h / (H / Hk), Hk dividing H), v [T, H, Dv], g (log decay, <= 0)
+// and beta [T, H]; initial_state [H, Dk, Dv] or undefined (zeros). In float32, or float64 for
+// float64 inputs. Chunked: chunk_size tokens at a time with a triangular solve per chunk, for all
+// chunks at once (kernels::GatedDeltaChunkTerms), then the state recurrence across chunks
+// (kernels::ChunkStateRecurrence); differentiable.
 GatedDeltaOutput ChunkedGatedDeltaRule(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& g,
                                        const at::Tensor& beta, const at::Tensor& initial_state,

@@ -218,6 +218,46 @@ TEST(TreeRule, EqualsEveryPathAlone) {
   }
 }
 
+// Key heads that each serve several value heads (Qwen3-Next: 16 key, 32 value heads) equal the
+// rule over key heads repeated to every value head, outputs and gradients, on a tree and a chain,
+// and the token-by-token reference takes them too.
+TEST(TreeRule, GroupedKeyHeadsEqualRepeatedOnes) {
+  const SmallTree tree = ExampleTree();
+  const int64_t n = tree.parents.size(), key_heads = 2, group = 3;
+  const RuleInputs in = RandomRuleInputs(n, key_heads * group, 6, 4, 12);
+  at::manual_seed(13);
+  const at::Tensor qk = at::randn({n, key_heads, 6}, kDouble);
+  const at::Tensor kk = at::randn({n, key_heads, 6}, kDouble);
+  const at::Tensor weights = at::randn({n, key_heads * group, 4}, kDouble);
+  for (const bool chain : {false, true}) {
+    const std::vector<TokenRun> runs =
+        chain ? std::vector<TokenRun>{{.begin = 0, .end = n}} : ChainRuns(tree.parents, n);
+    auto run = [&](bool repeated) {
+      const at::Tensor q = (qk / qk.norm(2, -1, true)).requires_grad_(true);
+      const at::Tensor k = (kk / kk.norm(2, -1, true)).requires_grad_(true);
+      const at::Tensor rq = repeated ? q.repeat_interleave(group, 1) : q;
+      const at::Tensor rk = repeated ? k.repeat_interleave(group, 1) : k;
+      const GatedDeltaOutput out =
+          TreeGatedDeltaRule(rq, rk, in.v, in.g, in.beta, runs, in.state, 2);
+      std::vector<at::Tensor> found =
+          torch::autograd::grad({(out.out * weights).sum() + out.final_state.sum()},
+                                {q, k, in.v, in.g, in.beta, in.state});
+      found.push_back(out.out.detach());
+      return found;
+    };
+    const std::vector<at::Tensor> grouped = run(false), repeated = run(true);
+    for (size_t i = 0; i < grouped.size(); ++i) {
+      EXPECT_LT(RelativeError(grouped[i], repeated[i]), 1e-13) << i << (chain ? " chain" : " tree");
+    }
+  }
+  const GatedDeltaOutput reference =
+      RecurrentGatedDeltaRule(qk, kk, in.v.detach(), in.g.detach(), in.beta.detach(), {});
+  const GatedDeltaOutput expected =
+      RecurrentGatedDeltaRule(qk.repeat_interleave(group, 1), kk.repeat_interleave(group, 1),
+                              in.v.detach(), in.g.detach(), in.beta.detach(), {});
+  EXPECT_TRUE(at::equal(reference.out, expected.out));
+}
+
 TEST(TreeCausalConv, EqualsTransformersConv1dOnAChain) {
   at::manual_seed(5);
   const int64_t t = 9, c = 6, kernel = 4;
