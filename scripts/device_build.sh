@@ -11,14 +11,19 @@ cd "$repo"
 python="${DTA_PYTHON:-$(command -v python3)}"
 export LD_LIBRARY_PATH="$repo/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 prefix="$repo/.deps/usr;$repo/.deps/usr/lib/x86_64-linux-gnu/cmake"
+link=()
 if [[ "${DTA_DEVICE_SERVICES:-0}" == 1 ]]; then
   root="$(scripts/device_services_root.sh "$repo/.deps/services-debs" "$repo/build-device/services-root")"
   export PATH="$root/usr/bin:$PATH"
   export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"
   prefix="$root/usr;$root/usr/lib/x86_64-linux-gnu/cmake;$prefix"
+  # RE2 comes through pkg-config, whose re2.pc names -L/usr/lib/x86_64-linux-gnu (the packages'
+  # own prefix), not the unpacked root.
+  link=("-DCMAKE_EXE_LINKER_FLAGS=-L$root/usr/lib/x86_64-linux-gnu"
+    "-DCMAKE_SHARED_LINKER_FLAGS=-L$root/usr/lib/x86_64-linux-gnu")
 fi
 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-  -DDTA_PYTHON="$python" -DDTA_BUILD_BENCH=OFF "$@"
+  -DDTA_PYTHON="$python" -DDTA_BUILD_BENCH=OFF "${link[@]}" "$@"
 # -k 0: one failing target (the gRPC Python stubs, where grpc_tools is missing) must not stop the rest.
 targets=()
 for t in ${DTA_DEVICE_TARGETS:-}; do targets+=(--target "$t"); done

@@ -16,16 +16,17 @@ if [[ ! -f "$deps/.done" ]]; then
   touch "$deps/.done"
 fi
 # The gRPC services' libraries, for device builds with DTA_DEVICE_SERVICES=1: Debian 12's gRPC
-# 1.51 and Protobuf 3.21 with the -dev packages their CMake configs look for, kept as .deb files
-# (16 MB; unpacked they would be 80) that scripts/device_build.sh unpacks on the device.
+# 1.51 and Protobuf 3.21 with the -dev packages their CMake configs look for, and xxHash's header
+# (the dispatcher's fingerprints), kept as .deb files (16 MB; unpacked they would be 80) that
+# scripts/device_build.sh unpacks on the device. A list that changes is fetched again.
 services_debs=(libgrpc++-dev libgrpc++1.51 libgrpc-dev libgrpc29 libprotobuf-dev libprotobuf32
   protobuf-compiler libprotoc32 protobuf-compiler-grpc libre2-dev libre2-9 libc-ares-dev libc-ares2
-  libssl-dev zlib1g-dev libcurl4-openssl-dev)
-if [[ ! -f "$deps/services-debs/.done" ]]; then
+  libssl-dev zlib1g-dev libcurl4-openssl-dev libxxhash-dev)
+if [[ "$(cat "$deps/services-debs/.done" 2>/dev/null)" != "${services_debs[*]}" ]]; then
   rm -rf "$deps/services-debs"
   mkdir -p "$deps/services-debs"
   (cd "$deps/services-debs" && apt-get download "${services_debs[@]}")
-  touch "$deps/services-debs/.done"
+  echo "${services_debs[*]}" >"$deps/services-debs/.done"
 fi
 # pytest for scripts/gpu_python.sh, as wheels (the machines have no package index).
 if [[ ! -d "$deps/wheels" ]]; then

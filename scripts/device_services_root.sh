@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Unpacks the Debian packages of the gRPC services (scripts/device_deps.sh keeps them in
-# .deps/services-debs) into ROOT once, and prints ROOT. A -dev package's libFOO.so link whose
+# .deps/services-debs) into ROOT once (again when the set of packages changes), and prints ROOT. A -dev package's libFOO.so link whose
 # runtime library is not carried (OpenSSL, zlib, libcurl: the GPU machines have their own) is
 # pointed at this machine's libFOO.so.N. Usage: device_services_root.sh DEBS_DIR ROOT
 set -euo pipefail
 debs="$1"
 root="$2"
-if [[ ! -f "$root/.done" ]]; then
+packages="$(cd "$debs" && ls -- *.deb 2>/dev/null | sort | tr '\n' ' ')"
+if [[ "$(cat "$root/.done" 2>/dev/null)" != "$packages" ]]; then
   compgen -G "$debs/*.deb" >/dev/null || {
     echo "device_services_root.sh: no .deb files in $debs (run scripts/device_deps.sh)" >&2
     exit 1
@@ -24,6 +25,6 @@ if [[ ! -f "$root/.done" ]]; then
       fi
     done
   done < <(find "$root" -xtype l -name '*.so')
-  touch "$root/.done"
+  echo "$packages" >"$root/.done"
 fi
 echo "$root"
