@@ -33,6 +33,28 @@ if [[ ! -d "$deps/wheels" ]]; then
   "$repo/.venv/bin/python" -m pip download -q --no-deps -d "$deps/wheels" \
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 Pygments==2.21.0
 fi
+# Python's gRPC for the learning demo's rollout worker on the GPU machines
+# (scripts/gpu_learning_demo.sh): the grpcio and protobuf wheels of requirements.txt for the
+# machines' Python 3.12 (7.7 MB), and the dispatcher's stubs generated here by grpcio-tools (the
+# machines have none), again when the versions or the proto change.
+grpc_wheels="grpcio==$(sed -n 's/^grpcio==//p' "$repo/scripts/requirements.txt") protobuf==$(sed -n 's/^protobuf==//p' "$repo/scripts/requirements.txt")"
+if [[ "$(cat "$deps/python-wheels/.done" 2>/dev/null)" != "$grpc_wheels" ]]; then
+  rm -rf "$deps/python-wheels"
+  # shellcheck disable=SC2086 # two requirement specifiers
+  "$repo/.venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$deps/python-wheels" \
+    $grpc_wheels
+  echo "$grpc_wheels" >"$deps/python-wheels/.done"
+fi
+proto="$repo/proto/dta/v1/dispatcher.proto"
+stubs_key="$(sha256sum "$proto" | cut -c1-16) $grpc_wheels"
+if [[ "$(cat "$deps/python-stubs/.done" 2>/dev/null)" != "$stubs_key" ]]; then
+  rm -rf "$deps/python-stubs"
+  mkdir -p "$deps/python-stubs"
+  "$repo/.venv/bin/python" -m grpc_tools.protoc --proto_path="$repo/proto" \
+    --python_out="$deps/python-stubs" --grpc_python_out="$deps/python-stubs" "$proto"
+  echo "$stubs_key" >"$deps/python-stubs/.done"
+fi
 # The CUTLASS / CuTe headers (27 MB) of the nvidia-cutlass version pinned in
 # requirements-headers.txt; the
 # wheel itself is not kept, so that .deps stays small enough to carry.
