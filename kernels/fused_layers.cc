@@ -407,8 +407,12 @@ LogitRowStats LogitRowStatsForward(const at::Tensor& logits, const at::Tensor& t
 at::Tensor LogitGradient(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
                          const at::Tensor& target_weight, const at::Tensor& grad_logprob,
                          const at::Tensor& mean, const at::Tensor& grad_entropy, double scale,
-                         at::ScalarType out_type) {
+                         at::ScalarType out_type, at::Tensor out) {
   CheckLogitInputs("LogitGradient", logits, targets);
+  TORCH_CHECK(!out.defined() || (out.sizes() == logits.sizes() && out.scalar_type() == out_type &&
+                                 out.is_contiguous() && out.device() == logits.device()),
+              "LogitGradient: out must be a contiguous ", out_type, " ", logits.sizes(),
+              " tensor on ", logits.device());
   TORCH_CHECK(mean.defined() == grad_entropy.defined(),
               "LogitGradient: mean and grad_entropy go together");
   for (const at::Tensor* t : {&lse, &grad_logprob, &target_weight, &mean, &grad_entropy}) {
@@ -418,7 +422,7 @@ at::Tensor LogitGradient(const at::Tensor& logits, const at::Tensor& lse, const 
   if (UseLogitKernels(logits, {&lse, &grad_logprob, &target_weight, &mean, &grad_entropy},
                       out_type)) {
 #ifdef DTA_KERNELS_HAVE_CUDA
-    at::Tensor out = at::empty(logits.sizes(), logits.options().dtype(out_type));
+    if (!out.defined()) out = at::empty(logits.sizes(), logits.options().dtype(out_type));
     const auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
     internal::LogitGradCuda(logits.contiguous(), contiguous(lse), targets.contiguous(),
                             contiguous(target_weight), contiguous(grad_logprob), contiguous(mean),
@@ -439,7 +443,8 @@ at::Tensor LogitGradient(const at::Tensor& logits, const at::Tensor& lse, const 
   grad.scatter_add_(1, targets.unsqueeze(1),
                     target_weight.defined() ? g * target_weight.unsqueeze(1) : g);
   if (scale != 1.0) grad.mul_(scale);
-  return grad.to(out_type);
+  if (!out.defined()) return grad.to(out_type);
+  return out.copy_(grad);
 }
 
 }  // namespace dta::kernels

@@ -121,10 +121,12 @@ LogitRowStats LogitRowStatsForward(const at::Tensor& logits, const at::Tensor& t
 // in out_type: scale (-p (g_logprob + (z - mean) g_entropy) + onehot(target) g_logprob w) with
 // w = target_weight (the rows whose target this slice holds: 1 or 0; undefined = 1).
 // grad_logprob, lse [rows]; mean and grad_entropy both undefined (no entropy term) or [rows].
+// out: where to write it ([rows, vocab] of out_type, contiguous; the CUDA kernel writes it in
+// place, the CPU path copies into it), or undefined for a new tensor; returns it.
 at::Tensor LogitGradient(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
                          const at::Tensor& target_weight, const at::Tensor& grad_logprob,
                          const at::Tensor& mean, const at::Tensor& grad_entropy, double scale,
-                         at::ScalarType out_type);
+                         at::ScalarType out_type, at::Tensor out = {});
 
 }  // namespace dta::kernels
 

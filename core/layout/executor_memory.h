@@ -42,7 +42,9 @@
 //              intermediates (7 i c) and the residual gradient's (4 h c)
 //   logprob    the vocabulary-sliced log-probability head: min(slice rows, chunk) rows of the
 //   head       vocabulary/TP logits, at most two compute-type slices and one weight-type one
-//              (2 c + w bytes per logit)
+//              (2 c + w bytes per logit; backward's one compute-type slice beside the weight-type
+//              gradients of the (c + w) / w slices it gathers for a weight-gradient matmul fits
+//              the same bytes)
 //
 // Calibrated on an H100 (docs/benchmarks.md, "Measured: the executor's memory"): with the token
 // counts of the schedule the executor actually ran, the estimate is 1% to 7% above every measured

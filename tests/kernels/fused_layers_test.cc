@@ -222,7 +222,22 @@ TEST(FusedLayers, LogitHeadIsTheLogSoftmaxAndItsGradient) {
         z, stats.lse, targets, weight, g_logprob, with_entropy ? stats.mean : at::Tensor(),
         with_entropy ? g_entropy : at::Tensor(), scale, at::kDouble);
     EXPECT_LT(RelativeError(got, expected + scale * softmax_part), 1e-13);
+    // Into rows of a larger tensor (how SlicedLogprobs gathers several slices): the same values.
+    at::Tensor gathered = at::full({z.size(0) + 2, z.size(1)}, 7.0, z.options());
+    const at::Tensor into = LogitGradient(z, stats.lse, targets, weight, g_logprob,
+                                          with_entropy ? stats.mean : at::Tensor(),
+                                          with_entropy ? g_entropy : at::Tensor(), scale,
+                                          at::kDouble, gathered.narrow(0, 1, z.size(0)));
+    EXPECT_TRUE(at::equal(into, got));
+    EXPECT_TRUE(at::equal(gathered.narrow(0, 1, z.size(0)), got));
+    EXPECT_TRUE(at::equal(gathered[0], at::full({z.size(1)}, 7.0, z.options())));
   }
+  EXPECT_THAT(
+      [&] {
+        LogitGradient(z, stats.lse, targets, {}, g_logprob, {}, {}, 1.0, at::kDouble,
+                      at::empty({z.size(0), z.size(1)}, z.options().dtype(at::kFloat)));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("out must be a contiguous")));
   EXPECT_THAT([&] { LogitRowStatsForward(z, targets.to(at::kInt), true); },
               ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("targets must be int64")));
   EXPECT_THAT(
@@ -482,6 +497,13 @@ TEST_F(FusedLayersCuda, LogitHeadMatchesTheCpu) {
           LogitGradient(Cuda(z), Cuda(cpu.lse), Cuda(targets), Cuda(weight), Cuda(g_logprob),
                         cuda_or_undefined(mean), cuda_or_undefined(g_ent), 0.5, at::kBFloat16);
       EXPECT_TRUE(at::equal(bf16, got.to(at::kBFloat16))) << "rounded once from float32";
+      // The kernel writes into rows of a larger tensor in place.
+      at::Tensor gathered = at::zeros({rows + 3, vocab}, bf16.options());
+      LogitGradient(Cuda(z), Cuda(cpu.lse), Cuda(targets), Cuda(weight), Cuda(g_logprob),
+                    cuda_or_undefined(mean), cuda_or_undefined(g_ent), 0.5, at::kBFloat16,
+                    gathered.narrow(0, 2, rows));
+      EXPECT_TRUE(at::equal(gathered.narrow(0, 2, rows), bf16));
+      EXPECT_EQ(gathered[0].abs().sum().item<double>(), 0.0);
     }
   }
 }

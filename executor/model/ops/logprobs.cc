@@ -97,6 +97,17 @@ variable_list SlicedLogprobs::backward(AutogradContext* ctx, variable_list grads
   at::Tensor grad_hidden = at::empty(hidden.sizes(), hidden.options().dtype(hidden_type));
   const int64_t rows = hidden.size(0);
   std::vector<std::unique_ptr<PendingCollective>> pending;
+  // The logits' gradients of several slices feed one weight-gradient matmul: each such matmul
+  // reads and writes the whole float32 [vocabulary, hidden] accumulator (1.2 GB at Qwen3's
+  // vocabulary and hidden 2,048), which one per 512-row slice made memory-bound. As many slices
+  // as fit in what the memory estimate already allows a slice (two compute-type slices and one
+  // weight-type: core/layout/executor_memory.h) beside the slice's compute-type logits: three in
+  // bfloat16, two in float32 and float64.
+  const int64_t compute_bytes = c10::elementSize(ct), weight_bytes = weight.element_size();
+  const int64_t group_rows = std::min(
+      rows, std::max<int64_t>(1, (compute_bytes + weight_bytes) / weight_bytes) * slice_rows);
+  at::Tensor gathered;  // [group_rows, vocabulary] in the weight's dtype
+  int64_t group_begin = 0;
   // Per slice: the float32 logits and their gradient in the model dtype (on the CPU and in
   // float64, a second float32 slice: kernels/fused_layers.h).
   for (int64_t begin = 0; begin < rows; begin += slice_rows) {
@@ -108,20 +119,25 @@ variable_list SlicedLogprobs::backward(AutogradContext* ctx, variable_list grads
     // is with respect to z / T. The two matmuls run in the model dtype (bfloat16 tensor cores
     // on the GPU), d hidden comes out in hidden's dtype.
     const bool with_entropy = mean_logit.defined() && grads[1].defined();
-    const at::Tensor g =
-        kernels::LogitGradient(logits, lse.slice(0, begin, end), targets.slice(0, begin, end),
-                               owned.defined() ? owned.slice(0, begin, end).to(ct) : at::Tensor(),
-                               grads[0].slice(0, begin, end).to(ct),
-                               with_entropy ? mean_logit.slice(0, begin, end) : at::Tensor(),
-                               with_entropy ? grads[1].slice(0, begin, end).to(ct) : at::Tensor(),
-                               inverse_temperature, hidden.scalar_type());
+    if (!gathered.defined()) gathered = at::empty({group_rows, weight.size(0)}, weight.options());
+    const at::Tensor g = kernels::LogitGradient(
+        logits, lse.slice(0, begin, end), targets.slice(0, begin, end),
+        owned.defined() ? owned.slice(0, begin, end).to(ct) : at::Tensor(),
+        grads[0].slice(0, begin, end).to(ct),
+        with_entropy ? mean_logit.slice(0, begin, end) : at::Tensor(),
+        with_entropy ? grads[1].slice(0, begin, end).to(ct) : at::Tensor(), inverse_temperature,
+        hidden.scalar_type(), gathered.narrow(0, begin - group_begin, end - begin));
     logits.reset();
     at::Tensor grad_rows = grad_hidden.slice(0, begin, end);
     grad_rows.copy_(MatmulTo(g, weight, hidden_type));
     // Each rank's vocabulary slice contributes its part of d hidden: the rows' sum runs while
     // the weight gradient and the next slice are computed.
     if (auto sum = StartSumOverRanks(GroupOf(ctx), grad_rows)) pending.push_back(std::move(sum));
-    AddMatmul(grad_weight, g.t(), h);
+    if (end - group_begin == group_rows || end == rows) {
+      AddMatmul(grad_weight, gathered.narrow(0, 0, end - group_begin).t(),
+                hidden.slice(0, group_begin, end));
+      group_begin = end;
+    }
   }
   for (const auto& sum : pending) sum->Wait();
   return {grad_hidden,  at::Tensor(), at::Tensor(), at::Tensor(),
