@@ -358,6 +358,13 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
   const std::vector<std::vector<at::Tensor>> inputs = {parts_of(q), parts_of(k), parts_of(v),
                                                        parts_of(g), parts_of(beta)};
   const at::Tensor start = InitialState(initial_state, v, q.size(2), type);
+  // The zero tokens runs are padded with: one tensor per input, narrowed (a pad is < chunk_size).
+  std::vector<at::Tensor> zeros;
+  for (const std::vector<at::Tensor>& parts : inputs) {
+    std::vector<int64_t> shape = parts.front().sizes().vec();
+    shape[0] = chunk_size - 1;
+    zeros.push_back(at::zeros(shape, parts.front().options()));
+  }
 
   // The runs of one depth are independent: one chunked rule over all of them, each run padded to
   // whole chunks with zero tokens (a zero key and beta leave the state unchanged) and scanned from
@@ -374,11 +381,7 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
       const int64_t chunks = (n + chunk_size - 1) / chunk_size, pad = chunks * chunk_size - n;
       for (size_t i = 0; i < inputs.size(); ++i) {
         padded[i].push_back(inputs[i][r]);
-        if (pad > 0) {
-          std::vector<int64_t> shape = inputs[i][r].sizes().vec();
-          shape[0] = pad;
-          padded[i].push_back(at::zeros(shape, inputs[i][r].options()));
-        }
+        if (pad > 0) padded[i].push_back(zeros[i].narrow(0, 0, pad));
       }
       offsets.push_back(offsets.back() + chunks);
       out_sizes.insert(out_sizes.end(), {n, pad});
