@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/base/env_switch.h"
 #include "executor/model/ops/numerics.h"
 #include "kernels/fused_layers.h"
 
@@ -102,10 +103,13 @@ variable_list SlicedLogprobs::backward(AutogradContext* ctx, variable_list grads
   // vocabulary and hidden 2,048), which one per 512-row slice made memory-bound. As many slices
   // as fit in what the memory estimate already allows a slice (two compute-type slices and one
   // weight-type: core/layout/executor_memory.h) beside the slice's compute-type logits: three in
-  // bfloat16, two in float32 and float64.
+  // bfloat16, two in float32 and float64. DTA_LOGPROB_GROUPS=0 (read at every call) takes one
+  // slice a matmul, the before/after switch of benchmarks.
   const int64_t compute_bytes = c10::elementSize(ct), weight_bytes = weight.element_size();
-  const int64_t group_rows = std::min(
-      rows, std::max<int64_t>(1, (compute_bytes + weight_bytes) / weight_bytes) * slice_rows);
+  const int64_t slices = EnvSwitchOn("DTA_LOGPROB_GROUPS")
+                             ? std::max<int64_t>(1, (compute_bytes + weight_bytes) / weight_bytes)
+                             : 1;
+  const int64_t group_rows = std::min(rows, slices * slice_rows);
   at::Tensor gathered;  // [group_rows, vocabulary] in the weight's dtype
   int64_t group_begin = 0;
   // Per slice: the float32 logits and their gradient in the model dtype (on the CPU and in

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "gtest/gtest.h"
 
@@ -60,6 +61,13 @@ TEST(SlicedLogprobs, EqualsLogSoftmaxInFloat64) {
 
 TEST(SlicedLogprobs, EqualsLogSoftmaxInFloat32) {
   ExpectEqualsLogSoftmax(at::kFloat, /*rows=*/10, /*vocab=*/7, /*slice_rows=*/3, 1e-5);
+}
+
+// DTA_LOGPROB_GROUPS=0: one weight-gradient matmul per slice, the same gradients.
+TEST(SlicedLogprobs, OneSliceAMatmulWithTheSwitchOff) {
+  setenv("DTA_LOGPROB_GROUPS", "0", 1);
+  ExpectEqualsLogSoftmax(at::kDouble, /*rows=*/10, /*vocab=*/7, /*slice_rows=*/3, 1e-12);
+  unsetenv("DTA_LOGPROB_GROUPS");
 }
 
 }  // namespace
