@@ -115,7 +115,7 @@ ChunkStates ForwardAten(const at::Tensor& w, const at::Tensor& u, const at::Tens
                         const at::Tensor& d, const at::Tensor& s0, const Sizes& s) {
   at::Tensor states = at::empty({s.heads, s.chunks, s.dk, s.dv}, w.options());
   at::Tensor v_new = at::empty({s.heads, s.chunks, s.chunk, s.dv}, w.options());
-  at::Tensor finals = at::empty(s.StateShape(), w.options());
+  at::Tensor finals = s.segmented ? at::empty(s.StateShape(), w.options()) : at::Tensor();
   for (int64_t segment = 0; segment < s.segments(); ++segment) {
     const at::Tensor init = SegmentState(s0, s, segment);
     at::Tensor state =
@@ -144,7 +144,7 @@ ScanGrads BackwardAten(const at::Tensor& dh, const at::Tensor& dvn, const at::Te
                        const Sizes& s) {
   at::Tensor dvt = at::empty({s.heads, s.chunks, s.chunk, s.dv}, w.options());
   at::Tensor carried = at::empty({s.heads, s.chunks, s.dk, s.dv}, w.options());
-  at::Tensor initials = at::empty(s.StateShape(), w.options());
+  at::Tensor initials = s.segmented ? at::empty(s.StateShape(), w.options()) : at::Tensor();
   for (int64_t segment = 0; segment < s.segments(); ++segment) {
     const at::Tensor last = SegmentState(dfinal, s, segment);
     at::Tensor g = last.defined() ? last : at::zeros({s.heads, s.dk, s.dv}, w.options());

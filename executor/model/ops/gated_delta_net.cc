@@ -346,13 +346,12 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
     tiles &= runs[i].begin == (i == 0 ? 0 : runs[i - 1].end);
   }
   tiles &= runs.back().end == q.size(0);
+  // In the inputs' own dtypes: each level's padded concatenation is cast to the compute type once
+  // (v arrives in the model's dtype), not copied twice.
   auto parts_of = [&](const at::Tensor& x) {
-    const at::Tensor typed = x.to(type);
-    if (tiles) return typed.split_with_sizes(run_sizes);
+    if (tiles) return x.split_with_sizes(run_sizes);
     std::vector<at::Tensor> parts;
-    for (const TokenRun& run : runs) {
-      parts.push_back(typed.narrow(0, run.begin, run.end - run.begin));
-    }
+    for (const TokenRun& run : runs) parts.push_back(x.narrow(0, run.begin, run.end - run.begin));
     return parts;
   };
   const std::vector<std::vector<at::Tensor>> inputs = {parts_of(q), parts_of(k), parts_of(v),
@@ -388,7 +387,7 @@ GatedDeltaOutput TreeGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, co
       starts.push_back(runs[r].parent_run >= 0 ? finals[runs[r].parent_run] : start);
     }
     std::vector<at::Tensor> joined;
-    for (const std::vector<at::Tensor>& pieces : padded) joined.push_back(at::cat(pieces));
+    for (const std::vector<at::Tensor>& pieces : padded) joined.push_back(at::cat(pieces).to(type));
     const kernels::ChunkTerms terms = kernels::GatedDeltaChunkTerms(
         joined[0], joined[1], joined[2], joined[3], joined[4], chunk_size);
     const kernels::ChunkOutput scan = kernels::ChunkStateOutput(
