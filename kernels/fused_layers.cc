@@ -5,42 +5,22 @@
 #include "core/base/env_switch.h"
 #include "kernels/fused_layers_internal.h"
 
-namespace dta::kernels {
+namespace dta::kernels::internal {
 namespace {
-
-at::ScalarType ComputeType(at::ScalarType dtype) {
-  return dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 bool FusedLayersEnabled() {
   static const bool enabled = EnvSwitchOn("DTA_FUSED_LAYERS");
   return enabled;
 }
 
-// DTA_FUSED_ROPE=0: RoPE alone takes the ATen path (read at every call: before/after measurements
-// of its kernel in one process).
-bool FusedRopeEnabled() { return EnvSwitchOn("DTA_FUSED_ROPE"); }
-
-// weight_grad += partials summed over rows: one kernel when weight_grad is a contiguous float32
-// tensor on the GPU (the accumulators of bfloat16 and float32 models), else ATen's sum and add.
-void AddPartials(const at::Tensor& partials, at::Tensor& weight_grad) {
-#ifdef DTA_KERNELS_HAVE_CUDA
-  if (weight_grad.is_cuda() && weight_grad.scalar_type() == at::kFloat &&
-      weight_grad.is_contiguous()) {
-    internal::AddColumnSumsCuda(partials, weight_grad);
-    return;
-  }
-#endif
-  weight_grad.add_(partials.sum(0).to(weight_grad.scalar_type()));
-}
-
 bool IsKernelDtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
-// Whether the CUDA kernels take these tensors (all on one CUDA device, float32 compute).
-bool UseCuda(std::initializer_list<const at::Tensor*> tensors,
-             std::initializer_list<at::ScalarType> out_types = {}) {
+}  // namespace
+
+bool FusedKernelsTake(std::initializer_list<const at::Tensor*> tensors,
+                      std::initializer_list<at::ScalarType> out_types) {
 #ifdef DTA_KERNELS_HAVE_CUDA
   if (!FusedLayersEnabled()) return false;
   const at::Device device = (*tensors.begin())->device();
@@ -57,6 +37,39 @@ bool UseCuda(std::initializer_list<const at::Tensor*> tensors,
   (void)out_types;
   return false;
 #endif
+}
+
+void AddPartialSums(const at::Tensor& partials, at::Tensor& weight_grad) {
+#ifdef DTA_KERNELS_HAVE_CUDA
+  if (weight_grad.is_cuda() && weight_grad.scalar_type() == at::kFloat &&
+      weight_grad.is_contiguous()) {
+    AddColumnSumsCuda(partials, weight_grad);
+    return;
+  }
+#endif
+  weight_grad.add_(partials.sum(0).to(weight_grad.scalar_type()));
+}
+
+}  // namespace dta::kernels::internal
+
+namespace dta::kernels {
+namespace {
+
+at::ScalarType ComputeType(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// DTA_FUSED_ROPE=0: RoPE alone takes the ATen path (read at every call: before/after measurements
+// of its kernel in one process).
+bool FusedRopeEnabled() { return EnvSwitchOn("DTA_FUSED_ROPE"); }
+
+bool UseCuda(std::initializer_list<const at::Tensor*> tensors,
+             std::initializer_list<at::ScalarType> out_types = {}) {
+  return internal::FusedKernelsTake(tensors, out_types);
+}
+
+void AddPartials(const at::Tensor& partials, at::Tensor& weight_grad) {
+  internal::AddPartialSums(partials, weight_grad);
 }
 
 void CheckNormInputs(const char* what, const at::Tensor& x, const at::Tensor& weight) {

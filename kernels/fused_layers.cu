@@ -323,18 +323,7 @@ __global__ void RopeBackwardKernel(In dy, In x, In w, const float* rstd, const f
       }
     }
   }
-  if constexpr (kNorm) {
-    __shared__ float block_acc[kRopeWarps][D];
-#pragma unroll
-    for (int e = 0; e < E; ++e) block_acc[warp][lane + 32 * e] = acc[e];
-    __syncthreads();
-    for (int c = threadIdx.x; c < D; c += blockDim.x) {
-      float total = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kRopeWarps; ++k) total = __fadd_rn(total, block_acc[k][c]);
-      partials[static_cast<int64_t>(blockIdx.x) * D + c] = total;
-    }
-  }
+  if constexpr (kNorm) WriteBlockColumnSums<kRopeWarps>(acc, partials);
 }
 
 constexpr int kElementwiseThreads = 256;

@@ -1,14 +1,27 @@
 // The CUDA entry points of kernels/fused_layers.h, defined in fused_layers.cu when the library is
-// built with nvcc (DTA_KERNELS_HAVE_CUDA). Inputs are checked, contiguous and on one CUDA device;
-// each function runs on the current stream. Not part of the public API.
+// built with nvcc (DTA_KERNELS_HAVE_CUDA), and the two host helpers the fused kernels share
+// (defined in fused_layers.cc). Inputs are checked, contiguous and on one CUDA device; each
+// function runs on the current stream. Not part of the public API.
 #ifndef DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_
 #define DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 namespace dta::kernels::internal {
+
+// Whether the fused kernels (these and kernels/head_norms.h's) take these tensors: the library has
+// CUDA, DTA_FUSED_LAYERS is on (read once), and the tensors are on one CUDA device in float32,
+// bfloat16 or float16, as are out_types.
+bool FusedKernelsTake(std::initializer_list<const at::Tensor*> tensors,
+                      std::initializer_list<at::ScalarType> out_types = {});
+
+// weight_grad += partials ([rows, n]) summed over rows: one kernel when weight_grad is a contiguous
+// float32 tensor on the GPU (the accumulators of bfloat16 and float32 models), else ATen's sum and
+// add. Defined whether or not the library has CUDA.
+void AddPartialSums(const at::Tensor& partials, at::Tensor& weight_grad);
 
 // The longest row the RMSNorm kernels take, and the head dims of the q/k kernels.
 inline constexpr int64_t kFusedNormMaxRow = 8192;

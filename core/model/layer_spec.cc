@@ -236,23 +236,22 @@ BlockSavedBytes LayerSavedBytes(const ModelConfig& c, const LayerSpec& layer, in
   // The two residual-stream norm inputs, whole on every rank.
   bytes.tensors = 2 * h * compute;
   if (layer.linear_attention()) {
-    // Gated DeltaNet, on this rank's key and value heads: out_proj's input (value_dim w) and the
-    // convolution's input (conv_dim w; its taps and pre-activation are recomputed in backward),
-    // and in the compute type q and k before their L2 norms (2 key_dim), the delta rule's per-head
-    // q, k, k beta, their decayed and solved forms (6 value_heads key_head_dim), v, the solved
-    // values, the output, its norm, the gated product and z with silu(z) (7 value_dim), the
-    // chunk-local decay and attention matrices (5 value_heads x 64) and a few per-head scalars (10
-    // value_heads, which cover the norms' statistics); not the recurrent states or the corrected
-    // values, which backward recomputes (kernels/chunk_state_recurrence.h's ChunkStateOutput).
-    // About 5x a gated attention layer's bytes for Qwen3-Next-80B-A3B's shapes.
+    // Gated DeltaNet, on this rank's key and value heads: out_proj's input (value_dim w), the
+    // convolution's input (conv_dim w; its taps and pre-activation are recomputed in backward) and
+    // output (conv_dim w: q and k's L2 norms keep views of it) and z (value_dim w, kept by the
+    // gated norm); in the compute type the delta rule's per-head q, k, k beta, their decayed and
+    // solved forms (6 value_heads key_head_dim), v, the solved values and the output (3
+    // value_dim), the chunk-local decay and attention matrices (5 value_heads x 64) and a few
+    // per-head scalars (10 value_heads, which cover the norms' statistics); not the recurrent
+    // states or the corrected values, which backward recomputes (kernels/chunk_state_recurrence.h's
+    // ChunkStateOutput). About 4x a gated attention layer's bytes for Qwen3-Next-80B-A3B's shapes.
     const int64_t value_heads = c.linear_num_value_heads / tp;
     const int64_t key_dim = c.linear_num_key_heads / tp * c.linear_key_head_dim;
     const int64_t value_dim = value_heads * c.linear_value_head_dim;
     const int64_t conv_dim = 2 * key_dim + value_dim;
-    bytes.tensors +=
-        (value_dim + conv_dim) * w +
-        compute * (2 * key_dim + 6 * value_heads * c.linear_key_head_dim + 7 * value_dim +
-                   5 * value_heads * kDeltaRuleChunk + 10 * value_heads);
+    bytes.tensors += 2 * (value_dim + conv_dim) * w +
+                     compute * (6 * value_heads * c.linear_key_head_dim + 3 * value_dim +
+                                5 * value_heads * kDeltaRuleChunk + 10 * value_heads);
     bytes.cache = conv_dim;
   } else {
     // This rank's heads: q and k after RoPE, v, the attention output; q and k before their norms;

@@ -9,6 +9,7 @@
 #include "executor/model/ops/gather_rows.h"
 #include "kernels/chunk_state_recurrence.h"
 #include "kernels/gated_delta_chunk.h"
+#include "kernels/head_norms.h"
 #include "kernels/tree_causal_conv.h"
 
 namespace dta {
@@ -53,8 +54,57 @@ int64_t ValueHeadsPerKeyHead(const GatedDeltaNetShape& shape) {
 
 // x / sqrt(sum x^2 + eps) along the last dimension (flash-linear-attention's l2norm, as
 // transformers).
+// q and k's L2 norm per head, x [T, Hk, Dk] in any floating dtype, y in the compute type
+// (kernels/head_norms.h: one kernel each way on the GPU). Keeps x (a view of the convolution's
+// output) and the rstd; x's gradient comes back in x's dtype.
+class L2NormFunction : public torch::autograd::Function<L2NormFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, double eps) {
+    kernels::HeadNormResult n = kernels::L2NormForward(x, eps);
+    ctx->save_for_backward({x, n.rstd});
+    return n.y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    return {kernels::L2NormBackward(grads[0], saved[0], saved[1]), at::Tensor()};
+  }
+};
+
 at::Tensor L2Normalize(const at::Tensor& x, double eps = 1e-6) {
-  return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + eps);
+  if (!at::GradMode::is_enabled() || !x.requires_grad()) return kernels::L2NormForward(x, eps).y;
+  return L2NormFunction::apply(x, eps);
+}
+
+// The gated RMSNorm per value head, y = (norm(x) * weight * silu(z)).to(out_type)
+// (kernels/head_norms.h). Keeps x, z and the rstd.
+class GatedRmsNormFunction : public torch::autograd::Function<GatedRmsNormFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& z, double eps, at::ScalarType out_type) {
+    kernels::HeadNormResult n = kernels::GatedRmsNormForward(x, weight, z, eps, out_type);
+    ctx->save_for_backward({x, weight, z, n.rstd});
+    return n.y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    at::Tensor weight_grad = at::zeros_like(saved[1]);
+    kernels::GatedRmsNormGrads found = kernels::GatedRmsNormBackward(
+        grads[0], saved[0], saved[1], saved[2], saved[3], weight_grad);
+    variable_list out(5);
+    if (ctx->needs_input_grad(0)) out[0] = std::move(found.dx);
+    if (ctx->needs_input_grad(1)) out[1] = std::move(weight_grad);
+    if (ctx->needs_input_grad(2)) out[2] = std::move(found.dz);
+    return out;
+  }
+};
+
+at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& z,
+                        double eps, at::ScalarType out_type) {
+  bool needs_grad = false;
+  for (const at::Tensor* t : {&x, &weight, &z}) needs_grad |= t->requires_grad();
+  if (!at::GradMode::is_enabled() || !needs_grad)
+    return kernels::GatedRmsNormForward(x, weight, z, eps, out_type).y;
+  return GatedRmsNormFunction::apply(x, weight, z, eps, out_type);
 }
 
 }  // namespace
@@ -466,8 +516,8 @@ LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDel
       convolved.split_with_sizes({shape.key_dim(), shape.key_dim(), shape.value_dim()}, -1);
   // Per key head: each serves H / Hk consecutive value heads inside the rule (no [T, H, Dk]
   // copies of q and k).
-  const at::Tensor q = L2Normalize(qkv[0].reshape({t, kh, dk}).to(type));
-  const at::Tensor k = L2Normalize(qkv[1].reshape({t, kh, dk}).to(type));
+  const at::Tensor q = L2Normalize(qkv[0].reshape({t, kh, dk}));
+  const at::Tensor k = L2Normalize(qkv[1].reshape({t, kh, dk}));
   const at::Tensor v = qkv[2].reshape({t, vh, dv});
   const at::Tensor beta = at::sigmoid(projected.b.to(type));
   const at::Tensor g =
@@ -478,10 +528,8 @@ LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDel
 
   // The gated RMSNorm per value head: norm(o) * weight * silu(z), rounded once to the projections'
   // dtype.
-  const at::Tensor o = rule.out;
-  const at::Tensor normed = o * at::rsqrt(o.pow(2).mean(-1, /*keepdim=*/true) + shape.eps);
   const at::Tensor gated =
-      (normed * w.norm.to(type) * at::silu(z.to(type))).to(mixed.scalar_type());
+      GatedRmsNorm(rule.out, w.norm.to(type), z, shape.eps, mixed.scalar_type());
   return {.out = gated.reshape({t, vh * dv}),
           .conv_inputs = mixed,
           .final_state = rule.final_state,

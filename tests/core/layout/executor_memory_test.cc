@@ -130,12 +130,13 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   // and their accumulators (3 x 64 x 6). A row per position would be 100 x 3 x 64 x 6 more.
   EXPECT_EQ(m.stack, 100 * (384 + 512 + 16) + 4 * 3 * (2 * 256 * 4 + 3 * 64 * 6));
   // Attention: 512, (2 x 64 + 2 x 32 + 96 pre-norm + 128 gate and gated output) x 2 = 832, 1/rms
-  // and log-sum-exp 48: 1,392. Linear: 512, out_proj's input 32 x 2 and the convolution's input
-  // 64 x 2 (its taps are recomputed in backward), and 4 x (32 q, k + 6 x 32 + 7 x 32 + 5 x 4 x 64
-  // + 40) = 7,072 (no recurrent state or corrected values: recomputed in backward): 7,776.
+  // and log-sum-exp 48: 1,392. Linear: 512, out_proj's input 32 x 2, the convolution's input and
+  // output 2 x 64 x 2 (its taps are recomputed in backward) and z 32 x 2, and 4 x (6 x 32 + 3 x 32
+  // + 5 x 4 x 64 + 40) = 6,432 (no recurrent state or corrected values: recomputed in backward):
+  // 7,328.
   // Sparse: 2 x 2 x 8 x 2 = 64, (4 + 2) x 4 = 24, 4 x 2 x 8 = 64, the shared expert's
   // 2 x 12 x 2 + 65 x 4 = 308: 460. Per chunk token 512 + 128 + 2 x 4 x 4 + 24 = 696.
-  EXPECT_EQ(m.graphs, 48 * (3 * 7776 + 1392 + 4 * 460 + 696));
+  EXPECT_EQ(m.graphs, 48 * (3 * 7328 + 1392 + 4 * 460 + 696));
   // Seeds 32 x 2 x 2 = 128, SwiGLU 7 x max(2 x 8, 12) x 4 = 448, residual 1,024, the pairs'
   // gradients 2 x 2 x 64 x 4 = 1,024, the convolution's backward 6 x 64 x 4 = 1,536; the linear
   // layers' seeds, 3 rows each (3 x 3 x 64 x 2).
@@ -146,9 +147,11 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   EXPECT_EQ(EstimateExecutorMemory(c, options, /*tensor_parallel=*/2).stack,
             100 * (192 + 512 + 16) + 4 * 3 * (2 * 128 * 4 + 3 * 32 * 6));
 
-  // Qwen3-Next-80B-A3B: a linear layer keeps 305 KiB a token, 5x its attention layers (353 KiB
-  // when its recurrent states and corrected values were kept, 32 + 16 KiB a token; 497 KiB when
-  // the convolution's taps were too: 5 x 8,192 float32 values against 8,192 bf16 inputs).
+  // Qwen3-Next-80B-A3B: a linear layer keeps 249 KiB a token, 4x its attention layers (305 KiB
+  // when the head norms were ATen compositions, 56 KiB more: q and k in float32 before their L2
+  // norms, the gated norm's intermediates; 353 KiB when its recurrent states and corrected values
+  // were kept, 32 + 16 KiB a token; 497 KiB when the convolution's taps were too: 5 x 8,192
+  // float32 values against 8,192 bf16 inputs).
   const ModelConfig next = Preset("qwen3-next-80b-a3b");
   ModelConfig all_full = next;
   all_full.layer_types.assign(48, LayerType::kFullAttention);
@@ -157,7 +160,7 @@ TEST(ExecutorMemory, MatchesAHandCountForQwen3Next) {
   const int64_t per_linear_layer = (EstimateExecutorMemory(next, dense, one).graphs -
                                     EstimateExecutorMemory(all_full, dense, one).graphs) /
                                    36;
-  EXPECT_EQ(per_linear_layer, 312576 - 60560);
+  EXPECT_EQ(per_linear_layer, 255232 - 60560);
 }
 
 TEST(ExecutorMemory, MethodsAndAutomaticCapacities) {

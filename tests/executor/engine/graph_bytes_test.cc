@@ -37,16 +37,16 @@ ModelConfig SmallNext() {
 TEST(GraphBytesPerToken, CountsQwen3NextsLayers) {
   const ModelConfig c = SmallNext();
   // Attention: the residual inputs 2 x 64 x 4, (2 x 64 + 2 x 32 + 96 before the q/k norms + 128
-  // gate and gated output) x 2: 1,344. Linear: 512, out_proj's input 32 x 2 and the
-  // convolution's input 64 x 2 (its taps are recomputed in backward), and in float32
-  // 32 + 6 x 32 + 7 x 32 + 5 x 4 x 64 + 10 x 4 = 1,768 elements (no recurrent state or corrected
-  // values: recomputed in backward): 7,776.
+  // gate and gated output) x 2: 1,344. Linear: 512, out_proj's input 32 x 2, the convolution's
+  // input and output 2 x 64 x 2 (its taps are recomputed in backward) and z 32 x 2, and in float32
+  // 6 x 32 + 3 x 32 + 5 x 4 x 64 + 10 x 4 = 1,608 elements (no recurrent state or corrected
+  // values: recomputed in backward): 7,328.
   // Sparse: experts 2 x 2 x 8 x 2, routing (4 + 2) x 4 + 4 x 2 x 8, shared expert 2 x 12 x 2 and
   // its scaled output and gate 65 x 4: 460.
-  EXPECT_EQ(GraphBytesPerToken(c, at::kBFloat16), 3 * (7776 + 460) + 1344 + 460);
+  EXPECT_EQ(GraphBytesPerToken(c, at::kBFloat16), 3 * (7328 + 460) + 1344 + 460);
   // float32 weights: every term in 4-byte elements.
   EXPECT_EQ(GraphBytesPerToken(c, at::kFloat),
-            3 * (512 + 96 * 4 + 7072) + (512 + 416 * 4) +
+            3 * (512 + 192 * 4 + 6432) + (512 + 416 * 4) +
                 4 * (2 * 2 * 8 * 4 + 24 + 64 + 2 * 12 * 4 + 260));
 }
 
