@@ -13,10 +13,10 @@
 // chunks (segments: a tree's runs that start from their own states) are the grid's second
 // dimension, up to kMaxSegments a launch, so their scans run side by side. A chunk's A and B ([C,
 // Dk], read by every column block of the head, so mostly from L2) are copied to shared memory with
-// cp.async, the next chunk's while this one computes when two stages fit. 256 threads: step A
-// gives each thread a 2 x 4 tile of R per 64 rows of C, step B a 4 x 4 tile of X per 128 rows of
-// Dk, each a register-blocked outer product over 4-wide shared-memory vector loads. Plain fused
-// multiply-adds in the tensors' type, so float32 stays float32 (no TF32). (3xTF32 tensor-core
+// cp.async, the next chunk's while this one computes with two stages (ScanStages). 256 threads:
+// step A gives each thread a 2 x 4 tile of R per 64 rows of C, step B a 4 x 4 tile of X per 128
+// rows of Dk, each a register-blocked outer product over 4-wide shared-memory vector loads. Plain
+// fused multiply-adds in the tensors' type, so float32 stays float32 (no TF32). (3xTF32 tensor-core
 // products through kernels/block_mma.cuh ran this scan 1.3x slower at Qwen3-Next's shapes on an
 // H200, and their error over 48 chunks was 30x the fused multiply-adds'.)
 #include <ATen/ATen.h>
@@ -27,6 +27,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace dta::kernels::internal {
@@ -54,11 +56,12 @@ struct Layout {
   int64_t bytes = 0;
 };
 
-Layout PlanLayout(int64_t element_bytes, int64_t chunk, int64_t dk, int64_t max_bytes) {
+Layout PlanLayout(int64_t element_bytes, int64_t chunk, int64_t dk, int64_t max_bytes,
+                  int max_stages = 2) {
   Layout l;
   l.dk_pad = static_cast<int>(RoundUp(dk, 4));
   l.stride = l.dk_pad + 4;
-  for (int stages = 2; stages >= 1; --stages) {
+  for (int stages = max_stages; stages >= 1; --stages) {
     const int64_t elements =
         static_cast<int64_t>(kColumns) * (l.dk_pad + chunk) + 2LL * stages * chunk * l.stride;
     if (elements * element_bytes <= max_bytes) {
@@ -74,6 +77,25 @@ int64_t MaxSharedBytes(int device) {
   int bytes = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return bytes;
+}
+
+// The stages a launch of `blocks` blocks uses. Two overlap a block's copies of the next chunk with
+// its products, but at Qwen3-Next's shapes (C = 64, Dk = 128, float32: 159 KB) hold an SM to one
+// block of 8 warps, whose products then wait on shared-memory loads; one stage (92 KB) lets two
+// blocks share an SM and overlap each other's copies and products. So one stage when the launch
+// has blocks for two an SM (a tree's runs as segments) and two one-stage blocks fit an SM.
+// DTA_SCAN_STAGES=1 or 2 (read at every call) forces either, where it fits.
+int ScanStages(int64_t element_bytes, int64_t chunk, int64_t dk, int64_t blocks, int device) {
+  if (const char* forced = std::getenv("DTA_SCAN_STAGES")) {
+    if (std::string(forced) == "1") return 1;
+    if (std::string(forced) == "2") return 2;
+  }
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+  const Layout one = PlanLayout(element_bytes, chunk, dk, MaxSharedBytes(device), 1);
+  const int64_t per_sm = static_cast<int64_t>(props->sharedMemPerMultiprocessor);
+  const int64_t one_block = one.bytes + static_cast<int64_t>(props->reservedSharedMemPerBlock);
+  const bool two_fit = one.stages == 1 && 2 * one_block <= per_sm;
+  return two_fit && blocks >= 2 * props->multiProcessorCount ? 1 : 2;
 }
 
 template <typename T>
@@ -149,7 +171,7 @@ __device__ __forceinline__ void StoreGlobal4(T* row, int j, int dv, bool vector_
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> p) {
+__global__ void __launch_bounds__(kThreads, 2) ChunkScanKernel(const ScanParams<T> p) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const Layout l = p.layout;
   T* x = reinterpret_cast<T*>(shared_bytes);  // [dk_pad][kColumns]
@@ -232,6 +254,8 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
             p.dv, p.vector_io);
         sum[rr] = {{T(0), T(0), T(0), T(0)}};
       }
+      // Unrolled so that the next k's shared-memory loads issue under this k's multiply-adds.
+#pragma unroll 4
       for (int k = 0; k < l.dk_pad; k += 4) {
         Four<T> xs[4];
 #pragma unroll
@@ -277,6 +301,7 @@ __global__ void __launch_bounds__(kThreads) ChunkScanKernel(const ScanParams<T> 
             p.dv, p.vector_io);
         sum[rr] = {{T(0), T(0), T(0), T(0)}};
       }
+#pragma unroll 8
       for (int c = 0; c < p.chunk; ++c) {
         const Four<T> rs = Load4(r + c * kColumns + jq);
         const Four<T> bs = Load4(sb + c * l.stride + k0);
@@ -342,11 +367,14 @@ void Launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor& add_a,
   }
   p.vector_ab =
       (p.dk * static_cast<int64_t>(sizeof(T))) % 16 == 0 && Aligned16(p.a) && Aligned16(p.b);
-  p.layout = PlanLayout(sizeof(T), p.chunk, p.dk, MaxSharedBytes(a.device().index()));
-  TORCH_CHECK(p.layout.stages > 0, "chunk state recurrence: no kernel for C = ", p.chunk,
-              ", Dk = ", p.dk, " (shared memory)");
   const int64_t blocks = heads * ((dv + kColumns - 1) / kColumns);
   const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
+  const int device = a.device().index();
+  const int stages = ScanStages(sizeof(T), p.chunk, p.dk,
+                                blocks * std::min<int64_t>(segments, kMaxSegments), device);
+  p.layout = PlanLayout(sizeof(T), p.chunk, p.dk, MaxSharedBytes(device), stages);
+  TORCH_CHECK(p.layout.stages > 0, "chunk state recurrence: no kernel for C = ", p.chunk,
+              ", Dk = ", p.dk, " (shared memory)");
   if (blocks == 0 || segments < 1) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaFuncSetAttribute(ChunkScanKernel<T>,

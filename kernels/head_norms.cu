@@ -22,7 +22,9 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kRowsPerWarp = 4;
 constexpr int64_t kRowsPerBlock = kWarps * kRowsPerWarp;
-constexpr int64_t kMaxGatedBackwardBlocks = 1024;
+// The gated backward's blocks (its weight gradient's partial rows): enough for every SM to hold
+// several, so that rows in flight hide the loads' latency.
+constexpr int64_t kMaxGatedBackwardBlocks = 4096;
 constexpr int64_t kMaxBlocks = 65535;
 
 // Where row r = (token, head) of x and z starts: heads D apart, tokens x_stride and z_stride
@@ -127,12 +129,13 @@ __global__ void __launch_bounds__(32 * kWarps)
   }
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * R; first < rows;
        first += static_cast<int64_t>(gridDim.x) * kWarps * R) {
-    float d[R][E], xs[R][E];
+    float d[R][E], xs[R][E], r[R];
     [[maybe_unused]] float zs[R][E];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int64_t row = first + i < rows ? first + i : first;  // past the end: a row read twice
       const HeadRows::Bases at = layout.Of<D>(row);
+      r[i] = rstd[row];
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         d[i][e] = Load(dy, row * D + lane + 32 * e);
@@ -144,12 +147,11 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int i = 0; i < R; ++i) {
       const int64_t row = first + i;
       if (row >= rows) break;
-      const float r = rstd[row];
       float normed[E], dn[E];
       float dot = 0.0f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        normed[e] = __fmul_rn(xs[i][e], r);
+        normed[e] = __fmul_rn(xs[i][e], r[i]);
         if constexpr (kGated) {
           const SiluTerms t = SiluOf(zs[i][e]);
           const float slope = __fadd_rn(1.0f, __fmul_rn(zs[i][e], __fsub_rn(1.0f, t.sigmoid)));
@@ -168,7 +170,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         Store(dx, row * D + lane + 32 * e,
-              __fmul_rn(r, __fsub_rn(dn[e], __fmul_rn(normed[e], mean))));
+              __fmul_rn(r[i], __fsub_rn(dn[e], __fmul_rn(normed[e], mean))));
       }
     }
   }

@@ -323,7 +323,9 @@ TEST(ChunkStateOutput, EqualsTheRecurrenceAndTheOutputProducts) {
         const at::Tensor expected = gb[i].defined() ? gb[i] : at::zeros_like(xb[i]);
         const at::Tensor actual = ga[i].defined() ? ga[i] : at::zeros_like(xa[i]);
         EXPECT_LT(RelativeError(actual, expected), 1e-12) << "input " << i;
-        if (i < 5 && which != 2) EXPECT_GT(expected.abs().max().item<double>(), 1e-6) << i;
+        if (i < 5 && which != 2) {
+          EXPECT_GT(expected.abs().max().item<double>(), 1e-6) << i;
+        }
       }
     }
   }
@@ -609,6 +611,40 @@ TEST(ChunkStateKernel, SegmentsEqualSeparateCalls) {
     EXPECT_TRUE(at::equal(part(whole.states), one.states)) << seg;
     EXPECT_TRUE(at::equal(part(whole.new_values), one.new_values)) << seg;
     EXPECT_TRUE(at::equal(whole.final_state[seg], one.final_state)) << seg;
+  }
+}
+
+// One stage (two blocks an SM, the default for launches with blocks for two an SM) and two (a
+// block's next chunk copied while it computes) run the same products in the same order: bitwise
+// the same states, values and gradients, on a launch of many segments and on one of a few.
+TEST(ChunkStateKernel, OneAndTwoStagesAreBitwiseTheSame) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device; the kernel needs a GPU";
+  const at::TensorOptions f32 = kFloat64.dtype(at::kFloat).device(at::kCUDA);
+  for (const int64_t segments : {2, 90}) {
+    std::vector<int64_t> offsets = {0};
+    for (int64_t seg = 0; seg < segments; ++seg) offsets.push_back(offsets.back() + 1 + seg % 4);
+    const Shape s{32, offsets.back(), 64, 128, 128};
+    Inputs in = RandomInputs(s, 74, f32);
+    in.s0 = 0.5 * at::randn({segments, s.heads, s.dk, s.dv}, f32);
+    const at::Tensor w_states = at::randn({s.heads, s.chunks, s.dk, s.dv}, f32);
+    std::vector<std::vector<at::Tensor>> results;
+    for (const char* stages : {"1", "2"}) {
+      setenv("DTA_SCAN_STAGES", stages, 1);
+      const Inputs a = RequiringGrad(in);
+      const ChunkStates found =
+          ChunkStateRecurrence(a.w, a.u, a.kd, a.d, a.s0, {.segment_chunks = offsets});
+      std::vector<at::Tensor> all = {found.states.detach(), found.new_values.detach(),
+                                     found.final_state.detach()};
+      const std::vector<at::Tensor> grads = torch::autograd::grad(
+          {(found.states * w_states).sum() + found.new_values.sum() + found.final_state.sum()},
+          a.all());
+      all.insert(all.end(), grads.begin(), grads.end());
+      results.push_back(all);
+    }
+    unsetenv("DTA_SCAN_STAGES");
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(results[0][i], results[1][i])) << segments << " segments, output " << i;
+    }
   }
 }
 
