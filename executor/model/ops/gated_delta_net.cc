@@ -52,11 +52,10 @@ int64_t ValueHeadsPerKeyHead(const GatedDeltaNetShape& shape) {
   return shape.value_heads / shape.key_heads;
 }
 
-// x / sqrt(sum x^2 + eps) along the last dimension (flash-linear-attention's l2norm, as
-// transformers).
-// q and k's L2 norm per head, x [T, Hk, Dk] in any floating dtype, y in the compute type
-// (kernels/head_norms.h: one kernel each way on the GPU). Keeps x (a view of the convolution's
-// output) and the rstd; x's gradient comes back in x's dtype.
+// q and k's L2 norm per head, x / sqrt(sum x^2 + eps) along the last dimension
+// (flash-linear-attention's l2norm, as transformers), x [T, Hk, Dk] in any floating dtype, y in
+// the compute type (kernels/head_norms.h: one kernel each way on the GPU). Keeps x (a view of the
+// convolution's output) and the rstd; x's gradient comes back in x's dtype.
 class L2NormFunction : public torch::autograd::Function<L2NormFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, double eps) {
