@@ -145,13 +145,28 @@ at::Tensor RmsNormBackwardReference(const at::Tensor& dy, const at::Tensor& x,
 // Rows of x as the kernels see them: [rows, n], contiguous.
 at::Tensor Rows(const at::Tensor& x) { return x.contiguous().view({-1, x.size(-1)}); }
 
+// x's rows as a [rows, n] view the RMSNorm kernels read in place: unit column stride and one
+// stride between consecutive rows (a head's slice of wider rows, as gated attention's queries);
+// else a contiguous copy.
+at::Tensor StridedRows(const at::Tensor& x) {
+  const int64_t n = x.size(-1);
+  if (x.dim() < 2 || x.stride(-1) != 1 || x.stride(-2) < n) return Rows(x);
+  const int64_t ld = x.stride(-2);
+  int64_t expected = ld * x.size(-2);
+  for (int64_t d = x.dim() - 3; d >= 0; --d) {
+    if (x.size(d) != 1 && x.stride(d) != expected) return Rows(x);
+    expected *= x.size(d);
+  }
+  return x.as_strided({x.numel() / n, n}, {ld, 1});
+}
+
 }  // namespace
 
 RmsNormResult RmsNormForward(const at::Tensor& x, const at::Tensor& weight, double eps,
                              at::ScalarType out_type) {
   CheckNormInputs("RmsNormForward", x, weight);
   if (UseCuda({&x, &weight}, {out_type}) && x.size(-1) <= internal::kFusedNormMaxRow) {
-    const at::Tensor rows = Rows(x);
+    const at::Tensor rows = StridedRows(x);
     at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_type));
     std::vector<int64_t> rstd_shape = x.sizes().vec();
     rstd_shape.back() = 1;
@@ -171,7 +186,7 @@ at::Tensor RmsNormApply(const at::Tensor& x, const at::Tensor& weight, const at:
   if (UseCuda({&x, &weight, &rstd}, {out_type}) && rstd.scalar_type() == at::kFloat &&
       x.size(-1) <= internal::kFusedNormMaxRow) {
     at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_type));
-    internal::RmsNormApplyCuda(Rows(x), weight.contiguous(), rstd.contiguous(), y);
+    internal::RmsNormApplyCuda(StridedRows(x), weight.contiguous(), rstd.contiguous(), y);
     return y;
   }
   const at::Tensor normed = x.to(rstd.scalar_type()) * rstd;
@@ -195,7 +210,7 @@ at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::
   }
   if (UseCuda({&dy, &x, &weight, &rstd}) && rstd.scalar_type() == at::kFloat &&
       x.size(-1) <= internal::kFusedNormMaxRow) {
-    const at::Tensor rows = Rows(x);
+    const at::Tensor rows = StridedRows(x);
     at::Tensor dx = at::empty(x.sizes(), x.options().dtype(at::kFloat));
     at::Tensor partials = at::empty({internal::RmsNormBackwardBlocks(rows.size(0)), x.size(-1)},
                                     x.options().dtype(at::kFloat));

@@ -107,14 +107,14 @@ __device__ __forceinline__ int64_t NormRowsEnd(int64_t rows, int64_t rows_per_bl
 // rstd = rsqrt(mean(x^2) + eps), y = w * (x * rstd), per row.
 template <int E>
 __global__ void __launch_bounds__(kNormThreads)
-    RmsNormForwardKernel(In x, In w, Out y, float* rstd, int64_t rows, int64_t n,
+    RmsNormForwardKernel(In x, int64_t x_ld, In w, Out y, float* rstd, int64_t rows, int64_t n,
                          int64_t rows_per_block, float eps) {
   __shared__ float shared[32];
   float weight[E];
   LoadNormColumns(w, 0, n, weight);
   for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
     float xs[E];
-    LoadNormColumns(x, row * n, n, xs);
+    LoadNormColumns(x, row * x_ld, n, xs);
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < E; ++k) sum = __fadd_rn(sum, __fmul_rn(xs[k], xs[k]));
@@ -127,14 +127,14 @@ __global__ void __launch_bounds__(kNormThreads)
 // The forward's y from its rstd.
 template <int E>
 __global__ void __launch_bounds__(kNormThreads)
-    RmsNormApplyKernel(In x, In w, const float* rstd, Out y, int64_t rows, int64_t n,
+    RmsNormApplyKernel(In x, int64_t x_ld, In w, const float* rstd, Out y, int64_t rows, int64_t n,
                        int64_t rows_per_block) {
   float weight[E];
   LoadNormColumns(w, 0, n, weight);
   for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
     const float r = rstd[row];
     float xs[E];
-    LoadNormColumns(x, row * n, n, xs);
+    LoadNormColumns(x, row * x_ld, n, xs);
     StoreNormed(y, row * n, n, weight, xs, r);
   }
 }
@@ -146,9 +146,9 @@ __global__ void __launch_bounds__(kNormThreads)
 // block-wide sum, so that its latency hides under the sum's.
 template <int E>
 __global__ void __launch_bounds__(kNormThreads)
-    RmsNormBackwardKernel(In dy, In x, In w, const float* rstd, const float* __restrict__ residual,
-                          float* __restrict__ dx, float* partials, int64_t rows, int64_t n,
-                          int64_t rows_per_block) {
+    RmsNormBackwardKernel(In dy, In x, int64_t x_ld, In w, const float* rstd,
+                          const float* __restrict__ residual, float* __restrict__ dx,
+                          float* partials, int64_t rows, int64_t n, int64_t rows_per_block) {
   __shared__ float shared[32];
   float weight[E], acc[E];
   LoadNormColumns(w, 0, n, weight);
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int64_t c = NormColumn(k);
-      xs[k] = c < n ? Load(x, base + c) : 0.0f;
+      xs[k] = c < n ? Load(x, row * x_ld + c) : 0.0f;
       dys[k] = c < n ? Load(dy, base + c) : 0.0f;
       res[k] = residual != nullptr && c < n ? residual[base + c] : 0.0f;
     }
@@ -613,7 +613,7 @@ void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double ep
   WithColumnsPerThread(n, [&](auto columns) {
     RmsNormForwardKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            InOf(x), InOf(weight), OutOf(y), rstd.data_ptr<float>(), rows, n,
+            InOf(x), x.stride(0), InOf(weight), OutOf(y), rstd.data_ptr<float>(), rows, n,
             NormRowsPerBlock(rows, blocks), static_cast<float>(eps));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -627,7 +627,7 @@ void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::T
   WithColumnsPerThread(n, [&](auto columns) {
     RmsNormApplyKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            InOf(x), InOf(weight), rstd.data_ptr<float>(), OutOf(y), rows, n,
+            InOf(x), x.stride(0), InOf(weight), rstd.data_ptr<float>(), OutOf(y), rows, n,
             NormRowsPerBlock(rows, blocks));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -650,7 +650,7 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
   WithColumnsPerThread(n, [&](auto columns) {
     RmsNormBackwardKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
-            InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(),
+            InOf(dy), InOf(x), x.stride(0), InOf(weight), rstd.data_ptr<float>(),
             residual.defined() ? residual.data_ptr<float>() : nullptr, dx.data_ptr<float>(),
             weight_partials.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks));
   });

@@ -1,7 +1,7 @@
 // The CUDA entry points of kernels/fused_layers.h, defined in fused_layers.cu when the library is
 // built with nvcc (DTA_KERNELS_HAVE_CUDA), and the two host helpers the fused kernels share
-// (defined in fused_layers.cc). Inputs are checked, contiguous and on one CUDA device; each
-// function runs on the current stream. Not part of the public API.
+// (defined in fused_layers.cc). Inputs are checked, contiguous (unless said) and on one CUDA
+// device; each function runs on the current stream. Not part of the public API.
 #ifndef DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_
 #define DTA_KERNELS_FUSED_LAYERS_INTERNAL_H_
 
@@ -27,7 +27,8 @@ void AddPartialSums(const at::Tensor& partials, at::Tensor& weight_grad);
 inline constexpr int64_t kFusedNormMaxRow = 8192;
 inline bool FusedRopeHeadDim(int64_t d) { return d % 64 == 0 && d <= 256; }
 
-// x [rows, n]; writes y [rows, n] and rstd [rows] (float32).
+// x [rows, n] with unit column stride, its rows x.stride(0) apart (not necessarily contiguous);
+// writes y [rows, n] and rstd [rows] (float32). The same x in the two below.
 void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
                         at::Tensor& rstd);
 // y from a known rstd.

@@ -5,8 +5,9 @@
 // bfloat16 step of it; weight gradients within 1e-4; backward bitwise deterministic. Shapes cover
 // one row, rows longer than a block, lengths that no block size divides, more rows than the
 // backward has blocks of four rows, every fused head dim (64, 128, 192, 256) and the ones the
-// kernels leave to ATen (96, rows longer than 8,192). RoPE alone is bitwise the CPU's. The GPU
-// tests skip without a CUDA device.
+// kernels leave to ATen (96, rows longer than 8,192). RoPE alone is bitwise the CPU's; RMSNorm
+// over strided rows (a head's half of wider rows) reads them in place, bitwise the contiguous
+// copy's. The GPU tests skip without a CUDA device.
 #include "kernels/fused_layers.h"
 
 #include <torch/csrc/autograd/autograd.h>
@@ -306,6 +307,31 @@ TEST_F(FusedLayersCuda, RmsNormMatchesTheCpu) {
                   gpu_dx + residual))
         << name;
     EXPECT_TRUE(at::equal(with_residual, gpu_grad)) << name;
+  }
+}
+
+// A norm over each head's first half of wider rows (gated attention's queries, [q, gate] per
+// head) reads the rows in place: bitwise what the kernels give the same rows copied contiguous.
+TEST_F(FusedLayersCuda, RmsNormReadsStridedRowsInPlace) {
+  at::manual_seed(6);
+  for (const int64_t dim : {128, 256}) {
+    const at::Tensor wide = at::randn({37, 16, 2 * dim}, at::kCUDA).to(at::kBFloat16);
+    const at::Tensor x = wide.slice(-1, 0, dim);  // [37, 16, dim], rows 2 dim apart
+    ASSERT_FALSE(x.is_contiguous());
+    const at::Tensor copied = x.contiguous();
+    const at::Tensor w = Cuda(1 + 0.1 * at::randn({dim}));
+    const at::Tensor dy = at::randn({37, 16, dim}, at::kCUDA).to(at::kBFloat16);
+    const RmsNormResult strided = RmsNormForward(x, w, 1e-6, at::kBFloat16);
+    const RmsNormResult contiguous = RmsNormForward(copied, w, 1e-6, at::kBFloat16);
+    EXPECT_TRUE(at::equal(strided.y, contiguous.y)) << dim;
+    EXPECT_TRUE(at::equal(strided.rstd, contiguous.rstd)) << dim;
+    EXPECT_TRUE(at::equal(RmsNormApply(x, w, strided.rstd, at::kBFloat16), contiguous.y)) << dim;
+    at::Tensor grad_strided = at::zeros({dim}, at::kCUDA),
+               grad_contiguous = at::zeros_like(grad_strided);
+    EXPECT_TRUE(at::equal(RmsNormBackward(dy, x, w, strided.rstd, grad_strided),
+                          RmsNormBackward(dy, copied, w, contiguous.rstd, grad_contiguous)))
+        << dim;
+    EXPECT_TRUE(at::equal(grad_strided, grad_contiguous)) << dim;
   }
 }
 
