@@ -1,7 +1,8 @@
 """dta.areal at several processes: AReaL's PPOActor loop (its rollout coordinator, compute_logp,
-compute_advantages, ppo_update, export_stats) on DTAPPOActor under a launcher's environment on Gloo,
-with the allocations fsdp:d2 (DP 2), fsdp:t2 (TP 2) and fsdp:d2t2 (4 processes), equals the
-one-process engine's in float64 (test_areal_engine's tiny model and rollouts):
+compute_advantages, ppo_update, export_stats) on DTAPPOActor, its processes started as AReaL's
+local launcher starts trainers (torchrun with AREAL_SPMD_MODE=1), on Gloo, with the allocations
+fsdp:d2 (DP 2), fsdp:t2 (TP 2) and fsdp:d2t2 (4 processes), equals the one-process engine's in
+float64 (test_areal_engine's tiny model and rollouts):
 
 - each step's train_batch results (loss, gradient norm, learning rate, tree tokens) within 1e-9,
   AReaL's exported statistics (float32 in its tracker) within 1e-6, under the same names (but
@@ -52,16 +53,20 @@ def free_port() -> int:
 
 
 def launch(out: Path, world: int, checkpoint_dir: str, rollouts_file: Path, device: str) -> list[subprocess.Popen]:
-    port = free_port()
+    """The world's ranks, started as AReaL's local launcher starts its trainers
+    (areal/infra/launcher/local.py: ``torchrun --nnodes 1 --nproc-per-node N --master-addr
+    localhost --master-port P <script> <args>`` with AREAL_SPMD_MODE=1); torchrun stops every rank
+    when one fails."""
     runs = ",".join("/".join(run) for run in RUNS[world])
     return [subprocess.Popen(
-        [sys.executable, str(WORKER), f"--checkpoint={checkpoint_dir}", f"--rollouts={rollouts_file}",
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
+         "--master-addr", "localhost", "--master-port", str(free_port()),
+         str(WORKER), f"--checkpoint={checkpoint_dir}", f"--rollouts={rollouts_file}",
          f"--out={out}", f"--runs={runs}", f"--device={device}",
          # test_areal_engine's xccl worker joins over Gloo: the CPU runs only
          f"--xccl_run={'/'.join(XCCL_RUN) if device == 'cpu' else ''}"],
-        env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
+        env=dict(os.environ, AREAL_SPMD_MODE="1", OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
 
 
 def wait(ranks: list[subprocess.Popen], timeout: float) -> None:
