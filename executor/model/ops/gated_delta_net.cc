@@ -526,9 +526,10 @@ LinearMixerOutput GatedDeltaNetMix(const GatedDeltaNetWeights& w, const GatedDel
   GatedDeltaOutput rule = TreeGatedDeltaRule(q, k, v, g, beta, runs, state);
 
   // The gated RMSNorm per value head: norm(o) * weight * silu(z), rounded once to the projections'
-  // dtype.
+  // dtype. o made contiguous here, once (a single run's output is a transposed view), so that the
+  // norm keeps the copy its kernels read instead of copying again in backward.
   const at::Tensor gated =
-      GatedRmsNorm(rule.out, w.norm.to(type), z, shape.eps, mixed.scalar_type());
+      GatedRmsNorm(rule.out.contiguous(), w.norm.to(type), z, shape.eps, mixed.scalar_type());
   return {.out = gated.reshape({t, vh * dv}),
           .conv_inputs = mixed,
           .final_state = rule.final_state,
