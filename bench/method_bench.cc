@@ -25,9 +25,10 @@
 //                  (ExecutorOptions::memory_budget), -mhalf under half of dense's measured peak
 //                  (dense must be listed before it), e.g. dta-bauto-gauto-pack-mhalf
 //
-// Each timed step zeroes the gradients and calls ComputeGradients once (GRPO: PPO clip with group
-// advantages, token-mean; LossOptions' defaults, as dta-train). --warmup steps are run and
-// discarded, then the median of --repeats steps is reported, each step bracketed by device
+// Each timed step calls ComputeGradients once with ExecutorOptions::replace_gradients, as the
+// trainers do (--replace_gradients=false: zeroes the gradients first and accumulates; GRPO: PPO
+// clip with group advantages, token-mean; LossOptions' defaults, as dta-train). --warmup steps are
+// run and discarded, then the median of --repeats steps is reported, each step bracketed by device
 // synchronizations. Per method: step time, rollout tokens per second (all rollout tokens, shared or
 // not: the same numerator for every method), speedups, peak memory (CUDA caching allocator,
 // reset between methods; on the CPU the process's peak RSS, reset through /proc/self/clear_refs),
@@ -151,6 +152,10 @@ ABSL_FLAG(bool, profile, false,
           "after each method's timed steps, one more step under PyTorch's profiler: "
           "DIR/profile-<method>.md, the GPU's kernels (on the CPU, the operators) by time");
 ABSL_FLAG(int32_t, profile_top, 40, "with --profile: the rows of each profile");
+ABSL_FLAG(bool, replace_gradients, true,
+          "each timed step's gradients replace the previous step's (ExecutorOptions::"
+          "replace_gradients, as the trainers run); false zeroes every gradient before the step "
+          "and accumulates into it");
 ABSL_FLAG(std::string, label, "",
           "the workload's name in the outputs; default the rollout file's stem");
 
@@ -235,6 +240,7 @@ MethodSpec ParseMethod(const std::string& name) {
         "--methods: unknown method '" + name +
         "'; known: dense, dense-ckpt, packed, packed-ckpt, dta-b<B>[-g<G>][-pack][-lex]"};
   }
+  spec.options.replace_gradients = absl::GetFlag(FLAGS_replace_gradients);
   return spec;
 }
 
@@ -874,7 +880,7 @@ MethodResult RunMethod(const Decoder& model, const std::vector<Rollout>& rollout
     for (int step = 0; step < warmup + repeats; ++step) {
       Synchronize(device);
       const auto start = std::chrono::steady_clock::now();
-      ZeroGrads(model);
+      if (!spec.options.replace_gradients) ZeroGrads(model);
       const GradientResult r = ComputeGradients(model, rollouts, loss, spec.options);
       Synchronize(device);
       if (step == 0) CheckHonoured(spec, rollouts, r);
@@ -895,7 +901,7 @@ MethodResult RunMethod(const Decoder& model, const std::vector<Rollout>& rollout
       const bench::StepProfile profile = bench::ProfileStep(
           [&] {
             Synchronize(device);
-            ZeroGrads(model);
+            if (!spec.options.replace_gradients) ZeroGrads(model);
             ComputeGradients(model, rollouts, loss, spec.options);
             Synchronize(device);
           },
@@ -1311,9 +1317,10 @@ int Run(int argc, char** argv) {
       stats.compression, stats.attention_compression, Int(stats.longest_rollout),
       Int(packed_tokens), Int(absl::GetFlag(FLAGS_token_capacity)));
   md += absl::StrFormat(
-      "- Step: zero gradients + ComputeGradients, loss %s; %d warm-up step(s) discarded, median of "
-      "%d timed steps, "
-      "each between device synchronizations\n",
+      "- Step: %s, loss %s; %d warm-up step(s) discarded, median of %d timed steps, each between "
+      "device synchronizations\n",
+      absl::GetFlag(FLAGS_replace_gradients) ? "ComputeGradients replacing the gradients"
+                                             : "zero gradients + ComputeGradients",
       loss_name, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats));
   if (!loss_warning.empty()) md += "- **Warning**: " + loss_warning + "\n";
   md +=

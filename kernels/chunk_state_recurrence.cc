@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "core/base/env_switch.h"
+#include "kernels/float32_bmm.h"
 
 namespace dta::kernels {
 
@@ -170,8 +171,8 @@ ChunkStateGrads FinishGrads(ScanGrads scan, const at::Tensor& states, const at::
                             const Sizes& s) {
   const int64_t area = s.dk * s.dv;
   ChunkStateGrads grads;
-  grads.k_cumdecay = at::matmul(scan.dvt, states.transpose(-1, -2)).neg();
-  grads.k_decayed = at::matmul(v_new, scan.carried.transpose(-1, -2));
+  grads.k_cumdecay = Float32Bmm(scan.dvt, states.transpose(-1, -2)).neg_();
+  grads.k_decayed = Float32Bmm(v_new, scan.carried.transpose(-1, -2));
   // sum(h_i * g_i) as a batch of dot products: no [H, N, Dk, Dv] temporary.
   grads.chunk_decay = at::matmul(states.reshape({s.heads, s.chunks, 1, area}),
                                  scan.carried.reshape({s.heads, s.chunks, area, 1}))
@@ -225,7 +226,7 @@ class ChunkOutputFunction : public torch::autograd::Function<ChunkOutputFunction
                                const at::Tensor& qd, const at::Tensor& intra,
                                const ChunkStateOptions& options) {
     const ChunkStates scan = ChunkStateForward(w, u, kd, d, s0, options);
-    at::Tensor out = at::matmul(qd, scan.states) + at::matmul(intra, scan.new_values);
+    at::Tensor out = Float32Bmm(qd, scan.states).add_(Float32Bmm(intra, scan.new_values));
     ctx->save_for_backward({w, u, kd, d, s0, qd, intra});
     SaveOptions(ctx, options);
     ctx->set_materialize_grads(false);
@@ -241,10 +242,10 @@ class ChunkOutputFunction : public torch::autograd::Function<ChunkOutputFunction
     const at::Tensor& d_out = grads[0];
     at::Tensor d_qd, d_intra, d_states, d_new_values;
     if (d_out.defined()) {
-      d_qd = at::matmul(d_out, scan.states.transpose(-1, -2));
-      d_states = at::matmul(qd.transpose(-1, -2), d_out);
-      d_intra = at::matmul(d_out, scan.new_values.transpose(-1, -2));
-      d_new_values = at::matmul(intra.transpose(-1, -2), d_out);
+      d_qd = Float32Bmm(d_out, scan.states.transpose(-1, -2));
+      d_states = Float32Bmm(qd.transpose(-1, -2), d_out);
+      d_intra = Float32Bmm(d_out, scan.new_values.transpose(-1, -2));
+      d_new_values = Float32Bmm(intra.transpose(-1, -2), d_out);
     }
     ChunkStateGrads g = ChunkStateBackward(d_states, d_new_values, grads[1], w, kd, d, scan.states,
                                            scan.new_values, options);

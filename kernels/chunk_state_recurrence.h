@@ -18,7 +18,9 @@
 // Numerics: everything in the inputs' type, float32 or float64 (the delta rule's compute type).
 // The ATen path computes the loop above with at::matmul, as ChunkedGatedDeltaRule did before this
 // function; the CUDA kernel computes the same expressions with plain (SIMT) fused multiply-adds,
-// no TF32, so the two differ only in the order of each dot product's terms.
+// no TF32, so the two differ only in the order of each dot product's terms. The batched products
+// over all chunks (the output's, and the gradients of W and Kd) run as kernels/float32_bmm.h's
+// Float32Bmm: 3xTF32 on Hopper's tensor cores, float32-accurate.
 //
 // The CUDA kernel runs when the library is built with nvcc (DTA_KERNELS_HAVE_CUDA), the tensors are
 // on a CUDA device, ChunkStateOptions::use_kernel is true, DTA_LINEAR_ATTENTION_KERNEL is not "0"

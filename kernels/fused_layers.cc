@@ -386,6 +386,60 @@ SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at
 
 namespace {
 
+// The row stride at which the kernels read a [..., cols] gate: its rows must be equally spaced
+// (a [T, H, D] view of [T, H, 2 D] rows is: stride(0) = H stride(1)); -1 otherwise.
+int64_t GateRowStride(const at::Tensor& gate) {
+  if (gate.is_contiguous()) return gate.size(-1);
+  if (gate.dim() < 2 || gate.stride(-1) != 1) return -1;
+  const int64_t ld = gate.stride(-2);
+  int64_t expected = ld * gate.size(-2);
+  for (int64_t d = gate.dim() - 3; d >= 0; --d) {
+    if (gate.size(d) != 1 && gate.stride(d) != expected) return -1;
+    expected *= gate.size(d);
+  }
+  return ld >= gate.size(-1) ? ld : -1;
+}
+
+}  // namespace
+
+at::Tensor SigmoidGateForward(const at::Tensor& attention, const at::Tensor& gate) {
+  CheckSameShape("SigmoidGateForward", "gate", gate, attention);
+  if (UseCuda({&attention, &gate}) && EnvSwitchOn("DTA_FUSED_OUTPUT_GATE")) {
+    const at::Tensor a = attention.contiguous();
+    int64_t ld = GateRowStride(gate);
+    const at::Tensor x = ld >= 0 ? gate : gate.contiguous();
+    if (ld < 0) ld = gate.size(-1);
+    at::Tensor y = at::empty(a.sizes(), a.options());
+    internal::SigmoidGateForwardCuda(a, x, ld, y);
+    return y;
+  }
+  const at::ScalarType ct = ComputeType(attention.scalar_type());
+  return (attention.to(ct) * at::sigmoid(gate.to(ct))).to(attention.scalar_type());
+}
+
+SigmoidGateGrads SigmoidGateBackward(const at::Tensor& dy, const at::Tensor& attention,
+                                     const at::Tensor& gate) {
+  CheckSameShape("SigmoidGateBackward", "gate", gate, attention);
+  CheckSameShape("SigmoidGateBackward", "dy", dy, attention);
+  if (UseCuda({&dy, &attention, &gate}) && EnvSwitchOn("DTA_FUSED_OUTPUT_GATE")) {
+    const at::Tensor a = attention.contiguous();
+    int64_t ld = GateRowStride(gate);
+    const at::Tensor x = ld >= 0 ? gate : gate.contiguous();
+    if (ld < 0) ld = gate.size(-1);
+    SigmoidGateGrads grads{.dattention = at::empty(a.sizes(), a.options()),
+                           .dgate = at::empty(a.sizes(), gate.options())};
+    internal::SigmoidGateBackwardCuda(dy.contiguous(), a, x, ld, grads.dattention, grads.dgate);
+    return grads;
+  }
+  const at::ScalarType ct = ComputeType(attention.scalar_type());
+  const at::Tensor g = dy.to(ct);
+  const at::Tensor s = at::sigmoid(gate.to(ct));
+  return {.dattention = (g * s).to(attention.scalar_type()).contiguous(),
+          .dgate = (g * attention.to(ct) * (1 - s) * s).to(gate.scalar_type()).contiguous()};
+}
+
+namespace {
+
 // Whether the log-probability head's kernels take these float32 tensors on one CUDA device.
 bool UseLogitKernels(const at::Tensor& logits, std::initializer_list<const at::Tensor*> rows,
                      at::ScalarType out_type = at::kFloat) {

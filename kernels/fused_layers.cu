@@ -438,6 +438,72 @@ __global__ void SwiGluBackwardKernel(In d, In gate, In up, Out dgate, Out dup, O
   }
 }
 
+// Gated attention's output gate, y = a sigmoid(x): ATen's sigmoid 1 / (1 + exp(-x)) and the
+// backward's products in ATen's order, da = dy s and dx = ((dy a) (1 - s)) s (mul's, then
+// sigmoid_backward's), so that the kernels give the ATen path's bits. a, dy, y, da and dx are
+// contiguous [rows, cols]; x is at row stride `gate_ld` (the gate half of the query projection's
+// [query, gate] rows). kVectorized: every tensor bfloat16 (dy bfloat16 or float32) and 16-byte
+// aligned, cols, gate_ld and n multiples of 8.
+struct GateLayout {
+  int64_t cols, gate_ld;
+  __device__ __forceinline__ int64_t Gate(int64_t i) const { return i / cols * gate_ld + i % cols; }
+};
+
+__device__ __forceinline__ float Sigmoid(float x) {
+  return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+}
+
+template <bool kVectorized>
+__global__ void SigmoidGateForwardKernel(In a, In x, Out y, int64_t n, GateLayout layout) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if constexpr (kVectorized) {
+    for (int64_t i = first * kVector; i < n; i += stride * kVector) {
+      float av[kVector], xv[kVector];
+      Load8(a, i, av);
+      Load8(x, layout.Gate(i), xv);  // eight elements of one row (cols % 8 == 0)
+#pragma unroll
+      for (int k = 0; k < kVector; ++k) av[k] = __fmul_rn(av[k], Sigmoid(xv[k]));
+      Store8(y, i, av);
+    }
+  } else {
+    for (int64_t i = first; i < n; i += stride) {
+      Store(y, i, __fmul_rn(Load(a, i), Sigmoid(Load(x, layout.Gate(i)))));
+    }
+  }
+}
+
+template <bool kVectorized>
+__global__ void SigmoidGateBackwardKernel(In dy, In a, In x, Out da, Out dx, int64_t n,
+                                          GateLayout layout) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const auto gradients = [](float g, float av, float xv, float& dav, float& dxv) {
+    const float s = Sigmoid(xv);
+    dav = __fmul_rn(g, s);
+    dxv = __fmul_rn(__fmul_rn(__fmul_rn(g, av), __fsub_rn(1.0f, s)), s);
+  };
+  if constexpr (kVectorized) {
+    for (int64_t i = first * kVector; i < n; i += stride * kVector) {
+      float g[kVector], av[kVector], xv[kVector], dav[kVector], dxv[kVector];
+      Load8(dy, i, g);
+      Load8(a, i, av);
+      Load8(x, layout.Gate(i), xv);
+#pragma unroll
+      for (int k = 0; k < kVector; ++k) gradients(g[k], av[k], xv[k], dav[k], dxv[k]);
+      Store8(da, i, dav);
+      Store8(dx, i, dxv);
+    }
+  } else {
+    for (int64_t i = first; i < n; i += stride) {
+      float dav, dxv;
+      gradients(Load(dy, i), Load(a, i), Load(x, layout.Gate(i)), dav, dxv);
+      Store(da, i, dav);
+      Store(dx, i, dxv);
+    }
+  }
+}
+
 template <int E>
 void LaunchRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps,
                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
@@ -761,6 +827,50 @@ void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::T
   } else {
     SwiGluBackwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
         InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void SigmoidGateForwardCuda(const at::Tensor& a, const at::Tensor& x, int64_t gate_ld,
+                            at::Tensor& y) {
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const GateLayout layout{.cols = a.size(-1), .gate_ld = gate_ld};
+  const bool bf16 = a.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
+                    y.scalar_type() == at::kBFloat16;
+  if (bf16 && layout.cols % kVector == 0 && gate_ld % kVector == 0 &&
+      Vectorizable(n, {&a, &x, &y})) {
+    SigmoidGateForwardKernel<true>
+        <<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(InOf(a), InOf(x),
+                                                                             OutOf(y), n, layout);
+  } else {
+    SigmoidGateForwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+        InOf(a), InOf(x), OutOf(y), n, layout);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void SigmoidGateBackwardCuda(const at::Tensor& dy, const at::Tensor& a, const at::Tensor& x,
+                             int64_t gate_ld, at::Tensor& da, at::Tensor& dx) {
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const GateLayout layout{.cols = a.size(-1), .gate_ld = gate_ld};
+  bool bf16 = true;
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a, &x, &da, &dx}) {
+    if (t->scalar_type() != at::kBFloat16) bf16 = false;
+  }
+  if (bf16 && layout.cols % kVector == 0 && gate_ld % kVector == 0 &&
+      Vectorizable(n, {&dy, &a, &x, &da, &dx})) {
+    SigmoidGateBackwardKernel<true>
+        <<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
+            InOf(dy), InOf(a), InOf(x), OutOf(da), OutOf(dx), n, layout);
+  } else {
+    SigmoidGateBackwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+        InOf(dy), InOf(a), InOf(x), OutOf(da), OutOf(dx), n, layout);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -103,6 +103,23 @@ struct SwiGluGrads {
 SwiGluGrads SwiGluBackward(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
                            bool with_product = false, bool stacked = false);
 
+// Gated attention's output gate (Qwen3-Next): attention * sigmoid(gate) in the compute type,
+// rounded once to attention's dtype. gate has attention's shape; on CUDA its rows may be strided
+// (the gate half of each head's [query, gate] projection is read in place). The CUDA kernels give
+// the ATen expressions' bits; DTA_FUSED_OUTPUT_GATE=0 (read at every call) runs the expressions
+// instead, for before/after measurements.
+at::Tensor SigmoidGateForward(const at::Tensor& attention, const at::Tensor& gate);
+
+struct SigmoidGateGrads {
+  at::Tensor dattention;  // attention's dtype, contiguous
+  at::Tensor dgate;       // gate's dtype, contiguous
+};
+
+// The gradients given dy, the gated output's gradient (attention's shape, any floating dtype):
+// dy s and dy attention (1 - s) s with s = sigmoid(gate), in the compute type.
+SigmoidGateGrads SigmoidGateBackward(const at::Tensor& dy, const at::Tensor& attention,
+                                     const at::Tensor& gate);
+
 // The log-probability head's elementwise work on one slice of logits z [rows, vocab] (float32 or
 // float64, from the lm_head GEMM; the model keeps no [tokens x vocab] tensor beyond a slice).
 // The CUDA kernels take float32 logits: statistics in one pass over each row (an online softmax),

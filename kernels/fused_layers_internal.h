@@ -69,6 +69,13 @@ void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::T
                         int64_t in_ld, at::Tensor& dgate, at::Tensor& dup, int64_t out_ld,
                         at::Tensor& product);
 
+// a, y, dy, da and dx: contiguous [..., cols]; x: the same shape with rows `gate_ld` elements
+// apart.
+void SigmoidGateForwardCuda(const at::Tensor& a, const at::Tensor& x, int64_t gate_ld,
+                            at::Tensor& y);
+void SigmoidGateBackwardCuda(const at::Tensor& dy, const at::Tensor& a, const at::Tensor& x,
+                             int64_t gate_ld, at::Tensor& da, at::Tensor& dx);
+
 // logits [rows, vocab] float32 contiguous, targets [rows] int64; lse, target [rows] float32, mean
 // [rows] float32 or undefined (not computed).
 void LogitRowStatsCuda(const at::Tensor& logits, const at::Tensor& targets, at::Tensor& lse,

@@ -12,7 +12,7 @@
 namespace dta::kernels {
 
 bool AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const at::Tensor& x,
-                          const at::Tensor& ends) {
+                          const at::Tensor& ends, bool overwrite) {
 #ifdef DTA_KERNELS_HAVE_HOPPER
   if (!accumulator.is_cuda() || accumulator.scalar_type() != at::kFloat ||
       dy.scalar_type() != at::kBFloat16 || x.scalar_type() != at::kBFloat16 ||
@@ -32,7 +32,8 @@ bool AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const a
                                   .experts = static_cast<int>(accumulator.size(0)),
                                   .m = static_cast<int>(accumulator.size(1)),
                                   .n = static_cast<int>(accumulator.size(2)),
-                                  .sm_count = device->multiProcessorCount};
+                                  .sm_count = device->multiProcessorCount,
+                                  .overwrite = overwrite};
   if (p.m % 8 != 0 || p.n % 8 != 0 || p.experts > 4096) return false;
   const size_t bytes = HopperGroupedWeightGradBufferBytes(p);
   // From the caching allocator, so that the buffer stays valid for the launch on this stream.
@@ -46,6 +47,7 @@ bool AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const a
   (void)dy;
   (void)x;
   (void)ends;
+  (void)overwrite;
   return false;
 #endif
 }

@@ -240,7 +240,11 @@ int Run() {
     tensorboard = *std::move(opened);
   }
   for (int32_t step = 1; step <= absl::GetFlag(FLAGS_steps); ++step) {
-    optimizer.ZeroGrad();
+    // Under expert parallelism a replica without rollouts still serves its experts to the others'
+    // tokens: the call is collective over its EP group. The call replaces the gradients (no
+    // zero fill of the experts' before it); a replica that makes none zeroes them.
+    const bool computes = !mine.empty() || expert_parallel > 1;
+    if (!computes) optimizer.ZeroGrad();
     ResetPeakMemory(device);
     const auto start = std::chrono::steady_clock::now();
     GradientResult result;
@@ -250,10 +254,8 @@ int Run() {
     step_executor.progress = [&progress](int64_t done, int64_t total) {
       progress.Update(done, total);
     };
-    // Under expert parallelism a replica without rollouts still serves its experts to the others'
-    // tokens: the call is collective over its EP group.
-    if (!mine.empty() || expert_parallel > 1)
-      result = ComputeGradients(model, mine, loss, step_executor, batch);
+    step_executor.replace_gradients = true;
+    if (computes) result = ComputeGradients(model, mine, loss, step_executor, batch);
     progress.Finish();
     optimizer.SyncGradients();
     if (group) {

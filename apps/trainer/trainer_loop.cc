@@ -45,15 +45,18 @@ int64_t RunTrainerSteps(TrainerSession& session, Decoder& model, TrainingOptimiz
     const auto start = std::chrono::steady_clock::now();
     const StepPartition partition = OrRestart(session.Fetch(step), "fetch");
     const std::vector<Rollout>& rollouts = partition.rollouts;
-    optimizer.ZeroGrad();
+    // A rank may get nothing when there are fewer rollouts than ranks; under expert parallelism
+    // it still takes part (options.collective_steps). The call replaces the gradients (no zero
+    // fill of the experts' before it); a rank that makes none zeroes them.
+    const bool computes = !rollouts.empty() || options.collective_steps;
+    if (!computes) optimizer.ZeroGrad();
     ResetPeakMemory(options.device);
     GradientResult result;
-    // A rank may get nothing when there are fewer rollouts than ranks; under expert parallelism
-    // it still takes part (options.collective_steps).
-    if (!rollouts.empty() || options.collective_steps) {
+    if (computes) {
       ProgressLine progress(absl::StrCat(options.log_prefix, ": step ", step), "tokens",
                             options.progress);
       ExecutorOptions executor = options.executor;
+      executor.replace_gradients = true;
       executor.progress = [&progress](int64_t done, int64_t total) {
         progress.Update(done, total);
       };

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -181,6 +182,30 @@ int64_t GraphBytesPerToken(const ModelConfig& c, at::ScalarType dtype, int tenso
 }
 
 namespace engine {
+namespace {
+
+// ExecutorOptions::replace_gradients over one run: the decoder's gradients zeroed or marked fresh
+// while it runs; when it ends (normally or unwinding) the graphs no longer carry the marks and the
+// gradients no chunk wrote are zeroed.
+class FreshGradientsScope {
+ public:
+  FreshGradientsScope(const Decoder& model, bool replace) : model_(model) {
+    if (!replace) return;
+    fresh_ = std::make_unique<FreshGradients>();
+    model_.StartFreshGradients(fresh_.get());
+  }
+  FreshGradientsScope(const FreshGradientsScope&) = delete;
+  FreshGradientsScope& operator=(const FreshGradientsScope&) = delete;
+  ~FreshGradientsScope() {
+    if (fresh_ != nullptr) model_.StartFreshGradients(nullptr);
+  }  // then fresh_'s destructor zeroes what no chunk wrote
+
+ private:
+  const Decoder& model_;
+  std::unique_ptr<FreshGradients> fresh_;
+};
+
+}  // namespace
 
 GradientResult Run(const Decoder& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
                    const ExecutorOptions& options) {
@@ -192,18 +217,21 @@ GradientResult Run(const Decoder& model, absl::Span<const Rollout> rollouts, con
               "ExecutorOptions.temperature must be positive and finite, got ", options.temperature);
   const RoutingReplay replay(model.config(), rollouts);
   GradientResult result;
-  switch (options.method) {
-    case Method::kDense:
-      result = RunDense(model, rollouts, replay, plan, options);
-      break;
-    case Method::kPacked:
-      result = RunPacked(model, rollouts, replay, plan, options);
-      break;
-    case Method::kDta:
-      result = RunDta(model, rollouts, replay, plan, options);
-      break;
-    default:
-      TORCH_CHECK(false, "unknown method");
+  {
+    const FreshGradientsScope fresh(model, plan != nullptr && options.replace_gradients);
+    switch (options.method) {
+      case Method::kDense:
+        result = RunDense(model, rollouts, replay, plan, options);
+        break;
+      case Method::kPacked:
+        result = RunPacked(model, rollouts, replay, plan, options);
+        break;
+      case Method::kDta:
+        result = RunDta(model, rollouts, replay, plan, options);
+        break;
+      default:
+        TORCH_CHECK(false, "unknown method");
+    }
   }
   result.replay_split_tokens = replay.split_tokens();
   if (plan != nullptr) {

@@ -13,10 +13,9 @@
 // rounding; tests/executor/engine checks 1e-9).
 //
 // Example:
-//   model.ZeroGrad();  // or set each parameter's grad to zero
-//   GradientResult r = ComputeGradients(model, rollouts, {.kind = LossKind::kPpo}, {.method =
-//   Method::kDta,
-//                                       .block_size = 2048});
+//   GradientResult r = ComputeGradients(model, rollouts, {.kind = LossKind::kPpo},
+//                                       {.method = Method::kDta, .block_size = 2048,
+//                                        .replace_gradients = true});  // or zero each .grad first
 //
 // Thread safety: one call at a time per model (gradients accumulate into shared tensors).
 #pragma once
@@ -104,6 +103,12 @@ struct ExecutorOptions {
   // Log-probabilities (and entropy) of softmax(logits / temperature): the temperature the rollouts
   // were sampled at, as AReaL applies it to the training log-probabilities.
   double temperature = 1.0;
+  // ComputeGradients: the batch's gradient replaces what each .grad holds instead of adding to it,
+  // as a zero_grad before the call would, but cheaper: the experts' stacked weight gradients of
+  // mixture-of-experts layers (most of the gradient memory) are not zero-filled but written whole
+  // by their first backward chunk (Decoder::StartFreshGradients); the other gradients are zeroed in
+  // one fused pass. False (the default) accumulates, for gradient accumulation over several calls.
+  bool replace_gradients = false;
   // Progress within one call (ComputeGradients, ComputeLogprobs), for progress lines on long
   // steps: called on the calling thread after each unit of work with the tokens pushed through the
   // model so far and in all (forward and recomputation, as GradientResult::forwarded_tokens counts

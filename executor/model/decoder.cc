@@ -520,7 +520,35 @@ BlockShared Decoder::SharedWithBlocks(int64_t l) const {
           .expert_group = ExpertGroupHandle(expert_parallel_.get()),
           .linear_shape = &linear_shape_,
           .partial_norm_grads =
-              layer_partial_norm_grads_.empty() ? at::Tensor() : layer_partial_norm_grads_[l]};
+              layer_partial_norm_grads_.empty() ? at::Tensor() : layer_partial_norm_grads_[l],
+          .fresh_gradients = FreshGradients::Handle(fresh_gradients_)};
+}
+
+void Decoder::StartFreshGradients(FreshGradients* fresh) const {
+  fresh_gradients_ = fresh;
+  if (fresh == nullptr) return;
+  std::vector<const at::Tensor*> experts;
+  for (const Layer& layer : layers_) {
+    if (layer.sparse_index < 0) continue;
+    for (const at::Tensor* stack :
+         {&layer.mlp.experts_gate, &layer.mlp.experts_up, &layer.mlp.experts_down}) {
+      experts.push_back(stack);
+    }
+  }
+  std::vector<at::Tensor> zeroed;
+  for (const auto& [name, parameter] : named_) {
+    const at::Tensor& grad = parameter.grad();
+    if (!grad.defined()) continue;
+    const bool expert_stack = std::any_of(
+        experts.begin(), experts.end(), [&](const at::Tensor* p) { return p->is_same(parameter); });
+    if (expert_stack) {
+      fresh->Mark(grad);
+    } else {
+      zeroed.push_back(grad);
+    }
+  }
+  at::NoGradGuard no_grad;
+  if (!zeroed.empty()) at::_foreach_zero_(zeroed);  // none before a model's first backward
 }
 
 LayerOutput Decoder::ForwardLayer(int64_t l, const at::Tensor& h, const ChunkContext& context,

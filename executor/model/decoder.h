@@ -110,6 +110,7 @@
 #include "executor/model/blocks/gated_delta_net_block.h"
 #include "executor/model/blocks/mlp_blocks.h"
 #include "executor/model/chunk_io.h"
+#include "executor/model/ops/fresh_gradients.h"
 #include "executor/model/ops/gated_delta_net.h"
 #include "executor/parallel/expert_parallel.h"
 #include "executor/parallel/tensor_parallel.h"
@@ -209,6 +210,12 @@ class Decoder {
   // heads): one all-reduce of all of them, added into their .grad. Every rank calls it once after
   // its backward passes (ComputeGradients does); without tensor parallelism it does nothing.
   void ReduceTensorParallelGradients() const;
+  // Starts a run whose gradients replace what .grad holds instead of adding to it
+  // (ExecutorOptions::replace_gradients): every defined gradient is zeroed (one fused pass), except
+  // the sparse layers' stacked experts', which `fresh` marks instead (ops/fresh_gradients.h) and
+  // whose first backward writes them whole; graphs built until StartFreshGradients(nullptr) carry
+  // `fresh`, which must outlive them. Undefined gradients stay undefined (created as zeros).
+  void StartFreshGradients(FreshGradients* fresh) const;
 
   // Runs the decoder over a chunk. Builds an autograd graph iff grad mode is on and something
   // requires grad. TORCH_CHECK on inconsistent shapes.
@@ -293,6 +300,9 @@ class Decoder {
   // and per layer a view of it (BlockShared::partial_norm_grads; undefined for a layer without).
   at::Tensor partial_norm_grads_;
   std::vector<at::Tensor> layer_partial_norm_grads_;
+  // During a run that replaces gradients, its marks (StartFreshGradients); null otherwise. Mutable:
+  // which run the graphs belong to, not the model's state.
+  mutable FreshGradients* fresh_gradients_ = nullptr;
   // Per layer, whether it is a linear-attention layer; empty without any.
   std::vector<bool> linear_layers_;
   GatedDeltaNetShape linear_shape_;

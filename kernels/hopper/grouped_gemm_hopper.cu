@@ -119,7 +119,9 @@ typename Gemm::Arguments MakeArguments(const GroupedWeightGradParams& p, const A
                                      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
                                      {{}, arrays.c, arrays.stride_c, arrays.d, arrays.stride_d}};
   arguments.epilogue.thread.alpha = 1.0f;
-  arguments.epilogue.thread.beta = 1.0f;  // accumulate: D = A B + C, C = D
+  // Accumulate: D = A B + C with C = D; overwrite: D = A B, and the epilogue skips loading C (a
+  // zero beta), so whatever the gradient held, NaN included, is not read.
+  arguments.epilogue.thread.beta = p.overwrite ? 0.0f : 1.0f;
   arguments.hw_info.sm_count = p.sm_count;
   return arguments;
 }
@@ -143,6 +145,21 @@ __global__ void PrepareGroupedWeightGrad(GroupedWeightGradParams p, Arrays array
   arrays.stride_d[e] = LeadingStride<StrideD>(p.n);
 }
 
+// Overwriting: zeros into the slots of the experts without rows (the grouped GEMM has no tiles for
+// them). Blocks (expert, part); those of experts with rows return at once.
+__global__ void ZeroExpertsWithoutRows(GroupedWeightGradParams p) {
+  const int e = blockIdx.x;
+  const int64_t begin = e == 0 ? 0 : p.ends[e - 1];
+  if (p.ends[e] > begin) return;
+  const int64_t slot_vectors = static_cast<int64_t>(p.m) * p.n / 4;  // m, n multiples of 8
+  float4* slot = reinterpret_cast<float4*>(p.accumulator + static_cast<int64_t>(e) * p.m * p.n);
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t i = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; i < slot_vectors;
+       i += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    slot[i] = zero;
+  }
+}
+
 bool Aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 }  // namespace
@@ -163,6 +180,11 @@ cudaError_t LaunchHopperGroupedWeightGrad(const GroupedWeightGradParams& p, void
   PrepareGroupedWeightGrad<<<(p.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p,
                                                                                            arrays);
   if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  if (p.overwrite) {
+    constexpr int kPartsPerExpert = 8;
+    ZeroExpertsWithoutRows<<<dim3(p.experts, kPartsPerExpert), 256, 0, stream>>>(p);
+    if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  }
   Gemm gemm;
   const typename Gemm::Arguments arguments = MakeArguments(p, arrays);
   if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;

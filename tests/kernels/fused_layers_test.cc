@@ -7,7 +7,8 @@
 // backward has blocks of four rows, every fused head dim (64, 128, 192, 256) and the ones the
 // kernels leave to ATen (96, rows longer than 8,192). RoPE alone is bitwise the CPU's; RMSNorm
 // over strided rows (a head's half of wider rows) reads them in place, bitwise the contiguous
-// copy's. The GPU tests skip without a CUDA device.
+// copy's. The output gate's kernels are bitwise the ATen expressions on the same GPU. The GPU tests
+// skip without a CUDA device.
 #include "kernels/fused_layers.h"
 
 #include <torch/csrc/autograd/autograd.h>
@@ -128,6 +129,21 @@ TEST(FusedLayers, SwiGluBackwardIsTheGradientOfTheForward) {
   EXPECT_LT(RelativeError(grads.dup, expected[1]), 1e-12);
   EXPECT_TRUE(at::equal(grads.product, SwiGluForward(gate, up)));
   EXPECT_FALSE(SwiGluBackward(d, gate, up).product.defined());
+}
+
+TEST(FusedLayers, SigmoidGateBackwardIsTheGradientOfTheForward) {
+  at::manual_seed(4);
+  const at::Tensor attention = at::randn({9, 3, 16}, kFloat64);
+  const at::Tensor rows = 3 * at::randn({9, 3, 32}, kFloat64);  // [query, gate] per head
+  const at::Tensor gate = rows.narrow(-1, 16, 16);
+  const at::Tensor d = at::randn({9, 3, 16}, kFloat64);
+  const auto expression = [](at::Tensor a, at::Tensor g) { return a * at::sigmoid(g); };
+  EXPECT_LT(RelativeError(SigmoidGateForward(attention, gate), expression(attention, gate)), 1e-15);
+  const SigmoidGateGrads grads = SigmoidGateBackward(d, attention, gate);
+  const auto expected = AutogradOf(expression, attention, gate, d);
+  EXPECT_LT(RelativeError(grads.dattention, expected[0]), 1e-12);
+  EXPECT_LT(RelativeError(grads.dgate, expected[1]), 1e-12);
+  EXPECT_TRUE(grads.dgate.is_contiguous());
 }
 
 TEST(FusedLayers, SwiGluReadsAndWritesTheHalvesOfAStackedProjection) {
@@ -485,6 +501,36 @@ TEST_F(FusedLayersCuda, SwiGluOnAStackedProjectionIsBitwiseTheSeparateOne) {
         SwiGluBackward(d, gate, up, /*with_product=*/true, /*stacked=*/true);
     EXPECT_TRUE(at::equal(stacked.stacked, at::cat({separate.dgate, separate.dup}, 1))) << name;
     EXPECT_TRUE(at::equal(stacked.product, separate.product)) << name;
+  }
+}
+
+// The output gate's kernels against the ATen expressions on the same GPU, bitwise (they compute
+// the same float32 operations in the same order): bfloat16 and float32, the gate read in place
+// from a head's [query, gate] rows (8-element vectors, head dims 256 and 24) or contiguous, odd
+// widths that take the scalar loads, and no tokens.
+TEST_F(FusedLayersCuda, SigmoidGateIsBitwiseTheAtenExpressions) {
+  at::manual_seed(8);
+  for (const at::ScalarType type : {at::kBFloat16, at::kFloat}) {
+    for (const auto& [tokens, dim] : std::vector<std::pair<int64_t, int64_t>>{
+             {300, 256}, {5, 24}, {7, 13}, {1, 256}, {0, 256}}) {
+      const std::string name = std::string(c10::toString(type)) + " " + std::to_string(tokens) +
+                               " x 4 x " + std::to_string(dim);
+      const at::Tensor attention = Cuda(at::randn({tokens, 4, dim})).to(type);
+      const at::Tensor rows = Cuda(3 * at::randn({tokens, 4, 2 * dim})).to(type);
+      const at::Tensor dy = Cuda(at::randn({tokens, 4, dim}));
+      for (const at::Tensor& gate :
+           {rows.narrow(-1, dim, dim), rows.narrow(-1, dim, dim).clone()}) {
+        at::Tensor a = attention.detach().requires_grad_(true);
+        at::Tensor g = gate.detach().requires_grad_(true);
+        const at::Tensor expected = (a.to(at::kFloat) * at::sigmoid(g.to(at::kFloat))).to(type);
+        EXPECT_TRUE(at::equal(SigmoidGateForward(attention, gate), expected)) << name;
+        if (tokens == 0) continue;
+        const auto autograd = torch::autograd::grad({expected}, {a, g}, {dy.to(type)});
+        const SigmoidGateGrads grads = SigmoidGateBackward(dy.to(type), attention, gate);
+        EXPECT_TRUE(at::equal(grads.dattention, autograd[0])) << name;
+        EXPECT_TRUE(at::equal(grads.dgate, autograd[1])) << name;
+      }
+    }
   }
 }
 

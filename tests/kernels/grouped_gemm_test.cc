@@ -1,12 +1,16 @@
 // The experts' grouped weight-gradient GEMM (kernels/grouped_gemm.h) against a float64 reference:
 // accumulator[e] += dy[rows of e]^T x[rows of e] from bfloat16 operands into a float32 accumulator
 // that already holds a gradient, for experts with many, few and no rows, shapes that are not
-// multiples of the tiles, and Qwen3-30B-A3B's expert shapes; bitwise equal across two runs; shapes
+// multiples of the tiles, and Qwen3-30B-A3B's expert shapes; bitwise equal across two runs;
+// overwriting an accumulator of NaNs bitwise equal to accumulating into zeros; shapes
 // the kernel does not take are declined with nothing written. Skipped without a CUDA device, on
 // GPUs other than compute capability 9.x, or in builds without the Hopper kernels.
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/cuda.h>
 
+#include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -21,6 +25,17 @@ using testing::RelativeError;
 struct Case {
   int64_t experts, m, n;
   std::vector<int64_t> rows;  // per expert
+
+  std::string Name() const {
+    return "E=" + std::to_string(experts) + " M=" + std::to_string(m) + " N=" + std::to_string(n);
+  }
+  // Random bfloat16 dy [rows, m] and x [rows, n] on the GPU.
+  std::pair<at::Tensor, at::Tensor> Operands() const {
+    int64_t total = 0;
+    for (int64_t r : rows) total += r;
+    const at::TensorOptions bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    return {at::randn({total, m}, bf16), at::randn({total, n}, bf16)};
+  }
 };
 
 class GroupedWeightGrad : public ::testing::Test {
@@ -53,13 +68,9 @@ TEST_F(GroupedWeightGrad, AccumulatesEveryExpertsProductInFloat32) {
       {.experts = 128, .m = 2048, .n = 768, .rows = skewed},  // and its down projection
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE("E=" + std::to_string(c.experts) + " M=" + std::to_string(c.m) +
-                 " N=" + std::to_string(c.n));
-    int64_t total = 0;
-    for (int64_t r : c.rows) total += r;
+    SCOPED_TRACE(c.Name());
     const at::TensorOptions cuda = at::TensorOptions().device(at::kCUDA);
-    const at::Tensor dy = at::randn({total, c.m}, cuda.dtype(at::kBFloat16));
-    const at::Tensor x = at::randn({total, c.n}, cuda.dtype(at::kBFloat16));
+    const auto [dy, x] = c.Operands();
     const at::Tensor before = at::randn({c.experts, c.m, c.n}, cuda.dtype(at::kFloat));
     at::Tensor accumulator = before.clone();
     ASSERT_TRUE(AddGroupedWeightGrad(accumulator, dy, x, Ends(c.rows)));
@@ -77,11 +88,41 @@ TEST_F(GroupedWeightGrad, AccumulatesEveryExpertsProductInFloat32) {
     EXPECT_LE(RelativeError(accumulator, expected), 1e-5);
     // Experts without rows keep their gradient bit for bit.
     for (int64_t e = 0; e < c.experts; ++e) {
-      if (c.rows[e] == 0) EXPECT_TRUE(at::equal(accumulator[e], before[e])) << "expert " << e;
+      if (c.rows[e] == 0) {
+        EXPECT_TRUE(at::equal(accumulator[e], before[e])) << "expert " << e;
+      }
     }
     at::Tensor again = before.clone();
     ASSERT_TRUE(AddGroupedWeightGrad(again, dy, x, Ends(c.rows)));
     EXPECT_TRUE(at::equal(again, accumulator)) << "not deterministic";
+  }
+}
+
+// Overwriting never reads the accumulator (NaNs there stay out of the result), zeroes the experts
+// without rows, and gives the bits that accumulating into zeros gives (0 + p = p).
+TEST_F(GroupedWeightGrad, OverwritingIsAccumulatingIntoZeros) {
+  at::manual_seed(5);
+  std::vector<int64_t> rows(64);
+  for (int64_t e = 0; e < 64; ++e) rows[e] = e % 5 == 1 ? 0 : 1 + (e * 53) % 400;
+  const std::vector<Case> cases = {
+      {.experts = 5, .m = 24, .n = 40, .rows = {77, 0, 0, 130, 5}},
+      {.experts = 64, .m = 512, .n = 2048, .rows = rows},  // Qwen3-Next's gate/up
+      {.experts = 64, .m = 2048, .n = 512, .rows = rows},  // and its down projection
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.Name());
+    const at::TensorOptions cuda = at::TensorOptions().device(at::kCUDA);
+    const auto [dy, x] = c.Operands();
+    at::Tensor accumulated = at::zeros({c.experts, c.m, c.n}, cuda.dtype(at::kFloat));
+    ASSERT_TRUE(AddGroupedWeightGrad(accumulated, dy, x, Ends(c.rows)));
+    at::Tensor overwritten = at::full_like(accumulated, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(AddGroupedWeightGrad(overwritten, dy, x, Ends(c.rows), /*overwrite=*/true));
+    EXPECT_TRUE(at::equal(overwritten, accumulated));
+    for (int64_t e = 0; e < c.experts; ++e) {
+      if (c.rows[e] == 0) {
+        EXPECT_EQ(overwritten[e].abs().max().item<float>(), 0.f) << "expert " << e;
+      }
+    }
   }
 }
 

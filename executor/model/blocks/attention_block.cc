@@ -7,6 +7,7 @@
 #include "executor/model/ops/attention.h"
 #include "executor/model/ops/norms.h"
 #include "executor/model/ops/numerics.h"
+#include "executor/model/ops/output_gate.h"
 #include "executor/model/ops/projections.h"
 
 namespace dta {
@@ -68,12 +69,8 @@ LayerOutput AttentionBlock(const at::Tensor& h, const at::Tensor& input_norm_wei
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   at::Tensor attention =
       TreeAttention::apply(q, k, v, context.key_end, prefix, scale, context.chain);
-  if (gated) {
-    // attention * sigmoid(gate), in the compute dtype, rounded once.
-    const at::ScalarType ct = ComputeType(attention.scalar_type());
-    attention =
-        (attention.to(ct) * at::sigmoid(q_rows.slice(-1, dim).to(ct))).to(attention.scalar_type());
-  }
+  // attention * sigmoid(gate), in the compute dtype, rounded once.
+  if (gated) attention = OutputGate::apply(attention, q_rows.slice(-1, dim));
   LayerOutput out;
   out.hidden = (fused_residual ? qkv[3] : h) + ProjectWide(attention.reshape({t, heads * dim}),
                                                            weights.o_proj, weights.o_bias, group);

@@ -35,6 +35,8 @@ struct BlockShared {
   // (ReduceTensorParallelGradients): q_norm's and k_norm's [2, head_dim] with q/k norms, the gated
   // norm's [value_head_dim] at a linear-attention layer; undefined otherwise.
   at::Tensor partial_norm_grads = {};
+  // The run's FreshGradients handle (ops/fresh_gradients.h) when it replaces gradients; else 0.
+  int64_t fresh_gradients = 0;
 };
 
 }  // namespace dta

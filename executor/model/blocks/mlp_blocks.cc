@@ -55,7 +55,7 @@ void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const Mlp
   const variable_list sparse = SparseMoe::apply(
       h, post_norm.weight, eps, mlp.router, mlp.experts_gate, mlp.experts_up, mlp.experts_down,
       config.num_experts_per_tok, config.norm_topk_prob, group, shared.expert_group,
-      Optional(post_norm.accumulator), fused_residual, replay);
+      Optional(post_norm.accumulator), fused_residual, replay, shared.fresh_gradients);
   at::Tensor out = (fused_residual ? sparse[3] : h) + sparse[0];
   if (mlp.shared_gate.defined()) {
     out = out + swiglu(mlp.shared_gate, mlp.shared_up, mlp.shared_down, mlp.shared_expert_gate,

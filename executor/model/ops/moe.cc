@@ -3,6 +3,7 @@
 #include <memory>
 #include <vector>
 
+#include "executor/model/ops/fresh_gradients.h"
 #include "executor/model/ops/numerics.h"
 #include "kernels/fused_layers.h"
 #include "kernels/grouped_gemm.h"
@@ -62,13 +63,16 @@ at::Tensor GroupedMatmul(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // and x (in the accumulator's precision, 15x slower on an H200): a bfloat16 product would round
 // every chunk's expert gradient to bfloat16 before the float32 sum, an error that grows with the
 // number of chunks (dta with small B).
+// With `overwrite` the accumulator's contents are stale (FreshGradients): the product replaces
+// them.
 void AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const at::Tensor& x,
-                          const at::Tensor& ends) {
+                          const at::Tensor& ends, bool overwrite) {
   // One grouped GEMM of the bfloat16 operands into the float32 gradient where the GPU has it.
   const at::ScalarType wide = accumulator.scalar_type();
   if (dy.is_cuda() && wide != at::kDouble &&
-      kernels::AddGroupedWeightGrad(accumulator, dy, x, ends))
+      kernels::AddGroupedWeightGrad(accumulator, dy, x, ends, overwrite))
     return;
+  if (overwrite) accumulator.zero_();
   if (UseGroupedMm(dy, wide, dy.size(1), x.size(1))) {
     accumulator.add_(at::_grouped_mm(dy.to(wide).t(), x.to(wide), ends.to(at::kInt)));
     return;
@@ -185,7 +189,7 @@ variable_list SparseMoe::forward(AutogradContext* ctx, const at::Tensor& x,
                                  const at::Tensor& up, const at::Tensor& down, int64_t top_k,
                                  bool norm_topk, int64_t group, int64_t expert_group,
                                  const std::optional<at::Tensor>& norm_accumulator, bool residual,
-                                 const std::optional<at::Tensor>& replay) {
+                                 const std::optional<at::Tensor>& replay, int64_t fresh_gradients) {
   const at::ScalarType type = gate.scalar_type();
   const at::ScalarType ct = ComputeType(type);
   const int64_t experts = router.size(0);
@@ -244,6 +248,7 @@ variable_list SparseMoe::forward(AutogradContext* ctx, const at::Tensor& x,
   ctx->saved_data["tensor_parallel"] = group;
   ctx->saved_data["accumulator"] = norm_accumulator.value_or(at::Tensor());
   ctx->saved_data["residual"] = residual;
+  ctx->saved_data["fresh_gradients"] = fresh_gradients;
   ctx->mark_non_differentiable({own_index});
   if (residual) return {y, probs, own_index, x};
   return {y, probs, own_index};
@@ -312,9 +317,15 @@ variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
     dxs = at::Tensor();
     dxs_up = at::Tensor();
   }
-  AddGroupedWeightGrad(GradAccumulator(down), dy.scaled, swiglu.product, ends);
-  AddGroupedWeightGrad(GradAccumulator(gate), swiglu.dgate, xs, ends);
-  AddGroupedWeightGrad(GradAccumulator(up), swiglu.dup, xs, ends);
+  FreshGradients* fresh = FreshGradients::FromHandle(ctx->saved_data["fresh_gradients"].toInt());
+  const auto add_weight_grad = [&](const at::Tensor& weight, const at::Tensor& rows_dy,
+                                   const at::Tensor& rows_x) {
+    at::Tensor& grad = GradAccumulator(weight);
+    AddGroupedWeightGrad(grad, rows_dy, rows_x, ends, fresh != nullptr && fresh->Take(grad));
+  };
+  add_weight_grad(down, dy.scaled, swiglu.product);
+  add_weight_grad(gate, swiglu.dgate, xs);
+  add_weight_grad(up, swiglu.dup, xs);
   if (ep != nullptr) {
     const at::Tensor rows = back.Wait();
     dxs = rows.narrow(1, 0, hidden);
@@ -340,7 +351,7 @@ variable_list SparseMoe::backward(AutogradContext* ctx, variable_list grads) {
                                                  norm_accumulator, residual_grad)
                             .to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
   variable_list result = {dx};
-  result.resize(14);  // the weights' gradients are accumulated above
+  result.resize(15);  // one per forward argument: the weights' gradients are accumulated above
   return result;
 }
 

@@ -11,7 +11,7 @@
 //   variable_list moe = SparseMoe::apply(h, post_norm, eps, router, experts_gate, experts_up,
 //       experts_down, /*top_k=*/8, /*norm_topk=*/true, /*group=*/0, /*expert_group=*/0,
 //       std::nullopt,
-//       /*residual=*/false, /*replay=*/std::nullopt);
+//       /*residual=*/false, /*replay=*/std::nullopt, /*fresh_gradients=*/0);
 //   at::Tensor out = h + moe[0];
 //
 // Thread safety: stateless; backward accumulates into the router's and the experts' .grad.
@@ -72,7 +72,9 @@ namespace dta {
 // router [E, H]; gate and up [E_l, I, H], down [E_l, H, I] (this rank's experts, E_l = E without
 // expert parallelism; each TP rank's intermediate slice); group: the tensor-parallel group's handle
 // (GroupHandle in numerics.h; 0: none). The norm weight's gradient
-// goes into `norm_accumulator` when given, else into the norm weight's .grad.
+// goes into `norm_accumulator` when given, else into the norm weight's .grad. fresh_gradients: a
+// FreshGradients handle (ops/fresh_gradients.h; 0: none) whose marked expert gradients backward
+// writes instead of adding to.
 class SparseMoe : public torch::autograd::Function<SparseMoe> {
  public:
   static torch::autograd::variable_list forward(
@@ -80,7 +82,7 @@ class SparseMoe : public torch::autograd::Function<SparseMoe> {
       double eps, const at::Tensor& router, const at::Tensor& gate, const at::Tensor& up,
       const at::Tensor& down, int64_t top_k, bool norm_topk, int64_t group, int64_t expert_group,
       const std::optional<at::Tensor>& norm_accumulator, bool residual,
-      const std::optional<at::Tensor>& replay);
+      const std::optional<at::Tensor>& replay, int64_t fresh_gradients);
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads);

@@ -18,10 +18,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/model/family.h"
@@ -822,6 +824,72 @@ TEST_P(FamilyEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
           << model_.named_parameters()[i].first << ": differs by "
           << RelativeError(fused.grads[i], autograd_sum.grads[i]);
     }
+  }
+}
+
+// ExecutorOptions::replace_gradients: on a model without gradients yet, and over gradients that
+// hold anything (NaN here, as a stale step might), every method's gradient is bitwise the one
+// accumulated into zeros, in every family (a mixture of experts' stacked expert gradients written
+// whole by their first chunk, the others zeroed first).
+TEST_P(FamilyEquivalence, ReplacingGradientsIsAccumulatingIntoZeros) {
+  const auto rollouts =
+      MakeRollouts(testing::RandomRollouts(17, {.max_rollouts = 6, .vocab = 4}), 19);
+  const LossOptions loss{.kind = LossKind::kPpo};
+  for (const auto& [name, p] : model_.named_parameters()) ASSERT_FALSE(p.grad().defined()) << name;
+  bool first = true;
+  for (ExecutorOptions options :
+       {ExecutorOptions{.method = Method::kDta, .block_size = 3, .pack = true},
+        ExecutorOptions{.method = Method::kDta, .block_size = 1, .pack = false},
+        ExecutorOptions{.method = Method::kDense}, ExecutorOptions{.method = Method::kPacked}}) {
+    std::vector<at::Tensor> from_none;  // the first method: replacing on a model with no .grad
+    if (std::exchange(first, false)) {
+      ExecutorOptions replace = options;
+      replace.replace_gradients = true;
+      ComputeGradients(model_, rollouts, loss, replace);
+      for (const auto& [name, p] : model_.named_parameters()) from_none.push_back(p.grad().clone());
+    }
+    const MethodRun zeroed = RunMethod(model_, rollouts, loss, options);
+    for (size_t i = 0; i < from_none.size(); ++i) {
+      EXPECT_TRUE(at::equal(from_none[i], zeroed.grads[i])) << model_.named_parameters()[i].first;
+    }
+    for (const auto& [name, p] : model_.named_parameters()) {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      p.mutable_grad().fill_(std::numeric_limits<double>::quiet_NaN());
+    }
+    options.replace_gradients = true;
+    const GradientResult replaced = ComputeGradients(model_, rollouts, loss, options);
+    EXPECT_EQ(replaced.loss, zeroed.result.loss);
+    for (size_t i = 0; i < zeroed.grads.size(); ++i) {
+      const auto& [name, p] = model_.named_parameters()[i];
+      EXPECT_GT(zeroed.grads[i].norm().item<double>(), 0.0) << name;
+      EXPECT_TRUE(at::equal(p.grad(), zeroed.grads[i]))
+          << name << ": differs by " << RelativeError(p.grad(), zeroed.grads[i]);
+    }
+  }
+}
+
+// Decoder::StartFreshGradients zeroes every gradient but the stacked experts', which it marks
+// instead; a mark that no backward takes is zeroed when the run's marks are dropped.
+TEST_P(FamilyEquivalence, FreshGradientsNoChunkWroteEndAsZeros) {
+  for (const auto& [name, p] : model_.named_parameters()) {
+    p.mutable_grad() = at::full_like(p, 7.0);
+  }
+  const auto is_expert_stack = [](const std::string& name) {
+    return name.find("mlp.experts.") != std::string::npos;
+  };
+  int experts = 0;
+  {
+    FreshGradients fresh;
+    model_.StartFreshGradients(&fresh);
+    for (const auto& [name, p] : model_.named_parameters()) {
+      experts += is_expert_stack(name);
+      EXPECT_EQ(p.grad().abs().max().item<double>(), is_expert_stack(name) ? 7.0 : 0.0) << name;
+    }
+    model_.StartFreshGradients(nullptr);
+  }  // the marks dropped: nothing took them
+  EXPECT_EQ(experts > 0, FindModelFamily(GetParam())->moe);
+  for (const auto& [name, p] : model_.named_parameters()) {
+    EXPECT_EQ(p.grad().abs().max().item<double>(), 0.0) << name;
   }
 }
 

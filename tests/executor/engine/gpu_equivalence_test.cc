@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -253,6 +254,29 @@ TEST_P(GpuEquivalence, EveryGradientIsBitwiseReproducible) {
       const GradRun first = RunOn(model, rollouts, options);
       ExpectBitwiseEqual(model, first, RunOn(model, rollouts, options),
                          name + " " + c10::toString(dtype));
+    }
+  }
+}
+
+// ExecutorOptions::replace_gradients over gradients full of NaN (a stale step's, at worst) is
+// bitwise zeroing them first and accumulating, in float32 and bfloat16: the bfloat16 experts'
+// first chunk runs the grouped GEMM with beta = 0 (kernels/grouped_gemm.h), which never reads them.
+TEST_P(GpuEquivalence, ReplacingGradientsIsAccumulatingIntoZeros) {
+  const std::vector<Rollout> rollouts = Batch(/*seed=*/10, /*max_rollouts=*/12, /*max_length=*/80);
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const Decoder model = Model(dtype);
+    for (auto [name, options] : FixedPlanMethods()) {
+      const GradRun zeroed = RunOn(model, rollouts, options);
+      for (const auto& [parameter, p] : model.named_parameters()) {
+        p.mutable_grad().fill_(std::numeric_limits<float>::quiet_NaN());
+      }
+      options.replace_gradients = true;
+      GradRun replaced;
+      replaced.loss = ComputeGradients(model, rollouts, {.kind = LossKind::kSft}, options).loss;
+      for (const auto& [parameter, p] : model.named_parameters()) {
+        replaced.grads.push_back(p.grad().to(at::kCPU, at::kDouble));
+      }
+      ExpectBitwiseEqual(model, zeroed, replaced, name + " " + c10::toString(dtype));
     }
   }
 }

@@ -78,7 +78,8 @@ Outputs RunBlock(const Weights& w, const Inputs& in, int64_t expert_group) {
   const at::Tensor x = in.x.clone().requires_grad_();
   const torch::autograd::variable_list out =
       SparseMoe::apply(x, w.norm, kEps, w.router, w.gate, w.up, w.down, kTopK, /*norm_topk=*/true,
-                       /*group=*/0, expert_group, std::nullopt, /*residual=*/false, in.replay);
+                       /*group=*/0, expert_group, std::nullopt, /*residual=*/false, in.replay,
+                       /*fresh_gradients=*/0);
   torch::autograd::backward({out[0], out[1]}, {in.dy, in.dprobs});
   Outputs result{.y = out[0].detach(), .dx = x.grad().clone(), .grads = {}};
   for (const at::Tensor& p : w.all()) {

@@ -58,7 +58,8 @@ Result RunOp(const Weights& w, const at::Tensor& x_value, const at::Tensor& dy,
   const at::Tensor x = x_value.clone().requires_grad_();
   const torch::autograd::variable_list out =
       SparseMoe::apply(x, w.norm, kEps, w.router, w.gate, w.up, w.down, kTopK, norm_topk,
-                       /*group=*/0, /*expert_group=*/0, std::nullopt, /*residual=*/false, replay);
+                       /*group=*/0, /*expert_group=*/0, std::nullopt, /*residual=*/false, replay,
+                       /*fresh_gradients=*/0);
   torch::autograd::backward({out[0], out[1]}, {dy, dprobs});
   return {.y = out[0].detach(), .own_index = out[2], .dx = x.grad().clone(), .grads = Grads(w)};
 }
