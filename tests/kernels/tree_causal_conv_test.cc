@@ -1,8 +1,9 @@
 // kernels/tree_causal_conv.h: the CUDA forward and backward against autograd through the plain
 // operations in float64 (a table of zeros, context and x; the gathered taps times the weight,
 // summed, silu), on trees with branch points, context rows, tokens that read zeros, kernel sizes 1
-// to 4 and 8, and enough tokens for several of the weight gradient's partial sums; float32 inputs
-// within 1e-5 and bfloat16 within 1e-2 of the largest magnitude, bitwise equal across runs; which
+// to 4 and 8, and enough tokens for several of the weight gradient's partial sums and for every
+// block to loop over tokens; float32 inputs within 1e-5 and bfloat16 within 1e-2 of the largest
+// magnitude, bitwise equal across runs; 8 channels a thread bitwise a channel a thread; which
 // operands the kernels take. Only the CPU's dispatch runs without a CUDA device.
 #include "kernels/tree_causal_conv.h"
 
@@ -151,6 +152,8 @@ const Case kCases[] = {
     {700, 128, 5, 1, 4},    // kernel size 1: each row read once
     {1000, 40, 7, 8, 6},    // the largest kernel
     {2100, 320, 3, 4, 50},  // nine partial sums of the weight's gradient
+    {9000, 24, 2, 4, 40},   // more tokens than the grid has rows of blocks: each loops
+    {300, 12, 2, 4, 5},     // channels that are not whole vectors of 8: a thread a channel
 };
 
 TEST_F(TreeCausalConvGpu, Float32MatchesTheFloat64Operations) {
@@ -161,6 +164,43 @@ TEST_F(TreeCausalConvGpu, Float32MatchesTheFloat64Operations) {
 TEST_F(TreeCausalConvGpu, BFloat16MatchesTheFloat64Operations) {
   uint32_t seed = 11;
   for (const Case& c : kCases) CheckCase(c, at::kBFloat16, 1e-2, seed++);
+}
+
+// The kernels take 8 channels a thread where the rows allow it (whole vectors, 16-byte aligned) and
+// a channel a thread otherwise; both compute the same sums in the same order: the same bits. (The
+// misaligned inputs switch the forward, the pre-activation gradient and the weight's gradient; the
+// table's gradient reads and writes fresh tensors: its scalar path runs in the 12-channel case.)
+TEST_F(TreeCausalConvGpu, EightChannelsAThreadIsBitwiseAChannelAThread) {
+  for (const at::ScalarType type : {at::kBFloat16, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(type));
+    at::manual_seed(21);
+    const int64_t tokens = 500, channels = 64, context_rows = 3, kernel = 4;
+    const auto on_gpu = at::TensorOptions(at::kCUDA).dtype(type);
+    // Each tensor also as a view one element into a larger buffer: not 16-byte aligned.
+    const auto misaligned = [](const at::Tensor& t) {
+      at::Tensor buffer = at::empty({t.numel() + 1}, t.options());
+      at::Tensor view = buffer.narrow(0, 1, t.numel()).view(t.sizes());
+      view.copy_(t);
+      return view;
+    };
+    const at::Tensor x = at::randn({tokens, channels}).to(on_gpu);
+    const at::Tensor weight = (at::randn({channels, kernel}) * 0.5).to(on_gpu);
+    const at::Tensor context = at::randn({context_rows, channels}).to(on_gpu);
+    const at::Tensor index =
+        AncestorIndex(RandomParents(tokens, 7, 21), context_rows, kernel).to(at::kCUDA);
+    const at::Tensor grad_out = at::randn({tokens, channels}).to(on_gpu);
+    const at::Tensor out = TreeCausalConvForward(x, weight, context, index);
+    const TreeCausalConvGrads grads = TreeCausalConvBackward(grad_out, x, weight, context, index);
+    const at::Tensor x1 = misaligned(x), context1 = misaligned(context),
+                     grad_out1 = misaligned(grad_out);
+    ASSERT_TRUE(TreeCausalConvKernelRuns(x1, weight, context1, index));
+    EXPECT_TRUE(at::equal(out, TreeCausalConvForward(x1, weight, context1, index)));
+    const TreeCausalConvGrads scalar =
+        TreeCausalConvBackward(grad_out1, x1, weight, context1, index);
+    EXPECT_TRUE(at::equal(grads.x, scalar.x));
+    EXPECT_TRUE(at::equal(grads.weight, scalar.weight));
+    EXPECT_TRUE(at::equal(grads.context, scalar.context));
+  }
 }
 
 // On the CPU (or without the kernels) nothing is taken: the caller's ATen path runs.
