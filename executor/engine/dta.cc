@@ -543,11 +543,13 @@ struct ChunkPlan {
 };
 
 // ExecutorOptions::memory_budget: the largest B and graph budget whose estimate fits in what the
-// budget leaves above the memory allocated now (the path stack included), and in the memory free.
+// budget leaves above the memory allocated now (the path stack included) and the gradients the
+// step will create, and in the memory free.
 ChunkPlan FitChunksInBudget(const Decoder& model, const ExecutorOptions& options, int64_t longest) {
   const at::Device device = model.options().device();
-  const int64_t allocated = AllocatedDeviceMemory(device);
-  const int64_t available = std::min(options.memory_budget - allocated, FreeDeviceMemory(device));
+  const int64_t allocated = AllocatedDeviceMemory(device) + model.UncreatedGradientBytes();
+  const int64_t available = std::min(options.memory_budget - allocated,
+                                     FreeDeviceMemory(device) - model.UncreatedGradientBytes());
   ExecutorMemoryOptions memory = ExecutorMemoryOf(options, longest);
   memory.expert_parallel = model.expert_parallel_size();
   const absl::StatusOr<ChunkCapacity> fit = FitChunksInMemory(
@@ -582,8 +584,11 @@ ChunkPlan ResolveChunkPlan(const Decoder& model, const ExecutorOptions& options,
   const int64_t per_token =
       GraphBytesPerToken(model.config(), model.options().dtype().toScalarType(),
                          model.tensor_parallel_size(), model.expert_parallel_size());
+  // The gradients backward will create come out of the memory free now first (a model's first
+  // step: float32 gradients are twice a bfloat16 model's weights).
+  const int64_t free_bytes = FreeDeviceMemory(device) - model.UncreatedGradientBytes();
   const int64_t fit =
-      static_cast<int64_t>(0.8 * static_cast<double>(FreeDeviceMemory(device))) / per_token;
+      static_cast<int64_t>(0.8 * static_cast<double>(std::max<int64_t>(free_bytes, 0))) / per_token;
   if (auto_block) {
     // Chunks of at least kLeastAutomaticBlock tokens (a device that cannot hold them will say
     // so), at most MostAutomaticBlock (the longest rollout, or more with packing).

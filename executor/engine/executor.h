@@ -50,7 +50,8 @@ struct ExecutorOptions {
   Method method = Method::kDta;
   // kDta: the most tokens per backward chunk (B), or kUnboundedBlock. The default,
   // kAutoBlockSize, sizes it from memory: with the graphs of B + graph_budget tokens in 80% of the
-  // device memory free when the step starts (after the path stack), B is the longest rollout if
+  // device memory free when the step starts (after the path stack, and less the gradients a
+  // model's first step creates: Decoder::UncreatedGradientBytes), B is the longest rollout if
   // that fits (a rollout then runs in one chunk, as dense runs it: nothing shared costs nothing
   // extra; with `pack`, at least 8192 tokens, so that packed steps are large, and for models with
   // sparse mixture-of-experts layers every token that fits: each backward chunk accumulates all
@@ -63,11 +64,13 @@ struct ExecutorOptions {
   // kDta: tokens whose graphs may be kept alive instead of recomputed for their backward (see
   // ScheduleOptions::graph_budget); 0 recomputes every graph, as the paper does. The default,
   // kAutoGraphBudget, keeps as many tokens' graphs as fit beside one chunk of B in 80% of the
-  // device memory free when the step starts (after the path stack is allocated), at the model's
+  // device memory free when the step starts (after the path stack is allocated, less the
+  // gradients the step creates), at the model's
   // per-token graph size (GraphBytesPerToken); on the CPU it means 0.
   int64_t graph_budget = kAutoGraphBudget;
   // kDta on a GPU: the most device memory the step may hold, in bytes, what PyTorch's allocator
-  // has allocated included (weights, gradients, optimizer state, the path stack); 0: no budget.
+  // has allocated included (weights, gradients, optimizer state, the path stack) and the gradients
+  // the step will create (a model's first step); 0: no budget.
   // The automatic block size and graph budget are then the largest whose estimated graphs, backward
   // workspace and log-probability head (core/layout/chunk_capacity.h) fit in what the budget leaves
   // once the step's path stack is allocated (and in the memory free), and explicit ones are upper

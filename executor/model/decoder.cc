@@ -524,6 +524,16 @@ BlockShared Decoder::SharedWithBlocks(int64_t l) const {
           .fresh_gradients = FreshGradients::Handle(fresh_gradients_)};
 }
 
+int64_t Decoder::UncreatedGradientBytes() const {
+  int64_t bytes = 0;
+  for (const auto& [name, parameter] : named_) {
+    if (parameter.grad().defined()) continue;
+    bytes += parameter.numel() *
+             static_cast<int64_t>(c10::elementSize(AccumulatorType(parameter.scalar_type())));
+  }
+  return bytes;
+}
+
 void Decoder::StartFreshGradients(FreshGradients* fresh) const {
   fresh_gradients_ = fresh;
   if (fresh == nullptr) return;

@@ -210,6 +210,10 @@ class Decoder {
   // heads): one all-reduce of all of them, added into their .grad. Every rank calls it once after
   // its backward passes (ComputeGradients does); without tensor parallelism it does nothing.
   void ReduceTensorParallelGradients() const;
+  // Bytes of the gradients backward will create: each parameter without a .grad yet gets one, in
+  // its accumulator dtype (GradAccumulator in ops/numerics.h), during its first backward. What a
+  // step sized from the device's free memory must leave for them (0 once every .grad exists).
+  int64_t UncreatedGradientBytes() const;
   // Starts a run whose gradients replace what .grad holds instead of adding to it
   // (ExecutorOptions::replace_gradients): every defined gradient is zeroed (one fused pass), except
   // the sparse layers' stacked experts', which `fresh` marks instead (ops/fresh_gradients.h) and

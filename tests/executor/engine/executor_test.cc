@@ -1,10 +1,12 @@
 // ExecutorOptions' defaults (executor/engine/executor.h) and what they do: dta packs by default,
 // and the layout planner's view of the defaults (ExecutorMemoryOf) is core/layout's own default
-// ExecutorMemoryOptions, so that a plan made without the executor's options plans for them.
+// ExecutorMemoryOptions, so that a plan made without the executor's options plans for them; the
+// gradients a model's first step creates, which the automatic chunk plan leaves room for.
 #include "executor/engine/executor.h"
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/layout/executor_memory.h"
@@ -25,7 +27,7 @@ TEST(ExecutorOptions, DtaPacksByDefault) {
 // What the default runs, not only what it says: on a 64-way branch of two-token leaves, the
 // default options take the packed schedule's steps (progress is reported once per step), fewer
 // than the paper's schedule takes, with the same loss.
-TEST(ExecutorOptions, TheDefaultRunsThePackedSchedule) {
+ModelConfig SmallConfig() {
   ModelConfig config;
   config.vocab_size = 19;
   config.hidden_size = 16;
@@ -36,7 +38,31 @@ TEST(ExecutorOptions, TheDefaultRunsThePackedSchedule) {
   config.head_dim = 8;
   config.rope_theta = 10000.0;
   config.tie_word_embeddings = false;
-  Decoder model(config, at::TensorOptions().dtype(at::kDouble));
+  return config;
+}
+
+// What the automatic chunk plan leaves free for a model's first step: every gradient backward will
+// create, in its accumulator dtype (float32 for bfloat16 weights), and none once they exist.
+TEST(ExecutorOptions, TheFirstStepsGradientsAreCountedBeforeTheyExist) {
+  for (const auto& [dtype, accumulator_bytes] :
+       {std::pair{at::kDouble, 8}, std::pair{at::kBFloat16, 4}}) {
+    Decoder model(SmallConfig(), at::TensorOptions().dtype(dtype));
+    int64_t elements = 0;
+    for (const auto& [name, p] : model.named_parameters()) elements += p.numel();
+    EXPECT_EQ(model.UncreatedGradientBytes(), elements * accumulator_bytes);
+    if (dtype != at::kDouble) continue;
+    model.InitRandom(7, 0.3);
+    testing::RunMethod(model, testing::MakeRollouts({{1, 2, 3}, {1, 2, 4}}, 3),
+                       {.kind = LossKind::kSft}, {});
+    EXPECT_EQ(model.UncreatedGradientBytes(), 0);
+    const at::Tensor embed = model.parameter("model.embed_tokens.weight");
+    embed.mutable_grad() = at::Tensor();
+    EXPECT_EQ(model.UncreatedGradientBytes(), embed.numel() * 8);
+  }
+}
+
+TEST(ExecutorOptions, TheDefaultRunsThePackedSchedule) {
+  Decoder model(SmallConfig(), at::TensorOptions().dtype(at::kDouble));
   model.InitRandom(7, 0.3);
   std::vector<std::vector<TokenId>> sequences;
   for (TokenId i = 0; i < 64; ++i) sequences.push_back({1, 2, 3, 4, 5 + i % 8, 5 + i / 8, 7});
