@@ -159,7 +159,12 @@ std::unique_ptr<Trainer> Trainer::FromConfig(const std::string& config, uint64_t
 GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, const LossOptions& loss,
                                         const ExecutorOptions& executor) {
   GradientStats stats;
-  if (rollouts.empty()) return stats;
+  // With replace_gradients the executor replaces the gradients; a rank that runs no executor call
+  // zeroes them instead.
+  if (rollouts.empty()) {
+    if (executor.replace_gradients) ZeroGrad();
+    return stats;
+  }
   stats.tree_tokens = TreeTokens(rollouts);
   const int replicas = data_parallel_size();
   GradientResult result;
@@ -184,6 +189,8 @@ GradientStats Trainer::ComputeGradients(absl::Span<const Rollout> rollouts, cons
     }
     if (!share.rollouts.empty()) {
       result = dta::ComputeGradients(*model_, share.rollouts, share_loss, executor, plan.context);
+    } else if (executor.replace_gradients) {
+      ZeroGrad();
     }
     SumOverReplicas(groups_->data_parallel(), data_parallel_rank(), replicas, result);
   }

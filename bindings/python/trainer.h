@@ -83,9 +83,10 @@ class Trainer {
   ~Trainer();
 
   // Adds d batch loss / d parameter into every parameter's .grad (ZeroGrad first for a fresh
-  // step); distributed, this rank's share's part (Step sums it over the replicas). Rollouts must
-  // be valid with token ids below the vocabulary (TORCH_CHECK names the rollout). An empty batch
-  // computes nothing. The stats are the whole batch's on every rank.
+  // step, or executor.replace_gradients, which replaces them: zeros on a rank that gets no
+  // rollouts); distributed, this rank's share's part (Step sums it over the replicas). Rollouts
+  // must be valid with token ids below the vocabulary (TORCH_CHECK names the rollout). An empty
+  // batch computes nothing. The stats are the whole batch's on every rank.
   GradientStats ComputeGradients(absl::Span<const Rollout> rollouts, const LossOptions& loss,
                                  const ExecutorOptions& executor);
   // Sums the gradients over the data-parallel replicas, then clips and steps AdamW (see

@@ -257,7 +257,8 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("checkpointing", &ExecutorOptions::checkpointing)
       .def_readwrite("logprob_slice_rows", &ExecutorOptions::logprob_slice_rows)
       .def_readwrite("unshared_prefix_fraction", &ExecutorOptions::unshared_prefix_fraction)
-      .def_readwrite("temperature", &ExecutorOptions::temperature);
+      .def_readwrite("temperature", &ExecutorOptions::temperature)
+      .def_readwrite("replace_gradients", &ExecutorOptions::replace_gradients);
   py::class_<LayoutOverrides>(m, "LayoutOverrides")
       .def(py::init<>())
       .def_readwrite("tensor_parallel", &LayoutOverrides::tensor_parallel)

@@ -151,6 +151,19 @@ def test_gradients_match_transformers(checkpoint, trajectories, loss):
         assert_gradients_match(trainer, want, what)
 
 
+def test_compute_gradients_replaces_unless_it_accumulates(checkpoint, trajectories):
+    _, directory = checkpoint
+    trainer = dta.Trainer(directory, dtype="float64")
+    trainer.compute_gradients(trajectories, "sft", "dta")
+    once = {name: g.clone() for name, g in trainer.gradients().items()}
+    trainer.compute_gradients(trajectories, "sft", "dta")  # replaces: the same gradients, bitwise
+    for name, g in trainer.gradients().items():
+        assert once[name].norm() > 0 and torch.equal(g, once[name]), name
+    trainer.compute_gradients(trajectories, "sft", "dense", accumulate=True)  # adds
+    for name, g in trainer.gradients().items():
+        assert torch.allclose(g, 2 * once[name], rtol=1e-10, atol=0), name
+
+
 def test_python_loss_matches_transformers(checkpoint, trajectories):
     model, directory = checkpoint
     want_loss, want, _ = reference(model, trajectories, "grpo")

@@ -678,8 +678,9 @@ class Trainer:
                         raise ValueError(f"trajectory {i} ({t.id!r}): field 'reward': missing, and no "
                                          f"'advantages' ({loss} needs one of them)")
         start = time.perf_counter()
-        if not accumulate:
-            self._core.zero_grad()
+        # Replacing, the executor overwrites the gradients (a mixture of experts' stacked expert
+        # gradients are then never zero-filled: their first chunk writes them).
+        executor.replace_gradients = not accumulate
         result = self._core.compute_gradients(converted, core_loss, custom, executor)
         self._synchronize()
         diagnostics = _diagnostics(result.pop("diagnostics"))
