@@ -8,6 +8,7 @@
 
 #ifdef DTA_KERNELS_HAVE_HOPPER
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/hopper/float32_bmm_hopper.h"
 #endif
@@ -101,6 +102,7 @@ bool Float32BmmUsesKernel(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor Float32Bmm(const at::Tensor& a, const at::Tensor& b) {
 #ifdef DTA_KERNELS_HAVE_HOPPER
   if (std::optional<Float32BmmParams> p = KernelParams(a, b)) {
+    const c10::cuda::CUDAGuard guard(a.device());  // the launch goes to a's device
     std::vector<int64_t> shape = a.sizes().vec();
     shape.back() = b.size(-1);
     at::Tensor c = at::empty(shape, a.options());

@@ -3,6 +3,7 @@
 #ifdef DTA_KERNELS_HAVE_HOPPER
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/hopper/grouped_gemm_hopper.h"
 #endif
@@ -25,6 +26,8 @@ bool AddGroupedWeightGrad(at::Tensor& accumulator, const at::Tensor& dy, const a
   if (!EnvSwitchOn("DTA_GROUPED_WGRAD")) return false;
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(accumulator.get_device());
   if (device->major != 9) return false;
+  const c10::cuda::CUDAGuard guard(
+      accumulator.device());  // the launch goes to accumulator's device
   const GroupedWeightGradParams p{.accumulator = accumulator.data_ptr<float>(),
                                   .dy = dy.const_data_ptr(),
                                   .x = x.const_data_ptr(),
