@@ -400,17 +400,27 @@ int64_t GateRowStride(const at::Tensor& gate) {
   return ld >= gate.size(-1) ? ld : -1;
 }
 
+// The gate as the kernels read it: in place where its rows are equally spaced, else a contiguous
+// copy.
+struct ReadableRows {
+  at::Tensor rows;
+  int64_t ld;
+};
+ReadableRows ReadableGate(const at::Tensor& gate) {
+  const int64_t ld = GateRowStride(gate);
+  if (ld >= 0) return {gate, ld};
+  return {gate.contiguous(), gate.size(-1)};
+}
+
 }  // namespace
 
 at::Tensor SigmoidGateForward(const at::Tensor& attention, const at::Tensor& gate) {
   CheckSameShape("SigmoidGateForward", "gate", gate, attention);
   if (UseCuda({&attention, &gate}) && EnvSwitchOn("DTA_FUSED_OUTPUT_GATE")) {
     const at::Tensor a = attention.contiguous();
-    int64_t ld = GateRowStride(gate);
-    const at::Tensor x = ld >= 0 ? gate : gate.contiguous();
-    if (ld < 0) ld = gate.size(-1);
+    const ReadableRows x = ReadableGate(gate);
     at::Tensor y = at::empty(a.sizes(), a.options());
-    internal::SigmoidGateForwardCuda(a, x, ld, y);
+    internal::SigmoidGateForwardCuda(a, x.rows, x.ld, y);
     return y;
   }
   const at::ScalarType ct = ComputeType(attention.scalar_type());
@@ -423,12 +433,11 @@ SigmoidGateGrads SigmoidGateBackward(const at::Tensor& dy, const at::Tensor& att
   CheckSameShape("SigmoidGateBackward", "dy", dy, attention);
   if (UseCuda({&dy, &attention, &gate}) && EnvSwitchOn("DTA_FUSED_OUTPUT_GATE")) {
     const at::Tensor a = attention.contiguous();
-    int64_t ld = GateRowStride(gate);
-    const at::Tensor x = ld >= 0 ? gate : gate.contiguous();
-    if (ld < 0) ld = gate.size(-1);
+    const ReadableRows x = ReadableGate(gate);
     SigmoidGateGrads grads{.dattention = at::empty(a.sizes(), a.options()),
                            .dgate = at::empty(a.sizes(), gate.options())};
-    internal::SigmoidGateBackwardCuda(dy.contiguous(), a, x, ld, grads.dattention, grads.dgate);
+    internal::SigmoidGateBackwardCuda(dy.contiguous(), a, x.rows, x.ld, grads.dattention,
+                                      grads.dgate);
     return grads;
   }
   const at::ScalarType ct = ComputeType(attention.scalar_type());

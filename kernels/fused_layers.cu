@@ -347,32 +347,6 @@ __device__ __forceinline__ SwiGluGradient SwiGluAt(float g, float x, float u) {
           __fmul_rn(Silu(x), u)};
 }
 
-// Eight consecutive elements through one 16-byte access (bfloat16) or two (float32).
-constexpr int kVector = 8;
-__device__ __forceinline__ void Load8(In in, int64_t i, float (&v)[kVector]) {
-  if (in.type == Dtype::kFloat) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(in.data) + i);
-    const float4 a = p[0], b = p[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    return;
-  }
-  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(in.data) + i);
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int k = 0; k < kVector / 2; ++k) {
-    const float2 f = __bfloat1622float2(pairs[k]);
-    v[2 * k] = f.x;
-    v[2 * k + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void Store8(Out out, int64_t i, const float (&v)[kVector]) {
-  uint4 raw;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int k = 0; k < kVector / 2; ++k) pairs[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-  *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out.data) + i) = raw;
-}
-
 // kVectorized: every tensor is 16-byte aligned, n is a multiple of 8, the outputs and gate/up are
 // bfloat16 and d is bfloat16 or float32.
 // gate and up are [rows, cols] at row stride `in_ld` (their own, or the two halves of one

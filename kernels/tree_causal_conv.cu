@@ -23,8 +23,6 @@ namespace dta::kernels::internal {
 namespace {
 
 constexpr int kThreads = 256;
-// Channels a thread of the vectorized kernels takes.
-constexpr int kVector = 8;
 // Tokens per partial sum of the weight's gradient (then the partials in order).
 constexpr int64_t kTokensPerPartial = 256;
 // The most blocks along the token (or table row) dimension, each taking a contiguous range of
@@ -54,35 +52,12 @@ Table TableOf(const at::Tensor& x, const at::Tensor& context) {
   return {InOf(x), context.numel() > 0 ? InOf(context) : InOf(x), context.size(0), x.size(1)};
 }
 
-// Eight 16-bit floats of one 16-byte word as float32, through `widen` (a pair to a float2).
-template <class Pair, class Widen>
-__device__ __forceinline__ void Unpack(const uint4& raw, float (&v)[kVector], Widen widen) {
-  const Pair* pairs = reinterpret_cast<const Pair*>(&raw);
-#pragma unroll
-  for (int k = 0; k < kVector / 2; ++k) {
-    const float2 f = widen(pairs[k]);
-    v[2 * k] = f.x, v[2 * k + 1] = f.y;
-  }
-}
-
-// Elements i .. i + kV - 1 of `in` as float32: one or two 16-byte loads for kV = 8 (i a multiple
-// of 8, the data 16-byte aligned), else kV scalar loads.
+// Elements i .. i + kV - 1 of `in` as float32: Load8 for kV = kVector (i a multiple of 8, the
+// data 16-byte aligned), else kV scalar loads.
 template <int kV>
 __device__ __forceinline__ void LoadRow(In in, int64_t i, float (&v)[kV]) {
   if constexpr (kV == kVector) {
-    if (in.type == Dtype::kFloat) {
-      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(in.data) + i);
-      const float4 a = p[0], b = p[1];
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
-      v[7] = b.w;
-      return;
-    }
-    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(in.data) + i);
-    if (in.type == Dtype::kBFloat16) {
-      Unpack<__nv_bfloat162>(raw, v, [](__nv_bfloat162 x) { return __bfloat1622float2(x); });
-    } else {
-      Unpack<__half2>(raw, v, [](__half2 x) { return __half22float2(x); });
-    }
+    Load8(in, i, v);
   } else {
 #pragma unroll
     for (int k = 0; k < kV; ++k) v[k] = Load(in, i + k);
@@ -93,23 +68,7 @@ __device__ __forceinline__ void LoadRow(In in, int64_t i, float (&v)[kV]) {
 template <int kV>
 __device__ __forceinline__ void StoreRow(Out out, int64_t i, const float (&v)[kV]) {
   if constexpr (kV == kVector) {
-    if (out.type == Dtype::kFloat) {
-      float4* p = reinterpret_cast<float4*>(static_cast<float*>(out.data) + i);
-      p[0] = make_float4(v[0], v[1], v[2], v[3]);
-      p[1] = make_float4(v[4], v[5], v[6], v[7]);
-      return;
-    }
-    uint4 raw;
-    if (out.type == Dtype::kBFloat16) {
-      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int k = 0; k < kV / 2; ++k) pairs[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-    } else {
-      __half2* pairs = reinterpret_cast<__half2*>(&raw);
-#pragma unroll
-      for (int k = 0; k < kV / 2; ++k) pairs[k] = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
-    }
-    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(out.data) + i) = raw;
+    Store8(out, i, v);
   } else {
 #pragma unroll
     for (int k = 0; k < kV; ++k) Store(out, i + k, v[k]);

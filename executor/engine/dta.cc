@@ -547,9 +547,10 @@ struct ChunkPlan {
 // step will create, and in the memory free.
 ChunkPlan FitChunksInBudget(const Decoder& model, const ExecutorOptions& options, int64_t longest) {
   const at::Device device = model.options().device();
-  const int64_t allocated = AllocatedDeviceMemory(device) + model.UncreatedGradientBytes();
-  const int64_t available = std::min(options.memory_budget - allocated,
-                                     FreeDeviceMemory(device) - model.UncreatedGradientBytes());
+  const int64_t gradients = model.UncreatedGradientBytes();
+  const int64_t allocated = AllocatedDeviceMemory(device) + gradients;
+  const int64_t available =
+      std::min(options.memory_budget - allocated, FreeDeviceMemory(device) - gradients);
   ExecutorMemoryOptions memory = ExecutorMemoryOf(options, longest);
   memory.expert_parallel = model.expert_parallel_size();
   const absl::StatusOr<ChunkCapacity> fit = FitChunksInMemory(
