@@ -9,6 +9,8 @@
 //     the ATen ops in forward+backward on both sides (the kernel's forward alone);
 //   - conv: the tree-causal convolution as CUDA kernels (kernels/tree_causal_conv.h) against the
 //     gather and element-wise ATen ops (DTA_CONV_KERNEL=0); only "mix" includes it.
+// --profile=FILE appends, per timed case, one forward+backward of the switched-on path under the
+// profiler (bench/step_profile.h): where the GPU's time goes, kernel by kernel.
 // Two things are timed per chunk length T:
 //   - "rule": ChunkedGatedDeltaRule alone on float32 q, k, v, g, beta and a state;
 //   - "mix": GatedDeltaNetMix, the layer between its projections as the model calls it (its
@@ -29,6 +31,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -36,6 +39,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/step_profile.h"
 #include "core/cli/usage.h"
 #include "executor/model/ops/gated_delta_net.h"
 #include "kernels/chunk_state_recurrence.h"
@@ -51,6 +55,9 @@ ABSL_FLAG(int32_t, warmups, 2, "untimed runs first");
 ABSL_FLAG(std::string, compare, "fused",
           "the switch to compare: scan (DTA_LINEAR_ATTENTION_KERNEL), fused "
           "(DTA_GATED_DELTA_FUSED) or conv (DTA_CONV_KERNEL)");
+ABSL_FLAG(std::string, profile, "",
+          "a Markdown file: one forward+backward of each case's switched-on path under the "
+          "profiler, its kernels by time");
 
 namespace dta {
 namespace {
@@ -155,6 +162,13 @@ Workload MixWorkload(int64_t t, const at::Device& device) {
   return w;
 }
 
+// One forward and backward; keeps the output and the leaf's gradient in `timing`.
+void Step(const Workload& w, Timing& timing) {
+  const at::Tensor out = w.forward();
+  timing.grad = torch::autograd::grad({(out.to(at::kFloat) * w.seed).sum()}, {w.leaf})[0];
+  timing.out = out.detach();
+}
+
 Timing Time(const Workload& w, const at::Device& device, int runs, const char* variable,
             bool kernel) {
   unsetenv("DTA_LINEAR_ATTENTION_KERNEL");
@@ -163,11 +177,7 @@ Timing Time(const Workload& w, const at::Device& device, int runs, const char* v
   if (!kernel) setenv(variable, "0", 1);
   Timing timing;
   timing.forward_ms = MedianMs(device, runs, [&] { w.forward(); });
-  timing.step_ms = MedianMs(device, runs, [&] {
-    const at::Tensor out = w.forward();
-    timing.grad = torch::autograd::grad({(out.to(at::kFloat) * w.seed).sum()}, {w.leaf})[0];
-    timing.out = out.detach();
-  });
+  timing.step_ms = MedianMs(device, runs, [&] { Step(w, timing); });
   unsetenv(variable);
   return timing;
 }
@@ -229,6 +239,15 @@ int Main() {
       static_cast<long long>(kKeyHeads), static_cast<long long>(kValueHeads),
       static_cast<long long>(kHeadDim), static_cast<long long>(kChunk), cuda ? "cuda" : "cpu",
       variable, kernel_possible ? "available" : "not available (both columns are ATen)", runs);
+  const std::string profile_path = absl::GetFlag(FLAGS_profile);
+  std::ofstream profile_file;
+  if (!profile_path.empty()) {
+    profile_file.open(profile_path);
+    if (!profile_file) {
+      std::fprintf(stderr, "--profile: cannot write '%s'\n", profile_path.c_str());
+      return 2;
+    }
+  }
   std::printf(
       "| what | T | fwd ms, %s | fwd ms, %s | fwd speed-up | fwd+bwd ms, %s | fwd+bwd ms, %s | "
       "fwd+bwd speed-up | GFLOP fwd+bwd | bound ms bf16 / tf32 / fp32 | %s over bound bf16 / "
@@ -252,6 +271,18 @@ int Main() {
           flops / 1e9, bf16, BoundMs(flops, kPeakTf32), fp32, on.step_ms / bf16, on.step_ms / fp32,
           RelativeDifference(on.out, off.out), RelativeDifference(on.grad, off.grad));
       std::fflush(stdout);
+      if (!profile_path.empty()) {
+        Timing unused;
+        const bench::StepProfile profile = bench::ProfileStep(
+            [&] {
+              Step(w, unused);
+              Synchronize(device);
+            },
+            device);
+        profile_file << bench::ProfileMarkdown(
+            profile, name + " at T = " + std::to_string(t) + ", " + on_name + ", fwd+bwd",
+            /*top=*/40);
+      }
     }
   }
   return 0;

@@ -1,17 +1,16 @@
-#!/usr/bin/env bash
-# Prepares .deps/: the Debian packages the GPU machines lack (Abseil, simdjson), unpacked so the
-# device's build can point CMAKE_PREFIX_PATH at .deps/usr, and the CUTLASS / CuTe headers of the
-# pinned nvidia-cutlass wheel in .deps/cutlass/include for kernels/hopper/ (cmake/DtaCutlass.cmake).
-# Run here (it needs Debian's apt); carry what a call needs to the device and build there with
-# scripts/device_build.sh. The whole of .deps (61 MB) and the repository exceed a call's 64 MiB:
-# kernels and benchmarks carry .deps/cutlass, .deps/usr and .deps/wheels; a services build adds
-# .deps/services-debs (then 64 MB in all); the learning demo's Python pieces (.deps/python-wheels,
-# .deps/python-stubs) follow in a second call on the warm machine, whose build-device and .deps
-# stay.
-set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-deps="$repo/.deps"
-if [[ ! -f "$deps/.done" ]]; then
+#!/ usr / bin / env bash
+#Prepares.deps / : the Debian packages the GPU machines lack(Abseil, simdjson), unpacked so the
+#device's build can point CMAKE_PREFIX_PATH at .deps/usr, and the CUTLASS / CuTe headers of the
+#pinned nvidia - \
+    cutlass wheel in.deps / cutlass / include for kernels / hopper / (cmake / DtaCutlass.cmake).
+#Run here(it needs Debian's apt); carry what a call needs to the device and build there with
+#scripts / device_build.sh.The whole of.deps(61 MB) and the repository exceed a call's 64 MiB:
+#kernels and benchmarks carry.deps / cutlass, .deps / usr and.deps / wheels; a services build adds
+#.deps / services - debs(then 64 MB in all); the learning demo's Python pieces (.deps/python-wheels,
+#.deps / python - stubs) follow in a second call on the warm machine, whose build - device and.deps
+#stay.
+set - euo pipefail repo = "$(cd " $(dirname "${BASH_SOURCE[0]}") /.." && pwd)" deps =
+                              "$repo/.deps" if[[!-f "$deps/.done"]]; then
   rm -rf "$deps"
   mkdir -p "$deps/debs"
   (cd "$deps/debs" && apt-get download libabsl-dev libabsl20220623 libsimdjson-dev libsimdjson14)
@@ -36,6 +35,14 @@ fi
 if [[ ! -d "$deps/wheels" ]]; then
   "$repo/.venv/bin/python" -m pip download -q --no-deps -d "$deps/wheels" \
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 Pygments==2.21.0
+fi
+# Flash Linear Attention's Triton kernels, the baseline of bench/gated_delta_baseline.py (the
+# Gated DeltaNet rule a user of Qwen3-Next would otherwise train with), carried with
+# .deps/wheels. A list that changes is fetched again.
+fla_wheels="flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2"
+if [[ "$(cat "$deps/wheels/.fla" 2>/dev/null)" != "$fla_wheels" ]]; then
+  "$repo/.venv/bin/python" -m pip download -q --no-deps -d "$deps/wheels" $fla_wheels
+  echo "$fla_wheels" >"$deps/wheels/.fla"
 fi
 # Python's gRPC for the learning demo's rollout worker on the GPU machines
 # (scripts/gpu_learning_demo.sh): the grpcio and protobuf wheels of requirements.txt for the

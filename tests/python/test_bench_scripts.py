@@ -1,5 +1,7 @@
-"""The Python benchmark scripts run end to end on a tiny model and batch (their numbers come from
-GPU runs, docs/benchmarks.md; here only that they work and report consistently)."""
+""
+    "The Python benchmark scripts run end to end on a tiny model and batch (their numbers come from
+    GPU runs,
+    docs / benchmarks.md; here only that they work and report consistently)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +19,7 @@ import dta
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import balance_by_time  # noqa: E402
+import gated_delta_baseline  # noqa: E402
 import hf_baseline  # noqa: E402
 
 
@@ -49,11 +52,11 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
         if r["method"] not in ("hf-sdpa-packed", "dta"):
             assert "profile" not in r, r["method"]
             continue
-        # On the CPU the profiler sees no kernels: only the report's shape is checked here.
+#On the CPU the profiler sees no kernels : only the report's shape is checked here.
         assert r["profile"]["kernel_launches"] == 0 and set(r["profile"]["gpu_ms"]) == {"attention", "gemm", "other"}
         assert r["profile"]["host_ops"], "the host's operations are listed"
     assert run.stdout.count("profile of ") == 2
-    # Each method reports as it finishes, so that a run cut short keeps what it measured.
+#Each method reports as it finishes, so that a run cut short keeps what it measured.
     assert [line.split()[1] for line in run.stderr.splitlines() if line.startswith("hf_baseline: ")] == \
         ["hf-sdpa", "hf-sdpa-packed", "dta-dense", "dta", "dta-pack"]
     gpu_only = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
@@ -160,9 +163,8 @@ def test_python_overhead_times_both_checks_of_a_batch(tmp_path):
                           "--repeats=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr
 
-
-# scripts/gpu_bench_set.sh runs bench/configs/ on a GPU machine; --dry_run prints its commands
-# without a GPU, which is what these check.
+#scripts / gpu_bench_set.sh runs bench / configs / on a GPU machine; --dry_run prints its commands
+#without a GPU, which is what these check.
 BENCH_SET = REPO / "scripts" / "gpu_bench_set.sh"
 CONFIGS = REPO / "bench" / "configs"
 
@@ -201,7 +203,7 @@ def test_gpu_bench_set_runs_each_config_once_with_its_own_tool(tmp_path):
     assert "-mixed-" in record
     assert lines[1].startswith("scripts/device_build.sh -DDTA_BUILD_PYTHON=ON"), "a script needs the whole build"
     assert sum("dta-attention-bench --flagfile=bench/configs/attention-d64.flags" in line for line in lines) == 1
-    # The AIME batch's first 4 rollouts, for hf_baseline, which has no --max_rollouts.
+#The AIME batch's first 4 rollouts, for hf_baseline, which has no --max_rollouts.
     first = [line for line in lines if line.startswith("head -n 4 ")]
     assert len(first) == 1
     hf = [line for line in lines if "bench/hf_baseline.py" in line]
@@ -304,18 +306,45 @@ def test_balance_by_time_fits_a_model_and_runs_every_share_of_both_splits(tmp_pa
         for split in ("tokens", "time"):
             shares = record[split]["shares"]
             assert len(shares) == 2 and record[split]["step_s"] == max(s["measured_s"] for s in shares)
-            # The shares together hold every tree token, plus what the split duplicates.
+#The shares together hold every tree token, plus what the split duplicates.
             assert sum(s["tree_tokens"] for s in shares) == tree.tree_tokens + record[split]["extra_tokens"]
             for s in shares:
                 assert s["measured_s"] > 0 and s["predicted_s"] >= 0 and s["keys"] >= s["tree_tokens"]
-        # The token split is the default partition.
+#The token split is the default partition.
         assert [s["tree_tokens"] for s in record["tokens"]["shares"]] == tree.partition(2).tree_tokens
 
 
 def test_balance_by_time_fit_is_non_negative():
-    # Times that grow with keys alone: the unconstrained fit would price tokens below zero.
+#Times that grow with keys alone : the unconstrained fit would price tokens below zero.
     samples = [(100, 1000, 1.0), (100, 3000, 3.0), (200, 2000, 2.0), (50, 4000, 4.0)]
     a, b = balance_by_time.fit(samples)
     assert a >= 0 and b >= 0 and abs(b - 1e-3) < 1e-6
     a, b = balance_by_time.fit([(100, 1000, 1.2), (200, 1500, 2.1), (300, 9000, 3.4)])
     assert a >= 0 and b >= 0
+
+
+def test_gated_delta_baseline_reference_is_the_delta_rule():
+    """The FLA baseline's float64 reference against the rule written out for two tokens, and its
+    FLOP count against dta-linear-attention-bench's (257.7 GFLOP forward+backward at 16K)."""
+    torch.manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 16, 128, dtype=torch.float64), dim=-1) for _ in range(2))
+    v = torch.randn(1, 2, 32, 128, dtype=torch.float64)
+    g = -0.5 * torch.rand(1, 2, 32, dtype=torch.float64)
+    beta = torch.rand(1, 2, 32, dtype=torch.float64)
+    seed = torch.randn(1, 2, 32, 128, dtype=torch.float64)
+    out, grad_v, grad_q = gated_delta_baseline.reference(q, k, v, g, beta, seed)
+    leaf_q, leaf_v = q.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    qe, ke = leaf_q.repeat_interleave(2, dim=2)[0], k.repeat_interleave(2, dim=2)[0]
+    rows = []
+    for h in range(32):
+        state = torch.outer(ke[0, h], beta[0, 0, h] * leaf_v[0, 0, h])  # from the zero state
+        first = 128**-0.5 * qe[0, h] @ state
+        state = g[0, 1, h].exp() * state
+        state = state + torch.outer(ke[1, h], beta[0, 1, h] * (leaf_v[0, 1, h] - ke[1, h] @ state))
+        rows.append(torch.stack([first, 128**-0.5 * qe[1, h] @ state]))
+    expected = torch.stack(rows, dim=1)[None]
+    expected_v, expected_q = torch.autograd.grad((expected * seed).sum(), [leaf_v, leaf_q])
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_v, expected_v, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_q, expected_q, rtol=1e-12, atol=1e-12)
+    assert abs(3 * gated_delta_baseline.rule_flops(16384) / 1e9 - 257.698) < 1e-3
