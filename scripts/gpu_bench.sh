@@ -11,8 +11,9 @@
 #                   families by their dta-bench --config preset (qwen2.5-1.5b, llama-3.2-1b,
 #                   llama-3.1-8b, qwen3-moe-small, qwen3-next-small), whose budget is 300K.
 #   --workloads     dta-workload presets: tau2, gsm8k, aime, modified-prefix, branch-low,
-#                   branch-mid, branch-high. Default: all seven (tau2, gsm8k and aime are the
-#                   papers' headline workloads; the others fill the compression curve, C 1.4 to 9).
+#                   branch-mid, branch-high, long-agentic. Default: the first seven (tau2, gsm8k
+#                   and aime are the papers' headline workloads; the others fill the compression
+#                   curve, C 1.4 to 9); long-agentic's paths of 30K-64K tokens are asked by name.
 #   --methods       passed to dta-bench (default: its own list, every method).
 #   --token_budget  rollout tokens per step for every model, instead of the per-model defaults.
 #   --budget_factor multiplies every budget (e.g. 0.5 when steps run slower than expected).
@@ -84,9 +85,9 @@ for m in "${model_list[@]}"; do
 done
 for w in "${workload_list[@]}"; do
   case "$w" in
-    tau2 | gsm8k | aime | modified-prefix | branch-low | branch-mid | branch-high) ;;
+    tau2 | gsm8k | aime | modified-prefix | branch-low | branch-mid | branch-high | long-agentic) ;;
     *) echo "gpu_bench: unknown workload '$w' (tau2, gsm8k, aime, modified-prefix, branch-low, branch-mid," \
-            "branch-high)" >&2
+            "branch-high, long-agentic)" >&2
        exit 2 ;;
   esac
 done

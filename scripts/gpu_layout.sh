@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The layout benchmark: dta-train with the full AdamW step, for each model, on the tau2-like
-# workload, once per layout asked for, on one GPU or several of one host (NCCL, one process per
-# GPU). Shows what offloading AdamW's state costs per step (streamed through the GPU or updated on
-# the host, side by side with the GPU-resident optimizer where that fits), tensor against data
-# parallelism on the same GPUs, and the planner's memory per GPU against the measured peak.
-# dta runs without packing (--nopack), as when docs/benchmarks.md's layout numbers were measured.
+# The layout benchmark: dta-train with the full AdamW step, for each model, on a dta-workload
+# preset (tau2 by default), once per layout asked for, on one GPU or several of one host (NCCL,
+# one process per GPU). Shows what offloading AdamW's state costs per step (streamed through the
+# GPU or updated on the host, side by side with the GPU-resident optimizer where that fits), tensor
+# against data parallelism on the same GPUs, and the planner's memory per GPU against the measured
+# peak. dta runs without packing and with a graph budget of 4,096 tokens (--nopack
+# --token_capacity=24576 --graph_budget=4096), as when docs/benchmarks.md's layout numbers were
+# measured; --auto_executor runs the executor's defaults instead (packing, automatic block size
+# and graph budget, sized beside the optimizer's state).
 # Run on a GPU machine from the repo root, with .deps/ carried (scripts/device_deps.sh):
 #
 #   scripts/gpu_layout.sh [--runs=1.7b:gpu,1.7b:offload,8b:auto] [--tokens=140000] [--steps=3]
-#                         [--no_build] [--out=DIR]
+#                         [--workload=tau2] [--auto_executor] [--no_build] [--out=DIR]
 #
 #   --runs    MODEL:LAYOUT pairs; LAYOUT is one or more of these, joined by '+':
 #               gpu      the optimizer on the GPU (--offload_optimizer=false)
@@ -20,7 +23,8 @@
 #               tpN      N-way tensor parallelism (--tensor_parallel=N)
 #               dpN      N data-parallel replicas (sharded optimizer, the planner's default)
 #             e.g. 8b:offload, 8b:offload+host, 8b:tp2+gpu, 8b:dp2. A run takes tp x dp GPUs.
-#   --tokens  rollout tokens per step (the tau2 preset is generated at the scale that holds them).
+#   --tokens  rollout tokens per step (the preset is generated at the scale that holds them).
+#   --workload  the dta-workload preset (tau2; long-agentic for paths of 30K-64K tokens).
 #   --steps   optimizer steps per run (the first includes allocation: read the later ones).
 #
 # Writes DIR/layout-MODEL-LAYOUT.{jsonl,log} (rank 0's per-step JSON: seconds, executor_seconds,
@@ -35,6 +39,8 @@ runs="1.7b:gpu,1.7b:offload,8b:auto"
 tokens=140000
 steps=3
 build=1
+preset=tau2
+executor_flags=(--nopack --token_capacity=24576 --graph_budget=4096)
 out="${OUT:-bench/results/layout}"
 for arg in "$@"; do
   case "$arg" in
@@ -43,7 +49,9 @@ for arg in "$@"; do
     --steps=*) steps="${arg#*=}" ;;
     --no_build) build=0 ;;
     --out=*) out="${arg#*=}" ;;
-    -h | --help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --workload=*) preset="${arg#*=}" ;;
+    --auto_executor) executor_flags=() ;;
+    -h | --help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_layout: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -57,13 +65,13 @@ fi
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt" >&2 || true
 
-# The tau2 preset at the scale holding about `tokens` rollout tokens.
-full="$out/tau2-s1.jsonl"
-[[ -s "$full" ]] || "$bin/dta-workload" --preset=tau2 --seed=1 --scale=1 --out="$full" >/dev/null
+# The preset at the scale holding about `tokens` rollout tokens.
+full="$out/$preset-s1.jsonl"
+[[ -s "$full" ]] || "$bin/dta-workload" --preset="$preset" --seed=1 --scale=1 --out="$full" >/dev/null
 full_tokens="$("$bin/dta-tree" --json "$full" | python3 -c 'import json,sys; print(json.load(sys.stdin)["tree"]["rollout_tokens"])')"
 scale="$(python3 -c "print(round(min(1.0, $tokens / $full_tokens), 3))")"
-workload="$out/tau2-s$scale.jsonl"
-[[ -s "$workload" ]] || "$bin/dta-workload" --preset=tau2 --seed=1 --scale="$scale" --out="$workload" >/dev/null
+workload="$out/$preset-s$scale.jsonl"
+[[ -s "$workload" ]] || "$bin/dta-workload" --preset="$preset" --seed=1 --scale="$scale" --out="$workload" >/dev/null
 "$bin/dta-tree" "$workload" | head -3 >&2
 
 IFS=, read -r -a pairs <<<"$runs"
@@ -91,7 +99,7 @@ for pair in "${pairs[@]}"; do
   rm -f "$out/$name.jsonl"
   echo "gpu_layout: qwen3-$model, $layout on $ranks GPU(s)" >&2
   args=(--config="qwen3-$model" --rollouts="$workload" --dtype=bfloat16 --device=cuda
-        --method=dta --nopack --token_capacity=24576 --graph_budget=4096 --lr=1e-6 --steps="$steps" --json
+        --method=dta "${executor_flags[@]}" --lr=1e-6 --steps="$steps" --json
         --metrics="$out/$name.jsonl" "${flags[@]}")
   status=0
   if ((ranks == 1)); then

@@ -24,8 +24,9 @@
 #include "core/tree/tree_stats.h"
 #include "core/workload/workload.h"
 
-ABSL_FLAG(std::string, preset, "tau2",
-          "tau2, gsm8k, aime, modified-prefix, branch-low, branch-mid or branch-high");
+ABSL_FLAG(
+    std::string, preset, "tau2",
+    "tau2, gsm8k, aime, modified-prefix, branch-low, branch-mid, branch-high or long-agentic");
 ABSL_FLAG(uint64_t, seed, 1, "random seed: the same seed always gives the same batch");
 ABSL_FLAG(double, scale, 1.0, "multiplies the number of groups (tasks, prompts, trees); > 0");
 ABSL_FLAG(int32_t, vocab_size, dta::WorkloadOptions{}.vocab_size,

@@ -302,6 +302,24 @@ constexpr BranchParams kBranchHigh = {
     .side_percent = {0, 0},
 };
 
+// Long-horizon agent trajectories: 30-40 calls with long tool observations (file reads, logs),
+// paths of ~30K-64K tokens; two forks late on the trunk (past half its calls) into side branches
+// of a fifth to three fifths of the remaining calls. Seeds 1..5 land within 4% of POR 0.55 and
+// mean leaf length 39K, their longest paths 47K-51K (workload_test).
+constexpr BranchParams kLongAgentic = {
+    .trees = 8,
+    .prompt = {2000, 4000},
+    .calls = {34, 44},
+    .think = {100, 250},
+    .answer = {100, 250},
+    .observation = {500, 900},
+    .drop_thinking = false,
+    .forks = {2, 2},
+    .fork_window = {50, 90},
+    .fork_width = {2, 2},
+    .side_percent = {20, 60},
+};
+
 static_assert(kAgent.system_prompt.hi + kAgent.task_prompt.hi + 3 * kAgent.response.hi +
                   2 * kAgent.observation.hi <=
               kMaxWorkloadRolloutLength);
@@ -310,6 +328,7 @@ static_assert(kGsm8k.prompt.hi + kGsm8k.response.hi <= kMaxWorkloadRolloutLength
 static_assert(LongestPath(kBranchLow) <= kMaxWorkloadRolloutLength);
 static_assert(LongestPath(kBranchMid) <= kMaxWorkloadRolloutLength);
 static_assert(LongestPath(kBranchHigh) <= kMaxWorkloadRolloutLength);
+static_assert(LongestPath(kLongAgentic) <= kMaxLongWorkloadRolloutLength);
 
 // Families of streams: presets that share one never share draws with another.
 constexpr uint64_t kAgentFamily = 0x7461753200000001ULL;
@@ -318,6 +337,7 @@ constexpr uint64_t kAimeFamily = 0x61696d6500000003ULL;
 constexpr uint64_t kBranchLowFamily = 0x62726c6f00000004ULL;
 constexpr uint64_t kBranchMidFamily = 0x62726d6900000005ULL;
 constexpr uint64_t kBranchHighFamily = 0x6272686900000006ULL;
+constexpr uint64_t kLongAgenticFamily = 0x6c6f6e6700000007ULL;
 
 // ---------------------------------------------------------------------------------------------
 // Generators. Each draws group g from the stream (seed, family, g), and the first tokens of the
@@ -525,11 +545,13 @@ Shape ShapeOf(WorkloadPreset preset) {
       return BranchShape(kBranchMid);
     case WorkloadPreset::kBranchHigh:
       return BranchShape(kBranchHigh);
+    case WorkloadPreset::kLongAgentic:
+      return BranchShape(kLongAgentic);
   }
   return {1, 1, 1};
 }
 
-constexpr std::array<std::pair<WorkloadPreset, std::string_view>, 7> kNames = {{
+constexpr std::array<std::pair<WorkloadPreset, std::string_view>, 8> kNames = {{
     {WorkloadPreset::kTau2, "tau2"},
     {WorkloadPreset::kGsm8k, "gsm8k"},
     {WorkloadPreset::kAime, "aime"},
@@ -537,6 +559,7 @@ constexpr std::array<std::pair<WorkloadPreset, std::string_view>, 7> kNames = {{
     {WorkloadPreset::kBranchLow, "branch-low"},
     {WorkloadPreset::kBranchMid, "branch-mid"},
     {WorkloadPreset::kBranchHigh, "branch-high"},
+    {WorkloadPreset::kLongAgentic, "long-agentic"},
 }};
 
 // The bound on a batch: by the worst case of the preset's shape, so that it is checked before
@@ -587,8 +610,17 @@ WorkloadTargets TargetsFor(WorkloadPreset preset) {
       return {.compression = 1 / (1 - 0.70), .leaf_compression = 0, .por = 0.70, .mean_length = 0};
     case WorkloadPreset::kBranchHigh:
       return {.compression = 1 / (1 - 0.89), .leaf_compression = 0, .por = 0.89, .mean_length = 0};
+    // Designed (kLongAgentic): only leaves are rollouts.
+    case WorkloadPreset::kLongAgentic:
+      return {
+          .compression = 1 / (1 - 0.55), .leaf_compression = 0, .por = 0.55, .mean_length = 39000};
   }
   return {};
+}
+
+int64_t MaxWorkloadRolloutLength(WorkloadPreset preset) {
+  return preset == WorkloadPreset::kLongAgentic ? kMaxLongWorkloadRolloutLength
+                                                : kMaxWorkloadRolloutLength;
 }
 
 absl::StatusOr<std::vector<Rollout>> GenerateWorkload(const WorkloadOptions& options) {
@@ -599,7 +631,8 @@ absl::StatusOr<std::vector<Rollout>> GenerateWorkload(const WorkloadOptions& opt
   }
   const Shape shape = ShapeOf(options.preset);
   const double groups_real = std::max(1.0, std::round(shape.groups * options.scale));
-  if (groups_real * shape.max_rollouts_per_group * kMaxWorkloadRolloutLength > kMaxBatchTokens) {
+  if (groups_real * shape.max_rollouts_per_group * MaxWorkloadRolloutLength(options.preset) >
+      kMaxBatchTokens) {
     return absl::InvalidArgumentError(absl::StrCat(
         "workload scale ", options.scale, " too large: ", AsAbsl(name), " could pass 2^34 tokens"));
   }
@@ -635,6 +668,9 @@ absl::StatusOr<std::vector<Rollout>> GenerateWorkload(const WorkloadOptions& opt
       break;
     case WorkloadPreset::kBranchHigh:
       GenerateBranch(kBranchHigh, kBranchHighFamily, name, options, groups, rollouts);
+      break;
+    case WorkloadPreset::kLongAgentic:
+      GenerateBranch(kLongAgentic, kLongAgenticFamily, name, options, groups, rollouts);
       break;
   }
   return rollouts;

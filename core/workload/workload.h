@@ -19,13 +19,18 @@
 //                    concurrent tool calls (low, mid) or leave a branch behind at every call
 //                    because think mode drops earlier thinking from the history (high). Only
 //                    leaves are rollouts. POR = 0.28, 0.70, 0.89.
+//   long-agentic     branch-mid's kind of tree at long-horizon agent lengths: 34-44 calls with
+//                    long tool observations, paths of ~30K-64K tokens (past the papers' 16K
+//                    context), forking twice late on the trajectory. Only leaves are rollouts.
+//                    Designed, not from a paper: POR 0.55, mean leaf ~39K tokens.
 //
 // Guarantees for every generated rollout: non-empty tokens with ids in [0, vocab_size); loss_mask,
 // logprobs and versions of the same length as tokens; loss_mask 0 on prompt, system and
 // tool/user-observation tokens and 1 on model-generated tokens, loss_mask[0] = 0; logprobs
 // finite, 0 on prompt tokens and negative on generated ones; versions -1 on prompt tokens and a
 // small non-negative policy version on generated ones; a reward in [0, 1]; no advantages; a unique
-// id and a group naming the prompt (task, tree) it was sampled from; at most 16384 tokens.
+// id and a group naming the prompt (task, tree) it was sampled from; at most
+// MaxWorkloadRolloutLength(preset) tokens (16384, 65536 for long-agentic).
 // Tokens shared by several rollouts carry the same mask, logprob and version in all of them.
 // Sibling branches always differ in their first token, so the prefix tree has exactly the shape
 // the preset describes (no accidental sharing beyond it).
@@ -53,9 +58,11 @@ enum class WorkloadPreset {
   kBranchLow,
   kBranchMid,
   kBranchHigh,
+  kLongAgentic,
 };
 
-// "tau2", "gsm8k", "aime", "modified-prefix", "branch-low", "branch-mid", "branch-high".
+// "tau2", "gsm8k", "aime", "modified-prefix", "branch-low", "branch-mid", "branch-high",
+// "long-agentic".
 // INVALID_ARGUMENT listing the valid names for anything else.
 absl::StatusOr<WorkloadPreset> ParseWorkloadPreset(std::string_view name);
 std::string_view WorkloadPresetName(WorkloadPreset preset);
@@ -88,7 +95,12 @@ struct WorkloadTargets {
 };
 WorkloadTargets TargetsFor(WorkloadPreset preset);
 
-// The longest rollout any preset generates (the papers' 16K training context).
+// The longest rollout the papers' presets generate (their 16K training context), and the longest
+// of long-agentic.
 inline constexpr int64_t kMaxWorkloadRolloutLength = 16384;
+inline constexpr int64_t kMaxLongWorkloadRolloutLength = 65536;
+
+// The longest rollout `preset` generates.
+int64_t MaxWorkloadRolloutLength(WorkloadPreset preset);
 
 }  // namespace dta

@@ -40,7 +40,7 @@ PrefixTree TreeOf(const std::vector<Rollout>& rollouts) {
 std::string Name(WorkloadPreset preset) { return std::string(WorkloadPresetName(preset)); }
 
 TEST(Workload, PresetNamesRoundTrip) {
-  EXPECT_EQ(AllWorkloadPresets().size(), 7u);
+  EXPECT_EQ(AllWorkloadPresets().size(), 8u);
   for (WorkloadPreset preset : AllWorkloadPresets()) {
     absl::StatusOr<WorkloadPreset> parsed = ParseWorkloadPreset(WorkloadPresetName(preset));
     ASSERT_TRUE(parsed.ok()) << parsed.status();
@@ -92,8 +92,24 @@ TEST(Workload, StatsMatchPaperTargets) {
       if (target.mean_length > 0) {
         EXPECT_NEAR(mean_length, target.mean_length, 0.1 * target.mean_length);
       }
-      EXPECT_LE(s.longest_rollout, kMaxWorkloadRolloutLength);
+      EXPECT_LE(s.longest_rollout, MaxWorkloadRolloutLength(preset));
     }
+  }
+}
+
+// long-agentic is the long-path batch: every seed has a path past 40K tokens and none past 64K,
+// the papers' presets none past 16K.
+TEST(Workload, LongAgenticHasPathsPast40K) {
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    SCOPED_TRACE(seed);
+    const TreeStats s = ComputeTreeStats(TreeOf(Generate(WorkloadPreset::kLongAgentic, seed)));
+    EXPECT_GT(s.longest_rollout, 40000);
+    EXPECT_LE(s.longest_rollout, kMaxLongWorkloadRolloutLength);
+  }
+  for (WorkloadPreset preset : AllWorkloadPresets()) {
+    EXPECT_EQ(MaxWorkloadRolloutLength(preset), preset == WorkloadPreset::kLongAgentic
+                                                    ? kMaxLongWorkloadRolloutLength
+                                                    : kMaxWorkloadRolloutLength);
   }
 }
 
@@ -113,7 +129,7 @@ TEST(Workload, RolloutsAreWellFormed) {
       EXPECT_EQ(r.id.rfind(r.group, 0), 0u) << "the id starts with its group";
       const size_t n = r.tokens.size();
       ASSERT_GT(n, 0u);
-      ASSERT_LE(static_cast<int64_t>(n), kMaxWorkloadRolloutLength);
+      ASSERT_LE(static_cast<int64_t>(n), MaxWorkloadRolloutLength(preset));
       ASSERT_EQ(r.loss_mask.size(), n);
       ASSERT_EQ(r.logprobs.size(), n);
       ASSERT_EQ(r.versions.size(), n);
