@@ -95,9 +95,9 @@ def main():
     import fla.ops.common.chunk_o as chunk_o
 
     if chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1:
-#FLA refuses its gated dq / dk backward kernel under these Triton versions on Hopper(its
-#issue #640 : wrong results), pointing to TileLang instead, which the GPU machines lack.
-#Timed anyway : the dq column says whether this run's gradients are the wrong ones.
+        # FLA refuses its gated dq/dk backward kernel under these Triton versions on Hopper (its
+        # issue #640: wrong results), pointing to TileLang instead, which the GPU machines lack.
+        # Timed anyway: the dq column says whether this run's gradients are the wrong ones.
         chunk_o.TRITON_ABOVE_3_7_1 = True
         print(f"note: Triton {__import__('triton').__version__} on Hopper: FLA's guard against "
               "its issue #640 lifted to time it; see the dq error column\n")
@@ -114,8 +114,7 @@ def main():
     print("| --- | ---: | ---: | ---: | --- | --- |")
     for t in (int(x) for x in args.tokens.split(",")):
         flops = 3 * rule_flops(t)
-        bound = {
-name: flops / (peak * 1e12) * 1e3 for name, peak in PEAK_TFLOPS.items()}
+        bound = {name: flops / (peak * 1e12) * 1e3 for name, peak in PEAK_TFLOPS.items()}
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             q, k, v, g, beta, seed = inputs(t, dtype)
 

@@ -1344,6 +1344,18 @@ int Run(int argc, char** argv) {
       "reference).\n",
       Int(stats.rollout_tokens), memory.Kind(), absl::GetFlag(FLAGS_peak_tflops), ideal,
       ideal * kCheckpointingFactor, check.ran ? check.reference_dtype : "float32");
+  // What dta's automatic sizes resolved to, and the tokens forwarded beyond the unique ones
+  // (recomputation, prefixes a sharing group repeats): the first thing to read when a dta step
+  // falls short of its ideal (long paths whose graphs do not all fit).
+  for (const MethodResult& r : results) {
+    if (!r.ok() || r.block_size <= 0) continue;
+    md += absl::StrFormat(
+        "\n- %s ran with B = %s tokens and a graph budget of %s; it forwarded %s tokens, %.2fx the "
+        "%s unique.",
+        r.name, Int(r.block_size), Int(r.graph_budget), Int(r.forwarded_tokens),
+        static_cast<double>(r.forwarded_tokens) / static_cast<double>(stats.tree_tokens),
+        Int(stats.tree_tokens));
+  }
   for (const MethodResult& r : results) {
     if (!r.ok() || !r.note.empty())
       md += absl::StrFormat("\n- %s: %s: %s", r.name, r.status, r.note);

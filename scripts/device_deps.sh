@@ -1,16 +1,17 @@
-#!/ usr / bin / env bash
-#Prepares.deps / : the Debian packages the GPU machines lack(Abseil, simdjson), unpacked so the
-#device's build can point CMAKE_PREFIX_PATH at .deps/usr, and the CUTLASS / CuTe headers of the
-#pinned nvidia - \
-    cutlass wheel in.deps / cutlass / include for kernels / hopper / (cmake / DtaCutlass.cmake).
-#Run here(it needs Debian's apt); carry what a call needs to the device and build there with
-#scripts / device_build.sh.The whole of.deps(61 MB) and the repository exceed a call's 64 MiB:
-#kernels and benchmarks carry.deps / cutlass, .deps / usr and.deps / wheels; a services build adds
-#.deps / services - debs(then 64 MB in all); the learning demo's Python pieces (.deps/python-wheels,
-#.deps / python - stubs) follow in a second call on the warm machine, whose build - device and.deps
-#stay.
-set - euo pipefail repo = "$(cd " $(dirname "${BASH_SOURCE[0]}") /.." && pwd)" deps =
-                              "$repo/.deps" if[[!-f "$deps/.done"]]; then
+#!/usr/bin/env bash
+# Prepares .deps/: the Debian packages the GPU machines lack (Abseil, simdjson), unpacked so the
+# device's build can point CMAKE_PREFIX_PATH at .deps/usr, and the CUTLASS / CuTe headers of the
+# pinned nvidia-cutlass wheel in .deps/cutlass/include for kernels/hopper/ (cmake/DtaCutlass.cmake).
+# Run here (it needs Debian's apt); carry what a call needs to the device and build there with
+# scripts/device_build.sh. The whole of .deps (61 MB) and the repository exceed a call's 64 MiB:
+# kernels and benchmarks carry .deps/cutlass, .deps/usr and .deps/wheels; a services build adds
+# .deps/services-debs (then 64 MB in all); the learning demo's Python pieces (.deps/python-wheels,
+# .deps/python-stubs) follow in a second call on the warm machine, whose build-device and .deps
+# stay.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+deps="$repo/.deps"
+if [[ ! -f "$deps/.done" ]]; then
   rm -rf "$deps"
   mkdir -p "$deps/debs"
   (cd "$deps/debs" && apt-get download libabsl-dev libabsl20220623 libsimdjson-dev libsimdjson14)

@@ -83,6 +83,18 @@ assert half["ran_with"]["block_size"] > 0, half
 assert "GiB budget" in half["note"], half["note"]
 PY
 grep -qF "dta-bauto-mhalf: ok:" "$work/half/results.md" || fail "results.md does not note the budget"
+# results.md says what the automatic sizes resolved to and how many tokens went through the model,
+# the numbers of the JSON.
+"$python" - "$work/half/results.json" "$work/half/results.md" <<'PY' || fail "results.md's chunk line is wrong"
+import json, sys
+out = json.load(open(sys.argv[1]))
+half = {m["name"]: m for m in out["methods"]}["dta-bauto-mhalf"]
+unique = out["workload"]["unique_tokens"]
+line = (f"- dta-bauto-mhalf ran with B = {half['ran_with']['block_size']:,} tokens and a graph budget of "
+        f"{half['ran_with']['graph_budget']:,}; it forwarded {half['forwarded_tokens']:,} tokens, "
+        f"{half['forwarded_tokens'] / unique:.2f}x the {unique:,} unique.")
+assert line in open(sys.argv[2]).read(), line
+PY
 
 # Tensor parallelism: two ranks on Gloo, as torchrun starts them. The same seed is the same model at
 # every TP size, so each method's loss equals the one-process run's; rank 0 alone writes results.

@@ -1,7 +1,5 @@
-""
-    "The Python benchmark scripts run end to end on a tiny model and batch (their numbers come from
-    GPU runs,
-    docs / benchmarks.md; here only that they work and report consistently)."""
+"""The Python benchmark scripts run end to end on a tiny model and batch (their numbers come from
+GPU runs, docs/benchmarks.md; here only that they work and report consistently)."""
 from __future__ import annotations
 
 import json
@@ -52,11 +50,11 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
         if r["method"] not in ("hf-sdpa-packed", "dta"):
             assert "profile" not in r, r["method"]
             continue
-#On the CPU the profiler sees no kernels : only the report's shape is checked here.
+        # On the CPU the profiler sees no kernels: only the report's shape is checked here.
         assert r["profile"]["kernel_launches"] == 0 and set(r["profile"]["gpu_ms"]) == {"attention", "gemm", "other"}
         assert r["profile"]["host_ops"], "the host's operations are listed"
     assert run.stdout.count("profile of ") == 2
-#Each method reports as it finishes, so that a run cut short keeps what it measured.
+    # Each method reports as it finishes, so that a run cut short keeps what it measured.
     assert [line.split()[1] for line in run.stderr.splitlines() if line.startswith("hf_baseline: ")] == \
         ["hf-sdpa", "hf-sdpa-packed", "dta-dense", "dta", "dta-pack"]
     gpu_only = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
@@ -163,8 +161,9 @@ def test_python_overhead_times_both_checks_of_a_batch(tmp_path):
                           "--repeats=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr
 
-#scripts / gpu_bench_set.sh runs bench / configs / on a GPU machine; --dry_run prints its commands
-#without a GPU, which is what these check.
+
+# scripts/gpu_bench_set.sh runs bench/configs/ on a GPU machine; --dry_run prints its commands
+# without a GPU, which is what these check.
 BENCH_SET = REPO / "scripts" / "gpu_bench_set.sh"
 CONFIGS = REPO / "bench" / "configs"
 
@@ -203,7 +202,7 @@ def test_gpu_bench_set_runs_each_config_once_with_its_own_tool(tmp_path):
     assert "-mixed-" in record
     assert lines[1].startswith("scripts/device_build.sh -DDTA_BUILD_PYTHON=ON"), "a script needs the whole build"
     assert sum("dta-attention-bench --flagfile=bench/configs/attention-d64.flags" in line for line in lines) == 1
-#The AIME batch's first 4 rollouts, for hf_baseline, which has no --max_rollouts.
+    # The AIME batch's first 4 rollouts, for hf_baseline, which has no --max_rollouts.
     first = [line for line in lines if line.startswith("head -n 4 ")]
     assert len(first) == 1
     hf = [line for line in lines if "bench/hf_baseline.py" in line]
@@ -306,16 +305,16 @@ def test_balance_by_time_fits_a_model_and_runs_every_share_of_both_splits(tmp_pa
         for split in ("tokens", "time"):
             shares = record[split]["shares"]
             assert len(shares) == 2 and record[split]["step_s"] == max(s["measured_s"] for s in shares)
-#The shares together hold every tree token, plus what the split duplicates.
+            # The shares together hold every tree token, plus what the split duplicates.
             assert sum(s["tree_tokens"] for s in shares) == tree.tree_tokens + record[split]["extra_tokens"]
             for s in shares:
                 assert s["measured_s"] > 0 and s["predicted_s"] >= 0 and s["keys"] >= s["tree_tokens"]
-#The token split is the default partition.
+        # The token split is the default partition.
         assert [s["tree_tokens"] for s in record["tokens"]["shares"]] == tree.partition(2).tree_tokens
 
 
 def test_balance_by_time_fit_is_non_negative():
-#Times that grow with keys alone : the unconstrained fit would price tokens below zero.
+    # Times that grow with keys alone: the unconstrained fit would price tokens below zero.
     samples = [(100, 1000, 1.0), (100, 3000, 3.0), (200, 2000, 2.0), (50, 4000, 4.0)]
     a, b = balance_by_time.fit(samples)
     assert a >= 0 and b >= 0 and abs(b - 1e-3) < 1e-6
