@@ -13,7 +13,7 @@
 #   --workloads     dta-workload presets: tau2, gsm8k, aime, modified-prefix, branch-low,
 #                   branch-mid, branch-high, long-agentic. Default: the first seven (tau2, gsm8k
 #                   and aime are the papers' headline workloads; the others fill the compression
-#                   curve, C 1.4 to 9); long-agentic's paths of 30K-64K tokens are asked by name.
+#                   curve, C 1.4 to 9); long-agentic's paths of 27K-51K tokens are asked by name.
 #   --methods       passed to dta-bench (default: its own list, every method).
 #   --token_budget  rollout tokens per step for every model, instead of the per-model defaults.
 #   --budget_factor multiplies every budget (e.g. 0.5 when steps run slower than expected).

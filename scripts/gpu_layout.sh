@@ -24,7 +24,7 @@
 #               dpN      N data-parallel replicas (sharded optimizer, the planner's default)
 #             e.g. 8b:offload, 8b:offload+host, 8b:tp2+gpu, 8b:dp2. A run takes tp x dp GPUs.
 #   --tokens  rollout tokens per step (the preset is generated at the scale that holds them).
-#   --workload  the dta-workload preset (tau2; long-agentic for paths of 30K-64K tokens).
+#   --workload  the dta-workload preset (tau2; long-agentic for paths of 27K-51K tokens).
 #   --steps   optimizer steps per run (the first includes allocation: read the later ones).
 #
 # Writes DIR/layout-MODEL-LAYOUT.{jsonl,log} (rank 0's per-step JSON: seconds, executor_seconds,

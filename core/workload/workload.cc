@@ -302,10 +302,10 @@ constexpr BranchParams kBranchHigh = {
     .side_percent = {0, 0},
 };
 
-// Long-horizon agent trajectories: 30-40 calls with long tool observations (file reads, logs),
-// paths of ~30K-64K tokens; two forks late on the trunk (past half its calls) into side branches
-// of a fifth to three fifths of the remaining calls. Seeds 1..5 land within 4% of POR 0.55 and
-// mean leaf length 39K, their longest paths 47K-51K (workload_test).
+// Long-horizon agent trajectories: 34-44 calls with long tool observations (file reads, logs),
+// paths of ~27K-51K tokens (at most 64K); two forks late on the trunk (past half its calls) into
+// side branches of a fifth to three fifths of the remaining calls. Seeds 1..5 land within 4% of POR
+// 0.55 and mean leaf length 39K, their longest paths 47K-51K (workload_test).
 constexpr BranchParams kLongAgentic = {
     .trees = 8,
     .prompt = {2000, 4000},

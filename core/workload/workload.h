@@ -20,9 +20,9 @@
 //                    because think mode drops earlier thinking from the history (high). Only
 //                    leaves are rollouts. POR = 0.28, 0.70, 0.89.
 //   long-agentic     branch-mid's kind of tree at long-horizon agent lengths: 34-44 calls with
-//                    long tool observations, paths of ~30K-64K tokens (past the papers' 16K
-//                    context), forking twice late on the trajectory. Only leaves are rollouts.
-//                    Designed, not from a paper: POR 0.55, mean leaf ~39K tokens.
+//                    long tool observations, paths of ~27K-51K tokens (at most 64K; past the
+//                    papers' 16K context), forking twice late on the trajectory. Only leaves are
+//                    rollouts. Designed, not from a paper: POR 0.55, mean leaf ~39K tokens.
 //
 // Guarantees for every generated rollout: non-empty tokens with ids in [0, vocab_size); loss_mask,
 // logprobs and versions of the same length as tokens; loss_mask 0 on prompt, system and
