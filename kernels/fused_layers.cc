@@ -163,20 +163,32 @@ at::Tensor StridedRows(const at::Tensor& x) {
 }  // namespace
 
 RmsNormResult RmsNormForward(const at::Tensor& x, const at::Tensor& weight, double eps,
-                             at::ScalarType out_type) {
+                             at::ScalarType out_type, const at::Tensor& addend) {
   CheckNormInputs("RmsNormForward", x, weight);
-  if (UseCuda({&x, &weight}, {out_type}) && x.size(-1) <= internal::kFusedNormMaxRow) {
+  if (addend.defined()) {
+    CheckSameShape("RmsNormForward", "addend", addend, x);
+    TORCH_CHECK(addend.device() == x.device() && at::isFloatingType(addend.scalar_type()) &&
+                    at::result_type(x, addend) == x.scalar_type(),
+                "RmsNormForward: addend must be a floating tensor on x's device whose sum with x "
+                "stays x's dtype (",
+                x.scalar_type(), "), got ", addend.scalar_type(), " on ", addend.device());
+  }
+  if (UseCuda({&x, &weight}, {out_type}) && x.size(-1) <= internal::kFusedNormMaxRow &&
+      (!addend.defined() || UseCuda({&addend}))) {
     const at::Tensor rows = StridedRows(x);
     at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_type));
     std::vector<int64_t> rstd_shape = x.sizes().vec();
     rstd_shape.back() = 1;
     at::Tensor rstd = at::empty(rstd_shape, x.options().dtype(at::kFloat));
-    internal::RmsNormForwardCuda(rows, weight.contiguous(), eps, y, rstd);
-    return {y, rstd};
+    at::Tensor sum = addend.defined() ? at::empty(x.sizes(), x.options()) : at::Tensor();
+    internal::RmsNormForwardCuda(rows, addend.defined() ? Rows(addend) : at::Tensor(),
+                                 weight.contiguous(), eps, sum, y, rstd);
+    return {y, rstd, sum};
   }
-  const at::Tensor xc = x.to(ComputeType(weight.scalar_type()));
+  const at::Tensor sum = addend.defined() ? x + addend : at::Tensor();
+  const at::Tensor xc = (addend.defined() ? sum : x).to(ComputeType(weight.scalar_type()));
   const at::Tensor rstd = at::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return {(weight.to(xc.scalar_type()) * (xc * rstd)).to(out_type), rstd};
+  return {(weight.to(xc.scalar_type()) * (xc * rstd)).to(out_type), rstd, sum};
 }
 
 at::Tensor RmsNormApply(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,

@@ -104,17 +104,28 @@ __device__ __forceinline__ int64_t NormRowsEnd(int64_t rows, int64_t rows_per_bl
   return end < rows ? end : rows;
 }
 
-// rstd = rsqrt(mean(x^2) + eps), y = w * (x * rstd), per row.
+// rstd = rsqrt(mean(x^2) + eps), y = w * (x * rstd), per row. With an addend (contiguous rows;
+// null data: none) the row normalised is x + addend, rounded to sum's type as ATen's add rounds
+// it, and written to sum (contiguous rows) on the way.
 template <int E>
 __global__ void __launch_bounds__(kNormThreads)
-    RmsNormForwardKernel(In x, int64_t x_ld, In w, Out y, float* rstd, int64_t rows, int64_t n,
-                         int64_t rows_per_block, float eps) {
+    RmsNormForwardKernel(In x, int64_t x_ld, In addend, Out sum_out, In w, Out y, float* rstd,
+                         int64_t rows, int64_t n, int64_t rows_per_block, float eps) {
   __shared__ float shared[32];
   float weight[E];
   LoadNormColumns(w, 0, n, weight);
   for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
     float xs[E];
     LoadNormColumns(x, row * x_ld, n, xs);
+    if (addend.data != nullptr) {
+      float as[E];
+      LoadNormColumns(addend, row * n, n, as);
+#pragma unroll
+      for (int k = 0; k < E; ++k) {
+        xs[k] = Round(__fadd_rn(xs[k], as[k]), sum_out.type);
+        if (NormColumn(k) < n) Store(sum_out, row * n + NormColumn(k), xs[k]);
+      }
+    }
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < E; ++k) sum = __fadd_rn(sum, __fmul_rn(xs[k], xs[k]));
@@ -645,16 +656,19 @@ __global__ void LogitGradKernel(const float* __restrict__ logits, int64_t vocab,
 
 }  // namespace
 
-void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
-                        at::Tensor& rstd) {
+void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& addend, const at::Tensor& weight,
+                        double eps, at::Tensor& sum, at::Tensor& y, at::Tensor& rstd) {
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), n = x.size(1), blocks = NormRowBlocks(rows);
+  const bool add = addend.defined();
   WithColumnsPerThread(n, [&](auto columns) {
     RmsNormForwardKernel<decltype(columns)::value>
         <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            InOf(x), x.stride(0), InOf(weight), OutOf(y), rstd.data_ptr<float>(), rows, n,
-            NormRowsPerBlock(rows, blocks), static_cast<float>(eps));
+            InOf(x), x.stride(0), add ? InOf(addend) : In{nullptr, Dtype::kFloat},
+            add ? OutOf(sum) : Out{nullptr, Dtype::kFloat}, InOf(weight), OutOf(y),
+            rstd.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks),
+            static_cast<float>(eps));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -41,12 +41,16 @@ namespace dta::kernels {
 struct RmsNormResult {
   at::Tensor y;     // x's shape, in the requested output type
   at::Tensor rstd;  // x's shape with a last dimension of 1, compute type: 1 / rms of each row
+  at::Tensor sum;   // with an addend: x + addend, in x's dtype (undefined without one)
 };
 
 // y = (weight * (x * rstd)).to(out_type), rstd = 1 / sqrt(mean(x^2) + eps) over x's last
-// dimension. x [..., n] floating; weight [n] floating, on x's device.
+// dimension. x [..., n] floating; weight [n] floating, on x's device. With `addend` (x's shape,
+// floating, whose promotion with x is x's dtype: the float32 residual stream plus a bfloat16
+// block output) the norm is of x + addend, returned as `sum`: a residual connection's add folded
+// into the norm after it, in the same pass over the row (bitwise ATen's add followed by the norm).
 RmsNormResult RmsNormForward(const at::Tensor& x, const at::Tensor& weight, double eps,
-                             at::ScalarType out_type);
+                             at::ScalarType out_type, const at::Tensor& addend = at::Tensor());
 
 // RmsNormForward's y from its rstd, bitwise the same: what backward recomputes instead of keeping.
 at::Tensor RmsNormApply(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,

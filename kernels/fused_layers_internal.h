@@ -28,9 +28,11 @@ inline constexpr int64_t kFusedNormMaxRow = 8192;
 inline bool FusedRopeHeadDim(int64_t d) { return d % 64 == 0 && d <= 256; }
 
 // x [rows, n] with unit column stride, its rows x.stride(0) apart (not necessarily contiguous);
-// writes y [rows, n] and rstd [rows] (float32). The same x in the two below.
-void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
-                        at::Tensor& rstd);
+// writes y [rows, n] and rstd [rows] (float32). The same x in the two below. With addend defined
+// ([rows, n], contiguous) the rows normalised are x + addend, written to sum ([rows, n],
+// contiguous; undefined without an addend).
+void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& addend, const at::Tensor& weight,
+                        double eps, at::Tensor& sum, at::Tensor& y, at::Tensor& rstd);
 // y from a known rstd.
 void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
                       at::Tensor& y);

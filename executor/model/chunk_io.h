@@ -105,7 +105,11 @@ struct ChunkContext {
 };
 
 struct LayerOutput {
-  at::Tensor hidden;                     // [T, hidden_size], the residual stream after the layer
+  at::Tensor hidden;  // [T, hidden_size], the residual stream after the layer
+  // Between a layer's two blocks only: the attention or Gated DeltaNet block's output, which the
+  // MLP block adds to `hidden` inside its norm (Projections' addend; FoldedResidualAddEnabled):
+  // the stream is then hidden + hidden_addend. Undefined otherwise.
+  at::Tensor hidden_addend;
   at::Tensor keys;                       // [T, kv_heads, head_dim]
   at::Tensor values;                     // [T, kv_heads, head_dim]
   at::Tensor state;                      // linear-attention layers (see ChunkOutput)

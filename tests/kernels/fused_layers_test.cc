@@ -7,14 +7,15 @@
 // backward has blocks of four rows, every fused head dim (64, 128, 192, 256) and the ones the
 // kernels leave to ATen (96, rows longer than 8,192). RoPE alone is bitwise the CPU's; RMSNorm
 // over strided rows (a head's half of wider rows) reads them in place, bitwise the contiguous
-// copy's. The output gate's kernels are bitwise the ATen expressions on the same GPU. The GPU tests
-// skip without a CUDA device.
+// copy's; with an addend it is bitwise ATen's add followed by the norm. The output gate's kernels
+// are bitwise the ATen expressions on the same GPU. The GPU tests skip without a CUDA device.
 #include "kernels/fused_layers.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -167,6 +168,38 @@ TEST(FusedLayers, SwiGluReadsAndWritesTheHalvesOfAStackedProjection) {
   EXPECT_THROW(SwiGluBackward(d.view({9, 1, 17}), gate.contiguous().view({9, 1, 17}),
                               up.contiguous().view({9, 1, 17}), false, /*stacked=*/true),
                c10::Error);
+}
+
+// With an addend the norm is of x + addend, the sum returned in x's dtype: bitwise adding first
+// (float64; a float32 stream plus a bfloat16 block output), and an addend whose sum with x would
+// change x's dtype, or of another shape, is refused by name.
+TEST(FusedLayers, RmsNormWithAnAddendIsTheNormOfTheSum) {
+  at::manual_seed(12);
+  for (const auto& [x_type, addend_type] : std::vector<std::pair<at::ScalarType, at::ScalarType>>{
+           {at::kDouble, at::kDouble}, {at::kFloat, at::kBFloat16}}) {
+    const at::Tensor x = at::randn({6, 2, 40}).to(x_type);
+    const at::Tensor addend = at::randn({6, 2, 40}).to(addend_type);
+    const at::Tensor w = (1 + 0.1 * at::randn({40})).to(x_type);
+    const RmsNormResult folded = RmsNormForward(x, w, 1e-6, at::kBFloat16, addend);
+    const at::Tensor sum = x + addend;
+    const RmsNormResult first = RmsNormForward(sum, w, 1e-6, at::kBFloat16);
+    EXPECT_EQ(folded.sum.scalar_type(), x_type);
+    EXPECT_TRUE(at::equal(folded.sum, sum));
+    EXPECT_TRUE(at::equal(folded.y, first.y));
+    EXPECT_TRUE(at::equal(folded.rstd, first.rstd));
+  }
+  EXPECT_FALSE(RmsNormForward(at::ones({2, 4}), at::ones({4}), 1e-6, at::kFloat).sum.defined());
+  EXPECT_THAT(
+      [&] {
+        RmsNormForward(at::ones({2, 4}, at::kBFloat16), at::ones({4}), 1e-6, at::kFloat,
+                       at::ones({2, 4}));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("stays x's dtype")));
+  EXPECT_THAT(
+      [&] {
+        RmsNormForward(at::ones({2, 4}), at::ones({4}), 1e-6, at::kFloat, at::ones({4, 2}));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("addend [4, 2]")));
 }
 
 TEST(FusedLayers, BadShapesAreNamed) {
@@ -324,6 +357,41 @@ TEST_F(FusedLayersCuda, RmsNormMatchesTheCpu) {
         << name;
     EXPECT_TRUE(at::equal(with_residual, gpu_grad)) << name;
   }
+}
+
+// The residual add folded into the norm's kernel (an addend) is bitwise ATen's add followed by the
+// kernel: the sum, y and rstd, for a float32 stream plus a bfloat16 or float32 addend, a bfloat16
+// stream plus a bfloat16 addend (the sum rounded to bfloat16 before the norm reads it), strided
+// rows, one row and no rows.
+TEST_F(FusedLayersCuda, RmsNormWithAnAddendIsBitwiseAddingFirst) {
+  at::manual_seed(9);
+  struct Case {
+    int64_t rows, n;
+    at::ScalarType x_type, addend_type;
+  };
+  for (const Case& c : std::vector<Case>{{1, 2048, at::kFloat, at::kBFloat16},
+                                         {3000, 2048, at::kFloat, at::kBFloat16},
+                                         {37, 1000, at::kFloat, at::kFloat},
+                                         {513, 5120, at::kBFloat16, at::kBFloat16},
+                                         {0, 4096, at::kFloat, at::kBFloat16}}) {
+    const std::string name = std::to_string(c.rows) + " x " + std::to_string(c.n);
+    const at::Tensor x = (3 * at::randn({c.rows, c.n}, at::kCUDA)).to(c.x_type);
+    const at::Tensor addend = at::randn({c.rows, c.n}, at::kCUDA).to(c.addend_type);
+    const at::Tensor w = Cuda((1 + 0.1 * at::randn({c.n})).to(at::kBFloat16));
+    const RmsNormResult folded = RmsNormForward(x, w, 1e-6, at::kBFloat16, addend);
+    const at::Tensor sum = x + addend;
+    const RmsNormResult first = RmsNormForward(sum, w, 1e-6, at::kBFloat16);
+    EXPECT_TRUE(at::equal(folded.sum, sum)) << name;
+    EXPECT_TRUE(at::equal(folded.y, first.y)) << name;
+    EXPECT_TRUE(at::equal(folded.rstd, first.rstd)) << name;
+  }
+  const at::Tensor wide = at::randn({37, 8, 256}, at::kCUDA);
+  const at::Tensor x = wide.slice(-1, 0, 128);  // rows 256 apart
+  const at::Tensor addend = at::randn({37, 8, 128}, at::kCUDA).to(at::kBFloat16);
+  const at::Tensor w = Cuda(1 + 0.1 * at::randn({128}));
+  const RmsNormResult folded = RmsNormForward(x, w, 1e-6, at::kBFloat16, addend);
+  EXPECT_TRUE(at::equal(folded.sum, x + addend));
+  EXPECT_TRUE(at::equal(folded.y, RmsNormForward(x + addend, w, 1e-6, at::kBFloat16).y));
 }
 
 // A norm over each head's first half of wider rows (gated attention's queries, [q, gate] per

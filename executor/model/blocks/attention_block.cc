@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "executor/model/ops/attention.h"
@@ -31,10 +32,11 @@ LayerOutput AttentionBlock(const at::Tensor& h, const at::Tensor& input_norm_wei
   const NormScale input_norm = NormScaleOf(input_norm_weight, zero_centred);
   // With the fused residual, qkv[3] is h itself, for the residual connection (see Projections).
   const bool fused_residual = FusedResidualEnabled();
-  const variable_list qkv = Projections::apply(
-      h, std::optional<at::Tensor>(input_norm.weight), eps, /*wide_output=*/false, group,
-      ProjectionKind::kColumnParallel, at::TensorList(qkv_weights), at::TensorList(qkv_biases),
-      Optional(input_norm.accumulator), fused_residual, /*replicated=*/0);
+  const variable_list qkv =
+      Projections::apply(h, std::nullopt, std::optional<at::Tensor>(input_norm.weight), eps,
+                         /*wide_output=*/false, group, ProjectionKind::kColumnParallel,
+                         at::TensorList(qkv_weights), at::TensorList(qkv_biases),
+                         Optional(input_norm.accumulator), fused_residual, /*replicated=*/0);
   // Gated attention: each head's rows are [query, output gate].
   const bool gated = HasGatedAttention(config);
   const at::Tensor q_rows = gated ? qkv[0].view({t, heads, 2 * dim}) : qkv[0].view({t, heads, dim});
@@ -72,8 +74,10 @@ LayerOutput AttentionBlock(const at::Tensor& h, const at::Tensor& input_norm_wei
   // attention * sigmoid(gate), in the compute dtype, rounded once.
   if (gated) attention = OutputGate::apply(attention, q_rows.slice(-1, dim));
   LayerOutput out;
-  out.hidden = (fused_residual ? qkv[3] : h) + ProjectWide(attention.reshape({t, heads * dim}),
-                                                           weights.o_proj, weights.o_bias, group);
+  out.hidden = fused_residual ? qkv[3] : h;
+  out.hidden_addend =
+      ProjectWide(attention.reshape({t, heads * dim}), weights.o_proj, weights.o_bias, group);
+  if (!FoldedResidualAddEnabled()) out.hidden = out.hidden + std::exchange(out.hidden_addend, {});
   out.keys = k;
   out.values = v;
   return out;

@@ -27,7 +27,7 @@ LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm
   // connection (see Projections).
   const bool fused_residual = FusedResidualEnabled();
   const variable_list projected = Projections::apply(
-      h, std::optional<at::Tensor>(input_norm.weight), shared.config->rms_norm_eps,
+      h, std::nullopt, std::optional<at::Tensor>(input_norm.weight), shared.config->rms_norm_eps,
       /*wide_output=*/false, shared.group, ProjectionKind::kColumnParallel,
       at::TensorList(in_weights), at::TensorList(), Optional(input_norm.accumulator),
       fused_residual, /*replicated=*/0);
@@ -63,8 +63,9 @@ LayerOutput GatedDeltaNetBlock(const at::Tensor& h, const at::Tensor& input_norm
   LinearMixerOutput mixed =
       GatedDeltaNetMix(small, shape, inputs, context.conv_index, context.runs, linear);
   LayerOutput out;
-  out.hidden = (fused_residual ? projected[in_weights.size()] : h) +
-               ProjectWide(mixed.out, weights.out_proj, at::Tensor(), shared.group);
+  out.hidden = fused_residual ? projected[in_weights.size()] : h;
+  out.hidden_addend = ProjectWide(mixed.out, weights.out_proj, at::Tensor(), shared.group);
+  if (!FoldedResidualAddEnabled()) out.hidden = out.hidden + std::exchange(out.hidden_addend, {});
   out.keys = std::move(mixed.conv_inputs);
   out.state = std::move(mixed.final_state);
   for (const int64_t run : context.point_runs) out.point_states.push_back(mixed.run_states[run]);

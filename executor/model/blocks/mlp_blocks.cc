@@ -13,9 +13,14 @@ namespace dta {
 
 using torch::autograd::variable_list;
 
-void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const MlpWeights& mlp,
+void MlpBlock(const at::Tensor& stream, const at::Tensor& post_norm_weight, const MlpWeights& mlp,
               const ChunkContext& context, const BlockShared& shared, LayerOutput& result) {
   const ModelConfig& config = *shared.config;
+  // The residual add before this block: folded into the dense MLP's norm (Projections' addend),
+  // done here for the sparse block, which normalises h inside SparseMoe.
+  const at::Tensor addend = std::exchange(result.hidden_addend, {});
+  const bool fold = addend.defined() && !mlp.router.defined() && FusedResidualEnabled();
+  const at::Tensor h = addend.defined() && !fold ? stream + addend : stream;
   const double eps = config.rms_norm_eps;
   const int64_t group = shared.group;
   const NormScale post_norm = NormScaleOf(post_norm_weight, HasZeroCentredNorms(config));
@@ -26,11 +31,12 @@ void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const Mlp
                     const at::Tensor& down_proj, const at::Tensor& gate_of_output, bool residual) {
     std::vector<at::Tensor> weights = {gate_proj, up_proj};
     if (gate_of_output.defined()) weights.push_back(gate_of_output);
-    const variable_list gate_up = Projections::apply(
-        h, std::optional<at::Tensor>(post_norm.weight), eps, /*wide_output=*/false, group,
-        ProjectionKind::kColumnParallel, at::TensorList(weights), at::TensorList(),
-        Optional(post_norm.accumulator), residual,
-        /*replicated=*/gate_of_output.defined() ? 1 : 0);
+    const variable_list gate_up =
+        Projections::apply(h, fold && residual ? std::optional<at::Tensor>(addend) : std::nullopt,
+                           std::optional<at::Tensor>(post_norm.weight), eps, /*wide_output=*/false,
+                           group, ProjectionKind::kColumnParallel, at::TensorList(weights),
+                           at::TensorList(), Optional(post_norm.accumulator), residual,
+                           /*replicated=*/gate_of_output.defined() ? 1 : 0);
     at::Tensor y = SwiGluDown::apply(gate_up[0], gate_up[1], down_proj, group);
     // The shared expert's output scaled by sigmoid(x @ shared_expert_gate^T), in y's (compute)
     // dtype.

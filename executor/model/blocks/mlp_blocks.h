@@ -31,8 +31,11 @@ struct MlpWeights {
 
 // The MLP on the residual stream h [T, hidden] (the compute dtype), added to h: sets result.hidden
 // (and, for a sparse layer with router statistics, result.router_probs and result.router_counts).
-// post_norm_weight: the layer's post-attention RMSNorm weight.
-void MlpBlock(const at::Tensor& h, const at::Tensor& post_norm_weight, const MlpWeights& mlp,
+// When the block before left its output pending (result.hidden_addend), h is stream +
+// result.hidden_addend: a dense MLP forms it inside its norm (Projections' addend), a sparse one
+// adds first; hidden_addend is consumed. post_norm_weight: the layer's post-attention RMSNorm
+// weight.
+void MlpBlock(const at::Tensor& stream, const at::Tensor& post_norm_weight, const MlpWeights& mlp,
               const ChunkContext& context, const BlockShared& shared, LayerOutput& result);
 
 }  // namespace dta

@@ -80,7 +80,12 @@ at::Tensor StackedColumns(at::TensorList parts) {
 
 bool FusedResidualEnabled() { return EnvSwitchOn("DTA_FUSED_RESIDUAL"); }
 
+bool FoldedResidualAddEnabled() {
+  return FusedResidualEnabled() && EnvSwitchOn("DTA_FUSED_RESIDUAL_ADD");
+}
+
 variable_list Projections::forward(AutogradContext* ctx, const at::Tensor& x,
+                                   const std::optional<at::Tensor>& addend,
                                    const std::optional<at::Tensor>& norm, double eps,
                                    bool wide_output, int64_t group, ProjectionKind kind,
                                    at::TensorList weights, at::TensorList biases,
@@ -89,6 +94,8 @@ variable_list Projections::forward(AutogradContext* ctx, const at::Tensor& x,
   TORCH_CHECK(!weights.empty() && (biases.empty() || biases.size() == weights.size()),
               "Projections: one bias per weight, or none");
   TORCH_CHECK(!residual || norm.has_value(), "Projections: a residual output needs a norm");
+  TORCH_CHECK(!addend.has_value() || residual,
+              "Projections: an addend needs the residual output (its sum with x)");
   TORCH_CHECK(replicated >= 0 && replicated <= static_cast<int64_t>(weights.size()) &&
                   (replicated == 0 || (biases.empty() && kind == ProjectionKind::kColumnParallel)),
               "Projections: ", replicated, " replicated weights of ", weights.size(),
@@ -100,10 +107,17 @@ variable_list Projections::forward(AutogradContext* ctx, const at::Tensor& x,
   const at::ScalarType type = weights[0].scalar_type();
   std::vector<at::Tensor> saved;
   at::Tensor xb;
+  // The residual stream this norm reads: x, or x + addend formed by the norm's kernel.
+  at::Tensor stream = x;
   if (norm_weight.defined()) {
-    kernels::RmsNormResult normed = kernels::RmsNormForward(x, norm_weight, eps, type);
+    kernels::RmsNormResult normed = kernels::RmsNormForward(
+        x, norm_weight, eps, type, addend.has_value() ? *addend : at::Tensor());
     xb = std::move(normed.y);
-    saved = {x, norm_weight, normed.rstd};
+    if (addend.has_value()) {
+      stream = std::move(normed.sum);
+      ctx->saved_data["addend_type"] = static_cast<int64_t>(addend->scalar_type());
+    }
+    saved = {stream, norm_weight, normed.rstd};
   } else {
     xb = x.to(type);
     saved = {xb, at::Tensor(), at::Tensor()};
@@ -128,7 +142,7 @@ variable_list Projections::forward(AutogradContext* ctx, const at::Tensor& x,
       out.push_back(y.narrow(1, column, weight.size(0)));
       column += weight.size(0);
     }
-    if (residual) out.push_back(x);
+    if (residual) out.push_back(stream);
     return out;
   }
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -143,7 +157,7 @@ variable_list Projections::forward(AutogradContext* ctx, const at::Tensor& x,
     if (bias.defined() && !bias_in_matmul) y.add_(bias);
     out.push_back(std::move(y));
   }
-  if (residual) out.push_back(x);
+  if (residual) out.push_back(stream);
   return out;
 }
 
@@ -223,9 +237,14 @@ variable_list Projections::backward(AutogradContext* ctx, variable_list grads) {
     dx = kernels::RmsNormBackward(dx, saved[0], norm_weight, rstd, accumulator, residual_grad)
              .to(x_type);
   }
-  variable_list result = {dx};
+  // x's gradient, and the addend's when the residual add was folded in (as autograd's add gives
+  // it: the sum's gradient in the addend's dtype).
+  variable_list result = {dx, at::Tensor()};
+  if (ctx->saved_data.count("addend_type") > 0) {
+    result[1] = dx.to(static_cast<at::ScalarType>(ctx->saved_data["addend_type"].toInt()));
+  }
   // No gradient for the weights and biases: accumulated above.
-  result.resize(9 + 2 * count);
+  result.resize(10 + 2 * count);
   return result;
 }
 
@@ -233,7 +252,7 @@ at::Tensor ProjectWide(const at::Tensor& x, const at::Tensor& weight, const at::
                        int64_t group) {
   std::vector<at::Tensor> biases;
   if (bias.defined()) biases.push_back(bias);
-  return Projections::apply(x, std::nullopt, 0.0, /*wide_output=*/true, group,
+  return Projections::apply(x, std::nullopt, std::nullopt, 0.0, /*wide_output=*/true, group,
                             ProjectionKind::kRowParallel, at::TensorList(weight),
                             at::TensorList(biases), std::nullopt, /*residual=*/false,
                             /*replicated=*/0)[0];

@@ -7,7 +7,8 @@
 //
 // Example (the MLP's gate and up, after the post-attention norm):
 //   const at::Tensor weights[] = {gate_proj, up_proj};
-//   variable_list gate_up = Projections::apply(h, std::optional<at::Tensor>(post_norm), eps,
+//   variable_list gate_up = Projections::apply(h, std::nullopt,
+//   std::optional<at::Tensor>(post_norm), eps,
 //       /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
 //       at::TensorList(weights), at::TensorList(), std::nullopt, /*residual=*/false,
 //       /*replicated=*/0);
@@ -28,6 +29,11 @@ namespace dta {
 // norm's backward kernel (see Projections' `residual`). For before/after measurements in one build
 // (read at every call).
 bool FusedResidualEnabled();
+
+// Whether the blocks fold the residual add before the post-attention norm into it (Projections'
+// `addend`): FusedResidualEnabled() and DTA_FUSED_RESIDUAL_ADD not "0" (read at every call; the
+// before/after switch of benchmarks).
+bool FoldedResidualAddEnabled();
 
 // How a projection sits in a tensor-parallel layer (Megatron's column- and row-parallel linear).
 enum class ProjectionKind : int64_t {
@@ -57,6 +63,13 @@ enum class ProjectionKind : int64_t {
 // of autograd adding the two afterwards (one launch and one pass over [T, hidden] fewer per
 // norm; the same bits). Autograd returns it as a view of x (no copy).
 //
+// With an `addend` (x's shape; `residual` required) the projected input is x + addend, formed
+// inside the norm's kernel (kernels::RmsNormForward's addend): the residual connection before this
+// norm (the attention or Gated DeltaNet block's output added to the stream) folded into it, one
+// pass over [T, hidden] and one launch fewer. The residual output is then that sum, and backward
+// returns its gradient to both x and addend (rounded to addend's dtype), as autograd's add would:
+// the same bits as adding first.
+//
 // `group` is the tensor-parallel group's handle (GroupHandle in numerics.h; 0: none). The last
 // `replicated` weights of a column-parallel projection are whole on every rank, which compute
 // their outputs alike (the shared expert's gate): their share of dx is the same on every rank, so
@@ -66,9 +79,10 @@ class Projections : public torch::autograd::Function<Projections> {
  public:
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-      const std::optional<at::Tensor>& norm, double eps, bool wide_output, int64_t group,
-      ProjectionKind kind, at::TensorList weights, at::TensorList biases,
-      const std::optional<at::Tensor>& norm_accumulator, bool residual, int64_t replicated);
+      const std::optional<at::Tensor>& addend, const std::optional<at::Tensor>& norm, double eps,
+      bool wide_output, int64_t group, ProjectionKind kind, at::TensorList weights,
+      at::TensorList biases, const std::optional<at::Tensor>& norm_accumulator, bool residual,
+      int64_t replicated);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads);
 };

@@ -827,6 +827,34 @@ TEST_P(FamilyEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
   }
 }
 
+// The residual add before the post-attention norm folded into the norm's kernel (the default) is
+// bitwise adding first (DTA_FUSED_RESIDUAL_ADD=0), for dta, dense, packed and dense with layer
+// replay, in every family (a sparse block adds first itself; Gated DeltaNet layers fold as
+// attention layers do).
+TEST_P(FamilyEquivalence, FoldedResidualAddIsBitwiseAddingFirst) {
+  const auto rollouts =
+      MakeRollouts(testing::RandomRollouts(37, {.max_rollouts = 6, .vocab = 4}), 41);
+  const LossOptions loss{.kind = LossKind::kPpo};
+  for (const ExecutorOptions& options :
+       {ExecutorOptions{.method = Method::kDta, .block_size = 3, .pack = true},
+        ExecutorOptions{.method = Method::kDense},
+        ExecutorOptions{.method = Method::kDense, .checkpointing = true},
+        ExecutorOptions{.method = Method::kPacked}}) {
+    const MethodRun folded = RunMethod(model_, rollouts, loss, options);
+    ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL_ADD", "0", 1), 0);
+    const MethodRun added = RunMethod(model_, rollouts, loss, options);
+    ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL_ADD"), 0);
+    EXPECT_EQ(folded.result.loss, added.result.loss);
+    ASSERT_EQ(folded.grads.size(), added.grads.size());
+    for (size_t i = 0; i < folded.grads.size(); ++i) {
+      EXPECT_GT(folded.grads[i].norm().item<double>(), 0.0) << model_.named_parameters()[i].first;
+      EXPECT_TRUE(at::equal(folded.grads[i], added.grads[i]))
+          << model_.named_parameters()[i].first << ": differs by "
+          << RelativeError(folded.grads[i], added.grads[i]);
+    }
+  }
+}
+
 // ExecutorOptions::replace_gradients: on a model without gradients yet, and over gradients that
 // hold anything (NaN here, as a stale step might), every method's gradient is bitwise the one
 // accumulated into zeros, in every family (a mixture of experts' stacked expert gradients written

@@ -281,6 +281,23 @@ TEST_P(GpuEquivalence, ReplacingGradientsIsAccumulatingIntoZeros) {
   }
 }
 
+// The residual add before the post-attention norm folded into the norm's kernel (the default)
+// against adding first (DTA_FUSED_RESIDUAL_ADD=0), in float32 and bfloat16: the kernel adds with
+// the one rounding ATen's add makes, so every gradient is bitwise the same.
+TEST_P(GpuEquivalence, FoldedResidualAddIsBitwiseAddingFirst) {
+  const std::vector<Rollout> rollouts = Batch(/*seed=*/9, /*max_rollouts=*/12, /*max_length=*/80);
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const Decoder model = Model(dtype);
+    for (const auto& [name, options] : FixedPlanMethods()) {
+      const GradRun folded = RunOn(model, rollouts, options);
+      ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL_ADD", "0", 1), 0);
+      const GradRun added = RunOn(model, rollouts, options);
+      ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL_ADD"), 0);
+      ExpectBitwiseEqual(model, folded, added, name + " " + c10::toString(dtype));
+    }
+  }
+}
+
 // The residual stream's gradient summed inside the norm's backward kernel (the default) against
 // autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0), in float32 and bfloat16 (the CUDA
 // kernels' path): the kernel adds with one rounding in float32, as autograd's add does, so every
