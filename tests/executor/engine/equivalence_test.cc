@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -802,29 +803,37 @@ TEST_F(Equivalence, StackedProjectionsGiveTheSameGradient) {
              "dense");
 }
 
+// Every method of `methods` computes bitwise the same loss and gradients with the environment
+// switch `variable` at "0" as with its default (on): a fusion that must not change a bit.
+void ExpectSwitchChangesNoBit(const Decoder& model, const std::vector<Rollout>& rollouts,
+                              std::initializer_list<ExecutorOptions> methods,
+                              const char* variable) {
+  const LossOptions loss{.kind = LossKind::kPpo};
+  for (const ExecutorOptions& options : methods) {
+    const MethodRun on = RunMethod(model, rollouts, loss, options);
+    ASSERT_EQ(setenv(variable, "0", 1), 0);
+    const MethodRun off = RunMethod(model, rollouts, loss, options);
+    ASSERT_EQ(unsetenv(variable), 0);
+    EXPECT_EQ(on.result.loss, off.result.loss) << variable;
+    ASSERT_EQ(on.grads.size(), off.grads.size());
+    for (size_t i = 0; i < on.grads.size(); ++i) {
+      const std::string& name = model.named_parameters()[i].first;
+      EXPECT_GT(on.grads[i].norm().item<double>(), 0.0) << name;
+      EXPECT_TRUE(at::equal(on.grads[i], off.grads[i]))
+          << variable << ": " << name << " differs by " << RelativeError(on.grads[i], off.grads[i]);
+    }
+  }
+}
+
 // The residual stream's gradient summed inside the norm's backward (the default) is bitwise
 // autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0), for dta and for dense, in every
 // family (biases, linear attention, a mixture of experts with and without a shared expert).
 TEST_P(FamilyEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
-  const auto rollouts =
-      MakeRollouts(testing::RandomRollouts(29, {.max_rollouts = 6, .vocab = 4}), 31);
-  const LossOptions loss{.kind = LossKind::kPpo};
-  for (const ExecutorOptions& options :
-       {ExecutorOptions{.method = Method::kDta, .block_size = 3, .pack = true},
-        ExecutorOptions{.method = Method::kDense}}) {
-    const MethodRun fused = RunMethod(model_, rollouts, loss, options);
-    ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL", "0", 1), 0);
-    const MethodRun autograd_sum = RunMethod(model_, rollouts, loss, options);
-    ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL"), 0);
-    EXPECT_EQ(fused.result.loss, autograd_sum.result.loss);
-    ASSERT_EQ(fused.grads.size(), autograd_sum.grads.size());
-    for (size_t i = 0; i < fused.grads.size(); ++i) {
-      EXPECT_GT(fused.grads[i].norm().item<double>(), 0.0) << model_.named_parameters()[i].first;
-      EXPECT_TRUE(at::equal(fused.grads[i], autograd_sum.grads[i]))
-          << model_.named_parameters()[i].first << ": differs by "
-          << RelativeError(fused.grads[i], autograd_sum.grads[i]);
-    }
-  }
+  ExpectSwitchChangesNoBit(
+      model_, MakeRollouts(testing::RandomRollouts(29, {.max_rollouts = 6, .vocab = 4}), 31),
+      {ExecutorOptions{.method = Method::kDta, .block_size = 3, .pack = true},
+       ExecutorOptions{.method = Method::kDense}},
+      "DTA_FUSED_RESIDUAL");
 }
 
 // The residual add before the post-attention norm folded into the norm's kernel (the default) is
@@ -832,27 +841,13 @@ TEST_P(FamilyEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
 // replay, in every family (a sparse block adds first itself; Gated DeltaNet layers fold as
 // attention layers do).
 TEST_P(FamilyEquivalence, FoldedResidualAddIsBitwiseAddingFirst) {
-  const auto rollouts =
-      MakeRollouts(testing::RandomRollouts(37, {.max_rollouts = 6, .vocab = 4}), 41);
-  const LossOptions loss{.kind = LossKind::kPpo};
-  for (const ExecutorOptions& options :
-       {ExecutorOptions{.method = Method::kDta, .block_size = 3, .pack = true},
-        ExecutorOptions{.method = Method::kDense},
-        ExecutorOptions{.method = Method::kDense, .checkpointing = true},
-        ExecutorOptions{.method = Method::kPacked}}) {
-    const MethodRun folded = RunMethod(model_, rollouts, loss, options);
-    ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL_ADD", "0", 1), 0);
-    const MethodRun added = RunMethod(model_, rollouts, loss, options);
-    ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL_ADD"), 0);
-    EXPECT_EQ(folded.result.loss, added.result.loss);
-    ASSERT_EQ(folded.grads.size(), added.grads.size());
-    for (size_t i = 0; i < folded.grads.size(); ++i) {
-      EXPECT_GT(folded.grads[i].norm().item<double>(), 0.0) << model_.named_parameters()[i].first;
-      EXPECT_TRUE(at::equal(folded.grads[i], added.grads[i]))
-          << model_.named_parameters()[i].first << ": differs by "
-          << RelativeError(folded.grads[i], added.grads[i]);
-    }
-  }
+  ExpectSwitchChangesNoBit(
+      model_, MakeRollouts(testing::RandomRollouts(37, {.max_rollouts = 6, .vocab = 4}), 41),
+      {ExecutorOptions{.method = Method::kDta, .block_size = 3, .pack = true},
+       ExecutorOptions{.method = Method::kDense},
+       ExecutorOptions{.method = Method::kDense, .checkpointing = true},
+       ExecutorOptions{.method = Method::kPacked}},
+      "DTA_FUSED_RESIDUAL_ADD");
 }
 
 // ExecutorOptions::replace_gradients: on a model without gradients yet, and over gradients that

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -281,39 +282,41 @@ TEST_P(GpuEquivalence, ReplacingGradientsIsAccumulatingIntoZeros) {
   }
 }
 
-// The residual add before the post-attention norm folded into the norm's kernel (the default)
-// against adding first (DTA_FUSED_RESIDUAL_ADD=0), in float32 and bfloat16: the kernel adds with
-// the one rounding ATen's add makes, so every gradient is bitwise the same.
-TEST_P(GpuEquivalence, FoldedResidualAddIsBitwiseAddingFirst) {
-  const std::vector<Rollout> rollouts = Batch(/*seed=*/9, /*max_rollouts=*/12, /*max_length=*/80);
+// Every fixed-plan method gives bitwise the same gradients with the environment switch `variable`
+// at "0" as with its default (on), in float32 and bfloat16 (the CUDA kernels' paths).
+void ExpectSwitchChangesNoBit(const std::string& family, const std::vector<Rollout>& rollouts,
+                              const std::function<Decoder(at::ScalarType)>& make_model,
+                              const char* variable) {
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    const Decoder model = Model(dtype);
+    const Decoder model = make_model(dtype);
     for (const auto& [name, options] : FixedPlanMethods()) {
-      const GradRun folded = RunOn(model, rollouts, options);
-      ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL_ADD", "0", 1), 0);
-      const GradRun added = RunOn(model, rollouts, options);
-      ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL_ADD"), 0);
-      ExpectBitwiseEqual(model, folded, added, name + " " + c10::toString(dtype));
+      const GradRun on = RunOn(model, rollouts, options);
+      ASSERT_EQ(setenv(variable, "0", 1), 0);
+      const GradRun off = RunOn(model, rollouts, options);
+      ASSERT_EQ(unsetenv(variable), 0);
+      ExpectBitwiseEqual(model, on, off,
+                         family + " " + name + " " + c10::toString(dtype) + " " + variable);
     }
   }
 }
 
+// The residual add before the post-attention norm folded into the norm's kernel (the default)
+// against adding first (DTA_FUSED_RESIDUAL_ADD=0): the kernel adds with the one rounding ATen's
+// add makes, so every gradient is bitwise the same.
+TEST_P(GpuEquivalence, FoldedResidualAddIsBitwiseAddingFirst) {
+  ExpectSwitchChangesNoBit(GetParam(), Batch(/*seed=*/9, /*max_rollouts=*/12, /*max_length=*/80),
+                           [&](at::ScalarType dtype) { return Model(dtype); },
+                           "DTA_FUSED_RESIDUAL_ADD");
+}
+
 // The residual stream's gradient summed inside the norm's backward kernel (the default) against
-// autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0), in float32 and bfloat16 (the CUDA
-// kernels' path): the kernel adds with one rounding in float32, as autograd's add does, so every
+// autograd's sum of the two gradients (DTA_FUSED_RESIDUAL=0, which also leaves the residual add
+// unfolded): the kernel adds with one rounding in float32, as autograd's add does, so every
 // gradient is bitwise the same (the step being reproducible, above).
 TEST_P(GpuEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
-  const std::vector<Rollout> rollouts = Batch(/*seed=*/8, /*max_rollouts=*/12, /*max_length=*/80);
-  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    const Decoder model = Model(dtype);
-    for (const auto& [name, options] : FixedPlanMethods()) {
-      const GradRun fused = RunOn(model, rollouts, options);
-      ASSERT_EQ(setenv("DTA_FUSED_RESIDUAL", "0", 1), 0);
-      const GradRun autograd_sum = RunOn(model, rollouts, options);
-      ASSERT_EQ(unsetenv("DTA_FUSED_RESIDUAL"), 0);
-      ExpectBitwiseEqual(model, fused, autograd_sum, name + " " + c10::toString(dtype));
-    }
-  }
+  ExpectSwitchChangesNoBit(GetParam(), Batch(/*seed=*/8, /*max_rollouts=*/12, /*max_length=*/80),
+                           [&](at::ScalarType dtype) { return Model(dtype); },
+                           "DTA_FUSED_RESIDUAL");
 }
 
 // ExecutorOptions::memory_budget: budgets from below the smallest chunk to above the whole tree.
