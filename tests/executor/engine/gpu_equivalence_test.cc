@@ -304,9 +304,9 @@ void ExpectSwitchChangesNoBit(const std::string& family, const std::vector<Rollo
 // against adding first (DTA_FUSED_RESIDUAL_ADD=0): the kernel adds with the one rounding ATen's
 // add makes, so every gradient is bitwise the same.
 TEST_P(GpuEquivalence, FoldedResidualAddIsBitwiseAddingFirst) {
-  ExpectSwitchChangesNoBit(GetParam(), Batch(/*seed=*/9, /*max_rollouts=*/12, /*max_length=*/80),
-                           [&](at::ScalarType dtype) { return Model(dtype); },
-                           "DTA_FUSED_RESIDUAL_ADD");
+  ExpectSwitchChangesNoBit(
+      GetParam(), Batch(/*seed=*/9, /*max_rollouts=*/12, /*max_length=*/80),
+      [&](at::ScalarType dtype) { return Model(dtype); }, "DTA_FUSED_RESIDUAL_ADD");
 }
 
 // The residual stream's gradient summed inside the norm's backward kernel (the default) against
@@ -314,9 +314,9 @@ TEST_P(GpuEquivalence, FoldedResidualAddIsBitwiseAddingFirst) {
 // unfolded): the kernel adds with one rounding in float32, as autograd's add does, so every
 // gradient is bitwise the same (the step being reproducible, above).
 TEST_P(GpuEquivalence, FusedResidualGradientIsBitwiseAutogradsSum) {
-  ExpectSwitchChangesNoBit(GetParam(), Batch(/*seed=*/8, /*max_rollouts=*/12, /*max_length=*/80),
-                           [&](at::ScalarType dtype) { return Model(dtype); },
-                           "DTA_FUSED_RESIDUAL");
+  ExpectSwitchChangesNoBit(
+      GetParam(), Batch(/*seed=*/8, /*max_rollouts=*/12, /*max_length=*/80),
+      [&](at::ScalarType dtype) { return Model(dtype); }, "DTA_FUSED_RESIDUAL");
 }
 
 // ExecutorOptions::memory_budget: budgets from below the smallest chunk to above the whole tree.
