@@ -7,8 +7,8 @@
 //
 // Example (the MLP's gate and up, after the post-attention norm):
 //   const at::Tensor weights[] = {gate_proj, up_proj};
-//   variable_list gate_up = Projections::apply(h, std::nullopt,
-//   std::optional<at::Tensor>(post_norm), eps,
+//   variable_list gate_up = Projections::apply(
+//       h, /*addend=*/std::nullopt, std::optional<at::Tensor>(post_norm), eps,
 //       /*wide_output=*/false, /*group=*/0, ProjectionKind::kColumnParallel,
 //       at::TensorList(weights), at::TensorList(), std::nullopt, /*residual=*/false,
 //       /*replicated=*/0);
