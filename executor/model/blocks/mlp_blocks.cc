@@ -19,7 +19,8 @@ void MlpBlock(const at::Tensor& stream, const at::Tensor& post_norm_weight, cons
   // The residual add before this block: folded into the dense MLP's norm (Projections' addend),
   // done here for the sparse block, which normalises h inside SparseMoe.
   const at::Tensor addend = std::exchange(result.hidden_addend, {});
-  const bool fold = addend.defined() && !mlp.router.defined() && FusedResidualEnabled();
+  const bool fused_residual = FusedResidualEnabled();
+  const bool fold = addend.defined() && !mlp.router.defined() && fused_residual;
   const at::Tensor h = addend.defined() && !fold ? stream + addend : stream;
   const double eps = config.rms_norm_eps;
   const int64_t group = shared.group;
@@ -32,7 +33,7 @@ void MlpBlock(const at::Tensor& stream, const at::Tensor& post_norm_weight, cons
     std::vector<at::Tensor> weights = {gate_proj, up_proj};
     if (gate_of_output.defined()) weights.push_back(gate_of_output);
     const variable_list gate_up =
-        Projections::apply(h, fold && residual ? std::optional<at::Tensor>(addend) : std::nullopt,
+        Projections::apply(h, fold ? std::optional<at::Tensor>(addend) : std::nullopt,
                            std::optional<at::Tensor>(post_norm.weight), eps, /*wide_output=*/false,
                            group, ProjectionKind::kColumnParallel, at::TensorList(weights),
                            at::TensorList(), Optional(post_norm.accumulator), residual,
@@ -45,7 +46,7 @@ void MlpBlock(const at::Tensor& stream, const at::Tensor& post_norm_weight, cons
   };
   if (!mlp.router.defined()) {
     auto [y, residual] =
-        swiglu(mlp.gate_proj, mlp.up_proj, mlp.down_proj, at::Tensor(), FusedResidualEnabled());
+        swiglu(mlp.gate_proj, mlp.up_proj, mlp.down_proj, at::Tensor(), fused_residual);
     result.hidden = residual + y;
     return;
   }
@@ -54,15 +55,15 @@ void MlpBlock(const at::Tensor& stream, const at::Tensor& post_norm_weight, cons
   // With the fused residual, sparse[3] is h itself, for the residual connection. Not beside a
   // shared expert: h's gradient is then a sum of three, and autograd's order of it is kept (the
   // same bits either way).
-  const bool fused_residual = FusedResidualEnabled() && !mlp.shared_gate.defined();
+  const bool sparse_residual = fused_residual && !mlp.shared_gate.defined();
   std::optional<at::Tensor> replay;
   if (context.routed_experts.defined())
     replay = context.routed_experts.select(1, shared.sparse_layer).to(at::kLong);
   const variable_list sparse = SparseMoe::apply(
       h, post_norm.weight, eps, mlp.router, mlp.experts_gate, mlp.experts_up, mlp.experts_down,
       config.num_experts_per_tok, config.norm_topk_prob, group, shared.expert_group,
-      Optional(post_norm.accumulator), fused_residual, replay, shared.fresh_gradients);
-  at::Tensor out = (fused_residual ? sparse[3] : h) + sparse[0];
+      Optional(post_norm.accumulator), sparse_residual, replay, shared.fresh_gradients);
+  at::Tensor out = (sparse_residual ? sparse[3] : h) + sparse[0];
   if (mlp.shared_gate.defined()) {
     out = out + swiglu(mlp.shared_gate, mlp.shared_up, mlp.shared_down, mlp.shared_expert_gate,
                        /*residual=*/false)
