@@ -4,8 +4,10 @@
 // like for like; the packed tree (a shared prefix and branches) compares one tree pass against
 // flash over every rollout separately. Where the Hopper kernels exist (kernels/hopper/, compute
 // capability 9.x; kernels/hopper/head_dims.h lists the head dims of each direction) ours run up to
-// three times: "ours FA2" (DTA_HOPPER_ATTENTION=0, DTA_HOPPER_ATTENTION_BACKWARD=0), "ours Hopper
-// fwd" (the Hopper forward, the FlashAttention-2 backward) and "ours Hopper fwd + Hopper bwd".
+// four times: "ours FA2" (DTA_HOPPER_ATTENTION=0, DTA_HOPPER_ATTENTION_BACKWARD=0), "ours Hopper
+// fwd" (the Hopper forward, the FlashAttention-2 backward), "ours Hopper fwd + Hopper bwd" (the
+// default backward: its dQ and dK/dV kernels) and "ours Hopper fwd + Hopper bwd (single kernel)"
+// (DTA_HOPPER_ATTENTION_BACKWARD_FUSED=1; at the head dims that kernel is built for).
 // Times are medians of 20 CUDA-event-timed runs after 5 warm-ups; TFLOP/s count only visible score
 // entries (forward 4 * D * Hq per entry, forward + backward 3.5 times that, FlashAttention's
 // convention); the backward's column is forward + backward minus forward, at 2.5 times the
@@ -78,7 +80,9 @@ bool OursOnly() { return absl::GetFlag(FLAGS_ours_only); }
 // Which kernels our rows run: FlashAttention-2 both ways, the Hopper forward with the
 // FlashAttention-2 backward, or Hopper both ways (DTA_HOPPER_ATTENTION and
 // DTA_HOPPER_ATTENTION_BACKWARD, read by the dispatch at every call).
-enum class Kernel { kFa2, kHopper, kHopperBoth };
+// kHopperBoth: the Hopper forward and backward (its dQ and dK/dV kernels); kHopperSingleKernel:
+// the same with the opt-in single-kernel backward.
+enum class Kernel { kFa2, kHopper, kHopperBoth, kHopperSingleKernel };
 
 // Sets one environment variable for its lifetime and restores the previous value.
 class ScopedEnv {
@@ -109,17 +113,20 @@ class ScopedKernel {
  public:
   explicit ScopedKernel(Kernel kernel)
       : forward_("DTA_HOPPER_ATTENTION", kernel != Kernel::kFa2),
-        backward_("DTA_HOPPER_ATTENTION_BACKWARD", kernel == Kernel::kHopperBoth) {}
+        backward_("DTA_HOPPER_ATTENTION_BACKWARD",
+                  kernel == Kernel::kHopperBoth || kernel == Kernel::kHopperSingleKernel),
+        fused_("DTA_HOPPER_ATTENTION_BACKWARD_FUSED", kernel == Kernel::kHopperSingleKernel) {}
 
  private:
   ScopedEnv forward_;
   ScopedEnv backward_;
+  ScopedEnv fused_;
 };
 
 // The kernels our rows compare: FA2 always, the Hopper forward and backward where this GPU and
 // build run them for c's shape.
 std::vector<Kernel> OurKernels(const Case& c) {
-  const ScopedKernel on(Kernel::kHopperBoth);
+  const ScopedKernel on(Kernel::kHopperSingleKernel);
   internal::TreeAttentionShape shape;
   shape.tokens = c.tokens();
   shape.prefix = c.prefix;
@@ -132,6 +139,9 @@ std::vector<Kernel> OurKernels(const Case& c) {
   if (internal::UsesHopperForward(shape, probe)) {
     kernels.push_back(Kernel::kHopper);
     if (internal::UsesHopperBackward(shape, probe)) kernels.push_back(Kernel::kHopperBoth);
+    if (internal::UsesHopperFusedBackward(shape, probe)) {
+      kernels.push_back(Kernel::kHopperSingleKernel);
+    }
   }
   return kernels;
 }
@@ -256,8 +266,10 @@ Row RunOurs(const Case& c, Kernel kernel, at::Tensor* out0, at::Tensor* q0, at::
   Row row;
   row.name = c.name;
   row.method = kernel == Kernel::kHopperBoth ? "ours Hopper fwd + Hopper bwd"
-               : kernel == Kernel::kHopper   ? "ours Hopper fwd"
-                                             : "ours FA2";
+               : kernel == Kernel::kHopperSingleKernel
+                   ? "ours Hopper fwd + Hopper bwd (single kernel)"
+               : kernel == Kernel::kHopper ? "ours Hopper fwd"
+                                           : "ours FA2";
   for (int64_t j = 0; j < t; ++j) row.visible += static_cast<double>(ends_host[j] - j);
   row.visible += static_cast<double>(p) * t;
   row.fwd_ms = MedianMs([&] { TreeAttentionForward(q, k, v, pk, pv, ends, scale); });

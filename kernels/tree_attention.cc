@@ -144,6 +144,12 @@ bool UsesHopperBackward(const TreeAttentionShape& shape, const at::Tensor& q) {
                     "DTA_HOPPER_ATTENTION_BACKWARD");
 }
 
+bool UsesHopperFusedBackward(const TreeAttentionShape& shape, const at::Tensor& q) {
+  return UsesHopperBackward(shape, q) &&
+         HopperTreeAttentionFusedBackwardSupportsHeadDim(static_cast<int>(shape.head_dim)) &&
+         EnvSwitchOptIn("DTA_HOPPER_ATTENTION_BACKWARD_FUSED");
+}
+
 }  // namespace internal
 
 bool TreeAttentionKernelSupports(const at::Tensor& q, const at::Tensor& k) {

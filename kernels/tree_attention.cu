@@ -182,6 +182,19 @@ TreeAttentionGrads BackwardCuda(const TreeAttentionShape& shape, const at::Tenso
                           q.options().dtype(at::kFloat));
     p.row_stats = row_stats.data_ptr<float>();
   }
+  if (UsesHopperFusedBackward(shape, q)) {
+    const at::Tensor dq_accum =
+        at::empty({HopperFusedBackwardDqAccumFloats(shape.tokens, shape.q_heads, shape.head_dim)},
+                  q.options().dtype(at::kFloat));
+    const at::Tensor semaphores = at::empty(
+        {HopperFusedBackwardSemaphores(shape.tokens, shape.q_heads)}, q.options().dtype(at::kInt));
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq_semaphore = semaphores.data_ptr<int32_t>();
+    C10_CUDA_CHECK(
+        LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));
+    C10_CUDA_CHECK(LaunchHopperTreeAttentionFusedBackward(p, head_dim, stream));
+    return {dq, dk, dv};
+  }
 #endif
   C10_CUDA_CHECK(
       LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));

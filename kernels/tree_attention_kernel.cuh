@@ -77,6 +77,12 @@ struct TreeAttentionParams {
   // query tile its rows' lse * log2(e) (+inf past T), then their row_dot (0 past T). Unused by
   // these kernels.
   float* row_stats = nullptr;
+  // The Hopper single-kernel backward's workspace (HopperFusedBackwardDqAccumFloats and
+  // HopperFusedBackwardSemaphores): dQ's float32 partial sums per query head and 64-row query tile,
+  // and one int32 per such tile, zeroed before the launch, that orders the key tiles adding into
+  // it. Unused by these kernels.
+  float* dq_accum = nullptr;
+  int32_t* dq_semaphore = nullptr;
   bf16* dq = nullptr;  // [T, Hq, D]
   int64_t dq_row_stride = 0;
   bf16* dk = nullptr;  // [T, Hkv, D]

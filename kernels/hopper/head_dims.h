@@ -16,6 +16,12 @@ constexpr bool HopperTreeAttentionBackwardSupportsHeadDim(int head_dim) {
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
+// True when LaunchHopperTreeAttentionFusedBackward is instantiated for head_dim (its dQ GEMM
+// splits D between two warpgroups in whole 128-byte swizzle atoms: 64 columns each).
+constexpr bool HopperTreeAttentionFusedBackwardSupportsHeadDim(int head_dim) {
+  return head_dim == 128;
+}
+
 }  // namespace dta::kernels
 
 #endif  // DTA_KERNELS_HOPPER_HEAD_DIMS_H_

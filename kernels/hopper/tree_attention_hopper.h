@@ -3,9 +3,10 @@
 // multi-stage shared-memory pipeline; two consumer warpgroups (64 query rows each) run Q K^T and
 // P V as warpgroup MMAs (wgmma, fp32 accumulation), the softmax of one key tile overlapping the
 // next tile's Q K^T. The backward: the same producer / consumer split in a dQ kernel (query-tile
-// major) and a dK/dV kernel (key-tile major), no atomics, hence deterministic
-// (tree_attention_hopper_backward_kernel.cuh; at head dim 256 the head-split kernels of
-// tree_attention_hopper_backward_head_split_kernel.cuh). Same semantics, index spaces, tile
+// major) and a dK/dV kernel (key-tile major) with no cross-CTA sums, or, opt-in at head dim 128,
+// one kernel per key tile computing dK, dV and dQ's parts, added in a fixed order; both
+// deterministic (tree_attention_hopper_backward_kernel.cuh; at head dim 256 the head-split kernels
+// of tree_attention_hopper_backward_head_split_kernel.cuh). Same semantics, index spaces, tile
 // skipping and outputs as the FlashAttention-2 kernels in kernels/tree_attention_kernel.cuh (which
 // stay the fallback for every other GPU and shape).
 //
@@ -56,6 +57,25 @@ inline int64_t HopperBackwardRowStatsFloats(int64_t tokens, int64_t q_heads) {
 // unsupported part, misaligned operands or T + P >= 2^31, else the error of the launch.
 cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int head_dim,
                                               TreeAttentionBackwardPart part, cudaStream_t stream);
+
+// The single-kernel backward (FlashAttention-3's; opt-in, DTA_HOPPER_ATTENTION_BACKWARD_FUSED=1,
+// slower than the two kernels on the H200 so far): one pass over each key tile computes dK, dV and
+// dQ's part from that tile, and the parts of each 64-row query tile are summed in float32 in a
+// fixed order of key tiles (each tile's int32 semaphore in p.dq_semaphore counts the parts added;
+// bitwise deterministic), then written to p.dq in bf16. The same effects and requirements as the
+// kDq and kDkDv parts together, plus its workspace: p.row_stats, p.dq_accum
+// (HopperFusedBackwardDqAccumFloats) and p.dq_semaphore (HopperFusedBackwardSemaphores, zeroed
+// here on the stream). Returns cudaErrorInvalidValue for a head_dim
+// HopperTreeAttentionFusedBackwardSupportsHeadDim rejects, a missing workspace, misaligned operands
+// or T + P >= 2^31, else the error of the launch.
+inline int64_t HopperFusedBackwardSemaphores(int64_t tokens, int64_t q_heads) {
+  return q_heads * ((tokens + kHopperBackwardQueryTile - 1) / kHopperBackwardQueryTile);
+}
+inline int64_t HopperFusedBackwardDqAccumFloats(int64_t tokens, int64_t q_heads, int64_t head_dim) {
+  return HopperFusedBackwardSemaphores(tokens, q_heads) * kHopperBackwardQueryTile * head_dim;
+}
+cudaError_t LaunchHopperTreeAttentionFusedBackward(const TreeAttentionParams& p, int head_dim,
+                                                   cudaStream_t stream);
 
 }  // namespace dta::kernels
 

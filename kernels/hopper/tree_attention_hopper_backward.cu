@@ -86,12 +86,36 @@ cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPa
       const cudaError_t err = LaunchRowStats(p, stream);
       if (err != cudaSuccess) return err;
       const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
-      return Launch(HopperDkDvKernel<D>, tiles * p.kv_heads, Traits::kThreads,
-                    Traits::kDkDvSmemBytes, bp, stream);
+      return Launch(HopperDkDvKernel<D, false>, tiles * p.kv_heads, Traits::kThreads,
+                    DkDvConfig<D, false>::kSmemBytes, bp, stream);
     }
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// The single-kernel backward: row statistics, the semaphores zeroed, dK/dV with dQ's parts, then
+// dQ from its float32 sums.
+template <int D>
+cudaError_t LaunchFusedBackward(const TreeAttentionParams& p, cudaStream_t stream) {
+  using Traits = BackwardTraits<D>;
+  if (!OperandsFitTma(p) || !Aligned16(p.grad_out, p.grad_out_row_stride) ||
+      p.row_stats == nullptr || p.dq_accum == nullptr || p.dq_semaphore == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const BackwardParams<D> bp = MakeBackwardParams<D>(p);
+  cudaError_t err = LaunchRowStats(p, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t m_blocks = (p.tokens + Traits::kKvBM - 1) / Traits::kKvBM;
+  err = cudaMemsetAsync(p.dq_semaphore, 0, m_blocks * p.q_heads * sizeof(int32_t), stream);
+  if (err != cudaSuccess) return err;
+  constexpr int kBN = Traits::kKvBN;
+  const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
+  err = Launch(HopperDkDvKernel<D, true>, tiles * p.kv_heads, Traits::kThreads,
+               DkDvConfig<D, true>::kSmemBytes, bp, stream);
+  if (err != cudaSuccess) return err;
+  return Launch(HopperDqFromPartsKernel<D>, m_blocks * p.q_heads * 2, 128, 0,
+                static_cast<const TreeAttentionParams&>(p), stream);
 }
 
 // The same parts at wide heads (tree_attention_hopper_backward_head_split_kernel.cuh).
@@ -125,6 +149,16 @@ cudaError_t LaunchHeadSplitBackward(const TreeAttentionParams& p, TreeAttentionB
 
 }  // namespace
 }  // namespace hopper_detail
+
+cudaError_t LaunchHopperTreeAttentionFusedBackward(const TreeAttentionParams& p, int head_dim,
+                                                   cudaStream_t stream) {
+  switch (head_dim) {
+    case 128:
+      return hopper_detail::LaunchFusedBackward<128>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
 
 cudaError_t LaunchHopperTreeAttentionBackward(const TreeAttentionParams& p, int head_dim,
                                               TreeAttentionBackwardPart part, cudaStream_t stream) {

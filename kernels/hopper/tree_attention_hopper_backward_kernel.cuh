@@ -30,8 +30,15 @@
 // steps, prefix tiles first), so their gradients come out bitwise equal to those kernels' on the
 // tests' cases. No GEMM stays in flight across a loop's back edge: ptxas then waits for it anyway
 // (C7517), or serialises every GEMM of the loop. The price of determinism is 7 GEMMs per score
-// tile instead of 5 (dQ recomputes S and dP). Not yet done: FlashAttention-3's single kernel with
-// a fixed-order dQ reduction.
+// tile instead of 5 (dQ recomputes S and dP).
+//
+// HopperDkDvKernel<D, true> (opt-in, D = 128) is FlashAttention-3's single kernel with a
+// fixed-order dQ reduction: the dK/dV kernel also writes each query tile's dS^T to shared memory,
+// computes dQ's part dS K, and a writer warp adds the parts into a float32 workspace in a fixed
+// order of key tiles (FusedTileOrder, one semaphore per query tile); HopperDqFromPartsKernel then
+// writes dQ. 5 GEMMs per score tile, bitwise deterministic, dK and dV bitwise those of the two
+// kernels; on the H200 still slower than them (docs/benchmarks.md: the warpgroups meet at every
+// tile for dS, and the ordered float32 adds stall them).
 #ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 #define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 
@@ -73,17 +80,14 @@ struct BackwardTraits {
   static constexpr int kDqSmemBytes = static_cast<int>(sizeof(DqSharedStorage));
 
   // dK/dV kernel: 128 keys (2 x 64) in the forward's key tiles, 64-row query tiles, Q and dO per
-  // stage.
+  // stage (the stage count and shared storage are DkDvConfig's).
   static constexpr int kKvBN = Forward::kBN;
   static constexpr int kKvBM = kHopperBackwardQueryTile;
-  static constexpr int kKvStages = 4;  // K + V 64 KiB, 4 x (Q + dO) 128 KiB
   static constexpr int kKvSubTiles = kKvBN / tree_attention_detail::kKeyTile;
-  using TiledMmaSt = SmemSmemMma<kKvBM, D>;      // S^T = K Q^T and dP^T = V dO^T
-  using TiledMmaDkv = RegSmemMma<D, kKvBM>;      // dV += P^T dO and dK += dS^T Q
-  using SmemLayoutK = StagedTiles<kKvBN, D, 1>;  // also V; one stage
-  using SmemLayoutQdO = StagedTiles<kKvBM, D, kKvStages>;
-  using SmemLayoutQdOt = StagedTilesT<kKvBM, D, kKvStages>;  // Q^T and dO^T, B operands
-  using PipelineKv = cutlass::PipelineTmaAsync<kKvStages>;
+  using TiledMmaSt = SmemSmemMma<kKvBM, D>;        // S^T = K Q^T and dP^T = V dO^T
+  using TiledMmaDkv = RegSmemMma<D, kKvBM>;        // dV += P^T dO and dK += dS^T Q
+  using SmemLayoutK = StagedTiles<kKvBN, D, 1>;    // also V; one stage
+  using SmemLayoutQdO = StagedTiles<kKvBM, D, 1>;  // one stage: the TMA boxes of Q and dO
   static constexpr uint32_t kKvTileBytes = kKvBN * D * sizeof(Element);
   static constexpr uint32_t kKvQBytes = kKvBM * D * sizeof(Element);
   // A query tile's row statistics (row_stats: lse * log2(e), then row_dot), bulk-copied with its
@@ -92,22 +96,51 @@ struct BackwardTraits {
   static constexpr uint32_t kKvStatBytes = kKvStatFloats * sizeof(float);
   static constexpr uint32_t kKvStageBytes = 2 * kKvQBytes + kKvStatBytes;
 
-  struct DkDvSharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> v;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> q;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> d_out;
-    cute::array_aligned<float, kKvStages * kKvStatFloats, 16> row_stats;
-    typename PipelineKv::SharedStorage pipeline;
-    cutlass::arch::ClusterTransactionBarrier barrier_kv;  // K and V landed
-  };
-  static constexpr int kDkDvSmemBytes = static_cast<int>(sizeof(DkDvSharedStorage));
+  // The single-kernel backward (the dK/dV kernel computing dQ too): each query tile's dS^T goes to
+  // shared memory (two buffers, queries contiguous), both warpgroups then compute the tile's dQ
+  // part dS K ((64, D / 2) each, both operands in shared memory), and a writer warp adds it into
+  // p.dq_accum in a fixed order of key tiles.
+  using SmemLayoutDsT = StagedTiles<kKvBN, kKvBM, 2>;  // dS^T (keys, queries) x 2 buffers
+  using SmemLayoutDs = StagedTilesT<kKvBN, kKvBM, 2>;  // the same as dS (queries, keys)
+  using SmemLayoutKvKt = StagedTilesT<kKvBN, D, 1>;    // K^T (D, keys): B of dS K
+  using TiledMmaDqPart = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<D / 2>, Int<kKvBN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));               // the two warpgroups split D
+  static constexpr int kDqPartFloats = kKvBM * D;  // one query tile's dQ part, two halves
 
   using TmaQ = typename Forward::TmaQ;    // (128, D) boxes: Q and dO of the dQ kernel
   using TmaKV = typename Forward::TmaKV;  // (128, D) boxes: K, V, prefix K and V
   using TmaQ64 =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, typename Forward::GmemTensor{},
                              take<0, 2>(SmemLayoutQdO{}), Shape<Int<kKvBM>, Int<D>>{}, _1{}));
+};
+
+// The dK/dV kernel's stages and shared memory, without dQ (4 stages: K + V 64 KiB, 4 x (Q + dO)
+// 128 KiB) and with it (2 stages, + dS^T 2 x 16 KiB + dQ's part 32 KiB at D = 128).
+template <int D, bool kWithDq>
+struct DkDvConfig {
+  using Traits = BackwardTraits<D>;
+  static constexpr int kStages = kWithDq ? 2 : 4;
+  static constexpr int kDsElements = kWithDq ? cute::cosize_v<typename Traits::SmemLayoutDsT> : 1;
+  static constexpr int kDqFloats = kWithDq ? 2 * Traits::kDqPartFloats : 4;  // two buffers
+  using SmemLayoutQdO = StagedTiles<Traits::kKvBM, D, kStages>;
+  using SmemLayoutQdOt = StagedTilesT<Traits::kKvBM, D, kStages>;  // Q^T and dO^T, B operands
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> d_out;
+    cute::array_aligned<Element, kDsElements, 1024> ds;
+    cute::array_aligned<float, kDqFloats, 128> dq;
+    cute::array_aligned<float, kStages * Traits::kKvStatFloats, 16> row_stats;
+    typename Pipeline::SharedStorage pipeline;
+    cutlass::arch::ClusterTransactionBarrier barrier_kv;  // K and V landed
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "fits an SM");
 };
 
 // The shared params (sizes, workspace, lse, row_dot, gradients; their pointers to q, k, v and
@@ -212,9 +245,12 @@ struct DkDvUnit {
   int nq;
   int tile_min_end = 0;  // min key_end over the tile's keys (chunk tiles whole in the chunk)
 
-  __device__ __forceinline__ explicit DkDvUnit(const TreeAttentionParams& p) {
-    tile = blockIdx.x / p.kv_heads;
-    hk = blockIdx.x % p.kv_heads;
+  __device__ __forceinline__ explicit DkDvUnit(const TreeAttentionParams& p)
+      : DkDvUnit(p, blockIdx.x / p.kv_heads, blockIdx.x % p.kv_heads) {}
+
+  __device__ __forceinline__ DkDvUnit(const TreeAttentionParams& p, int key_tile, int kv_head) {
+    tile = key_tile;
+    hk = kv_head;
     n_pre = (p.prefix + kBN - 1) / kBN;
     is_prefix = tile < n_pre;
     j0 = (is_prefix ? tile : tile - n_pre) * kBN;
@@ -467,23 +503,209 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// dK and dV.
+// dK and dV, and with kWithDq dQ too.
 
-template <int D>
+// The single kernel's order of key tiles: the CTAs run the chunk's key tiles last first, then the
+// prefix tiles last first (blockIdx order), and each query tile's dQ sums their parts in that same
+// order. A chunk tile's first query tile is the diagonal one, which no later-launched tile adds to
+// before it; under causal masks a later key tile reaches any query tile after fewer iterations
+// than an earlier one (FlashAttention's shortest-first deterministic order), so CTAs rarely wait.
+// Every tile waits only for tiles launched before it, so the kernel always makes progress.
+struct FusedTileOrder {
+  int tile;  // DkDvUnit's index: prefix tile < n_pre, else chunk tile tile - n_pre
+  int hk;
+
+  template <int kBN>
+  __device__ __forceinline__ static FusedTileOrder Of(const TreeAttentionParams& p) {
+    const int order = blockIdx.x / p.kv_heads;
+    const int n_pre = (p.prefix + kBN - 1) / kBN;
+    const int n_chunk = (p.tokens + kBN - 1) / kBN;
+    const int tile = order < n_chunk ? n_pre + n_chunk - 1 - order : n_pre - 1 - (order - n_chunk);
+    return {tile, static_cast<int>(blockIdx.x % p.kv_heads)};
+  }
+};
+
+// The number of chunk key tiles after chunk tile c (c = -1: all of them) whose dQ part query tile m
+// receives: tiles c' > c that start at or before the query tile's first row (c' <= m kBM / kBN) and
+// have a key some row past m kBM sees (max key_end > m kBM), as DkDvUnit's query range
+// [c' kBN / kBM, ceil(max key_end / kBM)). Warp-wide (every lane gets the count).
+template <int kBM, int kBN, int kSubTiles>
+__device__ __forceinline__ int LaterChunkTilesSeen(const TreeAttentionParams& p, int c, int m,
+                                                   int lane) {
+  const int last = m * kBM / kBN;
+  const int n_sub =
+      (p.tokens + tree_attention_detail::kKeyTile - 1) / tree_attention_detail::kKeyTile;
+  int count = 0;
+  for (int base = c + 1; base <= last; base += 32) {
+    const int other = base + lane;
+    int max_end = 0;
+    if (other <= last) {
+#pragma unroll
+      for (int s = 0; s < kSubTiles; ++s) {
+        const int sub = other * kSubTiles + s;
+        if (sub < n_sub) max_end = max(max_end, __ldg(p.tile_max_end + sub));
+      }
+    }
+    count += __popc(__ballot_sync(0xffffffffu, max_end > m * kBM));
+  }
+  return count;
+}
+
+// Named barriers of the single kernel (ids past CUTLASS's reserved ones), between the consumer
+// warpgroups (dS^T of a query tile is in shared memory) and, per dQ buffer b, between them and the
+// writer warp (the buffer holds a query tile's part: kDqFull + b; it is free again: kDqEmpty + b).
+// One barrier per buffer and direction: the consumers may fill one buffer while the writer has not
+// yet taken the other, and a barrier must not see two rounds of arrivals at once.
+enum FusedBarrier : uint32_t { kDsReady = 0, kDqFull = 1, kDqEmpty = 3 };
+constexpr uint32_t kDqBarrierThreads = 256 + 32;
+
+__device__ __forceinline__ int LoadAcquire(const int32_t* at) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(at) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void AddRelease(int32_t* at, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" : : "l"(at), "r"(v) : "memory");
+}
+
+// bytes (a multiple of 16) of shared memory at src stored into, or added (float32) into, dst.
+__device__ __forceinline__ void BulkStoreOrAdd(bool add, float* dst, const float* src, int bytes) {
+  const uint32_t s = cute::cast_smem_ptr_to_uint(src);
+  if (add) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+        "r"(s), "r"(bytes)
+        : "memory");
+  } else {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(s),
+                 "r"(bytes)
+                 : "memory");
+  }
+}
+
+// The single kernel's writer warp (lane `lane` of warp 1): for each query tile the consumers
+// iterate (same order), waits until every key tile before this one in FusedTileOrder has added its
+// dQ part (the tile's semaphore counts them), then stores the part (the first) or adds it into
+// p.dq_accum with bulk copies from shared memory (one per warpgroup half), and counts itself in.
+// Float32 adds in a fixed order: bitwise deterministic.
+template <int kBM, int kBN, int kSubTiles, int kPartFloats, class Params, class Unit>
+__device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, const float* parts,
+                                             int lane) {
+  using cutlass::arch::NamedBarrier;
+  const int m_blocks = (p.tokens + kBM - 1) / kBM;
+  const int group = p.q_heads / p.kv_heads;
+  const int n_iter = group * u.nq;
+  const int c = u.is_prefix ? -1 : u.tile - u.n_pre;
+  const int prefix_after = u.is_prefix ? u.n_pre - 1 - u.tile : 0;
+  constexpr int kHalfFloats = kPartFloats / 2;
+  auto free_buffer = [&](int b) { NamedBarrier::arrive(kDqBarrierThreads, kDqEmpty + b); };
+  auto count_in = [&](int32_t* semaphore, bool all) {
+    if (lane == 0) {
+      if (all) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      } else {
+        asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+      }
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      AddRelease(semaphore, 1);
+    }
+    __syncwarp();
+  };
+  free_buffer(0);
+  if (n_iter > 1) free_buffer(1);  // no arrival left pending on a barrier at exit
+  int32_t* pending = nullptr;      // the previous tile's semaphore: its sums are still in flight
+  for (int iter = 0; iter < n_iter; ++iter) {
+    const int h = u.hk * group + iter / u.nq;
+    const int m = u.q_first + iter % u.nq;
+    const int before = prefix_after + LaterChunkTilesSeen<kBM, kBN, kSubTiles>(p, c, m, lane);
+    const int64_t tile = static_cast<int64_t>(h) * m_blocks + m;
+    int32_t* semaphore = p.dq_semaphore + tile;
+    float* dst = p.dq_accum + tile * kPartFloats;
+    const float* part = parts + (iter & 1) * kPartFloats;
+    if (lane == 0) {
+      while (LoadAcquire(semaphore) != before) {
+      }
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    __syncwarp();
+    NamedBarrier::sync(kDqBarrierThreads, kDqFull + (iter & 1));
+    if (lane == 0) {
+      for (int w = 0; w < 2; ++w) {
+        BulkStoreOrAdd(before > 0, dst + w * kHalfFloats, part + w * kHalfFloats,
+                       kHalfFloats * sizeof(float));
+      }
+    }
+    if (lane == 0) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    // The previous tile's sums complete while this tile's are in flight (FlashAttention's delayed
+    // release: later key tiles reach a query tile at least an iteration after this one under
+    // causal masks); its buffer then serves the next tile.
+    if (pending != nullptr) {
+      count_in(pending, false);
+      if (iter + 1 < n_iter) free_buffer((iter - 1) & 1);
+    }
+    pending = semaphore;
+  }
+  if (pending != nullptr) count_in(pending, true);
+}
+
+template <int D, class Storage, class TC, class TR>
+__device__ __forceinline__ void DqPart(Storage& smem, const TC& coords_st, const TR& r_dst32,
+                                       int buf, int ctid) {
+  using Traits = BackwardTraits<D>;
+  using cutlass::arch::NamedBarrier;
+  Tensor sDsT = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDsT{});
+#pragma unroll
+  for (int i = 0; i < size(r_dst32); ++i) {
+    const auto c = coords_st(2 * i);
+    *reinterpret_cast<uint32_t*>(&sDsT(get<0>(c), get<1>(c), buf)) = r_dst32(i);
+  }
+  cutlass::arch::fence_view_async_shared();
+  // Both halves of dS^T are in place; the other warpgroup's GEMM on this buffer two tiles ago is
+  // done (it waited for it before reaching this barrier).
+  NamedBarrier::sync(Traits::kConsumerThreads, kDsReady);
+  typename Traits::TiledMmaDqPart mma;
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKvKt{});
+  Tensor t_ds = thr.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffers)
+  Tensor t_kt = thr.partition_fragment_B(sKt);
+  Tensor acc = partition_fragment_C(mma, Shape<Int<Traits::kKvBM>, Int<D>>{});
+  WarpgroupGemm<true, 0>(mma, t_ds(_, _, _, buf), t_kt(_, _, _, 0), acc);
+  const int w = ctid / 128;
+  NamedBarrier::sync(kDqBarrierThreads, kDqEmpty + buf);
+  float2* part = reinterpret_cast<float2*>(smem.dq.data()) +
+                 (buf * Traits::kDqPartFloats + w * Traits::kDqPartFloats / 2) / 2 + ctid % 128;
+#pragma unroll
+  for (int j = 0; j < size(acc) / 2; ++j) part[j * 128] = make_float2(acc(2 * j), acc(2 * j + 1));
+  cutlass::arch::fence_view_async_shared();
+  NamedBarrier::arrive(kDqBarrierThreads, kDqFull + buf);
+}
+
+template <int D, bool kWithDq>
 __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
     HopperDkDvKernel(const __grid_constant__ BackwardParams<D> p) {
   using Traits = BackwardTraits<D>;
-  using Pipeline = typename Traits::PipelineKv;
-  using PipelineState = cutlass::PipelineState<Traits::kKvStages>;
+  using Config = DkDvConfig<D, kWithDq>;
+  using Pipeline = typename Config::Pipeline;
+  using PipelineState = cutlass::PipelineState<Config::kStages>;
+  using cutlass::arch::NamedBarrier;
   constexpr int kBM = Traits::kKvBM;
   constexpr int kBN = Traits::kKvBN;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  auto& smem = *reinterpret_cast<typename Traits::DkDvSharedStorage*>(smem_raw);
+  auto& smem = *reinterpret_cast<typename Config::SharedStorage*>(smem_raw);
 
   const int warpgroup = threadIdx.x / 128;
   const int tokens = p.tokens;
-  const DkDvUnit<kBM, kBN, Traits::kKvSubTiles> unit(p);
+  const DkDvUnit<kBM, kBN, Traits::kKvSubTiles> unit = [&] {
+    if constexpr (kWithDq) {
+      const FusedTileOrder order = FusedTileOrder::Of<kBN>(p);
+      return DkDvUnit<kBM, kBN, Traits::kKvSubTiles>(p, order.tile, order.hk);
+    } else {
+      return DkDvUnit<kBM, kBN, Traits::kKvSubTiles>(p);
+    }
+  }();
   const int hk = unit.hk;
   const bool is_prefix = unit.is_prefix;
   const int j0 = unit.j0;
@@ -504,15 +726,21 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQdO{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.d_out.data()), typename Traits::SmemLayoutQdO{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQdO{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_out.data()), typename Config::SmemLayoutQdO{});
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (threadIdx.x != 0) return;
-    ProduceQueryTiles<D, kBM, Traits::kKvStatFloats>(p, p.tma_q64, p.tma_do64, unit, sK, sV, sQ,
-                                                     sdO, smem.row_stats.data(), smem.barrier_kv,
-                                                     2 * Traits::kKvTileBytes, pipeline);
+    if (threadIdx.x == 0) {
+      ProduceQueryTiles<D, kBM, Traits::kKvStatFloats>(p, p.tma_q64, p.tma_do64, unit, sK, sV, sQ,
+                                                       sdO, smem.row_stats.data(), smem.barrier_kv,
+                                                       2 * Traits::kKvTileBytes, pipeline);
+    } else if constexpr (kWithDq) {
+      if (threadIdx.x / 32 == 1) {
+        WriteDqParts<kBM, kBN, Traits::kKvSubTiles, Traits::kDqPartFloats>(p, unit, smem.dq.data(),
+                                                                           threadIdx.x % 32);
+      }
+    }
     return;
   }
 
@@ -523,8 +751,8 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
   typename Traits::TiledMmaDkv mma_dkv;
   auto thr_st = mma_st.get_thread_slice(ctid);
   auto thr_dkv = mma_dkv.get_thread_slice(ctid);
-  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQdOt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(smem.d_out.data()), typename Traits::SmemLayoutQdOt{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQdOt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.d_out.data()), typename Config::SmemLayoutQdOt{});
   Tensor tSrK = thr_st.partition_fragment_A(sK)(_, _, _, 0);
   Tensor tSrV = thr_st.partition_fragment_A(sV)(_, _, _, 0);
   Tensor tSrQ = thr_st.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K, stages)
@@ -626,9 +854,17 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
         r_dst32(i) = reinterpret_cast<uint32_t&>(vs);
       }
     }
-    WarpgroupGemm<false, 0>(mma_dkv, tKvrdSt, tKvrQt(_, _, _, stage), acc_dk);
-    warpgroup_fence_operand(acc_dv);
-    pipeline.consumer_release(read);
+    if constexpr (!kWithDq) {
+      WarpgroupGemm<false, 0>(mma_dkv, tKvrdSt, tKvrQt(_, _, _, stage), acc_dk);
+      warpgroup_fence_operand(acc_dv);
+      pipeline.consumer_release(read);
+    } else {
+      WarpgroupGemm<false, -1>(mma_dkv, tKvrdSt, tKvrQt(_, _, _, stage), acc_dk);
+      DqPart<D>(smem, coords_st, r_dst32, iter & 1, ctid);
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      pipeline.consumer_release(read);
+    }
     ++read;
   }
 
@@ -642,6 +878,34 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
                   [&](int) { return p.scale; });
     StoreBf16Rows(acc_dv, coords_dkv, j0, tokens, p.dv + hk * D, p.dv_row_stride,
                   [](int) { return 1.f; });
+  }
+}
+
+// dQ = scale * p.dq_accum in bf16 (the single kernel's epilogue): one CTA of 128 threads per query
+// head, 64-row query tile and half of D; thread t reads the float2s it wrote from DqPart's order
+// and finds their rows and columns from the same MMA layout.
+template <int D>
+__global__ void __launch_bounds__(128) HopperDqFromPartsKernel(const TreeAttentionParams p) {
+  using Traits = BackwardTraits<D>;
+  constexpr int kBM = Traits::kKvBM;
+  const int half = static_cast<int>(blockIdx.x % 2);
+  const int64_t tile = blockIdx.x / 2;
+  const int m_blocks = (p.tokens + kBM - 1) / kBM;
+  const int h = static_cast<int>(tile / m_blocks);
+  const int row0 = static_cast<int>(tile % m_blocks) * kBM;
+  typename Traits::TiledMmaDqPart mma;
+  auto thr = mma.get_thread_slice(half * 128 + threadIdx.x);
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<D>>{}));
+  const float2* src = reinterpret_cast<const float2*>(p.dq_accum + tile * Traits::kDqPartFloats) +
+                      half * (Traits::kDqPartFloats / 4) + threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < size(coords) / 2; ++j) {
+    const int row = row0 + get<0>(coords(2 * j));
+    if (row >= p.tokens) continue;
+    const float2 a = src[j * 128];
+    *reinterpret_cast<__nv_bfloat162*>(p.dq + row * p.dq_row_stride + h * D +
+                                       get<1>(coords(2 * j))) =
+        __floats2bfloat162_rn(a.x * p.scale, a.y * p.scale);
   }
 }
 

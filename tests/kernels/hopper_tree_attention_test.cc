@@ -57,6 +57,7 @@ constexpr int64_t kHeadDim = 128;
 
 constexpr const char* kForwardEnv = "DTA_HOPPER_ATTENTION";
 constexpr const char* kBackwardEnv = "DTA_HOPPER_ATTENTION_BACKWARD";
+constexpr const char* kFusedEnv = "DTA_HOPPER_ATTENTION_BACKWARD_FUSED";
 
 // Sets an environment variable for its lifetime and restores the previous value.
 class ScopedEnv {
@@ -144,27 +145,36 @@ TreeAttentionOutput Forward(const GpuInputs& g, double scale, const char* hopper
   return TreeAttentionForward(g.q, g.k, g.v, g.prefix_k, g.prefix_v, g.key_end, scale);
 }
 
-// The backward into views of clones of acc_k0 / acc_v0 (see testing::RunIntoViews): Hopper twice,
-// FlashAttention-2 once (DTA_HOPPER_ATTENTION_BACKWARD = 1, 1, 0).
+// The backward into views of clones of acc_k0 / acc_v0 (see testing::RunIntoViews): the Hopper
+// single kernel twice where it runs (DTA_HOPPER_ATTENTION_BACKWARD_FUSED = 1; else the default),
+// the Hopper dQ and dK/dV kernels (the default) and FlashAttention-2 once each.
 struct BackwardRuns {
-  testing::GradsIntoViews hopper, hopper_again, fa2;
+  testing::GradsIntoViews hopper, hopper_again, two_kernels, fa2;
 };
 
 BackwardRuns RunBackwards(const GpuInputs& g, const at::Tensor& grad_out,
                           const TreeAttentionOutput& fwd, double scale, const at::Tensor& acc_k0,
                           const at::Tensor& acc_v0) {
   const int64_t prefix = g.prefix_k.defined() ? g.prefix_k.size(0) : 0;
-  auto run = [&](const char* hopper) {
+  auto run = [&](const char* hopper, const char* fused) {
     const ScopedEnv env(kBackwardEnv, hopper);
+    const ScopedEnv fused_env(kFusedEnv, fused);
     return testing::RunIntoViews(acc_k0, acc_v0, prefix, [&](at::Tensor& gk, at::Tensor& gv) {
       return TreeAttentionBackward(grad_out, g.q, g.k, g.v, g.prefix_k, g.prefix_v, g.key_end,
                                    fwd.out, fwd.lse, scale, gk, gv);
     });
   };
-  BackwardRuns runs{run("1"), run("1"), run("0")};
+  BackwardRuns runs{run("1", "1"), run("1", "1"), run("1", "0"), run("0", "1")};
   EXPECT_TRUE(testing::BitwiseEqual(runs.hopper, runs.hopper_again))
       << "the Hopper backward is not deterministic";
   EXPECT_TRUE(runs.hopper.neighbours_untouched) << "rows outside the prefix views changed";
+  EXPECT_TRUE(runs.two_kernels.neighbours_untouched) << "rows outside the prefix views changed";
+  // The single kernel sums dK and dV (and the prefix's gradients) exactly as the dK/dV kernel does;
+  // only dQ's order of sums differs.
+  EXPECT_TRUE(at::equal(runs.hopper.dk, runs.two_kernels.dk));
+  EXPECT_TRUE(at::equal(runs.hopper.dv, runs.two_kernels.dv));
+  EXPECT_TRUE(at::equal(runs.hopper.acc_k, runs.two_kernels.acc_k));
+  EXPECT_TRUE(at::equal(runs.hopper.acc_v, runs.two_kernels.acc_v));
   return runs;
 }
 
@@ -241,6 +251,7 @@ void CheckCase(const Case& c, uint64_t seed) {
   ASSERT_EQ(hb.dv.sizes(), v.sizes());
   ASSERT_EQ(hb.dq.scalar_type(), at::kBFloat16);
   const GradErrors vs_ref = ExpectGradsClose(hb, ref_grads);
+  const GradErrors two_vs_ref = ExpectGradsClose(runs.two_kernels, ref_grads);
   const GradErrors fa2_vs_ref = ExpectGradsClose(runs.fa2, ref_grads);
   ExpectGradsClose(hb, runs.fa2);
   double dpk_err = 0, dpv_err = 0;
@@ -257,12 +268,12 @@ void CheckCase(const Case& c, uint64_t seed) {
   auto same = [](const at::Tensor& a, const at::Tensor& b) { return at::equal(a, b) ? '=' : '~'; };
   std::printf(
       "%-40s hopper out %.2e lse %.2e | fa2 out %.2e | vs fa2 out %.2e lse %.2e | "
-      "hopper bwd dq %.2e dk %.2e dv %.2e dpk %.2e dpv %.2e | fa2 bwd dq %.2e dk %.2e | "
-      "bits vs fa2 dq%c dk%c dv%c pk%c pv%c\n",
+      "hopper bwd dq %.2e dk %.2e dv %.2e dpk %.2e dpv %.2e | two kernels dq %.2e | "
+      "fa2 bwd dq %.2e dk %.2e | bits vs fa2 dq%c dk%c dv%c pk%c pv%c\n",
       c.Name().c_str(), out_err, lse_err, fa2_out_err, vs_fa2_out, vs_fa2_lse, vs_ref.dq, vs_ref.dk,
-      vs_ref.dv, dpk_err, dpv_err, fa2_vs_ref.dq, fa2_vs_ref.dk, same(hb.dq, runs.fa2.dq),
-      same(hb.dk, runs.fa2.dk), same(hb.dv, runs.fa2.dv), same(hb.acc_k, runs.fa2.acc_k),
-      same(hb.acc_v, runs.fa2.acc_v));
+      vs_ref.dv, dpk_err, dpv_err, two_vs_ref.dq, fa2_vs_ref.dq, fa2_vs_ref.dk,
+      same(hb.dq, runs.fa2.dq), same(hb.dk, runs.fa2.dk), same(hb.dv, runs.fa2.dv),
+      same(hb.acc_k, runs.fa2.acc_k), same(hb.acc_v, runs.fa2.acc_v));
 }
 
 TEST_F(HopperTreeAttention, SmallChunks) {
@@ -360,6 +371,9 @@ TEST_F(HopperTreeAttention, ManyShortBranches) {
 TEST_F(HopperTreeAttention, PackedTreeSizes) {
   CheckCase({16001, 0, 2, 1, TreeKind::kRandom}, 62);
   CheckCase({6007, 1200, 8, 2, TreeKind::kRandom, false, 4.0}, 65);
+  // Hundreds of key-tile CTAs in several waves, eight query heads per kv head: the single kernel's
+  // ordered dQ sums across waves.
+  CheckCase({16001, 3001, 16, 2, TreeKind::kBranches}, 66);
 }
 
 // q = 0: lse_i = log(P + keys visible to i), exact in float32 up to rounding (see
@@ -435,6 +449,20 @@ TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
         at::zeros({5, 16, 256}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
     EXPECT_TRUE(internal::UsesHopperForward(shape, q256));
     EXPECT_TRUE(internal::UsesHopperBackward(shape, q256));
+    const ScopedEnv on_fused(kFusedEnv, "1");
+    EXPECT_FALSE(internal::UsesHopperFusedBackward(shape, q256));  // the head-split kernels
+    shape.head_dim = 64;
+    EXPECT_FALSE(internal::UsesHopperFusedBackward(shape, q.narrow(2, 0, 64)));
+    shape.head_dim = kHeadDim;
+    {
+      const ScopedEnv on_fused(kFusedEnv, "1");
+      EXPECT_TRUE(internal::UsesHopperFusedBackward(shape, q));
+    }
+    for (const char* off : {"0", "", "yes"}) {  // opt-in: only "1" selects it
+      const ScopedEnv off_fused(kFusedEnv, off);
+      EXPECT_FALSE(internal::UsesHopperFusedBackward(shape, q)) << off;
+      EXPECT_TRUE(internal::UsesHopperBackward(shape, q));
+    }
     shape.head_dim = 96;  // compiled for neither kernel family
     EXPECT_FALSE(internal::UsesHopperForward(shape, q.narrow(2, 0, 96)));
     EXPECT_FALSE(internal::UsesHopperBackward(shape, q.narrow(2, 0, 96)));
