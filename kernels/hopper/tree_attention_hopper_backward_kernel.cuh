@@ -117,7 +117,7 @@ struct BackwardTraits {
 };
 
 // The dK/dV kernel's stages and shared memory, without dQ (4 stages: K + V 64 KiB, 4 x (Q + dO)
-// 128 KiB) and with it (2 stages, + dS^T 2 x 16 KiB + dQ's part 32 KiB at D = 128).
+// 128 KiB) and with it (2 stages, + dS^T 2 x 16 KiB + dQ's part 2 x 32 KiB at D = 128).
 template <int D, bool kWithDq>
 struct DkDvConfig {
   using Traits = BackwardTraits<D>;
@@ -649,6 +649,11 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, con
   if (pending != nullptr) count_in(pending, true);
 }
 
+// The single kernel's dQ part of one query tile, by both consumer warpgroups once the dK GEMM is
+// issued: dS^T (this thread's bf16 pairs, r_dst32, at coords_st) into shared buffer `buf`, then
+// dQ's part dS K ((64, D / 2) per warpgroup; the wait covers the dV and dK GEMMs too), handed to
+// the writer warp through dQ buffer `buf` in thread order (conflict-free; HopperDqFromPartsKernel
+// reads it back in the same order).
 template <int D, class Storage, class TC, class TR>
 __device__ __forceinline__ void DqPart(Storage& smem, const TC& coords_st, const TR& r_dst32,
                                        int buf, int ctid) {
