@@ -182,6 +182,11 @@ TreeAttentionGrads BackwardCuda(const TreeAttentionShape& shape, const at::Tenso
                           q.options().dtype(at::kFloat));
     p.row_stats = row_stats.data_ptr<float>();
   }
+#endif
+  C10_CUDA_CHECK(
+      LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));
+#ifdef DTA_KERNELS_HAVE_HOPPER
+  // The single kernel (opt-in): one launch after row_dot, its workspace released in stream order.
   if (UsesHopperFusedBackward(shape, q)) {
     const at::Tensor dq_accum =
         at::empty({HopperFusedBackwardDqAccumFloats(shape.tokens, shape.q_heads, shape.head_dim)},
@@ -190,14 +195,10 @@ TreeAttentionGrads BackwardCuda(const TreeAttentionShape& shape, const at::Tenso
         {HopperFusedBackwardSemaphores(shape.tokens, shape.q_heads)}, q.options().dtype(at::kInt));
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_semaphore = semaphores.data_ptr<int32_t>();
-    C10_CUDA_CHECK(
-        LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));
     C10_CUDA_CHECK(LaunchHopperTreeAttentionFusedBackward(p, head_dim, stream));
     return {dq, dk, dv};
   }
 #endif
-  C10_CUDA_CHECK(
-      LaunchTreeAttentionBackward(p, head_dim, TreeAttentionBackwardPart::kRowDot, stream));
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, q.device().index());
   at::cuda::CUDAEvent row_dot_ready;
   row_dot_ready.record(at::cuda::getCurrentCUDAStream());
