@@ -8,10 +8,7 @@
 set -uo pipefail
 repo="$1"
 cd "$repo" || exit 1
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+source "$(dirname "${BASH_SOURCE[0]}")/shell_checks.sh"
 
 # The blocks, one file each (block-1.sh, ...).
 awk -v dir="$work" '

@@ -6,10 +6,7 @@
 set -uo pipefail
 bin="$1"
 python="$2"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+source "$(dirname "${BASH_SOURCE[0]}")/../shell_checks.sh"
 
 "$bin/dta-workload" --preset=tau2 --seed=3 --out="$work/tau2.jsonl" 2>"$work/gen.err" || fail "dta-workload exited $?"
 [[ -s "$work/tau2.jsonl" ]] || fail "dta-workload wrote nothing"

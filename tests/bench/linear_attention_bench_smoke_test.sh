@@ -5,10 +5,7 @@
 # Usage: linear_attention_bench_smoke_test.sh BIN_DIR
 set -uo pipefail
 bin="$1"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+source "$(dirname "${BASH_SOURCE[0]}")/../shell_checks.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 "$bin/dta-linear-attention-bench" --device=cpu --tokens=64 --what=rule,mix --runs=1 --warmups=0 \

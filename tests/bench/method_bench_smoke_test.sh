@@ -9,10 +9,7 @@ set -uo pipefail
 bin="$1"
 python="$2"
 src="$3"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+source "$(dirname "${BASH_SOURCE[0]}")/../shell_checks.sh"
 
 # One thread: the test is tiny and CTest runs others beside it.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
