@@ -61,6 +61,9 @@ DType SafetensorsDtype(at::ScalarType t) { return t == at::kDouble ? DType::kF64
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// StreamedUpdate: one staging slot more per this many resident buckets (see there).
+constexpr int64_t kResidentBucketsPerExtraSlot = 16;
+
 }  // namespace
 
 ShardedAdamW::ShardedAdamW(ProcessGroup* group,
@@ -374,11 +377,10 @@ StepStats ShardedAdamW::StepWithNorm(double total, NonFiniteGradients on_nonfini
     PublishParameters([&](int64_t begin, int64_t count) {
       at::Tensor grad = shard.narrow(0, begin, count);
       if (sharding_.offload) grad = grad.to(at::kCPU);
-      if (stats.clip_coef != 1.0) grad = grad.mul(stats.clip_coef);
       at::Tensor w = master_.narrow(0, begin, count);
       at::Tensor m = exp_avg_.narrow(0, begin, count);
       at::Tensor v = exp_avg_sq_.narrow(0, begin, count);
-      AdamWUpdate(w, m, v, grad, scalars);
+      AdamWUpdate(w, m, v, grad, scalars, stats.clip_coef);
       return w.to(device_, param_dtype_);  // rounds to the parameters' dtype
     });
   }
@@ -431,26 +433,48 @@ void ShardedAdamW::OffloadedUpdate(const at::Tensor& shard, double clip_coef,
 
 void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
                                   const AdamWStepScalars& scalars) {
-  // Two device slots of [3, b] (master, exp_avg, exp_avg_sq of one bucket). Bucket j uses slot
-  // j % 2: it is copied in on `copy_in` (after the slot's previous bucket has left it), updated on
-  // the compute stream, copied back on `copy_out`; bucket j + 1's copy in is issued before bucket
-  // j's update, so the bus carries one bucket in and the previous one out while the GPU updates.
+  // Device slots of [3, b] (master, exp_avg, exp_avg_sq of one bucket); streamed bucket j uses
+  // slot j % slots. It is copied in on `copy_in` (after the slot's previous bucket has left it),
+  // updated on the compute stream, copied back on `copy_out`; the loads run slots - 1 buckets
+  // ahead of the updates, so the bus carries buckets in and out at once while the GPU updates.
+  // Two slots keep both directions busy once the streamed buckets are reached; the resident
+  // buckets are updated first (PublishParameters' order), and extra slots let the first streamed
+  // buckets travel meanwhile. A resident bucket's update moves ~3x a streamed bucket's bytes over
+  // HBM, which is ~70x the bus, so one extra slot per 16 resident buckets covers their time; the
+  // slots take memory the executor has freed, and fewer are used when the GPU cannot hold them.
   const int64_t b = std::min(sharding_.bucket_elements, shard_);
+  const int64_t streamed_buckets = CeilDiv(shard_ - resident_, b);
   c10::impl::VirtualGuardImpl guard(device_.type());
   const c10::Stream compute = guard.getStream(device_);
   const c10::Stream copy_in = guard.getStreamFromGlobalPool(device_);
   const c10::Stream copy_out = guard.getStreamFromGlobalPool(device_);
   const at::TensorOptions slot_options = at::TensorOptions().dtype(state_dtype_).device(device_);
-  const at::Tensor slots[2] = {at::empty({3, b}, slot_options), at::empty({3, b}, slot_options)};
-  c10::Event loaded[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
-  c10::Event updated[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
-  c10::Event stored[2] = {c10::Event(device_.type()), c10::Event(device_.type())};
+  const int64_t wanted_slots =
+      std::min(streamed_buckets, 2 + CeilDiv(resident_ / b, kResidentBucketsPerExtraSlot));
+  std::vector<at::Tensor> slots;
+  for (int64_t k = 0; k < wanted_slots; ++k) {
+    try {
+      slots.push_back(at::empty({3, b}, slot_options));
+    } catch (const c10::OutOfMemoryError&) {
+      if (k < std::min<int64_t>(2, wanted_slots)) throw;  // the pipeline needs two
+      break;
+    }
+  }
+  const int64_t count_slots = static_cast<int64_t>(slots.size());
+  std::vector<c10::Event> loaded, updated, stored;
+  for (int64_t k = 0; k < count_slots; ++k) {
+    loaded.emplace_back(device_.type());
+    updated.emplace_back(device_.type());
+    stored.emplace_back(device_.type());
+  }
   offload_times_ = {};
   const Clock::time_point start = Clock::now();
-  // Streamed bucket j (elements [R + j b, ...)) uses slot j % 2.
-  auto slot_of = [&](int64_t begin) { return static_cast<int>(((begin - resident_) / b) % 2); };
+  // Streamed bucket j (elements [R + j b, ...)) uses slot j % count_slots.
+  auto slot_of = [&](int64_t begin) {
+    return static_cast<size_t>(((begin - resident_) / b) % count_slots);
+  };
   auto load = [&](int64_t begin) {
-    const int k = slot_of(begin);
+    const size_t k = slot_of(begin);
     const int64_t count = std::min(b, shard_ - begin);
     const c10::StreamGuard on(copy_in);
     stored[k].block(copy_in);            // no-op before the slot's first use
@@ -462,8 +486,10 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
     }
     loaded[k].record(copy_in);
   };
-  // The first streamed bucket travels while the resident ones are updated.
-  if (resident_ < shard_) load(resident_);
+  // The first streamed buckets travel while the resident ones are updated.
+  for (int64_t j = 0; j < count_slots - 1 && resident_ + j * b < shard_; ++j) {
+    load(resident_ + j * b);
+  }
   // Updates the state rows [3, >= count] of elements [begin, begin + count); returns the new
   // weights rounded to the parameters' dtype (a copy even for float32 weights: a slot is refilled
   // once its state has left).
@@ -471,16 +497,15 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
     at::Tensor w = state[0].narrow(0, 0, count);
     at::Tensor m = state[1].narrow(0, 0, count);
     at::Tensor v = state[2].narrow(0, 0, count);
-    at::Tensor grad = shard.narrow(0, begin, count);
-    if (clip_coef != 1.0) grad = grad.mul(clip_coef);
-    AdamWUpdate(w, m, v, grad, scalars);
+    AdamWUpdate(w, m, v, shard.narrow(0, begin, count), scalars, clip_coef);
     return w.to(param_dtype_, /*non_blocking=*/false, /*copy=*/true);
   };
   PublishParameters([&](int64_t begin, int64_t count) {
     // Whole buckets are resident, so [begin, begin + count) is either resident or streamed.
     if (begin < resident_) return update(resident_state_.narrow(1, begin, count), begin, count);
-    const int k = slot_of(begin);
-    if (begin + b < shard_) load(begin + b);
+    const size_t k = slot_of(begin);
+    const int64_t ahead = begin + (count_slots - 1) * b;
+    if (ahead < shard_) load(ahead);
     loaded[k].block(compute);
     at::Tensor rounded = update(slots[k], begin, count);
     updated[k].record(compute);

@@ -30,7 +30,7 @@
 //     far more bandwidth on the GPU's side. The bus is the step's limit, so the first
 //     `resident_elements` of the slice (as many as the GPU's spare memory holds: the planner's
 //     TrainingLayout::offload_resident_bytes) keep their state on the GPU and never cross it;
-//     their update runs while the first streamed bucket travels.
+//     their update runs while the first streamed buckets travel.
 //   on the host (parameters on the CPU, OffloadUpdate::kOnHost, or when the host memory cannot be
 //     page-locked): each bucket of gradients is copied to the host and updated there in one fused
 //     pass over every core (HostAdamWUpdate; float64 state keeps AdamWUpdate), the rounded weights

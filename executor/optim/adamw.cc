@@ -174,10 +174,8 @@ StepStats AdamW::StepWithNorm(double grad_norm, NonFiniteGradients on_nonfinite)
     ParamState& s = states_[i];
     at::Tensor grad = param.grad().detach();
     if (grad.scalar_type() != s.dtype) grad = grad.to(s.dtype);
-    if (stats.clip_coef != 1.0)
-      grad = grad.mul(stats.clip_coef);  // never in place: .grad is left alone
     at::Tensor& w = MasterFor(i);
-    AdamWUpdate(w, s.exp_avg, s.exp_avg_sq, grad, scalars);
+    AdamWUpdate(w, s.exp_avg, s.exp_avg_sq, grad, scalars, stats.clip_coef);
     if (s.master.defined()) param.copy_(w);  // round the master copy to the parameter's dtype
   }
   step_ = t;

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <system_error>
 
+#include "kernels/adamw_step.h"
+
 namespace dta {
 namespace {
 
@@ -34,11 +36,28 @@ AdamWStepScalars AdamWScalarsFor(const AdamWOptions& options, int64_t t) {
 }
 
 void AdamWUpdate(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                 const at::Tensor& grad, const AdamWStepScalars& s) {
-  // LibTorch's torch::optim::AdamW::step, operation for operation.
+                 const at::Tensor& grad, const AdamWStepScalars& s, double clip_coef) {
+  if (kernels::FusedAdamWStepTakes(master, exp_avg, exp_avg_sq, grad)) {
+    // Each double rounded to float32 where the ops below round it (kernels/adamw_step.h).
+    kernels::FusedAdamWStep(
+        master, exp_avg, exp_avg_sq, grad,
+        {.grad_scale = static_cast<float>(clip_coef),
+         .decay = s.weight_decay != 0 ? static_cast<float>(1 - s.lr * s.weight_decay) : 1.0f,
+         .beta1 = static_cast<float>(s.beta1),
+         .one_minus_beta1 = static_cast<float>(1 - s.beta1),
+         .beta2 = static_cast<float>(s.beta2),
+         .one_minus_beta2 = static_cast<float>(1 - s.beta2),
+         .inv_bias_correction2_sqrt = static_cast<float>(1.0 / s.bias_correction2_sqrt),
+         .eps = static_cast<float>(s.eps),
+         .neg_step_size = static_cast<float>(-s.step_size)});
+    return;
+  }
+  // torch.nn.utils.clip_grad_norm_'s multiplication (never in place: the caller's .grad stays),
+  // then LibTorch's torch::optim::AdamW::step, operation for operation.
+  const at::Tensor g = clip_coef != 1.0 ? grad.mul(clip_coef) : grad;
   if (s.weight_decay != 0) master.mul_(1 - s.lr * s.weight_decay);
-  exp_avg.mul_(s.beta1).add_(grad, 1 - s.beta1);
-  exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, 1 - s.beta2);
+  exp_avg.mul_(s.beta1).add_(g, 1 - s.beta1);
+  exp_avg_sq.mul_(s.beta2).addcmul_(g, g, 1 - s.beta2);
   at::Tensor denom = (exp_avg_sq.sqrt() / s.bias_correction2_sqrt).add_(s.eps);
   master.addcdiv_(exp_avg, denom, -s.step_size);
 }

@@ -3,16 +3,20 @@
 // on the GPU or offloaded to the host). One definition, so that every layout computes the same
 // values from the same gradients.
 //
-// For step t (1-based) with options o, the master weights w, moments m and v and the clipped
-// gradient g (all of the state dtype, same shape), AdamWUpdate computes, in place:
+// For step t (1-based) with options o, the master weights w, moments m and v and the gradient g
+// times the clip factor c (all of the state dtype, same shape), AdamWUpdate computes, in place:
+//   g = g * c
 //   w = w * (1 - lr * weight_decay)
 //   m = m * beta1 + (1 - beta1) * g
 //   v = v * beta2 + (1 - beta2) * g * g
 //   w = w - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-// with the very tensor operations of LibTorch's torch::optim::AdamW::step (amsgrad off).
+// with the very tensor operations of LibTorch's torch::optim::AdamW::step (amsgrad off) after
+// torch.nn.utils.clip_grad_norm_'s multiplication. Float32 state on a GPU takes one fused kernel
+// with the same float32 results bit for bit (kernels/adamw_step.h; DTA_FUSED_ADAMW=0 takes the
+// ops).
 //
 //   const AdamWStepScalars scalars = AdamWScalarsFor(options, step + 1);
-//   AdamWUpdate(master, exp_avg, exp_avg_sq, grad, scalars);
+//   AdamWUpdate(master, exp_avg, exp_avg_sq, grad, scalars, clip_coef);
 #pragma once
 
 #include <ATen/ATen.h>
@@ -45,9 +49,10 @@ struct AdamWStepScalars {
 
 AdamWStepScalars AdamWScalarsFor(const AdamWOptions& options, int64_t t);
 
-// One update in place, as the header comment says. Under no-grad; every tensor on one device.
+// One update in place, as the header comment says; `grad` itself is left alone. Under no-grad;
+// every tensor on one device.
 void AdamWUpdate(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                 const at::Tensor& grad, const AdamWStepScalars& scalars);
+                 const at::Tensor& grad, const AdamWStepScalars& scalars, double clip_coef = 1.0);
 
 // torch.nn.utils.clip_grad_norm_'s factor: min(1, max_grad_norm / (total_norm + 1e-6)), or 1 when
 // max_grad_norm <= 0.

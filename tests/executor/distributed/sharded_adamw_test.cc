@@ -408,7 +408,8 @@ TEST(ShardedAdamW, ResetMasterFromParametersTakesEachRanksSliceOfTheNewWeights) 
 
 // On a GPU the offloaded state streams through it by default (page-locked host memory, the
 // update on the device): weights and state equal those of the state kept on the GPU bit for bit,
-// with one bucket and with many (two slots reused, a ragged last bucket), and a resumed stream
+// with one bucket and with many (two slots reused, a ragged last bucket; more slots loaded ahead
+// while many resident buckets are updated), and a resumed stream
 // goes on identically. The host update stays available and agrees to float32 rounding. GPU
 // machines only (scripts/gpu_test.sh).
 TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
@@ -422,17 +423,18 @@ TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
   for (at::ScalarType dtype : {at::kBFloat16, at::kFloat, at::kDouble}) {
     for (int64_t bucket : {int64_t{5}, int64_t{1} << 20}) {
       SCOPED_TRACE(::testing::Message() << dtype << ", bucket " << bucket);
-      auto start = [&](bool offload, OffloadUpdate where, int64_t resident = 0) {
+      auto start = [&](bool offload, OffloadUpdate where, int64_t resident = 0,
+                       int64_t bucket_elements = 0) {
         Run run;
         for (auto& [name, p] : MakeParams(dtype)) {
           run.params.emplace_back(name, p.detach().to(cuda).requires_grad_(true));
         }
-        run.optimizer =
-            std::make_unique<ShardedAdamW>(nullptr, run.params, kOptions,
-                                           ShardedAdamWOptions{.offload = offload,
-                                                               .offload_update = where,
-                                                               .bucket_elements = bucket,
-                                                               .resident_elements = resident});
+        run.optimizer = std::make_unique<ShardedAdamW>(
+            nullptr, run.params, kOptions,
+            ShardedAdamWOptions{.offload = offload,
+                                .offload_update = where,
+                                .bucket_elements = bucket_elements > 0 ? bucket_elements : bucket,
+                                .resident_elements = resident});
         return run;
       };
       auto step = [&](Run& run, int step) {
@@ -449,6 +451,12 @@ TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
       // of a bucket as large as the 55-element slice), more than the slice keeps all of it.
       Run part = start(true, OffloadUpdate::kOnDevice, 12);
       Run all = start(true, OffloadUpdate::kOnDevice, 1000);
+      // Buckets of 2: 20 resident, 8 streamed (the last of one element) through 4 slots, each
+      // refilled, the first 3 loaded while the resident buckets are updated. Against the state
+      // kept on the GPU in buckets of 2 as well: the global norm sums per bucket, so another
+      // bucket size clips by a factor equal only to ~1e-16.
+      Run slots = start(true, OffloadUpdate::kOnDevice, 40, 2);
+      Run resident_in_twos = start(false, OffloadUpdate::kOnDevice, 0, 2);
       Run host = start(true, OffloadUpdate::kOnHost);
       ASSERT_TRUE(streamed.optimizer->streams_through_device())
           << streamed.optimizer->streaming_refused();
@@ -457,9 +465,12 @@ TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
       EXPECT_EQ(streamed.optimizer->resident_elements(), 0);
       EXPECT_EQ(part.optimizer->resident_elements(), bucket == 5 ? 10 : 0);
       EXPECT_EQ(all.optimizer->resident_elements(), 55);
+      EXPECT_EQ(slots.optimizer->resident_elements(), 40);
       EXPECT_EQ(host.optimizer->resident_elements(), 0);
       for (int t = 0; t < 3; ++t) {
-        for (Run* run : {&resident, &streamed, &part, &all, &host}) step(*run, t);
+        for (Run* run : {&resident, &streamed, &part, &all, &slots, &resident_in_twos, &host}) {
+          step(*run, t);
+        }
       }
       // Resume the stream from its saved state (the resident part's as well, into an optimizer
       // that keeps another part on the GPU) and take one more step everywhere.
@@ -471,22 +482,25 @@ TEST(ShardedAdamW, StreamedThroughTheGpuEqualsTheGpuResidentStateBitForBit) {
       part.optimizer->SaveState(part_path);
       Run part_resumed = start(true, OffloadUpdate::kOnDevice);
       part_resumed.optimizer->LoadState({part_path});
-      for (Run* run : {&resident, &streamed, &part, &all, &host, &resumed, &part_resumed}) {
+      for (Run* run : {&resident, &streamed, &part, &all, &slots, &resident_in_twos, &host,
+                       &resumed, &part_resumed}) {
         step(*run, 3);
       }
 
-      const ShardedAdamW& want = *resident.optimizer;
-      for (const Run* run : {&streamed, &part, &all, &resumed, &part_resumed}) {
+      for (const Run* run : {&streamed, &part, &all, &slots, &resumed, &part_resumed}) {
+        const Run& reference = run == &slots ? resident_in_twos : resident;
+        const ShardedAdamW& want = *reference.optimizer;
         const ShardedAdamW& got = *run->optimizer;
         EXPECT_EQ(got.master_shard().device().type(), at::kCPU);
         EXPECT_TRUE(at::equal(got.master_shard(), want.master_shard().cpu()));
         EXPECT_TRUE(at::equal(got.exp_avg_shard(), want.exp_avg_shard().cpu()));
         EXPECT_TRUE(at::equal(got.exp_avg_sq_shard(), want.exp_avg_sq_shard().cpu()));
         for (size_t i = 0; i < kShapes.size(); ++i) {
-          EXPECT_TRUE(at::equal(run->params[i].second.cpu(), resident.params[i].second.cpu()))
+          EXPECT_TRUE(at::equal(run->params[i].second.cpu(), reference.params[i].second.cpu()))
               << run->params[i].first;
         }
       }
+      const ShardedAdamW& want = *resident.optimizer;
       const double tolerance = dtype == at::kDouble ? 1e-12 : 1e-6;
       EXPECT_LT(MaxRelativeError(host.optimizer->master_shard(), want.master_shard().cpu()),
                 tolerance);
