@@ -38,7 +38,8 @@
 // order of key tiles (FusedTileOrder, one semaphore per query tile); HopperDqFromPartsKernel then
 // writes dQ. 5 GEMMs per score tile, bitwise deterministic, dK and dV bitwise those of the two
 // kernels; on the H200 still slower than them (docs/benchmarks.md: the warpgroups meet at every
-// tile for dS, and the ordered float32 adds stall them).
+// tile for dS, and the ordered float32 adds stall them). A writer that waits 30 s for a tile's
+// earlier parts traps (kDqWaitLimitNs): a broken order fails the launch instead of hanging.
 #ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 #define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 
@@ -565,6 +566,19 @@ __device__ __forceinline__ int LoadAcquire(const int32_t* at) {
   return v;
 }
 
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// The longest the writer waits for a query tile's earlier parts. Every wait is for CTAs launched
+// before this one (FusedTileOrder), which finish in far less on any problem the kernel takes; a
+// wait this long means a count that can never be reached (a broken order), and the kernel traps so
+// that the launch fails with an error (CUDA's "unspecified launch failure") instead of hanging. No
+// message: a printf's arguments here cost the kernel spills.
+constexpr uint64_t kDqWaitLimitNs = uint64_t{30} * 1000 * 1000 * 1000;
+
 __device__ __forceinline__ void AddRelease(int32_t* at, int32_t v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" : : "l"(at), "r"(v) : "memory");
 }
@@ -624,7 +638,9 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, con
     float* dst = p.dq_accum + tile * kPartFloats;
     const float* part = parts + (iter & 1) * kPartFloats;
     if (lane == 0) {
+      const uint64_t waiting_since = GlobalTimerNs();
       while (LoadAcquire(semaphore) != before) {
+        if (GlobalTimerNs() - waiting_since > kDqWaitLimitNs) __trap();
       }
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }
