@@ -40,8 +40,8 @@ struct AdamWStepFloats {
 };
 
 // Whether the fused kernel takes these tensors: built with CUDA, all four contiguous float32
-// tensors of one size on one CUDA device, and DTA_FUSED_ADAMW not "0" (read at every call, for
-// before/after measurements in one process).
+// tensors of one size on one CUDA device, no two sharing memory, and DTA_FUSED_ADAMW not "0" (read
+// at every call, for before/after measurements in one process).
 bool FusedAdamWStepTakes(const at::Tensor& master, const at::Tensor& exp_avg,
                          const at::Tensor& exp_avg_sq, const at::Tensor& grad);
 

@@ -211,10 +211,26 @@ TEST(AdamWUpdateTest, FusedKernelTakesOnlyDenseFloat32GpuStateAndNamesWhatIsWron
   at::Tensor gpu = at::zeros({8}, at::TensorOptions().device(cuda));
   at::Tensor short_m = at::zeros({7}, gpu.options());
   at::Tensor v_gpu = gpu.clone();
-  EXPECT_FALSE(kernels::FusedAdamWStepTakes(gpu, short_m, v_gpu, gpu));
-  EXPECT_FALSE(kernels::FusedAdamWStepTakes(gpu, gpu.to(at::kDouble), v_gpu, gpu));
+  const at::Tensor m_gpu = gpu.clone();
+  const at::Tensor g_gpu = gpu.clone();
+  EXPECT_TRUE(kernels::FusedAdamWStepTakes(gpu, m_gpu, v_gpu, g_gpu));
+  EXPECT_FALSE(kernels::FusedAdamWStepTakes(gpu, short_m, v_gpu, g_gpu));
+  EXPECT_FALSE(kernels::FusedAdamWStepTakes(gpu, gpu.to(at::kDouble), v_gpu, g_gpu));
   EXPECT_FALSE(kernels::FusedAdamWStepTakes(
-      gpu, gpu, v_gpu, at::zeros({16}, gpu.options()).view({8, 2}).select(1, 0)));
+      gpu, m_gpu, v_gpu, at::zeros({16}, gpu.options()).view({8, 2}).select(1, 0)));
+  // Views of one [3, 8] buffer are disjoint; the same tensor twice is not.
+  const at::Tensor rows = at::zeros({3, 8}, gpu.options());
+  at::Tensor r0 = rows[0];
+  at::Tensor r1 = rows[1];
+  at::Tensor r2 = rows[2];
+  EXPECT_TRUE(kernels::FusedAdamWStepTakes(r0, r1, r2, gpu));
+  EXPECT_FALSE(kernels::FusedAdamWStepTakes(r0, r1, r2, r1));
+  try {
+    kernels::FusedAdamWStep(r0, r1, r2, r0, {});
+    ADD_FAILURE() << "a gradient sharing master's memory was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.msg(), HasSubstr("must not share memory"));
+  }
   try {
     kernels::FusedAdamWStep(gpu, short_m, v_gpu, gpu, {});
     ADD_FAILURE() << "a short exp_avg was taken";
