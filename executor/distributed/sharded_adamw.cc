@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/safetensors.h"
+#include "executor/device/memory.h"
 #include "executor/device/pinned_host.h"
 #include "executor/device/safetensors_tensors.h"
 #include "executor/optim/host_adamw.h"
@@ -441,7 +442,8 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
   // buckets are updated first (PublishParameters' order), and extra slots let the first streamed
   // buckets travel meanwhile. A resident bucket's update moves ~3x a streamed bucket's bytes over
   // HBM, which is ~70x the bus, so one extra slot per 16 resident buckets covers their time; the
-  // slots take memory the executor has freed, and fewer are used when the GPU cannot hold them.
+  // extra slots take at most half of the memory free now (the executor's, released), leaving the
+  // rest to each bucket's temporaries and gathers, and fewer when an allocation fails.
   const int64_t b = std::min(sharding_.bucket_elements, shard_);
   const int64_t streamed_buckets = CeilDiv(shard_ - resident_, b);
   c10::impl::VirtualGuardImpl guard(device_.type());
@@ -449,8 +451,10 @@ void ShardedAdamW::StreamedUpdate(const at::Tensor& shard, double clip_coef,
   const c10::Stream copy_in = guard.getStreamFromGlobalPool(device_);
   const c10::Stream copy_out = guard.getStreamFromGlobalPool(device_);
   const at::TensorOptions slot_options = at::TensorOptions().dtype(state_dtype_).device(device_);
-  const int64_t wanted_slots =
-      std::min(streamed_buckets, 2 + CeilDiv(resident_ / b, kResidentBucketsPerExtraSlot));
+  const int64_t slot_bytes = 3 * b * static_cast<int64_t>(c10::elementSize(state_dtype_));
+  const int64_t extra_slots = std::min(CeilDiv(resident_ / b, kResidentBucketsPerExtraSlot),
+                                       FreeDeviceMemory(device_) / 2 / slot_bytes);
+  const int64_t wanted_slots = std::min(streamed_buckets, 2 + extra_slots);
   std::vector<at::Tensor> slots;
   for (int64_t k = 0; k < wanted_slots; ++k) {
     try {
