@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "core/base/scoped_env.h"
 #include "core/cli/usage.h"
 #include "kernels/tree_attention.h"
 #include "kernels/tree_attention_internal.h"
@@ -84,38 +85,17 @@ bool OursOnly() { return absl::GetFlag(FLAGS_ours_only); }
 // the same with the opt-in single-kernel backward.
 enum class Kernel { kFa2, kHopper, kHopperBoth, kHopperSingleKernel };
 
-// Sets one environment variable for its lifetime and restores the previous value.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, bool on) : name_(name) {
-    const char* old = std::getenv(name);
-    had_old_ = old != nullptr;
-    if (had_old_) old_ = old;
-    setenv(name, on ? "1" : "0", 1);
-  }
-  ~ScopedEnv() {
-    if (had_old_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
+const char* Switch(bool on) { return on ? "1" : "0"; }
 
- private:
-  const char* name_;
-  bool had_old_ = false;
-  std::string old_;
-};
-
+// The switches that select `kernel`, set for the object's lifetime.
 class ScopedKernel {
  public:
   explicit ScopedKernel(Kernel kernel)
-      : forward_("DTA_HOPPER_ATTENTION", kernel != Kernel::kFa2),
+      : forward_("DTA_HOPPER_ATTENTION", Switch(kernel != Kernel::kFa2)),
         backward_("DTA_HOPPER_ATTENTION_BACKWARD",
-                  kernel == Kernel::kHopperBoth || kernel == Kernel::kHopperSingleKernel),
-        fused_("DTA_HOPPER_ATTENTION_BACKWARD_FUSED", kernel == Kernel::kHopperSingleKernel) {}
+                  Switch(kernel == Kernel::kHopperBoth || kernel == Kernel::kHopperSingleKernel)),
+        fused_("DTA_HOPPER_ATTENTION_BACKWARD_FUSED",
+               Switch(kernel == Kernel::kHopperSingleKernel)) {}
 
  private:
   ScopedEnv forward_;

@@ -16,10 +16,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <string>
 #include <vector>
 
+#include "core/base/scoped_env.h"
 #include "gtest/gtest.h"
 #include "kernels/tree_attention.h"
 #include "kernels/tree_attention_internal.h"
@@ -58,29 +58,6 @@ constexpr int64_t kHeadDim = 128;
 constexpr const char* kForwardEnv = "DTA_HOPPER_ATTENTION";
 constexpr const char* kBackwardEnv = "DTA_HOPPER_ATTENTION_BACKWARD";
 constexpr const char* kFusedEnv = "DTA_HOPPER_ATTENTION_BACKWARD_FUSED";
-
-// Sets an environment variable for its lifetime and restores the previous value.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    if (old != nullptr) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 class HopperTreeAttention : public ::testing::Test {
  protected:

@@ -1,9 +1,10 @@
 // The two kinds of environment switch: on unless "0" (EnvSwitchOn), off unless "1"
-// (EnvSwitchOptIn), for unset, empty and other values.
+// (EnvSwitchOptIn), for unset, empty and other values; a switch set for a scope (ScopedEnv).
 #include "core/base/env_switch.h"
 
 #include <cstdlib>
 
+#include "core/base/scoped_env.h"
 #include "gtest/gtest.h"
 
 namespace dta {
@@ -33,6 +34,21 @@ TEST(EnvSwitch, OptInOnlyForOne) {
   setenv(kName, "1", 1);
   EXPECT_TRUE(EnvSwitchOptIn(kName));
   unsetenv(kName);
+}
+
+TEST(ScopedEnv, SetsForItsScopeAndRestoresThePreviousValueOrNone) {
+  unsetenv(kName);
+  {
+    const ScopedEnv off(kName, "0");
+    EXPECT_FALSE(EnvSwitchOn(kName));
+    {
+      const ScopedEnv unset(kName, nullptr);
+      EXPECT_EQ(std::getenv(kName), nullptr);
+    }
+    ASSERT_NE(std::getenv(kName), nullptr);
+    EXPECT_STREQ(std::getenv(kName), "0");
+  }
+  EXPECT_EQ(std::getenv(kName), nullptr);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/base/scoped_env.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw_step.h"
@@ -22,18 +23,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Sets DTA_FUSED_ADAMW for the scope (unset: the default, the kernel).
-class FusedSwitch {
- public:
-  explicit FusedSwitch(bool on) {
-    if (on) {
-      unsetenv("DTA_FUSED_ADAMW");
-    } else {
-      setenv("DTA_FUSED_ADAMW", "0", 1);
-    }
-  }
-  ~FusedSwitch() { unsetenv("DTA_FUSED_ADAMW"); }
-};
+// DTA_FUSED_ADAMW for the scope: unset (the default, the kernel) or "0" (the ops).
+ScopedEnv FusedSwitch(bool on) { return {"DTA_FUSED_ADAMW", on ? nullptr : "0"}; }
 
 // Equal bit for bit, NaN equal to any NaN (the ops and the kernel may pick different NaN payloads).
 ::testing::AssertionResult SameBits(const at::Tensor& got, const at::Tensor& want) {
@@ -119,13 +110,13 @@ TEST(AdamWUpdateGpuTest, FusedKernelEqualsTheOpsBitForBit) {
           const at::Tensor grad_before = grad.clone();
           const AdamWStepScalars scalars = AdamWScalarsFor(c.options, t);
           {
-            const FusedSwitch on(true);
+            const auto on = FusedSwitch(true);
             ASSERT_TRUE(
                 kernels::FusedAdamWStepTakes(fused.master, fused.exp_avg, fused.exp_avg_sq, grad));
             AdamWUpdate(fused.master, fused.exp_avg, fused.exp_avg_sq, grad, scalars, c.clip_coef);
           }
           {
-            const FusedSwitch off(false);
+            const auto off = FusedSwitch(false);
             ASSERT_FALSE(
                 kernels::FusedAdamWStepTakes(ops.master, ops.exp_avg, ops.exp_avg_sq, grad));
             AdamWUpdate(ops.master, ops.exp_avg, ops.exp_avg_sq, grad, scalars, c.clip_coef);
