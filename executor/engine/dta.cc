@@ -33,6 +33,7 @@
 // token ids are fixed on the host before the first kernel, and the loss stays a device scalar
 // until the end. Under expert parallelism the schedule's model calls run in lockstep with the
 // other ranks' (lockstep.h).
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -646,6 +647,24 @@ std::vector<Pass> PlanPasses(const RoutingReplay& keys, const ExecutorOptions& o
   return passes;
 }
 
+// The profiler's name for the host work of one kind of step (a user scope: torch.profiler and
+// bench/step_gaps.py attribute the GPU's idle time to the step the host was in).
+const char* StepScope(StepKind kind) {
+  switch (kind) {
+    case StepKind::kForward:
+      return "dta::forward";
+    case StepKind::kAttachLoss:
+      return "dta::attach_loss";
+    case StepKind::kBackward:
+      return "dta::backward";
+    case StepKind::kPop:
+      return "dta::pop";
+    case StepKind::kPacked:
+      return "dta::packed";
+  }
+  return "dta::step";
+}
+
 }  // namespace
 
 GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
@@ -657,6 +676,9 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
   for (const Rollout& rollout : rollouts)
     max_len = std::max<int64_t>(max_len, rollout.tokens.size());
   const bool balance = training && plan->balances_routers();
+  // The host's planning, up to the first step (the profiler's scope, see StepScope).
+  at::RecordFunction plan_scope(at::RecordScope::USER_SCOPE);
+  if (plan_scope.isActive()) plan_scope.before("dta::plan");
   PathStack stack(model, max_len, with_entropy, training, balance);
   const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
   // A rank of an expert-parallel group may have no rollouts: it only serves the others' tokens.
@@ -693,6 +715,7 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
     if (stack.linear) state_points[p] = StatePoints(passes[p].schedule);
     for (size_t s = 0; s < passes[p].schedule.steps.size(); ++s) steps.push_back({p, s});
   }
+  plan_scope.end();
   std::vector<Chunk> kept;  // chunks whose graphs are alive, bottom to top
   auto run_step = [&](const PlannedStep& planned) {
     const Pass& pass = passes[planned.pass];
@@ -706,6 +729,7 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
       return replay.Rows(batch_of(step.rollout), step.begin, step.end, model.options().device());
     };
     const int64_t forwarded_before = result.forwarded_tokens;
+    RECORD_USER_SCOPE(StepScope(step.kind));
     switch (step.kind) {
       case StepKind::kForward: {
         Chunk chunk = ForwardChunk(
@@ -803,6 +827,7 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
     while (next <= last_step[call]) run_step(steps[next++]);
   });
   while (next < steps.size()) run_step(steps[next++]);
+  RECORD_USER_SCOPE("dta::loss_readback");
   result.loss = loss.item<double>();  // the one read-back, after the last kernel is queued
   if (balance_total.defined())
     result.router_aux_loss = balance_total.item<double>() / plan->router_aux_loss_coef();

@@ -1,5 +1,6 @@
 #include "executor/engine/executor.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -251,8 +252,12 @@ GradientResult ComputeGradients(const Decoder& model, absl::Span<const Rollout> 
 GradientResult ComputeGradients(const Decoder& model, absl::Span<const Rollout> rollouts,
                                 const LossOptions& loss, const ExecutorOptions& options,
                                 const BatchLossContext& batch) {
+  // The host's checks and loss plan (a profiler scope; RunDta's steps have their own).
+  at::RecordFunction prepare_scope(at::RecordScope::USER_SCOPE);
+  if (prepare_scope.isActive()) prepare_scope.before("dta::prepare");
   engine::CheckRollouts(model, rollouts);
   const engine::LossPlan plan(model, rollouts, loss, options, batch);
+  prepare_scope.end();
   return engine::Run(model, rollouts, &plan, options);
 }
 
