@@ -12,6 +12,7 @@
 
 #include "kernels/batched_copy.h"
 #include "kernels/batched_copy_internal.h"
+#include "kernels/dependent_launch.cuh"
 
 namespace dta::kernels::internal {
 namespace {
@@ -39,6 +40,7 @@ __device__ D Convert(S x) {
 // strides are then in words.
 template <typename S, typename D>
 __global__ void __launch_bounds__(kThreads) BatchedCopyKernel(Pieces pieces, uint64_t wide) {
+  WaitForPreviousKernels();
   const CopyPiece& p = pieces.piece[blockIdx.y];
   if ((wide >> blockIdx.y) & 1) {
     const uint4* source = static_cast<const uint4*>(p.source);
@@ -85,9 +87,10 @@ void Launch(absl::Span<const CopyPiece> pieces, cudaStream_t stream) {
     most_rows = std::max(most_rows, p.rows);
   }
   const int64_t blocks = std::clamp<int64_t>(most_rows, 1, 2048);
-  BatchedCopyKernel<S, D>
-      <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(pieces.size())), kThreads, 0,
-         stream>>>(args, wide);
+  C10_CUDA_CHECK(
+      LaunchAfterPrevious(BatchedCopyKernel<S, D>,
+                          dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(pieces.size())),
+                          kThreads, 0, stream, args, wide));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
+
 namespace dta::kernels::internal {
 namespace {
 
@@ -38,6 +40,7 @@ template <typename T>
 __global__ void MergeAttentionKernel(const T* out_a, const float* lse_a, const T* out_b,
                                      const float* lse_b, T* out, float* lse, int64_t tokens,
                                      int64_t heads, int64_t dim) {
+  WaitForPreviousKernels();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   if (row >= tokens * heads) return;
   const int lane = threadIdx.x % 32;
@@ -63,12 +66,12 @@ void Launch(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& 
             const at::Tensor& lse_b, at::Tensor& out, at::Tensor& lse) {
   const int64_t rows = out_a.size(0) * out_a.size(1);
   const int64_t blocks = (rows + kMergeWarps - 1) / kMergeWarps;
-  MergeAttentionKernel<T>
-      <<<static_cast<unsigned>(blocks), 32 * kMergeWarps, 0, at::cuda::getCurrentCUDAStream()>>>(
-          static_cast<const T*>(out_a.data_ptr()), lse_a.data_ptr<float>(),
-          static_cast<const T*>(out_b.data_ptr()), lse_b.data_ptr<float>(),
-          static_cast<T*>(out.data_ptr()), lse.data_ptr<float>(), out_a.size(0), out_a.size(1),
-          out_a.size(2));
+  C10_CUDA_CHECK(LaunchAfterPrevious(
+      MergeAttentionKernel<T>, static_cast<unsigned>(blocks), 32 * kMergeWarps, 0,
+      at::cuda::getCurrentCUDAStream(), static_cast<const T*>(out_a.data_ptr()),
+      lse_a.data_ptr<float>(), static_cast<const T*>(out_b.data_ptr()), lse_b.data_ptr<float>(),
+      static_cast<T*>(out.data_ptr()), lse.data_ptr<float>(), out_a.size(0), out_a.size(1),
+      out_a.size(2)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/dependent_launch.cuh"
+
 namespace dta::kernels::internal {
 namespace {
 
@@ -172,6 +174,7 @@ __device__ __forceinline__ void StoreGlobal4(T* row, int j, int dv, bool vector_
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) ChunkScanKernel(const ScanParams<T> p) {
+  WaitForPreviousKernels();
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const Layout l = p.layout;
   T* x = reinterpret_cast<T*>(shared_bytes);  // [dk_pad][kColumns]
@@ -390,7 +393,8 @@ void Launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor& add_a,
     p.init = init_base != nullptr ? init_base + s0 * state : nullptr;
     p.last = last_base + s0 * state;
     const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(n));
-    ChunkScanKernel<T><<<grid, kThreads, static_cast<size_t>(p.layout.bytes), stream>>>(p);
+    C10_CUDA_CHECK(LaunchAfterPrevious(ChunkScanKernel<T>, grid, kThreads,
+                                       static_cast<size_t>(p.layout.bytes), stream, p));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_access.cuh"
 #include "kernels/fused_layers_internal.h"
 #include "kernels/warp_sum.cuh"
@@ -111,6 +112,7 @@ template <int E>
 __global__ void __launch_bounds__(kNormThreads)
     RmsNormForwardKernel(In x, int64_t x_ld, In addend, Out sum_out, In w, Out y, float* rstd,
                          int64_t rows, int64_t n, int64_t rows_per_block, float eps) {
+  WaitForPreviousKernels();
   __shared__ float shared[32];
   float weight[E];
   LoadNormColumns(w, 0, n, weight);
@@ -140,6 +142,7 @@ template <int E>
 __global__ void __launch_bounds__(kNormThreads)
     RmsNormApplyKernel(In x, int64_t x_ld, In w, const float* rstd, Out y, int64_t rows, int64_t n,
                        int64_t rows_per_block) {
+  WaitForPreviousKernels();
   float weight[E];
   LoadNormColumns(w, 0, n, weight);
   for (int64_t row = FirstNormRow(rows_per_block); row < NormRowsEnd(rows, rows_per_block); ++row) {
@@ -160,6 +163,7 @@ __global__ void __launch_bounds__(kNormThreads)
     RmsNormBackwardKernel(In dy, In x, int64_t x_ld, In w, const float* rstd,
                           const float* __restrict__ residual, float* __restrict__ dx,
                           float* partials, int64_t rows, int64_t n, int64_t rows_per_block) {
+  WaitForPreviousKernels();
   __shared__ float shared[32];
   float weight[E], acc[E];
   LoadNormColumns(w, 0, n, weight);
@@ -217,6 +221,7 @@ constexpr int64_t kRopeRowsPerBlock = kRopeWarps * kRopeRowsPerWarp;
 template <int E, bool kNorm>
 __global__ void RopeForwardKernel(In x, In w, const float* cos, const float* sin, Out y,
                                   float* rstd, int64_t rows, int64_t heads, float eps) {
+  WaitForPreviousKernels();
   constexpr int D = 32 * E;
   constexpr int R = kRopeRowsPerWarp;
   const int lane = threadIdx.x % 32;
@@ -271,6 +276,7 @@ template <int E, bool kNorm>
 __global__ void RopeBackwardKernel(In dy, In x, In w, const float* rstd, const float* cos,
                                    const float* sin, Out dx, float* partials, int64_t rows,
                                    int64_t heads) {
+  WaitForPreviousKernels();
   constexpr int D = 32 * E;
   constexpr int R = kRopeRowsPerWarp;
   const int lane = threadIdx.x % 32;
@@ -371,6 +377,7 @@ struct SwiGluLayout {
 
 template <bool kVectorized>
 __global__ void SwiGluForwardKernel(In gate, In up, Out out, int64_t n, SwiGluLayout layout) {
+  WaitForPreviousKernels();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if constexpr (kVectorized) {
@@ -394,6 +401,7 @@ __global__ void SwiGluForwardKernel(In gate, In up, Out out, int64_t n, SwiGluLa
 template <bool kVectorized>
 __global__ void SwiGluBackwardKernel(In d, In gate, In up, Out dgate, Out dup, Out product,
                                      int64_t n, SwiGluLayout layout) {
+  WaitForPreviousKernels();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if constexpr (kVectorized) {
@@ -440,6 +448,7 @@ __device__ __forceinline__ float Sigmoid(float x) {
 
 template <bool kVectorized>
 __global__ void SigmoidGateForwardKernel(In a, In x, Out y, int64_t n, GateLayout layout) {
+  WaitForPreviousKernels();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if constexpr (kVectorized) {
@@ -461,6 +470,7 @@ __global__ void SigmoidGateForwardKernel(In a, In x, Out y, int64_t n, GateLayou
 template <bool kVectorized>
 __global__ void SigmoidGateBackwardKernel(In dy, In a, In x, Out da, Out dx, int64_t n,
                                           GateLayout layout) {
+  WaitForPreviousKernels();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const auto gradients = [](float g, float av, float xv, float& dav, float& dxv) {
@@ -496,13 +506,15 @@ void LaunchRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps
   const int64_t rows = x.size(0) * x.size(1);
   const int blocks = static_cast<int>((rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock);
   if (weight.defined()) {
-    RopeForwardKernel<E, true><<<blocks, 32 * kRopeWarps, 0, stream>>>(
-        InOf(x), InOf(weight), cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
-        rstd.data_ptr<float>(), rows, x.size(1), static_cast<float>(eps));
+    C10_CUDA_CHECK(LaunchAfterPrevious(RopeForwardKernel<E, true>, blocks, 32 * kRopeWarps, 0,
+                                       stream, InOf(x), InOf(weight), cos.data_ptr<float>(),
+                                       sin.data_ptr<float>(), OutOf(y), rstd.data_ptr<float>(),
+                                       rows, x.size(1), static_cast<float>(eps)));
   } else {
-    RopeForwardKernel<E, false><<<blocks, 32 * kRopeWarps, 0, stream>>>(
-        InOf(x), In{nullptr, Dtype::kFloat}, cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
-        nullptr, rows, x.size(1), 0.0f);
+    C10_CUDA_CHECK(LaunchAfterPrevious(RopeForwardKernel<E, false>, blocks, 32 * kRopeWarps, 0,
+                                       stream, InOf(x), In{nullptr, Dtype::kFloat},
+                                       cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
+                                       nullptr, rows, x.size(1), 0.0f));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -516,14 +528,16 @@ void LaunchRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Ten
   const int blocks =
       static_cast<int>(weight.defined() ? partials.size(0) : RmsNormRopeBackwardBlocks(rows));
   if (weight.defined()) {
-    RopeBackwardKernel<E, true><<<blocks, 32 * kRopeWarps, 0, stream>>>(
-        InOf(dy), InOf(x), InOf(weight), rstd.data_ptr<float>(), cos.data_ptr<float>(),
-        sin.data_ptr<float>(), OutOf(dx), partials.data_ptr<float>(), rows, dy.size(1));
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        RopeBackwardKernel<E, true>, blocks, 32 * kRopeWarps, 0, stream, InOf(dy), InOf(x),
+        InOf(weight), rstd.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+        OutOf(dx), partials.data_ptr<float>(), rows, dy.size(1)));
   } else {
     const In none{nullptr, Dtype::kFloat};
-    RopeBackwardKernel<E, false><<<blocks, 32 * kRopeWarps, 0, stream>>>(
-        InOf(dy), none, none, nullptr, cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(dx),
-        nullptr, rows, dy.size(1));
+    C10_CUDA_CHECK(LaunchAfterPrevious(RopeBackwardKernel<E, false>, blocks, 32 * kRopeWarps, 0,
+                                       stream, InOf(dy), none, none, nullptr, cos.data_ptr<float>(),
+                                       sin.data_ptr<float>(), OutOf(dx), nullptr, rows,
+                                       dy.size(1)));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -576,6 +590,7 @@ __global__ void LogitRowStatsKernel(const float* __restrict__ logits, int64_t vo
                                     bool vectorized, const int64_t* __restrict__ targets,
                                     float* __restrict__ lse, float* __restrict__ target,
                                     float* __restrict__ mean) {
+  WaitForPreviousKernels();
   const int64_t row = blockIdx.x;
   const float* z = logits + row * vocab;
   SoftmaxPartial p{-INFINITY, 0.f, 0.f};
@@ -621,6 +636,7 @@ __global__ void LogitGradKernel(const float* __restrict__ logits, int64_t vocab,
                                 const float* __restrict__ mean,
                                 const float* __restrict__ grad_entropy, float scale, bool scaled,
                                 Out out) {
+  WaitForPreviousKernels();
   const int64_t row = blockIdx.y;
   const float l = lse[row], g = grad_logprob[row];
   const float m = kWithEntropy ? mean[row] : 0.f, ge = kWithEntropy ? grad_entropy[row] : 0.f;
@@ -663,12 +679,12 @@ void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& addend, const at:
   const int64_t rows = x.size(0), n = x.size(1), blocks = NormRowBlocks(rows);
   const bool add = addend.defined();
   WithColumnsPerThread(n, [&](auto columns) {
-    RmsNormForwardKernel<decltype(columns)::value>
-        <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            InOf(x), x.stride(0), add ? InOf(addend) : In{nullptr, Dtype::kFloat},
-            add ? OutOf(sum) : Out{nullptr, Dtype::kFloat}, InOf(weight), OutOf(y),
-            rstd.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks),
-            static_cast<float>(eps));
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        RmsNormForwardKernel<decltype(columns)::value>, static_cast<unsigned>(blocks), kNormThreads,
+        0, at::cuda::getCurrentCUDAStream(), InOf(x), x.stride(0),
+        add ? InOf(addend) : In{nullptr, Dtype::kFloat},
+        add ? OutOf(sum) : Out{nullptr, Dtype::kFloat}, InOf(weight), OutOf(y),
+        rstd.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks), static_cast<float>(eps)));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -679,10 +695,10 @@ void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::T
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), n = x.size(1), blocks = NormRowBlocks(rows);
   WithColumnsPerThread(n, [&](auto columns) {
-    RmsNormApplyKernel<decltype(columns)::value>
-        <<<static_cast<unsigned>(blocks), kNormThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            InOf(x), x.stride(0), InOf(weight), rstd.data_ptr<float>(), OutOf(y), rows, n,
-            NormRowsPerBlock(rows, blocks));
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        RmsNormApplyKernel<decltype(columns)::value>, static_cast<unsigned>(blocks), kNormThreads,
+        0, at::cuda::getCurrentCUDAStream(), InOf(x), x.stride(0), InOf(weight),
+        rstd.data_ptr<float>(), OutOf(y), rows, n, NormRowsPerBlock(rows, blocks)));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -702,11 +718,12 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
   const int64_t n = x.size(1);
   const int64_t blocks = weight_partials.size(0);
   WithColumnsPerThread(n, [&](auto columns) {
-    RmsNormBackwardKernel<decltype(columns)::value>
-        <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
-            InOf(dy), InOf(x), x.stride(0), InOf(weight), rstd.data_ptr<float>(),
-            residual.defined() ? residual.data_ptr<float>() : nullptr, dx.data_ptr<float>(),
-            weight_partials.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks));
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        RmsNormBackwardKernel<decltype(columns)::value>, static_cast<unsigned>(blocks),
+        kNormThreads, 0, stream, InOf(dy), InOf(x), x.stride(0), InOf(weight),
+        rstd.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
+        dx.data_ptr<float>(), weight_partials.data_ptr<float>(), rows, n,
+        NormRowsPerBlock(rows, blocks)));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -785,11 +802,13 @@ void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, int64_t in_
                     out.scalar_type() == at::kBFloat16;
   if (bf16 && layout.cols % kVector == 0 && in_ld % kVector == 0 &&
       Vectorizable(n, {&gate, &up, &out})) {
-    SwiGluForwardKernel<true><<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
-        InOf(gate), InOf(up), OutOf(out), n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(SwiGluForwardKernel<true>, ElementwiseBlocks(n / kVector),
+                                       kElementwiseThreads, 0, stream, InOf(gate), InOf(up),
+                                       OutOf(out), n, layout));
   } else {
-    SwiGluForwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
-        InOf(gate), InOf(up), OutOf(out), n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(SwiGluForwardKernel<false>, ElementwiseBlocks(n),
+                                       kElementwiseThreads, 0, stream, InOf(gate), InOf(up),
+                                       OutOf(out), n, layout));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -810,11 +829,13 @@ void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::T
   }
   if (bf16 && layout.cols % kVector == 0 && in_ld % kVector == 0 && out_ld % kVector == 0 &&
       Vectorizable(n, {&d, &gate, &up, &dgate, &dup, &product})) {
-    SwiGluBackwardKernel<true><<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
-        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(SwiGluBackwardKernel<true>, ElementwiseBlocks(n / kVector),
+                                       kElementwiseThreads, 0, stream, InOf(d), InOf(gate),
+                                       InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout));
   } else {
-    SwiGluBackwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
-        InOf(d), InOf(gate), InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(SwiGluBackwardKernel<false>, ElementwiseBlocks(n),
+                                       kElementwiseThreads, 0, stream, InOf(d), InOf(gate),
+                                       InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -830,12 +851,13 @@ void SigmoidGateForwardCuda(const at::Tensor& a, const at::Tensor& x, int64_t ga
                     y.scalar_type() == at::kBFloat16;
   if (bf16 && layout.cols % kVector == 0 && gate_ld % kVector == 0 &&
       Vectorizable(n, {&a, &x, &y})) {
-    SigmoidGateForwardKernel<true>
-        <<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(InOf(a), InOf(x),
-                                                                             OutOf(y), n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(SigmoidGateForwardKernel<true>,
+                                       ElementwiseBlocks(n / kVector), kElementwiseThreads, 0,
+                                       stream, InOf(a), InOf(x), OutOf(y), n, layout));
   } else {
-    SigmoidGateForwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
-        InOf(a), InOf(x), OutOf(y), n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(SigmoidGateForwardKernel<false>, ElementwiseBlocks(n),
+                                       kElementwiseThreads, 0, stream, InOf(a), InOf(x), OutOf(y),
+                                       n, layout));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -853,12 +875,13 @@ void SigmoidGateBackwardCuda(const at::Tensor& dy, const at::Tensor& a, const at
   }
   if (bf16 && layout.cols % kVector == 0 && gate_ld % kVector == 0 &&
       Vectorizable(n, {&dy, &a, &x, &da, &dx})) {
-    SigmoidGateBackwardKernel<true>
-        <<<ElementwiseBlocks(n / kVector), kElementwiseThreads, 0, stream>>>(
-            InOf(dy), InOf(a), InOf(x), OutOf(da), OutOf(dx), n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        SigmoidGateBackwardKernel<true>, ElementwiseBlocks(n / kVector), kElementwiseThreads, 0,
+        stream, InOf(dy), InOf(a), InOf(x), OutOf(da), OutOf(dx), n, layout));
   } else {
-    SigmoidGateBackwardKernel<false><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
-        InOf(dy), InOf(a), InOf(x), OutOf(da), OutOf(dx), n, layout);
+    C10_CUDA_CHECK(LaunchAfterPrevious(SigmoidGateBackwardKernel<false>, ElementwiseBlocks(n),
+                                       kElementwiseThreads, 0, stream, InOf(dy), InOf(a), InOf(x),
+                                       OutOf(da), OutOf(dx), n, layout));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -871,6 +894,7 @@ constexpr int kColumnSumWarps = 8;
 __global__ void __launch_bounds__(32 * kColumnSumWarps)
     AddColumnSumsKernel(const float* __restrict__ partials, int64_t rows, int64_t cols,
                         float* __restrict__ accumulator) {
+  WaitForPreviousKernels();
   __shared__ float sums[kColumnSumWarps][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + lane;
@@ -892,8 +916,9 @@ void AddColumnSumsCuda(const at::Tensor& partials, at::Tensor& accumulator) {
   if (cols == 0) return;
   const c10::cuda::CUDAGuard guard(partials.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AddColumnSumsKernel<<<static_cast<unsigned>((cols + 31) / 32), 32 * kColumnSumWarps, 0, stream>>>(
-      partials.data_ptr<float>(), rows, cols, accumulator.data_ptr<float>());
+  C10_CUDA_CHECK(LaunchAfterPrevious(AddColumnSumsKernel, static_cast<unsigned>((cols + 31) / 32),
+                                     32 * kColumnSumWarps, 0, stream, partials.data_ptr<float>(),
+                                     rows, cols, accumulator.data_ptr<float>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -906,10 +931,10 @@ void LogitRowStatsCuda(const at::Tensor& logits, const at::Tensor& targets, at::
   const bool vectorized =
       vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
   const auto launch = [&](auto kernel) {
-    kernel<<<rows, kRowStatsThreads, 0, stream>>>(
-        logits.data_ptr<float>(), vocab, vectorized, targets.data_ptr<int64_t>(),
-        lse.data_ptr<float>(), target.data_ptr<float>(),
-        mean.defined() ? mean.data_ptr<float>() : nullptr);
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        kernel, rows, kRowStatsThreads, 0, stream, logits.data_ptr<float>(), vocab, vectorized,
+        targets.data_ptr<int64_t>(), lse.data_ptr<float>(), target.data_ptr<float>(),
+        mean.defined() ? mean.data_ptr<float>() : nullptr));
   };
   if (mean.defined()) {
     launch(LogitRowStatsKernel<true>);
@@ -940,12 +965,13 @@ void LogitGradCuda(const at::Tensor& logits, const at::Tensor& lse, const at::Te
                   static_cast<unsigned>(rows));
   const bool with_entropy = mean.defined();
   const auto launch = [&](auto kernel) {
-    kernel<<<grid, kElementwiseThreads, 0, stream>>>(
-        logits.data_ptr<float>(), vocab, lse.data_ptr<float>(), targets.data_ptr<int64_t>(),
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        kernel, grid, kElementwiseThreads, 0, stream, logits.data_ptr<float>(), vocab,
+        lse.data_ptr<float>(), targets.data_ptr<int64_t>(),
         target_weight.defined() ? target_weight.data_ptr<float>() : nullptr,
         grad_logprob.data_ptr<float>(), with_entropy ? mean.data_ptr<float>() : nullptr,
         with_entropy ? grad_entropy.data_ptr<float>() : nullptr, static_cast<float>(scale),
-        scale != 1.0, OutOf(out));
+        scale != 1.0, OutOf(out)));
   };
   if (with_entropy) {
     vectorized ? launch(LogitGradKernel<true, true>) : launch(LogitGradKernel<true, false>);

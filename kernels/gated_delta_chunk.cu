@@ -42,6 +42,7 @@
 #include <cstdint>
 
 #include "kernels/block_mma.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/gated_delta_chunk_internal.h"
 #include "kernels/warp_sum.cuh"
 
@@ -268,6 +269,7 @@ struct Params : ChunkInputs<T> {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) GatedDeltaChunkKernel(const Params<T> p) {
+  WaitForPreviousKernels();
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   const Layout l = p.layout;
   const int c_len = p.chunk, cp = l.cp, kp = l.kp, dk = p.dk, dv = p.dv;
@@ -364,7 +366,8 @@ void Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(bytes)));
   const dim3 grid(static_cast<unsigned>(p.chunks), static_cast<unsigned>(p.heads));
-  GatedDeltaChunkKernel<T><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_CHECK(LaunchAfterPrevious(GatedDeltaChunkKernel<T>, grid, kThreads, bytes,
+                                     at::cuda::getCurrentCUDAStream(), p));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -391,6 +394,7 @@ struct BackwardParams : ChunkInputs<T> {
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     GatedDeltaChunkBackwardKernel(const BackwardParams<T> p) {
+  WaitForPreviousKernels();
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   const Layout l = p.layout;
   const int c_len = p.chunk, cp = l.cp, kp = l.kp, dk = p.dk, dv = p.dv;
@@ -619,7 +623,8 @@ void LaunchBackward(const BackwardInputs& in, const ChunkTerms& grad, const Back
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(bytes)));
   const dim3 grid(static_cast<unsigned>(p.chunks), static_cast<unsigned>(p.heads));
-  GatedDeltaChunkBackwardKernel<T><<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_CHECK(LaunchAfterPrevious(GatedDeltaChunkBackwardKernel<T>, grid, kThreads, bytes,
+                                     at::cuda::getCurrentCUDAStream(), p));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_access.cuh"
 #include "kernels/head_norms_internal.h"
 #include "kernels/warp_sum.cuh"
@@ -66,6 +67,7 @@ template <int E, bool kGated>
 __global__ void __launch_bounds__(32 * kWarps)
     HeadNormForwardKernel(In x, In w, In z, HeadRows layout, Out y, float* rstd, int64_t rows,
                           float eps) {
+  WaitForPreviousKernels();
   constexpr int D = 32 * E;
   constexpr int R = kRowsPerWarp;
   const int lane = threadIdx.x % 32;
@@ -115,6 +117,7 @@ template <int E, bool kGated>
 __global__ void __launch_bounds__(32 * kWarps)
     HeadNormBackwardKernel(In dy, In x, In w, In z, HeadRows layout, const float* rstd, Out dx,
                            Out dz, float* partials, int64_t rows) {
+  WaitForPreviousKernels();
   constexpr int D = 32 * E;
   constexpr int R = kRowsPerWarp;
   const int lane = threadIdx.x % 32;
@@ -214,9 +217,9 @@ void HeadNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, const at
   WithHeadDim(x.size(2), [&](auto per_lane) {
     constexpr int E = decltype(per_lane)::value;
     auto* kernel = gated ? HeadNormForwardKernel<E, true> : HeadNormForwardKernel<E, false>;
-    kernel<<<blocks, 32 * kWarps, 0, stream>>>(InOf(x), w, gate, RowsOf(x, z), OutOf(y),
-                                               rstd.data_ptr<float>(), rows,
-                                               static_cast<float>(eps));
+    C10_CUDA_CHECK(LaunchAfterPrevious(kernel, blocks, 32 * kWarps, 0, stream, InOf(x), w, gate,
+                                       RowsOf(x, z), OutOf(y), rstd.data_ptr<float>(), rows,
+                                       static_cast<float>(eps)));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -238,10 +241,11 @@ void HeadNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::T
   WithHeadDim(x.size(2), [&](auto per_lane) {
     constexpr int E = decltype(per_lane)::value;
     auto* kernel = gated ? HeadNormBackwardKernel<E, true> : HeadNormBackwardKernel<E, false>;
-    kernel<<<blocks, 32 * kWarps, 0, stream>>>(
-        InOf(dy), InOf(x), gated ? InOf(weight) : none, gated ? InOf(z) : none, RowsOf(x, z),
-        rstd.data_ptr<float>(), OutOf(dx), gated ? OutOf(dz) : Out{nullptr, Dtype::kFloat},
-        gated ? weight_partials.data_ptr<float>() : nullptr, rows);
+    C10_CUDA_CHECK(LaunchAfterPrevious(kernel, blocks, 32 * kWarps, 0, stream, InOf(dy), InOf(x),
+                                       gated ? InOf(weight) : none, gated ? InOf(z) : none,
+                                       RowsOf(x, z), rstd.data_ptr<float>(), OutOf(dx),
+                                       gated ? OutOf(dz) : Out{nullptr, Dtype::kFloat},
+                                       gated ? weight_partials.data_ptr<float>() : nullptr, rows));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_access.cuh"
 #include "kernels/moe_router.h"
 #include "kernels/moe_router_internal.h"
@@ -96,6 +97,7 @@ struct RouteParams : TokenRows {
 
 template <int kPer>
 __global__ void __launch_bounds__(kThreads) RouteKernel(const RouteParams p) {
+  WaitForPreviousKernels();
   const auto [lane, t, row, slots] = TokenWarpOf(p);
   if (t >= p.tokens) return;  // the whole warp
   const int e = p.experts, k = p.top_k;
@@ -211,6 +213,7 @@ struct BackwardParams : TokenRows {
 // probs (dprobs - sum_c dprobs_c probs_c).
 template <int kPer>
 __global__ void __launch_bounds__(kThreads) RouterBackwardKernel(const BackwardParams p) {
+  WaitForPreviousKernels();
   const auto [lane, t, row, slots] = TokenWarpOf(p);
   if (t >= p.tokens) return;  // the whole warp
   const int e = p.experts, k = p.top_k;
@@ -308,6 +311,7 @@ __device__ __forceinline__ Step StepOf(const SortParams& p, int segment, int ste
 }
 
 __global__ void __launch_bounds__(kThreads) CountPairsKernel(const SortParams p) {
+  WaitForPreviousKernels();
   extern __shared__ int shared_counters[];  // [kWarpsPerBlock, E]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int segment = blockIdx.x * kWarpsPerBlock + warp;
@@ -328,6 +332,7 @@ __global__ void __launch_bounds__(kThreads) CountPairsKernel(const SortParams p)
 // its last segment.
 __global__ void __launch_bounds__(kScanThreads)
     ScanCountsKernel(const SortParams p, int64_t* __restrict__ ends) {
+  WaitForPreviousKernels();
   __shared__ int warp_sums[kScanThreads / kWarp];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int total = p.experts * p.segments;
@@ -366,6 +371,7 @@ __global__ void __launch_bounds__(kScanThreads)
 __global__ void __launch_bounds__(kThreads)
     PlacePairsKernel(const SortParams p, int64_t* __restrict__ order, int64_t* __restrict__ inverse,
                      int64_t* __restrict__ token) {
+  WaitForPreviousKernels();
   extern __shared__ int shared_counters[];  // [kWarpsPerBlock, E]: each expert's next place
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int segment = blockIdx.x * kWarpsPerBlock + warp;
@@ -412,8 +418,9 @@ void LaunchRouteTokens(const at::Tensor& logits, const at::Tensor& replay, int64
   params.top_k = static_cast<int>(top_k);
   params.norm = norm_topk;
   WithColumnsPerLane(params.experts, [&](auto per) {
-    RouteKernel<decltype(per)::value>
-        <<<TokenBlocks(params.tokens), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(params);
+    C10_CUDA_CHECK(LaunchAfterPrevious(RouteKernel<decltype(per)::value>,
+                                       TokenBlocks(params.tokens), kThreads, 0,
+                                       at::cuda::getCurrentCUDAStream(), params));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -437,12 +444,14 @@ void LaunchSortPairs(const at::Tensor& index, int64_t experts, at::Tensor& order
   const auto stream = at::cuda::getCurrentCUDAStream();
   const unsigned blocks = static_cast<unsigned>((segments + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const size_t shared = sizeof(int) * kWarpsPerBlock * static_cast<size_t>(experts);
-  CountPairsKernel<<<blocks, kThreads, shared, stream>>>(params);
+  C10_CUDA_CHECK(LaunchAfterPrevious(CountPairsKernel, blocks, kThreads, shared, stream, params));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  ScanCountsKernel<<<1, kScanThreads, 0, stream>>>(params, ends.data_ptr<int64_t>());
+  C10_CUDA_CHECK(LaunchAfterPrevious(ScanCountsKernel, 1, kScanThreads, 0, stream, params,
+                                     ends.data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  PlacePairsKernel<<<blocks, kThreads, shared, stream>>>(
-      params, order.data_ptr<int64_t>(), inverse.data_ptr<int64_t>(), token.data_ptr<int64_t>());
+  C10_CUDA_CHECK(LaunchAfterPrevious(PlacePairsKernel, blocks, kThreads, shared, stream, params,
+                                     order.data_ptr<int64_t>(), inverse.data_ptr<int64_t>(),
+                                     token.data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -462,8 +471,9 @@ void LaunchRouterBackward(const at::Tensor& probs, const at::Tensor& index,
   params.top_k = static_cast<int>(index.size(1));
   params.norm = norm_topk;
   WithColumnsPerLane(params.experts, [&](auto per) {
-    RouterBackwardKernel<decltype(per)::value>
-        <<<TokenBlocks(params.tokens), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(params);
+    C10_CUDA_CHECK(LaunchAfterPrevious(RouterBackwardKernel<decltype(per)::value>,
+                                       TokenBlocks(params.tokens), kThreads, 0,
+                                       at::cuda::getCurrentCUDAStream(), params));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

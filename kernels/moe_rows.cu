@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/moe_rows_internal.h"
 
 namespace dta::kernels::internal {
@@ -22,6 +23,7 @@ __global__ void __launch_bounds__(kThreads)
     SumOverPairsKernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                        const float* __restrict__ weights, const int64_t* __restrict__ inverse,
                        float* __restrict__ out, int64_t k, int64_t hidden) {
+  WaitForPreviousKernels();
   const int64_t t = blockIdx.x;
   for (int64_t col = threadIdx.x; col < hidden; col += kThreads) {
     float sum = 0.0f;
@@ -43,6 +45,7 @@ __global__ void __launch_bounds__(kThreads)
     GatherPairsKernel(const float* __restrict__ dy, const int64_t* __restrict__ token,
                       const float* __restrict__ w, __nv_bfloat16* __restrict__ rows,
                       __nv_bfloat16* __restrict__ scaled, int64_t hidden) {
+  WaitForPreviousKernels();
   const int64_t p = blockIdx.x;
   const float* source = dy + token[p] * hidden;
   const float weight = w[p];
@@ -63,30 +66,30 @@ __nv_bfloat16* MutableBf16(at::Tensor& t) { return reinterpret_cast<__nv_bfloat1
 void LaunchCombinePairs(const at::Tensor& rows, const at::Tensor& inverse,
                         const at::Tensor& weights, at::Tensor& y) {
   const c10::cuda::CUDAGuard guard(rows.device());
-  SumOverPairsKernel<true>
-      <<<static_cast<unsigned>(y.size(0)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          Bf16(rows), nullptr, weights.const_data_ptr<float>(), inverse.const_data_ptr<int64_t>(),
-          y.data_ptr<float>(), weights.size(1), rows.size(1));
+  C10_CUDA_CHECK(LaunchAfterPrevious(
+      SumOverPairsKernel<true>, static_cast<unsigned>(y.size(0)), kThreads, 0,
+      at::cuda::getCurrentCUDAStream(), Bf16(rows), nullptr, weights.const_data_ptr<float>(),
+      inverse.const_data_ptr<int64_t>(), y.data_ptr<float>(), weights.size(1), rows.size(1)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchGatherPairs(const at::Tensor& dy, const at::Tensor& token, const at::Tensor& w,
                        at::Tensor& rows, at::Tensor& scaled) {
   const c10::cuda::CUDAGuard guard(dy.device());
-  GatherPairsKernel<<<static_cast<unsigned>(token.numel()), kThreads, 0,
-                      at::cuda::getCurrentCUDAStream()>>>(
-      dy.const_data_ptr<float>(), token.const_data_ptr<int64_t>(), w.const_data_ptr<float>(),
-      MutableBf16(rows), MutableBf16(scaled), dy.size(1));
+  C10_CUDA_CHECK(LaunchAfterPrevious(
+      GatherPairsKernel, static_cast<unsigned>(token.numel()), kThreads, 0,
+      at::cuda::getCurrentCUDAStream(), dy.const_data_ptr<float>(), token.const_data_ptr<int64_t>(),
+      w.const_data_ptr<float>(), MutableBf16(rows), MutableBf16(scaled), dy.size(1)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchSumPairs(const at::Tensor& a, const at::Tensor& b, const at::Tensor& inverse,
                     int64_t top_k, at::Tensor& dx) {
   const c10::cuda::CUDAGuard guard(a.device());
-  SumOverPairsKernel<false>
-      <<<static_cast<unsigned>(dx.size(0)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          Bf16(a), Bf16(b), nullptr, inverse.const_data_ptr<int64_t>(), dx.data_ptr<float>(), top_k,
-          a.size(1));
+  C10_CUDA_CHECK(LaunchAfterPrevious(SumOverPairsKernel<false>, static_cast<unsigned>(dx.size(0)),
+                                     kThreads, 0, at::cuda::getCurrentCUDAStream(), Bf16(a),
+                                     Bf16(b), nullptr, inverse.const_data_ptr<int64_t>(),
+                                     dx.data_ptr<float>(), top_k, a.size(1)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

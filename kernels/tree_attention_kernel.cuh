@@ -37,6 +37,8 @@
 
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
+
 namespace dta::kernels {
 
 using bf16 = __nv_bfloat16;
@@ -288,6 +290,7 @@ __device__ __forceinline__ void MaskQueryMajor(float (&s)[MT][NT][4], const Tree
 template <typename Index>
 __global__ void PrepareKernel(const Index* key_end, int tokens, int32_t* key_end32,
                               int32_t* tile_max, int32_t* tile_min, int32_t* zeroed_counter) {
+  internal::WaitForPreviousKernels();
   static_assert(kKeyTile == 64, "two warps per tile");
   __shared__ int32_t smax[2], smin[2];
   const int j = blockIdx.x * kKeyTile + threadIdx.x;
@@ -519,6 +522,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) ForwardKernel(const TreeAttent
 
 template <int D>
 __global__ void RowDotKernel(const TreeAttentionParams p) {
+  internal::WaitForPreviousKernels();
   constexpr int kLanes = D / 8;  // threads per (row, head), 16 bytes each
   constexpr int kRowsPerBlock = 256 / kLanes;
   const int sub = threadIdx.x % kLanes;
@@ -1018,9 +1022,9 @@ template <int D>
 cudaError_t LaunchRowDot(const TreeAttentionParams& p, cudaStream_t stream) {
   constexpr int kRowsPerBlock = 256 / (D / 8);
   const int64_t rows = static_cast<int64_t>(p.tokens) * p.q_heads;
-  RowDotKernel<D>
-      <<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);
-  return cudaGetLastError();
+  return internal::LaunchAfterPrevious(
+      RowDotKernel<D>, static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0,
+      stream, p);
 }
 
 template <int D>
@@ -1053,15 +1057,15 @@ inline cudaError_t LaunchTreeAttentionPrepare(const void* key_end, bool key_end_
   using tree_attention_detail::kKeyTile;
   const int blocks = (tokens + kKeyTile - 1) / kKeyTile;
   if (key_end_is_int64) {
-    tree_attention_detail::PrepareKernel<int64_t>
-        <<<blocks, kKeyTile, 0, stream>>>(static_cast<const int64_t*>(key_end), tokens, key_end32,
-                                          tile_max_end, tile_min_end, zeroed_counter);
-  } else {
-    tree_attention_detail::PrepareKernel<int32_t>
-        <<<blocks, kKeyTile, 0, stream>>>(static_cast<const int32_t*>(key_end), tokens, key_end32,
-                                          tile_max_end, tile_min_end, zeroed_counter);
+    return internal::LaunchAfterPrevious(tree_attention_detail::PrepareKernel<int64_t>, blocks,
+                                         kKeyTile, 0, stream, static_cast<const int64_t*>(key_end),
+                                         tokens, key_end32, tile_max_end, tile_min_end,
+                                         zeroed_counter);
   }
-  return cudaGetLastError();
+  return internal::LaunchAfterPrevious(tree_attention_detail::PrepareKernel<int32_t>, blocks,
+                                       kKeyTile, 0, stream, static_cast<const int32_t*>(key_end),
+                                       tokens, key_end32, tile_max_end, tile_min_end,
+                                       zeroed_counter);
 }
 
 // The most dynamic shared memory per block the kernels take at head_dim (64, 128 or 256; 0 for

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "core/base/env_switch.h"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_access.cuh"
 #include "kernels/tree_causal_conv.h"
 #include "kernels/tree_causal_conv_internal.h"
@@ -135,6 +136,7 @@ template <int kV>
 __global__ void __launch_bounds__(kThreads)
     ConvForwardKernel(Table table, In weight, const int64_t* __restrict__ index, int kernel,
                       int64_t tokens, Out out) {
+  WaitForPreviousKernels();
   const int64_t c = FirstChannel<kV>(table.channels);
   if (c < 0) return;
   float w[kV][kMaxConvTaps];
@@ -153,6 +155,7 @@ template <int kV>
 __global__ void __launch_bounds__(kThreads)
     ConvPreGradKernel(In grad_out, Table table, In weight, const int64_t* __restrict__ index,
                       int kernel, int64_t tokens, float* __restrict__ dpre) {
+  WaitForPreviousKernels();
   const int64_t c = FirstChannel<kV>(table.channels);
   if (c < 0) return;
   float w[kV][kMaxConvTaps];
@@ -179,6 +182,7 @@ __global__ void __launch_bounds__(kThreads)
                         const int64_t* __restrict__ pairs, const int64_t* __restrict__ starts,
                         int kernel, int64_t p, int64_t channels, int64_t rows, Out dx,
                         Out dcontext) {
+  WaitForPreviousKernels();
   const int64_t c = FirstChannel<kV>(channels);
   if (c < 0) return;
   float w[kV][kMaxConvTaps];
@@ -219,6 +223,7 @@ __global__ void __launch_bounds__(kPartialThreads)
     ConvWeightPartialKernel(const float* __restrict__ dpre, Table table,
                             const int64_t* __restrict__ index, int kernel, int64_t tokens,
                             float* __restrict__ partial) {
+  WaitForPreviousKernels();
   const int64_t c = FirstChannel<kV, kPartialThreads>(table.channels);
   if (c < 0) return;
   const int64_t b = blockIdx.y;
@@ -250,6 +255,7 @@ __global__ void __launch_bounds__(kPartialThreads)
 __global__ void __launch_bounds__(kThreads)
     ConvWeightSumKernel(const float* __restrict__ partial, int64_t blocks, int64_t entries,
                         Out dweight) {
+  WaitForPreviousKernels();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= entries) return;
   float sum = 0.f;
@@ -289,11 +295,13 @@ void LaunchConvForward(const at::Tensor& x, const at::Tensor& weight, const at::
   const int kernel = static_cast<int>(weight.size(1));
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (Vectorized(channels, {&x, &context, &out})) {
-    ConvForwardKernel<kVector><<<Grid<kVector>(channels, tokens), kThreads, 0, stream>>>(
-        TableOf(x, context), InOf(weight), index.data_ptr<int64_t>(), kernel, tokens, OutOf(out));
+    C10_CUDA_CHECK(LaunchAfterPrevious(ConvForwardKernel<kVector>, Grid<kVector>(channels, tokens),
+                                       kThreads, 0, stream, TableOf(x, context), InOf(weight),
+                                       index.data_ptr<int64_t>(), kernel, tokens, OutOf(out)));
   } else {
-    ConvForwardKernel<1><<<Grid<1>(channels, tokens), kThreads, 0, stream>>>(
-        TableOf(x, context), InOf(weight), index.data_ptr<int64_t>(), kernel, tokens, OutOf(out));
+    C10_CUDA_CHECK(LaunchAfterPrevious(ConvForwardKernel<1>, Grid<1>(channels, tokens), kThreads, 0,
+                                       stream, TableOf(x, context), InOf(weight),
+                                       index.data_ptr<int64_t>(), kernel, tokens, OutOf(out)));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -305,13 +313,15 @@ void LaunchConvPreGrad(const at::Tensor& grad_out, const at::Tensor& x, const at
   const int kernel = static_cast<int>(weight.size(1));
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (Vectorized(channels, {&grad_out, &x, &context, &dpre})) {
-    ConvPreGradKernel<kVector><<<Grid<kVector>(channels, tokens), kThreads, 0, stream>>>(
-        InOf(grad_out), TableOf(x, context), InOf(weight), index.data_ptr<int64_t>(), kernel,
-        tokens, dpre.data_ptr<float>());
+    C10_CUDA_CHECK(LaunchAfterPrevious(ConvPreGradKernel<kVector>, Grid<kVector>(channels, tokens),
+                                       kThreads, 0, stream, InOf(grad_out), TableOf(x, context),
+                                       InOf(weight), index.data_ptr<int64_t>(), kernel, tokens,
+                                       dpre.data_ptr<float>()));
   } else {
-    ConvPreGradKernel<1><<<Grid<1>(channels, tokens), kThreads, 0, stream>>>(
-        InOf(grad_out), TableOf(x, context), InOf(weight), index.data_ptr<int64_t>(), kernel,
-        tokens, dpre.data_ptr<float>());
+    C10_CUDA_CHECK(LaunchAfterPrevious(ConvPreGradKernel<1>, Grid<1>(channels, tokens), kThreads, 0,
+                                       stream, InOf(grad_out), TableOf(x, context), InOf(weight),
+                                       index.data_ptr<int64_t>(), kernel, tokens,
+                                       dpre.data_ptr<float>()));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -326,13 +336,15 @@ void LaunchConvTableGrad(const at::Tensor& dpre, const at::Tensor& weight, const
   const Out dcontext_out = dcontext.numel() > 0 ? OutOf(dcontext) : OutOf(dx);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (Vectorized(channels, {&dpre, &dx, &dcontext})) {
-    ConvTableGradKernel<kVector><<<Grid<kVector>(channels, rows), kThreads, 0, stream>>>(
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        ConvTableGradKernel<kVector>, Grid<kVector>(channels, rows), kThreads, 0, stream,
         dpre.data_ptr<float>(), InOf(weight), pairs.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
-        kernel, dcontext.size(0), channels, rows, OutOf(dx), dcontext_out);
+        kernel, dcontext.size(0), channels, rows, OutOf(dx), dcontext_out));
   } else {
-    ConvTableGradKernel<1><<<Grid<1>(channels, rows), kThreads, 0, stream>>>(
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        ConvTableGradKernel<1>, Grid<1>(channels, rows), kThreads, 0, stream,
         dpre.data_ptr<float>(), InOf(weight), pairs.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
-        kernel, dcontext.size(0), channels, rows, OutOf(dx), dcontext_out);
+        kernel, dcontext.size(0), channels, rows, OutOf(dx), dcontext_out));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -350,10 +362,10 @@ void LaunchConvWeightGrad(const at::Tensor& dpre, const at::Tensor& x, const at:
     const int64_t threads = (channels + kV - 1) / kV;
     const auto channel_blocks =
         static_cast<unsigned>((threads + kPartialThreads - 1) / kPartialThreads);
-    ConvWeightPartialKernel<kV>
-        <<<dim3(channel_blocks, static_cast<unsigned>(blocks)), kPartialThreads, 0, stream>>>(
-            dpre.data_ptr<float>(), TableOf(x, context), index.data_ptr<int64_t>(),
-            static_cast<int>(kernel), tokens, partial.data_ptr<float>());
+    C10_CUDA_CHECK(LaunchAfterPrevious(
+        ConvWeightPartialKernel<kV>, dim3(channel_blocks, static_cast<unsigned>(blocks)),
+        kPartialThreads, 0, stream, dpre.data_ptr<float>(), TableOf(x, context),
+        index.data_ptr<int64_t>(), static_cast<int>(kernel), tokens, partial.data_ptr<float>()));
   };
   if (Vectorized(channels, {&dpre, &x, &context})) {
     launch(std::integral_constant<int, kVector>());
@@ -361,8 +373,9 @@ void LaunchConvWeightGrad(const at::Tensor& dpre, const at::Tensor& x, const at:
     launch(std::integral_constant<int, 1>());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  ConvWeightSumKernel<<<Blocks(channels * kernel), kThreads, 0, stream>>>(
-      partial.data_ptr<float>(), blocks, channels * kernel, OutOf(dweight));
+  C10_CUDA_CHECK(LaunchAfterPrevious(ConvWeightSumKernel, Blocks(channels * kernel), kThreads, 0,
+                                     stream, partial.data_ptr<float>(), blocks, channels * kernel,
+                                     OutOf(dweight)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -60,9 +60,9 @@ cudaError_t LaunchRowStats(const TreeAttentionParams& p, cudaStream_t stream) {
   constexpr int kBM = kHopperBackwardQueryTile;
   constexpr int kStatThreads = 256;
   const int64_t rows = static_cast<int64_t>(p.q_heads) * ((p.tokens + kBM - 1) / kBM) * kBM;
-  HopperRowStatsKernel<kBM><<<static_cast<unsigned>((rows + kStatThreads - 1) / kStatThreads),
-                              kStatThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return internal::LaunchAfterPrevious(
+      HopperRowStatsKernel<kBM>, static_cast<unsigned>((rows + kStatThreads - 1) / kStatThreads),
+      kStatThreads, 0, stream, p);
 }
 
 template <int D>

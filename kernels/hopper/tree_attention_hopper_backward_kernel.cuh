@@ -195,6 +195,7 @@ __device__ __forceinline__ void AddFloatRows(const TA& acc, const TC& coords, in
 // registers, so P comes out in the same bits.
 template <int BM>
 __global__ void HopperRowStatsKernel(const TreeAttentionParams p) {
+  internal::WaitForPreviousKernels();
   const int m_blocks = (p.tokens + BM - 1) / BM;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.q_heads) * m_blocks * BM) return;

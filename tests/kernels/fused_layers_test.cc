@@ -8,7 +8,8 @@
 // kernels leave to ATen (96, rows longer than 8,192). RoPE alone is bitwise the CPU's; RMSNorm
 // over strided rows (a head's half of wider rows) reads them in place, bitwise the contiguous
 // copy's; with an addend it is bitwise ATen's add followed by the norm. The output gate's kernels
-// are bitwise the ATen expressions on the same GPU. The GPU tests skip without a CUDA device.
+// are bitwise the ATen expressions on the same GPU; kernels launched after their predecessor give
+// the bits of plain stream order. The GPU tests skip without a CUDA device.
 #include "kernels/fused_layers.h"
 
 #include <torch/csrc/autograd/autograd.h>
@@ -18,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/base/scoped_env.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/kernel_testing.h"
@@ -357,6 +359,39 @@ TEST_F(FusedLayersCuda, RmsNormMatchesTheCpu) {
         << name;
     EXPECT_TRUE(at::equal(with_residual, gpu_grad)) << name;
   }
+}
+
+// Kernels launched after their predecessor (kernels/dependent_launch.cuh) wait for it before they
+// touch memory: a chain of norms, each reading the one before, with each backward reading its
+// forward's rstd and the column sums reading the backward's partials (each a dependent launch of
+// the kernel before it, on outputs of 64 MiB), gives the bits of the same chain in plain stream
+// order. A kernel that read before its wait would see a buffer its predecessor was still writing.
+TEST_F(FusedLayersCuda, DependentLaunchesSeeTheirPredecessorsWrites) {
+  at::manual_seed(11);
+  const int64_t rows = 8192, n = 2048;
+  const at::Tensor x0 = at::randn({rows, n}, at::kCUDA);
+  const at::Tensor w = (1 + 0.1 * at::randn({n})).to(at::kCUDA);
+  auto chain = [&] {
+    at::Tensor x = x0;
+    at::Tensor grad = at::zeros({n}, at::kCUDA);
+    at::Tensor dx_sum = at::zeros({rows, n}, at::kCUDA);
+    for (int i = 0; i < 24; ++i) {
+      const RmsNormResult norm = RmsNormForward(x, w, 1e-6, at::kFloat);
+      dx_sum += RmsNormBackward(norm.y, x, w, norm.rstd, grad);
+      x = norm.y;
+    }
+    return std::vector<at::Tensor>{x, grad, dx_sum};
+  };
+  std::vector<at::Tensor> ordered;
+  {
+    const ScopedEnv plain("DTA_DEPENDENT_LAUNCH", "0");
+    ordered = chain();
+  }
+  const std::vector<at::Tensor> dependent = chain();
+  ASSERT_GT(ordered[1].abs().max().item<float>(), 0.0f);  // the chain carries values
+  EXPECT_TRUE(at::equal(dependent[0], ordered[0])) << "the last norm's output";
+  EXPECT_TRUE(at::equal(dependent[1], ordered[1])) << "the weight gradient";
+  EXPECT_TRUE(at::equal(dependent[2], ordered[2])) << "the input gradients";
 }
 
 // The residual add folded into the norm's kernel (an addend) is bitwise ATen's add followed by the
