@@ -11,6 +11,7 @@ its Chrome trace:
   ``dta::pop``, ``dta::packed``, ``dta::loss_readback``: user scopes the executor records) and by
   the host operations that ran while the GPU waited (the outermost operations of each thread under
   a step scope, by name);
+- the executor's scopes with their counts and host time (all a --device=cpu run reports);
 - GPU time and operation counts by kind (attention, GEMM, memset, memcpy, other), and the GPU
   operations launched most often with the host operations that launch them.
 
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--config", default="qwen3-1.7b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--method", default="dta")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu (the executor's scopes only)")
     parser.add_argument("--top", type=int, default=15, help="how many names to list per table")
     parser.add_argument("--trace", default="", help="also keep the Chrome trace at this path")
     args = parser.parse_args()
@@ -97,19 +99,24 @@ def main() -> None:
     import dta
 
     trajectories = dta.read_jsonl(args.rollouts)
-    trainer = dta.Trainer.from_config(args.config, dtype=args.dtype, device="cuda", progress="never")
+    trainer = dta.Trainer.from_config(args.config, dtype=args.dtype, device=args.device, progress="never")
+    cuda = args.device.startswith("cuda")
 
     def step() -> None:
         trainer.compute_gradients(trajectories, loss="grpo", method=args.method)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
 
     step()
-    # The GPU alone first: recording host operations slows the host, which inflates its idle time.
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-    gpu_only = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    gpu_only: list[tuple[float, float]] = []
+    if cuda:
+        # The GPU alone first: recording host operations slows the host, which inflates its idle time.
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+        gpu_only = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=True) as prof:
         step()
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(args.trace) if args.trace else Path(scratch) / "trace.json"
@@ -146,6 +153,18 @@ def main() -> None:
         k = by_kind[_kind(e)]
         k[0] += 1
         k[1] += e["dur"] / 1e3
+
+    device = torch.cuda.get_device_name() if cuda else "the CPU"
+    print(f"{args.config} {args.dtype}, method {args.method}, {len(trajectories)} rollouts, {device}")
+    per_scope: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in scopes:
+        per_scope[e["name"]][0] += 1
+        per_scope[e["name"]][1] += e["dur"] / 1e3
+    print("the executor's scopes (count, host ms): " + ", ".join(
+        f"{name} {n:,} x {ms:.1f}" for name, (n, ms) in sorted(per_scope.items(), key=lambda kv: -kv[1][1])))
+    if not gpu or not gpu_only:
+        print("no GPU operations recorded: nothing more to attribute")
+        return
 
     # Idle gaps of the GPU (all streams together), the launch of the operation after each.
     late_by_scope: collections.Counter = collections.Counter()
@@ -185,8 +204,6 @@ def main() -> None:
                     during[e["name"][:70]] += overlap
                 i += 1
 
-    print(f"{args.config} {args.dtype}, method {args.method}, {len(trajectories)} rollouts, "
-          f"{torch.cuda.get_device_name()}")
     quiet, reach, short = 0.0, gpu_only[0][1], 0.0
     for begin, end in gpu_only[1:]:
         if begin > reach:

@@ -274,6 +274,27 @@ absl::StatusOr<Schedule> BuildSchedule(const PrefixTree& tree, absl::Span<const 
   return schedule;
 }
 
+ScheduleOptions LargestBlockRecomputingNoMore(
+    const ScheduleOptions& options, int64_t tokens,
+    absl::FunctionRef<int64_t(const ScheduleOptions&)> recomputed) {
+  if (!options.pack || !options.training || options.block_size < 1 ||
+      options.block_size >= kUnboundedBlock / 4 || options.graph_budget <= 0 ||
+      options.graph_budget >= kUnboundedBlock / 4) {
+    return options;
+  }
+  const int64_t capacity = options.block_size + options.graph_budget;
+  const int64_t base = recomputed(options);
+  ScheduleOptions best = options;
+  while (best.block_size < tokens && 2 * best.block_size <= capacity) {
+    ScheduleOptions next = best;
+    next.block_size = 2 * best.block_size;
+    next.graph_budget = capacity - next.block_size;
+    if (recomputed(next) > base) break;
+    best = next;
+  }
+  return best;
+}
+
 std::string StepToString(const Step& step) {
   switch (step.kind) {
     case StepKind::kForward:

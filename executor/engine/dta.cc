@@ -647,6 +647,44 @@ std::vector<Pass> PlanPasses(const RoutingReplay& keys, const ExecutorOptions& o
   return passes;
 }
 
+// Whether the automatic chunks may take a larger B than ResolveChunkPlan's (GrowPackingBlock): both
+// B and the graph budget automatic, sized from the memory free (not a memory budget), packing, a
+// training step on a GPU.
+bool GrowsPackingBlock(const Decoder& model, const ExecutorOptions& options, bool training) {
+  return training && options.pack && options.block_size == kAutoBlockSize &&
+         options.graph_budget == kAutoGraphBudget && options.memory_budget == 0 &&
+         model.options().device().is_cuda();
+}
+
+// The largest B = chunks.block_size * 2^k whose passes recompute no more tokens, the graph budget
+// taking what B leaves of the graph tokens the memory holds (LargestBlockRecomputingNoMore: fewer,
+// larger packed steps and chunks); `passes` are replaced by that B's.
+void GrowPackingBlock(const RoutingReplay& replay, const ExecutorOptions& options,
+                      ChunkPlan& chunks, std::vector<Pass>& passes) {
+  int64_t tokens = 0;
+  for (const Pass& pass : passes) tokens += pass.schedule.tree_tokens;
+  std::map<int64_t, std::vector<Pass>> planned;  // by B (the budget follows from it)
+  planned.emplace(chunks.block_size, std::move(passes));
+  const ScheduleOptions grown = LargestBlockRecomputingNoMore(
+      {.block_size = chunks.block_size,
+       .graph_budget = chunks.graph_budget,
+       .pack = true,
+       .training = true},
+      tokens, [&](const ScheduleOptions& candidate) {
+        auto it = planned.find(candidate.block_size);
+        if (it == planned.end()) {
+          const ChunkPlan plan{.block_size = candidate.block_size,
+                               .graph_budget = candidate.graph_budget};
+          it = planned.emplace(candidate.block_size, PlanPasses(replay, options, plan, true)).first;
+        }
+        int64_t recomputed = 0;
+        for (const Pass& pass : it->second) recomputed += pass.schedule.recomputed;
+        return recomputed;
+      });
+  chunks = {.block_size = grown.block_size, .graph_budget = grown.graph_budget};
+  passes = std::move(planned.at(grown.block_size));
+}
+
 // The profiler's name for the host work of one kind of step (a user scope: torch.profiler and
 // bench/step_gaps.py attribute the GPU's idle time to the step the host was in).
 const char* StepScope(StepKind kind) {
@@ -680,10 +718,13 @@ GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
   at::RecordFunction plan_scope(at::RecordScope::USER_SCOPE);
   if (plan_scope.isActive()) plan_scope.before("dta::plan");
   PathStack stack(model, max_len, with_entropy, training, balance);
-  const ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
+  ChunkPlan chunks = ResolveChunkPlan(model, options, max_len, training);
   // A rank of an expert-parallel group may have no rollouts: it only serves the others' tokens.
-  const std::vector<Pass> passes =
+  std::vector<Pass> passes =
       rollouts.empty() ? std::vector<Pass>() : PlanPasses(replay, options, chunks, training);
+  if (!passes.empty() && GrowsPackingBlock(model, options, training)) {
+    GrowPackingBlock(replay, options, chunks, passes);
+  }
 
   const std::vector<at::Tensor> token_tensors = TokenTensors(rollouts, model.options());
   at::Tensor loss = at::zeros({}, stack.logprobs.options());

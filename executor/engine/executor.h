@@ -53,7 +53,9 @@ struct ExecutorOptions {
   // device memory free when the step starts (after the path stack, and less the gradients a
   // model's first step creates: Decoder::UncreatedGradientBytes), B is the longest rollout if
   // that fits (a rollout then runs in one chunk, as dense runs it: nothing shared costs nothing
-  // extra; with `pack`, at least 8192 tokens, so that packed steps are large, and for models with
+  // extra; with `pack`, at least 8192 tokens, so that packed steps are large, then doubled while
+  // the schedule recomputes no more tokens and the automatic graph budget takes what B leaves
+  // (LargestBlockRecomputingNoMore: fewer, larger packed steps), and for models with
   // sparse mixture-of-experts layers every token that fits: each backward chunk accumulates all
   // their experts' weight gradients, core/layout/chunk_capacity.h's MostAutomaticBlock), else what
   // fits beside an explicit graph budget; an automatic graph budget then takes what B leaves. On

@@ -21,14 +21,20 @@ import gated_delta_baseline  # noqa: E402
 import hf_baseline  # noqa: E402
 
 
-def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
-    rng = random.Random(3)
-    prompt = [rng.randrange(1024) for _ in range(40)]
+def shared_prompt_batch(seed: int, prompt_tokens: int, answer_tokens: list[int]) -> list[dta.Trajectory]:
+    """One group: a random prompt, then answers of the given lengths (trained), rewards 0 and 1."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1024) for _ in range(prompt_tokens)]
     batch = []
-    for i in range(4):
-        tokens = prompt + [rng.randrange(1024) for _ in range(20 + 5 * i)]
-        batch.append(dta.Trajectory(id=f"r{i}", group="g", tokens=tokens, loss_mask=[0] * 40 + [1] * (len(tokens) - 40),
+    for i, length in enumerate(answer_tokens):
+        tokens = prompt + [rng.randrange(1024) for _ in range(length)]
+        batch.append(dta.Trajectory(id=f"r{i}", group="g", tokens=tokens, loss_mask=[0] * prompt_tokens + [1] * length,
                                     logprobs=[-1.0] * len(tokens), reward=float(i % 2)))
+    return batch
+
+
+def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
+    batch = shared_prompt_batch(3, 40, [20 + 5 * i for i in range(4)])
     rollouts = tmp_path / "rollouts.jsonl"
     dta.write_jsonl(rollouts, batch)
     run = subprocess.run([sys.executable, str(REPO / "bench" / "hf_baseline.py"), f"--rollouts={rollouts}",
@@ -347,3 +353,25 @@ def test_gated_delta_baseline_reference_is_the_delta_rule():
     torch.testing.assert_close(grad_v, expected_v, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_q, expected_q, rtol=1e-12, atol=1e-12)
     assert abs(3 * gated_delta_baseline.rule_flops(16384) / 1e9 - 257.698) < 1e-3
+
+
+def test_step_gaps_sees_the_executors_scopes_on_the_cpu(tmp_path):
+    """bench/step_gaps.py attributes a step's GPU idle time to the executor's profiler scopes; on
+    the CPU it reports the scopes themselves, which the C++ executor records (dta::prepare,
+    dta::plan, one per kind of step, dta::loss_readback)."""
+    batch = shared_prompt_batch(6, 24, [6 + 3 * i for i in range(4)])
+    rollouts = tmp_path / "rollouts.jsonl"
+    dta.write_jsonl(rollouts, batch)
+    config = REPO / "examples" / "configs" / "qwen3-tiny.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "step_gaps.py"), f"--rollouts={rollouts}",
+                          f"--config={config}", "--device=cpu", "--dtype=float32"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    line = next(line for line in run.stdout.splitlines() if line.startswith("the executor's scopes"))
+    counts = {name: int(n) for name, n in re.findall(r"(dta::\w+) (\d+) x", line)}
+    for scope in ("dta::prepare", "dta::plan", "dta::loss_readback"):
+        assert counts.get(scope) == 1, (scope, line)
+    # The shared prompt is forwarded, the four answers packed into one step and backpropagated.
+    assert counts.get("dta::forward", 0) + counts.get("dta::packed", 0) >= 1, line
+    assert counts.get("dta::backward", 0) + counts.get("dta::packed", 0) >= 1, line
+    assert "no GPU operations recorded" in run.stdout

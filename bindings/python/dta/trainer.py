@@ -238,7 +238,8 @@ class ExecutorOptions:
     Attributes:
         block_size: dta: B, the most tokens per backward chunk; 0 = unbounded; -1 = automatic (the
             default: the longest rollout if its graph fits in the free GPU memory, else what fits;
-            with packing at least 8192 tokens, and for mixture-of-experts models all that fits).
+            with packing at least 8192 tokens, doubled on a GPU while the schedule recomputes no
+            more tokens, and for mixture-of-experts models all that fits).
         graph_budget: dta: tokens whose graphs are kept instead of recomputed; -1 = from the GPU's
             free memory (0 on the CPU).
         memory_budget: dta on a GPU: the most device memory a step may hold, GiB (weights,

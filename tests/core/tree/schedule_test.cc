@@ -253,6 +253,74 @@ TEST(Schedule, PacksSiblingLeavesIntoOneStep) {
   EXPECT_EQ(Violation(tree, s), "");
 }
 
+// A 4-token prompt and eight 2-token answers (20 tree tokens), B and the graph budget sharing the
+// memory of B + G tokens of graphs.
+class LargestBlock : public ::testing::Test {
+ protected:
+  LargestBlock() {
+    std::vector<std::vector<TokenId>> rollouts;
+    for (int i = 0; i < 8; ++i) rollouts.push_back({1, 2, 3, 4, 10 + i, 20 + i});
+    tree_ = *PrefixTree::FromRollouts(rollouts);
+    order_ = LexicographicOrder(tree_);
+  }
+  Schedule At(const ScheduleOptions& options) { return *BuildSchedule(tree_, order_, options); }
+  ScheduleOptions Largest(const ScheduleOptions& options) {
+    return LargestBlockRecomputingNoMore(options, tree_.num_tree_tokens(),
+                                         [&](const ScheduleOptions& o) {
+                                           ++calls_;
+                                           return At(o).recomputed;
+                                         });
+  }
+  PrefixTree tree_ = *PrefixTree::FromRollouts({{1}});
+  std::vector<RolloutIndex> order_;
+  int calls_ = 0;
+};
+
+TEST_F(LargestBlock, PacksMoreWhileNothingMoreIsRecomputed) {
+  const ScheduleOptions base{.block_size = 4, .graph_budget = 28, .pack = true};
+  const ScheduleOptions grown = Largest(base);
+  // B = 32 would leave no budget for the prompt's graph: recomputed, so B stops at 16.
+  EXPECT_EQ(grown.block_size, 16);
+  EXPECT_EQ(grown.graph_budget, 16);
+  EXPECT_EQ(At(base).recomputed, 0);
+  EXPECT_EQ(At(grown).recomputed, 0);
+  EXPECT_EQ(At(base).num_packed_steps, 4);
+  EXPECT_EQ(At(grown).num_packed_steps, 1);
+  EXPECT_EQ(Violation(tree_, At(grown)), "");
+  ScheduleOptions doubled = base;
+  doubled.block_size = 32;
+  doubled.graph_budget = 0;
+  EXPECT_GT(At(doubled).recomputed, 0);
+}
+
+TEST_F(LargestBlock, KeepsTheBlockWhenALargerOneWouldRecompute) {
+  const ScheduleOptions tight{.block_size = 4, .graph_budget = 4, .pack = true};
+  EXPECT_EQ(Largest(tight).block_size, 4);
+  EXPECT_EQ(Largest(tight).graph_budget, 4);
+}
+
+TEST_F(LargestBlock, StopsOnceTheBlockHoldsTheWholeTree) {
+  // 20 tree tokens: 4 -> 8 -> 16 -> 32, the first at least 20; the budget takes what B leaves.
+  const ScheduleOptions roomy{.block_size = 4, .graph_budget = 1000, .pack = true};
+  const ScheduleOptions grown = Largest(roomy);
+  EXPECT_EQ(grown.block_size, 32);
+  EXPECT_EQ(grown.graph_budget, 972);
+  EXPECT_EQ(calls_, 4);  // the base and three doublings
+}
+
+TEST_F(LargestBlock, LeavesOptionsWithoutPackingOrBudgetAsGiven) {
+  for (const ScheduleOptions& options :
+       {ScheduleOptions{.block_size = 4, .graph_budget = 28},
+        ScheduleOptions{.block_size = 4, .graph_budget = 0, .pack = true},
+        ScheduleOptions{.block_size = 4, .graph_budget = 28, .pack = true, .training = false},
+        ScheduleOptions{.graph_budget = 28, .pack = true}}) {
+    const ScheduleOptions same = Largest(options);
+    EXPECT_EQ(same.block_size, options.block_size);
+    EXPECT_EQ(same.graph_budget, options.graph_budget);
+  }
+  EXPECT_EQ(calls_, 0);
+}
+
 TEST(Schedule, WorkedExample) {
   // Rollouts {1,2,3,4} and {1,2,5}: they share positions [0,2). B = 2, lexicographic order.
   const PrefixTree tree = *PrefixTree::FromRollouts({{1, 2, 3, 4}, {1, 2, 5}});
