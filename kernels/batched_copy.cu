@@ -91,7 +91,6 @@ void Launch(absl::Span<const CopyPiece> pieces, cudaStream_t stream) {
       LaunchAfterPrevious(BatchedCopyKernel<S, D>,
                           dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(pieces.size())),
                           kThreads, 0, stream, args, wide));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename S>

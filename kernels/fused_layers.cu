@@ -516,7 +516,6 @@ void LaunchRopeForward(const at::Tensor& x, const at::Tensor& weight, double eps
                                        cos.data_ptr<float>(), sin.data_ptr<float>(), OutOf(y),
                                        nullptr, rows, x.size(1), 0.0f));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int E>
@@ -539,7 +538,6 @@ void LaunchRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Ten
                                        sin.data_ptr<float>(), OutOf(dx), nullptr, rows,
                                        dy.size(1)));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The log-probability head (one slice of float32 logits [rows, vocab]). Row statistics: one block
@@ -686,7 +684,6 @@ void RmsNormForwardCuda(const at::Tensor& x, const at::Tensor& addend, const at:
         add ? OutOf(sum) : Out{nullptr, Dtype::kFloat}, InOf(weight), OutOf(y),
         rstd.data_ptr<float>(), rows, n, NormRowsPerBlock(rows, blocks), static_cast<float>(eps)));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
@@ -700,7 +697,6 @@ void RmsNormApplyCuda(const at::Tensor& x, const at::Tensor& weight, const at::T
         0, at::cuda::getCurrentCUDAStream(), InOf(x), x.stride(0), InOf(weight),
         rstd.data_ptr<float>(), OutOf(y), rows, n, NormRowsPerBlock(rows, blocks)));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 int64_t RmsNormBackwardBlocks(int64_t rows) { return NormRowBlocks(rows); }
@@ -725,7 +721,6 @@ void RmsNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Te
         dx.data_ptr<float>(), weight_partials.data_ptr<float>(), rows, n,
         NormRowsPerBlock(rows, blocks)));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -810,7 +805,6 @@ void SwiGluForwardCuda(const at::Tensor& gate, const at::Tensor& up, int64_t in_
                                        kElementwiseThreads, 0, stream, InOf(gate), InOf(up),
                                        OutOf(out), n, layout));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::Tensor& up,
@@ -837,7 +831,6 @@ void SwiGluBackwardCuda(const at::Tensor& d, const at::Tensor& gate, const at::T
                                        kElementwiseThreads, 0, stream, InOf(d), InOf(gate),
                                        InOf(up), OutOf(dgate), OutOf(dup), product_out, n, layout));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void SigmoidGateForwardCuda(const at::Tensor& a, const at::Tensor& x, int64_t gate_ld,
@@ -859,7 +852,6 @@ void SigmoidGateForwardCuda(const at::Tensor& a, const at::Tensor& x, int64_t ga
                                        kElementwiseThreads, 0, stream, InOf(a), InOf(x), OutOf(y),
                                        n, layout));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void SigmoidGateBackwardCuda(const at::Tensor& dy, const at::Tensor& a, const at::Tensor& x,
@@ -883,7 +875,6 @@ void SigmoidGateBackwardCuda(const at::Tensor& dy, const at::Tensor& a, const at
                                        kElementwiseThreads, 0, stream, InOf(dy), InOf(a), InOf(x),
                                        OutOf(da), OutOf(dx), n, layout));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // accumulator[c] += sum over rows r of partials[r, c]: a block per 32 columns, its 8 warps each
@@ -919,7 +910,6 @@ void AddColumnSumsCuda(const at::Tensor& partials, at::Tensor& accumulator) {
   C10_CUDA_CHECK(LaunchAfterPrevious(AddColumnSumsKernel, static_cast<unsigned>((cols + 31) / 32),
                                      32 * kColumnSumWarps, 0, stream, partials.data_ptr<float>(),
                                      rows, cols, accumulator.data_ptr<float>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LogitRowStatsCuda(const at::Tensor& logits, const at::Tensor& targets, at::Tensor& lse,
@@ -941,7 +931,6 @@ void LogitRowStatsCuda(const at::Tensor& logits, const at::Tensor& targets, at::
   } else {
     launch(LogitRowStatsKernel<false>);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LogitGradCuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
@@ -978,7 +967,6 @@ void LogitGradCuda(const at::Tensor& logits, const at::Tensor& lse, const at::Te
   } else {
     vectorized ? launch(LogitGradKernel<false, true>) : launch(LogitGradKernel<false, false>);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace dta::kernels::internal

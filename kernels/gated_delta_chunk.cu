@@ -368,7 +368,6 @@ void Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const dim3 grid(static_cast<unsigned>(p.chunks), static_cast<unsigned>(p.heads));
   C10_CUDA_CHECK(LaunchAfterPrevious(GatedDeltaChunkKernel<T>, grid, kThreads, bytes,
                                      at::cuda::getCurrentCUDAStream(), p));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
@@ -625,7 +624,6 @@ void LaunchBackward(const BackwardInputs& in, const ChunkTerms& grad, const Back
   const dim3 grid(static_cast<unsigned>(p.chunks), static_cast<unsigned>(p.heads));
   C10_CUDA_CHECK(LaunchAfterPrevious(GatedDeltaChunkBackwardKernel<T>, grid, kThreads, bytes,
                                      at::cuda::getCurrentCUDAStream(), p));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace

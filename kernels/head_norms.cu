@@ -221,7 +221,6 @@ void HeadNormForwardCuda(const at::Tensor& x, const at::Tensor& weight, const at
                                        RowsOf(x, z), OutOf(y), rstd.data_ptr<float>(), rows,
                                        static_cast<float>(eps)));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void HeadNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
@@ -247,7 +246,6 @@ void HeadNormBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::T
                                        gated ? OutOf(dz) : Out{nullptr, Dtype::kFloat},
                                        gated ? weight_partials.data_ptr<float>() : nullptr, rows));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace dta::kernels::internal

@@ -421,7 +421,6 @@ void LaunchRouteTokens(const at::Tensor& logits, const at::Tensor& replay, int64
     C10_CUDA_CHECK(LaunchAfterPrevious(RouteKernel<decltype(per)::value>,
                                        TokenBlocks(params.tokens), kThreads, 0,
                                        at::cuda::getCurrentCUDAStream(), params));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -445,14 +444,11 @@ void LaunchSortPairs(const at::Tensor& index, int64_t experts, at::Tensor& order
   const unsigned blocks = static_cast<unsigned>((segments + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const size_t shared = sizeof(int) * kWarpsPerBlock * static_cast<size_t>(experts);
   C10_CUDA_CHECK(LaunchAfterPrevious(CountPairsKernel, blocks, kThreads, shared, stream, params));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   C10_CUDA_CHECK(LaunchAfterPrevious(ScanCountsKernel, 1, kScanThreads, 0, stream, params,
                                      ends.data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   C10_CUDA_CHECK(LaunchAfterPrevious(PlacePairsKernel, blocks, kThreads, shared, stream, params,
                                      order.data_ptr<int64_t>(), inverse.data_ptr<int64_t>(),
                                      token.data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchRouterBackward(const at::Tensor& probs, const at::Tensor& index,
@@ -474,7 +470,6 @@ void LaunchRouterBackward(const at::Tensor& probs, const at::Tensor& index,
     C10_CUDA_CHECK(LaunchAfterPrevious(RouterBackwardKernel<decltype(per)::value>,
                                        TokenBlocks(params.tokens), kThreads, 0,
                                        at::cuda::getCurrentCUDAStream(), params));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -70,7 +70,6 @@ void LaunchCombinePairs(const at::Tensor& rows, const at::Tensor& inverse,
       SumOverPairsKernel<true>, static_cast<unsigned>(y.size(0)), kThreads, 0,
       at::cuda::getCurrentCUDAStream(), Bf16(rows), nullptr, weights.const_data_ptr<float>(),
       inverse.const_data_ptr<int64_t>(), y.data_ptr<float>(), weights.size(1), rows.size(1)));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchGatherPairs(const at::Tensor& dy, const at::Tensor& token, const at::Tensor& w,
@@ -80,7 +79,6 @@ void LaunchGatherPairs(const at::Tensor& dy, const at::Tensor& token, const at::
       GatherPairsKernel, static_cast<unsigned>(token.numel()), kThreads, 0,
       at::cuda::getCurrentCUDAStream(), dy.const_data_ptr<float>(), token.const_data_ptr<int64_t>(),
       w.const_data_ptr<float>(), MutableBf16(rows), MutableBf16(scaled), dy.size(1)));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchSumPairs(const at::Tensor& a, const at::Tensor& b, const at::Tensor& inverse,
@@ -90,7 +88,6 @@ void LaunchSumPairs(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
                                      kThreads, 0, at::cuda::getCurrentCUDAStream(), Bf16(a),
                                      Bf16(b), nullptr, inverse.const_data_ptr<int64_t>(),
                                      dx.data_ptr<float>(), top_k, a.size(1)));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace dta::kernels::internal

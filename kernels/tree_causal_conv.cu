@@ -303,7 +303,6 @@ void LaunchConvForward(const at::Tensor& x, const at::Tensor& weight, const at::
                                        stream, TableOf(x, context), InOf(weight),
                                        index.data_ptr<int64_t>(), kernel, tokens, OutOf(out)));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchConvPreGrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
@@ -323,7 +322,6 @@ void LaunchConvPreGrad(const at::Tensor& grad_out, const at::Tensor& x, const at
                                        index.data_ptr<int64_t>(), kernel, tokens,
                                        dpre.data_ptr<float>()));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchConvTableGrad(const at::Tensor& dpre, const at::Tensor& weight, const at::Tensor& pairs,
@@ -346,7 +344,6 @@ void LaunchConvTableGrad(const at::Tensor& dpre, const at::Tensor& weight, const
         dpre.data_ptr<float>(), InOf(weight), pairs.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
         kernel, dcontext.size(0), channels, rows, OutOf(dx), dcontext_out));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void LaunchConvWeightGrad(const at::Tensor& dpre, const at::Tensor& x, const at::Tensor& context,
@@ -372,11 +369,9 @@ void LaunchConvWeightGrad(const at::Tensor& dpre, const at::Tensor& x, const at:
   } else {
     launch(std::integral_constant<int, 1>());
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   C10_CUDA_CHECK(LaunchAfterPrevious(ConvWeightSumKernel, Blocks(channels * kernel), kThreads, 0,
                                      stream, partial.data_ptr<float>(), blocks, channels * kernel,
                                      OutOf(dweight)));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace dta::kernels::internal
