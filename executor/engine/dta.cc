@@ -550,8 +550,10 @@ ChunkPlan FitChunksInBudget(const Decoder& model, const ExecutorOptions& options
   const at::Device device = model.options().device();
   const int64_t gradients = model.UncreatedGradientBytes();
   const int64_t allocated = AllocatedDeviceMemory(device) + gradients;
-  const int64_t available =
-      std::min(options.memory_budget - allocated, FreeDeviceMemory(device) - gradients);
+  // Every tensor-parallel rank plans with the least any has, so that all plan the same schedule.
+  const int64_t available = LeastOverRanks(
+      model.tensor_parallel(),
+      std::min(options.memory_budget - allocated, FreeDeviceMemory(device) - gradients), device);
   ExecutorMemoryOptions memory = ExecutorMemoryOf(options, longest);
   memory.expert_parallel = model.expert_parallel_size();
   const absl::StatusOr<ChunkCapacity> fit = FitChunksInMemory(
@@ -588,7 +590,9 @@ ChunkPlan ResolveChunkPlan(const Decoder& model, const ExecutorOptions& options,
                          model.tensor_parallel_size(), model.expert_parallel_size());
   // The gradients backward will create come out of the memory free now first (a model's first
   // step: float32 gradients are twice a bfloat16 model's weights).
-  const int64_t free_bytes = FreeDeviceMemory(device) - model.UncreatedGradientBytes();
+  // The least any tensor-parallel rank has, so that all plan the same schedule.
+  const int64_t free_bytes = LeastOverRanks(
+      model.tensor_parallel(), FreeDeviceMemory(device) - model.UncreatedGradientBytes(), device);
   const int64_t fit =
       static_cast<int64_t>(0.8 * static_cast<double>(std::max<int64_t>(free_bytes, 0))) / per_token;
   if (auto_block) {

@@ -59,7 +59,8 @@ struct ExecutorOptions {
   // sparse mixture-of-experts layers every token that fits: each backward chunk accumulates all
   // their experts' weight gradients, core/layout/chunk_capacity.h's MostAutomaticBlock), else what
   // fits beside an explicit graph budget; an automatic graph budget then takes what B leaves. On
-  // the CPU it means the longest rollout.
+  // the CPU it means the longest rollout. Under tensor parallelism every rank sizes from the least
+  // free memory any rank has (LeastOverRanks), so that all plan the same schedule.
   int64_t block_size = kAutoBlockSize;
   // kDta: the order in which rollouts are visited. Default: AReaL-DTA Algorithm 1.
   LeafOrderKind order = LeafOrderKind::kBackwardDfs;

@@ -11,6 +11,13 @@ IndexRange SplitRange(int64_t total, int part, int parts) {
   return {.begin = total * part / parts, .end = total * (part + 1) / parts};
 }
 
+int64_t LeastOverRanks(const TensorParallelGroup* group, int64_t value, at::Device device) {
+  if (group == nullptr || group->size() == 1) return value;
+  at::Tensor negated = at::full({1}, -value, at::TensorOptions().dtype(at::kLong).device(device));
+  group->AllReduce(negated, TensorParallelReduce::kMax);
+  return -negated.item<int64_t>();
+}
+
 double TensorParallelNorm::Sum(double local, at::Device device) const {
   if (group == nullptr || group->size() == 1) return local;
   at::Tensor value = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(device));

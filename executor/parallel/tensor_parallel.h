@@ -74,6 +74,12 @@ class TensorParallelGroup {
   virtual at::Tensor AllGather(const at::Tensor& tensor) const = 0;
 };
 
+// The least `value` over the group's ranks (through a one-element int64 tensor on `device`, the
+// model's); `value` itself without a group. For what every rank must agree on but measures alone:
+// the free memory the executor sizes its automatic chunks from, so that every rank plans the
+// same schedule (its collectives pair up only if they do).
+int64_t LeastOverRanks(const TensorParallelGroup* group, int64_t value, at::Device device);
+
 // What a global gradient norm (for clipping) spans under tensor parallelism: every rank's parts
 // of the split parameters, and the parameters every rank holds whole (replicated) once: rank 0
 // counts them.

@@ -582,6 +582,21 @@ class OverlapRecordingGroup final : public TensorParallelGroup {
 // Backward starts each column-parallel projection's input-gradient sum (q/k/v, gate/up) and each
 // slice of the log-probability head's hidden-state gradient, computes weight gradients, and only
 // then waits: the collectives overlap that work instead of stalling it.
+// What each rank measures alone (the free memory the automatic chunks are sized from) becomes the
+// least over the ranks on every rank, so that all plan the same schedule; values past 2^53 stay
+// exact (int64, not a float).
+TEST(TensorParallel, LeastOverRanksIsTheSameOnEveryRank) {
+  const int64_t big = (int64_t{1} << 53) + 1;
+  testing::RunRanks(4, [&](ProcessGroup& group) {
+    const TensorParallelOverProcessGroup ranks(group);
+    const int r = group.rank();
+    EXPECT_EQ(LeastOverRanks(&ranks, 100 - 10 * r, at::kCPU), 70);
+    EXPECT_EQ(LeastOverRanks(&ranks, r == 2 ? big : big + 7, at::kCPU), big);
+    EXPECT_EQ(LeastOverRanks(&ranks, r == 1 ? -5 : 3, at::kCPU), -5);
+  });
+  EXPECT_EQ(LeastOverRanks(nullptr, 42, at::kCPU), 42);
+}
+
 TEST(TensorParallel, BackwardComputesWeightGradientsWhileInputGradientsAreSummed) {
   const ModelConfig config = TensorParallelConfig(false);
   auto group = std::make_shared<OverlapRecordingGroup>();
