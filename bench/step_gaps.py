@@ -1,7 +1,8 @@
 """Where dta's step leaves the GPU idle, and what the host was doing then.
 
-One warm-up step, then one step under torch.profiler (host operations and the GPU), read back from
-its Chrome trace:
+One warm-up step; one step profiled on the GPU alone (its idle time, which recording the host's
+operations would inflate); then one step under torch.profiler with the host's operations and their
+shapes, read back from its Chrome trace (kept with --trace):
 
 - the GPU's idle time between its operations, by gap size, split into the part where the next
   operation's launch had not yet been issued when the GPU ran dry ("host late": the host bounds
