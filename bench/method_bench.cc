@@ -87,6 +87,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "bench/step_profile.h"
+#include "core/base/env_switch.h"
 #include "core/base/exit_codes.h"
 #include "core/cli/bad_input.h"
 #include "core/cli/usage.h"
@@ -95,6 +96,7 @@
 #include "core/model/config_json.h"
 #include "core/model/model_config.h"
 #include "core/tree/prefix_tree.h"
+#include "core/tree/shared_marks.h"
 #include "core/tree/tree_partition.h"
 #include "core/tree/tree_stats.h"
 #include "executor/distributed/parallel_groups.h"
@@ -511,6 +513,7 @@ double Median(std::vector<double> v) {
 struct FlopModel {
   double matmul_parameters = 0;
   double per_token = 0;
+  double lm_head_per_token = 0;  // part of per_token
   double per_attention_pair = 0;
 
   // Matmul parameters: the ones a token uses (core/layout/memory_plan.h's active count: a sparse
@@ -523,6 +526,7 @@ struct FlopModel {
     const double embedding = c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size) * h;
     matmul_parameters = static_cast<double>(CountParameters(c).active()) - embedding;
     per_token = 6 * matmul_parameters;
+    lm_head_per_token = 6 * static_cast<double>(c.vocab_size) * h;
     int64_t attention_layers = 0;
     for (int64_t l = 0; l < c.num_hidden_layers; ++l)
       attention_layers += IsLinearAttentionLayer(c, l) ? 0 : 1;
@@ -1043,8 +1047,19 @@ int Run(int argc, char** argv) {
   if (max_rollouts > 0 && static_cast<int64_t>(rollouts.size()) > max_rollouts)
     rollouts.resize(max_rollouts);
   std::vector<std::vector<TokenId>> sequences;
-  for (const Rollout& r : rollouts) sequences.push_back(r.tokens);
-  const TreeStats stats = ComputeTreeStats(*PrefixTree::FromRollouts(sequences));
+  std::vector<absl::Span<const uint8_t>> loss_masks;
+  for (const Rollout& r : rollouts) {
+    sequences.push_back(r.tokens);
+    loss_masks.push_back(r.loss_mask);
+  }
+  const PrefixTree tree = *PrefixTree::FromRollouts(sequences);
+  const TreeStats stats = ComputeTreeStats(tree);
+  // The unique tokens whose log-probability a loss reads: dta's methods run the LM head on those
+  // alone (executor/engine/methods.h's LogprobPositions; all of them with DTA_LOSS_ROWS_ONLY=0).
+  const std::vector<uint8_t> read_flags = *MarksOfTreeTokens(tree, loss_masks);
+  const int64_t read_tokens = EnvSwitchOn("DTA_LOSS_ROWS_ONLY")
+                                  ? std::count(read_flags.begin(), read_flags.end(), uint8_t{1})
+                                  : stats.tree_tokens;
   // GRPO advantages are 0 when every group's rewards are equal (a batch cut from one group, say):
   // the loss and every gradient are then exactly 0, which a benchmark must not time silently.
   std::string loss_warning;
@@ -1073,6 +1088,9 @@ int Run(int argc, char** argv) {
   const FlopModel flops(config);
   const double dense_flops = flops.Flops(stats.rollout_tokens, stats.dense_attention_work);
   const double tree_flops = flops.Flops(stats.tree_tokens, stats.tree_attention_work);
+  // The tree FLOPs less the LM head's on the unique tokens it skips: what the step computes.
+  const double computed_flops =
+      tree_flops - flops.lm_head_per_token * static_cast<double>(stats.tree_tokens - read_tokens);
   const double ideal = dense_flops / tree_flops;
 
   Progress(absl::StrFormat("device %s (%s), torch %s%s", device.name, device.device.str(),
@@ -1140,7 +1158,7 @@ int Run(int argc, char** argv) {
       if (c.method == r.name && c.status == "ok") row = &c;
     }
     std::optional<double> seconds, throughput, vs_dense, vs_ckpt, mem_vs_dense, mfu, mfu_dense,
-        of_ideal, peak_mem;
+        mfu_computed, of_ideal, peak_mem;
     if (r.ok()) {
       seconds = r.median_seconds;
       throughput = stats.rollout_tokens / r.median_seconds;
@@ -1149,6 +1167,7 @@ int Run(int argc, char** argv) {
       if (cuda) {
         mfu = tree_flops / r.median_seconds / (peak * tp);
         mfu_dense = dense_flops / r.median_seconds / (peak * tp);
+        mfu_computed = computed_flops / r.median_seconds / (peak * tp);
       }
       if (vs_dense) of_ideal = *vs_dense / ideal;
     }
@@ -1183,6 +1202,7 @@ int Run(int argc, char** argv) {
         {"memory_vs_dense", J(mem_vs_dense)},
         {"mfu", J(mfu)},
         {"mfu_dense_counted", J(mfu_dense)},
+        {"mfu_lm_head_on_read_tokens", J(mfu_computed)},
         {"fraction_of_ideal", J(of_ideal)},
         {"loss", J(r.ok() ? Opt(r.loss) : std::nullopt)},
         {"ran_with", r.ok() && r.block_size > 0 ? nlohmann::json{{"block_size", r.block_size},
@@ -1274,6 +1294,8 @@ int Run(int argc, char** argv) {
         {"per_attention_pair", flops.per_attention_pair},
         {"dense", dense_flops},
         {"tree", tree_flops},
+        {"tree_lm_head_on_read_tokens", computed_flops},
+        {"read_tokens", read_tokens},
         {"ideal_speedup_vs_dense", ideal},
         {"ideal_speedup_vs_dense_ckpt", ideal * kCheckpointingFactor},
         {"definition",
@@ -1285,7 +1307,9 @@ int Run(int argc, char** argv) {
          "token once; ideal speedup vs dense = dense / tree; dense-ckpt does about 4/3 of dense's "
          "FLOPs; MFU = tree "
          "FLOPs / step time / (peak x tensor_parallel GPUs); mfu_dense_counted = dense FLOPs / "
-         "step time / (peak x GPUs); "
+         "step time / (peak x GPUs); mfu_lm_head_on_read_tokens = MFU with lm_head's FLOPs counted "
+         "only on the read_tokens unique tokens whose log-probability a loss reads (where dta "
+         "runs it); "
          "fraction_of_ideal = speedup "
          "vs dense / ideal speedup vs dense"}}},
       {"methods", methods_json},
@@ -1344,6 +1368,17 @@ int Run(int argc, char** argv) {
       "reference).\n",
       Int(stats.rollout_tokens), memory.Kind(), absl::GetFlag(FLAGS_peak_tflops), ideal,
       ideal * kCheckpointingFactor, check.ran ? check.reference_dtype : "float32");
+  if (read_tokens < stats.tree_tokens) {
+    md += absl::StrFormat(
+        "\nThe LM head runs only on the %s of %s unique tokens whose log-probability a loss reads "
+        "(%.1f%%; the others are prompt, observation or tool tokens no rollout trains on): the "
+        "MFU column counts its FLOPs on every token, as the FLOP model's convention is; counting "
+        "them only where it runs, each MFU is %.3f times the column's "
+        "(`mfu_lm_head_on_read_tokens` in results.json; DTA_LOSS_ROWS_ONLY=0 runs it everywhere)."
+        "\n",
+        Int(read_tokens), Int(stats.tree_tokens), 100.0 * read_tokens / stats.tree_tokens,
+        computed_flops / tree_flops);
+  }
   // What dta's automatic sizes resolved to, and the tokens forwarded beyond the unique ones
   // (recomputation, prefixes a sharing group repeats): the first thing to read when a dta step
   // falls short of its ideal (long paths whose graphs do not all fit).

@@ -11,7 +11,7 @@ namespace dta::engine {
 
 GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts,
                         const RoutingReplay& replay, const LossPlan* plan,
-                        const ExecutorOptions& options) {
+                        const LogprobPositions& read, const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   const bool checkpointing = plan != nullptr && options.checkpointing;
   GradientResult result;
@@ -56,9 +56,9 @@ GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts
     // Token t is predicted from position t - 1; token 0 has no prediction and holds 0.
     at::Tensor entropy_tail;
     const bool entropy = plan && plan->needs_entropy();
-    const at::Tensor tail =
-        model.Logprobs(hidden.slice(0, 0, length - 1), tokens.slice(0, 1, length),
-                       entropy ? &entropy_tail : nullptr, LogprobOptionsOf(options));
+    const at::Tensor tail = LogprobsOfReadRows(
+        model, hidden.slice(0, 0, length - 1), tokens.slice(0, 1, length), read.Of(r, 1, length),
+        entropy ? &entropy_tail : nullptr, LogprobOptionsOf(options));
     const at::Tensor zero = at::zeros({1}, tail.options());
     const at::Tensor logprobs = at::cat({zero, tail});
     result.logprobs.push_back(logprobs.detach());

@@ -9,9 +9,13 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "core/base/env_switch.h"
 #include "core/model/layer_spec.h"
+#include "core/tree/shared_marks.h"
 #include "executor/device/host_to_device.h"
 #include "executor/engine/methods.h"
+#include "executor/engine/packed_layout.h"
+#include "executor/model/ops/gather_rows.h"
 
 namespace dta {
 namespace engine {
@@ -54,18 +58,58 @@ void CheckRollouts(const Decoder& model, absl::Span<const Rollout> rollouts) {
   }
 }
 
+LogprobPositions LogprobPositions::OfLossMasks(absl::Span<const Rollout> rollouts) {
+  // A tree over the token ids alone: rollouts routed differently on a shared token (routing
+  // replay) compute it apart, and each computation reads the union, which holds its own reads.
+  PrefixTreeBuilder builder(TokenStorage::kBorrow);
+  std::vector<absl::Span<const uint8_t>> masks;
+  for (const Rollout& rollout : rollouts) {
+    TORCH_CHECK(builder.AddRollout(rollout.tokens).ok(), "rollout '", rollout.id, "'");
+    masks.push_back(rollout.loss_mask);
+  }
+  absl::StatusOr<std::vector<std::vector<uint8_t>>> read =
+      MarksOverSharedTokens(std::move(builder).Build(), masks);
+  TORCH_CHECK(read.ok(), std::string(read.status().message()));
+  LogprobPositions positions;
+  positions.read_ = *std::move(read);
+  return positions;
+}
+
+at::Tensor LogprobsOfReadRows(const Decoder& model, const at::Tensor& rows,
+                              const at::Tensor& targets, absl::Span<const uint8_t> read,
+                              at::Tensor* entropy, const LogprobOptions& options) {
+  TORCH_CHECK(read.empty() || static_cast<int64_t>(read.size()) == rows.size(0),
+              "internal: ", read.size(), " read flags for ", rows.size(0), " rows");
+  std::vector<int64_t> index;
+  for (size_t i = 0; i < read.size(); ++i) {
+    if (read[i] != 0) index.push_back(static_cast<int64_t>(i));
+  }
+  if (index.size() == read.size()) return model.Logprobs(rows, targets, entropy, options);
+  // The read rows only (possibly none: the result is still connected to `rows`' graph, so that a
+  // backward seeded from it runs as for any other chunk).
+  const at::Tensor where = IndexTensor(index, rows.device());
+  at::Tensor read_entropy;
+  const at::Tensor values = model.Logprobs(GatherRows(rows, where), targets.index_select(0, where),
+                                           entropy != nullptr ? &read_entropy : nullptr, options);
+  const at::Tensor zeros = at::zeros({rows.size(0)}, values.options());
+  if (entropy != nullptr) *entropy = zeros.index_put({where}, read_entropy);
+  return zeros.index_put({where}, values);
+}
+
 LossPlan::LossPlan(const Decoder& model, absl::Span<const Rollout> rollouts,
                    const LossOptions& options, const ExecutorOptions& executor,
                    const BatchLossContext& batch)
     : rollouts_(rollouts), options_(options), batch_(batch) {
   if (UsesAdvantages(options, rollouts))
     advantages_ = ComputeAdvantages(rollouts, options.advantages);
+  if (!options.custom && EnvSwitchOn("DTA_LOSS_ROWS_ONLY"))
+    read_ = LogprobPositions::OfLossMasks(rollouts);
   if (options.custom ? options.with_proximal : options.kind == LossKind::kDecoupledPpo) {
     // The proximal policy is the current one before this step: its log-probabilities come from a
-    // forward-only pass, each unique token once.
+    // forward-only pass, each unique token once, where the losses read them.
     ExecutorOptions forward = executor;
     if (forward.method == Method::kDense) forward.method = Method::kDta;
-    proximal_ = ComputeLogprobs(model, rollouts, forward);
+    proximal_ = Run(model, rollouts, nullptr, read_, forward).logprobs;
   }
   const ModelConfig& config = model.config();
   for (int64_t l = 0; l < config.num_hidden_layers; ++l) sparse_layers_ += IsSparseLayer(config, l);
@@ -114,6 +158,12 @@ at::Tensor LossPlan::Loss(int32_t r, const at::Tensor& logprobs, const at::Tenso
 RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs,
                                       const at::Tensor& entropy) const {
   return RolloutLossAndGrad(Inputs(r, logprobs, entropy), options_, batch_, &diagnostics_);
+}
+
+RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs,
+                                      const at::Tensor& entropy,
+                                      DiagnosticsAccumulator& diagnostics) const {
+  return RolloutLossAndGrad(Inputs(r, logprobs, entropy), options_, batch_, &diagnostics);
 }
 
 }  // namespace engine
@@ -209,7 +259,7 @@ class FreshGradientsScope {
 }  // namespace
 
 GradientResult Run(const Decoder& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
-                   const ExecutorOptions& options) {
+                   const LogprobPositions& read, const ExecutorOptions& options) {
   TORCH_CHECK(options.logprob_slice_rows > 0, "logprob_slice_rows must be positive");
   TORCH_CHECK(
       options.unshared_prefix_fraction >= 0 && std::isfinite(options.unshared_prefix_fraction),
@@ -222,13 +272,13 @@ GradientResult Run(const Decoder& model, absl::Span<const Rollout> rollouts, con
     const FreshGradientsScope fresh(model, plan != nullptr && options.replace_gradients);
     switch (options.method) {
       case Method::kDense:
-        result = RunDense(model, rollouts, replay, plan, options);
+        result = RunDense(model, rollouts, replay, plan, read, options);
         break;
       case Method::kPacked:
-        result = RunPacked(model, rollouts, replay, plan, options);
+        result = RunPacked(model, rollouts, replay, plan, read, options);
         break;
       case Method::kDta:
-        result = RunDta(model, rollouts, replay, plan, options);
+        result = RunDta(model, rollouts, replay, plan, read, options);
         break;
       default:
         TORCH_CHECK(false, "unknown method");
@@ -258,13 +308,13 @@ GradientResult ComputeGradients(const Decoder& model, absl::Span<const Rollout> 
   engine::CheckRollouts(model, rollouts);
   const engine::LossPlan plan(model, rollouts, loss, options, batch);
   prepare_scope.end();
-  return engine::Run(model, rollouts, &plan, options);
+  return engine::Run(model, rollouts, &plan, plan.read_positions(), options);
 }
 
 std::vector<at::Tensor> ComputeLogprobs(const Decoder& model, absl::Span<const Rollout> rollouts,
                                         const ExecutorOptions& options) {
   engine::CheckRollouts(model, rollouts);
-  return engine::Run(model, rollouts, nullptr, options).logprobs;
+  return engine::Run(model, rollouts, nullptr, engine::LogprobPositions(), options).logprobs;
 }
 
 }  // namespace dta

@@ -135,7 +135,10 @@ struct GradientResult {
   // load-balancing losses aux_r (without the coefficient; over R = BatchLossContext::num_rollouts,
   // so data-parallel ranks' values add up). 0 when off.
   double router_aux_loss = 0;
-  std::vector<at::Tensor> logprobs;  // per rollout [L], current policy, detached; position 0 is 0
+  // Per rollout [L], the current policy's, detached; position 0 holds 0, and so does every position
+  // no loss reads: with a built-in loss the LM head runs only where some rollout through the token
+  // has loss_mask 1 (a custom loss, ComputeLogprobs and DTA_LOSS_ROWS_ONLY=0 compute them all).
+  std::vector<at::Tensor> logprobs;
   // kDta: the block size and graph budget the step ran with, automatic ones resolved (0 for dense
   // and packed).
   int64_t block_size = 0;

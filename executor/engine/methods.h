@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -13,8 +14,40 @@
 
 namespace dta::engine {
 
+// The positions whose log-probability (and entropy) an execution computes: per rollout, those that
+// its loss reads or the loss of another rollout through the same token does (a shared token is
+// computed once for all of them). The built-in losses read a position only where its loss_mask
+// is 1, so the LM head (a tenth of a small model's step, for a vocabulary of 151,936) skips
+// prompts, observations and tool output; the other positions hold 0 and get no gradient, as the
+// losses give them anyway. Every position for a custom loss (it may read any), for ComputeLogprobs
+// and with DTA_LOSS_ROWS_ONLY=0 (read when the plan is made; for before/after measurements).
+class LogprobPositions {
+ public:
+  LogprobPositions() = default;  // every position
+  // Where the loss masks of `rollouts` are 1, merged over the tokens they share.
+  static LogprobPositions OfLossMasks(absl::Span<const Rollout> rollouts);
+
+  bool all() const { return read_.empty(); }
+  // Rollout r's flags for its positions [begin, end); empty when every position is read.
+  absl::Span<const uint8_t> Of(RolloutIndex r, int64_t begin, int64_t end) const {
+    if (all()) return {};
+    return absl::MakeConstSpan(read_[r]).subspan(begin, end - begin);
+  }
+
+ private:
+  std::vector<std::vector<uint8_t>> read_;
+};
+
+// Log-probabilities (and entropies) of `targets` [N] predicted by `rows` [N, hidden] through
+// model.Logprobs, computed at the rows whose flag in `read` is set (every row when `read` is
+// empty) and 0 at the others, which get no gradient. `entropy` is set when asked for.
+at::Tensor LogprobsOfReadRows(const Decoder& model, const at::Tensor& rows,
+                              const at::Tensor& targets, absl::Span<const uint8_t> read,
+                              at::Tensor* entropy, const LogprobOptions& options);
+
 // Everything about the loss that is fixed for the batch before execution: the normaliser, GRPO
-// advantages, whether entropy is needed, proximal log-probabilities for decoupled PPO.
+// advantages, whether entropy is needed, proximal log-probabilities for decoupled PPO, the
+// positions whose log-probabilities the losses read.
 class LossPlan {
  public:
   LossPlan(const Decoder& model, absl::Span<const Rollout> rollouts, const LossOptions& options,
@@ -29,6 +62,16 @@ class LossPlan {
   // The same, with d loss / d logprobs (and d loss / d entropy) by autograd on the small vectors.
   RolloutLossGrad LossAndGrad(int32_t r, const at::Tensor& logprobs,
                               const at::Tensor& entropy) const;
+  // The same with the diagnostics gathered into `diagnostics`, for a caller that computes several
+  // rollouts' losses on several threads (built-in losses only: a custom one may hold Python's
+  // lock) and then adds their diagnostics in rollout order (AddDiagnostics).
+  RolloutLossGrad LossAndGrad(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy,
+                              DiagnosticsAccumulator& diagnostics) const;
+  void AddDiagnostics(const DiagnosticsAccumulator& part) const { diagnostics_.Merge(part); }
+  // Whether LossAndGrad may run for different rollouts on different threads at once.
+  bool computes_on_any_thread() const { return !options_.custom; }
+  // The positions whose log-probabilities the losses read.
+  const LogprobPositions& read_positions() const { return read_; }
   // The diagnostics of the losses computed so far (each rollout's loss is computed once).
   LossDiagnostics ReadDiagnostics() const { return diagnostics_.Read(); }
 
@@ -50,6 +93,7 @@ class LossPlan {
   LossOptions options_;
   BatchLossContext batch_;
   std::vector<std::vector<float>> advantages_;
+  LogprobPositions read_;
   std::vector<at::Tensor> proximal_;
   int64_t sparse_layers_ = 0, experts_ = 0;
   // Gathered as Loss and LossAndGrad run: statistics, not state the losses depend on.
@@ -84,15 +128,20 @@ at::Tensor RouterBalanceRows(const LossPlan& plan, const at::Tensor& router_coun
                              absl::Span<const at::Tensor> paths);
 
 // When `plan` is null, only log-probabilities are computed (no graph, no gradients). `replay` is
-// the batch's routing replay (RoutingReplay over `rollouts`).
+// the batch's routing replay (RoutingReplay over `rollouts`); log-probabilities are computed at
+// `read` (GradientResult::logprobs holds 0 elsewhere).
 GradientResult RunDense(const Decoder& model, absl::Span<const Rollout> rollouts,
                         const RoutingReplay& replay, const LossPlan* plan,
-                        const ExecutorOptions& options);
+                        const LogprobPositions& read, const ExecutorOptions& options);
 GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollouts,
                          const RoutingReplay& replay, const LossPlan* plan,
-                         const ExecutorOptions& options);
+                         const LogprobPositions& read, const ExecutorOptions& options);
 GradientResult RunDta(const Decoder& model, absl::Span<const Rollout> rollouts,
                       const RoutingReplay& replay, const LossPlan* plan,
-                      const ExecutorOptions& options);
+                      const LogprobPositions& read, const ExecutorOptions& options);
+// The method options.method names over `rollouts`: gradients with a plan, log-probabilities at
+// `read` without.
+GradientResult Run(const Decoder& model, absl::Span<const Rollout> rollouts, const LossPlan* plan,
+                   const LogprobPositions& read, const ExecutorOptions& options);
 
 }  // namespace dta::engine

@@ -17,10 +17,11 @@ namespace {
 // loss (a device scalar) to `total_loss`.
 void RunPackedBatch(const Decoder& model, absl::Span<const Rollout> rollouts,
                     const RoutingReplay& replay, absl::Span<const RolloutIndex> subset,
-                    const LossPlan* plan, const ExecutorOptions& options, GradientResult& result,
-                    at::Tensor& total_loss, at::Tensor& total_balance) {
+                    const LossPlan* plan, const LogprobPositions& read,
+                    const ExecutorOptions& options, GradientResult& result, at::Tensor& total_loss,
+                    at::Tensor& total_balance) {
   const PrefixTree tree = BuildTree(replay, subset);
-  const PackedLayout layout = MakePackedLayout(tree, 0, replay, subset);
+  const PackedLayout layout = MakePackedLayout(tree, 0, replay, subset, read);
   const int64_t n = tree.num_tree_tokens();
   const bool entropy = plan && plan->needs_entropy();
   const bool checkpointing = plan != nullptr && options.checkpointing;
@@ -64,7 +65,7 @@ void RunPackedBatch(const Decoder& model, absl::Span<const Rollout> rollouts,
 
 GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollouts,
                          const RoutingReplay& replay, const LossPlan* plan,
-                         const ExecutorOptions& options) {
+                         const LogprobPositions& read, const ExecutorOptions& options) {
   torch::autograd::AutoGradMode grad_mode(plan != nullptr);
   GradientResult result;
   result.logprobs.resize(rollouts.size());
@@ -101,7 +102,7 @@ GradientResult RunPacked(const Decoder& model, absl::Span<const Rollout> rollout
                                            : ForwardBackwardCall(tokens));
   }
   Lockstep(model, std::move(word)).Run([&](int64_t call) {
-    RunPackedBatch(model, rollouts, replay, batches[call], plan, options, result, total_loss,
+    RunPackedBatch(model, rollouts, replay, batches[call], plan, read, options, result, total_loss,
                    total_balance);
     if (options.progress) options.progress(result.forwarded_tokens, total_work);
   });

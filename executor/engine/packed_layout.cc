@@ -6,7 +6,8 @@
 namespace dta::engine {
 
 PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset, const RoutingReplay& replay,
-                              absl::Span<const RolloutIndex> batch_index) {
+                              absl::Span<const RolloutIndex> batch_index,
+                              const LogprobPositions& read) {
   TORCH_CHECK(static_cast<RolloutIndex>(batch_index.size()) == tree.num_rollouts(),
               "internal: a packed layout needs each of the tree's rollouts' batch index");
   const int64_t n = tree.num_tree_tokens();
@@ -35,6 +36,15 @@ PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset, const Rout
     for (NodeId v = tree.end_node(r); v != kRootNode; v = tree.parent(v)) {
       for (int64_t o = 0; o < tree.length(v); ++o)
         path[tree.depth(v) + o] = tree.token_offset(v) + o;
+    }
+  }
+  if (!read.all()) {
+    layout.read.assign(n, 0);
+    for (RolloutIndex r = 0; r < tree.num_rollouts(); ++r) {
+      const std::vector<int64_t>& path = layout.paths[r];
+      const absl::Span<const uint8_t> flags =
+          read.Of(batch_index[r], offset, offset + static_cast<int64_t>(path.size()));
+      for (size_t p = 0; p < path.size(); ++p) layout.read[path[p]] |= flags[p];
     }
   }
   if (replay.active()) {
@@ -89,7 +99,8 @@ PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout,
   const at::Tensor rows = has_previous ? at::cat({previous_hidden, hidden}) : hidden;
   std::vector<int64_t> predicted, predictor;
   for (size_t t = 0; t < layout.tokens.size(); ++t) {
-    if (layout.previous[t] < 0 && !has_previous) continue;  // position 0: no prediction
+    if (layout.previous[t] < 0 && !has_previous) continue;      // position 0: no prediction
+    if (!layout.read.empty() && layout.read[t] == 0) continue;  // no loss reads it
     predicted.push_back(static_cast<int64_t>(t));
     predictor.push_back(has_previous ? layout.previous[t] + 1 : layout.previous[t]);
   }

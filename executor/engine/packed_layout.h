@@ -9,6 +9,7 @@
 
 #include "core/tree/prefix_tree.h"
 #include "executor/engine/checkpointing.h"
+#include "executor/engine/methods.h"
 #include "executor/engine/routing_replay.h"
 #include "executor/model/decoder.h"
 
@@ -31,12 +32,17 @@ struct PackedLayout {
   // (where its routing is read; every rollout through a token has the same). Empty otherwise.
   std::vector<RolloutIndex> source_rollout;
   std::vector<int64_t> source_position;
+  // Per serialized token, whether its log-probability is read (LogprobPositions); empty: every
+  // token's is.
+  std::vector<uint8_t> read;
 };
 
 // The layout of `tree`, built over replay.keys of the batch's rollouts batch_index[0],
-// batch_index[1], ... (the tree's rollout r is the batch's batch_index[r]).
+// batch_index[1], ... (the tree's rollout r is the batch's batch_index[r]), whose log-probabilities
+// are read at `read`.
 PackedLayout MakePackedLayout(const PrefixTree& tree, int64_t offset, const RoutingReplay& replay,
-                              absl::Span<const RolloutIndex> batch_index);
+                              absl::Span<const RolloutIndex> batch_index,
+                              const LogprobPositions& read);
 
 // An int64 tensor of `values` on `device`, uploaded without a host synchronisation.
 at::Tensor IndexTensor(const std::vector<int64_t>& values, const at::Device& device);
@@ -54,14 +60,15 @@ struct PackedOutput {
   LayerCheckpoints checkpoints;
 };
 
-// One tree-masked forward of the layout's tokens on top of `prefix` (or none) and every token's
-// log-probability: predicted by the previous packed token's hidden state, or, for the first token
-// of a root child, by `previous_hidden` ([1, hidden]). With `previous_hidden` undefined the tree
-// starts at position 0 and those tokens hold 0. With `checkpointing` (no prefix), the decoder keeps
-// only its layer inputs (see checkpointing.h): after backpropagating the loss, call
-// BackwardThroughLayers(model, *out.input, out.context, out.checkpoints). With
-// `router_statistics`, the sparse layers' routing too (ChunkInput::router_statistics). With routing
-// replay the tokens are routed as the layout's sources were.
+// One tree-masked forward of the layout's tokens on top of `prefix` (or none) and the
+// log-probability of every token the layout reads (0 at the others): predicted by the previous
+// packed token's hidden state, or, for the first token of a root child, by `previous_hidden` ([1,
+// hidden]). With `previous_hidden` undefined the tree starts at position 0 and those tokens hold 0.
+// With `checkpointing` (no prefix), the decoder keeps only its layer inputs (see checkpointing.h):
+// after backpropagating the loss, call BackwardThroughLayers(model, *out.input, out.context,
+// out.checkpoints). With `router_statistics`, the sparse layers' routing too
+// (ChunkInput::router_statistics). With routing replay the tokens are routed as the layout's
+// sources were.
 PackedOutput ForwardPacked(const Decoder& model, const PackedLayout& layout,
                            const RoutingReplay& replay, const PrefixKv& prefix,
                            const at::Tensor& previous_hidden, bool with_entropy,

@@ -74,6 +74,13 @@ void DiagnosticsAccumulator::Add(const at::Tensor& sums, const at::Tensor& ratio
   extremes_ = extremes_.defined() ? at::maximum(extremes_, e) : e;
 }
 
+void DiagnosticsAccumulator::Merge(const DiagnosticsAccumulator& other) {
+  if (other.sums_.defined()) sums_ = sums_.defined() ? sums_ + other.sums_ : other.sums_;
+  if (other.extremes_.defined()) {
+    extremes_ = extremes_.defined() ? at::maximum(extremes_, other.extremes_) : other.extremes_;
+  }
+}
+
 LossDiagnostics DiagnosticsAccumulator::Read() const {
   const double inf = std::numeric_limits<double>::infinity();
   std::array<double, LossDiagnostics::kSums> sums{};

@@ -68,6 +68,10 @@ class DiagnosticsAccumulator {
   // Adds one rollout's sums (a float64 [kSums] tensor) and its ratio extremes (0-d; undefined
   // when it has no loss tokens).
   void Add(const at::Tensor& sums, const at::Tensor& ratio_max, const at::Tensor& ratio_min);
+  // Adds what `other` gathered, as if its rollouts had been added here one by one after this one's
+  // (the sums in the same order: merging one-rollout accumulators in rollout order gives the bits
+  // of adding the rollouts here).
+  void Merge(const DiagnosticsAccumulator& other);
   // The totals, read with one copy to the host; zeros when nothing was added.
   LossDiagnostics Read() const;
 

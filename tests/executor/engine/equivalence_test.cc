@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/base/scoped_env.h"
 #include "core/model/family.h"
 #include "gtest/gtest.h"
 #include "tests/core/tree/random_trees.h"
@@ -57,6 +58,22 @@ void ExpectSame(const Decoder& model, const MethodRun& run, const MethodRun& ref
               kTolerance * std::max(1.0, std::abs(reference.result.loss)));
   EXPECT_NEAR(run.result.router_aux_loss, reference.result.router_aux_loss,
               kTolerance * std::max(1.0, std::abs(reference.result.router_aux_loss)));
+  // The losses' diagnostics (token counts, clipping, KL, ratios, entropy), whatever order or
+  // thread each method computed the rollouts' losses in.
+  const auto sums = run.result.diagnostics.Sums(),
+             reference_sums = reference.result.diagnostics.Sums();
+  for (size_t i = 0; i < sums.size(); ++i) {
+    EXPECT_NEAR(sums[i], reference_sums[i], kTolerance * std::max(1.0, std::abs(reference_sums[i])))
+        << "diagnostics sum " << i;
+  }
+  EXPECT_EQ(run.result.diagnostics.ratio_max >= run.result.diagnostics.ratio_min,
+            reference.result.diagnostics.ratio_max >= reference.result.diagnostics.ratio_min);
+  if (reference.result.diagnostics.ratio_max >= reference.result.diagnostics.ratio_min) {
+    EXPECT_NEAR(run.result.diagnostics.ratio_max, reference.result.diagnostics.ratio_max,
+                kTolerance * std::abs(reference.result.diagnostics.ratio_max));
+    EXPECT_NEAR(run.result.diagnostics.ratio_min, reference.result.diagnostics.ratio_min,
+                kTolerance * std::abs(reference.result.diagnostics.ratio_min));
+  }
   ASSERT_EQ(run.result.logprobs.size(), reference.result.logprobs.size());
   for (size_t r = 0; r < run.result.logprobs.size(); ++r) {
     EXPECT_LE(RelativeError(run.result.logprobs[r], reference.result.logprobs[r]), kTolerance)
@@ -299,6 +316,125 @@ TEST_P(FamilyEquivalence, DuplicatesPrefixesAndOneTokenRollouts) {
       MakeRollouts({{5}, {5, 6}, {5, 6}, {5, 6, 7}, {5}, {4}, {5, 6, 7, 8, 9, 10}, {5, 6, 7}}, 11);
   CheckAllMethods(rollouts, {.kind = LossKind::kPpo}, "ppo");
   CheckAllMethods(rollouts, {.kind = LossKind::kSft}, "sft");
+}
+
+// The LM head runs only on the positions some loss reads (engine::LogprobPositions): a position
+// shared by rollouts is read when any of them has it in its loss. Every method and every built-in
+// loss against dense computing every position (DTA_LOSS_ROWS_ONLY=0): the same loss and gradients,
+// the same log-probabilities where read and exactly 0 elsewhere, where the reference has real
+// values (so the comparison sees the skip). The tree has a prompt no rollout trains on (chunks of B
+// = 1 and 3 with no read position), a token trained by one rollout and not the others sharing it,
+// a rollout with no loss token and a duplicate.
+TEST_P(FamilyEquivalence, LogprobsOnlyWhereALossReadsThem) {
+  std::vector<Rollout> rollouts = MakeRollouts({{1, 2, 3, 4, 5, 6, 7, 8},
+                                                {1, 2, 3, 4, 5, 6, 9, 10, 11},
+                                                {1, 2, 3, 4, 5, 6, 9, 12},
+                                                {1, 2, 3, 4, 5, 6, 9, 12},
+                                                {1, 2, 3, 13}},
+                                               17);
+  rollouts[0].loss_mask = {0, 0, 0, 0, 0, 1, 1, 1};
+  rollouts[1].loss_mask = {0, 0, 0, 0, 0, 0, 0, 1, 1};
+  rollouts[2].loss_mask = {0, 0, 0, 0, 0, 0, 1, 1};
+  rollouts[3].loss_mask = {0, 0, 0, 0, 0, 0, 0, 1};
+  rollouts[4].loss_mask = {0, 0, 0, 0};  // no loss token at all
+  // Read positions by brute force: position p of r is read when any rollout with r's first p + 1
+  // tokens has it in its loss.
+  std::vector<std::vector<bool>> read(rollouts.size());
+  int64_t unread = 0;
+  for (size_t r = 0; r < rollouts.size(); ++r) {
+    const std::vector<TokenId>& tokens = rollouts[r].tokens;
+    for (size_t p = 0; p < tokens.size(); ++p) {
+      bool any = false;
+      for (const Rollout& other : rollouts) {
+        any = any || (p < other.tokens.size() && other.loss_mask[p] != 0 &&
+                      std::equal(tokens.begin(), tokens.begin() + p + 1, other.tokens.begin()));
+      }
+      read[r].push_back(any);
+      unread += p > 0 && !any;
+    }
+  }
+  ASSERT_TRUE(read[0][5] && !read[0][4] && read[1][6] && read[3][6]);  // the cases meant above
+  ASSERT_GT(unread, 10);
+  int64_t longest = 0;
+  for (const Rollout& r : rollouts) longest = std::max<int64_t>(longest, r.tokens.size());
+  for (const auto& [loss_name, loss] : Losses()) {
+    MethodRun every;
+    {
+      const ScopedEnv all_rows("DTA_LOSS_ROWS_ONLY", "0");
+      every = RunMethod(model_, rollouts, loss, {.method = Method::kDense});
+    }
+    for (const auto& [method_name, options] : testing::ExactnessMethods(longest)) {
+      const std::string what = loss_name + " " + method_name;
+      SCOPED_TRACE(what);
+      const MethodRun run = RunMethod(model_, rollouts, loss, options);
+      EXPECT_NEAR(run.result.loss, every.result.loss,
+                  kTolerance * std::max(1.0, std::abs(every.result.loss)));
+      for (size_t i = 0; i < run.grads.size(); ++i) {
+        EXPECT_LE(RelativeError(run.grads[i], every.grads[i]), kTolerance)
+            << model_.named_parameters()[i].first;
+      }
+      for (size_t r = 0; r < rollouts.size(); ++r) {
+        for (size_t p = 1; p < read[r].size(); ++p) {
+          const double got = run.result.logprobs[r][p].item<double>();
+          const double all = every.result.logprobs[r][p].item<double>();
+          ASSERT_LT(all, 0.0) << "rollout " << r << " position " << p;
+          if (read[r][p]) {
+            EXPECT_NEAR(got, all, kTolerance * std::abs(all))
+                << "rollout " << r << " position " << p;
+          } else {
+            EXPECT_EQ(got, 0.0) << "rollout " << r << " position " << p << " is read by no loss";
+          }
+        }
+      }
+    }
+  }
+}
+
+// A packed step computes its rollouts' losses on DTA_LOSS_THREADS host threads (4 by default) and
+// adds their gradients and diagnostics in rollout order: the same bits as on one thread, for every
+// loss, packed steps holding many rollouts (the 64-way branch, packed whole at B = inf) and few.
+TEST_P(FamilyEquivalence, PackedLossesOnSeveralThreadsAreBitwiseOneThreads) {
+  std::vector<std::vector<TokenId>> sequences;
+  for (TokenId i = 0; i < 64; ++i) sequences.push_back({1, 2, 3, 4, 5 + i % 8, 5 + i / 8, 7});
+  for (const std::vector<TokenId>& random :
+       testing::RandomRollouts(4, {.max_rollouts = 10, .max_length = 12, .vocab = 4})) {
+    sequences.push_back(random);
+  }
+  const std::vector<Rollout> rollouts = MakeRollouts(sequences, 21);
+  for (const auto& [name, loss] : Losses()) {
+    for (const int64_t block : {int64_t{3}, kUnboundedBlock}) {
+      SCOPED_TRACE(name + " B=" + std::to_string(block));
+      const ExecutorOptions options{.method = Method::kDta, .block_size = block, .pack = true};
+      MethodRun one;
+      {
+        const ScopedEnv threads("DTA_LOSS_THREADS", "1");
+        one = RunMethod(model_, rollouts, loss, options);
+      }
+      const ScopedEnv threads("DTA_LOSS_THREADS", "4");
+      const MethodRun several = RunMethod(model_, rollouts, loss, options);
+      EXPECT_EQ(several.result.loss, one.result.loss);
+      for (size_t i = 0; i < one.grads.size(); ++i) {
+        EXPECT_TRUE(at::equal(several.grads[i], one.grads[i]))
+            << model_.named_parameters()[i].first;
+      }
+      EXPECT_EQ(several.result.diagnostics.Sums(), one.result.diagnostics.Sums());
+    }
+  }
+  const ScopedEnv bad("DTA_LOSS_THREADS", "0");
+  EXPECT_THROW(
+      {
+        try {
+          RunMethod(model_, rollouts, {.kind = LossKind::kPpo},
+                    {.method = Method::kDta, .block_size = kUnboundedBlock, .pack = true});
+        } catch (const c10::Error& e) {
+          EXPECT_NE(
+              std::string(e.what()).find("DTA_LOSS_THREADS must be a positive integer, got '0'"),
+              std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      c10::Error);
 }
 
 // Deep enough that positions pass every band of the scaled RoPE (up to 6x the original context);
