@@ -4,7 +4,7 @@
 #   dta_cc_binary(NAME dta-tree SRCS main.cc DEPS dta::tree)
 #   dta_cc_test(NAME prefix_tree_test SRCS prefix_tree_test.cc DEPS dta::tree)
 
-include(GoogleTest)
+include(DtaGTestBatches)
 
 # -Wno-missing-field-initializers: GCC before 14 warns about every member a C++20 designated
 # initializer leaves to its default member initializer, which is how options structs are written
@@ -41,13 +41,7 @@ function(dta_cc_test)
   target_link_libraries(${DTA_NAME} PRIVATE ${DTA_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   target_compile_options(${DTA_NAME} PRIVATE ${DTA_WARNINGS})
   set_target_properties(${DTA_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
-  # One CTest entry per test case, so CTest's closing line counts the real cases. Discovery runs
-  # each binary (--gtest_list_tests) when CTest starts; a LibTorch binary on a loaded 2-core machine
-  # can take longer than CMake's default 5 s to start, which failed the whole CTest run before any
-  # test ran, so the timeout is generous.
-  gtest_discover_tests(${DTA_NAME}
-    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
-    DISCOVERY_MODE PRE_TEST
-    DISCOVERY_TIMEOUT 300
-    PROPERTIES LABELS "${DTA_LABELS}")
+  # One CTest entry per few cases of a suite (cmake/DtaGTestBatches.cmake): a LibTorch process
+  # takes a second to start.
+  dta_add_gtest_batches(TARGET ${DTA_NAME} LABELS ${DTA_LABELS})
 endfunction()

@@ -5,11 +5,12 @@
 #   scripts/fuzz.sh          # the short run of the test command
 #   scripts/fuzz.sh 3600     # a longer run, on demand
 #
-# libFuzzer is clang's, and the whole project must be compiled by one compiler, so everything is
-# built in its own directory, build-fuzz/, with clang and instrumented for coverage and the
-# sanitizers (configured once; then Ninja and ccache make a rebuild a no-op when nothing changed).
-# Only the fuzzer and what it links are built. The corpus, build-fuzz/fuzz/corpus, starts from the
-# seeds the fuzzer writes and keeps what every run adds. Exits non-zero, naming the input, if
+# libFuzzer is clang's, and the whole project must be compiled by one compiler, so the fuzzer is
+# built in build-asan/, the clang build that scripts/sanitizers.sh runs the tests in
+# (scripts/clang_checks_build.sh: every unit instrumented for coverage and the sanitizers); after
+# the sanitizers' run it is already built. Alone, only the fuzzer and what it links are built. The
+# corpus, build-asan/fuzz/corpus, starts from the seeds the fuzzer writes and keeps what every run
+# adds. Exits non-zero, naming the input, if
 # libFuzzer finds a crash, a sanitizer error, a leak, a timeout or an out-of-memory.
 #
 # The mutations follow a fixed seed (DTA_FUZZ_SEED, default 1; 0 draws one at random), so a fresh
@@ -22,7 +23,8 @@ if [[ ! "$seconds" =~ ^[0-9]+$ ]]; then
   echo "usage: scripts/fuzz.sh [seconds]   (default 20; 0 replays the corpus only)" >&2
   exit 2
 fi
-build="$repo/build-fuzz"
+source "$repo/scripts/clang_checks_build.sh"
+build="$checks_build"
 work="$build/fuzz"
 fuzzer="$build/bin/trajectory_fuzzer"
 
@@ -33,15 +35,7 @@ for tool in clang clang++ cmake ninja; do
   fi
 done
 
-if [[ ! -f "$build/build.ninja" ]]; then
-  # -fsanitize=fuzzer-no-link instruments the libraries for coverage without linking libFuzzer's
-  # main into them; the fuzzer target itself adds -fsanitize=fuzzer (tests/fuzz/CMakeLists.txt).
-  flags="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined"
-  echo "fuzz: configuring $build (clang, $flags)"
-  cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-    -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" -DDTA_BUILD_TORCH=OFF -DDTA_BUILD_CUDA=OFF \
-    -DDTA_BUILD_BENCH=OFF -DDTA_BUILD_FUZZERS=ON >/dev/null
-fi
+configure_checks_build
 # The target list is read whole before grep looks at it: `ninja ... | grep -q` under pipefail fails
 # whenever grep stops reading at its first match while ninja still writes (SIGPIPE).
 targets="$(ninja -C "$build" -t targets all)"

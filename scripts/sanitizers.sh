@@ -8,41 +8,18 @@
 #   scripts/sanitizers.sh            # build what changed, then run every test
 #   scripts/sanitizers.sh -R Wal     # extra arguments go to CTest
 #
-# Everything is built in its own directory, build-asan/ (DTA_ASAN_BUILD_DIR), configured once with
-# clang (gcc when clang is missing), -O1 and line tables; then Ninja and ccache make a rebuild a
-# no-op when nothing changed. No LibTorch, no CUDA: the executor's and the kernels' tests run only
-# in build/ (and scripts/gpu_test.sh runs the kernels under compute-sanitizer). Reports go to
-# build-asan/sanitizers/report.<pid>; the script prints them and fails when there are any.
+# Everything is built in build-asan/ (scripts/clang_checks_build.sh: clang, -O1, line tables, also
+# instrumented for libFuzzer and checked with -Wthread-safety, so that scripts/fuzz.sh reuses it);
+# Ninja and ccache make a rebuild a no-op when nothing changed. No LibTorch, no CUDA: the
+# executor's and the kernels' tests run only in build/ (and scripts/gpu_test.sh runs the kernels
+# under compute-sanitizer). Reports go to build-asan/sanitizers/report.<pid>; the script prints
+# them and fails when there are any.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-build="${DTA_ASAN_BUILD_DIR:-$repo/build-asan}"
-
-if command -v clang++ >/dev/null && command -v clang >/dev/null; then
-  cc=clang cxx=clang++ debug=-gline-tables-only
-else
-  cc=gcc cxx=g++ debug=-g1
-fi
-# -O1: quicker to compile than -O2 and still fast to run; line tables for the reports' stacks;
-# assertions stay on (no -DNDEBUG). -fno-sanitize-recover: UBSan's first report ends the process.
-flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
-configure=(-G Ninja -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx"
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo
-  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags"
-  -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 $debug" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 $debug"
-  -DDTA_BUILD_TORCH=OFF -DDTA_BUILD_CUDA=OFF -DDTA_BUILD_PYTHON=OFF -DDTA_BUILD_BENCH=OFF
-  -DDTA_BUILD_FUZZERS=OFF -DDTA_BUILD_TESTS=ON -DDTA_BUILD_TOOLS=ON
-  -DDTA_PYTHON="$repo/.venv/bin/python")
-# Configured once; again only when these arguments change (a stale cache would keep old flags).
-stamp="$build/sanitizers.configure"
-if [[ ! -f "$build/build.ninja" || ! -f "$stamp" || "$(cat "$stamp")" != "${configure[*]}" ]]; then
-  echo "sanitizers: configuring $build ($cxx, $flags)"
-  rm -f "$build/CMakeCache.txt"
-  mkdir -p "$build"
-  cmake -S "$repo" -B "$build" "${configure[@]}" >"$build/configure.log" 2>&1 ||
-    { tail -30 "$build/configure.log"; exit 1; }
-  echo "${configure[*]}" >"$stamp"
-fi
+source "$repo/scripts/clang_checks_build.sh"
+configure_checks_build
+build="$checks_build"
 # Every target of this tree: with no LibTorch they are the torch-free libraries, tools and tests.
 cmake --build "$build" -j"$(nproc)"
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test: installs what is missing, builds, then CTest (GoogleTest suites, the layering and
-# formatting checks), clang's -Wthread-safety over the dispatcher (scripts/thread_safety.sh, in
-# build-tsa/), the torch-free tests again under ASan, LSan and UBSan (scripts/sanitizers.sh, in
-# build-asan/), a short fuzzing run (scripts/fuzz.sh, clang's libFuzzer, in build-fuzz/) and pytest
-# (tests/python: parity with Hugging Face transformers, using the binaries in build/).
+# formatting checks), the torch-free tests again under ASan, LSan and UBSan in one clang build that
+# also checks the dispatcher's locking with -Wthread-safety (scripts/sanitizers.sh, in build-asan/),
+# a short fuzzing run of that build's libFuzzer target (scripts/fuzz.sh) and pytest (tests/python:
+# parity with Hugging Face transformers, using the binaries in build/).
 # Each step prints how long it took, so a slow CI run shows where its time went.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +21,6 @@ step build "$repo/scripts/build.sh"
 # One thread per test: CTest runs nproc tests at once, and LibTorch's OpenMP pool of nproc threads in
 # each (spinning while it waits) made the float64 equivalence tests 4-5x slower than alone.
 step ctest env OMP_NUM_THREADS=1 ctest --test-dir build --output-on-failure -j"$(nproc)"
-step thread_safety "$repo/scripts/thread_safety.sh"
 step sanitizers "$repo/scripts/sanitizers.sh"
 # A short libFuzzer run on trajectory validation and tree building (scripts/fuzz.sh 3600 for more).
 step fuzz "$repo/scripts/fuzz.sh" 20
