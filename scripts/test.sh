@@ -24,4 +24,7 @@ step ctest env OMP_NUM_THREADS=1 ctest --test-dir build --output-on-failure -j"$
 step sanitizers "$repo/scripts/sanitizers.sh"
 # A short libFuzzer run on trajectory validation and tree building (scripts/fuzz.sh 3600 for more).
 step fuzz "$repo/scripts/fuzz.sh" 20
-step pytest env DTA_BUILD_DIR="$repo/build" "$repo/.venv/bin/python" -m pytest -q --durations=10 "$repo/tests/python"
+# pytest-xdist: the files spread over every core, each file's tests in one worker (--dist loadfile:
+# a module's fixtures, a model or a checkpoint, are built once), one LibTorch thread per worker.
+step pytest env DTA_BUILD_DIR="$repo/build" OMP_NUM_THREADS=1 "$repo/.venv/bin/python" -m pytest -q \
+  -n "$(nproc)" --dist loadfile --durations=10 "$repo/tests/python"
