@@ -32,6 +32,9 @@ def test_libtorch_units_compile_with_the_precompiled_headers():
     import subprocess
 
     build = Path(os.environ.get("DTA_BUILD_DIR", REPO / "build"))
+    if re.search(r"^DTA_NO_PCH:BOOL=(ON|TRUE|1)$", (build / "CMakeCache.txt").read_text(), re.M):
+        import pytest
+        pytest.skip(f"{build} is configured with -DDTA_NO_PCH=ON")
     commands = {Path(e["file"]).relative_to(REPO).as_posix(): e
                 for e in json.loads((build / "compile_commands.json").read_text())}
     torch_units = [f for f, e in commands.items()
