@@ -38,7 +38,6 @@ function(dta_write_gtest_batches)
         message(FATAL_ERROR "${ARG_EXECUTABLE}: the test ${suite}.${case} has a character "
                             "--gtest_filter treats specially (- * ? :): rename it")
       endif()
-      string(MAKE_C_IDENTIFIER "${suite}" key)
       list(APPEND cases_${key} "${case}")
     endif()
   endforeach()

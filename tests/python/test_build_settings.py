@@ -1,9 +1,14 @@
 """Settings of the build that the test run depends on."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
+import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,13 +32,8 @@ def test_libtorch_units_compile_with_the_precompiled_headers():
     flag differs from the header's build (-Winvalid-pch only warns), which would double CI's build
     time unnoticed. One unit of each kind is compiled again: a library of the executor, a library
     linking gRPC's threads, a test and a binary."""
-    import json
-    import shlex
-    import subprocess
-
     build = Path(os.environ.get("DTA_BUILD_DIR", REPO / "build"))
     if re.search(r"^DTA_NO_PCH:BOOL=(ON|TRUE|1)$", (build / "CMakeCache.txt").read_text(), re.M):
-        import pytest
         pytest.skip(f"{build} is configured with -DDTA_NO_PCH=ON")
     commands = {Path(e["file"]).relative_to(REPO).as_posix(): e
                 for e in json.loads((build / "compile_commands.json").read_text())}
