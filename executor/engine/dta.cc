@@ -51,11 +51,13 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "core/base/env_switch.h"
 #include "core/layout/chunk_capacity.h"
 #include "core/layout/gib.h"
 #include "core/tree/leaf_order.h"
 #include "core/tree/prefix_tree.h"
 #include "core/tree/sharing_groups.h"
+#include "executor/device/host_to_device.h"
 #include "executor/device/memory.h"
 #include "executor/engine/lockstep.h"
 #include "executor/engine/methods.h"
@@ -516,35 +518,68 @@ at::Tensor RunPackedStep(const Decoder& model, PathStack& stack, const RoutingRe
     stack_probs = stack.router_probs.slice(0, 0, depth).sum(0);
     router_grad = at::zeros_like(packed.router_counts);
   }
-  // Per rollout its log-probabilities, loss and gradient, on several host threads for the built-in
-  // losses: a packed step holds many rollouts (54 in one step at Qwen3-1.7B's B = 32K), whose
-  // losses on one thread took the host longer than the packed forward takes the GPU.
+  // Per rollout its log-probabilities, loss and gradient: a packed step holds many rollouts (54 in
+  // one step at Qwen3-1.7B's B = 32K), whose losses one by one on one thread took the host longer
+  // than the packed forward takes the GPU. A loss summing token terms is computed for all of them
+  // at once; the others rollout by rollout, on several host threads for the built-in ones.
   struct RolloutPart {
     at::Tensor path;  // its packed tokens; undefined when it ends at `depth`
     RolloutLossGrad grad;
     DiagnosticsAccumulator diagnostics;
   };
   std::vector<RolloutPart> parts(group.size());
-  const bool threaded = plan.computes_on_any_thread();
-  RunOnHostThreads(
-      static_cast<int64_t>(group.size()), threaded ? LossThreads() : 1, model.options().device(),
-      [&](int64_t k) {
-        RolloutPart& part = parts[k];
-        at::Tensor logprobs = stack_logprobs;
-        at::Tensor entropy = stack_entropy;
-        if (suffix_index[k] >= 0) {
-          part.path = IndexTensor(layout.paths[suffix_index[k]], model.options().device());
-          logprobs = at::cat({stack_logprobs, packed_logprobs.index_select(0, part.path)});
-          if (with_entropy) {
-            entropy = at::cat({stack_entropy, packed_entropy.index_select(0, part.path)});
-          }
-        }
-        logprobs_out[group[k]] = part.path.defined() ? logprobs : logprobs.clone();
-        part.grad = threaded ? plan.LossAndGrad(group[k], logprobs, entropy, part.diagnostics)
-                             : plan.LossAndGrad(group[k], logprobs, entropy);
-      });
-  // The rest in rollout order: the same sums on every run.
   at::Tensor total;
+  // DTA_BATCHED_LOSSES=0 computes them rollout by rollout (for before/after measurements).
+  const bool batched = plan.sums_token_terms() && EnvSwitchOn("DTA_BATCHED_LOSSES");
+  const bool threaded = !batched && plan.computes_on_any_thread();
+  if (batched) {
+    // Every rollout's log-probabilities in one gather, its positions [0, depth) from the stack and
+    // the rest from its packed tokens (row depth + p of the two concatenated), and every loss at
+    // once: a few operations on the host in all.
+    std::vector<int64_t> rows, offsets = {0};
+    for (size_t k = 0; k < group.size(); ++k) {
+      for (int64_t p = 0; p < depth; ++p) rows.push_back(p);
+      if (suffix_index[k] >= 0) {
+        for (const int64_t p : layout.paths[suffix_index[k]]) rows.push_back(depth + p);
+      }
+      offsets.push_back(static_cast<int64_t>(rows.size()));
+    }
+    const at::Tensor gather = CopyToDevice(absl::MakeConstSpan(rows),
+                                           at::TensorOptions().device(model.options().device()));
+    const at::Tensor logprobs = at::cat({stack_logprobs, packed_logprobs}).index_select(0, gather);
+    const at::Tensor entropy =
+        with_entropy ? at::cat({stack_entropy, packed_entropy}).index_select(0, gather)
+                     : at::Tensor();
+    const at::Tensor packed_rows = gather - depth;  // a packed token's row, above `depth`
+    const RolloutLossGrad g = plan.LossAndGradOfRollouts(group, logprobs, entropy);
+    total = g.loss;
+    for (size_t k = 0; k < group.size(); ++k) {
+      const int64_t begin = offsets[k], end = offsets[k + 1];
+      if (suffix_index[k] >= 0) parts[k].path = packed_rows.slice(0, begin + depth, end);
+      logprobs_out[group[k]] = logprobs.slice(0, begin, end);
+      parts[k].grad.dlogprobs = g.dlogprobs.slice(0, begin, end);
+      if (with_entropy) parts[k].grad.dentropy = g.dentropy.slice(0, begin, end);
+    }
+  } else {
+    RunOnHostThreads(
+        static_cast<int64_t>(group.size()), threaded ? LossThreads() : 1, model.options().device(),
+        [&](int64_t k) {
+          RolloutPart& part = parts[k];
+          at::Tensor logprobs = stack_logprobs;
+          at::Tensor entropy = stack_entropy;
+          if (suffix_index[k] >= 0) {
+            part.path = IndexTensor(layout.paths[suffix_index[k]], model.options().device());
+            logprobs = at::cat({stack_logprobs, packed_logprobs.index_select(0, part.path)});
+            if (with_entropy) {
+              entropy = at::cat({stack_entropy, packed_entropy.index_select(0, part.path)});
+            }
+          }
+          logprobs_out[group[k]] = part.path.defined() ? logprobs : logprobs.clone();
+          part.grad = threaded ? plan.LossAndGrad(group[k], logprobs, entropy, part.diagnostics)
+                               : plan.LossAndGrad(group[k], logprobs, entropy);
+        });
+  }
+  // The rest in rollout order: the same sums on every run.
   std::vector<at::Tensor> paths, path_grads, path_entropy_grads;
   for (size_t k = 0; k < group.size(); ++k) {
     const at::Tensor& path = parts[k].path;
@@ -567,7 +602,7 @@ at::Tensor RunPackedStep(const Decoder& model, PathStack& stack, const RoutingRe
       path_grads.push_back(g.dlogprobs.slice(0, depth));
       if (with_entropy) path_entropy_grads.push_back(g.dentropy.slice(0, depth));
     }
-    total = total.defined() ? total + g.loss : g.loss;
+    if (g.loss.defined()) total = total.defined() ? total + g.loss : g.loss;
   }
   // The packed tokens' seeds: every rollout's gradient summed at its tokens, in rollout order
   // (AddRowsInto: the same bits on every run).

@@ -166,6 +166,20 @@ RolloutLossGrad LossPlan::LossAndGrad(int32_t r, const at::Tensor& logprobs,
   return RolloutLossAndGrad(Inputs(r, logprobs, entropy), options_, batch_, &diagnostics);
 }
 
+RolloutLossGrad LossPlan::LossAndGradOfRollouts(absl::Span<const RolloutIndex> rs,
+                                                const at::Tensor& logprobs,
+                                                const at::Tensor& entropy) const {
+  RolloutsLossInputs in;
+  in.logprobs = logprobs;
+  in.entropy = entropy;
+  for (const RolloutIndex r : rs) {
+    in.rollouts.push_back(&rollouts_[r]);
+    in.proximal_logprobs.push_back(proximal_.empty() ? at::Tensor() : proximal_[r]);
+    in.advantages.push_back(advantages_.empty() ? nullptr : &advantages_[r]);
+  }
+  return RolloutsLossAndGrad(in, options_, batch_, &diagnostics_);
+}
+
 }  // namespace engine
 
 std::string_view MethodName(Method method) {

@@ -68,6 +68,14 @@ class LossPlan {
   RolloutLossGrad LossAndGrad(int32_t r, const at::Tensor& logprobs, const at::Tensor& entropy,
                               DiagnosticsAccumulator& diagnostics) const;
   void AddDiagnostics(const DiagnosticsAccumulator& part) const { diagnostics_.Merge(part); }
+  // Whether the losses of many rollouts can be computed at once (LossAndGradOfRollouts): a
+  // built-in loss that is a sum of per-token terms (SumsTokenTerms).
+  bool sums_token_terms() const { return SumsTokenTerms(options_); }
+  // RolloutsLossAndGrad of rollouts `rs`, whose log-probabilities (and entropies, when needed)
+  // are concatenated in that order: their summed loss and the gradients laid out alike.
+  RolloutLossGrad LossAndGradOfRollouts(absl::Span<const RolloutIndex> rs,
+                                        const at::Tensor& logprobs,
+                                        const at::Tensor& entropy) const;
   // Whether LossAndGrad may run for different rollouts on different threads at once.
   bool computes_on_any_thread() const { return !options_.custom; }
   // The positions whose log-probabilities the losses read.

@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -452,6 +453,80 @@ void Diagnose(const Diagnosis& d, const LossOptions& o, DiagnosticsAccumulator& 
                   ratio_min);
 }
 
+// The constants a loss reads per token, aligned with its log-probabilities (one rollout's or
+// several rollouts' concatenated); undefined where the options do not need them.
+struct TokenConstants {
+  at::Tensor old;   // behaviour log-probabilities: every kind but kSft
+  at::Tensor adv;   // advantages: kPpo, kDecoupledPpo
+  at::Tensor prox;  // proximal log-probabilities: kDecoupledPpo
+  at::Tensor ref;   // reference log-probabilities: kl_coef != 0
+};
+
+// The policy's per-token terms l_t of kSft, kPpo and kDecoupledPpo, unmasked and unnormalised;
+// fills the diagnosis' ratio fields and, for decoupled PPO, `behave` (which the diagnosis points
+// to). Masked positions are replaced by 0 before any nonlinearity, so that extreme values there
+// (the dummy position 0, say) never produce inf or NaN in the loss or its gradient.
+at::Tensor PolicyTokenTerms(const at::Tensor& lp, const LossTokens& tokens, const TokenConstants& c,
+                            const LossOptions& o, Diagnosis& diagnosis, BehaviourWeights& behave) {
+  const at::Tensor& mask = tokens.mask;
+  auto masked = [&mask](const at::Tensor& x) { return at::where(mask, x, 0); };
+  switch (o.kind) {
+    case LossKind::kSft:
+      return -masked(lp);
+    case LossKind::kPpo:
+      diagnosis.base = c.old;
+      diagnosis.adv = c.adv;
+      diagnosis.valid = mask;
+      return ClippedSurrogate(at::exp(masked(lp - c.old)), c.adv, o);
+    case LossKind::kDecoupledPpo:
+      behave = BehaviourWeightsOf(c.prox, c.old, mask, tokens.count, o);
+      diagnosis.base = c.prox;
+      diagnosis.adv = c.adv;
+      diagnosis.valid = behave.kept;  // the tokens that train
+      diagnosis.behave = &behave;
+      // Rejected tokens contribute exactly 0 (their weight is 0, and the surrogate of a token whose
+      // ratio overflows must not turn that into NaN).
+      return at::where(behave.kept,
+                       ClippedSurrogate(at::exp(masked(lp - c.prox)), c.adv, o) * behave.weight, 0);
+    case LossKind::kGspo:
+      break;
+  }
+  TORCH_CHECK(false, "PolicyTokenTerms: ", KindName(o.kind), " is not a sum of token terms");
+  return {};
+}
+
+// GSPO's clipped sequence loss L_s of one rollout (exactly 0, connected to `lp`, without loss
+// tokens); fills the diagnosis' sequence fields.
+at::Tensor GspoSequenceLoss(const at::Tensor& lp, const LossTokens& tokens, const at::Tensor& old,
+                            const std::vector<float>& advantages, const LossOptions& o,
+                            Diagnosis& diagnosis) {
+  if (tokens.count == 0) return at::where(tokens.mask, lp, 0).sum();
+  const double adv = advantages[tokens.first];
+  const at::Tensor log_ratio = at::where(tokens.mask, lp - old, 0).sum();
+  const at::Tensor s = at::exp(log_ratio / static_cast<double>(tokens.count));
+  const at::Tensor clipped = at::clamp(s, 1.0 - o.gspo_eps_low, 1.0 + o.gspo_eps_high);
+  diagnosis.sequence_log_ratio = log_ratio;
+  diagnosis.sequence_advantage = adv;
+  return at::maximum(-adv * s, -adv * clipped);
+}
+
+// `per_token` (undefined for GSPO) plus the regulariser g_t = -entropy_coef H_t + kl_coef k3_t
+// where a coefficient is nonzero; masked positions hold 0 in g.
+at::Tensor WithRegulariser(const at::Tensor& per_token, const at::Tensor& lp,
+                           const at::Tensor& entropy, const at::Tensor& mask, const at::Tensor& ref,
+                           const LossOptions& o) {
+  auto masked = [&mask](const at::Tensor& x) { return at::where(mask, x, 0); };
+  at::Tensor regulariser;
+  if (o.entropy_coef != 0) regulariser = -o.entropy_coef * masked(entropy.to(lp.scalar_type()));
+  if (o.kl_coef != 0) {
+    const at::Tensor d = masked(ref - lp);  // ref - logp
+    const at::Tensor k3 = o.kl_coef * (at::exp(d) - d - 1);
+    regulariser = regulariser.defined() ? regulariser + k3 : k3;
+  }
+  if (!regulariser.defined()) return per_token;
+  return per_token.defined() ? per_token + regulariser : regulariser;
+}
+
 }  // namespace
 
 at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
@@ -471,101 +546,55 @@ at::Tensor RolloutLoss(const RolloutLossInputs& in, const LossOptions& o,
   const at::TensorOptions opts = at::TensorOptions().dtype(lp.scalar_type()).device(lp.device());
 
   const LossTokens tokens = LossTokensOf(r, opts);
-  const int64_t loss_tokens = tokens.count;
-  const int64_t first_loss_token = tokens.first;
-  const at::Tensor& mask = tokens.mask;
-  // Masked positions are replaced by 0 before any nonlinearity, so that extreme values there
-  // (the dummy position 0, say) never produce inf or NaN in the loss or its gradient.
-  auto masked = [&mask](const at::Tensor& x) { return at::where(mask, x, 0); };
   Diagnosis diagnosis{.lp = lp.detach(), .tokens = &tokens, .entropy = in.entropy};
   BehaviourWeights behave;  // decoupled PPO
+  TokenConstants constants;
+  if (o.kind != LossKind::kSft) constants.old = ToTensor(r.logprobs, opts);
+  if (o.kind == LossKind::kPpo || o.kind == LossKind::kDecoupledPpo)
+    constants.adv = ToTensor(*in.advantages, opts);
+  if (o.kind == LossKind::kDecoupledPpo) constants.prox = in.proximal_logprobs.detach().to(opts);
+  if (o.kl_coef != 0) constants.ref = ToTensor(r.ref_logprobs, opts);
 
-  // Per-token terms l_t + g_t, still to be masked and summed.
-  at::Tensor per_token;
-  at::Tensor sequence_loss;  // GSPO only
-  switch (o.kind) {
-    case LossKind::kSft:
-      per_token = -masked(lp);
-      break;
-    case LossKind::kPpo: {
-      const at::Tensor old = ToTensor(r.logprobs, opts);
-      const at::Tensor adv = ToTensor(*in.advantages, opts);
-      per_token = ClippedSurrogate(at::exp(masked(lp - old)), adv, o);
-      diagnosis.base = old;
-      diagnosis.adv = adv;
-      diagnosis.valid = mask;
-      break;
-    }
-    case LossKind::kDecoupledPpo: {
-      const at::Tensor old = ToTensor(r.logprobs, opts);
-      const at::Tensor adv = ToTensor(*in.advantages, opts);
-      const at::Tensor prox = in.proximal_logprobs.detach().to(opts);
-      behave = BehaviourWeightsOf(prox, old, mask, loss_tokens, o);
-      // Rejected tokens contribute exactly 0 (their weight is 0, and the surrogate of a token whose
-      // ratio overflows must not turn that into NaN).
-      per_token = at::where(
-          behave.kept, ClippedSurrogate(at::exp(masked(lp - prox)), adv, o) * behave.weight, 0);
-      diagnosis.base = prox;
-      diagnosis.adv = adv;
-      diagnosis.valid = behave.kept;  // the tokens that train
-      diagnosis.behave = &behave;
-      break;
-    }
-    case LossKind::kGspo: {
-      if (loss_tokens == 0) {
-        sequence_loss = masked(lp).sum();  // exactly 0, connected to logprobs
-        break;
-      }
-      const at::Tensor old = ToTensor(r.logprobs, opts);
-      const double adv = (*in.advantages)[first_loss_token];
-      const at::Tensor log_ratio = masked(lp - old).sum();
-      const at::Tensor s = at::exp(log_ratio / static_cast<double>(loss_tokens));
-      const at::Tensor clipped = at::clamp(s, 1.0 - o.gspo_eps_low, 1.0 + o.gspo_eps_high);
-      sequence_loss = at::maximum(-adv * s, -adv * clipped);
-      diagnosis.sequence_log_ratio = log_ratio;
-      diagnosis.sequence_advantage = adv;
-      break;
-    }
+  // Per-token terms l_t + g_t, still to be masked and summed (all but GSPO), or GSPO's sequence
+  // loss.
+  at::Tensor per_token, sequence_loss;
+  if (o.kind == LossKind::kGspo) {
+    sequence_loss = GspoSequenceLoss(lp, tokens, constants.old, *in.advantages, o, diagnosis);
+  } else {
+    per_token = PolicyTokenTerms(lp, tokens, constants, o, diagnosis, behave);
   }
   if (diagnostics != nullptr) Diagnose(diagnosis, o, *diagnostics);
-
-  at::Tensor regulariser;
-  if (o.entropy_coef != 0) {
-    regulariser = -o.entropy_coef * masked(in.entropy.to(lp.scalar_type()));
-  }
-  if (o.kl_coef != 0) {
-    const at::Tensor d = masked(ToTensor(r.ref_logprobs, opts) - lp);  // ref - logp
-    const at::Tensor k3 = o.kl_coef * (at::exp(d) - d - 1);
-    regulariser = regulariser.defined() ? regulariser + k3 : k3;
-  }
-  if (regulariser.defined()) {
-    per_token = per_token.defined() ? per_token + regulariser : regulariser;
-  }
+  per_token = WithRegulariser(per_token, lp, in.entropy, tokens.mask, constants.ref, o);
 
   at::Tensor loss;
   if (per_token.defined()) {
-    loss = NormalizeTokenSum(masked(per_token).sum(), loss_tokens, r, o, batch);
+    loss = NormalizeTokenSum(at::where(tokens.mask, per_token, 0).sum(), tokens.count, r, o, batch);
   }
   if (sequence_loss.defined()) {
-    at::Tensor seq = NormalizeSequenceLoss(sequence_loss, loss_tokens, r, o, batch);
+    at::Tensor seq = NormalizeSequenceLoss(sequence_loss, tokens.count, r, o, batch);
     loss = loss.defined() ? loss + seq : seq;
   }
   return loss;
 }
 
-RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOptions& o,
-                                   const BatchLossContext& batch,
-                                   DiagnosticsAccumulator* diagnostics) {
-  if (!o.custom) CheckInputs(in, o);
+bool SumsTokenTerms(const LossOptions& o) {
+  return !o.custom && o.kind != LossKind::kGspo &&
+         !(o.rejection_sampling &&
+           o.rejection_sampling->level == RejectionSampling::Level::kSequence);
+}
+
+namespace {
+
+// Detached copies of `logprobs` and `entropy` (when defined) that require grad, the loss computed
+// from them by `loss_of`, and its gradients: what RolloutLossAndGrad and RolloutsLossAndGrad
+// return.
+RolloutLossGrad LossAndGradOf(
+    const at::Tensor& logprobs, const at::Tensor& entropy,
+    const std::function<at::Tensor(const at::Tensor& lp, const at::Tensor& entropy)>& loss_of) {
   at::AutoGradMode enable_grad(true);
-  RolloutLossInputs local = in;
-  local.logprobs = in.logprobs.detach().requires_grad_(true);
-  std::vector<at::Tensor> inputs = {local.logprobs};
-  if (in.entropy.defined()) {
-    local.entropy = in.entropy.detach().requires_grad_(true);
-    inputs.push_back(local.entropy);
-  }
-  const at::Tensor loss = RolloutLoss(local, o, batch, diagnostics);
+  std::vector<at::Tensor> inputs = {logprobs.detach().requires_grad_(true)};
+  if (entropy.defined()) inputs.push_back(entropy.detach().requires_grad_(true));
+  const at::Tensor loss = loss_of(inputs[0], entropy.defined() ? inputs[1] : at::Tensor());
   std::vector<at::Tensor> grads =
       torch::autograd::grad({loss}, inputs, /*grad_outputs=*/{}, /*retain_graph=*/false,
                             /*create_graph=*/false, /*allow_unused=*/true);
@@ -575,8 +604,122 @@ RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOption
   RolloutLossGrad out;
   out.loss = loss.detach();
   out.dlogprobs = grads[0].detach();
-  if (in.entropy.defined()) out.dentropy = grads[1].detach();
+  if (entropy.defined()) out.dentropy = grads[1].detach();
   return out;
+}
+
+}  // namespace
+
+RolloutLossGrad RolloutsLossAndGrad(const RolloutsLossInputs& in, const LossOptions& o,
+                                    const BatchLossContext& batch,
+                                    DiagnosticsAccumulator* diagnostics) {
+  TORCH_CHECK(SumsTokenTerms(o),
+              "RolloutsLossAndGrad: the loss is not a sum of per-token terms (a custom loss, "
+              "kGspo or sequence-level rejection sampling): compute it rollout by rollout");
+  const size_t n = in.rollouts.size();
+  TORCH_CHECK(in.advantages.size() == n && in.proximal_logprobs.size() == n,
+              "RolloutsLossAndGrad: ", n, " rollouts but ", in.advantages.size(),
+              " advantage vectors and ", in.proximal_logprobs.size(),
+              " proximal log-probabilities");
+  TORCH_CHECK(in.logprobs.defined() && in.logprobs.dim() == 1,
+              "RolloutsLossAndGrad: logprobs must be the rollouts' log-probabilities concatenated");
+  // Each rollout's inputs checked as RolloutLossAndGrad checks them; its tokens' constants and
+  // loss-token weights laid out as the concatenation.
+  const at::TensorOptions opts = in.logprobs.options();
+  std::vector<uint8_t> mask;
+  std::vector<float> old, adv, ref;
+  std::vector<double> weight;  // kSequenceMean: 1 / (M_r R) at rollout r's tokens
+  std::vector<at::Tensor> prox;
+  int64_t offset = 0, loss_tokens = 0;
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(in.rollouts[i] != nullptr, "RolloutsLossInputs.rollouts[", i, "] is null");
+    const Rollout& r = *in.rollouts[i];
+    const int64_t length = static_cast<int64_t>(r.tokens.size());
+    TORCH_CHECK(offset + length <= in.logprobs.size(0), "rollout '", r.id,
+                "': field 'logprobs': ", in.logprobs.size(0) - offset, " values left for ", length,
+                " tokens");
+    RolloutLossInputs one{
+        .rollout = &r,
+        .logprobs = in.logprobs.narrow(0, offset, length),
+        .entropy = in.entropy.defined() ? in.entropy.narrow(0, offset, length) : at::Tensor(),
+        .proximal_logprobs = in.proximal_logprobs[i],
+        .advantages = in.advantages[i]};
+    CheckInputs(one, o);
+    offset += length;
+    const int64_t count =
+        std::count_if(r.loss_mask.begin(), r.loss_mask.end(), [](uint8_t m) { return m != 0; });
+    loss_tokens += count;
+    mask.insert(mask.end(), r.loss_mask.begin(), r.loss_mask.end());
+    if (o.kind != LossKind::kSft) {
+      old.insert(old.end(), r.logprobs.begin(), r.logprobs.end());
+      adv.insert(adv.end(), one.advantages->begin(), one.advantages->end());
+    }
+    if (o.kind == LossKind::kDecoupledPpo) prox.push_back(one.proximal_logprobs.detach().to(opts));
+    if (o.kl_coef != 0) ref.insert(ref.end(), r.ref_logprobs.begin(), r.ref_logprobs.end());
+    if (o.normalization == Normalization::kSequenceMean) {
+      TORCH_CHECK(count == 0 || batch.num_rollouts > 0, "rollout '", r.id,
+                  "': BatchLossContext.num_rollouts = ", batch.num_rollouts);
+      const double w =
+          count == 0 ? 0.0
+                     : 1.0 / (static_cast<double>(count) * static_cast<double>(batch.num_rollouts));
+      weight.insert(weight.end(), length, w);
+    }
+    if (o.normalization == Normalization::kTokenMean) {
+      TORCH_CHECK(count == 0 || batch.total_loss_tokens > 0, "rollout '", r.id,
+                  "': BatchLossContext.total_loss_tokens = ", batch.total_loss_tokens,
+                  " but the rollout has ", count, " loss tokens");
+    }
+  }
+  TORCH_CHECK(offset == in.logprobs.size(0), "RolloutsLossAndGrad: logprobs holds ",
+              in.logprobs.size(0), " values for the rollouts' ", offset, " tokens");
+
+  LossTokens tokens;
+  tokens.count = loss_tokens;
+  tokens.mask =
+      CopyToDevice(at::from_blob(mask.data(), {offset}, at::kByte), opts.dtype(at::kBool));
+  TokenConstants constants;
+  if (o.kind != LossKind::kSft) {
+    constants.old = ToTensor(old, opts);
+    constants.adv = ToTensor(adv, opts);
+  }
+  if (o.kind == LossKind::kDecoupledPpo) constants.prox = at::cat(prox);
+  if (o.kl_coef != 0) constants.ref = ToTensor(ref, opts);
+  const at::Tensor weights =
+      weight.empty() ? at::Tensor()
+                     : CopyToDevice(at::from_blob(weight.data(), {offset}, at::kDouble), opts);
+
+  return LossAndGradOf(
+      in.logprobs, in.entropy, [&](const at::Tensor& lp, const at::Tensor& entropy) {
+        Diagnosis diagnosis{.lp = lp.detach(), .tokens = &tokens, .entropy = entropy};
+        BehaviourWeights behave;
+        at::Tensor per_token = PolicyTokenTerms(lp, tokens, constants, o, diagnosis, behave);
+        if (diagnostics != nullptr) Diagnose(diagnosis, o, *diagnostics);
+        per_token = at::where(
+            tokens.mask, WithRegulariser(per_token, lp, entropy, tokens.mask, constants.ref, o), 0);
+        if (loss_tokens == 0) return per_token.sum();  // exactly 0, still connected to the inputs
+        switch (o.normalization) {
+          case Normalization::kTokenMean:
+            return per_token.sum() / batch.total_loss_tokens;
+          case Normalization::kSequenceMean:
+            return (per_token * weights).sum();
+          case Normalization::kSum:
+            break;
+        }
+        return per_token.sum();
+      });
+}
+
+RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOptions& o,
+                                   const BatchLossContext& batch,
+                                   DiagnosticsAccumulator* diagnostics) {
+  if (!o.custom) CheckInputs(in, o);
+  return LossAndGradOf(in.logprobs, in.entropy,
+                       [&](const at::Tensor& lp, const at::Tensor& entropy) {
+                         RolloutLossInputs local = in;
+                         local.logprobs = lp;
+                         if (entropy.defined()) local.entropy = entropy;
+                         return RolloutLoss(local, o, batch, diagnostics);
+                       });
 }
 
 }  // namespace dta

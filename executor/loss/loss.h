@@ -219,4 +219,30 @@ RolloutLossGrad RolloutLossAndGrad(const RolloutLossInputs& in, const LossOption
                                    const BatchLossContext& batch,
                                    DiagnosticsAccumulator* diagnostics = nullptr);
 
+// Whether the loss is a sum of per-token terms, each of one token's inputs and of constants fixed
+// for the batch: every built-in kind but kGspo, without sequence-level rejection sampling. Such a
+// loss can be computed for many rollouts at once (RolloutsLossAndGrad).
+bool SumsTokenTerms(const LossOptions& options);
+
+// Several rollouts' inputs, their log-probabilities (and entropies) concatenated: rollout i's L_i
+// values follow rollout i - 1's.
+struct RolloutsLossInputs {
+  std::vector<const Rollout*> rollouts;
+  at::Tensor logprobs{};  // [sum L_i], float32 or float64
+  at::Tensor entropy{};   // [sum L_i] or undefined, as RolloutLossInputs::entropy
+  std::vector<at::Tensor> proximal_logprobs;          // per rollout, as RolloutLossInputs'
+  std::vector<const std::vector<float>*> advantages;  // per rollout, as RolloutLossInputs'
+};
+
+// RolloutLossAndGrad of every rollout at once, for a loss that SumsTokenTerms: one graph of a few
+// operations over the concatenation instead of one per rollout (a packed step holds dozens of
+// rollouts, whose losses one by one took the host longer than the GPU's packed forward). The loss
+// is the sum of the rollouts' losses and the gradients are laid out as the inputs; each token's
+// gradient comes from the same operations as RolloutLossAndGrad's (the sums are taken in another
+// order, so the loss's last bits may differ). The same checks, naming the rollout; diagnostics
+// are added once, as the sums of the rollouts'.
+RolloutLossGrad RolloutsLossAndGrad(const RolloutsLossInputs& in, const LossOptions& options,
+                                    const BatchLossContext& batch,
+                                    DiagnosticsAccumulator* diagnostics = nullptr);
+
 }  // namespace dta

@@ -392,9 +392,11 @@ TEST_P(FamilyEquivalence, LogprobsOnlyWhereALossReadsThem) {
   }
 }
 
-// A packed step computes its rollouts' losses on DTA_LOSS_THREADS host threads (4 by default) and
-// adds their gradients and diagnostics in rollout order: the same bits as on one thread, for every
-// loss, packed steps holding many rollouts (the 64-way branch, packed whole at B = inf) and few.
+// A packed step computes the losses that sum token terms for all its rollouts at once and the
+// others rollout by rollout on DTA_LOSS_THREADS host threads (4 by default), adding their gradients
+// and diagnostics in rollout order: the same bits as on one thread, for every loss, packed steps
+// holding many rollouts (the 64-way branch, packed whole at B = inf) and few; rollout by rollout
+// (DTA_BATCHED_LOSSES=0) the same gradients as at once.
 TEST_P(FamilyEquivalence, PackedLossesOnSeveralThreadsAreBitwiseOneThreads) {
   std::vector<std::vector<TokenId>> sequences;
   for (TokenId i = 0; i < 64; ++i) sequences.push_back({1, 2, 3, 4, 5 + i % 8, 5 + i / 8, 7});
@@ -420,13 +422,23 @@ TEST_P(FamilyEquivalence, PackedLossesOnSeveralThreadsAreBitwiseOneThreads) {
             << model_.named_parameters()[i].first;
       }
       EXPECT_EQ(several.result.diagnostics.Sums(), one.result.diagnostics.Sums());
+      // A loss summing token terms, computed for all the rollouts at once (the default) and
+      // rollout by rollout: the same gradients up to the order of the loss's sums.
+      const ScopedEnv per_rollout("DTA_BATCHED_LOSSES", "0");
+      const MethodRun each = RunMethod(model_, rollouts, loss, options);
+      EXPECT_NEAR(each.result.loss, one.result.loss,
+                  kTolerance * std::max(1.0, std::abs(one.result.loss)));
+      for (size_t i = 0; i < one.grads.size(); ++i) {
+        EXPECT_LE(RelativeError(each.grads[i], one.grads[i]), kTolerance)
+            << model_.named_parameters()[i].first;
+      }
     }
   }
   const ScopedEnv bad("DTA_LOSS_THREADS", "0");
   EXPECT_THROW(
       {
         try {
-          RunMethod(model_, rollouts, {.kind = LossKind::kPpo},
+          RunMethod(model_, rollouts, {.kind = LossKind::kGspo},
                     {.method = Method::kDta, .block_size = kUnboundedBlock, .pack = true});
         } catch (const c10::Error& e) {
           EXPECT_NE(

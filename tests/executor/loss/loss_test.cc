@@ -779,5 +779,149 @@ TEST(LossTest, CustomLossReplacesTheBuiltInOnes) {
   ExpectError([&] { RolloutLoss(in, custom, b); },
               {"'ppo-1'", "custom loss", "one floating-point value"});
 }
+
+// RolloutsLossAndGrad over rollouts of different lengths (one without loss tokens, position 0's
+// dummy value extreme): the sum of RolloutLossAndGrad's losses, its gradients laid out as the
+// concatenation, the same diagnostics, for every option set that sums token terms, in float64
+// and float32.
+TEST(LossTest, RolloutsLossAndGradIsEachRolloutsConcatenated) {
+  at::manual_seed(5);
+  std::vector<Rollout> rollouts;
+  std::vector<std::vector<float>> advantages;
+  std::vector<at::Tensor> lps, entropies, proximal;
+  const std::vector<std::vector<uint8_t>> masks = {
+      {0, 1, 1, 0, 1}, {0, 0, 0}, {0, 1, 1, 1, 1, 1, 1, 1}, {0, 1}};
+  for (size_t i = 0; i < masks.size(); ++i) {
+    const int64_t length = static_cast<int64_t>(masks[i].size());
+    Vec behave(length), ref(length);
+    for (int64_t t = 0; t < length; ++t) {
+      behave[t] = -0.25 * static_cast<double>((t + i) % 5) - 0.5;
+      ref[t] = -0.125 * static_cast<double>((t * 3 + i) % 7) - 0.25;
+    }
+    behave[0] = -100;  // the dummy position's extreme value never reaches the loss
+    rollouts.push_back(MakeRollout("r" + std::to_string(i), masks[i], behave, ref));
+    std::vector<float> adv(length);
+    for (int64_t t = 0; t < length; ++t) adv[t] = (i % 2 == 0 ? 1.0f : -1.5f) * (1 + t % 3);
+    advantages.push_back(adv);
+    lps.push_back(at::log(at::rand({length}, at::kDouble) * 0.9 + 0.05));
+    entropies.push_back(at::rand({length}, at::kDouble) * 3);
+    proximal.push_back(T(behave) + at::randn({length}, at::kDouble) * 0.3);
+  }
+  const BatchLossContext b = MakeBatchContext(rollouts);
+  RejectionSampling clamp_kl{.action = RejectionSampling::Action::kClamp,
+                             .metric = RejectionSampling::Metric::kKlK3,
+                             .upper = 0.05};
+  const std::vector<std::pair<std::string, LossOptions>> options = {
+      {"sft", {.kind = LossKind::kSft}},
+      {"ppo", {.kind = LossKind::kPpo, .entropy_coef = 0.01, .kl_coef = 0.05}},
+      {"dual clip, sequence mean",
+       {.kind = LossKind::kPpo, .normalization = Normalization::kSequenceMean, .dual_clip = 2.0}},
+      {"decoupled, cap, sum",
+       {.kind = LossKind::kDecoupledPpo,
+        .normalization = Normalization::kSum,
+        .behave_imp_weight_cap = 1.2}},
+      {"decoupled, token rejection",
+       {.kind = LossKind::kDecoupledPpo,
+        .normalization = Normalization::kSequenceMean,
+        .rejection_sampling = clamp_kl,
+        .kl_coef = 0.1}},
+  };
+  for (const auto& [name, o] : options) {
+    ASSERT_TRUE(SumsTokenTerms(o)) << name;
+    for (const at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+      SCOPED_TRACE(name + (dtype == at::kDouble ? " float64" : " float32"));
+      const bool with_entropy = o.entropy_coef != 0;
+      double loss = 0;
+      std::vector<at::Tensor> dlogprobs, dentropy;
+      DiagnosticsAccumulator each;
+      RolloutsLossInputs all;
+      for (size_t i = 0; i < rollouts.size(); ++i) {
+        const RolloutLossInputs in{.rollout = &rollouts[i],
+                                   .logprobs = lps[i].to(dtype),
+                                   .entropy = with_entropy ? entropies[i].to(dtype) : at::Tensor(),
+                                   .proximal_logprobs = proximal[i].to(dtype),
+                                   .advantages = &advantages[i]};
+        const RolloutLossGrad g = RolloutLossAndGrad(in, o, b, &each);
+        loss += g.loss.item<double>();
+        dlogprobs.push_back(g.dlogprobs);
+        if (with_entropy) dentropy.push_back(g.dentropy);
+        all.rollouts.push_back(&rollouts[i]);
+        all.proximal_logprobs.push_back(in.proximal_logprobs);
+        all.advantages.push_back(&advantages[i]);
+      }
+      all.logprobs = at::cat(lps).to(dtype);
+      if (with_entropy) all.entropy = at::cat(entropies).to(dtype);
+      DiagnosticsAccumulator together;
+      const RolloutLossGrad g = RolloutsLossAndGrad(all, o, b, &together);
+      const double tolerance = dtype == at::kDouble ? 1e-13 : 1e-5;
+      EXPECT_NEAR(g.loss.item<double>(), loss, tolerance * std::max(1.0, std::abs(loss)));
+      EXPECT_EQ(g.dlogprobs.scalar_type(), dtype);
+      const at::Tensor want = at::cat(dlogprobs);
+      EXPECT_GT(want.abs().max().item<double>(), 0.0);
+      EXPECT_LE((g.dlogprobs - want).abs().max().item<double>(),
+                tolerance * want.abs().max().item<double>());
+      if (with_entropy) {
+        EXPECT_TRUE(at::allclose(g.dentropy, at::cat(dentropy), tolerance, 0));
+      } else {
+        EXPECT_FALSE(g.dentropy.defined());
+      }
+      const LossDiagnostics d_each = each.Read(), d_together = together.Read();
+      for (int k = 0; k < LossDiagnostics::kSums; ++k) {
+        EXPECT_NEAR(d_together.Sums()[k], d_each.Sums()[k],
+                    tolerance * std::max(1.0, std::abs(d_each.Sums()[k])))
+            << "diagnostic sum " << k;
+      }
+      EXPECT_EQ(d_together.ratio_max, d_each.ratio_max);
+      EXPECT_EQ(d_together.ratio_min, d_each.ratio_min);
+    }
+  }
+}
+
+// A loss that is not a sum of token terms is refused; inputs are checked as RolloutLossAndGrad
+// checks them, naming the rollout.
+TEST(LossTest, RolloutsLossAndGradChecksItsInputs) {
+  const Rollout a = MakeRollout("a", {0, 1, 1}, {-1, -1, -1});
+  const Rollout b = MakeRollout("b", {0, 1}, {-1, -1});
+  const std::vector<float> adv3 = {1, 1, 1}, adv2 = {1, 1};
+  const BatchLossContext batch{.total_loss_tokens = 3, .num_rollouts = 2};
+  RolloutsLossInputs in{.rollouts = {&a, &b},
+                        .logprobs = T({0, -0.875, -0.875, 0, -0.875}),
+                        .proximal_logprobs = {at::Tensor(), at::Tensor()},
+                        .advantages = {&adv3, &adv2}};
+  const LossOptions ppo{.kind = LossKind::kPpo};
+  EXPECT_NEAR(RolloutsLossAndGrad(in, ppo, batch).loss.item<double>(), -std::exp(0.125),
+              1e-12);  // every ratio exp(0.125), inside the clip
+
+  EXPECT_FALSE(SumsTokenTerms({.kind = LossKind::kGspo}));
+  EXPECT_FALSE(SumsTokenTerms(
+      {.kind = LossKind::kDecoupledPpo,
+       .rejection_sampling = RejectionSampling{.level = RejectionSampling::Level::kSequence}}));
+  EXPECT_FALSE(SumsTokenTerms({.custom = [](const RolloutLossInputs& r, const BatchLossContext&) {
+    return r.logprobs.sum();
+  }}));
+  ExpectError([&] { RolloutsLossAndGrad(in, {.kind = LossKind::kGspo}, batch); },
+              {"not a sum of per-token terms"});
+
+  RolloutsLossInputs short_logprobs = in;
+  short_logprobs.logprobs = T({0, -0.875, -0.875, 0});
+  ExpectError([&] { RolloutsLossAndGrad(short_logprobs, ppo, batch); },
+              {"rollout 'b'", "field 'logprobs'", "1 values left for 2 tokens"});
+  RolloutsLossInputs long_logprobs = in;
+  long_logprobs.logprobs = T({0, -0.875, -0.875, 0, -0.875, 0});
+  ExpectError([&] { RolloutsLossAndGrad(long_logprobs, ppo, batch); },
+              {"logprobs holds 6 values for the rollouts' 5 tokens"});
+  RolloutsLossInputs no_advantages = in;
+  no_advantages.advantages[1] = nullptr;
+  ExpectError([&] { RolloutsLossAndGrad(no_advantages, ppo, batch); },
+              {"rollout 'b'", "field 'advantages' is missing"});
+  RolloutsLossInputs wrong_advantages = in;
+  wrong_advantages.advantages[0] = &adv2;
+  ExpectError([&] { RolloutsLossAndGrad(wrong_advantages, ppo, batch); },
+              {"rollout 'a'", "field 'advantages': 2 values for 3 tokens"});
+  ExpectError([&] { RolloutsLossAndGrad(in, {.kind = LossKind::kDecoupledPpo}, batch); },
+              {"rollout 'a'", "field 'proximal_logprobs' is missing"});
+  ExpectError([&] { RolloutsLossAndGrad(in, ppo, {.total_loss_tokens = 0, .num_rollouts = 2}); },
+              {"rollout 'a'", "total_loss_tokens = 0"});
+}
 }  // namespace
 }  // namespace dta
