@@ -125,6 +125,8 @@ ABSL_FLAG(int64_t, token_capacity, dta::ExecutorOptions{}.token_capacity,
 ABSL_FLAG(int64_t, graph_budget, dta::ExecutorOptions{}.graph_budget,
           "dta-...-pack variants without -g<G>: the graph budget in tokens (-1: the executor's "
           "automatic budget)");
+ABSL_FLAG(int64_t, logprob_slice_rows, dta::ExecutorOptions{}.logprob_slice_rows,
+          "every method: rows of the LM head's logits computed at once (ExecutorOptions)");
 ABSL_FLAG(int64_t, max_rollouts, 0, "use only the first N rollouts of the file (0 = all)");
 ABSL_FLAG(double, peak_tflops, 989.0,
           "the device's peak dense bf16 TFLOP/s for MFU (989: H100/H200 SXM)");
@@ -188,6 +190,7 @@ struct Unsupported {
 MethodSpec ParseMethod(const std::string& name) {
   MethodSpec spec;
   spec.name = name;
+  spec.options.logprob_slice_rows = absl::GetFlag(FLAGS_logprob_slice_rows);
   if (name == "dense") {
     spec.options.method = Method::kDense;
   } else if (name == "dense-ckpt") {
@@ -284,6 +287,7 @@ nlohmann::json OptionsJson(const ExecutorOptions& o) {
            {"order", o.order == LeafOrderKind::kBackwardDfs ? "backward-dfs" : "lexicographic"}};
       break;
   }
+  j["logprob_slice_rows"] = o.logprob_slice_rows;
   return j;
 }
 
@@ -991,6 +995,8 @@ int Run(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_graph_budget) < -1)
     throw BadInput{"--graph_budget must be >= 0, or -1 (automatic)"};
   if (absl::GetFlag(FLAGS_max_rollouts) < 0) throw BadInput{"--max_rollouts must be >= 0"};
+  if (absl::GetFlag(FLAGS_logprob_slice_rows) < 1)
+    throw BadInput{"--logprob_slice_rows must be >= 1"};
   if (!(absl::GetFlag(FLAGS_peak_tflops) > 0)) throw BadInput{"--peak_tflops must be positive"};
   std::vector<MethodSpec> methods = ParseMethods();
   const at::ScalarType dtype = ParseDtype(absl::GetFlag(FLAGS_dtype));

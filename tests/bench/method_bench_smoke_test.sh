@@ -50,6 +50,7 @@ for name, m in methods.items():
     # Same loss for every method (float32 rounding).
     assert abs(m["loss"] - methods["dense"]["loss"]) <= 1e-4 * abs(methods["dense"]["loss"]), name
 assert methods["dense"]["speedup_vs_dense"] == 1.0
+assert m["options"]["logprob_slice_rows"] == 512, m["options"]  # the executor's default
 # A name without -pack runs without packing, although the executor packs by default.
 assert methods["dta-b2048"]["options"]["pack"] is False, methods["dta-b2048"]["options"]
 assert out["flops"]["ideal_speedup_vs_dense"] > 1
@@ -146,7 +147,20 @@ expect_bad "a zero memory budget" "-m<GiB>|-mhalf" --rollouts="$work/small.jsonl
 expect_bad "a bad config" "--config=qwen3-nope" --rollouts="$work/small.jsonl" --config=qwen3-nope
 expect_bad "no profile rows" "--profile_top must be >= 1" --rollouts="$work/small.jsonl" --config="$tiny" \
   --profile --profile_top=0
+expect_bad "no logprob rows" "--logprob_slice_rows must be >= 1" --rollouts="$work/small.jsonl" \
+  --config="$tiny" --logprob_slice_rows=0
 expect_bad "a token beyond the vocabulary" "big_token.jsonl:1" --rollouts="$work/big_token.jsonl" --config="$tiny"
+
+# --logprob_slice_rows: the LM head's slices of rows (the same loss), recorded with the options.
+"$bin/dta-bench" --rollouts="$work/small.jsonl" --config="$tiny" --device=cpu --dtype=float32 \
+  --methods=dense --warmup=0 --repeats=1 --check=false --logprob_slice_rows=3 \
+  --out_dir="$work/slices" >/dev/null 2>"$work/slices.err" || fail "dta-bench --logprob_slice_rows exited $?"
+"$python" - "$work/out/results.json" "$work/slices/results.json" <<'PY' || fail "--logprob_slice_rows: wrong results"
+import json, sys
+default, sliced = (json.load(open(path))["methods"][0] for path in sys.argv[1:])
+assert sliced["options"]["logprob_slice_rows"] == 3, sliced["options"]
+assert abs(sliced["loss"] - default["loss"]) <= 1e-5 * abs(default["loss"]), (sliced["loss"], default["loss"])
+PY
 
 # --profile: one more step of each method under the profiler, its operators by time in a file.
 "$bin/dta-bench" --rollouts="$work/small.jsonl" --config="$tiny" --device=cpu --dtype=float32 \
