@@ -303,9 +303,10 @@ at::Tensor RmsNormRopeBackward(const at::Tensor& dy, const at::Tensor& x, const 
   if (UseCuda({&dy, &x, &weight, &rstd, &cos, &sin}) && rstd.scalar_type() == at::kFloat &&
       dy.scalar_type() == x.scalar_type() && RopeKernelShape(x, cos, sin)) {
     at::Tensor dx = at::empty(x.sizes(), x.options());
-    at::Tensor partials =
-        at::empty({internal::RmsNormRopeBackwardBlocks(x.size(0) * x.size(1)), x.size(2)},
-                  x.options().dtype(at::kFloat));
+    at::Tensor partials = at::empty(
+        {internal::RmsNormRopeBackwardBlocks(x.size(0) * x.size(1), x.size(2), x.device().index()),
+         x.size(2)},
+        x.options().dtype(at::kFloat));
     internal::RmsNormRopeBackwardCuda(dy.contiguous(), x.contiguous(), weight.contiguous(),
                                       rstd.contiguous(), KernelTable(cos), KernelTable(sin), dx,
                                       partials);

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/dependent_launch.cuh"
@@ -207,12 +209,29 @@ __global__ void __launch_bounds__(kNormThreads)
 }
 
 constexpr int kRopeWarps = 4;
-constexpr int64_t kRopeBackwardBlocks = 1024;
 // Rows a warp takes at once: their loads are all issued before the first row's warp-wide sum, so
-// that enough bytes are in flight (a warp's row is only D elements). The rotary tables are read
-// where used: consecutive rows are mostly one token's heads, whose table row is then in L1.
+// that enough bytes are in flight (a warp's row is only D elements).
 constexpr int kRopeRowsPerWarp = 4;
 constexpr int64_t kRopeRowsPerBlock = kRopeWarps * kRopeRowsPerWarp;
+
+// A warp's rows are consecutive (token, head) rows starting at a multiple of kRopeRowsPerWarp, so
+// with a head count that is a multiple of it they are one token's heads, whose rotary table row the
+// warp then loads once, with the rows' values (loaded where used, after the values had arrived,
+// the tables left the kernels waiting on memory most of their time: 1.1 TB/s on an H200).
+// This lane's E columns of the table row of `row`'s token: cos and sin at columns lane + 32 e.
+template <int E>
+struct RopeTableColumns {
+  float cos[E], sin[E];
+  __device__ __forceinline__ void Load(const float* cos_table, const float* sin_table, int64_t row,
+                                       int64_t heads, int lane) {
+    const int64_t table = (row / heads) * (32 * E);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      cos[e] = cos_table[table + lane + 32 * e];
+      sin[e] = sin_table[table + lane + 32 * e];
+    }
+  }
+};
 
 // A warp per kRopeRowsPerWarp consecutive (token, head) rows of D = 32 E columns; lane l holds
 // columns l + 32 e, so the rotate-half partner of column c (c +- D/2) is element e +- E/2 of the
@@ -233,6 +252,9 @@ __global__ void RopeForwardKernel(In x, In w, const float* cos, const float* sin
 #pragma unroll
     for (int e = 0; e < E; ++e) weight[e] = Load(w, lane + 32 * e);
   }
+  const bool one_token = heads % R == 0;
+  RopeTableColumns<E> tab;
+  if (one_token) tab.Load(cos, sin, first, heads, lane);
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int64_t row = first + i < rows ? first + i : first;  // past the end: a row read twice
@@ -243,7 +265,7 @@ __global__ void RopeForwardKernel(In x, In w, const float* cos, const float* sin
   for (int i = 0; i < R; ++i) {
     const int64_t row = first + i;
     if (row >= rows) break;
-    const int64_t table = (row / heads) * D;
+    if (!one_token) tab.Load(cos, sin, row, heads, lane);
     float normed[E];
     if constexpr (kNorm) {
       float sum = 0.0f;
@@ -260,10 +282,9 @@ __global__ void RopeForwardKernel(In x, In w, const float* cos, const float* sin
     }
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const int c = lane + 32 * e;
       const float rotated = e < E / 2 ? -normed[e + E / 2] : normed[e - E / 2];
-      Store(y, row * D + c,
-            __fadd_rn(__fmul_rn(normed[e], cos[table + c]), __fmul_rn(rotated, sin[table + c])));
+      Store(y, row * D + lane + 32 * e,
+            __fadd_rn(__fmul_rn(normed[e], tab.cos[e]), __fmul_rn(rotated, tab.sin[e])));
     }
   }
 }
@@ -289,13 +310,17 @@ __global__ void RopeBackwardKernel(In dy, In x, In w, const float* rstd, const f
       weight[e] = Load(w, lane + 32 * e);
     }
   }
+  const bool one_token = heads % R == 0;
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kRopeWarps + warp) * R; first < rows;
        first += static_cast<int64_t>(gridDim.x) * kRopeWarps * R) {
     float d[R][E];
-    [[maybe_unused]] float xs[R][E];
+    [[maybe_unused]] float xs[R][E], rs[R];
+    RopeTableColumns<E> tab;
+    if (one_token) tab.Load(cos, sin, first, heads, lane);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int64_t row = first + i < rows ? first + i : first;  // past the end: a row read twice
+      if constexpr (kNorm) rs[i] = rstd[row];
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         d[i][e] = Load(dy, row * D + lane + 32 * e);
@@ -307,22 +332,20 @@ __global__ void RopeBackwardKernel(In dy, In x, In w, const float* rstd, const f
       const int64_t row = first + i;
       if (row >= rows) break;
       const int64_t base = row * D;
-      const int64_t table = (row / heads) * D;
+      if (!one_token) tab.Load(cos, sin, row, heads, lane);
       float g[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const int c = lane + 32 * e;
         // g cos + [g2 sin2, -g1 sin1].
         const int partner = e < E / 2 ? e + E / 2 : e - E / 2;
-        const int pc = lane + 32 * partner;
-        const float gs = __fmul_rn(d[i][partner], sin[table + pc]);
-        g[e] = Round(__fadd_rn(__fmul_rn(d[i][e], cos[table + c]), e < E / 2 ? gs : -gs), dy.type);
+        const float gs = __fmul_rn(d[i][partner], tab.sin[partner]);
+        g[e] = Round(__fadd_rn(__fmul_rn(d[i][e], tab.cos[e]), e < E / 2 ? gs : -gs), dy.type);
       }
       if constexpr (!kNorm) {
 #pragma unroll
         for (int e = 0; e < E; ++e) Store(dx, base + lane + 32 * e, g[e]);
       } else {
-        const float r = rstd[row];
+        const float r = rs[i];
         float dot = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -524,8 +547,9 @@ void LaunchRopeBackward(const at::Tensor& dy, const at::Tensor& x, const at::Ten
                         at::Tensor& dx, at::Tensor& partials, cudaStream_t stream) {
   const int64_t rows = dy.size(0) * dy.size(1);
   // One row of partials per block when there is a norm.
-  const int blocks =
-      static_cast<int>(weight.defined() ? partials.size(0) : RmsNormRopeBackwardBlocks(rows));
+  const int blocks = static_cast<int>(
+      weight.defined() ? partials.size(0)
+                       : RmsNormRopeBackwardBlocks(rows, dy.size(2), dy.device().index()));
   if (weight.defined()) {
     C10_CUDA_CHECK(LaunchAfterPrevious(
         RopeBackwardKernel<E, true>, blocks, 32 * kRopeWarps, 0, stream, InOf(dy), InOf(x),
@@ -743,9 +767,43 @@ void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, doubl
   }
 }
 
-int64_t RmsNormRopeBackwardBlocks(int64_t rows) {
-  return std::max<int64_t>(
-      1, std::min((rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock, kRopeBackwardBlocks));
+namespace {
+
+// The blocks of RopeBackwardKernel<E, true> (the norm's instance, the one with more registers)
+// that `device` holds at once, looked up once per device.
+template <int E>
+int64_t ResidentRopeBackwardBlocks(int device) {
+  static std::mutex mutex;
+  static std::map<int, int64_t> resident;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto [it, added] = resident.try_emplace(device, 0);
+  if (added) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, RopeBackwardKernel<E, true>, 32 * kRopeWarps, 0));
+    it->second = std::max(per_sm, 1) *
+                 static_cast<int64_t>(at::cuda::getDeviceProperties(device)->multiProcessorCount);
+  }
+  return it->second;
+}
+
+}  // namespace
+
+int64_t RmsNormRopeBackwardBlocks(int64_t rows, int64_t head_dim, int device) {
+  const int64_t wanted = std::max<int64_t>(1, (rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock);
+  switch (head_dim) {
+    case 64:
+      return std::min(wanted, ResidentRopeBackwardBlocks<2>(device));
+    case 128:
+      return std::min(wanted, ResidentRopeBackwardBlocks<4>(device));
+    case 192:
+      return std::min(wanted, ResidentRopeBackwardBlocks<6>(device));
+    case 256:
+      return std::min(wanted, ResidentRopeBackwardBlocks<8>(device));
+    default:
+      return wanted;  // no kernel: RmsNormRopeBackwardCuda refuses the head dim
+  }
 }
 
 void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,

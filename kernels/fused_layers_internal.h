@@ -50,12 +50,18 @@ int64_t RmsNormBackwardBlocks(int64_t rows);
 void RmsNormRopeForwardCuda(const at::Tensor& x, const at::Tensor& weight, double eps,
                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y,
                             at::Tensor& rstd);
-// dx [T, H, D] in x's dtype; weight_partials [RmsNormRopeBackwardBlocks(T * H), D] float32. With
-// weight undefined, RoPE's backward alone: dx in dy's dtype (x, rstd and weight_partials unused).
+// dx [T, H, D] in x's dtype; weight_partials [RmsNormRopeBackwardBlocks(T * H, D, device), D]
+// float32. With weight undefined, RoPE's backward alone: dx in dy's dtype (x, rstd and
+// weight_partials unused).
 void RmsNormRopeBackwardCuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& rstd, const at::Tensor& cos, const at::Tensor& sin,
                              at::Tensor& dx, at::Tensor& weight_partials);
-int64_t RmsNormRopeBackwardBlocks(int64_t rows);
+// The backward's blocks for `rows` (token, head) rows of head_dim columns on CUDA device `device`:
+// one per 16 rows, at most as many as the device holds at once (the kernel's warps stride over the
+// rest; a second, partial wave of blocks started only when the first had finished its rows). The
+// weight-gradient partials, a row per block, are summed in a fixed order: the same bits on every
+// run on one device model.
+int64_t RmsNormRopeBackwardBlocks(int64_t rows, int64_t head_dim, int device);
 
 // accumulator [n] float32 += partials [rows, n] float32 summed over rows, in a fixed order (the
 // norms' weight gradients from their per-block partial sums, in one launch).
