@@ -537,6 +537,9 @@ at::Tensor RunPackedStep(const Decoder& model, PathStack& stack, const RoutingRe
     // the rest from its packed tokens (row depth + p of the two concatenated), and every loss at
     // once: a few operations on the host in all.
     std::vector<int64_t> rows, offsets = {0};
+    size_t total_rows = group.size() * static_cast<size_t>(depth);
+    for (const std::vector<int64_t>& path : layout.paths) total_rows += path.size();
+    rows.reserve(total_rows);
     for (size_t k = 0; k < group.size(); ++k) {
       for (int64_t p = 0; p < depth; ++p) rows.push_back(p);
       if (suffix_index[k] >= 0) {

@@ -240,18 +240,30 @@ BehaviourWeights BehaviourWeightsOf(const at::Tensor& prox, const at::Tensor& ol
 }
 
 // A token sum S of the rollout, normalised as Normalization says.
+// The batch normaliser a rollout with `loss_tokens` loss tokens divides its token sum by must be
+// positive (nothing to check without loss tokens).
+void CheckNormaliser(int64_t loss_tokens, const Rollout& r, const LossOptions& o,
+                     const BatchLossContext& batch) {
+  if (loss_tokens == 0) return;
+  if (o.normalization == Normalization::kTokenMean) {
+    TORCH_CHECK(batch.total_loss_tokens > 0, "rollout '", r.id,
+                "': BatchLossContext.total_loss_tokens = ", batch.total_loss_tokens,
+                " but the rollout has ", loss_tokens, " loss tokens");
+  }
+  if (o.normalization == Normalization::kSequenceMean) {
+    TORCH_CHECK(batch.num_rollouts > 0, "rollout '", r.id,
+                "': BatchLossContext.num_rollouts = ", batch.num_rollouts);
+  }
+}
+
 at::Tensor NormalizeTokenSum(const at::Tensor& sum, int64_t loss_tokens, const Rollout& r,
                              const LossOptions& o, const BatchLossContext& batch) {
   if (loss_tokens == 0) return sum;  // exactly 0, still connected to the inputs
+  CheckNormaliser(loss_tokens, r, o, batch);
   switch (o.normalization) {
     case Normalization::kTokenMean:
-      TORCH_CHECK(batch.total_loss_tokens > 0, "rollout '", r.id,
-                  "': BatchLossContext.total_loss_tokens = ", batch.total_loss_tokens,
-                  " but the rollout has ", loss_tokens, " loss tokens");
       return sum / batch.total_loss_tokens;
     case Normalization::kSequenceMean:
-      TORCH_CHECK(batch.num_rollouts > 0, "rollout '", r.id,
-                  "': BatchLossContext.num_rollouts = ", batch.num_rollouts);
       return sum / (static_cast<double>(loss_tokens) * static_cast<double>(batch.num_rollouts));
     case Normalization::kSum:
       return sum;
@@ -656,18 +668,12 @@ RolloutLossGrad RolloutsLossAndGrad(const RolloutsLossInputs& in, const LossOpti
     }
     if (o.kind == LossKind::kDecoupledPpo) prox.push_back(one.proximal_logprobs.detach().to(opts));
     if (o.kl_coef != 0) ref.insert(ref.end(), r.ref_logprobs.begin(), r.ref_logprobs.end());
+    CheckNormaliser(count, r, o, batch);
     if (o.normalization == Normalization::kSequenceMean) {
-      TORCH_CHECK(count == 0 || batch.num_rollouts > 0, "rollout '", r.id,
-                  "': BatchLossContext.num_rollouts = ", batch.num_rollouts);
       const double w =
           count == 0 ? 0.0
                      : 1.0 / (static_cast<double>(count) * static_cast<double>(batch.num_rollouts));
       weight.insert(weight.end(), length, w);
-    }
-    if (o.normalization == Normalization::kTokenMean) {
-      TORCH_CHECK(count == 0 || batch.total_loss_tokens > 0, "rollout '", r.id,
-                  "': BatchLossContext.total_loss_tokens = ", batch.total_loss_tokens,
-                  " but the rollout has ", count, " loss tokens");
     }
   }
   TORCH_CHECK(offset == in.logprobs.size(0), "RolloutsLossAndGrad: logprobs holds ",
