@@ -233,8 +233,15 @@ def main() -> None:
     for name, (count, ms, callers) in sorted(census.items(), key=lambda kv: -kv[1][0])[:args.top]:
         caller, _ = callers.most_common(1)[0]
         print(f"  {count:6,d} {ms:8.1f}  {name[:60]}  <-  {caller}")
+    print(f"\nGPU kernels other than GEMMs and attention by time (count, ms, launched by; top {args.top}):")
+    kernels = [(name, entry) for name, entry in census.items()
+               if _kind({"cat": "kernel", "name": name}) == "other"]
+    for name, (count, ms, callers) in sorted(kernels, key=lambda kv: -kv[1][1])[:args.top]:
+        caller, _ = callers.most_common(1)[0]
+        print(f"  {count:6,d} {ms:8.1f}  {name[:60]}  <-  {caller}")
     # GEMMs by the shape of the matmul that launched them: time and TFLOP/s.
     shapes: dict[tuple, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    counted_ops: set[tuple] = set()
     for e in gpu:
         if _kind(e) != "gemm":
             continue
@@ -246,9 +253,13 @@ def main() -> None:
         if len(a) != 2 or len(b) != 2:
             continue
         entry = shapes[(op["name"][6:], a[0], b[1], a[1])]
-        entry[0] += 1
         entry[1] += e["dur"] / 1e3
-        entry[2] += 2.0 * a[0] * b[1] * a[1]
+        # Once per matmul: a split-K matmul launches more than one GEMM kernel.
+        op_key = (op["pid"], op["tid"], op["ts"])
+        if op_key not in counted_ops:
+            counted_ops.add(op_key)
+            entry[0] += 1
+            entry[2] += 2.0 * a[0] * b[1] * a[1]
     counted = sum(v[1] for v in shapes.values())
     flops = sum(v[2] for v in shapes.values())
     if counted > 0:

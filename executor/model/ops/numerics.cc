@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "kernels/tuned_matmul.h"
+
 namespace dta {
 
 using torch::autograd::AutogradContext;
@@ -24,7 +26,9 @@ void AddMatmul(at::Tensor& accumulator, const at::Tensor& a, const at::Tensor& b
   if (a.scalar_type() == accumulator.scalar_type()) {
     accumulator.addmm_(a, b);
   } else if (accumulator.is_cuda()) {
-    at::addmm_out(accumulator, accumulator, a, b, accumulator.scalar_type());
+    // bfloat16 products into float32: the tuned GEMM where it applies (the same bits).
+    if (!kernels::AddMatmulTuned(accumulator, a, b))
+      at::addmm_out(accumulator, accumulator, a, b, accumulator.scalar_type());
   } else {
     accumulator.addmm_(a.to(accumulator.scalar_type()), b.to(accumulator.scalar_type()));
   }
