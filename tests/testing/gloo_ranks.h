@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <exception>
 #include <functional>
+#include <latch>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,19 +48,26 @@ inline std::string ErrorText(const std::exception& e) {
 
 // Runs body(group) on `world` threads, rank r on thread r, its group on device_of(r). A rank's
 // exception (or a failure to create its group) is reported as a test failure naming the rank.
+// Every rank's group is created before any body runs: a rank whose body makes no collective would
+// otherwise destroy its group, closing its sockets, while a peer still finishes connecting to it
+// (Gloo's connectFullMesh then fails with "Connection closed by peer").
 inline void RunRanksOn(int world, const std::function<at::Device(int)>& device_of,
                        const std::function<void(ProcessGroup&)>& body) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(world);
   std::vector<std::thread> threads;
+  std::latch created(world);
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
+      bool arrived = false;
       try {
         const at::Device device = device_of(r);
         std::optional<c10::cuda::CUDAGuard> guard;
         if (device.is_cuda()) guard.emplace(device);
         absl::StatusOr<std::unique_ptr<ProcessGroup>> group =
             ProcessGroup::CreateWithStore(store, r, world, device, LoopbackOptions());
+        arrived = true;
+        created.arrive_and_wait();
         if (!group.ok()) {
           errors[r] = group.status().ToString();
           return;
@@ -70,6 +78,7 @@ inline void RunRanksOn(int world, const std::function<at::Device(int)>& device_o
         body(**group);
       } catch (const std::exception& e) {
         errors[r] = ErrorText(e);
+        if (!arrived) created.arrive_and_wait();
       }
     });
   }
