@@ -176,6 +176,12 @@ struct Tuning {
 
   int candidates() const { return 1 + static_cast<int>(algos.size()); }
 
+  // The candidate with the least time per FLOP measured so far (ATen's GEMM when none is).
+  int Best() const {
+    return static_cast<int>(std::min_element(seconds_per_flop.begin(), seconds_per_flop.end()) -
+                            seconds_per_flop.begin());
+  }
+
   // Reads the finished timings without blocking; chooses once every candidate is measured.
   void Collect() {
     std::vector<Timing> pending;
@@ -199,8 +205,7 @@ struct Tuning {
     for (int c = 0; c < candidates(); ++c) {
       if (measured[c] < issued[c] || issued[c] < kTimedRuns) return;
     }
-    chosen = static_cast<int>(std::min_element(seconds_per_flop.begin(), seconds_per_flop.end()) -
-                              seconds_per_flop.begin());
+    chosen = Best();
     if (EnvSwitchOptIn("DTA_TUNED_MATMUL_REPORT")) {
       std::fprintf(stderr,
                    "dta tuned matmul: %s: candidate %d of %d, %.1f TFLOP/s (ATen's GEMM %.1f)\n",
@@ -216,9 +221,7 @@ struct Tuning {
     for (int c = 0; c < candidates(); ++c) {
       if (issued[c] < kTimedRuns) return {c, true};
     }
-    return {static_cast<int>(std::min_element(seconds_per_flop.begin(), seconds_per_flop.end()) -
-                             seconds_per_flop.begin()),
-            false};
+    return {Best(), false};
   }
 
   // A candidate cuBLASLt refused, or whose bits differed from ATen's: never timed again, never
