@@ -46,6 +46,17 @@ from dta.client import Ack, DispatcherError
 PROMPT_VERSION = -1  # versions[] of tokens no policy generated (prompts, tool results)
 
 
+_stdout_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One line to stdout in one write: the reloads print from a worker thread, and print()'s text and
+    newline are two writes another thread's line could fall between."""
+    with _stdout_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 @dataclass
 class Policy:
     """Stands in for the inference engine: its weights' version and a token sampler."""
@@ -65,8 +76,8 @@ class Policy:
 
     async def follow(self, version: int, poll_s: float) -> None:
         """The trainers committed a step: a real engine would reload its weights here."""
-        print(f"policy version {self.version} -> {version}: reloading weights (synthetic policy: "
-              "nothing to load)", flush=True)
+        say(f"policy version {self.version} -> {version}: reloading weights (synthetic policy: "
+            "nothing to load)")
         self.version = version
 
 
@@ -153,8 +164,7 @@ class TransformersPolicy(Policy):
             if loaded is None:
                 return False
             previous, self.version = self.version, loaded.version
-        print(f"policy version {previous} -> {self.version}: reloaded {loaded.tensors} tensors from {loaded.path}",
-              flush=True)
+        say(f"policy version {previous} -> {self.version}: reloaded {loaded.tensors} tensors from {loaded.path}")
         return True
 
     async def follow(self, version: int, poll_s: float) -> None:
@@ -236,7 +246,7 @@ class Progress:
     def count(self, ack: Ack) -> None:
         if not ack.accepted:
             self.rejected += 1
-            print(f"rejected {ack.id}: {ack.reason}", flush=True)
+            say(f"rejected {ack.id}: {ack.reason}")
         elif ack.already_accepted:
             self.already_accepted += 1
         else:
@@ -262,7 +272,7 @@ async def run(args: argparse.Namespace) -> int:
     if args.model:
         policy: Policy = TransformersPolicy(args.model, args.checkpoint_dir, version=0)
         vocab_size = policy.vocab_size  # the dispatcher's --vocab_size must be at least this
-        print(f"policy: {args.model} ({policy.vocab_size} tokens), reloading from {args.checkpoint_dir}", flush=True)
+        say(f"policy: {args.model} ({policy.vocab_size} tokens), reloading from {args.checkpoint_dir}")
     else:
         policy = Policy(args.vocab_size, latency_s=args.latency_ms / 1000)
         vocab_size = args.vocab_size
@@ -274,7 +284,7 @@ async def run(args: argparse.Namespace) -> int:
     async with dta.AsyncRolloutClient(args.dispatcher, token=token, root_certificates=roots,
                                       max_in_flight=args.max_in_flight, retry_for=args.retry_s) as client:
         version = await client.policy_version()
-        print(f"dispatcher {args.dispatcher}: policy version {version}", flush=True)
+        say(f"dispatcher {args.dispatcher}: policy version {version}")
         if version > policy.version:
             await policy.follow(version, args.poll_s)
         follower = asyncio.create_task(follow_policy(client, policy, args.poll_s))
@@ -291,7 +301,7 @@ async def run(args: argparse.Namespace) -> int:
 
         async def group(task: Task) -> None:
             await asyncio.gather(*(episode(task, s) for s in range(args.group_size)))
-            print(f"{task.id} done: {progress.line(policy)}", flush=True)
+            say(f"{task.id} done: {progress.line(policy)}")
 
         try:
             round_ = 0
@@ -305,7 +315,7 @@ async def run(args: argparse.Namespace) -> int:
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
-    print(f"done: {progress.line(policy)}", flush=True)
+    say(f"done: {progress.line(policy)}")
     return 0
 
 

@@ -180,7 +180,9 @@ def main() -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    (args.out / "url").write_text(f"http://127.0.0.1:{server.server_address[1]}")
+    # Written then renamed: the test reads the file as soon as it exists, so it must never see it empty.
+    (args.out / "url.tmp").write_text(f"http://127.0.0.1:{server.server_address[1]}")
+    (args.out / "url.tmp").rename(args.out / "url")
     server.serve_forever()
 
 
