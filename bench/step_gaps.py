@@ -16,6 +16,12 @@ shapes, read back from its Chrome trace (kept with --trace):
 - GPU time and operation counts by kind (attention, GEMM, memset, memcpy, other), and the GPU
   operations launched most often with the host operations that launch them.
 
+dta's small kernels are launched after their predecessor (programmatic dependent launch): their
+blocks start while the kernel before them finishes and wait for it, so a profiled duration
+includes that wait (the norms' column sums measure 16 us a launch with it, 6 us without). Run with
+DTA_DEPENDENT_LAUNCH=0 for each kernel's own time; the span and idle time then include the launch
+gaps that dependent launch hides.
+
 Nothing here is a test: run it on a GPU (docs/benchmarks.md, "Where dta's step spends its time").
 
   PYTHONPATH=<site> python3 bench/step_gaps.py --rollouts=tau2.jsonl --config=qwen3-1.7b
@@ -26,6 +32,7 @@ import argparse
 import bisect
 import collections
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -233,7 +240,10 @@ def main() -> None:
     for name, (count, ms, callers) in sorted(census.items(), key=lambda kv: -kv[1][0])[:args.top]:
         caller, _ = callers.most_common(1)[0]
         print(f"  {count:6,d} {ms:8.1f}  {name[:60]}  <-  {caller}")
-    print(f"\nGPU kernels other than GEMMs and attention by time (count, ms, launched by; top {args.top}):")
+    waits = "" if os.environ.get("DTA_DEPENDENT_LAUNCH") == "0" else (
+        "; dta's kernels' times include their wait for the kernel before them:"
+        " DTA_DEPENDENT_LAUNCH=0 gives their own")
+    print(f"\nGPU kernels other than GEMMs and attention by time (count, ms, launched by; top {args.top}{waits}):")
     kernels = [(name, entry) for name, entry in census.items()
                if _kind({"cat": "kernel", "name": name}) == "other"]
     for name, (count, ms, callers) in sorted(kernels, key=lambda kv: -kv[1][1])[:args.top]:
