@@ -42,3 +42,6 @@ run_gtests() {
     grep -a -E "Failure" -A4 "$out/all/$t.log" | head -12
   done
 }
+
+# tau2_batches, bench_step: scripts/device_steps.sh.
+source scripts/device_steps.sh
