@@ -114,7 +114,7 @@ cudaError_t LaunchFusedBackward(const TreeAttentionParams& p, cudaStream_t strea
   err = Launch(HopperDkDvKernel<D, true>, tiles * p.kv_heads, Traits::kThreads,
                DkDvConfig<D, true>::kSmemBytes, bp, stream);
   if (err != cudaSuccess) return err;
-  return Launch(HopperDqFromPartsKernel<D>, m_blocks * p.q_heads * 2, 128, 0,
+  return Launch(HopperDqFromPartsKernel<D>, m_blocks * p.q_heads * Traits::kDqFromPartsCtas, 128, 0,
                 static_cast<const TreeAttentionParams&>(p), stream);
 }
 
@@ -153,6 +153,8 @@ cudaError_t LaunchHeadSplitBackward(const TreeAttentionParams& p, TreeAttentionB
 cudaError_t LaunchHopperTreeAttentionFusedBackward(const TreeAttentionParams& p, int head_dim,
                                                    cudaStream_t stream) {
   switch (head_dim) {
+    case 64:
+      return hopper_detail::LaunchFusedBackward<64>(p, stream);
     case 128:
       return hopper_detail::LaunchFusedBackward<128>(p, stream);
     default:

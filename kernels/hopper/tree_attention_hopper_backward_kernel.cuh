@@ -32,7 +32,7 @@
 // (C7517), or serialises every GEMM of the loop. The price of determinism is 7 GEMMs per score
 // tile instead of 5 (dQ recomputes S and dP).
 //
-// HopperDkDvKernel<D, true> (opt-in, D = 128) is FlashAttention-3's single kernel with a
+// HopperDkDvKernel<D, true> (opt-in, D = 64 and 128) is FlashAttention-3's single kernel with a
 // fixed-order dQ reduction: the dK/dV kernel also writes each query tile's dS^T to shared memory,
 // computes dQ's part dS K, and a writer warp adds the parts into a float32 workspace in a fixed
 // order of key tiles (FusedTileOrder, one semaphore per query tile); HopperDqFromPartsKernel then
@@ -42,6 +42,8 @@
 // earlier parts traps (kDqWaitLimitNs): a broken order fails the launch instead of hanging.
 #ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 #define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
+
+#include <type_traits>
 
 #include "kernels/hopper/tree_attention_hopper.h"
 #include "kernels/hopper/tree_attention_hopper_kernel.cuh"
@@ -98,17 +100,36 @@ struct BackwardTraits {
   static constexpr uint32_t kKvStageBytes = 2 * kKvQBytes + kKvStatBytes;
 
   // The single-kernel backward (the dK/dV kernel computing dQ too): each query tile's dS^T goes to
-  // shared memory (two buffers, queries contiguous), both warpgroups then compute the tile's dQ
-  // part dS K ((64, D / 2) each, both operands in shared memory), and a writer warp adds it into
-  // p.dq_accum in a fixed order of key tiles.
+  // shared memory (two buffers, queries contiguous), the warpgroups compute the tile's dQ part
+  // dS K (both operands in shared memory), and a writer warp adds it into p.dq_accum in a fixed
+  // order of key tiles. At D = 128 the two warpgroups split D ((64, 64) each over all 128 keys,
+  // whole 128-byte swizzle atoms of K^T); at D = 64 (a single atom) they split the keys instead:
+  // each multiplies its own 64 keys' dS by their rows of K, (64, 64) over 64 keys, without waiting
+  // for the other's dS^T, and the writer adds the two partial parts in warpgroup order.
+  static constexpr bool kDqKeySplit = D == 64;
   using SmemLayoutDsT = StagedTiles<kKvBN, kKvBM, 2>;  // dS^T (keys, queries) x 2 buffers
   using SmemLayoutDs = StagedTilesT<kKvBN, kKvBM, 2>;  // the same as dS (queries, keys)
   using SmemLayoutKvKt = StagedTilesT<kKvBN, D, 1>;    // K^T (D, keys): B of dS K
-  using TiledMmaDqPart = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<D / 2>, Int<kKvBN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));               // the two warpgroups split D
-  static constexpr int kDqPartFloats = kKvBM * D;  // one query tile's dQ part, two halves
+  // A warpgroup's 64 keys under the key split: rows [64 w, 64 w + 64) of a (128, 64) tile of
+  // 128-byte atoms are the 64 x 64 tile at element offset 64 w * 64 (the atoms stack along rows).
+  using SmemLayoutDsHalf = StagedTilesT<kKvBN / 2, kKvBM, 1>;  // dS (queries, 64 keys)
+  using SmemLayoutKtHalf = StagedTilesT<kKvBN / 2, D, 1>;      // K^T (D, 64 keys)
+  using TiledMmaDqPart = std::conditional_t<
+      kDqKeySplit,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<D>, Int<kKvBN / 2>>,
+                               GMMA::Major::MN, GMMA::Major::MN>(),
+          Layout<Shape<_1, _1, _1>>{})),  // one warpgroup, its own keys
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<D / 2>, Int<kKvBN>>,
+                               GMMA::Major::MN, GMMA::Major::MN>(),
+          Layout<Shape<_1, _2, _1>>{}))>;          // the two warpgroups split D
+  static constexpr int kDqPartFloats = kKvBM * D;  // one query tile's dQ part
+  // A buffer handed to the writer: the part's two halves of D side by side, or under the key
+  // split the two warpgroups' partial parts one after the other.
+  static constexpr int kDqBufferFloats = kDqKeySplit ? 2 * kDqPartFloats : kDqPartFloats;
+  // HopperDqFromPartsKernel's CTAs per query tile: one per half of D, or one under the key split.
+  static constexpr int kDqFromPartsCtas = kDqKeySplit ? 1 : 2;
 
   using TmaQ = typename Forward::TmaQ;    // (128, D) boxes: Q and dO of the dQ kernel
   using TmaKV = typename Forward::TmaKV;  // (128, D) boxes: K, V, prefix K and V
@@ -118,13 +139,14 @@ struct BackwardTraits {
 };
 
 // The dK/dV kernel's stages and shared memory, without dQ (4 stages: K + V 64 KiB, 4 x (Q + dO)
-// 128 KiB) and with it (2 stages, + dS^T 2 x 16 KiB + dQ's part 2 x 32 KiB at D = 128).
+// 128 KiB at D = 128) and with it (2 stages, + dS^T 2 x 16 KiB + dQ's buffers 2 x 32 KiB at D = 64
+// and 128).
 template <int D, bool kWithDq>
 struct DkDvConfig {
   using Traits = BackwardTraits<D>;
   static constexpr int kStages = kWithDq ? 2 : 4;
   static constexpr int kDsElements = kWithDq ? cute::cosize_v<typename Traits::SmemLayoutDsT> : 1;
-  static constexpr int kDqFloats = kWithDq ? 2 * Traits::kDqPartFloats : 4;  // two buffers
+  static constexpr int kDqFloats = kWithDq ? 2 * Traits::kDqBufferFloats : 4;  // two buffers
   using SmemLayoutQdO = StagedTiles<Traits::kKvBM, D, kStages>;
   using SmemLayoutQdOt = StagedTilesT<Traits::kKvBM, D, kStages>;  // Q^T and dO^T, B operands
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -558,7 +580,8 @@ __device__ __forceinline__ int LaterChunkTilesSeen(const TreeAttentionParams& p,
 // writer warp (the buffer holds a query tile's part: kDqFull + b; it is free again: kDqEmpty + b).
 // One barrier per buffer and direction: the consumers may fill one buffer while the writer has not
 // yet taken the other, and a barrier must not see two rounds of arrivals at once.
-enum FusedBarrier : uint32_t { kDsReady = 0, kDqFull = 1, kDqEmpty = 3 };
+// Under the key split, warpgroup w's own dS^T rows are in place: kDsWritten + w (128 threads).
+enum FusedBarrier : uint32_t { kDsReady = 0, kDqFull = 1, kDqEmpty = 3, kDsWritten = 5 };
 constexpr uint32_t kDqBarrierThreads = 256 + 32;
 
 __device__ __forceinline__ int LoadAcquire(const int32_t* at) {
@@ -602,10 +625,12 @@ __device__ __forceinline__ void BulkStoreOrAdd(bool add, float* dst, const float
 // The single kernel's writer warp (lane `lane` of warp 1): for each query tile the consumers
 // iterate (same order), waits until every key tile before this one in FusedTileOrder has added its
 // dQ part (the tile's semaphore counts them), then stores the part (the first) or adds it into
-// p.dq_accum with bulk copies from shared memory (one per warpgroup half), and counts itself in.
-// Float32 adds in a fixed order: bitwise deterministic.
-template <int kBM, int kBN, int kSubTiles, int kPartFloats, class Params, class Unit>
-__device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, const float* parts,
+// p.dq_accum with bulk copies from shared memory (one per warpgroup half; under the key split
+// one, of the two warpgroups' partial parts added here first), and counts itself in. Float32 adds
+// in a fixed order: bitwise deterministic.
+template <int kBM, int kBN, int kSubTiles, int kPartFloats, bool kKeySplit, class Params,
+          class Unit>
+__device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, float* parts,
                                              int lane) {
   using cutlass::arch::NamedBarrier;
   const int m_blocks = (p.tokens + kBM - 1) / kBM;
@@ -614,6 +639,7 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, con
   const int c = u.is_prefix ? -1 : u.tile - u.n_pre;
   const int prefix_after = u.is_prefix ? u.n_pre - 1 - u.tile : 0;
   constexpr int kHalfFloats = kPartFloats / 2;
+  constexpr int kBufferFloats = kKeySplit ? 2 * kPartFloats : kPartFloats;
   auto free_buffer = [&](int b) { NamedBarrier::arrive(kDqBarrierThreads, kDqEmpty + b); };
   auto count_in = [&](int32_t* semaphore, bool all) {
     if (lane == 0) {
@@ -637,7 +663,7 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, con
     const int64_t tile = static_cast<int64_t>(h) * m_blocks + m;
     int32_t* semaphore = p.dq_semaphore + tile;
     float* dst = p.dq_accum + tile * kPartFloats;
-    const float* part = parts + (iter & 1) * kPartFloats;
+    float* part = parts + (iter & 1) * kBufferFloats;
     if (lane == 0) {
       const uint64_t waiting_since = GlobalTimerNs();
       while (LoadAcquire(semaphore) != before) {
@@ -647,7 +673,24 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, con
     }
     __syncwarp();
     NamedBarrier::sync(kDqBarrierThreads, kDqFull + (iter & 1));
-    if (lane == 0) {
+    if constexpr (kKeySplit) {
+      // The second warpgroup's partial part added to the first's (their float2s lie in the same
+      // thread order), then handed to the bulk copy, which reads through the async proxy.
+      float4* sum = reinterpret_cast<float4*>(part);
+      const float4* second = reinterpret_cast<const float4*>(part + kPartFloats);
+      for (int i = lane; i < kPartFloats / 4; i += 32) {
+        float4 a = sum[i];
+        const float4 b = second[i];
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+        sum[i] = a;
+      }
+      cutlass::arch::fence_view_async_shared();
+      __syncwarp();
+      if (lane == 0) BulkStoreOrAdd(before > 0, dst, part, kPartFloats * sizeof(float));
+    } else if (lane == 0) {
       for (int w = 0; w < 2; ++w) {
         BulkStoreOrAdd(before > 0, dst + w * kHalfFloats, part + w * kHalfFloats,
                        kHalfFloats * sizeof(float));
@@ -668,9 +711,10 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, con
 
 // The single kernel's dQ part of one query tile, by both consumer warpgroups once the dK GEMM is
 // issued: dS^T (this thread's bf16 pairs, r_dst32, at coords_st) into shared buffer `buf`, then
-// dQ's part dS K ((64, D / 2) per warpgroup; the wait covers the dV and dK GEMMs too), handed to
-// the writer warp through dQ buffer `buf` in thread order (conflict-free; HopperDqFromPartsKernel
-// reads it back in the same order).
+// dQ's part dS K ((64, D / 2) per warpgroup over all keys, or under the key split (64, D) over the
+// warpgroup's own keys; the wait covers the dV and dK GEMMs too), handed to the writer warp through
+// dQ buffer `buf` in thread order (conflict-free; HopperDqFromPartsKernel reads it back in the same
+// order).
 template <int D, class Storage, class TC, class TR>
 __device__ __forceinline__ void DqPart(Storage& smem, const TC& coords_st, const TR& r_dst32,
                                        int buf, int ctid) {
@@ -683,21 +727,42 @@ __device__ __forceinline__ void DqPart(Storage& smem, const TC& coords_st, const
     *reinterpret_cast<uint32_t*>(&sDsT(get<0>(c), get<1>(c), buf)) = r_dst32(i);
   }
   cutlass::arch::fence_view_async_shared();
-  // Both halves of dS^T are in place; the other warpgroup's GEMM on this buffer two tiles ago is
-  // done (it waited for it before reaching this barrier).
-  NamedBarrier::sync(Traits::kConsumerThreads, kDsReady);
-  typename Traits::TiledMmaDqPart mma;
-  auto thr = mma.get_thread_slice(ctid);
-  Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
-  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKvKt{});
-  Tensor t_ds = thr.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffers)
-  Tensor t_kt = thr.partition_fragment_B(sKt);
-  Tensor acc = partition_fragment_C(mma, Shape<Int<Traits::kKvBM>, Int<D>>{});
-  WarpgroupGemm<true, 0>(mma, t_ds(_, _, _, buf), t_kt(_, _, _, 0), acc);
   const int w = ctid / 128;
+  typename Traits::TiledMmaDqPart mma;
+  Tensor acc = partition_fragment_C(mma, Shape<Int<Traits::kKvBM>, Int<D>>{});
+  if constexpr (Traits::kDqKeySplit) {
+    // This warpgroup's keys only: its own rows of dS^T (written above by its own threads, read by
+    // no other; its GEMM on this buffer two tiles ago is done) and of K.
+    static_assert(Traits::kKvBN == 128 && D == 64, "one 128-byte atom per row: halves stack");
+    constexpr int kHalfKeys = Traits::kKvBN / 2;
+    // Every thread of the warpgroup has written its rows before any of its wgmmas reads them.
+    NamedBarrier::sync(128, kDsWritten + w);
+    auto thr = mma.get_thread_slice(ctid % 128);
+    Tensor sDs =
+        make_tensor(make_smem_ptr(smem.ds.data() + (buf * 2 + w) * kHalfKeys * Traits::kKvBM),
+                    typename Traits::SmemLayoutDsHalf{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data() + w * kHalfKeys * D),
+                             typename Traits::SmemLayoutKtHalf{});
+    Tensor t_ds = thr.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, 1)
+    Tensor t_kt = thr.partition_fragment_B(sKt);
+    WarpgroupGemm<true, 0>(mma, t_ds(_, _, _, 0), t_kt(_, _, _, 0), acc);
+  } else {
+    // Both halves of dS^T are in place; the other warpgroup's GEMM on this buffer two tiles ago
+    // is done (it waited for it before reaching this barrier).
+    NamedBarrier::sync(Traits::kConsumerThreads, kDsReady);
+    auto thr = mma.get_thread_slice(ctid);
+    Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKvKt{});
+    Tensor t_ds = thr.partition_fragment_A(sDs);  // (MMA, MMA_M, MMA_K, buffers)
+    Tensor t_kt = thr.partition_fragment_B(sKt);
+    WarpgroupGemm<true, 0>(mma, t_ds(_, _, _, buf), t_kt(_, _, _, 0), acc);
+  }
   NamedBarrier::sync(kDqBarrierThreads, kDqEmpty + buf);
+  // This warpgroup's slot of the buffer: its half of D, or under the key split its partial part.
+  constexpr int kSlotFloats =
+      Traits::kDqKeySplit ? Traits::kDqPartFloats : Traits::kDqPartFloats / 2;
   float2* part = reinterpret_cast<float2*>(smem.dq.data()) +
-                 (buf * Traits::kDqPartFloats + w * Traits::kDqPartFloats / 2) / 2 + ctid % 128;
+                 (buf * Traits::kDqBufferFloats + w * kSlotFloats) / 2 + ctid % 128;
 #pragma unroll
   for (int j = 0; j < size(acc) / 2; ++j) part[j * 128] = make_float2(acc(2 * j), acc(2 * j + 1));
   cutlass::arch::fence_view_async_shared();
@@ -759,8 +824,8 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
                                                        2 * Traits::kKvTileBytes, pipeline);
     } else if constexpr (kWithDq) {
       if (threadIdx.x / 32 == 1) {
-        WriteDqParts<kBM, kBN, Traits::kKvSubTiles, Traits::kDqPartFloats>(p, unit, smem.dq.data(),
-                                                                           threadIdx.x % 32);
+        WriteDqParts<kBM, kBN, Traits::kKvSubTiles, Traits::kDqPartFloats, Traits::kDqKeySplit>(
+            p, unit, smem.dq.data(), threadIdx.x % 32);
       }
     }
     return;
@@ -904,14 +969,15 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 }
 
 // dQ = scale * p.dq_accum in bf16 (the single kernel's epilogue): one CTA of 128 threads per query
-// head, 64-row query tile and half of D; thread t reads the float2s it wrote from DqPart's order
-// and finds their rows and columns from the same MMA layout.
+// head, 64-row query tile and half of D (all of D under the key split); thread t reads the float2s
+// it wrote from DqPart's order and finds their rows and columns from the same MMA layout.
 template <int D>
 __global__ void __launch_bounds__(128) HopperDqFromPartsKernel(const TreeAttentionParams p) {
   using Traits = BackwardTraits<D>;
   constexpr int kBM = Traits::kKvBM;
-  const int half = static_cast<int>(blockIdx.x % 2);
-  const int64_t tile = blockIdx.x / 2;
+  constexpr int kCtas = Traits::kDqFromPartsCtas;
+  const int half = static_cast<int>(blockIdx.x % kCtas);
+  const int64_t tile = blockIdx.x / kCtas;
   const int m_blocks = (p.tokens + kBM - 1) / kBM;
   const int h = static_cast<int>(tile / m_blocks);
   const int row0 = static_cast<int>(tile % m_blocks) * kBM;
