@@ -365,6 +365,20 @@ int Main() {
     for (const Kernel kernel : OurKernels(step)) {
       rows.push_back(RunOurs(step, kernel, nullptr, nullptr, nullptr, nullptr));
     }
+    // A tau2-like packed step: a tree of 26,624 tokens (a 2,048-token task, 16 branches of 1,536)
+    // over the cached system prompt, 4,838 tokens (a partial last tile), which three quarters of
+    // such a step's tiles read (bench/results/2026-12-02-attention-tiles-cpu).
+    const Case packed{"packed tree 2048 + 16 x 1536 over cached P=4838 Hq=16 Hkv=8" + dim,
+                      4838,
+                      2048,
+                      16,
+                      1536,
+                      16,
+                      8,
+                      d};
+    for (const Kernel kernel : OurKernels(packed)) {
+      rows.push_back(RunOurs(packed, kernel, nullptr, nullptr, nullptr, nullptr));
+    }
   }
   std::printf(
       "\n| case | method | visible entries | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
