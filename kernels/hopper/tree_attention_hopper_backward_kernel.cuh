@@ -628,18 +628,20 @@ __device__ __forceinline__ void BulkStoreOrAdd(bool add, float* dst, const float
 // p.dq_accum with bulk copies from shared memory (one per warpgroup half; under the key split
 // one, of the two warpgroups' partial parts added here first), and counts itself in. Float32 adds
 // in a fixed order: bitwise deterministic.
-template <int kBM, int kBN, int kSubTiles, int kPartFloats, bool kKeySplit, class Params,
-          class Unit>
+template <class Traits, class Params, class Unit>
 __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, float* parts,
                                              int lane) {
   using cutlass::arch::NamedBarrier;
+  constexpr int kBM = Traits::kKvBM;
+  constexpr int kBN = Traits::kKvBN;
+  constexpr int kPartFloats = Traits::kDqPartFloats;
+  constexpr bool kKeySplit = Traits::kDqKeySplit;
   const int m_blocks = (p.tokens + kBM - 1) / kBM;
   const int group = p.q_heads / p.kv_heads;
   const int n_iter = group * u.nq;
   const int c = u.is_prefix ? -1 : u.tile - u.n_pre;
   const int prefix_after = u.is_prefix ? u.n_pre - 1 - u.tile : 0;
   constexpr int kHalfFloats = kPartFloats / 2;
-  constexpr int kBufferFloats = kKeySplit ? 2 * kPartFloats : kPartFloats;
   auto free_buffer = [&](int b) { NamedBarrier::arrive(kDqBarrierThreads, kDqEmpty + b); };
   auto count_in = [&](int32_t* semaphore, bool all) {
     if (lane == 0) {
@@ -659,11 +661,12 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, flo
   for (int iter = 0; iter < n_iter; ++iter) {
     const int h = u.hk * group + iter / u.nq;
     const int m = u.q_first + iter % u.nq;
-    const int before = prefix_after + LaterChunkTilesSeen<kBM, kBN, kSubTiles>(p, c, m, lane);
+    const int before =
+        prefix_after + LaterChunkTilesSeen<kBM, kBN, Traits::kKvSubTiles>(p, c, m, lane);
     const int64_t tile = static_cast<int64_t>(h) * m_blocks + m;
     int32_t* semaphore = p.dq_semaphore + tile;
     float* dst = p.dq_accum + tile * kPartFloats;
-    float* part = parts + (iter & 1) * kBufferFloats;
+    float* part = parts + (iter & 1) * Traits::kDqBufferFloats;
     if (lane == 0) {
       const uint64_t waiting_since = GlobalTimerNs();
       while (LoadAcquire(semaphore) != before) {
@@ -824,8 +827,7 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
                                                        2 * Traits::kKvTileBytes, pipeline);
     } else if constexpr (kWithDq) {
       if (threadIdx.x / 32 == 1) {
-        WriteDqParts<kBM, kBN, Traits::kKvSubTiles, Traits::kDqPartFloats, Traits::kDqKeySplit>(
-            p, unit, smem.dq.data(), threadIdx.x % 32);
+        WriteDqParts<Traits>(p, unit, smem.dq.data(), threadIdx.x % 32);
       }
     }
     return;
