@@ -50,8 +50,8 @@ bool UsesHopperBackward(const TreeAttentionShape& shape, const at::Tensor& q);
 // True when BackwardCuda runs the Hopper single-kernel backward (dK, dV and dQ's parts in one
 // kernel) instead of the Hopper dQ and dK/dV kernels: UsesHopperBackward at a head dim
 // HopperTreeAttentionFusedBackwardSupportsHeadDim accepts, and the environment variable
-// DTA_HOPPER_ATTENTION_BACKWARD_FUSED is "1" (opt-in: on the H200 it is still slower than the two
-// kernels, docs/benchmarks.md; read at every call).
+// DTA_HOPPER_ATTENTION_BACKWARD_FUSED is "1" (opt-in: on the H200 it is slower than the two
+// kernels at every head dim, docs/benchmarks.md; read at every call).
 bool UsesHopperFusedBackward(const TreeAttentionShape& shape, const at::Tensor& q);
 
 // The CUDA path (kernels/tree_attention.cu). Inputs are already checked. Defined only when the

@@ -17,10 +17,10 @@ constexpr bool HopperTreeAttentionBackwardSupportsHeadDim(int head_dim) {
 }
 
 // True when LaunchHopperTreeAttentionFusedBackward is instantiated for head_dim (its dQ GEMM
-// splits D between two warpgroups in whole 128-byte swizzle atoms, 64 columns each, at 128, and
-// the keys at 64).
+// splits D between two warpgroups in whole 128-byte swizzle atoms, 64 columns each, at 128, the
+// keys at 64, and at 256 the head-split kernel's halves of D).
 constexpr bool HopperTreeAttentionFusedBackwardSupportsHeadDim(int head_dim) {
-  return head_dim == 64 || head_dim == 128;
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
 }  // namespace dta::kernels

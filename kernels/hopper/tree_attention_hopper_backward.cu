@@ -1,5 +1,6 @@
 // Host side of the Hopper backward: TMA descriptors from the shared params, then the launches.
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/hopper/tree_attention_hopper.h"
 #include "kernels/hopper/tree_attention_hopper_backward_head_split_kernel.cuh"
@@ -95,27 +96,34 @@ cudaError_t LaunchBackward(const TreeAttentionParams& p, TreeAttentionBackwardPa
 }
 
 // The single-kernel backward: row statistics, the semaphores zeroed, dK/dV with dQ's parts, then
-// dQ from its float32 sums.
+// dQ from its float32 sums. Wide heads (D > 128) run the head-split kernel's variant, as
+// LaunchHopperTreeAttentionBackward runs the head-split kernels there.
 template <int D>
 cudaError_t LaunchFusedBackward(const TreeAttentionParams& p, cudaStream_t stream) {
-  using Traits = BackwardTraits<D>;
+  constexpr bool kHeadSplit = D > 128;
+  using Traits = std::conditional_t<kHeadSplit, HeadSplitBackwardTraits<D>, BackwardTraits<D>>;
   if (!OperandsFitTma(p) || !Aligned16(p.grad_out, p.grad_out_row_stride) ||
       p.row_stats == nullptr || p.dq_accum == nullptr || p.dq_semaphore == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const BackwardParams<D> bp = MakeBackwardParams<D>(p);
+  static_assert(Traits::kKvBM == kHopperBackwardQueryTile, "row_stats' and the workspace's tiles");
   cudaError_t err = LaunchRowStats(p, stream);
   if (err != cudaSuccess) return err;
   const int64_t m_blocks = (p.tokens + Traits::kKvBM - 1) / Traits::kKvBM;
   err = cudaMemsetAsync(p.dq_semaphore, 0, m_blocks * p.q_heads * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
   constexpr int kBN = Traits::kKvBN;
-  const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
-  err = Launch(HopperDkDvKernel<D, true>, tiles * p.kv_heads, Traits::kThreads,
-               DkDvConfig<D, true>::kSmemBytes, bp, stream);
+  const int64_t ctas = ((p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN) * p.kv_heads;
+  if constexpr (kHeadSplit) {
+    err = Launch(HopperDkDvHeadSplitKernel<D, true>, ctas, Traits::kThreads,
+                 HeadSplitDkDvConfig<D, true>::kSmemBytes, MakeHeadSplitParams<D>(p), stream);
+  } else {
+    err = Launch(HopperDkDvKernel<D, true>, ctas, Traits::kThreads, DkDvConfig<D, true>::kSmemBytes,
+                 MakeBackwardParams<D>(p), stream);
+  }
   if (err != cudaSuccess) return err;
-  return Launch(HopperDqFromPartsKernel<D>, m_blocks * p.q_heads * Traits::kDqFromPartsCtas, 128, 0,
-                static_cast<const TreeAttentionParams&>(p), stream);
+  return Launch(HopperDqFromPartsKernel<D, Traits>, m_blocks * p.q_heads * Traits::kDqFromPartsCtas,
+                128, 0, p, stream);
 }
 
 // The same parts at wide heads (tree_attention_hopper_backward_head_split_kernel.cuh).
@@ -139,8 +147,8 @@ cudaError_t LaunchHeadSplitBackward(const TreeAttentionParams& p, TreeAttentionB
       if (err != cudaSuccess) return err;
       constexpr int kBN = Traits::kBN;
       const int64_t tiles = (p.prefix + kBN - 1) / kBN + (p.tokens + kBN - 1) / kBN;
-      return Launch(HopperDkDvHeadSplitKernel<D>, tiles * p.kv_heads, Traits::kThreads,
-                    Traits::kDkDvSmemBytes, bp, stream);
+      return Launch(HopperDkDvHeadSplitKernel<D, false>, tiles * p.kv_heads, Traits::kThreads,
+                    HeadSplitDkDvConfig<D, false>::kSmemBytes, bp, stream);
     }
     default:
       return cudaErrorInvalidValue;
@@ -157,6 +165,8 @@ cudaError_t LaunchHopperTreeAttentionFusedBackward(const TreeAttentionParams& p,
       return hopper_detail::LaunchFusedBackward<64>(p, stream);
     case 128:
       return hopper_detail::LaunchFusedBackward<128>(p, stream);
+    case 256:
+      return hopper_detail::LaunchFusedBackward<256>(p, stream);
     default:
       return cudaErrorInvalidValue;
   }

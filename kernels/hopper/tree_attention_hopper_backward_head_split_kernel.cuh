@@ -20,6 +20,13 @@
 // V of every visible key tile (TileWalk) stream through a 2-stage ring. dQ += dS K.
 // A consumer thread holds 64 + 64 floats of dK and dV (dQ: 64) and 16 + 16 of S and dP. Every
 // gradient element is summed by one thread in a fixed order: bitwise deterministic.
+// HopperDkDvHeadSplitKernel<D, true> is the single-kernel backward at this head dim (opt-in, as at
+// D = 64 and 128 in tree_attention_hopper_backward_kernel.cuh): after dV and dK each score tile's
+// dQ part dS K ((64, D / 2) per warpgroup from the shared dS tile and the unit's K) goes through a
+// shared buffer to the writer warp, which adds it into the float32 workspace in the fixed order of
+// key tiles (WriteDqParts). The part's buffer (64 KiB) takes the second stage of Q and dO, so the
+// next tile's Q and dO load only under dQ's GEMM, and the consumers wait for the writer at every
+// tile: slower than the two kernels (docs/benchmarks.md), exact and deterministic like them.
 #ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_HEAD_SPLIT_KERNEL_CUH_
 #define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_HEAD_SPLIT_KERNEL_CUH_
 
@@ -58,6 +65,7 @@ struct HeadSplitBackwardTraits {
   // 64-row tiles of D elements (the forward's K/V box), alone or as the ring, and their transposed
   // views; P and dS as (queries, keys, buffer) and (keys, queries, buffer).
   using SmemLayoutOne = StagedTiles<64, D, 1>;
+  using SmemLayoutOneT = StagedTilesT<64, D, 1>;
   using SmemLayoutRing = StagedTiles<64, D, kStages>;
   using SmemLayoutRingT = StagedTilesT<64, D, kStages>;
   using SmemLayoutScores = StagedTiles<kBM, kBN, 2>;
@@ -68,19 +76,20 @@ struct HeadSplitBackwardTraits {
   static constexpr int kStatFloats = 2 * kBM;  // lse * log2(e), then row_dot
   static constexpr uint32_t kStatBytes = kStatFloats * sizeof(float);
 
-  // K 32 KiB + V 32 KiB + 2 x (Q + dO) 128 KiB + P and dS 2 x 16 KiB: 225 KiB.
-  struct DkDvSharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutOne>, 1024> k;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutOne>, 1024> v;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutRing>, 1024> q;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutRing>, 1024> d_out;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutScores>, 1024> p;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutScores>, 1024> ds;
-    cute::array_aligned<float, kStages * kStatFloats, 16> row_stats;
-    typename Pipeline::SharedStorage pipeline;
-    cutlass::arch::ClusterTransactionBarrier barrier_kv;  // K and V landed
-  };
-  static constexpr int kDkDvSmemBytes = static_cast<int>(sizeof(DkDvSharedStorage));
+  // The single-kernel backward's dQ part of a score tile, dS K: (64 queries, D) over the tile's 64
+  // keys, each warpgroup its half of D (TiledMmaDq). The names WriteDqParts and
+  // HopperDqFromPartsKernel read (tree_attention_hopper_backward_kernel.cuh): a 64-row query tile,
+  // 64-key tiles, one buffer of the part's two halves of D side by side (the shared memory holds
+  // no second one), read back by one CTA per half.
+  static constexpr int kKvBM = kBM;
+  static constexpr int kKvBN = kBN;
+  static constexpr int kKvSubTiles = 1;
+  static constexpr bool kDqKeySplit = false;
+  static constexpr int kDqPartFloats = kBM * D;
+  static constexpr int kDqBufferFloats = kDqPartFloats;
+  static constexpr int kDqBuffers = 1;
+  static constexpr int kDqFromPartsCtas = 2;
+  using TiledMmaDqPart = TiledMmaDq;
 
   // Q 32 KiB + dO 32 KiB + 2 x (K + V) 128 KiB + dS 16 KiB: 208 KiB.
   struct DqSharedStorage {
@@ -93,7 +102,37 @@ struct HeadSplitBackwardTraits {
     cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q and dO landed
   };
   static constexpr int kDqSmemBytes = static_cast<int>(sizeof(DqSharedStorage));
-  static_assert(kDkDvSmemBytes <= 227 * 1024 && kDqSmemBytes <= 227 * 1024, "fits an SM");
+  static_assert(kDqSmemBytes <= 227 * 1024, "fits an SM");
+};
+
+// The dK/dV kernel's stages and shared memory: without dQ K 32 KiB + V 32 KiB + 2 x (Q + dO)
+// 128 KiB + P and dS 2 x 16 KiB (225 KiB with the row statistics); with it one stage of Q and dO
+// (64 KiB) and dQ's buffer (64 x 256 floats, 64 KiB) in place of the second stage: 225 KiB again.
+// With one stage the next tile's Q and dO load while the consumers compute dQ's part (they release
+// the stage once the dV and dK GEMMs are done).
+template <int D, bool kWithDq>
+struct HeadSplitDkDvConfig {
+  using Traits = HeadSplitBackwardTraits<D>;
+  static constexpr int kStages = kWithDq ? 1 : Traits::kStages;
+  static constexpr int kDqFloats = kWithDq ? Traits::kDqBuffers * Traits::kDqBufferFloats : 4;
+  using SmemLayoutQdO = StagedTiles<Traits::kBM, D, kStages>;
+  using SmemLayoutQdOt = StagedTilesT<Traits::kBM, D, kStages>;  // Q^T and dO^T, B operands
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutOne>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutOne>, 1024> v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQdO>, 1024> d_out;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutScores>, 1024> p;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutScores>, 1024> ds;
+    cute::array_aligned<float, kStages * Traits::kStatFloats, 16> row_stats;
+    typename Pipeline::SharedStorage pipeline;
+    cutlass::arch::ClusterTransactionBarrier barrier_kv;  // K and V landed
+    cute::array_aligned<float, kDqFloats, 128> dq;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "fits an SM");
 };
 
 // The shared params and the TMA descriptors, all (64, D) boxes (the forward's K/V box at D = 256).
@@ -133,21 +172,29 @@ __device__ __forceinline__ void PublishScores(int consumer_threads) {
 // ---------------------------------------------------------------------------------------------
 // dK and dV.
 
-template <int D>
+template <int D, bool kWithDq>
 __global__ void __launch_bounds__(HeadSplitBackwardTraits<D>::kThreads, 1)
     HopperDkDvHeadSplitKernel(const __grid_constant__ HeadSplitBackwardParams<D> p) {
   using Traits = HeadSplitBackwardTraits<D>;
-  using Pipeline = typename Traits::Pipeline;
-  using PipelineState = cutlass::PipelineState<Traits::kStages>;
+  using Config = HeadSplitDkDvConfig<D, kWithDq>;
+  using Pipeline = typename Config::Pipeline;
+  using PipelineState = cutlass::PipelineState<Config::kStages>;
   constexpr int kBM = Traits::kBM;
   constexpr int kBN = Traits::kBN;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  auto& smem = *reinterpret_cast<typename Traits::DkDvSharedStorage*>(smem_raw);
+  auto& smem = *reinterpret_cast<typename Config::SharedStorage*>(smem_raw);
 
   const int warpgroup = threadIdx.x / 128;
   const int tokens = p.tokens;
-  const DkDvUnit<kBM, kBN, 1> unit(p);
+  const DkDvUnit<kBM, kBN, 1> unit = [&] {
+    if constexpr (kWithDq) {
+      const FusedTileOrder order = FusedTileOrder::Of<kBN>(p);
+      return DkDvUnit<kBM, kBN, 1>(p, order.tile, order.hk);
+    } else {
+      return DkDvUnit<kBM, kBN, 1>(p);
+    }
+  }();
   const bool is_prefix = unit.is_prefix;
   const int j0 = unit.j0;
   const int n_iter = (p.q_heads / p.kv_heads) * unit.nq;
@@ -166,15 +213,20 @@ __global__ void __launch_bounds__(HeadSplitBackwardTraits<D>::kThreads, 1)
 
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutOne{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutOne{});
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutRing{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.d_out.data()), typename Traits::SmemLayoutRing{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQdO{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.d_out.data()), typename Config::SmemLayoutQdO{});
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (threadIdx.x != 0) return;
-    ProduceQueryTiles<D, kBM, Traits::kStatFloats>(p, p.tma_q, p.tma_do, unit, sK, sV, sQ, sdO,
-                                                   smem.row_stats.data(), smem.barrier_kv,
-                                                   2 * Traits::kTileBytes, pipeline);
+    if (threadIdx.x == 0) {
+      ProduceQueryTiles<D, kBM, Traits::kStatFloats>(p, p.tma_q, p.tma_do, unit, sK, sV, sQ, sdO,
+                                                     smem.row_stats.data(), smem.barrier_kv,
+                                                     2 * Traits::kTileBytes, pipeline);
+    } else if constexpr (kWithDq) {
+      if (threadIdx.x / 32 == 1) {
+        WriteDqParts<Traits>(p, unit, smem.dq.data(), threadIdx.x % 32);
+      }
+    }
     return;
   }
 
@@ -185,8 +237,8 @@ __global__ void __launch_bounds__(HeadSplitBackwardTraits<D>::kThreads, 1)
   typename Traits::TiledMmaDkv mma_dkv;
   auto thr_sdp = mma_sdp.get_thread_slice(ctid);
   auto thr_dkv = mma_dkv.get_thread_slice(ctid);
-  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutRingT{});
-  Tensor sdOt = make_tensor(make_smem_ptr(smem.d_out.data()), typename Traits::SmemLayoutRingT{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Config::SmemLayoutQdOt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.d_out.data()), typename Config::SmemLayoutQdOt{});
   Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutScores{});
   Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutScores{});
   Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutScoresT{});
@@ -207,6 +259,13 @@ __global__ void __launch_bounds__(HeadSplitBackwardTraits<D>::kThreads, 1)
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBN>, Int<D>>{});
   static_assert(decltype(size(acc_s))::value == kBN / 4, "64 x 32 per warpgroup");
   static_assert(decltype(size(acc_dk))::value == D / 4, "64 x D / 2 per warpgroup");
+  // The single kernel's dQ part (unused without it: no registers).
+  typename Traits::TiledMmaDq mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(ctid);
+  Tensor tDqrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_K, buffers)
+  Tensor tDqrKt = thr_dq.partition_fragment_B(
+      make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutOneT{}))(_, _, _, 0);
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
   Tensor coords_s = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
   Tensor coords_dkv = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<D>>{}));
   const float scale_log2 = p.scale_log2;
@@ -251,9 +310,22 @@ __global__ void __launch_bounds__(HeadSplitBackwardTraits<D>::kThreads, 1)
                     [&](int i) { return acc_s(i) * (acc_dp(i) - rdot[(i >> 1) & 1]); });
     PublishScores(Traits::kConsumerThreads);
     WarpgroupGemm<false, -1>(mma_dkv, tKvrPt(_, _, _, buffer), tKvrdOt(_, _, _, stage), acc_dv);
-    WarpgroupGemm<false, 0>(mma_dkv, tKvrdSt(_, _, _, buffer), tKvrQt(_, _, _, stage), acc_dk);
-    warpgroup_fence_operand(acc_dv);
-    pipeline.consumer_release(read);
+    if constexpr (!kWithDq) {
+      WarpgroupGemm<false, 0>(mma_dkv, tKvrdSt(_, _, _, buffer), tKvrQt(_, _, _, stage), acc_dk);
+      warpgroup_fence_operand(acc_dv);
+      pipeline.consumer_release(read);
+    } else {
+      // dQ's part dS K from the same dS buffer and the unit's K, issued behind dK: once dV and dK
+      // are done the stage goes back to the producer, whose next Q and dO load under dQ's GEMM.
+      WarpgroupGemm<false, -1>(mma_dkv, tKvrdSt(_, _, _, buffer), tKvrQt(_, _, _, stage), acc_dk);
+      WarpgroupGemm<true, 1>(mma_dq, tDqrdS(_, _, _, buffer), tDqrKt, acc_dq);
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      pipeline.consumer_release(read);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dq);
+      HandDqPartToWriter<Traits>(smem.dq.data(), acc_dq, 0, ctid);
+    }
     ++read;
   }
 

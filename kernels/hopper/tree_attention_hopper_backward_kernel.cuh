@@ -32,7 +32,8 @@
 // (C7517), or serialises every GEMM of the loop. The price of determinism is 7 GEMMs per score
 // tile instead of 5 (dQ recomputes S and dP).
 //
-// HopperDkDvKernel<D, true> (opt-in, D = 64 and 128) is FlashAttention-3's single kernel with a
+// HopperDkDvKernel<D, true> (opt-in, D = 64 and 128; D = 256 in the head-split file) is
+// FlashAttention-3's single kernel with a
 // fixed-order dQ reduction: the dK/dV kernel also writes each query tile's dS^T to shared memory,
 // computes dQ's part dS K, and a writer warp adds the parts into a float32 workspace in a fixed
 // order of key tiles (FusedTileOrder, one semaphore per query tile); HopperDqFromPartsKernel then
@@ -128,6 +129,7 @@ struct BackwardTraits {
   // A buffer handed to the writer: the part's two halves of D side by side, or under the key
   // split the two warpgroups' partial parts one after the other.
   static constexpr int kDqBufferFloats = kDqKeySplit ? 2 * kDqPartFloats : kDqPartFloats;
+  static constexpr int kDqBuffers = 2;  // the consumers fill one while the writer adds the other
   // HopperDqFromPartsKernel's CTAs per query tile: one per half of D, or one under the key split.
   static constexpr int kDqFromPartsCtas = kDqKeySplit ? 1 : 2;
 
@@ -146,7 +148,7 @@ struct DkDvConfig {
   using Traits = BackwardTraits<D>;
   static constexpr int kStages = kWithDq ? 2 : 4;
   static constexpr int kDsElements = kWithDq ? cute::cosize_v<typename Traits::SmemLayoutDsT> : 1;
-  static constexpr int kDqFloats = kWithDq ? 2 * Traits::kDqBufferFloats : 4;  // two buffers
+  static constexpr int kDqFloats = kWithDq ? Traits::kDqBuffers * Traits::kDqBufferFloats : 4;
   using SmemLayoutQdO = StagedTiles<Traits::kKvBM, D, kStages>;
   using SmemLayoutQdOt = StagedTilesT<Traits::kKvBM, D, kStages>;  // Q^T and dO^T, B operands
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -655,9 +657,11 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, flo
     }
     __syncwarp();
   };
+  constexpr int kBuffers = Traits::kDqBuffers;
+  static_assert(kBuffers == 1 || kBuffers == 2, "one buffer, or two in turn");
   free_buffer(0);
-  if (n_iter > 1) free_buffer(1);  // no arrival left pending on a barrier at exit
-  int32_t* pending = nullptr;      // the previous tile's semaphore: its sums are still in flight
+  if (kBuffers == 2 && n_iter > 1) free_buffer(1);  // no arrival left pending at exit
+  int32_t* pending = nullptr;  // the previous tile's semaphore: its sums are still in flight
   for (int iter = 0; iter < n_iter; ++iter) {
     const int h = u.hk * group + iter / u.nq;
     const int m = u.q_first + iter % u.nq;
@@ -666,7 +670,8 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, flo
     const int64_t tile = static_cast<int64_t>(h) * m_blocks + m;
     int32_t* semaphore = p.dq_semaphore + tile;
     float* dst = p.dq_accum + tile * kPartFloats;
-    float* part = parts + (iter & 1) * Traits::kDqBufferFloats;
+    const int buffer = iter % kBuffers;
+    float* part = parts + buffer * Traits::kDqBufferFloats;
     if (lane == 0) {
       const uint64_t waiting_since = GlobalTimerNs();
       while (LoadAcquire(semaphore) != before) {
@@ -675,7 +680,7 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, flo
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }
     __syncwarp();
-    NamedBarrier::sync(kDqBarrierThreads, kDqFull + (iter & 1));
+    NamedBarrier::sync(kDqBarrierThreads, kDqFull + buffer);
     if constexpr (kKeySplit) {
       // The second warpgroup's partial part added to the first's (their float2s lie in the same
       // thread order), then handed to the bulk copy, which reads through the async proxy.
@@ -700,16 +705,41 @@ __device__ __forceinline__ void WriteDqParts(const Params& p, const Unit& u, flo
       }
     }
     if (lane == 0) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if constexpr (kBuffers == 1) {
+      // The only buffer serves the next tile once the bulk copies have read it.
+      if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      __syncwarp();
+      if (iter + 1 < n_iter) free_buffer(0);
+    }
     // The previous tile's sums complete while this tile's are in flight (FlashAttention's delayed
     // release: later key tiles reach a query tile at least an iteration after this one under
-    // causal masks); its buffer then serves the next tile.
+    // causal masks); with two buffers, its buffer then serves the next tile.
     if (pending != nullptr) {
       count_in(pending, false);
-      if (iter + 1 < n_iter) free_buffer((iter - 1) & 1);
+      if (kBuffers == 2 && iter + 1 < n_iter) free_buffer((iter - 1) & 1);
     }
     pending = semaphore;
   }
   if (pending != nullptr) count_in(pending, true);
+}
+
+// A consumer thread's share of a query tile's dQ part (acc, its warpgroup's slot: a half of D, or
+// under the key split the warpgroup's partial part) into dQ buffer `buf` of `buffers` once the
+// writer warp has freed it, in thread order (conflict-free; HopperDqFromPartsKernel reads it back
+// in the same order), then handed to the writer.
+template <class Traits, class TA>
+__device__ __forceinline__ void HandDqPartToWriter(float* buffers, const TA& acc, int buf,
+                                                   int ctid) {
+  using cutlass::arch::NamedBarrier;
+  NamedBarrier::sync(kDqBarrierThreads, kDqEmpty + buf);
+  constexpr int kSlotFloats =
+      Traits::kDqKeySplit ? Traits::kDqPartFloats : Traits::kDqPartFloats / 2;
+  float2* part = reinterpret_cast<float2*>(buffers) +
+                 (buf * Traits::kDqBufferFloats + ctid / 128 * kSlotFloats) / 2 + ctid % 128;
+#pragma unroll
+  for (int j = 0; j < size(acc) / 2; ++j) part[j * 128] = make_float2(acc(2 * j), acc(2 * j + 1));
+  cutlass::arch::fence_view_async_shared();
+  NamedBarrier::arrive(kDqBarrierThreads, kDqFull + buf);
 }
 
 // The single kernel's dQ part of one query tile, by both consumer warpgroups once the dK GEMM is
@@ -760,16 +790,7 @@ __device__ __forceinline__ void DqPart(Storage& smem, const TC& coords_st, const
     Tensor t_kt = thr.partition_fragment_B(sKt);
     WarpgroupGemm<true, 0>(mma, t_ds(_, _, _, buf), t_kt(_, _, _, 0), acc);
   }
-  NamedBarrier::sync(kDqBarrierThreads, kDqEmpty + buf);
-  // This warpgroup's slot of the buffer: its half of D, or under the key split its partial part.
-  constexpr int kSlotFloats =
-      Traits::kDqKeySplit ? Traits::kDqPartFloats : Traits::kDqPartFloats / 2;
-  float2* part = reinterpret_cast<float2*>(smem.dq.data()) +
-                 (buf * Traits::kDqBufferFloats + w * kSlotFloats) / 2 + ctid % 128;
-#pragma unroll
-  for (int j = 0; j < size(acc) / 2; ++j) part[j * 128] = make_float2(acc(2 * j), acc(2 * j + 1));
-  cutlass::arch::fence_view_async_shared();
-  NamedBarrier::arrive(kDqBarrierThreads, kDqFull + buf);
+  HandDqPartToWriter<Traits>(smem.dq.data(), acc, buf, ctid);
 }
 
 template <int D, bool kWithDq>
@@ -972,10 +993,10 @@ __global__ void __launch_bounds__(BackwardTraits<D>::kThreads, 1)
 
 // dQ = scale * p.dq_accum in bf16 (the single kernel's epilogue): one CTA of 128 threads per query
 // head, 64-row query tile and half of D (all of D under the key split); thread t reads the float2s
-// it wrote from DqPart's order and finds their rows and columns from the same MMA layout.
-template <int D>
+// it wrote from HandDqPartToWriter's order and finds their rows and columns from the same MMA
+// layout. Traits: BackwardTraits<D>, or HeadSplitBackwardTraits<D> at wide heads.
+template <int D, class Traits>
 __global__ void __launch_bounds__(128) HopperDqFromPartsKernel(const TreeAttentionParams p) {
-  using Traits = BackwardTraits<D>;
   constexpr int kBM = Traits::kKvBM;
   constexpr int kCtas = Traits::kDqFromPartsCtas;
   const int half = static_cast<int>(blockIdx.x % kCtas);

@@ -427,7 +427,7 @@ TEST_F(HopperTreeAttention, EnvironmentSelectsTheKernel) {
     EXPECT_TRUE(internal::UsesHopperForward(shape, q256));
     EXPECT_TRUE(internal::UsesHopperBackward(shape, q256));
     const ScopedEnv on_fused(kFusedEnv, "1");
-    EXPECT_FALSE(internal::UsesHopperFusedBackward(shape, q256));  // the head-split kernels
+    EXPECT_TRUE(internal::UsesHopperFusedBackward(shape, q256));  // the head-split kernel's
     shape.head_dim = 64;  // the warpgroups split the keys there
     EXPECT_TRUE(internal::UsesHopperFusedBackward(shape, q.narrow(2, 0, 64)));
     shape.head_dim = kHeadDim;
