@@ -29,6 +29,7 @@ GPU for numbers (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import re
@@ -118,6 +119,13 @@ def group_advantages(trajectories) -> list[float]:
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1))
         out.append(((t.reward or 0.0) - mean) / (std + 1e-6) if len(rewards) > 1 else 0.0)
     return out
+
+
+def release_memory(device: torch.device) -> None:
+    """Frees what the last method left: unreachable tensors now, then the caching allocator's blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
@@ -296,7 +304,11 @@ def main() -> int:
                     print(f"hf_baseline: {method} cannot run here: {str(e).splitlines()[0]}", file=sys.stderr)
                     continue
                 finally:
+                    # Also after a failure (out of memory: transformers' 8B model on a long rollout):
+                    # the model's memory and what the caching allocator keeps go back before the next
+                    # method, whose cuBLAS handle is allocated outside that cache.
                     del model, run
+                    release_memory(device)
             else:
                 name, options = DTA_METHODS[method]
                 run = lambda: trainer.compute_gradients(trajectories, "grpo", name, **options)  # noqa: E731
@@ -305,8 +317,7 @@ def main() -> int:
                 # and the tokens forwarded (recomputed ones included): beside dta-bench's step.
                 inner = {"executor_seconds": stats.seconds, "forwarded_tokens": stats.forwarded_tokens}
                 profiled = kernel_profile(run, device, args.profile_host, args.profile_top) if profile else None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(device)
             result = {"method": method, "seconds": seconds, "rollout_tokens_per_second": tokens / seconds,
                       "rollout_tokens": tokens, "tree_tokens": tree.tree_tokens, "config": args.config,
                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}

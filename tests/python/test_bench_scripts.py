@@ -77,6 +77,40 @@ def test_hf_baseline_times_transformers_and_dta_on_the_same_batch(tmp_path):
     assert all(abs(r["vs_fastest_dense"] - fastest / r["seconds"]) < 1e-12 for r in records)
 
 
+def test_hf_baseline_frees_a_failed_method_before_the_next(tmp_path, monkeypatch, capsys):
+    """A transformers method that fails (on the GPU: out of memory on a long rollout) is reported and
+    skipped, and its model, with what the failure's traceback held, is freed before the next method
+    runs: the next one (here dta) then gets the memory back instead of failing too."""
+    import weakref
+    batch = shared_prompt_batch(5, 16, [6, 8])
+    rollouts = tmp_path / "rollouts.jsonl"
+    dta.write_jsonl(rollouts, batch)
+    models = []
+
+    def out_of_memory(model, *args):
+        models.append(weakref.ref(model))
+        held = torch.ones(4)  # noqa: F841 - an activation the traceback keeps alive
+        raise RuntimeError("CUDA out of memory. Tried to allocate 48.00 MiB.\nmore")
+
+    alive_at_release = []
+    release = hf_baseline.release_memory
+
+    def recording_release(device):
+        release(device)
+        alive_at_release.append([ref() is not None for ref in models])
+
+    monkeypatch.setattr(hf_baseline, "hf_gradients", out_of_memory)
+    monkeypatch.setattr(hf_baseline, "release_memory", recording_release)
+    monkeypatch.setattr(sys, "argv", ["hf_baseline.py", f"--rollouts={rollouts}", "--device=cpu", "--dtype=float32",
+                                      "--repeats=1", "--methods=hf-sdpa,dta", "--json"])
+    assert hf_baseline.main() == 0
+    out, err = capsys.readouterr()
+    assert "hf_baseline: hf-sdpa cannot run here: CUDA out of memory. Tried to allocate 48.00 MiB." in err
+    assert [json.loads(line)["method"] for line in out.splitlines() if line.startswith("{")] == ["dta"]
+    assert len(models) == 1 and alive_at_release[0] == [False], "the failed method's model outlived it"
+    assert len(alive_at_release) == 2  # after the failure, and after dta
+
+
 def test_hf_baseline_loads_transformers_model_of_the_configs_family(tmp_path):
     """A Llama config runs transformers' LlamaForCausalLM beside dta on the same saved weights
     (transformers' Auto class, from the model_type dta saves), not Qwen3's."""
