@@ -33,14 +33,14 @@
 // tile instead of 5 (dQ recomputes S and dP).
 //
 // HopperDkDvKernel<D, true> (opt-in, D = 64 and 128; D = 256 in the head-split file) is
-// FlashAttention-3's single kernel with a
-// fixed-order dQ reduction: the dK/dV kernel also writes each query tile's dS^T to shared memory,
-// computes dQ's part dS K, and a writer warp adds the parts into a float32 workspace in a fixed
-// order of key tiles (FusedTileOrder, one semaphore per query tile); HopperDqFromPartsKernel then
-// writes dQ. 5 GEMMs per score tile, bitwise deterministic, dK and dV bitwise those of the two
-// kernels; on the H200 still slower than them (docs/benchmarks.md: the warpgroups meet at every
-// tile for dS, and the ordered float32 adds stall them). A writer that waits 30 s for a tile's
-// earlier parts traps (kDqWaitLimitNs): a broken order fails the launch instead of hanging.
+// FlashAttention-3's single kernel with a fixed-order dQ reduction: the dK/dV kernel also writes
+// each query tile's dS^T to shared memory, computes dQ's part dS K, and a writer warp adds the
+// parts into a float32 workspace in a fixed order of key tiles (FusedTileOrder, one semaphore per
+// query tile); HopperDqFromPartsKernel then writes dQ. 5 GEMMs per score tile, bitwise
+// deterministic, dK and dV bitwise those of the two kernels; on the H200 still slower than them
+// (docs/benchmarks.md: the warpgroups meet at every tile for dS, and the ordered float32 adds stall
+// them). A writer that waits 30 s for a tile's earlier parts traps (kDqWaitLimitNs): a broken
+// order fails the launch instead of hanging.
 #ifndef DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 #define DTA_KERNELS_HOPPER_TREE_ATTENTION_HOPPER_BACKWARD_KERNEL_CUH_
 
